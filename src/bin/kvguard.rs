@@ -1,0 +1,2 @@
+//! The `kvguard` command line (replay, audit): see issue 4.
+fn main() {}

@@ -1,0 +1,1 @@
+//! Device-side checks through CUDA (issue 5).

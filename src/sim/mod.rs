@@ -1,0 +1,1 @@
+//! The engine model behind the incident replay (issue 3).

@@ -1,0 +1,330 @@
+//! Request lifecycle on the table: admit, allocate or claim, write, release, fork.
+
+use super::state::{PageState, PrefixRecord, RequestRecord, TableState};
+use super::verify::BlockEntry;
+use crate::error::Error;
+use crate::ids::{Generation, PageId, PageRef, RequestId, TenantId};
+use crate::violation::{Op, Violation, ViolationKind};
+use std::ops::Range;
+use std::sync::atomic::AtomicBool;
+
+/// What a release handed back.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Released {
+    /// The incarnations that ended (pages freed, retired or awaiting a scrub).
+    pub pages: Vec<PageRef>,
+    /// With `scrub_on_release`: the pages the engine must poison or zero, then pass to
+    /// [`OwnershipTable::confirm_scrubbed`](crate::OwnershipTable::confirm_scrubbed); until then
+    /// they are not handed out again. Empty otherwise.
+    pub scrub: Vec<PageRef>,
+}
+
+impl TableState {
+    pub(crate) fn violation(&self, kind: ViolationKind, op: Op, req: RequestId) -> Violation {
+        let tenant = self.requests.get(&req).map(|r| r.tenant);
+        Violation::new(kind, op).with_request(req, tenant)
+    }
+
+    /// A violation about `page`, filled in with what the table knows of it.
+    pub(crate) fn page_violation(&self, kind: ViolationKind, op: Op, req: RequestId, page: PageId) -> Violation {
+        let mut v = self.violation(kind, op, req);
+        match self.tag(page) {
+            None => v = v.with_page(page, None),
+            Some(tag) => {
+                v = v.with_page(page, Some(Generation(tag.generation)));
+                if matches!(tag.state, PageState::Owned | PageState::Shared) {
+                    v = v.with_owner(tag.owner, tag.tenant);
+                }
+                if tag.state == PageState::Shared
+                    && let Some(key) = self.prefix(tag.link).key
+                {
+                    v = v.with_prefix(key);
+                }
+            }
+        }
+        v
+    }
+
+    pub(crate) fn unknown_request(&self, op: Op, req: RequestId) -> Error {
+        let kind = if op == Op::Release && self.ended.contains(req) {
+            ViolationKind::DoubleFree
+        } else {
+            ViolationKind::UnknownRequest
+        };
+        Violation::new(kind, op).with_request(req, None).into()
+    }
+
+    pub(crate) fn record(&self, op: Op, req: RequestId) -> Result<&RequestRecord, Error> {
+        self.requests.get(&req).ok_or_else(|| self.unknown_request(op, req))
+    }
+
+    /// The page exists and is not reserved.
+    fn check_usable(&self, op: Op, req: RequestId, page: PageId) -> Result<PageState, Error> {
+        match self.tag(page) {
+            None => Err(self.page_violation(ViolationKind::PageOutOfRange, op, req, page).into()),
+            Some(t) if t.state == PageState::Reserved => {
+                Err(self.page_violation(ViolationKind::ReservedPage, op, req, page).into())
+            }
+            Some(t) => Ok(t.state),
+        }
+    }
+
+    /// The page is owned exclusively by `req` (for writes, releases, publishing).
+    pub(crate) fn check_owned_by(&self, op: Op, req: RequestId, page: PageId) -> Result<(), Error> {
+        let state = self.check_usable(op, req, page)?;
+        let tag = &self.tags[page.0 as usize];
+        let kind = match state {
+            PageState::Owned if tag.owner == req => return Ok(()),
+            PageState::Owned => ViolationKind::ForeignPage,
+            PageState::Shared => {
+                let held = self.requests.get(&req).is_some_and(|r| r.prefixes.contains(&tag.link));
+                match op {
+                    Op::Write | Op::Import => ViolationKind::WriteToShared,
+                    _ if held => ViolationKind::PageShared,
+                    _ => ViolationKind::ForeignPage,
+                }
+            }
+            _ if op == Op::Release => ViolationKind::DoubleFree,
+            _ => ViolationKind::FreedPage,
+        };
+        Err(self.page_violation(kind, op, req, page).into())
+    }
+
+    pub(crate) fn admit(&mut self, req: RequestId, tenant: TenantId, prompt: u64, max_new: u64) -> Result<(), Error> {
+        if self.requests.contains_key(&req) {
+            return Err(self.violation(ViolationKind::DuplicateRequest, Op::Admit, req).into());
+        }
+        let refuse = |kind, found, limit| -> Error {
+            Violation::new(kind, Op::Admit).with_request(req, Some(tenant)).with_amounts(found, limit).into()
+        };
+        let total = prompt.saturating_add(max_new);
+        if total > self.max_context_tokens {
+            return Err(refuse(ViolationKind::ExceedsMaxContext, total, self.max_context_tokens));
+        }
+        let pages = total.div_ceil(u64::from(self.page_size));
+        let obtainable = self.state_counts[PageState::Free as usize]
+            + self.state_counts[PageState::Owned as usize]
+            + self.state_counts[PageState::Shared as usize]
+            + self.state_counts[PageState::AwaitingScrub as usize];
+        if pages > obtainable {
+            return Err(refuse(ViolationKind::ExceedsPool, pages, obtainable));
+        }
+        self.ended.forget(req);
+        self.requests.insert(
+            req,
+            RequestRecord {
+                tenant,
+                prompt_tokens: prompt,
+                max_new_tokens: max_new,
+                pages: Vec::new(),
+                prefixes: Vec::new(),
+                quarantined: AtomicBool::new(false),
+            },
+        );
+        Ok(())
+    }
+
+    pub(crate) fn allocate_into(&mut self, req: RequestId, n: u32, out: &mut Vec<PageRef>) -> Result<(), Error> {
+        self.record(Op::Allocate, req)?;
+        if n as usize > self.free.len() {
+            return Err(Error::OutOfPages { requested: u64::from(n), free: self.free.len() as u64 });
+        }
+        out.reserve(n as usize);
+        for _ in 0..n {
+            let page = *self.free.last().expect("checked: enough free pages");
+            self.take_free_page(page, req);
+            out.push(self.page_ref(page));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn claim(&mut self, req: RequestId, pages: &[PageId]) -> Result<Vec<PageRef>, Error> {
+        self.record(Op::Claim, req)?;
+        for (i, &page) in pages.iter().enumerate() {
+            let state = self.check_usable(Op::Claim, req, page)?;
+            if state != PageState::Free || pages[..i].contains(&page) {
+                return Err(self.page_violation(ViolationKind::PageNotFree, Op::Claim, req, page).into());
+            }
+        }
+        let mut refs = Vec::with_capacity(pages.len());
+        for &page in pages {
+            self.take_free_page(page, req);
+            refs.push(self.page_ref(page));
+        }
+        Ok(refs)
+    }
+
+    fn check_slots(&self, op: Op, req: RequestId, page: PageId, slots: &Range<u32>) -> Result<(), Error> {
+        if slots.start > slots.end || slots.end > self.page_size {
+            let v =
+                self.page_violation(ViolationKind::SlotOutOfRange, op, req, page).with_slots(slots.start, slots.end);
+            return Err(v.into());
+        }
+        Ok(())
+    }
+
+    pub(crate) fn record_write(&mut self, req: RequestId, page: PageId, slots: Range<u32>) -> Result<(), Error> {
+        self.record(Op::Write, req)?;
+        self.check_owned_by(Op::Write, req, page)?;
+        self.check_slots(Op::Write, req, page, &slots)?;
+        self.mark_written(page, slots.start, slots.end);
+        Ok(())
+    }
+
+    /// Splits tokens `range` of a request's sequence over its block table: `(block, page, slots)`.
+    fn token_spans<'a, E: BlockEntry>(
+        &self,
+        op: Op,
+        req: RequestId,
+        block_table: &'a [E],
+        range: Range<u64>,
+    ) -> Result<impl Iterator<Item = (usize, E, Range<u32>)> + 'a, Error> {
+        let ps = u64::from(self.page_size);
+        let covered = (block_table.len() as u64).saturating_mul(ps);
+        if range.start > range.end || range.end > covered {
+            let v = self
+                .violation(ViolationKind::BlockTableTooShort, op, req)
+                .with_amounts(range.end.max(range.start), covered);
+            return Err(v.into());
+        }
+        let first = (range.start / ps) as usize;
+        let last = range.end.div_ceil(ps) as usize;
+        Ok((first..last).map(move |b| {
+            let page_start = b as u64 * ps;
+            let a = range.start.max(page_start) - page_start;
+            let e = range.end.min(page_start + ps) - page_start;
+            (b, block_table[b], a as u32..e as u32)
+        }))
+    }
+
+    pub(crate) fn record_write_tokens<E: BlockEntry>(
+        &mut self,
+        op: Op,
+        req: RequestId,
+        block_table: &[E],
+        tokens: Range<u64>,
+    ) -> Result<(), Error> {
+        self.record(op, req)?;
+        for (b, entry, _) in self.token_spans(op, req, block_table, tokens.clone())? {
+            let page = entry.page();
+            let at_block = |e: Error| match e {
+                Error::Violation(v) => Error::Violation(v.with_block_index(b as u32)),
+                other => other,
+            };
+            self.check_owned_by(op, req, page).map_err(at_block)?;
+            if let Some(g) = entry.generation()
+                && g.0 != self.tags[page.0 as usize].generation
+            {
+                let v = self.page_violation(ViolationKind::StalePage, op, req, page).with_expected_generation(g);
+                return Err(at_block(v.into()));
+            }
+        }
+        let spans: Vec<_> = self.token_spans(op, req, block_table, tokens)?.collect();
+        for (_, entry, slots) in spans {
+            self.mark_written(entry.page(), slots.start, slots.end);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn release(&mut self, req: RequestId) -> Result<Released, Error> {
+        let Some(rec) = self.requests.remove(&req) else {
+            return Err(self.unknown_request(Op::Release, req));
+        };
+        let mut released = Released::default();
+        for page in rec.pages {
+            released.pages.push(self.end_incarnation(page, &mut released.scrub));
+        }
+        for slot in rec.prefixes {
+            self.drop_hold(slot, &mut released);
+        }
+        self.ended.insert(req);
+        Ok(released)
+    }
+
+    /// Releases the pages and prefix holds of `req` but keeps it admitted (recompute preemption).
+    pub(crate) fn preempt(&mut self, req: RequestId) -> Result<Released, Error> {
+        let rec = self.requests.get_mut(&req).ok_or_else(|| {
+            Error::from(Violation::new(ViolationKind::UnknownRequest, Op::Release).with_request(req, None))
+        })?;
+        let pages = std::mem::take(&mut rec.pages);
+        let prefixes = std::mem::take(&mut rec.prefixes);
+        rec.quarantined = AtomicBool::new(false);
+        let mut released = Released::default();
+        for page in pages {
+            released.pages.push(self.end_incarnation(page, &mut released.scrub));
+        }
+        for slot in prefixes {
+            self.drop_hold(slot, &mut released);
+        }
+        Ok(released)
+    }
+
+    pub(crate) fn release_pages(&mut self, req: RequestId, pages: &[PageId]) -> Result<Released, Error> {
+        self.record(Op::Release, req)?;
+        for (i, &page) in pages.iter().enumerate() {
+            self.check_owned_by(Op::Release, req, page)?;
+            if pages[..i].contains(&page) {
+                return Err(self.page_violation(ViolationKind::DoubleFree, Op::Release, req, page).into());
+            }
+        }
+        let mut released = Released::default();
+        for &page in pages {
+            self.detach_from_owner(page);
+            released.pages.push(self.end_incarnation(page, &mut released.scrub));
+        }
+        Ok(released)
+    }
+
+    pub(crate) fn confirm_scrubbed(&mut self, refs: &[PageRef]) -> Result<(), Error> {
+        for (i, r) in refs.iter().enumerate() {
+            let awaiting = self.tag(r.page).is_some_and(|t| {
+                t.state == PageState::AwaitingScrub && Some(t.generation) == r.generation.0.checked_add(1)
+            });
+            if !awaiting || refs[..i].contains(r) {
+                return Err(Error::NotAwaitingScrub(*r));
+            }
+        }
+        for r in refs {
+            self.push_free(r.page);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn fork(&mut self, parent: RequestId, child: RequestId) -> Result<(), Error> {
+        self.record(Op::Fork, parent)?;
+        if self.requests.contains_key(&child) {
+            return Err(self.violation(ViolationKind::DuplicateRequest, Op::Fork, child).into());
+        }
+        let rec = self.requests.get_mut(&parent).expect("checked above");
+        let (tenant, prompt, max_new) = (rec.tenant, rec.prompt_tokens, rec.max_new_tokens);
+        let pages = std::mem::take(&mut rec.pages);
+        let mut held = rec.prefixes.clone();
+        if !pages.is_empty() {
+            let slot =
+                self.new_prefix(PrefixRecord { key: None, tenant, publisher: parent, pages: Vec::new(), holders: 1 });
+            for &page in &pages {
+                self.tags[page.0 as usize].link = slot;
+                self.set_state(page, PageState::Shared);
+            }
+            self.prefix_mut(slot).pages = pages;
+            self.requests.get_mut(&parent).expect("checked above").prefixes.push(slot);
+            held.push(slot);
+        }
+        for &slot in &held {
+            self.prefix_mut(slot).holders += 1;
+        }
+        self.ended.forget(child);
+        self.requests.insert(
+            child,
+            RequestRecord {
+                tenant,
+                prompt_tokens: prompt,
+                max_new_tokens: max_new,
+                pages: Vec::new(),
+                prefixes: held,
+                quarantined: AtomicBool::new(false),
+            },
+        );
+        Ok(())
+    }
+}

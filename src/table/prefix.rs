@@ -1,0 +1,134 @@
+//! Prefixes: pages published read-only under a key and held by the requests that reuse them.
+//!
+//! A fork is a prefix too: the parent's pages become an anonymous prefix held by parent and child,
+//! which goes back to the pool when its last holder is released.
+
+use super::lifecycle::Released;
+use super::state::{PageState, PrefixRecord, TableState};
+use crate::error::Error;
+use crate::ids::{PageId, PageRef, PrefixKey, RequestId};
+use crate::violation::{Op, Violation, ViolationKind};
+
+impl TableState {
+    pub(crate) fn new_prefix(&mut self, record: PrefixRecord) -> u32 {
+        match self.prefix_free_slots.pop() {
+            Some(slot) => {
+                self.prefixes[slot as usize] = Some(record);
+                slot
+            }
+            None => {
+                self.prefixes.push(Some(record));
+                (self.prefixes.len() - 1) as u32
+            }
+        }
+    }
+
+    /// Frees a prefix's pages and its slot.
+    fn drop_prefix(&mut self, slot: u32, released: &mut Released) {
+        let record = self.prefixes[slot as usize].take().expect("live prefix slots are Some");
+        if let Some(key) = record.key {
+            self.prefix_keys.remove(&key);
+        }
+        for page in record.pages {
+            released.pages.push(self.end_incarnation(page, &mut released.scrub));
+        }
+        self.prefix_free_slots.push(slot);
+    }
+
+    /// One holder lets go; an anonymous (fork) prefix goes with its last holder.
+    pub(crate) fn drop_hold(&mut self, slot: u32, released: &mut Released) {
+        let prefix = self.prefix_mut(slot);
+        prefix.holders -= 1;
+        if prefix.holders == 0 && prefix.key.is_none() {
+            self.drop_prefix(slot, released);
+        }
+    }
+
+    fn prefix_slot(&self, op: Op, req: Option<RequestId>, key: PrefixKey) -> Result<u32, Error> {
+        self.prefix_keys.get(&key).copied().ok_or_else(|| {
+            let mut v = Violation::new(ViolationKind::UnknownPrefix, op).with_prefix(key);
+            if let Some(r) = req {
+                v = v.with_request(r, self.requests.get(&r).map(|r| r.tenant));
+            }
+            v.into()
+        })
+    }
+
+    pub(crate) fn publish(&mut self, req: RequestId, key: PrefixKey, pages: &[PageId]) -> Result<(), Error> {
+        let tenant = self.record(Op::Publish, req)?.tenant;
+        if self.prefix_keys.contains_key(&key) {
+            return Err(self.violation(ViolationKind::DuplicatePrefix, Op::Publish, req).with_prefix(key).into());
+        }
+        for &page in pages {
+            self.check_owned_by(Op::Publish, req, page)?;
+        }
+        let mut distinct = pages.to_vec();
+        distinct.sort_unstable();
+        distinct.dedup();
+        let slot =
+            self.new_prefix(PrefixRecord { key: Some(key), tenant, publisher: req, pages: Vec::new(), holders: 1 });
+        for &page in &distinct {
+            self.detach_from_owner(page);
+            self.tags[page.0 as usize].link = slot;
+            self.set_state(page, PageState::Shared);
+        }
+        // Keep the caller's order for `attach` to hand back.
+        let mut ordered = Vec::with_capacity(distinct.len());
+        for &page in pages {
+            if !ordered.contains(&page) {
+                ordered.push(page);
+            }
+        }
+        self.prefix_mut(slot).pages = ordered;
+        self.prefix_keys.insert(key, slot);
+        self.requests.get_mut(&req).expect("checked above").prefixes.push(slot);
+        Ok(())
+    }
+
+    pub(crate) fn attach(&mut self, req: RequestId, key: PrefixKey) -> Result<Vec<PageRef>, Error> {
+        let tenant = self.record(Op::Attach, req)?.tenant;
+        let slot = self.prefix_slot(Op::Attach, Some(req), key)?;
+        let prefix = self.prefix(slot);
+        if prefix.tenant != tenant && !self.sharing_tenants.contains(&prefix.tenant) {
+            let v = self
+                .violation(ViolationKind::CrossTenantShare, Op::Attach, req)
+                .with_owner(prefix.publisher, prefix.tenant)
+                .with_prefix(key);
+            return Err(v.into());
+        }
+        let rec = self.requests.get_mut(&req).expect("checked above");
+        if !rec.prefixes.contains(&slot) {
+            rec.prefixes.push(slot);
+            self.prefix_mut(slot).holders += 1;
+        }
+        Ok(self.prefix(slot).pages.iter().map(|&p| self.page_ref(p)).collect())
+    }
+
+    pub(crate) fn detach(&mut self, req: RequestId, key: PrefixKey) -> Result<Released, Error> {
+        self.record(Op::Attach, req)?;
+        let slot = self.prefix_slot(Op::Attach, Some(req), key)?;
+        let rec = self.requests.get_mut(&req).expect("checked above");
+        let Some(pos) = rec.prefixes.iter().position(|&s| s == slot) else {
+            return Err(self.violation(ViolationKind::UnknownPrefix, Op::Attach, req).with_prefix(key).into());
+        };
+        rec.prefixes.swap_remove(pos);
+        let mut released = Released::default();
+        self.drop_hold(slot, &mut released);
+        Ok(released)
+    }
+
+    pub(crate) fn evict(&mut self, key: PrefixKey) -> Result<Released, Error> {
+        let slot = self.prefix_slot(Op::Evict, None, key)?;
+        let prefix = self.prefix(slot);
+        if prefix.holders > 0 {
+            let v = Violation::new(ViolationKind::EvictInUse, Op::Evict)
+                .with_owner(prefix.publisher, prefix.tenant)
+                .with_prefix(key)
+                .with_amounts(u64::from(prefix.holders), 0);
+            return Err(v.into());
+        }
+        let mut released = Released::default();
+        self.drop_prefix(slot, &mut released);
+        Ok(released)
+    }
+}

@@ -1,0 +1,315 @@
+//! The table's data: one tag per page, a coverage bitmap, the free list, requests and prefixes.
+//!
+//! Everything here runs under the table's lock; nothing here knows about policy or threads.
+
+use crate::config::PoolConfig;
+use crate::error::Error;
+use crate::ids::{Generation, PageId, PageRef, PrefixKey, RequestId, TenantId};
+use bitvec::prelude::{BitVec, Lsb0};
+use serde::{Deserialize, Serialize};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::AtomicBool;
+
+/// Where a page is in its life.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[repr(u8)]
+pub enum PageState {
+    /// In the free list (or free in shadow mode): nobody may read or write it.
+    Free = 0,
+    /// Owned by one request, which alone may write and read it.
+    Owned = 1,
+    /// Part of a read-only prefix: readable by the requests that hold it, writable by none.
+    Shared = 2,
+    /// Never allocatable, never readable (null/padding page).
+    Reserved = 3,
+    /// Its generation reached the limit: never handed out again.
+    Retired = 4,
+    /// Released, waiting for the engine to confirm it was poisoned or zeroed.
+    AwaitingScrub = 5,
+}
+
+impl PageState {
+    pub(crate) const COUNT: usize = 6;
+}
+
+/// One page's tag: 32 bytes, plus `page_size` bits of coverage elsewhere.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PageTag {
+    /// Owned: the owner. Shared: the publisher. Free: the last owner (for diagnosis only).
+    pub owner: RequestId,
+    pub tenant: TenantId,
+    pub generation: u32,
+    /// Slots `0..written` are all written by the current incarnation (the coverage watermark).
+    pub written: u32,
+    /// Owned: index in the owner's page list. Free: index in the free list. Shared: prefix slot.
+    pub link: u32,
+    pub state: PageState,
+    /// Listed in `changed` since the last `take_changed`.
+    pub changed: bool,
+}
+
+pub(crate) struct RequestRecord {
+    pub tenant: TenantId,
+    pub prompt_tokens: u64,
+    pub max_new_tokens: u64,
+    /// Pages this request owns exclusively; `tags[p].link` is the index here.
+    pub pages: Vec<PageId>,
+    /// Prefix slots this request holds.
+    pub prefixes: Vec<u32>,
+    /// Set by an enforced violation; checked by every read. Atomic so readers can set it under
+    /// the shared lock.
+    pub quarantined: AtomicBool,
+}
+
+pub(crate) struct PrefixRecord {
+    /// `None` for the anonymous prefix a fork creates; it goes when its last holder does.
+    pub key: Option<PrefixKey>,
+    pub tenant: TenantId,
+    pub publisher: RequestId,
+    pub pages: Vec<PageId>,
+    pub holders: u32,
+}
+
+/// The most ended request ids remembered to tell a double free from an unknown request.
+pub(crate) const ENDED_MEMORY: usize = 1 << 16;
+
+/// A bounded memory of recently ended requests.
+#[derive(Default)]
+pub(crate) struct RecentlyEnded {
+    set: HashSet<RequestId>,
+    order: VecDeque<RequestId>,
+}
+
+impl RecentlyEnded {
+    pub fn insert(&mut self, req: RequestId) {
+        if self.set.insert(req) {
+            self.order.push_back(req);
+            if self.order.len() > ENDED_MEMORY
+                && let Some(old) = self.order.pop_front()
+            {
+                self.set.remove(&old);
+            }
+        }
+    }
+    pub fn contains(&self, req: RequestId) -> bool {
+        self.set.contains(&req)
+    }
+    pub fn forget(&mut self, req: RequestId) {
+        if self.set.remove(&req) {
+            self.order.retain(|&r| r != req);
+        }
+    }
+}
+
+pub(crate) struct TableState {
+    pub page_size: u32,
+    pub max_context_tokens: u64,
+    pub generation_limit: u32,
+    pub scrub_on_release: bool,
+    pub tags: Vec<PageTag>,
+    pub coverage: BitVec<u64, Lsb0>,
+    pub free: Vec<PageId>,
+    pub requests: HashMap<RequestId, RequestRecord>,
+    pub ended: RecentlyEnded,
+    pub prefixes: Vec<Option<PrefixRecord>>,
+    pub prefix_free_slots: Vec<u32>,
+    pub prefix_keys: HashMap<PrefixKey, u32>,
+    pub sharing_tenants: HashSet<TenantId>,
+    pub state_counts: [u64; PageState::COUNT],
+    pub changed: Vec<PageId>,
+}
+
+impl TableState {
+    /// Builds the tags for a validated config, failing cleanly if memory runs out.
+    pub fn new(config: &PoolConfig) -> Result<TableState, Error> {
+        let n = config.num_pages as usize;
+        let oom = || Error::OutOfMemory { pages: config.num_pages };
+        let mut tags = Vec::new();
+        tags.try_reserve_exact(n).map_err(|_| oom())?;
+        let slots = n * config.page_size as usize;
+        let mut words: Vec<u64> = Vec::new();
+        words.try_reserve_exact(slots.div_ceil(64)).map_err(|_| oom())?;
+        words.resize(slots.div_ceil(64), 0);
+        let mut coverage = BitVec::from_vec(words);
+        coverage.truncate(slots);
+        let mut free = Vec::new();
+        free.try_reserve_exact(n).map_err(|_| oom())?;
+
+        let mut state_counts = [0u64; PageState::COUNT];
+        for p in 0..config.num_pages {
+            let reserved = config.reserved.binary_search(&PageId(p)).is_ok();
+            let state = if reserved { PageState::Reserved } else { PageState::Free };
+            state_counts[state as usize] += 1;
+            tags.push(PageTag {
+                owner: RequestId(0),
+                tenant: TenantId(0),
+                generation: Generation::FIRST.0,
+                written: 0,
+                link: 0,
+                state,
+                changed: false,
+            });
+        }
+        // Lowest ids on top of the stack, so a fresh pool hands out pages in id order.
+        for p in (0..config.num_pages).rev() {
+            if tags[p as usize].state == PageState::Free {
+                tags[p as usize].link = free.len() as u32;
+                free.push(PageId(p));
+            }
+        }
+        Ok(TableState {
+            page_size: config.page_size,
+            max_context_tokens: config.max_context_tokens,
+            generation_limit: config.generation_limit,
+            scrub_on_release: config.scrub_on_release,
+            tags,
+            coverage,
+            free,
+            requests: HashMap::new(),
+            ended: RecentlyEnded::default(),
+            prefixes: Vec::new(),
+            prefix_free_slots: Vec::new(),
+            prefix_keys: HashMap::new(),
+            sharing_tenants: HashSet::new(),
+            state_counts,
+            changed: Vec::new(),
+        })
+    }
+
+    pub fn tag(&self, page: PageId) -> Option<&PageTag> {
+        self.tags.get(page.0 as usize)
+    }
+
+    pub fn page_ref(&self, page: PageId) -> PageRef {
+        PageRef { page, generation: Generation(self.tags[page.0 as usize].generation) }
+    }
+
+    fn mark_changed(&mut self, page: PageId) {
+        let tag = &mut self.tags[page.0 as usize];
+        if !tag.changed {
+            tag.changed = true;
+            self.changed.push(page);
+        }
+    }
+
+    pub fn set_state(&mut self, page: PageId, state: PageState) {
+        let tag = &mut self.tags[page.0 as usize];
+        self.state_counts[tag.state as usize] -= 1;
+        self.state_counts[state as usize] += 1;
+        tag.state = state;
+        self.mark_changed(page);
+    }
+
+    /// Takes a page off the free list (it must be free) and gives it to `req`'s page list.
+    pub fn take_free_page(&mut self, page: PageId, req: RequestId) {
+        let idx = self.tags[page.0 as usize].link as usize;
+        debug_assert_eq!(self.free[idx], page);
+        self.free.swap_remove(idx);
+        if let Some(&moved) = self.free.get(idx) {
+            self.tags[moved.0 as usize].link = idx as u32;
+        }
+        self.give_page(page, req);
+    }
+
+    /// Makes `page` owned by `req`, appended to its page list.
+    fn give_page(&mut self, page: PageId, req: RequestId) {
+        let rec = self.requests.get_mut(&req).expect("callers check the request is admitted");
+        let tag = &mut self.tags[page.0 as usize];
+        tag.owner = req;
+        tag.tenant = rec.tenant;
+        tag.written = 0;
+        tag.link = rec.pages.len() as u32;
+        rec.pages.push(page);
+        self.set_state(page, PageState::Owned);
+    }
+
+    /// Removes an owned page from its owner's page list (the caller changes its state next).
+    pub fn detach_from_owner(&mut self, page: PageId) {
+        let tag = self.tags[page.0 as usize];
+        let rec = self.requests.get_mut(&tag.owner).expect("an owned page's owner is admitted");
+        let idx = tag.link as usize;
+        rec.pages.swap_remove(idx);
+        if let Some(&moved) = rec.pages.get(idx) {
+            self.tags[moved.0 as usize].link = idx as u32;
+        }
+    }
+
+    /// Ends a page's incarnation: coverage cleared, generation bumped (or the page retired), and
+    /// the page returned to the free list or held for a scrub. Returns the ended incarnation.
+    pub fn end_incarnation(&mut self, page: PageId, scrub: &mut Vec<PageRef>) -> PageRef {
+        let ended = self.page_ref(page);
+        let ps = self.page_size as usize;
+        let base = page.0 as usize * ps;
+        self.coverage[base..base + ps].fill(false);
+        let tag = &mut self.tags[page.0 as usize];
+        tag.written = 0;
+        if tag.generation >= self.generation_limit {
+            self.set_state(page, PageState::Retired);
+        } else {
+            tag.generation += 1;
+            if self.scrub_on_release {
+                self.set_state(page, PageState::AwaitingScrub);
+                scrub.push(ended);
+            } else {
+                self.push_free(page);
+            }
+        }
+        ended
+    }
+
+    pub fn push_free(&mut self, page: PageId) {
+        self.tags[page.0 as usize].link = self.free.len() as u32;
+        self.free.push(page);
+        self.set_state(page, PageState::Free);
+    }
+
+    /// Records slots `a..b` of `page` as written and advances the watermark.
+    pub fn mark_written(&mut self, page: PageId, a: u32, b: u32) {
+        if a == b {
+            return;
+        }
+        let ps = self.page_size as usize;
+        let base = page.0 as usize * ps;
+        self.coverage[base + a as usize..base + b as usize].fill(true);
+        let tag = &mut self.tags[page.0 as usize];
+        if a <= tag.written && b > tag.written {
+            let rest = &self.coverage[base + b as usize..base + ps];
+            tag.written = b + rest.first_zero().unwrap_or(rest.len()) as u32;
+        }
+        self.mark_changed(page);
+    }
+
+    /// The first run of unwritten slots in `0..need` of `page`, given `written < need`.
+    pub fn unwritten_run(&self, page: PageId, need: u32) -> (u32, u32) {
+        let tag = &self.tags[page.0 as usize];
+        let base = page.0 as usize * self.page_size as usize;
+        let start = tag.written;
+        let gap = &self.coverage[base + start as usize..base + need as usize];
+        let end = start + gap.first_one().unwrap_or(gap.len()) as u32;
+        (start, end)
+    }
+
+    /// Slots of `page` its current incarnation wrote.
+    pub fn written_slots(&self, page: PageId) -> u32 {
+        let ps = self.page_size as usize;
+        let base = page.0 as usize * ps;
+        self.coverage[base..base + ps].count_ones() as u32
+    }
+
+    pub fn prefix(&self, slot: u32) -> &PrefixRecord {
+        self.prefixes[slot as usize].as_ref().expect("live prefix slots are Some")
+    }
+
+    pub fn prefix_mut(&mut self, slot: u32) -> &mut PrefixRecord {
+        self.prefixes[slot as usize].as_mut().expect("live prefix slots are Some")
+    }
+
+    pub fn take_changed(&mut self) -> Vec<PageId> {
+        let changed = std::mem::take(&mut self.changed);
+        for p in &changed {
+            self.tags[p.0 as usize].changed = false;
+        }
+        changed
+    }
+}

@@ -1,0 +1,1 @@
+//! Traces of an engine's ownership events, replayed offline (issue 4).
