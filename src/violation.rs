@@ -88,6 +88,22 @@ violation_kinds! {
     BlockTableTooShort => "block_table_too_short",
     /// A release or publish of a page that belongs to a shared prefix (drop the hold instead).
     PageShared => "page_shared",
+    /// A KV transfer whose manifest names another request, tenant or sender than the receiver expects.
+    TransferMisrouted => "transfer_misrouted",
+    /// A KV transfer whose manifest names other pages, page size or slot size than the receiver offered.
+    TransferPagesMismatch => "transfer_pages_mismatch",
+    /// A KV transfer of a prompt whose digest differs from the prompt the receiver holds.
+    PromptDigestMismatch => "prompt_digest_mismatch",
+    /// A transferred page whose bytes do not match the manifest's CRC32.
+    PageChecksumMismatch => "page_checksum_mismatch",
+    /// A transferred page of another length than its token count implies (truncated or padded).
+    PageLengthMismatch => "page_length_mismatch",
+    /// A transfer manifest with a missing (zero) page checksum: a failure, never a pass.
+    MissingChecksum => "missing_checksum",
+    /// Transfer manifest bytes that do not decode (truncated, corrupt, wrong magic or version).
+    ManifestCorrupt => "manifest_corrupt",
+    /// A KV slot whose canary does not bind it to the reading request's page incarnation and slot.
+    CanaryMismatch => "canary_mismatch",
 }
 
 /// What the table does when it sees a violation.

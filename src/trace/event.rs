@@ -1,0 +1,217 @@
+//! The v1 events: what an engine's scheduler did to its KV pool, one JSON object per line.
+
+use crate::ids::{PageId, RequestId};
+use serde::Serialize;
+use std::borrow::Cow;
+use std::fmt;
+
+/// One v1 trace event, borrowing its strings and page lists (from a parsed line, or from the
+/// engine's own buffers when recording).
+///
+/// Serializes to exactly one v1 line (`ev` first):
+/// ```
+/// use kvguard::trace::Event;
+/// use kvguard::{PageId, RequestId};
+/// let ev = Event::Alloc { req: RequestId(7), pages: vec![PageId(3), PageId(4)].into() };
+/// assert_eq!(serde_json::to_string(&ev)?, r#"{"ev":"alloc","req":7,"pages":[3,4]}"#);
+/// # Ok::<(), serde_json::Error>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(tag = "ev", rename_all = "snake_case")]
+pub enum Event<'a> {
+    /// The pool: first event, exactly once.
+    Pool {
+        /// Pages in the pool, ids `0..pages`.
+        pages: u32,
+        /// Token slots per page.
+        page_size: u32,
+        /// The most tokens one request may have.
+        max_context: u64,
+        /// Pages never allocated and never readable (the null page).
+        #[serde(skip_serializing_if = "<[PageId]>::is_empty")]
+        reserved: Cow<'a, [PageId]>,
+    },
+    /// A request starts.
+    Admit {
+        /// The request.
+        req: RequestId,
+        /// Whose data it is.
+        tenant: Cow<'a, str>,
+        /// Prompt tokens.
+        prompt: u64,
+        /// New tokens it may generate.
+        max_new: u64,
+    },
+    /// The engine gave `req` these pages, appended to its block table.
+    Alloc {
+        /// The request.
+        req: RequestId,
+        /// The pages.
+        pages: Cow<'a, [PageId]>,
+    },
+    /// `req`'s KV store wrote slots `slots[0]..slots[1]` of `page`.
+    Write {
+        /// The request.
+        req: RequestId,
+        /// The page.
+        page: PageId,
+        /// Half-open slot range `[a,b]`.
+        slots: [u32; 2],
+    },
+    /// `req`'s attention read its first `tokens` tokens through `pages`, in order.
+    Read {
+        /// The request.
+        req: RequestId,
+        /// Its block table.
+        pages: Cow<'a, [PageId]>,
+        /// Tokens read.
+        tokens: u64,
+    },
+    /// `req` ended (no `pages`), or released just `pages`.
+    Free {
+        /// The request.
+        req: RequestId,
+        /// The pages released, or `None` when the request ended.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pages: Option<Cow<'a, [PageId]>>,
+    },
+    /// `req`'s `pages` become the read-only prefix `key`, which `req` holds.
+    Share {
+        /// The request.
+        req: RequestId,
+        /// The prefix key.
+        key: Cow<'a, str>,
+        /// The pages.
+        pages: Cow<'a, [PageId]>,
+    },
+    /// `req` holds prefix `key` and may read its pages.
+    Attach {
+        /// The request.
+        req: RequestId,
+        /// The prefix key.
+        key: Cow<'a, str>,
+    },
+    /// The cache drops prefix `key`.
+    Evict {
+        /// The prefix key.
+        key: Cow<'a, str>,
+    },
+    /// A KV transfer wrote `tokens` tokens into `req`'s `pages`, which expected `expect`.
+    Import {
+        /// The request.
+        req: RequestId,
+        /// The pages, filled from the first slot of the first page.
+        pages: Cow<'a, [PageId]>,
+        /// Tokens the transfer carried.
+        tokens: u64,
+        /// Tokens `req` expected.
+        expect: u64,
+    },
+    /// `child` is admitted for `req`'s tenant, holding `req`'s pages read-only.
+    Fork {
+        /// The parent.
+        req: RequestId,
+        /// The child.
+        child: RequestId,
+    },
+}
+
+impl Event<'_> {
+    /// Which event this is.
+    pub fn kind(&self) -> EventKind {
+        match self {
+            Event::Pool { .. } => EventKind::Pool,
+            Event::Admit { .. } => EventKind::Admit,
+            Event::Alloc { .. } => EventKind::Alloc,
+            Event::Write { .. } => EventKind::Write,
+            Event::Read { .. } => EventKind::Read,
+            Event::Free { .. } => EventKind::Free,
+            Event::Share { .. } => EventKind::Share,
+            Event::Attach { .. } => EventKind::Attach,
+            Event::Evict { .. } => EventKind::Evict,
+            Event::Import { .. } => EventKind::Import,
+            Event::Fork { .. } => EventKind::Fork,
+        }
+    }
+
+    /// The prefix key the event names, if any.
+    pub fn key(&self) -> Option<&str> {
+        match self {
+            Event::Share { key, .. } | Event::Attach { key, .. } | Event::Evict { key } => Some(key),
+            _ => None,
+        }
+    }
+}
+
+/// The name of a v1 event (the `ev` field).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+#[non_exhaustive]
+pub enum EventKind {
+    /// `pool`
+    Pool,
+    /// `admit`
+    Admit,
+    /// `alloc`
+    Alloc,
+    /// `write`
+    Write,
+    /// `read`
+    Read,
+    /// `free`
+    Free,
+    /// `share`
+    Share,
+    /// `attach`
+    Attach,
+    /// `evict`
+    Evict,
+    /// `import`
+    Import,
+    /// `fork`
+    Fork,
+}
+
+impl EventKind {
+    /// Every event, in the order the format lists them.
+    pub const ALL: &'static [EventKind] = &[
+        EventKind::Pool,
+        EventKind::Admit,
+        EventKind::Alloc,
+        EventKind::Write,
+        EventKind::Read,
+        EventKind::Free,
+        EventKind::Share,
+        EventKind::Attach,
+        EventKind::Evict,
+        EventKind::Import,
+        EventKind::Fork,
+    ];
+
+    /// The `ev` string.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventKind::Pool => "pool",
+            EventKind::Admit => "admit",
+            EventKind::Alloc => "alloc",
+            EventKind::Write => "write",
+            EventKind::Read => "read",
+            EventKind::Free => "free",
+            EventKind::Share => "share",
+            EventKind::Attach => "attach",
+            EventKind::Evict => "evict",
+            EventKind::Import => "import",
+            EventKind::Fork => "fork",
+        }
+    }
+
+    /// The event named `name`, if v1 has one.
+    pub fn from_name(name: &str) -> Option<EventKind> {
+        EventKind::ALL.iter().copied().find(|k| k.as_str() == name)
+    }
+}
+
+impl fmt::Display for EventKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}

@@ -1,0 +1,517 @@
+//! The v1 line parser.
+//!
+//! A line is read in one pass into [`RawEvent`]: every known field is taken whatever its JSON type
+//! (so an event ignores the fields it does not use, as the format says), page lists go into
+//! buffers reused from line to line, and nothing is allocated for strings without escapes. Then
+//! [`RawEvent::event`] checks the fields the event needs and builds an [`Event`] borrowing them.
+
+use super::error::{Found, ReplayErrorKind};
+use super::event::{Event, EventKind};
+use crate::ids::{PageId, RequestId};
+use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use std::borrow::Cow;
+use std::fmt;
+
+macro_rules! fields {
+    ($($variant:ident => $name:literal,)*) => {
+        /// The field names v1 knows.
+        #[derive(Clone, Copy, PartialEq, Eq, Debug)]
+        enum Field { $($variant,)* Other }
+
+        impl Field {
+            const COUNT: usize = [$($name,)*].len();
+
+            fn from_name(name: &str) -> Field {
+                match name { $($name => Field::$variant,)* _ => Field::Other }
+            }
+
+            fn name(self) -> &'static str {
+                match self { $(Field::$variant => $name,)* Field::Other => "?" }
+            }
+        }
+    };
+}
+
+fields! {
+    Ev => "ev",
+    Req => "req",
+    Tenant => "tenant",
+    Prompt => "prompt",
+    MaxNew => "max_new",
+    Pages => "pages",
+    Page => "page",
+    Slots => "slots",
+    Tokens => "tokens",
+    Key => "key",
+    Expect => "expect",
+    Child => "child",
+    PageSize => "page_size",
+    MaxContext => "max_context",
+    Reserved => "reserved",
+}
+
+impl<'de> de::Deserialize<'de> for Field {
+    fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Field, D::Error> {
+        struct FieldVisitor;
+        impl Visitor<'_> for FieldVisitor {
+            type Value = Field;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a field name")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Field, E> {
+                Ok(Field::from_name(v))
+            }
+        }
+        d.deserialize_identifier(FieldVisitor)
+    }
+}
+
+/// One field's value, whatever its type. Lists live in [`ListBuffers`].
+#[derive(Debug)]
+enum Value<'de> {
+    Uint(u64),
+    Text(Cow<'de, str>),
+    /// `len` elements in all (at most the cap of them kept); `bad` when one is not a `u64`.
+    List {
+        len: u64,
+        bad: bool,
+    },
+    Other(Found),
+}
+
+/// Reused buffers for the three list fields.
+#[derive(Default, Debug)]
+pub(crate) struct ListBuffers {
+    pages: Vec<u64>,
+    slots: Vec<u64>,
+    reserved: Vec<u64>,
+}
+
+/// One parsed line: each known field's value, before the event checks them.
+pub(crate) struct RawEvent<'de> {
+    values: [Option<Value<'de>>; Field::COUNT],
+    duplicate: Option<Field>,
+}
+
+/// Parses one line (no newline) into `bufs`; lists keep at most `cap` elements.
+pub(crate) fn parse_line<'de>(
+    line: &'de [u8],
+    bufs: &mut ListBuffers,
+    cap: u64,
+) -> Result<RawEvent<'de>, ReplayErrorKind> {
+    bufs.pages.clear();
+    bufs.slots.clear();
+    bufs.reserved.clear();
+    let mut de = serde_json::Deserializer::from_slice(line);
+    let raw = de::Deserializer::deserialize_map(&mut de, EventVisitor { bufs, cap }).map_err(ReplayErrorKind::Json)?;
+    de.end().map_err(ReplayErrorKind::Json)?;
+    Ok(raw)
+}
+
+struct EventVisitor<'b> {
+    bufs: &'b mut ListBuffers,
+    cap: u64,
+}
+
+impl<'de> Visitor<'de> for EventVisitor<'_> {
+    type Value = RawEvent<'de>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a trace event (one JSON object)")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawEvent<'de>, A::Error> {
+        let mut raw = RawEvent { values: Default::default(), duplicate: None };
+        while let Some(field) = map.next_key::<Field>()? {
+            if field == Field::Other || raw.values[field as usize].is_some() {
+                if field != Field::Other && raw.duplicate.is_none() {
+                    raw.duplicate = Some(field);
+                }
+                map.next_value::<IgnoredAny>()?;
+                continue;
+            }
+            let list = match field {
+                Field::Pages => Some(&mut self.bufs.pages),
+                Field::Slots => Some(&mut self.bufs.slots),
+                Field::Reserved => Some(&mut self.bufs.reserved),
+                _ => None,
+            };
+            let value = map.next_value_seed(ValueSeed { list, cap: self.cap })?;
+            raw.values[field as usize] = Some(value);
+        }
+        Ok(raw)
+    }
+}
+
+/// Takes any JSON value; a list goes into `list` when the field has one.
+struct ValueSeed<'b> {
+    list: Option<&'b mut Vec<u64>>,
+    cap: u64,
+}
+
+impl<'de> DeserializeSeed<'de> for ValueSeed<'_> {
+    type Value = Value<'de>;
+    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<Value<'de>, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for ValueSeed<'_> {
+    type Value = Value<'de>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Value<'de>, E> {
+        Ok(Value::Uint(v))
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Value<'de>, E> {
+        Ok(u64::try_from(v).map_or(Value::Other(Found::Negative), Value::Uint))
+    }
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Value<'de>, E> {
+        Ok(Value::Other(Found::NotU64))
+    }
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Value<'de>, E> {
+        Ok(Value::Other(Found::Bool))
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<Value<'de>, E> {
+        Ok(Value::Other(Found::Null))
+    }
+    fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Value<'de>, E> {
+        Ok(Value::Text(Cow::Borrowed(v)))
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Value<'de>, E> {
+        Ok(Value::Text(Cow::Owned(v.to_owned())))
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value<'de>, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(Value::Other(Found::Object))
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value<'de>, A::Error> {
+        let Some(list) = self.list else {
+            while seq.next_element::<IgnoredAny>()?.is_some() {}
+            return Ok(Value::Other(Found::List));
+        };
+        let (mut len, mut bad) = (0u64, false);
+        while let Some(element) = seq.next_element_seed(ElementSeed)? {
+            len = len.saturating_add(1);
+            match element {
+                Some(v) if (list.len() as u64) < self.cap => list.push(v),
+                Some(_) => {}
+                None => bad = true,
+            }
+        }
+        Ok(Value::List { len, bad })
+    }
+}
+
+/// One list element: `Some` for a `u64`, `None` (consumed) for anything else.
+struct ElementSeed;
+
+impl<'de> DeserializeSeed<'de> for ElementSeed {
+    type Value = Option<u64>;
+    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<Option<u64>, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for ElementSeed {
+    type Value = Option<u64>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an unsigned integer")
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Option<u64>, E> {
+        Ok(Some(v))
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Option<u64>, E> {
+        Ok(u64::try_from(v).ok())
+    }
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Option<u64>, E> {
+        Ok(None)
+    }
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Option<u64>, E> {
+        Ok(None)
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<Option<u64>, E> {
+        Ok(None)
+    }
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<Option<u64>, E> {
+        Ok(None)
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Option<u64>, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(None)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Option<u64>, A::Error> {
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(None)
+    }
+}
+
+fn found(value: &Value<'_>) -> Found {
+    match value {
+        Value::Uint(_) => Found::Uint,
+        Value::Text(_) => Found::Text,
+        Value::List { bad: true, .. } => Found::ListOfOther,
+        Value::List { .. } => Found::List,
+        Value::Other(f) => *f,
+    }
+}
+
+/// A page id from the trace as the table sees it: ids beyond `u32` become `u32::MAX`, which no
+/// pool has (the table then reports `page_out_of_range`).
+fn page_id(v: u64) -> PageId {
+    PageId(u32::try_from(v).unwrap_or(u32::MAX))
+}
+
+/// A parsed, checked event, and the first page id in it beyond `u32` (for the report).
+pub(crate) struct Parsed<'a> {
+    pub event: Event<'a>,
+    pub wide_page: Option<u64>,
+}
+
+impl<'de> RawEvent<'de> {
+    fn value(&self, f: Field) -> Option<&Value<'de>> {
+        self.values[f as usize].as_ref()
+    }
+
+    /// The event the line names.
+    pub fn kind(&self) -> Result<EventKind, ReplayErrorKind> {
+        match self.value(Field::Ev) {
+            None => Err(ReplayErrorKind::MissingEvent),
+            Some(Value::Text(name)) => EventKind::from_name(name).ok_or_else(|| {
+                let shown: String = name.chars().take(64).collect();
+                ReplayErrorKind::UnknownEvent(shown)
+            }),
+            Some(v) => {
+                Err(ReplayErrorKind::WrongType { ev: "?", field: "ev", expected: "a string", found: found(v) })
+            }
+        }
+    }
+
+    /// Checks the fields `kind` needs and builds the event; page lists longer than `cap` (the
+    /// pool's page count) are refused. `ids` is a reused buffer for the page list.
+    pub fn event<'a>(
+        &'a self,
+        kind: EventKind,
+        bufs: &'a ListBuffers,
+        ids: &'a mut Vec<PageId>,
+        cap: u64,
+    ) -> Result<Parsed<'a>, ReplayErrorKind> {
+        let ev = kind.as_str();
+        if let Some(f) = self.duplicate {
+            return Err(ReplayErrorKind::DuplicateField(f.name()));
+        }
+        let wrong = |field: Field, expected, v: &Value<'_>| ReplayErrorKind::WrongType {
+            ev,
+            field: field.name(),
+            expected,
+            found: found(v),
+        };
+        let missing = |field: Field| ReplayErrorKind::MissingField { ev, field: field.name() };
+        let uint = |field: Field| match self.value(field) {
+            Some(Value::Uint(v)) => Ok(*v),
+            Some(v) => Err(wrong(field, "an unsigned integer", v)),
+            None => Err(missing(field)),
+        };
+        let text = |field: Field| match self.value(field) {
+            Some(Value::Text(s)) => Ok(Cow::Borrowed(&**s)),
+            Some(v) => Err(wrong(field, "a string", v)),
+            None => Err(missing(field)),
+        };
+        let list = |field: Field, buf: &'a [u64]| match self.value(field) {
+            Some(Value::List { len, bad: false }) if *len > cap => {
+                Err(ReplayErrorKind::ListTooLong { ev, field: field.name(), len: *len, max: cap })
+            }
+            Some(Value::List { bad: false, .. }) => Ok(buf),
+            Some(v) => Err(wrong(field, "a list of unsigned integers", v)),
+            None => Err(missing(field)),
+        };
+        let mut wide_page = None;
+        let mut pages = |src: &[u64], ids: &'a mut Vec<PageId>| -> Cow<'a, [PageId]> {
+            ids.clear();
+            ids.extend(src.iter().map(|&p| page_id(p)));
+            wide_page = src.iter().copied().find(|&p| p > u64::from(u32::MAX));
+            Cow::Borrowed(&ids[..])
+        };
+        let req = || uint(Field::Req).map(RequestId);
+
+        let event = match kind {
+            EventKind::Pool => {
+                let n = uint(Field::Pages)?;
+                let pages_u32 = u32::try_from(n)
+                    .map_err(|_| ReplayErrorKind::PoolTooLarge { pages: n, max: crate::config::MAX_PAGES })?;
+                let page_size = uint(Field::PageSize)?;
+                let page_size = u32::try_from(page_size).map_err(|_| {
+                    ReplayErrorKind::InvalidPool(crate::config::ConfigError::PageSize {
+                        page_size: u32::MAX,
+                        max: crate::config::MAX_PAGE_SIZE,
+                    })
+                })?;
+                let max_context = uint(Field::MaxContext)?;
+                let reserved = match self.value(Field::Reserved) {
+                    None => Cow::Borrowed(&[][..]),
+                    Some(_) => pages(list(Field::Reserved, &bufs.reserved)?, ids),
+                };
+                Event::Pool { pages: pages_u32, page_size, max_context, reserved }
+            }
+            EventKind::Admit => Event::Admit {
+                req: req()?,
+                tenant: text(Field::Tenant)?,
+                prompt: uint(Field::Prompt)?,
+                max_new: uint(Field::MaxNew)?,
+            },
+            EventKind::Alloc => Event::Alloc { req: req()?, pages: pages(list(Field::Pages, &bufs.pages)?, ids) },
+            EventKind::Write => {
+                let req = req()?;
+                let page = uint(Field::Page)?;
+                if page > u64::from(u32::MAX) {
+                    wide_page = Some(page);
+                }
+                let slots = list(Field::Slots, &bufs.slots)?;
+                let &[a, b] = slots else {
+                    let len = match self.value(Field::Slots) {
+                        Some(Value::List { len, .. }) => *len,
+                        _ => 0,
+                    };
+                    return Err(ReplayErrorKind::SlotsNotPair { ev, len });
+                };
+                let slot = |v: u64| u32::try_from(v).unwrap_or(u32::MAX);
+                Event::Write { req, page: page_id(page), slots: [slot(a), slot(b)] }
+            }
+            EventKind::Read => Event::Read {
+                req: req()?,
+                pages: pages(list(Field::Pages, &bufs.pages)?, ids),
+                tokens: uint(Field::Tokens)?,
+            },
+            EventKind::Free => {
+                let req = req()?;
+                match self.value(Field::Pages) {
+                    None => Event::Free { req, pages: None },
+                    Some(_) => Event::Free { req, pages: Some(pages(list(Field::Pages, &bufs.pages)?, ids)) },
+                }
+            }
+            EventKind::Share => Event::Share {
+                req: req()?,
+                key: text(Field::Key)?,
+                pages: pages(list(Field::Pages, &bufs.pages)?, ids),
+            },
+            EventKind::Attach => Event::Attach { req: req()?, key: text(Field::Key)? },
+            EventKind::Evict => Event::Evict { key: text(Field::Key)? },
+            EventKind::Import => Event::Import {
+                req: req()?,
+                pages: pages(list(Field::Pages, &bufs.pages)?, ids),
+                tokens: uint(Field::Tokens)?,
+                expect: uint(Field::Expect)?,
+            },
+            EventKind::Fork => Event::Fork { req: req()?, child: uint(Field::Child).map(RequestId)? },
+        };
+        Ok(Parsed { event, wide_page })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(line: &str) -> Result<Event<'static>, ReplayErrorKind> {
+        let mut bufs = ListBuffers::default();
+        let mut ids = Vec::new();
+        let raw = parse_line(line.as_bytes(), &mut bufs, 1000)?;
+        let kind = raw.kind()?;
+        let parsed = raw.event(kind, &bufs, &mut ids, 1000)?;
+        Ok(owned(parsed.event))
+    }
+
+    fn owned(e: Event<'_>) -> Event<'static> {
+        let own = |p: Cow<'_, [PageId]>| Cow::Owned(p.into_owned());
+        let s = |t: Cow<'_, str>| Cow::Owned(t.into_owned());
+        match e {
+            Event::Pool { pages, page_size, max_context, reserved } => {
+                Event::Pool { pages, page_size, max_context, reserved: own(reserved) }
+            }
+            Event::Admit { req, tenant, prompt, max_new } => Event::Admit { req, tenant: s(tenant), prompt, max_new },
+            Event::Alloc { req, pages } => Event::Alloc { req, pages: own(pages) },
+            Event::Write { req, page, slots } => Event::Write { req, page, slots },
+            Event::Read { req, pages, tokens } => Event::Read { req, pages: own(pages), tokens },
+            Event::Free { req, pages } => Event::Free { req, pages: pages.map(own) },
+            Event::Share { req, key, pages } => Event::Share { req, key: s(key), pages: own(pages) },
+            Event::Attach { req, key } => Event::Attach { req, key: s(key) },
+            Event::Evict { key } => Event::Evict { key: s(key) },
+            Event::Import { req, pages, tokens, expect } => Event::Import { req, pages: own(pages), tokens, expect },
+            Event::Fork { req, child } => Event::Fork { req, child },
+        }
+    }
+
+    #[test]
+    fn fields_in_any_order_and_unknown_fields_are_ignored() {
+        let e = parse(r#"{"tokens":20,"extra":{"a":[1,2]},"pages":[3,4],"ev":"read","req":1,"tenant":5}"#).unwrap();
+        assert_eq!(e, Event::Read { req: RequestId(1), pages: vec![PageId(3), PageId(4)].into(), tokens: 20 });
+    }
+
+    #[test]
+    fn escaped_strings_are_read() {
+        let e = parse(r#"{"ev":"attach","req":1,"key":"a\"b\u00e9"}"#).unwrap();
+        assert_eq!(e, Event::Attach { req: RequestId(1), key: "a\"bé".into() });
+    }
+
+    #[test]
+    fn wrong_types_name_the_field_and_what_was_found() {
+        let cases = [
+            (r#"{"ev":"free","req":-1}"#, Found::Negative),
+            (r#"{"ev":"free","req":1.5}"#, Found::NotU64),
+            (r#"{"ev":"free","req":18446744073709551616}"#, Found::NotU64),
+            (r#"{"ev":"free","req":"1"}"#, Found::Text),
+            (r#"{"ev":"free","req":null}"#, Found::Null),
+            (r#"{"ev":"free","req":1,"pages":[1,-2]}"#, Found::ListOfOther),
+            (r#"{"ev":"free","req":1,"pages":4}"#, Found::Uint),
+        ];
+        for (line, want) in cases {
+            match parse(line) {
+                Err(ReplayErrorKind::WrongType { found, .. }) => assert_eq!(found, want, "{line}"),
+                other => panic!("{line}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn malformed_lines_are_typed() {
+        assert!(matches!(parse("[1,2]"), Err(ReplayErrorKind::Json(_))));
+        assert!(matches!(parse("5"), Err(ReplayErrorKind::Json(_))));
+        assert!(matches!(parse(r#"{"ev":"read""#), Err(ReplayErrorKind::Json(_))));
+        assert!(matches!(parse(r#"{"ev":"evict","key":"k"} x"#), Err(ReplayErrorKind::Json(_))));
+        assert!(matches!(parse(r#"{"req":1}"#), Err(ReplayErrorKind::MissingEvent)));
+        assert!(matches!(parse(r#"{"ev":"launch"}"#), Err(ReplayErrorKind::UnknownEvent(_))));
+        assert!(matches!(parse(r#"{"ev":"admit","req":1}"#), Err(ReplayErrorKind::MissingField { .. })));
+        assert!(matches!(parse(r#"{"ev":"fork","req":1,"req":2,"child":3}"#), Err(ReplayErrorKind::DuplicateField(_))));
+        assert!(matches!(
+            parse(r#"{"ev":"write","req":1,"page":2,"slots":[1,2,3]}"#),
+            Err(ReplayErrorKind::SlotsNotPair { len: 3, .. })
+        ));
+        let mut bufs = ListBuffers::default();
+        assert!(matches!(parse_line(b"{\"ev\":\"evict\",\"key\":\"\xff\"}", &mut bufs, 8), Err(ReplayErrorKind::Json(_))));
+    }
+
+    #[test]
+    fn long_lists_are_refused_without_keeping_them() {
+        let line = format!(r#"{{"ev":"alloc","req":1,"pages":[{}]}}"#, vec!["7"; 5000].join(","));
+        let mut bufs = ListBuffers::default();
+        let raw = parse_line(line.as_bytes(), &mut bufs, 100).unwrap();
+        assert_eq!(bufs.pages.len(), 100);
+        let mut ids = Vec::new();
+        assert!(matches!(
+            raw.event(EventKind::Alloc, &bufs, &mut ids, 100),
+            Err(ReplayErrorKind::ListTooLong { len: 5000, max: 100, .. })
+        ));
+    }
+
+    #[test]
+    fn wide_page_ids_are_kept_for_the_report() {
+        let mut bufs = ListBuffers::default();
+        let mut ids = Vec::new();
+        let raw = parse_line(br#"{"ev":"read","req":1,"pages":[2,5000000000],"tokens":3}"#, &mut bufs, 10).unwrap();
+        let parsed = raw.event(EventKind::Read, &bufs, &mut ids, 10).unwrap();
+        assert_eq!(parsed.wide_page, Some(5_000_000_000));
+        assert!(matches!(parsed.event, Event::Read { ref pages, .. } if pages[1] == PageId(u32::MAX)));
+    }
+}

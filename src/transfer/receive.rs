@@ -1,0 +1,440 @@
+//! The receiver's checks: a transfer lands only if it is provably the right data for the right
+//! request, in pages the receiver still holds in the same incarnation.
+
+use super::digest::PromptDigest;
+use super::wire::{DecodeError, Manifest, SenderId};
+use crate::error::Error;
+use crate::ids::{PageRef, RequestId, TenantId};
+use crate::table::{OwnershipTable, PageState};
+use crate::violation::{Op, Violation, ViolationKind};
+
+/// What the receiver expects of a transfer, from its own copy of the request.
+#[derive(Clone, Copy, Debug)]
+pub struct ExpectedTransfer<'a> {
+    /// The request the receiving pages belong to.
+    pub request: RequestId,
+    /// Its tenant.
+    pub tenant: TenantId,
+    /// The sender it asked, if it checks senders.
+    pub sender: Option<SenderId>,
+    /// The prompt length the receiver holds.
+    pub prompt_tokens: u64,
+    /// The digest of the prompt the receiver holds.
+    pub prompt_digest: PromptDigest,
+    /// The receiving pages, in token order, in the incarnations it offered to the sender.
+    pub pages: &'a [PageRef],
+    /// Token slots per page.
+    pub page_size: u32,
+    /// Bytes per token slot.
+    pub slot_bytes: u32,
+}
+
+impl<'a> ExpectedTransfer<'a> {
+    /// Expects `prompt` (the receiver's own copy of the request) for `request` of `tenant` into
+    /// `pages`, any sender.
+    pub fn for_prompt(
+        request: RequestId,
+        tenant: TenantId,
+        prompt: &[u32],
+        pages: &'a [PageRef],
+        page_size: u32,
+        slot_bytes: u32,
+    ) -> ExpectedTransfer<'a> {
+        ExpectedTransfer {
+            request,
+            tenant,
+            sender: None,
+            prompt_tokens: prompt.len() as u64,
+            prompt_digest: PromptDigest::of_tokens(prompt),
+            pages,
+            page_size,
+            slot_bytes,
+        }
+    }
+
+    /// Also requires the transfer to come from `sender`.
+    pub fn from_sender(mut self, sender: SenderId) -> Self {
+        self.sender = Some(sender);
+        self
+    }
+}
+
+/// Why a transfer was refused. Its pages were not written and no coverage was recorded.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransferError {
+    /// The manifest bytes do not decode.
+    #[error("manifest refused: {0}")]
+    Decode(#[from] DecodeError),
+    /// The manifest is for another request.
+    #[error("transfer for {found} delivered to {expected}")]
+    WrongRequest {
+        /// The receiving request.
+        expected: RequestId,
+        /// The manifest's request.
+        found: RequestId,
+    },
+    /// The manifest is for another tenant.
+    #[error("transfer for {expected} carries {found}'s KV")]
+    WrongTenant {
+        /// The receiving request's tenant.
+        expected: TenantId,
+        /// The manifest's tenant.
+        found: TenantId,
+    },
+    /// The manifest comes from another sender than the one asked.
+    #[error("transfer from {found}, expected {expected}")]
+    WrongSender {
+        /// The sender asked.
+        expected: SenderId,
+        /// The manifest's sender.
+        found: SenderId,
+    },
+    /// Another page size or slot size than the receiver's.
+    #[error(
+        "transfer pages of {found_page_size} slots x {found_slot_bytes} bytes, receiver has {page_size} x {slot_bytes}"
+    )]
+    PageShape {
+        /// Receiver's page size.
+        page_size: u32,
+        /// Receiver's slot size.
+        slot_bytes: u32,
+        /// Manifest's page size.
+        found_page_size: u32,
+        /// Manifest's slot size.
+        found_slot_bytes: u32,
+    },
+    /// The token count is not the prompt length the receiver holds (a substituted or truncated
+    /// prompt).
+    #[error("transfer carries {found} tokens, the prompt has {expected}")]
+    TokenCount {
+        /// The receiver's prompt length.
+        expected: u64,
+        /// The manifest's token count.
+        found: u64,
+    },
+    /// The prompt digest is not the digest of the prompt the receiver holds.
+    #[error("transfer is the KV of prompt {found}, the request's prompt is {expected}")]
+    PromptDigest {
+        /// Digest of the receiver's prompt.
+        expected: PromptDigest,
+        /// The manifest's digest.
+        found: PromptDigest,
+    },
+    /// The manifest names other receiving pages, or another number of them, than were offered.
+    #[error("transfer lists {found} pages, {expected} offered{}", .index.map(|i| format!(" (first difference at page {i})")).unwrap_or_default())]
+    Pages {
+        /// Pages offered.
+        expected: usize,
+        /// Pages listed.
+        found: usize,
+        /// The first entry naming another page.
+        index: Option<usize>,
+    },
+    /// The manifest names an earlier incarnation of a receiving page: a late or replayed transfer.
+    #[error("late transfer: page {index} names {found}, the page is now {current}")]
+    Stale {
+        /// Position in the transfer.
+        index: usize,
+        /// The incarnation the manifest names.
+        found: PageRef,
+        /// The incarnation the receiver holds.
+        current: PageRef,
+    },
+    /// The receiver no longer holds a receiving page in the offered incarnation (released, reused).
+    #[error("receiving page no longer held: {0}")]
+    NotHeld(Violation),
+    /// Fewer or more page buffers than the manifest lists.
+    #[error("{found} page buffers received, the manifest lists {expected}")]
+    BufferCount {
+        /// Pages listed.
+        expected: usize,
+        /// Buffers received.
+        found: usize,
+    },
+    /// A page of another length than its tokens imply (truncated or padded).
+    #[error("page {index} has {found} bytes, {expected} expected")]
+    PageLength {
+        /// Position in the transfer.
+        index: usize,
+        /// `tokens * slot_bytes`.
+        expected: u64,
+        /// Bytes received.
+        found: usize,
+    },
+    /// A page with no checksum.
+    #[error("page {index} has no checksum")]
+    MissingChecksum {
+        /// Position in the transfer.
+        index: usize,
+    },
+    /// A page's bytes do not match its CRC32.
+    #[error("page {index} checksum mismatch: manifest {expected:#010x}, bytes {computed:#010x}")]
+    PageChecksum {
+        /// Position in the transfer.
+        index: usize,
+        /// The manifest's checksum.
+        expected: u32,
+        /// The received bytes' checksum.
+        computed: u32,
+    },
+    /// The ownership table refused to record the import.
+    #[error("import refused: {0}")]
+    Table(Error),
+}
+
+impl TransferError {
+    /// The violation kind the refusal is counted as.
+    pub fn kind(&self) -> ViolationKind {
+        match self {
+            TransferError::Decode(DecodeError::MissingChecksum { .. }) | TransferError::MissingChecksum { .. } => {
+                ViolationKind::MissingChecksum
+            }
+            TransferError::Decode(_) => ViolationKind::ManifestCorrupt,
+            TransferError::WrongRequest { .. }
+            | TransferError::WrongTenant { .. }
+            | TransferError::WrongSender { .. } => ViolationKind::TransferMisrouted,
+            TransferError::PageShape { .. } | TransferError::Pages { .. } | TransferError::BufferCount { .. } => {
+                ViolationKind::TransferPagesMismatch
+            }
+            TransferError::TokenCount { .. } => ViolationKind::TokenCountMismatch,
+            TransferError::PromptDigest { .. } => ViolationKind::PromptDigestMismatch,
+            TransferError::Stale { .. } => ViolationKind::StalePage,
+            TransferError::NotHeld(v) => v.kind(),
+            TransferError::PageLength { .. } => ViolationKind::PageLengthMismatch,
+            TransferError::PageChecksum { .. } => ViolationKind::PageChecksumMismatch,
+            TransferError::Table(e) => e.violation_kind().unwrap_or(ViolationKind::UnknownRequest),
+        }
+    }
+
+    /// The refusal as a violation by `expected.request`, for [`OwnershipTable::report`].
+    pub fn to_violation(&self, expected: &ExpectedTransfer<'_>) -> Violation {
+        if let TransferError::NotHeld(v) = self {
+            return v.clone();
+        }
+        if let TransferError::Table(Error::Violation(v)) = self {
+            return v.clone();
+        }
+        let v = Violation::new(self.kind(), Op::Import).with_request(expected.request, Some(expected.tenant));
+        match *self {
+            TransferError::TokenCount { expected, found } => v.with_amounts(found, expected),
+            TransferError::Stale { index, found, current } => v
+                .with_page(current.page, Some(current.generation))
+                .with_block_index(index as u32)
+                .with_expected_generation(found.generation),
+            TransferError::PageLength { index, .. }
+            | TransferError::PageChecksum { index, .. }
+            | TransferError::MissingChecksum { index } => match expected.pages.get(index) {
+                Some(r) => v.with_page(r.page, Some(r.generation)).with_block_index(index as u32),
+                None => v.with_block_index(index as u32),
+            },
+            _ => v,
+        }
+    }
+}
+
+/// Checks a decoded manifest and the received page bytes against what the receiver expects: who,
+/// what prompt, which pages, and every page's length and CRC32. Touches nothing.
+///
+/// Cheap checks come first; the page CRCs (the only cost proportional to the bytes) run last.
+pub fn verify<P: AsRef<[u8]>>(
+    expected: &ExpectedTransfer<'_>,
+    manifest: &Manifest,
+    pages: &[P],
+) -> Result<(), TransferError> {
+    if manifest.request() != expected.request {
+        return Err(TransferError::WrongRequest { expected: expected.request, found: manifest.request() });
+    }
+    if manifest.tenant() != expected.tenant {
+        return Err(TransferError::WrongTenant { expected: expected.tenant, found: manifest.tenant() });
+    }
+    if let Some(sender) = expected.sender
+        && manifest.sender() != sender
+    {
+        return Err(TransferError::WrongSender { expected: sender, found: manifest.sender() });
+    }
+    if manifest.page_size() != expected.page_size || manifest.slot_bytes() != expected.slot_bytes {
+        return Err(TransferError::PageShape {
+            page_size: expected.page_size,
+            slot_bytes: expected.slot_bytes,
+            found_page_size: manifest.page_size(),
+            found_slot_bytes: manifest.slot_bytes(),
+        });
+    }
+    if manifest.prompt_tokens() != expected.prompt_tokens {
+        return Err(TransferError::TokenCount { expected: expected.prompt_tokens, found: manifest.prompt_tokens() });
+    }
+    if manifest.prompt_digest() != expected.prompt_digest {
+        return Err(TransferError::PromptDigest { expected: expected.prompt_digest, found: manifest.prompt_digest() });
+    }
+    let entries = manifest.pages();
+    for (index, (entry, &offered)) in entries.iter().zip(expected.pages).enumerate() {
+        if entry.dest == offered {
+            continue;
+        }
+        // The page is offered, in a later incarnation: the manifest was made for an earlier one.
+        if let Some(&current) =
+            expected.pages.iter().find(|r| r.page == entry.dest.page && r.generation > entry.dest.generation)
+        {
+            return Err(TransferError::Stale { index, found: entry.dest, current });
+        }
+        return Err(TransferError::Pages { expected: expected.pages.len(), found: entries.len(), index: Some(index) });
+    }
+    if entries.len() != expected.pages.len() {
+        return Err(TransferError::Pages { expected: expected.pages.len(), found: entries.len(), index: None });
+    }
+    if pages.len() != entries.len() {
+        return Err(TransferError::BufferCount { expected: entries.len(), found: pages.len() });
+    }
+    for (index, (entry, bytes)) in entries.iter().zip(pages).enumerate() {
+        let bytes = bytes.as_ref();
+        let want = u64::from(entry.tokens) * u64::from(expected.slot_bytes);
+        if bytes.len() as u64 != want {
+            return Err(TransferError::PageLength { index, expected: want, found: bytes.len() });
+        }
+        if entry.crc32 == 0 {
+            return Err(TransferError::MissingChecksum { index });
+        }
+        let computed = super::wire::page_checksum(bytes);
+        if computed != entry.crc32 {
+            return Err(TransferError::PageChecksum { index, expected: entry.crc32, computed });
+        }
+    }
+    Ok(())
+}
+
+/// What an accepted transfer recorded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Accepted {
+    /// Tokens recorded as written for the receiving request's incarnation.
+    pub tokens: u64,
+    /// Pages landed.
+    pages: usize,
+}
+
+impl Accepted {
+    /// Pages landed.
+    pub fn pages(&self) -> usize {
+        self.pages
+    }
+}
+
+/// The decode side of a transfer: checks, lands and records, against the receiver's ownership
+/// table; every refusal is [reported](OwnershipTable::report) to that table.
+#[derive(Clone, Copy, Debug)]
+pub struct Receiver<'t> {
+    table: &'t OwnershipTable,
+}
+
+impl<'t> Receiver<'t> {
+    /// A receiver recording into `table` (the decode pool's).
+    pub fn new(table: &'t OwnershipTable) -> Receiver<'t> {
+        Receiver { table }
+    }
+
+    /// Accepts a transfer only if it is for `expected` in every respect (see [`verify`]) and the
+    /// table still holds every receiving page for `expected.request` in the offered incarnation.
+    /// Then, and only then, `land(index, page, bytes)` is called for each page (the caller copies
+    /// the bytes into its pool) and the pages' coverage is recorded with
+    /// [`OwnershipTable::record_import_refs`].
+    ///
+    /// On refusal nothing is landed or recorded and the violation is reported to the table.
+    /// (Should the table change between the checks and the record — another thread releasing the
+    /// request — the bytes land but their coverage is not recorded, so reads of them stay refused.)
+    pub fn accept<P: AsRef<[u8]>>(
+        &self,
+        expected: &ExpectedTransfer<'_>,
+        manifest_bytes: &[u8],
+        pages: &[P],
+        land: impl FnMut(usize, PageRef, &[u8]),
+    ) -> Result<Accepted, TransferError> {
+        let outcome = Manifest::decode(manifest_bytes)
+            .map_err(TransferError::from)
+            .and_then(|manifest| self.accept_manifest_unreported(expected, &manifest, pages, land));
+        self.reported(expected, outcome)
+    }
+
+    /// [`accept`](Self::accept) for a manifest already decoded.
+    pub fn accept_manifest<P: AsRef<[u8]>>(
+        &self,
+        expected: &ExpectedTransfer<'_>,
+        manifest: &Manifest,
+        pages: &[P],
+        land: impl FnMut(usize, PageRef, &[u8]),
+    ) -> Result<Accepted, TransferError> {
+        let outcome = self.accept_manifest_unreported(expected, manifest, pages, land);
+        self.reported(expected, outcome)
+    }
+
+    fn reported(
+        &self,
+        expected: &ExpectedTransfer<'_>,
+        outcome: Result<Accepted, TransferError>,
+    ) -> Result<Accepted, TransferError> {
+        // The table counted its own refusals already.
+        if let Err(e) = &outcome
+            && !matches!(e, TransferError::Table(_))
+        {
+            self.table.report(e.to_violation(expected));
+        }
+        outcome
+    }
+
+    fn accept_manifest_unreported<P: AsRef<[u8]>>(
+        &self,
+        expected: &ExpectedTransfer<'_>,
+        manifest: &Manifest,
+        pages: &[P],
+        mut land: impl FnMut(usize, PageRef, &[u8]),
+    ) -> Result<Accepted, TransferError> {
+        self.check_held(expected)?;
+        verify(expected, manifest, pages)?;
+        for (index, (&page, bytes)) in expected.pages.iter().zip(pages).enumerate() {
+            land(index, page, bytes.as_ref());
+        }
+        self.table
+            .record_import_refs(expected.request, expected.pages, manifest.prompt_tokens(), expected.prompt_tokens)
+            .map_err(TransferError::Table)?;
+        Ok(Accepted { tokens: manifest.prompt_tokens(), pages: expected.pages.len() })
+    }
+
+    /// Every offered page is still `expected.request`'s own, in the offered incarnation.
+    fn check_held(&self, expected: &ExpectedTransfer<'_>) -> Result<(), TransferError> {
+        let req = expected.request;
+        let Some(rec) = self.table.request_info(req) else {
+            return Err(TransferError::NotHeld(
+                Violation::new(ViolationKind::UnknownRequest, Op::Import).with_request(req, Some(expected.tenant)),
+            ));
+        };
+        for (index, &offered) in expected.pages.iter().enumerate() {
+            let at = |kind| {
+                Violation::new(kind, Op::Import)
+                    .with_request(req, Some(rec.tenant))
+                    .with_page(offered.page, None)
+                    .with_block_index(index as u32)
+            };
+            let Some(info) = self.table.page_info(offered.page) else {
+                return Err(TransferError::NotHeld(at(ViolationKind::PageOutOfRange)));
+            };
+            let at = |kind| at(kind).with_page(offered.page, Some(info.generation));
+            let kind = match info.state {
+                PageState::Owned if info.owner == Some(req) && info.generation == offered.generation => continue,
+                PageState::Owned if info.owner == Some(req) => ViolationKind::StalePage,
+                PageState::Owned | PageState::Shared => ViolationKind::ForeignPage,
+                PageState::Reserved => ViolationKind::ReservedPage,
+                _ => ViolationKind::FreedPage,
+            };
+            let mut v = at(kind);
+            if info.generation != offered.generation {
+                v = v.with_expected_generation(offered.generation);
+            }
+            if let (Some(owner), Some(tenant)) = (info.owner, info.tenant)
+                && owner != req
+            {
+                v = v.with_owner(owner, tenant);
+            }
+            return Err(TransferError::NotHeld(v));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,540 @@
+//! A tiny reference model of the ownership table, and an op-sequence driver that checks the real
+//! table against it after every step. Shared by the proptest suite (`tests/table_model.rs`) and the
+//! fuzz target (`fuzz/fuzz_targets/table_ops.rs`, via `#[path]`).
+//!
+//! The model is deliberately naive: per-slot booleans, sets, linear scans. It decides from first
+//! principles whether each operation may succeed; the table must agree, and its pages must match
+//! the model's after every operation.
+
+#![allow(dead_code)]
+
+use kvguard::{Error, OwnershipTable, PageId, PageState, PoolConfig, PrefixKey, RequestId, TenantId};
+use std::collections::{BTreeMap, BTreeSet};
+
+pub const PAGES: u32 = 10;
+pub const PAGE_SIZE: u32 = 4;
+pub const MAX_CONTEXT: u64 = 24;
+pub const REQUESTS: u8 = 6;
+pub const TENANTS: u8 = 2;
+pub const KEYS: u8 = 3;
+/// Low, so retirement happens within a test.
+pub const GENERATION_LIMIT: u32 = 6;
+
+/// One operation on the table; small fields, mapped onto the model's id spaces.
+#[derive(Clone, Debug)]
+#[cfg_attr(fuzzing, derive(arbitrary::Arbitrary))]
+pub enum Op {
+    Admit { req: u8, tenant: u8, prompt: u8, max_new: u8 },
+    Allocate { req: u8, n: u8 },
+    Claim { req: u8, pages: Vec<u8> },
+    /// Write slots `a..b` of the request's `index`-th readable page (or of raw page `index` when
+    /// `raw`).
+    Write { req: u8, index: u8, raw: bool, a: u8, b: u8 },
+    /// Read `tokens` through the request's own view, with entry `swap_at` replaced by page `swap`
+    /// when `swap_at` is in range.
+    Read { req: u8, tokens: u8, swap_at: u8, swap: u8 },
+    Release { req: u8 },
+    ReleasePages { req: u8, indices: Vec<u8> },
+    Preempt { req: u8 },
+    Publish { req: u8, key: u8, count: u8 },
+    Attach { req: u8, key: u8 },
+    Detach { req: u8, key: u8 },
+    Evict { key: u8 },
+    Fork { parent: u8, child: u8 },
+    AllowSharing { tenant: u8, allow: bool },
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum MState {
+    Free,
+    Owned(u8),
+    Shared(usize),
+    Reserved,
+    Retired,
+}
+
+#[derive(Clone, Debug)]
+struct MPage {
+    state: MState,
+    generation: u32,
+    written: Vec<bool>,
+}
+
+#[derive(Clone, Debug)]
+struct MRequest {
+    tenant: u8,
+    /// Owned pages, in the order they were given.
+    owned: Vec<u32>,
+    /// Prefix ids held.
+    held: BTreeSet<usize>,
+    quarantined: bool,
+}
+
+#[derive(Clone, Debug)]
+struct MPrefix {
+    key: Option<u8>,
+    tenant: u8,
+    pages: Vec<u32>,
+    holders: usize,
+}
+
+/// The reference model.
+#[derive(Clone, Debug)]
+pub struct Model {
+    pages: Vec<MPage>,
+    requests: BTreeMap<u8, MRequest>,
+    prefixes: BTreeMap<usize, MPrefix>,
+    next_prefix: usize,
+    sharing: BTreeSet<u8>,
+}
+
+pub fn config() -> PoolConfig {
+    PoolConfig::new(PAGES, PAGE_SIZE, MAX_CONTEXT).with_reserved([PageId(0)]).with_generation_limit(GENERATION_LIMIT)
+}
+
+fn req_id(r: u8) -> RequestId {
+    RequestId(u64::from(r % REQUESTS))
+}
+fn tenant_id(t: u8) -> TenantId {
+    TenantId(u64::from(t % TENANTS))
+}
+fn key_id(k: u8) -> PrefixKey {
+    PrefixKey(u64::from(k % KEYS))
+}
+
+impl Model {
+    pub fn new() -> Model {
+        let pages = (0..PAGES)
+            .map(|p| MPage {
+                state: if p == 0 { MState::Reserved } else { MState::Free },
+                generation: 1,
+                written: vec![false; PAGE_SIZE as usize],
+            })
+            .collect();
+        Model { pages, requests: BTreeMap::new(), prefixes: BTreeMap::new(), next_prefix: 0, sharing: BTreeSet::new() }
+    }
+
+    /// Pages `r` may read, in block-table order: held prefixes' pages, then its own.
+    fn view(&self, r: u8) -> Vec<u32> {
+        let Some(rec) = self.requests.get(&r) else { return Vec::new() };
+        let mut v: Vec<u32> = rec.held.iter().flat_map(|id| self.prefixes[id].pages.iter().copied()).collect();
+        v.extend(&rec.owned);
+        v
+    }
+
+    fn free_count(&self) -> usize {
+        self.pages.iter().filter(|p| p.state == MState::Free).count()
+    }
+
+    fn end_incarnation(&mut self, p: u32) {
+        let page = &mut self.pages[p as usize];
+        page.written.iter_mut().for_each(|w| *w = false);
+        if page.generation >= GENERATION_LIMIT {
+            page.state = MState::Retired;
+        } else {
+            page.generation += 1;
+            page.state = MState::Free;
+        }
+    }
+
+    fn drop_hold(&mut self, id: usize) {
+        let prefix = self.prefixes.get_mut(&id).expect("held prefixes exist");
+        prefix.holders -= 1;
+        if prefix.holders == 0 && prefix.key.is_none() {
+            let prefix = self.prefixes.remove(&id).expect("exists");
+            for p in prefix.pages {
+                self.end_incarnation(p);
+            }
+        }
+    }
+
+    fn key_slot(&self, k: u8) -> Option<usize> {
+        self.prefixes.iter().find(|(_, p)| p.key == Some(k)).map(|(&id, _)| id)
+    }
+
+    fn quarantine(&mut self, r: u8) {
+        if let Some(rec) = self.requests.get_mut(&r) {
+            rec.quarantined = true;
+        }
+    }
+
+    fn owns(&self, r: u8, p: u32) -> bool {
+        self.pages.get(p as usize).is_some_and(|pg| pg.state == MState::Owned(r))
+    }
+
+    /// Applies `op` to the model; returns whether it must succeed, and which request a refusal
+    /// quarantines.
+    fn apply(&mut self, op: &Op) -> (bool, Option<u8>) {
+        let ps = u64::from(PAGE_SIZE);
+        match *op {
+            Op::Admit { req, tenant, prompt, max_new } => {
+                let (r, t) = (req % REQUESTS, tenant % TENANTS);
+                let total = u64::from(prompt) + u64::from(max_new);
+                let obtainable = self.pages.iter().filter(|p| !matches!(p.state, MState::Reserved | MState::Retired)).count();
+                if self.requests.contains_key(&r) {
+                    return (false, Some(r));
+                }
+                if total > MAX_CONTEXT || total.div_ceil(ps) > obtainable as u64 {
+                    return (false, None);
+                }
+                self.requests.insert(r, MRequest { tenant: t, owned: Vec::new(), held: BTreeSet::new(), quarantined: false });
+                (true, None)
+            }
+            Op::Allocate { req, n } => {
+                let (r, n) = (req % REQUESTS, usize::from(n % 5));
+                if !self.requests.contains_key(&r) || n > self.free_count() {
+                    return (false, None);
+                }
+                // The table's choice of pages is its own; the driver tells the model which.
+                (true, None)
+            }
+            Op::Claim { req, ref pages } => {
+                let r = req % REQUESTS;
+                let pages: Vec<u32> = pages.iter().map(|&p| u32::from(p) % (PAGES + 2)).collect();
+                if !self.requests.contains_key(&r) {
+                    return (false, None);
+                }
+                let distinct: BTreeSet<_> = pages.iter().collect();
+                let ok = distinct.len() == pages.len()
+                    && pages.iter().all(|&p| self.pages.get(p as usize).is_some_and(|pg| pg.state == MState::Free));
+                if !ok {
+                    return (false, Some(r));
+                }
+                for p in pages {
+                    self.pages[p as usize].state = MState::Owned(r);
+                    self.requests.get_mut(&r).expect("checked").owned.push(p);
+                }
+                (true, None)
+            }
+            Op::Write { req, index, raw, a, b } => {
+                let r = req % REQUESTS;
+                if !self.requests.contains_key(&r) {
+                    return (false, None);
+                }
+                let page = self.write_target(r, index, raw);
+                let (a, b) = (u32::from(a % 6), u32::from(b % 6));
+                if !self.owns(r, page) || a > b || b > PAGE_SIZE {
+                    return (false, Some(r));
+                }
+                for s in a..b {
+                    self.pages[page as usize].written[s as usize] = true;
+                }
+                (true, None)
+            }
+            Op::Read { req, tokens, swap_at, swap } => {
+                let r = req % REQUESTS;
+                let Some(rec) = self.requests.get(&r) else { return (false, None) };
+                let table = self.read_table(r, swap_at, swap);
+                let tokens = u64::from(tokens) % (table.len() as u64 * ps + 2);
+                if rec.quarantined || tokens > table.len() as u64 * ps {
+                    return (false, Some(r));
+                }
+                for (i, &p) in table.iter().enumerate().take(tokens.div_ceil(ps) as usize) {
+                    let need = (tokens - i as u64 * ps).min(ps) as usize;
+                    let Some(page) = self.pages.get(p as usize) else { return (false, Some(r)) };
+                    let readable = match page.state {
+                        MState::Owned(o) => o == r,
+                        MState::Shared(id) => {
+                            rec.held.contains(&id)
+                                && (self.prefixes[&id].tenant == rec.tenant || self.sharing.contains(&self.prefixes[&id].tenant))
+                        }
+                        _ => false,
+                    };
+                    if !readable || !page.written[..need].iter().all(|&w| w) {
+                        return (false, Some(r));
+                    }
+                }
+                (true, None)
+            }
+            Op::Release { req } => {
+                let r = req % REQUESTS;
+                let Some(rec) = self.requests.remove(&r) else { return (false, None) };
+                for p in rec.owned {
+                    self.end_incarnation(p);
+                }
+                for id in rec.held {
+                    self.drop_hold(id);
+                }
+                (true, None)
+            }
+            Op::ReleasePages { req, ref indices } => {
+                let r = req % REQUESTS;
+                let Some(rec) = self.requests.get(&r) else { return (false, None) };
+                let view = self.view(r);
+                let pages: Vec<u32> = indices.iter().filter_map(|&i| view.get(usize::from(i)).copied()).collect();
+                let distinct: BTreeSet<_> = pages.iter().collect();
+                if distinct.len() != pages.len() || !pages.iter().all(|p| rec.owned.contains(p)) {
+                    return (false, Some(r));
+                }
+                for p in pages {
+                    self.requests.get_mut(&r).expect("checked").owned.retain(|&q| q != p);
+                    self.end_incarnation(p);
+                }
+                (true, None)
+            }
+            Op::Preempt { req } => {
+                let r = req % REQUESTS;
+                let Some(rec) = self.requests.get_mut(&r) else { return (false, None) };
+                let owned = std::mem::take(&mut rec.owned);
+                let held = std::mem::take(&mut rec.held);
+                rec.quarantined = false;
+                for p in owned {
+                    self.end_incarnation(p);
+                }
+                for id in held {
+                    self.drop_hold(id);
+                }
+                (true, None)
+            }
+            Op::Publish { req, key, count } => {
+                let (r, k) = (req % REQUESTS, key % KEYS);
+                let Some(rec) = self.requests.get(&r) else { return (false, None) };
+                if self.key_slot(k).is_some() {
+                    return (false, Some(r));
+                }
+                let n = usize::from(count % 4).min(rec.owned.len());
+                let pages: Vec<u32> = rec.owned[..n].to_vec();
+                let tenant = rec.tenant;
+                let id = self.next_prefix;
+                self.next_prefix += 1;
+                for &p in &pages {
+                    self.pages[p as usize].state = MState::Shared(id);
+                }
+                let rec = self.requests.get_mut(&r).expect("checked");
+                rec.owned.retain(|p| !pages.contains(p));
+                rec.held.insert(id);
+                self.prefixes.insert(id, MPrefix { key: Some(k), tenant, pages, holders: 1 });
+                (true, None)
+            }
+            Op::Attach { req, key } => {
+                let (r, k) = (req % REQUESTS, key % KEYS);
+                let Some(rec) = self.requests.get(&r) else { return (false, None) };
+                let Some(id) = self.key_slot(k) else { return (false, Some(r)) };
+                let pt = self.prefixes[&id].tenant;
+                if pt != rec.tenant && !self.sharing.contains(&pt) {
+                    return (false, Some(r));
+                }
+                if self.requests.get_mut(&r).expect("checked").held.insert(id) {
+                    self.prefixes.get_mut(&id).expect("exists").holders += 1;
+                }
+                (true, None)
+            }
+            Op::Detach { req, key } => {
+                let (r, k) = (req % REQUESTS, key % KEYS);
+                if !self.requests.contains_key(&r) {
+                    return (false, None);
+                }
+                let Some(id) = self.key_slot(k) else { return (false, Some(r)) };
+                if !self.requests.get_mut(&r).expect("checked").held.remove(&id) {
+                    return (false, Some(r));
+                }
+                self.drop_hold(id);
+                (true, None)
+            }
+            Op::Evict { key } => {
+                let Some(id) = self.key_slot(key % KEYS) else { return (false, None) };
+                if self.prefixes[&id].holders > 0 {
+                    return (false, None);
+                }
+                let prefix = self.prefixes.remove(&id).expect("exists");
+                for p in prefix.pages {
+                    self.end_incarnation(p);
+                }
+                (true, None)
+            }
+            Op::Fork { parent, child } => {
+                let (p, c) = (parent % REQUESTS, child % REQUESTS);
+                let Some(rec) = self.requests.get(&p).cloned() else { return (false, None) };
+                if self.requests.contains_key(&c) {
+                    return (false, Some(c));
+                }
+                let mut held = rec.held.clone();
+                if !rec.owned.is_empty() {
+                    let id = self.next_prefix;
+                    self.next_prefix += 1;
+                    for &pg in &rec.owned {
+                        self.pages[pg as usize].state = MState::Shared(id);
+                    }
+                    self.prefixes.insert(id, MPrefix { key: None, tenant: rec.tenant, pages: rec.owned.clone(), holders: 1 });
+                    let parent = self.requests.get_mut(&p).expect("checked");
+                    parent.owned.clear();
+                    parent.held.insert(id);
+                    held.insert(id);
+                }
+                for id in &held {
+                    self.prefixes.get_mut(id).expect("exists").holders += 1;
+                }
+                self.requests.insert(c, MRequest { tenant: rec.tenant, owned: Vec::new(), held, quarantined: false });
+                (true, None)
+            }
+            Op::AllowSharing { tenant, allow } => {
+                let t = tenant % TENANTS;
+                if allow {
+                    self.sharing.insert(t);
+                } else {
+                    self.sharing.remove(&t);
+                }
+                (true, None)
+            }
+        }
+    }
+
+    fn write_target(&self, r: u8, index: u8, raw: bool) -> u32 {
+        if raw {
+            return u32::from(index) % (PAGES + 2);
+        }
+        let view = self.view(r);
+        if view.is_empty() { u32::from(index) % (PAGES + 2) } else { view[usize::from(index) % view.len()] }
+    }
+
+    fn read_table(&self, r: u8, swap_at: u8, swap: u8) -> Vec<u32> {
+        let mut table = self.view(r);
+        if let Some(slot) = table.get_mut(usize::from(swap_at)) {
+            *slot = u32::from(swap) % (PAGES + 2);
+        }
+        table
+    }
+}
+
+impl Default for Model {
+    fn default() -> Self {
+        Model::new()
+    }
+}
+
+/// Runs `ops` against a fresh table and the model, checking agreement and invariants after each.
+/// Panics with a description of the first disagreement.
+pub fn run(ops: &[Op]) {
+    run_with(config(), ops)
+}
+
+/// [`run`] against a table built from `config` (which should be [`config()`]; anything else is a
+/// drift the model must catch).
+pub fn run_with(config: PoolConfig, ops: &[Op]) {
+    let table = OwnershipTable::new(config).expect("the model's pool passes its audit");
+    let mut model = Model::new();
+    let mut generations: Vec<u32> = vec![1; PAGES as usize];
+    for (step, op) in ops.iter().enumerate() {
+        let outcome = execute(&table, &model, op);
+        let (expected_ok, quarantines) = model.apply(op);
+        match (&outcome, expected_ok) {
+            (Ok(pages), true) => {
+                if let (Op::Allocate { req, .. }, Some(pages)) = (op, pages) {
+                    let r = req % REQUESTS;
+                    for &p in pages {
+                        assert_eq!(model.pages[p as usize].state, MState::Free, "step {step}: allocated a non-free page {p}");
+                        model.pages[p as usize].state = MState::Owned(r);
+                        model.requests.get_mut(&r).expect("admitted").owned.push(p);
+                    }
+                }
+            }
+            (Err(e), false) => {
+                if e.violation().is_some()
+                    && let Some(q) = quarantines
+                {
+                    model.quarantine(q);
+                }
+            }
+            (Ok(_), false) => panic!("step {step}: {op:?} succeeded, the model refuses it"),
+            (Err(e), true) => panic!("step {step}: {op:?} refused ({e}), the model allows it"),
+        }
+        check_invariants(&table, &model, &mut generations, step);
+    }
+    // Releasing every request and evicting every prefix returns every page.
+    for r in 0..REQUESTS {
+        let _ = table.release(req_id(r));
+    }
+    for k in 0..KEYS {
+        let _ = table.evict_prefix(key_id(k));
+    }
+    let s = table.snapshot();
+    assert_eq!(s.free + s.reserved + s.retired, s.total_pages, "pages lost after releasing everything: {s:?}");
+    assert_eq!((s.owned, s.shared, s.requests, s.prefixes), (0, 0, 0, 0));
+}
+
+/// Runs one op on the table; for an allocation, returns the pages handed out.
+fn execute(table: &OwnershipTable, model: &Model, op: &Op) -> Result<Option<Vec<u32>>, Error> {
+    let none = |r: Result<(), Error>| r.map(|_| None);
+    match *op {
+        Op::Admit { req, tenant, prompt, max_new } => {
+            none(table.admit(req_id(req), tenant_id(tenant), u64::from(prompt), u64::from(max_new)))
+        }
+        Op::Allocate { req, n } => {
+            table.allocate(req_id(req), u32::from(n % 5)).map(|refs| Some(refs.iter().map(|r| r.page.0).collect()))
+        }
+        Op::Claim { req, ref pages } => {
+            let pages: Vec<PageId> = pages.iter().map(|&p| PageId(u32::from(p) % (PAGES + 2))).collect();
+            table.claim(req_id(req), &pages).map(|_| None)
+        }
+        Op::Write { req, index, raw, a, b } => {
+            let page = model.write_target(req % REQUESTS, index, raw);
+            none(table.record_write(req_id(req), PageId(page), u32::from(a % 6)..u32::from(b % 6)))
+        }
+        Op::Read { req, tokens, swap_at, swap } => {
+            let bt: Vec<PageId> = model.read_table(req % REQUESTS, swap_at, swap).into_iter().map(PageId).collect();
+            let tokens = u64::from(tokens) % (bt.len() as u64 * u64::from(PAGE_SIZE) + 2);
+            none(table.verify_read(req_id(req), &bt, tokens))
+        }
+        Op::Release { req } => table.release(req_id(req)).map(|_| None),
+        Op::ReleasePages { req, ref indices } => {
+            let view = model.view(req % REQUESTS);
+            let pages: Vec<PageId> = indices.iter().filter_map(|&i| view.get(usize::from(i))).map(|&p| PageId(p)).collect();
+            table.release_pages(req_id(req), &pages).map(|_| None)
+        }
+        Op::Preempt { req } => table.preempt(req_id(req)).map(|_| None),
+        Op::Publish { req, key, count } => {
+            let owned = model.requests.get(&(req % REQUESTS)).map(|r| r.owned.clone()).unwrap_or_default();
+            let n = usize::from(count % 4).min(owned.len());
+            let pages: Vec<PageId> = owned[..n].iter().map(|&p| PageId(p)).collect();
+            none(table.publish_prefix(req_id(req), key_id(key), &pages))
+        }
+        Op::Attach { req, key } => table.attach_prefix(req_id(req), key_id(key)).map(|_| None),
+        Op::Detach { req, key } => table.detach_prefix(req_id(req), key_id(key)).map(|_| None),
+        Op::Evict { key } => table.evict_prefix(key_id(key)).map(|_| None),
+        Op::Fork { parent, child } => none(table.fork(req_id(parent), req_id(child))),
+        Op::AllowSharing { tenant, allow } => {
+            table.allow_cross_tenant_sharing(tenant_id(tenant), allow);
+            Ok(None)
+        }
+    }
+}
+
+fn check_invariants(table: &OwnershipTable, model: &Model, generations: &mut [u32], step: usize) {
+    let s = table.snapshot();
+    assert_eq!(
+        s.free + s.owned + s.shared + s.reserved + s.retired + s.awaiting_scrub,
+        s.total_pages,
+        "step {step}: page states do not add up: {s:?}"
+    );
+    for p in 0..PAGES {
+        let info = table.page_info(PageId(p)).expect("in range");
+        let m = &model.pages[p as usize];
+        let state = match m.state {
+            MState::Free => PageState::Free,
+            MState::Owned(_) => PageState::Owned,
+            MState::Shared(_) => PageState::Shared,
+            MState::Reserved => PageState::Reserved,
+            MState::Retired => PageState::Retired,
+        };
+        assert_eq!(info.state, state, "step {step}: page {p} state");
+        if let MState::Owned(r) = m.state {
+            assert_eq!(info.owner, Some(req_id(r)), "step {step}: page {p} owner");
+        }
+        assert_eq!(info.generation.0, m.generation, "step {step}: page {p} generation");
+        assert!(info.generation.0 >= generations[p as usize], "step {step}: page {p} generation went backwards");
+        generations[p as usize] = info.generation.0;
+        assert_eq!(info.written_slots as usize, m.written.iter().filter(|&&w| w).count(), "step {step}: page {p} coverage");
+    }
+    // At most one writing owner: the pages requests own exclusively are disjoint.
+    let mut seen = BTreeSet::new();
+    for r in 0..REQUESTS {
+        if let Some(info) = table.request_info(req_id(r)) {
+            for pr in info.owned_pages {
+                assert!(seen.insert(pr.page), "step {step}: page {} owned twice", pr.page);
+            }
+            assert_eq!(info.quarantined, model.requests[&r].quarantined, "step {step}: req {r} quarantine");
+        } else {
+            assert!(!model.requests.contains_key(&r), "step {step}: req {r} missing from the table");
+        }
+    }
+}

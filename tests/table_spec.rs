@@ -1,0 +1,602 @@
+//! The ownership table's behaviour, one rule per test: every violation kind and every error.
+
+use kvguard::{
+    ConfigError, Error, Generation, OwnershipTable, PageId, PageRef, PageState, Policy, PoolConfig, PrefixKey,
+    RequestId, SeqRead, TenantId, ViolationKind,
+};
+
+const PS: u32 = 16;
+const A: RequestId = RequestId(1);
+const B: RequestId = RequestId(2);
+const C: RequestId = RequestId(3);
+const T1: TenantId = TenantId(100);
+const T2: TenantId = TenantId(200);
+const KEY: PrefixKey = PrefixKey(0xabc);
+
+/// 16 pages of 16 slots, page 0 reserved as the null page, max context 128 tokens.
+fn pool() -> PoolConfig {
+    PoolConfig::new(16, PS, 128).with_reserved([PageId(0)])
+}
+
+fn table() -> OwnershipTable {
+    OwnershipTable::new(pool()).expect("the test pool passes its audit")
+}
+
+fn kind<T: std::fmt::Debug>(r: Result<T, Error>) -> ViolationKind {
+    r.expect_err("the operation must be refused").violation_kind().expect("refused as a violation")
+}
+
+fn pages(refs: &[PageRef]) -> Vec<PageId> {
+    refs.iter().map(|r| r.page).collect()
+}
+
+/// `req` admitted with `tokens` of prompt, given enough pages, all written.
+fn written(t: &OwnershipTable, req: RequestId, tenant: TenantId, tokens: u64) -> Vec<PageId> {
+    t.admit(req, tenant, tokens, 0).unwrap();
+    let bt = pages(&t.allocate(req, tokens.div_ceil(u64::from(PS)) as u32).unwrap());
+    t.record_write_tokens(req, &bt, 0..tokens).unwrap();
+    bt
+}
+
+// ---- configuration and admission ----
+
+#[test]
+fn construction_refuses_a_pool_that_cannot_hold_one_max_context_request() {
+    let err = OwnershipTable::new(PoolConfig::new(10_645, 64, 1_048_576)).unwrap_err();
+    assert!(matches!(err, Error::Config(ConfigError::PoolTooSmall { capacity_tokens: 681_280, .. })));
+    let msg = err.to_string();
+    assert!(msg.contains("681,280") && msg.contains("1,048,576"), "{msg}");
+    // ...but a replay of such a deployment can still build it and let admission refuse.
+    assert!(OwnershipTable::new_unaudited(PoolConfig::new(10_645, 64, 1_048_576)).is_ok());
+}
+
+#[test]
+fn unaudited_construction_still_validates_the_shape() {
+    assert!(matches!(OwnershipTable::new_unaudited(PoolConfig::new(0, 16, 16)), Err(Error::Config(ConfigError::NoPages))));
+}
+
+#[test]
+fn admission_refuses_more_than_max_context_before_touching_any_page() {
+    let t = table();
+    let before = t.snapshot();
+    assert_eq!(kind(t.admit(A, T1, 100, 29)), ViolationKind::ExceedsMaxContext);
+    assert_eq!(kind(t.admit(A, T1, u64::MAX, u64::MAX)), ViolationKind::ExceedsMaxContext);
+    assert_eq!(t.snapshot().free, before.free);
+    assert!(t.request_info(A).is_none(), "a refused request is not admitted");
+    assert_eq!(kind(t.allocate(A, 1)), ViolationKind::UnknownRequest);
+    t.admit(A, T1, 100, 28).unwrap();
+}
+
+#[test]
+fn admission_refuses_more_pages_than_the_pool_can_ever_give() {
+    let t = OwnershipTable::new_unaudited(PoolConfig::new(4, PS, 1000).with_reserved([PageId(0)])).unwrap();
+    let err = t.admit(A, T1, 49, 0).unwrap_err();
+    let v = err.violation().unwrap();
+    assert_eq!(v.kind(), ViolationKind::ExceedsPool);
+    assert_eq!(v.amounts(), Some((4, 3)));
+    t.admit(A, T1, 48, 0).unwrap();
+}
+
+#[test]
+fn admitting_a_live_request_twice_is_a_duplicate() {
+    let t = table();
+    t.admit(A, T1, 10, 10).unwrap();
+    assert_eq!(kind(t.admit(A, T2, 10, 10)), ViolationKind::DuplicateRequest);
+    assert_eq!(t.request_info(A).unwrap().tenant, T1, "the first admission stands");
+}
+
+// ---- allocation and claims ----
+
+#[test]
+fn allocation_never_hands_out_a_reserved_page_and_fails_whole_when_short() {
+    let t = table();
+    t.admit(A, T1, 128, 0).unwrap();
+    t.admit(B, T1, 128, 0).unwrap();
+    let got = pages(&t.allocate(A, 15).unwrap());
+    assert!(!got.contains(&PageId(0)));
+    assert_eq!(t.snapshot().free, 0);
+    t.release_pages(A, &got[..2]).unwrap();
+    assert!(matches!(t.allocate(B, 3), Err(Error::OutOfPages { requested: 3, free: 2 })));
+    assert_eq!(t.snapshot().free, 2, "a failed allocation takes nothing");
+}
+
+#[test]
+fn shadow_claims_refuse_pages_that_are_not_free_all_or_nothing() {
+    let t = table();
+    t.admit(A, T1, 64, 0).unwrap();
+    t.admit(B, T1, 64, 0).unwrap();
+    t.claim(A, &[PageId(3), PageId(4)]).unwrap();
+    assert_eq!(kind(t.claim(B, &[PageId(5), PageId(4)])), ViolationKind::PageNotFree);
+    assert_eq!(t.page_info(PageId(5)).unwrap().state, PageState::Free, "nothing claimed");
+    assert_eq!(kind(t.claim(B, &[PageId(6), PageId(6)])), ViolationKind::PageNotFree);
+    assert_eq!(kind(t.claim(B, &[PageId(0)])), ViolationKind::ReservedPage);
+    assert_eq!(kind(t.claim(B, &[PageId(16)])), ViolationKind::PageOutOfRange);
+    assert_eq!(kind(t.claim(B, &[PageId(u32::MAX)])), ViolationKind::PageOutOfRange);
+}
+
+#[test]
+fn allocator_and_shadow_modes_share_one_set_of_tags() {
+    let t = table();
+    t.admit(A, T1, 64, 0).unwrap();
+    t.admit(B, T1, 64, 0).unwrap();
+    let first = t.allocate(A, 1).unwrap()[0];
+    assert_eq!(kind(t.claim(B, &[first.page])), ViolationKind::PageNotFree);
+    t.claim(B, &[PageId(9)]).unwrap();
+    let more = pages(&t.allocate(A, 13).unwrap());
+    assert!(!more.contains(&PageId(9)), "allocation skips a page claimed in shadow mode");
+}
+
+// ---- writes ----
+
+#[test]
+fn writes_need_an_owned_page_and_slots_inside_it() {
+    let t = table();
+    let a = written(&t, A, T1, 16);
+    t.admit(B, T1, 16, 0).unwrap();
+    assert_eq!(kind(t.record_write(B, a[0], 0..1)), ViolationKind::ForeignPage);
+    assert_eq!(kind(t.record_write(B, PageId(12), 0..1)), ViolationKind::FreedPage);
+    assert_eq!(kind(t.record_write(B, PageId(0), 0..1)), ViolationKind::ReservedPage);
+    assert_eq!(kind(t.record_write(B, PageId(99), 0..1)), ViolationKind::PageOutOfRange);
+    assert_eq!(kind(t.record_write(A, a[0], 0..17)), ViolationKind::SlotOutOfRange);
+    #[allow(clippy::reversed_empty_ranges)]
+    let reversed = 5..3;
+    assert_eq!(kind(t.record_write(A, a[0], reversed)), ViolationKind::SlotOutOfRange);
+    assert_eq!(kind(t.record_write(RequestId(77), a[0], 0..1)), ViolationKind::UnknownRequest);
+}
+
+#[test]
+fn a_token_write_through_a_block_table_is_all_or_nothing() {
+    let t = table();
+    let a = written(&t, A, T1, 16);
+    t.admit(B, T1, 48, 0).unwrap();
+    let b = pages(&t.allocate(B, 1).unwrap());
+    let err = t.record_write_tokens(B, &[b[0], a[0]], 0..32).unwrap_err();
+    assert_eq!(err.violation().unwrap().block_index(), Some(1));
+    assert_eq!(t.page_info(b[0]).unwrap().written_slots, 0, "the first page was not marked either");
+    assert_eq!(kind(t.record_write_tokens(B, &b, 0..17)), ViolationKind::BlockTableTooShort);
+}
+
+// ---- reads ----
+
+#[test]
+fn a_read_of_own_written_slots_passes_at_any_length() {
+    let t = table();
+    let a = written(&t, A, T1, 40);
+    for n in 0..=40 {
+        t.verify_read(A, &a, n).unwrap();
+    }
+}
+
+#[test]
+fn a_read_of_another_requests_page_is_foreign_and_quarantines_the_reader() {
+    let t = table();
+    let a = written(&t, A, T1, 16);
+    let b = written(&t, B, T2, 16);
+    let err = t.verify_read(B, &[a[0]], 16).unwrap_err();
+    let v = err.violation().unwrap();
+    assert_eq!(v.kind(), ViolationKind::ForeignPage);
+    assert_eq!((v.request(), v.owner(), v.page(), v.block_index()), (Some(B), Some(A), Some(a[0]), Some(0)));
+    assert_eq!(v.owner_tenant(), Some(T1));
+    // Quarantined: even its own pages are refused until it is released.
+    assert_eq!(kind(t.verify_read(B, &b, 16)), ViolationKind::Quarantined);
+    assert!(t.request_info(B).unwrap().quarantined);
+    t.release(B).unwrap();
+    let b = written(&t, B, T2, 16);
+    t.verify_read(B, &b, 16).unwrap();
+}
+
+#[test]
+fn a_read_of_a_freed_page_is_refused() {
+    let t = table();
+    let a = written(&t, A, T1, 32);
+    t.release_pages(A, &a[..1]).unwrap();
+    assert_eq!(kind(t.verify_read(A, &a, 32)), ViolationKind::FreedPage);
+}
+
+#[test]
+fn a_stale_block_table_entry_after_reuse_is_foreign_or_stale() {
+    let t = table();
+    let a = written(&t, A, T1, 32);
+    let old = t.request_info(A).unwrap().owned_pages;
+    t.release_pages(A, &a[..1]).unwrap();
+    // The page goes to B, who writes it: A's stale entry now points at B's KV.
+    t.admit(B, T2, 16, 0).unwrap();
+    let b = t.claim(B, &[a[0]]).unwrap();
+    t.record_write(B, b[0].page, 0..16).unwrap();
+    assert_eq!(b[0].generation, Generation(2));
+    let err = t.check_read(A, &a, 32).unwrap_err();
+    assert_eq!(err.kind(), ViolationKind::ForeignPage);
+    assert_eq!(err.owner(), Some(B));
+    // Through a ref, the same page comes back to A itself and is still refused: a new incarnation.
+    t.release(B).unwrap();
+    let again = t.claim(A, &[a[0]]).unwrap();
+    t.record_write(A, a[0], 0..16).unwrap();
+    let stale = old.iter().find(|r| r.page == a[0]).copied().unwrap();
+    assert_eq!(stale.generation, Generation(1));
+    let err = t.verify_read_refs(A, &[stale], 16).unwrap_err();
+    let v = err.violation().unwrap();
+    assert_eq!(v.kind(), ViolationKind::StalePage);
+    assert_eq!((v.generation(), v.expected_generation()), (Some(Generation(3)), Some(Generation(1))));
+    assert_eq!(again[0].generation, Generation(3));
+}
+
+#[test]
+fn a_read_of_unwritten_slots_names_them() {
+    let t = table();
+    t.admit(A, T1, 64, 0).unwrap();
+    let a = pages(&t.allocate(A, 2).unwrap());
+    t.record_write(A, a[0], 0..16).unwrap();
+    t.record_write(A, a[1], 0..3).unwrap();
+    t.record_write(A, a[1], 8..16).unwrap();
+    let v = t.check_read(A, &a, 32).unwrap_err();
+    assert_eq!(v.kind(), ViolationKind::UnwrittenSlots);
+    assert_eq!((v.page(), v.block_index(), v.slots()), (Some(a[1]), Some(1), Some((3, 8))));
+    t.record_write(A, a[1], 3..8).unwrap();
+    t.verify_read(A, &a, 32).unwrap();
+}
+
+#[test]
+fn the_incident_mechanism_is_refused_an_allocated_page_that_was_never_written() {
+    // Decode allocated pages for the whole prompt, but prefill sent one token: the rest of the
+    // pages still hold whatever their previous owner wrote.
+    let t = table();
+    let old = written(&t, B, T2, 64);
+    t.release(B).unwrap();
+    t.admit(A, T1, 64, 0).unwrap();
+    let a = pages(&t.allocate(A, 4).unwrap());
+    assert_eq!(a.iter().filter(|p| old.contains(p)).count(), 4, "the pool hands the old pages back");
+    t.record_import(A, &a, 1, 1).unwrap();
+    assert_eq!(kind(t.verify_read(A, &a, 64)), ViolationKind::UnwrittenSlots);
+}
+
+#[test]
+fn a_read_of_the_reserved_null_page_is_refused() {
+    let t = table();
+    let a = written(&t, A, T1, 16);
+    assert_eq!(kind(t.verify_read(A, &[a[0], PageId(0)], 17)), ViolationKind::ReservedPage);
+}
+
+#[test]
+fn a_read_past_the_block_table_or_the_pool_is_refused() {
+    let t = table();
+    let a = written(&t, A, T1, 16);
+    assert_eq!(t.check_read(A, &a, 17).unwrap_err().kind(), ViolationKind::BlockTableTooShort);
+    assert_eq!(kind(t.verify_read(A, &a, u64::MAX)), ViolationKind::BlockTableTooShort);
+    t.release(A).unwrap();
+    let a = written(&t, A, T1, 16);
+    assert_eq!(kind(t.verify_read(A, &[a[0], PageId(4000)], 20)), ViolationKind::PageOutOfRange);
+}
+
+#[test]
+fn a_read_by_an_unknown_request_is_refused() {
+    let t = table();
+    assert_eq!(kind(t.verify_read(A, &[], 0)), ViolationKind::UnknownRequest);
+}
+
+#[test]
+fn entries_past_the_tokens_read_are_not_checked() {
+    // Engines pad block tables (with the null page, or garbage) past the sequence length.
+    let t = table();
+    let a = written(&t, A, T1, 16);
+    t.verify_read(A, &[a[0], PageId(0), PageId(u32::MAX)], 16).unwrap();
+}
+
+#[test]
+fn a_decode_step_lists_every_refused_sequence() {
+    let t = table();
+    let a = written(&t, A, T1, 32);
+    let b = written(&t, B, T2, 32);
+    let c = written(&t, C, T1, 20);
+    let step = [
+        SeqRead { request: A, block_table: &a, tokens: 32 },
+        SeqRead { request: B, block_table: &a, tokens: 16 },
+        SeqRead { request: C, block_table: &c, tokens: 21 },
+        SeqRead { request: B, block_table: &b, tokens: 32 },
+    ];
+    let verdict = t.verify_step(&step);
+    let refused: Vec<_> = verdict.refused.iter().map(|(i, v)| (*i, v.kind())).collect();
+    // B's foreign read quarantines it, so its own sequence later in the step is refused too.
+    assert_eq!(
+        refused,
+        vec![(1, ViolationKind::ForeignPage), (2, ViolationKind::UnwrittenSlots), (3, ViolationKind::Quarantined)]
+    );
+    assert!(!verdict.is_clean());
+}
+
+// ---- release ----
+
+#[test]
+fn releasing_bumps_generations_and_releasing_again_is_a_double_free() {
+    let t = table();
+    let a = written(&t, A, T1, 32);
+    let released = t.release(A).unwrap();
+    assert_eq!(released.pages.len(), 2);
+    for p in &a {
+        let info = t.page_info(*p).unwrap();
+        assert_eq!((info.state, info.generation, info.written_slots), (PageState::Free, Generation(2), 0));
+    }
+    assert_eq!(kind(t.release(A)), ViolationKind::DoubleFree);
+    assert_eq!(kind(t.release(RequestId(12345))), ViolationKind::UnknownRequest);
+}
+
+#[test]
+fn releasing_pages_one_does_not_own_is_refused_all_or_nothing() {
+    let t = table();
+    let a = written(&t, A, T1, 32);
+    let b = written(&t, B, T1, 16);
+    assert_eq!(kind(t.release_pages(A, &[a[0], b[0]])), ViolationKind::ForeignPage);
+    assert_eq!(t.page_info(a[0]).unwrap().state, PageState::Owned, "nothing released");
+    assert_eq!(kind(t.release_pages(A, &[a[0], a[0]])), ViolationKind::DoubleFree);
+    t.release_pages(A, &[a[0]]).unwrap();
+    assert_eq!(kind(t.release_pages(A, &[a[0]])), ViolationKind::DoubleFree);
+    assert_eq!(kind(t.release_pages(A, &[PageId(0)])), ViolationKind::ReservedPage);
+    assert!(t.request_info(A).unwrap().quarantined, "refused releases quarantine the releaser");
+    assert_eq!(t.page_info(a[1]).unwrap().state, PageState::Owned, "the page it kept is still its own");
+}
+
+#[test]
+fn preemption_releases_pages_but_keeps_the_request_admitted() {
+    let t = table();
+    let a = written(&t, A, T1, 32);
+    assert_eq!(kind(t.verify_read(A, &[PageId(0)], 1)), ViolationKind::ReservedPage);
+    assert!(t.request_info(A).unwrap().quarantined);
+    t.preempt(A).unwrap();
+    assert_eq!(t.check_read(A, &a, 32).unwrap_err().kind(), ViolationKind::FreedPage);
+    let info = t.request_info(A).unwrap();
+    assert!(info.owned_pages.is_empty() && !info.quarantined);
+    let again = pages(&t.allocate(A, 2).unwrap());
+    t.record_write_tokens(A, &again, 0..32).unwrap();
+    t.verify_read(A, &again, 32).unwrap();
+}
+
+#[test]
+fn a_released_request_can_be_admitted_again() {
+    let t = table();
+    written(&t, A, T1, 16);
+    t.release(A).unwrap();
+    let a = written(&t, A, T1, 16);
+    t.verify_read(A, &a, 16).unwrap();
+}
+
+// ---- prefixes and forks ----
+
+#[test]
+fn a_published_prefix_is_readable_by_its_holders_only() {
+    let t = table();
+    let a = written(&t, A, T1, 32);
+    t.publish_prefix(A, KEY, &a).unwrap();
+    t.verify_read(A, &a, 32).unwrap();
+    t.admit(B, T1, 64, 0).unwrap();
+    assert_eq!(kind(t.verify_read(B, &a, 32)), ViolationKind::ForeignPage);
+    t.release(B).unwrap();
+    t.admit(B, T1, 64, 0).unwrap();
+    let refs = t.attach_prefix(B, KEY).unwrap();
+    assert_eq!(pages(&refs), a);
+    t.verify_read_refs(B, &refs, 32).unwrap();
+    assert_eq!(t.page_info(a[0]).unwrap().prefix, Some(KEY));
+}
+
+#[test]
+fn writing_a_shared_page_is_refused() {
+    let t = table();
+    let a = written(&t, A, T1, 20);
+    t.publish_prefix(A, KEY, &a).unwrap();
+    assert_eq!(kind(t.record_write(A, a[1], 4..5)), ViolationKind::WriteToShared);
+    assert_eq!(kind(t.release_pages(A, &a[..1])), ViolationKind::PageShared);
+    assert_eq!(kind(t.publish_prefix(A, PrefixKey(9), &a)), ViolationKind::PageShared);
+}
+
+#[test]
+fn publishing_a_key_twice_or_a_foreign_page_is_refused() {
+    let t = table();
+    let a = written(&t, A, T1, 16);
+    let b = written(&t, B, T1, 16);
+    t.publish_prefix(A, KEY, &a).unwrap();
+    assert_eq!(kind(t.publish_prefix(B, KEY, &b)), ViolationKind::DuplicatePrefix);
+    assert_eq!(kind(t.publish_prefix(B, PrefixKey(2), &a)), ViolationKind::ForeignPage);
+    assert_eq!(kind(t.publish_prefix(B, PrefixKey(2), &[PageId(13)])), ViolationKind::FreedPage);
+}
+
+#[test]
+fn attaching_across_tenants_needs_the_owners_consent() {
+    let t = table();
+    let a = written(&t, A, T1, 16);
+    t.publish_prefix(A, KEY, &a).unwrap();
+    t.admit(B, T2, 16, 0).unwrap();
+    let err = t.attach_prefix(B, KEY).unwrap_err();
+    let v = err.violation().unwrap();
+    assert_eq!(v.kind(), ViolationKind::CrossTenantShare);
+    assert_eq!((v.tenant(), v.owner_tenant()), (Some(T2), Some(T1)));
+    t.allow_cross_tenant_sharing(T1, true);
+    t.release(B).unwrap();
+    t.admit(B, T2, 16, 0).unwrap();
+    t.attach_prefix(B, KEY).unwrap();
+    t.verify_read(B, &a, 16).unwrap();
+}
+
+#[test]
+fn evicting_a_held_prefix_is_refused_and_pages_return_after_the_last_holder() {
+    let t = table();
+    let a = written(&t, A, T1, 32);
+    t.publish_prefix(A, KEY, &a).unwrap();
+    t.admit(B, T1, 64, 0).unwrap();
+    t.attach_prefix(B, KEY).unwrap();
+    let v = t.evict_prefix(KEY).unwrap_err();
+    assert_eq!(v.violation_kind(), Some(ViolationKind::EvictInUse));
+    assert_eq!(v.violation().unwrap().amounts(), Some((2, 0)));
+    t.release(A).unwrap();
+    t.verify_read(B, &a, 32).unwrap();
+    t.detach_prefix(B, KEY).unwrap();
+    assert_eq!(t.page_info(a[0]).unwrap().state, PageState::Shared, "cached until evicted");
+    let free_before = t.snapshot().free;
+    assert_eq!(t.evict_prefix(KEY).unwrap().pages.len(), 2);
+    assert_eq!(t.snapshot().free, free_before + 2);
+    // A phantom hit after eviction: the key is gone.
+    assert_eq!(kind(t.attach_prefix(B, KEY)), ViolationKind::UnknownPrefix);
+    assert_eq!(kind(t.evict_prefix(KEY)), ViolationKind::UnknownPrefix);
+    assert_eq!(kind(t.detach_prefix(B, KEY)), ViolationKind::UnknownPrefix);
+}
+
+#[test]
+fn a_fork_shares_the_parents_pages_read_only_until_both_release() {
+    let t = table();
+    let a = written(&t, A, T1, 24);
+    t.fork(A, B).unwrap();
+    assert_eq!(t.request_info(B).unwrap().tenant, T1);
+    t.verify_read(B, &a, 24).unwrap();
+    t.verify_read(A, &a, 24).unwrap();
+    // The half-full last page is shared now: appending to it is the engine's copy-on-write.
+    assert_eq!(kind(t.record_write(A, a[1], 8..9)), ViolationKind::WriteToShared);
+    assert_eq!(kind(t.verify_read(A, &a, 24)), ViolationKind::Quarantined, "the offender is quarantined");
+    t.release(A).unwrap();
+    t.verify_read(B, &a, 24).unwrap();
+    assert_eq!(t.page_info(a[0]).unwrap().state, PageState::Shared);
+    t.release(B).unwrap();
+    assert_eq!(t.page_info(a[0]).unwrap().state, PageState::Free);
+    assert_eq!(kind(t.fork(A, C)), ViolationKind::UnknownRequest);
+    written(&t, A, T1, 16);
+    written(&t, C, T1, 16);
+    assert_eq!(kind(t.fork(A, C)), ViolationKind::DuplicateRequest);
+}
+
+#[test]
+fn an_import_with_the_wrong_token_count_records_nothing() {
+    let t = table();
+    t.admit(A, T1, 40, 0).unwrap();
+    let refs = t.allocate(A, 3).unwrap();
+    let err = t.record_import_refs(A, &refs, 1, 40).unwrap_err();
+    assert_eq!(err.violation().unwrap().amounts(), Some((1, 40)));
+    assert_eq!(err.violation_kind(), Some(ViolationKind::TokenCountMismatch));
+    assert_eq!(t.page_info(refs[0].page).unwrap().written_slots, 0);
+    assert!(t.request_info(A).unwrap().quarantined, "a short transfer quarantines its request");
+    // Preempted and redone with the right count, the transfer lands and is readable.
+    t.preempt(A).unwrap();
+    let refs = t.allocate(A, 3).unwrap();
+    t.record_import_refs(A, &refs, 40, 40).unwrap();
+    t.verify_read_refs(A, &refs, 40).unwrap();
+}
+
+#[test]
+fn a_late_import_after_release_and_reuse_is_refused() {
+    let t = table();
+    t.admit(A, T1, 16, 0).unwrap();
+    let refs = t.allocate(A, 1).unwrap();
+    t.release(A).unwrap();
+    assert_eq!(kind(t.record_import_refs(A, &refs, 16, 16)), ViolationKind::UnknownRequest);
+    t.admit(A, T1, 16, 0).unwrap();
+    let again = t.claim(A, &[refs[0].page]).unwrap();
+    assert_eq!(kind(t.record_import_refs(A, &refs, 16, 16)), ViolationKind::StalePage);
+    assert_eq!(t.page_info(again[0].page).unwrap().written_slots, 0);
+}
+
+// ---- policy, scrubbing, retirement, visibility ----
+
+#[test]
+fn report_policy_counts_and_logs_but_lets_reads_through() {
+    let t = OwnershipTable::new(pool().with_policy(Policy::Report)).unwrap();
+    let a = written(&t, A, T1, 16);
+    t.admit(B, T2, 16, 0).unwrap();
+    t.verify_read(B, &a, 16).unwrap();
+    t.verify_read(B, &a, 16).unwrap();
+    assert!(!t.request_info(B).unwrap().quarantined);
+    assert_eq!(t.counters().get(ViolationKind::ForeignPage), 2);
+    let log = t.drain_violations();
+    assert_eq!(log.len(), 2);
+    assert!(log[0].to_string().starts_with("foreign_page: req 2 (tenant 200) read page"), "{}", log[0]);
+    assert!(t.drain_violations().is_empty());
+    // Mutations the table cannot represent are still refused.
+    assert_eq!(kind(t.claim(B, &[a[0]])), ViolationKind::PageNotFree);
+}
+
+#[test]
+fn scrubbed_pools_hold_released_pages_until_the_scrub_is_confirmed() {
+    let t = OwnershipTable::new(PoolConfig::new(8, PS, 16).with_scrub_on_release(true)).unwrap();
+    t.admit(A, T1, 16, 0).unwrap();
+    let all = t.allocate(A, 8).unwrap();
+    let released = t.release(A).unwrap();
+    assert_eq!(released.scrub.len(), 8);
+    assert_eq!(t.snapshot().awaiting_scrub, 8);
+    t.admit(B, T1, 16, 0).unwrap();
+    assert!(matches!(t.allocate(B, 1), Err(Error::OutOfPages { .. })));
+    assert_eq!(kind(t.claim(B, &[all[0].page])), ViolationKind::PageNotFree);
+    let wrong = PageRef { page: all[0].page, generation: Generation(7) };
+    assert!(matches!(t.confirm_scrubbed(&[wrong]), Err(Error::NotAwaitingScrub(_))));
+    t.confirm_scrubbed(&released.scrub[..1]).unwrap();
+    assert!(matches!(t.confirm_scrubbed(&released.scrub[..1]), Err(Error::NotAwaitingScrub(_))));
+    assert_eq!(t.allocate(B, 1).unwrap()[0].page, released.scrub[0].page);
+}
+
+#[test]
+fn a_page_whose_generation_reaches_the_limit_is_retired_not_wrapped() {
+    let t = OwnershipTable::new(PoolConfig::new(2, PS, 32).with_generation_limit(3)).unwrap();
+    let mut gens = Vec::new();
+    for round in 0..6 {
+        t.admit(A, T1, 16, 0).unwrap();
+        match t.claim(A, &[PageId(0)]) {
+            Ok(r) => gens.push(r[0].generation.0),
+            Err(e) => {
+                assert_eq!(e.violation_kind(), Some(ViolationKind::PageNotFree), "round {round}");
+                assert_eq!(t.page_info(PageId(0)).unwrap().state, PageState::Retired);
+            }
+        }
+        t.release(A).unwrap();
+    }
+    assert_eq!(gens, vec![1, 2, 3]);
+    let s = t.snapshot();
+    assert_eq!((s.retired, s.free), (1, 1));
+    // Admission now knows the pool lost a page for good.
+    assert_eq!(kind(t.admit(A, T1, 17, 0)), ViolationKind::ExceedsPool);
+}
+
+#[test]
+fn the_snapshot_accounts_for_every_page() {
+    let t = table();
+    let a = written(&t, A, T1, 32);
+    written(&t, B, T1, 16);
+    t.publish_prefix(A, KEY, &a[..1]).unwrap();
+    let s = t.snapshot();
+    assert_eq!((s.total_pages, s.reserved, s.owned, s.shared, s.free), (16, 1, 2, 1, 12));
+    assert_eq!(s.free + s.owned + s.shared + s.reserved + s.retired + s.awaiting_scrub, s.total_pages);
+    assert_eq!((s.requests, s.prefixes, s.quarantined), (2, 1, 0));
+}
+
+#[test]
+fn changed_pages_are_listed_once_until_taken() {
+    let t = table();
+    assert!(t.take_changed_pages().is_empty());
+    let a = written(&t, A, T1, 32);
+    let changed = t.take_changed_pages();
+    let mut ids: Vec<PageId> = changed.iter().map(|(p, _)| *p).collect();
+    ids.sort();
+    assert_eq!(ids, a);
+    assert!(changed.iter().all(|(_, i)| i.state == PageState::Owned && i.owner == Some(A) && i.written_prefix == 16));
+    assert!(t.take_changed_pages().is_empty());
+    t.release(A).unwrap();
+    assert_eq!(t.take_changed_pages().len(), 2);
+}
+
+#[test]
+fn external_violations_are_counted_and_quarantine_under_enforce() {
+    let t = table();
+    let a = written(&t, A, T1, 16);
+    t.report(kvguard::Violation::new(ViolationKind::TokenCountMismatch, kvguard::Op::Import).with_request(A, None));
+    assert_eq!(t.counters().get(ViolationKind::TokenCountMismatch), 1);
+    assert_eq!(kind(t.verify_read(A, &a, 16)), ViolationKind::Quarantined);
+}
+
+#[test]
+fn the_violation_log_is_bounded() {
+    let t = OwnershipTable::new(pool().with_policy(Policy::Report)).unwrap();
+    t.admit(A, T1, 16, 0).unwrap();
+    for _ in 0..(kvguard::table::VIOLATION_LOG_CAPACITY + 10) {
+        t.verify_read(A, &[PageId(5)], 1).unwrap();
+    }
+    assert_eq!(t.drain_violations().len(), kvguard::table::VIOLATION_LOG_CAPACITY);
+    assert_eq!(t.snapshot().violations_dropped, 10);
+}
+
+#[test]
+fn the_table_is_send_and_sync() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<OwnershipTable>();
+}
