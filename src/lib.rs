@@ -40,3 +40,8 @@ pub use error::Error;
 pub use ids::{Generation, PageId, PageRef, PrefixKey, RequestId, TenantId};
 pub use table::{OwnershipTable, PageInfo, PageState, PoolSnapshot, Released, RequestInfo, SeqRead, StepVerdict};
 pub use violation::{Op, Policy, Violation, ViolationCounters, ViolationKind};
+
+/// The README's code blocks, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

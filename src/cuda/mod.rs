@@ -1,1 +1,82 @@
-//! Device-side checks through CUDA (issue 5).
+//! Device-side checks through CUDA: the tag mirror, block-table verification, canaries, CRC32 and
+//! scrubbing on the engine's GPU (feature `cuda`).
+//!
+//! The host [`OwnershipTable`](crate::OwnershipTable) proves who *should* own a page; the GPU is
+//! where pages are actually read. [`DeviceGuard`] keeps a device copy of every page's tag
+//! (updated incrementally from [`take_changed_pages`](crate::OwnershipTable::take_changed_pages)),
+//! verifies a step's block tables before attention without any host synchronisation, and reports
+//! what the kernels found back into the host table's counters and log.
+//!
+//! - [`layout`]: the `#[repr(C)]` mirrors of `kernels/kvguard.cuh` (tag, reader, violation
+//!   record, ring header) and the canary function; plain safe Rust, tested without a GPU.
+//! - [`source`]: the embedded kernel sources and their NVRTC compilation (cached).
+//! - [`DeviceGuard`]: the safe host API. All `unsafe` lives in one file, `backend.rs`, behind
+//!   [`Borrowed`] (device memory the engine owns, lent to kvguard under a documented contract).
+//!
+//! Without a driver, a device or NVRTC, [`DeviceGuard::new`] returns a [`DeviceError`]; it never
+//! panics. See `docs/cuda.md` for fusing the checks into an engine's own kernels.
+#![allow(unsafe_code)]
+
+mod backend;
+mod guard;
+pub mod layout;
+pub mod source;
+
+pub use backend::{AttentionShape, Borrowed, KvElement, PageRegion};
+pub use guard::{BlockTableStep, DeviceGuard, DeviceOptions, DrainReport, POISON, PagedKvStep};
+pub use layout::{DeviceKind, DeviceReader, DeviceTag, DeviceViolation, RingHeader};
+
+/// Why the device side could not be set up or a device operation failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DeviceError {
+    /// The CUDA driver library (`libcuda.so`) is not installed: no NVIDIA driver here.
+    #[error("the CUDA driver library (libcuda) could not be loaded: no NVIDIA driver on this machine")]
+    DriverNotFound,
+    /// The driver loaded but has no device of that ordinal.
+    #[error("no CUDA device {ordinal}: the driver reports {count} device(s)")]
+    NoDevice {
+        /// The ordinal asked for.
+        ordinal: usize,
+        /// Devices the driver reports.
+        count: i32,
+    },
+    /// NVRTC (`libnvrtc.so`) could not be loaded, so the kernels cannot be compiled.
+    #[error(
+        "the NVRTC library (libnvrtc) could not be loaded: install the CUDA toolkit or the \
+         nvidia-cuda-nvrtc-cu12 wheel and put its lib directory on LD_LIBRARY_PATH"
+    )]
+    NvrtcNotFound,
+    /// NVRTC refused the kernel sources.
+    #[error("kvguard kernels did not compile for {arch}: {log}")]
+    Compile {
+        /// The virtual architecture (`compute_90`).
+        arch: String,
+        /// NVRTC's log.
+        log: String,
+    },
+    /// A CUDA library was found but could not be used (a missing symbol: too old a driver or
+    /// toolkit for this build).
+    #[error("a CUDA library could not be used: {0}")]
+    Loader(String),
+    /// A driver call failed.
+    #[error("CUDA driver error: {0}")]
+    Driver(#[from] cudarc::driver::DriverError),
+    /// An argument does not fit the guard's buffers or the memory it names.
+    #[error("{0}")]
+    Argument(String),
+}
+
+/// Whether the CUDA driver library can be loaded, without loading it for good or panicking.
+pub fn driver_available() -> bool {
+    // SAFETY: `is_culib_present` only tries `dlopen` on the driver library's names and drops
+    // what it opened; no driver code runs.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a CUDA library panicked while loading".into())
+}

@@ -116,7 +116,8 @@ impl TableState {
                 tenant,
                 prompt_tokens: prompt,
                 max_new_tokens: max_new,
-                pages: Vec::new(),
+                // Sized for the whole request (bounded: the limit is the pool, not the caller).
+                pages: Vec::with_capacity(pages.min(1 << 12) as usize),
                 prefixes: Vec::new(),
                 quarantined: AtomicBool::new(false),
             },
@@ -130,11 +131,26 @@ impl TableState {
             return Err(Error::OutOfPages { requested: u64::from(n), free: self.free.len() as u64 });
         }
         out.reserve(n as usize);
-        for _ in 0..n {
-            let page = *self.free.last().expect("checked: enough free pages");
-            self.take_free_page(page, req);
-            out.push(self.page_ref(page));
+        let rec = self.requests.get_mut(&req).expect("checked above");
+        let start = self.free.len() - n as usize;
+        let first_link = rec.pages.len();
+        // The top of the free stack, most recently freed last: hand it out from the top down.
+        for (k, &page) in self.free[start..].iter().rev().enumerate() {
+            let tag = &mut self.tags[page.0 as usize];
+            debug_assert!(tag.state == PageState::Free && tag.written == 0 && !tag.sparse);
+            tag.state = PageState::Owned;
+            tag.owner = req;
+            tag.tenant = rec.tenant;
+            tag.link = (first_link + k) as u32;
+            if !std::mem::replace(&mut tag.changed, true) {
+                self.changed.push(page);
+            }
+            out.push(PageRef { page, generation: Generation(tag.generation) });
         }
+        rec.pages.extend(self.free[start..].iter().rev());
+        self.state_counts[PageState::Free as usize] -= u64::from(n);
+        self.state_counts[PageState::Owned as usize] += u64::from(n);
+        self.free.truncate(start);
         Ok(())
     }
 
@@ -171,30 +187,17 @@ impl TableState {
         Ok(())
     }
 
-    /// Splits tokens `range` of a request's sequence over its block table: `(block, page, slots)`.
-    fn token_spans<'a, E: BlockEntry>(
-        &self,
-        op: Op,
-        req: RequestId,
-        block_table: &'a [E],
-        range: Range<u64>,
-    ) -> Result<impl Iterator<Item = (usize, E, Range<u32>)> + 'a, Error> {
+    /// The blocks `first..last` that tokens `range` touch, or `block_table_too_short`.
+    fn token_blocks(&self, op: Op, req: RequestId, blocks: usize, range: &Range<u64>) -> Result<Range<usize>, Error> {
         let ps = u64::from(self.page_size);
-        let covered = (block_table.len() as u64).saturating_mul(ps);
+        let covered = (blocks as u64).saturating_mul(ps);
         if range.start > range.end || range.end > covered {
             let v = self
                 .violation(ViolationKind::BlockTableTooShort, op, req)
                 .with_amounts(range.end.max(range.start), covered);
             return Err(v.into());
         }
-        let first = (range.start / ps) as usize;
-        let last = range.end.div_ceil(ps) as usize;
-        Ok((first..last).map(move |b| {
-            let page_start = b as u64 * ps;
-            let a = range.start.max(page_start) - page_start;
-            let e = range.end.min(page_start + ps) - page_start;
-            (b, block_table[b], a as u32..e as u32)
-        }))
+        Ok((range.start / ps) as usize..range.end.div_ceil(ps) as usize)
     }
 
     pub(crate) fn record_write_tokens<E: BlockEntry>(
@@ -205,32 +208,48 @@ impl TableState {
         tokens: Range<u64>,
     ) -> Result<(), Error> {
         self.record(op, req)?;
-        for (b, entry, _) in self.token_spans(op, req, block_table, tokens.clone())? {
+        let blocks = self.token_blocks(op, req, block_table.len(), &tokens)?;
+        // Check every page before marking any: all or nothing.
+        for b in blocks.clone() {
+            let entry = block_table[b];
             let page = entry.page();
-            let at_block = |e: Error| match e {
-                Error::Violation(v) => Error::Violation(v.with_block_index(b as u32)),
-                other => other,
-            };
-            self.check_owned_by(op, req, page).map_err(at_block)?;
-            if let Some(g) = entry.generation()
-                && g.0 != self.tags[page.0 as usize].generation
-            {
-                let v = self.page_violation(ViolationKind::StalePage, op, req, page).with_expected_generation(g);
-                return Err(at_block(v.into()));
+            let fine = self.tag(page).is_some_and(|t| {
+                t.state == PageState::Owned && t.owner == req && entry.generation().is_none_or(|g| g.0 == t.generation)
+            });
+            if !fine {
+                return Err(self.write_refusal(op, req, b, entry));
             }
         }
-        let spans: Vec<_> = self.token_spans(op, req, block_table, tokens)?.collect();
-        for (_, entry, slots) in spans {
-            self.mark_written(entry.page(), slots.start, slots.end);
+        let ps = u64::from(self.page_size);
+        for b in blocks {
+            let page_start = b as u64 * ps;
+            let a = tokens.start.max(page_start) - page_start;
+            let e = tokens.end.min(page_start + ps) - page_start;
+            self.mark_written(block_table[b].page(), a as u32, e as u32);
         }
         Ok(())
+    }
+
+    /// Why `req` may not write through block `b`.
+    #[cold]
+    fn write_refusal<E: BlockEntry>(&self, op: Op, req: RequestId, b: usize, entry: E) -> Error {
+        let page = entry.page();
+        let v = match self.check_owned_by(op, req, page) {
+            Err(Error::Violation(v)) => v,
+            Err(other) => return other,
+            Ok(()) => {
+                let g = entry.generation().unwrap_or(Generation(0));
+                self.page_violation(ViolationKind::StalePage, op, req, page).with_expected_generation(g)
+            }
+        };
+        v.with_block_index(b as u32).into()
     }
 
     pub(crate) fn release(&mut self, req: RequestId) -> Result<Released, Error> {
         let Some(rec) = self.requests.remove(&req) else {
             return Err(self.unknown_request(Op::Release, req));
         };
-        let mut released = Released::default();
+        let mut released = Released { pages: Vec::with_capacity(rec.pages.len()), scrub: Vec::new() };
         for page in rec.pages {
             released.pages.push(self.end_incarnation(page, &mut released.scrub));
         }

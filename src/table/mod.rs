@@ -13,9 +13,11 @@
 //! the engine, so no lock is ever held across engine code.
 //!
 //! # Memory
-//! Each page costs a 32-byte tag, a 4-byte free-list entry and one bit per token slot. A pool of
-//! 1,048,576 pages of 16 slots therefore takes 36 MiB of tags and free list plus 2 MiB of coverage
-//! bitmap: 38 bytes per page (≤ 64) plus 1 bit per slot. Requests and prefixes add their page lists.
+//! Each page costs a 32-byte tag, 4 bytes of free list (sized for the whole pool up front), up to
+//! 4 bytes in its owner's or prefix's page list and up to 4 bytes in the change list for the
+//! device mirror; each token slot costs one bit of coverage bitmap. That is at most 44 bytes per
+//! page plus 1 bit per slot: a pool of 1,048,576 pages of 16 slots takes at most 44 MiB of
+//! metadata and a 2 MiB bitmap. Each admitted request adds a small record; each prefix one more.
 
 mod lifecycle;
 mod prefix;

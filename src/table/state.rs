@@ -34,6 +34,10 @@ impl PageState {
 }
 
 /// One page's tag: 32 bytes, plus `page_size` bits of coverage elsewhere.
+///
+/// Coverage is a watermark plus a bitmap: slot `s` is written iff `s < written` or its bit is set.
+/// Writes in order (prefill chunks, decode appends) only move the watermark; the bitmap is touched
+/// only by writes that leave a gap (`sparse`), and cleared on release only if it was.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct PageTag {
     /// Owned: the owner. Shared: the publisher. Free: the last owner (for diagnosis only).
@@ -47,6 +51,8 @@ pub(crate) struct PageTag {
     pub state: PageState,
     /// Listed in `changed` since the last `take_changed`.
     pub changed: bool,
+    /// Some coverage bit of this incarnation may be set.
+    pub sparse: bool,
 }
 
 pub(crate) struct RequestRecord {
@@ -74,31 +80,35 @@ pub(crate) struct PrefixRecord {
 /// The most ended request ids remembered to tell a double free from an unknown request.
 pub(crate) const ENDED_MEMORY: usize = 1 << 16;
 
-/// A bounded memory of recently ended requests.
+/// A bounded memory of recently ended requests: O(1) insert, lookup and forget.
 #[derive(Default)]
 pub(crate) struct RecentlyEnded {
-    set: HashSet<RequestId>,
-    order: VecDeque<RequestId>,
+    /// Ended request → the sequence number of its entry in `order`.
+    set: HashMap<RequestId, u64>,
+    order: VecDeque<(RequestId, u64)>,
+    next: u64,
 }
 
 impl RecentlyEnded {
     pub fn insert(&mut self, req: RequestId) {
-        if self.set.insert(req) {
-            self.order.push_back(req);
-            if self.order.len() > ENDED_MEMORY
-                && let Some(old) = self.order.pop_front()
+        let seq = self.next;
+        self.next += 1;
+        self.set.insert(req, seq);
+        self.order.push_back((req, seq));
+        while self.order.len() > ENDED_MEMORY {
+            if let Some((old, old_seq)) = self.order.pop_front()
+                && self.set.get(&old) == Some(&old_seq)
             {
                 self.set.remove(&old);
             }
         }
     }
     pub fn contains(&self, req: RequestId) -> bool {
-        self.set.contains(&req)
+        self.set.contains_key(&req)
     }
+    /// Forgets `req` (admitted again); its stale entry in `order` is skipped when it comes due.
     pub fn forget(&mut self, req: RequestId) {
-        if self.set.remove(&req) {
-            self.order.retain(|&r| r != req);
-        }
+        self.set.remove(&req);
     }
 }
 
@@ -149,6 +159,7 @@ impl TableState {
                 link: 0,
                 state,
                 changed: false,
+                sparse: false,
             });
         }
         // Lowest ids on top of the stack, so a fresh pool hands out pages in id order.
@@ -185,6 +196,7 @@ impl TableState {
         PageRef { page, generation: Generation(self.tags[page.0 as usize].generation) }
     }
 
+    #[inline]
     fn mark_changed(&mut self, page: PageId) {
         let tag = &mut self.tags[page.0 as usize];
         if !tag.changed {
@@ -193,6 +205,7 @@ impl TableState {
         }
     }
 
+    #[inline]
     pub fn set_state(&mut self, page: PageId, state: PageState) {
         let tag = &mut self.tags[page.0 as usize];
         self.state_counts[tag.state as usize] -= 1;
@@ -215,13 +228,31 @@ impl TableState {
     /// Makes `page` owned by `req`, appended to its page list.
     fn give_page(&mut self, page: PageId, req: RequestId) {
         let rec = self.requests.get_mut(&req).expect("callers check the request is admitted");
-        let tag = &mut self.tags[page.0 as usize];
+        Self::give_page_to(&mut self.tags, &mut self.state_counts, &mut self.changed, rec, page, req);
+    }
+
+    /// [`give_page`](Self::give_page) with the record already looked up (the allocation loop).
+    pub fn give_page_to(
+        tags: &mut [PageTag],
+        state_counts: &mut [u64; PageState::COUNT],
+        changed: &mut Vec<PageId>,
+        rec: &mut RequestRecord,
+        page: PageId,
+        req: RequestId,
+    ) {
+        let tag = &mut tags[page.0 as usize];
+        debug_assert!(tag.written == 0 && !tag.sparse, "free pages carry no coverage");
+        state_counts[tag.state as usize] -= 1;
+        state_counts[PageState::Owned as usize] += 1;
+        tag.state = PageState::Owned;
         tag.owner = req;
         tag.tenant = rec.tenant;
-        tag.written = 0;
         tag.link = rec.pages.len() as u32;
+        if !tag.changed {
+            tag.changed = true;
+            changed.push(page);
+        }
         rec.pages.push(page);
-        self.set_state(page, PageState::Owned);
     }
 
     /// Removes an owned page from its owner's page list (the caller changes its state next).
@@ -237,64 +268,110 @@ impl TableState {
 
     /// Ends a page's incarnation: coverage cleared, generation bumped (or the page retired), and
     /// the page returned to the free list or held for a scrub. Returns the ended incarnation.
+    #[inline(always)]
     pub fn end_incarnation(&mut self, page: PageId, scrub: &mut Vec<PageRef>) -> PageRef {
-        let ended = self.page_ref(page);
-        let ps = self.page_size as usize;
-        let base = page.0 as usize * ps;
-        self.coverage[base..base + ps].fill(false);
+        let free_slot = self.free.len() as u32;
         let tag = &mut self.tags[page.0 as usize];
-        tag.written = 0;
-        if tag.generation >= self.generation_limit {
-            self.set_state(page, PageState::Retired);
+        let ended = PageRef { page, generation: Generation(tag.generation) };
+        let (old, sparse, changed) = (tag.state, tag.sparse, tag.changed);
+        let new = if tag.generation >= self.generation_limit {
+            PageState::Retired
         } else {
             tag.generation += 1;
             if self.scrub_on_release {
-                self.set_state(page, PageState::AwaitingScrub);
-                scrub.push(ended);
+                PageState::AwaitingScrub
             } else {
-                self.push_free(page);
+                tag.link = free_slot;
+                PageState::Free
             }
+        };
+        tag.state = new;
+        tag.written = 0;
+        tag.sparse = false;
+        tag.changed = true;
+        if !changed {
+            self.changed.push(page);
+        }
+        self.state_counts[old as usize] -= 1;
+        self.state_counts[new as usize] += 1;
+        match new {
+            PageState::Free => self.free.push(page),
+            PageState::AwaitingScrub => scrub.push(ended),
+            _ => {}
+        }
+        if sparse {
+            let range = self.slot_range(page, 0, self.page_size);
+            self.coverage[range].fill(false);
         }
         ended
     }
 
+    #[inline]
     pub fn push_free(&mut self, page: PageId) {
         self.tags[page.0 as usize].link = self.free.len() as u32;
         self.free.push(page);
         self.set_state(page, PageState::Free);
     }
 
+    fn slot_range(&self, page: PageId, a: u32, b: u32) -> std::ops::Range<usize> {
+        let base = page.0 as usize * self.page_size as usize;
+        base + a as usize..base + b as usize
+    }
+
+
     /// Records slots `a..b` of `page` as written and advances the watermark.
+    #[inline]
     pub fn mark_written(&mut self, page: PageId, a: u32, b: u32) {
-        if a == b {
+        let tag = &mut self.tags[page.0 as usize];
+        if b <= tag.written.max(a) {
+            return; // empty, or already written by this incarnation
+        }
+        if a <= tag.written && !tag.sparse {
+            // The common case: appending to the written prefix.
+            tag.written = b;
+            if !std::mem::replace(&mut tag.changed, true) {
+                self.changed.push(page);
+            }
             return;
         }
-        let ps = self.page_size as usize;
-        let base = page.0 as usize * ps;
-        self.coverage[base + a as usize..base + b as usize].fill(true);
-        let tag = &mut self.tags[page.0 as usize];
-        if a <= tag.written && b > tag.written {
-            let rest = &self.coverage[base + b as usize..base + ps];
-            tag.written = b + rest.first_zero().unwrap_or(rest.len()) as u32;
-        }
+        self.mark_written_sparse(page, a, b);
+    }
+
+    /// [`mark_written`](Self::mark_written) when the write leaves a gap or may close one.
+    #[cold]
+    fn mark_written_sparse(&mut self, page: PageId, a: u32, b: u32) {
+        let tag = self.tags[page.0 as usize];
+        let written = if a <= tag.written {
+            let rest = &self.coverage[self.slot_range(page, b, self.page_size)];
+            b + rest.first_zero().unwrap_or(rest.len()) as u32
+        } else {
+            let range = self.slot_range(page, a, b);
+            self.coverage[range].fill(true);
+            self.tags[page.0 as usize].sparse = true;
+            tag.written
+        };
+        self.tags[page.0 as usize].written = written;
         self.mark_changed(page);
     }
 
     /// The first run of unwritten slots in `0..need` of `page`, given `written < need`.
     pub fn unwritten_run(&self, page: PageId, need: u32) -> (u32, u32) {
         let tag = &self.tags[page.0 as usize];
-        let base = page.0 as usize * self.page_size as usize;
         let start = tag.written;
-        let gap = &self.coverage[base + start as usize..base + need as usize];
-        let end = start + gap.first_one().unwrap_or(gap.len()) as u32;
-        (start, end)
+        if !tag.sparse {
+            return (start, need);
+        }
+        let gap = &self.coverage[self.slot_range(page, start, need)];
+        (start, start + gap.first_one().unwrap_or(gap.len()) as u32)
     }
 
     /// Slots of `page` its current incarnation wrote.
     pub fn written_slots(&self, page: PageId) -> u32 {
-        let ps = self.page_size as usize;
-        let base = page.0 as usize * ps;
-        self.coverage[base..base + ps].count_ones() as u32
+        let tag = &self.tags[page.0 as usize];
+        if !tag.sparse {
+            return tag.written;
+        }
+        tag.written + self.coverage[self.slot_range(page, tag.written, self.page_size)].count_ones() as u32
     }
 
     pub fn prefix(&self, slot: u32) -> &PrefixRecord {
@@ -311,5 +388,16 @@ impl TableState {
             self.tags[p.0 as usize].changed = false;
         }
         changed
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_page_tag_is_32_bytes() {
+        // The memory figure in the table's docs and the README depends on it.
+        assert_eq!(std::mem::size_of::<PageTag>(), 32);
     }
 }

@@ -4,7 +4,7 @@
 use super::digest::PromptDigest;
 use super::wire::{DecodeError, Manifest, SenderId};
 use crate::error::Error;
-use crate::ids::{PageRef, RequestId, TenantId};
+use crate::ids::{PageRef, RequestId, TenantId, grouped};
 use crate::table::{OwnershipTable, PageState};
 use crate::violation::{Op, Violation, ViolationKind};
 
@@ -106,7 +106,7 @@ pub enum TransferError {
     },
     /// The token count is not the prompt length the receiver holds (a substituted or truncated
     /// prompt).
-    #[error("transfer carries {found} tokens, the prompt has {expected}")]
+    #[error("transfer carries {} tokens, the request's prompt has {}", grouped(*found), grouped(*expected))]
     TokenCount {
         /// The receiver's prompt length.
         expected: u64,
@@ -132,7 +132,7 @@ pub enum TransferError {
         index: Option<usize>,
     },
     /// The manifest names an earlier incarnation of a receiving page: a late or replayed transfer.
-    #[error("late transfer: page {index} names {found}, the page is now {current}")]
+    #[error("late transfer: entry {index} names {found}, the receiver now holds {current}")]
     Stale {
         /// Position in the transfer.
         index: usize,

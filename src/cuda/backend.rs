@@ -1,0 +1,669 @@
+//! The CUDA edge: every `unsafe` of the device side lives in this file.
+//!
+//! Invariants this file keeps, so that every method here is safe to call:
+//! - kvguard's own buffers (tag table, canaries, ring, status words, readers, staging) are
+//!   allocated here at their final sizes and never reallocated; each launch checks that the
+//!   counts it passes fit them.
+//! - Engine memory reaches a kernel only as a [`Borrowed`], whose creator promised (in
+//!   `Borrowed::from_raw`'s contract) that it is live device memory of the stated length; each
+//!   launch checks that the elements the kernel will touch, computed from the counts and shapes
+//!   it is given, lie inside every `Borrowed`.
+//! - Page ids and slot numbers that come from device memory are range-checked *by the kernels*
+//!   (out-of-range ids are reported or skipped, never dereferenced), except in the unchecked
+//!   reference attention, which is therefore the one `unsafe fn` here.
+//! - Every launch goes on `Device::stream`, so kvguard's launches are ordered with each other and
+//!   with whatever else the engine puts on that stream.
+//! - Launches and the status memset pass kvguard's buffers as raw device addresses (taken once,
+//!   at allocation), so they record and wait on no cudarc events: a capture of the check path
+//!   into a CUDA graph contains only kvguard's kernel and memset nodes.
+
+use super::DeviceError;
+use super::layout::{DeviceReader, DeviceTag, RingHeader};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg, sys};
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+/// Device memory the engine owns and lends to kvguard: `len` elements of `T` at a device address.
+/// kvguard never frees it.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Borrowed<T> {
+    ptr: u64,
+    len: usize,
+    elem: PhantomData<fn() -> T>,
+}
+
+impl<T> Clone for Borrowed<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for Borrowed<T> {}
+
+impl<T> Borrowed<T> {
+    /// Lends `len` elements of `T` at device address `ptr` (a `CUdeviceptr`, e.g. a PyTorch
+    /// tensor's `data_ptr()`).
+    ///
+    /// # Safety
+    /// - `ptr` is an address in the CUDA context of the [`DeviceGuard`](super::DeviceGuard) this
+    ///   is passed to, aligned for `T` (and to 16 bytes for pages given to the scrub kernel's
+    ///   vector path, which it checks itself), and `len * size_of::<T>()` bytes from it are one
+    ///   live allocation (`len == 0` needs no allocation);
+    /// - the memory stays allocated, and is not handed to anything else, until every kvguard
+    ///   launch given this value has completed on its stream;
+    /// - nothing else writes memory a launch reads, or touches memory a launch writes, unless
+    ///   ordered with the launch on the stream (the usual rule for a CUDA kernel's arguments).
+    pub unsafe fn from_raw(ptr: u64, len: usize) -> Borrowed<T> {
+        Borrowed { ptr, len, elem: PhantomData }
+    }
+
+    /// The device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Elements lent.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether nothing is lent.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+fn need<T>(what: &str, b: &Borrowed<T>, elements: u64) -> Result<(), DeviceError> {
+    if (b.len as u64) < elements {
+        return Err(DeviceError::Argument(format!("{what}: {elements} elements needed, {} lent", b.len)));
+    }
+    Ok(())
+}
+
+fn need_opt<T>(what: &str, b: &Option<Borrowed<T>>, elements: u64) -> Result<(), DeviceError> {
+    b.as_ref().map_or(Ok(()), |b| need(what, b, elements))
+}
+
+fn fits(what: &str, count: u64, capacity: u64) -> Result<(), DeviceError> {
+    if count > capacity {
+        return Err(DeviceError::Argument(format!("{what}: {count} exceeds the capacity {capacity}")));
+    }
+    Ok(())
+}
+
+fn ptr_or_null<T>(b: &Option<Borrowed<T>>) -> u64 {
+    b.as_ref().map_or(0, |b| b.ptr)
+}
+
+fn cfg(grid: (u32, u32, u32), threads: u32) -> LaunchConfig {
+    LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// Grid sizes are capped: kernels are grid-stride loops, so a capped grid is still complete.
+const MAX_GRID_X: u32 = 1 << 16;
+const MAX_GRID_Y: u32 = 65_535;
+
+fn blocks_for(n: u64, threads: u32) -> u32 {
+    n.div_ceil(u64::from(threads)).clamp(1, u64::from(MAX_GRID_X)) as u32
+}
+
+struct Kernels {
+    apply: CudaFunction,
+    verify_block_table: CudaFunction,
+    verify_paged_kv: CudaFunction,
+    store_b32: CudaFunction,
+    store_b16: CudaFunction,
+    crc32: CudaFunction,
+    scrub: CudaFunction,
+    attention_unchecked: CudaFunction,
+    attention_checked: CudaFunction,
+}
+
+/// A pool region of engine memory: page `p` is `page_bytes` bytes at `base + p * page_stride`.
+#[derive(Clone, Copy, Debug)]
+pub struct PageRegion {
+    /// The region's memory.
+    pub base: Borrowed<u8>,
+    /// Bytes from one page to the next.
+    pub page_stride: u64,
+    /// Bytes per page (at most `page_stride`).
+    pub page_bytes: u64,
+    /// Pages in the region.
+    pub num_pages: u32,
+}
+
+impl PageRegion {
+    fn check(&self) -> Result<(), DeviceError> {
+        if self.page_bytes > self.page_stride && self.num_pages > 1 {
+            return Err(DeviceError::Argument("page region: page_bytes exceeds page_stride".into()));
+        }
+        let end = match self.num_pages {
+            0 => 0,
+            n => u64::from(n - 1).saturating_mul(self.page_stride).saturating_add(self.page_bytes),
+        };
+        need("page region", &self.base, end)
+    }
+}
+
+/// The CUDA context, stream, compiled kernels and kvguard's own device buffers.
+pub(super) struct Device {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    kernels: Kernels,
+    pub num_pages: u32,
+    pub page_size: u32,
+    pub max_seqs: u32,
+    pub ring_capacity: u32,
+    pub staging_capacity: u32,
+    /// Raw addresses of the buffers below, taken once at allocation.
+    pub raw: RawBuffers,
+    tags: CudaSlice<u8>,
+    canaries: CudaSlice<u32>,
+    ring: CudaSlice<u8>,
+    status: CudaSlice<u32>,
+    readers: CudaSlice<u8>,
+    staging_pages: CudaSlice<u32>,
+    staging_tags: CudaSlice<u8>,
+}
+
+/// Device addresses of kvguard's own buffers (valid while the `Device` lives).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct RawBuffers {
+    pub tags: u64,
+    pub canaries: u64,
+    pub ring: u64,
+    pub status: u64,
+    pub readers: u64,
+    pub staging_pages: u64,
+    pub staging_tags: u64,
+}
+
+pub(super) struct DeviceShape {
+    pub ordinal: usize,
+    pub num_pages: u32,
+    pub page_size: u32,
+    pub max_seqs: u32,
+    pub ring_capacity: u32,
+    pub staging_capacity: u32,
+}
+
+impl Device {
+    /// Opens device `shape.ordinal`, compiles (or reuses) the kernels and allocates the buffers.
+    /// Never panics: missing libraries and devices are errors.
+    pub fn open(shape: DeviceShape) -> Result<Device, DeviceError> {
+        if !super::driver_available() {
+            return Err(DeviceError::DriverNotFound);
+        }
+        // cudarc panics when a driver symbol it needs is missing; keep that an error.
+        let ctx = std::panic::catch_unwind(|| -> Result<Arc<CudaContext>, DeviceError> {
+            let count = CudaContext::device_count()?;
+            if shape.ordinal >= count.max(0) as usize {
+                return Err(DeviceError::NoDevice { ordinal: shape.ordinal, count });
+            }
+            Ok(CudaContext::new(shape.ordinal)?)
+        })
+        .map_err(|p| DeviceError::Loader(super::panic_message(p)))??;
+        let (major, minor) = ctx.compute_capability()?;
+        let ptx = super::source::compile_ptx(&format!("compute_{major}{minor}"))?;
+        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx.to_string()))?;
+        let f = |name: &str| module.load_function(name);
+        let kernels = Kernels {
+            apply: f("kvg_apply_tag_updates")?,
+            verify_block_table: f("kvg_verify_block_table")?,
+            verify_paged_kv: f("kvg_verify_paged_kv")?,
+            store_b32: f("kvg_store_kv_b32")?,
+            store_b16: f("kvg_store_kv_b16")?,
+            crc32: f("kvg_crc32_pages")?,
+            scrub: f("kvg_scrub_pages")?,
+            attention_unchecked: f("kvg_decode_attention_unchecked")?,
+            attention_checked: f("kvg_decode_attention_checked")?,
+        };
+        // A stream of kvguard's own (the legacy default stream cannot be captured into a graph);
+        // engines hand theirs in with `use_stream`.
+        let stream = ctx.new_stream()?;
+        let slots = u64::from(shape.num_pages) * u64::from(shape.page_size);
+        let tags = stream.alloc_zeros::<u8>(shape.num_pages as usize * DeviceTag::SIZE)?;
+        let canaries = stream.alloc_zeros::<u32>(slots as usize)?;
+        let mut ring = stream.alloc_zeros::<u8>(RingHeader::ring_bytes(shape.ring_capacity))?;
+        let header = RingHeader { capacity: shape.ring_capacity, ..RingHeader::default() };
+        stream.memcpy_htod(&header.to_bytes(), &mut ring.slice_mut(0..RingHeader::SIZE))?;
+        let status = stream.alloc_zeros::<u32>(shape.max_seqs.max(1) as usize)?;
+        let readers = stream.alloc_zeros::<u8>(shape.max_seqs.max(1) as usize * DeviceReader::SIZE)?;
+        let staging_pages = stream.alloc_zeros::<u32>(shape.staging_capacity.max(1) as usize)?;
+        let staging_tags = stream.alloc_zeros::<u8>(shape.staging_capacity.max(1) as usize * DeviceTag::SIZE)?;
+        stream.synchronize()?;
+        let raw = RawBuffers {
+            tags: tags.device_ptr(&stream).0,
+            canaries: canaries.device_ptr(&stream).0,
+            ring: ring.device_ptr(&stream).0,
+            status: status.device_ptr(&stream).0,
+            readers: readers.device_ptr(&stream).0,
+            staging_pages: staging_pages.device_ptr(&stream).0,
+            staging_tags: staging_tags.device_ptr(&stream).0,
+        };
+        Ok(Device {
+            raw,
+            ctx,
+            stream,
+            kernels,
+            num_pages: shape.num_pages,
+            page_size: shape.page_size,
+            max_seqs: shape.max_seqs,
+            ring_capacity: shape.ring_capacity,
+            staging_capacity: shape.staging_capacity,
+            tags,
+            canaries,
+            ring,
+            status,
+            readers,
+            staging_pages,
+            staging_tags,
+        })
+    }
+
+    /// Launches on the engine's stream from now on.
+    ///
+    /// # Safety
+    /// `stream` is a live `CUstream` of this device's context, and stays alive as long as this
+    /// `Device` (or any launch on it) may use it.
+    pub unsafe fn use_stream(&mut self, stream: sys::CUstream) -> Result<(), DeviceError> {
+        // Everything kvguard queued so far completes before work queued on the new stream.
+        self.stream.synchronize()?;
+        // SAFETY: the caller guarantees `stream` belongs to `self.ctx` and outlives this wrapper.
+        self.stream = unsafe { self.ctx.wrap_borrowed_stream(stream) };
+        Ok(())
+    }
+
+    /// Uploads `pages.len()` changed tags (at most the staging capacity) and scatters them.
+    pub fn apply_tag_updates(&mut self, pages: &[u32], tag_bytes: &[u8]) -> Result<(), DeviceError> {
+        let n = pages.len();
+        fits("tag updates per launch", n as u64, u64::from(self.staging_capacity))?;
+        if tag_bytes.len() != n * DeviceTag::SIZE {
+            return Err(DeviceError::Argument("tag updates: one 32-byte tag per page".into()));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        self.stream.memcpy_htod(pages, &mut self.staging_pages.slice_mut(0..n))?;
+        self.stream.memcpy_htod(tag_bytes, &mut self.staging_tags.slice_mut(0..tag_bytes.len()))?;
+        let n32 = n as u32;
+        let mut b = self.stream.launch_builder(&self.kernels.apply);
+        b.arg(&self.raw.tags).arg(&self.num_pages).arg(&self.raw.staging_pages).arg(&self.raw.staging_tags).arg(&n32);
+        // SAFETY: `kvg_apply_tag_updates(tags, num_pages, pages, updates, n)` reads n <= staging
+        // capacity entries of both staging buffers and writes only tags[page] for page < num_pages,
+        // and `tags` holds num_pages tags; the argument list matches the kernel's signature.
+        unsafe { b.launch(cfg((blocks_for(n as u64, 256), 1, 1), 256)) }?;
+        Ok(())
+    }
+
+    /// `kvg_verify_block_table` over the engine's vLLM-layout step.
+    pub fn verify_block_table(
+        &mut self,
+        block_table: Borrowed<i32>,
+        num_seqs: u32,
+        max_blocks: u32,
+        seq_lens: Borrowed<i32>,
+        generations: Option<Borrowed<u32>>,
+        check_canaries: bool,
+    ) -> Result<(), DeviceError> {
+        fits("sequences", u64::from(num_seqs), u64::from(self.max_seqs))?;
+        let cells = u64::from(num_seqs) * u64::from(max_blocks);
+        need("block_table", &block_table, cells)?;
+        need("seq_lens", &seq_lens, u64::from(num_seqs))?;
+        need_opt("expected generations", &generations, cells)?;
+        if num_seqs == 0 {
+            return Ok(());
+        }
+        let (bt, sl, gens) = (block_table.ptr, seq_lens.ptr, ptr_or_null(&generations));
+        let null = 0u64;
+        let mut b = self.stream.launch_builder(&self.kernels.verify_block_table);
+        b.arg(&self.raw.tags).arg(&self.num_pages).arg(&self.page_size).arg(&bt).arg(&num_seqs).arg(&max_blocks);
+        b.arg(&sl).arg(&gens);
+        if check_canaries {
+            b.arg(&self.raw.canaries);
+        } else {
+            b.arg(&null);
+        }
+        b.arg(&self.raw.readers).arg(&self.raw.status).arg(&self.raw.ring);
+        let grid = (blocks_for(u64::from(max_blocks), 128), num_seqs.min(MAX_GRID_Y), 1);
+        // SAFETY: the kernel reads block_table/expected generations rows s < num_seqs of
+        // max_blocks entries, seq_lens[s], readers[s] and writes status[s] for s < num_seqs
+        // (checked against the Borrowed lengths and max_seqs above); page ids are range-checked
+        // in the kernel before tags or canaries are read; the ring is written within its
+        // capacity. Arguments match `kvg_verify_block_table`'s signature in order and type.
+        unsafe { b.launch(cfg(grid, 128)) }?;
+        Ok(())
+    }
+
+    /// `kvg_verify_paged_kv` over the engine's FlashInfer-layout step.
+    #[allow(clippy::too_many_arguments)]
+    pub fn verify_paged_kv(
+        &mut self,
+        kv_indptr: Borrowed<i32>,
+        kv_indices: Borrowed<i32>,
+        kv_last_page_len: Borrowed<i32>,
+        num_seqs: u32,
+        max_pages_per_seq: u32,
+        generations: Option<Borrowed<u32>>,
+        check_canaries: bool,
+    ) -> Result<(), DeviceError> {
+        fits("sequences", u64::from(num_seqs), u64::from(self.max_seqs))?;
+        need("kv_indptr", &kv_indptr, u64::from(num_seqs) + 1)?;
+        need("kv_last_page_len", &kv_last_page_len, u64::from(num_seqs))?;
+        need_opt("expected generations", &generations, kv_indices.len as u64)?;
+        let num_indices = u32::try_from(kv_indices.len)
+            .map_err(|_| DeviceError::Argument("kv_indices: more than 2^32 entries".into()))?;
+        if num_seqs == 0 {
+            return Ok(());
+        }
+        let (ip, ix, lp, gens) = (kv_indptr.ptr, kv_indices.ptr, kv_last_page_len.ptr, ptr_or_null(&generations));
+        let null = 0u64;
+        let mut b = self.stream.launch_builder(&self.kernels.verify_paged_kv);
+        b.arg(&self.raw.tags).arg(&self.num_pages).arg(&self.page_size).arg(&ip).arg(&ix).arg(&lp).arg(&num_seqs);
+        b.arg(&num_indices).arg(&gens);
+        if check_canaries {
+            b.arg(&self.raw.canaries);
+        } else {
+            b.arg(&null);
+        }
+        b.arg(&self.raw.readers).arg(&self.raw.status).arg(&self.raw.ring);
+        let grid = (blocks_for(u64::from(max_pages_per_seq), 128), num_seqs.min(MAX_GRID_Y), 1);
+        // SAFETY: indptr[0..=num_seqs] and last_page_len[0..num_seqs] are in bounds (checked);
+        // the kernel refuses any indptr range beyond num_indices (= the lent length) before
+        // reading kv_indices or the generations (lent with at least as many entries); page ids
+        // are range-checked before tags are read. Arguments match `kvg_verify_paged_kv`.
+        unsafe { b.launch(cfg(grid, 128)) }?;
+        Ok(())
+    }
+
+    /// `kvg_crc32_pages`: CRC32 of `n_pages` pages of `region` into `out`.
+    pub fn crc32_pages(
+        &mut self,
+        region: PageRegion,
+        pages: Option<Borrowed<i32>>,
+        n_pages: u32,
+        chunk_bytes: u32,
+        out: Borrowed<u32>,
+    ) -> Result<(), DeviceError> {
+        region.check()?;
+        need_opt("pages", &pages, u64::from(n_pages))?;
+        need("crc out", &out, u64::from(n_pages))?;
+        if pages.is_none() {
+            fits("pages", u64::from(n_pages), u64::from(region.num_pages))?;
+        }
+        if n_pages == 0 {
+            return Ok(());
+        }
+        let (base, pg, o) = (region.base.ptr, ptr_or_null(&pages), out.ptr);
+        let mut b = self.stream.launch_builder(&self.kernels.crc32);
+        b.arg(&base).arg(&region.page_stride).arg(&region.page_bytes).arg(&pg).arg(&n_pages);
+        b.arg(&region.num_pages).arg(&chunk_bytes).arg(&o);
+        // SAFETY: the kernel reads page_bytes bytes of pages id < region.num_pages only, all
+        // inside the lent region (checked), pages[0..n_pages] (checked) and writes
+        // out[0..n_pages] (checked). Arguments match `kvg_crc32_pages`.
+        unsafe { b.launch(cfg((n_pages.min(MAX_GRID_X), 1, 1), 256)) }?;
+        Ok(())
+    }
+
+    /// `kvg_scrub_pages`: fills pages of `region` with `pattern`; clears their canaries if asked.
+    pub fn scrub_pages(
+        &mut self,
+        region: PageRegion,
+        pages: Borrowed<i32>,
+        n_pages: u32,
+        pattern: u32,
+        clear_canaries: bool,
+    ) -> Result<(), DeviceError> {
+        region.check()?;
+        need("pages", &pages, u64::from(n_pages))?;
+        if clear_canaries && region.num_pages > self.num_pages {
+            return Err(DeviceError::Argument("scrub: the region has more pages than the pool".into()));
+        }
+        if n_pages == 0 {
+            return Ok(());
+        }
+        let (base, pg, null) = (region.base.ptr, pages.ptr, 0u64);
+        let mut b = self.stream.launch_builder(&self.kernels.scrub);
+        b.arg(&base).arg(&region.page_stride).arg(&region.page_bytes).arg(&pg).arg(&n_pages);
+        b.arg(&region.num_pages).arg(&pattern);
+        if clear_canaries {
+            b.arg(&self.raw.canaries);
+        } else {
+            b.arg(&null);
+        }
+        b.arg(&self.page_size);
+        // SAFETY: the kernel writes page_bytes bytes of pages id < region.num_pages (inside the
+        // lent region, checked) and, if asked, canaries of those pages (num_pages <= the pool's,
+        // checked). Arguments match `kvg_scrub_pages`.
+        unsafe { b.launch(cfg((n_pages.min(MAX_GRID_X), 1, 1), 256)) }?;
+        Ok(())
+    }
+
+    /// `kvg_store_kv_b16` / `_b32`: the reference KV store with canary stamping.
+    #[allow(clippy::too_many_arguments)]
+    pub fn store_kv<T: KvElement>(
+        &mut self,
+        key: Borrowed<T>,
+        value: Borrowed<T>,
+        key_cache: Borrowed<T>,
+        value_cache: Borrowed<T>,
+        slot_mapping: Borrowed<i64>,
+        num_tokens: u32,
+        kv_width: u32,
+        query_start_loc: Borrowed<i32>,
+        num_seqs: u32,
+    ) -> Result<(), DeviceError> {
+        fits("sequences", u64::from(num_seqs), u64::from(self.max_seqs))?;
+        let io = u64::from(num_tokens) * u64::from(kv_width);
+        let cache = u64::from(self.num_pages) * u64::from(self.page_size) * u64::from(kv_width);
+        need("key", &key, io)?;
+        need("value", &value, io)?;
+        need("key_cache", &key_cache, cache)?;
+        need("value_cache", &value_cache, cache)?;
+        need("slot_mapping", &slot_mapping, u64::from(num_tokens))?;
+        need("query_start_loc", &query_start_loc, u64::from(num_seqs) + 1)?;
+        if num_tokens == 0 || num_seqs == 0 {
+            return Ok(());
+        }
+        let (k, v, kc, vc, sm, qsl) =
+            (key.ptr, value.ptr, key_cache.ptr, value_cache.ptr, slot_mapping.ptr, query_start_loc.ptr);
+        let func = if T::BYTES == 2 { &self.kernels.store_b16 } else { &self.kernels.store_b32 };
+        let mut b = self.stream.launch_builder(func);
+        b.arg(&k).arg(&v).arg(&kc).arg(&vc).arg(&sm).arg(&num_tokens).arg(&kv_width).arg(&self.page_size);
+        b.arg(&qsl).arg(&num_seqs).arg(&self.raw.readers).arg(&self.raw.tags).arg(&self.num_pages);
+        b.arg(&self.raw.canaries).arg(&self.raw.status).arg(&self.raw.ring);
+        // SAFETY: tokens t < num_tokens read key/value rows in bounds (checked); a slot is written
+        // only after its page passed kvg_check_store, which requires page < num_pages, so cache
+        // writes stay within num_pages * page_size * kv_width (checked) and canary writes within
+        // the pool's canaries; the writer index comes from a binary search bounded by num_seqs.
+        // Arguments match `kvg_store_kv_b16/b32` for the element size.
+        unsafe { b.launch(cfg((num_tokens.min(MAX_GRID_X), 1, 1), 128)) }?;
+        Ok(())
+    }
+
+    /// The reference decode attention with the fused check (`kvg_decode_attention_checked`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_attention_checked(
+        &mut self,
+        shape: AttentionShape,
+        q: Borrowed<f32>,
+        key_cache: Borrowed<f32>,
+        value_cache: Borrowed<f32>,
+        block_table: Borrowed<i32>,
+        seq_lens: Borrowed<i32>,
+        out: Borrowed<f32>,
+        check_canaries: bool,
+        fail_closed: bool,
+    ) -> Result<(), DeviceError> {
+        shape.check(self, &q, &key_cache, &value_cache, &block_table, &seq_lens, &out)?;
+        fits("sequences", u64::from(shape.num_seqs), u64::from(self.max_seqs))?;
+        if shape.num_seqs == 0 {
+            return Ok(());
+        }
+        let null = 0u64;
+        let fc = u32::from(fail_closed);
+        let ptrs = [q.ptr, key_cache.ptr, value_cache.ptr, block_table.ptr, seq_lens.ptr, out.ptr];
+        let mut b = self.stream.launch_builder(&self.kernels.attention_checked);
+        shape.push(&mut b, &ptrs, &self.page_size);
+        b.arg(&self.raw.tags).arg(&self.num_pages).arg(&self.raw.readers);
+        if check_canaries {
+            b.arg(&self.raw.canaries);
+        } else {
+            b.arg(&null);
+        }
+        b.arg(&self.raw.status).arg(&self.raw.ring).arg(&fc);
+        // SAFETY: shape.check verified every buffer holds the elements the kernel indexes from
+        // the shape; pages are range-checked (kvg_check_page) before any K/V row is read, and a
+        // page out of range is never read in either mode. Arguments match the kernel.
+        unsafe { b.launch(shape.grid()) }?;
+        Ok(())
+    }
+
+    /// The reference decode attention without any check (`kvg_decode_attention_unchecked`),
+    /// the baseline the fused check is measured against.
+    ///
+    /// # Safety
+    /// Every block-table entry among the first `ceil(seq_lens[s] / page_size)` of each sequence
+    /// is a page id below the pool's `num_pages` (or negative, which is skipped): the kernel reads
+    /// K and V at those pages without checking.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn decode_attention_unchecked(
+        &mut self,
+        shape: AttentionShape,
+        q: Borrowed<f32>,
+        key_cache: Borrowed<f32>,
+        value_cache: Borrowed<f32>,
+        block_table: Borrowed<i32>,
+        seq_lens: Borrowed<i32>,
+        out: Borrowed<f32>,
+    ) -> Result<(), DeviceError> {
+        shape.check(self, &q, &key_cache, &value_cache, &block_table, &seq_lens, &out)?;
+        if shape.num_seqs == 0 {
+            return Ok(());
+        }
+        let ptrs = [q.ptr, key_cache.ptr, value_cache.ptr, block_table.ptr, seq_lens.ptr, out.ptr];
+        let mut b = self.stream.launch_builder(&self.kernels.attention_unchecked);
+        shape.push(&mut b, &ptrs, &self.page_size);
+        // SAFETY: buffers hold what the shape indexes (checked); the caller guarantees the page
+        // ids read are in range. Arguments match `kvg_decode_attention_unchecked`.
+        unsafe { b.launch(shape.grid()) }?;
+        Ok(())
+    }
+
+    /// Uploads the step's readers (one per sequence).
+    pub fn set_readers(&mut self, readers: &[DeviceReader]) -> Result<(), DeviceError> {
+        fits("readers", readers.len() as u64, u64::from(self.max_seqs))?;
+        let bytes: Vec<u8> = readers.iter().flat_map(|r| r.to_bytes()).collect();
+        if !bytes.is_empty() {
+            self.stream.memcpy_htod(&bytes, &mut self.readers.slice_mut(0..bytes.len()))?;
+        }
+        Ok(())
+    }
+
+    /// Zeroes the per-sequence status words (a memset node, graph-capturable).
+    pub fn clear_status(&mut self) -> Result<(), DeviceError> {
+        let bytes = self.max_seqs.max(1) as usize * 4;
+        self.ctx.bind_to_thread()?;
+        // SAFETY: `raw.status` is kvguard's allocation of max(max_seqs, 1) words, alive as long
+        // as `self`; the memset is ordered on `self.stream` with every launch that uses it.
+        unsafe { cudarc::driver::result::memset_d8_async(self.raw.status, 0, bytes, self.stream.cu_stream()) }?;
+        Ok(())
+    }
+
+    /// Copies the status words of the first `n` sequences (synchronises the stream).
+    pub fn read_status(&self, n: u32) -> Result<Vec<u32>, DeviceError> {
+        fits("sequences", u64::from(n), u64::from(self.max_seqs))?;
+        let mut all = self.stream.clone_dtoh(&self.status)?;
+        all.truncate(n as usize);
+        Ok(all)
+    }
+
+    /// Copies the whole ring (synchronises the stream).
+    pub fn read_ring(&self) -> Result<Vec<u8>, DeviceError> {
+        Ok(self.stream.clone_dtoh(&self.ring)?)
+    }
+
+    /// Tells the device that records before `consumed` were drained.
+    pub fn set_consumed(&mut self, consumed: u64) -> Result<(), DeviceError> {
+        self.stream.memcpy_htod(&consumed.to_le_bytes(), &mut self.ring.slice_mut(16..24))?;
+        Ok(())
+    }
+}
+
+/// Element types the reference KV store moves (it copies bits: f16 and bf16 are `u16`).
+pub trait KvElement: sealed::Sealed {
+    /// Bytes per element.
+    const BYTES: usize;
+}
+impl KvElement for u16 {
+    const BYTES: usize = 2;
+}
+impl KvElement for u32 {
+    const BYTES: usize = 4;
+}
+impl KvElement for f32 {
+    const BYTES: usize = 4;
+}
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for u16 {}
+    impl Sealed for u32 {}
+    impl Sealed for f32 {}
+}
+
+/// The shape of a reference decode-attention launch (vLLM layout, f32, GQA).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionShape {
+    /// Sequences in the step.
+    pub num_seqs: u32,
+    /// Entries per block-table row.
+    pub max_blocks: u32,
+    /// Query heads.
+    pub num_heads: u32,
+    /// KV heads (divides `num_heads`).
+    pub num_kv_heads: u32,
+    /// Head dimension: a multiple of 32, at most 256.
+    pub head_dim: u32,
+    /// Softmax scale (usually `1 / sqrt(head_dim)`).
+    pub scale: f32,
+}
+
+impl AttentionShape {
+    #[allow(clippy::too_many_arguments)]
+    fn check(
+        &self,
+        d: &Device,
+        q: &Borrowed<f32>,
+        kc: &Borrowed<f32>,
+        vc: &Borrowed<f32>,
+        bt: &Borrowed<i32>,
+        sl: &Borrowed<i32>,
+        out: &Borrowed<f32>,
+    ) -> Result<(), DeviceError> {
+        if self.head_dim == 0 || self.head_dim % 32 != 0 || self.head_dim > 256 {
+            return Err(DeviceError::Argument("attention: head_dim must be a multiple of 32, at most 256".into()));
+        }
+        if self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0 {
+            return Err(DeviceError::Argument("attention: num_kv_heads must divide num_heads".into()));
+        }
+        let io = u64::from(self.num_seqs) * u64::from(self.num_heads) * u64::from(self.head_dim);
+        let cache =
+            u64::from(d.num_pages) * u64::from(d.page_size) * u64::from(self.num_kv_heads) * u64::from(self.head_dim);
+        need("q", q, io)?;
+        need("out", out, io)?;
+        need("key_cache", kc, cache)?;
+        need("value_cache", vc, cache)?;
+        need("block_table", bt, u64::from(self.num_seqs) * u64::from(self.max_blocks))?;
+        need("seq_lens", sl, u64::from(self.num_seqs))
+    }
+
+    /// Pushes the arguments both attention kernels share, in `KVG_ATTN_ARGS` order.
+    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>, ptrs: &'a [u64; 6], page_size: &'a u32) {
+        let [q, kc, vc, bt, sl, out] = ptrs;
+        b.arg(q).arg(kc).arg(vc).arg(bt).arg(&self.max_blocks).arg(sl).arg(&self.num_seqs).arg(&self.num_heads);
+        b.arg(&self.num_kv_heads).arg(&self.head_dim).arg(page_size).arg(&self.scale).arg(out);
+    }
+
+    fn grid(&self) -> LaunchConfig {
+        cfg((self.num_heads.min(MAX_GRID_X), self.num_seqs.min(MAX_GRID_Y), 1), 128)
+    }
+}

@@ -1,0 +1,395 @@
+//! [`DeviceGuard`]: the safe host API of the device checks.
+
+use super::DeviceError;
+use super::backend::{AttentionShape, Borrowed, Device, DeviceShape, KvElement, PageRegion};
+use super::layout::{DeviceReader, DeviceTag, RingDrain};
+use crate::config::PoolConfig;
+use crate::ids::{RequestId, TenantId};
+use crate::table::OwnershipTable;
+use crate::violation::Violation;
+
+/// How a [`DeviceGuard`] is sized. Every buffer is allocated once, at these sizes, so launches
+/// never allocate and fit CUDA graphs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceOptions {
+    /// The CUDA device ordinal.
+    pub ordinal: usize,
+    /// The most sequences one step may have.
+    pub max_seqs: u32,
+    /// Violation records the device ring holds between drains (more are dropped and counted).
+    pub ring_capacity: u32,
+    /// Tag updates uploaded per launch (more are sent in several launches).
+    pub update_batch: u32,
+}
+
+impl Default for DeviceOptions {
+    fn default() -> Self {
+        DeviceOptions { ordinal: 0, max_seqs: 1024, ring_capacity: 4096, update_batch: 16_384 }
+    }
+}
+
+/// A decode step in vLLM's layout: `block_table[num_seqs][max_blocks]` (int32) and
+/// `seq_lens[num_seqs]` (int32 tokens read), both the engine's device memory.
+#[derive(Clone, Copy, Debug)]
+pub struct BlockTableStep {
+    /// The block table, row-major, `max_blocks` entries per row.
+    pub block_table: Borrowed<i32>,
+    /// Tokens each sequence reads.
+    pub seq_lens: Borrowed<i32>,
+    /// Sequences in the step (at most [`DeviceOptions::max_seqs`]).
+    pub num_seqs: u32,
+    /// Entries per block-table row.
+    pub max_blocks: u32,
+    /// Optional: the generation the engine recorded for each entry (the block table's shape);
+    /// entries of another incarnation are [`StalePage`](crate::ViolationKind::StalePage).
+    pub generations: Option<Borrowed<u32>>,
+    /// Also check every read slot's canary (KV stamped by the current incarnation).
+    pub check_canaries: bool,
+}
+
+/// A decode step in FlashInfer's layout: `kv_indptr[num_seqs + 1]`, `kv_indices[..]` and
+/// `kv_last_page_len[num_seqs]` (int32, the engine's device memory).
+#[derive(Clone, Copy, Debug)]
+pub struct PagedKvStep {
+    /// Where each sequence's pages start in `kv_indices`.
+    pub kv_indptr: Borrowed<i32>,
+    /// The pages, all sequences concatenated.
+    pub kv_indices: Borrowed<i32>,
+    /// Tokens in each sequence's last page (1..=page_size).
+    pub kv_last_page_len: Borrowed<i32>,
+    /// Sequences in the step.
+    pub num_seqs: u32,
+    /// An upper bound on pages per sequence (sizes the grid; any value is correct, a tight one
+    /// is fast).
+    pub max_pages_per_seq: u32,
+    /// Optional: generations parallel to `kv_indices`.
+    pub generations: Option<Borrowed<u32>>,
+    /// Also check every read slot's canary.
+    pub check_canaries: bool,
+}
+
+/// What one [`DeviceGuard::drain`] found and reported into the table.
+#[derive(Clone, Debug, Default)]
+pub struct DrainReport {
+    /// The violations, oldest first, as reported to the table.
+    pub violations: Vec<Violation>,
+    /// Records the device dropped because the ring was full, since the guard was created.
+    pub dropped_total: u64,
+    /// Records still being written when the ring was copied (lost to this drain).
+    pub incomplete: u64,
+}
+
+/// The device side of one KV pool: its tag mirror, canaries, violation ring and the kernels.
+///
+/// ```no_run
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use kvguard::cuda::{BlockTableStep, Borrowed, DeviceGuard, DeviceOptions};
+/// use kvguard::{OwnershipTable, PoolConfig, RequestId, TenantId};
+/// let config = PoolConfig::new(65_536, 16, 131_072);
+/// let table = OwnershipTable::new(config.clone())?;
+/// let mut guard = DeviceGuard::new(&config, DeviceOptions::default())?; // typed error without a GPU
+/// // every step: mirror the table's changes, name the readers, verify, and later drain.
+/// guard.sync_tags(&table)?;
+/// guard.set_readers(&[(RequestId(1), TenantId(7))])?;
+/// # let (bt_ptr, lens_ptr) = (0u64, 0u64);
+/// // SAFETY: the engine's block table and seq_lens tensors, alive until the step completes.
+/// let step = BlockTableStep {
+///     block_table: unsafe { Borrowed::from_raw(bt_ptr, 1 * 8192) },
+///     seq_lens: unsafe { Borrowed::from_raw(lens_ptr, 1) },
+///     num_seqs: 1, max_blocks: 8192, generations: None, check_canaries: true,
+/// };
+/// guard.clear_status()?;
+/// guard.verify_block_table(&step)?; // attention kernels may read guard.status_ptr()
+/// let report = guard.drain(&table)?; // off the hot path
+/// # Ok(()) }
+/// ```
+pub struct DeviceGuard {
+    device: Device,
+}
+
+impl std::fmt::Debug for DeviceGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceGuard")
+            .field("ordinal", &self.device.ctx.ordinal())
+            .field("num_pages", &self.device.num_pages)
+            .field("page_size", &self.device.page_size)
+            .field("max_seqs", &self.device.max_seqs)
+            .field("ring_capacity", &self.device.ring_capacity)
+            .finish()
+    }
+}
+
+impl DeviceGuard {
+    /// Opens the device, compiles the kernels through NVRTC (once per process and architecture)
+    /// and allocates the tag table, canaries (4 bytes per slot), ring and step buffers for
+    /// `config`'s pool. Every tag starts zeroed (free, generation 0): call
+    /// [`sync_tags`](Self::sync_tags) with a table whose changes cover every live page, or
+    /// [`upload_all_tags`](Self::upload_all_tags).
+    ///
+    /// Errors, never panics: [`DeviceError::DriverNotFound`], [`DeviceError::NoDevice`],
+    /// [`DeviceError::NvrtcNotFound`], [`DeviceError::Compile`], [`DeviceError::Loader`],
+    /// [`DeviceError::Driver`].
+    pub fn new(config: &PoolConfig, options: DeviceOptions) -> Result<DeviceGuard, DeviceError> {
+        if options.ring_capacity == 0 || options.update_batch == 0 || options.max_seqs == 0 {
+            return Err(DeviceError::Argument("max_seqs, ring_capacity and update_batch must be positive".into()));
+        }
+        let device = Device::open(DeviceShape {
+            ordinal: options.ordinal,
+            num_pages: config.num_pages,
+            page_size: config.page_size,
+            max_seqs: options.max_seqs,
+            ring_capacity: options.ring_capacity,
+            staging_capacity: options.update_batch,
+        })?;
+        Ok(DeviceGuard { device })
+    }
+
+    /// Launches on the engine's stream from now on (the default is the context's default stream).
+    ///
+    /// # Safety
+    /// `stream` is a live `CUstream` of this guard's device context (the primary context of its
+    /// ordinal) and outlives the guard.
+    pub unsafe fn use_engine_stream(&mut self, stream: cudarc::driver::sys::CUstream) -> Result<(), DeviceError> {
+        // SAFETY: forwarded contract.
+        unsafe { self.device.use_stream(stream) }
+    }
+
+    /// Copies the tags of the pages `table` changed since the last call into the device table
+    /// (incremental: only changed pages travel). Returns how many pages were updated.
+    pub fn sync_tags(&mut self, table: &OwnershipTable) -> Result<usize, DeviceError> {
+        let changed = table.take_changed_pages();
+        let tags: Vec<(u32, DeviceTag)> =
+            changed.iter().map(|(p, info)| (p.0, DeviceTag::from_page_info(info))).collect();
+        self.upload_tags(&tags)?;
+        Ok(changed.len())
+    }
+
+    /// Writes the tag of every page of `table` (start-up, or after the device lost its state).
+    pub fn upload_all_tags(&mut self, table: &OwnershipTable) -> Result<(), DeviceError> {
+        table.take_changed_pages();
+        let tags: Vec<(u32, DeviceTag)> = (0..self.device.num_pages)
+            .filter_map(|p| table.page_info(crate::ids::PageId(p)).map(|i| (p, DeviceTag::from_page_info(&i))))
+            .collect();
+        self.upload_tags(&tags)
+    }
+
+    /// Writes these tags (page, tag) into the device table, in batches of `update_batch`.
+    pub fn upload_tags(&mut self, tags: &[(u32, DeviceTag)]) -> Result<(), DeviceError> {
+        for batch in tags.chunks(self.device.staging_capacity as usize) {
+            let pages: Vec<u32> = batch.iter().map(|(p, _)| *p).collect();
+            let bytes: Vec<u8> = batch.iter().flat_map(|(_, t)| t.to_bytes()).collect();
+            self.device.apply_tag_updates(&pages, &bytes)?;
+        }
+        Ok(())
+    }
+
+    /// Names the request (and tenant) reading through each sequence of the next steps.
+    pub fn set_readers(&mut self, readers: &[(RequestId, TenantId)]) -> Result<(), DeviceError> {
+        let r: Vec<DeviceReader> = readers.iter().map(|&(req, t)| DeviceReader::new(req, t)).collect();
+        self.device.set_readers(&r)
+    }
+
+    /// Zeroes the per-sequence status words before a step (a memset, capturable in a graph).
+    pub fn clear_status(&mut self) -> Result<(), DeviceError> {
+        self.device.clear_status()
+    }
+
+    /// Verifies a vLLM-layout step before attention: violations go to the ring and set bit
+    /// `kind` of the sequence's status word. No host synchronisation.
+    pub fn verify_block_table(&mut self, step: &BlockTableStep) -> Result<(), DeviceError> {
+        self.device.verify_block_table(
+            step.block_table,
+            step.num_seqs,
+            step.max_blocks,
+            step.seq_lens,
+            step.generations,
+            step.check_canaries,
+        )
+    }
+
+    /// Verifies a FlashInfer-layout step before attention. No host synchronisation.
+    pub fn verify_paged_kv(&mut self, step: &PagedKvStep) -> Result<(), DeviceError> {
+        self.device.verify_paged_kv(
+            step.kv_indptr,
+            step.kv_indices,
+            step.kv_last_page_len,
+            step.num_seqs,
+            step.max_pages_per_seq,
+            step.generations,
+            step.check_canaries,
+        )
+    }
+
+    /// CRC32 (crc32fast-exact) of pages of `region` (all of `0..n_pages` when `pages` is None)
+    /// into `out`, for KV transfers. `chunk_bytes` 0 picks 1 KiB.
+    pub fn crc32_pages(
+        &mut self,
+        region: PageRegion,
+        pages: Option<Borrowed<i32>>,
+        n_pages: u32,
+        chunk_bytes: u32,
+        out: Borrowed<u32>,
+    ) -> Result<(), DeviceError> {
+        self.device.crc32_pages(region, pages, n_pages, chunk_bytes, out)
+    }
+
+    /// Fills released pages with `pattern` (0 zeroes; [`POISON`] is NaN in f32, f16 and bf16)
+    /// and, when `region` is the pool's page layout, clears their canaries.
+    pub fn scrub_pages(
+        &mut self,
+        region: PageRegion,
+        pages: Borrowed<i32>,
+        n_pages: u32,
+        pattern: u32,
+        clear_canaries: bool,
+    ) -> Result<(), DeviceError> {
+        self.device.scrub_pages(region, pages, n_pages, pattern, clear_canaries)
+    }
+
+    /// The reference KV store: writes each token's K and V to its slot if the writing sequence
+    /// (readers set by [`set_readers`](Self::set_readers)) owns the page, and stamps the slot's
+    /// canary; other stores are refused on the device and reported.
+    #[allow(clippy::too_many_arguments)]
+    pub fn store_kv<T: KvElement>(
+        &mut self,
+        key: Borrowed<T>,
+        value: Borrowed<T>,
+        key_cache: Borrowed<T>,
+        value_cache: Borrowed<T>,
+        slot_mapping: Borrowed<i64>,
+        num_tokens: u32,
+        kv_width: u32,
+        query_start_loc: Borrowed<i32>,
+        num_seqs: u32,
+    ) -> Result<(), DeviceError> {
+        self.device.store_kv(
+            key,
+            value,
+            key_cache,
+            value_cache,
+            slot_mapping,
+            num_tokens,
+            kv_width,
+            query_start_loc,
+            num_seqs,
+        )
+    }
+
+    /// The reference paged decode attention with the fused per-page check (report mode, or
+    /// fail-closed: a flagged sequence's output is zeros).
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_attention_checked(
+        &mut self,
+        shape: AttentionShape,
+        q: Borrowed<f32>,
+        key_cache: Borrowed<f32>,
+        value_cache: Borrowed<f32>,
+        block_table: Borrowed<i32>,
+        seq_lens: Borrowed<i32>,
+        out: Borrowed<f32>,
+        check_canaries: bool,
+        fail_closed: bool,
+    ) -> Result<(), DeviceError> {
+        self.device.decode_attention_checked(
+            shape,
+            q,
+            key_cache,
+            value_cache,
+            block_table,
+            seq_lens,
+            out,
+            check_canaries,
+            fail_closed,
+        )
+    }
+
+    /// The same attention without any check: the baseline for the check's cost.
+    ///
+    /// # Safety
+    /// Every block-table entry read (the first `ceil(seq_lens[s] / page_size)` of each row) is
+    /// below the pool's page count: the kernel reads those pages unchecked.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn decode_attention_unchecked(
+        &mut self,
+        shape: AttentionShape,
+        q: Borrowed<f32>,
+        key_cache: Borrowed<f32>,
+        value_cache: Borrowed<f32>,
+        block_table: Borrowed<i32>,
+        seq_lens: Borrowed<i32>,
+        out: Borrowed<f32>,
+    ) -> Result<(), DeviceError> {
+        // SAFETY: forwarded contract.
+        unsafe { self.device.decode_attention_unchecked(shape, q, key_cache, value_cache, block_table, seq_lens, out) }
+    }
+
+    /// The status words of the first `n` sequences (bit `k` set: a [`DeviceKind`](super::DeviceKind)
+    /// of code `k` was found). Synchronises the stream: for tests and diagnosis, not the hot path.
+    pub fn read_status(&self, n: u32) -> Result<Vec<u32>, DeviceError> {
+        self.device.read_status(n)
+    }
+
+    /// Drains the violation ring and reports each record into `table` (counters, log, and under
+    /// enforce, quarantine of the request). Waits for the work queued so far on the stream; call
+    /// it off the step's critical path (e.g. from a side thread, or every N steps).
+    pub fn drain(&mut self, table: &OwnershipTable) -> Result<DrainReport, DeviceError> {
+        let bytes = self.device.read_ring()?;
+        let drain = RingDrain::parse(&bytes)
+            .ok_or_else(|| DeviceError::Argument("the device ring header is corrupt".into()))?;
+        self.device.set_consumed(drain.consumed)?;
+        let violations: Vec<Violation> = drain.records.iter().filter_map(|r| r.to_violation()).collect();
+        for v in &violations {
+            table.report(v.clone());
+        }
+        Ok(DrainReport { violations, dropped_total: drain.dropped_total, incomplete: drain.incomplete })
+    }
+
+    /// Device address of the tag table (`const kvg_tag*`), for engines fusing `kvg_check_page`.
+    pub fn tags_ptr(&self) -> u64 {
+        self.device_ptr(Buffer::Tags)
+    }
+    /// Device address of the canaries (`uint32_t*`, one per slot), for `kvg_stamp_canary` /
+    /// `kvg_canary_ok` in the engine's own kernels.
+    pub fn canaries_ptr(&self) -> u64 {
+        self.device_ptr(Buffer::Canaries)
+    }
+    /// Device address of the ring (`kvg_ring*`), for `kvg_report`.
+    pub fn ring_ptr(&self) -> u64 {
+        self.device_ptr(Buffer::Ring)
+    }
+    /// Device address of the per-sequence status words (`uint32_t*`).
+    pub fn status_ptr(&self) -> u64 {
+        self.device_ptr(Buffer::Status)
+    }
+    /// Device address of the step's readers (`const kvg_reader*`).
+    pub fn readers_ptr(&self) -> u64 {
+        self.device_ptr(Buffer::Readers)
+    }
+
+    fn device_ptr(&self, which: Buffer) -> u64 {
+        let raw = &self.device.raw;
+        match which {
+            Buffer::Tags => raw.tags,
+            Buffer::Canaries => raw.canaries,
+            Buffer::Ring => raw.ring,
+            Buffer::Status => raw.status,
+            Buffer::Readers => raw.readers,
+        }
+    }
+
+    /// The stream kvguard launches on.
+    pub fn stream(&self) -> &std::sync::Arc<cudarc::driver::CudaStream> {
+        &self.device.stream
+    }
+}
+
+enum Buffer {
+    Tags,
+    Canaries,
+    Ring,
+    Status,
+    Readers,
+}
+
+/// The poison pattern: `0x7fa57fa5` is a NaN as f32, and each half is a NaN as f16 and bf16.
+pub const POISON: u32 = 0x7fa5_7fa5;

@@ -1,0 +1,402 @@
+//! The prefill and decode nodes as two processes on loopback TCP, with fault injection on the
+//! prefill side: what `kvguard-disagg` and `examples/disagg_tcp.rs` run.
+//!
+//! Decode listens on `127.0.0.1` (port 0 picks an ephemeral one, printed as `listening ADDR`),
+//! admits each request from its own copy of the workload, allocates pages for the full prompt and
+//! sends a [`Frame::Pull`] naming them; prefill prefills, builds the [`Manifest`] and answers with
+//! a [`Frame::Transfer`]. Decode lands it through a [`Receiver`] and prints one line per request:
+//! `ACCEPTED req N ...` or `REFUSED req N: <violation kind>: <error>`.
+
+pub mod frame;
+
+use super::kv::{KvPool, SLOT_BYTES, SlotKv};
+use super::workload::{self, RequestSpec};
+use super::{DUMMY_TOKEN, SimConfig, SimError};
+use crate::config::PoolConfig;
+use crate::error::Error;
+use crate::ids::{PageId, PageRef, RequestId};
+use crate::table::OwnershipTable;
+use crate::transfer::wire::{HEADER_LEN, PAGE_ENTRY_LEN, TRAILER_LEN};
+use crate::transfer::{BuildError, ExpectedTransfer, Manifest, Receiver, SenderId, TransferHeader};
+pub use frame::Frame;
+use std::collections::HashMap;
+use std::fmt;
+use std::io::{self, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::str::FromStr;
+use std::time::{Duration, Instant};
+
+/// A fault the prefill side injects into one transfer (the workload's second request).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum Fault {
+    /// A clean run.
+    None,
+    /// The last slot of the first page is cut off.
+    TruncatePage,
+    /// One byte of the first page is flipped after its checksum was taken.
+    FlipByte,
+    /// The previous request's transfer is delivered instead.
+    WrongRequest,
+    /// The first attempt times out (decode retries, reusing the pages), then the first attempt's
+    /// transfer lands on the retry.
+    Late,
+    /// The prompt is replaced by a one-token dummy, as in the incident.
+    DummyPrompt,
+    /// The first page's checksum is zeroed (and the manifest resealed).
+    MissingChecksum,
+}
+
+impl Fault {
+    /// Every fault, clean run first.
+    pub const ALL: [Fault; 7] = [
+        Fault::None,
+        Fault::TruncatePage,
+        Fault::FlipByte,
+        Fault::WrongRequest,
+        Fault::Late,
+        Fault::DummyPrompt,
+        Fault::MissingChecksum,
+    ];
+
+    /// The command-line name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Fault::None => "none",
+            Fault::TruncatePage => "truncate-page",
+            Fault::FlipByte => "flip-byte",
+            Fault::WrongRequest => "wrong-request",
+            Fault::Late => "late",
+            Fault::DummyPrompt => "dummy-prompt",
+            Fault::MissingChecksum => "missing-checksum",
+        }
+    }
+
+    /// The violation kind decode refuses the faulty transfer with (`None` for a clean run).
+    pub fn expected_refusal(self) -> Option<&'static str> {
+        match self {
+            Fault::None => None,
+            Fault::TruncatePage => Some("page_length_mismatch"),
+            Fault::FlipByte => Some("page_checksum_mismatch"),
+            Fault::WrongRequest => Some("transfer_misrouted"),
+            Fault::Late => Some("stale_page"),
+            Fault::DummyPrompt => Some("token_count_mismatch"),
+            Fault::MissingChecksum => Some("missing_checksum"),
+        }
+    }
+}
+
+impl fmt::Display for Fault {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Fault {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Fault, String> {
+        Fault::ALL.into_iter().find(|f| f.name() == s).ok_or_else(|| {
+            let names: Vec<_> = Fault::ALL.iter().map(|f| f.name()).collect();
+            format!("unknown fault {s:?}; one of {}", names.join(", "))
+        })
+    }
+}
+
+/// Why a node stopped (not a refused transfer: that is a verdict, printed and counted).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DisaggError {
+    /// Socket trouble, a timeout, or a malformed frame.
+    #[error("i/o: {0}")]
+    Io(#[from] io::Error),
+    /// The peer broke the protocol.
+    #[error("protocol: {0}")]
+    Protocol(String),
+    /// The workload or pools could not be set up.
+    #[error(transparent)]
+    Sim(#[from] SimError),
+    /// kvguard refused something that is not a verdict on a transfer.
+    #[error(transparent)]
+    Kvguard(#[from] Error),
+    /// The sender could not build a manifest.
+    #[error("manifest: {0}")]
+    Build(#[from] BuildError),
+}
+
+/// Both nodes' shared knowledge: the workload seed and size (each derives its own copy).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DisaggConfig {
+    /// Workload seed.
+    pub seed: u64,
+    /// Requests decode pulls.
+    pub requests: u32,
+    /// Socket read/write and accept timeout.
+    pub timeout: Duration,
+}
+
+impl Default for DisaggConfig {
+    fn default() -> Self {
+        DisaggConfig { seed: 1, requests: 3, timeout: Duration::from_secs(10) }
+    }
+}
+
+impl DisaggConfig {
+    /// The small deployment both processes model.
+    pub fn sim_config(&self) -> SimConfig {
+        SimConfig {
+            seed: self.seed,
+            requests: self.requests,
+            tenants: 4,
+            long_per_mille: 0,
+            max_short_prompt: 2_000,
+            max_new_tokens: 64,
+            page_size: 64,
+            prefill_pages: 128,
+            decode_pages: 256,
+            max_context: 8_192,
+            decode_batch: 1,
+        }
+    }
+
+    fn workload(&self) -> Vec<RequestSpec> {
+        workload::generate(&self.sim_config())
+    }
+}
+
+/// The request index the prefill side injects its fault into.
+pub const FAULTED_REQUEST: usize = 1;
+const PREFILL_SENDER: SenderId = SenderId(1);
+
+/// What the decode node saw.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DecodeSummary {
+    /// Requests whose transfer was accepted and read.
+    pub accepted: u32,
+    /// `(request, violation kind)` of each refused transfer.
+    pub refused: Vec<(RequestId, &'static str)>,
+}
+
+fn configure(stream: &TcpStream, timeout: Duration) -> io::Result<()> {
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
+    stream.set_nodelay(true)
+}
+
+/// Binds the decode node's listener on loopback (`port` 0: ephemeral).
+pub fn bind_decode(port: u16) -> io::Result<TcpListener> {
+    TcpListener::bind(SocketAddr::from((Ipv4Addr::LOCALHOST, port)))
+}
+
+/// Waits up to `timeout` for the prefill node to connect.
+fn accept(listener: &TcpListener, timeout: Duration) -> io::Result<TcpStream> {
+    listener.set_nonblocking(true)?;
+    let deadline = Instant::now() + timeout;
+    loop {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                stream.set_nonblocking(false)?;
+                return Ok(stream);
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                return Err(io::Error::new(io::ErrorKind::TimedOut, "no prefill node connected"));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// The decode node: accepts one prefill connection on `listener`, pulls every request's KV and
+/// prints one line per request to `out`.
+pub fn run_decode(
+    listener: &TcpListener,
+    config: DisaggConfig,
+    out: &mut dyn Write,
+) -> Result<DecodeSummary, DisaggError> {
+    let sim = config.sim_config();
+    let table = OwnershipTable::new(PoolConfig::new(sim.decode_pages, sim.page_size, sim.max_context))?;
+    let mut pool = KvPool::new(sim.decode_pages, sim.page_size);
+    let mut stream = accept(listener, config.timeout)?;
+    configure(&stream, config.timeout)?;
+    let mut summary = DecodeSummary::default();
+    for spec in config.workload() {
+        let n = spec.prompt_tokens.div_ceil(sim.page_size) as usize;
+        let prompt = spec.prompt();
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            table.admit(spec.id, spec.tenant, u64::from(spec.prompt_tokens), u64::from(spec.max_new_tokens))?;
+            let pages = pool
+                .allocate(n)
+                .ok_or(SimError::DecodePoolTooSmall { pages_needed: n as u64, pages: sim.decode_pages })?;
+            let refs = table.claim(spec.id, &pages)?;
+            Frame::Pull { request: spec.id, dest: refs.clone() }.write_to(&mut stream)?;
+            let verdict = match Frame::read_from(&mut stream)? {
+                Frame::Busy if attempt < 2 => {
+                    writeln!(out, "req {}: transfer not ready, releasing and retrying", spec.id.0)?;
+                    None
+                }
+                Frame::Transfer { manifest, pages: bytes } => {
+                    let expected =
+                        ExpectedTransfer::for_prompt(spec.id, spec.tenant, &prompt, &refs, sim.page_size, SLOT_BYTES);
+                    let landed = Receiver::new(&table).accept(&expected, &manifest, &bytes, |_, page, b| {
+                        pool.land(page.page, b);
+                        pool.stamp(spec.id, page, (b.len() / SLOT_BYTES as usize) as u32);
+                    });
+                    Some(match landed {
+                        Ok(a) => match table.verify_read_refs(spec.id, &refs, u64::from(spec.prompt_tokens)) {
+                            Ok(()) => Ok(format!(
+                                "ACCEPTED req {}: {} tokens in {} pages, read verified",
+                                spec.id.0,
+                                a.tokens,
+                                a.pages()
+                            )),
+                            Err(e) => Err((e.violation_kind().map_or("error", |k| k.as_str()), e.to_string())),
+                        },
+                        Err(e) => Err((e.kind().as_str(), e.to_string())),
+                    })
+                }
+                other => return Err(DisaggError::Protocol(format!("expected a transfer, got {other:?}"))),
+            };
+            pool.free(&pages);
+            table.release(spec.id)?;
+            match verdict {
+                None => continue,
+                Some(Ok(line)) => {
+                    summary.accepted += 1;
+                    writeln!(out, "{line}")?;
+                }
+                Some(Err((kind, message))) => {
+                    summary.refused.push((spec.id, kind));
+                    writeln!(out, "REFUSED req {}: {kind}: {message}", spec.id.0)?;
+                }
+            }
+            break;
+        }
+    }
+    Frame::Done.write_to(&mut stream)?;
+    Ok(summary)
+}
+
+/// The prefill node: connects to decode at `127.0.0.1:port`, answers every pull, injecting
+/// `fault` into the transfer of request [`FAULTED_REQUEST`].
+pub fn run_prefill(port: u16, fault: Fault, config: DisaggConfig, out: &mut dyn Write) -> Result<u32, DisaggError> {
+    let sim = config.sim_config();
+    let workload = config.workload();
+    let by_id: HashMap<RequestId, (usize, &RequestSpec)> =
+        workload.iter().enumerate().map(|(i, s)| (s.id, (i, s))).collect();
+    let table = OwnershipTable::new_unaudited(PoolConfig::new(sim.prefill_pages, sim.page_size, sim.max_context))?;
+    let mut pool = KvPool::new(sim.prefill_pages, sim.page_size);
+    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+    let mut stream = TcpStream::connect_timeout(&addr, config.timeout)?;
+    configure(&stream, config.timeout)?;
+    let mut sent: HashMap<RequestId, Frame> = HashMap::new();
+    let mut held_back = false;
+    let mut served = 0;
+    loop {
+        let (request, dest) = match Frame::read_from(&mut stream)? {
+            Frame::Done => return Ok(served),
+            Frame::Pull { request, dest } => (request, dest),
+            other => return Err(DisaggError::Protocol(format!("expected a pull, got {other:?}"))),
+        };
+        let &(index, spec) =
+            by_id.get(&request).ok_or_else(|| DisaggError::Protocol(format!("pull for unknown {request}")))?;
+        let faulty = index == FAULTED_REQUEST && fault != Fault::None;
+        let prefilled = if faulty && fault == Fault::DummyPrompt { vec![DUMMY_TOKEN] } else { spec.prompt() };
+        let transfer = prefill(&table, &mut pool, spec, &prefilled, &dest, sim.page_size)?;
+        let frame = match fault {
+            _ if !faulty => transfer,
+            Fault::Late if !held_back => {
+                held_back = true;
+                sent.insert(request, transfer);
+                writeln!(out, "req {}: holding the transfer back (fault late)", request.0)?;
+                Frame::Busy.write_to(&mut stream)?;
+                continue;
+            }
+            Fault::Late => sent.remove(&request).unwrap_or(transfer),
+            Fault::WrongRequest => {
+                let previous = index.checked_sub(1).and_then(|i| workload.get(i)).map(|s| s.id);
+                previous.and_then(|p| sent.get(&p).cloned()).unwrap_or(transfer)
+            }
+            _ => corrupt(transfer, fault),
+        };
+        if let Frame::Transfer { .. } = &frame {
+            sent.entry(request).or_insert_with(|| frame.clone());
+        }
+        frame.write_to(&mut stream)?;
+        served += 1;
+        writeln!(out, "sent req {}{}", request.0, if faulty { format!(" (fault {fault})") } else { String::new() })?;
+    }
+}
+
+/// Prefills `prefilled` for `spec` in the prefill pool and builds the transfer into `dest`.
+fn prefill(
+    table: &OwnershipTable,
+    pool: &mut KvPool,
+    spec: &RequestSpec,
+    prefilled: &[u32],
+    dest: &[PageRef],
+    page_size: u32,
+) -> Result<Frame, DisaggError> {
+    let tokens = prefilled.len() as u32;
+    let n = tokens.div_ceil(page_size) as usize;
+    table.admit(spec.id, spec.tenant, u64::from(tokens), 0)?;
+    let pages: Vec<PageId> =
+        pool.allocate(n).ok_or(Error::OutOfPages { requested: n as u64, free: pool.free_pages() as u64 })?;
+    table.claim(spec.id, &pages)?;
+    for (i, &tok) in prefilled.iter().enumerate() {
+        let i = i as u32;
+        pool.write(pages[(i / page_size) as usize], i % page_size, SlotKv::new(tok, spec.id, spec.tenant));
+    }
+    table.record_write_tokens(spec.id, &pages, 0..u64::from(tokens))?;
+    let bytes: Vec<Vec<u8>> = pages
+        .iter()
+        .enumerate()
+        .map(|(k, &p)| {
+            let in_page = (tokens - (k as u32) * page_size).min(page_size);
+            pool.page_bytes(p, in_page).to_vec()
+        })
+        .collect();
+    let header = TransferHeader {
+        request: spec.id,
+        tenant: spec.tenant,
+        sender: PREFILL_SENDER,
+        page_size,
+        slot_bytes: SLOT_BYTES,
+    };
+    let dest =
+        dest.get(..n).ok_or_else(|| DisaggError::Protocol(format!("{} pages offered, {n} needed", dest.len())))?;
+    let manifest = Manifest::build(header, prefilled, dest, &bytes)?.encode();
+    pool.free(&pages);
+    table.release(spec.id)?;
+    Ok(Frame::Transfer { manifest, pages: bytes })
+}
+
+/// Applies a byte-level fault to a transfer.
+fn corrupt(frame: Frame, fault: Fault) -> Frame {
+    let Frame::Transfer { mut manifest, mut pages } = frame else {
+        return frame;
+    };
+    match fault {
+        Fault::TruncatePage => {
+            if let Some(p) = pages.first_mut() {
+                p.truncate(p.len().saturating_sub(SLOT_BYTES as usize));
+            }
+        }
+        Fault::FlipByte => {
+            if let Some(b) = pages.first_mut().and_then(|p| p.get_mut(5)) {
+                *b ^= 0x01;
+            }
+        }
+        Fault::MissingChecksum if manifest.len() >= HEADER_LEN + PAGE_ENTRY_LEN + TRAILER_LEN => {
+            let crc_at = HEADER_LEN + 12;
+            manifest[crc_at..crc_at + 4].fill(0);
+            let body = manifest.len() - TRAILER_LEN;
+            let seal = crc32fast::hash(&manifest[..body]);
+            manifest[body..].copy_from_slice(&seal.to_le_bytes());
+        }
+        _ => {}
+    }
+    Frame::Transfer { manifest, pages }
+}
