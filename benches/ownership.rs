@@ -21,14 +21,18 @@ fn walk(block_table: &[PageId]) -> u64 {
 /// What an engine does to store a request's KV: a slot mapping from tokens to cache slots.
 fn slot_mapping(block_table: &[PageId], tokens: u64, out: &mut Vec<u64>) {
     out.clear();
-    out.extend((0..tokens).map(|t| u64::from(block_table[(t / u64::from(PS)) as usize].0) * u64::from(PS) + t % u64::from(PS)));
+    out.extend(
+        (0..tokens).map(|t| u64::from(block_table[(t / u64::from(PS)) as usize].0) * u64::from(PS) + t % u64::from(PS)),
+    );
 }
 
 fn verify(c: &mut Criterion) {
     let mut group = c.benchmark_group("verify");
     for &pages in &[16u32, 1024, 65_536] {
-        let table = OwnershipTable::new(PoolConfig::new(pages + 1, PS, u64::from(pages) * u64::from(PS)).with_reserved([PageId(0)]))
-            .expect("pool fits");
+        let table = OwnershipTable::new(
+            PoolConfig::new(pages + 1, PS, u64::from(pages) * u64::from(PS)).with_reserved([PageId(0)]),
+        )
+        .expect("pool fits");
         let req = RequestId(1);
         let tokens = u64::from(pages) * u64::from(PS);
         table.admit(req, TenantId(1), tokens, 0).expect("admit");
@@ -41,7 +45,9 @@ fn verify(c: &mut Criterion) {
                 black_box(walk(bt))
             })
         });
-        group.bench_with_input(BenchmarkId::new("unguarded", pages), &bt, |b, bt| b.iter(|| black_box(walk(black_box(bt)))));
+        group.bench_with_input(BenchmarkId::new("unguarded", pages), &bt, |b, bt| {
+            b.iter(|| black_box(walk(black_box(bt))))
+        });
     }
     group.finish();
 }
@@ -50,8 +56,8 @@ fn decode_step(c: &mut Criterion) {
     const SEQS: u32 = 256;
     const TOKENS: u64 = 4096;
     let per_seq = (TOKENS / u64::from(PS)) as u32;
-    let table =
-        OwnershipTable::new(PoolConfig::new(SEQS * per_seq + 1, PS, TOKENS).with_reserved([PageId(0)])).expect("pool fits");
+    let table = OwnershipTable::new(PoolConfig::new(SEQS * per_seq + 1, PS, TOKENS).with_reserved([PageId(0)]))
+        .expect("pool fits");
     let mut tables = Vec::new();
     for s in 0..SEQS {
         let req = RequestId(u64::from(s));
@@ -80,7 +86,8 @@ fn lifecycle(c: &mut Criterion) {
     const TOKENS: u64 = PAGES as u64 * PS as u64;
     let mut group = c.benchmark_group("lifecycle");
     group.throughput(Throughput::Elements(REQUESTS));
-    let table = OwnershipTable::new(PoolConfig::new(2 * PAGES + 1, PS, TOKENS).with_reserved([PageId(0)])).expect("fits");
+    let table =
+        OwnershipTable::new(PoolConfig::new(2 * PAGES + 1, PS, TOKENS).with_reserved([PageId(0)])).expect("fits");
     let mut refs = Vec::with_capacity(PAGES as usize);
     let mut bt: Vec<PageId> = Vec::with_capacity(PAGES as usize);
     let mut slots = Vec::with_capacity(TOKENS as usize);

@@ -8,12 +8,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread;
 
 const THREADS: u64 = 4;
-const ROUNDS: u64 = 400;
+const ROUNDS: u64 = 2000;
 const PAGE_SIZE: u32 = 16;
 
 #[test]
 fn concurrent_lifecycles_keep_every_invariant() {
-    let table = Arc::new(OwnershipTable::new(PoolConfig::new(4096, PAGE_SIZE, 4096).with_reserved([PageId(0)])).unwrap());
+    let table =
+        Arc::new(OwnershipTable::new(PoolConfig::new(4096, PAGE_SIZE, 4096).with_reserved([PageId(0)])).unwrap());
     let provoked = Arc::new(AtomicU64::new(0));
     let mut workers = Vec::new();
     for t in 0..THREADS {

@@ -29,7 +29,7 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 512, max_shrink_iters: 4096, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 2000, max_shrink_iters: 4096, ..ProptestConfig::default() })]
 
     #[test]
     fn the_table_agrees_with_the_reference_model(ops in prop::collection::vec(op(), 1..200)) {

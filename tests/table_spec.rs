@@ -52,7 +52,10 @@ fn construction_refuses_a_pool_that_cannot_hold_one_max_context_request() {
 
 #[test]
 fn unaudited_construction_still_validates_the_shape() {
-    assert!(matches!(OwnershipTable::new_unaudited(PoolConfig::new(0, 16, 16)), Err(Error::Config(ConfigError::NoPages))));
+    assert!(matches!(
+        OwnershipTable::new_unaudited(PoolConfig::new(0, 16, 16)),
+        Err(Error::Config(ConfigError::NoPages))
+    ));
 }
 
 #[test]
@@ -599,4 +602,33 @@ fn the_violation_log_is_bounded() {
 fn the_table_is_send_and_sync() {
     fn assert_send_sync<T: Send + Sync>() {}
     assert_send_sync::<OwnershipTable>();
+}
+
+#[test]
+fn hostile_sizes_get_typed_errors_never_panics() {
+    let t = table();
+    t.admit(A, T1, 16, 0).unwrap();
+    assert!(matches!(t.allocate(A, u32::MAX), Err(Error::OutOfPages { requested: 4_294_967_295, .. })));
+    let a = pages(&t.allocate(A, 1).unwrap());
+    assert_eq!(kind(t.record_write_tokens(A, &a, u64::MAX - 1..u64::MAX)), ViolationKind::BlockTableTooShort);
+    #[allow(clippy::reversed_empty_ranges)]
+    let reversed = 9..3;
+    assert_eq!(kind(t.record_write_tokens(A, &a, reversed)), ViolationKind::BlockTableTooShort);
+    assert_eq!(kind(t.record_write(A, a[0], u32::MAX - 1..u32::MAX)), ViolationKind::SlotOutOfRange);
+    assert_eq!(kind(t.record_import(A, &a, u64::MAX, u64::MAX)), ViolationKind::BlockTableTooShort);
+    t.release(A).unwrap();
+    t.admit(A, T1, 16, 0).unwrap();
+    // A block table of a million entries and a read of u64::MAX tokens.
+    let huge = vec![PageId(u32::MAX); 1 << 20];
+    assert_eq!(t.check_read(A, &huge, u64::MAX).unwrap_err().kind(), ViolationKind::BlockTableTooShort);
+    assert_eq!(t.check_read(A, &huge, 1 << 24).unwrap_err().kind(), ViolationKind::PageOutOfRange);
+    // Long id lists are checked in linear time, and refused whole.
+    let many: Vec<PageId> = (0..200_000).map(PageId).collect();
+    assert_eq!(kind(t.claim(A, &many)), ViolationKind::ReservedPage);
+    assert_eq!(kind(t.release_pages(A, &many[1..])), ViolationKind::DoubleFree);
+    assert_eq!(kind(t.admit(RequestId(u64::MAX), TenantId(u64::MAX), u64::MAX, 1)), ViolationKind::ExceedsMaxContext);
+    assert!(t.page_info(PageId(u32::MAX)).is_none());
+    assert!(t.request_info(RequestId(u64::MAX)).is_none());
+    let s = t.snapshot();
+    assert_eq!(s.free + s.reserved, s.total_pages, "nothing leaked: {s:?}");
 }

@@ -156,9 +156,10 @@ impl TableState {
 
     pub(crate) fn claim(&mut self, req: RequestId, pages: &[PageId]) -> Result<Vec<PageRef>, Error> {
         self.record(Op::Claim, req)?;
-        for (i, &page) in pages.iter().enumerate() {
+        let repeat = first_repeat(pages);
+        for &page in pages {
             let state = self.check_usable(Op::Claim, req, page)?;
-            if state != PageState::Free || pages[..i].contains(&page) {
+            if state != PageState::Free || repeat == Some(page) {
                 return Err(self.page_violation(ViolationKind::PageNotFree, Op::Claim, req, page).into());
             }
         }
@@ -280,11 +281,11 @@ impl TableState {
 
     pub(crate) fn release_pages(&mut self, req: RequestId, pages: &[PageId]) -> Result<Released, Error> {
         self.record(Op::Release, req)?;
-        for (i, &page) in pages.iter().enumerate() {
+        for &page in pages {
             self.check_owned_by(Op::Release, req, page)?;
-            if pages[..i].contains(&page) {
-                return Err(self.page_violation(ViolationKind::DoubleFree, Op::Release, req, page).into());
-            }
+        }
+        if let Some(page) = first_repeat(pages) {
+            return Err(self.page_violation(ViolationKind::DoubleFree, Op::Release, req, page).into());
         }
         let mut released = Released::default();
         for &page in pages {
@@ -295,13 +296,16 @@ impl TableState {
     }
 
     pub(crate) fn confirm_scrubbed(&mut self, refs: &[PageRef]) -> Result<(), Error> {
-        for (i, r) in refs.iter().enumerate() {
+        for r in refs {
             let awaiting = self.tag(r.page).is_some_and(|t| {
                 t.state == PageState::AwaitingScrub && Some(t.generation) == r.generation.0.checked_add(1)
             });
-            if !awaiting || refs[..i].contains(r) {
+            if !awaiting {
                 return Err(Error::NotAwaitingScrub(*r));
             }
+        }
+        if let Some(r) = first_repeat(refs) {
+            return Err(Error::NotAwaitingScrub(r));
         }
         for r in refs {
             self.push_free(r.page);
@@ -345,5 +349,31 @@ impl TableState {
             },
         );
         Ok(())
+    }
+}
+
+/// The first item that repeats an earlier one: linear for short lists, hashed for long ones, so a
+/// caller-sized list never costs quadratic time.
+pub(crate) fn first_repeat<T: Copy + Eq + std::hash::Hash>(items: &[T]) -> Option<T> {
+    if items.len() <= 16 {
+        return items.iter().enumerate().find(|(i, x)| items[..*i].contains(x)).map(|(_, &x)| x);
+    }
+    let mut seen = std::collections::HashSet::with_capacity(items.len());
+    items.iter().copied().find(|x| !seen.insert(*x))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_repeat;
+
+    #[test]
+    fn first_repeat_finds_the_first_second_occurrence() {
+        assert_eq!(first_repeat::<u32>(&[]), None);
+        assert_eq!(first_repeat(&[1, 2, 3]), None);
+        assert_eq!(first_repeat(&[1, 2, 2, 1]), Some(2));
+        let long: Vec<u32> = (0..1000).chain([500, 7]).collect();
+        assert_eq!(first_repeat(&long), Some(500));
+        let distinct: Vec<u32> = (0..100_000).collect();
+        assert_eq!(first_repeat(&distinct), None);
     }
 }

@@ -252,7 +252,8 @@ impl OwnershipTable {
     /// Refused before any page is touched — never truncated, never substituted — when the total
     /// exceeds the max context ([`ViolationKind::ExceedsMaxContext`]) or needs more pages than the
     /// pool can ever give ([`ViolationKind::ExceedsPool`]); a live id is
-    /// [`ViolationKind::DuplicateRequest`].
+    /// [`ViolationKind::DuplicateRequest`] (and under enforce the live request is quarantined: two
+    /// requests under one id cannot be told apart).
     pub fn admit(
         &self,
         req: RequestId,

@@ -105,11 +105,11 @@ impl TableState {
     }
 
     pub(crate) fn detach(&mut self, req: RequestId, key: PrefixKey) -> Result<Released, Error> {
-        self.record(Op::Attach, req)?;
-        let slot = self.prefix_slot(Op::Attach, Some(req), key)?;
+        self.record(Op::Detach, req)?;
+        let slot = self.prefix_slot(Op::Detach, Some(req), key)?;
         let rec = self.requests.get_mut(&req).expect("checked above");
         let Some(pos) = rec.prefixes.iter().position(|&s| s == slot) else {
-            return Err(self.violation(ViolationKind::UnknownPrefix, Op::Attach, req).with_prefix(key).into());
+            return Err(self.violation(ViolationKind::UnknownPrefix, Op::Detach, req).with_prefix(key).into());
         };
         rec.prefixes.swap_remove(pos);
         let mut released = Released::default();

@@ -318,7 +318,6 @@ impl TableState {
         base + a as usize..base + b as usize
     }
 
-
     /// Records slots `a..b` of `page` as written and advances the watermark.
     #[inline]
     pub fn mark_written(&mut self, page: PageId, a: u32, b: u32) {

@@ -24,24 +24,71 @@ pub const GENERATION_LIMIT: u32 = 6;
 #[derive(Clone, Debug)]
 #[cfg_attr(fuzzing, derive(arbitrary::Arbitrary))]
 pub enum Op {
-    Admit { req: u8, tenant: u8, prompt: u8, max_new: u8 },
-    Allocate { req: u8, n: u8 },
-    Claim { req: u8, pages: Vec<u8> },
+    Admit {
+        req: u8,
+        tenant: u8,
+        prompt: u8,
+        max_new: u8,
+    },
+    Allocate {
+        req: u8,
+        n: u8,
+    },
+    Claim {
+        req: u8,
+        pages: Vec<u8>,
+    },
     /// Write slots `a..b` of the request's `index`-th readable page (or of raw page `index` when
     /// `raw`).
-    Write { req: u8, index: u8, raw: bool, a: u8, b: u8 },
+    Write {
+        req: u8,
+        index: u8,
+        raw: bool,
+        a: u8,
+        b: u8,
+    },
     /// Read `tokens` through the request's own view, with entry `swap_at` replaced by page `swap`
     /// when `swap_at` is in range.
-    Read { req: u8, tokens: u8, swap_at: u8, swap: u8 },
-    Release { req: u8 },
-    ReleasePages { req: u8, indices: Vec<u8> },
-    Preempt { req: u8 },
-    Publish { req: u8, key: u8, count: u8 },
-    Attach { req: u8, key: u8 },
-    Detach { req: u8, key: u8 },
-    Evict { key: u8 },
-    Fork { parent: u8, child: u8 },
-    AllowSharing { tenant: u8, allow: bool },
+    Read {
+        req: u8,
+        tokens: u8,
+        swap_at: u8,
+        swap: u8,
+    },
+    Release {
+        req: u8,
+    },
+    ReleasePages {
+        req: u8,
+        indices: Vec<u8>,
+    },
+    Preempt {
+        req: u8,
+    },
+    Publish {
+        req: u8,
+        key: u8,
+        count: u8,
+    },
+    Attach {
+        req: u8,
+        key: u8,
+    },
+    Detach {
+        req: u8,
+        key: u8,
+    },
+    Evict {
+        key: u8,
+    },
+    Fork {
+        parent: u8,
+        child: u8,
+    },
+    AllowSharing {
+        tenant: u8,
+        allow: bool,
+    },
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -170,14 +217,16 @@ impl Model {
             Op::Admit { req, tenant, prompt, max_new } => {
                 let (r, t) = (req % REQUESTS, tenant % TENANTS);
                 let total = u64::from(prompt) + u64::from(max_new);
-                let obtainable = self.pages.iter().filter(|p| !matches!(p.state, MState::Reserved | MState::Retired)).count();
+                let obtainable =
+                    self.pages.iter().filter(|p| !matches!(p.state, MState::Reserved | MState::Retired)).count();
                 if self.requests.contains_key(&r) {
                     return (false, Some(r));
                 }
                 if total > MAX_CONTEXT || total.div_ceil(ps) > obtainable as u64 {
                     return (false, None);
                 }
-                self.requests.insert(r, MRequest { tenant: t, owned: Vec::new(), held: BTreeSet::new(), quarantined: false });
+                self.requests
+                    .insert(r, MRequest { tenant: t, owned: Vec::new(), held: BTreeSet::new(), quarantined: false });
                 (true, None)
             }
             Op::Allocate { req, n } => {
@@ -236,7 +285,8 @@ impl Model {
                         MState::Owned(o) => o == r,
                         MState::Shared(id) => {
                             rec.held.contains(&id)
-                                && (self.prefixes[&id].tenant == rec.tenant || self.sharing.contains(&self.prefixes[&id].tenant))
+                                && (self.prefixes[&id].tenant == rec.tenant
+                                    || self.sharing.contains(&self.prefixes[&id].tenant))
                         }
                         _ => false,
                     };
@@ -355,7 +405,8 @@ impl Model {
                     for &pg in &rec.owned {
                         self.pages[pg as usize].state = MState::Shared(id);
                     }
-                    self.prefixes.insert(id, MPrefix { key: None, tenant: rec.tenant, pages: rec.owned.clone(), holders: 1 });
+                    self.prefixes
+                        .insert(id, MPrefix { key: None, tenant: rec.tenant, pages: rec.owned.clone(), holders: 1 });
                     let parent = self.requests.get_mut(&p).expect("checked");
                     parent.owned.clear();
                     parent.held.insert(id);
@@ -422,7 +473,11 @@ pub fn run_with(config: PoolConfig, ops: &[Op]) {
                 if let (Op::Allocate { req, .. }, Some(pages)) = (op, pages) {
                     let r = req % REQUESTS;
                     for &p in pages {
-                        assert_eq!(model.pages[p as usize].state, MState::Free, "step {step}: allocated a non-free page {p}");
+                        assert_eq!(
+                            model.pages[p as usize].state,
+                            MState::Free,
+                            "step {step}: allocated a non-free page {p}"
+                        );
                         model.pages[p as usize].state = MState::Owned(r);
                         model.requests.get_mut(&r).expect("admitted").owned.push(p);
                     }
@@ -478,7 +533,8 @@ fn execute(table: &OwnershipTable, model: &Model, op: &Op) -> Result<Option<Vec<
         Op::Release { req } => table.release(req_id(req)).map(|_| None),
         Op::ReleasePages { req, ref indices } => {
             let view = model.view(req % REQUESTS);
-            let pages: Vec<PageId> = indices.iter().filter_map(|&i| view.get(usize::from(i))).map(|&p| PageId(p)).collect();
+            let pages: Vec<PageId> =
+                indices.iter().filter_map(|&i| view.get(usize::from(i))).map(|&p| PageId(p)).collect();
             table.release_pages(req_id(req), &pages).map(|_| None)
         }
         Op::Preempt { req } => table.preempt(req_id(req)).map(|_| None),
@@ -523,7 +579,11 @@ fn check_invariants(table: &OwnershipTable, model: &Model, generations: &mut [u3
         assert_eq!(info.generation.0, m.generation, "step {step}: page {p} generation");
         assert!(info.generation.0 >= generations[p as usize], "step {step}: page {p} generation went backwards");
         generations[p as usize] = info.generation.0;
-        assert_eq!(info.written_slots as usize, m.written.iter().filter(|&&w| w).count(), "step {step}: page {p} coverage");
+        assert_eq!(
+            info.written_slots as usize,
+            m.written.iter().filter(|&&w| w).count(),
+            "step {step}: page {p} coverage"
+        );
     }
     // At most one writing owner: the pages requests own exclusively are disjoint.
     let mut seen = BTreeSet::new();
