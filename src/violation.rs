@@ -141,8 +141,10 @@ pub enum Op {
     Release,
     /// Publishing pages as a prefix.
     Publish,
-    /// Attaching to (or detaching from) a prefix.
+    /// Attaching to a prefix.
     Attach,
+    /// Letting go of a prefix.
+    Detach,
     /// Evicting a prefix.
     Evict,
     /// Forking a request.
@@ -165,6 +167,7 @@ impl Op {
             Op::Release => "released",
             Op::Publish => "published",
             Op::Attach => "attached",
+            Op::Detach => "detached",
             Op::Evict => "evicted",
             Op::Fork => "forked",
             Op::Import => "imported",
