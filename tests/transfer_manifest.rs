@@ -61,7 +61,7 @@ impl Fixture {
         let mut landed = 0;
         let out = Receiver::new(&self.table)
             .accept(&self.expected(), manifest_bytes, pages, |_, _, _| landed += 1)
-            .map(|a| a.tokens);
+            .map(|a| a.tokens());
         (out, landed)
     }
     /// The refusal left no trace: nothing landed, no coverage recorded, one violation of `kind`.
@@ -97,7 +97,7 @@ fn a_clean_transfer_lands_and_records_coverage() {
     let accepted = Receiver::new(&f.table)
         .accept(&f.expected(), &f.manifest().encode(), &f.pages, |i, r, b| landed.push((i, r, b.len())))
         .unwrap();
-    assert_eq!(accepted.tokens, 10);
+    assert_eq!(accepted.tokens(), 10);
     assert_eq!(accepted.pages(), 3);
     assert_eq!(landed, vec![(0, f.refs[0], 32), (1, f.refs[1], 32), (2, f.refs[2], 16)]);
     f.table.verify_read_refs(f.req, &f.refs, 10).unwrap();
@@ -160,7 +160,7 @@ fn a_one_token_dummy_for_the_real_prompt_is_refused() {
     let dummy = Manifest::build(f.header(), &[0], &f.refs[..1], &kv_pages(&[0], 0)).unwrap();
     let err = f.assert_refused(f.land(&dummy.encode(), &kv_pages(&[0], 0)), ViolationKind::TokenCountMismatch);
     assert!(matches!(err, TransferError::TokenCount { expected: 10, found: 1 }));
-    assert!(err.to_string().contains("1 tokens, the prompt has 10"), "{err}");
+    assert!(err.to_string().contains("1 tokens, the request's prompt has 10"), "{err}");
     // The request reads nothing it did not get.
     let read = f.table.verify_read_refs(f.req, &f.refs, 10).unwrap_err();
     assert!(matches!(read.violation_kind(), Some(ViolationKind::Quarantined | ViolationKind::UnwrittenSlots)));
@@ -331,4 +331,21 @@ proptest! {
         let expected = ExpectedTransfer::for_prompt(RequestId(request), TenantId(tenant), &prompt, &refs, page_size, slot_bytes);
         prop_assert!(kvguard::transfer::verify(&expected, &m, &pages).is_ok());
     }
+}
+
+#[test]
+fn under_report_policy_a_bad_transfer_is_still_refused_but_nobody_is_quarantined() {
+    let table = OwnershipTable::new(PoolConfig::new(16, PAGE_SIZE, 64).with_policy(kvguard::Policy::Report)).unwrap();
+    let (req, tenant) = (RequestId(1), TenantId(1));
+    let prompt: Vec<u32> = (0..8).collect();
+    table.admit(req, tenant, 8, 0).unwrap();
+    let refs = table.allocate(req, 2).unwrap();
+    let header =
+        TransferHeader { request: req, tenant, sender: SenderId(1), page_size: PAGE_SIZE, slot_bytes: SLOT_BYTES };
+    let dummy = Manifest::build(header, &[0], &refs[..1], &kv_pages(&[0], 0)).unwrap();
+    let expected = ExpectedTransfer::for_prompt(req, tenant, &prompt, &refs, PAGE_SIZE, SLOT_BYTES);
+    let err = Receiver::new(&table).accept(&expected, &dummy.encode(), &kv_pages(&[0], 0), |_, _, _| panic!());
+    assert!(matches!(err, Err(TransferError::TokenCount { .. })), "a transfer is refused under every policy");
+    assert_eq!(table.counters().get(ViolationKind::TokenCountMismatch), 1);
+    assert!(!table.request_info(req).unwrap().quarantined);
 }

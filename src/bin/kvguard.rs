@@ -136,7 +136,7 @@ fn replay(args: &ReplayArgs) -> ExitCode {
             }
         }
     };
-    let options = ReplayOptions { max_line_bytes: args.max_line_bytes, ..ReplayOptions::default() };
+    let options = ReplayOptions::default().with_max_line_bytes(args.max_line_bytes);
     let mut replayer = Replayer::with_options(options);
     let mut out = BufWriter::with_capacity(1 << 16, io::stdout().lock());
     let json = args.json;
@@ -174,7 +174,8 @@ fn replay(args: &ReplayArgs) -> ExitCode {
     } else {
         let kinds: Vec<String> = summary.by_kind.iter().map(|(k, n)| format!("{} {n}", k.as_str())).collect();
         let kinds = if kinds.is_empty() { String::new() } else { format!(" ({})", kinds.join(", ")) };
-        writeln!(out, "{} events, {} violations{kinds}", summary.events, summary.violations)
+        let noun = if summary.violations == 1 { "violation" } else { "violations" };
+        writeln!(out, "{} events, {} {noun}{kinds}", summary.events, summary.violations)
     };
     if written.and_then(|()| out.flush()).is_err() {
         return ExitCode::from(2);

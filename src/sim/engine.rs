@@ -314,7 +314,7 @@ impl Replay<'_> {
                 .from_sender(PREFILL_SENDER);
                 match Receiver::new(t).accept(&expected, &manifest, &sent, |_, page, bytes| land(page, bytes)) {
                     Ok(_) => Ok(Ok(())),
-                    Err(e) => Ok(Err(Refusal { kind: e.kind(), message: e.to_string() })),
+                    Err(e) => Ok(Err(Refusal { kind: e.kind(), message: format!("{}: {e}", e.kind().as_str()) })),
                 }
             }
             (table, _) => {

@@ -62,20 +62,16 @@ impl TableState {
         for &page in pages {
             self.check_owned_by(Op::Publish, req, page)?;
         }
-        let mut distinct = pages.to_vec();
-        distinct.sort_unstable();
-        distinct.dedup();
         let slot =
             self.new_prefix(PrefixRecord { key: Some(key), tenant, publisher: req, pages: Vec::new(), holders: 1 });
-        for &page in &distinct {
-            self.detach_from_owner(page);
-            self.tags[page.0 as usize].link = slot;
-            self.set_state(page, PageState::Shared);
-        }
-        // Keep the caller's order for `attach` to hand back.
-        let mut ordered = Vec::with_capacity(distinct.len());
+        // The caller's order, for `attach` to hand back; a page listed twice is published once
+        // (the second time round it is already shared).
+        let mut ordered = Vec::with_capacity(pages.len());
         for &page in pages {
-            if !ordered.contains(&page) {
+            if self.tags[page.0 as usize].state == PageState::Owned {
+                self.detach_from_owner(page);
+                self.tags[page.0 as usize].link = slot;
+                self.set_state(page, PageState::Shared);
                 ordered.push(page);
             }
         }

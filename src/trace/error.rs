@@ -116,6 +116,9 @@ pub enum ReplayErrorKind {
     /// An event before the `pool` event.
     #[error("{0} before the pool event (the first event must be \"pool\")")]
     BeforePool(&'static str),
+    /// The trace ended without a `pool` event (empty, or only comments): nothing was judged.
+    #[error("the trace has no pool event (empty, or only comments)")]
+    NoPool,
     /// A second `pool` event.
     #[error("a second pool event (a trace has exactly one)")]
     SecondPool,

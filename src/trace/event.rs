@@ -8,12 +8,16 @@ use std::fmt;
 /// One v1 trace event, borrowing its strings and page lists (from a parsed line, or from the
 /// engine's own buffers when recording).
 ///
-/// Serializes to exactly one v1 line (`ev` first):
+/// Serializes to exactly one v1 line (`ev` first), and deserializes from one with the format's
+/// rules (unknown fields ignored, whatever their type; page ids beyond `u32` read as `u32::MAX`):
 /// ```
 /// use kvguard::trace::Event;
 /// use kvguard::{PageId, RequestId};
 /// let ev = Event::Alloc { req: RequestId(7), pages: vec![PageId(3), PageId(4)].into() };
-/// assert_eq!(serde_json::to_string(&ev)?, r#"{"ev":"alloc","req":7,"pages":[3,4]}"#);
+/// let line = serde_json::to_string(&ev)?;
+/// assert_eq!(line, r#"{"ev":"alloc","req":7,"pages":[3,4]}"#);
+/// assert_eq!(serde_json::from_str::<Event>(&line)?, ev);
+/// assert!(serde_json::from_str::<Event>(r#"{"ev":"alloc","req":-7,"pages":[]}"#).is_err());
 /// # Ok::<(), serde_json::Error>(())
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -131,6 +135,33 @@ impl Event<'_> {
             Event::Evict { .. } => EventKind::Evict,
             Event::Import { .. } => EventKind::Import,
             Event::Fork { .. } => EventKind::Fork,
+        }
+    }
+
+    /// The same event, owning its strings and page lists.
+    pub fn into_owned(self) -> Event<'static> {
+        fn own<T: Clone>(c: Cow<'_, [T]>) -> Cow<'static, [T]> {
+            Cow::Owned(c.into_owned())
+        }
+        fn text(c: Cow<'_, str>) -> Cow<'static, str> {
+            Cow::Owned(c.into_owned())
+        }
+        match self {
+            Event::Pool { pages, page_size, max_context, reserved } => {
+                Event::Pool { pages, page_size, max_context, reserved: own(reserved) }
+            }
+            Event::Admit { req, tenant, prompt, max_new } => {
+                Event::Admit { req, tenant: text(tenant), prompt, max_new }
+            }
+            Event::Alloc { req, pages } => Event::Alloc { req, pages: own(pages) },
+            Event::Write { req, page, slots } => Event::Write { req, page, slots },
+            Event::Read { req, pages, tokens } => Event::Read { req, pages: own(pages), tokens },
+            Event::Free { req, pages } => Event::Free { req, pages: pages.map(own) },
+            Event::Share { req, key, pages } => Event::Share { req, key: text(key), pages: own(pages) },
+            Event::Attach { req, key } => Event::Attach { req, key: text(key) },
+            Event::Evict { key } => Event::Evict { key: text(key) },
+            Event::Import { req, pages, tokens, expect } => Event::Import { req, pages: own(pages), tokens, expect },
+            Event::Fork { req, child } => Event::Fork { req, child },
         }
     }
 

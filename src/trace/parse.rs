@@ -283,9 +283,7 @@ impl<'de> RawEvent<'de> {
                 let shown: String = name.chars().take(64).collect();
                 ReplayErrorKind::UnknownEvent(shown)
             }),
-            Some(v) => {
-                Err(ReplayErrorKind::WrongType { ev: "?", field: "ev", expected: "a string", found: found(v) })
-            }
+            Some(v) => Err(ReplayErrorKind::WrongType { ev: "?", field: "ev", expected: "a string", found: found(v) }),
         }
     }
 
@@ -410,6 +408,20 @@ impl<'de> RawEvent<'de> {
     }
 }
 
+/// A single line read with the format's rules, outside a replay (no pool, so page lists are
+/// capped at [`MAX_PAGES`](crate::config::MAX_PAGES)).
+impl<'de> de::Deserialize<'de> for Event<'static> {
+    fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Event<'static>, D::Error> {
+        let cap = u64::from(crate::config::MAX_PAGES);
+        let mut bufs = ListBuffers::default();
+        let raw = d.deserialize_map(EventVisitor { bufs: &mut bufs, cap })?;
+        let kind = raw.kind().map_err(de::Error::custom)?;
+        let mut ids = Vec::new();
+        let parsed = raw.event(kind, &bufs, &mut ids, cap).map_err(de::Error::custom)?;
+        Ok(parsed.event.into_owned())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -420,27 +432,7 @@ mod tests {
         let raw = parse_line(line.as_bytes(), &mut bufs, 1000)?;
         let kind = raw.kind()?;
         let parsed = raw.event(kind, &bufs, &mut ids, 1000)?;
-        Ok(owned(parsed.event))
-    }
-
-    fn owned(e: Event<'_>) -> Event<'static> {
-        let own = |p: Cow<'_, [PageId]>| Cow::Owned(p.into_owned());
-        let s = |t: Cow<'_, str>| Cow::Owned(t.into_owned());
-        match e {
-            Event::Pool { pages, page_size, max_context, reserved } => {
-                Event::Pool { pages, page_size, max_context, reserved: own(reserved) }
-            }
-            Event::Admit { req, tenant, prompt, max_new } => Event::Admit { req, tenant: s(tenant), prompt, max_new },
-            Event::Alloc { req, pages } => Event::Alloc { req, pages: own(pages) },
-            Event::Write { req, page, slots } => Event::Write { req, page, slots },
-            Event::Read { req, pages, tokens } => Event::Read { req, pages: own(pages), tokens },
-            Event::Free { req, pages } => Event::Free { req, pages: pages.map(own) },
-            Event::Share { req, key, pages } => Event::Share { req, key: s(key), pages: own(pages) },
-            Event::Attach { req, key } => Event::Attach { req, key: s(key) },
-            Event::Evict { key } => Event::Evict { key: s(key) },
-            Event::Import { req, pages, tokens, expect } => Event::Import { req, pages: own(pages), tokens, expect },
-            Event::Fork { req, child } => Event::Fork { req, child },
-        }
+        Ok(parsed.event.into_owned())
     }
 
     #[test]
@@ -489,7 +481,10 @@ mod tests {
             Err(ReplayErrorKind::SlotsNotPair { len: 3, .. })
         ));
         let mut bufs = ListBuffers::default();
-        assert!(matches!(parse_line(b"{\"ev\":\"evict\",\"key\":\"\xff\"}", &mut bufs, 8), Err(ReplayErrorKind::Json(_))));
+        assert!(matches!(
+            parse_line(b"{\"ev\":\"evict\",\"key\":\"\xff\"}", &mut bufs, 8),
+            Err(ReplayErrorKind::Json(_))
+        ));
     }
 
     #[test]

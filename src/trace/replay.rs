@@ -14,7 +14,14 @@ use serde::Serialize;
 use std::io::{self, BufRead, Read};
 
 /// Limits on what a replayer accepts.
+///
+/// ```
+/// use kvguard::trace::ReplayOptions;
+/// let options = ReplayOptions::default().with_max_line_bytes(1 << 20).with_max_pool_pages(1 << 20);
+/// assert_eq!(options.max_line_bytes, 1 << 20);
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ReplayOptions {
     /// The longest line, in bytes (default 16 MiB): a longer one is unusable input.
     pub max_line_bytes: usize,
@@ -26,6 +33,20 @@ pub struct ReplayOptions {
 impl Default for ReplayOptions {
     fn default() -> Self {
         ReplayOptions { max_line_bytes: 16 << 20, max_pool_pages: MAX_PAGES }
+    }
+}
+
+impl ReplayOptions {
+    /// Sets the longest line accepted, in bytes.
+    pub fn with_max_line_bytes(mut self, bytes: usize) -> Self {
+        self.max_line_bytes = bytes;
+        self
+    }
+
+    /// Sets the largest pool accepted, in pages (at most [`MAX_PAGES`] in any case).
+    pub fn with_max_pool_pages(mut self, pages: u32) -> Self {
+        self.max_pool_pages = pages.min(MAX_PAGES);
+        self
     }
 }
 
@@ -66,17 +87,23 @@ pub struct ReplaySummary {
 /// ```
 #[derive(Debug, Default)]
 pub struct Replayer {
-    options: ReplayOptions,
     line: u64,
     events: u64,
     violations: u64,
+    state: Judge,
+    lists: ListBuffers,
+    ids: Vec<PageId>,
+    text: Vec<u8>,
+}
+
+/// What judging needs: the table and the names the trace gave its ids.
+#[derive(Debug, Default)]
+struct Judge {
+    options: ReplayOptions,
     table: Option<OwnershipTable>,
     tenants: Tenants,
     keys: Keys,
     live: Live,
-    lists: ListBuffers,
-    ids: Vec<PageId>,
-    text: Vec<u8>,
 }
 
 impl Replayer {
@@ -87,12 +114,12 @@ impl Replayer {
 
     /// A replayer with these limits.
     pub fn with_options(options: ReplayOptions) -> Replayer {
-        Replayer { options, ..Replayer::default() }
+        Replayer { state: Judge { options, ..Judge::default() }, ..Replayer::default() }
     }
 
     /// The table, once the pool event has been seen.
     pub fn table(&self) -> Option<&OwnershipTable> {
-        self.table.as_ref()
+        self.state.table.as_ref()
     }
 
     /// Lines, events and violations so far.
@@ -101,17 +128,18 @@ impl Replayer {
             lines: self.line,
             events: self.events,
             violations: self.violations,
-            by_kind: self.table.as_ref().map(|t| t.counters().nonzero()).unwrap_or_default(),
+            by_kind: self.state.table.as_ref().map(|t| t.counters().nonzero()).unwrap_or_default(),
         }
     }
 
     /// Tenant names, published keys and admitted requests held now: what replay memory grows with.
     pub fn live_names(&self) -> (usize, usize, usize) {
-        (self.tenants.len(), self.keys.len(), self.live.len())
+        (self.state.tenants.len(), self.state.keys.len(), self.state.live.len())
     }
 
     /// Streams a whole trace, calling `on_violation` for each violation in line order; stops at
-    /// the first unusable line (or the first error of `on_violation`).
+    /// the first unusable line (or the first error of `on_violation`). A trace that ends without
+    /// a pool event is unusable ([`ReplayErrorKind::NoPool`]): an empty recording is not a clean one.
     pub fn replay<R: BufRead>(
         &mut self,
         mut reader: R,
@@ -120,14 +148,17 @@ impl Replayer {
         let mut text = std::mem::take(&mut self.text);
         let outcome = loop {
             text.clear();
-            let limit = self.options.max_line_bytes as u64 + 1;
+            let limit = (self.state.options.max_line_bytes as u64).saturating_add(1);
             match reader.by_ref().take(limit).read_until(b'\n', &mut text) {
+                Ok(0) if self.state.table.is_none() => {
+                    break Err(ReplayError::new(self.line + 1, ReplayErrorKind::NoPool));
+                }
                 Ok(0) => break Ok(self.summary()),
                 Ok(_) => {}
                 Err(e) => break Err(ReplayError::new(self.line + 1, ReplayErrorKind::Io(e))),
             }
-            if text.last() != Some(&b'\n') && text.len() > self.options.max_line_bytes {
-                let max = self.options.max_line_bytes;
+            if text.last() != Some(&b'\n') && text.len() > self.state.options.max_line_bytes {
+                let max = self.state.options.max_line_bytes;
                 break Err(ReplayError::new(self.line + 1, ReplayErrorKind::LineTooLong { max }));
             }
             match self.feed_line(&text) {
@@ -159,15 +190,7 @@ impl Replayer {
         let kind = raw.kind().map_err(at)?;
         self.check_order(kind).map_err(at)?;
         let parsed = raw.event(kind, &self.lists, &mut self.ids, cap).map_err(at)?;
-        let outcome = Self::judge(
-            &mut self.table,
-            &mut self.tenants,
-            &mut self.keys,
-            &mut self.live,
-            self.options,
-            &parsed.event,
-            line_no,
-        );
+        let outcome = self.state.judge(&parsed.event, line_no);
         self.events += 1;
         let found = outcome.map_err(at)?;
         Ok(found.map(|mut v| {
@@ -191,15 +214,7 @@ impl Replayer {
                 return Err(at(ReplayErrorKind::ListTooLong { ev, field, len: len as u64, max: cap }));
             }
         }
-        let outcome = Self::judge(
-            &mut self.table,
-            &mut self.tenants,
-            &mut self.keys,
-            &mut self.live,
-            self.options,
-            event,
-            line_no,
-        );
+        let outcome = self.state.judge(event, line_no);
         self.events += 1;
         let found = outcome.map_err(at)?;
         if found.is_some() {
@@ -209,30 +224,25 @@ impl Replayer {
     }
 
     fn page_cap(&self) -> u64 {
-        match &self.table {
+        match &self.state.table {
             Some(t) => u64::from(t.config().num_pages),
-            None => u64::from(self.options.max_pool_pages),
+            None => u64::from(self.state.options.max_pool_pages),
         }
     }
 
     fn check_order(&self, kind: EventKind) -> Result<(), ReplayErrorKind> {
-        match (kind, self.table.is_some()) {
+        match (kind, self.state.table.is_some()) {
             (EventKind::Pool, true) => Err(ReplayErrorKind::SecondPool),
             (EventKind::Pool, false) | (_, true) => Ok(()),
             (other, false) => Err(ReplayErrorKind::BeforePool(other.as_str())),
         }
     }
+}
 
+impl Judge {
     /// Applies one event to the table and says whether it violated.
-    fn judge(
-        table: &mut Option<OwnershipTable>,
-        tenants: &mut Tenants,
-        keys: &mut Keys,
-        live: &mut Live,
-        options: ReplayOptions,
-        event: &Event<'_>,
-        line: u64,
-    ) -> Result<Option<ReplayViolation>, ReplayErrorKind> {
+    fn judge(&mut self, event: &Event<'_>, line: u64) -> Result<Option<ReplayViolation>, ReplayErrorKind> {
+        let Judge { options, table, tenants, keys, live } = self;
         let ev = event.kind();
         let found = |v: Violation, tenants: &Tenants, keys: &Keys| {
             let prefix = match v.prefix() {
@@ -317,7 +327,9 @@ impl Replayer {
                 }
                 v
             }
-            Event::Free { req, pages: Some(pages) } => verdict(t.release_pages(*req, pages).map(drop))?,
+            Event::Free { req, pages: Some(pages) } => {
+                verdict(t.release_pages(*req, pages).map(drop))?
+            }
             Event::Share { req, key, pages } => {
                 let known = keys.get(key);
                 let id = known.map_or_else(|| keys.next_id(), |k| k.id);

@@ -117,8 +117,8 @@ impl fmt::Display for ReplayViolation {
                 ViolationKind::PoolTooSmall => {
                     write!(f, ", the pool holds {found} tokens but one max-context request needs {limit}")
                 }
-                ViolationKind::TokenCountMismatch => write!(f, ", {found} tokens arrived, {limit} expected"),
-                ViolationKind::EvictInUse => write!(f, ", still held by {found} requests"),
+                ViolationKind::TokenCountMismatch => write!(f, ", {found} tokens arrived vs {limit} expected"),
+                ViolationKind::EvictInUse => write!(f, ", still held by {found} request(s)"),
                 ViolationKind::BlockTableTooShort => write!(f, ", {found} tokens vs {limit} the block table covers"),
                 _ => write!(f, ", found {found} vs limit {limit}"),
             }?;

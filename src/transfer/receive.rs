@@ -21,7 +21,8 @@ pub struct ExpectedTransfer<'a> {
     pub prompt_tokens: u64,
     /// The digest of the prompt the receiver holds.
     pub prompt_digest: PromptDigest,
-    /// The receiving pages, in token order, in the incarnations it offered to the sender.
+    /// The receiving pages, in token order, in the incarnations it offered to the sender: exactly
+    /// the ⌈prompt / page size⌉ pages the prompt lands in (pages for generated tokens come later).
     pub pages: &'a [PageRef],
     /// Token slots per page.
     pub page_size: u32,
@@ -306,13 +307,15 @@ pub fn verify<P: AsRef<[u8]>>(
 /// What an accepted transfer recorded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Accepted {
-    /// Tokens recorded as written for the receiving request's incarnation.
-    pub tokens: u64,
-    /// Pages landed.
+    tokens: u64,
     pages: usize,
 }
 
 impl Accepted {
+    /// Tokens recorded as written for the receiving request's incarnation.
+    pub fn tokens(&self) -> u64 {
+        self.tokens
+    }
     /// Pages landed.
     pub fn pages(&self) -> usize {
         self.pages

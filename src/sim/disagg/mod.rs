@@ -249,7 +249,7 @@ pub fn run_decode(
                             Ok(()) => Ok(format!(
                                 "ACCEPTED req {}: {} tokens in {} pages, read verified",
                                 spec.id.0,
-                                a.tokens,
+                                a.tokens(),
                                 a.pages()
                             )),
                             Err(e) => Err((e.violation_kind().map_or("error", |k| k.as_str()), e.to_string())),

@@ -1,0 +1,159 @@
+//! `kvguard replay` and `kvguard audit`, run as a user would: exit codes, stdout, stderr.
+
+use std::io::Write;
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+
+fn kvguard(args: &[&str], stdin: Option<&[u8]>) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvguard"))
+        .args(args)
+        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kvguard runs");
+    if let Some(input) = stdin {
+        let mut pipe = child.stdin.take().expect("piped stdin");
+        pipe.write_all(input).expect("write stdin");
+    }
+    child.wait_with_output().expect("kvguard exits")
+}
+
+fn zoo(name: &str) -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/zoo").join(name).to_string_lossy().into_owned()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8(bytes.to_vec()).expect("UTF-8 output")
+}
+
+#[test]
+fn a_clean_trace_exits_0() {
+    let out = kvguard(&["replay", &zoo("clean_prefix_caching.jsonl")], None);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains(" 0 violations"), "{stdout}");
+    assert!(out.stderr.is_empty());
+}
+
+#[test]
+fn violations_exit_1_and_name_line_event_kind_request_page_owner_slots() {
+    let out = kvguard(&["replay", &zoo("read_before_write.jsonl")], None);
+    assert_eq!(out.status.code(), Some(1));
+    let stdout = text(&out.stdout);
+    let first = stdout.lines().next().expect("a violation line");
+    for part in ["line 20:", "unwritten_slots", "in read", "req 6", "page 9", "owned by req 6", "slots 0..1"] {
+        assert!(first.contains(part), "{part:?} missing in {first}");
+    }
+    assert!(stdout.lines().last().is_some_and(|l| l.contains("1 violation")), "{stdout}");
+}
+
+#[test]
+fn json_prints_one_object_per_violation_then_a_summary() {
+    let out = kvguard(&["replay", &zoo("dummy_prompt_disagg.jsonl"), "--json"], None);
+    assert_eq!(out.status.code(), Some(1));
+    let stdout = text(&out.stdout);
+    let lines: Vec<serde_json::Value> =
+        stdout.lines().map(|l| serde_json::from_str(l).expect("each line is JSON")).collect();
+    assert_eq!(lines.len(), 3);
+    assert_eq!(lines[0]["line"], 32);
+    assert_eq!(lines[0]["ev"], "import");
+    assert_eq!(lines[0]["kind"], "token_count_mismatch");
+    assert_eq!(lines[0]["req"], 101);
+    assert_eq!(lines[1]["kind"], "unwritten_slots");
+    assert_eq!(lines[1]["slots"], serde_json::json!([0, 16]));
+    for l in &lines[..2] {
+        for field in ["line", "ev", "kind", "req"] {
+            assert!(l.get(field).is_some(), "{field} missing in {l}");
+        }
+    }
+    assert_eq!(lines[2]["summary"]["events"], 28);
+    assert_eq!(lines[2]["summary"]["violations"], 2);
+}
+
+#[test]
+fn stdin_is_read_with_a_dash() {
+    let trace = std::fs::read(zoo("double_free.jsonl")).expect("zoo trace");
+    let out = kvguard(&["replay", "-", "--json"], Some(&trace));
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    let first: serde_json::Value = serde_json::from_str(stdout.lines().next().unwrap()).unwrap();
+    assert_eq!((first["line"].as_u64(), first["kind"].as_str()), (Some(19), Some("double_free")));
+}
+
+#[test]
+fn malformed_input_exits_2_naming_the_line_and_why() {
+    let pool = r#"{"ev":"pool","pages":16,"page_size":16,"max_context":64}"#;
+    let cases: [(String, &str); 7] = [
+        (format!("{pool}\n{{\"ev\":\"admit\",\"req\":1}}\n"), "line 2: admit: missing field \"tenant\""),
+        (
+            format!("{pool}\n{{\"ev\":\"free\",\"req\":-1}}\n"),
+            "line 2: free: field \"req\" must be an unsigned integer",
+        ),
+        ("# c\n{\"ev\":\"free\",\"req\":1}\n".to_string(), "line 2: free before the pool event"),
+        (format!("{pool}\n{pool}\n"), "line 2: a second pool event"),
+        (format!("{pool}\nnot json\n"), "line 2: not a JSON object"),
+        (format!("{pool}\n{{\"ev\":\"nap\"}}\n"), "line 2: unknown event \"nap\""),
+        (String::new(), "line 1: the trace has no pool event"),
+    ];
+    for (input, want) in cases {
+        let out = kvguard(&["replay", "-"], Some(input.as_bytes()));
+        assert_eq!(out.status.code(), Some(2), "{input}");
+        let stderr = text(&out.stderr);
+        assert!(stderr.contains(want), "{want:?} not in {stderr:?}");
+    }
+    let mut bad_utf8 = format!("{pool}\n").into_bytes();
+    bad_utf8.extend_from_slice(b"{\"ev\":\"evict\",\"key\":\"\xff\"}\n");
+    let out = kvguard(&["replay", "-"], Some(&bad_utf8));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("line 2:"));
+}
+
+#[test]
+fn violations_before_a_malformed_line_are_printed_and_the_exit_is_2() {
+    let input = "{\"ev\":\"pool\",\"pages\":16,\"page_size\":16,\"max_context\":64}\n\
+                 {\"ev\":\"free\",\"req\":5}\n{\"ev\":\"free\"}\n";
+    let out = kvguard(&["replay", "-"], Some(input.as_bytes()));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stdout).contains("line 2: unknown_request"));
+    assert!(text(&out.stderr).contains("line 3: free: missing field \"req\""));
+}
+
+#[test]
+fn an_unreadable_file_exits_2() {
+    let out = kvguard(&["replay", "/no/such/trace.jsonl"], None);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("/no/such/trace.jsonl"));
+    let dir = env!("CARGO_MANIFEST_DIR");
+    let out = kvguard(&["replay", dir], None);
+    assert_eq!(out.status.code(), Some(2), "a directory is not a trace");
+}
+
+#[test]
+fn usage_errors_exit_2() {
+    for args in [
+        &["audit", "--max-context", "10", "--page-size", "16"][..],
+        &["audit", "--max-context", "10", "--page-size", "0", "--pool", "a=1"],
+        &["audit", "--max-context", "10", "--page-size", "16", "--pool", "a"],
+        &["audit", "--max-context", "10", "--page-size", "16", "--pool", "a=-1"],
+        &["replay"],
+        &["frobnicate"],
+    ] {
+        let out = kvguard(args, None);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+    }
+}
+
+#[test]
+fn help_explains_both_commands_with_examples() {
+    let out = kvguard(&["--help"], None);
+    assert_eq!(out.status.code(), Some(0));
+    let help = text(&out.stdout);
+    assert!(help.contains("replay") && help.contains("audit") && help.contains("Examples"), "{help}");
+    let out = kvguard(&["replay", "--help"], None);
+    let help = text(&out.stdout);
+    assert!(help.contains("--json") && help.contains("Exit status") && help.contains("kvguard replay"), "{help}");
+    let out = kvguard(&["audit", "--help"], None);
+    let help = text(&out.stdout);
+    assert!(help.contains("floored") && help.contains("--pool prefill=681280"), "{help}");
+}
