@@ -327,9 +327,7 @@ impl Judge {
                 }
                 v
             }
-            Event::Free { req, pages: Some(pages) } => {
-                verdict(t.release_pages(*req, pages).map(drop))?
-            }
+            Event::Free { req, pages: Some(pages) } => verdict(t.release_pages(*req, pages).map(drop))?,
             Event::Share { req, key, pages } => {
                 let known = keys.get(key);
                 let id = known.map_or_else(|| keys.next_id(), |k| k.id);
