@@ -23,11 +23,6 @@ KVG_FN float kvg_warp_sum(float v) {
     return v;
 }
 
-KVG_FN uint32_t kvg_warp_xor(uint32_t v) {
-    for (uint32_t o = KVG_WARP / 2; o > 0; o >>= 1) v ^= __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
 // ---------------------------------------------------------------------------------------------
 // 1. Tag updates: scatter the pages the host table changed into the device tag table.
 // ---------------------------------------------------------------------------------------------
@@ -116,12 +111,13 @@ extern "C" __global__ void __launch_bounds__(128)
 
 // FlashInfer layout: sequence `s` reads pages `kv_indices[kv_indptr[s] .. kv_indptr[s+1]]`, all
 // full but the last, which holds `kv_last_page_len[s]` tokens (1..=page_size when it has pages).
+// `kv_indices` has `num_indices` entries; an indptr beyond them is a malformed step, never read.
 // `expected_generations`, if not null, is parallel to `kv_indices`. Launch: grid
 // (ceil(max_pages_per_seq / 128), num_seqs), 128 threads.
 extern "C" __global__ void __launch_bounds__(128)
     kvg_verify_paged_kv(const kvg_tag *__restrict__ tags, uint32_t num_pages, uint32_t page_size,
                         const int32_t *__restrict__ kv_indptr, const int32_t *__restrict__ kv_indices,
-                        const int32_t *__restrict__ kv_last_page_len, uint32_t num_seqs,
+                        const int32_t *__restrict__ kv_last_page_len, uint32_t num_seqs, uint32_t num_indices,
                         const uint32_t *__restrict__ expected_generations, const uint32_t *__restrict__ canaries,
                         const kvg_reader *__restrict__ readers, uint32_t *seq_status, kvg_ring *ring) {
     for (uint32_t s = blockIdx.y; s < num_seqs; s += gridDim.y) {
@@ -129,7 +125,8 @@ extern "C" __global__ void __launch_bounds__(128)
         const int32_t start = kv_indptr[s], end = kv_indptr[s + 1];
         const int32_t last = kv_last_page_len[s];
         const uint32_t first = blockIdx.x * blockDim.x + threadIdx.x;
-        const bool bad = start < 0 || end < start || (end > start && (last < 1 || static_cast<uint32_t>(last) > page_size));
+        const bool bad = start < 0 || end < start || static_cast<uint32_t>(end) > num_indices ||
+                         (end > start && (last < 1 || static_cast<uint32_t>(last) > page_size));
         if (bad) {
             if (first == 0) {
                 kvg_report_step(KVG_KIND_BAD_LAYOUT, s, 0, static_cast<uint32_t>(last), page_size, reader, seq_status,
@@ -229,39 +226,55 @@ extern "C" __global__ void __launch_bounds__(128)
 }
 
 // ---------------------------------------------------------------------------------------------
-// 4. CRC32 of pages, bit-exact with crc32fast: each thread hashes `chunk_bytes`-byte chunks, each
-// chunk CRC is shifted to its place in GF(2) and the block XOR-reduces them.
+// 4. CRC32 of pages, bit-exact with crc32fast. Thread t hashes bytes [t E, (t+1) E) of a page, E a
+// power of two; the chunk CRCs are combined by a tree in shared memory, where joining two spans
+// of s chunks shifts the left one by x^(8 s E) mod P, a table entry since s E is a power of two
+// (zlib's crc32_combine without its general-length cost). The tail past the last full chunk is
+// folded in last.
 // ---------------------------------------------------------------------------------------------
 
+#define KVG_CRC32_MAX_THREADS 256u
+
 // CRC32 of `page_bytes` bytes at `base + page * page_stride` for each page in `pages` (or pages
-// 0..n_pages when null), into `out[i]`. Launch: one block of 256 threads per page (any grid works).
+// 0..n_pages when null), into `out[i]`. Page ids outside 0..num_pages are not read (their CRC is
+// written as 0). `chunk_bytes` is the least bytes per thread (0: 16). Launch: blocks of a power of
+// two threads, at most 256 (256 is the fast one), one block per page (any grid works).
 extern "C" __global__ void __launch_bounds__(256)
     kvg_crc32_pages(const uint8_t *__restrict__ base, uint64_t page_stride, uint64_t page_bytes,
-                    const int32_t *__restrict__ pages, uint32_t n_pages, uint32_t chunk_bytes, uint32_t *out) {
+                    const int32_t *__restrict__ pages, uint32_t n_pages, uint32_t num_pages, uint32_t chunk_bytes,
+                    uint32_t *out) {
     __shared__ uint32_t table[KVG_CRC32_TABLE_WORDS];
-    __shared__ uint32_t partial[32];
-    for (uint32_t i = threadIdx.x; i < KVG_CRC32_TABLE_WORDS; i += blockDim.x) table[i] = kvg_crc32_table_entry(i);
+    __shared__ uint32_t slot[KVG_CRC32_MAX_THREADS];
+    __shared__ uint32_t tail_crc;
+    const uint32_t threads = blockDim.x, t = threadIdx.x;
+    if (threads > KVG_CRC32_MAX_THREADS || (threads & (threads - 1)) != 0) return;
+    for (uint32_t i = t; i < KVG_CRC32_TABLE_WORDS; i += threads) table[i] = kvg_crc32_table_entry(i);
+    uint32_t log_e = 0;
+    while ((1u << log_e) < (chunk_bytes ? chunk_bytes : 16u) && log_e < 31) log_e++;
+    while ((static_cast<uint64_t>(threads) << log_e) < page_bytes) log_e++;
+    const uint64_t chunk = 1ull << log_e;
+    const uint64_t full = page_bytes >> log_e; // <= threads
+    const uint64_t tail = page_bytes & (chunk - 1);
     __syncthreads();
-    if (chunk_bytes == 0) chunk_bytes = 1024;
-    const uint64_t chunks = (page_bytes + chunk_bytes - 1) / chunk_bytes;
     for (uint32_t i = blockIdx.x; i < n_pages; i += gridDim.x) {
-        const uint64_t page = pages ? static_cast<uint64_t>(pages[i]) : i;
-        const uint8_t *data = base + page * page_stride;
-        uint32_t acc = 0;
-        for (uint64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
-            const uint64_t at = c * chunk_bytes;
-            const uint64_t len = page_bytes - at < chunk_bytes ? page_bytes - at : chunk_bytes;
-            const uint32_t crc = ~kvg_crc32_update(table, 0xffffffffu, data + at, len);
-            acc ^= kvg_crc32_shift(crc, page_bytes - at - len);
+        const int64_t id = pages ? pages[i] : static_cast<int64_t>(i);
+        const bool valid = id >= 0 && id < static_cast<int64_t>(num_pages);
+        const uint8_t *data = base + (valid ? static_cast<uint64_t>(id) : 0) * page_stride;
+        // Chunk c goes to slot c + (threads - full): the leading empty slots combine as zeros.
+        if (t < full) {
+            slot[t + (threads - full)] = valid ? ~kvg_crc32_update(table, 0xffffffffu, data + t * chunk, chunk) : 0u;
         }
-        acc = kvg_warp_xor(acc);
-        if (threadIdx.x % KVG_WARP == 0) partial[threadIdx.x / KVG_WARP] = acc;
+        if (t < threads - full) slot[t] = 0;
+        if (t == full) tail_crc = valid && tail ? ~kvg_crc32_update(table, 0xffffffffu, data + t * chunk, tail) : 0u;
+        if (t == 0 && full == threads) tail_crc = 0;
         __syncthreads();
-        if (threadIdx.x == 0) {
-            uint32_t total = 0;
-            for (uint32_t w = 0; w < (blockDim.x + KVG_WARP - 1) / KVG_WARP; w++) total ^= partial[w];
-            out[i] = total;
+        for (uint32_t s = 1, k = 0; s < threads; s <<= 1, k++) {
+            if ((t & (2 * s - 1)) == 0) {
+                slot[t] = kvg_crc32_multmodp(kvg_crc32_x2n[(3 + log_e + k) & 31u], slot[t]) ^ slot[t + s];
+            }
+            __syncthreads();
         }
+        if (t == 0) out[i] = valid ? kvg_crc32_shift(slot[0], tail) ^ tail_crc : 0u;
         __syncthreads();
     }
 }
@@ -271,13 +284,16 @@ extern "C" __global__ void __launch_bounds__(256)
 // bf16) and clear their canaries, so nothing of the ended incarnation can be read or pass a check.
 // ---------------------------------------------------------------------------------------------
 
-// Launch: one block of 256 threads per page (any grid works). `canaries` may be null.
+// Page ids outside 0..num_pages are skipped. Launch: one block of 256 threads per page (any grid
+// works). `canaries` may be null.
 extern "C" __global__ void __launch_bounds__(256)
     kvg_scrub_pages(uint8_t *__restrict__ base, uint64_t page_stride, uint64_t page_bytes,
-                    const int32_t *__restrict__ pages, uint32_t n_pages, uint32_t pattern,
+                    const int32_t *__restrict__ pages, uint32_t n_pages, uint32_t num_pages, uint32_t pattern,
                     uint32_t *__restrict__ canaries, uint32_t page_size) {
     for (uint32_t i = blockIdx.x; i < n_pages; i += gridDim.x) {
-        const uint64_t page = pages ? static_cast<uint64_t>(pages[i]) : i;
+        const int64_t id = pages ? pages[i] : static_cast<int64_t>(i);
+        if (id < 0 || id >= static_cast<int64_t>(num_pages)) continue;
+        const uint64_t page = static_cast<uint64_t>(id);
         uint8_t *data = base + page * page_stride;
         const bool vector = (reinterpret_cast<uintptr_t>(data) & 15u) == 0 && page_bytes % 16 == 0;
         if (vector) {
@@ -345,6 +361,12 @@ KVG_FN void kvg_decode_attention(const float *__restrict__ q, const float *__res
             kvg_reader reader = {0, 0};
             if (CHECK) reader = readers[s];
             const bool reporter = CHECK && h == 0 && lane == 0;
+            if (reporter && warp == 0 && blocks > max_blocks) {
+                const kvg_tag none = {0, 0, 0, 0, 0, 0};
+                kvg_flag(seq_status, s, KVG_KIND_BLOCK_TABLE_TOO_SHORT);
+                kvg_report(ring, KVG_KIND_BLOCK_TABLE_TOO_SHORT, KVG_OP_READ, s, max_blocks, -1, len,
+                           max_blocks * page_size, 0, reader, none);
+            }
             for (uint32_t j = warp; j < blocks && (blocks <= max_blocks); j += KVG_ATTN_WARPS) {
                 const int32_t page = block_table[static_cast<uint64_t>(s) * max_blocks + j];
                 const uint32_t rest = len - j * page_size;

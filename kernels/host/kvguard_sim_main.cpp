@@ -4,7 +4,7 @@
 //        kvguard_sim <command> <dir>
 // Inputs are little-endian arrays in <dir>/<name>.bin and integer parameters in <dir>/params.txt
 // ("name value" per line); outputs are written to <dir>/<name>.out. The Rust tests
-// (tests/cuda_host_sim.rs) write the inputs, run this, and compare against their references.
+// (tests/cuda_host_*.rs, through kernels/host/sim.rs) write the inputs, run this, and compare.
 #include "kvguard_sim.h"
 
 #include "../kvguard.cu"
@@ -131,6 +131,7 @@ void crc32() {
     const uint32_t n_pages = static_cast<uint32_t>(param("n_pages"));
     const uint32_t chunk = static_cast<uint32_t>(param("chunk"));
     const uint32_t threads = static_cast<uint32_t>(param("threads"));
+    const uint32_t num_pages = static_cast<uint32_t>(param("num_pages"));
     std::vector<uint32_t> out;
     for (uint64_t len : lengths) {
         std::vector<uint32_t> crc(n_pages, 0xdeadbeefu);
@@ -138,7 +139,7 @@ void crc32() {
         const int32_t *pg = or_null(pages);
         uint32_t *o = crc.data();
         kvg_sim::launch(dim3{2, 1, 1}, dim3{threads, 1, 1},
-                        [=] { kvg_crc32_pages(base, stride, len, pg, n_pages, chunk, o); });
+                        [=] { kvg_crc32_pages(base, stride, len, pg, n_pages, num_pages, chunk, o); });
         out.insert(out.end(), crc.begin(), crc.end());
     }
     store("crc", out);
@@ -177,8 +178,9 @@ void verify(bool flashinfer) {
         auto indices = load<int32_t>("kv_indices");
         auto last = load<int32_t>("kv_last_page_len");
         const int32_t *ip = indptr.data(), *ix = or_null(indices), *lp = last.data();
+        const uint32_t ni = static_cast<uint32_t>(indices.size());
         kvg_sim::launch(grid, dim3{32, 1, 1}, [=] {
-            kvg_verify_paged_kv(t, num_pages, page_size, ip, ix, lp, num_seqs, g, c, r, st, rg);
+            kvg_verify_paged_kv(t, num_pages, page_size, ip, ix, lp, num_seqs, ni, g, c, r, st, rg);
         });
     } else {
         auto table = load<int32_t>("block_table");
@@ -234,12 +236,13 @@ void scrub() {
     const uint64_t offset = param("offset"), stride = param("stride"), bytes = param("page_bytes");
     const uint32_t pattern = static_cast<uint32_t>(param("pattern"));
     const uint32_t page_size = static_cast<uint32_t>(param("page_size"));
+    const uint32_t num_pages = static_cast<uint32_t>(param("num_pages"));
     uint8_t *base = data.data() + offset;
     const int32_t *p = pages.data();
     const uint32_t n = static_cast<uint32_t>(pages.size());
     uint32_t *c = canaries.data();
     kvg_sim::launch(dim3{2, 1, 1}, dim3{64, 1, 1},
-                    [=] { kvg_scrub_pages(base, stride, bytes, p, n, pattern, c, page_size); });
+                    [=] { kvg_scrub_pages(base, stride, bytes, p, n, num_pages, pattern, c, page_size); });
     store("data", data);
     store("canaries", canaries);
 }

@@ -21,13 +21,16 @@ kvguard_cuda_setup() {
   else
     echo "cuda.sh: installing nvidia-cuda-nvrtc-cu12 and nvidia-cuda-nvcc-cu12 into $site"
     mkdir -p "$cache"
-    if ! python3 -m pip install --quiet --disable-pip-version-check --no-warn-script-location \
+    if ! python3 -m pip install --quiet --disable-pip-version-check --no-warn-script-location --root-user-action=ignore \
         --upgrade --target "$site" "nvidia-cuda-nvrtc-cu12>=12.8,<13" "nvidia-cuda-nvcc-cu12>=12.8,<13"; then
       echo "cuda.sh: pip install failed; the NVRTC test will fail (KVGUARD_REQUIRE_NVRTC=1)" >&2
     fi
   fi
   if [ -e "$ptxas" ] && [ ! -x "$ptxas" ]; then chmod +x "$ptxas" || true; fi
-  export LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  case ":${LD_LIBRARY_PATH:-}:" in
+    *":$nvrtc_lib:"*) ;;
+    *) export LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;;
+  esac
   export KVGUARD_PTXAS="$ptxas"
   export KVGUARD_REQUIRE_NVRTC=1
   export KVGUARD_REQUIRE_HOSTCXX=1

@@ -19,7 +19,10 @@
 
 use super::DeviceError;
 use super::layout::{DeviceReader, DeviceTag, RingHeader};
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg, sys};
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice,
+    PushKernelArg, sys,
+};
 use std::marker::PhantomData;
 use std::sync::Arc;
 
@@ -70,6 +73,51 @@ impl<T> Borrowed<T> {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+}
+
+/// Whether the CUDA driver library can be loaded, without loading it for good or panicking.
+pub(super) fn driver_library_present() -> bool {
+    // SAFETY: `is_culib_present` only tries `dlopen` on the driver library's names and drops
+    // what it opened; no driver code runs.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// Whether the NVRTC library can be loaded, without loading it for good or panicking.
+pub(super) fn nvrtc_library_present() -> bool {
+    // SAFETY: as above, for NVRTC's library names.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// Compiles `source` with NVRTC `options` straight to a CUBIN (SASS for one real architecture,
+/// `--gpu-architecture=sm_XY`): loading it needs no PTX JIT, so a driver older than the NVRTC
+/// that compiled it still loads it. `Err` carries NVRTC's log or error. The caller has checked
+/// that NVRTC is present.
+pub(super) fn nvrtc_cubin(source: &str, options: &[String]) -> Result<Vec<u8>, String> {
+    use cudarc::nvrtc::{result, sys};
+    struct Program(sys::nvrtcProgram);
+    impl Drop for Program {
+        fn drop(&mut self) {
+            // SAFETY: `self.0` came from `create_program` and is destroyed exactly once, here.
+            let _ = unsafe { result::destroy_program(self.0) };
+        }
+    }
+    let src = std::ffi::CString::new(source).map_err(|_| "the source contains a NUL byte".to_string())?;
+    let name = c"kvguard.cu";
+    let program = Program(result::create_program(&src, Some(name)).map_err(|e| format!("{e:?}"))?);
+    // SAFETY: `program.0` is a live program; the options are NUL-free strings copied by NVRTC.
+    if let Err(e) = unsafe { result::compile_program(program.0, options) } {
+        // SAFETY: the program is live; the log is a NUL-terminated copy owned by the Vec.
+        let log = unsafe { result::get_program_log(program.0) }.unwrap_or_default();
+        let bytes: Vec<u8> = log.iter().map(|&c| c as u8).take_while(|&b| b != 0).collect();
+        return Err(format!("{e:?}: {}", String::from_utf8_lossy(&bytes)));
+    }
+    let mut size = 0usize;
+    // SAFETY: the program compiled; `size` is a valid out-pointer.
+    unsafe { sys::nvrtcGetCUBINSize(program.0, &mut size) }.result().map_err(|e| format!("{e:?}"))?;
+    let mut cubin = vec![0u8; size];
+    // SAFETY: `cubin` has exactly the `size` bytes NVRTC asked for.
+    unsafe { sys::nvrtcGetCUBIN(program.0, cubin.as_mut_ptr().cast()) }.result().map_err(|e| format!("{e:?}"))?;
+    Ok(cubin)
 }
 
 fn need<T>(what: &str, b: &Borrowed<T>, elements: u64) -> Result<(), DeviceError> {
@@ -156,13 +204,17 @@ pub(super) struct Device {
     pub staging_capacity: u32,
     /// Raw addresses of the buffers below, taken once at allocation.
     pub raw: RawBuffers,
-    tags: CudaSlice<u8>,
+    // The tag table is used through `raw` only; this owns the allocation.
+    _tags: CudaSlice<u8>,
     canaries: CudaSlice<u32>,
     ring: CudaSlice<u8>,
     status: CudaSlice<u32>,
     readers: CudaSlice<u8>,
     staging_pages: CudaSlice<u32>,
     staging_tags: CudaSlice<u8>,
+    /// Page-locked host copy of the ring, and the event that says the copy in flight landed.
+    ring_copy: Option<PinnedHostSlice<u8>>,
+    ring_copy_done: Option<CudaEvent>,
 }
 
 /// Device addresses of kvguard's own buffers (valid while the `Device` lives).
@@ -190,7 +242,7 @@ impl Device {
     /// Opens device `shape.ordinal`, compiles (or reuses) the kernels and allocates the buffers.
     /// Never panics: missing libraries and devices are errors.
     pub fn open(shape: DeviceShape) -> Result<Device, DeviceError> {
-        if !super::driver_available() {
+        if !driver_library_present() {
             return Err(DeviceError::DriverNotFound);
         }
         // cudarc panics when a driver symbol it needs is missing; keep that an error.
@@ -203,8 +255,16 @@ impl Device {
         })
         .map_err(|p| DeviceError::Loader(super::panic_message(p)))??;
         let (major, minor) = ctx.compute_capability()?;
-        let ptx = super::source::compile_ptx(&format!("compute_{major}{minor}"))?;
-        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx.to_string()))?;
+        // SASS for this GPU (no JIT, so no driver-vs-NVRTC version constraint); PTX for the JIT
+        // only when this NVRTC does not know the GPU's architecture.
+        let module = match super::source::compile_cubin(&format!("sm_{major}{minor}")) {
+            Ok(cubin) => ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin.to_vec()))?,
+            Err(DeviceError::Compile { .. }) => {
+                let ptx = super::source::compile_ptx(&format!("compute_{major}{minor}"))?;
+                ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx.to_string()))?
+            }
+            Err(e) => return Err(e),
+        };
         let f = |name: &str| module.load_function(name);
         let kernels = Kernels {
             apply: f("kvg_apply_tag_updates")?,
@@ -250,13 +310,15 @@ impl Device {
             max_seqs: shape.max_seqs,
             ring_capacity: shape.ring_capacity,
             staging_capacity: shape.staging_capacity,
-            tags,
+            _tags: tags,
             canaries,
             ring,
             status,
             readers,
             staging_pages,
             staging_tags,
+            ring_copy: None,
+            ring_copy_done: None,
         })
     }
 
@@ -559,6 +621,18 @@ impl Device {
         Ok(())
     }
 
+    /// Writes canaries for slots `first..first + canaries.len()` (migration, restore, benches).
+    pub fn write_canaries(&mut self, first: u64, canaries: &[u32]) -> Result<(), DeviceError> {
+        let total = u64::from(self.num_pages) * u64::from(self.page_size);
+        let end = first.checked_add(canaries.len() as u64).filter(|&e| e <= total);
+        let end = end.ok_or_else(|| DeviceError::Argument(format!("canaries: slots beyond the pool's {total}")))?;
+        if !canaries.is_empty() {
+            let mut dst = self.canaries.slice_mut(first as usize..end as usize);
+            self.stream.memcpy_htod(canaries, &mut dst)?;
+        }
+        Ok(())
+    }
+
     /// Zeroes the per-sequence status words (a memset node, graph-capturable).
     pub fn clear_status(&mut self) -> Result<(), DeviceError> {
         let bytes = self.max_seqs.max(1) as usize * 4;
@@ -577,9 +651,37 @@ impl Device {
         Ok(all)
     }
 
-    /// Copies the whole ring (synchronises the stream).
-    pub fn read_ring(&self) -> Result<Vec<u8>, DeviceError> {
-        Ok(self.stream.clone_dtoh(&self.ring)?)
+    /// Starts an asynchronous copy of the ring into page-locked host memory, ordered after the
+    /// work queued so far on the stream; nothing waits. A copy already in flight is kept.
+    pub fn start_ring_copy(&mut self) -> Result<(), DeviceError> {
+        if self.ring_copy_done.is_some() {
+            return Ok(());
+        }
+        let buffer = match self.ring_copy.take() {
+            Some(b) => b,
+            // SAFETY: the buffer's bytes are read only through `finish_ring_copy`, after the
+            // device-to-host copy of its whole length has completed (its event says so), so
+            // its uninitialised contents are never observed. Flags 0: cached, for host reads.
+            None => unsafe { self.ctx.alloc_pinned_with_flags::<u8>(self.ring.len(), 0) }?,
+        };
+        let buffer = self.ring_copy.insert(buffer);
+        self.stream.memcpy_dtoh(&self.ring, buffer)?;
+        self.ring_copy_done = Some(self.stream.record_event(None)?);
+        Ok(())
+    }
+
+    /// The ring's bytes if the copy in flight has landed (`None`: none started, or not yet).
+    /// With `wait`, blocks until it lands.
+    pub fn finish_ring_copy(&mut self, wait: bool) -> Result<Option<Vec<u8>>, DeviceError> {
+        let Some(done) = &self.ring_copy_done else { return Ok(None) };
+        if wait {
+            done.synchronize()?;
+        } else if !done.try_is_complete()? {
+            return Ok(None);
+        }
+        self.ring_copy_done = None;
+        let copy = self.ring_copy.as_ref().map(|b| b.as_slice().map(<[u8]>::to_vec)).transpose()?;
+        Ok(copy)
     }
 
     /// Tells the device that records before `consumed` were drained.

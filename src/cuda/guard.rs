@@ -183,6 +183,13 @@ impl DeviceGuard {
         Ok(())
     }
 
+    /// Writes the canaries of slots `first_slot..` (slot = page * page_size + slot in page): to
+    /// restore them after a migration, or to seed a pool whose KV was written without the
+    /// stamping store. [`layout::canary`](super::layout::canary) computes them.
+    pub fn write_canaries(&mut self, first_slot: u64, canaries: &[u32]) -> Result<(), DeviceError> {
+        self.device.write_canaries(first_slot, canaries)
+    }
+
     /// Names the request (and tenant) reading through each sequence of the next steps.
     pub fn set_readers(&mut self, readers: &[(RequestId, TenantId)]) -> Result<(), DeviceError> {
         let r: Vec<DeviceReader> = readers.iter().map(|&(req, t)| DeviceReader::new(req, t)).collect();
@@ -221,7 +228,8 @@ impl DeviceGuard {
     }
 
     /// CRC32 (crc32fast-exact) of pages of `region` (all of `0..n_pages` when `pages` is None)
-    /// into `out`, for KV transfers. `chunk_bytes` 0 picks 1 KiB.
+    /// into `out`, for KV transfers. `chunk_bytes` is the least each thread hashes (0: 16; each
+    /// of the 256 threads of a page's block takes a power-of-two share).
     pub fn crc32_pages(
         &mut self,
         region: PageRegion,
@@ -329,13 +337,34 @@ impl DeviceGuard {
         self.device.read_status(n)
     }
 
-    /// Drains the violation ring and reports each record into `table` (counters, log, and under
-    /// enforce, quarantine of the request). Waits for the work queued so far on the stream; call
-    /// it off the step's critical path (e.g. from a side thread, or every N steps).
+    /// Starts draining the violation ring without waiting: an asynchronous copy to page-locked
+    /// memory, ordered after the work queued so far. Finish with
+    /// [`try_finish_drain`](Self::try_finish_drain) whenever convenient (e.g. next step).
+    pub fn begin_drain(&mut self) -> Result<(), DeviceError> {
+        self.device.start_ring_copy()
+    }
+
+    /// If the copy started by [`begin_drain`](Self::begin_drain) has landed, reports each record
+    /// into `table` (counters, log, and under enforce, quarantine) and tells the device those
+    /// records are consumed; `None` if it has not landed yet. Never waits for the GPU.
+    pub fn try_finish_drain(&mut self, table: &OwnershipTable) -> Result<Option<DrainReport>, DeviceError> {
+        match self.device.finish_ring_copy(false)? {
+            None => Ok(None),
+            Some(bytes) => self.report(&bytes, table).map(Some),
+        }
+    }
+
+    /// Drains the violation ring now: [`begin_drain`](Self::begin_drain), wait for the copy, and
+    /// report. Waits for the work queued so far on the stream; off the step's critical path.
     pub fn drain(&mut self, table: &OwnershipTable) -> Result<DrainReport, DeviceError> {
-        let bytes = self.device.read_ring()?;
-        let drain = RingDrain::parse(&bytes)
-            .ok_or_else(|| DeviceError::Argument("the device ring header is corrupt".into()))?;
+        self.device.start_ring_copy()?;
+        let bytes = self.device.finish_ring_copy(true)?.unwrap_or_default();
+        self.report(&bytes, table)
+    }
+
+    fn report(&mut self, ring: &[u8], table: &OwnershipTable) -> Result<DrainReport, DeviceError> {
+        let drain =
+            RingDrain::parse(ring).ok_or_else(|| DeviceError::Argument("the device ring header is corrupt".into()))?;
         self.device.set_consumed(drain.consumed)?;
         let violations: Vec<Violation> = drain.records.iter().filter_map(|r| r.to_violation()).collect();
         for v in &violations {

@@ -10,8 +10,11 @@
 //! - [`layout`]: the `#[repr(C)]` mirrors of `kernels/kvguard.cuh` (tag, reader, violation
 //!   record, ring header) and the canary function; plain safe Rust, tested without a GPU.
 //! - [`source`]: the embedded kernel sources and their NVRTC compilation (cached).
-//! - [`DeviceGuard`]: the safe host API. All `unsafe` lives in one file, `backend.rs`, behind
-//!   [`Borrowed`] (device memory the engine owns, lent to kvguard under a documented contract).
+//! - [`DeviceGuard`]: the safe host API. Every `unsafe` block lives in one file, `backend.rs`,
+//!   with its `SAFETY` argument and the invariants it relies on; engine memory enters only as a
+//!   [`Borrowed`] (device memory the engine owns, lent under a documented contract). Two
+//!   `unsafe fn`s of the guard forward their contracts: adopting the engine's stream, and the
+//!   unchecked reference attention.
 //!
 //! Without a driver, a device or NVRTC, [`DeviceGuard::new`] returns a [`DeviceError`]; it never
 //! panics. See `docs/cuda.md` for fusing the checks into an engine's own kernels.
@@ -69,9 +72,7 @@ pub enum DeviceError {
 
 /// Whether the CUDA driver library can be loaded, without loading it for good or panicking.
 pub fn driver_available() -> bool {
-    // SAFETY: `is_culib_present` only tries `dlopen` on the driver library's names and drops
-    // what it opened; no driver code runs.
-    unsafe { cudarc::driver::sys::is_culib_present() }
+    backend::driver_library_present()
 }
 
 fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {

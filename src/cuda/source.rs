@@ -31,9 +31,28 @@ pub fn nvrtc_source() -> String {
 
 /// Whether the NVRTC library can be loaded (without loading it for good, and without panicking).
 pub fn nvrtc_available() -> bool {
-    // SAFETY: `is_culib_present` only tries `dlopen` on NVRTC's library names and drops what it
-    // opened; it runs no library code besides the loader's.
-    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+    super::backend::nvrtc_library_present()
+}
+
+/// Compiles the kernels to a CUBIN for a real architecture such as `"sm_90"` (what
+/// [`DeviceGuard`](super::DeviceGuard) loads: no PTX JIT); cached per architecture for the life
+/// of the process. Errors as [`compile_ptx`].
+pub fn compile_cubin(arch: &str) -> Result<Arc<[u8]>, DeviceError> {
+    static CACHE: OnceLock<Mutex<HashMap<String, Arc<[u8]>>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    if let Some(cubin) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(arch) {
+        return Ok(cubin.clone());
+    }
+    if !nvrtc_available() {
+        return Err(DeviceError::NvrtcNotFound);
+    }
+    let options = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into(), "-lineinfo".into()];
+    let source = nvrtc_source();
+    let compiled = std::panic::catch_unwind(|| super::backend::nvrtc_cubin(&source, &options))
+        .map_err(|p| DeviceError::Loader(super::panic_message(p)))?;
+    let cubin: Arc<[u8]> = compiled.map_err(|log| DeviceError::Compile { arch: arch.to_string(), log })?.into();
+    cache.lock().unwrap_or_else(|e| e.into_inner()).insert(arch.to_string(), cubin.clone());
+    Ok(cubin)
 }
 
 /// Compiles the kernels to PTX for a virtual architecture such as `"compute_90"`; cached per

@@ -1,0 +1,277 @@
+//! `DeviceGuard` on a real GPU: verification against the host table (captured into a CUDA graph
+//! and replayed), CRC32 against crc32fast, the KV store and the fused attention check.
+//!
+//! Without a driver or device every GPU test prints a SKIPPED line and passes, unless
+//! `KVGUARD_REQUIRE_GPU=1` (set by `scripts/gpu-check`). The typed-error test runs everywhere.
+#![cfg(feature = "cuda")]
+
+/// Under `cuda::` so that `cargo test cuda` selects these.
+mod cuda {
+    use cudarc::driver::{CudaSlice, DevicePtr, sys};
+    use kvguard::cuda::{
+        AttentionShape, BlockTableStep, Borrowed, DeviceError, DeviceGuard, DeviceKind, DeviceOptions, PageRegion,
+        PagedKvStep,
+    };
+    use kvguard::{OwnershipTable, PageId, PoolConfig, RequestId, TenantId, ViolationKind};
+
+    fn required() -> bool {
+        std::env::var("KVGUARD_REQUIRE_GPU").is_ok_and(|v| v == "1")
+    }
+
+    /// A guard on device 0, or `None` (with a SKIPPED line) where there is no GPU.
+    fn guard(config: &PoolConfig, max_seqs: u32) -> Option<DeviceGuard> {
+        let options = DeviceOptions { max_seqs, ring_capacity: 1024, update_batch: 4096, ..DeviceOptions::default() };
+        match DeviceGuard::new(config, options) {
+            Ok(g) => Some(g),
+            Err(e @ (DeviceError::DriverNotFound | DeviceError::NoDevice { .. } | DeviceError::NvrtcNotFound)) => {
+                assert!(!required(), "KVGUARD_REQUIRE_GPU=1 but: {e}");
+                eprintln!("\n*** SKIPPED (no GPU here): {e} ***\n");
+                None
+            }
+            Err(e) => panic!("DeviceGuard::new failed: {e}"),
+        }
+    }
+
+    /// Lends a buffer the test owns to the guard.
+    fn lend<T>(g: &DeviceGuard, s: &CudaSlice<T>) -> Borrowed<T> {
+        let (ptr, _sync) = s.device_ptr(g.stream());
+        // SAFETY: `s` is a live allocation of `s.len()` elements in the guard's context (allocated on
+        // the guard's stream); every test keeps it alive until it has synchronised that stream.
+        unsafe { Borrowed::from_raw(ptr, s.len()) }
+    }
+
+    #[test]
+    fn a_device_guard_can_move_between_threads() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<DeviceGuard>();
+        send_sync::<Borrowed<i32>>();
+    }
+
+    #[test]
+    fn device_guard_without_a_driver_is_a_typed_error_not_a_panic() {
+        let config = PoolConfig::new(64, 16, 256);
+        let result = std::panic::catch_unwind(|| DeviceGuard::new(&config, DeviceOptions::default()));
+        let result = result.expect("DeviceGuard::new must never panic");
+        if !kvguard::cuda::driver_available() {
+            match result {
+                Err(DeviceError::DriverNotFound) => {}
+                other => panic!("expected DriverNotFound on a machine without libcuda, got {other:?}"),
+            }
+        }
+        let bad = DeviceGuard::new(&config, DeviceOptions { ring_capacity: 0, ..DeviceOptions::default() });
+        assert!(matches!(bad, Err(DeviceError::Argument(_))), "a zero ring is refused before the driver is touched");
+    }
+
+    const PS: u32 = 16;
+
+    /// Alice (tenant 1) and bob (tenant 2) with 3 pages each, 40 tokens written.
+    fn two_requests() -> (OwnershipTable, Vec<PageId>, Vec<PageId>) {
+        let config = PoolConfig::new(64, PS, 256).with_reserved([PageId(0)]);
+        let table = OwnershipTable::new(config).unwrap();
+        let (alice, bob) = (RequestId(1), RequestId(2));
+        table.admit(alice, TenantId(1), 40, 8).unwrap();
+        table.admit(bob, TenantId(2), 40, 8).unwrap();
+        let pa: Vec<PageId> = table.allocate(alice, 3).unwrap().iter().map(|r| r.page).collect();
+        let pb: Vec<PageId> = table.allocate(bob, 3).unwrap().iter().map(|r| r.page).collect();
+        table.record_write_tokens(alice, &pa, 0..40).unwrap();
+        table.record_write_tokens(bob, &pb, 0..40).unwrap();
+        (table, pa, pb)
+    }
+
+    #[test]
+    fn gpu_verify_agrees_with_the_table_and_replays_in_a_cuda_graph() {
+        let (table, pa, pb) = two_requests();
+        let Some(mut g) = guard(table.config(), 8) else { return };
+        g.upload_all_tags(&table).unwrap();
+        let (alice, bob) = (RequestId(1), RequestId(2));
+        // seq 0 alice clean; seq 1 bob reads alice's page 1 (foreign); seq 2 alice reads 41 tokens
+        // (unwritten); seq 3 bob reads the reserved page; seq 4 bob clean.
+        let max_blocks = 4usize;
+        let rows: Vec<Vec<PageId>> = vec![pa.clone(), vec![pb[0], pa[1]], pa.clone(), vec![PageId(0)], pb.clone()];
+        let readers = [alice, bob, alice, bob, bob];
+        let lens = [40i32, 20, 41, 3, 40];
+        let mut bt = vec![0i32; rows.len() * max_blocks];
+        for (s, row) in rows.iter().enumerate() {
+            for (j, p) in row.iter().enumerate() {
+                bt[s * max_blocks + j] = p.0 as i32;
+            }
+        }
+        let tenants: Vec<(RequestId, TenantId)> =
+            readers.iter().map(|&r| (r, table.request_info(r).unwrap().tenant)).collect();
+        g.set_readers(&tenants).unwrap();
+        let d_bt = g.stream().clone_htod(&bt).unwrap();
+        let d_lens = g.stream().clone_htod(&lens).unwrap();
+        let step = BlockTableStep {
+            block_table: lend(&g, &d_bt),
+            seq_lens: lend(&g, &d_lens),
+            num_seqs: rows.len() as u32,
+            max_blocks: max_blocks as u32,
+            generations: None,
+            check_canaries: false,
+        };
+        g.stream().synchronize().unwrap();
+
+        // Capture the check path (status reset + verify) into a graph and replay it.
+        let stream = g.stream().clone();
+        stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+        g.clear_status().unwrap();
+        g.verify_block_table(&step).unwrap();
+        let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0)).unwrap().expect("a captured graph");
+        for _ in 0..2 {
+            graph.launch().unwrap();
+        }
+        let status = g.read_status(rows.len() as u32).unwrap();
+        for (s, row) in rows.iter().enumerate() {
+            let host = table.check_read(readers[s], row, lens[s] as u64).err();
+            let device = DeviceKind::from_status(status[s]);
+            match host {
+                None => assert!(device.is_empty(), "seq {s}: device {device:?}, host clean"),
+                Some(v) => assert_eq!(device.iter().map(|k| k.violation_kind()).collect::<Vec<_>>(), vec![v.kind()]),
+            }
+        }
+        let report = g.drain(&table).unwrap();
+        assert_eq!(report.violations.len(), 2 * 3, "two replays x three refused sequences");
+        assert_eq!(table.counters().get(ViolationKind::ForeignPage), 2);
+
+        // The table changes (alice ends); the same graph, replayed, now sees her pages freed.
+        table.release(alice).unwrap();
+        assert!(g.sync_tags(&table).unwrap() >= 3);
+        graph.launch().unwrap();
+        let status = g.read_status(rows.len() as u32).unwrap();
+        assert_eq!(status[0], 1 << DeviceKind::FreedPage.code());
+        assert_eq!(status[4], 0);
+    }
+
+    #[test]
+    fn gpu_verify_paged_kv_flags_a_stale_generation() {
+        let (table, pa, _) = two_requests();
+        let Some(mut g) = guard(table.config(), 4) else { return };
+        g.upload_all_tags(&table).unwrap();
+        g.set_readers(&[(RequestId(1), TenantId(1)); 2]).unwrap();
+        let gens: Vec<u32> = pa.iter().map(|p| table.page_info(*p).unwrap().generation.0).collect();
+        let indices: Vec<i32> = pa.iter().chain(&pa).map(|p| p.0 as i32).collect();
+        let mut expected: Vec<u32> = gens.iter().chain(&gens).copied().collect();
+        expected[4] += 1; // seq 1, block 1: an incarnation that does not exist
+        let d_indptr = g.stream().clone_htod(&[0i32, 3, 6]).unwrap();
+        let d_indices = g.stream().clone_htod(&indices).unwrap();
+        let d_last = g.stream().clone_htod(&[8i32, 8]).unwrap();
+        let d_gens = g.stream().clone_htod(&expected).unwrap();
+        g.clear_status().unwrap();
+        g.verify_paged_kv(&PagedKvStep {
+            kv_indptr: lend(&g, &d_indptr),
+            kv_indices: lend(&g, &d_indices),
+            kv_last_page_len: lend(&g, &d_last),
+            num_seqs: 2,
+            max_pages_per_seq: 3,
+            generations: Some(lend(&g, &d_gens)),
+            check_canaries: false,
+        })
+        .unwrap();
+        assert_eq!(g.read_status(2).unwrap(), vec![0, 1 << DeviceKind::StalePage.code()]);
+        let v = g.drain(&table).unwrap().violations;
+        assert_eq!(v.len(), 1);
+        assert_eq!((v[0].kind(), v[0].block_index()), (ViolationKind::StalePage, Some(1)));
+    }
+
+    #[test]
+    fn gpu_crc32_matches_crc32fast() {
+        let config = PoolConfig::new(8, PS, 64);
+        let Some(mut g) = guard(&config, 4) else { return };
+        let (stride, pages) = (70_001usize, 6usize);
+        let data: Vec<u8> = (0..stride * pages).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+        let d_data = g.stream().clone_htod(&data).unwrap();
+        for len in [0usize, 1, 3, 1023, 1024, 1025, 65_536, 70_001] {
+            let d_out = g.stream().alloc_zeros::<u32>(pages).unwrap();
+            let region = PageRegion {
+                base: lend(&g, &d_data),
+                page_stride: stride as u64,
+                page_bytes: len as u64,
+                num_pages: pages as u32,
+            };
+            g.crc32_pages(region, None, pages as u32, 0, lend(&g, &d_out)).unwrap();
+            let got = g.stream().clone_dtoh(&d_out).unwrap();
+            for (p, &crc) in got.iter().enumerate() {
+                assert_eq!(crc, crc32fast::hash(&data[p * stride..p * stride + len]), "page {p}, {len} bytes");
+            }
+        }
+    }
+
+    #[test]
+    fn gpu_store_then_fused_attention_fails_closed_on_a_foreign_page() {
+        let (table, pa, pb) = two_requests();
+        let Some(mut g) = guard(table.config(), 4) else { return };
+        g.upload_all_tags(&table).unwrap();
+        let (alice, bob) = (RequestId(1), RequestId(2));
+        let (heads, kv_heads, dim) = (4u32, 2u32, 64u32);
+        let width = (kv_heads * dim) as usize;
+        let slots = (64 * PS) as usize;
+        // Store 40 tokens for each of alice and bob through the reference store (stamps canaries).
+        let slot_of = |pages: &[PageId], t: usize| i64::from(pages[t / PS as usize].0 * PS) + (t % PS as usize) as i64;
+        let mapping: Vec<i64> = (0..80).map(|t| if t < 40 { slot_of(&pa, t) } else { slot_of(&pb, t - 40) }).collect();
+        let key: Vec<f32> = (0..80 * width).map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0).collect();
+        let value: Vec<f32> = (0..80 * width).map(|i| ((i * 53 % 97) as f32 / 48.0) - 1.0).collect();
+        g.set_readers(&[(alice, TenantId(1)), (bob, TenantId(2))]).unwrap();
+        let s = g.stream().clone();
+        let (d_k, d_v) = (s.clone_htod(&key).unwrap(), s.clone_htod(&value).unwrap());
+        let d_kc = s.alloc_zeros::<f32>(slots * width).unwrap();
+        let d_vc = s.alloc_zeros::<f32>(slots * width).unwrap();
+        let (d_map, d_qsl) = (s.clone_htod(&mapping).unwrap(), s.clone_htod(&[0i32, 40, 80]).unwrap());
+        g.store_kv(
+            lend(&g, &d_k),
+            lend(&g, &d_v),
+            lend(&g, &d_kc),
+            lend(&g, &d_vc),
+            lend(&g, &d_map),
+            80,
+            width as u32,
+            lend(&g, &d_qsl),
+            2,
+        )
+        .unwrap();
+        // Decode: alice reads her 40 tokens; bob reads his first page and alice's second (foreign).
+        let max_blocks = 3usize;
+        let bt: Vec<i32> = vec![pa[0].0, pa[1].0, pa[2].0, pb[0].0, pa[1].0, 0].into_iter().map(|p| p as i32).collect();
+        let q: Vec<f32> = (0..2 * heads * dim).map(|i| ((i * 29 % 89) as f32 / 44.0) - 1.0).collect();
+        let (d_bt, d_lens, d_q) =
+            (s.clone_htod(&bt).unwrap(), s.clone_htod(&[40i32, 32]).unwrap(), s.clone_htod(&q).unwrap());
+        let d_out = s.alloc_zeros::<f32>((2 * heads * dim) as usize).unwrap();
+        let shape = AttentionShape {
+            num_seqs: 2,
+            max_blocks: max_blocks as u32,
+            num_heads: heads,
+            num_kv_heads: kv_heads,
+            head_dim: dim,
+            scale: 1.0 / (dim as f32).sqrt(),
+        };
+        g.clear_status().unwrap();
+        let args =
+            (lend(&g, &d_q), lend(&g, &d_kc), lend(&g, &d_vc), lend(&g, &d_bt), lend(&g, &d_lens), lend(&g, &d_out));
+        g.decode_attention_checked(shape, args.0, args.1, args.2, args.3, args.4, args.5, true, true).unwrap();
+        let out = s.clone_dtoh(&d_out).unwrap();
+        assert_eq!(g.read_status(2).unwrap(), vec![0, 1 << DeviceKind::ForeignPage.code()]);
+        let per_seq = (heads * dim) as usize;
+        assert!(out[per_seq..].iter().all(|&x| x == 0.0), "bob's output is zeros: fail closed");
+        // Alice's output against a naive attention over what the store wrote.
+        for h in 0..heads as usize {
+            let kvh = h / (heads / kv_heads) as usize;
+            let qh = &q[h * dim as usize..][..dim as usize];
+            let rows: Vec<usize> = (0..40).map(|t| t * width + kvh * dim as usize).collect();
+            let scores: Vec<f64> = rows
+                .iter()
+                .map(|&r| qh.iter().zip(&key[r..]).map(|(a, b)| f64::from(*a) * f64::from(*b)).sum::<f64>() / 8.0)
+                .collect();
+            let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let w: Vec<f64> = scores.iter().map(|x| (x - m).exp()).collect();
+            let total: f64 = w.iter().sum();
+            for d in 0..dim as usize {
+                let want = rows.iter().zip(&w).map(|(&r, wt)| wt * f64::from(value[r + d])).sum::<f64>() / total;
+                let got = out[h * dim as usize + d];
+                assert!((f64::from(got) - want).abs() < 1e-4, "head {h} dim {d}: {got} vs {want}");
+            }
+        }
+        let report = g.drain(&table).unwrap();
+        assert_eq!(report.violations.len(), 1);
+        assert_eq!(report.violations[0].kind(), ViolationKind::ForeignPage);
+        assert_eq!(report.violations[0].request(), Some(bob));
+    }
+}

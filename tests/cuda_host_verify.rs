@@ -1,0 +1,472 @@
+//! The verification kernels, compiled as host C++ and run on the CPU over a simulated grid
+//! (kernels/host/), against the ownership table's own verdicts: both block-table layouts on
+//! hand-made and random steps with injected violations (foreign, freed, reserved, out of range,
+//! stale generation, unwritten, too short), the violation ring, canaries stamped by the reference
+//! KV store and checked by the reads. Needs only a C++17 compiler (see `cuda_host_sim.rs`).
+#![cfg(feature = "cuda")]
+
+#[path = "../kernels/host/sim.rs"]
+mod sim;
+
+/// Under `cuda::` so that `cargo test cuda` selects these.
+mod cuda {
+    use super::sim::{Case, NUM_PAGES, PS, Pool, Rng, driver, pool};
+    use kvguard::cuda::layout::{DeviceKind, DeviceReader, DeviceViolation, RingDrain, canary};
+    use kvguard::{Generation, PageId, PageRef, PageState, RequestId, ViolationKind};
+    use std::collections::HashMap;
+    use std::path::Path;
+
+    /// One sequence of a step: reader, block-table row (padded to the row stride), tokens, and the
+    /// generations the engine recorded for each entry.
+    #[derive(Clone, Debug)]
+    struct Seq {
+        reader: RequestId,
+        row: Vec<i32>,
+        tokens: u64,
+        gens: Vec<u32>,
+    }
+
+    const MAX_BLOCKS: usize = 6;
+
+    /// Hand-made sequences, one per kind of violation, then random ones.
+    fn sequences(pool: &Pool, rng: &mut Rng, random: usize) -> Vec<Seq> {
+        let t = &pool.table;
+        let gen_of = |p: i32| -> u32 {
+            if p >= 0 && (p as u32) < NUM_PAGES { t.page_info(PageId(p as u32)).unwrap().generation.0 } else { 1 }
+        };
+        let mk = |reader: RequestId, pages: &[PageId], tokens: u64, rng: &mut Rng| -> Seq {
+            let mut row: Vec<i32> = pages.iter().map(|p| p.0 as i32).collect();
+            while row.len() < MAX_BLOCKS {
+                row.push(rng.below(u64::from(NUM_PAGES) + 8) as i32 - 4); // padding: never read
+            }
+            let gens = row.iter().map(|&p| gen_of(p)).collect();
+            Seq { reader, row, tokens, gens }
+        };
+        let r = &pool.requests;
+        let (a, b, c, d, f) = (&r[0], &r[1], &r[2], &r[3], &r[4]);
+        let mut seqs = vec![
+            mk(a.0, &a.2, 14, rng),                                      // clean
+            mk(b.0, &b.2, 20, rng),                                      // clean, through a prefix
+            mk(c.0, &[c.2[0], a.2[3]], 8, rng),                          // foreign page, block 1
+            mk(c.0, &[pool.freed], 3, rng),                              // freed page
+            mk(d.0, &[d.2[0], PageId(0)], 5, rng),                       // reserved page, block 1
+            mk(d.0, &[d.2[0], PageId(NUM_PAGES + 5)], 5, rng),           // out of range, block 1
+            mk(a.0, &a.2, 16, rng),                                      // unwritten slots 14..16
+            mk(c.0, &c.2, (MAX_BLOCKS as u64) * u64::from(PS) + 1, rng), // block table too short
+            mk(c.0, &[pool.prefix[0]], 4, rng),                          // another tenant's prefix
+            mk(d.0, &d.2, 5, rng),                                       // clean
+            mk(f.0, &[pool.reused], 4, rng),                             // clean (stale below)
+            mk(f.0, &[], 0, rng),                                        // reads nothing
+        ];
+        // The engine still holds the ended incarnation of the reused page: stale.
+        let mut stale = mk(f.0, &[pool.reused], 4, rng);
+        stale.gens[0] = 1;
+        seqs.push(stale);
+        for _ in 0..random {
+            let (reader, _, readable, written) = &r[rng.below(r.len() as u64) as usize];
+            let n = 1 + rng.below(MAX_BLOCKS as u64) as usize;
+            let pages: Vec<PageId> = (0..n)
+                .map(|i| match rng.below(10) {
+                    0..=6 if !readable.is_empty() => readable[i % readable.len()],
+                    _ => PageId(rng.below(u64::from(NUM_PAGES) + 4) as u32),
+                })
+                .collect();
+            let tokens = match rng.below(3) {
+                0 => (*written).min(n as u64 * u64::from(PS)),
+                _ => rng.below(n as u64 * u64::from(PS) + 3),
+            };
+            let mut s = mk(*reader, &pages, tokens, rng);
+            if rng.below(8) == 0 {
+                let i = rng.below(n as u64) as usize;
+                s.gens[i] = s.gens[i].wrapping_add(1);
+            }
+            seqs.push(s);
+        }
+        seqs
+    }
+
+    /// The host table's verdict on one sequence: `None` or (kind, block index).
+    fn host_verdict(
+        pool: &Pool,
+        s: &Seq,
+        entries: usize,
+        with_generations: bool,
+    ) -> Option<(ViolationKind, Option<u32>)> {
+        let row = &s.row[..entries];
+        if with_generations {
+            let refs: Vec<PageRef> = row
+                .iter()
+                .zip(&s.gens)
+                .map(|(&p, &g)| PageRef { page: PageId(p as u32), generation: Generation(g) })
+                .collect();
+            pool.table.drain_violations();
+            pool.table.verify_read_refs(s.reader, &refs, s.tokens).unwrap(); // report policy
+            let mut v = pool.table.drain_violations();
+            assert!(v.len() <= 1);
+            v.pop().map(|v| (v.kind(), v.block_index()))
+        } else {
+            let pages: Vec<PageId> = row.iter().map(|&p| PageId(p as u32)).collect();
+            pool.table.check_read(s.reader, &pages, s.tokens).err().map(|v| (v.kind(), v.block_index()))
+        }
+    }
+
+    /// The device's verdict on sequence `i`: the first (lowest block) record, and the status word.
+    fn device_verdict(records: &[DeviceViolation], status: &[u32], i: usize) -> Option<(DeviceKind, u32)> {
+        let first = records.iter().filter(|r| r.seq == i as u32).min_by_key(|r| r.block);
+        match (status[i], first) {
+            (0, None) => None,
+            (0, Some(r)) => panic!("seq {i}: a record {r:?} but a clear status"),
+            (_, None) => panic!("seq {i}: status {:#x} but no record", status[i]),
+            (st, Some(r)) => {
+                let k = r.device_kind().unwrap();
+                assert!(st & (1 << k.code()) != 0, "seq {i}: status {st:#x} lacks the recorded kind {k:?}");
+                Some((k, r.block))
+            }
+        }
+    }
+
+    fn readers_of(pool: &Pool, seqs: &[Seq]) -> Vec<DeviceReader> {
+        seqs.iter().map(|s| DeviceReader::new(s.reader, pool.tenant(s.reader))).collect()
+    }
+
+    fn run_block_table(
+        exe: &Path,
+        pool: &Pool,
+        seqs: &[Seq],
+        gens: bool,
+        canaries: Option<&[u32]>,
+    ) -> (Vec<u32>, RingDrain) {
+        let mut case = Case::new("verify-bt");
+        let table: Vec<i32> = seqs.iter().flat_map(|s| s.row.clone()).collect();
+        let lens: Vec<i32> = seqs.iter().map(|s| s.tokens as i32).collect();
+        case.tags("tags", &pool.device_tags())
+            .readers("readers", &readers_of(pool, seqs))
+            .i32s("block_table", &table)
+            .i32s("seq_lens", &lens)
+            .param("page_size", PS)
+            .param("max_blocks", MAX_BLOCKS)
+            .param("ring_capacity", 4096)
+            .param("grid_x", 1)
+            .param("grid_y", 3); // fewer blocks than sequences: grid-stride loops cover the rest
+        if gens {
+            case.u32s("generations", &seqs.iter().flat_map(|s| s.gens.clone()).collect::<Vec<_>>());
+        }
+        if let Some(c) = canaries {
+            case.u32s("canaries", c);
+        }
+        case.run(exe, "verify_block_table");
+        (case.out_u32("status"), case.ring())
+    }
+
+    fn assert_agrees(pool: &Pool, seqs: &[Seq], status: &[u32], ring: &RingDrain, gens: bool, flashinfer: bool) {
+        assert_eq!(ring.incomplete, 0);
+        assert_eq!(ring.dropped_total, 0);
+        let mut caught = HashMap::new();
+        for (i, s) in seqs.iter().enumerate() {
+            let entries = if flashinfer { s.tokens.div_ceil(u64::from(PS)) as usize } else { MAX_BLOCKS };
+            let host = host_verdict(pool, s, entries, gens);
+            let device = device_verdict(&ring.records, status, i);
+            match (host, device) {
+                (None, None) => {}
+                (Some((hk, hb)), Some((dk, db))) => {
+                    assert_eq!(dk.violation_kind(), hk, "seq {i} {s:?}: device {dk:?} vs host {hk:?}");
+                    if hk != ViolationKind::BlockTableTooShort {
+                        assert_eq!(Some(db), hb, "seq {i} {s:?}: device block {db} vs host {hb:?}");
+                    }
+                    *caught.entry(hk).or_insert(0) += 1;
+                }
+                (h, d) => panic!("seq {i} {s:?}: host {h:?} vs device {d:?}"),
+            }
+        }
+        let mut want = vec![
+            ViolationKind::ForeignPage,
+            ViolationKind::FreedPage,
+            ViolationKind::ReservedPage,
+            ViolationKind::PageOutOfRange,
+            ViolationKind::UnwrittenSlots,
+        ];
+        if gens {
+            want.push(ViolationKind::StalePage);
+        }
+        if !flashinfer {
+            want.push(ViolationKind::BlockTableTooShort);
+        }
+        for k in want {
+            assert!(caught.get(&k).copied().unwrap_or(0) > 0, "no {k:?} among the injected violations: {caught:?}");
+        }
+    }
+
+    #[test]
+    fn verify_block_table_agrees_with_the_table() {
+        let Some(exe) = driver() else { return };
+        let pool = pool();
+        let mut rng = Rng(11);
+        let seqs = sequences(&pool, &mut rng, 60);
+        for gens in [false, true] {
+            let (status, ring) = run_block_table(exe, &pool, &seqs, gens, None);
+            assert_agrees(&pool, &seqs, &status, &ring, gens, false);
+            // Every record says who read what, and converts to a host violation.
+            for r in &ring.records {
+                let v = r.to_violation().unwrap();
+                assert_eq!(v.request(), Some(seqs[r.seq as usize].reader));
+            }
+        }
+    }
+
+    fn run_paged_kv(exe: &Path, pool: &Pool, seqs: &[Seq], gens: bool) -> (Vec<u32>, RingDrain) {
+        let (mut indptr, mut indices, mut last, mut g) = (vec![0i32], Vec::new(), Vec::new(), Vec::new());
+        for s in seqs {
+            let n = s.tokens.div_ceil(u64::from(PS)) as usize;
+            indices.extend_from_slice(&s.row[..n]);
+            g.extend_from_slice(&s.gens[..n]);
+            indptr.push(indices.len() as i32);
+            last.push(if n == 0 { 0 } else { (s.tokens - (n as u64 - 1) * u64::from(PS)) as i32 });
+        }
+        let mut case = Case::new("verify-pkv");
+        case.tags("tags", &pool.device_tags())
+            .readers("readers", &readers_of(pool, seqs))
+            .i32s("kv_indptr", &indptr)
+            .i32s("kv_indices", &indices)
+            .i32s("kv_last_page_len", &last)
+            .param("page_size", PS)
+            .param("ring_capacity", 4096)
+            .param("grid_x", 1)
+            .param("grid_y", 4);
+        if gens {
+            case.u32s("generations", &g);
+        }
+        case.run(exe, "verify_paged_kv");
+        (case.out_u32("status"), case.ring())
+    }
+
+    #[test]
+    fn verify_paged_kv_agrees_with_the_table() {
+        let Some(exe) = driver() else { return };
+        let pool = pool();
+        let mut rng = Rng(12);
+        let seqs: Vec<Seq> = sequences(&pool, &mut rng, 60)
+            .into_iter()
+            .filter(|s| s.tokens <= (MAX_BLOCKS as u64) * u64::from(PS)) // the layout cannot be short
+            .collect();
+        for gens in [false, true] {
+            let (status, ring) = run_paged_kv(exe, &pool, &seqs, gens);
+            assert_agrees(&pool, &seqs, &status, &ring, gens, true);
+        }
+    }
+
+    #[test]
+    fn verify_paged_kv_refuses_malformed_steps() {
+        let Some(exe) = driver() else { return };
+        let pool = pool();
+        let (a, t, pages, _) = &pool.requests[0];
+        let reader = DeviceReader::new(*a, *t);
+        let indices: Vec<i32> = pages.iter().map(|p| p.0 as i32).collect();
+        // seq 0: last_page_len 0 with pages; seq 1: last_page_len > page_size; seq 2: indptr past
+        // kv_indices; seq 3: indptr going backwards.
+        let indptr = [0, 2, 3, 9, 4];
+        let last = [0, PS as i32 + 1, 2, 4];
+        let mut case = Case::new("verify-pkv-bad");
+        case.tags("tags", &pool.device_tags())
+            .readers("readers", &[reader; 4])
+            .i32s("kv_indptr", &indptr)
+            .i32s("kv_indices", &indices)
+            .i32s("kv_last_page_len", &last)
+            .param("page_size", PS)
+            .param("ring_capacity", 64)
+            .param("grid_x", 1)
+            .param("grid_y", 4);
+        case.run(exe, "verify_paged_kv");
+        let status = case.out_u32("status");
+        let bad = 1 << DeviceKind::BadLayout.code();
+        assert_eq!(&status[..3], &[bad, bad, bad]);
+        assert_eq!(status[3], bad);
+        let kinds: Vec<_> = case.ring().records.iter().map(|r| r.to_violation().unwrap().kind()).collect();
+        assert_eq!(kinds, vec![ViolationKind::SlotOutOfRange; 4]);
+    }
+
+    #[test]
+    fn a_full_ring_drops_and_counts_instead_of_overwriting() {
+        let Some(exe) = driver() else { return };
+        let pool = pool();
+        let c = &pool.requests[2];
+        let foreign = pool.requests[0].2[3];
+        let seqs: Vec<Seq> = (0..5)
+            .map(|_| {
+                let mut row = vec![foreign.0 as i32; MAX_BLOCKS];
+                row[0] = c.2[0].0 as i32;
+                Seq { reader: c.0, row, tokens: 3 * u64::from(PS), gens: vec![1; MAX_BLOCKS] }
+            })
+            .collect();
+        let mut case = Case::new("ring-full");
+        let table: Vec<i32> = seqs.iter().flat_map(|s| s.row.clone()).collect();
+        case.tags("tags", &pool.device_tags())
+            .readers("readers", &readers_of(&pool, &seqs))
+            .i32s("block_table", &table)
+            .i32s("seq_lens", &[3 * PS as i32; 5])
+            .param("page_size", PS)
+            .param("max_blocks", MAX_BLOCKS)
+            .param("ring_capacity", 4)
+            .param("grid_x", 1)
+            .param("grid_y", 5);
+        case.run(exe, "verify_block_table");
+        let ring = case.ring();
+        // 5 sequences x 2 foreign blocks = 10 violations; 4 fit, 6 are dropped and counted.
+        assert_eq!(ring.records.len(), 4);
+        assert_eq!(ring.dropped_total, 6);
+        assert_eq!(ring.consumed, 10);
+        assert!(case.out_u32("status").iter().all(|&s| s == 1 << DeviceKind::ForeignPage.code()));
+    }
+
+    // ------------------------------------------------------------------------------------------------
+    // Canaries: stamped by the store, checked by the reads
+    // ------------------------------------------------------------------------------------------------
+
+    #[test]
+    fn canaries_catch_kv_the_current_incarnation_never_wrote() {
+        let Some(exe) = driver() else { return };
+        let pool = pool();
+        let mut rng = Rng(5);
+        let seqs = sequences(&pool, &mut rng, 0);
+        let good = pool.canaries();
+        // With correct canaries, the canary check adds nothing to what the tags decide.
+        let (status, ring) = run_block_table(exe, &pool, &seqs, false, Some(&good));
+        assert_agrees(&pool, &seqs, &status, &ring, false, false);
+
+        // The incident: the table says alice's page is hers and written, but slot 2 of her page 1
+        // holds KV the previous incarnation wrote (the engine's write went elsewhere).
+        let (a, ..) = pool.requests[0];
+        let page = pool.requests[0].2[1];
+        let mut bad = good.clone();
+        bad[(page.0 * PS + 2) as usize] = canary(a.0, 0, page.0, 2);
+        assert!(pool.table.check_read(a, &pool.requests[0].2, 14).is_ok(), "the host table sees nothing wrong");
+        let (status, ring) = run_block_table(exe, &pool, &seqs, false, Some(&bad));
+        assert_eq!(status[0], 1 << DeviceKind::CanaryMismatch.code());
+        let r = ring.records.iter().find(|r| r.seq == 0).unwrap();
+        assert_eq!((r.block, r.page, r.slot_start, r.slot_end), (1, page.0 as i32, 2, 3));
+        let v = r.to_violation().unwrap();
+        assert_eq!(v.kind(), ViolationKind::UnwrittenSlots);
+        assert_eq!(v.slots(), Some((2, 3)));
+
+        // The reused page still carries the canaries its last incarnation stamped: refused.
+        let f = &pool.requests[4];
+        let mut stale = good.clone();
+        for s in 0..PS {
+            stale[(pool.reused.0 * PS + s) as usize] = canary(5, 1, pool.reused.0, s);
+        }
+        let (status, _) = run_block_table(exe, &pool, &seqs, false, Some(&stale));
+        let i = seqs.iter().position(|s| s.reader == f.0 && s.tokens == 4).unwrap();
+        assert_eq!(status[i], 1 << DeviceKind::CanaryMismatch.code());
+    }
+
+    #[test]
+    fn the_store_writes_owned_slots_stamps_their_canaries_and_refuses_the_rest() {
+        let Some(exe) = driver() else { return };
+        let pool = pool();
+        let mut rng = Rng(9);
+        let kv_width = 8usize;
+        let slots = (NUM_PAGES * PS) as usize;
+        let (a, ta, pa, _) = pool.requests[0].clone();
+        let (c, tc, pc, _) = pool.requests[2].clone();
+        let slot = |p: PageId, s: u32| i64::from(p.0 * PS + s);
+        // seq 0 = alice: two stores into her own page 2, padding, one into a prefix page (shared),
+        // one into carol's page (foreign). seq 1 = carol: one into her own page, one into a free page,
+        // one out of range.
+        let mapping = vec![
+            slot(pa[2], 2),
+            slot(pa[3], 1),
+            -1,
+            slot(pool.prefix[0], 1),
+            slot(pc[0], 0),
+            slot(pc[1], 1),
+            slot(pool.freed, 0),
+            i64::from(NUM_PAGES * PS + 7),
+        ];
+        let query_start_loc = [0, 5, mapping.len() as i32];
+        let writers = [DeviceReader::new(a, ta), DeviceReader::new(c, tc)];
+        let key: Vec<u32> = (0..mapping.len() * kv_width).map(|_| rng.next() as u32).collect();
+        let value: Vec<u32> = (0..mapping.len() * kv_width).map(|_| rng.next() as u32).collect();
+        let kc: Vec<u32> = (0..slots * kv_width).map(|_| rng.next() as u32).collect();
+        let vc: Vec<u32> = (0..slots * kv_width).map(|_| rng.next() as u32).collect();
+        // Alice's slots the store is about to write have no canary yet: a read of them fails now.
+        let mut canaries = pool.canaries();
+        canaries[(pa[2].0 * PS + 2) as usize] = 0;
+        canaries[(pa[3].0 * PS + 1) as usize] = 0;
+        let alice_reads =
+            Seq { reader: a, row: pa.iter().map(|p| p.0 as i32).chain([0, 0]).collect(), tokens: 14, gens: vec![0; 6] };
+        let (status, _) = run_block_table(exe, &pool, std::slice::from_ref(&alice_reads), false, Some(&canaries));
+        assert_eq!(status[0], 1 << DeviceKind::CanaryMismatch.code());
+        let mut case = Case::new("store");
+        case.u32s("key", &key)
+            .u32s("value", &value)
+            .u32s("key_cache", &kc)
+            .u32s("value_cache", &vc)
+            .i64s("slot_mapping", &mapping)
+            .i32s("query_start_loc", &query_start_loc)
+            .readers("writers", &writers)
+            .tags("tags", &pool.device_tags())
+            .u32s("canaries", &canaries)
+            .param("kv_width", kv_width)
+            .param("page_size", PS)
+            .param("ring_capacity", 64);
+        case.run(exe, "store");
+
+        // The reference: what the host table allows each writer to write.
+        let (mut want_k, mut want_v, mut want_c) = (kc.clone(), vc.clone(), canaries.clone());
+        let mut refused = Vec::new();
+        for (t, &s) in mapping.iter().enumerate() {
+            if s < 0 {
+                continue;
+            }
+            let (writer, tenant) = if t < 5 { (a, ta) } else { (c, tc) };
+            let (page, in_page) = ((s / i64::from(PS)) as u32, (s % i64::from(PS)) as u32);
+            let owned = pool
+                .table
+                .page_info(PageId(page))
+                .is_some_and(|i| i.state == PageState::Owned && i.owner == Some(writer));
+            if owned {
+                let generation = pool.table.page_info(PageId(page)).unwrap().generation.0;
+                let (dst, src) = (s as usize * kv_width, t * kv_width);
+                want_k[dst..dst + kv_width].copy_from_slice(&key[src..src + kv_width]);
+                want_v[dst..dst + kv_width].copy_from_slice(&value[src..src + kv_width]);
+                want_c[s as usize] = canary(writer.0, generation, page, in_page);
+            } else {
+                refused.push((t as u32, writer, tenant));
+            }
+        }
+        assert_eq!(case.out_u32("key_cache"), want_k);
+        assert_eq!(case.out_u32("value_cache"), want_v);
+        assert_eq!(case.out_u32("canaries"), want_c);
+        let ring = case.ring();
+        let mut got: Vec<(u32, ViolationKind)> =
+            ring.records.iter().map(|r| (r.seq, r.to_violation().unwrap().kind())).collect();
+        got.sort_by_key(|g| g.0);
+        assert_eq!(
+            got,
+            vec![
+                (3, ViolationKind::WriteToShared),
+                (4, ViolationKind::ForeignPage),
+                (6, ViolationKind::FreedPage),
+                (7, ViolationKind::PageOutOfRange),
+            ]
+        );
+        assert_eq!(refused.iter().map(|r| r.0).collect::<Vec<_>>(), vec![3, 4, 6, 7]);
+        for r in &ring.records {
+            let v = r.to_violation().unwrap();
+            assert_eq!(v.op(), kvguard::Op::Write);
+            assert_eq!(v.request(), Some(if r.seq < 5 { a } else { c }));
+        }
+        let status = case.out_u32("status");
+        assert_ne!(status[0], 0);
+        assert_ne!(status[1], 0);
+
+        // Round trip: after the store, alice's read passes the canary check; one flipped bit fails it.
+        let mut stamped = case.out_u32("canaries");
+        assert_eq!(stamped, pool.canaries(), "the store stamped exactly what the reference stamps");
+        let (status, _) = run_block_table(exe, &pool, std::slice::from_ref(&alice_reads), false, Some(&stamped));
+        assert_eq!(status[0], 0);
+        stamped[(pa[3].0 * PS + 1) as usize] ^= 1;
+        let (status, ring) = run_block_table(exe, &pool, std::slice::from_ref(&alice_reads), false, Some(&stamped));
+        assert_eq!(status[0], 1 << DeviceKind::CanaryMismatch.code());
+        assert_eq!((ring.records[0].block, ring.records[0].slot_start), (3, 1));
+    }
+}
