@@ -94,8 +94,12 @@ impl fmt::Display for PageRef {
     }
 }
 
-/// Formats a count with thousands separators (`1048576` → `1,048,576`), for messages people read.
-pub(crate) fn grouped(n: u64) -> String {
+/// Formats a count with thousands separators, for messages people read.
+///
+/// ```
+/// assert_eq!(kvguard::ids::grouped(1_048_576), "1,048,576");
+/// ```
+pub fn grouped(n: u64) -> String {
     let digits = n.to_string();
     let mut out = String::with_capacity(digits.len() + digits.len() / 3);
     for (i, c) in digits.chars().enumerate() {

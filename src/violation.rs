@@ -104,6 +104,8 @@ violation_kinds! {
     ManifestCorrupt => "manifest_corrupt",
     /// A KV slot whose canary does not bind it to the reading request's page incarnation and slot.
     CanaryMismatch => "canary_mismatch",
+    /// A KV transfer into a page that another transfer is still landing in.
+    ImportInFlight => "import_in_flight",
 }
 
 /// What the table does when it sees a violation.

@@ -6,6 +6,9 @@
 #![cfg(feature = "cuda")]
 
 /// Under `cuda::` so that `cargo test cuda` selects these.
+#[path = "common/skip.rs"]
+mod skip;
+
 mod cuda {
     use cudarc::driver::{CudaSlice, DevicePtr, sys};
     use kvguard::cuda::{
@@ -25,7 +28,7 @@ mod cuda {
             Ok(g) => Some(g),
             Err(e @ (DeviceError::DriverNotFound | DeviceError::NoDevice { .. } | DeviceError::NvrtcNotFound)) => {
                 assert!(!required(), "KVGUARD_REQUIRE_GPU=1 but: {e}");
-                eprintln!("\n*** SKIPPED (no GPU here): {e} ***\n");
+                crate::skip::skipped(&format!("no GPU here: {e}"));
                 None
             }
             Err(e) => panic!("DeviceGuard::new failed: {e}"),

@@ -5,6 +5,9 @@
 #![cfg(feature = "cuda")]
 
 /// Under `cuda::` so that `cargo test cuda` selects these.
+#[path = "common/skip.rs"]
+mod skip;
+
 mod cuda {
     use kvguard::cuda::DeviceError;
     use kvguard::cuda::source::{self, KERNELS};
@@ -18,7 +21,7 @@ mod cuda {
     /// Skips loudly, or fails when the tools are required.
     fn skip(why: &str) {
         assert!(!required(), "KVGUARD_REQUIRE_NVRTC=1 but {why}");
-        eprintln!("\n*** SKIPPED: {why} (set up with `source scripts/ci/cuda.sh setup`) ***\n");
+        crate::skip::skipped(&format!("{why} (set up with `source scripts/ci/cuda.sh setup`)"));
     }
 
     fn ptxas() -> Option<PathBuf> {

@@ -25,6 +25,9 @@ fn op() -> impl Strategy<Value = Op> {
         1 => small().prop_map(|key| Op::Evict { key }),
         1 => (small(), small()).prop_map(|(parent, child)| Op::Fork { parent, child }),
         1 => (small(), any::<bool>()).prop_map(|(tenant, allow)| Op::AllowSharing { tenant, allow }),
+        2 => (small(), any::<u8>(), any::<u8>()).prop_map(|(req, start, len)| Op::WriteTokens { req, start, len }),
+        2 => (small(), any::<u8>(), any::<u8>(), prop::bool::weighted(0.2))
+            .prop_map(|(req, tokens, expected, release_midway)| Op::Import { req, tokens, expected, release_midway }),
     ]
 }
 

@@ -341,15 +341,27 @@ fn releasing_pages_one_does_not_own_is_refused_all_or_nothing() {
 fn preemption_releases_pages_but_keeps_the_request_admitted() {
     let t = table();
     let a = written(&t, A, T1, 32);
-    assert_eq!(kind(t.verify_read(A, &[PageId(0)], 1)), ViolationKind::ReservedPage);
-    assert!(t.request_info(A).unwrap().quarantined);
     t.preempt(A).unwrap();
     assert_eq!(t.check_read(A, &a, 32).unwrap_err().kind(), ViolationKind::FreedPage);
-    let info = t.request_info(A).unwrap();
-    assert!(info.owned_pages.is_empty() && !info.quarantined);
+    assert!(t.request_info(A).unwrap().owned_pages.is_empty());
     let again = pages(&t.allocate(A, 2).unwrap());
     t.record_write_tokens(A, &again, 0..32).unwrap();
     t.verify_read(A, &again, 32).unwrap();
+}
+
+#[test]
+fn a_quarantine_outlasts_preemption_and_ends_with_release() {
+    let t = table();
+    let a = written(&t, A, T1, 16);
+    assert_eq!(kind(t.verify_read(A, &[PageId(0)], 1)), ViolationKind::ReservedPage);
+    t.preempt(A).unwrap();
+    let again = pages(&t.allocate(A, 1).unwrap());
+    t.record_write_tokens(A, &again, 0..16).unwrap();
+    assert_eq!(kind(t.verify_read(A, &again, 16)), ViolationKind::Quarantined);
+    t.release(A).unwrap();
+    let a2 = written(&t, A, T1, 16);
+    t.verify_read(A, &a2, 16).unwrap();
+    assert_ne!(a, Vec::<PageId>::new());
 }
 
 #[test]
@@ -457,9 +469,17 @@ fn a_fork_shares_the_parents_pages_read_only_until_both_release() {
     t.release(B).unwrap();
     assert_eq!(t.page_info(a[0]).unwrap().state, PageState::Free);
     assert_eq!(kind(t.fork(A, C)), ViolationKind::UnknownRequest);
-    written(&t, A, T1, 16);
-    written(&t, C, T1, 16);
-    assert_eq!(kind(t.fork(A, C)), ViolationKind::DuplicateRequest);
+    let a = written(&t, A, T1, 16);
+    let c = written(&t, C, T2, 16);
+    // Forking onto a live id is the parent's fault: the live child is not quarantined.
+    let err = t.fork(A, C).unwrap_err();
+    let v = err.violation().unwrap();
+    assert_eq!((v.kind(), v.request(), v.owner()), (ViolationKind::DuplicateRequest, Some(A), Some(C)));
+    t.verify_read(C, &c, 16).unwrap();
+    assert_eq!(kind(t.verify_read(A, &a, 16)), ViolationKind::Quarantined);
+    // A quarantined parent cannot hand its pages to an unquarantined child.
+    assert_eq!(kind(t.fork(A, B)), ViolationKind::Quarantined);
+    assert!(t.request_info(B).is_none());
 }
 
 #[test]
@@ -472,8 +492,9 @@ fn an_import_with_the_wrong_token_count_records_nothing() {
     assert_eq!(err.violation_kind(), Some(ViolationKind::TokenCountMismatch));
     assert_eq!(t.page_info(refs[0].page).unwrap().written_slots, 0);
     assert!(t.request_info(A).unwrap().quarantined, "a short transfer quarantines its request");
-    // Preempted and redone with the right count, the transfer lands and is readable.
-    t.preempt(A).unwrap();
+    // Ended and redone with the right count, the transfer lands and is readable.
+    t.release(A).unwrap();
+    t.admit(A, T1, 40, 0).unwrap();
     let refs = t.allocate(A, 3).unwrap();
     t.record_import_refs(A, &refs, 40, 40).unwrap();
     t.verify_read_refs(A, &refs, 40).unwrap();
@@ -631,4 +652,122 @@ fn hostile_sizes_get_typed_errors_never_panics() {
     assert!(t.request_info(RequestId(u64::MAX)).is_none());
     let s = t.snapshot();
     assert_eq!(s.free + s.reserved, s.total_pages, "nothing leaked: {s:?}");
+}
+
+#[test]
+fn an_empty_write_touches_no_page() {
+    let t = table();
+    let a = written(&t, A, T1, 16);
+    let b = written(&t, B, T1, 16);
+    t.record_write_tokens(B, &[b[0], a[0]], 5..5).unwrap();
+    t.record_write_tokens(B, &[], 40..40).unwrap();
+    assert!(!t.request_info(B).unwrap().quarantined);
+}
+
+#[test]
+fn every_refused_read_names_the_slots_it_wanted() {
+    let t = table();
+    let a = written(&t, A, T1, 16);
+    t.admit(B, T2, 16, 0).unwrap();
+    let v = t.check_read(B, &a, 9).unwrap_err();
+    assert_eq!((v.kind(), v.slots()), (ViolationKind::ForeignPage, Some((0, 9))));
+    assert!(v.to_string().ends_with("slots 0..9"), "{v}");
+}
+
+#[test]
+fn a_request_holding_many_prefixes_reads_them_all() {
+    // One prefix per cached block, vLLM-style: membership must stay exact as the list grows.
+    let t = OwnershipTable::new(PoolConfig::new(600, PS, 600 * 16)).unwrap();
+    t.admit(A, T1, 512 * 16, 0).unwrap();
+    let a = pages(&t.allocate(A, 512).unwrap());
+    t.record_write_tokens(A, &a, 0..512 * 16).unwrap();
+    for (i, p) in a.iter().enumerate().rev() {
+        t.publish_prefix(A, PrefixKey(i as u64), &[*p]).unwrap();
+    }
+    t.admit(B, T1, 512 * 16, 0).unwrap();
+    for i in (0..512).step_by(2) {
+        t.attach_prefix(B, PrefixKey(i)).unwrap();
+    }
+    let even: Vec<PageId> = a.iter().step_by(2).copied().collect();
+    t.verify_read(B, &even, 256 * 16).unwrap();
+    assert_eq!(t.check_read(B, &a[..2], 32).unwrap_err().kind(), ViolationKind::ForeignPage);
+    t.verify_read(A, &a, 512 * 16).unwrap();
+}
+
+// ---- transfers in flight ----
+
+#[test]
+fn a_transfer_lands_between_begin_and_finish_import() {
+    let t = table();
+    t.admit(A, T1, 40, 0).unwrap();
+    let refs = t.allocate(A, 3).unwrap();
+    t.begin_import(A, &refs).unwrap();
+    t.finish_import(A, &refs, 40, 40).unwrap();
+    t.verify_read_refs(A, &refs, 40).unwrap();
+    // Finished: the pages can take another transfer.
+    t.begin_import(A, &refs[2..]).unwrap();
+    t.abort_import(&refs[2..]);
+    assert_eq!(t.page_info(refs[2].page).unwrap().written_slots, 8, "an aborted transfer records nothing");
+}
+
+#[test]
+fn two_transfers_into_one_page_at_once_are_refused() {
+    let t = table();
+    t.admit(A, T1, 40, 0).unwrap();
+    let refs = t.allocate(A, 3).unwrap();
+    t.begin_import(A, &refs[1..]).unwrap();
+    assert_eq!(kind(t.begin_import(A, &refs[..2])), ViolationKind::ImportInFlight);
+    assert_eq!(kind(t.begin_import(A, &[refs[0], refs[0]])), ViolationKind::ImportInFlight);
+    t.abort_import(&refs[1..]);
+}
+
+#[test]
+fn pages_released_while_a_transfer_is_in_flight_are_not_handed_out_until_it_ends() {
+    let t = table();
+    t.admit(A, T1, 32, 0).unwrap();
+    let refs = t.allocate(A, 2).unwrap();
+    t.begin_import(A, &refs).unwrap();
+    // The request ends while its bytes are still landing.
+    t.release(A).unwrap();
+    assert_eq!(t.page_info(refs[0].page).unwrap().state, PageState::Free);
+    t.admit(B, T2, 128, 0).unwrap();
+    assert_eq!(kind(t.claim(B, &[refs[0].page])), ViolationKind::PageNotFree);
+    let got = pages(&t.allocate(B, 13).unwrap());
+    assert!(!got.contains(&refs[0].page) && !got.contains(&refs[1].page));
+    assert!(matches!(t.allocate(B, 1), Err(Error::OutOfPages { .. })), "the pinned pages are not free to give");
+    // The landing transfer is refused, and only then do the pages return.
+    assert_eq!(kind(t.finish_import(A, &refs, 32, 32)), ViolationKind::UnknownRequest);
+    let more = pages(&t.allocate(B, 2).unwrap());
+    assert!(more.contains(&refs[0].page) && more.contains(&refs[1].page));
+    assert_eq!(t.page_info(refs[0].page).unwrap().written_slots, 0);
+}
+
+#[test]
+fn a_transfer_must_name_the_requests_current_pages() {
+    let t = table();
+    t.admit(A, T1, 32, 0).unwrap();
+    let refs = t.allocate(A, 2).unwrap();
+    let b = written(&t, B, T2, 16);
+    let stale = PageRef { page: refs[0].page, generation: Generation(9) };
+    assert_eq!(kind(t.begin_import(A, &[stale])), ViolationKind::StalePage);
+    assert_eq!(kind(t.begin_import(C, &refs)), ViolationKind::UnknownRequest);
+    t.release(A).unwrap();
+    t.admit(A, T1, 32, 0).unwrap();
+    let foreign = PageRef { page: b[0], generation: Generation(1) };
+    assert_eq!(kind(t.begin_import(A, &[foreign])), ViolationKind::ForeignPage);
+    assert_eq!(t.page_info(b[0]).unwrap().written_slots, 16, "nothing changed for the owner");
+}
+
+#[test]
+fn a_scrubbed_pool_keeps_in_flight_pages_out_until_both_scrub_and_transfer_end() {
+    let t = OwnershipTable::new(PoolConfig::new(4, PS, 16).with_scrub_on_release(true)).unwrap();
+    t.admit(A, T1, 16, 0).unwrap();
+    let refs = t.allocate(A, 1).unwrap();
+    t.begin_import(A, &refs).unwrap();
+    let released = t.release(A).unwrap();
+    t.confirm_scrubbed(&released.scrub).unwrap();
+    t.admit(B, T1, 16, 0).unwrap();
+    assert_eq!(kind(t.claim(B, &[refs[0].page])), ViolationKind::PageNotFree);
+    t.abort_import(&refs);
+    t.claim(B, &[refs[0].page]).unwrap();
 }

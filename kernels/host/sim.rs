@@ -5,6 +5,9 @@
 // Each test crate uses a different part of this file.
 #![allow(dead_code)]
 
+#[path = "../../tests/common/skip.rs"]
+mod skip;
+
 use kvguard::cuda::layout::{DeviceReader, DeviceTag, RingDrain, canary};
 use kvguard::{Generation, OwnershipTable, PageId, Policy, PoolConfig, PrefixKey, RequestId, TenantId};
 use std::path::{Path, PathBuf};
@@ -54,7 +57,7 @@ pub fn driver() -> Option<&'static Path> {
         }
     });
     if built.is_none() {
-        eprintln!("\n*** SKIPPED: no C++ compiler (set CXX, or install g++) — host kernel tests not run ***\n");
+        skip::skipped("no C++ compiler (set CXX, or install g++): host kernel tests not run");
     }
     built.as_deref()
 }

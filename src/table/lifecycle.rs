@@ -6,7 +6,7 @@ use crate::error::Error;
 use crate::ids::{Generation, PageId, PageRef, RequestId, TenantId};
 use crate::violation::{Op, Violation, ViolationKind};
 use std::ops::Range;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// What a release handed back.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -77,7 +77,7 @@ impl TableState {
             PageState::Owned if tag.owner == req => return Ok(()),
             PageState::Owned => ViolationKind::ForeignPage,
             PageState::Shared => {
-                let held = self.requests.get(&req).is_some_and(|r| r.prefixes.contains(&tag.link));
+                let held = self.requests.get(&req).is_some_and(|r| r.prefixes.contains(tag.link));
                 match op {
                     Op::Write | Op::Import => ViolationKind::WriteToShared,
                     _ if held => ViolationKind::PageShared,
@@ -116,9 +116,8 @@ impl TableState {
                 tenant,
                 prompt_tokens: prompt,
                 max_new_tokens: max_new,
-                // Sized for the whole request (bounded: the limit is the pool, not the caller).
-                pages: Vec::with_capacity(pages.min(1 << 12) as usize),
-                prefixes: Vec::new(),
+                pages: Vec::new(),
+                prefixes: Default::default(),
                 quarantined: AtomicBool::new(false),
             },
         );
@@ -159,7 +158,8 @@ impl TableState {
         let repeat = first_repeat(pages);
         for &page in pages {
             let state = self.check_usable(Op::Claim, req, page)?;
-            if state != PageState::Free || repeat == Some(page) {
+            // A pinned free page still has a transfer landing in it.
+            if state != PageState::Free || self.tags[page.0 as usize].pinned || repeat == Some(page) {
                 return Err(self.page_violation(ViolationKind::PageNotFree, Op::Claim, req, page).into());
             }
         }
@@ -190,6 +190,9 @@ impl TableState {
 
     /// The blocks `first..last` that tokens `range` touch, or `block_table_too_short`.
     fn token_blocks(&self, op: Op, req: RequestId, blocks: usize, range: &Range<u64>) -> Result<Range<usize>, Error> {
+        if range.start == range.end {
+            return Ok(0..0); // an empty write touches no page
+        }
         let ps = u64::from(self.page_size);
         let covered = (blocks as u64).saturating_mul(ps);
         if range.start > range.end || range.end > covered {
@@ -254,7 +257,7 @@ impl TableState {
         for page in rec.pages {
             released.pages.push(self.end_incarnation(page, &mut released.scrub));
         }
-        for slot in rec.prefixes {
+        for slot in rec.prefixes.iter() {
             self.drop_hold(slot, &mut released);
         }
         self.ended.insert(req);
@@ -262,18 +265,19 @@ impl TableState {
     }
 
     /// Releases the pages and prefix holds of `req` but keeps it admitted (recompute preemption).
+    /// A quarantine stays: it lasts until the request is released.
     pub(crate) fn preempt(&mut self, req: RequestId) -> Result<Released, Error> {
-        let rec = self.requests.get_mut(&req).ok_or_else(|| {
-            Error::from(Violation::new(ViolationKind::UnknownRequest, Op::Release).with_request(req, None))
-        })?;
+        if !self.requests.contains_key(&req) {
+            return Err(self.unknown_request(Op::Release, req));
+        }
+        let rec = self.requests.get_mut(&req).expect("checked above");
         let pages = std::mem::take(&mut rec.pages);
         let prefixes = std::mem::take(&mut rec.prefixes);
-        rec.quarantined = AtomicBool::new(false);
         let mut released = Released::default();
         for page in pages {
             released.pages.push(self.end_incarnation(page, &mut released.scrub));
         }
-        for slot in prefixes {
+        for slot in prefixes.iter() {
             self.drop_hold(slot, &mut released);
         }
         Ok(released)
@@ -314,9 +318,16 @@ impl TableState {
     }
 
     pub(crate) fn fork(&mut self, parent: RequestId, child: RequestId) -> Result<(), Error> {
-        self.record(Op::Fork, parent)?;
+        let rec = self.record(Op::Fork, parent)?;
+        if rec.quarantined.load(Ordering::Relaxed) {
+            // A child would inherit the parent's pages without its quarantine.
+            return Err(self.violation(ViolationKind::Quarantined, Op::Fork, parent).into());
+        }
         if self.requests.contains_key(&child) {
-            return Err(self.violation(ViolationKind::DuplicateRequest, Op::Fork, child).into());
+            // Attributed to the parent, which made the call: the live child is the victim.
+            let live = &self.requests[&child];
+            let v = self.violation(ViolationKind::DuplicateRequest, Op::Fork, parent).with_owner(child, live.tenant);
+            return Err(v.into());
         }
         let rec = self.requests.get_mut(&parent).expect("checked above");
         let (tenant, prompt, max_new) = (rec.tenant, rec.prompt_tokens, rec.max_new_tokens);
@@ -330,10 +341,10 @@ impl TableState {
                 self.set_state(page, PageState::Shared);
             }
             self.prefix_mut(slot).pages = pages;
-            self.requests.get_mut(&parent).expect("checked above").prefixes.push(slot);
-            held.push(slot);
+            self.requests.get_mut(&parent).expect("checked above").prefixes.insert(slot);
+            held.insert(slot);
         }
-        for &slot in &held {
+        for slot in held.iter() {
             self.prefix_mut(slot).holders += 1;
         }
         self.ended.forget(child);
@@ -349,6 +360,42 @@ impl TableState {
             },
         );
         Ok(())
+    }
+
+    /// Pins `refs` (all owned by `req` in exactly these incarnations) for a KV transfer about to
+    /// land in them. All or none.
+    pub(crate) fn pin(&mut self, req: RequestId, refs: &[PageRef]) -> Result<(), Error> {
+        self.record(Op::Import, req)?;
+        for (b, r) in refs.iter().enumerate() {
+            let tag = self.tag(r.page);
+            let fine =
+                tag.is_some_and(|t| t.state == PageState::Owned && t.owner == req && t.generation == r.generation.0);
+            if !fine {
+                return Err(self.write_refusal(Op::Import, req, b, *r));
+            }
+            if tag.is_some_and(|t| t.pinned) {
+                let v = self.page_violation(ViolationKind::ImportInFlight, Op::Import, req, r.page);
+                return Err(v.with_block_index(b as u32).into());
+            }
+        }
+        if let Some(r) = first_repeat(refs) {
+            return Err(self.page_violation(ViolationKind::ImportInFlight, Op::Import, req, r.page).into());
+        }
+        for r in refs {
+            self.tags[r.page.0 as usize].pinned = true;
+        }
+        Ok(())
+    }
+
+    /// Unpins the pages of `refs`; a page released while pinned joins the free list now.
+    pub(crate) fn unpin(&mut self, refs: &[PageRef]) {
+        for r in refs {
+            let Some(tag) = self.tags.get_mut(r.page.0 as usize) else { continue };
+            if std::mem::take(&mut tag.pinned) && tag.state == PageState::Free {
+                tag.link = self.free.len() as u32;
+                self.free.push(r.page);
+            }
+        }
     }
 }
 

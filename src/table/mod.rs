@@ -340,17 +340,52 @@ impl OwnershipTable {
         expected: u64,
     ) -> Result<(), Error> {
         let mut state = self.state.write();
-        let outcome = if tokens != expected {
-            state.record(Op::Import, req).map(|_| ()).and_then(|_| {
-                Err(state
-                    .violation(ViolationKind::TokenCountMismatch, Op::Import, req)
-                    .with_amounts(tokens, expected)
-                    .into())
-            })
-        } else {
-            state.record_write_tokens(Op::Import, req, block_table, 0..tokens)
-        };
+        let outcome = import(&mut state, req, block_table, tokens, expected);
         self.judge(&state, outcome)
+    }
+
+    /// Starts a KV transfer into `refs`: each must be `req`'s own page in exactly that
+    /// incarnation, and not already receiving another transfer
+    /// ([`ViolationKind::ImportInFlight`]). The pages are *pinned*: if `req` releases them before
+    /// the transfer is over, they still leave `req`, but stay out of the free list until
+    /// [`finish_import`](Self::finish_import) or [`abort_import`](Self::abort_import), so bytes
+    /// still landing can never reach a next owner. Call it before any byte lands.
+    ///
+    /// ```
+    /// use kvguard::{OwnershipTable, PoolConfig, RequestId, TenantId, ViolationKind};
+    /// let table = OwnershipTable::new(PoolConfig::new(8, 16, 64))?;
+    /// table.admit(RequestId(1), TenantId(1), 20, 0)?;
+    /// let refs = table.allocate(RequestId(1), 2)?;
+    /// table.begin_import(RequestId(1), &refs)?;
+    /// // ... the transfer's bytes land in the pages, its manifest is checked ...
+    /// table.finish_import(RequestId(1), &refs, 20, 20)?;
+    /// let pages: Vec<_> = refs.iter().map(|r| r.page).collect();
+    /// table.verify_read(RequestId(1), &pages, 20)?;
+    /// # Ok::<(), kvguard::Error>(())
+    /// ```
+    pub fn begin_import(&self, req: RequestId, refs: &[PageRef]) -> Result<(), Error> {
+        let mut state = self.state.write();
+        let outcome = state.pin(req, refs);
+        self.judge(&state, outcome)
+    }
+
+    /// Ends a transfer begun with [`begin_import`](Self::begin_import): records `tokens` tokens
+    /// as written by `req`'s current incarnation exactly as
+    /// [`record_import_refs`](Self::record_import_refs) does (a count that differs from
+    /// `expected`, or pages that changed hands meanwhile, record nothing), and unpins the pages
+    /// whatever the outcome, in the same critical section.
+    pub fn finish_import(&self, req: RequestId, refs: &[PageRef], tokens: u64, expected: u64) -> Result<(), Error> {
+        let mut state = self.state.write();
+        let outcome = import(&mut state, req, refs, tokens, expected);
+        state.unpin(refs);
+        self.judge(&state, outcome)
+    }
+
+    /// Abandons a transfer begun with [`begin_import`](Self::begin_import) (its manifest was
+    /// refused, say): nothing is recorded, and the pages are unpinned. Pages that were not pinned
+    /// are left as they are.
+    pub fn abort_import(&self, refs: &[PageRef]) {
+        self.state.write().unpin(refs);
     }
 
     /// Checks that `req` may read its first `tokens` tokens through `block_table`: every page is
@@ -408,8 +443,8 @@ impl OwnershipTable {
         self.judge(&state, outcome)
     }
 
-    /// Preemption: releases all of `req`'s pages and prefix holds and lifts its quarantine, but
-    /// keeps it admitted, so the engine can allocate again and recompute.
+    /// Preemption: releases all of `req`'s pages and prefix holds but keeps it admitted, so the
+    /// engine can allocate again and recompute. A quarantine stays until the request is released.
     pub fn preempt(&self, req: RequestId) -> Result<Released, Error> {
         let mut state = self.state.write();
         let outcome = state.preempt(req);
@@ -507,7 +542,7 @@ impl OwnershipTable {
             prompt_tokens: rec.prompt_tokens,
             max_new_tokens: rec.max_new_tokens,
             owned_pages: rec.pages.iter().map(|&p| state.page_ref(p)).collect(),
-            prefixes: rec.prefixes.iter().filter_map(|&s| state.prefix(s).key).collect(),
+            prefixes: rec.prefixes.iter().filter_map(|s| state.prefix(s).key).collect(),
             quarantined: rec.quarantined.load(Ordering::Relaxed),
         })
     }
@@ -529,6 +564,21 @@ impl OwnershipTable {
     pub fn drain_violations(&self) -> Vec<Violation> {
         self.log.lock().drain(..).collect()
     }
+}
+
+fn import<E: BlockEntry>(
+    state: &mut TableState,
+    req: RequestId,
+    block_table: &[E],
+    tokens: u64,
+    expected: u64,
+) -> Result<(), Error> {
+    if tokens != expected {
+        state.record(Op::Import, req)?;
+        let v = state.violation(ViolationKind::TokenCountMismatch, Op::Import, req).with_amounts(tokens, expected);
+        return Err(v.into());
+    }
+    state.record_write_tokens(Op::Import, req, block_table, 0..tokens)
 }
 
 fn page_info(state: &TableState, page: PageId, tag: &state::PageTag) -> PageInfo {

@@ -77,7 +77,7 @@ impl TableState {
         }
         self.prefix_mut(slot).pages = ordered;
         self.prefix_keys.insert(key, slot);
-        self.requests.get_mut(&req).expect("checked above").prefixes.push(slot);
+        self.requests.get_mut(&req).expect("checked above").prefixes.insert(slot);
         Ok(())
     }
 
@@ -93,8 +93,7 @@ impl TableState {
             return Err(v.into());
         }
         let rec = self.requests.get_mut(&req).expect("checked above");
-        if !rec.prefixes.contains(&slot) {
-            rec.prefixes.push(slot);
+        if rec.prefixes.insert(slot) {
             self.prefix_mut(slot).holders += 1;
         }
         Ok(self.prefix(slot).pages.iter().map(|&p| self.page_ref(p)).collect())
@@ -104,10 +103,9 @@ impl TableState {
         self.record(Op::Detach, req)?;
         let slot = self.prefix_slot(Op::Detach, Some(req), key)?;
         let rec = self.requests.get_mut(&req).expect("checked above");
-        let Some(pos) = rec.prefixes.iter().position(|&s| s == slot) else {
+        if !rec.prefixes.remove(slot) {
             return Err(self.violation(ViolationKind::UnknownPrefix, Op::Detach, req).with_prefix(key).into());
-        };
-        rec.prefixes.swap_remove(pos);
+        }
         let mut released = Released::default();
         self.drop_hold(slot, &mut released);
         Ok(released)

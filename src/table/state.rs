@@ -53,6 +53,10 @@ pub(crate) struct PageTag {
     pub changed: bool,
     /// Some coverage bit of this incarnation may be set.
     pub sparse: bool,
+    /// A KV transfer into this page is in flight ([`TableState::pin`]): if the page is released
+    /// meanwhile it stays out of the free list until the transfer is finished or aborted, so the
+    /// bytes still landing can never reach a next owner.
+    pub pinned: bool,
 }
 
 pub(crate) struct RequestRecord {
@@ -62,10 +66,49 @@ pub(crate) struct RequestRecord {
     /// Pages this request owns exclusively; `tags[p].link` is the index here.
     pub pages: Vec<PageId>,
     /// Prefix slots this request holds.
-    pub prefixes: Vec<u32>,
+    pub prefixes: HeldPrefixes,
     /// Set by an enforced violation; checked by every read. Atomic so readers can set it under
     /// the shared lock.
     pub quarantined: AtomicBool,
+}
+
+/// The prefix slots one request holds: a sorted list, so the read path's membership test is a
+/// binary search however many prefixes (one per cached block, in vLLM's style) a request holds.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct HeldPrefixes(Vec<u32>);
+
+impl HeldPrefixes {
+    #[inline]
+    pub fn contains(&self, slot: u32) -> bool {
+        match self.0.len() {
+            0 => false,
+            1..=8 => self.0.contains(&slot),
+            _ => self.0.binary_search(&slot).is_ok(),
+        }
+    }
+    /// Adds `slot`; false if it was already held.
+    pub fn insert(&mut self, slot: u32) -> bool {
+        match self.0.binary_search(&slot) {
+            Ok(_) => false,
+            Err(at) => {
+                self.0.insert(at, slot);
+                true
+            }
+        }
+    }
+    /// Drops `slot`; false if it was not held.
+    pub fn remove(&mut self, slot: u32) -> bool {
+        match self.0.binary_search(&slot) {
+            Ok(at) => {
+                self.0.remove(at);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+    pub fn iter(&self) -> impl Iterator<Item = u32> + '_ {
+        self.0.iter().copied()
+    }
 }
 
 pub(crate) struct PrefixRecord {
@@ -160,6 +203,7 @@ impl TableState {
                 state,
                 changed: false,
                 sparse: false,
+                pinned: false,
             });
         }
         // Lowest ids on top of the stack, so a fresh pool hands out pages in id order.
@@ -228,31 +272,13 @@ impl TableState {
     /// Makes `page` owned by `req`, appended to its page list.
     fn give_page(&mut self, page: PageId, req: RequestId) {
         let rec = self.requests.get_mut(&req).expect("callers check the request is admitted");
-        Self::give_page_to(&mut self.tags, &mut self.state_counts, &mut self.changed, rec, page, req);
-    }
-
-    /// [`give_page`](Self::give_page) with the record already looked up (the allocation loop).
-    pub fn give_page_to(
-        tags: &mut [PageTag],
-        state_counts: &mut [u64; PageState::COUNT],
-        changed: &mut Vec<PageId>,
-        rec: &mut RequestRecord,
-        page: PageId,
-        req: RequestId,
-    ) {
-        let tag = &mut tags[page.0 as usize];
+        let tag = &mut self.tags[page.0 as usize];
         debug_assert!(tag.written == 0 && !tag.sparse, "free pages carry no coverage");
-        state_counts[tag.state as usize] -= 1;
-        state_counts[PageState::Owned as usize] += 1;
-        tag.state = PageState::Owned;
         tag.owner = req;
         tag.tenant = rec.tenant;
         tag.link = rec.pages.len() as u32;
-        if !tag.changed {
-            tag.changed = true;
-            changed.push(page);
-        }
         rec.pages.push(page);
+        self.set_state(page, PageState::Owned);
     }
 
     /// Removes an owned page from its owner's page list (the caller changes its state next).
@@ -273,7 +299,7 @@ impl TableState {
         let free_slot = self.free.len() as u32;
         let tag = &mut self.tags[page.0 as usize];
         let ended = PageRef { page, generation: Generation(tag.generation) };
-        let (old, sparse, changed) = (tag.state, tag.sparse, tag.changed);
+        let (old, sparse, changed, pinned) = (tag.state, tag.sparse, tag.changed, tag.pinned);
         let new = if tag.generation >= self.generation_limit {
             PageState::Retired
         } else {
@@ -295,7 +321,8 @@ impl TableState {
         self.state_counts[old as usize] -= 1;
         self.state_counts[new as usize] += 1;
         match new {
-            PageState::Free => self.free.push(page),
+            // A pinned page waits outside the free list until its transfer is over.
+            PageState::Free if !pinned => self.free.push(page),
             PageState::AwaitingScrub => scrub.push(ended),
             _ => {}
         }
@@ -306,10 +333,13 @@ impl TableState {
         ended
     }
 
+    /// Marks `page` free; it joins the free list unless a transfer still pins it.
     #[inline]
     pub fn push_free(&mut self, page: PageId) {
-        self.tags[page.0 as usize].link = self.free.len() as u32;
-        self.free.push(page);
+        if !self.tags[page.0 as usize].pinned {
+            self.tags[page.0 as usize].link = self.free.len() as u32;
+            self.free.push(page);
+        }
         self.set_state(page, PageState::Free);
     }
 

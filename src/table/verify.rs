@@ -76,7 +76,7 @@ impl TableState {
         if let Some(tag) = self.tags.get(entry.page().0 as usize) {
             let mine = match tag.state {
                 PageState::Owned => tag.owner == req,
-                PageState::Shared => rec.prefixes.contains(&tag.link),
+                PageState::Shared => rec.prefixes.contains(tag.link),
                 _ => false,
             };
             let current = entry.generation().is_none_or(|g| g.0 == tag.generation);
@@ -98,7 +98,8 @@ impl TableState {
         need: u32,
     ) -> Violation {
         let page = entry.page();
-        let at = |kind| self.page_violation(kind, Op::Read, req, page).with_block_index(index as u32);
+        let at =
+            |kind| self.page_violation(kind, Op::Read, req, page).with_block_index(index as u32).with_slots(0, need);
         let Some(tag) = self.tag(page) else {
             return at(ViolationKind::PageOutOfRange);
         };
@@ -106,7 +107,7 @@ impl TableState {
             PageState::Reserved => ViolationKind::ReservedPage,
             PageState::Free | PageState::AwaitingScrub | PageState::Retired => ViolationKind::FreedPage,
             PageState::Owned if tag.owner != req => ViolationKind::ForeignPage,
-            PageState::Shared if !rec.prefixes.contains(&tag.link) => ViolationKind::ForeignPage,
+            PageState::Shared if !rec.prefixes.contains(tag.link) => ViolationKind::ForeignPage,
             _ => match entry.generation() {
                 Some(g) if g.0 != tag.generation => {
                     return at(ViolationKind::StalePage).with_expected_generation(g);

@@ -89,6 +89,20 @@ pub enum Op {
         tenant: u8,
         allow: bool,
     },
+    /// Write tokens `start..start + len` through the request's own view.
+    WriteTokens {
+        req: u8,
+        start: u8,
+        len: u8,
+    },
+    /// A KV transfer into the request's owned pages: `begin_import`, optionally the request's
+    /// release while the bytes are in flight, then `finish_import` of `tokens` (`expected` wanted).
+    Import {
+        req: u8,
+        tokens: u8,
+        expected: u8,
+        release_midway: bool,
+    },
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -327,7 +341,6 @@ impl Model {
                 let Some(rec) = self.requests.get_mut(&r) else { return (false, None) };
                 let owned = std::mem::take(&mut rec.owned);
                 let held = std::mem::take(&mut rec.held);
-                rec.quarantined = false;
                 for p in owned {
                     self.end_incarnation(p);
                 }
@@ -395,8 +408,8 @@ impl Model {
             Op::Fork { parent, child } => {
                 let (p, c) = (parent % REQUESTS, child % REQUESTS);
                 let Some(rec) = self.requests.get(&p).cloned() else { return (false, None) };
-                if self.requests.contains_key(&c) {
-                    return (false, Some(c));
+                if rec.quarantined || self.requests.contains_key(&c) {
+                    return (false, Some(p));
                 }
                 let mut held = rec.held.clone();
                 if !rec.owned.is_empty() {
@@ -418,6 +431,45 @@ impl Model {
                 self.requests.insert(c, MRequest { tenant: rec.tenant, owned: Vec::new(), held, quarantined: false });
                 (true, None)
             }
+            Op::WriteTokens { req, start, len } => {
+                let r = req % REQUESTS;
+                if !self.requests.contains_key(&r) {
+                    return (false, None);
+                }
+                let view = self.view(r);
+                let (start, end) = (u64::from(start % 24), u64::from(start % 24) + u64::from(len % 12));
+                if start == end {
+                    return (true, None);
+                }
+                if end > view.len() as u64 * ps {
+                    return (false, Some(r));
+                }
+                if !(start / ps..end.div_ceil(ps)).all(|b| self.owns(r, view[b as usize])) {
+                    return (false, Some(r));
+                }
+                for t in start..end {
+                    self.pages[view[(t / ps) as usize] as usize].written[(t % ps) as usize] = true;
+                }
+                (true, None)
+            }
+            Op::Import { req, tokens, expected, release_midway } => {
+                let r = req % REQUESTS;
+                let Some(rec) = self.requests.get(&r) else { return (false, None) };
+                let owned = rec.owned.clone();
+                if release_midway {
+                    // The pages leave the request while the bytes land; nothing is recorded.
+                    self.apply(&Op::Release { req });
+                    return (false, None);
+                }
+                let (tokens, expected) = (u64::from(tokens % 20), u64::from(expected % 20));
+                if tokens != expected || tokens > owned.len() as u64 * ps {
+                    return (false, Some(r));
+                }
+                for t in 0..tokens {
+                    self.pages[owned[(t / ps) as usize] as usize].written[(t % ps) as usize] = true;
+                }
+                (true, None)
+            }
             Op::AllowSharing { tenant, allow } => {
                 let t = tenant % TENANTS;
                 if allow {
@@ -428,6 +480,18 @@ impl Model {
                 (true, None)
             }
         }
+    }
+
+    /// The request's owned pages as refs to their current incarnations, in the order given.
+    fn owned_refs(&self, r: u8) -> Vec<kvguard::PageRef> {
+        let owned = self.requests.get(&r).map(|rec| rec.owned.clone()).unwrap_or_default();
+        owned
+            .into_iter()
+            .map(|p| kvguard::PageRef {
+                page: PageId(p),
+                generation: kvguard::Generation(self.pages[p as usize].generation),
+            })
+            .collect()
     }
 
     fn write_target(&self, r: u8, index: u8, raw: bool) -> u32 {
@@ -551,6 +615,30 @@ fn execute(table: &OwnershipTable, model: &Model, op: &Op) -> Result<Option<Vec<
         Op::AllowSharing { tenant, allow } => {
             table.allow_cross_tenant_sharing(tenant_id(tenant), allow);
             Ok(None)
+        }
+        Op::WriteTokens { req, start, len } => {
+            let bt: Vec<PageId> = model.view(req % REQUESTS).into_iter().map(PageId).collect();
+            let start = u64::from(start % 24);
+            none(table.record_write_tokens(req_id(req), &bt, start..start + u64::from(len % 12)))
+        }
+        Op::Import { req, tokens, expected, release_midway } => {
+            let r = req_id(req);
+            let refs = model.owned_refs(req % REQUESTS);
+            table.begin_import(r, &refs)?;
+            if release_midway {
+                table.release(r)?;
+                // Released while pinned: no page may be handed out before the transfer ends.
+                let thief = RequestId(1000);
+                table.admit(thief, TenantId(9), 1, 0)?;
+                for x in &refs {
+                    assert!(
+                        table.claim(thief, &[x.page]).is_err(),
+                        "a page with a transfer in flight was handed out: {x}"
+                    );
+                }
+                table.release(thief)?;
+            }
+            none(table.finish_import(r, &refs, u64::from(tokens % 20), u64::from(expected % 20)))
         }
     }
 }
