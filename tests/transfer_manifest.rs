@@ -70,15 +70,20 @@ impl Fixture {
         let err = result.expect_err("transfer accepted");
         assert_eq!(err.kind(), kind, "{err}");
         assert_eq!(landed, 0, "refused transfer landed pages");
+        self.assert_no_coverage();
+        assert_eq!(self.table.counters().get(kind), 1, "violation not reported as {kind:?}");
+        err
+    }
+    /// No slot of the offered incarnations is recorded as written (checked on the table itself:
+    /// a quarantined request's reads are refused whatever its coverage).
+    fn assert_no_coverage(&self) {
         for r in &self.refs {
             if let Some(info) = self.table.page_info(r.page)
                 && info.generation == r.generation
             {
-                assert_eq!(info.written_slots, 0, "refused transfer recorded coverage");
+                assert_eq!(info.written_slots, 0, "refused transfer recorded coverage in {}", r.page);
             }
         }
-        assert_eq!(self.table.counters().get(kind), 1, "violation not reported as {kind:?}");
-        err
     }
 }
 
@@ -135,6 +140,7 @@ fn every_bit_flip_of_a_valid_manifest_is_refused() {
     }
     let flips = bytes.len() as u64 * 8;
     assert_eq!(f.table.counters().get(ViolationKind::ManifestCorrupt), flips);
+    f.assert_no_coverage();
     f.table.verify_read_refs(f.req, &f.refs, 1).unwrap_err();
 }
 
@@ -151,6 +157,7 @@ fn every_bit_flip_of_a_page_is_refused() {
             assert_eq!(landed, 0);
         }
     }
+    f.assert_no_coverage();
 }
 
 #[test]
@@ -161,9 +168,10 @@ fn a_one_token_dummy_for_the_real_prompt_is_refused() {
     let err = f.assert_refused(f.land(&dummy.encode(), &kv_pages(&[0], 0)), ViolationKind::TokenCountMismatch);
     assert!(matches!(err, TransferError::TokenCount { expected: 10, found: 1 }));
     assert!(err.to_string().contains("1 tokens, the request's prompt has 10"), "{err}");
-    // The request reads nothing it did not get.
-    let read = f.table.verify_read_refs(f.req, &f.refs, 10).unwrap_err();
-    assert!(matches!(read.violation_kind(), Some(ViolationKind::Quarantined | ViolationKind::UnwrittenSlots)));
+    // The request reads nothing it did not get: not one slot is recorded as written (its reads
+    // are refused anyway, as it is quarantined now).
+    f.assert_no_coverage();
+    f.table.verify_read_refs(f.req, &f.refs, 10).unwrap_err();
 }
 
 #[test]
@@ -267,6 +275,157 @@ fn a_transfer_into_pages_reused_by_another_request_is_refused() {
     let err = Receiver::new(&f.table).accept(&old, &bytes, &f.pages, |_, _, _| panic!()).unwrap_err();
     assert_eq!(err.kind(), ViolationKind::ForeignPage, "{err}");
     assert!(err.to_string().contains("owned by req 99"), "{err}");
+}
+
+#[test]
+fn a_request_released_while_its_bytes_land_cannot_pass_its_pages_on() {
+    // The reviewer's race: `land` runs with no lock held, so another thread may end the request and
+    // the engine hand its pages to the next one while the bytes are still landing.
+    // Five pages: the reserved page 0, three for a's prompt, one spare.
+    let table = OwnershipTable::new(PoolConfig::new(5, PAGE_SIZE, 12).with_reserved([PageId(0)])).unwrap();
+    let (a, b, c) = (RequestId(1), RequestId(2), RequestId(3));
+    let prompt: Vec<u32> = (0..10).map(|i| 1000 + i).collect();
+    table.admit(a, TenantId(1), 10, 0).unwrap();
+    table.admit(b, TenantId(2), 8, 0).unwrap();
+    table.admit(c, TenantId(2), 4, 0).unwrap();
+    let refs = table.allocate(a, 3).unwrap();
+    let a_pages: Vec<PageId> = refs.iter().map(|r| r.page).collect();
+    let bytes = kv_pages(&prompt, 0xaa);
+    let header = TransferHeader {
+        request: a,
+        tenant: TenantId(1),
+        sender: SenderId(1),
+        page_size: PAGE_SIZE,
+        slot_bytes: SLOT_BYTES,
+    };
+    let manifest = Manifest::build(header, &prompt, &refs, &bytes).unwrap().encode();
+    let expected = ExpectedTransfer::for_prompt(a, TenantId(1), &prompt, &refs, PAGE_SIZE, SLOT_BYTES);
+    // The decode pool's KV, one buffer per page; b's own KV is all 0xbb.
+    let page_bytes = (PAGE_SIZE * SLOT_BYTES) as usize;
+    let mut pool = vec![vec![0u8; page_bytes]; 5];
+    let mut b_page = None;
+    let result = Receiver::new(&table).accept(&expected, &manifest, &bytes, |index, page, data| {
+        if index == 0 {
+            table.release(a).unwrap();
+            // a's pages are free now, but none can be handed out while the transfer is in flight.
+            for &p in &a_pages {
+                let err = table.claim(c, &[p]).unwrap_err();
+                assert_eq!(err.violation_kind(), Some(ViolationKind::PageNotFree), "{err}");
+            }
+            assert!(matches!(table.allocate(b, 2), Err(kvguard::Error::OutOfPages { .. })));
+            let got = table.allocate(b, 1).unwrap()[0];
+            assert!(!a_pages.contains(&got.page), "b got {} while a's bytes land in it", got.page);
+            pool[got.page.0 as usize].fill(0xbb);
+            table.record_write_tokens(b, &[got.page], 0..u64::from(PAGE_SIZE)).unwrap();
+            b_page = Some(got);
+        }
+        pool[page.page.0 as usize][..data.len()].copy_from_slice(data);
+    });
+    let err = result.expect_err("a transfer for a released request was accepted");
+    assert!(matches!(err, TransferError::Table(_)), "{err}");
+    assert_eq!(err.kind(), ViolationKind::UnknownRequest);
+    // b's own page kept b's KV, and b reads it cleanly.
+    let b_page = b_page.expect("land ran");
+    assert!(pool[b_page.page.0 as usize].iter().all(|&x| x == 0xbb), "a's bytes landed in b's page");
+    table.verify_read_refs(b, &[b_page], u64::from(PAGE_SIZE)).unwrap();
+    // Now that the transfer is over a's pages are free again, with nothing recorded as written:
+    // b may get one, in a new incarnation, and cannot read a's bytes through it.
+    for &p in &a_pages {
+        let info = table.page_info(p).unwrap();
+        assert_eq!(info.state, kvguard::PageState::Free, "{p}");
+        assert_eq!(info.written_slots, 0, "{p}");
+    }
+    let reused = table.claim(b, &[a_pages[0]]).unwrap()[0];
+    assert_ne!(reused, refs[0]);
+    assert_eq!(table.page_info(reused.page).unwrap().written_slots, 0);
+    let read = table.verify_read_refs(b, &[b_page, reused], u64::from(PAGE_SIZE) + 1).unwrap_err();
+    assert_eq!(read.violation_kind(), Some(ViolationKind::UnwrittenSlots), "{read}");
+}
+
+#[test]
+fn a_second_transfer_into_pages_still_landing_is_refused() {
+    let f = fixture(10);
+    let bytes = f.manifest().encode();
+    let mut second = None;
+    let first = Receiver::new(&f.table).accept(&f.expected(), &bytes, &f.pages, |index, _, _| {
+        if index == 0 {
+            second = Some(f.land(&bytes, &f.pages));
+        }
+    });
+    let (result, landed) = second.expect("land ran");
+    let err = result.expect_err("two transfers landed in the same pages at once");
+    assert!(matches!(err, TransferError::NotHeld(_)), "{err}");
+    assert_eq!(err.kind(), ViolationKind::ImportInFlight);
+    assert_eq!(landed, 0);
+    assert_eq!(f.table.counters().get(ViolationKind::ImportInFlight), 1);
+    // The first transfer still ends, and unpins its pages.
+    drop(first);
+    f.table.begin_import(f.req, &f.refs).unwrap();
+    f.table.abort_import(&f.refs);
+}
+
+#[test]
+fn a_refused_or_panicking_transfer_unpins_its_pages() {
+    let f = fixture(10);
+    let bytes = f.manifest().encode();
+    let mut bad = f.pages.clone();
+    bad[2][0] ^= 1;
+    let (result, _) = f.land(&bytes, &bad);
+    assert!(matches!(result, Err(TransferError::PageChecksum { index: 2, .. })));
+    // A copy into the pool that panics midway: the pages are unpinned on the way out.
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        Receiver::new(&f.table).accept(&f.expected(), &bytes, &f.pages, |_, _, _| panic!("device copy failed"))
+    }));
+    assert!(panicked.is_err());
+    f.assert_no_coverage();
+    // Nothing is left pinned: released pages go straight back to the free list.
+    f.table.release(f.req).unwrap();
+    f.table.admit(RequestId(12), TenantId(3), 10, 0).unwrap();
+    let refs = f.table.claim(RequestId(12), &f.block_table()).unwrap();
+    assert_eq!(refs.len(), 3);
+}
+
+#[test]
+fn a_receiver_page_size_other_than_the_tables_is_refused() {
+    // A receiver configured with 8-slot pages over a table of 16-slot pages would land 8 tokens
+    // per page and record 16 as written: slots 8..15 would read the previous owner's KV.
+    let table = OwnershipTable::new(PoolConfig::new(8, 16, 64)).unwrap();
+    let (req, tenant) = (RequestId(1), TenantId(1));
+    let prompt: Vec<u32> = (0..16).collect();
+    table.admit(req, tenant, 16, 0).unwrap();
+    let refs = table.allocate(req, 2).unwrap();
+    let pages: Vec<Vec<u8>> = prompt.chunks(8).map(|c| vec![0x5a; c.len() * SLOT_BYTES as usize]).collect();
+    let header = TransferHeader { request: req, tenant, sender: SenderId(1), page_size: 8, slot_bytes: SLOT_BYTES };
+    let manifest = Manifest::build(header, &prompt, &refs, &pages).unwrap().encode();
+    let expected = ExpectedTransfer::for_prompt(req, tenant, &prompt, &refs, 8, SLOT_BYTES);
+    let mut landed = 0;
+    let err = Receiver::new(&table).accept(&expected, &manifest, &pages, |_, _, _| landed += 1).unwrap_err();
+    assert!(matches!(err, TransferError::TablePageSize { expected: 8, table: 16 }), "{err}");
+    assert_eq!(err.kind(), ViolationKind::TransferPagesMismatch);
+    assert_eq!(landed, 0);
+    for r in &refs {
+        assert_eq!(table.page_info(r.page).unwrap().written_slots, 0, "coverage recorded in {}", r.page);
+    }
+    assert_eq!(table.counters().get(ViolationKind::TransferPagesMismatch), 1);
+}
+
+#[test]
+fn a_receiver_expecting_another_tenant_than_the_table_is_refused() {
+    let f = fixture(10);
+    // Manifest and receiver agree on tenant 4; the table admitted the request for tenant 3.
+    let header = TransferHeader { tenant: TenantId(4), ..f.header() };
+    let manifest = Manifest::build(header, &f.prompt, &f.refs, &f.pages).unwrap().encode();
+    let expected = ExpectedTransfer::for_prompt(f.req, TenantId(4), &f.prompt, &f.refs, PAGE_SIZE, SLOT_BYTES);
+    let mut landed = 0;
+    let err = Receiver::new(&f.table).accept(&expected, &manifest, &f.pages, |_, _, _| landed += 1).unwrap_err();
+    assert!(matches!(err, TransferError::TableTenant { expected: TenantId(4), table: TenantId(3), .. }), "{err}");
+    assert_eq!(err.kind(), ViolationKind::TransferMisrouted);
+    assert_eq!(landed, 0);
+    f.assert_no_coverage();
+    assert_eq!(f.table.counters().get(ViolationKind::TransferMisrouted), 1);
+    let v = f.table.drain_violations();
+    assert_eq!(v.len(), 1);
+    assert_eq!(v[0].tenant(), Some(TenantId(3)), "{}", v[0]);
 }
 
 #[test]

@@ -14,7 +14,7 @@ use crate::config::PoolConfig;
 use crate::error::Error;
 use crate::ids::{Generation, PageId, PageRef, RequestId, TenantId};
 use crate::table::OwnershipTable;
-use crate::transfer::{ExpectedTransfer, Manifest, Receiver, SenderId, TransferHeader};
+use crate::transfer::{ExpectedTransfer, Manifest, Receiver, SenderId, TransferHeader, tokens_in_page};
 use crate::violation::{Op, Violation, ViolationKind};
 use std::collections::VecDeque;
 
@@ -22,8 +22,6 @@ use std::collections::VecDeque;
 pub const DUMMY_TOKEN: u32 = 0;
 /// The prefill node's instance id in manifests.
 const PREFILL_SENDER: SenderId = SenderId(1);
-/// Pages per shadow-mode `claim` call.
-const CLAIM_CHUNK: usize = 256;
 /// Violation lines kept per run for the printout.
 const SAMPLE_VIOLATIONS: usize = 8;
 
@@ -191,18 +189,13 @@ impl Replay<'_> {
         if let Err(e) = t.admit(spec.id, spec.tenant, u64::from(spec.prompt_tokens), u64::from(spec.max_new_tokens)) {
             return Refusal::from_error(e).map(Err);
         }
-        // Claimed in chunks: `claim`'s duplicate check is quadratic in the pages of one call.
-        let mut refs = Vec::with_capacity(pages.len());
-        for chunk in pages.chunks(CLAIM_CHUNK) {
-            match t.claim(spec.id, chunk) {
-                Ok(r) => refs.extend(r),
-                Err(e) => {
-                    t.release(spec.id)?;
-                    return Refusal::from_error(e).map(Err);
-                }
+        match t.claim(spec.id, pages) {
+            Ok(refs) => Ok(Ok(refs)),
+            Err(e) => {
+                t.release(spec.id)?;
+                Refusal::from_error(e).map(Err)
             }
         }
-        Ok(Ok(refs))
     }
 
     /// Prefill writes the prompt's KV (or a dummy's) and sends it into the decode pages.
@@ -242,9 +235,7 @@ impl Replay<'_> {
             }));
         };
         if let Some(t) = &self.prefill.table {
-            for chunk in ppages.chunks(CLAIM_CHUNK) {
-                t.claim(spec.id, chunk)?;
-            }
+            t.claim(spec.id, &ppages)?;
         }
         let ps = self.page_size();
         for (i, &tok) in prefilled.iter().enumerate() {
@@ -277,7 +268,7 @@ impl Replay<'_> {
         let sent: Vec<&[u8]> = ppages
             .iter()
             .enumerate()
-            .map(|(k, &p)| prefill_pool.page_bytes(p, tokens_in_page(tokens, ps, k)))
+            .map(|(k, &p)| prefill_pool.page_bytes(p, tokens_in_page(u64::from(tokens), ps, k)))
             .collect();
         let canary = self.layers.is_some_and(|l| l.canary);
         let decode_pool = &mut self.decode.pool;
@@ -358,12 +349,6 @@ impl Replay<'_> {
         }
         Ok(Ok(()))
     }
-}
-
-/// Tokens in page `k` of a `tokens`-token sequence with `page_size` slots per page.
-fn tokens_in_page(tokens: u32, page_size: u32, k: usize) -> u32 {
-    let start = k as u64 * u64::from(page_size);
-    u64::from(tokens).saturating_sub(start).min(u64::from(page_size)) as u32
 }
 
 /// Attention over the prompt's slots, and the response derived from what they hold.

@@ -12,9 +12,10 @@
 //!   offered, each with its token count and the CRC32 of its bytes.
 //!
 //! The [`Receiver`] accepts a transfer only if every part matches its own copy of the request and
-//! the pages it still holds; otherwise it returns a [`TransferError`], lands nothing, records no
-//! coverage and reports the violation to its [`OwnershipTable`](crate::OwnershipTable). A missing
-//! checksum is a failure, never a pass.
+//! the pages it still holds, which it pins for the transfer's duration so that no other request
+//! can get them while bytes land; otherwise it returns a [`TransferError`], records no coverage
+//! and reports the violation to its [`OwnershipTable`](crate::OwnershipTable). A missing checksum
+//! is a failure, never a pass.
 //!
 //! ```
 //! use kvguard::transfer::{ExpectedTransfer, Manifest, Receiver, SenderId, TransferError, TransferHeader};
@@ -42,4 +43,5 @@ pub mod wire;
 
 pub use digest::PromptDigest;
 pub use receive::{Accepted, ExpectedTransfer, Receiver, TransferError, verify};
+pub(crate) use wire::tokens_in_page;
 pub use wire::{BuildError, DecodeError, Manifest, PageEntry, SenderId, TransferHeader, page_checksum};

@@ -5,7 +5,7 @@ use super::digest::PromptDigest;
 use super::wire::{DecodeError, Manifest, SenderId};
 use crate::error::Error;
 use crate::ids::{PageRef, RequestId, TenantId, grouped};
-use crate::table::{OwnershipTable, PageState};
+use crate::table::OwnershipTable;
 use crate::violation::{Op, Violation, ViolationKind};
 
 /// What the receiver expects of a transfer, from its own copy of the request.
@@ -24,7 +24,8 @@ pub struct ExpectedTransfer<'a> {
     /// The receiving pages, in token order, in the incarnations it offered to the sender: exactly
     /// the ⌈prompt / page size⌉ pages the prompt lands in (pages for generated tokens come later).
     pub pages: &'a [PageRef],
-    /// Token slots per page.
+    /// Token slots per page: the receiving table's page size, or the [`Receiver`] refuses
+    /// ([`TransferError::TablePageSize`]).
     pub page_size: u32,
     /// Bytes per token slot.
     pub slot_bytes: u32,
@@ -60,7 +61,8 @@ impl<'a> ExpectedTransfer<'a> {
     }
 }
 
-/// Why a transfer was refused. Its pages were not written and no coverage was recorded.
+/// Why a transfer was refused. No coverage was recorded, and its pages were not written (but for
+/// [`TransferError::Table`]: the table changed while the bytes landed).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum TransferError {
@@ -142,9 +144,29 @@ pub enum TransferError {
         /// The incarnation the receiver holds.
         current: PageRef,
     },
-    /// The receiver no longer holds a receiving page in the offered incarnation (released, reused).
+    /// The receiver no longer holds a receiving page in the offered incarnation (released,
+    /// reused), or another transfer is still landing in it: the table refused to pin the pages.
     #[error("receiving page no longer held: {0}")]
     NotHeld(Violation),
+    /// The receiver expects another page size than its ownership table has: landing would write
+    /// one page size and record the other as written.
+    #[error("receiver expects pages of {expected} slots, its table has {table}")]
+    TablePageSize {
+        /// The receiver's page size ([`ExpectedTransfer::page_size`]).
+        expected: u32,
+        /// The table's page size.
+        table: u32,
+    },
+    /// The receiver expects the request to be another tenant's than its ownership table says.
+    #[error("receiver expects {request} of {expected}, the table admitted it for {table}")]
+    TableTenant {
+        /// The receiving request.
+        request: RequestId,
+        /// The receiver's tenant ([`ExpectedTransfer::tenant`]).
+        expected: TenantId,
+        /// The tenant the table holds the request's pages for.
+        table: TenantId,
+    },
     /// Fewer or more page buffers than the manifest lists.
     #[error("{found} page buffers received, the manifest lists {expected}")]
     BufferCount {
@@ -194,10 +216,12 @@ impl TransferError {
             TransferError::Decode(_) => ViolationKind::ManifestCorrupt,
             TransferError::WrongRequest { .. }
             | TransferError::WrongTenant { .. }
-            | TransferError::WrongSender { .. } => ViolationKind::TransferMisrouted,
-            TransferError::PageShape { .. } | TransferError::Pages { .. } | TransferError::BufferCount { .. } => {
-                ViolationKind::TransferPagesMismatch
-            }
+            | TransferError::WrongSender { .. }
+            | TransferError::TableTenant { .. } => ViolationKind::TransferMisrouted,
+            TransferError::PageShape { .. }
+            | TransferError::TablePageSize { .. }
+            | TransferError::Pages { .. }
+            | TransferError::BufferCount { .. } => ViolationKind::TransferPagesMismatch,
             TransferError::TokenCount { .. } => ViolationKind::TokenCountMismatch,
             TransferError::PromptDigest { .. } => ViolationKind::PromptDigestMismatch,
             TransferError::Stale { .. } => ViolationKind::StalePage,
@@ -216,7 +240,11 @@ impl TransferError {
         if let TransferError::Table(Error::Violation(v)) = self {
             return v.clone();
         }
-        let v = Violation::new(self.kind(), Op::Import).with_request(expected.request, Some(expected.tenant));
+        let tenant = match *self {
+            TransferError::TableTenant { table, .. } => table,
+            _ => expected.tenant,
+        };
+        let v = Violation::new(self.kind(), Op::Import).with_request(expected.request, Some(tenant));
         match *self {
             TransferError::TokenCount { expected, found } => v.with_amounts(found, expected),
             TransferError::Stale { index, found, current } => v
@@ -335,15 +363,23 @@ impl<'t> Receiver<'t> {
         Receiver { table }
     }
 
-    /// Accepts a transfer only if it is for `expected` in every respect (see [`verify`]) and the
-    /// table still holds every receiving page for `expected.request` in the offered incarnation.
-    /// Then, and only then, `land(index, page, bytes)` is called for each page (the caller copies
-    /// the bytes into its pool) and the pages' coverage is recorded with
-    /// [`OwnershipTable::record_import_refs`].
+    /// Accepts a transfer only if it is for `expected` in every respect (see [`verify`]), the
+    /// receiver's page size is the table's, and the table holds every receiving page for
+    /// `expected.request` (of `expected.tenant`) in the offered incarnation. Then, and only then,
+    /// `land(index, page, bytes)` is called for each page (the caller copies the bytes into its
+    /// pool) and the pages' coverage is recorded.
     ///
-    /// On refusal nothing is landed or recorded and the violation is reported to the table.
-    /// (Should the table change between the checks and the record — another thread releasing the
-    /// request — the bytes land but their coverage is not recorded, so reads of them stay refused.)
+    /// The receiving pages are pinned ([`OwnershipTable::begin_import`]) before anything is
+    /// checked against the manifest, and stay pinned until the coverage is recorded
+    /// ([`OwnershipTable::finish_import`]) or the transfer is refused
+    /// ([`OwnershipTable::abort_import`], also when `land` panics). So if another thread releases
+    /// the request while `land` runs (no lock is held then), its pages leave the request but no
+    /// other request can get them before the transfer is over; the record is then refused and
+    /// records nothing, so a later owner of those pages starts a new incarnation with no slot
+    /// written and cannot read the bytes that landed.
+    ///
+    /// Every refusal records no coverage and is reported to (or counted by) the table. Refusals
+    /// before `land` land nothing; only the final record can be refused after the bytes landed.
     pub fn accept<P: AsRef<[u8]>>(
         &self,
         expected: &ExpectedTransfer<'_>,
@@ -374,9 +410,9 @@ impl<'t> Receiver<'t> {
         expected: &ExpectedTransfer<'_>,
         outcome: Result<Accepted, TransferError>,
     ) -> Result<Accepted, TransferError> {
-        // The table counted its own refusals already.
+        // The table counted its own refusals already (a refused pin is `NotHeld`).
         if let Err(e) = &outcome
-            && !matches!(e, TransferError::Table(_))
+            && !matches!(e, TransferError::Table(_) | TransferError::NotHeld(_))
         {
             self.table.report(e.to_violation(expected));
         }
@@ -390,54 +426,76 @@ impl<'t> Receiver<'t> {
         pages: &[P],
         mut land: impl FnMut(usize, PageRef, &[u8]),
     ) -> Result<Accepted, TransferError> {
-        self.check_held(expected)?;
+        let table_page_size = self.table.page_size();
+        if expected.page_size != table_page_size {
+            return Err(TransferError::TablePageSize { expected: expected.page_size, table: table_page_size });
+        }
+        let pinned = Pinned::begin(self.table, expected.request, expected.pages)?;
+        self.check_tenant(expected)?;
         verify(expected, manifest, pages)?;
         for (index, (&page, bytes)) in expected.pages.iter().zip(pages).enumerate() {
             land(index, page, bytes.as_ref());
         }
-        self.table
-            .record_import_refs(expected.request, expected.pages, manifest.prompt_tokens(), expected.prompt_tokens)
-            .map_err(TransferError::Table)?;
+        pinned.finish(manifest.prompt_tokens(), expected.prompt_tokens).map_err(TransferError::Table)?;
         Ok(Accepted { tokens: manifest.prompt_tokens(), pages: expected.pages.len() })
     }
 
-    /// Every offered page is still `expected.request`'s own, in the offered incarnation.
-    fn check_held(&self, expected: &ExpectedTransfer<'_>) -> Result<(), TransferError> {
+    /// The table holds the receiving request for `expected.tenant`. Called with the pages pinned:
+    /// while the first one is still the request's in the offered incarnation, its tag names the
+    /// tenant of exactly the request the pages were pinned for. Should the request have released
+    /// it meanwhile, there is nothing left to check: recording the import will be refused.
+    fn check_tenant(&self, expected: &ExpectedTransfer<'_>) -> Result<(), TransferError> {
         let req = expected.request;
-        let Some(rec) = self.table.request_info(req) else {
-            return Err(TransferError::NotHeld(
-                Violation::new(ViolationKind::UnknownRequest, Op::Import).with_request(req, Some(expected.tenant)),
-            ));
+        let tenant = match expected.pages.first() {
+            Some(first) => self
+                .table
+                .page_info(first.page)
+                .filter(|info| info.owner == Some(req) && info.generation == first.generation)
+                .and_then(|info| info.tenant),
+            None => self.table.request_info(req).map(|info| info.tenant),
         };
-        for (index, &offered) in expected.pages.iter().enumerate() {
-            let at = |kind| {
-                Violation::new(kind, Op::Import)
-                    .with_request(req, Some(rec.tenant))
-                    .with_page(offered.page, None)
-                    .with_block_index(index as u32)
-            };
-            let Some(info) = self.table.page_info(offered.page) else {
-                return Err(TransferError::NotHeld(at(ViolationKind::PageOutOfRange)));
-            };
-            let at = |kind| at(kind).with_page(offered.page, Some(info.generation));
-            let kind = match info.state {
-                PageState::Owned if info.owner == Some(req) && info.generation == offered.generation => continue,
-                PageState::Owned if info.owner == Some(req) => ViolationKind::StalePage,
-                PageState::Owned | PageState::Shared => ViolationKind::ForeignPage,
-                PageState::Reserved => ViolationKind::ReservedPage,
-                _ => ViolationKind::FreedPage,
-            };
-            let mut v = at(kind);
-            if info.generation != offered.generation {
-                v = v.with_expected_generation(offered.generation);
+        match tenant {
+            Some(table) if table != expected.tenant => {
+                Err(TransferError::TableTenant { request: req, expected: expected.tenant, table })
             }
-            if let (Some(owner), Some(tenant)) = (info.owner, info.tenant)
-                && owner != req
-            {
-                v = v.with_owner(owner, tenant);
-            }
-            return Err(TransferError::NotHeld(v));
+            _ => Ok(()),
         }
-        Ok(())
+    }
+}
+
+/// Receiving pages pinned by [`OwnershipTable::begin_import`]: [`finish`](Pinned::finish) records
+/// and unpins them; dropped unfinished (every refusal after the pin, a panicking `land`), they are
+/// unpinned with [`OwnershipTable::abort_import`].
+struct Pinned<'t, 'a> {
+    table: &'t OwnershipTable,
+    request: RequestId,
+    /// `None` once finished.
+    refs: Option<&'a [PageRef]>,
+}
+
+impl<'t, 'a> Pinned<'t, 'a> {
+    /// Pins `refs` for `request`; a refusal (counted by the table) is [`TransferError::NotHeld`].
+    fn begin(table: &'t OwnershipTable, request: RequestId, refs: &'a [PageRef]) -> Result<Self, TransferError> {
+        match table.begin_import(request, refs) {
+            Ok(()) => Ok(Pinned { table, request, refs: Some(refs) }),
+            Err(Error::Violation(v)) => Err(TransferError::NotHeld(v)),
+            Err(e) => Err(TransferError::Table(e)),
+        }
+    }
+
+    /// Records `tokens` tokens (of `expected`) as written and unpins, whatever the outcome.
+    fn finish(mut self, tokens: u64, expected: u64) -> Result<(), Error> {
+        match self.refs.take() {
+            Some(refs) => self.table.finish_import(self.request, refs, tokens, expected),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Pinned<'_, '_> {
+    fn drop(&mut self) {
+        if let Some(refs) = self.refs.take() {
+            self.table.abort_import(refs);
+        }
     }
 }

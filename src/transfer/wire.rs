@@ -230,10 +230,12 @@ fn read_u64(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(a)
 }
 
-/// Tokens in page `index` of a `tokens`-token transfer with `page_size` slots per page.
-fn tokens_in_page(tokens: u64, page_size: u32, index: usize) -> u64 {
+/// Tokens in page `index` of a `tokens`-token sequence with `page_size` slots per page (0 past
+/// its end): the one place that splits a sequence into pages, for manifests and their senders.
+pub(crate) fn tokens_in_page(tokens: u64, page_size: u32, index: usize) -> u32 {
     let start = (index as u64).saturating_mul(u64::from(page_size));
-    tokens.saturating_sub(start).min(u64::from(page_size))
+    let in_page = tokens.saturating_sub(start).min(u64::from(page_size));
+    u32::try_from(in_page).unwrap_or(page_size) // `in_page <= page_size`, a `u32`: always `Ok`
 }
 
 impl Manifest {
@@ -274,12 +276,11 @@ impl Manifest {
         for (index, (&dest, bytes)) in dest.iter().zip(pages).enumerate() {
             let bytes = bytes.as_ref();
             let page_tokens = tokens_in_page(tokens, page_size, index);
-            let expected = page_tokens * u64::from(slot_bytes);
+            let expected = u64::from(page_tokens) * u64::from(slot_bytes);
             if bytes.len() as u64 != expected {
                 return Err(BuildError::PageLength { index, found: bytes.len(), expected });
             }
-            // `page_tokens <= page_size`, a `u32`.
-            entries.push(PageEntry { dest, tokens: page_tokens as u32, crc32: page_checksum(bytes) });
+            entries.push(PageEntry { dest, tokens: page_tokens, crc32: page_checksum(bytes) });
         }
         Ok(Manifest {
             request,
@@ -415,7 +416,7 @@ impl Manifest {
                 crc32: read_u32(e, 12),
             };
             let want = tokens_in_page(prompt_tokens, page_size, index);
-            if u64::from(entry.tokens) != want {
+            if entry.tokens != want {
                 return Err(DecodeError::Layout {
                     detail: format!("page {index} carries {} tokens, {want} expected", entry.tokens),
                 });

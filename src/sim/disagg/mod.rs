@@ -17,7 +17,7 @@ use crate::error::Error;
 use crate::ids::{PageId, PageRef, RequestId};
 use crate::table::OwnershipTable;
 use crate::transfer::wire::{HEADER_LEN, PAGE_ENTRY_LEN, TRAILER_LEN};
-use crate::transfer::{BuildError, ExpectedTransfer, Manifest, Receiver, SenderId, TransferHeader};
+use crate::transfer::{BuildError, ExpectedTransfer, Manifest, Receiver, SenderId, TransferHeader, tokens_in_page};
 pub use frame::Frame;
 use std::collections::HashMap;
 use std::fmt;
@@ -353,10 +353,7 @@ fn prefill(
     let bytes: Vec<Vec<u8>> = pages
         .iter()
         .enumerate()
-        .map(|(k, &p)| {
-            let in_page = (tokens - (k as u32) * page_size).min(page_size);
-            pool.page_bytes(p, in_page).to_vec()
-        })
+        .map(|(k, &p)| pool.page_bytes(p, tokens_in_page(u64::from(tokens), page_size, k)).to_vec())
         .collect();
     let header = TransferHeader {
         request: spec.id,
