@@ -252,8 +252,19 @@ fn malformed_input_is_a_typed_error_naming_the_line() {
         (with_pool(r#"{"ev":"free","req":1,"pages":null}"#), 2, |k| {
             matches!(k, K::WrongType { found: Found::Null, .. })
         }),
-        (with_pool(&format!(r#"{{"ev":"read","req":1,"tokens":1,"pages":[{}]}}"#, vec!["1"; 65].join(","))), 2, |k| {
-            matches!(k, K::ListTooLong { len: 65, max: 64, .. })
+        (with_pool(&format!(r#"{{"ev":"alloc","req":1,"pages":[{}]}}"#, vec!["1"; 65].join(","))), 2, |k| {
+            matches!(k, K::ListTooLong { field: "pages", len: 65, max: 64, .. })
+        }),
+        (
+            with_pool(&format!(r#"{{"ev":"read","req":1,"tokens":1281,"pages":[{}]}}"#, vec!["1"; 81].join(","))),
+            2,
+            |k| matches!(k, K::ReadTooLong { len: 81, tokens: 1281, max: 80 }),
+        ),
+        (with_pool(r#"{"ev":"write","req":1,"page":1,"slots":[]}"#), 2, |k| {
+            matches!(k, K::SlotsNotPair { len: 0, .. })
+        }),
+        (with_pool(r#"{"ev":"write","req":1,"page":1,"slots":[0,"16"]}"#), 2, |k| {
+            matches!(k, K::WrongType { field: "slots", found: Found::ListOfOther, .. })
         }),
         (br#"{"ev":"pool","pages":0,"page_size":16,"max_context":64}"#.to_vec(), 1, |k| matches!(k, K::InvalidPool(_))),
         (br#"{"ev":"pool","pages":4,"page_size":16,"max_context":64,"reserved":[4]}"#.to_vec(), 1, |k| {
@@ -361,7 +372,8 @@ fn json_verdicts_carry_the_trace_names() {
     assert_eq!(json["owner"], 1);
     assert_eq!(json["owner_tenant"], "acme");
     assert_eq!(json["prefix"], "sys\"v1");
-    assert_eq!(json["slots"], serde_json::Value::Null);
+    // The slots the read would have taken from the foreign page.
+    assert_eq!(json["slots"], serde_json::json!([0, 16]));
     assert!(!found[0].to_string().contains('\n'));
 }
 
@@ -432,4 +444,138 @@ fn a_100k_page_alloc_and_release_replays_in_linear_time() {
     assert_eq!(summary.events, 4);
     // Quadratic checks would take minutes here (5e9 comparisons per event).
     assert!(start.elapsed().as_secs() < 30, "{:?}", start.elapsed());
+}
+
+/// `slots` is a pair whatever the pool's size: in a one-page pool a write of slots `[0,16]` is two
+/// numbers, not "two pages".
+#[test]
+fn slots_are_a_pair_even_in_a_one_page_pool() {
+    let pool = r#"{"ev":"pool","pages":1,"page_size":16,"max_context":16}"#;
+    let clean = [
+        pool,
+        r#"{"ev":"admit","req":1,"tenant":"a","prompt":16,"max_new":0}"#,
+        r#"{"ev":"alloc","req":1,"pages":[0]}"#,
+        r#"{"ev":"write","req":1,"page":0,"slots":[0,16]}"#,
+        r#"{"ev":"read","req":1,"pages":[0],"tokens":16}"#,
+        r#"{"ev":"free","req":1}"#,
+    ]
+    .join("\n");
+    let summary = Replayer::new().replay(clean.as_bytes(), |v| panic!("{v}")).unwrap();
+    assert_eq!((summary.events, summary.violations), (6, 0));
+
+    let after_pool = |line: &str| {
+        let text = format!("{pool}\n{}\n{line}\n", r#"{"ev":"admit","req":1,"tenant":"a","prompt":16,"max_new":0}"#);
+        Replayer::new().replay(text.as_bytes(), |_| Ok(())).map(|s| s.violations)
+    };
+    let long = format!(r#"{{"ev":"write","req":1,"page":0,"slots":[{}]}}"#, vec!["1"; 5000].join(","));
+    for (line, len) in [(r#"{"ev":"write","req":1,"page":0,"slots":[3]}"#, 1), (&long[..], 5000)] {
+        let err = after_pool(line).unwrap_err();
+        assert!(matches!(err.kind(), ReplayErrorKind::SlotsNotPair { len: l, .. } if *l == len), "{err}");
+        assert_eq!(err.line(), 3);
+    }
+    // Page lists keep the pool's cap.
+    let err = after_pool(r#"{"ev":"alloc","req":1,"pages":[0,0]}"#).unwrap_err();
+    assert!(matches!(err.kind(), ReplayErrorKind::ListTooLong { len: 2, max: 1, .. }), "{err}");
+    // A write past the page is the table's verdict, not malformed input.
+    assert_eq!(after_pool(r#"{"ev":"write","req":1,"page":0,"slots":[0,17]}"#).unwrap(), 1);
+}
+
+/// Engines pad block tables (with the null page, up to the model's max blocks per sequence);
+/// a read reads only the entries its tokens cover, so a padded table longer than the pool is
+/// judged on those, exactly as the table judges the whole list.
+#[test]
+fn padded_block_tables_are_judged_on_the_entries_read() {
+    // 64 pages of 16, max context 256: a replay keeps 64 + 16 entries of a read.
+    let padded = |head: &[u32], len: usize, tokens: u64| {
+        let mut pages: Vec<u32> = head.to_vec();
+        pages.resize(len, 0);
+        let list = pages.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+        (format!(r#"{{"ev":"read","req":1,"pages":[{list}],"tokens":{tokens}}}"#), pages)
+    };
+    let setup = [
+        r#"{"ev":"admit","req":1,"tenant":"acme","prompt":20,"max_new":8}"#,
+        r#"{"ev":"alloc","req":1,"pages":[3,4]}"#,
+        r#"{"ev":"write","req":1,"page":3,"slots":[0,16]}"#,
+        r#"{"ev":"write","req":1,"page":4,"slots":[0,16]}"#,
+    ];
+    let cases: Vec<(usize, u64, Option<ViolationKind>)> = vec![
+        (16, 20, None),                                        // padded to max blocks per sequence
+        (80, 20, None),                                        // all a replay keeps
+        (81, 20, None),                                        // longer: the padding is never read
+        (100_000, 20, None),                                   // far longer
+        (100_000, 33, Some(ViolationKind::ReservedPage)),      // the count runs into the null page
+        (100_000, 80 * 16, Some(ViolationKind::ReservedPage)), // the last entry kept
+    ];
+    for (len, tokens, want) in cases {
+        let (line, pages) = padded(&[3, 4], len, tokens);
+        let mut lines = setup.to_vec();
+        lines.push(&line);
+        let found = run(&lines).unwrap_or_else(|e| panic!("{len} entries, {tokens} tokens: {e}"));
+        assert_eq!(found.first().map(|v| v.kind()), want, "{len} entries, {tokens} tokens");
+        // The same read handed whole to the table (the typed API keeps no cap on reads).
+        let mut r = Replayer::new();
+        r.feed_line(POOL.as_bytes()).unwrap();
+        for l in &setup {
+            assert!(r.feed_line(l.as_bytes()).unwrap().is_none());
+        }
+        let read = Event::Read { req: RequestId(1), pages: pages.iter().map(|&p| PageId(p)).collect(), tokens };
+        let direct = r.apply(&read).unwrap();
+        assert_eq!(found.first().map(|v| v.violation()), direct.as_ref().map(|v| v.violation()));
+    }
+    // Tokens past the entries kept: malformed, since the replay no longer has those entries.
+    let (line, _) = padded(&[3, 4], 100_000, 80 * 16 + 1);
+    let err = run(&[setup[0], setup[1], &line]).unwrap_err();
+    assert!(matches!(err.kind(), ReplayErrorKind::ReadTooLong { len: 100_000, max: 80, .. }), "{err}");
+    assert_eq!(err.line(), 4);
+    // A short block table is still the table's verdict.
+    assert_eq!(
+        kinds(&[setup[0], r#"{"ev":"read","req":1,"pages":[3],"tokens":20}"#]),
+        vec![(3, ViolationKind::BlockTableTooShort)]
+    );
+}
+
+/// A `fork` onto a live child is the parent's call: reported against the parent, naming the
+/// live child (which keeps its pages and its tenant).
+#[test]
+fn fork_onto_a_live_child_is_reported_against_the_parent() {
+    let found = run(&[
+        r#"{"ev":"admit","req":1,"tenant":"acme","prompt":16,"max_new":16}"#,
+        r#"{"ev":"alloc","req":1,"pages":[7]}"#,
+        r#"{"ev":"admit","req":2,"tenant":"globex","prompt":16,"max_new":0}"#,
+        r#"{"ev":"alloc","req":2,"pages":[8]}"#,
+        r#"{"ev":"write","req":2,"page":8,"slots":[0,16]}"#,
+        r#"{"ev":"fork","req":1,"child":2}"#,
+        r#"{"ev":"read","req":2,"pages":[8],"tokens":16}"#,
+    ])
+    .unwrap();
+    assert_eq!(found.len(), 1, "{found:?}");
+    let v = &found[0];
+    assert_eq!((v.line(), v.kind(), v.request(), v.owner()), (7, ViolationKind::DuplicateRequest, Some(1), Some(2)));
+    assert_eq!((v.tenant(), v.owner_tenant()), (Some("acme"), Some("globex")));
+    let text = v.to_string();
+    assert!(text.contains("in fork by req 1 (tenant \"acme\"), child req 2 (tenant \"globex\") is live"), "{text}");
+}
+
+/// After a fork the parent's pages are shared with the child: neither may free them page by page
+/// (`page_shared`, nothing released); they go when both have ended.
+#[test]
+fn freeing_forked_pages_page_by_page_is_page_shared() {
+    assert_eq!(
+        kinds(&[
+            r#"{"ev":"admit","req":1,"tenant":"a","prompt":32,"max_new":16}"#,
+            r#"{"ev":"alloc","req":1,"pages":[7,8]}"#,
+            r#"{"ev":"write","req":1,"page":7,"slots":[0,16]}"#,
+            r#"{"ev":"write","req":1,"page":8,"slots":[0,16]}"#,
+            r#"{"ev":"fork","req":1,"child":2}"#,
+            r#"{"ev":"free","req":1,"pages":[7]}"#, // 7 page_shared: the parent
+            r#"{"ev":"free","req":2,"pages":[7]}"#, // 8 page_shared: the child
+            r#"{"ev":"alloc","req":1,"pages":[9]}"#,
+            r#"{"ev":"free","req":1,"pages":[9]}"#, // its own page after the fork: fine
+            r#"{"ev":"free","req":1}"#,
+            r#"{"ev":"read","req":2,"pages":[7,8],"tokens":32}"#,
+            r#"{"ev":"free","req":2}"#,
+            r#"{"ev":"read","req":2,"pages":[7],"tokens":16}"#, // 14 unknown_request
+        ]),
+        vec![(7, ViolationKind::PageShared), (8, ViolationKind::PageShared), (14, ViolationKind::UnknownRequest)]
+    );
 }

@@ -1,11 +1,14 @@
 //! The `kvguard` command line: replay an engine's ownership trace, audit pool sizes.
 //!
-//! A thin layer over [`kvguard::trace::Replayer`] and the pool audit; exit status 0 means clean,
-//! 1 means violations (or a pool that fails the audit), 2 means the input or the command line
-//! was unusable.
+//! A thin layer over [`kvguard::trace::Replayer`] and [`kvguard::PoolConfig::audit`]; exit status 0
+//! means clean, 1 means violations (or a pool that fails the audit), 2 means the input or the
+//! command line was unusable.
 
 use clap::{Args, Parser, Subcommand};
+use kvguard::config::{MAX_PAGE_SIZE, MAX_PAGES};
+use kvguard::ids::grouped;
 use kvguard::trace::{ReplayErrorKind, ReplayOptions, Replayer};
+use kvguard::{ConfigError, PageId, PoolConfig};
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, BufWriter, Write};
 use std::path::PathBuf;
@@ -34,11 +37,13 @@ The trace format (v1) is in docs/trace-format.md: one JSON object per line, e.g.
 
 const AUDIT_HELP: &str = "\
 For each pool, TOKENS is floored to whole pages of --page-size (1000 tokens of 64-token
-pages are 15 pages, 960 tokens); the pool passes when those pages, less --reserved-pages, hold
-one request of --max-context tokens.
+pages are 15 pages, 960 tokens); the pool passes when the ownership table can track it (1 to
+67,108,864 pages, page size 1 to 65,536, at most 2^34 token slots) and those pages, less
+--reserved-pages, hold one request of --max-context tokens: the check kvguard::PoolConfig::audit
+makes at start-up.
 
-Exit status: 0 every pool holds one max-context request, 1 at least one does not (the message
-names the tokens the pool holds and the max context), 2 a usage error.
+Exit status: 0 every pool passes, 1 at least one does not (its line names the pool, the tokens
+it holds and the max context, or why the table refuses it), 2 a usage error.
 
 Example (a 1M-context model whose prefill pool is too small):
   kvguard audit --max-context 1048576 --page-size 64 --pool prefill=681280 --pool decode=2040000
@@ -183,49 +188,81 @@ fn replay(args: &ReplayArgs) -> ExitCode {
     if summary.violations == 0 { ExitCode::SUCCESS } else { ExitCode::from(1) }
 }
 
-/// Thousands separators for numbers people read.
-fn grouped(n: u64) -> String {
-    let digits = n.to_string();
-    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
+/// Why a pool fails the audit.
+#[derive(Debug, thiserror::Error)]
+enum PoolRefusal {
+    /// The table refuses the pool, or it cannot hold one max-context request.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A page size beyond `u32`: no pool config can carry it.
+    #[error("page size {0} is not in 1..={MAX_PAGE_SIZE}")]
+    PageSize(u64),
+    /// More pages than `u32` counts: no pool config can carry them.
+    #[error("the pool has {} pages, more than the {} kvguard tracks", grouped(*.0), grouped(u64::from(MAX_PAGES)))]
+    TooManyPages(u64),
+}
+
+/// The pool of `tokens` floored to whole pages, pages `0..reserved` never allocated, as the
+/// ownership table would be built for it; audited.
+fn pool_config(tokens: u64, page_size: u64, max_context: u64, reserved: u64) -> Result<PoolConfig, PoolRefusal> {
+    let size = u32::try_from(page_size).map_err(|_| PoolRefusal::PageSize(page_size))?;
+    let pages = tokens / page_size;
+    let num_pages = u32::try_from(pages).map_err(|_| PoolRefusal::TooManyPages(pages))?;
+    let config = PoolConfig::new(num_pages, size, max_context);
+    config.validate()?;
+    // More reserved pages than the pool has: the first beyond it is out of range.
+    let reserved = reserved.min(u64::from(num_pages) + 1);
+    let reserved = u32::try_from(reserved).expect("validate: num_pages <= MAX_PAGES, so num_pages + 1 fits u32");
+    let config = config.with_reserved((0..reserved).map(PageId));
+    config.audit()?;
+    Ok(config)
 }
 
 fn audit(args: &AuditArgs) -> ExitCode {
     let mut failed = false;
     let mut out = io::stdout().lock();
+    let (ps, max_s) = (args.page_size, grouped(args.max_context));
     for (name, tokens) in &args.pools {
-        let pages = tokens / args.page_size;
-        let allocatable = pages.saturating_sub(args.reserved_pages);
-        let holds = u128::from(allocatable) * u128::from(args.page_size);
-        let holds = u64::try_from(holds).unwrap_or(u64::MAX);
-        let fits = holds >= args.max_context;
-        failed |= !fits;
-        let (pages_s, ps, holds_s, max_s) =
-            (grouped(allocatable), args.page_size, grouped(holds), grouped(args.max_context));
-        let floored = if pages * args.page_size != *tokens {
+        let outcome = pool_config(*tokens, ps, args.max_context, args.reserved_pages);
+        failed |= outcome.is_err();
+        // Allocatable pages and the tokens they hold, for a pool the table can track.
+        let held = match &outcome {
+            Ok(config) => Some((config.allocatable_pages(), config.capacity_tokens())),
+            Err(PoolRefusal::Config(ConfigError::PoolTooSmall { allocatable_pages, capacity_tokens, .. })) => {
+                Some((*allocatable_pages, *capacity_tokens))
+            }
+            Err(_) => None,
+        };
+        let page_size_refused =
+            matches!(outcome, Err(PoolRefusal::PageSize(_) | PoolRefusal::Config(ConfigError::PageSize { .. })));
+        let floored = if !page_size_refused && (tokens / ps) * ps != *tokens {
             format!(" ({} tokens floored to whole pages)", grouped(*tokens))
         } else {
             String::new()
         };
         let line = if args.json {
             serde_json::json!({
-                "pool": name, "tokens": tokens, "pages": allocatable, "page_size": args.page_size,
-                "capacity_tokens": holds, "max_context": args.max_context, "fits": fits,
+                "pool": name, "tokens": tokens, "pages": held.map(|h| h.0), "page_size": ps,
+                "capacity_tokens": held.map(|h| h.1), "max_context": args.max_context, "fits": outcome.is_ok(),
+                "error": outcome.as_ref().err().map(ToString::to_string),
             })
             .to_string()
-        } else if fits {
-            format!("{name}: ok: {pages_s} pages x {ps} tokens hold {holds_s} tokens >= max context {max_s}{floored}")
         } else {
-            format!(
-                "{name}: FAIL: {pages_s} pages x {ps} tokens hold {holds_s} tokens, \
-                 but one max-context request needs {max_s} tokens{floored}"
-            )
+            match (&outcome, held) {
+                (Ok(_), Some((pages, holds))) => format!(
+                    "{name}: ok: {} pages x {ps} tokens hold {} tokens >= max context {max_s}{floored}",
+                    grouped(u64::from(pages)),
+                    grouped(holds)
+                ),
+                (Err(_), Some((pages, holds))) => format!(
+                    "{name}: FAIL: {} pages x {ps} tokens hold {} tokens, \
+                     but one max-context request needs {max_s} tokens{floored}",
+                    grouped(u64::from(pages)),
+                    grouped(holds)
+                ),
+                (Err(e), None) => format!("{name}: FAIL: {e}{floored}"),
+                (Ok(_), None) => unreachable!("an audited pool has its numbers"),
+            }
         };
         if writeln!(out, "{line}").is_err() {
             return ExitCode::from(2);

@@ -93,7 +93,7 @@ pub enum ReplayErrorKind {
     /// A field appears twice in one object.
     #[error("field {0:?} appears twice")]
     DuplicateField(&'static str),
-    /// `slots` is not a pair `[a,b]`.
+    /// `slots` is not a pair `[a,b]` (a list of unsigned integers of another length).
     #[error("{ev}: field \"slots\" must be a pair [a,b], found {len} numbers")]
     SlotsNotPair {
         /// The event.
@@ -101,7 +101,8 @@ pub enum ReplayErrorKind {
         /// How many numbers it had.
         len: u64,
     },
-    /// A page list with more entries than the pool has pages (no valid event names a page twice).
+    /// A page list (other than a `read`'s) with more entries than the pool has pages: no valid
+    /// event names a page twice.
     #[error("{ev}: field {field:?} lists {len} pages, more than the pool's {max}")]
     ListTooLong {
         /// The event.
@@ -111,6 +112,20 @@ pub enum ReplayErrorKind {
         /// Entries in the list.
         len: u64,
         /// The pool's page count (or the replayer's page limit before the pool).
+        max: u64,
+    },
+    /// A `read` whose block table is longer than a replay keeps (the pool's pages plus one
+    /// max-context block table of padding) and whose `tokens` run past the entries kept.
+    #[error(
+        "read: field \"pages\" lists {len} pages and {tokens} tokens run past the first {max}, \
+         all a replay keeps of a block table (the pool's pages plus one max-context block table)"
+    )]
+    ReadTooLong {
+        /// Entries in the list.
+        len: u64,
+        /// The read's `tokens`.
+        tokens: u64,
+        /// Entries kept.
         max: u64,
     },
     /// An event before the `pool` event.

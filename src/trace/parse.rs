@@ -79,6 +79,35 @@ enum Value<'de> {
     Other(Found),
 }
 
+/// How long the lists of one line may be, and how many of their elements the parser keeps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ListCaps {
+    /// `pages` of every event but `read`, and `reserved`: a valid event names each page at most
+    /// once, so a longer list is malformed (the pool's page count).
+    pub pages: u64,
+    /// `read.pages`: the elements kept. A longer block table (padding) is judged on these when
+    /// its `tokens` lie within them; one whose tokens need more is malformed.
+    pub read: u64,
+    /// Tokens per page, to tell which entries a read covers; 0 keeps no padding (a `read` list
+    /// longer than `read` is then refused like any other).
+    pub page_size: u64,
+}
+
+impl ListCaps {
+    /// Lists of at most `pages` elements, no padding kept (before the pool, or outside a replay).
+    pub fn strict(pages: u64) -> ListCaps {
+        ListCaps { pages, read: pages, page_size: 0 }
+    }
+
+    /// Elements of a `pages` list kept while parsing, before the event is known.
+    fn keep(&self) -> u64 {
+        self.pages.max(self.read)
+    }
+}
+
+/// `slots` is a pair: the parser keeps at most this many of its elements (and counts the rest).
+const SLOTS_KEPT: u64 = 2;
+
 /// Reused buffers for the three list fields.
 #[derive(Default, Debug)]
 pub(crate) struct ListBuffers {
@@ -93,24 +122,25 @@ pub(crate) struct RawEvent<'de> {
     duplicate: Option<Field>,
 }
 
-/// Parses one line (no newline) into `bufs`; lists keep at most `cap` elements.
+/// Parses one line (no newline) into `bufs`; page lists keep at most [`ListCaps::keep`] elements,
+/// `slots` at most two.
 pub(crate) fn parse_line<'de>(
     line: &'de [u8],
     bufs: &mut ListBuffers,
-    cap: u64,
+    caps: ListCaps,
 ) -> Result<RawEvent<'de>, ReplayErrorKind> {
     bufs.pages.clear();
     bufs.slots.clear();
     bufs.reserved.clear();
     let mut de = serde_json::Deserializer::from_slice(line);
-    let raw = de::Deserializer::deserialize_map(&mut de, EventVisitor { bufs, cap }).map_err(ReplayErrorKind::Json)?;
+    let raw = de::Deserializer::deserialize_map(&mut de, EventVisitor { bufs, caps }).map_err(ReplayErrorKind::Json)?;
     de.end().map_err(ReplayErrorKind::Json)?;
     Ok(raw)
 }
 
 struct EventVisitor<'b> {
     bufs: &'b mut ListBuffers,
-    cap: u64,
+    caps: ListCaps,
 }
 
 impl<'de> Visitor<'de> for EventVisitor<'_> {
@@ -130,13 +160,13 @@ impl<'de> Visitor<'de> for EventVisitor<'_> {
                 map.next_value::<IgnoredAny>()?;
                 continue;
             }
-            let list = match field {
-                Field::Pages => Some(&mut self.bufs.pages),
-                Field::Slots => Some(&mut self.bufs.slots),
-                Field::Reserved => Some(&mut self.bufs.reserved),
-                _ => None,
+            let (list, cap) = match field {
+                Field::Pages => (Some(&mut self.bufs.pages), self.caps.keep()),
+                Field::Slots => (Some(&mut self.bufs.slots), SLOTS_KEPT),
+                Field::Reserved => (Some(&mut self.bufs.reserved), self.caps.pages),
+                _ => (None, 0),
             };
-            let value = map.next_value_seed(ValueSeed { list, cap: self.cap })?;
+            let value = map.next_value_seed(ValueSeed { list, cap })?;
             raw.values[field as usize] = Some(value);
         }
         Ok(raw)
@@ -287,14 +317,22 @@ impl<'de> RawEvent<'de> {
         }
     }
 
-    /// Checks the fields `kind` needs and builds the event; page lists longer than `cap` (the
-    /// pool's page count) are refused. `ids` is a reused buffer for the page list.
+    /// Elements in list field `f` as the line wrote it (0 when it is no list).
+    fn list_len(&self, f: Field) -> u64 {
+        match self.value(f) {
+            Some(Value::List { len, .. }) => *len,
+            _ => 0,
+        }
+    }
+
+    /// Checks the fields `kind` needs and builds the event; page lists longer than `caps` allow
+    /// are refused. `ids` is a reused buffer for the page list.
     pub fn event<'a>(
         &'a self,
         kind: EventKind,
         bufs: &'a ListBuffers,
         ids: &'a mut Vec<PageId>,
-        cap: u64,
+        caps: ListCaps,
     ) -> Result<Parsed<'a>, ReplayErrorKind> {
         let ev = kind.as_str();
         if let Some(f) = self.duplicate {
@@ -317,13 +355,20 @@ impl<'de> RawEvent<'de> {
             Some(v) => Err(wrong(field, "a string", v)),
             None => Err(missing(field)),
         };
-        let list = |field: Field, buf: &'a [u64]| match self.value(field) {
-            Some(Value::List { len, bad: false }) if *len > cap => {
-                Err(ReplayErrorKind::ListTooLong { ev, field: field.name(), len: *len, max: cap })
-            }
+        // A list of unsigned integers, any length: the elements kept.
+        let any_list = |field: Field, buf: &'a [u64]| match self.value(field) {
             Some(Value::List { bad: false, .. }) => Ok(buf),
             Some(v) => Err(wrong(field, "a list of unsigned integers", v)),
             None => Err(missing(field)),
+        };
+        // A page list of at most `caps.pages` elements.
+        let list = |field: Field, buf: &'a [u64]| {
+            let buf = any_list(field, buf)?;
+            let len = self.list_len(field);
+            if len > caps.pages {
+                return Err(ReplayErrorKind::ListTooLong { ev, field: field.name(), len, max: caps.pages });
+            }
+            Ok(buf)
         };
         let mut wide_page = None;
         let mut pages = |src: &[u64], ids: &'a mut Vec<PageId>| -> Cow<'a, [PageId]> {
@@ -366,22 +411,38 @@ impl<'de> RawEvent<'de> {
                 if page > u64::from(u32::MAX) {
                     wide_page = Some(page);
                 }
-                let slots = list(Field::Slots, &bufs.slots)?;
-                let &[a, b] = slots else {
-                    let len = match self.value(Field::Slots) {
-                        Some(Value::List { len, .. }) => *len,
-                        _ => 0,
-                    };
+                let slots = match self.value(Field::Slots) {
+                    Some(Value::List { bad: false, .. }) => &bufs.slots[..],
+                    Some(v) => return Err(wrong(Field::Slots, "a pair [a,b] of unsigned integers", v)),
+                    None => return Err(missing(Field::Slots)),
+                };
+                let len = self.list_len(Field::Slots);
+                let (SLOTS_KEPT, &[a, b]) = (len, slots) else {
                     return Err(ReplayErrorKind::SlotsNotPair { ev, len });
                 };
                 let slot = |v: u64| u32::try_from(v).unwrap_or(u32::MAX);
                 Event::Write { req, page: page_id(page), slots: [slot(a), slot(b)] }
             }
-            EventKind::Read => Event::Read {
-                req: req()?,
-                pages: pages(list(Field::Pages, &bufs.pages)?, ids),
-                tokens: uint(Field::Tokens)?,
-            },
+            EventKind::Read => {
+                let req = req()?;
+                let kept = any_list(Field::Pages, &bufs.pages)?;
+                let tokens = uint(Field::Tokens)?;
+                let len = self.list_len(Field::Pages);
+                // Padding past the kept entries is never read: judge the read on those, unless its
+                // tokens run past them.
+                if len > caps.read {
+                    let max = caps.read;
+                    match caps.page_size {
+                        0 => return Err(ReplayErrorKind::ListTooLong { ev, field: Field::Pages.name(), len, max }),
+                        ps if tokens.div_ceil(ps) > max => {
+                            return Err(ReplayErrorKind::ReadTooLong { len, tokens, max });
+                        }
+                        _ => {}
+                    }
+                }
+                let kept = &kept[..kept.len().min(usize::try_from(caps.read).unwrap_or(usize::MAX))];
+                Event::Read { req, pages: pages(kept, ids), tokens }
+            }
             EventKind::Free => {
                 let req = req()?;
                 match self.value(Field::Pages) {
@@ -408,16 +469,16 @@ impl<'de> RawEvent<'de> {
     }
 }
 
-/// A single line read with the format's rules, outside a replay (no pool, so page lists are
-/// capped at [`MAX_PAGES`](crate::config::MAX_PAGES)).
+/// A single line read with the format's rules, outside a replay (no pool, so page lists, a
+/// `read`'s included, are capped at [`MAX_PAGES`](crate::config::MAX_PAGES) and kept whole).
 impl<'de> de::Deserialize<'de> for Event<'static> {
     fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Event<'static>, D::Error> {
-        let cap = u64::from(crate::config::MAX_PAGES);
+        let caps = ListCaps::strict(u64::from(crate::config::MAX_PAGES));
         let mut bufs = ListBuffers::default();
-        let raw = d.deserialize_map(EventVisitor { bufs: &mut bufs, cap })?;
+        let raw = d.deserialize_map(EventVisitor { bufs: &mut bufs, caps })?;
         let kind = raw.kind().map_err(de::Error::custom)?;
         let mut ids = Vec::new();
-        let parsed = raw.event(kind, &bufs, &mut ids, cap).map_err(de::Error::custom)?;
+        let parsed = raw.event(kind, &bufs, &mut ids, caps).map_err(de::Error::custom)?;
         Ok(parsed.event.into_owned())
     }
 }
@@ -429,9 +490,9 @@ mod tests {
     fn parse(line: &str) -> Result<Event<'static>, ReplayErrorKind> {
         let mut bufs = ListBuffers::default();
         let mut ids = Vec::new();
-        let raw = parse_line(line.as_bytes(), &mut bufs, 1000)?;
+        let raw = parse_line(line.as_bytes(), &mut bufs, ListCaps::strict(1000))?;
         let kind = raw.kind()?;
-        let parsed = raw.event(kind, &bufs, &mut ids, 1000)?;
+        let parsed = raw.event(kind, &bufs, &mut ids, ListCaps::strict(1000))?;
         Ok(parsed.event.into_owned())
     }
 
@@ -482,7 +543,7 @@ mod tests {
         ));
         let mut bufs = ListBuffers::default();
         assert!(matches!(
-            parse_line(b"{\"ev\":\"evict\",\"key\":\"\xff\"}", &mut bufs, 8),
+            parse_line(b"{\"ev\":\"evict\",\"key\":\"\xff\"}", &mut bufs, ListCaps::strict(8)),
             Err(ReplayErrorKind::Json(_))
         ));
     }
@@ -491,12 +552,62 @@ mod tests {
     fn long_lists_are_refused_without_keeping_them() {
         let line = format!(r#"{{"ev":"alloc","req":1,"pages":[{}]}}"#, vec!["7"; 5000].join(","));
         let mut bufs = ListBuffers::default();
-        let raw = parse_line(line.as_bytes(), &mut bufs, 100).unwrap();
+        let raw = parse_line(line.as_bytes(), &mut bufs, ListCaps::strict(100)).unwrap();
         assert_eq!(bufs.pages.len(), 100);
         let mut ids = Vec::new();
         assert!(matches!(
-            raw.event(EventKind::Alloc, &bufs, &mut ids, 100),
+            raw.event(EventKind::Alloc, &bufs, &mut ids, ListCaps::strict(100)),
             Err(ReplayErrorKind::ListTooLong { len: 5000, max: 100, .. })
+        ));
+    }
+
+    #[test]
+    fn slots_have_their_own_cap_whatever_the_pool() {
+        let caps = ListCaps::strict(1);
+        let mut bufs = ListBuffers::default();
+        let mut ids = Vec::new();
+        let raw = parse_line(br#"{"ev":"write","req":1,"page":0,"slots":[0,16]}"#, &mut bufs, caps).unwrap();
+        let parsed = raw.event(EventKind::Write, &bufs, &mut ids, caps).unwrap();
+        assert_eq!(parsed.event, Event::Write { req: RequestId(1), page: PageId(0), slots: [0, 16] });
+        let line = format!(r#"{{"ev":"write","req":1,"page":0,"slots":[{}]}}"#, vec!["1"; 300].join(","));
+        let raw = parse_line(line.as_bytes(), &mut bufs, caps).unwrap();
+        assert_eq!(bufs.slots.len(), 2);
+        assert!(matches!(
+            raw.event(EventKind::Write, &bufs, &mut ids, caps),
+            Err(ReplayErrorKind::SlotsNotPair { len: 300, .. })
+        ));
+    }
+
+    #[test]
+    fn read_padding_is_kept_up_to_the_read_cap() {
+        let caps = ListCaps { pages: 4, read: 6, page_size: 16 };
+        let mut bufs = ListBuffers::default();
+        let mut ids = Vec::new();
+        let line =
+            |tokens: u64| format!(r#"{{"ev":"read","req":1,"pages":[1,2{}],"tokens":{tokens}}}"#, ",0".repeat(98));
+        let text = line(96);
+        let raw = parse_line(text.as_bytes(), &mut bufs, caps).unwrap();
+        assert_eq!(bufs.pages.len(), 6);
+        let parsed = raw.event(EventKind::Read, &bufs, &mut ids, caps).unwrap();
+        assert!(matches!(parsed.event, Event::Read { ref pages, tokens: 96, .. } if pages.len() == 6));
+        let text = line(97);
+        let raw = parse_line(text.as_bytes(), &mut bufs, caps).unwrap();
+        assert!(matches!(
+            raw.event(EventKind::Read, &bufs, &mut ids, caps),
+            Err(ReplayErrorKind::ReadTooLong { len: 100, tokens: 97, max: 6 })
+        ));
+        // Other page lists keep the pool's cap.
+        let raw = parse_line(br#"{"ev":"alloc","req":1,"pages":[1,2,3,4,5]}"#, &mut bufs, caps).unwrap();
+        assert!(matches!(
+            raw.event(EventKind::Alloc, &bufs, &mut ids, caps),
+            Err(ReplayErrorKind::ListTooLong { len: 5, max: 4, .. })
+        ));
+        // Outside a replay (no page size) a long read is refused whole.
+        let caps = ListCaps::strict(4);
+        let raw = parse_line(br#"{"ev":"read","req":1,"pages":[1,2,3,4,5],"tokens":1}"#, &mut bufs, caps).unwrap();
+        assert!(matches!(
+            raw.event(EventKind::Read, &bufs, &mut ids, caps),
+            Err(ReplayErrorKind::ListTooLong { len: 5, max: 4, .. })
         ));
     }
 
@@ -504,8 +615,9 @@ mod tests {
     fn wide_page_ids_are_kept_for_the_report() {
         let mut bufs = ListBuffers::default();
         let mut ids = Vec::new();
-        let raw = parse_line(br#"{"ev":"read","req":1,"pages":[2,5000000000],"tokens":3}"#, &mut bufs, 10).unwrap();
-        let parsed = raw.event(EventKind::Read, &bufs, &mut ids, 10).unwrap();
+        let caps = ListCaps::strict(10);
+        let raw = parse_line(br#"{"ev":"read","req":1,"pages":[2,5000000000],"tokens":3}"#, &mut bufs, caps).unwrap();
+        let parsed = raw.event(EventKind::Read, &bufs, &mut ids, caps).unwrap();
         assert_eq!(parsed.wide_page, Some(5_000_000_000));
         assert!(matches!(parsed.event, Event::Read { ref pages, .. } if pages[1] == PageId(u32::MAX)));
     }

@@ -3,7 +3,7 @@
 use super::error::{ReplayError, ReplayErrorKind};
 use super::event::{Event, EventKind};
 use super::names::{KeyEntry, Keys, Live, Tenants};
-use super::parse::{ListBuffers, parse_line};
+use super::parse::{ListBuffers, ListCaps, parse_line};
 use super::verdict::ReplayViolation;
 use crate::config::{ConfigError, MAX_PAGES, PoolConfig};
 use crate::error::Error;
@@ -25,7 +25,7 @@ use std::io::{self, BufRead, Read};
 pub struct ReplayOptions {
     /// The longest line, in bytes (default 16 MiB): a longer one is unusable input.
     pub max_line_bytes: usize,
-    /// The largest pool, in pages (default and most: [`MAX_PAGES`]). The table costs about 38
+    /// The largest pool, in pages (default and most: [`MAX_PAGES`]). The table costs at most 44
     /// bytes per page plus one bit per slot; lower this where memory is tight.
     pub max_pool_pages: u32,
 }
@@ -185,11 +185,11 @@ impl Replayer {
         if text.is_empty() || text[0] == b'#' {
             return Ok(None);
         }
-        let cap = self.page_cap();
-        let raw = parse_line(text, &mut self.lists, cap).map_err(at)?;
+        let caps = self.list_caps();
+        let raw = parse_line(text, &mut self.lists, caps).map_err(at)?;
         let kind = raw.kind().map_err(at)?;
         self.check_order(kind).map_err(at)?;
-        let parsed = raw.event(kind, &self.lists, &mut self.ids, cap).map_err(at)?;
+        let parsed = raw.event(kind, &self.lists, &mut self.ids, caps).map_err(at)?;
         let outcome = self.state.judge(&parsed.event, line_no);
         self.events += 1;
         let found = outcome.map_err(at)?;
@@ -201,13 +201,14 @@ impl Replayer {
     }
 
     /// Replays one event, counted as the next line (for engines that judge events in process
-    /// rather than through a file).
+    /// rather than through a file). Page lists are refused as in a file, except a `read`'s: it is
+    /// in the caller's memory already, and the table judges it whole.
     pub fn apply(&mut self, event: &Event<'_>) -> Result<Option<ReplayViolation>, ReplayError> {
         self.line += 1;
         let line_no = self.line;
         let at = |kind| ReplayError::new(line_no, kind);
         self.check_order(event.kind()).map_err(at)?;
-        let cap = self.page_cap();
+        let cap = self.list_caps().pages;
         for (field, len) in page_lists(event) {
             if len as u64 > cap {
                 let ev = event.kind().as_str();
@@ -223,10 +224,18 @@ impl Replayer {
         Ok(found)
     }
 
-    fn page_cap(&self) -> u64 {
+    /// List lengths for the next line: page lists up to the pool's page count; a `read`'s block
+    /// table up to that plus one max-context block table of padding (memory stays bounded by the
+    /// pool and the model, not by the input).
+    fn list_caps(&self) -> ListCaps {
         match &self.state.table {
-            Some(t) => u64::from(t.config().num_pages),
-            None => u64::from(self.state.options.max_pool_pages),
+            Some(t) => {
+                let config = t.config();
+                let pages = u64::from(config.num_pages);
+                let padding = config.pages_for_tokens(config.max_context_tokens).min(u64::from(MAX_PAGES));
+                ListCaps { pages, read: pages + padding, page_size: u64::from(config.page_size) }
+            }
+            None => ListCaps::strict(u64::from(self.state.options.max_pool_pages)),
         }
     }
 
@@ -371,12 +380,12 @@ impl Judge {
     }
 }
 
-/// The page lists an event carries, with their field names.
+/// The page lists an event carries that are capped at the pool's page count, with their field
+/// names (a `read`'s block table is not: it may be padded).
 fn page_lists<'e>(event: &'e Event<'_>) -> impl Iterator<Item = (&'static str, usize)> + 'e {
     let (field, list): (&'static str, Option<&[PageId]>) = match event {
         Event::Pool { reserved, .. } => ("reserved", Some(reserved)),
         Event::Alloc { pages, .. }
-        | Event::Read { pages, .. }
         | Event::Share { pages, .. }
         | Event::Import { pages, .. }
         | Event::Free { pages: Some(pages), .. } => ("pages", Some(pages)),

@@ -98,9 +98,14 @@ impl fmt::Display for ReplayViolation {
             write!(f, ", block {i}")?;
         }
         if let Some(o) = v.owner() {
-            write!(f, ", owned by req {}", o.0)?;
+            // A fork onto a live child names the child as the owner of the id.
+            let fork = v.kind() == ViolationKind::DuplicateRequest;
+            write!(f, ", {} req {}", if fork { "child" } else { "owned by" }, o.0)?;
             if let Some(t) = &self.owner_tenant {
                 write!(f, " (tenant {t:?})")?;
+            }
+            if fork {
+                f.write_str(" is live")?;
             }
         }
         if let Some((a, b)) = v.slots() {
