@@ -224,12 +224,26 @@ impl TableState {
                 return Err(self.write_refusal(op, req, b, entry));
             }
         }
+        if blocks.is_empty() {
+            return Ok(());
+        }
+        // First and last blocks may be partial; the ones between are written whole.
         let ps = u64::from(self.page_size);
-        for b in blocks {
+        let (first, last) = (blocks.start, blocks.end - 1);
+        let slots = |b: usize| {
             let page_start = b as u64 * ps;
             let a = tokens.start.max(page_start) - page_start;
             let e = tokens.end.min(page_start + ps) - page_start;
-            self.mark_written(block_table[b].page(), a as u32, e as u32);
+            (a as u32, e as u32)
+        };
+        let (a, e) = slots(first);
+        self.mark_written(block_table[first].page(), a, e);
+        if last > first {
+            for entry in &block_table[first + 1..last] {
+                self.mark_written(entry.page(), 0, self.page_size);
+            }
+            let (a, e) = slots(last);
+            self.mark_written(block_table[last].page(), a, e);
         }
         Ok(())
     }
@@ -253,10 +267,8 @@ impl TableState {
         let Some(rec) = self.requests.remove(&req) else {
             return Err(self.unknown_request(Op::Release, req));
         };
-        let mut released = Released { pages: Vec::with_capacity(rec.pages.len()), scrub: Vec::new() };
-        for page in rec.pages {
-            released.pages.push(self.end_incarnation(page, &mut released.scrub));
-        }
+        let mut released = Released::default();
+        self.end_incarnations(&rec.pages, &mut released);
         for slot in rec.prefixes.iter() {
             self.drop_hold(slot, &mut released);
         }
@@ -274,9 +286,7 @@ impl TableState {
         let pages = std::mem::take(&mut rec.pages);
         let prefixes = std::mem::take(&mut rec.prefixes);
         let mut released = Released::default();
-        for page in pages {
-            released.pages.push(self.end_incarnation(page, &mut released.scrub));
-        }
+        self.end_incarnations(&pages, &mut released);
         for slot in prefixes.iter() {
             self.drop_hold(slot, &mut released);
         }
@@ -291,11 +301,11 @@ impl TableState {
         if let Some(page) = first_repeat(pages) {
             return Err(self.page_violation(ViolationKind::DoubleFree, Op::Release, req, page).into());
         }
-        let mut released = Released::default();
         for &page in pages {
             self.detach_from_owner(page);
-            released.pages.push(self.end_incarnation(page, &mut released.scrub));
         }
+        let mut released = Released::default();
+        self.end_incarnations(pages, &mut released);
         Ok(released)
     }
 

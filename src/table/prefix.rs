@@ -29,9 +29,7 @@ impl TableState {
         if let Some(key) = record.key {
             self.prefix_keys.remove(&key);
         }
-        for page in record.pages {
-            released.pages.push(self.end_incarnation(page, &mut released.scrub));
-        }
+        self.end_incarnations(&record.pages, released);
         self.prefix_free_slots.push(slot);
     }
 

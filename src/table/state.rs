@@ -2,6 +2,7 @@
 //!
 //! Everything here runs under the table's lock; nothing here knows about policy or threads.
 
+use super::lifecycle::Released;
 use crate::config::PoolConfig;
 use crate::error::Error;
 use crate::ids::{Generation, PageId, PageRef, PrefixKey, RequestId, TenantId};
@@ -292,45 +293,63 @@ impl TableState {
         }
     }
 
-    /// Ends a page's incarnation: coverage cleared, generation bumped (or the page retired), and
-    /// the page returned to the free list or held for a scrub. Returns the ended incarnation.
-    #[inline(always)]
-    pub fn end_incarnation(&mut self, page: PageId, scrub: &mut Vec<PageRef>) -> PageRef {
-        let free_slot = self.free.len() as u32;
-        let tag = &mut self.tags[page.0 as usize];
-        let ended = PageRef { page, generation: Generation(tag.generation) };
-        let (old, sparse, changed, pinned) = (tag.state, tag.sparse, tag.changed, tag.pinned);
-        let new = if tag.generation >= self.generation_limit {
-            PageState::Retired
-        } else {
-            tag.generation += 1;
-            if self.scrub_on_release {
-                PageState::AwaitingScrub
-            } else {
-                tag.link = free_slot;
-                PageState::Free
+    /// Ends the incarnations of `pages` (owned or shared ones): coverage cleared, generation
+    /// bumped (or the page retired), and each page returned to the free list — unless a transfer
+    /// pins it — or held for a scrub. The ended incarnations go to `released`.
+    ///
+    /// Page-state counts are tallied in locals and applied once: updating the shared counters
+    /// per page made a store-to-load chain through memory that cost more than the rest.
+    pub fn end_incarnations(&mut self, pages: &[PageId], released: &mut Released) {
+        let (mut owned, mut shared, mut freed, mut retired, mut scrubbing) = (0u64, 0u64, 0u64, 0u64, 0u64);
+        let (limit, scrub) = (self.generation_limit, self.scrub_on_release);
+        released.pages.reserve(pages.len());
+        for &page in pages {
+            let free_slot = self.free.len() as u32;
+            let tag = &mut self.tags[page.0 as usize];
+            let ended = PageRef { page, generation: Generation(tag.generation) };
+            match tag.state {
+                PageState::Owned => owned += 1,
+                PageState::Shared => shared += 1,
+                other => unreachable!("only owned or shared pages end an incarnation, not {other:?}"),
             }
-        };
-        tag.state = new;
-        tag.written = 0;
-        tag.sparse = false;
-        tag.changed = true;
-        if !changed {
-            self.changed.push(page);
+            let (sparse, changed, pinned) = (tag.sparse, tag.changed, tag.pinned);
+            tag.written = 0;
+            tag.sparse = false;
+            tag.changed = true;
+            if tag.generation >= limit {
+                tag.state = PageState::Retired;
+                retired += 1;
+            } else {
+                tag.generation += 1;
+                if scrub {
+                    tag.state = PageState::AwaitingScrub;
+                    scrubbing += 1;
+                    released.scrub.push(ended);
+                } else {
+                    tag.state = PageState::Free;
+                    freed += 1;
+                    // A pinned page waits outside the free list until its transfer is over.
+                    if !pinned {
+                        tag.link = free_slot;
+                        self.free.push(page);
+                    }
+                }
+            }
+            if !changed {
+                self.changed.push(page);
+            }
+            if sparse {
+                let range = self.slot_range(page, 0, self.page_size);
+                self.coverage[range].fill(false);
+            }
+            released.pages.push(ended);
         }
-        self.state_counts[old as usize] -= 1;
-        self.state_counts[new as usize] += 1;
-        match new {
-            // A pinned page waits outside the free list until its transfer is over.
-            PageState::Free if !pinned => self.free.push(page),
-            PageState::AwaitingScrub => scrub.push(ended),
-            _ => {}
-        }
-        if sparse {
-            let range = self.slot_range(page, 0, self.page_size);
-            self.coverage[range].fill(false);
-        }
-        ended
+        let c = &mut self.state_counts;
+        c[PageState::Owned as usize] -= owned;
+        c[PageState::Shared as usize] -= shared;
+        c[PageState::Free as usize] += freed;
+        c[PageState::Retired as usize] += retired;
+        c[PageState::AwaitingScrub as usize] += scrubbing;
     }
 
     /// Marks `page` free; it joins the free list unless a transfer still pins it.
