@@ -32,8 +32,8 @@ impl TableState {
             None => v = v.with_page(page, None),
             Some(tag) => {
                 v = v.with_page(page, Some(Generation(tag.generation)));
-                if matches!(tag.state, PageState::Owned | PageState::Shared) {
-                    v = v.with_owner(tag.owner, tag.tenant);
+                if let Some(tenant) = self.page_tenant(tag) {
+                    v = v.with_owner(tag.owner, tenant);
                 }
                 if tag.state == PageState::Shared
                     && let Some(key) = self.prefix(tag.link).key
@@ -139,7 +139,6 @@ impl TableState {
             debug_assert!(tag.state == PageState::Free && tag.written == 0 && !tag.sparse);
             tag.state = PageState::Owned;
             tag.owner = req;
-            tag.tenant = rec.tenant;
             tag.link = (first_link + k) as u32;
             if !std::mem::replace(&mut tag.changed, true) {
                 self.changed.push(page);

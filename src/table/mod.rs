@@ -13,10 +13,10 @@
 //! the engine, so no lock is ever held across engine code.
 //!
 //! # Memory
-//! Each page costs a 32-byte tag, 4 bytes of free list (sized for the whole pool up front), up to
+//! Each page costs a 24-byte tag, 4 bytes of free list (sized for the whole pool up front), up to
 //! 4 bytes in its owner's or prefix's page list and up to 4 bytes in the change list for the
-//! device mirror; each token slot costs one bit of coverage bitmap. That is at most 44 bytes per
-//! page plus 1 bit per slot: a pool of 1,048,576 pages of 16 slots takes at most 44 MiB of
+//! device mirror; each token slot costs one bit of coverage bitmap. That is at most 36 bytes per
+//! page plus 1 bit per slot: a pool of 1,048,576 pages of 16 slots takes at most 36 MiB of
 //! metadata and a 2 MiB bitmap. Each admitted request adds a small record; each prefix one more.
 
 mod lifecycle;
@@ -587,7 +587,7 @@ fn page_info(state: &TableState, page: PageId, tag: &state::PageTag) -> PageInfo
         state: tag.state,
         generation: Generation(tag.generation),
         owner: live.then_some(tag.owner),
-        tenant: live.then_some(tag.tenant),
+        tenant: state.page_tenant(tag),
         prefix: (tag.state == PageState::Shared).then(|| state.prefix(tag.link).key).flatten(),
         written_prefix: tag.written,
         written_slots: state.written_slots(page),

@@ -34,7 +34,7 @@ impl PageState {
     pub(crate) const COUNT: usize = 6;
 }
 
-/// One page's tag: 32 bytes, plus `page_size` bits of coverage elsewhere.
+/// One page's tag: 24 bytes, plus `page_size` bits of coverage elsewhere.
 ///
 /// Coverage is a watermark plus a bitmap: slot `s` is written iff `s < written` or its bit is set.
 /// Writes in order (prefill chunks, decode appends) only move the watermark; the bitmap is touched
@@ -42,8 +42,8 @@ impl PageState {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct PageTag {
     /// Owned: the owner. Shared: the publisher. Free: the last owner (for diagnosis only).
+    /// The tenant is not stored: it is the owner's (owned) or the prefix's (shared).
     pub owner: RequestId,
-    pub tenant: TenantId,
     pub generation: u32,
     /// Slots `0..written` are all written by the current incarnation (the coverage watermark).
     pub written: u32,
@@ -197,7 +197,6 @@ impl TableState {
             state_counts[state as usize] += 1;
             tags.push(PageTag {
                 owner: RequestId(0),
-                tenant: TenantId(0),
                 generation: Generation::FIRST.0,
                 written: 0,
                 link: 0,
@@ -276,7 +275,6 @@ impl TableState {
         let tag = &mut self.tags[page.0 as usize];
         debug_assert!(tag.written == 0 && !tag.sparse, "free pages carry no coverage");
         tag.owner = req;
-        tag.tenant = rec.tenant;
         tag.link = rec.pages.len() as u32;
         rec.pages.push(page);
         self.set_state(page, PageState::Owned);
@@ -422,6 +420,15 @@ impl TableState {
         tag.written + self.coverage[self.slot_range(page, tag.written, self.page_size)].count_ones() as u32
     }
 
+    /// The tenant whose data a live page holds: its owner's, or its prefix's.
+    pub fn page_tenant(&self, tag: &PageTag) -> Option<TenantId> {
+        match tag.state {
+            PageState::Owned => self.requests.get(&tag.owner).map(|r| r.tenant),
+            PageState::Shared => Some(self.prefix(tag.link).tenant),
+            _ => None,
+        }
+    }
+
     pub fn prefix(&self, slot: u32) -> &PrefixRecord {
         self.prefixes[slot as usize].as_ref().expect("live prefix slots are Some")
     }
@@ -444,8 +451,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_page_tag_is_32_bytes() {
+    fn a_page_tag_is_24_bytes() {
         // The memory figure in the table's docs and the README depends on it.
-        assert_eq!(std::mem::size_of::<PageTag>(), 32);
+        assert_eq!(std::mem::size_of::<PageTag>(), 24);
     }
 }

@@ -25,7 +25,7 @@ use std::io::{self, BufRead, Read};
 pub struct ReplayOptions {
     /// The longest line, in bytes (default 16 MiB): a longer one is unusable input.
     pub max_line_bytes: usize,
-    /// The largest pool, in pages (default and most: [`MAX_PAGES`]). The table costs at most 44
+    /// The largest pool, in pages (default and most: [`MAX_PAGES`]). The table costs at most 36
     /// bytes per page plus one bit per slot; lower this where memory is tight.
     pub max_pool_pages: u32,
 }
