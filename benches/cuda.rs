@@ -3,7 +3,9 @@
 //! fused check's overhead in % of the reference attention's time, same shapes; CRC32 GB/s beside
 //! device-to-device memcpy GB/s; poison GB/s; tag-update µs for 1K changed pages.
 //!
-//! Without a GPU it prints SKIPPED and exits 0 (1 with `KVGUARD_REQUIRE_GPU=1`).
+//! Without a GPU it prints SKIPPED and exits 0 (1 with `KVGUARD_REQUIRE_GPU=1`). With
+//! `KVGUARD_CUBIN=PATH` the kernels come from that prebuilt CUBIN (`DeviceOptions::cubin`), so
+//! the machine needs no NVRTC.
 //! Timing: CUDA events around `iters` back-to-back launches after one warm-up.
 //!
 //! Cargo entry: `[[bench]] name = "cuda", harness = false, required-features = ["cuda"]`. Run it
@@ -53,8 +55,13 @@ fn main() {
     let pages_per_seq = MAX_CONTEXT / PS;
     let num_pages = MAX_BATCH * pages_per_seq + 1; // + the reserved page 0
     let config = PoolConfig::new(num_pages, PS, u64::from(MAX_CONTEXT));
+    let cubin = std::env::var_os("KVGUARD_CUBIN").filter(|p| !p.is_empty()).map(|path| {
+        let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("KVGUARD_CUBIN={}: {e}", path.to_string_lossy()));
+        println!("kernels: the prebuilt CUBIN {} ({} bytes)", path.to_string_lossy(), bytes.len());
+        Arc::<[u8]>::from(bytes)
+    });
     let options =
-        DeviceOptions { max_seqs: MAX_BATCH, ring_capacity: 4096, update_batch: 65_536, ..Default::default() };
+        DeviceOptions { max_seqs: MAX_BATCH, ring_capacity: 4096, update_batch: 65_536, cubin, ..Default::default() };
     let mut g = match DeviceGuard::new(&config, options) {
         Ok(g) => g,
         Err(e @ (DeviceError::DriverNotFound | DeviceError::NoDevice { .. } | DeviceError::NvrtcNotFound)) => {

@@ -3,6 +3,11 @@
 //!
 //! Without a driver or device every GPU test prints a SKIPPED line and passes, unless
 //! `KVGUARD_REQUIRE_GPU=1` (set by `scripts/gpu-check`). The typed-error test runs everywhere.
+//!
+//! `KVGUARD_CUBIN=PATH` loads the kernels from a prebuilt CUBIN (`DeviceOptions::cubin`, written
+//! by the `cuda_cubin` example) instead of NVRTC, for machines without it; `scripts/gpu-check`
+//! sets it. `KVGUARD_WRONG_ARCH_CUBIN=PATH` names a CUBIN for an architecture the GPU cannot run,
+//! which must be refused with `DeviceError::Cubin`.
 #![cfg(feature = "cuda")]
 
 /// Under `cuda::` so that `cargo test cuda` selects these.
@@ -16,14 +21,34 @@ mod cuda {
         PagedKvStep,
     };
     use kvguard::{OwnershipTable, PageId, PoolConfig, RequestId, TenantId, ViolationKind};
+    use std::sync::{Arc, OnceLock};
 
     fn required() -> bool {
         std::env::var("KVGUARD_REQUIRE_GPU").is_ok_and(|v| v == "1")
     }
 
+    /// The bytes of the file the environment variable `var` names (unset or empty: `None`).
+    fn cubin_from_env(var: &str) -> Option<Arc<[u8]>> {
+        let path = std::env::var_os(var).filter(|p| !p.is_empty())?;
+        let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{var}={}: {e}", path.to_string_lossy()));
+        Some(bytes.into())
+    }
+
+    /// The prebuilt kernels `KVGUARD_CUBIN` names, read once; `None`: compile through NVRTC.
+    fn prebuilt_cubin() -> Option<Arc<[u8]>> {
+        static CUBIN: OnceLock<Option<Arc<[u8]>>> = OnceLock::new();
+        CUBIN.get_or_init(|| cubin_from_env("KVGUARD_CUBIN")).clone()
+    }
+
     /// A guard on device 0, or `None` (with a SKIPPED line) where there is no GPU.
     fn guard(config: &PoolConfig, max_seqs: u32) -> Option<DeviceGuard> {
-        let options = DeviceOptions { max_seqs, ring_capacity: 1024, update_batch: 4096, ..DeviceOptions::default() };
+        let options = DeviceOptions {
+            max_seqs,
+            ring_capacity: 1024,
+            update_batch: 4096,
+            cubin: prebuilt_cubin(),
+            ..DeviceOptions::default()
+        };
         match DeviceGuard::new(config, options) {
             Ok(g) => Some(g),
             Err(e @ (DeviceError::DriverNotFound | DeviceError::NoDevice { .. } | DeviceError::NvrtcNotFound)) => {
@@ -63,6 +88,38 @@ mod cuda {
         }
         let bad = DeviceGuard::new(&config, DeviceOptions { ring_capacity: 0, ..DeviceOptions::default() });
         assert!(matches!(bad, Err(DeviceError::Argument(_))), "a zero ring is refused before the driver is touched");
+    }
+
+    #[test]
+    fn device_guard_with_a_cubin_is_a_typed_error_not_a_panic() {
+        let config = PoolConfig::new(64, 16, 256);
+        let junk = DeviceOptions { cubin: Some(Arc::from(&b"\x7fELF but not really"[..])), ..DeviceOptions::default() };
+        let result = std::panic::catch_unwind(|| DeviceGuard::new(&config, junk)).expect("never a panic");
+        assert!(matches!(result, Err(DeviceError::Cubin(_))), "junk is refused before the driver: {result:?}");
+        // A real CUBIN (KVGUARD_CUBIN) changes nothing about the missing driver.
+        let Some(cubin) = prebuilt_cubin() else { return };
+        let options = DeviceOptions { cubin: Some(cubin), ..DeviceOptions::default() };
+        let result = std::panic::catch_unwind(|| DeviceGuard::new(&config, options)).expect("never a panic");
+        if !kvguard::cuda::driver_available() {
+            assert!(matches!(result, Err(DeviceError::DriverNotFound)), "got {result:?}");
+        }
+    }
+
+    #[test]
+    fn gpu_refuses_a_cubin_built_for_another_architecture() {
+        let Some(wrong) = cubin_from_env("KVGUARD_WRONG_ARCH_CUBIN") else {
+            crate::skip::skipped("KVGUARD_WRONG_ARCH_CUBIN is not set");
+            return;
+        };
+        let config = PoolConfig::new(64, PS, 256);
+        if guard(&config, 4).is_none() {
+            return;
+        }
+        let options = DeviceOptions { cubin: Some(wrong), ..DeviceOptions::default() };
+        match DeviceGuard::new(&config, options) {
+            Err(DeviceError::Cubin(why)) => eprintln!("refused as it should be: {why}"),
+            other => panic!("a CUBIN for another architecture must be DeviceError::Cubin, got {other:?}"),
+        }
     }
 
     const PS: u32 = 16;

@@ -139,7 +139,9 @@ mod cuda {
         for arch in ["sm_80", "sm_90"] {
             let cubin = source::compile_cubin(arch).unwrap_or_else(|e| panic!("NVRTC failed for {arch}:\n{e}"));
             assert_eq!(&cubin[..4], b"\x7fELF", "{arch}: a CUBIN is an ELF image");
-            for k in KERNELS {
+            source::check_cubin(&cubin).unwrap_or_else(|e| panic!("{arch}: NVRTC's CUBIN fails the load check: {e}"));
+            assert_eq!(source::cubin_arch(&cubin).as_deref(), Some(arch), "the architecture in its ELF flags");
+            for k in KERNELS.iter().copied().chain([source::fingerprint_kernel().as_str()]) {
                 let name = k.as_bytes();
                 assert!(cubin.windows(name.len()).any(|w| w == name), "{arch}: kernel {k} missing from the CUBIN");
             }

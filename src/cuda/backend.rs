@@ -11,6 +11,10 @@
 //! - Page ids and slot numbers that come from device memory are range-checked *by the kernels*
 //!   (out-of-range ids are reported or skipped, never dereferenced), except in the unchecked
 //!   reference attention, which is therefore the one `unsafe fn` here.
+//! - A prebuilt CUBIN reaches the driver (which reads it without knowing its length) only after
+//!   `source::check_cubin` proved its ELF headers and sections lie inside its bytes, and its
+//!   kernels are launched only if it defines the fingerprint kernel of the sources whose
+//!   argument lists the launches below follow.
 //! - Every launch goes on `Device::stream`, so kvguard's launches are ordered with each other and
 //!   with whatever else the engine puts on that stream.
 //! - Launches and the status memset pass kvguard's buffers as raw device addresses (taken once,
@@ -20,7 +24,7 @@
 use super::DeviceError;
 use super::layout::{DeviceReader, DeviceTag, RingHeader};
 use cudarc::driver::{
-    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice,
+    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice,
     PushKernelArg, sys,
 };
 use std::marker::PhantomData;
@@ -236,6 +240,40 @@ pub(super) struct DeviceShape {
     pub max_seqs: u32,
     pub ring_capacity: u32,
     pub staging_capacity: u32,
+    /// Kernels built ahead of time, already through `source::check_cubin`; `None`: NVRTC.
+    pub cubin: Option<Arc<[u8]>>,
+}
+
+/// Driver errors that say the image itself is unusable on this device (rather than the device
+/// or driver being in trouble).
+fn image_refused(e: &cudarc::driver::DriverError) -> bool {
+    use sys::cudaError_enum as E;
+    matches!(
+        e.0,
+        E::CUDA_ERROR_NO_BINARY_FOR_GPU
+            | E::CUDA_ERROR_INVALID_IMAGE
+            | E::CUDA_ERROR_INVALID_SOURCE
+            | E::CUDA_ERROR_INVALID_PTX
+            | E::CUDA_ERROR_UNSUPPORTED_PTX_VERSION
+            | E::CUDA_ERROR_SHARED_OBJECT_INIT_FAILED
+    )
+}
+
+/// Loads a prebuilt CUBIN (checked by `source::check_cubin`) into `ctx`; errors that blame the
+/// image are [`DeviceError::Cubin`], naming the device's architecture.
+fn load_cubin(ctx: &Arc<CudaContext>, cubin: &[u8], arch: &str) -> Result<Arc<CudaModule>, DeviceError> {
+    // The driver reads the image without its length: `check_cubin` proved that the ELF headers
+    // and every section they name lie inside these bytes.
+    ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin.to_vec())).map_err(|e| {
+        if image_refused(&e) {
+            let built = super::source::cubin_arch(cubin).map_or(String::new(), |a| format!("built for {a}, "));
+            DeviceError::Cubin(format!(
+                "{built}the driver refused it for this {arch} device ({e}): build it for {arch}"
+            ))
+        } else {
+            DeviceError::Driver(e)
+        }
+    })
 }
 
 impl Device {
@@ -255,17 +293,42 @@ impl Device {
         })
         .map_err(|p| DeviceError::Loader(super::panic_message(p)))??;
         let (major, minor) = ctx.compute_capability()?;
-        // SASS for this GPU (no JIT, so no driver-vs-NVRTC version constraint); PTX for the JIT
-        // only when this NVRTC does not know the GPU's architecture.
-        let module = match super::source::compile_cubin(&format!("sm_{major}{minor}")) {
-            Ok(cubin) => ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin.to_vec()))?,
-            Err(DeviceError::Compile { .. }) => {
-                let ptx = super::source::compile_ptx(&format!("compute_{major}{minor}"))?;
-                ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx.to_string()))?
-            }
-            Err(e) => return Err(e),
+        let arch = format!("sm_{major}{minor}");
+        // SASS for this GPU (no JIT, so no driver-vs-NVRTC version constraint): the prebuilt
+        // CUBIN, or NVRTC's; PTX for the JIT only when this NVRTC does not know the architecture.
+        let module = match &shape.cubin {
+            Some(cubin) => load_cubin(&ctx, cubin, &arch)?,
+            None => match super::source::compile_cubin(&arch) {
+                Ok(cubin) => ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin.to_vec()))?,
+                Err(DeviceError::Compile { .. }) => {
+                    let ptx = super::source::compile_ptx(&format!("compute_{major}{minor}"))?;
+                    ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx.to_string()))?
+                }
+                Err(e) => return Err(e),
+            },
         };
-        let f = |name: &str| module.load_function(name);
+        // A prebuilt image must come from these sources: same kernels, same arguments, same
+        // layouts. Its fingerprint kernel says so; a kernel missing from it is its fault too.
+        let prebuilt = shape.cubin.is_some();
+        let from_other_sources = |what: String| {
+            DeviceError::Cubin(format!(
+                "{what}: it was built from other kernel sources than this kvguard's; rebuild it \
+                 with this version's kvguard::cuda::source::compile_cubin(\"{arch}\")"
+            ))
+        };
+        if prebuilt {
+            let fingerprint = super::source::fingerprint_kernel();
+            module.load_function(&fingerprint).map_err(|_| from_other_sources(format!("{fingerprint} is missing")))?;
+        }
+        let f = |name: &str| {
+            module.load_function(name).map_err(|e| {
+                if prebuilt {
+                    from_other_sources(format!("kernel {name} is missing ({e})"))
+                } else {
+                    DeviceError::Driver(e)
+                }
+            })
+        };
         let kernels = Kernels {
             apply: f("kvg_apply_tag_updates")?,
             verify_block_table: f("kvg_verify_block_table")?,

@@ -7,10 +7,11 @@ use crate::config::PoolConfig;
 use crate::ids::{RequestId, TenantId};
 use crate::table::OwnershipTable;
 use crate::violation::Violation;
+use std::sync::Arc;
 
-/// How a [`DeviceGuard`] is sized. Every buffer is allocated once, at these sizes, so launches
-/// never allocate and fit CUDA graphs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// How a [`DeviceGuard`] is sized, and where its kernels come from. Every buffer is allocated
+/// once, at these sizes, so launches never allocate and fit CUDA graphs.
+#[derive(Clone, PartialEq, Eq)]
 pub struct DeviceOptions {
     /// The CUDA device ordinal.
     pub ordinal: usize,
@@ -20,11 +21,32 @@ pub struct DeviceOptions {
     pub ring_capacity: u32,
     /// Tag updates uploaded per launch (more are sent in several launches).
     pub update_batch: u32,
+    /// Kernels built ahead of time for this GPU's architecture, e.g. by
+    /// [`compile_cubin`](super::source::compile_cubin)`("sm_90")` on a build machine (or the
+    /// `cuda_cubin` example). When given, NVRTC is not needed at run time (production containers
+    /// often lack it): the image is checked ([`check_cubin`](super::source::check_cubin)) and
+    /// loaded as is. An image that is not a CUBIN, has no code for the device's architecture, or
+    /// was built from another kvguard's kernel sources is [`DeviceError::Cubin`]. `None` (the
+    /// default): compile through NVRTC, once per process and architecture.
+    pub cubin: Option<Arc<[u8]>>,
 }
 
 impl Default for DeviceOptions {
     fn default() -> Self {
-        DeviceOptions { ordinal: 0, max_seqs: 1024, ring_capacity: 4096, update_batch: 16_384 }
+        DeviceOptions { ordinal: 0, max_seqs: 1024, ring_capacity: 4096, update_batch: 16_384, cubin: None }
+    }
+}
+
+impl std::fmt::Debug for DeviceOptions {
+    /// The CUBIN shows as its length, not its bytes.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceOptions")
+            .field("ordinal", &self.ordinal)
+            .field("max_seqs", &self.max_seqs)
+            .field("ring_capacity", &self.ring_capacity)
+            .field("update_batch", &self.update_batch)
+            .field("cubin", &self.cubin.as_ref().map(|c| format!("{} bytes", c.len())))
+            .finish()
     }
 }
 
@@ -120,18 +142,23 @@ impl std::fmt::Debug for DeviceGuard {
 }
 
 impl DeviceGuard {
-    /// Opens the device, compiles the kernels through NVRTC (once per process and architecture)
-    /// and allocates the tag table, canaries (4 bytes per slot), ring and step buffers for
-    /// `config`'s pool. Every tag starts zeroed (free, generation 0): call
-    /// [`sync_tags`](Self::sync_tags) with a table whose changes cover every live page, or
-    /// [`upload_all_tags`](Self::upload_all_tags).
+    /// Opens the device, loads the kernels (the prebuilt [`DeviceOptions::cubin`], else compiled
+    /// through NVRTC once per process and architecture) and allocates the tag table, canaries
+    /// (4 bytes per slot), ring and step buffers for `config`'s pool. Every tag starts zeroed
+    /// (free, generation 0): call [`sync_tags`](Self::sync_tags) with a table whose changes cover
+    /// every live page, or [`upload_all_tags`](Self::upload_all_tags).
     ///
-    /// Errors, never panics: [`DeviceError::DriverNotFound`], [`DeviceError::NoDevice`],
-    /// [`DeviceError::NvrtcNotFound`], [`DeviceError::Compile`], [`DeviceError::Loader`],
-    /// [`DeviceError::Driver`].
+    /// Errors, never panics: [`DeviceError::Argument`] and [`DeviceError::Cubin`] (an image that
+    /// is not a CUBIN) before the driver is touched, then [`DeviceError::DriverNotFound`],
+    /// [`DeviceError::NoDevice`], [`DeviceError::NvrtcNotFound`] and [`DeviceError::Compile`]
+    /// (only without a CUBIN), [`DeviceError::Cubin`] (a CUBIN the device refuses),
+    /// [`DeviceError::Loader`], [`DeviceError::Driver`].
     pub fn new(config: &PoolConfig, options: DeviceOptions) -> Result<DeviceGuard, DeviceError> {
         if options.ring_capacity == 0 || options.update_batch == 0 || options.max_seqs == 0 {
             return Err(DeviceError::Argument("max_seqs, ring_capacity and update_batch must be positive".into()));
+        }
+        if let Some(cubin) = &options.cubin {
+            super::source::check_cubin(cubin)?;
         }
         let device = Device::open(DeviceShape {
             ordinal: options.ordinal,
@@ -140,6 +167,7 @@ impl DeviceGuard {
             max_seqs: options.max_seqs,
             ring_capacity: options.ring_capacity,
             staging_capacity: options.update_batch,
+            cubin: options.cubin,
         })?;
         Ok(DeviceGuard { device })
     }
@@ -422,3 +450,39 @@ enum Buffer {
 
 /// The poison pattern: `0x7fa57fa5` is a NaN as f32, and each half is a NaN as f16 and bf16.
 pub const POISON: u32 = 0x7fa5_7fa5;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_default_to_compiling_through_nvrtc() {
+        let options = DeviceOptions::default();
+        assert_eq!(options.cubin, None);
+        let with = DeviceOptions { cubin: Some(vec![7u8; 300_000].into()), ..DeviceOptions::default() };
+        let shown = format!("{with:?}");
+        assert!(shown.contains("cubin: Some(\"300000 bytes\")") && shown.len() < 200, "{shown}");
+    }
+
+    #[test]
+    fn an_image_that_is_not_a_cubin_is_refused_before_the_driver_is_touched() {
+        let config = PoolConfig::new(64, 16, 256);
+        let options = DeviceOptions { cubin: Some(Arc::from(&b"not a cubin"[..])), ..DeviceOptions::default() };
+        match DeviceGuard::new(&config, options) {
+            Err(DeviceError::Cubin(why)) => assert!(why.contains("not an ELF image"), "{why}"),
+            other => panic!("expected DeviceError::Cubin, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn with_a_cubin_and_no_driver_the_error_is_still_driver_not_found() {
+        let config = PoolConfig::new(64, 16, 256);
+        let options =
+            DeviceOptions { cubin: Some(super::super::source::tests::tiny_cubin().into()), ..Default::default() };
+        let result = std::panic::catch_unwind(|| DeviceGuard::new(&config, options));
+        let result = result.expect("DeviceGuard::new must never panic");
+        if !super::super::driver_available() {
+            assert!(matches!(result, Err(DeviceError::DriverNotFound)), "got {result:?}");
+        }
+    }
+}

@@ -9,15 +9,17 @@
 //!
 //! - [`layout`]: the `#[repr(C)]` mirrors of `kernels/kvguard.cuh` (tag, reader, violation
 //!   record, ring header) and the canary function; plain safe Rust, tested without a GPU.
-//! - [`source`]: the embedded kernel sources and their NVRTC compilation (cached).
+//! - [`source`]: the embedded kernel sources and their NVRTC compilation (cached), and the check
+//!   of a CUBIN built ahead of time ([`DeviceOptions::cubin`]: no NVRTC at run time).
 //! - [`DeviceGuard`]: the safe host API. Every `unsafe` block lives in one file, `backend.rs`,
 //!   with its `SAFETY` argument and the invariants it relies on; engine memory enters only as a
 //!   [`Borrowed`] (device memory the engine owns, lent under a documented contract). Two
 //!   `unsafe fn`s of the guard forward their contracts: adopting the engine's stream, and the
 //!   unchecked reference attention.
 //!
-//! Without a driver, a device or NVRTC, [`DeviceGuard::new`] returns a [`DeviceError`]; it never
-//! panics. See `docs/cuda.md` for fusing the checks into an engine's own kernels.
+//! Without a driver, a device or NVRTC (when no prebuilt CUBIN is given), [`DeviceGuard::new`]
+//! returns a [`DeviceError`]; it never panics. See `docs/cuda.md` for fusing the checks into an
+//! engine's own kernels.
 #![allow(unsafe_code)]
 
 mod backend;
@@ -47,9 +49,15 @@ pub enum DeviceError {
     /// NVRTC (`libnvrtc.so`) could not be loaded, so the kernels cannot be compiled.
     #[error(
         "the NVRTC library (libnvrtc) could not be loaded: install the CUDA toolkit or the \
-         nvidia-cuda-nvrtc-cu12 wheel and put its lib directory on LD_LIBRARY_PATH"
+         nvidia-cuda-nvrtc-cu12 wheel and put its lib directory on LD_LIBRARY_PATH, or pass kernels \
+         built ahead of time as DeviceOptions::cubin"
     )]
     NvrtcNotFound,
+    /// A prebuilt CUBIN ([`DeviceOptions::cubin`]) cannot be used: not a CUDA ELF image, no
+    /// code for this device's architecture, or built from other kernel sources than this
+    /// kvguard's (see [`source::fingerprint_kernel`]).
+    #[error("the prebuilt kvguard CUBIN cannot be used: {0}")]
+    Cubin(String),
     /// NVRTC refused the kernel sources.
     #[error("kvguard kernels did not compile for {arch}: {log}")]
     Compile {

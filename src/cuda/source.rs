@@ -1,5 +1,6 @@
 //! The kernel sources, embedded, and their compilation through NVRTC (compiled once per
-//! architecture and process, then cached).
+//! architecture and process, then cached), or a CUBIN built ahead of time and checked before the
+//! driver reads it.
 
 use super::DeviceError;
 use std::collections::HashMap;
@@ -24,9 +25,83 @@ pub const KERNELS: &[&str] = &[
 ];
 
 /// One translation unit for NVRTC: `kvguard.cu` with `kvguard.cuh` inlined where it is included,
-/// so compiling needs no file system and no CUDA headers.
+/// so compiling needs no file system and no CUDA headers, followed by an empty kernel named
+/// [`fingerprint_kernel`]: a prebuilt CUBIN that lacks it was built from other sources.
 pub fn nvrtc_source() -> String {
-    KVGUARD_CU.replacen("#include \"kvguard.cuh\"", KVGUARD_CUH, 1)
+    let unit = KVGUARD_CU.replacen("#include \"kvguard.cuh\"", KVGUARD_CUH, 1);
+    format!(
+        "{unit}\n// The sources' fingerprint (kvguard::cuda::source::fingerprint_kernel).\n\
+         extern \"C\" __global__ void {}() {{}}\n",
+        fingerprint_kernel()
+    )
+}
+
+/// The name of the empty kernel that fingerprints the kernel sources: `kvg_source_` and the
+/// 64-bit FNV-1a hash of `kvguard.cuh` and `kvguard.cu` in hex. A CUBIN loaded through
+/// [`DeviceOptions::cubin`](super::DeviceOptions::cubin) must define it, so that kernels of another
+/// kvguard version (other arguments, other layouts) are refused instead of launched.
+pub fn fingerprint_kernel() -> String {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in KVGUARD_CUH.bytes().chain([0]).chain(KVGUARD_CU.bytes()) {
+        hash = (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("kvg_source_{hash:016x}")
+}
+
+/// `EM_CUDA`: the ELF machine of a CUBIN.
+const EM_CUDA: u16 = 190;
+
+/// Checks that `image` is a CUBIN the driver can be handed: a 64-bit little-endian ELF image for
+/// `EM_CUDA` whose program headers, section headers and section contents all lie inside `image`.
+/// The driver reads the image without knowing its length, so anything else (a truncated file,
+/// PTX, a fat binary, a host library) is refused here with [`DeviceError::Cubin`], before any
+/// driver call. Whether it holds code for the device's architecture only the driver can tell.
+pub fn check_cubin(image: &[u8]) -> Result<(), DeviceError> {
+    let bad = |why: String| Err(DeviceError::Cubin(why));
+    let u16_at = |at: usize| image.get(at..at + 2).map(|b| u16::from_le_bytes([b[0], b[1]]));
+    let u32_at = |at: usize| image.get(at..at + 4).map(|b| u32::from_le_bytes(b.try_into().expect("a 4-byte slice")));
+    let u64_at = |at: usize| image.get(at..at + 8).map(|b| u64::from_le_bytes(b.try_into().expect("an 8-byte slice")));
+    if image.len() < 64 || &image[..4] != b"\x7fELF" {
+        return bad(format!("{} bytes that are not an ELF image (a CUBIN is one)", image.len()));
+    }
+    if image[4] != 2 || image[5] != 1 {
+        return bad("not a 64-bit little-endian ELF image".into());
+    }
+    let machine = u16::from_le_bytes([image[18], image[19]]);
+    if machine != EM_CUDA {
+        return bad(format!("an ELF image for machine {machine}, not CUDA ({EM_CUDA})"));
+    }
+    let len = image.len() as u64;
+    // (offset of the table, entry size, entries, offset and size fields within an entry)
+    let tables = [
+        ("program header", u64_at(0x20), u16_at(0x36), u16_at(0x38), 0x08, 0x20),
+        ("section header", u64_at(0x28), u16_at(0x3a), u16_at(0x3c), 0x18, 0x20),
+    ];
+    for (what, offset, entry, count, field_offset, field_size) in tables {
+        let (Some(offset), Some(entry), Some(count)) = (offset, entry, count) else {
+            return bad("a truncated ELF header".into());
+        };
+        if count == 0 {
+            continue;
+        }
+        let (entry, count) = (u64::from(entry), u64::from(count));
+        if entry < field_size + 8 || offset.checked_add(entry * count).is_none_or(|end| end > len) {
+            return bad(format!("its {what} table lies outside the {len} bytes given"));
+        }
+        for i in 0..count {
+            let at = (offset + i * entry) as usize;
+            // Sections of type SHT_NOBITS (8) occupy no bytes of the image.
+            if what == "section header" && u32_at(at + 4) == Some(8) {
+                continue;
+            }
+            let start = u64_at(at + field_offset as usize).unwrap_or(u64::MAX);
+            let size = u64_at(at + field_size as usize).unwrap_or(u64::MAX);
+            if start.checked_add(size).is_none_or(|end| end > len) {
+                return bad(format!("its {what} {i} points outside the {len} bytes given"));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Whether the NVRTC library can be loaded (without loading it for good, and without panicking).
@@ -92,4 +167,106 @@ pub fn compile_ptx(arch: &str) -> Result<Arc<str>, DeviceError> {
         .into();
     cache.lock().unwrap_or_else(|e| e.into_inner()).insert(arch.to_string(), ptx.clone());
     Ok(ptx)
+}
+
+/// The real architecture a CUBIN was built for (`"sm_90"`), read from its ELF flags where their
+/// layout is known (CUDA ELF ABI version 7, as NVRTC 12.9 writes for sm_80 and sm_90); `None`
+/// otherwise. For messages only: whether a device runs an image is the driver's call.
+pub fn cubin_arch(image: &[u8]) -> Option<String> {
+    if image.len() < 64 || &image[..4] != b"\x7fELF" || image[8] != 7 {
+        return None;
+    }
+    let flags = u32::from_le_bytes(image[0x30..0x34].try_into().expect("a 4-byte slice"));
+    Some(format!("sm_{}", flags & 0xff))
+}
+
+#[cfg(test)]
+pub(super) mod tests {
+    use super::*;
+
+    /// A minimal CUBIN-shaped ELF image: header, one program header, and a section table of a
+    /// null section, a `PROGBITS` section of 16 bytes and a `NOBITS` section (no bytes).
+    pub(crate) fn tiny_cubin() -> Vec<u8> {
+        let mut image = vec![0u8; 64 + 56 + 16 + 3 * 64];
+        image[..4].copy_from_slice(b"\x7fELF");
+        (image[4], image[5], image[6], image[8]) = (2, 1, 1, 7);
+        image[0x30..0x34].copy_from_slice(&0x005a_055au32.to_le_bytes()); // sm_90, as NVRTC 12.9 writes
+        image[18..20].copy_from_slice(&EM_CUDA.to_le_bytes());
+        let (ph, data, sh) = (64u64, 64 + 56u64, 64 + 56 + 16u64);
+        image[0x20..0x28].copy_from_slice(&ph.to_le_bytes());
+        image[0x28..0x30].copy_from_slice(&sh.to_le_bytes());
+        image[0x36..0x38].copy_from_slice(&56u16.to_le_bytes());
+        image[0x38..0x3a].copy_from_slice(&1u16.to_le_bytes());
+        image[0x3a..0x3c].copy_from_slice(&64u16.to_le_bytes());
+        image[0x3c..0x3e].copy_from_slice(&3u16.to_le_bytes());
+        let ph = ph as usize;
+        image[ph + 0x08..ph + 0x10].copy_from_slice(&data.to_le_bytes());
+        image[ph + 0x20..ph + 0x28].copy_from_slice(&16u64.to_le_bytes());
+        for (i, (kind, offset, size)) in [(1u32, data, 16u64), (8, 1 << 40, 1 << 20)].into_iter().enumerate() {
+            let at = sh as usize + (i + 1) * 64;
+            image[at + 4..at + 8].copy_from_slice(&kind.to_le_bytes());
+            image[at + 0x18..at + 0x20].copy_from_slice(&offset.to_le_bytes());
+            image[at + 0x20..at + 0x28].copy_from_slice(&size.to_le_bytes());
+        }
+        image
+    }
+
+    fn refused(image: &[u8]) -> String {
+        match check_cubin(image) {
+            Err(DeviceError::Cubin(why)) => why,
+            other => panic!("expected DeviceError::Cubin, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_well_formed_cuda_elf_image_passes_the_check() {
+        check_cubin(&tiny_cubin()).unwrap();
+        assert_eq!(cubin_arch(&tiny_cubin()).as_deref(), Some("sm_90"));
+        assert_eq!(cubin_arch(b"\x7fELF"), None);
+    }
+
+    #[test]
+    fn images_the_driver_must_not_read_are_refused_before_it_does() {
+        assert!(refused(b"").contains("not an ELF image"));
+        assert!(
+            refused(b"//\n// Generated by NVIDIA NVVM Compiler\n.version 8.7\n.target sm_90\n").contains("not an ELF")
+        );
+        let image = tiny_cubin();
+        let mut host = image.clone();
+        host[18..20].copy_from_slice(&62u16.to_le_bytes()); // EM_X86_64
+        assert!(refused(&host).contains("not CUDA"));
+        let mut elf32 = image.clone();
+        elf32[4] = 1;
+        assert!(refused(&elf32).contains("64-bit"));
+        assert!(refused(&image[..image.len() - 1]).contains("section header table"));
+        let mut past_end = image.clone();
+        let at = 64 + 56 + 16 + 64 + 0x20; // section 1's size
+        let beyond = image.len() as u64 - (64 + 56) + 1; // from section 1's start to one past the end
+        past_end[at..at + 8].copy_from_slice(&beyond.to_le_bytes());
+        assert!(refused(&past_end).contains("section header 1"));
+        let mut wrapping = image.clone();
+        wrapping[at..at + 8].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(refused(&wrapping).contains("section header 1"));
+        let mut program = image;
+        program[64 + 0x20..64 + 0x28].copy_from_slice(&1000u64.to_le_bytes());
+        assert!(refused(&program).contains("program header 0"));
+    }
+
+    #[test]
+    fn every_prefix_of_an_image_is_refused_or_passes_without_panicking() {
+        let image = tiny_cubin();
+        for end in 0..image.len() {
+            assert!(check_cubin(&image[..end]).is_err(), "a {end}-byte prefix passed");
+        }
+    }
+
+    #[test]
+    fn the_nvrtc_source_ends_with_the_fingerprint_kernel_of_the_sources() {
+        let name = fingerprint_kernel();
+        assert!(name.starts_with("kvg_source_") && name.len() == "kvg_source_".len() + 16, "{name}");
+        assert_eq!(name, fingerprint_kernel(), "the fingerprint is a function of the embedded sources");
+        let source = nvrtc_source();
+        assert_eq!(source.matches(&format!("extern \"C\" __global__ void {name}() {{}}")).count(), 1);
+        assert!(!KERNELS.contains(&name.as_str()));
+    }
 }
