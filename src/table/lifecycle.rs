@@ -130,25 +130,27 @@ impl TableState {
             return Err(Error::OutOfPages { requested: u64::from(n), free: self.free.len() as u64 });
         }
         out.reserve(n as usize);
-        let rec = self.requests.get_mut(&req).expect("checked above");
-        let start = self.free.len() - n as usize;
+        // Disjoint borrows, so the loop keeps the lists' lengths in registers.
+        let TableState { tags, free, changed, requests, state_counts, .. } = self;
+        let rec = requests.get_mut(&req).expect("checked above");
+        let start = free.len() - n as usize;
         let first_link = rec.pages.len();
         // The top of the free stack, most recently freed last: hand it out from the top down.
-        for (k, &page) in self.free[start..].iter().rev().enumerate() {
-            let tag = &mut self.tags[page.0 as usize];
+        for (k, &page) in free[start..].iter().rev().enumerate() {
+            let tag = &mut tags[page.0 as usize];
             debug_assert!(tag.state == PageState::Free && tag.written == 0 && !tag.sparse);
             tag.state = PageState::Owned;
             tag.owner = req;
             tag.link = (first_link + k) as u32;
             if !std::mem::replace(&mut tag.changed, true) {
-                self.changed.push(page);
+                changed.push(page);
             }
             out.push(PageRef { page, generation: Generation(tag.generation) });
         }
-        rec.pages.extend(self.free[start..].iter().rev());
-        self.state_counts[PageState::Free as usize] -= u64::from(n);
-        self.state_counts[PageState::Owned as usize] += u64::from(n);
-        self.free.truncate(start);
+        rec.pages.extend(free[start..].iter().rev());
+        state_counts[PageState::Free as usize] -= u64::from(n);
+        state_counts[PageState::Owned as usize] += u64::from(n);
+        free.truncate(start);
         Ok(())
     }
 

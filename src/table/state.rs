@@ -299,18 +299,20 @@ impl TableState {
     /// per page made a store-to-load chain through memory that cost more than the rest.
     pub fn end_incarnations(&mut self, pages: &[PageId], released: &mut Released) {
         let (mut owned, mut shared, mut freed, mut retired, mut scrubbing) = (0u64, 0u64, 0u64, 0u64, 0u64);
-        let (limit, scrub) = (self.generation_limit, self.scrub_on_release);
-        released.pages.reserve(pages.len());
+        let (limit, scrub, ps) = (self.generation_limit, self.scrub_on_release, self.page_size as usize);
+        // Disjoint borrows, so the loop keeps the lists' lengths in registers.
+        let TableState { tags, free, changed, coverage, .. } = self;
+        let ended_list = &mut released.pages;
+        ended_list.reserve(pages.len());
         for &page in pages {
-            let free_slot = self.free.len() as u32;
-            let tag = &mut self.tags[page.0 as usize];
+            let tag = &mut tags[page.0 as usize];
             let ended = PageRef { page, generation: Generation(tag.generation) };
             match tag.state {
                 PageState::Owned => owned += 1,
                 PageState::Shared => shared += 1,
                 other => unreachable!("only owned or shared pages end an incarnation, not {other:?}"),
             }
-            let (sparse, changed, pinned) = (tag.sparse, tag.changed, tag.pinned);
+            let (was_sparse, was_changed, pinned) = (tag.sparse, tag.changed, tag.pinned);
             tag.written = 0;
             tag.sparse = false;
             tag.changed = true;
@@ -328,19 +330,19 @@ impl TableState {
                     freed += 1;
                     // A pinned page waits outside the free list until its transfer is over.
                     if !pinned {
-                        tag.link = free_slot;
-                        self.free.push(page);
+                        tag.link = free.len() as u32;
+                        free.push(page);
                     }
                 }
             }
-            if !changed {
-                self.changed.push(page);
+            if !was_changed {
+                changed.push(page);
             }
-            if sparse {
-                let range = self.slot_range(page, 0, self.page_size);
-                self.coverage[range].fill(false);
+            if was_sparse {
+                let base = page.0 as usize * ps;
+                coverage[base..base + ps].fill(false);
             }
-            released.pages.push(ended);
+            ended_list.push(ended);
         }
         let c = &mut self.state_counts;
         c[PageState::Owned as usize] -= owned;
