@@ -38,7 +38,9 @@ pub mod violation;
 pub use config::{ConfigError, PoolConfig};
 pub use error::Error;
 pub use ids::{Generation, PageId, PageRef, PrefixKey, RequestId, TenantId};
-pub use table::{OwnershipTable, PageInfo, PageState, PoolSnapshot, Released, RequestInfo, SeqRead, StepVerdict};
+pub use table::{
+    ImportTicket, OwnershipTable, PageInfo, PageState, PoolSnapshot, Released, RequestInfo, SeqRead, StepVerdict,
+};
 pub use violation::{Op, Policy, Violation, ViolationCounters, ViolationKind};
 
 /// The README's code blocks, compiled and run as doctests.

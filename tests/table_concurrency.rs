@@ -115,7 +115,7 @@ fn concurrent_schedulers_and_transfers_keep_every_invariant() {
                 let tokens = 1 + next() % 200;
                 table.admit(req, TenantId(7), tokens, 0).unwrap();
                 let refs = table.allocate(req, tokens.div_ceil(u64::from(PAGE_SIZE)) as u32).unwrap();
-                table.begin_import(req, &refs).unwrap();
+                let ticket = table.begin_import(req, &refs).unwrap();
                 to_reaper.send(req).unwrap();
                 let reaped = transfer_in.recv().unwrap();
                 if reaped {
@@ -124,7 +124,7 @@ fn concurrent_schedulers_and_transfers_keep_every_invariant() {
                         assert_eq!(table.page_info(r.page).unwrap().state, PageState::Free, "{r} handed out in flight");
                     }
                 }
-                match table.finish_import(req, &refs, tokens, tokens) {
+                match table.finish_import(ticket, tokens, tokens) {
                     Ok(()) => {
                         assert!(!reaped);
                         table.verify_read_refs(req, &refs, tokens).unwrap();

@@ -701,12 +701,13 @@ fn a_transfer_lands_between_begin_and_finish_import() {
     let t = table();
     t.admit(A, T1, 40, 0).unwrap();
     let refs = t.allocate(A, 3).unwrap();
-    t.begin_import(A, &refs).unwrap();
-    t.finish_import(A, &refs, 40, 40).unwrap();
+    let ticket = t.begin_import(A, &refs).unwrap();
+    assert_eq!((ticket.request(), ticket.pages()), (A, &refs[..]));
+    t.finish_import(ticket, 40, 40).unwrap();
     t.verify_read_refs(A, &refs, 40).unwrap();
     // Finished: the pages can take another transfer.
-    t.begin_import(A, &refs[2..]).unwrap();
-    t.abort_import(&refs[2..]);
+    let again = t.begin_import(A, &refs[2..]).unwrap();
+    t.abort_import(again);
     assert_eq!(t.page_info(refs[2].page).unwrap().written_slots, 8, "an aborted transfer records nothing");
 }
 
@@ -715,10 +716,10 @@ fn two_transfers_into_one_page_at_once_are_refused() {
     let t = table();
     t.admit(A, T1, 40, 0).unwrap();
     let refs = t.allocate(A, 3).unwrap();
-    t.begin_import(A, &refs[1..]).unwrap();
+    let first = t.begin_import(A, &refs[1..]).unwrap();
     assert_eq!(kind(t.begin_import(A, &refs[..2])), ViolationKind::ImportInFlight);
     assert_eq!(kind(t.begin_import(A, &[refs[0], refs[0]])), ViolationKind::ImportInFlight);
-    t.abort_import(&refs[1..]);
+    t.abort_import(first);
 }
 
 #[test]
@@ -726,7 +727,7 @@ fn pages_released_while_a_transfer_is_in_flight_are_not_handed_out_until_it_ends
     let t = table();
     t.admit(A, T1, 32, 0).unwrap();
     let refs = t.allocate(A, 2).unwrap();
-    t.begin_import(A, &refs).unwrap();
+    let ticket = t.begin_import(A, &refs).unwrap();
     // The request ends while its bytes are still landing.
     t.release(A).unwrap();
     assert_eq!(t.page_info(refs[0].page).unwrap().state, PageState::Free);
@@ -736,7 +737,7 @@ fn pages_released_while_a_transfer_is_in_flight_are_not_handed_out_until_it_ends
     assert!(!got.contains(&refs[0].page) && !got.contains(&refs[1].page));
     assert!(matches!(t.allocate(B, 1), Err(Error::OutOfPages { .. })), "the pinned pages are not free to give");
     // The landing transfer is refused, and only then do the pages return.
-    assert_eq!(kind(t.finish_import(A, &refs, 32, 32)), ViolationKind::UnknownRequest);
+    assert_eq!(kind(t.finish_import(ticket, 32, 32)), ViolationKind::UnknownRequest);
     let more = pages(&t.allocate(B, 2).unwrap());
     assert!(more.contains(&refs[0].page) && more.contains(&refs[1].page));
     assert_eq!(t.page_info(refs[0].page).unwrap().written_slots, 0);
@@ -763,11 +764,33 @@ fn a_scrubbed_pool_keeps_in_flight_pages_out_until_both_scrub_and_transfer_end()
     let t = OwnershipTable::new(PoolConfig::new(4, PS, 16).with_scrub_on_release(true)).unwrap();
     t.admit(A, T1, 16, 0).unwrap();
     let refs = t.allocate(A, 1).unwrap();
-    t.begin_import(A, &refs).unwrap();
+    let ticket = t.begin_import(A, &refs).unwrap();
     let released = t.release(A).unwrap();
     t.confirm_scrubbed(&released.scrub).unwrap();
     t.admit(B, T1, 16, 0).unwrap();
     assert_eq!(kind(t.claim(B, &[refs[0].page])), ViolationKind::PageNotFree);
-    t.abort_import(&refs);
+    t.abort_import(ticket);
     t.claim(B, &[refs[0].page]).unwrap();
+}
+
+#[test]
+fn ending_one_transfer_never_unpins_another_transfers_pages() {
+    let t = table();
+    t.admit(A, T1, 16, 0).unwrap();
+    let refs = t.allocate(A, 1).unwrap();
+    let first = t.begin_import(A, &refs).unwrap();
+    t.finish_import(first, 16, 16).unwrap();
+    // The page goes round: released, reallocated to B, and B's own transfer pins it.
+    t.release(A).unwrap();
+    t.admit(B, T2, 16, 0).unwrap();
+    let b_refs = t.claim(B, &[refs[0].page]).unwrap();
+    let second = t.begin_import(B, &b_refs).unwrap();
+    // A stale transfer for A's old incarnation cannot even start, so it cannot end B's pin...
+    t.admit(A, T1, 16, 0).unwrap();
+    assert_eq!(kind(t.begin_import(A, &refs)), ViolationKind::ForeignPage);
+    // ...and B, released mid-transfer, keeps the page out of the pool until its own ticket ends.
+    t.release(B).unwrap();
+    assert_eq!(kind(t.claim(A, &[refs[0].page])), ViolationKind::PageNotFree);
+    t.abort_import(second);
+    t.claim(A, &[refs[0].page]).unwrap();
 }

@@ -360,8 +360,8 @@ fn a_second_transfer_into_pages_still_landing_is_refused() {
     assert_eq!(f.table.counters().get(ViolationKind::ImportInFlight), 1);
     // The first transfer still ends, and unpins its pages.
     drop(first);
-    f.table.begin_import(f.req, &f.refs).unwrap();
-    f.table.abort_import(&f.refs);
+    let ticket = f.table.begin_import(f.req, &f.refs).unwrap();
+    f.table.abort_import(ticket);
 }
 
 #[test]

@@ -374,8 +374,8 @@ impl TableState {
     }
 
     /// Pins `refs` (all owned by `req` in exactly these incarnations) for a KV transfer about to
-    /// land in them. All or none.
-    pub(crate) fn pin(&mut self, req: RequestId, refs: &[PageRef]) -> Result<(), Error> {
+    /// land in them, under a new ticket id. All or none.
+    pub(crate) fn pin(&mut self, req: RequestId, refs: &[PageRef]) -> Result<u64, Error> {
         self.record(Op::Import, req)?;
         for (b, r) in refs.iter().enumerate() {
             let tag = self.tag(r.page);
@@ -392,17 +392,26 @@ impl TableState {
         if let Some(r) = first_repeat(refs) {
             return Err(self.page_violation(ViolationKind::ImportInFlight, Op::Import, req, r.page).into());
         }
+        let ticket = self.next_ticket;
+        self.next_ticket += 1;
         for r in refs {
             self.tags[r.page.0 as usize].pinned = true;
+            self.pins.insert(r.page, ticket);
         }
-        Ok(())
+        Ok(ticket)
     }
 
-    /// Unpins the pages of `refs`; a page released while pinned joins the free list now.
-    pub(crate) fn unpin(&mut self, refs: &[PageRef]) {
+    /// Unpins the pages `ticket` pinned (and only those: a page is never unpinned for another
+    /// transfer); a page released while pinned joins the free list now.
+    pub(crate) fn unpin(&mut self, ticket: u64, refs: &[PageRef]) {
         for r in refs {
-            let Some(tag) = self.tags.get_mut(r.page.0 as usize) else { continue };
-            if std::mem::take(&mut tag.pinned) && tag.state == PageState::Free {
+            if self.pins.get(&r.page) != Some(&ticket) {
+                continue;
+            }
+            self.pins.remove(&r.page);
+            let tag = &mut self.tags[r.page.0 as usize];
+            tag.pinned = false;
+            if tag.state == PageState::Free {
                 tag.link = self.free.len() as u32;
                 self.free.push(r.page);
             }

@@ -76,6 +76,30 @@ pub struct OwnershipTable {
     log_dropped: AtomicU64,
 }
 
+/// A KV transfer in flight, from [`OwnershipTable::begin_import`]. Pass it to exactly one of
+/// [`finish_import`](OwnershipTable::finish_import) or
+/// [`abort_import`](OwnershipTable::abort_import): it cannot be copied, so a transfer cannot be
+/// ended twice or end another's pin. A ticket that is dropped instead keeps its pages out of the
+/// pool for good (they are never handed out while bytes may still land in them).
+#[derive(Debug)]
+#[must_use = "a transfer never finished or aborted keeps its pages pinned out of the pool"]
+pub struct ImportTicket {
+    id: u64,
+    request: RequestId,
+    refs: Vec<PageRef>,
+}
+
+impl ImportTicket {
+    /// The receiving request.
+    pub fn request(&self) -> RequestId {
+        self.request
+    }
+    /// The pages the transfer lands in.
+    pub fn pages(&self) -> &[PageRef] {
+        &self.refs
+    }
+}
+
 /// One sequence of a decode step: a request, its block table and how many tokens attention reads.
 #[derive(Clone, Copy, Debug)]
 pub struct SeqRead<'a> {
@@ -347,45 +371,45 @@ impl OwnershipTable {
     /// Starts a KV transfer into `refs`: each must be `req`'s own page in exactly that
     /// incarnation, and not already receiving another transfer
     /// ([`ViolationKind::ImportInFlight`]). The pages are *pinned*: if `req` releases them before
-    /// the transfer is over, they still leave `req`, but stay out of the free list until
-    /// [`finish_import`](Self::finish_import) or [`abort_import`](Self::abort_import), so bytes
-    /// still landing can never reach a next owner. Call it before any byte lands.
+    /// the transfer is over, they still leave `req`, but stay out of the free list until the
+    /// returned ticket is passed to [`finish_import`](Self::finish_import) or
+    /// [`abort_import`](Self::abort_import), so bytes still landing can never reach a next
+    /// owner. Call it before any byte lands.
     ///
     /// ```
     /// use kvguard::{OwnershipTable, PoolConfig, RequestId, TenantId, ViolationKind};
     /// let table = OwnershipTable::new(PoolConfig::new(8, 16, 64))?;
     /// table.admit(RequestId(1), TenantId(1), 20, 0)?;
     /// let refs = table.allocate(RequestId(1), 2)?;
-    /// table.begin_import(RequestId(1), &refs)?;
+    /// let ticket = table.begin_import(RequestId(1), &refs)?;
     /// // ... the transfer's bytes land in the pages, its manifest is checked ...
-    /// table.finish_import(RequestId(1), &refs, 20, 20)?;
+    /// table.finish_import(ticket, 20, 20)?;
     /// let pages: Vec<_> = refs.iter().map(|r| r.page).collect();
     /// table.verify_read(RequestId(1), &pages, 20)?;
     /// # Ok::<(), kvguard::Error>(())
     /// ```
-    pub fn begin_import(&self, req: RequestId, refs: &[PageRef]) -> Result<(), Error> {
+    pub fn begin_import(&self, req: RequestId, refs: &[PageRef]) -> Result<ImportTicket, Error> {
         let mut state = self.state.write();
-        let outcome = state.pin(req, refs);
+        let outcome = state.pin(req, refs).map(|id| ImportTicket { id, request: req, refs: refs.to_vec() });
         self.judge(&state, outcome)
     }
 
     /// Ends a transfer begun with [`begin_import`](Self::begin_import): records `tokens` tokens
-    /// as written by `req`'s current incarnation exactly as
+    /// as written by the request's current incarnation exactly as
     /// [`record_import_refs`](Self::record_import_refs) does (a count that differs from
-    /// `expected`, or pages that changed hands meanwhile, record nothing), and unpins the pages
-    /// whatever the outcome, in the same critical section.
-    pub fn finish_import(&self, req: RequestId, refs: &[PageRef], tokens: u64, expected: u64) -> Result<(), Error> {
+    /// `expected`, or pages that changed hands meanwhile, record nothing), and unpins the
+    /// ticket's pages whatever the outcome, in the same critical section.
+    pub fn finish_import(&self, ticket: ImportTicket, tokens: u64, expected: u64) -> Result<(), Error> {
         let mut state = self.state.write();
-        let outcome = import(&mut state, req, refs, tokens, expected);
-        state.unpin(refs);
+        let outcome = import(&mut state, ticket.request, &ticket.refs, tokens, expected);
+        state.unpin(ticket.id, &ticket.refs);
         self.judge(&state, outcome)
     }
 
     /// Abandons a transfer begun with [`begin_import`](Self::begin_import) (its manifest was
-    /// refused, say): nothing is recorded, and the pages are unpinned. Pages that were not pinned
-    /// are left as they are.
-    pub fn abort_import(&self, refs: &[PageRef]) {
-        self.state.write().unpin(refs);
+    /// refused, say): nothing is recorded, and the ticket's pages are unpinned.
+    pub fn abort_import(&self, ticket: ImportTicket) {
+        self.state.write().unpin(ticket.id, &ticket.refs);
     }
 
     /// Checks that `req` may read its first `tokens` tokens through `block_table`: every page is

@@ -172,6 +172,9 @@ pub(crate) struct TableState {
     pub sharing_tenants: HashSet<TenantId>,
     pub state_counts: [u64; PageState::COUNT],
     pub changed: Vec<PageId>,
+    /// Pinned page → the transfer ticket that pinned it (see `pin`).
+    pub pins: HashMap<PageId, u64>,
+    pub next_ticket: u64,
 }
 
 impl TableState {
@@ -229,6 +232,8 @@ impl TableState {
             sharing_tenants: HashSet::new(),
             state_counts,
             changed: Vec::new(),
+            pins: HashMap::new(),
+            next_ticket: 0,
         })
     }
 

@@ -5,7 +5,7 @@ use super::digest::PromptDigest;
 use super::wire::{DecodeError, Manifest, SenderId};
 use crate::error::Error;
 use crate::ids::{PageRef, RequestId, TenantId, grouped};
-use crate::table::OwnershipTable;
+use crate::table::{ImportTicket, OwnershipTable};
 use crate::violation::{Op, Violation, ViolationKind};
 
 /// What the receiver expects of a transfer, from its own copy of the request.
@@ -466,18 +466,17 @@ impl<'t> Receiver<'t> {
 /// Receiving pages pinned by [`OwnershipTable::begin_import`]: [`finish`](Pinned::finish) records
 /// and unpins them; dropped unfinished (every refusal after the pin, a panicking `land`), they are
 /// unpinned with [`OwnershipTable::abort_import`].
-struct Pinned<'t, 'a> {
+struct Pinned<'t> {
     table: &'t OwnershipTable,
-    request: RequestId,
     /// `None` once finished.
-    refs: Option<&'a [PageRef]>,
+    ticket: Option<ImportTicket>,
 }
 
-impl<'t, 'a> Pinned<'t, 'a> {
+impl<'t> Pinned<'t> {
     /// Pins `refs` for `request`; a refusal (counted by the table) is [`TransferError::NotHeld`].
-    fn begin(table: &'t OwnershipTable, request: RequestId, refs: &'a [PageRef]) -> Result<Self, TransferError> {
+    fn begin(table: &'t OwnershipTable, request: RequestId, refs: &[PageRef]) -> Result<Self, TransferError> {
         match table.begin_import(request, refs) {
-            Ok(()) => Ok(Pinned { table, request, refs: Some(refs) }),
+            Ok(ticket) => Ok(Pinned { table, ticket: Some(ticket) }),
             Err(Error::Violation(v)) => Err(TransferError::NotHeld(v)),
             Err(e) => Err(TransferError::Table(e)),
         }
@@ -485,17 +484,17 @@ impl<'t, 'a> Pinned<'t, 'a> {
 
     /// Records `tokens` tokens (of `expected`) as written and unpins, whatever the outcome.
     fn finish(mut self, tokens: u64, expected: u64) -> Result<(), Error> {
-        match self.refs.take() {
-            Some(refs) => self.table.finish_import(self.request, refs, tokens, expected),
+        match self.ticket.take() {
+            Some(ticket) => self.table.finish_import(ticket, tokens, expected),
             None => Ok(()),
         }
     }
 }
 
-impl Drop for Pinned<'_, '_> {
+impl Drop for Pinned<'_> {
     fn drop(&mut self) {
-        if let Some(refs) = self.refs.take() {
-            self.table.abort_import(refs);
+        if let Some(ticket) = self.ticket.take() {
+            self.table.abort_import(ticket);
         }
     }
 }

@@ -624,7 +624,7 @@ fn execute(table: &OwnershipTable, model: &Model, op: &Op) -> Result<Option<Vec<
         Op::Import { req, tokens, expected, release_midway } => {
             let r = req_id(req);
             let refs = model.owned_refs(req % REQUESTS);
-            table.begin_import(r, &refs)?;
+            let ticket = table.begin_import(r, &refs)?;
             if release_midway {
                 table.release(r)?;
                 // Released while pinned: no page may be handed out before the transfer ends.
@@ -638,7 +638,7 @@ fn execute(table: &OwnershipTable, model: &Model, op: &Op) -> Result<Option<Vec<
                 }
                 table.release(thief)?;
             }
-            none(table.finish_import(r, &refs, u64::from(tokens % 20), u64::from(expected % 20)))
+            none(table.finish_import(ticket, u64::from(tokens % 20), u64::from(expected % 20)))
         }
     }
 }
