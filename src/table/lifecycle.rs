@@ -9,10 +9,13 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// What a release handed back.
+///
+/// Only the count of ended incarnations comes back, not their list: the engine knows which pages
+/// it released, and building a list it does not need cost a third of a release.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Released {
-    /// The incarnations that ended (pages freed, retired or awaiting a scrub).
-    pub pages: Vec<PageRef>,
+    /// How many page incarnations ended (pages freed, retired or awaiting a scrub).
+    pub ended: u64,
     /// With `scrub_on_release`: the pages the engine must poison or zero, then pass to
     /// [`OwnershipTable::confirm_scrubbed`](crate::OwnershipTable::confirm_scrubbed); until then
     /// they are not handed out again. Empty otherwise.

@@ -298,7 +298,7 @@ impl TableState {
 
     /// Ends the incarnations of `pages` (owned or shared ones): coverage cleared, generation
     /// bumped (or the page retired), and each page returned to the free list — unless a transfer
-    /// pins it — or held for a scrub. The ended incarnations go to `released`.
+    /// pins it — or held for a scrub. `released` counts them and lists those to scrub.
     ///
     /// Page-state counts are tallied in locals and applied once: updating the shared counters
     /// per page made a store-to-load chain through memory that cost more than the rest.
@@ -307,8 +307,6 @@ impl TableState {
         let (limit, scrub, ps) = (self.generation_limit, self.scrub_on_release, self.page_size as usize);
         // Disjoint borrows, so the loop keeps the lists' lengths in registers.
         let TableState { tags, free, changed, coverage, .. } = self;
-        let ended_list = &mut released.pages;
-        ended_list.reserve(pages.len());
         for &page in pages {
             let tag = &mut tags[page.0 as usize];
             let ended = PageRef { page, generation: Generation(tag.generation) };
@@ -347,8 +345,8 @@ impl TableState {
                 let base = page.0 as usize * ps;
                 coverage[base..base + ps].fill(false);
             }
-            ended_list.push(ended);
         }
+        released.ended += pages.len() as u64;
         let c = &mut self.state_counts;
         c[PageState::Owned as usize] -= owned;
         c[PageState::Shared as usize] -= shared;
