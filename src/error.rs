@@ -28,6 +28,10 @@ pub enum Error {
     /// A scrub confirmation for a page that is not awaiting one in that incarnation.
     #[error("{0} is not awaiting a scrub")]
     NotAwaitingScrub(PageRef),
+    /// A scrub confirmation for a page a transfer still lands in: the scrub may predate the
+    /// bytes, so it does not count; scrub again once the transfer's ticket has ended.
+    #[error("{0} still receives a transfer: scrub it again after the transfer ends")]
+    ScrubInFlight(PageRef),
     /// The table's metadata could not be allocated.
     #[error("could not allocate page tags for {} pages", grouped(u64::from(*pages)))]
     OutOfMemory {

@@ -124,7 +124,7 @@ fn concurrent_schedulers_and_transfers_keep_every_invariant() {
                         assert_eq!(table.page_info(r.page).unwrap().state, PageState::Free, "{r} handed out in flight");
                     }
                 }
-                match table.finish_import(ticket, tokens, tokens) {
+                match ticket.finish(tokens, tokens) {
                     Ok(()) => {
                         assert!(!reaped);
                         table.verify_read_refs(req, &refs, tokens).unwrap();

@@ -103,8 +103,9 @@ struct AuditArgs {
     /// A pool and its size in tokens (floored to whole pages); repeat for each pool.
     #[arg(long = "pool", value_name = "NAME=TOKENS", required = true, value_parser = parse_pool)]
     pools: Vec<(String, u64)>,
-    /// Pages of each pool that are never allocated (the null page).
-    #[arg(long, value_name = "N", default_value_t = 0)]
+    /// Pages of each pool that are never allocated (the null page), at most 4,096: engines
+    /// reserve one or a few, and the audit lists each.
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=4096))]
     reserved_pages: u64,
     /// One JSON object per pool.
     #[arg(long)]

@@ -259,12 +259,21 @@ fn image_refused(e: &cudarc::driver::DriverError) -> bool {
     )
 }
 
+/// A copy of a CUBIN for the driver, with a page of zero bytes after it.
+fn padded(cubin: &[u8]) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(cubin.len() + 4096);
+    bytes.extend_from_slice(cubin);
+    bytes.resize(cubin.len() + 4096, 0);
+    bytes
+}
+
 /// Loads a prebuilt CUBIN (checked by `source::check_cubin`) into `ctx`; errors that blame the
 /// image are [`DeviceError::Cubin`], naming the device's architecture.
 fn load_cubin(ctx: &Arc<CudaContext>, cubin: &[u8], arch: &str) -> Result<Arc<CudaModule>, DeviceError> {
     // The driver reads the image without its length: `check_cubin` proved that the ELF headers
-    // and every section they name lie inside these bytes.
-    ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin.to_vec())).map_err(|e| {
+    // and every section they name lie inside these bytes; zero padding after them stops any
+    // string read that the check could not foresee.
+    ctx.load_module(cudarc::nvrtc::Ptx::from_binary(padded(cubin))).map_err(|e| {
         if image_refused(&e) {
             let built = super::source::cubin_arch(cubin).map_or(String::new(), |a| format!("built for {a}, "));
             DeviceError::Cubin(format!(
@@ -299,7 +308,7 @@ impl Device {
         let module = match &shape.cubin {
             Some(cubin) => load_cubin(&ctx, cubin, &arch)?,
             None => match super::source::compile_cubin(&arch) {
-                Ok(cubin) => ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin.to_vec()))?,
+                Ok(cubin) => ctx.load_module(cudarc::nvrtc::Ptx::from_binary(padded(&cubin)))?,
                 Err(DeviceError::Compile { .. }) => {
                     let ptx = super::source::compile_ptx(&format!("compute_{major}{minor}"))?;
                     ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx.to_string()))?

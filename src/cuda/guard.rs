@@ -385,6 +385,9 @@ impl DeviceGuard {
     /// Drains the violation ring now: [`begin_drain`](Self::begin_drain), wait for the copy, and
     /// report. Waits for the work queued so far on the stream; off the step's critical path.
     pub fn drain(&mut self, table: &OwnershipTable) -> Result<DrainReport, DeviceError> {
+        // A copy begun earlier shows the ring as it was then: let it land and copy again. Its
+        // records were not marked consumed, so the fresh copy still holds them: none is lost.
+        let _older = self.device.finish_ring_copy(true)?;
         self.device.start_ring_copy()?;
         let bytes = self.device.finish_ring_copy(true)?.unwrap_or_default();
         self.report(&bytes, table)

@@ -72,32 +72,51 @@ pub fn check_cubin(image: &[u8]) -> Result<(), DeviceError> {
         return bad(format!("an ELF image for machine {machine}, not CUDA ({EM_CUDA})"));
     }
     let len = image.len() as u64;
+    let (Some(ph_entry), Some(ph_count), Some(sh_entry), Some(sh_count), Some(names)) =
+        (u16_at(0x36), u16_at(0x38), u16_at(0x3a), u16_at(0x3c), u16_at(0x3e))
+    else {
+        return bad("a truncated ELF header".into());
+    };
+    // Extended numbering (0 or 0xffff counts, an escaped name-table index) would make a reader
+    // look for the real counts elsewhere: a CUBIN never needs it, so it is refused, as are entry
+    // sizes other than ELF64's, which a reader using `sizeof` would walk past.
+    if sh_count == 0 || sh_count == 0xffff || ph_count == 0xffff || names >= sh_count {
+        return bad(format!("an ELF header with {sh_count} sections, {ph_count} segments and name table {names}"));
+    }
+    if sh_entry != 64 || (ph_count > 0 && ph_entry != 56) {
+        return bad(format!("ELF entry sizes {ph_entry} and {sh_entry}, not ELF64's 56 and 64"));
+    }
     // (offset of the table, entry size, entries, offset and size fields within an entry)
     let tables = [
-        ("program header", u64_at(0x20), u16_at(0x36), u16_at(0x38), 0x08, 0x20),
-        ("section header", u64_at(0x28), u16_at(0x3a), u16_at(0x3c), 0x18, 0x20),
+        ("program header", u64_at(0x20), ph_entry, ph_count, 0x08, 0x20),
+        ("section header", u64_at(0x28), sh_entry, sh_count, 0x18, 0x20),
     ];
     for (what, offset, entry, count, field_offset, field_size) in tables {
-        let (Some(offset), Some(entry), Some(count)) = (offset, entry, count) else {
+        let Some(offset) = offset else {
             return bad("a truncated ELF header".into());
         };
         if count == 0 {
             continue;
         }
         let (entry, count) = (u64::from(entry), u64::from(count));
-        if entry < field_size + 8 || offset.checked_add(entry * count).is_none_or(|end| end > len) {
+        if offset.checked_add(entry * count).is_none_or(|end| end > len) {
             return bad(format!("its {what} table lies outside the {len} bytes given"));
         }
         for i in 0..count {
             let at = (offset + i * entry) as usize;
+            let kind = u32_at(at + 4);
             // Sections of type SHT_NOBITS (8) occupy no bytes of the image.
-            if what == "section header" && u32_at(at + 4) == Some(8) {
+            if what == "section header" && kind == Some(8) {
                 continue;
             }
             let start = u64_at(at + field_offset as usize).unwrap_or(u64::MAX);
             let size = u64_at(at + field_size as usize).unwrap_or(u64::MAX);
             if start.checked_add(size).is_none_or(|end| end > len) {
                 return bad(format!("its {what} {i} points outside the {len} bytes given"));
+            }
+            // A string table (SHT_STRTAB, 3) must end in a NUL, or a reader's strlen runs off it.
+            if what == "section header" && kind == Some(3) && (size == 0 || image[(start + size - 1) as usize] != 0) {
+                return bad(format!("its string table (section {i}) does not end in a NUL byte"));
             }
         }
     }
@@ -250,6 +269,30 @@ pub(super) mod tests {
         let mut program = image;
         program[64 + 0x20..64 + 0x28].copy_from_slice(&1000u64.to_le_bytes());
         assert!(refused(&program).contains("program header 0"));
+    }
+
+    #[test]
+    fn headers_that_send_a_reader_outside_the_image_are_refused() {
+        let image = tiny_cubin();
+        // Extended section numbering: no sections here, the real count far away.
+        let mut extended = image.clone();
+        extended[0x3c..0x3e].copy_from_slice(&0u16.to_le_bytes());
+        extended[0x28..0x30].copy_from_slice(&(1u64 << 40).to_le_bytes());
+        assert!(refused(&extended).contains("0 sections"));
+        let mut escaped = image.clone();
+        escaped[0x3e..0x40].copy_from_slice(&3u16.to_le_bytes()); // name table index == count
+        assert!(refused(&escaped).contains("name table 3"));
+        let mut short_entries = image.clone();
+        short_entries[0x3a..0x3c].copy_from_slice(&40u16.to_le_bytes());
+        assert!(refused(&short_entries).contains("entry sizes"));
+        // Section 1 as a string table whose last byte is not a NUL.
+        let mut unterminated = image;
+        let at = 64 + 56 + 16 + 64;
+        unterminated[at + 4..at + 8].copy_from_slice(&3u32.to_le_bytes());
+        unterminated[64 + 56 + 15] = b'x';
+        assert!(refused(&unterminated).contains("NUL"));
+        unterminated[64 + 56 + 15] = 0;
+        check_cubin(&unterminated).unwrap();
     }
 
     #[test]

@@ -321,6 +321,10 @@ impl TableState {
             if !awaiting {
                 return Err(Error::NotAwaitingScrub(*r));
             }
+            if self.tags[r.page.0 as usize].pinned {
+                // A scrub done while bytes may still land does not count: scrub again after.
+                return Err(Error::ScrubInFlight(*r));
+            }
         }
         if let Some(r) = first_repeat(refs) {
             return Err(Error::NotAwaitingScrub(r));

@@ -76,27 +76,65 @@ pub struct OwnershipTable {
     log_dropped: AtomicU64,
 }
 
-/// A KV transfer in flight, from [`OwnershipTable::begin_import`]. Pass it to exactly one of
-/// [`finish_import`](OwnershipTable::finish_import) or
-/// [`abort_import`](OwnershipTable::abort_import): it cannot be copied, so a transfer cannot be
-/// ended twice or end another's pin. A ticket that is dropped instead keeps its pages out of the
-/// pool for good (they are never handed out while bytes may still land in them).
-#[derive(Debug)]
-#[must_use = "a transfer never finished or aborted keeps its pages pinned out of the pool"]
-pub struct ImportTicket {
+/// A KV transfer in flight, from [`OwnershipTable::begin_import`]: while it lives, its pages are
+/// pinned. End it with [`finish`](Self::finish) (record what landed) or [`abort`](Self::abort);
+/// dropping it aborts. It borrows its table and cannot be copied, so a transfer ends exactly
+/// once, and only its own pins.
+#[must_use = "dropping the ticket aborts the transfer"]
+pub struct ImportTicket<'t> {
+    table: &'t OwnershipTable,
     id: u64,
     request: RequestId,
     refs: Vec<PageRef>,
+    ended: bool,
 }
 
-impl ImportTicket {
+impl ImportTicket<'_> {
     /// The receiving request.
     pub fn request(&self) -> RequestId {
         self.request
     }
+
     /// The pages the transfer lands in.
     pub fn pages(&self) -> &[PageRef] {
         &self.refs
+    }
+
+    /// Records `tokens` tokens as written by the request's current incarnation exactly as
+    /// [`record_import_refs`](OwnershipTable::record_import_refs) does (a count that differs from
+    /// `expected`, or pages that changed hands meanwhile, record nothing), and unpins the pages
+    /// whatever the outcome, in the same critical section.
+    pub fn finish(mut self, tokens: u64, expected: u64) -> Result<(), Error> {
+        self.ended = true;
+        let table = self.table;
+        let mut state = table.state.write();
+        let outcome = import(&mut state, self.request, &self.refs, tokens, expected);
+        state.unpin(self.id, &self.refs);
+        table.judge(&state, outcome)
+    }
+
+    /// Abandons the transfer (its manifest was refused, say): nothing is recorded, and the pages
+    /// are unpinned.
+    pub fn abort(mut self) {
+        self.end();
+    }
+
+    fn end(&mut self) {
+        if !std::mem::replace(&mut self.ended, true) {
+            self.table.state.write().unpin(self.id, &self.refs);
+        }
+    }
+}
+
+impl std::fmt::Debug for ImportTicket<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ImportTicket").field("request", &self.request).field("pages", &self.refs).finish()
+    }
+}
+
+impl Drop for ImportTicket<'_> {
+    fn drop(&mut self) {
+        self.end();
     }
 }
 
@@ -153,6 +191,9 @@ pub struct PoolSnapshot {
     pub violations: u64,
     /// Violations dropped from the log because nobody drained it.
     pub violations_dropped: u64,
+    /// Released pages (counted in `free` or `awaiting_scrub`) that a transfer still lands in:
+    /// not allocatable until its ticket ends.
+    pub in_flight: u64,
 }
 
 /// What the table knows about one page.
@@ -370,11 +411,11 @@ impl OwnershipTable {
 
     /// Starts a KV transfer into `refs`: each must be `req`'s own page in exactly that
     /// incarnation, and not already receiving another transfer
-    /// ([`ViolationKind::ImportInFlight`]). The pages are *pinned*: if `req` releases them before
-    /// the transfer is over, they still leave `req`, but stay out of the free list until the
-    /// returned ticket is passed to [`finish_import`](Self::finish_import) or
-    /// [`abort_import`](Self::abort_import), so bytes still landing can never reach a next
-    /// owner. Call it before any byte lands.
+    /// ([`ViolationKind::ImportInFlight`]). The pages are *pinned* while the returned ticket
+    /// lives: if `req` releases them before the transfer is over, they still leave `req`, but
+    /// stay out of the free list (and cannot be confirmed scrubbed) until the ticket is finished,
+    /// aborted or dropped, so bytes still landing can never reach a next owner. Call it before
+    /// any byte lands.
     ///
     /// ```
     /// use kvguard::{OwnershipTable, PoolConfig, RequestId, TenantId, ViolationKind};
@@ -383,33 +424,16 @@ impl OwnershipTable {
     /// let refs = table.allocate(RequestId(1), 2)?;
     /// let ticket = table.begin_import(RequestId(1), &refs)?;
     /// // ... the transfer's bytes land in the pages, its manifest is checked ...
-    /// table.finish_import(ticket, 20, 20)?;
+    /// ticket.finish(20, 20)?;
     /// let pages: Vec<_> = refs.iter().map(|r| r.page).collect();
     /// table.verify_read(RequestId(1), &pages, 20)?;
     /// # Ok::<(), kvguard::Error>(())
     /// ```
-    pub fn begin_import(&self, req: RequestId, refs: &[PageRef]) -> Result<ImportTicket, Error> {
+    pub fn begin_import(&self, req: RequestId, refs: &[PageRef]) -> Result<ImportTicket<'_>, Error> {
         let mut state = self.state.write();
-        let outcome = state.pin(req, refs).map(|id| ImportTicket { id, request: req, refs: refs.to_vec() });
-        self.judge(&state, outcome)
-    }
-
-    /// Ends a transfer begun with [`begin_import`](Self::begin_import): records `tokens` tokens
-    /// as written by the request's current incarnation exactly as
-    /// [`record_import_refs`](Self::record_import_refs) does (a count that differs from
-    /// `expected`, or pages that changed hands meanwhile, record nothing), and unpins the
-    /// ticket's pages whatever the outcome, in the same critical section.
-    pub fn finish_import(&self, ticket: ImportTicket, tokens: u64, expected: u64) -> Result<(), Error> {
-        let mut state = self.state.write();
-        let outcome = import(&mut state, ticket.request, &ticket.refs, tokens, expected);
-        state.unpin(ticket.id, &ticket.refs);
-        self.judge(&state, outcome)
-    }
-
-    /// Abandons a transfer begun with [`begin_import`](Self::begin_import) (its manifest was
-    /// refused, say): nothing is recorded, and the ticket's pages are unpinned.
-    pub fn abort_import(&self, ticket: ImportTicket) {
-        self.state.write().unpin(ticket.id, &ticket.refs);
+        let outcome = state.pin(req, refs);
+        let id = self.judge(&state, outcome)?;
+        Ok(ImportTicket { table: self, id, request: req, refs: refs.to_vec(), ended: false })
     }
 
     /// Checks that `req` may read its first `tokens` tokens through `block_table`: every page is
@@ -525,6 +549,11 @@ impl OwnershipTable {
     /// Parallel sampling: `child` is admitted for the same tenant holding `parent`'s pages
     /// read-only (they become shared; writes to them are refused, copy-on-write is the engine's
     /// move). The pages stay allocated until both have released them.
+    ///
+    /// A quarantined parent cannot fork ([`ViolationKind::Quarantined`]). A `child` id that is
+    /// already live is [`ViolationKind::DuplicateRequest`] charged to the parent, whose call it
+    /// was; unlike a duplicate [`admit`](Self::admit), the live request keeps running, since
+    /// nothing was admitted under its id.
     pub fn fork(&self, parent: RequestId, child: RequestId) -> Result<(), Error> {
         let mut state = self.state.write();
         let outcome = state.fork(parent, child);
@@ -548,6 +577,11 @@ impl OwnershipTable {
             prefixes: state.prefixes.iter().filter(|p| p.is_some()).count() as u64,
             violations: self.counters.total(),
             violations_dropped: self.log_dropped.load(Ordering::Relaxed),
+            in_flight: state
+                .pins
+                .keys()
+                .filter(|p| matches!(state.tags[p.0 as usize].state, PageState::Free | PageState::AwaitingScrub))
+                .count() as u64,
         }
     }
 

@@ -5,7 +5,7 @@ use super::digest::PromptDigest;
 use super::wire::{DecodeError, Manifest, SenderId};
 use crate::error::Error;
 use crate::ids::{PageRef, RequestId, TenantId, grouped};
-use crate::table::{ImportTicket, OwnershipTable};
+use crate::table::OwnershipTable;
 use crate::violation::{Op, Violation, ViolationKind};
 
 /// What the receiver expects of a transfer, from its own copy of the request.
@@ -371,8 +371,8 @@ impl<'t> Receiver<'t> {
     ///
     /// The receiving pages are pinned ([`OwnershipTable::begin_import`]) before anything is
     /// checked against the manifest, and stay pinned until the coverage is recorded
-    /// ([`OwnershipTable::finish_import`]) or the transfer is refused
-    /// ([`OwnershipTable::abort_import`], also when `land` panics). So if another thread releases
+    /// ([`ImportTicket::finish`](crate::ImportTicket::finish)) or the transfer is refused
+    /// (the ticket is dropped, which aborts, also when `land` panics). So if another thread releases
     /// the request while `land` runs (no lock is held then), its pages leave the request but no
     /// other request can get them before the transfer is over; the record is then refused and
     /// records nothing, so a later owner of those pages starts a new incarnation with no slot
@@ -430,13 +430,18 @@ impl<'t> Receiver<'t> {
         if expected.page_size != table_page_size {
             return Err(TransferError::TablePageSize { expected: expected.page_size, table: table_page_size });
         }
-        let pinned = Pinned::begin(self.table, expected.request, expected.pages)?;
+        // Pinned until `finish`; every early return below drops the ticket, which aborts.
+        let ticket = match self.table.begin_import(expected.request, expected.pages) {
+            Ok(ticket) => ticket,
+            Err(Error::Violation(v)) => return Err(TransferError::NotHeld(v)),
+            Err(e) => return Err(TransferError::Table(e)),
+        };
         self.check_tenant(expected)?;
         verify(expected, manifest, pages)?;
         for (index, (&page, bytes)) in expected.pages.iter().zip(pages).enumerate() {
             land(index, page, bytes.as_ref());
         }
-        pinned.finish(manifest.prompt_tokens(), expected.prompt_tokens).map_err(TransferError::Table)?;
+        ticket.finish(manifest.prompt_tokens(), expected.prompt_tokens).map_err(TransferError::Table)?;
         Ok(Accepted { tokens: manifest.prompt_tokens(), pages: expected.pages.len() })
     }
 
@@ -459,42 +464,6 @@ impl<'t> Receiver<'t> {
                 Err(TransferError::TableTenant { request: req, expected: expected.tenant, table })
             }
             _ => Ok(()),
-        }
-    }
-}
-
-/// Receiving pages pinned by [`OwnershipTable::begin_import`]: [`finish`](Pinned::finish) records
-/// and unpins them; dropped unfinished (every refusal after the pin, a panicking `land`), they are
-/// unpinned with [`OwnershipTable::abort_import`].
-struct Pinned<'t> {
-    table: &'t OwnershipTable,
-    /// `None` once finished.
-    ticket: Option<ImportTicket>,
-}
-
-impl<'t> Pinned<'t> {
-    /// Pins `refs` for `request`; a refusal (counted by the table) is [`TransferError::NotHeld`].
-    fn begin(table: &'t OwnershipTable, request: RequestId, refs: &[PageRef]) -> Result<Self, TransferError> {
-        match table.begin_import(request, refs) {
-            Ok(ticket) => Ok(Pinned { table, ticket: Some(ticket) }),
-            Err(Error::Violation(v)) => Err(TransferError::NotHeld(v)),
-            Err(e) => Err(TransferError::Table(e)),
-        }
-    }
-
-    /// Records `tokens` tokens (of `expected`) as written and unpins, whatever the outcome.
-    fn finish(mut self, tokens: u64, expected: u64) -> Result<(), Error> {
-        match self.ticket.take() {
-            Some(ticket) => self.table.finish_import(ticket, tokens, expected),
-            None => Ok(()),
-        }
-    }
-}
-
-impl Drop for Pinned<'_> {
-    fn drop(&mut self) {
-        if let Some(ticket) = self.ticket.take() {
-            self.table.abort_import(ticket);
         }
     }
 }

@@ -96,7 +96,7 @@ pub enum Op {
         len: u8,
     },
     /// A KV transfer into the request's owned pages: `begin_import`, optionally the request's
-    /// release while the bytes are in flight, then `finish_import` of `tokens` (`expected` wanted).
+    /// release while the bytes are in flight, then `ImportTicket::finish` of `tokens` (`expected` wanted).
     Import {
         req: u8,
         tokens: u8,
@@ -638,7 +638,7 @@ fn execute(table: &OwnershipTable, model: &Model, op: &Op) -> Result<Option<Vec<
                 }
                 table.release(thief)?;
             }
-            none(table.finish_import(ticket, u64::from(tokens % 20), u64::from(expected % 20)))
+            none(ticket.finish(u64::from(tokens % 20), u64::from(expected % 20)))
         }
     }
 }
