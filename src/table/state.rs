@@ -121,6 +121,60 @@ pub(crate) struct PrefixRecord {
     pub holders: u32,
 }
 
+/// Hashes the table's integer ids (requests, pages, prefix keys): one multiply-xorshift round
+/// keyed per process from std's random state. SipHash cost more per request than a page's whole
+/// verification; the random key keeps crafted ids (a hostile trace, say) from lining up in one
+/// bucket chain.
+#[derive(Clone, Copy)]
+pub(crate) struct IdHash {
+    key: u64,
+}
+
+impl Default for IdHash {
+    fn default() -> Self {
+        static KEY: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+        let key = *KEY.get_or_init(|| {
+            use std::hash::BuildHasher;
+            std::collections::hash_map::RandomState::new().hash_one(0x006b_7667_7561_7264_u64) | 1
+        });
+        IdHash { key }
+    }
+}
+
+impl std::hash::BuildHasher for IdHash {
+    type Hasher = IdHasher;
+    fn build_hasher(&self) -> IdHasher {
+        IdHasher(self.key)
+    }
+}
+
+/// The hasher [`IdHash`] builds.
+pub(crate) struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+    #[inline]
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0 ^ n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+    #[inline]
+    fn write_u32(&mut self, n: u32) {
+        self.write_u64(u64::from(n));
+    }
+    #[inline]
+    fn finish(&self) -> u64 {
+        let x = self.0;
+        (x ^ (x >> 31)).wrapping_mul(0xBF58_476D_1CE4_E5B9) ^ (x >> 29)
+    }
+}
+
+/// A map keyed by one of the table's ids.
+pub(crate) type IdMap<K, V> = HashMap<K, V, IdHash>;
+
 /// The most ended request ids remembered to tell a double free from an unknown request.
 pub(crate) const ENDED_MEMORY: usize = 1 << 16;
 
@@ -128,7 +182,7 @@ pub(crate) const ENDED_MEMORY: usize = 1 << 16;
 #[derive(Default)]
 pub(crate) struct RecentlyEnded {
     /// Ended request → the sequence number of its entry in `order`.
-    set: HashMap<RequestId, u64>,
+    set: IdMap<RequestId, u64>,
     order: VecDeque<(RequestId, u64)>,
     next: u64,
 }
@@ -164,16 +218,16 @@ pub(crate) struct TableState {
     pub tags: Vec<PageTag>,
     pub coverage: BitVec<u64, Lsb0>,
     pub free: Vec<PageId>,
-    pub requests: HashMap<RequestId, RequestRecord>,
+    pub requests: IdMap<RequestId, RequestRecord>,
     pub ended: RecentlyEnded,
     pub prefixes: Vec<Option<PrefixRecord>>,
     pub prefix_free_slots: Vec<u32>,
-    pub prefix_keys: HashMap<PrefixKey, u32>,
+    pub prefix_keys: IdMap<PrefixKey, u32>,
     pub sharing_tenants: HashSet<TenantId>,
     pub state_counts: [u64; PageState::COUNT],
     pub changed: Vec<PageId>,
     /// Pinned page → the transfer ticket that pinned it (see `pin`).
-    pub pins: HashMap<PageId, u64>,
+    pub pins: IdMap<PageId, u64>,
     pub next_ticket: u64,
 }
 
@@ -224,15 +278,15 @@ impl TableState {
             tags,
             coverage,
             free,
-            requests: HashMap::new(),
+            requests: IdMap::default(),
             ended: RecentlyEnded::default(),
             prefixes: Vec::new(),
             prefix_free_slots: Vec::new(),
-            prefix_keys: HashMap::new(),
+            prefix_keys: IdMap::default(),
             sharing_tenants: HashSet::new(),
             state_counts,
             changed: Vec::new(),
-            pins: HashMap::new(),
+            pins: IdMap::default(),
             next_ticket: 0,
         })
     }
