@@ -11,6 +11,9 @@ pub fn skipped(why: &str) {
     if let Some(path) = std::env::var_os("KVGUARD_SKIP_LOG")
         && let Ok(mut log) = std::fs::OpenOptions::new().create(true).append(true).open(path)
     {
-        let _ = writeln!(log, "{test}: {why}");
+        // One write of the whole line: tests skip from several threads at once, and appends of
+        // one small write each do not interleave.
+        let line = format!("{test}: {}\n", why.replace('\n', " "));
+        let _ = log.write_all(line.as_bytes());
     }
 }
