@@ -17,8 +17,8 @@ mod skip;
 mod cuda {
     use cudarc::driver::{CudaSlice, DevicePtr, sys};
     use kvguard::cuda::{
-        AttentionShape, BlockTableStep, Borrowed, DeviceError, DeviceGuard, DeviceKind, DeviceOptions, PageRegion,
-        PagedKvStep,
+        AttentionShape, BlockTableStep, Borrowed, DeviceError, DeviceGuard, DeviceKind, DeviceOptions, KvStore,
+        PageRegion, PagedKvStep,
     };
     use kvguard::{OwnershipTable, PageId, PoolConfig, RequestId, TenantId, ViolationKind};
     use std::sync::{Arc, OnceLock};
@@ -276,17 +276,17 @@ mod cuda {
         let d_kc = s.alloc_zeros::<f32>(slots * width).unwrap();
         let d_vc = s.alloc_zeros::<f32>(slots * width).unwrap();
         let (d_map, d_qsl) = (s.clone_htod(&mapping).unwrap(), s.clone_htod(&[0i32, 40, 80]).unwrap());
-        g.store_kv(
-            lend(&g, &d_k),
-            lend(&g, &d_v),
-            lend(&g, &d_kc),
-            lend(&g, &d_vc),
-            lend(&g, &d_map),
-            80,
-            width as u32,
-            lend(&g, &d_qsl),
-            2,
-        )
+        g.store_kv(&KvStore {
+            key: lend(&g, &d_k),
+            value: lend(&g, &d_v),
+            key_cache: lend(&g, &d_kc),
+            value_cache: lend(&g, &d_vc),
+            slot_mapping: lend(&g, &d_map),
+            num_tokens: 80,
+            kv_width: width as u32,
+            query_start_loc: lend(&g, &d_qsl),
+            num_seqs: 2,
+        })
         .unwrap();
         // Decode: alice reads her 40 tokens; bob reads his first page and alice's second (foreign).
         let max_blocks = 3usize;

@@ -22,6 +22,7 @@
 //!   into a CUDA graph contains only kvguard's kernel and memset nodes.
 
 use super::DeviceError;
+use super::guard::{BlockTableStep, KvStore, PagedKvStep};
 use super::layout::{DeviceReader, DeviceTag, RingHeader};
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice,
@@ -430,15 +431,8 @@ impl Device {
     }
 
     /// `kvg_verify_block_table` over the engine's vLLM-layout step.
-    pub fn verify_block_table(
-        &mut self,
-        block_table: Borrowed<i32>,
-        num_seqs: u32,
-        max_blocks: u32,
-        seq_lens: Borrowed<i32>,
-        generations: Option<Borrowed<u32>>,
-        check_canaries: bool,
-    ) -> Result<(), DeviceError> {
+    pub fn verify_block_table(&mut self, step: &BlockTableStep) -> Result<(), DeviceError> {
+        let BlockTableStep { block_table, seq_lens, num_seqs, max_blocks, generations, check_canaries } = *step;
         fits("sequences", u64::from(num_seqs), u64::from(self.max_seqs))?;
         let cells = u64::from(num_seqs) * u64::from(max_blocks);
         need("block_table", &block_table, cells)?;
@@ -469,17 +463,16 @@ impl Device {
     }
 
     /// `kvg_verify_paged_kv` over the engine's FlashInfer-layout step.
-    #[allow(clippy::too_many_arguments)]
-    pub fn verify_paged_kv(
-        &mut self,
-        kv_indptr: Borrowed<i32>,
-        kv_indices: Borrowed<i32>,
-        kv_last_page_len: Borrowed<i32>,
-        num_seqs: u32,
-        max_pages_per_seq: u32,
-        generations: Option<Borrowed<u32>>,
-        check_canaries: bool,
-    ) -> Result<(), DeviceError> {
+    pub fn verify_paged_kv(&mut self, step: &PagedKvStep) -> Result<(), DeviceError> {
+        let PagedKvStep {
+            kv_indptr,
+            kv_indices,
+            kv_last_page_len,
+            num_seqs,
+            max_pages_per_seq,
+            generations,
+            check_canaries,
+        } = *step;
         fits("sequences", u64::from(num_seqs), u64::from(self.max_seqs))?;
         need("kv_indptr", &kv_indptr, u64::from(num_seqs) + 1)?;
         need("kv_last_page_len", &kv_last_page_len, u64::from(num_seqs))?;
@@ -573,19 +566,18 @@ impl Device {
     }
 
     /// `kvg_store_kv_b16` / `_b32`: the reference KV store with canary stamping.
-    #[allow(clippy::too_many_arguments)]
-    pub fn store_kv<T: KvElement>(
-        &mut self,
-        key: Borrowed<T>,
-        value: Borrowed<T>,
-        key_cache: Borrowed<T>,
-        value_cache: Borrowed<T>,
-        slot_mapping: Borrowed<i64>,
-        num_tokens: u32,
-        kv_width: u32,
-        query_start_loc: Borrowed<i32>,
-        num_seqs: u32,
-    ) -> Result<(), DeviceError> {
+    pub fn store_kv<T: KvElement>(&mut self, store: &KvStore<T>) -> Result<(), DeviceError> {
+        let KvStore {
+            key,
+            value,
+            key_cache,
+            value_cache,
+            slot_mapping,
+            num_tokens,
+            kv_width,
+            query_start_loc,
+            num_seqs,
+        } = *store;
         fits("sequences", u64::from(num_seqs), u64::from(self.max_seqs))?;
         let io = u64::from(num_tokens) * u64::from(kv_width);
         let cache = u64::from(self.num_pages) * u64::from(self.page_size) * u64::from(kv_width);

@@ -90,6 +90,32 @@ pub struct PagedKvStep {
     pub check_canaries: bool,
 }
 
+/// One launch of the reference KV store: `num_tokens` tokens of `kv_width` elements each, token
+/// `t` going to slot `slot_mapping[t]` of the paged caches; `query_start_loc[s]..[s + 1]` are the
+/// tokens of sequence `s` (whose reader is set by [`DeviceGuard::set_readers`]). All buffers
+/// are the engine's device memory.
+#[derive(Clone, Copy, Debug)]
+pub struct KvStore<T> {
+    /// The new keys, `[num_tokens][kv_width]`.
+    pub key: Borrowed<T>,
+    /// The new values, `[num_tokens][kv_width]`.
+    pub value: Borrowed<T>,
+    /// The paged key cache, `[num_pages * page_size][kv_width]`.
+    pub key_cache: Borrowed<T>,
+    /// The paged value cache, same shape.
+    pub value_cache: Borrowed<T>,
+    /// Each token's cache slot (`page * page_size + offset`), `[num_tokens]`.
+    pub slot_mapping: Borrowed<i64>,
+    /// Tokens stored.
+    pub num_tokens: u32,
+    /// Elements per token and cache slot.
+    pub kv_width: u32,
+    /// Where each sequence's tokens start, `[num_seqs + 1]`.
+    pub query_start_loc: Borrowed<i32>,
+    /// Sequences in the launch (at most [`DeviceOptions::max_seqs`]).
+    pub num_seqs: u32,
+}
+
 /// What one [`DeviceGuard::drain`] found and reported into the table.
 #[derive(Clone, Debug, Default)]
 pub struct DrainReport {
@@ -232,27 +258,12 @@ impl DeviceGuard {
     /// Verifies a vLLM-layout step before attention: violations go to the ring and set bit
     /// `kind` of the sequence's status word. No host synchronisation.
     pub fn verify_block_table(&mut self, step: &BlockTableStep) -> Result<(), DeviceError> {
-        self.device.verify_block_table(
-            step.block_table,
-            step.num_seqs,
-            step.max_blocks,
-            step.seq_lens,
-            step.generations,
-            step.check_canaries,
-        )
+        self.device.verify_block_table(step)
     }
 
     /// Verifies a FlashInfer-layout step before attention. No host synchronisation.
     pub fn verify_paged_kv(&mut self, step: &PagedKvStep) -> Result<(), DeviceError> {
-        self.device.verify_paged_kv(
-            step.kv_indptr,
-            step.kv_indices,
-            step.kv_last_page_len,
-            step.num_seqs,
-            step.max_pages_per_seq,
-            step.generations,
-            step.check_canaries,
-        )
+        self.device.verify_paged_kv(step)
     }
 
     /// CRC32 (crc32fast-exact) of pages of `region` (all of `0..n_pages` when `pages` is None)
@@ -285,30 +296,8 @@ impl DeviceGuard {
     /// The reference KV store: writes each token's K and V to its slot if the writing sequence
     /// (readers set by [`set_readers`](Self::set_readers)) owns the page, and stamps the slot's
     /// canary; other stores are refused on the device and reported.
-    #[allow(clippy::too_many_arguments)]
-    pub fn store_kv<T: KvElement>(
-        &mut self,
-        key: Borrowed<T>,
-        value: Borrowed<T>,
-        key_cache: Borrowed<T>,
-        value_cache: Borrowed<T>,
-        slot_mapping: Borrowed<i64>,
-        num_tokens: u32,
-        kv_width: u32,
-        query_start_loc: Borrowed<i32>,
-        num_seqs: u32,
-    ) -> Result<(), DeviceError> {
-        self.device.store_kv(
-            key,
-            value,
-            key_cache,
-            value_cache,
-            slot_mapping,
-            num_tokens,
-            kv_width,
-            query_start_loc,
-            num_seqs,
-        )
+    pub fn store_kv<T: KvElement>(&mut self, store: &KvStore<T>) -> Result<(), DeviceError> {
+        self.device.store_kv(store)
     }
 
     /// The reference paged decode attention with the fused per-page check (report mode, or
