@@ -159,6 +159,24 @@ fn a_token_write_through_a_block_table_is_all_or_nothing() {
     assert_eq!(kind(t.record_write_tokens(B, &b, 0..17)), ViolationKind::BlockTableTooShort);
 }
 
+#[test]
+fn a_write_refused_midway_puts_back_every_watermark_it_moved() {
+    let t = table();
+    let a = written(&t, A, T1, 16);
+    t.admit(B, T1, 48, 0).unwrap();
+    let b = pages(&t.allocate(B, 3).unwrap());
+    t.record_write(B, b[1], 0..5).unwrap();
+    // Whole pages between the first and last block; the foreign page comes after two of them
+    // (one listed twice) have been marked.
+    let table_with_foreign = [b[0], b[1], b[2], b[1], a[0], b[2], b[0]];
+    let err = t.record_write_tokens(B, &table_with_foreign, 0..7 * 16).unwrap_err();
+    assert_eq!(err.violation().unwrap().kind(), ViolationKind::ForeignPage);
+    assert_eq!(err.violation().unwrap().block_index(), Some(4));
+    assert_eq!(t.page_info(b[0]).unwrap().written_slots, 0);
+    assert_eq!(t.page_info(b[1]).unwrap().written_slots, 5, "the old watermark is back");
+    assert_eq!(t.page_info(b[2]).unwrap().written_slots, 0);
+}
+
 // ---- reads ----
 
 #[test]
@@ -587,6 +605,10 @@ fn the_snapshot_accounts_for_every_page() {
 #[test]
 fn changed_pages_are_listed_once_until_taken() {
     let t = table();
+    written(&t, C, T1, 16);
+    // Nothing is tracked until a mirror first asks: the first call hands back the whole pool.
+    let first: Vec<PageId> = t.take_changed_pages().iter().map(|(p, _)| *p).collect();
+    assert_eq!(first, (0..16).map(PageId).collect::<Vec<_>>());
     assert!(t.take_changed_pages().is_empty());
     let a = written(&t, A, T1, 32);
     let changed = t.take_changed_pages();

@@ -1,6 +1,6 @@
 //! Request lifecycle on the table: admit, allocate or claim, write, release, fork.
 
-use super::state::{PageState, PrefixRecord, RequestRecord, TableState};
+use super::state::{PageState, PrefixRecord, RequestRecord, SPARE_LIST_MAX_CAPACITY, SPARE_LISTS, TableState};
 use super::verify::BlockEntry;
 use crate::error::Error;
 use crate::ids::{Generation, PageId, PageRef, RequestId, TenantId};
@@ -113,13 +113,14 @@ impl TableState {
             return Err(refuse(ViolationKind::ExceedsPool, pages, obtainable));
         }
         self.ended.forget(req);
+        let pages = self.spare_page_lists.pop().unwrap_or_default();
         self.requests.insert(
             req,
             RequestRecord {
                 tenant,
                 prompt_tokens: prompt,
                 max_new_tokens: max_new,
-                pages: Vec::new(),
+                pages,
                 prefixes: Default::default(),
                 quarantined: AtomicBool::new(false),
             },
@@ -128,28 +129,46 @@ impl TableState {
     }
 
     pub(crate) fn allocate_into(&mut self, req: RequestId, n: u32, out: &mut Vec<PageRef>) -> Result<(), Error> {
-        self.record(Op::Allocate, req)?;
-        if n as usize > self.free.len() {
-            return Err(Error::OutOfPages { requested: u64::from(n), free: self.free.len() as u64 });
+        // Disjoint borrows, so the loop keeps its counts in registers; the changed list is grown
+        // by `n` and filled by index (see `end_incarnations`).
+        let TableState { tags, free, changed, requests, state_counts, tracking_changes, .. } = self;
+        let Some(rec) = requests.get_mut(&req) else {
+            return Err(Violation::new(ViolationKind::UnknownRequest, Op::Allocate).with_request(req, None).into());
+        };
+        if n as usize > free.len() {
+            return Err(Error::OutOfPages { requested: u64::from(n), free: free.len() as u64 });
         }
-        out.reserve(n as usize);
-        // Disjoint borrows, so the loop keeps the lists' lengths in registers.
-        let TableState { tags, free, changed, requests, state_counts, .. } = self;
-        let rec = requests.get_mut(&req).expect("checked above");
         let start = free.len() - n as usize;
         let first_link = rec.pages.len();
+        let changed_base = changed.len();
+        // A page is listed as changed at most once, so the list never outgrows the pool; and
+        // while nobody tracks changes no page is listed at all.
+        let tracking = *tracking_changes;
+        let room = if tracking { (n as usize).min(tags.len() - changed_base) } else { 0 };
+        changed.resize(changed_base + room, PageId(0));
+        let changed_slots = &mut changed[changed_base..];
+        let mut changed_count = 0;
         // The top of the free stack, most recently freed last: hand it out from the top down.
-        for (k, &page) in free[start..].iter().rev().enumerate() {
+        // `out` is grown first and filled by index, so no length lives in memory across pages.
+        let handed = &free[start..];
+        let tags = tags.as_mut_slice(); // its pointer and length stay in registers
+        let out_base = out.len();
+        out.resize(out_base + n as usize, PageRef { page: PageId(0), generation: Generation(0) });
+        let out_slots = &mut out[out_base..];
+        for (k, &page) in handed.iter().rev().enumerate() {
             let tag = &mut tags[page.0 as usize];
             debug_assert!(tag.state == PageState::Free && tag.written == 0 && !tag.sparse);
-            tag.state = PageState::Owned;
+            out_slots[k] = PageRef { page, generation: Generation(tag.generation) };
+            if tracking && !tag.changed {
+                tag.changed = true;
+                changed_slots[changed_count] = page;
+                changed_count += 1;
+            }
             tag.owner = req;
             tag.link = (first_link + k) as u32;
-            if !std::mem::replace(&mut tag.changed, true) {
-                changed.push(page);
-            }
-            out.push(PageRef { page, generation: Generation(tag.generation) });
+            tag.state = PageState::Owned;
         }
+        changed.truncate(changed_base + changed_count);
         rec.pages.extend(free[start..].iter().rev());
         state_counts[PageState::Free as usize] -= u64::from(n);
         state_counts[PageState::Owned as usize] += u64::from(n);
@@ -217,23 +236,57 @@ impl TableState {
     ) -> Result<(), Error> {
         self.record(op, req)?;
         let blocks = self.token_blocks(op, req, block_table.len(), &tokens)?;
-        // Check every page before marking any: all or nothing.
-        for b in blocks.clone() {
-            let entry = block_table[b];
-            let page = entry.page();
-            let fine = self.tag(page).is_some_and(|t| {
-                t.state == PageState::Owned && t.owner == req && entry.generation().is_none_or(|g| g.0 == t.generation)
-            });
-            if !fine {
-                return Err(self.write_refusal(op, req, b, entry));
-            }
-        }
         if blocks.is_empty() {
             return Ok(());
         }
-        // First and last blocks may be partial; the ones between are written whole.
-        let ps = u64::from(self.page_size);
+        // All or nothing. The first and last blocks (maybe partial) are checked first; the ones
+        // between are written whole, checked and marked in one pass that keeps each old watermark
+        // and puts them back if a later page is refused.
         let (first, last) = (blocks.start, blocks.end - 1);
+        let writable = |state: &TableState, entry: E| {
+            state.tag(entry.page()).is_some_and(|t| {
+                t.state == PageState::Owned && t.owner == req && entry.generation().is_none_or(|g| g.0 == t.generation)
+            })
+        };
+        for b in [first, last] {
+            if !writable(self, block_table[b]) {
+                return Err(self.write_refusal(op, req, b, block_table[b]));
+            }
+        }
+        if last > first + 1 {
+            let middle = &block_table[first + 1..last];
+            let TableState { tags, changed, page_size, scratch, tracking_changes, .. } = self;
+            let tracking = *tracking_changes;
+            let tags = tags.as_mut_slice(); // its pointer and length stay in registers
+            scratch.clear();
+            scratch.resize(middle.len(), 0);
+            let refused = middle.iter().enumerate().position(|(k, entry)| {
+                let page = entry.page();
+                let Some(tag) = tags.get_mut(page.0 as usize) else { return true };
+                let fine = tag.state == PageState::Owned
+                    && tag.owner == req
+                    && entry.generation().is_none_or(|g| g.0 == tag.generation);
+                if !fine {
+                    return true;
+                }
+                scratch[k] = tag.written;
+                tag.written = *page_size; // a whole-page write: gap or not, every slot is written
+                if tracking && !tag.changed {
+                    tag.changed = true;
+                    changed.push(page);
+                }
+                false
+            });
+            if let Some(k) = refused {
+                // Back out in reverse, so a page listed twice gets its first old watermark.
+                // (Pages marked changed stay listed: the device mirror copies an unchanged tag.)
+                for (entry, &old) in middle[..k].iter().zip(&scratch[..k]).rev() {
+                    tags[entry.page().0 as usize].written = old;
+                }
+                return Err(self.write_refusal(op, req, first + 1 + k, middle[k]));
+            }
+        }
+        let ps = u64::from(self.page_size);
         let slots = |b: usize| {
             let page_start = b as u64 * ps;
             let a = tokens.start.max(page_start) - page_start;
@@ -243,9 +296,6 @@ impl TableState {
         let (a, e) = slots(first);
         self.mark_written(block_table[first].page(), a, e);
         if last > first {
-            for entry in &block_table[first + 1..last] {
-                self.mark_written(entry.page(), 0, self.page_size);
-            }
             let (a, e) = slots(last);
             self.mark_written(block_table[last].page(), a, e);
         }
@@ -272,12 +322,21 @@ impl TableState {
             return Err(self.unknown_request(Op::Release, req));
         };
         let mut released = Released::default();
-        self.end_incarnations(&rec.pages, &mut released);
+        self.end_incarnations(&rec.pages, PageState::Owned, &mut released);
         for slot in rec.prefixes.iter() {
             self.drop_hold(slot, &mut released);
         }
         self.ended.insert(req);
+        self.keep_spare(rec.pages);
         Ok(released)
+    }
+
+    /// Keeps an ended request's page list for the next admission, if there is room for it.
+    fn keep_spare(&mut self, mut pages: Vec<PageId>) {
+        if self.spare_page_lists.len() < SPARE_LISTS && pages.capacity() <= SPARE_LIST_MAX_CAPACITY {
+            pages.clear();
+            self.spare_page_lists.push(pages);
+        }
     }
 
     /// Releases the pages and prefix holds of `req` but keeps it admitted (recompute preemption).
@@ -290,7 +349,7 @@ impl TableState {
         let pages = std::mem::take(&mut rec.pages);
         let prefixes = std::mem::take(&mut rec.prefixes);
         let mut released = Released::default();
-        self.end_incarnations(&pages, &mut released);
+        self.end_incarnations(&pages, PageState::Owned, &mut released);
         for slot in prefixes.iter() {
             self.drop_hold(slot, &mut released);
         }
@@ -309,7 +368,7 @@ impl TableState {
             self.detach_from_owner(page);
         }
         let mut released = Released::default();
-        self.end_incarnations(pages, &mut released);
+        self.end_incarnations(pages, PageState::Owned, &mut released);
         Ok(released)
     }
 

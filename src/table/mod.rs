@@ -607,6 +607,9 @@ impl OwnershipTable {
 
     /// The pages whose tags changed since the last call, with their tags now: what a device
     /// mirror must copy (each page listed once however often it changed).
+    ///
+    /// Changes are tracked only once a mirror asks: the first call returns every page of the
+    /// pool (the mirror has none yet), and a table nobody mirrors never pays for the list.
     pub fn take_changed_pages(&self) -> Vec<(PageId, PageInfo)> {
         let mut state = self.state.write();
         let changed = state.take_changed();

@@ -29,7 +29,7 @@ impl TableState {
         if let Some(key) = record.key {
             self.prefix_keys.remove(&key);
         }
-        self.end_incarnations(&record.pages, released);
+        self.end_incarnations(&record.pages, PageState::Shared, released);
         self.prefix_free_slots.push(slot);
     }
 

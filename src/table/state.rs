@@ -50,7 +50,9 @@ pub(crate) struct PageTag {
     /// Owned: index in the owner's page list. Free: index in the free list. Shared: prefix slot.
     pub link: u32,
     pub state: PageState,
-    /// Listed in `changed` since the last `take_changed`.
+    /// Listed in `changed` since the last `take_changed`. Meaningless until the first call:
+    /// changes are not tracked before a device mirror asks (`TableState::tracking_changes`),
+    /// and the first `take_changed` hands back the whole pool.
     pub changed: bool,
     /// Some coverage bit of this incarnation may be set.
     pub sparse: bool,
@@ -175,6 +177,11 @@ impl std::hash::Hasher for IdHasher {
 /// A map keyed by one of the table's ids.
 pub(crate) type IdMap<K, V> = HashMap<K, V, IdHash>;
 
+/// How many emptied page lists the table keeps for reuse, and the largest it keeps: a request's
+/// list is allocated once and handed from request to request, not freed and allocated again.
+pub(crate) const SPARE_LISTS: usize = 32;
+pub(crate) const SPARE_LIST_MAX_CAPACITY: usize = 8192;
+
 /// The most ended request ids remembered to tell a double free from an unknown request.
 pub(crate) const ENDED_MEMORY: usize = 1 << 16;
 
@@ -229,6 +236,13 @@ pub(crate) struct TableState {
     /// Pinned page → the transfer ticket that pinned it (see `pin`).
     pub pins: IdMap<PageId, u64>,
     pub next_ticket: u64,
+    /// Set by the first `take_changed`; until then no page is listed as changed (see
+    /// [`PageTag::changed`]).
+    pub tracking_changes: bool,
+    /// Page lists of released requests, emptied, for the next admissions (see `SPARE_LISTS`).
+    pub spare_page_lists: Vec<Vec<PageId>>,
+    /// Working space for one operation (old watermarks a refused write puts back).
+    pub scratch: Vec<u32>,
 }
 
 impl TableState {
@@ -246,6 +260,8 @@ impl TableState {
         coverage.truncate(slots);
         let mut free = Vec::new();
         free.try_reserve_exact(n).map_err(|_| oom())?;
+        let mut changed = Vec::new();
+        changed.try_reserve_exact(n).map_err(|_| oom())?;
 
         let mut state_counts = [0u64; PageState::COUNT];
         for p in 0..config.num_pages {
@@ -285,9 +301,12 @@ impl TableState {
             prefix_keys: IdMap::default(),
             sharing_tenants: HashSet::new(),
             state_counts,
-            changed: Vec::new(),
+            changed,
             pins: IdMap::default(),
             next_ticket: 0,
+            tracking_changes: false,
+            spare_page_lists: Vec::new(),
+            scratch: Vec::new(),
         })
     }
 
@@ -302,7 +321,7 @@ impl TableState {
     #[inline]
     fn mark_changed(&mut self, page: PageId) {
         let tag = &mut self.tags[page.0 as usize];
-        if !tag.changed {
+        if self.tracking_changes && !tag.changed {
             tag.changed = true;
             self.changed.push(page);
         }
@@ -350,63 +369,100 @@ impl TableState {
         }
     }
 
-    /// Ends the incarnations of `pages` (owned or shared ones): coverage cleared, generation
+    /// Ends the incarnations of `pages`, all in state `from` (owned or shared): coverage cleared, generation
     /// bumped (or the page retired), and each page returned to the free list — unless a transfer
     /// pins it — or held for a scrub. `released` counts them and lists those to scrub.
     ///
-    /// Page-state counts are tallied in locals and applied once: updating the shared counters
-    /// per page made a store-to-load chain through memory that cost more than the rest.
-    pub fn end_incarnations(&mut self, pages: &[PageId], released: &mut Released) {
-        let (mut owned, mut shared, mut freed, mut retired, mut scrubbing) = (0u64, 0u64, 0u64, 0u64, 0u64);
-        let (limit, scrub, ps) = (self.generation_limit, self.scrub_on_release, self.page_size as usize);
-        // Disjoint borrows, so the loop keeps the lists' lengths in registers.
-        let TableState { tags, free, changed, coverage, .. } = self;
-        for &page in pages {
+    /// Written for the release path's speed. One tight loop ends every ordinary incarnation and
+    /// leaves the rare pages (retiring, pinned, or with gaps in their coverage) as they were; if
+    /// there were none, the free list grows by one copy of `pages`, otherwise a second, general
+    /// pass finishes the rare pages and rebuilds the free-list links. Pushing one page at a time,
+    /// or bumping the shared counters per page, kept a length in memory: a store-to-load chain per
+    /// page that cost more than all the rest.
+    pub fn end_incarnations(&mut self, pages: &[PageId], from: PageState, released: &mut Released) {
+        let n = pages.len();
+        let (limit, scrub) = (self.generation_limit, self.scrub_on_release);
+        let next_state = if scrub { PageState::AwaitingScrub } else { PageState::Free };
+        // Disjoint borrows, so the loop keeps its counts in registers.
+        let TableState { tags, free, changed, tracking_changes, .. } = self;
+        let free_base = free.len();
+        let changed_base = changed.len();
+        // A page is listed as changed at most once, so the list never outgrows the pool; and
+        // while nobody tracks changes no page is listed at all.
+        let tracking = *tracking_changes;
+        let room = if tracking { n.min(tags.len() - changed_base) } else { 0 };
+        changed.resize(changed_base + room, PageId(0));
+        let changed_slots = &mut changed[changed_base..];
+        let tags = tags.as_mut_slice(); // its pointer and length stay in registers
+        let (mut changed_count, mut rare) = (0usize, 0usize);
+        for (i, &page) in pages.iter().enumerate() {
+            // Read before anything is written: a byte loaded just after a neighbouring byte of
+            // the same tag was stored waits for that store to retire.
             let tag = &mut tags[page.0 as usize];
-            let ended = PageRef { page, generation: Generation(tag.generation) };
-            match tag.state {
-                PageState::Owned => owned += 1,
-                PageState::Shared => shared += 1,
-                other => unreachable!("only owned or shared pages end an incarnation, not {other:?}"),
+            let old = *tag;
+            debug_assert!(old.state == from, "ending a {:?} page as {from:?}", old.state);
+            if tracking && !old.changed {
+                tag.changed = true;
+                changed_slots[changed_count] = page;
+                changed_count += 1;
             }
-            let (was_sparse, was_changed, pinned) = (tag.sparse, tag.changed, tag.pinned);
+            if old.sparse | old.pinned | (old.generation >= limit) {
+                rare += 1; // left in its old state for the general pass
+                continue;
+            }
             tag.written = 0;
-            tag.sparse = false;
-            tag.changed = true;
-            if tag.generation >= limit {
-                tag.state = PageState::Retired;
-                retired += 1;
-            } else {
-                tag.generation += 1;
-                if scrub {
-                    tag.state = PageState::AwaitingScrub;
-                    scrubbing += 1;
-                    released.scrub.push(ended);
+            tag.generation = old.generation + 1;
+            tag.state = next_state;
+            tag.link = (free_base + i) as u32;
+        }
+        changed.truncate(changed_base + changed_count);
+        debug_assert!(matches!(from, PageState::Owned | PageState::Shared));
+        self.state_counts[from as usize] -= n as u64;
+        released.ended += n as u64;
+        if rare == 0 && !scrub {
+            self.free.extend_from_slice(pages);
+            self.state_counts[PageState::Free as usize] += n as u64;
+        } else {
+            self.end_incarnations_rare(pages, released);
+        }
+    }
+
+    /// The general pass of [`end_incarnations`](Self::end_incarnations): ends the incarnations
+    /// the fast loop left alone, lists pages to scrub, and puts the free ones on the free list.
+    #[cold]
+    fn end_incarnations_rare(&mut self, pages: &[PageId], released: &mut Released) {
+        let (limit, ps) = (self.generation_limit, self.page_size as usize);
+        for &page in pages {
+            let tag = &mut self.tags[page.0 as usize];
+            if matches!(tag.state, PageState::Owned | PageState::Shared) {
+                tag.written = 0;
+                if std::mem::replace(&mut tag.sparse, false) {
+                    let base = page.0 as usize * ps;
+                    self.coverage[base..base + ps].fill(false);
+                }
+                let tag = &mut self.tags[page.0 as usize];
+                if tag.generation >= limit {
+                    tag.state = PageState::Retired;
                 } else {
-                    tag.state = PageState::Free;
-                    freed += 1;
-                    // A pinned page waits outside the free list until its transfer is over.
-                    if !pinned {
-                        tag.link = free.len() as u32;
-                        free.push(page);
-                    }
+                    tag.generation += 1;
+                    tag.state = if self.scrub_on_release { PageState::AwaitingScrub } else { PageState::Free };
                 }
             }
-            if !was_changed {
-                changed.push(page);
+            let tag = &mut self.tags[page.0 as usize];
+            let state = tag.state;
+            match state {
+                PageState::AwaitingScrub => {
+                    released.scrub.push(PageRef { page, generation: Generation(tag.generation - 1) });
+                }
+                // A pinned page waits outside the free list until its transfer is over.
+                PageState::Free if !tag.pinned => {
+                    tag.link = self.free.len() as u32;
+                    self.free.push(page);
+                }
+                _ => {}
             }
-            if was_sparse {
-                let base = page.0 as usize * ps;
-                coverage[base..base + ps].fill(false);
-            }
+            self.state_counts[state as usize] += 1;
         }
-        released.ended += pages.len() as u64;
-        let c = &mut self.state_counts;
-        c[PageState::Owned as usize] -= owned;
-        c[PageState::Shared as usize] -= shared;
-        c[PageState::Free as usize] += freed;
-        c[PageState::Retired as usize] += retired;
-        c[PageState::AwaitingScrub as usize] += scrubbing;
     }
 
     /// Marks `page` free; it joins the free list unless a transfer still pins it.
@@ -434,7 +490,7 @@ impl TableState {
         if a <= tag.written && !tag.sparse {
             // The common case: appending to the written prefix.
             tag.written = b;
-            if !std::mem::replace(&mut tag.changed, true) {
+            if self.tracking_changes && !std::mem::replace(&mut tag.changed, true) {
                 self.changed.push(page);
             }
             return;
@@ -497,7 +553,16 @@ impl TableState {
     }
 
     pub fn take_changed(&mut self) -> Vec<PageId> {
-        let changed = std::mem::take(&mut self.changed);
+        if !self.tracking_changes {
+            // The first call: every page counts as changed, and tracking starts now.
+            self.tracking_changes = true;
+            for tag in &mut self.tags {
+                tag.changed = false;
+            }
+            return (0..self.tags.len() as u32).map(PageId).collect();
+        }
+        // Drained, not taken: the list keeps its pool-sized capacity.
+        let changed: Vec<PageId> = self.changed.drain(..).collect();
         for p in &changed {
             self.tags[p.0 as usize].changed = false;
         }
