@@ -6,6 +6,8 @@
 //! - `decode_step/guarded`: `verify_step` over 256 sequences x 4,096 tokens at page size 16.
 //! - `lifecycle/{guarded,unguarded}`: 1,000 requests each admitted, given 256 pages, written
 //!   (slot mapping for 4,096 tokens), read and released. Unguarded is a plain free list.
+//!   `lifecycle/guarded_tracked` is guarded with a device mirror's change tracking on, the
+//!   changed pages taken after every request.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use kvguard::{OwnershipTable, PageId, PoolConfig, RequestId, SeqRead, TenantId};
@@ -105,6 +107,29 @@ fn lifecycle(c: &mut Criterion) {
                 table.verify_read(req, &bt, TOKENS).expect("read");
                 black_box(walk(&bt));
                 black_box(table.release(req).expect("release"));
+            }
+        })
+    });
+    // The same with a device mirror's change tracking on: the changed pages are taken after
+    // every request, as a mirror syncing once per step would.
+    let tracked =
+        OwnershipTable::new(PoolConfig::new(2 * PAGES + 1, PS, TOKENS).with_reserved([PageId(0)])).expect("fits");
+    tracked.take_changed_pages();
+    group.bench_function("guarded_tracked", |b| {
+        b.iter(|| {
+            for r in 0..REQUESTS {
+                let req = RequestId(r);
+                tracked.admit(req, TenantId(r % 4), TOKENS, 0).expect("admit");
+                refs.clear();
+                tracked.allocate_into(req, PAGES, &mut refs).expect("allocate");
+                bt.clear();
+                bt.extend(refs.iter().map(|r| r.page));
+                slot_mapping(&bt, TOKENS, &mut slots);
+                tracked.record_write_tokens(req, &bt, 0..TOKENS).expect("write");
+                tracked.verify_read(req, &bt, TOKENS).expect("read");
+                black_box(walk(&bt));
+                black_box(tracked.release(req).expect("release"));
+                black_box(tracked.take_changed_pages());
             }
         })
     });
