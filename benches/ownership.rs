@@ -10,7 +10,7 @@
 //!   changed pages taken after every request.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use kvguard::{OwnershipTable, PageId, PoolConfig, RequestId, SeqRead, TenantId};
+use kvguard::{OwnershipTable, PageId, PageRef, PoolConfig, RequestId, SeqRead, TenantId};
 use std::hint::black_box;
 
 const PS: u32 = 16;
@@ -82,10 +82,27 @@ fn decode_step(c: &mut Criterion) {
     group.finish();
 }
 
+const PAGES: u32 = 256;
+const TOKENS: u64 = PAGES as u64 * PS as u64;
+
+/// One request's life in `lifecycle/guarded`: admitted, given its pages, written, read, released.
+#[inline(always)]
+fn one_request(table: &OwnershipTable, r: u64, refs: &mut Vec<PageRef>, bt: &mut Vec<PageId>, slots: &mut Vec<u64>) {
+    let req = RequestId(r);
+    table.admit(req, TenantId(r % 4), TOKENS, 0).expect("admit");
+    refs.clear();
+    table.allocate_into(req, PAGES, refs).expect("allocate");
+    bt.clear();
+    bt.extend(refs.iter().map(|r| r.page));
+    slot_mapping(bt, TOKENS, slots);
+    table.record_write_tokens(req, bt, 0..TOKENS).expect("write");
+    table.verify_read(req, bt, TOKENS).expect("read");
+    black_box(walk(bt));
+    black_box(table.release(req).expect("release"));
+}
+
 fn lifecycle(c: &mut Criterion) {
     const REQUESTS: u64 = 1000;
-    const PAGES: u32 = 256;
-    const TOKENS: u64 = PAGES as u64 * PS as u64;
     let mut group = c.benchmark_group("lifecycle");
     group.throughput(Throughput::Elements(REQUESTS));
     let table =
@@ -96,17 +113,7 @@ fn lifecycle(c: &mut Criterion) {
     group.bench_function("guarded", |b| {
         b.iter(|| {
             for r in 0..REQUESTS {
-                let req = RequestId(r);
-                table.admit(req, TenantId(r % 4), TOKENS, 0).expect("admit");
-                refs.clear();
-                table.allocate_into(req, PAGES, &mut refs).expect("allocate");
-                bt.clear();
-                bt.extend(refs.iter().map(|r| r.page));
-                slot_mapping(&bt, TOKENS, &mut slots);
-                table.record_write_tokens(req, &bt, 0..TOKENS).expect("write");
-                table.verify_read(req, &bt, TOKENS).expect("read");
-                black_box(walk(&bt));
-                black_box(table.release(req).expect("release"));
+                one_request(&table, r, &mut refs, &mut bt, &mut slots);
             }
         })
     });
@@ -118,17 +125,7 @@ fn lifecycle(c: &mut Criterion) {
     group.bench_function("guarded_tracked", |b| {
         b.iter(|| {
             for r in 0..REQUESTS {
-                let req = RequestId(r);
-                tracked.admit(req, TenantId(r % 4), TOKENS, 0).expect("admit");
-                refs.clear();
-                tracked.allocate_into(req, PAGES, &mut refs).expect("allocate");
-                bt.clear();
-                bt.extend(refs.iter().map(|r| r.page));
-                slot_mapping(&bt, TOKENS, &mut slots);
-                tracked.record_write_tokens(req, &bt, 0..TOKENS).expect("write");
-                tracked.verify_read(req, &bt, TOKENS).expect("read");
-                black_box(walk(&bt));
-                black_box(tracked.release(req).expect("release"));
+                one_request(&tracked, r, &mut refs, &mut bt, &mut slots);
                 black_box(tracked.take_changed_pages());
             }
         })
