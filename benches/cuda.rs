@@ -17,7 +17,8 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, sys};
 use kvguard::PoolConfig;
 use kvguard::cuda::layout::{DeviceTag, canary};
 use kvguard::cuda::{
-    AttentionShape, BlockTableStep, Borrowed, DeviceError, DeviceGuard, DeviceOptions, POISON, PageRegion,
+    AttentionCheck, AttentionShape, BlockTableStep, Borrowed, DecodeAttention, DeviceError, DeviceGuard, DeviceOptions,
+    POISON, PageRegion,
 };
 use std::sync::Arc;
 use std::time::Instant;
@@ -130,22 +131,22 @@ fn main() {
                 head_dim: HEAD_DIM,
                 scale: 1.0 / (HEAD_DIM as f32).sqrt(),
             };
-            let (qb, kb, vb, bb, lb, ob) = (
-                lend(&s, &q),
-                lend(&s, &key_cache),
-                lend(&s, &value_cache),
-                lend(&s, &d_bt),
-                lend(&s, &d_lens),
-                lend(&s, &out),
-            );
+            let attn = DecodeAttention {
+                shape,
+                q: lend(&s, &q),
+                key_cache: lend(&s, &key_cache),
+                value_cache: lend(&s, &value_cache),
+                block_table: lend(&s, &d_bt),
+                seq_lens: lend(&s, &d_lens),
+                out: lend(&s, &out),
+            };
             let iters = if u64::from(batch) * u64::from(ctx) >= 1 << 22 { 3 } else { 20 };
             // SAFETY: every block-table entry is a page of the pool (1..num_pages).
-            let plain =
-                time_us(&s, iters, || unsafe { g.decode_attention_unchecked(shape, qb, kb, vb, bb, lb, ob).unwrap() });
-            let fused =
-                time_us(&s, iters, || g.decode_attention_checked(shape, qb, kb, vb, bb, lb, ob, false, false).unwrap());
-            let fused_canary =
-                time_us(&s, iters, || g.decode_attention_checked(shape, qb, kb, vb, bb, lb, ob, true, false).unwrap());
+            let plain = time_us(&s, iters, || unsafe { g.decode_attention_unchecked(&attn).unwrap() });
+            let tags_only = AttentionCheck { check_canaries: false, fail_closed: false };
+            let fused = time_us(&s, iters, || g.decode_attention_checked(&attn, tags_only).unwrap());
+            let with_canaries = AttentionCheck { check_canaries: true, fail_closed: false };
+            let fused_canary = time_us(&s, iters, || g.decode_attention_checked(&attn, with_canaries).unwrap());
             let pct = |x: f64| (x - plain) / plain * 100.0;
             rows.push(format!(
                 "| {batch} | {}K | {verify:.2} | {verify_canary:.2} | {plain:.0} | {:+.2} | {:+.2} |",

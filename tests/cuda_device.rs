@@ -17,8 +17,8 @@ mod skip;
 mod cuda {
     use cudarc::driver::{CudaSlice, DevicePtr, sys};
     use kvguard::cuda::{
-        AttentionShape, BlockTableStep, Borrowed, DeviceError, DeviceGuard, DeviceKind, DeviceOptions, KvStore,
-        PageRegion, PagedKvStep,
+        AttentionCheck, AttentionShape, BlockTableStep, Borrowed, DecodeAttention, DeviceError, DeviceGuard,
+        DeviceKind, DeviceOptions, KvStore, PageRegion, PagedKvStep,
     };
     use kvguard::{OwnershipTable, PageId, PoolConfig, RequestId, TenantId, ViolationKind};
     use std::sync::{Arc, OnceLock};
@@ -304,9 +304,16 @@ mod cuda {
             scale: 1.0 / (dim as f32).sqrt(),
         };
         g.clear_status().unwrap();
-        let args =
-            (lend(&g, &d_q), lend(&g, &d_kc), lend(&g, &d_vc), lend(&g, &d_bt), lend(&g, &d_lens), lend(&g, &d_out));
-        g.decode_attention_checked(shape, args.0, args.1, args.2, args.3, args.4, args.5, true, true).unwrap();
+        let attn = DecodeAttention {
+            shape,
+            q: lend(&g, &d_q),
+            key_cache: lend(&g, &d_kc),
+            value_cache: lend(&g, &d_vc),
+            block_table: lend(&g, &d_bt),
+            seq_lens: lend(&g, &d_lens),
+            out: lend(&g, &d_out),
+        };
+        g.decode_attention_checked(&attn, AttentionCheck { check_canaries: true, fail_closed: true }).unwrap();
         let out = s.clone_dtoh(&d_out).unwrap();
         assert_eq!(g.read_status(2).unwrap(), vec![0, 1 << DeviceKind::ForeignPage.code()]);
         let per_seq = (heads * dim) as usize;

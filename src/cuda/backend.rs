@@ -22,7 +22,7 @@
 //!   into a CUDA graph contains only kvguard's kernel and memset nodes.
 
 use super::DeviceError;
-use super::guard::{BlockTableStep, KvStore, PagedKvStep};
+use super::guard::{AttentionCheck, BlockTableStep, DecodeAttention, KvStore, PagedKvStep};
 use super::layout::{DeviceReader, DeviceTag, RingHeader};
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice,
@@ -234,6 +234,17 @@ pub(super) struct RawBuffers {
     pub staging_tags: u64,
 }
 
+/// A null device pointer, for optional kernel arguments.
+static NULL_PTR: u64 = 0;
+
+impl RawBuffers {
+    /// The canary array as a kernel argument when `wanted`, else a null pointer (the kernels
+    /// skip canaries on null).
+    fn canaries_if(&self, wanted: bool) -> &u64 {
+        if wanted { &self.canaries } else { &NULL_PTR }
+    }
+}
+
 pub(super) struct DeviceShape {
     pub ordinal: usize,
     pub num_pages: u32,
@@ -442,15 +453,9 @@ impl Device {
             return Ok(());
         }
         let (bt, sl, gens) = (block_table.ptr, seq_lens.ptr, ptr_or_null(&generations));
-        let null = 0u64;
         let mut b = self.stream.launch_builder(&self.kernels.verify_block_table);
         b.arg(&self.raw.tags).arg(&self.num_pages).arg(&self.page_size).arg(&bt).arg(&num_seqs).arg(&max_blocks);
-        b.arg(&sl).arg(&gens);
-        if check_canaries {
-            b.arg(&self.raw.canaries);
-        } else {
-            b.arg(&null);
-        }
+        b.arg(&sl).arg(&gens).arg(self.raw.canaries_if(check_canaries));
         b.arg(&self.raw.readers).arg(&self.raw.status).arg(&self.raw.ring);
         let grid = (blocks_for(u64::from(max_blocks), 128), num_seqs.min(MAX_GRID_Y), 1);
         // SAFETY: the kernel reads block_table/expected generations rows s < num_seqs of
@@ -483,15 +488,9 @@ impl Device {
             return Ok(());
         }
         let (ip, ix, lp, gens) = (kv_indptr.ptr, kv_indices.ptr, kv_last_page_len.ptr, ptr_or_null(&generations));
-        let null = 0u64;
         let mut b = self.stream.launch_builder(&self.kernels.verify_paged_kv);
         b.arg(&self.raw.tags).arg(&self.num_pages).arg(&self.page_size).arg(&ip).arg(&ix).arg(&lp).arg(&num_seqs);
-        b.arg(&num_indices).arg(&gens);
-        if check_canaries {
-            b.arg(&self.raw.canaries);
-        } else {
-            b.arg(&null);
-        }
+        b.arg(&num_indices).arg(&gens).arg(self.raw.canaries_if(check_canaries));
         b.arg(&self.raw.readers).arg(&self.raw.status).arg(&self.raw.ring);
         let grid = (blocks_for(u64::from(max_pages_per_seq), 128), num_seqs.min(MAX_GRID_Y), 1);
         // SAFETY: indptr[0..=num_seqs] and last_page_len[0..num_seqs] are in bounds (checked);
@@ -548,15 +547,10 @@ impl Device {
         if n_pages == 0 {
             return Ok(());
         }
-        let (base, pg, null) = (region.base.ptr, pages.ptr, 0u64);
+        let (base, pg) = (region.base.ptr, pages.ptr);
         let mut b = self.stream.launch_builder(&self.kernels.scrub);
         b.arg(&base).arg(&region.page_stride).arg(&region.page_bytes).arg(&pg).arg(&n_pages);
-        b.arg(&region.num_pages).arg(&pattern);
-        if clear_canaries {
-            b.arg(&self.raw.canaries);
-        } else {
-            b.arg(&null);
-        }
+        b.arg(&region.num_pages).arg(&pattern).arg(self.raw.canaries_if(clear_canaries));
         b.arg(&self.page_size);
         // SAFETY: the kernel writes page_bytes bytes of pages id < region.num_pages (inside the
         // lent region, checked) and, if asked, canaries of those pages (num_pages <= the pool's,
@@ -607,37 +601,27 @@ impl Device {
     }
 
     /// The reference decode attention with the fused check (`kvg_decode_attention_checked`).
-    #[allow(clippy::too_many_arguments)]
     pub fn decode_attention_checked(
         &mut self,
-        shape: AttentionShape,
-        q: Borrowed<f32>,
-        key_cache: Borrowed<f32>,
-        value_cache: Borrowed<f32>,
-        block_table: Borrowed<i32>,
-        seq_lens: Borrowed<i32>,
-        out: Borrowed<f32>,
-        check_canaries: bool,
-        fail_closed: bool,
+        step: &DecodeAttention,
+        check: AttentionCheck,
     ) -> Result<(), DeviceError> {
-        shape.check(self, &q, &key_cache, &value_cache, &block_table, &seq_lens, &out)?;
+        step.check(self)?;
+        let shape = step.shape;
         fits("sequences", u64::from(shape.num_seqs), u64::from(self.max_seqs))?;
         if shape.num_seqs == 0 {
             return Ok(());
         }
-        let null = 0u64;
-        let fc = u32::from(fail_closed);
-        let ptrs = [q.ptr, key_cache.ptr, value_cache.ptr, block_table.ptr, seq_lens.ptr, out.ptr];
+        let fc = u32::from(check.fail_closed);
+        let ptrs = step.ptrs();
         let mut b = self.stream.launch_builder(&self.kernels.attention_checked);
         shape.push(&mut b, &ptrs, &self.page_size);
-        b.arg(&self.raw.tags).arg(&self.num_pages).arg(&self.raw.readers);
-        if check_canaries {
-            b.arg(&self.raw.canaries);
-        } else {
-            b.arg(&null);
-        }
+        b.arg(&self.raw.tags)
+            .arg(&self.num_pages)
+            .arg(&self.raw.readers)
+            .arg(self.raw.canaries_if(check.check_canaries));
         b.arg(&self.raw.status).arg(&self.raw.ring).arg(&fc);
-        // SAFETY: shape.check verified every buffer holds the elements the kernel indexes from
+        // SAFETY: step.check verified every buffer holds the elements the kernel indexes from
         // the shape; pages are range-checked (kvg_check_page) before any K/V row is read, and a
         // page out of range is never read in either mode. Arguments match the kernel.
         unsafe { b.launch(shape.grid()) }?;
@@ -651,22 +635,13 @@ impl Device {
     /// Every block-table entry among the first `ceil(seq_lens[s] / page_size)` of each sequence
     /// is a page id below the pool's `num_pages` (or negative, which is skipped): the kernel reads
     /// K and V at those pages without checking.
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn decode_attention_unchecked(
-        &mut self,
-        shape: AttentionShape,
-        q: Borrowed<f32>,
-        key_cache: Borrowed<f32>,
-        value_cache: Borrowed<f32>,
-        block_table: Borrowed<i32>,
-        seq_lens: Borrowed<i32>,
-        out: Borrowed<f32>,
-    ) -> Result<(), DeviceError> {
-        shape.check(self, &q, &key_cache, &value_cache, &block_table, &seq_lens, &out)?;
+    pub unsafe fn decode_attention_unchecked(&mut self, step: &DecodeAttention) -> Result<(), DeviceError> {
+        step.check(self)?;
+        let shape = step.shape;
         if shape.num_seqs == 0 {
             return Ok(());
         }
-        let ptrs = [q.ptr, key_cache.ptr, value_cache.ptr, block_table.ptr, seq_lens.ptr, out.ptr];
+        let ptrs = step.ptrs();
         let mut b = self.stream.launch_builder(&self.kernels.attention_unchecked);
         shape.push(&mut b, &ptrs, &self.page_size);
         // SAFETY: buffers hold what the shape indexes (checked); the caller guarantees the page
@@ -793,35 +768,33 @@ pub struct AttentionShape {
     pub scale: f32,
 }
 
-impl AttentionShape {
-    #[allow(clippy::too_many_arguments)]
-    fn check(
-        &self,
-        d: &Device,
-        q: &Borrowed<f32>,
-        kc: &Borrowed<f32>,
-        vc: &Borrowed<f32>,
-        bt: &Borrowed<i32>,
-        sl: &Borrowed<i32>,
-        out: &Borrowed<f32>,
-    ) -> Result<(), DeviceError> {
-        if self.head_dim == 0 || self.head_dim % 32 != 0 || self.head_dim > 256 {
+impl DecodeAttention {
+    /// Every buffer holds what the shape makes the kernels index.
+    fn check(&self, d: &Device) -> Result<(), DeviceError> {
+        let s = &self.shape;
+        if s.head_dim == 0 || s.head_dim % 32 != 0 || s.head_dim > 256 {
             return Err(DeviceError::Argument("attention: head_dim must be a multiple of 32, at most 256".into()));
         }
-        if self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0 {
+        if s.num_kv_heads == 0 || s.num_heads % s.num_kv_heads != 0 {
             return Err(DeviceError::Argument("attention: num_kv_heads must divide num_heads".into()));
         }
-        let io = u64::from(self.num_seqs) * u64::from(self.num_heads) * u64::from(self.head_dim);
-        let cache =
-            u64::from(d.num_pages) * u64::from(d.page_size) * u64::from(self.num_kv_heads) * u64::from(self.head_dim);
-        need("q", q, io)?;
-        need("out", out, io)?;
-        need("key_cache", kc, cache)?;
-        need("value_cache", vc, cache)?;
-        need("block_table", bt, u64::from(self.num_seqs) * u64::from(self.max_blocks))?;
-        need("seq_lens", sl, u64::from(self.num_seqs))
+        let io = u64::from(s.num_seqs) * u64::from(s.num_heads) * u64::from(s.head_dim);
+        let cache = u64::from(d.num_pages) * u64::from(d.page_size) * u64::from(s.num_kv_heads) * u64::from(s.head_dim);
+        need("q", &self.q, io)?;
+        need("out", &self.out, io)?;
+        need("key_cache", &self.key_cache, cache)?;
+        need("value_cache", &self.value_cache, cache)?;
+        need("block_table", &self.block_table, u64::from(s.num_seqs) * u64::from(s.max_blocks))?;
+        need("seq_lens", &self.seq_lens, u64::from(s.num_seqs))
     }
 
+    /// The buffers' device pointers, in the order [`AttentionShape::push`] takes them.
+    fn ptrs(&self) -> [u64; 6] {
+        [self.q.ptr, self.key_cache.ptr, self.value_cache.ptr, self.block_table.ptr, self.seq_lens.ptr, self.out.ptr]
+    }
+}
+
+impl AttentionShape {
     /// Pushes the arguments both attention kernels share, in `KVG_ATTN_ARGS` order.
     fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>, ptrs: &'a [u64; 6], page_size: &'a u32) {
         let [q, kc, vc, bt, sl, out] = ptrs;

@@ -116,6 +116,36 @@ pub struct KvStore<T> {
     pub num_seqs: u32,
 }
 
+/// One launch of the reference decode attention (vLLM layout, f32): the shape and the engine's
+/// device buffers.
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeAttention {
+    /// Sequences, heads, head size, block-table width and softmax scale.
+    pub shape: AttentionShape,
+    /// The queries, `[num_seqs][num_heads][head_dim]`.
+    pub q: Borrowed<f32>,
+    /// The paged key cache, `[num_pages * page_size][num_kv_heads][head_dim]`.
+    pub key_cache: Borrowed<f32>,
+    /// The paged value cache, same shape.
+    pub value_cache: Borrowed<f32>,
+    /// The block table, `[num_seqs][max_blocks]`.
+    pub block_table: Borrowed<i32>,
+    /// Tokens each sequence reads.
+    pub seq_lens: Borrowed<i32>,
+    /// The output, `[num_seqs][num_heads][head_dim]`.
+    pub out: Borrowed<f32>,
+}
+
+/// What the fused check of [`DeviceGuard::decode_attention_checked`] does besides checking
+/// every page's tag.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AttentionCheck {
+    /// Also check every read slot's canary.
+    pub check_canaries: bool,
+    /// A flagged sequence's output is zeros (otherwise: report only).
+    pub fail_closed: bool,
+}
+
 /// What one [`DeviceGuard::drain`] found and reported into the table.
 #[derive(Clone, Debug, Default)]
 pub struct DrainReport {
@@ -302,30 +332,12 @@ impl DeviceGuard {
 
     /// The reference paged decode attention with the fused per-page check (report mode, or
     /// fail-closed: a flagged sequence's output is zeros).
-    #[allow(clippy::too_many_arguments)]
     pub fn decode_attention_checked(
         &mut self,
-        shape: AttentionShape,
-        q: Borrowed<f32>,
-        key_cache: Borrowed<f32>,
-        value_cache: Borrowed<f32>,
-        block_table: Borrowed<i32>,
-        seq_lens: Borrowed<i32>,
-        out: Borrowed<f32>,
-        check_canaries: bool,
-        fail_closed: bool,
+        step: &DecodeAttention,
+        check: AttentionCheck,
     ) -> Result<(), DeviceError> {
-        self.device.decode_attention_checked(
-            shape,
-            q,
-            key_cache,
-            value_cache,
-            block_table,
-            seq_lens,
-            out,
-            check_canaries,
-            fail_closed,
-        )
+        self.device.decode_attention_checked(step, check)
     }
 
     /// The same attention without any check: the baseline for the check's cost.
@@ -333,19 +345,9 @@ impl DeviceGuard {
     /// # Safety
     /// Every block-table entry read (the first `ceil(seq_lens[s] / page_size)` of each row) is
     /// below the pool's page count: the kernel reads those pages unchecked.
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn decode_attention_unchecked(
-        &mut self,
-        shape: AttentionShape,
-        q: Borrowed<f32>,
-        key_cache: Borrowed<f32>,
-        value_cache: Borrowed<f32>,
-        block_table: Borrowed<i32>,
-        seq_lens: Borrowed<i32>,
-        out: Borrowed<f32>,
-    ) -> Result<(), DeviceError> {
+    pub unsafe fn decode_attention_unchecked(&mut self, step: &DecodeAttention) -> Result<(), DeviceError> {
         // SAFETY: forwarded contract.
-        unsafe { self.device.decode_attention_unchecked(shape, q, key_cache, value_cache, block_table, seq_lens, out) }
+        unsafe { self.device.decode_attention_unchecked(step) }
     }
 
     /// The status words of the first `n` sequences (bit `k` set: a [`DeviceKind`](super::DeviceKind)

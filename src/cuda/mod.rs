@@ -28,7 +28,10 @@ pub mod layout;
 pub mod source;
 
 pub use backend::{AttentionShape, Borrowed, KvElement, PageRegion};
-pub use guard::{BlockTableStep, DeviceGuard, DeviceOptions, DrainReport, KvStore, POISON, PagedKvStep};
+pub use guard::{
+    AttentionCheck, BlockTableStep, DecodeAttention, DeviceGuard, DeviceOptions, DrainReport, KvStore, POISON,
+    PagedKvStep,
+};
 pub use layout::{DeviceKind, DeviceReader, DeviceTag, DeviceViolation, RingHeader};
 
 /// Why the device side could not be set up or a device operation failed.
