@@ -25,7 +25,6 @@
 #![warn(missing_docs)]
 
 pub mod config;
-#[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod error;
 pub mod ids;

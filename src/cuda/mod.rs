@@ -17,23 +17,32 @@
 //!   `unsafe fn`s of the guard forward their contracts: adopting the engine's stream, and the
 //!   unchecked reference attention.
 //!
+//! Without the `cuda` feature only [`layout`] and [`canary`] are here: the byte layout and the
+//! canary are what an engine needs to fuse the checks into its own kernels, with or without cudarc.
+//!
 //! Without a driver, a device or NVRTC (when no prebuilt CUBIN is given), [`DeviceGuard::new`]
 //! returns a [`DeviceError`]; it never panics. See `docs/cuda.md` for fusing the checks into an
 //! engine's own kernels.
 #![allow(unsafe_code)]
 
+#[cfg(feature = "cuda")]
 mod backend;
+#[cfg(feature = "cuda")]
 mod guard;
 pub mod layout;
+#[cfg(feature = "cuda")]
 pub mod source;
 
+#[cfg(feature = "cuda")]
 pub use backend::{AttentionShape, Borrowed, KvElement, PageRegion};
+#[cfg(feature = "cuda")]
 pub use guard::{
     AttentionCheck, BlockTableStep, DecodeAttention, DeviceGuard, DeviceOptions, DrainReport, KvStore, POISON,
     PagedKvStep,
 };
-pub use layout::{DeviceKind, DeviceReader, DeviceTag, DeviceViolation, RingHeader};
+pub use layout::{DeviceKind, DeviceReader, DeviceTag, DeviceViolation, RingHeader, canary};
 
+#[cfg(feature = "cuda")]
 /// Why the device side could not be set up or a device operation failed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -81,11 +90,13 @@ pub enum DeviceError {
     Argument(String),
 }
 
+#[cfg(feature = "cuda")]
 /// Whether the CUDA driver library can be loaded, without loading it for good or panicking.
 pub fn driver_available() -> bool {
     backend::driver_library_present()
 }
 
+#[cfg(feature = "cuda")]
 fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
     p.downcast_ref::<&str>()
         .map(|s| s.to_string())
