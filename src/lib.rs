@@ -28,6 +28,7 @@ pub mod config;
 pub mod cuda;
 pub mod error;
 pub mod ids;
+mod le;
 pub mod sim;
 pub mod table;
 pub mod trace;

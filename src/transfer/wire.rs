@@ -24,6 +24,7 @@
 
 use super::digest::PromptDigest;
 use crate::ids::{Generation, PageId, PageRef, RequestId, TenantId, grouped};
+use crate::le;
 
 /// The manifest's magic bytes.
 pub const MAGIC: [u8; 4] = *b"KVGM";
@@ -212,22 +213,12 @@ pub enum DecodeError {
     },
 }
 
-fn read_u16(b: &[u8], at: usize) -> u16 {
-    let mut a = [0u8; 2];
-    a.copy_from_slice(&b[at..at + 2]);
-    u16::from_le_bytes(a)
-}
-
-fn read_u32(b: &[u8], at: usize) -> u32 {
-    let mut a = [0u8; 4];
-    a.copy_from_slice(&b[at..at + 4]);
-    u32::from_le_bytes(a)
-}
-
-fn read_u64(b: &[u8], at: usize) -> u64 {
-    let mut a = [0u8; 8];
-    a.copy_from_slice(&b[at..at + 8]);
-    u64::from_le_bytes(a)
+/// The little-endian field at `at` of `bytes`, read by `read` (a [`crate::le`] reader). `decode`
+/// checks every length before it reads a field, so a field past the end is not reached; were it
+/// reached, it would be `Truncated`, never a panic.
+fn field<T>(bytes: &[u8], at: usize, read: fn(&[u8], usize) -> Option<T>) -> Result<T, DecodeError> {
+    read(bytes, at)
+        .ok_or(DecodeError::Truncated { needed: at.saturating_add(size_of::<T>()) as u64, found: bytes.len() })
 }
 
 /// Tokens in page `index` of a `tokens`-token sequence with `page_size` slots per page (0 past
@@ -371,11 +362,11 @@ impl Manifest {
         if magic != MAGIC {
             return Err(DecodeError::BadMagic(magic));
         }
-        let version = read_u16(bytes, 4);
+        let version = field(bytes, 4, le::u16_at)?;
         if version != VERSION {
             return Err(DecodeError::UnsupportedVersion(version));
         }
-        let count = read_u32(bytes, 56);
+        let count = field(bytes, 56, le::u32_at)?;
         if count > MAX_MANIFEST_PAGES {
             return Err(DecodeError::TooManyPages(count));
         }
@@ -387,20 +378,20 @@ impl Manifest {
             return Err(DecodeError::TrailingBytes { expected: expected_len, found: bytes.len() });
         }
         let body_len = bytes.len() - TRAILER_LEN;
-        let stored = read_u32(bytes, body_len);
+        let stored = field(bytes, body_len, le::u32_at)?;
         let computed = crc32fast::hash(&bytes[..body_len]);
         if stored != computed {
             return Err(DecodeError::ChecksumMismatch { stored, computed });
         }
-        let (flags, reserved) = (read_u16(bytes, 6), read_u32(bytes, 60));
+        let (flags, reserved) = (field(bytes, 6, le::u16_at)?, field(bytes, 60, le::u32_at)?);
         if flags != 0 || reserved != 0 {
             return Err(DecodeError::ReservedBits { flags, reserved });
         }
-        let (page_size, slot_bytes) = (read_u32(bytes, 48), read_u32(bytes, 52));
+        let (page_size, slot_bytes) = (field(bytes, 48, le::u32_at)?, field(bytes, 52, le::u32_at)?);
         if page_size == 0 || slot_bytes == 0 || u64::from(page_size) * u64::from(slot_bytes) > u64::from(u32::MAX) {
             return Err(DecodeError::Shape { page_size, slot_bytes });
         }
-        let prompt_tokens = read_u64(bytes, 32);
+        let prompt_tokens = field(bytes, 32, le::u64_at)?;
         let needed = prompt_tokens.div_ceil(u64::from(page_size));
         if needed != u64::from(count) {
             return Err(DecodeError::Layout {
@@ -411,9 +402,12 @@ impl Manifest {
         let mut pages = Vec::with_capacity(count as usize);
         for (index, e) in bytes[HEADER_LEN..body_len].chunks_exact(PAGE_ENTRY_LEN).enumerate() {
             let entry = PageEntry {
-                dest: PageRef { page: PageId(read_u32(e, 0)), generation: Generation(read_u32(e, 4)) },
-                tokens: read_u32(e, 8),
-                crc32: read_u32(e, 12),
+                dest: PageRef {
+                    page: PageId(field(e, 0, le::u32_at)?),
+                    generation: Generation(field(e, 4, le::u32_at)?),
+                },
+                tokens: field(e, 8, le::u32_at)?,
+                crc32: field(e, 12, le::u32_at)?,
             };
             let want = tokens_in_page(prompt_tokens, page_size, index);
             if entry.tokens != want {
@@ -427,11 +421,11 @@ impl Manifest {
             pages.push(entry);
         }
         Ok(Manifest {
-            request: RequestId(read_u64(bytes, 8)),
-            tenant: TenantId(read_u64(bytes, 16)),
-            sender: SenderId(read_u64(bytes, 24)),
+            request: RequestId(field(bytes, 8, le::u64_at)?),
+            tenant: TenantId(field(bytes, 16, le::u64_at)?),
+            sender: SenderId(field(bytes, 24, le::u64_at)?),
             prompt_tokens,
-            prompt_digest: PromptDigest(read_u64(bytes, 40)),
+            prompt_digest: PromptDigest(field(bytes, 40, le::u64_at)?),
             page_size,
             slot_bytes,
             pages,
