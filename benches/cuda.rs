@@ -18,7 +18,7 @@ use kvguard::PoolConfig;
 use kvguard::cuda::layout::{DeviceTag, canary};
 use kvguard::cuda::{
     AttentionCheck, AttentionShape, BlockTableStep, Borrowed, DecodeAttention, DeviceError, DeviceGuard, DeviceOptions,
-    POISON, PageRegion,
+    POISON, PageRegion, UncheckedAttention,
 };
 use std::sync::Arc;
 use std::time::Instant;
@@ -142,7 +142,8 @@ fn main() {
             };
             let iters = if u64::from(batch) * u64::from(ctx) >= 1 << 22 { 3 } else { 20 };
             // SAFETY: every block-table entry is a page of the pool (1..num_pages).
-            let plain = time_us(&s, iters, || unsafe { g.decode_attention_unchecked(&attn).unwrap() });
+            let unchecked = unsafe { UncheckedAttention::new(attn) };
+            let plain = time_us(&s, iters, || g.decode_attention_unchecked(&unchecked).unwrap());
             let tags_only = AttentionCheck { check_canaries: false, fail_closed: false };
             let fused = time_us(&s, iters, || g.decode_attention_checked(&attn, tags_only).unwrap());
             let with_canaries = AttentionCheck { check_canaries: true, fail_closed: false };

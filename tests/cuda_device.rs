@@ -10,10 +10,9 @@
 //! which must be refused with `DeviceError::Cubin`.
 #![cfg(feature = "cuda")]
 
-/// Under `cuda::` so that `cargo test cuda` selects these.
-#[path = "common/skip.rs"]
-mod skip;
+mod common;
 
+/// Under `cuda::` so that `cargo test cuda` selects these.
 mod cuda {
     use cudarc::driver::{CudaSlice, DevicePtr, sys};
     use kvguard::cuda::{
@@ -53,7 +52,7 @@ mod cuda {
             Ok(g) => Some(g),
             Err(e @ (DeviceError::DriverNotFound | DeviceError::NoDevice { .. } | DeviceError::NvrtcNotFound)) => {
                 assert!(!required(), "KVGUARD_REQUIRE_GPU=1 but: {e}");
-                crate::skip::skipped(&format!("no GPU here: {e}"));
+                crate::common::skip::skipped(&format!("no GPU here: {e}"));
                 None
             }
             Err(e) => panic!("DeviceGuard::new failed: {e}"),
@@ -108,7 +107,7 @@ mod cuda {
     #[test]
     fn gpu_refuses_a_cubin_built_for_another_architecture() {
         let Some(wrong) = cubin_from_env("KVGUARD_WRONG_ARCH_CUBIN") else {
-            crate::skip::skipped("KVGUARD_WRONG_ARCH_CUBIN is not set");
+            crate::common::skip::skipped("KVGUARD_WRONG_ARCH_CUBIN is not set");
             return;
         };
         let config = PoolConfig::new(64, PS, 256);

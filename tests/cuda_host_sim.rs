@@ -6,12 +6,11 @@
 //! (and fail when `KVGUARD_REQUIRE_HOSTCXX=1`, which `scripts/ci/cuda.sh setup` exports).
 #![cfg(feature = "cuda")]
 
-#[path = "../kernels/host/sim.rs"]
-mod sim;
+mod common;
 
 /// Under `cuda::` so that `cargo test cuda` selects these.
 mod cuda {
-    use super::sim::{Case, NUM_PAGES, PS, Pool, Rng, driver, pool};
+    use crate::common::host_sim::{Case, NUM_PAGES, PS, Pool, Rng, driver, pool};
     use kvguard::cuda::layout::{DeviceKind, DeviceReader, DeviceTag, DeviceViolation, RingDrain, RingHeader, canary};
     use kvguard::{PageId, RequestId, TenantId, ViolationKind};
     use std::collections::HashMap;

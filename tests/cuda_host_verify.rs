@@ -5,12 +5,11 @@
 //! KV store and checked by the reads. Needs only a C++17 compiler (see `cuda_host_sim.rs`).
 #![cfg(feature = "cuda")]
 
-#[path = "../kernels/host/sim.rs"]
-mod sim;
+mod common;
 
 /// Under `cuda::` so that `cargo test cuda` selects these.
 mod cuda {
-    use super::sim::{Case, NUM_PAGES, PS, Pool, Rng, driver, pool};
+    use crate::common::host_sim::{Case, NUM_PAGES, PS, Pool, Rng, driver, pool};
     use kvguard::cuda::layout::{DeviceKind, DeviceReader, DeviceViolation, RingDrain, canary};
     use kvguard::{Generation, PageId, PageRef, PageState, RequestId, ViolationKind};
     use std::collections::HashMap;

@@ -4,10 +4,9 @@
 //! NVRTC or ptxas fails the test instead of skipping it.
 #![cfg(feature = "cuda")]
 
-/// Under `cuda::` so that `cargo test cuda` selects these.
-#[path = "common/skip.rs"]
-mod skip;
+mod common;
 
+/// Under `cuda::` so that `cargo test cuda` selects these.
 mod cuda {
     use kvguard::cuda::DeviceError;
     use kvguard::cuda::source::{self, KERNELS};
@@ -21,7 +20,7 @@ mod cuda {
     /// Skips loudly, or fails when the tools are required.
     fn skip(why: &str) {
         assert!(!required(), "KVGUARD_REQUIRE_NVRTC=1 but {why}");
-        crate::skip::skipped(&format!("{why} (set up with `source scripts/ci/cuda.sh setup`)"));
+        crate::common::skip::skipped(&format!("{why} (set up with `source scripts/ci/cuda.sh setup`)"));
     }
 
     fn ptxas() -> Option<PathBuf> {

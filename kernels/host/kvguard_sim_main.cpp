@@ -4,7 +4,7 @@
 //        kvguard_sim <command> <dir>
 // Inputs are little-endian arrays in <dir>/<name>.bin and integer parameters in <dir>/params.txt
 // ("name value" per line); outputs are written to <dir>/<name>.out. The Rust tests
-// (tests/cuda_host_*.rs, through kernels/host/sim.rs) write the inputs, run this, and compare.
+// (tests/cuda_host_*.rs, through tests/common/host_sim.rs) write the inputs, run this, and compare.
 #include "kvguard_sim.h"
 
 #include "../kvguard.cu"

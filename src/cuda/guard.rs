@@ -1,8 +1,13 @@
-//! [`DeviceGuard`]: the safe host API of the device checks.
+//! [`DeviceGuard`]: the safe host API of the device checks. No `unsafe` here: what the engine
+//! must promise it promises when it builds a [`Borrowed`], an [`EngineStream`] or an
+//! [`UncheckedAttention`], and the launches live in `device.rs`.
 
-use super::DeviceError;
-use super::backend::{AttentionShape, Borrowed, Device, DeviceShape, KvElement, PageRegion};
+use super::device::{Device, DeviceShape, UncheckedAttention};
+use super::error::DeviceError;
 use super::layout::{DeviceReader, DeviceTag, RingDrain};
+use super::lent::{Borrowed, EngineStream};
+use super::source;
+use super::step::{AttentionCheck, BlockTableStep, DecodeAttention, KvElement, KvStore, PageRegion, PagedKvStep};
 use crate::config::PoolConfig;
 use crate::ids::{RequestId, TenantId};
 use crate::table::OwnershipTable;
@@ -50,106 +55,11 @@ impl std::fmt::Debug for DeviceOptions {
     }
 }
 
-/// A decode step in vLLM's layout: `block_table[num_seqs][max_blocks]` (int32) and
-/// `seq_lens[num_seqs]` (int32 tokens read), both the engine's device memory.
-#[derive(Clone, Copy, Debug)]
-pub struct BlockTableStep {
-    /// The block table, row-major, `max_blocks` entries per row.
-    pub block_table: Borrowed<i32>,
-    /// Tokens each sequence reads.
-    pub seq_lens: Borrowed<i32>,
-    /// Sequences in the step (at most [`DeviceOptions::max_seqs`]).
-    pub num_seqs: u32,
-    /// Entries per block-table row.
-    pub max_blocks: u32,
-    /// Optional: the generation the engine recorded for each entry (the block table's shape);
-    /// entries of another incarnation are [`StalePage`](crate::ViolationKind::StalePage).
-    pub generations: Option<Borrowed<u32>>,
-    /// Also check every read slot's canary (KV stamped by the current incarnation).
-    pub check_canaries: bool,
-}
-
-/// A decode step in FlashInfer's layout: `kv_indptr[num_seqs + 1]`, `kv_indices[..]` and
-/// `kv_last_page_len[num_seqs]` (int32, the engine's device memory).
-#[derive(Clone, Copy, Debug)]
-pub struct PagedKvStep {
-    /// Where each sequence's pages start in `kv_indices`.
-    pub kv_indptr: Borrowed<i32>,
-    /// The pages, all sequences concatenated.
-    pub kv_indices: Borrowed<i32>,
-    /// Tokens in each sequence's last page (1..=page_size).
-    pub kv_last_page_len: Borrowed<i32>,
-    /// Sequences in the step.
-    pub num_seqs: u32,
-    /// An upper bound on pages per sequence (sizes the grid; any value is correct, a tight one
-    /// is fast).
-    pub max_pages_per_seq: u32,
-    /// Optional: generations parallel to `kv_indices`.
-    pub generations: Option<Borrowed<u32>>,
-    /// Also check every read slot's canary.
-    pub check_canaries: bool,
-}
-
-/// One launch of the reference KV store: `num_tokens` tokens of `kv_width` elements each, token
-/// `t` going to slot `slot_mapping[t]` of the paged caches; `query_start_loc[s]..[s + 1]` are the
-/// tokens of sequence `s` (whose reader is set by [`DeviceGuard::set_readers`]). All buffers
-/// are the engine's device memory.
-#[derive(Clone, Copy, Debug)]
-pub struct KvStore<T> {
-    /// The new keys, `[num_tokens][kv_width]`.
-    pub key: Borrowed<T>,
-    /// The new values, `[num_tokens][kv_width]`.
-    pub value: Borrowed<T>,
-    /// The paged key cache, `[num_pages * page_size][kv_width]`.
-    pub key_cache: Borrowed<T>,
-    /// The paged value cache, same shape.
-    pub value_cache: Borrowed<T>,
-    /// Each token's cache slot (`page * page_size + offset`), `[num_tokens]`.
-    pub slot_mapping: Borrowed<i64>,
-    /// Tokens stored.
-    pub num_tokens: u32,
-    /// Elements per token and cache slot.
-    pub kv_width: u32,
-    /// Where each sequence's tokens start, `[num_seqs + 1]`.
-    pub query_start_loc: Borrowed<i32>,
-    /// Sequences in the launch (at most [`DeviceOptions::max_seqs`]).
-    pub num_seqs: u32,
-}
-
-/// One launch of the reference decode attention (vLLM layout, f32): the shape and the engine's
-/// device buffers.
-#[derive(Clone, Copy, Debug)]
-pub struct DecodeAttention {
-    /// Sequences, heads, head size, block-table width and softmax scale.
-    pub shape: AttentionShape,
-    /// The queries, `[num_seqs][num_heads][head_dim]`.
-    pub q: Borrowed<f32>,
-    /// The paged key cache, `[num_pages * page_size][num_kv_heads][head_dim]`.
-    pub key_cache: Borrowed<f32>,
-    /// The paged value cache, same shape.
-    pub value_cache: Borrowed<f32>,
-    /// The block table, `[num_seqs][max_blocks]`.
-    pub block_table: Borrowed<i32>,
-    /// Tokens each sequence reads.
-    pub seq_lens: Borrowed<i32>,
-    /// The output, `[num_seqs][num_heads][head_dim]`.
-    pub out: Borrowed<f32>,
-}
-
-/// What the fused check of [`DeviceGuard::decode_attention_checked`] does besides checking
-/// every page's tag.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct AttentionCheck {
-    /// Also check every read slot's canary.
-    pub check_canaries: bool,
-    /// A flagged sequence's output is zeros (otherwise: report only).
-    pub fail_closed: bool,
-}
-
-/// What one [`DeviceGuard::drain`] found and reported into the table.
+/// What one [`DeviceGuard::drain`] took from the device's violation ring and recorded in the
+/// table.
 #[derive(Clone, Debug, Default)]
-pub struct DrainReport {
-    /// The violations, oldest first, as reported to the table.
+pub struct Drained {
+    /// The violations, oldest first, as recorded in the table.
     pub violations: Vec<Violation>,
     /// Records the device dropped because the ring was full, since the guard was created.
     pub dropped_total: u64,
@@ -178,7 +88,7 @@ pub struct DrainReport {
 /// };
 /// guard.clear_status()?;
 /// guard.verify_block_table(&step)?; // attention kernels may read guard.status_ptr()
-/// let report = guard.drain(&table)?; // off the hot path
+/// let drained = guard.drain(&table)?; // off the hot path
 /// # Ok(()) }
 /// ```
 pub struct DeviceGuard {
@@ -214,7 +124,7 @@ impl DeviceGuard {
             return Err(DeviceError::Argument("max_seqs, ring_capacity and update_batch must be positive".into()));
         }
         if let Some(cubin) = &options.cubin {
-            super::source::check_cubin(cubin)?;
+            source::check_cubin(cubin)?;
         }
         let device = Device::open(DeviceShape {
             ordinal: options.ordinal,
@@ -228,14 +138,10 @@ impl DeviceGuard {
         Ok(DeviceGuard { device })
     }
 
-    /// Launches on the engine's stream from now on (the default is the context's default stream).
-    ///
-    /// # Safety
-    /// `stream` is a live `CUstream` of this guard's device context (the primary context of its
-    /// ordinal) and outlives the guard.
-    pub unsafe fn use_engine_stream(&mut self, stream: cudarc::driver::sys::CUstream) -> Result<(), DeviceError> {
-        // SAFETY: forwarded contract.
-        unsafe { self.device.use_stream(stream) }
+    /// Launches on the engine's stream from now on (the default is a stream of kvguard's own).
+    /// Waits for the work kvguard queued so far.
+    pub fn use_engine_stream(&mut self, stream: EngineStream) -> Result<(), DeviceError> {
+        self.device.use_stream(stream)
     }
 
     /// Copies the tags of the pages `table` changed since the last call into the device table
@@ -325,12 +231,12 @@ impl DeviceGuard {
 
     /// The reference KV store: writes each token's K and V to its slot if the writing sequence
     /// (readers set by [`set_readers`](Self::set_readers)) owns the page, and stamps the slot's
-    /// canary; other stores are refused on the device and reported.
+    /// canary; other stores are refused on the device and recorded in the violation ring.
     pub fn store_kv<T: KvElement>(&mut self, store: &KvStore<T>) -> Result<(), DeviceError> {
         self.device.store_kv(store)
     }
 
-    /// The reference paged decode attention with the fused per-page check (report mode, or
+    /// The reference paged decode attention with the fused per-page check (flag only, or
     /// fail-closed: a flagged sequence's output is zeros).
     pub fn decode_attention_checked(
         &mut self,
@@ -340,14 +246,10 @@ impl DeviceGuard {
         self.device.decode_attention_checked(step, check)
     }
 
-    /// The same attention without any check: the baseline for the check's cost.
-    ///
-    /// # Safety
-    /// Every block-table entry read (the first `ceil(seq_lens[s] / page_size)` of each row) is
-    /// below the pool's page count: the kernel reads those pages unchecked.
-    pub unsafe fn decode_attention_unchecked(&mut self, step: &DecodeAttention) -> Result<(), DeviceError> {
-        // SAFETY: forwarded contract.
-        unsafe { self.device.decode_attention_unchecked(step) }
+    /// The same attention without any check: the baseline for the check's cost. The caller
+    /// vouched for the pages when it built the [`UncheckedAttention`].
+    pub fn decode_attention_unchecked(&mut self, step: &UncheckedAttention) -> Result<(), DeviceError> {
+        self.device.decode_attention_unchecked(step)
     }
 
     /// The status words of the first `n` sequences (bit `k` set: a [`DeviceKind`](super::DeviceKind)
@@ -363,28 +265,30 @@ impl DeviceGuard {
         self.device.start_ring_copy()
     }
 
-    /// If the copy started by [`begin_drain`](Self::begin_drain) has landed, reports each record
-    /// into `table` (counters, log, and under enforce, quarantine) and tells the device those
+    /// If the copy started by [`begin_drain`](Self::begin_drain) has landed, records each violation
+    /// in `table` (counters, log, and under enforce, quarantine) and tells the device those
     /// records are consumed; `None` if it has not landed yet. Never waits for the GPU.
-    pub fn try_finish_drain(&mut self, table: &OwnershipTable) -> Result<Option<DrainReport>, DeviceError> {
+    pub fn try_finish_drain(&mut self, table: &OwnershipTable) -> Result<Option<Drained>, DeviceError> {
         match self.device.finish_ring_copy(false)? {
             None => Ok(None),
-            Some(bytes) => self.report(&bytes, table).map(Some),
+            Some(bytes) => self.record_drained(&bytes, table).map(Some),
         }
     }
 
     /// Drains the violation ring now: [`begin_drain`](Self::begin_drain), wait for the copy, and
-    /// report. Waits for the work queued so far on the stream; off the step's critical path.
-    pub fn drain(&mut self, table: &OwnershipTable) -> Result<DrainReport, DeviceError> {
+    /// record. Waits for the work queued so far on the stream; off the step's critical path.
+    pub fn drain(&mut self, table: &OwnershipTable) -> Result<Drained, DeviceError> {
         // A copy begun earlier shows the ring as it was then: let it land and copy again. Its
         // records were not marked consumed, so the fresh copy still holds them: none is lost.
         let _older = self.device.finish_ring_copy(true)?;
         self.device.start_ring_copy()?;
         let bytes = self.device.finish_ring_copy(true)?.unwrap_or_default();
-        self.report(&bytes, table)
+        self.record_drained(&bytes, table)
     }
 
-    fn report(&mut self, ring: &[u8], table: &OwnershipTable) -> Result<DrainReport, DeviceError> {
+    /// Parses a copy of the ring, records each violation in `table` and tells the device those
+    /// records are consumed.
+    fn record_drained(&mut self, ring: &[u8], table: &OwnershipTable) -> Result<Drained, DeviceError> {
         let drain =
             RingDrain::parse(ring).ok_or_else(|| DeviceError::Argument("the device ring header is corrupt".into()))?;
         self.device.set_consumed(drain.consumed)?;
@@ -392,7 +296,7 @@ impl DeviceGuard {
         for v in &violations {
             table.report(v.clone());
         }
-        Ok(DrainReport { violations, dropped_total: drain.dropped_total, incomplete: drain.incomplete })
+        Ok(Drained { violations, dropped_total: drain.dropped_total, incomplete: drain.incomplete })
     }
 
     /// Device address of the tag table (`const kvg_tag*`), for engines fusing `kvg_check_page`.
@@ -471,8 +375,7 @@ mod tests {
     #[test]
     fn with_a_cubin_and_no_driver_the_error_is_still_driver_not_found() {
         let config = PoolConfig::new(64, 16, 256);
-        let options =
-            DeviceOptions { cubin: Some(super::super::source::tests::tiny_cubin().into()), ..Default::default() };
+        let options = DeviceOptions { cubin: Some(source::tests::tiny_cubin().into()), ..Default::default() };
         let result = std::panic::catch_unwind(|| DeviceGuard::new(&config, options));
         let result = result.expect("DeviceGuard::new must never panic");
         if !super::super::driver_available() {

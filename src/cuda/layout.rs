@@ -1,11 +1,12 @@
 //! The device data layout: `#[repr(C)]` mirrors of the structs in `kernels/kvguard.cuh`, the
-//! violation kinds the kernels report, the canary function, and the ring-buffer drain.
+//! violation kinds the kernels record, the canary function, and the ring-buffer drain.
 //!
 //! Everything here is safe, plain Rust: it compiles and is tested without CUDA. The byte
 //! encodings (`to_bytes`/`from_bytes`) are explicit little-endian field by field, so the tests
 //! that exchange them with the host-compiled kernels also check that the two layouts agree.
 
 use crate::ids::{Generation, PageId, RequestId, TenantId};
+use crate::le;
 use crate::table::{PageInfo, PageState};
 use crate::violation::{Op, Violation, ViolationKind};
 
@@ -55,16 +56,17 @@ impl DeviceTag {
         b
     }
 
-    /// A tag from its `kvg_tag` bytes.
-    pub fn from_bytes(b: &[u8; Self::SIZE]) -> DeviceTag {
-        DeviceTag {
-            owner: u64_at(b, 0),
-            tenant: u64_at(b, 8),
-            generation: u32_at(b, 16),
-            written: u32_at(b, 20),
-            state: u32_at(b, 24),
-            flags: u32_at(b, 28),
-        }
+    /// A tag from the first [`SIZE`](Self::SIZE) bytes of `b`, its `kvg_tag` bytes; `None` if
+    /// `b` is shorter.
+    pub fn from_bytes(b: &[u8]) -> Option<DeviceTag> {
+        Some(DeviceTag {
+            owner: le::u64_at(b, 0)?,
+            tenant: le::u64_at(b, 8)?,
+            generation: le::u32_at(b, 16)?,
+            written: le::u32_at(b, 20)?,
+            state: le::u32_at(b, 24)?,
+            flags: le::u32_at(b, 28)?,
+        })
     }
 
     /// The page state, if the discriminant is a known one.
@@ -225,25 +227,24 @@ impl DeviceViolation {
     /// Bytes per record.
     pub const SIZE: usize = 96;
 
-    /// A record from its `kvg_violation` bytes.
-    pub fn from_bytes(b: &[u8; Self::SIZE]) -> DeviceViolation {
-        let mut tag = [0u8; DeviceTag::SIZE];
-        tag.copy_from_slice(&b[48..80]);
-        DeviceViolation {
-            kind: u32_at(b, 0),
-            op: u32_at(b, 4),
-            seq: u32_at(b, 8),
-            block: u32_at(b, 12),
-            page: u32_at(b, 16) as i32,
-            slot_start: u32_at(b, 20),
-            slot_end: u32_at(b, 24),
-            expected_generation: u32_at(b, 28),
-            request: u64_at(b, 32),
-            tenant: u64_at(b, 40),
-            found: DeviceTag::from_bytes(&tag),
-            sequence_no: u64_at(b, 80),
-            reserved: u64_at(b, 88),
-        }
+    /// A record from the first [`SIZE`](Self::SIZE) bytes of `b`, its `kvg_violation` bytes;
+    /// `None` if `b` is shorter.
+    pub fn from_bytes(b: &[u8]) -> Option<DeviceViolation> {
+        Some(DeviceViolation {
+            kind: le::u32_at(b, 0)?,
+            op: le::u32_at(b, 4)?,
+            seq: le::u32_at(b, 8)?,
+            block: le::u32_at(b, 12)?,
+            page: le::u32_at(b, 16)? as i32,
+            slot_start: le::u32_at(b, 20)?,
+            slot_end: le::u32_at(b, 24)?,
+            expected_generation: le::u32_at(b, 28)?,
+            request: le::u64_at(b, 32)?,
+            tenant: le::u64_at(b, 40)?,
+            found: DeviceTag::from_bytes(b.get(48..)?)?,
+            sequence_no: le::u64_at(b, 80)?,
+            reserved: le::u64_at(b, 88)?,
+        })
     }
 
     /// The device kind, if the code is known.
@@ -303,15 +304,15 @@ impl RingHeader {
     /// Bytes of the header.
     pub const SIZE: usize = 32;
 
-    /// The header from its `kvg_ring` bytes.
+    /// The header from the first [`SIZE`](Self::SIZE) bytes of `b`, its `kvg_ring` bytes;
+    /// `None` if `b` is shorter.
     pub fn from_bytes(b: &[u8]) -> Option<RingHeader> {
-        let b: &[u8; Self::SIZE] = b.get(..Self::SIZE)?.try_into().ok()?;
         Some(RingHeader {
-            head: u64_at(b, 0),
-            dropped: u64_at(b, 8),
-            consumed: u64_at(b, 16),
-            capacity: u32_at(b, 24),
-            reserved: u32_at(b, 28),
+            head: le::u64_at(b, 0)?,
+            dropped: le::u64_at(b, 8)?,
+            consumed: le::u64_at(b, 16)?,
+            capacity: le::u32_at(b, 24)?,
+            reserved: le::u32_at(b, 28)?,
         })
     }
 
@@ -357,8 +358,7 @@ impl RingDrain {
         let end = h.head.min(h.consumed.saturating_add(u64::from(h.capacity)));
         for pos in h.consumed..end {
             let at = RingHeader::SIZE + (pos % u64::from(h.capacity)) as usize * DeviceViolation::SIZE;
-            let bytes: &[u8; DeviceViolation::SIZE] = ring[at..at + DeviceViolation::SIZE].try_into().ok()?;
-            let rec = DeviceViolation::from_bytes(bytes);
+            let rec = DeviceViolation::from_bytes(ring.get(at..)?)?;
             if rec.sequence_no == pos + 1 {
                 out.records.push(rec);
             } else {
@@ -385,18 +385,6 @@ pub fn canary(owner: u64, generation: u32, page: u32, slot: u32) -> u32 {
     if c != 0 { c } else { 1 }
 }
 
-fn u64_at(b: &[u8], at: usize) -> u64 {
-    let mut w = [0u8; 8];
-    w.copy_from_slice(&b[at..at + 8]);
-    u64::from_le_bytes(w)
-}
-
-fn u32_at(b: &[u8], at: usize) -> u32 {
-    let mut w = [0u8; 4];
-    w.copy_from_slice(&b[at..at + 4]);
-    u32::from_le_bytes(w)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -414,7 +402,8 @@ mod tests {
     #[test]
     fn a_tag_round_trips_through_its_bytes() {
         let t = DeviceTag { owner: 1 << 40 | 7, tenant: 3, generation: 9, written: 16, state: 2, flags: 0 };
-        assert_eq!(DeviceTag::from_bytes(&t.to_bytes()), t);
+        assert_eq!(DeviceTag::from_bytes(&t.to_bytes()), Some(t));
+        assert_eq!(DeviceTag::from_bytes(&t.to_bytes()[..DeviceTag::SIZE - 1]), None);
     }
 
     #[test]

@@ -2,7 +2,9 @@
 //! architecture and process, then cached), or a CUBIN built ahead of time and checked before the
 //! driver reads it.
 
-use super::DeviceError;
+use super::error::{DeviceError, panic_message};
+use super::nvrtc;
+use crate::le;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -58,18 +60,19 @@ const EM_CUDA: u16 = 190;
 /// driver call. Whether it holds code for the device's architecture only the driver can tell.
 pub fn check_cubin(image: &[u8]) -> Result<(), DeviceError> {
     let bad = |why: String| Err(DeviceError::Cubin(why));
-    let u16_at = |at: usize| image.get(at..at + 2).map(|b| u16::from_le_bytes([b[0], b[1]]));
-    let u32_at = |at: usize| image.get(at..at + 4).map(|b| u32::from_le_bytes(b.try_into().expect("a 4-byte slice")));
-    let u64_at = |at: usize| image.get(at..at + 8).map(|b| u64::from_le_bytes(b.try_into().expect("an 8-byte slice")));
+    let u16_at = |at: usize| le::u16_at(image, at);
+    let u32_at = |at: usize| le::u32_at(image, at);
+    let u64_at = |at: usize| le::u64_at(image, at);
     if image.len() < 64 || &image[..4] != b"\x7fELF" {
         return bad(format!("{} bytes that are not an ELF image (a CUBIN is one)", image.len()));
     }
     if image[4] != 2 || image[5] != 1 {
         return bad("not a 64-bit little-endian ELF image".into());
     }
-    let machine = u16::from_le_bytes([image[18], image[19]]);
-    if machine != EM_CUDA {
-        return bad(format!("an ELF image for machine {machine}, not CUDA ({EM_CUDA})"));
+    match u16_at(18) {
+        Some(EM_CUDA) => {}
+        Some(machine) => return bad(format!("an ELF image for machine {machine}, not CUDA ({EM_CUDA})")),
+        None => return bad("a truncated ELF header".into()),
     }
     let len = image.len() as u64;
     let (Some(ph_entry), Some(ph_count), Some(sh_entry), Some(sh_count), Some(names)) =
@@ -125,7 +128,7 @@ pub fn check_cubin(image: &[u8]) -> Result<(), DeviceError> {
 
 /// Whether the NVRTC library can be loaded (without loading it for good, and without panicking).
 pub fn nvrtc_available() -> bool {
-    super::backend::nvrtc_library_present()
+    nvrtc::library_present()
 }
 
 /// Compiles the kernels to a CUBIN for a real architecture such as `"sm_90"` (what
@@ -142,8 +145,8 @@ pub fn compile_cubin(arch: &str) -> Result<Arc<[u8]>, DeviceError> {
     }
     let options = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into(), "-lineinfo".into()];
     let source = nvrtc_source();
-    let compiled = std::panic::catch_unwind(|| super::backend::nvrtc_cubin(&source, &options))
-        .map_err(|p| DeviceError::Loader(super::panic_message(p)))?;
+    let compiled = std::panic::catch_unwind(|| nvrtc::compile_cubin(&source, &options))
+        .map_err(|p| DeviceError::Loader(panic_message(p)))?;
     let cubin: Arc<[u8]> = compiled.map_err(|log| DeviceError::Compile { arch: arch.to_string(), log })?.into();
     cache.lock().unwrap_or_else(|e| e.into_inner()).insert(arch.to_string(), cubin.clone());
     Ok(cubin)
@@ -173,7 +176,7 @@ pub fn compile_ptx(arch: &str) -> Result<Arc<str>, DeviceError> {
     // this crate's cudarc features): the probe above rules out a missing library, and this turns
     // the remaining case into an error instead of a panic.
     let compiled = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(&source, opts))
-        .map_err(|p| DeviceError::Loader(super::panic_message(p)))?;
+        .map_err(|p| DeviceError::Loader(panic_message(p)))?;
     let ptx: Arc<str> = compiled
         .map_err(|e| {
             let log = match &e {
@@ -195,7 +198,7 @@ pub fn cubin_arch(image: &[u8]) -> Option<String> {
     if image.len() < 64 || &image[..4] != b"\x7fELF" || image[8] != 7 {
         return None;
     }
-    let flags = u32::from_le_bytes(image[0x30..0x34].try_into().expect("a 4-byte slice"));
+    let flags = le::u32_at(image, 0x30)?;
     Some(format!("sm_{}", flags & 0xff))
 }
 

@@ -1,13 +1,9 @@
-//! The Rust side of the CPU kernel simulator (kernels/host/kvguard_sim_main.cpp), shared by the
-//! `tests/cuda_host_*.rs` test crates through `#[path]`: builds the driver once per process,
-//! exchanges little-endian arrays with it through a directory per run, and sets up a pool with
-//! every kind of page for the kernels to be checked against the ownership table.
-// Each test crate uses a different part of this file.
-#![allow(dead_code)]
+//! The Rust side of the CPU kernel simulator (kernels/host/kvguard_sim_main.cpp), used by the
+//! `tests/cuda_host_*.rs` test crates: builds the driver once per process, exchanges
+//! little-endian arrays with it through a directory per run, and sets up a pool with every kind of
+//! page for the kernels to be checked against the ownership table.
 
-#[path = "../../tests/common/skip.rs"]
-mod skip;
-
+use super::skip;
 use kvguard::cuda::layout::{DeviceReader, DeviceTag, RingDrain, canary};
 use kvguard::{Generation, OwnershipTable, PageId, Policy, PoolConfig, PrefixKey, RequestId, TenantId};
 use std::path::{Path, PathBuf};
@@ -124,7 +120,7 @@ impl Case {
         self.out(name).chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
     }
     pub fn out_tags(&self, name: &str) -> Vec<DeviceTag> {
-        self.out(name).chunks_exact(DeviceTag::SIZE).map(|c| DeviceTag::from_bytes(c.try_into().unwrap())).collect()
+        self.out(name).chunks_exact(DeviceTag::SIZE).map(|c| DeviceTag::from_bytes(c).unwrap()).collect()
     }
     pub fn ring(&self) -> RingDrain {
         RingDrain::parse(&self.out("ring")).expect("a well-formed ring")

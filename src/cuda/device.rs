@@ -1,4 +1,6 @@
-//! The CUDA edge: every `unsafe` of the device side lives in this file.
+//! The device: the CUDA context, stream, kernels and kvguard's own buffers, and every launch.
+//! Of the device side, only this file, `lent.rs` (the engine's promises) and `nvrtc.rs` (the
+//! NVRTC calls) may hold `unsafe`.
 //!
 //! Invariants this file keeps, so that every method here is safe to call:
 //! - kvguard's own buffers (tag table, canaries, ring, status words, readers, staging) are
@@ -9,76 +11,34 @@
 //!   launch checks that the elements the kernel will touch, computed from the counts and shapes
 //!   it is given, lie inside every `Borrowed`.
 //! - Page ids and slot numbers that come from device memory are range-checked *by the kernels*
-//!   (out-of-range ids are reported or skipped, never dereferenced), except in the unchecked
-//!   reference attention, which is therefore the one `unsafe fn` here.
+//!   (out-of-range ids are recorded as violations or skipped, never dereferenced), except in the
+//!   unchecked reference attention, which therefore takes an [`UncheckedAttention`], whose
+//!   `unsafe` constructor carries the caller's promise that the pages are in range.
 //! - A prebuilt CUBIN reaches the driver (which reads it without knowing its length) only after
 //!   `source::check_cubin` proved its ELF headers and sections lie inside its bytes, and its
 //!   kernels are launched only if it defines the fingerprint kernel of the sources whose
 //!   argument lists the launches below follow.
 //! - Every launch goes on `Device::stream`, so kvguard's launches are ordered with each other and
-//!   with whatever else the engine puts on that stream.
+//!   with whatever else the engine puts on that stream. The stream is kvguard's own, or the
+//!   engine's, lent as an [`EngineStream`] whose `unsafe` constructor promises that it belongs to
+//!   this context and outlives the device.
 //! - Launches and the status memset pass kvguard's buffers as raw device addresses (taken once,
 //!   at allocation), so they record and wait on no cudarc events: a capture of the check path
 //!   into a CUDA graph contains only kvguard's kernel and memset nodes.
 
-use super::DeviceError;
-use super::guard::{AttentionCheck, BlockTableStep, DecodeAttention, KvStore, PagedKvStep};
+use super::error::DeviceError;
 use super::layout::{DeviceReader, DeviceTag, RingHeader};
+use super::lent::{Borrowed, EngineStream};
+use super::source;
+use super::step::{
+    AttentionCheck, AttentionShape, BlockTableStep, DecodeAttention, KvElement, KvStore, PageRegion, PagedKvStep, fits,
+    need, need_opt,
+};
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice,
     PushKernelArg, sys,
 };
-use std::marker::PhantomData;
 use std::sync::Arc;
-
-/// Device memory the engine owns and lends to kvguard: `len` elements of `T` at a device address.
-/// kvguard never frees it.
-#[derive(Debug, PartialEq, Eq)]
-pub struct Borrowed<T> {
-    ptr: u64,
-    len: usize,
-    elem: PhantomData<fn() -> T>,
-}
-
-impl<T> Clone for Borrowed<T> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-impl<T> Copy for Borrowed<T> {}
-
-impl<T> Borrowed<T> {
-    /// Lends `len` elements of `T` at device address `ptr` (a `CUdeviceptr`, e.g. a PyTorch
-    /// tensor's `data_ptr()`).
-    ///
-    /// # Safety
-    /// - `ptr` is an address in the CUDA context of the [`DeviceGuard`](super::DeviceGuard) this
-    ///   is passed to, aligned for `T` (and to 16 bytes for pages given to the scrub kernel's
-    ///   vector path, which it checks itself), and `len * size_of::<T>()` bytes from it are one
-    ///   live allocation (`len == 0` needs no allocation);
-    /// - the memory stays allocated, and is not handed to anything else, until every kvguard
-    ///   launch given this value has completed on its stream;
-    /// - nothing else writes memory a launch reads, or touches memory a launch writes, unless
-    ///   ordered with the launch on the stream (the usual rule for a CUDA kernel's arguments).
-    pub unsafe fn from_raw(ptr: u64, len: usize) -> Borrowed<T> {
-        Borrowed { ptr, len, elem: PhantomData }
-    }
-
-    /// The device address.
-    pub fn ptr(&self) -> u64 {
-        self.ptr
-    }
-
-    /// Elements lent.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether nothing is lent.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-}
 
 /// Whether the CUDA driver library can be loaded, without loading it for good or panicking.
 pub(super) fn driver_library_present() -> bool {
@@ -87,64 +47,8 @@ pub(super) fn driver_library_present() -> bool {
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
-/// Whether the NVRTC library can be loaded, without loading it for good or panicking.
-pub(super) fn nvrtc_library_present() -> bool {
-    // SAFETY: as above, for NVRTC's library names.
-    unsafe { cudarc::nvrtc::sys::is_culib_present() }
-}
-
-/// Compiles `source` with NVRTC `options` straight to a CUBIN (SASS for one real architecture,
-/// `--gpu-architecture=sm_XY`): loading it needs no PTX JIT, so a driver older than the NVRTC
-/// that compiled it still loads it. `Err` carries NVRTC's log or error. The caller has checked
-/// that NVRTC is present.
-pub(super) fn nvrtc_cubin(source: &str, options: &[String]) -> Result<Vec<u8>, String> {
-    use cudarc::nvrtc::{result, sys};
-    struct Program(sys::nvrtcProgram);
-    impl Drop for Program {
-        fn drop(&mut self) {
-            // SAFETY: `self.0` came from `create_program` and is destroyed exactly once, here.
-            let _ = unsafe { result::destroy_program(self.0) };
-        }
-    }
-    let src = std::ffi::CString::new(source).map_err(|_| "the source contains a NUL byte".to_string())?;
-    let name = c"kvguard.cu";
-    let program = Program(result::create_program(&src, Some(name)).map_err(|e| format!("{e:?}"))?);
-    // SAFETY: `program.0` is a live program; the options are NUL-free strings copied by NVRTC.
-    if let Err(e) = unsafe { result::compile_program(program.0, options) } {
-        // SAFETY: the program is live; the log is a NUL-terminated copy owned by the Vec.
-        let log = unsafe { result::get_program_log(program.0) }.unwrap_or_default();
-        let bytes: Vec<u8> = log.iter().map(|&c| c as u8).take_while(|&b| b != 0).collect();
-        return Err(format!("{e:?}: {}", String::from_utf8_lossy(&bytes)));
-    }
-    let mut size = 0usize;
-    // SAFETY: the program compiled; `size` is a valid out-pointer.
-    unsafe { sys::nvrtcGetCUBINSize(program.0, &mut size) }.result().map_err(|e| format!("{e:?}"))?;
-    let mut cubin = vec![0u8; size];
-    // SAFETY: `cubin` has exactly the `size` bytes NVRTC asked for.
-    unsafe { sys::nvrtcGetCUBIN(program.0, cubin.as_mut_ptr().cast()) }.result().map_err(|e| format!("{e:?}"))?;
-    Ok(cubin)
-}
-
-fn need<T>(what: &str, b: &Borrowed<T>, elements: u64) -> Result<(), DeviceError> {
-    if (b.len as u64) < elements {
-        return Err(DeviceError::Argument(format!("{what}: {elements} elements needed, {} lent", b.len)));
-    }
-    Ok(())
-}
-
-fn need_opt<T>(what: &str, b: &Option<Borrowed<T>>, elements: u64) -> Result<(), DeviceError> {
-    b.as_ref().map_or(Ok(()), |b| need(what, b, elements))
-}
-
-fn fits(what: &str, count: u64, capacity: u64) -> Result<(), DeviceError> {
-    if count > capacity {
-        return Err(DeviceError::Argument(format!("{what}: {count} exceeds the capacity {capacity}")));
-    }
-    Ok(())
-}
-
 fn ptr_or_null<T>(b: &Option<Borrowed<T>>) -> u64 {
-    b.as_ref().map_or(0, |b| b.ptr)
+    b.as_ref().map_or(0, Borrowed::ptr)
 }
 
 fn cfg(grid: (u32, u32, u32), threads: u32) -> LaunchConfig {
@@ -169,32 +73,6 @@ struct Kernels {
     scrub: CudaFunction,
     attention_unchecked: CudaFunction,
     attention_checked: CudaFunction,
-}
-
-/// A pool region of engine memory: page `p` is `page_bytes` bytes at `base + p * page_stride`.
-#[derive(Clone, Copy, Debug)]
-pub struct PageRegion {
-    /// The region's memory.
-    pub base: Borrowed<u8>,
-    /// Bytes from one page to the next.
-    pub page_stride: u64,
-    /// Bytes per page (at most `page_stride`).
-    pub page_bytes: u64,
-    /// Pages in the region.
-    pub num_pages: u32,
-}
-
-impl PageRegion {
-    fn check(&self) -> Result<(), DeviceError> {
-        if self.page_bytes > self.page_stride && self.num_pages > 1 {
-            return Err(DeviceError::Argument("page region: page_bytes exceeds page_stride".into()));
-        }
-        let end = match self.num_pages {
-            0 => 0,
-            n => u64::from(n - 1).saturating_mul(self.page_stride).saturating_add(self.page_bytes),
-        };
-        need("page region", &self.base, end)
-    }
 }
 
 /// The CUDA context, stream, compiled kernels and kvguard's own device buffers.
@@ -287,7 +165,7 @@ fn load_cubin(ctx: &Arc<CudaContext>, cubin: &[u8], arch: &str) -> Result<Arc<Cu
     // string read that the check could not foresee.
     ctx.load_module(cudarc::nvrtc::Ptx::from_binary(padded(cubin))).map_err(|e| {
         if image_refused(&e) {
-            let built = super::source::cubin_arch(cubin).map_or(String::new(), |a| format!("built for {a}, "));
+            let built = source::cubin_arch(cubin).map_or(String::new(), |a| format!("built for {a}, "));
             DeviceError::Cubin(format!(
                 "{built}the driver refused it for this {arch} device ({e}): build it for {arch}"
             ))
@@ -312,17 +190,17 @@ impl Device {
             }
             Ok(CudaContext::new(shape.ordinal)?)
         })
-        .map_err(|p| DeviceError::Loader(super::panic_message(p)))??;
+        .map_err(|p| DeviceError::Loader(super::error::panic_message(p)))??;
         let (major, minor) = ctx.compute_capability()?;
         let arch = format!("sm_{major}{minor}");
         // SASS for this GPU (no JIT, so no driver-vs-NVRTC version constraint): the prebuilt
         // CUBIN, or NVRTC's; PTX for the JIT only when this NVRTC does not know the architecture.
         let module = match &shape.cubin {
             Some(cubin) => load_cubin(&ctx, cubin, &arch)?,
-            None => match super::source::compile_cubin(&arch) {
+            None => match source::compile_cubin(&arch) {
                 Ok(cubin) => ctx.load_module(cudarc::nvrtc::Ptx::from_binary(padded(&cubin)))?,
                 Err(DeviceError::Compile { .. }) => {
-                    let ptx = super::source::compile_ptx(&format!("compute_{major}{minor}"))?;
+                    let ptx = source::compile_ptx(&format!("compute_{major}{minor}"))?;
                     ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx.to_string()))?
                 }
                 Err(e) => return Err(e),
@@ -338,7 +216,7 @@ impl Device {
             ))
         };
         if prebuilt {
-            let fingerprint = super::source::fingerprint_kernel();
+            let fingerprint = source::fingerprint_kernel();
             module.load_function(&fingerprint).map_err(|_| from_other_sources(format!("{fingerprint} is missing")))?;
         }
         let f = |name: &str| {
@@ -407,15 +285,12 @@ impl Device {
     }
 
     /// Launches on the engine's stream from now on.
-    ///
-    /// # Safety
-    /// `stream` is a live `CUstream` of this device's context, and stays alive as long as this
-    /// `Device` (or any launch on it) may use it.
-    pub unsafe fn use_stream(&mut self, stream: sys::CUstream) -> Result<(), DeviceError> {
+    pub fn use_stream(&mut self, stream: EngineStream) -> Result<(), DeviceError> {
         // Everything kvguard queued so far completes before work queued on the new stream.
         self.stream.synchronize()?;
-        // SAFETY: the caller guarantees `stream` belongs to `self.ctx` and outlives this wrapper.
-        self.stream = unsafe { self.ctx.wrap_borrowed_stream(stream) };
+        // SAFETY: `EngineStream::from_raw`'s contract: the stream belongs to this guard's context
+        // (`self.ctx`, the primary context of its ordinal) and outlives this `Device`.
+        self.stream = unsafe { self.ctx.wrap_borrowed_stream(stream.as_raw()) };
         Ok(())
     }
 
@@ -452,7 +327,7 @@ impl Device {
         if num_seqs == 0 {
             return Ok(());
         }
-        let (bt, sl, gens) = (block_table.ptr, seq_lens.ptr, ptr_or_null(&generations));
+        let (bt, sl, gens) = (block_table.ptr(), seq_lens.ptr(), ptr_or_null(&generations));
         let mut b = self.stream.launch_builder(&self.kernels.verify_block_table);
         b.arg(&self.raw.tags).arg(&self.num_pages).arg(&self.page_size).arg(&bt).arg(&num_seqs).arg(&max_blocks);
         b.arg(&sl).arg(&gens).arg(self.raw.canaries_if(check_canaries));
@@ -481,13 +356,13 @@ impl Device {
         fits("sequences", u64::from(num_seqs), u64::from(self.max_seqs))?;
         need("kv_indptr", &kv_indptr, u64::from(num_seqs) + 1)?;
         need("kv_last_page_len", &kv_last_page_len, u64::from(num_seqs))?;
-        need_opt("expected generations", &generations, kv_indices.len as u64)?;
-        let num_indices = u32::try_from(kv_indices.len)
+        need_opt("expected generations", &generations, kv_indices.len() as u64)?;
+        let num_indices = u32::try_from(kv_indices.len())
             .map_err(|_| DeviceError::Argument("kv_indices: more than 2^32 entries".into()))?;
         if num_seqs == 0 {
             return Ok(());
         }
-        let (ip, ix, lp, gens) = (kv_indptr.ptr, kv_indices.ptr, kv_last_page_len.ptr, ptr_or_null(&generations));
+        let (ip, ix, lp, gens) = (kv_indptr.ptr(), kv_indices.ptr(), kv_last_page_len.ptr(), ptr_or_null(&generations));
         let mut b = self.stream.launch_builder(&self.kernels.verify_paged_kv);
         b.arg(&self.raw.tags).arg(&self.num_pages).arg(&self.page_size).arg(&ip).arg(&ix).arg(&lp).arg(&num_seqs);
         b.arg(&num_indices).arg(&gens).arg(self.raw.canaries_if(check_canaries));
@@ -519,7 +394,7 @@ impl Device {
         if n_pages == 0 {
             return Ok(());
         }
-        let (base, pg, o) = (region.base.ptr, ptr_or_null(&pages), out.ptr);
+        let (base, pg, o) = (region.base.ptr(), ptr_or_null(&pages), out.ptr());
         let mut b = self.stream.launch_builder(&self.kernels.crc32);
         b.arg(&base).arg(&region.page_stride).arg(&region.page_bytes).arg(&pg).arg(&n_pages);
         b.arg(&region.num_pages).arg(&chunk_bytes).arg(&o);
@@ -547,7 +422,7 @@ impl Device {
         if n_pages == 0 {
             return Ok(());
         }
-        let (base, pg) = (region.base.ptr, pages.ptr);
+        let (base, pg) = (region.base.ptr(), pages.ptr());
         let mut b = self.stream.launch_builder(&self.kernels.scrub);
         b.arg(&base).arg(&region.page_stride).arg(&region.page_bytes).arg(&pg).arg(&n_pages);
         b.arg(&region.num_pages).arg(&pattern).arg(self.raw.canaries_if(clear_canaries));
@@ -585,7 +460,7 @@ impl Device {
             return Ok(());
         }
         let (k, v, kc, vc, sm, qsl) =
-            (key.ptr, value.ptr, key_cache.ptr, value_cache.ptr, slot_mapping.ptr, query_start_loc.ptr);
+            (key.ptr(), value.ptr(), key_cache.ptr(), value_cache.ptr(), slot_mapping.ptr(), query_start_loc.ptr());
         let func = if T::BYTES == 2 { &self.kernels.store_b16 } else { &self.kernels.store_b32 };
         let mut b = self.stream.launch_builder(func);
         b.arg(&k).arg(&v).arg(&kc).arg(&vc).arg(&sm).arg(&num_tokens).arg(&kv_width).arg(&self.page_size);
@@ -606,16 +481,16 @@ impl Device {
         step: &DecodeAttention,
         check: AttentionCheck,
     ) -> Result<(), DeviceError> {
-        step.check(self)?;
+        step.check(self.num_pages, self.page_size)?;
         let shape = step.shape;
         fits("sequences", u64::from(shape.num_seqs), u64::from(self.max_seqs))?;
         if shape.num_seqs == 0 {
             return Ok(());
         }
         let fc = u32::from(check.fail_closed);
-        let ptrs = step.ptrs();
+        let ptrs = attention_ptrs(step);
         let mut b = self.stream.launch_builder(&self.kernels.attention_checked);
-        shape.push(&mut b, &ptrs, &self.page_size);
+        push_attention_args(&mut b, &shape, &ptrs, &self.page_size);
         b.arg(&self.raw.tags)
             .arg(&self.num_pages)
             .arg(&self.raw.readers)
@@ -624,29 +499,26 @@ impl Device {
         // SAFETY: step.check verified every buffer holds the elements the kernel indexes from
         // the shape; pages are range-checked (kvg_check_page) before any K/V row is read, and a
         // page out of range is never read in either mode. Arguments match the kernel.
-        unsafe { b.launch(shape.grid()) }?;
+        unsafe { b.launch(attention_grid(&shape)) }?;
         Ok(())
     }
 
     /// The reference decode attention without any check (`kvg_decode_attention_unchecked`),
     /// the baseline the fused check is measured against.
-    ///
-    /// # Safety
-    /// Every block-table entry among the first `ceil(seq_lens[s] / page_size)` of each sequence
-    /// is a page id below the pool's `num_pages` (or negative, which is skipped): the kernel reads
-    /// K and V at those pages without checking.
-    pub unsafe fn decode_attention_unchecked(&mut self, step: &DecodeAttention) -> Result<(), DeviceError> {
-        step.check(self)?;
+    pub fn decode_attention_unchecked(&mut self, unchecked: &UncheckedAttention) -> Result<(), DeviceError> {
+        let step = &unchecked.step;
+        step.check(self.num_pages, self.page_size)?;
         let shape = step.shape;
         if shape.num_seqs == 0 {
             return Ok(());
         }
-        let ptrs = step.ptrs();
+        let ptrs = attention_ptrs(step);
         let mut b = self.stream.launch_builder(&self.kernels.attention_unchecked);
-        shape.push(&mut b, &ptrs, &self.page_size);
-        // SAFETY: buffers hold what the shape indexes (checked); the caller guarantees the page
-        // ids read are in range. Arguments match `kvg_decode_attention_unchecked`.
-        unsafe { b.launch(shape.grid()) }?;
+        push_attention_args(&mut b, &shape, &ptrs, &self.page_size);
+        // SAFETY: buffers hold what the shape indexes (checked); `UncheckedAttention::new`'s
+        // contract: the page ids read are below this pool's `num_pages` (or negative, skipped).
+        // Arguments match `kvg_decode_attention_unchecked`.
+        unsafe { b.launch(attention_grid(&shape)) }?;
         Ok(())
     }
 
@@ -730,79 +602,57 @@ impl Device {
     }
 }
 
-/// Element types the reference KV store moves (it copies bits: f16 and bf16 are `u16`).
-pub trait KvElement: sealed::Sealed {
-    /// Bytes per element.
-    const BYTES: usize;
-}
-impl KvElement for u16 {
-    const BYTES: usize = 2;
-}
-impl KvElement for u32 {
-    const BYTES: usize = 4;
-}
-impl KvElement for f32 {
-    const BYTES: usize = 4;
-}
-mod sealed {
-    pub trait Sealed {}
-    impl Sealed for u16 {}
-    impl Sealed for u32 {}
-    impl Sealed for f32 {}
+/// The buffers' device pointers, in the order [`push_attention_args`] takes them.
+fn attention_ptrs(step: &DecodeAttention) -> [u64; 6] {
+    [
+        step.q.ptr(),
+        step.key_cache.ptr(),
+        step.value_cache.ptr(),
+        step.block_table.ptr(),
+        step.seq_lens.ptr(),
+        step.out.ptr(),
+    ]
 }
 
-/// The shape of a reference decode-attention launch (vLLM layout, f32, GQA).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct AttentionShape {
-    /// Sequences in the step.
-    pub num_seqs: u32,
-    /// Entries per block-table row.
-    pub max_blocks: u32,
-    /// Query heads.
-    pub num_heads: u32,
-    /// KV heads (divides `num_heads`).
-    pub num_kv_heads: u32,
-    /// Head dimension: a multiple of 32, at most 256.
-    pub head_dim: u32,
-    /// Softmax scale (usually `1 / sqrt(head_dim)`).
-    pub scale: f32,
+/// Pushes the arguments both attention kernels share, in `KVG_ATTN_ARGS` order.
+fn push_attention_args<'a>(
+    b: &mut cudarc::driver::LaunchArgs<'a>,
+    shape: &'a AttentionShape,
+    ptrs: &'a [u64; 6],
+    page_size: &'a u32,
+) {
+    let [q, kc, vc, bt, sl, out] = ptrs;
+    b.arg(q).arg(kc).arg(vc).arg(bt).arg(&shape.max_blocks).arg(sl).arg(&shape.num_seqs).arg(&shape.num_heads);
+    b.arg(&shape.num_kv_heads).arg(&shape.head_dim).arg(page_size).arg(&shape.scale).arg(out);
 }
 
-impl DecodeAttention {
-    /// Every buffer holds what the shape makes the kernels index.
-    fn check(&self, d: &Device) -> Result<(), DeviceError> {
-        let s = &self.shape;
-        if s.head_dim == 0 || s.head_dim % 32 != 0 || s.head_dim > 256 {
-            return Err(DeviceError::Argument("attention: head_dim must be a multiple of 32, at most 256".into()));
-        }
-        if s.num_kv_heads == 0 || s.num_heads % s.num_kv_heads != 0 {
-            return Err(DeviceError::Argument("attention: num_kv_heads must divide num_heads".into()));
-        }
-        let io = u64::from(s.num_seqs) * u64::from(s.num_heads) * u64::from(s.head_dim);
-        let cache = u64::from(d.num_pages) * u64::from(d.page_size) * u64::from(s.num_kv_heads) * u64::from(s.head_dim);
-        need("q", &self.q, io)?;
-        need("out", &self.out, io)?;
-        need("key_cache", &self.key_cache, cache)?;
-        need("value_cache", &self.value_cache, cache)?;
-        need("block_table", &self.block_table, u64::from(s.num_seqs) * u64::from(s.max_blocks))?;
-        need("seq_lens", &self.seq_lens, u64::from(s.num_seqs))
+fn attention_grid(shape: &AttentionShape) -> LaunchConfig {
+    cfg((shape.num_heads.min(MAX_GRID_X), shape.num_seqs.min(MAX_GRID_Y), 1), 128)
+}
+
+/// A [`DecodeAttention`] whose block-table entries the caller vouches for, for
+/// [`DeviceGuard::decode_attention_unchecked`](super::DeviceGuard::decode_attention_unchecked):
+/// the reference attention without any check, the baseline the fused check is measured against.
+#[derive(Clone, Copy, Debug)]
+pub struct UncheckedAttention {
+    step: DecodeAttention,
+}
+
+impl UncheckedAttention {
+    /// Vouches for `step`'s pages. The buffers' lengths are still checked at launch; the page ids
+    /// the kernel reads from the block table are not.
+    ///
+    /// # Safety
+    /// Every block-table entry among the first `ceil(seq_lens[s] / page_size)` of each sequence
+    /// is a page id below the `num_pages` of the pool of the [`DeviceGuard`](super::DeviceGuard)
+    /// it is launched on (or negative, which is skipped), when the launch runs: the kernel reads K
+    /// and V at those pages without checking.
+    pub unsafe fn new(step: DecodeAttention) -> UncheckedAttention {
+        UncheckedAttention { step }
     }
 
-    /// The buffers' device pointers, in the order [`AttentionShape::push`] takes them.
-    fn ptrs(&self) -> [u64; 6] {
-        [self.q.ptr, self.key_cache.ptr, self.value_cache.ptr, self.block_table.ptr, self.seq_lens.ptr, self.out.ptr]
-    }
-}
-
-impl AttentionShape {
-    /// Pushes the arguments both attention kernels share, in `KVG_ATTN_ARGS` order.
-    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>, ptrs: &'a [u64; 6], page_size: &'a u32) {
-        let [q, kc, vc, bt, sl, out] = ptrs;
-        b.arg(q).arg(kc).arg(vc).arg(bt).arg(&self.max_blocks).arg(sl).arg(&self.num_seqs).arg(&self.num_heads);
-        b.arg(&self.num_kv_heads).arg(&self.head_dim).arg(page_size).arg(&self.scale).arg(out);
-    }
-
-    fn grid(&self) -> LaunchConfig {
-        cfg((self.num_heads.min(MAX_GRID_X), self.num_seqs.min(MAX_GRID_Y), 1), 128)
+    /// The step.
+    pub fn step(&self) -> &DecodeAttention {
+        &self.step
     }
 }

@@ -1,0 +1,210 @@
+//! The arguments of the device launches: the engine's steps in vLLM's and FlashInfer's layouts,
+//! the reference KV store and attention, page regions for CRC32 and scrubbing, and the checks
+//! that what the engine lent holds every element a launch will touch.
+
+use super::error::DeviceError;
+use super::lent::Borrowed;
+
+/// A decode step in vLLM's layout: `block_table[num_seqs][max_blocks]` (int32) and
+/// `seq_lens[num_seqs]` (int32 tokens read), both the engine's device memory.
+#[derive(Clone, Copy, Debug)]
+pub struct BlockTableStep {
+    /// The block table, row-major, `max_blocks` entries per row.
+    pub block_table: Borrowed<i32>,
+    /// Tokens each sequence reads.
+    pub seq_lens: Borrowed<i32>,
+    /// Sequences in the step (at most [`DeviceOptions::max_seqs`](super::DeviceOptions::max_seqs)).
+    pub num_seqs: u32,
+    /// Entries per block-table row.
+    pub max_blocks: u32,
+    /// Optional: the generation the engine recorded for each entry (the block table's shape);
+    /// entries of another incarnation are [`StalePage`](crate::ViolationKind::StalePage).
+    pub generations: Option<Borrowed<u32>>,
+    /// Also check every read slot's canary (KV stamped by the current incarnation).
+    pub check_canaries: bool,
+}
+
+/// A decode step in FlashInfer's layout: `kv_indptr[num_seqs + 1]`, `kv_indices[..]` and
+/// `kv_last_page_len[num_seqs]` (int32, the engine's device memory).
+#[derive(Clone, Copy, Debug)]
+pub struct PagedKvStep {
+    /// Where each sequence's pages start in `kv_indices`.
+    pub kv_indptr: Borrowed<i32>,
+    /// The pages, all sequences concatenated.
+    pub kv_indices: Borrowed<i32>,
+    /// Tokens in each sequence's last page (1..=page_size).
+    pub kv_last_page_len: Borrowed<i32>,
+    /// Sequences in the step.
+    pub num_seqs: u32,
+    /// An upper bound on pages per sequence (sizes the grid; any value is correct, a tight one
+    /// is fast).
+    pub max_pages_per_seq: u32,
+    /// Optional: generations parallel to `kv_indices`.
+    pub generations: Option<Borrowed<u32>>,
+    /// Also check every read slot's canary.
+    pub check_canaries: bool,
+}
+
+/// One launch of the reference KV store: `num_tokens` tokens of `kv_width` elements each, token
+/// `t` going to slot `slot_mapping[t]` of the paged caches; `query_start_loc[s]..[s + 1]` are the
+/// tokens of sequence `s` (whose reader is set by [`DeviceGuard::set_readers`](super::DeviceGuard::set_readers)). All buffers
+/// are the engine's device memory.
+#[derive(Clone, Copy, Debug)]
+pub struct KvStore<T> {
+    /// The new keys, `[num_tokens][kv_width]`.
+    pub key: Borrowed<T>,
+    /// The new values, `[num_tokens][kv_width]`.
+    pub value: Borrowed<T>,
+    /// The paged key cache, `[num_pages * page_size][kv_width]`.
+    pub key_cache: Borrowed<T>,
+    /// The paged value cache, same shape.
+    pub value_cache: Borrowed<T>,
+    /// Each token's cache slot (`page * page_size + offset`), `[num_tokens]`.
+    pub slot_mapping: Borrowed<i64>,
+    /// Tokens stored.
+    pub num_tokens: u32,
+    /// Elements per token and cache slot.
+    pub kv_width: u32,
+    /// Where each sequence's tokens start, `[num_seqs + 1]`.
+    pub query_start_loc: Borrowed<i32>,
+    /// Sequences in the launch (at most [`DeviceOptions::max_seqs`](super::DeviceOptions::max_seqs)).
+    pub num_seqs: u32,
+}
+
+/// One launch of the reference decode attention (vLLM layout, f32): the shape and the engine's
+/// device buffers.
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeAttention {
+    /// Sequences, heads, head size, block-table width and softmax scale.
+    pub shape: AttentionShape,
+    /// The queries, `[num_seqs][num_heads][head_dim]`.
+    pub q: Borrowed<f32>,
+    /// The paged key cache, `[num_pages * page_size][num_kv_heads][head_dim]`.
+    pub key_cache: Borrowed<f32>,
+    /// The paged value cache, same shape.
+    pub value_cache: Borrowed<f32>,
+    /// The block table, `[num_seqs][max_blocks]`.
+    pub block_table: Borrowed<i32>,
+    /// Tokens each sequence reads.
+    pub seq_lens: Borrowed<i32>,
+    /// The output, `[num_seqs][num_heads][head_dim]`.
+    pub out: Borrowed<f32>,
+}
+
+/// What the fused check of [`DeviceGuard::decode_attention_checked`](super::DeviceGuard::decode_attention_checked) does besides checking
+/// every page's tag.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AttentionCheck {
+    /// Also check every read slot's canary.
+    pub check_canaries: bool,
+    /// A flagged sequence's output is zeros (otherwise: flagged only, the output computed).
+    pub fail_closed: bool,
+}
+
+/// The shape of a reference decode-attention launch (vLLM layout, f32, GQA).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionShape {
+    /// Sequences in the step.
+    pub num_seqs: u32,
+    /// Entries per block-table row.
+    pub max_blocks: u32,
+    /// Query heads.
+    pub num_heads: u32,
+    /// KV heads (divides `num_heads`).
+    pub num_kv_heads: u32,
+    /// Head dimension: a multiple of 32, at most 256.
+    pub head_dim: u32,
+    /// Softmax scale (usually `1 / sqrt(head_dim)`).
+    pub scale: f32,
+}
+
+impl DecodeAttention {
+    /// Whether every buffer holds what the shape makes the kernels index, in a pool of
+    /// `num_pages` pages of `page_size` slots.
+    pub(super) fn check(&self, num_pages: u32, page_size: u32) -> Result<(), DeviceError> {
+        let s = &self.shape;
+        if s.head_dim == 0 || s.head_dim % 32 != 0 || s.head_dim > 256 {
+            return Err(DeviceError::Argument("attention: head_dim must be a multiple of 32, at most 256".into()));
+        }
+        if s.num_kv_heads == 0 || s.num_heads % s.num_kv_heads != 0 {
+            return Err(DeviceError::Argument("attention: num_kv_heads must divide num_heads".into()));
+        }
+        let io = u64::from(s.num_seqs) * u64::from(s.num_heads) * u64::from(s.head_dim);
+        let cache = u64::from(num_pages) * u64::from(page_size) * u64::from(s.num_kv_heads) * u64::from(s.head_dim);
+        need("q", &self.q, io)?;
+        need("out", &self.out, io)?;
+        need("key_cache", &self.key_cache, cache)?;
+        need("value_cache", &self.value_cache, cache)?;
+        need("block_table", &self.block_table, u64::from(s.num_seqs) * u64::from(s.max_blocks))?;
+        need("seq_lens", &self.seq_lens, u64::from(s.num_seqs))
+    }
+}
+
+/// A pool region of engine memory: page `p` is `page_bytes` bytes at `base + p * page_stride`.
+#[derive(Clone, Copy, Debug)]
+pub struct PageRegion {
+    /// The region's memory.
+    pub base: Borrowed<u8>,
+    /// Bytes from one page to the next.
+    pub page_stride: u64,
+    /// Bytes per page (at most `page_stride`).
+    pub page_bytes: u64,
+    /// Pages in the region.
+    pub num_pages: u32,
+}
+
+impl PageRegion {
+    /// Whether every page of the region lies inside the memory lent.
+    pub(super) fn check(&self) -> Result<(), DeviceError> {
+        if self.page_bytes > self.page_stride && self.num_pages > 1 {
+            return Err(DeviceError::Argument("page region: page_bytes exceeds page_stride".into()));
+        }
+        let end = match self.num_pages {
+            0 => 0,
+            n => u64::from(n - 1).saturating_mul(self.page_stride).saturating_add(self.page_bytes),
+        };
+        need("page region", &self.base, end)
+    }
+}
+
+/// Element types the reference KV store moves (it copies bits: f16 and bf16 are `u16`).
+pub trait KvElement: sealed::Sealed {
+    /// Bytes per element.
+    const BYTES: usize;
+}
+impl KvElement for u16 {
+    const BYTES: usize = 2;
+}
+impl KvElement for u32 {
+    const BYTES: usize = 4;
+}
+impl KvElement for f32 {
+    const BYTES: usize = 4;
+}
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for u16 {}
+    impl Sealed for u32 {}
+    impl Sealed for f32 {}
+}
+
+/// Whether `b` lends at least `elements` elements.
+pub(super) fn need<T>(what: &str, b: &Borrowed<T>, elements: u64) -> Result<(), DeviceError> {
+    if (b.len() as u64) < elements {
+        return Err(DeviceError::Argument(format!("{what}: {elements} elements needed, {} lent", b.len())));
+    }
+    Ok(())
+}
+
+/// Whether `b`, if given, lends at least `elements` elements.
+pub(super) fn need_opt<T>(what: &str, b: &Option<Borrowed<T>>, elements: u64) -> Result<(), DeviceError> {
+    b.as_ref().map_or(Ok(()), |b| need(what, b, elements))
+}
+
+/// Whether `count` fits a buffer of `capacity`.
+pub(super) fn fits(what: &str, count: u64, capacity: u64) -> Result<(), DeviceError> {
+    if count > capacity {
+        return Err(DeviceError::Argument(format!("{what}: {count} exceeds the capacity {capacity}")));
+    }
+    Ok(())
+}
