@@ -22,9 +22,9 @@ pub enum DeviceError {
          built ahead of time as DeviceOptions::cubin"
     )]
     NvrtcNotFound,
-    /// A prebuilt CUBIN ([`DeviceOptions::cubin`](super::DeviceOptions::cubin)) cannot be used: not a CUDA ELF image, no
-    /// code for this device's architecture, or built from other kernel sources than this
-    /// kvguard's (see [`fingerprint_kernel`](super::source::fingerprint_kernel)).
+    /// A prebuilt CUBIN ([`DeviceOptions::cubin`](super::DeviceOptions::cubin)) cannot be used:
+    /// not a CUDA ELF image, no code for this device's architecture, or built from other kernel
+    /// sources than this kvguard's (see [`fingerprint_kernel`](super::source::fingerprint_kernel)).
     #[error("the prebuilt kvguard CUBIN cannot be used: {0}")]
     Cubin(String),
     /// NVRTC refused the kernel sources.

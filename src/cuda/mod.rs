@@ -7,25 +7,28 @@
 //! verifies a step's block tables before attention without any host synchronisation, and records
 //! what the kernels found in the host table's counters and log.
 //!
-//! The files, each importing only those below it:
+//! The files, each importing only those below it (`unsafe` allowed only where marked):
 //!
-//! | file | holds | `unsafe` |
-//! |---|---|---|
-//! | `guard.rs` | [`DeviceGuard`], [`DeviceOptions`], [`Drained`]: the safe host API | denied |
-//! | `device.rs` | the CUDA context, stream, kernels, kvguard's buffers and every launch; [`UncheckedAttention`] | allowed |
-//! | `step.rs` | the launches' arguments ([`BlockTableStep`], [`PagedKvStep`], [`KvStore`], [`DecodeAttention`], [`PageRegion`], ...) and their checks | denied |
-//! | `lent.rs` | what the engine lends: [`Borrowed`] memory and an [`EngineStream`] | allowed (two `unsafe fn` constructors) |
-//! | [`source`] | the embedded kernel sources, their compilation (cached), the check of a prebuilt CUBIN ([`DeviceOptions::cubin`]: no NVRTC at run time) | denied |
-//! | `nvrtc.rs` | the NVRTC calls cudarc's safe API does not cover | allowed |
-//! | [`layout`] | the `#[repr(C)]` mirrors of `kernels/kvguard.cuh` and the [`canary`]: plain safe Rust, tested without a GPU | denied |
-//! | `error.rs` | [`DeviceError`] | denied |
+//! - `guard.rs`: [`DeviceGuard`], [`DeviceOptions`], [`Drained`]: the safe host API.
+//! - `device.rs` (`unsafe`): the CUDA context, stream, kernels, kvguard's own buffers and every
+//!   launch, each with its `SAFETY` argument and the invariants it relies on;
+//!   [`UncheckedAttention`].
+//! - `step.rs`: the launches' arguments ([`BlockTableStep`], [`PagedKvStep`], [`KvStore`],
+//!   [`DecodeAttention`], [`PageRegion`], ...) and the checks that what they lend is long enough.
+//! - `lent.rs` (`unsafe`: two constructors): what the engine lends, [`Borrowed`] device memory
+//!   and an [`EngineStream`].
+//! - [`source`]: the embedded kernel sources and their NVRTC compilation (cached), and the check
+//!   of a CUBIN built ahead of time ([`DeviceOptions::cubin`]: no NVRTC at run time).
+//! - `nvrtc.rs` (`unsafe`): the NVRTC calls cudarc's safe API does not cover.
+//! - [`layout`]: the `#[repr(C)]` mirrors of `kernels/kvguard.cuh` (tag, reader, violation
+//!   record, ring header) and the [`canary`]; plain safe Rust, tested without a GPU.
+//! - `error.rs`: [`DeviceError`].
 //!
-//! `unsafe_code` is denied for the whole module and allowed only for `device.rs`, `lent.rs` and
-//! `nvrtc.rs`, where every `unsafe` block has its `SAFETY` argument and every `unsafe fn` its
-//! `# Safety` contract. What an engine must promise, it promises when it builds a [`Borrowed`]
-//! (device memory of that length, live until the launches complete), an [`EngineStream`] (a
-//! stream of the guard's context) or an [`UncheckedAttention`] (pages in range, for the
-//! unchecked baseline); the guard takes those values safely.
+//! `unsafe_code` is denied for the whole module and allowed only on those three files' `mod`
+//! declarations: a lint, not a promise. What an engine must vouch for it vouches for when it
+//! builds a [`Borrowed`] (device memory of that length, live until the launches complete), an
+//! [`EngineStream`] (a stream of the guard's context) or an [`UncheckedAttention`] (pages in
+//! range, for the unchecked baseline); the guard takes those values safely.
 //!
 //! Without the `cuda` feature only [`layout`] and [`canary`] are here: the byte layout and the
 //! canary are what an engine needs to fuse the checks into its own kernels, with or without cudarc.

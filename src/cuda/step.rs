@@ -47,8 +47,9 @@ pub struct PagedKvStep {
 
 /// One launch of the reference KV store: `num_tokens` tokens of `kv_width` elements each, token
 /// `t` going to slot `slot_mapping[t]` of the paged caches; `query_start_loc[s]..[s + 1]` are the
-/// tokens of sequence `s` (whose reader is set by [`DeviceGuard::set_readers`](super::DeviceGuard::set_readers)). All buffers
-/// are the engine's device memory.
+/// tokens of sequence `s` (whose reader is set by
+/// [`DeviceGuard::set_readers`](super::DeviceGuard::set_readers)). All buffers are the engine's
+/// device memory.
 #[derive(Clone, Copy, Debug)]
 pub struct KvStore<T> {
     /// The new keys, `[num_tokens][kv_width]`.
@@ -91,8 +92,9 @@ pub struct DecodeAttention {
     pub out: Borrowed<f32>,
 }
 
-/// What the fused check of [`DeviceGuard::decode_attention_checked`](super::DeviceGuard::decode_attention_checked) does besides checking
-/// every page's tag.
+/// What the fused check of
+/// [`DeviceGuard::decode_attention_checked`](super::DeviceGuard::decode_attention_checked) does
+/// besides checking every page's tag.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct AttentionCheck {
     /// Also check every read slot's canary.
