@@ -10,7 +10,7 @@
 //! alone, then one line `RESULT unguarded_leaks=<n> guarded_leaks=<n> rejected=<n> violations=<n>`.
 //! Exits 1 if any guarded run leaked, 2 on bad arguments.
 
-use kvguard::sim::{Layer, Layers, Mode, SimConfig, Simulation, render, result_line};
+use kvguard_sim::{Layer, Layers, Mode, SimConfig, Simulation, comparison_table, result_line};
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -92,7 +92,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    print!("{}", render(sim.config(), &sim.audit(), &runs));
+    print!("{}", comparison_table(sim.config(), &sim.audit(), &runs));
     if args.verbose {
         for run in runs.iter().skip(1) {
             println!("\nfirst violations, {}:", run.mode);

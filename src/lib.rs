@@ -28,7 +28,6 @@ pub mod config;
 pub mod cuda;
 pub mod error;
 pub mod ids;
-pub mod sim;
 pub mod table;
 pub mod trace;
 pub mod transfer;

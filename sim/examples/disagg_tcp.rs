@@ -9,7 +9,7 @@
 //! The same two roles run as separate processes with `kvguard-disagg decode` / `kvguard-disagg
 //! prefill --port P --fault F`; here they are two threads of one process, on real sockets.
 
-use kvguard::sim::disagg::{self, DisaggConfig, Fault};
+use kvguard_sim::disagg::{self, DisaggConfig, Fault};
 use std::process::ExitCode;
 
 fn main() -> ExitCode {

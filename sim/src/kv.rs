@@ -1,8 +1,8 @@
 //! The simulated KV pool: a few bytes per token slot saying which token of which request of which
 //! tenant was written there, pages handed out LIFO and never cleared — as engines do.
 
-use super::rng::mix64;
-use crate::ids::{PageId, PageRef, RequestId, TenantId};
+use crate::rng::mix64;
+use kvguard::{PageId, PageRef, RequestId, TenantId};
 
 /// Bytes of simulated KV per token slot: token id, request id, tenant id (`u32` LE each).
 pub const SLOT_BYTES: u32 = 12;
@@ -140,7 +140,7 @@ pub fn canary(request: RequestId, page: PageRef, slot: u32) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ids::Generation;
+    use kvguard::Generation;
 
     #[test]
     fn pages_are_reused_lifo_and_keep_their_bytes() {
