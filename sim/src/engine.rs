@@ -6,7 +6,7 @@
 //! decode node's pages; the decode node lands them, attention reads the prompt's slots and the
 //! "response" is what those slots say. Pages are handed out LIFO and never cleared.
 
-use crate::kv::{self, KvPool, SLOT_BYTES, SlotKv};
+use crate::kv::{KvPool, SLOT_BYTES, SlotKv};
 use crate::tally::{Leak, Outcome, RequestOutcome, RunTally};
 use crate::workload::RequestSpec;
 use crate::{Layers, Mode, SimConfig, SimError};
@@ -334,7 +334,7 @@ impl Replay<'_> {
             for i in 0..spec.prompt_tokens {
                 let (k, slot) = ((i / ps) as usize, i % ps);
                 let page = drefs[k];
-                if self.decode.pool.canary_at(page.page, slot) != kv::canary(spec.id, page, slot) {
+                if !self.decode.pool.canary_matches(spec.id, page, slot) {
                     let v = Violation::new(ViolationKind::CanaryMismatch, Op::Read)
                         .with_request(spec.id, Some(spec.tenant))
                         .with_page(page.page, Some(page.generation))
