@@ -1,4 +1,5 @@
-//! The autumn-2026 incident, replayed side by side: the leak without kvguard, none with it.
+//! Replays the incident described in the README side by side: the leak without kvguard, none
+//! with it (the model is the `kvguard-sim` workspace member).
 //!
 //! ```text
 //! cargo run --release --example incident
@@ -10,80 +11,72 @@
 //! alone, then one line `RESULT unguarded_leaks=<n> guarded_leaks=<n> rejected=<n> violations=<n>`.
 //! Exits 1 if any guarded run leaked, 2 on bad arguments.
 
-use kvguard::sim::{Layer, Layers, Mode, SimConfig, Simulation, render, result_line};
+use clap::Parser;
+use kvguard_sim::{Layer, Layers, Mode, SimConfig, Simulation, comparison_table, result_line};
 use std::process::ExitCode;
 use std::time::Instant;
 
-const USAGE: &str = "\
-usage: incident [--seed N] [--scale F] [--requests N] [--tenants N] [--without LAYER]... [--no-matrix] [--verbose]
-
-  --seed N          PRNG seed (default 1)
-  --scale F         multiply the default 2,000 requests by F (default 1.0)
-  --requests N      exact request count (overrides --scale)
-  --tenants N       tenants sending requests (default 8)
-  --without LAYER   switch a layer off in the guarded run: admission, table, manifest, canary (repeatable)
-  --no-matrix       skip the each-layer-alone runs
-  --verbose         print the first violations each guarded run logged";
-
+/// The incident replayed side by side: the leak without kvguard, none with it.
+#[derive(Parser)]
+#[command(name = "incident")]
 struct Args {
-    config: SimConfig,
-    layers: Layers,
-    matrix: bool,
+    /// PRNG seed.
+    #[arg(long, default_value_t = SimConfig::default().seed)]
+    seed: u64,
+    /// Multiply the default 2,000 requests by F.
+    #[arg(long, value_name = "F", default_value_t = 1.0, value_parser = positive_scale)]
+    scale: f64,
+    /// Exact request count (overrides --scale).
+    #[arg(long, value_name = "N")]
+    requests: Option<u32>,
+    /// Tenants sending requests.
+    #[arg(long, value_name = "N", default_value_t = SimConfig::default().tenants)]
+    tenants: u32,
+    /// Switch a layer off in the guarded run: admission, table, manifest, canary (repeatable).
+    #[arg(long, value_name = "LAYER")]
+    without: Vec<Layer>,
+    /// Skip the each-layer-alone runs.
+    #[arg(long)]
+    no_matrix: bool,
+    /// Print the first violations each guarded run logged.
+    #[arg(long)]
     verbose: bool,
 }
 
-fn parse(mut argv: impl Iterator<Item = String>) -> Result<Option<Args>, String> {
-    let mut config = SimConfig::default();
-    let (mut layers, mut matrix, mut verbose) = (Layers::ALL, true, false);
-    let (mut scale, mut requests) = (1.0f64, None);
-    while let Some(flag) = argv.next() {
-        let mut value = |name: &str| argv.next().ok_or_else(|| format!("{name} needs a value"));
-        match flag.as_str() {
-            "--seed" => config.seed = value("--seed")?.parse().map_err(|e| format!("--seed: {e}"))?,
-            "--scale" => scale = value("--scale")?.parse().map_err(|e| format!("--scale: {e}"))?,
-            "--requests" => requests = Some(value("--requests")?.parse().map_err(|e| format!("--requests: {e}"))?),
-            "--tenants" => config.tenants = value("--tenants")?.parse().map_err(|e| format!("--tenants: {e}"))?,
-            "--without" => layers = layers.with(value("--without")?.parse::<Layer>()?, false),
-            "--no-matrix" => matrix = false,
-            "--verbose" => verbose = true,
-            "-h" | "--help" => return Ok(None),
-            other => return Err(format!("unknown argument {other:?}")),
-        }
+fn positive_scale(s: &str) -> Result<f64, String> {
+    let scale: f64 = s.parse().map_err(|e| format!("{e}"))?;
+    if scale.is_finite() && scale > 0.0 { Ok(scale) } else { Err(format!("{scale} must be positive")) }
+}
+
+impl Args {
+    fn config(&self) -> SimConfig {
+        let defaults = SimConfig::default();
+        let requests = match self.requests {
+            Some(n) => n,
+            None => ((f64::from(defaults.requests) * self.scale).round() as u32).max(1),
+        };
+        SimConfig { seed: self.seed, requests, tenants: self.tenants, ..defaults }
     }
-    if !(scale.is_finite() && scale > 0.0) {
-        return Err(format!("--scale {scale} must be positive"));
+
+    fn layers(&self) -> Layers {
+        self.without.iter().fold(Layers::ALL, |layers, &l| layers.with(l, false))
     }
-    config.requests = match requests {
-        Some(n) => n,
-        None => ((f64::from(config.requests) * scale).round() as u32).max(1),
-    };
-    Ok(Some(Args { config, layers, matrix, verbose }))
 }
 
 fn main() -> ExitCode {
-    let args = match parse(std::env::args().skip(1)) {
-        Ok(Some(a)) => a,
-        Ok(None) => {
-            println!("{USAGE}");
-            return ExitCode::SUCCESS;
-        }
-        Err(e) => {
-            eprintln!("error: {e}\n\n{USAGE}");
-            return ExitCode::from(2);
-        }
-    };
+    let args = Args::parse();
     let started = Instant::now();
-    let sim = match Simulation::new(args.config) {
+    let sim = match Simulation::new(args.config()) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::from(2);
         }
     };
-    let modes = if args.matrix {
-        Simulation::compare_modes(args.layers)
+    let modes = if args.no_matrix {
+        vec![Mode::Unguarded, Mode::Guarded(args.layers())]
     } else {
-        vec![Mode::Unguarded, Mode::Guarded(args.layers)]
+        Simulation::compare_modes(args.layers())
     };
     let runs = match sim.run_all(&modes) {
         Ok(r) => r,
@@ -92,7 +85,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    print!("{}", render(sim.config(), &sim.audit(), &runs));
+    print!("{}", comparison_table(sim.config(), &sim.audit(), &runs));
     if args.verbose {
         for run in runs.iter().skip(1) {
             println!("\nfirst violations, {}:", run.mode);

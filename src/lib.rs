@@ -29,7 +29,6 @@ pub mod cuda;
 pub mod error;
 pub mod ids;
 mod le;
-pub mod sim;
 pub mod table;
 pub mod trace;
 pub mod transfer;

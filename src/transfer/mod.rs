@@ -43,5 +43,4 @@ pub mod wire;
 
 pub use digest::PromptDigest;
 pub use receive::{Accepted, ExpectedTransfer, Receiver, TransferError, verify};
-pub(crate) use wire::tokens_in_page;
-pub use wire::{BuildError, DecodeError, Manifest, PageEntry, SenderId, TransferHeader, page_checksum};
+pub use wire::{BuildError, DecodeError, Manifest, PageEntry, SenderId, TransferHeader, page_checksum, tokens_in_page};

@@ -222,8 +222,17 @@ fn field<T>(bytes: &[u8], at: usize, read: fn(&[u8], usize) -> Option<T>) -> Res
 }
 
 /// Tokens in page `index` of a `tokens`-token sequence with `page_size` slots per page (0 past
-/// its end): the one place that splits a sequence into pages, for manifests and their senders.
-pub(crate) fn tokens_in_page(tokens: u64, page_size: u32, index: usize) -> u32 {
+/// its end): the one place that splits a sequence into pages, for manifests and their senders. A
+/// sender slices page `index`'s bytes to `tokens_in_page(..) * slot_bytes` before
+/// [`Manifest::build`].
+///
+/// ```
+/// use kvguard::transfer::tokens_in_page;
+/// // 130 tokens in pages of 64: 64, 64, 2, then nothing.
+/// let split: Vec<u32> = (0..4).map(|i| tokens_in_page(130, 64, i)).collect();
+/// assert_eq!(split, [64, 64, 2, 0]);
+/// ```
+pub fn tokens_in_page(tokens: u64, page_size: u32, index: usize) -> u32 {
     let start = (index as u64).saturating_mul(u64::from(page_size));
     let in_page = tokens.saturating_sub(start).min(u64::from(page_size));
     u32::try_from(in_page).unwrap_or(page_size) // `in_page <= page_size`, a `u32`: always `Ok`

@@ -1,7 +1,7 @@
 //! The loopback wire between the prefill and decode processes: length-prefixed frames, every
 //! length checked against a hard cap before anything is allocated.
 
-use crate::ids::{Generation, PageId, PageRef, RequestId};
+use kvguard::{Generation, PageId, PageRef, RequestId};
 use std::io::{self, Read, Write};
 
 /// The largest frame either side accepts: 64 MiB.

@@ -9,16 +9,13 @@
 
 pub mod frame;
 
-use super::kv::{KvPool, SLOT_BYTES, SlotKv};
-use super::workload::{self, RequestSpec};
-use super::{DUMMY_TOKEN, SimConfig, SimError};
-use crate::config::PoolConfig;
-use crate::error::Error;
-use crate::ids::{PageId, PageRef, RequestId};
-use crate::table::OwnershipTable;
-use crate::transfer::wire::{HEADER_LEN, PAGE_ENTRY_LEN, TRAILER_LEN};
-use crate::transfer::{BuildError, ExpectedTransfer, Manifest, Receiver, SenderId, TransferHeader, tokens_in_page};
+use crate::kv::{KvPool, SLOT_BYTES, SlotKv};
+use crate::workload::{self, RequestSpec};
+use crate::{DUMMY_TOKEN, SimConfig, SimError};
 pub use frame::Frame;
+use kvguard::transfer::wire::{HEADER_LEN, PAGE_ENTRY_LEN, TRAILER_LEN};
+use kvguard::transfer::{BuildError, ExpectedTransfer, Manifest, Receiver, SenderId, TransferHeader, tokens_in_page};
+use kvguard::{Error, OwnershipTable, PageId, PageRef, PoolConfig, RequestId};
 use std::collections::HashMap;
 use std::fmt;
 use std::io::{self, Write};

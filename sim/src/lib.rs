@@ -1,41 +1,37 @@
-//! The engine model behind the incident replay: a deterministic simulation of a disaggregated
-//! deployment that leaks exactly as the autumn-2026 service did, and does not under kvguard.
+//! The incident model: a deterministic prefill/decode deployment whose prefill node silently
+//! replaces a prompt too long for its pool with a one-token dummy, replayed without kvguard
+//! ([`Mode::Unguarded`]) and through any subset of its four [`Layer`]s ([`Mode::Guarded`]).
 //!
-//! - a prefill node whose pool holds 681,280 tokens (10,645 pages of 64), a decode node with a
-//!   larger pool, a model that accepts 1,048,576 tokens;
-//! - tenants sending interleaved requests whose tokens say whose they are, a few longer than the
-//!   prefill pool;
-//! - KV of a few bytes per slot (token, request, tenant), pages reused LIFO and never cleared.
-//!
-//! [`Mode::Unguarded`] reproduces the mechanism: the prefill engine replaces an over-long prompt
-//! with a one-token dummy and sends one token; the decode node, which allocated pages for the
-//! full prompt from its own copy of the request, attends to pages still holding earlier requests'
-//! KV. [`Mode::Guarded`] runs the same workload through kvguard with any subset of the four
-//! [`Layer`]s; each one alone stops the leak.
+//! [`Simulation`] is the replay behind the root's `examples/incident.rs`; [`disagg`] runs the two
+//! nodes as processes on loopback TCP (the `kvguard-disagg` binary).
 //!
 //! ```
-//! use kvguard::sim::{Layer, Layers, Mode, SimConfig, Simulation};
+//! use kvguard_sim::{Layer, Layers, Mode, SimConfig, Simulation};
 //! let sim = Simulation::new(SimConfig { requests: 12, long_per_mille: 250, ..SimConfig::default() })?;
 //! let unguarded = sim.run(Mode::Unguarded)?;
 //! let table_only = sim.run(Mode::Guarded(Layers::only(Layer::Table)))?;
 //! assert_eq!(table_only.leaks(), 0);
 //! assert_eq!(unguarded.over_long(), table_only.rejected());
-//! # Ok::<(), kvguard::sim::SimError>(())
+//! # Ok::<(), kvguard_sim::SimError>(())
 //! ```
+
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
 
 pub mod disagg;
 mod engine;
 pub mod kv;
-mod report;
+mod printout;
 pub mod rng;
+mod tally;
 pub mod workload;
 
 pub use engine::DUMMY_TOKEN;
-pub use report::{AuditReport, Leak, Outcome, RequestOutcome, RunReport, render, result_line};
+pub use printout::{comparison_table, result_line};
+pub use tally::{Leak, Outcome, RequestOutcome, RunTally, StartupAudit};
 pub use workload::RequestSpec;
 
-use crate::config::PoolConfig;
-use crate::error::Error;
+use kvguard::{Error, PoolConfig};
 use std::fmt;
 use std::str::FromStr;
 
@@ -116,7 +112,7 @@ pub enum SimError {
     },
     /// The sender could not build a manifest (a bug in the replay).
     #[error("manifest: {0}")]
-    Build(#[from] crate::transfer::BuildError),
+    Build(#[from] kvguard::transfer::BuildError),
 }
 
 /// One of kvguard's layers of defence, as the replay switches them.
@@ -281,20 +277,21 @@ impl Simulation {
     }
 
     /// The start-up audit of both pools (layer 1's first half).
-    pub fn audit(&self) -> AuditReport {
-        AuditReport { prefill: self.config.prefill_pool().audit(), decode: self.config.decode_pool().audit() }
+    pub fn audit(&self) -> StartupAudit {
+        StartupAudit { prefill: self.config.prefill_pool().audit(), decode: self.config.decode_pool().audit() }
     }
 
     /// Runs the whole workload in `mode`.
-    pub fn run(&self, mode: Mode) -> Result<RunReport, SimError> {
+    pub fn run(&self, mode: Mode) -> Result<RunTally, SimError> {
         engine::run(&self.config, &self.workload, mode)
     }
 
-    /// Runs every mode of `modes`, in parallel where the machine has cores, reports in order.
-    pub fn run_all(&self, modes: &[Mode]) -> Result<Vec<RunReport>, SimError> {
+    /// Runs every mode of `modes`, in parallel where the machine has cores; the tallies come in
+    /// the order of `modes`.
+    pub fn run_all(&self, modes: &[Mode]) -> Result<Vec<RunTally>, SimError> {
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(modes.len()).max(1);
         let chunk = modes.len().div_ceil(threads).max(1);
-        let results: Vec<Result<Vec<RunReport>, SimError>> = std::thread::scope(|s| {
+        let results: Vec<Result<Vec<RunTally>, SimError>> = std::thread::scope(|s| {
             let handles: Vec<_> = modes
                 .chunks(chunk)
                 .map(|part| s.spawn(move || part.iter().map(|&m| self.run(m)).collect::<Result<Vec<_>, _>>()))

@@ -1,8 +1,8 @@
 //! The simulated KV pool: a few bytes per token slot saying which token of which request of which
 //! tenant was written there, pages handed out LIFO and never cleared — as engines do.
 
-use super::rng::mix64;
-use crate::ids::{PageId, PageRef, RequestId, TenantId};
+use kvguard::cuda::canary;
+use kvguard::{PageId, PageRef, RequestId, TenantId};
 
 /// Bytes of simulated KV per token slot: token id, request id, tenant id (`u32` LE each).
 pub const SLOT_BYTES: u32 = 12;
@@ -30,7 +30,7 @@ impl SlotKv {
 pub struct KvPool {
     page_size: u32,
     bytes: Vec<u8>,
-    /// The device canary per slot (see [`canary`]); 0 = never stamped.
+    /// The device canary per slot ([`canary`], kvguard's kernel-exact one); 0 = never stamped.
     canaries: Vec<u32>,
     /// The engine's own free list (LIFO), independent of kvguard.
     free: Vec<u32>,
@@ -112,35 +112,22 @@ impl KvPool {
     pub fn stamp(&mut self, request: RequestId, page: PageRef, slots: u32) {
         for slot in 0..slots.min(self.page_size) {
             let i = self.slot_index(page.page, slot);
-            self.canaries[i] = canary(request, page, slot);
+            self.canaries[i] = canary(request.0, page.generation.0, page.page.0, slot);
         }
     }
 
-    /// The canary stamped on a slot.
+    /// The read path's canary check: whether `slot` of `page` holds the canary `request` stamps
+    /// there in this incarnation (a never-stamped slot never does: canaries are never 0).
     #[inline]
-    pub fn canary_at(&self, page: PageId, slot: u32) -> u32 {
-        self.canaries[self.slot_index(page, slot)]
-    }
-}
-
-/// The device canary: 32 bits binding a slot to the request, page incarnation and slot that wrote
-/// it; never 0, so a never-written slot fails too. A slot left over from another request or an
-/// earlier incarnation matches with probability 2^-32.
-#[inline]
-pub fn canary(request: RequestId, page: PageRef, slot: u32) -> u32 {
-    let h = mix64(
-        request.0 ^ mix64((u64::from(page.generation.0) << 32) | u64::from(page.page.0)) ^ (u64::from(slot) << 40),
-    );
-    match (h ^ (h >> 32)) as u32 {
-        0 => 1,
-        c => c,
+    pub fn canary_matches(&self, request: RequestId, page: PageRef, slot: u32) -> bool {
+        self.canaries[self.slot_index(page.page, slot)] == canary(request.0, page.generation.0, page.page.0, slot)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ids::Generation;
+    use kvguard::Generation;
 
     #[test]
     fn pages_are_reused_lifo_and_keep_their_bytes() {
@@ -158,12 +145,13 @@ mod tests {
     }
 
     #[test]
-    fn canaries_differ_per_request_incarnation_and_slot() {
+    fn a_canary_matches_only_its_writer_incarnation_and_slot() {
+        let mut pool = KvPool::new(8, 4);
         let r = PageRef { page: PageId(3), generation: Generation(1) };
-        let c = canary(RequestId(1), r, 0);
-        assert_ne!(c, canary(RequestId(2), r, 0));
-        assert_ne!(c, canary(RequestId(1), PageRef { generation: Generation(2), ..r }, 0));
-        assert_ne!(c, canary(RequestId(1), PageRef { page: PageId(4), ..r }, 0));
-        assert_ne!(c, canary(RequestId(1), r, 1));
+        pool.stamp(RequestId(1), r, 2);
+        assert!(pool.canary_matches(RequestId(1), r, 0) && pool.canary_matches(RequestId(1), r, 1));
+        assert!(!pool.canary_matches(RequestId(2), r, 0), "another request");
+        assert!(!pool.canary_matches(RequestId(1), PageRef { generation: Generation(2), ..r }, 0), "next incarnation");
+        assert!(!pool.canary_matches(RequestId(1), r, 2), "a slot never stamped");
     }
 }

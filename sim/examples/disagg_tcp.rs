@@ -2,32 +2,34 @@
 //! injected fault: every fault is refused by decode with its named error, the clean run passes.
 //!
 //! ```text
-//! cargo run --example disagg_tcp                    # every fault
-//! cargo run --example disagg_tcp -- --fault late    # one
+//! cargo run -p kvguard-sim --example disagg_tcp                    # every fault
+//! cargo run -p kvguard-sim --example disagg_tcp -- --fault late    # one
 //! ```
 //!
 //! The same two roles run as separate processes with `kvguard-disagg decode` / `kvguard-disagg
 //! prefill --port P --fault F`; here they are two threads of one process, on real sockets.
 
-use kvguard::sim::disagg::{self, DisaggConfig, Fault};
+use clap::Parser;
+use kvguard_sim::disagg::{self, DisaggConfig, Fault};
 use std::process::ExitCode;
 
+/// A prefill and a decode node exchanging KV over loopback TCP, once per injected fault.
+#[derive(Parser)]
+#[command(name = "disagg_tcp")]
+struct Args {
+    /// Run only this fault: none, truncate-page, flip-byte, wrong-request, late, dummy-prompt,
+    /// missing-checksum (default: every one).
+    #[arg(long, value_name = "NAME")]
+    fault: Option<Fault>,
+    /// Workload seed.
+    #[arg(long, default_value_t = DisaggConfig::default().seed)]
+    seed: u64,
+}
+
 fn main() -> ExitCode {
-    let mut faults = Fault::ALL.to_vec();
-    let mut config = DisaggConfig::default();
-    let mut args = std::env::args().skip(1);
-    while let Some(flag) = args.next() {
-        let value = args.next();
-        let parsed = match (flag.as_str(), value) {
-            ("--fault", Some(v)) => v.parse::<Fault>().map(|f| faults = vec![f]),
-            ("--seed", Some(v)) => v.parse().map(|s| config.seed = s).map_err(|e| format!("--seed: {e}")),
-            _ => Err(format!("usage: disagg_tcp [--fault NAME] [--seed N]; unexpected {flag:?}")),
-        };
-        if let Err(e) = parsed {
-            eprintln!("{e}");
-            return ExitCode::from(2);
-        }
-    }
+    let args = Args::parse();
+    let faults = args.fault.map_or_else(|| Fault::ALL.to_vec(), |f| vec![f]);
+    let config = DisaggConfig { seed: args.seed, ..DisaggConfig::default() };
     let mut all_as_expected = true;
     for fault in faults {
         println!("== fault {fault}");

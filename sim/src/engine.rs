@@ -6,16 +6,14 @@
 //! decode node's pages; the decode node lands them, attention reads the prompt's slots and the
 //! "response" is what those slots say. Pages are handed out LIFO and never cleared.
 
-use super::kv::{KvPool, SLOT_BYTES, SlotKv};
-use super::report::{Leak, Outcome, RequestOutcome, RunReport};
-use super::workload::RequestSpec;
-use super::{Layers, Mode, SimConfig, SimError};
-use crate::config::PoolConfig;
-use crate::error::Error;
-use crate::ids::{Generation, PageId, PageRef, RequestId, TenantId};
-use crate::table::OwnershipTable;
-use crate::transfer::{ExpectedTransfer, Manifest, Receiver, SenderId, TransferHeader, tokens_in_page};
-use crate::violation::{Op, Violation, ViolationKind};
+use crate::kv::{KvPool, SLOT_BYTES, SlotKv};
+use crate::tally::{Leak, Outcome, RequestOutcome, RunTally};
+use crate::workload::RequestSpec;
+use crate::{Layers, Mode, SimConfig, SimError};
+use kvguard::transfer::{ExpectedTransfer, Manifest, Receiver, SenderId, TransferHeader, tokens_in_page};
+use kvguard::{
+    Error, Generation, Op, OwnershipTable, PageId, PageRef, PoolConfig, RequestId, TenantId, Violation, ViolationKind,
+};
 use std::collections::VecDeque;
 
 /// The token the prefill engine substitutes for a prompt it cannot hold.
@@ -56,7 +54,7 @@ struct Replay<'c> {
     substituted: u64,
 }
 
-pub(super) fn run(config: &SimConfig, workload: &[RequestSpec], mode: Mode) -> Result<RunReport, SimError> {
+pub(crate) fn run(config: &SimConfig, workload: &[RequestSpec], mode: Mode) -> Result<RunTally, SimError> {
     let layers = match mode {
         Mode::Unguarded => None,
         Mode::Guarded(l) => Some(l),
@@ -72,7 +70,7 @@ pub(super) fn run(config: &SimConfig, workload: &[RequestSpec], mode: Mode) -> R
         config,
         layers,
         // The incident's prefill pool fails the start-up audit; it is replayed unaudited so that
-        // per-request admission is what refuses (the audit is reported separately).
+        // per-request admission is what refuses (the audit is shown separately).
         prefill: Node {
             pool: KvPool::new(config.prefill_pages, config.page_size),
             table: table(config.prefill_pages, false)?,
@@ -111,7 +109,7 @@ pub(super) fn run(config: &SimConfig, workload: &[RequestSpec], mode: Mode) -> R
         }
         sample_violations.extend(t.drain_violations().iter().take(SAMPLE_VIOLATIONS).map(|v| v.to_string()));
     }
-    Ok(RunReport { mode, outcomes, substituted: replay.substituted, violations, sample_violations })
+    Ok(RunTally { mode, outcomes, substituted: replay.substituted, violations, sample_violations })
 }
 
 impl Replay<'_> {
@@ -336,7 +334,7 @@ impl Replay<'_> {
             for i in 0..spec.prompt_tokens {
                 let (k, slot) = ((i / ps) as usize, i % ps);
                 let page = drefs[k];
-                if self.decode.pool.canary_at(page.page, slot) != super::kv::canary(spec.id, page, slot) {
+                if !self.decode.pool.canary_matches(spec.id, page, slot) {
                     let v = Violation::new(ViolationKind::CanaryMismatch, Op::Read)
                         .with_request(spec.id, Some(spec.tenant))
                         .with_page(page.page, Some(page.generation))

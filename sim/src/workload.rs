@@ -1,9 +1,9 @@
 //! The replay's traffic: tenants sending interleaved requests, a few of them longer than the
 //! prefill pool, with prompts whose tokens say whose they are.
 
-use super::SimConfig;
-use super::rng::{SplitMix64, mix64};
-use crate::ids::{RequestId, TenantId};
+use crate::SimConfig;
+use crate::rng::{SplitMix64, mix64};
+use kvguard::{RequestId, TenantId};
 
 /// One request as the router sent it to both nodes (each keeps its own copy).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

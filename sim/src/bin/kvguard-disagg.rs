@@ -10,7 +10,7 @@
 //! protocol error; 2 bad arguments.
 
 use clap::{Parser, Subcommand};
-use kvguard::sim::disagg::{self, DisaggConfig, Fault};
+use kvguard_sim::disagg::{self, DisaggConfig, Fault};
 use std::io::Write;
 use std::process::ExitCode;
 use std::time::Duration;

@@ -1,7 +1,7 @@
 //! The prefill and decode nodes as two processes on loopback TCP: a clean run passes, and every
 //! injected fault is refused by decode with its named error while the other requests pass.
 
-use kvguard::sim::disagg::Fault;
+use kvguard_sim::disagg::Fault;
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};

@@ -2,7 +2,7 @@
 //! with each layer alone does not, and every over-long request gets a clear error.
 
 use kvguard::ViolationKind;
-use kvguard::sim::{Layer, Layers, Mode, Outcome, RunReport, SimConfig, Simulation, render, result_line};
+use kvguard_sim::{Layer, Layers, Mode, Outcome, RunTally, SimConfig, Simulation, comparison_table, result_line};
 use std::sync::OnceLock;
 
 fn small(seed: u64) -> SimConfig {
@@ -10,8 +10,8 @@ fn small(seed: u64) -> SimConfig {
 }
 
 /// Every mode of the default comparison, run once for the whole test binary.
-fn runs() -> &'static (Simulation, Vec<RunReport>) {
-    static RUNS: OnceLock<(Simulation, Vec<RunReport>)> = OnceLock::new();
+fn runs() -> &'static (Simulation, Vec<RunTally>) {
+    static RUNS: OnceLock<(Simulation, Vec<RunTally>)> = OnceLock::new();
     RUNS.get_or_init(|| {
         let sim = Simulation::new(small(3)).unwrap();
         let runs = sim.run_all(&Simulation::compare_modes(Layers::ALL)).unwrap();
@@ -19,7 +19,7 @@ fn runs() -> &'static (Simulation, Vec<RunReport>) {
     })
 }
 
-fn run(mode: Mode) -> &'static RunReport {
+fn run(mode: Mode) -> &'static RunTally {
     runs().1.iter().find(|r| r.mode == mode).unwrap()
 }
 
@@ -116,7 +116,7 @@ fn the_replay_is_deterministic_per_seed() {
 #[test]
 fn the_printout_shows_the_audit_the_table_and_the_result_line() {
     let (sim, runs) = runs();
-    let text = render(sim.config(), &sim.audit(), runs);
+    let text = comparison_table(sim.config(), &sim.audit(), runs);
     assert!(text.contains("681,280") && text.contains("1,048,576"), "{text}");
     assert!(text.contains("REFUSED: pool too small"));
     for header in ["unguarded", "guarded", "admission only", "table only", "manifest only", "canary only"] {
