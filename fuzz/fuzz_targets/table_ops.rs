@@ -6,7 +6,7 @@
 
 use libfuzzer_sys::fuzz_target;
 
-#[path = "../../tests/model/mod.rs"]
+#[path = "../../tests/it/model/mod.rs"]
 mod model;
 
 fuzz_target!(|ops: Vec<model::Op>| {

@@ -4,9 +4,6 @@
 //! table's changed pages, scrubbing, and the reference attention against a naive one. No GPU and
 //! no CUDA toolkit needed, only a C++17 compiler; without one the tests print a loud SKIPPED line
 //! (and fail when `KVGUARD_REQUIRE_HOSTCXX=1`, which `scripts/ci/cuda.sh setup` exports).
-#![cfg(feature = "cuda")]
-
-mod common;
 
 /// Under `cuda::` so that `cargo test cuda` selects these.
 mod cuda {

@@ -1,10 +1,10 @@
-//! Code shared by the integration-test crates: a crate that needs it declares `mod common;`.
+//! Code shared by the integration tests.
 //!
 //! - [`skip`]: loud skips, for tests that cannot run on this machine.
 //! - [`host_sim`]: the Rust side of the CPU simulator of the CUDA kernels
 //!   (`kernels/host/kvguard_sim_main.cpp`), and a pool with every kind of page to check them on.
-// Each test crate uses a different part of this module.
-#![allow(dead_code)]
 
+#[cfg(feature = "cuda")]
 pub mod host_sim;
+#[cfg(feature = "cuda")]
 pub mod skip;

@@ -3,9 +3,7 @@
 //! pages must match the model's (states, owners, generations that only grow, coverage, disjoint
 //! owners, conservation of pages); releasing everything at the end must return every page.
 
-mod model;
-
-use model::Op;
+use crate::model::{self, Op};
 use proptest::prelude::*;
 
 fn op() -> impl Strategy<Value = Op> {

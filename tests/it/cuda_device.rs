@@ -8,9 +8,6 @@
 //! by the `cuda_cubin` example) instead of NVRTC, for machines without it; `scripts/gpu-check`
 //! sets it. `KVGUARD_WRONG_ARCH_CUBIN=PATH` names a CUBIN for an architecture the GPU cannot run,
 //! which must be refused with `DeviceError::Cubin`.
-#![cfg(feature = "cuda")]
-
-mod common;
 
 /// Under `cuda::` so that `cargo test cuda` selects these.
 mod cuda {

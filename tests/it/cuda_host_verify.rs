@@ -3,9 +3,6 @@
 //! hand-made and random steps with injected violations (foreign, freed, reserved, out of range,
 //! stale generation, unwritten, too short), the violation ring, canaries stamped by the reference
 //! KV store and checked by the reads. Needs only a C++17 compiler (see `cuda_host_sim.rs`).
-#![cfg(feature = "cuda")]
-
-mod common;
 
 /// Under `cuda::` so that `cargo test cuda` selects these.
 mod cuda {

@@ -2,9 +2,6 @@
 //! register and spill counts per kernel are printed. No GPU needed: NVRTC and ptxas come from the
 //! PyPI wheels that `scripts/ci/cuda.sh setup` installs. With `KVGUARD_REQUIRE_NVRTC=1` a missing
 //! NVRTC or ptxas fails the test instead of skipping it.
-#![cfg(feature = "cuda")]
-
-mod common;
 
 /// Under `cuda::` so that `cargo test cuda` selects these.
 mod cuda {
