@@ -6,10 +6,44 @@
 //! engine's bookkeeping is all that keeps one customer's keys and values out of another's answer.
 //! kvguard is a second, independent bookkeeper that refuses the read when the two disagree.
 //!
-//! - [`OwnershipTable`]: the host-side table (allocator or shadow mode), read verification,
-//!   prefixes, forks, policy and counters.
-//! - [`PoolConfig`]: the pool's shape and the start-up audit.
-//! - [`Violation`]: what was refused, in one line.
+//! # Modules
+//!
+//! | module | what it holds |
+//! |---|---|
+//! | [`ids`] | the words: [`RequestId`], [`TenantId`], [`PageId`], [`Generation`], [`PageRef`] (one incarnation of a page), [`PrefixKey`] |
+//! | [`config`] | [`PoolConfig`]: the pool's shape, and the start-up audit that refuses a pool which cannot hold one max-context request |
+//! | [`table`] | [`OwnershipTable`]: every page's owner, tenant, generation and coverage; admission, allocation, writes, block-table verification, prefixes, forks, transfer pins |
+//! | [`violation`] | [`Violation`] and [`ViolationKind`]: what was refused, in one line; [`Policy`] (enforce or report) and the counters |
+//! | [`error`] | [`Error`]: every fallible call's error type |
+//! | [`transfer`] | the manifest that travels with a prefill→decode KV transfer, its wire format, and the [`Receiver`](transfer::Receiver) that fails closed |
+//! | [`trace`] | the engine's ownership events as JSON lines: [`Recorder`](trace::Recorder) and [`Replayer`](trace::Replayer) |
+//! | [`cuda`] | the device tag layout and the kernel-exact canary; with feature `cuda`, the device guard (tag mirror, verify, CRC32, scrub kernels) |
+//!
+//! Data flows one way: engine event → [`OwnershipTable`] (→ device mirror) → verdict. The table
+//! knows nothing of CUDA, files, JSON or transports; [`cuda`], [`trace`] and [`transfer`] depend
+//! on it, never the reverse.
+//!
+//! # Allocator mode or shadow mode?
+//!
+//! One table serves both; pick by who chooses the pages.
+//!
+//! - **Allocator mode**: kvguard's free list is the engine's allocator. Call
+//!   [`OwnershipTable::allocate`] and use the pages it returns. Choose it when you write a new
+//!   engine or can swap the allocator (it is O(1) per page and the cheapest way to be checked).
+//! - **Shadow mode**: the engine keeps its own allocator (vLLM's `BlockPool`, SGLang's
+//!   `TokenToKVPoolAllocator`) and tells kvguard what it handed out with
+//!   [`OwnershipTable::claim`]; a page that kvguard does not see as free is refused. Choose it to
+//!   guard an existing engine without changing its allocation decisions, typically with
+//!   [`Policy::Report`] first (count and log, refuse nothing), then [`Policy::Enforce`].
+//!
+//! Either way the engine records its KV writes (token slots) and verifies each step's block
+//! tables before attention; a read of a page another request owns, of a stale incarnation or of a
+//! slot nobody wrote for this request is a [`Violation`].
+//!
+//! # Features
+//!
+//! - `cli` (default): the `kvguard` command line (`replay`, `audit`).
+//! - `cuda`: the device guard through cudarc (dynamic loading: builds without CUDA installed).
 //!
 //! ```
 //! use kvguard::{OwnershipTable, PoolConfig, PageId, RequestId, TenantId};
