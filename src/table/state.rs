@@ -123,56 +123,11 @@ pub(crate) struct PrefixRecord {
     pub holders: u32,
 }
 
-/// Hashes the table's integer ids (requests, pages, prefix keys): one multiply-xorshift round
-/// keyed per process from std's random state. SipHash cost more per request than a page's whole
-/// verification; the random key keeps crafted ids (a hostile trace, say) from lining up in one
-/// bucket chain.
-#[derive(Clone, Copy)]
-pub(crate) struct IdHash {
-    key: u64,
-}
-
-impl Default for IdHash {
-    fn default() -> Self {
-        static KEY: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-        let key = *KEY.get_or_init(|| {
-            use std::hash::BuildHasher;
-            std::collections::hash_map::RandomState::new().hash_one(0x006b_7667_7561_7264_u64) | 1
-        });
-        IdHash { key }
-    }
-}
-
-impl std::hash::BuildHasher for IdHash {
-    type Hasher = IdHasher;
-    fn build_hasher(&self) -> IdHasher {
-        IdHasher(self.key)
-    }
-}
-
-/// The hasher [`IdHash`] builds.
-pub(crate) struct IdHasher(u64);
-
-impl std::hash::Hasher for IdHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(u64::from(b));
-        }
-    }
-    #[inline]
-    fn write_u64(&mut self, n: u64) {
-        self.0 = (self.0 ^ n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    }
-    #[inline]
-    fn write_u32(&mut self, n: u32) {
-        self.write_u64(u64::from(n));
-    }
-    #[inline]
-    fn finish(&self) -> u64 {
-        let x = self.0;
-        (x ^ (x >> 31)).wrapping_mul(0xBF58_476D_1CE4_E5B9) ^ (x >> 29)
-    }
-}
+/// Hashes the table's integer ids (requests, pages, prefix keys): foldhash, seeded at random
+/// per map. SipHash cost more per request than a page's whole verification; foldhash's folded
+/// multiply mixes every input bit into the low bits a map picks buckets with, so ids crafted to
+/// collide (a hostile trace's, say) still spread.
+pub(crate) type IdHash = foldhash::fast::RandomState;
 
 /// A map keyed by one of the table's ids.
 pub(crate) type IdMap<K, V> = HashMap<K, V, IdHash>;
@@ -573,6 +528,20 @@ impl TableState {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ids_differing_only_in_high_bits_spread_over_the_low_bits() {
+        // A hash map picks buckets with the low bits of the hash. Ids a hostile trace crafts to
+        // differ only above bit 47 must still land in many different buckets, or each insert
+        // probes a cluster as long as the map (131,072 such ids took seconds to admit).
+        use std::hash::BuildHasher;
+        let ids = 1u64 << 17;
+        let mask = (1u64 << 16) - 1;
+        let hasher = IdMap::<RequestId, ()>::default().hasher().clone();
+        let low: HashSet<u64> = (0..ids).map(|i| hasher.hash_one(RequestId(i << 47)) & mask).collect();
+        // Random hashes would fill about 87% of the 65,536 buckets; a quarter is generous.
+        assert!(low.len() as u64 > mask / 4, "{} of {} low-bit buckets used", low.len(), mask + 1);
+    }
 
     #[test]
     fn a_page_tag_is_24_bytes() {
