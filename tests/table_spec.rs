@@ -625,7 +625,9 @@ fn changed_pages_are_listed_once_until_taken() {
 fn external_violations_are_counted_and_quarantine_under_enforce() {
     let t = table();
     let a = written(&t, A, T1, 16);
-    t.report(kvguard::Violation::new(ViolationKind::TokenCountMismatch, kvguard::Op::Import).with_request(A, None));
+    t.record_violation(
+        kvguard::Violation::new(ViolationKind::TokenCountMismatch, kvguard::Op::Import).with_request(A, None),
+    );
     assert_eq!(t.counters().get(ViolationKind::TokenCountMismatch), 1);
     assert_eq!(kind(t.verify_read(A, &a, 16)), ViolationKind::Quarantined);
 }

@@ -292,7 +292,7 @@ impl Judge {
             })?;
             let new = table.insert(new);
             return Ok(too_small.map(|v| {
-                new.report(v.clone());
+                new.record_violation(v.clone());
                 found(v, tenants, keys)
             }));
         };
@@ -323,7 +323,7 @@ impl Judge {
             Event::Read { req, pages, tokens } => match t.check_read(*req, pages, *tokens) {
                 Ok(()) => None,
                 Err(v) => {
-                    t.report(v.clone());
+                    t.record_violation(v.clone());
                     Some(v)
                 }
             },
