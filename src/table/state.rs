@@ -590,6 +590,34 @@ mod tests {
     }
 
     #[test]
+    fn a_prefix_handle_kept_past_its_prefix_matches_nothing() {
+        let record =
+            || PrefixRecord { key: None, tenant: TenantId(1), publisher: RequestId(1), pages: vec![], holders: 1 };
+        let mut store: SlotMap<PrefixSlot, PrefixRecord> = SlotMap::with_key();
+        let old = store.insert(record());
+        let mut held = HeldPrefixes::default();
+        held.insert(old);
+        store.remove(old);
+        let new = store.insert(record()); // the same slot, a new version
+        assert_ne!(old, new);
+        assert!(store.get(old).is_none() && !held.contains(new));
+        // A page tag carries the handle whole.
+        let mut tag = PageTag {
+            holder: 0,
+            generation: 1,
+            written: 0,
+            link: 0,
+            state: PageState::Shared,
+            changed: false,
+            sparse: false,
+            pinned: false,
+        };
+        tag.set_prefix(new);
+        assert_eq!(tag.prefix(), new);
+        assert!(!held.contains(tag.prefix()));
+    }
+
+    #[test]
     fn a_page_tag_is_24_bytes() {
         // The memory figure in the table's docs and the README depends on it.
         assert_eq!(std::mem::size_of::<PageTag>(), 24);

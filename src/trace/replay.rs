@@ -320,6 +320,8 @@ impl Judge {
             }
             Event::Alloc { req, pages } => verdict(t.claim(*req, pages).map(drop))?,
             Event::Write { req, page, slots: [a, b] } => verdict(t.record_write(*req, *page, *a..*b))?,
+            // The pure check, recorded here: replay returns every violation, where the judged
+            // `verify_read` lets one through under `Policy::Report`.
             Event::Read { req, pages, tokens } => match t.check_read(*req, pages, *tokens) {
                 Ok(()) => None,
                 Err(v) => {
