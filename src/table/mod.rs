@@ -4,7 +4,7 @@
 //! One table serves both ways of embedding kvguard:
 //! - **allocator mode**: kvguard picks the pages ([`OwnershipTable::allocate`], O(1) per page from
 //!   a free list);
-//! - **shadow mode**: the engine keeps its allocator and reports what it handed out
+//! - **shadow mode**: the engine keeps its allocator and tells the table what it handed out
 //!   ([`OwnershipTable::claim`]); a page that is not free is refused.
 //!
 //! The table is `Send + Sync`. Reads ([`check_read`](OwnershipTable::check_read),
@@ -41,8 +41,8 @@
 //! metadata and a 2 MiB bitmap. Each admitted request adds a small record; each prefix one more.
 //!
 //! # Files
-//! Imports point one way: `ownership`, `import` → `lifecycle` → `prefix`, `verify` → `violation`
-//! → `state` → `info`; `step` and `info` hold plain values (the public types re-exported here).
+//! Each file uses only those below it: `import` → `ownership` → `lifecycle` → `prefix`, `verify`
+//! → `violation` → `state` → `info`, `step`; `info` and `step` hold the public values re-exported here.
 
 mod import;
 mod info;
