@@ -340,7 +340,7 @@ impl Replay<'_> {
                         .with_page(page.page, Some(page.generation))
                         .with_block_index(k as u32)
                         .with_slots(slot, slot + 1);
-                    t.report(v.clone());
+                    t.record_violation(v.clone());
                     return Ok(Err(Refusal { kind: v.kind(), message: v.to_string() }));
                 }
             }

@@ -294,7 +294,7 @@ impl DeviceGuard {
         self.device.set_consumed(drain.consumed)?;
         let violations: Vec<Violation> = drain.records.iter().filter_map(|r| r.to_violation()).collect();
         for v in &violations {
-            table.report(v.clone());
+            table.record_violation(v.clone());
         }
         Ok(Drained { violations, dropped_total: drain.dropped_total, incomplete: drain.incomplete })
     }

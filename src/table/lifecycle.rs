@@ -1,98 +1,14 @@
 //! Request lifecycle on the table: admit, allocate or claim, write, release, fork.
 
-use super::state::{PageState, PrefixRecord, RequestRecord, SPARE_LIST_MAX_CAPACITY, SPARE_LISTS, TableState};
-use super::verify::BlockEntry;
+use super::info::{PageState, Released};
+use super::state::{BlockEntry, PrefixRecord, RequestRecord, SPARE_LIST_MAX_CAPACITY, SPARE_LISTS, TableState};
 use crate::error::Error;
 use crate::ids::{Generation, PageId, PageRef, RequestId, TenantId};
 use crate::violation::{Op, Violation, ViolationKind};
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-/// What a release handed back.
-///
-/// Only the count of ended incarnations comes back, not their list: the engine knows which pages
-/// it released, and building a list it does not need cost a third of a release.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Released {
-    /// How many page incarnations ended (pages freed, retired or awaiting a scrub).
-    pub ended: u64,
-    /// With `scrub_on_release`: the pages the engine must poison or zero, then pass to
-    /// [`OwnershipTable::confirm_scrubbed`](crate::OwnershipTable::confirm_scrubbed); until then
-    /// they are not handed out again. Empty otherwise.
-    pub scrub: Vec<PageRef>,
-}
-
 impl TableState {
-    pub(crate) fn violation(&self, kind: ViolationKind, op: Op, req: RequestId) -> Violation {
-        let tenant = self.requests.get(&req).map(|r| r.tenant);
-        Violation::new(kind, op).with_request(req, tenant)
-    }
-
-    /// A violation about `page`, filled in with what the table knows of it.
-    pub(crate) fn page_violation(&self, kind: ViolationKind, op: Op, req: RequestId, page: PageId) -> Violation {
-        let mut v = self.violation(kind, op, req);
-        match self.tag(page) {
-            None => v = v.with_page(page, None),
-            Some(tag) => {
-                v = v.with_page(page, Some(Generation(tag.generation)));
-                if let Some(tenant) = self.page_tenant(tag) {
-                    v = v.with_owner(tag.owner, tenant);
-                }
-                if tag.state == PageState::Shared
-                    && let Some(key) = self.prefix(tag.link).key
-                {
-                    v = v.with_prefix(key);
-                }
-            }
-        }
-        v
-    }
-
-    pub(crate) fn unknown_request(&self, op: Op, req: RequestId) -> Error {
-        let kind = if op == Op::Release && self.ended.contains(req) {
-            ViolationKind::DoubleFree
-        } else {
-            ViolationKind::UnknownRequest
-        };
-        Violation::new(kind, op).with_request(req, None).into()
-    }
-
-    pub(crate) fn record(&self, op: Op, req: RequestId) -> Result<&RequestRecord, Error> {
-        self.requests.get(&req).ok_or_else(|| self.unknown_request(op, req))
-    }
-
-    /// The page exists and is not reserved.
-    fn check_usable(&self, op: Op, req: RequestId, page: PageId) -> Result<PageState, Error> {
-        match self.tag(page) {
-            None => Err(self.page_violation(ViolationKind::PageOutOfRange, op, req, page).into()),
-            Some(t) if t.state == PageState::Reserved => {
-                Err(self.page_violation(ViolationKind::ReservedPage, op, req, page).into())
-            }
-            Some(t) => Ok(t.state),
-        }
-    }
-
-    /// The page is owned exclusively by `req` (for writes, releases, publishing).
-    pub(crate) fn check_owned_by(&self, op: Op, req: RequestId, page: PageId) -> Result<(), Error> {
-        let state = self.check_usable(op, req, page)?;
-        let tag = &self.tags[page.0 as usize];
-        let kind = match state {
-            PageState::Owned if tag.owner == req => return Ok(()),
-            PageState::Owned => ViolationKind::ForeignPage,
-            PageState::Shared => {
-                let held = self.requests.get(&req).is_some_and(|r| r.prefixes.contains(tag.link));
-                match op {
-                    Op::Write | Op::Import => ViolationKind::WriteToShared,
-                    _ if held => ViolationKind::PageShared,
-                    _ => ViolationKind::ForeignPage,
-                }
-            }
-            _ if op == Op::Release => ViolationKind::DoubleFree,
-            _ => ViolationKind::FreedPage,
-        };
-        Err(self.page_violation(kind, op, req, page).into())
-    }
-
     pub(crate) fn admit(&mut self, req: RequestId, tenant: TenantId, prompt: u64, max_new: u64) -> Result<(), Error> {
         if self.requests.contains_key(&req) {
             return Err(self.violation(ViolationKind::DuplicateRequest, Op::Admit, req).into());
@@ -164,7 +80,7 @@ impl TableState {
                 changed_slots[changed_count] = page;
                 changed_count += 1;
             }
-            tag.owner = req;
+            tag.set_owner(req);
             tag.link = (first_link + k) as u32;
             tag.state = PageState::Owned;
         }
@@ -244,9 +160,9 @@ impl TableState {
         // and puts them back if a later page is refused.
         let (first, last) = (blocks.start, blocks.end - 1);
         let writable = |state: &TableState, entry: E| {
-            state.tag(entry.page()).is_some_and(|t| {
-                t.state == PageState::Owned && t.owner == req && entry.generation().is_none_or(|g| g.0 == t.generation)
-            })
+            state
+                .tag(entry.page())
+                .is_some_and(|t| t.owned_by(req) && entry.generation().is_none_or(|g| g.0 == t.generation))
         };
         for b in [first, last] {
             if !writable(self, block_table[b]) {
@@ -263,9 +179,7 @@ impl TableState {
             let refused = middle.iter().enumerate().position(|(k, entry)| {
                 let page = entry.page();
                 let Some(tag) = tags.get_mut(page.0 as usize) else { return true };
-                let fine = tag.state == PageState::Owned
-                    && tag.owner == req
-                    && entry.generation().is_none_or(|g| g.0 == tag.generation);
+                let fine = tag.owned_by(req) && entry.generation().is_none_or(|g| g.0 == tag.generation);
                 if !fine {
                     return true;
                 }
@@ -300,21 +214,6 @@ impl TableState {
             self.mark_written(block_table[last].page(), a, e);
         }
         Ok(())
-    }
-
-    /// Why `req` may not write through block `b`.
-    #[cold]
-    fn write_refusal<E: BlockEntry>(&self, op: Op, req: RequestId, b: usize, entry: E) -> Error {
-        let page = entry.page();
-        let v = match self.check_owned_by(op, req, page) {
-            Err(Error::Violation(v)) => v,
-            Err(other) => return other,
-            Ok(()) => {
-                let g = entry.generation().unwrap_or(Generation(0));
-                self.page_violation(ViolationKind::StalePage, op, req, page).with_expected_generation(g)
-            }
-        };
-        v.with_block_index(b as u32).into()
     }
 
     pub(crate) fn release(&mut self, req: RequestId) -> Result<Released, Error> {
@@ -411,18 +310,25 @@ impl TableState {
         let pages = std::mem::take(&mut rec.pages);
         let mut held = rec.prefixes.clone();
         if !pages.is_empty() {
-            let slot =
-                self.new_prefix(PrefixRecord { key: None, tenant, publisher: parent, pages: Vec::new(), holders: 1 });
+            let slot = self.prefixes.insert(PrefixRecord {
+                key: None,
+                tenant,
+                publisher: parent,
+                pages: Vec::new(),
+                holders: 1,
+            });
             for &page in &pages {
-                self.tags[page.0 as usize].link = slot;
+                self.tags[page.0 as usize].set_prefix(slot);
                 self.set_state(page, PageState::Shared);
             }
-            self.prefix_mut(slot).pages = pages;
+            self.prefixes[slot].pages = pages;
             self.requests.get_mut(&parent).expect("checked above").prefixes.insert(slot);
             held.insert(slot);
         }
         for slot in held.iter() {
-            self.prefix_mut(slot).holders += 1;
+            if let Some(prefix) = self.prefixes.get_mut(slot) {
+                prefix.holders += 1;
+            }
         }
         self.ended.forget(child);
         self.requests.insert(
@@ -443,14 +349,9 @@ impl TableState {
     /// land in them, under a new ticket id. All or none.
     pub(crate) fn pin(&mut self, req: RequestId, refs: &[PageRef]) -> Result<u64, Error> {
         self.record(Op::Import, req)?;
+        self.check_entries_owned(Op::Import, req, refs)?;
         for (b, r) in refs.iter().enumerate() {
-            let tag = self.tag(r.page);
-            let fine =
-                tag.is_some_and(|t| t.state == PageState::Owned && t.owner == req && t.generation == r.generation.0);
-            if !fine {
-                return Err(self.write_refusal(Op::Import, req, b, *r));
-            }
-            if tag.is_some_and(|t| t.pinned) {
+            if self.tags[r.page.0 as usize].pinned {
                 let v = self.page_violation(ViolationKind::ImportInFlight, Op::Import, req, r.page);
                 return Err(v.with_block_index(b as u32).into());
             }

@@ -3,47 +3,42 @@
 //! A fork is a prefix too: the parent's pages become an anonymous prefix held by parent and child,
 //! which goes back to the pool when its last holder is released.
 
-use super::lifecycle::Released;
-use super::state::{PageState, PrefixRecord, TableState};
+use super::info::{PageState, Released};
+use super::state::{PrefixRecord, PrefixSlot, TableState};
 use crate::error::Error;
 use crate::ids::{PageId, PageRef, PrefixKey, RequestId};
 use crate::violation::{Op, Violation, ViolationKind};
 
 impl TableState {
-    pub(crate) fn new_prefix(&mut self, record: PrefixRecord) -> u32 {
-        match self.prefix_free_slots.pop() {
-            Some(slot) => {
-                self.prefixes[slot as usize] = Some(record);
-                slot
-            }
-            None => {
-                self.prefixes.push(Some(record));
-                (self.prefixes.len() - 1) as u32
-            }
-        }
-    }
-
-    /// Frees a prefix's pages and its slot.
-    fn drop_prefix(&mut self, slot: u32, released: &mut Released) {
-        let record = self.prefixes[slot as usize].take().expect("live prefix slots are Some");
+    /// Frees a prefix's pages and its slot (whose version moves on, so old handles stop matching).
+    fn drop_prefix(&mut self, slot: PrefixSlot, released: &mut Released) {
+        let Some(record) = self.prefixes.remove(slot) else {
+            debug_assert!(false, "dropping a prefix that is gone");
+            return;
+        };
         if let Some(key) = record.key {
             self.prefix_keys.remove(&key);
         }
         self.end_incarnations(&record.pages, PageState::Shared, released);
-        self.prefix_free_slots.push(slot);
     }
 
-    /// One holder lets go; an anonymous (fork) prefix goes with its last holder.
-    pub(crate) fn drop_hold(&mut self, slot: u32, released: &mut Released) {
-        let prefix = self.prefix_mut(slot);
+    /// One holder lets go; an anonymous (fork) prefix goes with its last holder. A handle to a
+    /// prefix that is gone changes nothing.
+    pub(crate) fn drop_hold(&mut self, slot: PrefixSlot, released: &mut Released) {
+        let Some(prefix) = self.prefixes.get_mut(slot) else {
+            debug_assert!(false, "a request held a prefix that is gone");
+            return;
+        };
         prefix.holders -= 1;
         if prefix.holders == 0 && prefix.key.is_none() {
             self.drop_prefix(slot, released);
         }
     }
 
-    fn prefix_slot(&self, op: Op, req: Option<RequestId>, key: PrefixKey) -> Result<u32, Error> {
-        self.prefix_keys.get(&key).copied().ok_or_else(|| {
+    /// The live prefix published under `key`.
+    fn prefix_slot(&self, op: Op, req: Option<RequestId>, key: PrefixKey) -> Result<PrefixSlot, Error> {
+        let live = self.prefix_keys.get(&key).copied().filter(|&slot| self.prefixes.contains_key(slot));
+        live.ok_or_else(|| {
             let mut v = Violation::new(ViolationKind::UnknownPrefix, op).with_prefix(key);
             if let Some(r) = req {
                 v = v.with_request(r, self.requests.get(&r).map(|r| r.tenant));
@@ -60,20 +55,25 @@ impl TableState {
         for &page in pages {
             self.check_owned_by(Op::Publish, req, page)?;
         }
-        let slot =
-            self.new_prefix(PrefixRecord { key: Some(key), tenant, publisher: req, pages: Vec::new(), holders: 1 });
+        let slot = self.prefixes.insert(PrefixRecord {
+            key: Some(key),
+            tenant,
+            publisher: req,
+            pages: Vec::new(),
+            holders: 1,
+        });
         // The caller's order, for `attach` to hand back; a page listed twice is published once
         // (the second time round it is already shared).
         let mut ordered = Vec::with_capacity(pages.len());
         for &page in pages {
             if self.tags[page.0 as usize].state == PageState::Owned {
                 self.detach_from_owner(page);
-                self.tags[page.0 as usize].link = slot;
+                self.tags[page.0 as usize].set_prefix(slot);
                 self.set_state(page, PageState::Shared);
                 ordered.push(page);
             }
         }
-        self.prefix_mut(slot).pages = ordered;
+        self.prefixes[slot].pages = ordered;
         self.prefix_keys.insert(key, slot);
         self.requests.get_mut(&req).expect("checked above").prefixes.insert(slot);
         Ok(())
@@ -82,7 +82,7 @@ impl TableState {
     pub(crate) fn attach(&mut self, req: RequestId, key: PrefixKey) -> Result<Vec<PageRef>, Error> {
         let tenant = self.record(Op::Attach, req)?.tenant;
         let slot = self.prefix_slot(Op::Attach, Some(req), key)?;
-        let prefix = self.prefix(slot);
+        let prefix = &self.prefixes[slot];
         if prefix.tenant != tenant && !self.sharing_tenants.contains(&prefix.tenant) {
             let v = self
                 .violation(ViolationKind::CrossTenantShare, Op::Attach, req)
@@ -92,9 +92,9 @@ impl TableState {
         }
         let rec = self.requests.get_mut(&req).expect("checked above");
         if rec.prefixes.insert(slot) {
-            self.prefix_mut(slot).holders += 1;
+            self.prefixes[slot].holders += 1;
         }
-        Ok(self.prefix(slot).pages.iter().map(|&p| self.page_ref(p)).collect())
+        Ok(self.prefixes[slot].pages.iter().map(|&p| self.page_ref(p)).collect())
     }
 
     pub(crate) fn detach(&mut self, req: RequestId, key: PrefixKey) -> Result<Released, Error> {
@@ -111,7 +111,7 @@ impl TableState {
 
     pub(crate) fn evict(&mut self, key: PrefixKey) -> Result<Released, Error> {
         let slot = self.prefix_slot(Op::Evict, None, key)?;
-        let prefix = self.prefix(slot);
+        let prefix = &self.prefixes[slot];
         if prefix.holders > 0 {
             let v = Violation::new(ViolationKind::EvictInUse, Op::Evict)
                 .with_owner(prefix.publisher, prefix.tenant)

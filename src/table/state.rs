@@ -2,36 +2,62 @@
 //!
 //! Everything here runs under the table's lock; nothing here knows about policy or threads.
 
-use super::lifecycle::Released;
+use super::info::{PageState, Released};
 use crate::config::PoolConfig;
 use crate::error::Error;
 use crate::ids::{Generation, PageId, PageRef, PrefixKey, RequestId, TenantId};
 use bitvec::prelude::{BitVec, Lsb0};
-use serde::{Deserialize, Serialize};
+use slotmap::{Key, KeyData, SlotMap};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::AtomicBool;
 
-/// Where a page is in its life.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-#[repr(u8)]
-pub enum PageState {
-    /// In the free list (or free in shadow mode): nobody may read or write it.
-    Free = 0,
-    /// Owned by one request, which alone may write and read it.
-    Owned = 1,
-    /// Part of a read-only prefix: readable by the requests that hold it, writable by none.
-    Shared = 2,
-    /// Never allocatable, never readable (null/padding page).
-    Reserved = 3,
-    /// Its generation reached the limit: never handed out again.
-    Retired = 4,
-    /// Released, waiting for the engine to confirm it was poisoned or zeroed.
-    AwaitingScrub = 5,
+/// One block-table entry as the table sees it: a page, and maybe the incarnation it must be in.
+pub(crate) trait BlockEntry: Copy {
+    fn page(self) -> PageId;
+    fn generation(self) -> Option<Generation>;
 }
 
-impl PageState {
-    pub(crate) const COUNT: usize = 6;
+impl BlockEntry for PageId {
+    #[inline(always)]
+    fn page(self) -> PageId {
+        self
+    }
+    #[inline(always)]
+    fn generation(self) -> Option<Generation> {
+        None
+    }
+}
+
+impl BlockEntry for PageRef {
+    #[inline(always)]
+    fn page(self) -> PageId {
+        self.page
+    }
+    #[inline(always)]
+    fn generation(self) -> Option<Generation> {
+        Some(self.generation)
+    }
+}
+
+slotmap::new_key_type! {
+    /// A prefix's handle in the prefix store: a slot and its version. A handle kept past its
+    /// prefix's end no longer matches once the slot holds another prefix, so it is caught rather
+    /// than trusted. (A slot's version wraps after 2^31 reuses; a handle would have to outlive
+    /// that many prefixes in one slot to match again.)
+    pub(crate) struct PrefixSlot;
+}
+
+impl PrefixSlot {
+    /// The handle as the 64 bits a page tag keeps.
+    #[inline(always)]
+    fn to_bits(self) -> u64 {
+        self.data().as_ffi()
+    }
+    /// The handle from the 64 bits [`to_bits`](Self::to_bits) gave.
+    #[inline(always)]
+    fn from_bits(bits: u64) -> PrefixSlot {
+        KeyData::from_ffi(bits).into()
+    }
 }
 
 /// One page's tag: 24 bytes, plus `page_size` bits of coverage elsewhere.
@@ -41,13 +67,15 @@ impl PageState {
 /// only by writes that leave a gap (`sparse`), and cleared on release only if it was.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct PageTag {
-    /// Owned: the owner. Shared: the publisher. Free: the last owner (for diagnosis only).
-    /// The tenant is not stored: it is the owner's (owned) or the prefix's (shared).
-    pub owner: RequestId,
+    /// Owned: the owner's id. Shared: its prefix's handle ([`PrefixSlot`]; the publisher is in
+    /// the prefix). Free: the last owner's id (for diagnosis only). Read it through
+    /// [`owner`](Self::owner) and [`prefix`](Self::prefix). The tenant is not stored: it is the
+    /// owner's (owned) or the prefix's (shared).
+    pub holder: u64,
     pub generation: u32,
     /// Slots `0..written` are all written by the current incarnation (the coverage watermark).
     pub written: u32,
-    /// Owned: index in the owner's page list. Free: index in the free list. Shared: prefix slot.
+    /// Owned: index in the owner's page list. Free: index in the free list. Shared: unused.
     pub link: u32,
     pub state: PageState,
     /// Listed in `changed` since the last `take_changed`. Meaningless until the first call:
@@ -62,27 +90,55 @@ pub(crate) struct PageTag {
     pub pinned: bool,
 }
 
+impl PageTag {
+    /// The owner (owned), or the last owner (free).
+    #[inline(always)]
+    pub fn owner(&self) -> RequestId {
+        RequestId(self.holder)
+    }
+    /// Owned by `req`.
+    #[inline(always)]
+    pub fn owned_by(&self, req: RequestId) -> bool {
+        self.state == PageState::Owned && self.holder == req.0
+    }
+    /// The prefix a shared page belongs to.
+    #[inline(always)]
+    pub fn prefix(&self) -> PrefixSlot {
+        PrefixSlot::from_bits(self.holder)
+    }
+    /// Makes the page owned by `req` (the caller sets the state).
+    #[inline(always)]
+    pub fn set_owner(&mut self, req: RequestId) {
+        self.holder = req.0;
+    }
+    /// Makes the page part of `prefix` (the caller sets the state).
+    #[inline(always)]
+    pub fn set_prefix(&mut self, prefix: PrefixSlot) {
+        self.holder = prefix.to_bits();
+    }
+}
+
 pub(crate) struct RequestRecord {
     pub tenant: TenantId,
     pub prompt_tokens: u64,
     pub max_new_tokens: u64,
     /// Pages this request owns exclusively; `tags[p].link` is the index here.
     pub pages: Vec<PageId>,
-    /// Prefix slots this request holds.
+    /// Prefixes this request holds.
     pub prefixes: HeldPrefixes,
     /// Set by an enforced violation; checked by every read. Atomic so readers can set it under
     /// the shared lock.
     pub quarantined: AtomicBool,
 }
 
-/// The prefix slots one request holds: a sorted list, so the read path's membership test is a
+/// The prefixes one request holds: a sorted list, so the read path's membership test is a
 /// binary search however many prefixes (one per cached block, in vLLM's style) a request holds.
 #[derive(Clone, Debug, Default)]
-pub(crate) struct HeldPrefixes(Vec<u32>);
+pub(crate) struct HeldPrefixes(Vec<PrefixSlot>);
 
 impl HeldPrefixes {
     #[inline]
-    pub fn contains(&self, slot: u32) -> bool {
+    pub fn contains(&self, slot: PrefixSlot) -> bool {
         match self.0.len() {
             0 => false,
             1..=8 => self.0.contains(&slot),
@@ -90,7 +146,7 @@ impl HeldPrefixes {
         }
     }
     /// Adds `slot`; false if it was already held.
-    pub fn insert(&mut self, slot: u32) -> bool {
+    pub fn insert(&mut self, slot: PrefixSlot) -> bool {
         match self.0.binary_search(&slot) {
             Ok(_) => false,
             Err(at) => {
@@ -100,7 +156,7 @@ impl HeldPrefixes {
         }
     }
     /// Drops `slot`; false if it was not held.
-    pub fn remove(&mut self, slot: u32) -> bool {
+    pub fn remove(&mut self, slot: PrefixSlot) -> bool {
         match self.0.binary_search(&slot) {
             Ok(at) => {
                 self.0.remove(at);
@@ -109,7 +165,7 @@ impl HeldPrefixes {
             Err(_) => false,
         }
     }
-    pub fn iter(&self) -> impl Iterator<Item = u32> + '_ {
+    pub fn iter(&self) -> impl Iterator<Item = PrefixSlot> + '_ {
         self.0.iter().copied()
     }
 }
@@ -123,56 +179,11 @@ pub(crate) struct PrefixRecord {
     pub holders: u32,
 }
 
-/// Hashes the table's integer ids (requests, pages, prefix keys): one multiply-xorshift round
-/// keyed per process from std's random state. SipHash cost more per request than a page's whole
-/// verification; the random key keeps crafted ids (a hostile trace, say) from lining up in one
-/// bucket chain.
-#[derive(Clone, Copy)]
-pub(crate) struct IdHash {
-    key: u64,
-}
-
-impl Default for IdHash {
-    fn default() -> Self {
-        static KEY: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-        let key = *KEY.get_or_init(|| {
-            use std::hash::BuildHasher;
-            std::collections::hash_map::RandomState::new().hash_one(0x006b_7667_7561_7264_u64) | 1
-        });
-        IdHash { key }
-    }
-}
-
-impl std::hash::BuildHasher for IdHash {
-    type Hasher = IdHasher;
-    fn build_hasher(&self) -> IdHasher {
-        IdHasher(self.key)
-    }
-}
-
-/// The hasher [`IdHash`] builds.
-pub(crate) struct IdHasher(u64);
-
-impl std::hash::Hasher for IdHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(u64::from(b));
-        }
-    }
-    #[inline]
-    fn write_u64(&mut self, n: u64) {
-        self.0 = (self.0 ^ n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    }
-    #[inline]
-    fn write_u32(&mut self, n: u32) {
-        self.write_u64(u64::from(n));
-    }
-    #[inline]
-    fn finish(&self) -> u64 {
-        let x = self.0;
-        (x ^ (x >> 31)).wrapping_mul(0xBF58_476D_1CE4_E5B9) ^ (x >> 29)
-    }
-}
+/// Hashes the table's integer ids (requests, pages, prefix keys): foldhash, seeded at random
+/// per map. SipHash cost more per request than a page's whole verification; foldhash's folded
+/// multiply mixes every input bit into the low bits a map picks buckets with, so ids crafted to
+/// collide (a hostile trace's, say) still spread.
+pub(crate) type IdHash = foldhash::fast::RandomState;
 
 /// A map keyed by one of the table's ids.
 pub(crate) type IdMap<K, V> = HashMap<K, V, IdHash>;
@@ -227,9 +238,8 @@ pub(crate) struct TableState {
     pub free: Vec<PageId>,
     pub requests: IdMap<RequestId, RequestRecord>,
     pub ended: RecentlyEnded,
-    pub prefixes: Vec<Option<PrefixRecord>>,
-    pub prefix_free_slots: Vec<u32>,
-    pub prefix_keys: IdMap<PrefixKey, u32>,
+    pub prefixes: SlotMap<PrefixSlot, PrefixRecord>,
+    pub prefix_keys: IdMap<PrefixKey, PrefixSlot>,
     pub sharing_tenants: HashSet<TenantId>,
     pub state_counts: [u64; PageState::COUNT],
     pub changed: Vec<PageId>,
@@ -269,7 +279,7 @@ impl TableState {
             let state = if reserved { PageState::Reserved } else { PageState::Free };
             state_counts[state as usize] += 1;
             tags.push(PageTag {
-                owner: RequestId(0),
+                holder: 0,
                 generation: Generation::FIRST.0,
                 written: 0,
                 link: 0,
@@ -296,8 +306,7 @@ impl TableState {
             free,
             requests: IdMap::default(),
             ended: RecentlyEnded::default(),
-            prefixes: Vec::new(),
-            prefix_free_slots: Vec::new(),
+            prefixes: SlotMap::with_key(),
             prefix_keys: IdMap::default(),
             sharing_tenants: HashSet::new(),
             state_counts,
@@ -352,7 +361,7 @@ impl TableState {
         let rec = self.requests.get_mut(&req).expect("callers check the request is admitted");
         let tag = &mut self.tags[page.0 as usize];
         debug_assert!(tag.written == 0 && !tag.sparse, "free pages carry no coverage");
-        tag.owner = req;
+        tag.set_owner(req);
         tag.link = rec.pages.len() as u32;
         rec.pages.push(page);
         self.set_state(page, PageState::Owned);
@@ -361,7 +370,7 @@ impl TableState {
     /// Removes an owned page from its owner's page list (the caller changes its state next).
     pub fn detach_from_owner(&mut self, page: PageId) {
         let tag = self.tags[page.0 as usize];
-        let rec = self.requests.get_mut(&tag.owner).expect("an owned page's owner is admitted");
+        let rec = self.requests.get_mut(&tag.owner()).expect("an owned page's owner is admitted");
         let idx = tag.link as usize;
         rec.pages.swap_remove(idx);
         if let Some(&moved) = rec.pages.get(idx) {
@@ -538,18 +547,10 @@ impl TableState {
     /// The tenant whose data a live page holds: its owner's, or its prefix's.
     pub fn page_tenant(&self, tag: &PageTag) -> Option<TenantId> {
         match tag.state {
-            PageState::Owned => self.requests.get(&tag.owner).map(|r| r.tenant),
-            PageState::Shared => Some(self.prefix(tag.link).tenant),
+            PageState::Owned => self.requests.get(&tag.owner()).map(|r| r.tenant),
+            PageState::Shared => self.prefixes.get(tag.prefix()).map(|p| p.tenant),
             _ => None,
         }
-    }
-
-    pub fn prefix(&self, slot: u32) -> &PrefixRecord {
-        self.prefixes[slot as usize].as_ref().expect("live prefix slots are Some")
-    }
-
-    pub fn prefix_mut(&mut self, slot: u32) -> &mut PrefixRecord {
-        self.prefixes[slot as usize].as_mut().expect("live prefix slots are Some")
     }
 
     pub fn take_changed(&mut self) -> Vec<PageId> {
@@ -573,6 +574,48 @@ impl TableState {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ids_differing_only_in_high_bits_spread_over_the_low_bits() {
+        // A hash map picks buckets with the low bits of the hash. Ids a hostile trace crafts to
+        // differ only above bit 47 must still land in many different buckets, or each insert
+        // probes a cluster as long as the map (131,072 such ids took seconds to admit).
+        use std::hash::BuildHasher;
+        let ids = 1u64 << 17;
+        let mask = (1u64 << 16) - 1;
+        let hasher = IdMap::<RequestId, ()>::default().hasher().clone();
+        let low: HashSet<u64> = (0..ids).map(|i| hasher.hash_one(RequestId(i << 47)) & mask).collect();
+        // Random hashes would fill about 87% of the 65,536 buckets; a quarter is generous.
+        assert!(low.len() as u64 > mask / 4, "{} of {} low-bit buckets used", low.len(), mask + 1);
+    }
+
+    #[test]
+    fn a_prefix_handle_kept_past_its_prefix_matches_nothing() {
+        let record =
+            || PrefixRecord { key: None, tenant: TenantId(1), publisher: RequestId(1), pages: vec![], holders: 1 };
+        let mut store: SlotMap<PrefixSlot, PrefixRecord> = SlotMap::with_key();
+        let old = store.insert(record());
+        let mut held = HeldPrefixes::default();
+        held.insert(old);
+        store.remove(old);
+        let new = store.insert(record()); // the same slot, a new version
+        assert_ne!(old, new);
+        assert!(store.get(old).is_none() && !held.contains(new));
+        // A page tag carries the handle whole.
+        let mut tag = PageTag {
+            holder: 0,
+            generation: 1,
+            written: 0,
+            link: 0,
+            state: PageState::Shared,
+            changed: false,
+            sparse: false,
+            pinned: false,
+        };
+        tag.set_prefix(new);
+        assert_eq!(tag.prefix(), new);
+        assert!(!held.contains(tag.prefix()));
+    }
 
     #[test]
     fn a_page_tag_is_24_bytes() {

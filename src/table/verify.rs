@@ -1,37 +1,10 @@
 //! Read verification: every page an attention read goes through is checked against its tag.
 
-use super::state::{PageState, RequestRecord, TableState};
-use crate::ids::{Generation, PageId, PageRef, RequestId};
+use super::info::PageState;
+use super::state::{BlockEntry, RequestRecord, TableState};
+use crate::ids::RequestId;
 use crate::violation::{Op, Violation, ViolationKind};
 use std::sync::atomic::Ordering;
-
-/// One block-table entry as the verifier sees it: a page, and maybe the incarnation it must be.
-pub(crate) trait BlockEntry: Copy {
-    fn page(self) -> PageId;
-    fn generation(self) -> Option<Generation>;
-}
-
-impl BlockEntry for PageId {
-    #[inline(always)]
-    fn page(self) -> PageId {
-        self
-    }
-    #[inline(always)]
-    fn generation(self) -> Option<Generation> {
-        None
-    }
-}
-
-impl BlockEntry for PageRef {
-    #[inline(always)]
-    fn page(self) -> PageId {
-        self.page
-    }
-    #[inline(always)]
-    fn generation(self) -> Option<Generation> {
-        Some(self.generation)
-    }
-}
 
 impl TableState {
     /// Checks that `req` may read its first `tokens` tokens through `block_table`.
@@ -75,8 +48,8 @@ impl TableState {
     ) -> Result<(), Violation> {
         if let Some(tag) = self.tags.get(entry.page().0 as usize) {
             let mine = match tag.state {
-                PageState::Owned => tag.owner == req,
-                PageState::Shared => rec.prefixes.contains(tag.link),
+                PageState::Owned => tag.owner() == req,
+                PageState::Shared => rec.prefixes.contains(tag.prefix()),
                 _ => false,
             };
             let current = entry.generation().is_none_or(|g| g.0 == tag.generation);
@@ -106,8 +79,8 @@ impl TableState {
         let kind = match tag.state {
             PageState::Reserved => ViolationKind::ReservedPage,
             PageState::Free | PageState::AwaitingScrub | PageState::Retired => ViolationKind::FreedPage,
-            PageState::Owned if tag.owner != req => ViolationKind::ForeignPage,
-            PageState::Shared if !rec.prefixes.contains(tag.link) => ViolationKind::ForeignPage,
+            PageState::Owned if tag.owner() != req => ViolationKind::ForeignPage,
+            PageState::Shared if !rec.prefixes.contains(tag.prefix()) => ViolationKind::ForeignPage,
             _ => match entry.generation() {
                 Some(g) if g.0 != tag.generation => {
                     return at(ViolationKind::StalePage).with_expected_generation(g);

@@ -292,7 +292,7 @@ impl Judge {
             })?;
             let new = table.insert(new);
             return Ok(too_small.map(|v| {
-                new.report(v.clone());
+                new.record_violation(v.clone());
                 found(v, tenants, keys)
             }));
         };
@@ -320,10 +320,12 @@ impl Judge {
             }
             Event::Alloc { req, pages } => verdict(t.claim(*req, pages).map(drop))?,
             Event::Write { req, page, slots: [a, b] } => verdict(t.record_write(*req, *page, *a..*b))?,
+            // The pure check, recorded here: replay returns every violation, where the judged
+            // `verify_read` lets one through under `Policy::Report`.
             Event::Read { req, pages, tokens } => match t.check_read(*req, pages, *tokens) {
                 Ok(()) => None,
                 Err(v) => {
-                    t.report(v.clone());
+                    t.record_violation(v.clone());
                     Some(v)
                 }
             },

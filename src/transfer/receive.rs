@@ -232,7 +232,7 @@ impl TransferError {
         }
     }
 
-    /// The refusal as a violation by `expected.request`, for [`OwnershipTable::report`].
+    /// The refusal as a violation by `expected.request`, for [`OwnershipTable::record_violation`].
     pub fn to_violation(&self, expected: &ExpectedTransfer<'_>) -> Violation {
         if let TransferError::NotHeld(v) = self {
             return v.clone();
@@ -351,7 +351,7 @@ impl Accepted {
 }
 
 /// The decode side of a transfer: checks, lands and records, against the receiver's ownership
-/// table; every refusal is [reported](OwnershipTable::report) to that table.
+/// table; every refusal is [recorded](OwnershipTable::record_violation) to that table.
 #[derive(Clone, Copy, Debug)]
 pub struct Receiver<'t> {
     table: &'t OwnershipTable,
@@ -414,7 +414,7 @@ impl<'t> Receiver<'t> {
         if let Err(e) = &outcome
             && !matches!(e, TransferError::Table(_) | TransferError::NotHeld(_))
         {
-            self.table.report(e.to_violation(expected));
+            self.table.record_violation(e.to_violation(expected));
         }
         outcome
     }

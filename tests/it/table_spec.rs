@@ -625,7 +625,9 @@ fn changed_pages_are_listed_once_until_taken() {
 fn external_violations_are_counted_and_quarantine_under_enforce() {
     let t = table();
     let a = written(&t, A, T1, 16);
-    t.report(kvguard::Violation::new(ViolationKind::TokenCountMismatch, kvguard::Op::Import).with_request(A, None));
+    t.record_violation(
+        kvguard::Violation::new(ViolationKind::TokenCountMismatch, kvguard::Op::Import).with_request(A, None),
+    );
     assert_eq!(t.counters().get(ViolationKind::TokenCountMismatch), 1);
     assert_eq!(kind(t.verify_read(A, &a, 16)), ViolationKind::Quarantined);
 }
@@ -855,4 +857,86 @@ fn a_ticket_ends_only_its_own_tables_pins() {
     assert_eq!(kind(y.claim(B, &[ry[0].page])), ViolationKind::PageNotFree, "y's transfer is still in flight");
     drop(ty);
     y.claim(B, &[ry[0].page]).unwrap();
+}
+
+// ---- pure and judged forms, ids and refs ----
+
+/// A's page `a[0]` released and claimed again by A: the ref A held before names an ended
+/// incarnation. Returns (the stale ref, the current refs of A's pages).
+fn stale_and_current(t: &OwnershipTable) -> (PageRef, Vec<PageRef>) {
+    let a = written(t, A, T1, 32);
+    let old = t.request_info(A).unwrap().owned_pages;
+    let stale = old.iter().find(|r| r.page == a[0]).copied().unwrap();
+    t.release_pages(A, &a[..1]).unwrap();
+    t.claim(A, &[a[0]]).unwrap();
+    let current = a.iter().map(|&p| PageRef { page: p, generation: t.page_info(p).unwrap().generation }).collect();
+    (stale, current)
+}
+
+#[test]
+fn check_forms_are_pure_and_verify_forms_are_judged_under_either_policy() {
+    for policy in [Policy::Enforce, Policy::Report] {
+        let t = OwnershipTable::new(pool().with_policy(policy)).unwrap();
+        let a = written(&t, A, T1, 16);
+        t.admit(B, T2, 16, 0).unwrap();
+        let step = [SeqRead { request: B, block_table: &a, tokens: 16 }];
+        // Pure: the verdict, and nothing counted, logged or quarantined.
+        assert_eq!(t.check_read(B, &a, 16).unwrap_err().kind(), ViolationKind::ForeignPage);
+        assert_eq!(t.check_step(&step).refused.len(), 1);
+        assert_eq!(t.counters().total(), 0);
+        assert!(!t.request_info(B).unwrap().quarantined);
+        // Judged: counted and logged; enforce refuses and quarantines, report lets it through.
+        let read = t.verify_read(B, &a, 16);
+        assert_eq!(read.is_err(), policy == Policy::Enforce);
+        assert_eq!(t.counters().total(), 1);
+        assert_eq!(t.drain_violations().len(), 1);
+        assert_eq!(t.request_info(B).unwrap().quarantined, policy == Policy::Enforce);
+        assert_eq!(t.verify_step(&step).refused.len(), 1);
+        assert_eq!(t.counters().total(), 2);
+    }
+}
+
+#[test]
+fn every_block_table_method_has_a_refs_form_that_refuses_a_stale_ref() {
+    // Report: the refused calls below do not quarantine A, so the clean ones after them run.
+    let t = OwnershipTable::new(pool().with_policy(Policy::Report)).unwrap();
+    let (stale, current) = stale_and_current(&t);
+    let stale_kind = |r: Result<(), kvguard::Violation>| r.unwrap_err().kind();
+    assert_eq!(stale_kind(t.check_read_refs(A, &[stale], 1)), ViolationKind::StalePage);
+    t.verify_read_refs(A, &[stale], 1).unwrap(); // judged under report: counted, let through
+    assert_eq!(t.drain_violations()[0].kind(), ViolationKind::StalePage);
+    let step = [SeqRead { request: A, block_table: &current[1..], tokens: 16 }];
+    assert!(t.check_step_refs(&step).is_clean());
+    assert!(t.verify_step_refs(&step).is_clean());
+    let step = [SeqRead { request: A, block_table: &[stale][..], tokens: 1 }];
+    assert_eq!(t.check_step_refs(&step).refused[0].1.kind(), ViolationKind::StalePage);
+    assert_eq!(kind(t.record_write_tokens_refs(A, &[stale], 0..1)), ViolationKind::StalePage);
+    assert_eq!(kind(t.record_import_refs(A, &[stale], 1, 1)), ViolationKind::StalePage);
+    assert_eq!(kind(t.release_pages_refs(A, &[stale])), ViolationKind::StalePage);
+    assert_eq!(kind(t.publish_prefix_refs(A, KEY, &[stale])), ViolationKind::StalePage);
+    // Current refs go through, and each refused call above changed nothing.
+    t.record_write_tokens_refs(A, &current, 0..32).unwrap();
+    t.check_read_refs(A, &current, 32).unwrap();
+    t.publish_prefix_refs(A, KEY, &current[1..]).unwrap();
+    assert_eq!(t.page_info(current[1].page).unwrap().state, PageState::Shared);
+    assert_eq!(t.release_pages_refs(A, &current[..1]).unwrap().ended, 1);
+}
+
+#[test]
+fn a_prefix_slot_reused_by_a_new_prefix_is_not_the_old_one() {
+    // A's fork prefix ends with its holders; C's new prefix takes the same slot. B, who held
+    // the old one, must not read C's pages through it.
+    let t = table();
+    let a = written(&t, A, T1, 16);
+    t.fork(A, B).unwrap();
+    t.release(A).unwrap();
+    t.release(B).unwrap();
+    let c = written(&t, C, T1, 16);
+    t.publish_prefix(C, KEY, &c).unwrap();
+    t.admit(B, T1, 16, 0).unwrap();
+    assert_eq!(t.check_read(B, &c, 16).unwrap_err().kind(), ViolationKind::ForeignPage);
+    assert_eq!(t.check_read(B, &a, 16).unwrap_err().kind(), ViolationKind::ForeignPage);
+    let info = t.page_info(c[0]).unwrap();
+    assert_eq!((info.owner, info.prefix, info.tenant), (Some(C), Some(KEY), Some(T1)));
+    assert_eq!(t.snapshot().prefixes, 1);
 }

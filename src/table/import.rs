@@ -1,0 +1,141 @@
+//! KV transfers landing in the table: what a transfer wrote ([`OwnershipTable::record_import`])
+//! and the transfer in flight, its pages pinned until its ticket ends ([`ImportTicket`]).
+
+use super::ownership::OwnershipTable;
+use super::state::{BlockEntry, TableState};
+use crate::error::Error;
+use crate::ids::{PageId, PageRef, RequestId};
+use crate::violation::{Op, ViolationKind};
+
+impl OwnershipTable {
+    /// Records a KV transfer that wrote `tokens` tokens into `req`'s pages from the first slot of
+    /// the first page, when `req` expected `expected` tokens. A count that differs is
+    /// [`ViolationKind::TokenCountMismatch`] and nothing is recorded as written.
+    pub fn record_import(
+        &self,
+        req: RequestId,
+        block_table: &[PageId],
+        tokens: u64,
+        expected: u64,
+    ) -> Result<(), Error> {
+        self.mutate(|state| import(state, req, block_table, tokens, expected))
+    }
+
+    /// [`record_import`](Self::record_import) through page refs: a transfer landing after its
+    /// pages were released (and maybe reused) is [`ViolationKind::StalePage`] or
+    /// [`ViolationKind::ForeignPage`], and nothing is recorded.
+    pub fn record_import_refs(
+        &self,
+        req: RequestId,
+        block_table: &[PageRef],
+        tokens: u64,
+        expected: u64,
+    ) -> Result<(), Error> {
+        self.mutate(|state| import(state, req, block_table, tokens, expected))
+    }
+
+    /// Starts a KV transfer into `refs`: each must be `req`'s own page in exactly that
+    /// incarnation, and not already receiving another transfer
+    /// ([`ViolationKind::ImportInFlight`]). The pages are *pinned* while the returned ticket
+    /// lives: if `req` releases them before the transfer is over, they still leave `req`, but
+    /// stay out of the free list (and cannot be confirmed scrubbed) until the ticket is finished,
+    /// aborted or dropped, so bytes still landing can never reach a next owner. Call it before
+    /// any byte lands.
+    ///
+    /// ```
+    /// use kvguard::{OwnershipTable, PoolConfig, RequestId, TenantId, ViolationKind};
+    /// let table = OwnershipTable::new(PoolConfig::new(8, 16, 64))?;
+    /// table.admit(RequestId(1), TenantId(1), 20, 0)?;
+    /// let refs = table.allocate(RequestId(1), 2)?;
+    /// let ticket = table.begin_import(RequestId(1), &refs)?;
+    /// // ... the transfer's bytes land in the pages, its manifest is checked ...
+    /// ticket.finish(20, 20)?;
+    /// let pages: Vec<_> = refs.iter().map(|r| r.page).collect();
+    /// table.verify_read(RequestId(1), &pages, 20)?;
+    /// # Ok::<(), kvguard::Error>(())
+    /// ```
+    pub fn begin_import(&self, req: RequestId, refs: &[PageRef]) -> Result<ImportTicket<'_>, Error> {
+        let id = self.mutate(|state| state.pin(req, refs))?;
+        Ok(ImportTicket { table: self, id, request: req, refs: refs.to_vec(), ended: false })
+    }
+}
+
+/// A KV transfer in flight, from [`OwnershipTable::begin_import`]: while it lives, its pages are
+/// pinned. End it with [`finish`](Self::finish) (record what landed) or [`abort`](Self::abort);
+/// dropping it aborts. It borrows its table and cannot be copied, so a transfer ends exactly
+/// once, and only its own pins.
+#[must_use = "dropping the ticket aborts the transfer"]
+pub struct ImportTicket<'t> {
+    table: &'t OwnershipTable,
+    id: u64,
+    request: RequestId,
+    refs: Vec<PageRef>,
+    ended: bool,
+}
+
+impl ImportTicket<'_> {
+    /// The receiving request.
+    pub fn request(&self) -> RequestId {
+        self.request
+    }
+
+    /// The pages the transfer lands in.
+    pub fn pages(&self) -> &[PageRef] {
+        &self.refs
+    }
+
+    /// Records `tokens` tokens as written by the request's current incarnation exactly as
+    /// [`record_import_refs`](OwnershipTable::record_import_refs) does (a count that differs from
+    /// `expected`, or pages that changed hands meanwhile, record nothing), and unpins the pages
+    /// whatever the outcome, in the same critical section.
+    pub fn finish(mut self, tokens: u64, expected: u64) -> Result<(), Error> {
+        self.ended = true;
+        let (id, request, refs) = (self.id, self.request, std::mem::take(&mut self.refs));
+        self.table.mutate(|state| {
+            let outcome = import(state, request, &refs, tokens, expected);
+            state.unpin(id, &refs);
+            outcome
+        })
+    }
+
+    /// Abandons the transfer (its manifest was refused, say): nothing is recorded, and the pages
+    /// are unpinned.
+    pub fn abort(mut self) {
+        self.end();
+    }
+
+    fn end(&mut self) {
+        if !std::mem::replace(&mut self.ended, true) {
+            self.table.state.write().unpin(self.id, &self.refs);
+        }
+    }
+}
+
+impl std::fmt::Debug for ImportTicket<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ImportTicket").field("request", &self.request).field("pages", &self.refs).finish()
+    }
+}
+
+impl Drop for ImportTicket<'_> {
+    fn drop(&mut self) {
+        self.end();
+    }
+}
+
+/// A transfer's tokens, recorded as written from the first slot of the first page if the count
+/// is the one expected.
+fn import<E: BlockEntry>(
+    state: &mut TableState,
+    req: RequestId,
+    block_table: &[E],
+    tokens: u64,
+    expected: u64,
+) -> Result<(), Error> {
+    if tokens != expected {
+        state.record(Op::Import, req)?;
+        let v = state.violation(ViolationKind::TokenCountMismatch, Op::Import, req).with_amounts(tokens, expected);
+        return Err(v.into());
+    }
+    state.record_write_tokens(Op::Import, req, block_table, 0..tokens)
+}

@@ -1,0 +1,475 @@
+//! [`OwnershipTable`]: the table's data behind a lock, each call judged under the pool's policy.
+
+use super::info::{PageInfo, PageState, PoolSnapshot, Released, RequestInfo};
+use super::state::{BlockEntry, PageTag, TableState};
+use super::step::{SeqRead, StepVerdict};
+use crate::config::PoolConfig;
+use crate::error::Error;
+use crate::ids::{Generation, PageId, PageRef, PrefixKey, RequestId, TenantId};
+use crate::violation::{Op, Policy, Violation, ViolationCounters};
+use parking_lot::{Mutex, RwLock};
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// The most violations kept for [`OwnershipTable::drain_violations`]; older ones are dropped and
+/// counted in [`PoolSnapshot::violations_dropped`].
+pub const VIOLATION_LOG_CAPACITY: usize = 1024;
+
+/// The host-side ownership table of one KV pool.
+///
+/// ```
+/// use kvguard::{OwnershipTable, PoolConfig, PageId, RequestId, TenantId, ViolationKind};
+///
+/// let table = OwnershipTable::new(PoolConfig::new(1024, 16, 4096).with_reserved([PageId(0)]))?;
+/// let (alice, bob) = (RequestId(1), RequestId(2));
+/// table.admit(alice, TenantId(10), 40, 100)?;
+/// table.admit(bob, TenantId(20), 40, 100)?;
+///
+/// // Allocator mode: kvguard picks alice's pages; her prefill writes 40 tokens.
+/// let refs = table.allocate(alice, 3)?;
+/// let block_table: Vec<PageId> = refs.iter().map(|r| r.page).collect();
+/// table.record_write_tokens(alice, &block_table, 0..40)?;
+/// table.verify_read(alice, &block_table, 40)?;
+///
+/// // Bob's block table pointing at alice's pages is refused, and bob is quarantined.
+/// let err = table.verify_read(bob, &block_table, 16).unwrap_err();
+/// assert_eq!(err.violation_kind(), Some(ViolationKind::ForeignPage));
+///
+/// // Alice reading past what she wrote is refused too: those slots hold someone else's KV.
+/// let err = table.verify_read(alice, &block_table, 48).unwrap_err();
+/// assert_eq!(err.violation_kind(), Some(ViolationKind::UnwrittenSlots));
+/// # Ok::<(), kvguard::Error>(())
+/// ```
+pub struct OwnershipTable {
+    config: PoolConfig,
+    pub(super) state: RwLock<TableState>,
+    counters: ViolationCounters,
+    log: Mutex<VecDeque<Violation>>,
+    log_dropped: AtomicU64,
+}
+
+impl OwnershipTable {
+    /// A table for `config`, after the start-up [audit](PoolConfig::audit): a pool that cannot
+    /// hold one max-context request is refused.
+    pub fn new(config: PoolConfig) -> Result<OwnershipTable, Error> {
+        config.audit()?;
+        Self::new_unaudited(config)
+    }
+
+    /// A table for `config` without the capacity audit (it is still [validated](PoolConfig::validate)):
+    /// for replaying what a mis-sized deployment did, where admission then refuses what cannot fit.
+    pub fn new_unaudited(mut config: PoolConfig) -> Result<OwnershipTable, Error> {
+        config.reserved.sort_unstable();
+        config.reserved.dedup();
+        config.validate()?;
+        let state = TableState::new(&config)?;
+        Ok(OwnershipTable {
+            config,
+            state: RwLock::new(state),
+            counters: ViolationCounters::default(),
+            log: Mutex::new(VecDeque::new()),
+            log_dropped: AtomicU64::new(0),
+        })
+    }
+
+    /// The pool configuration.
+    pub fn config(&self) -> &PoolConfig {
+        &self.config
+    }
+
+    /// Token slots per page.
+    pub fn page_size(&self) -> u32 {
+        self.config.page_size
+    }
+
+    /// Counts and logs a violation found outside the table (a transfer, a device check, a
+    /// [`check_read`](Self::check_read) the caller acts on), and under [`Policy::Enforce`]
+    /// quarantines the request it names.
+    pub fn record_violation(&self, violation: Violation) {
+        let state = self.state.read();
+        self.note(&state, &violation);
+    }
+
+    fn note(&self, state: &TableState, v: &Violation) {
+        self.counters.record(v.kind());
+        {
+            let mut log = self.log.lock();
+            if log.len() == VIOLATION_LOG_CAPACITY {
+                log.pop_front();
+                self.log_dropped.fetch_add(1, Ordering::Relaxed);
+            }
+            log.push_back(v.clone());
+        }
+        if self.config.policy == Policy::Enforce
+            && let Some(rec) = v.request().and_then(|r| state.requests.get(&r))
+        {
+            rec.quarantined.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Runs one mutation under the write lock and judges its outcome there: a violation is
+    /// counted, logged and (enforce) quarantines its request; the mutation is refused either way.
+    #[inline]
+    pub(super) fn mutate<T>(&self, f: impl FnOnce(&mut TableState) -> Result<T, Error>) -> Result<T, Error> {
+        let mut state = self.state.write();
+        let outcome = f(&mut state);
+        if let Err(Error::Violation(v)) = &outcome {
+            self.note(&state, v);
+        }
+        outcome
+    }
+
+    /// Checks a read under the read lock and judges it: a violation is counted, logged and
+    /// refused with its request quarantined (enforce), or counted, logged and let through
+    /// (report).
+    #[inline]
+    fn verify<E: BlockEntry>(&self, req: RequestId, block_table: &[E], tokens: u64) -> Result<(), Error> {
+        let state = self.state.read();
+        match state.check_read(req, block_table, tokens) {
+            Ok(()) => Ok(()),
+            Err(v) => {
+                self.note(&state, &v);
+                match self.config.policy {
+                    Policy::Enforce => Err(v.into()),
+                    Policy::Report => Ok(()),
+                }
+            }
+        }
+    }
+
+    /// Checks every read of a decode step under one read lock; `judged`: each violation is also
+    /// counted, logged and (enforce) quarantines its request.
+    fn step<E: BlockEntry>(&self, reads: &[SeqRead<'_, E>], judged: bool) -> StepVerdict {
+        let state = self.state.read();
+        let mut verdict = StepVerdict::default();
+        for (i, read) in reads.iter().enumerate() {
+            if let Err(v) = state.check_read(read.request, read.block_table, read.tokens) {
+                if judged {
+                    self.note(&state, &v);
+                }
+                verdict.refused.push((i, v));
+            }
+        }
+        verdict
+    }
+
+    /// Admits a request of `prompt_tokens` that may generate `max_new_tokens`.
+    ///
+    /// Refused before any page is touched — never truncated, never substituted — when the total
+    /// exceeds the max context ([`ViolationKind::ExceedsMaxContext`]) or needs more pages than the
+    /// pool can ever give ([`ViolationKind::ExceedsPool`]); a live id is
+    /// [`ViolationKind::DuplicateRequest`] (and under enforce the live request is quarantined: two
+    /// requests under one id cannot be told apart).
+    ///
+    /// [`ViolationKind::ExceedsMaxContext`]: crate::ViolationKind::ExceedsMaxContext
+    /// [`ViolationKind::ExceedsPool`]: crate::ViolationKind::ExceedsPool
+    /// [`ViolationKind::DuplicateRequest`]: crate::ViolationKind::DuplicateRequest
+    pub fn admit(
+        &self,
+        req: RequestId,
+        tenant: TenantId,
+        prompt_tokens: u64,
+        max_new_tokens: u64,
+    ) -> Result<(), Error> {
+        self.mutate(|state| state.admit(req, tenant, prompt_tokens, max_new_tokens))
+    }
+
+    /// Allocator mode: hands `n` free pages to `req`, appended to its pages, or none at all with
+    /// [`Error::OutOfPages`].
+    pub fn allocate(&self, req: RequestId, n: u32) -> Result<Vec<PageRef>, Error> {
+        let mut out = Vec::new();
+        self.allocate_into(req, n, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`allocate`](Self::allocate) into a caller's buffer (appends; no allocation when it has room).
+    pub fn allocate_into(&self, req: RequestId, n: u32, out: &mut Vec<PageRef>) -> Result<(), Error> {
+        self.mutate(|state| state.allocate_into(req, n, out))
+    }
+
+    /// Shadow mode: the engine's allocator gave `pages` to `req`. All must be free (else
+    /// [`ViolationKind::PageNotFree`], [`ViolationKind::ReservedPage`] or
+    /// [`ViolationKind::PageOutOfRange`]), and then all are claimed; otherwise none is.
+    ///
+    /// [`ViolationKind::PageNotFree`]: crate::ViolationKind::PageNotFree
+    /// [`ViolationKind::ReservedPage`]: crate::ViolationKind::ReservedPage
+    /// [`ViolationKind::PageOutOfRange`]: crate::ViolationKind::PageOutOfRange
+    pub fn claim(&self, req: RequestId, pages: &[PageId]) -> Result<Vec<PageRef>, Error> {
+        self.mutate(|state| state.claim(req, pages))
+    }
+
+    /// Records that `req`'s KV store wrote `slots` of `page`, which it must own exclusively.
+    pub fn record_write(&self, req: RequestId, page: PageId, slots: Range<u32>) -> Result<(), Error> {
+        self.mutate(|state| state.record_write(req, page, slots))
+    }
+
+    /// Records that `req` wrote tokens `tokens` of its sequence through `block_table` (token `t`
+    /// lives in block `t / page_size`, slot `t % page_size`). Every page must be `req`'s own;
+    /// otherwise nothing is recorded.
+    pub fn record_write_tokens(&self, req: RequestId, block_table: &[PageId], tokens: Range<u64>) -> Result<(), Error> {
+        self.mutate(|state| state.record_write_tokens(Op::Write, req, block_table, tokens))
+    }
+
+    /// [`record_write_tokens`](Self::record_write_tokens) through page refs: each page written
+    /// must also still be in the incarnation the ref names ([`ViolationKind::StalePage`]).
+    ///
+    /// [`ViolationKind::StalePage`]: crate::ViolationKind::StalePage
+    pub fn record_write_tokens_refs(
+        &self,
+        req: RequestId,
+        block_table: &[PageRef],
+        tokens: Range<u64>,
+    ) -> Result<(), Error> {
+        self.mutate(|state| state.record_write_tokens(Op::Write, req, block_table, tokens))
+    }
+
+    /// Whether `req` may read its first `tokens` tokens through `block_table`: every page is its
+    /// own (or a prefix it holds) and every slot read was written by the page's current
+    /// incarnation. Pure: counts, logs and quarantines nothing, whatever the policy (see
+    /// [`verify_read`](Self::verify_read) for the judged form).
+    pub fn check_read(&self, req: RequestId, block_table: &[PageId], tokens: u64) -> Result<(), Violation> {
+        self.state.read().check_read(req, block_table, tokens)
+    }
+
+    /// [`check_read`](Self::check_read) through page refs: each page must also still be in the
+    /// incarnation the ref names ([`ViolationKind::StalePage`]).
+    ///
+    /// [`ViolationKind::StalePage`]: crate::ViolationKind::StalePage
+    pub fn check_read_refs(&self, req: RequestId, block_table: &[PageRef], tokens: u64) -> Result<(), Violation> {
+        self.state.read().check_read(req, block_table, tokens)
+    }
+
+    /// [`check_read`](Self::check_read), judged: a violation is counted and logged; under
+    /// enforce it is returned and `req` quarantined, under report the read goes on (`Ok`).
+    pub fn verify_read(&self, req: RequestId, block_table: &[PageId], tokens: u64) -> Result<(), Error> {
+        self.verify(req, block_table, tokens)
+    }
+
+    /// [`verify_read`](Self::verify_read) through page refs: each page must also still be in the
+    /// incarnation the ref names ([`ViolationKind::StalePage`]).
+    ///
+    /// [`ViolationKind::StalePage`]: crate::ViolationKind::StalePage
+    pub fn verify_read_refs(&self, req: RequestId, block_table: &[PageRef], tokens: u64) -> Result<(), Error> {
+        self.verify(req, block_table, tokens)
+    }
+
+    /// [`check_read`](Self::check_read) for a whole decode step under one read lock: the verdict
+    /// lists every refused sequence. Pure: counts, logs and quarantines nothing.
+    pub fn check_step(&self, reads: &[SeqRead<'_>]) -> StepVerdict {
+        self.step(reads, false)
+    }
+
+    /// [`check_step`](Self::check_step) through page refs.
+    pub fn check_step_refs(&self, reads: &[SeqRead<'_, PageRef>]) -> StepVerdict {
+        self.step(reads, false)
+    }
+
+    /// [`check_step`](Self::check_step), judged: every refused sequence is counted, logged and
+    /// (enforce) quarantined. Under report the verdict lists them too, but nothing is refused in
+    /// the engine's name — it decides.
+    pub fn verify_step(&self, reads: &[SeqRead<'_>]) -> StepVerdict {
+        self.step(reads, true)
+    }
+
+    /// [`verify_step`](Self::verify_step) through page refs.
+    pub fn verify_step_refs(&self, reads: &[SeqRead<'_, PageRef>]) -> StepVerdict {
+        self.step(reads, true)
+    }
+
+    /// Ends `req`: all its pages are released (generation bumped), its prefix holds dropped, and
+    /// its quarantine lifted. Releasing it again is [`ViolationKind::DoubleFree`] (for the last
+    /// 65,536 ended requests; older ids read as [`ViolationKind::UnknownRequest`]).
+    ///
+    /// [`ViolationKind::DoubleFree`]: crate::ViolationKind::DoubleFree
+    /// [`ViolationKind::UnknownRequest`]: crate::ViolationKind::UnknownRequest
+    pub fn release(&self, req: RequestId) -> Result<Released, Error> {
+        self.mutate(|state| state.release(req))
+    }
+
+    /// Releases some of `req`'s pages (sliding window, partial eviction); all or none.
+    pub fn release_pages(&self, req: RequestId, pages: &[PageId]) -> Result<Released, Error> {
+        self.mutate(|state| state.release_pages(req, pages))
+    }
+
+    /// [`release_pages`](Self::release_pages) through page refs: each page must also still be in
+    /// the incarnation the ref names ([`ViolationKind::StalePage`]).
+    ///
+    /// [`ViolationKind::StalePage`]: crate::ViolationKind::StalePage
+    pub fn release_pages_refs(&self, req: RequestId, pages: &[PageRef]) -> Result<Released, Error> {
+        let ids: Vec<PageId> = pages.iter().map(|r| r.page).collect();
+        self.mutate(|state| {
+            state.record(Op::Release, req)?;
+            state.check_entries_owned(Op::Release, req, pages)?;
+            state.release_pages(req, &ids)
+        })
+    }
+
+    /// Preemption: releases all of `req`'s pages and prefix holds but keeps it admitted, so the
+    /// engine can allocate again and recompute. A quarantine stays until the request is released.
+    pub fn preempt(&self, req: RequestId) -> Result<Released, Error> {
+        self.mutate(|state| state.preempt(req))
+    }
+
+    /// With `scrub_on_release`: the engine poisoned or zeroed these released pages; they return
+    /// to the free list. Each must be awaiting a scrub in exactly the incarnation released.
+    pub fn confirm_scrubbed(&self, pages: &[PageRef]) -> Result<(), Error> {
+        self.mutate(|state| state.confirm_scrubbed(pages))
+    }
+
+    /// Publishes `pages` of `req` (all its own) as the read-only prefix `key`; `req` holds it.
+    pub fn publish_prefix(&self, req: RequestId, key: PrefixKey, pages: &[PageId]) -> Result<(), Error> {
+        self.mutate(|state| state.publish(req, key, pages))
+    }
+
+    /// [`publish_prefix`](Self::publish_prefix) through page refs: each page must also still be
+    /// in the incarnation the ref names ([`ViolationKind::StalePage`]).
+    ///
+    /// [`ViolationKind::StalePage`]: crate::ViolationKind::StalePage
+    pub fn publish_prefix_refs(&self, req: RequestId, key: PrefixKey, pages: &[PageRef]) -> Result<(), Error> {
+        let ids: Vec<PageId> = pages.iter().map(|r| r.page).collect();
+        self.mutate(|state| {
+            state.record(Op::Publish, req)?;
+            state.check_entries_owned(Op::Publish, req, pages)?;
+            state.publish(req, key, &ids)
+        })
+    }
+
+    /// `req` holds prefix `key` and may read its pages (returned in published order). Another
+    /// tenant's prefix is [`ViolationKind::CrossTenantShare`] unless that tenant
+    /// [allows sharing](Self::allow_cross_tenant_sharing).
+    ///
+    /// [`ViolationKind::CrossTenantShare`]: crate::ViolationKind::CrossTenantShare
+    pub fn attach_prefix(&self, req: RequestId, key: PrefixKey) -> Result<Vec<PageRef>, Error> {
+        self.mutate(|state| state.attach(req, key))
+    }
+
+    /// `req` lets go of prefix `key`.
+    pub fn detach_prefix(&self, req: RequestId, key: PrefixKey) -> Result<Released, Error> {
+        self.mutate(|state| state.detach(req, key))
+    }
+
+    /// The cache drops prefix `key`; its pages are released. Refused with
+    /// [`ViolationKind::EvictInUse`] while any request holds it.
+    ///
+    /// [`ViolationKind::EvictInUse`]: crate::ViolationKind::EvictInUse
+    pub fn evict_prefix(&self, key: PrefixKey) -> Result<Released, Error> {
+        self.mutate(|state| state.evict(key))
+    }
+
+    /// Lets other tenants attach to `tenant`'s prefixes (off by default).
+    pub fn allow_cross_tenant_sharing(&self, tenant: TenantId, allow: bool) {
+        let mut state = self.state.write();
+        if allow {
+            state.sharing_tenants.insert(tenant);
+        } else {
+            state.sharing_tenants.remove(&tenant);
+        }
+    }
+
+    /// Parallel sampling: `child` is admitted for the same tenant holding `parent`'s pages
+    /// read-only (they become shared; writes to them are refused, copy-on-write is the engine's
+    /// move). The pages stay allocated until both have released them.
+    ///
+    /// A quarantined parent cannot fork ([`ViolationKind::Quarantined`]). A `child` id that is
+    /// already live is [`ViolationKind::DuplicateRequest`] charged to the parent, whose call it
+    /// was; unlike a duplicate [`admit`](Self::admit), the live request keeps running, since
+    /// nothing was admitted under its id.
+    ///
+    /// [`ViolationKind::Quarantined`]: crate::ViolationKind::Quarantined
+    /// [`ViolationKind::DuplicateRequest`]: crate::ViolationKind::DuplicateRequest
+    pub fn fork(&self, parent: RequestId, child: RequestId) -> Result<(), Error> {
+        self.mutate(|state| state.fork(parent, child))
+    }
+
+    /// Page counts by state and other totals.
+    pub fn snapshot(&self) -> PoolSnapshot {
+        let state = self.state.read();
+        let c = &state.state_counts;
+        PoolSnapshot {
+            total_pages: u64::from(self.config.num_pages),
+            free: c[PageState::Free as usize],
+            owned: c[PageState::Owned as usize],
+            shared: c[PageState::Shared as usize],
+            reserved: c[PageState::Reserved as usize],
+            retired: c[PageState::Retired as usize],
+            awaiting_scrub: c[PageState::AwaitingScrub as usize],
+            requests: state.requests.len() as u64,
+            quarantined: state.requests.values().filter(|r| r.quarantined.load(Ordering::Relaxed)).count() as u64,
+            prefixes: state.prefixes.len() as u64,
+            violations: self.counters.total(),
+            violations_dropped: self.log_dropped.load(Ordering::Relaxed),
+            in_flight: state
+                .pins
+                .keys()
+                .filter(|p| matches!(state.tags[p.0 as usize].state, PageState::Free | PageState::AwaitingScrub))
+                .count() as u64,
+        }
+    }
+
+    /// What the table knows of `page`, or `None` beyond the pool.
+    pub fn page_info(&self, page: PageId) -> Option<PageInfo> {
+        let state = self.state.read();
+        Some(page_info(&state, page, state.tag(page)?))
+    }
+
+    /// What the table knows of `req`, or `None` if it is not admitted.
+    pub fn request_info(&self, req: RequestId) -> Option<RequestInfo> {
+        let state = self.state.read();
+        let rec = state.requests.get(&req)?;
+        Some(RequestInfo {
+            tenant: rec.tenant,
+            prompt_tokens: rec.prompt_tokens,
+            max_new_tokens: rec.max_new_tokens,
+            owned_pages: rec.pages.iter().map(|&p| state.page_ref(p)).collect(),
+            prefixes: rec.prefixes.iter().filter_map(|s| state.prefixes.get(s)?.key).collect(),
+            quarantined: rec.quarantined.load(Ordering::Relaxed),
+        })
+    }
+
+    /// The pages whose tags changed since the last call, with their tags now: what a device
+    /// mirror must copy (each page listed once however often it changed).
+    ///
+    /// Changes are tracked only once a mirror asks: the first call returns every page of the
+    /// pool (the mirror has none yet), and a table nobody mirrors never pays for the list.
+    pub fn take_changed_pages(&self) -> Vec<(PageId, PageInfo)> {
+        let mut state = self.state.write();
+        let changed = state.take_changed();
+        changed.into_iter().map(|p| (p, page_info(&state, p, &state.tags[p.0 as usize]))).collect()
+    }
+
+    /// Violation counts per kind.
+    pub fn counters(&self) -> &ViolationCounters {
+        &self.counters
+    }
+
+    /// Takes the logged violations, oldest first (at most [`VIOLATION_LOG_CAPACITY`]).
+    pub fn drain_violations(&self) -> Vec<Violation> {
+        self.log.lock().drain(..).collect()
+    }
+}
+
+fn page_info(state: &TableState, page: PageId, tag: &PageTag) -> PageInfo {
+    let prefix = match tag.state {
+        PageState::Shared => state.prefixes.get(tag.prefix()),
+        _ => None,
+    };
+    PageInfo {
+        state: tag.state,
+        generation: Generation(tag.generation),
+        owner: match tag.state {
+            PageState::Owned => Some(tag.owner()),
+            _ => prefix.map(|p| p.publisher),
+        },
+        tenant: state.page_tenant(tag),
+        prefix: prefix.and_then(|p| p.key),
+        written_prefix: tag.written,
+        written_slots: state.written_slots(page),
+    }
+}
+
+impl std::fmt::Debug for OwnershipTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OwnershipTable").field("config", &self.config).field("snapshot", &self.snapshot()).finish()
+    }
+}

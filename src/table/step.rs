@@ -1,0 +1,36 @@
+//! A decode step: the reads of all its sequences, and the verdict on them.
+
+use crate::ids::{PageId, RequestId};
+use crate::violation::Violation;
+
+/// One sequence of a decode step: a request, its block table and how many tokens attention reads.
+///
+/// The block table holds page ids (`SeqRead<'_>`, for
+/// [`check_step`](crate::OwnershipTable::check_step) and
+/// [`verify_step`](crate::OwnershipTable::verify_step)) or page refs (`SeqRead<'_, PageRef>`, for
+/// the `_refs` forms, which also refuse a page no longer in the incarnation named).
+///
+/// [`PageRef`]: crate::PageRef
+#[derive(Clone, Copy, Debug)]
+pub struct SeqRead<'a, E = PageId> {
+    /// The reading request.
+    pub request: RequestId,
+    /// Its block table (in token order; entries past `tokens` are not read).
+    pub block_table: &'a [E],
+    /// Tokens read: `0..tokens`.
+    pub tokens: u64,
+}
+
+/// The verdict on a decode step: which sequences may not run attention.
+#[derive(Debug, Default)]
+pub struct StepVerdict {
+    /// `(index into the step, violation)` for every refused sequence, in step order.
+    pub refused: Vec<(usize, Violation)>,
+}
+
+impl StepVerdict {
+    /// No sequence was refused.
+    pub fn is_clean(&self) -> bool {
+        self.refused.is_empty()
+    }
+}
