@@ -63,7 +63,7 @@ fn trace(events: usize) -> (String, usize) {
                 live.swap_remove(i);
                 continue;
             }
-            if s.len % PAGE_SIZE == 0 {
+            if s.len.is_multiple_of(PAGE_SIZE) {
                 let page = free.pop().expect("the pool outlasts 32 requests");
                 let _ = writeln!(out, "{{\"ev\":\"alloc\",\"req\":{},\"pages\":[{page}]}}", s.req);
                 s.pages.push(page);

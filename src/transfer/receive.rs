@@ -378,7 +378,7 @@ impl<'t> Receiver<'t> {
     /// records nothing, so a later owner of those pages starts a new incarnation with no slot
     /// written and cannot read the bytes that landed.
     ///
-    /// Every refusal records no coverage and is reported to (or counted by) the table. Refusals
+    /// Every refusal records no coverage and is recorded in (or counted by) the table. Refusals
     /// before `land` land nothing; only the final record can be refused after the bytes landed.
     pub fn accept<P: AsRef<[u8]>>(
         &self,
@@ -389,8 +389,8 @@ impl<'t> Receiver<'t> {
     ) -> Result<Accepted, TransferError> {
         let outcome = Manifest::decode(manifest_bytes)
             .map_err(TransferError::from)
-            .and_then(|manifest| self.accept_manifest_unreported(expected, &manifest, pages, land));
-        self.reported(expected, outcome)
+            .and_then(|manifest| self.check_and_land(expected, &manifest, pages, land));
+        self.record_refusal(expected, outcome)
     }
 
     /// [`accept`](Self::accept) for a manifest already decoded.
@@ -401,11 +401,12 @@ impl<'t> Receiver<'t> {
         pages: &[P],
         land: impl FnMut(usize, PageRef, &[u8]),
     ) -> Result<Accepted, TransferError> {
-        let outcome = self.accept_manifest_unreported(expected, manifest, pages, land);
-        self.reported(expected, outcome)
+        let outcome = self.check_and_land(expected, manifest, pages, land);
+        self.record_refusal(expected, outcome)
     }
 
-    fn reported(
+    /// Records `outcome` in the table as a violation if it is a refusal, and passes it on.
+    fn record_refusal(
         &self,
         expected: &ExpectedTransfer<'_>,
         outcome: Result<Accepted, TransferError>,
@@ -419,7 +420,8 @@ impl<'t> Receiver<'t> {
         outcome
     }
 
-    fn accept_manifest_unreported<P: AsRef<[u8]>>(
+    /// Pins, checks, lands and records coverage; a refusal is returned, not yet recorded.
+    fn check_and_land<P: AsRef<[u8]>>(
         &self,
         expected: &ExpectedTransfer<'_>,
         manifest: &Manifest,

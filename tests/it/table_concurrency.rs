@@ -96,7 +96,7 @@ fn concurrent_schedulers_and_transfers_keep_every_invariant() {
         workers.push(thread::spawn(move || {
             let mut next = xorshift(77);
             for req in reaper_in {
-                let reap = next() % 2 == 0;
+                let reap = next().is_multiple_of(2);
                 if reap {
                     table.release(req).unwrap();
                 }

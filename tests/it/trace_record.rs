@@ -86,7 +86,7 @@ fn simulate(rec: &RecordingTable<'_, Vec<u8>>, seed: u64, steps: usize) -> Vec<V
             15..=64 if !live.is_empty() => {
                 let i = rng.below(live.len() as u64) as usize;
                 let s = &mut live[i];
-                if s.len % PS == 0 && s.len / PS >= s.pages.len() as u64 {
+                if s.len.is_multiple_of(PS) && s.len / PS >= s.pages.len() as u64 {
                     if let Some(p) = free.pop() {
                         if rec.claim(s.req, &[p]).is_ok() {
                             s.pages.push(p);

@@ -7,7 +7,7 @@ use kvguard::ViolationKind;
 use kvguard::trace::{ReplayViolation, Replayer};
 use std::path::{Path, PathBuf};
 
-/// One trace per bug class issue 4 names, and the clean workloads.
+/// One trace per bug class the zoo covers, and the clean workloads.
 const REQUIRED: &[&str] = &[
     "dummy_prompt_disagg",
     "prefix_evicted_while_held",

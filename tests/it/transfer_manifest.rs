@@ -279,7 +279,7 @@ fn a_transfer_into_pages_reused_by_another_request_is_refused() {
 
 #[test]
 fn a_request_released_while_its_bytes_land_cannot_pass_its_pages_on() {
-    // The reviewer's race: `land` runs with no lock held, so another thread may end the request and
+    // The race: `land` runs with no lock held, so another thread may end the request and
     // the engine hand its pages to the next one while the bytes are still landing.
     // Five pages: the reserved page 0, three for a's prompt, one spare.
     let table = OwnershipTable::new(PoolConfig::new(5, PAGE_SIZE, 12).with_reserved([PageId(0)])).unwrap();
