@@ -127,6 +127,22 @@ impl TableState {
         Ok(())
     }
 
+    /// Records one sequence's writes as the engine's slot mapping gives them: one entry per token,
+    /// `page * page_size + offset`, [`PADDING_SLOT`](crate::table::PADDING_SLOT) for padding.
+    /// Every page written must be `req`'s own; all or nothing.
+    pub(crate) fn record_slot_writes(&mut self, req: RequestId, slots: &[i64]) -> Result<(), Error> {
+        self.record(Op::Write, req)?;
+        let ps = self.page_size;
+        for_each_slot_run(slots, ps, |page, run| {
+            self.check_owned_by(Op::Write, req, page)?;
+            self.check_slots(Op::Write, req, page, &run)
+        })?;
+        for_each_slot_run(slots, ps, |page, run| {
+            self.mark_written(page, run.start, run.end);
+            Ok(())
+        })
+    }
+
     /// The blocks `first..last` that tokens `range` touch, or `block_table_too_short`.
     fn token_blocks(&self, op: Op, req: RequestId, blocks: usize, range: &Range<u64>) -> Result<Range<usize>, Error> {
         if range.start == range.end {
@@ -394,6 +410,39 @@ pub(crate) fn first_repeat<T: Copy + Eq + std::hash::Hash>(items: &[T]) -> Optio
     }
     let mut seen = std::collections::HashSet::with_capacity(items.len());
     items.iter().copied().find(|x| !seen.insert(*x))
+}
+
+/// Calls `f` on every maximal run of consecutive slots of one page in a slot mapping, in order;
+/// [`PADDING_SLOT`](crate::table::PADDING_SLOT) entries are skipped. Any other negative entry,
+/// or one past the last page a `u32` can name, becomes a run on page `u32::MAX`, which no pool has
+/// (`page_out_of_range`): never truncated onto a real page.
+fn for_each_slot_run(
+    slots: &[i64],
+    page_size: u32,
+    mut f: impl FnMut(PageId, Range<u32>) -> Result<(), Error>,
+) -> Result<(), Error> {
+    const NO_PAGE: PageId = PageId(u32::MAX);
+    let ps = u64::from(page_size);
+    let mut run: Option<(PageId, u32, u32)> = None;
+    for &slot in slots {
+        let (page, offset) = match u64::try_from(slot) {
+            Ok(s) => (u32::try_from(s / ps).map_or(NO_PAGE, PageId), (s % ps) as u32),
+            Err(_) if slot == crate::table::PADDING_SLOT => continue,
+            Err(_) => (NO_PAGE, 0),
+        };
+        run = match run {
+            Some((p, a, b)) if p == page && b == offset => Some((p, a, b + 1)),
+            Some((p, a, b)) => {
+                f(p, a..b)?;
+                Some((page, offset, offset + 1))
+            }
+            None => Some((page, offset, offset + 1)),
+        };
+    }
+    match run {
+        Some((p, a, b)) => f(p, a..b),
+        None => Ok(()),
+    }
 }
 
 #[cfg(test)]

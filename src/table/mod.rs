@@ -57,4 +57,4 @@ mod violation;
 pub use import::ImportTicket;
 pub use info::{PageInfo, PageState, PoolSnapshot, Released, RequestInfo};
 pub use ownership::{OwnershipTable, VIOLATION_LOG_CAPACITY};
-pub use step::{SeqRead, StepVerdict};
+pub use step::{PADDING_SLOT, SeqRead, SeqWrite, StepVerdict};

@@ -2,7 +2,7 @@
 
 use super::info::{PageInfo, PageState, PoolSnapshot, Released, RequestInfo};
 use super::state::{BlockEntry, PageTag, TableState};
-use super::step::{SeqRead, StepVerdict};
+use super::step::{SeqRead, SeqWrite, StepVerdict};
 use crate::config::PoolConfig;
 use crate::error::Error;
 use crate::ids::{Generation, PageId, PageRef, PrefixKey, RequestId, TenantId};
@@ -222,6 +222,36 @@ impl OwnershipTable {
         tokens: Range<u64>,
     ) -> Result<(), Error> {
         self.mutate(|state| state.record_write_tokens(Op::Write, req, block_table, tokens))
+    }
+
+    /// Records a whole step's KV writes under one write lock, as the engine's slot mapping gives
+    /// them (split per request at its token boundaries, e.g. vLLM's `query_start_loc`). Each
+    /// sequence is all or nothing: a sequence writing a page that is not its own exclusively is
+    /// refused, nothing of it recorded, and the violation judged (counted, logged, under enforce
+    /// the request quarantined); the other sequences are recorded.
+    ///
+    /// ```
+    /// use kvguard::{OwnershipTable, PoolConfig, PageId, RequestId, TenantId, SeqWrite, PADDING_SLOT};
+    /// let table = OwnershipTable::new(PoolConfig::new(64, 16, 512).with_reserved([PageId(0)]))?;
+    /// table.admit(RequestId(1), TenantId(1), 20, 0)?;
+    /// table.claim(RequestId(1), &[PageId(3), PageId(4)])?;
+    /// // 20 prompt tokens: slots 48..64 (page 3) and 64..68 (page 4), then one padding entry.
+    /// let slots: Vec<i64> = (48..68).chain([PADDING_SLOT]).collect();
+    /// let verdict = table.record_step_writes(&[SeqWrite { request: RequestId(1), slots: &slots }]);
+    /// assert!(verdict.is_clean());
+    /// table.verify_read(RequestId(1), &[PageId(3), PageId(4)], 20)?;
+    /// # Ok::<(), kvguard::Error>(())
+    /// ```
+    pub fn record_step_writes(&self, writes: &[SeqWrite<'_>]) -> StepVerdict {
+        let mut state = self.state.write();
+        let mut verdict = StepVerdict::default();
+        for (i, w) in writes.iter().enumerate() {
+            if let Err(Error::Violation(v)) = state.record_slot_writes(w.request, w.slots) {
+                self.note(&state, &v);
+                verdict.refused.push((i, v));
+            }
+        }
+        verdict
     }
 
     /// Whether `req` may read its first `tokens` tokens through `block_table`: every page is its

@@ -21,7 +21,22 @@ pub struct SeqRead<'a, E = PageId> {
     pub tokens: u64,
 }
 
-/// The verdict on a decode step: which sequences may not run attention.
+/// The slot-mapping entry that marks a padding token (vLLM's `PAD_SLOT_ID`): nothing is written.
+pub const PADDING_SLOT: i64 = -1;
+
+/// One sequence's KV writes in a step, as the engine's slot mapping gives them: one entry per
+/// token written, `page * page_size + offset` (vLLM's `slot_mapping`, SGLang's `out_cache_loc`
+/// with page size 1), [`PADDING_SLOT`] for padding.
+#[derive(Clone, Copy, Debug)]
+pub struct SeqWrite<'a> {
+    /// The writing request.
+    pub request: RequestId,
+    /// Its slots, in token order.
+    pub slots: &'a [i64],
+}
+
+/// The verdict on a step: which sequences may not run attention (reads), or whose writes were
+/// refused and not recorded (writes).
 #[derive(Debug, Default)]
 pub struct StepVerdict {
     /// `(index into the step, violation)` for every refused sequence, in step order.

@@ -1,0 +1,103 @@
+//! A step's KV writes recorded in one call from the engine's slot mapping
+//! (`OwnershipTable::record_step_writes`): each sequence all or nothing, padding skipped, garbage
+//! refused rather than truncated onto a real page.
+
+use kvguard::{OwnershipTable, PADDING_SLOT, PageId, Policy, PoolConfig, RequestId, SeqWrite, TenantId, ViolationKind};
+
+const PS: u32 = 16;
+
+fn table(policy: Policy) -> OwnershipTable {
+    OwnershipTable::new(PoolConfig::new(16, PS, 128).with_reserved([PageId(0)]).with_policy(policy))
+        .expect("the test pool passes its audit")
+}
+
+/// Slots `tokens` of a sequence whose block table is `pages`, as a slot mapping gives them.
+fn slots(pages: &[u32], tokens: std::ops::Range<u64>) -> Vec<i64> {
+    tokens.map(|t| i64::from(pages[(t / u64::from(PS)) as usize] * PS) + (t % u64::from(PS)) as i64).collect()
+}
+
+#[test]
+fn a_clean_step_records_every_sequence_and_skips_padding() {
+    let t = table(Policy::Enforce);
+    let (a, b) = (RequestId(1), RequestId(2));
+    t.admit(a, TenantId(1), 20, 0).unwrap();
+    t.admit(b, TenantId(2), 5, 0).unwrap();
+    t.claim(a, &[PageId(3), PageId(4)]).unwrap();
+    t.claim(b, &[PageId(9)]).unwrap();
+    let mut sa = slots(&[3, 4], 0..20);
+    sa.push(PADDING_SLOT);
+    let sb = slots(&[9], 0..5);
+    let v = t.record_step_writes(&[SeqWrite { request: a, slots: &sa }, SeqWrite { request: b, slots: &sb }]);
+    assert!(v.is_clean(), "{v:?}");
+    t.verify_read(a, &[PageId(3), PageId(4)], 20).unwrap();
+    t.verify_read(b, &[PageId(9)], 5).unwrap();
+    // Exactly what was written: one slot more is unwritten.
+    assert_eq!(t.check_read(b, &[PageId(9)], 6).unwrap_err().kind(), ViolationKind::UnwrittenSlots);
+}
+
+#[test]
+fn a_sequence_writing_a_foreign_page_is_refused_whole_and_the_others_are_recorded() {
+    for policy in [Policy::Enforce, Policy::Report] {
+        let t = table(policy);
+        let (a, b) = (RequestId(1), RequestId(2));
+        t.admit(a, TenantId(1), 32, 0).unwrap();
+        t.admit(b, TenantId(2), 16, 0).unwrap();
+        t.claim(a, &[PageId(3), PageId(4)]).unwrap();
+        t.claim(b, &[PageId(9)]).unwrap();
+        // a's slot mapping runs into b's page 9 after its own page 3.
+        let sa: Vec<i64> = slots(&[3], 0..16).into_iter().chain(slots(&[9], 0..4)).collect();
+        let sb = slots(&[9], 0..16);
+        let v = t.record_step_writes(&[SeqWrite { request: a, slots: &sa }, SeqWrite { request: b, slots: &sb }]);
+        assert_eq!(v.refused.len(), 1, "{policy:?}");
+        let (index, violation) = &v.refused[0];
+        assert_eq!((*index, violation.kind(), violation.request()), (0, ViolationKind::ForeignPage, Some(a)));
+        assert_eq!(violation.page(), Some(PageId(9)));
+        // Nothing of a's sequence was recorded, not even its own page 3.
+        assert_eq!(t.page_info(PageId(3)).unwrap().written_slots, 0, "{policy:?}");
+        t.verify_read(b, &[PageId(9)], 16).unwrap();
+        assert_eq!(t.counters().get(ViolationKind::ForeignPage), 1, "judged under {policy:?}");
+    }
+}
+
+#[test]
+fn non_contiguous_slots_record_exactly_those_slots() {
+    let t = table(Policy::Enforce);
+    let a = RequestId(1);
+    t.admit(a, TenantId(1), 16, 0).unwrap();
+    t.claim(a, &[PageId(5)]).unwrap();
+    let base = i64::from(5 * PS);
+    let v = t.record_step_writes(&[SeqWrite { request: a, slots: &[base, base + 1, base + 3] }]);
+    assert!(v.is_clean());
+    t.verify_read(a, &[PageId(5)], 2).unwrap();
+    let gap = t.check_read(a, &[PageId(5)], 4).unwrap_err();
+    assert_eq!((gap.kind(), gap.slots()), (ViolationKind::UnwrittenSlots, Some((2, 3))));
+}
+
+#[test]
+fn garbage_slots_are_refused_never_truncated_onto_a_real_page() {
+    let t = table(Policy::Enforce);
+    let a = RequestId(1);
+    t.admit(a, TenantId(1), 16, 0).unwrap();
+    t.claim(a, &[PageId(5)]).unwrap();
+    // -7 is not padding; 2^32 * 16 + 80 would be page 5 again if the page number were truncated.
+    for bad in [-7, (1i64 << 32) * i64::from(PS) + 80, i64::from(16 * PS)] {
+        let v = t.record_step_writes(&[SeqWrite { request: a, slots: &[80, bad] }]);
+        assert_eq!(v.refused.len(), 1, "slot {bad}");
+        assert_eq!(v.refused[0].1.kind(), ViolationKind::PageOutOfRange, "slot {bad}");
+        assert_eq!(t.page_info(PageId(5)).unwrap().written_slots, 0, "slot {bad}");
+    }
+}
+
+#[test]
+fn an_unknown_request_is_refused_and_the_step_goes_on() {
+    let t = table(Policy::Enforce);
+    t.admit(RequestId(1), TenantId(1), 16, 0).unwrap();
+    t.claim(RequestId(1), &[PageId(5)]).unwrap();
+    let v = t.record_step_writes(&[
+        SeqWrite { request: RequestId(77), slots: &[80] },
+        SeqWrite { request: RequestId(1), slots: &[80] },
+    ]);
+    assert_eq!(v.refused.len(), 1);
+    assert_eq!((v.refused[0].0, v.refused[0].1.kind()), (0, ViolationKind::UnknownRequest));
+    t.verify_read(RequestId(1), &[PageId(5)], 1).unwrap();
+}
