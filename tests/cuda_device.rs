@@ -75,6 +75,16 @@ mod cuda {
     }
 
     #[test]
+    fn the_standalone_verify_recipe_defaults_to_canaries_off() {
+        // SAFETY: never launched; only the defaults are looked at.
+        let (bt, lens) = unsafe { (Borrowed::<i32>::from_raw(0, 8), Borrowed::<i32>::from_raw(0, 1)) };
+        let step = BlockTableStep::new(bt, lens, 1, 8);
+        assert!(!step.check_canaries && step.query_lens.is_none() && step.generations.is_none());
+        let step = PagedKvStep::new(lens, bt, lens, 1, 8);
+        assert!(!step.check_canaries && step.query_lens.is_none() && step.generations.is_none());
+    }
+
+    #[test]
     fn device_guard_without_a_driver_is_a_typed_error_not_a_panic() {
         let config = PoolConfig::new(64, 16, 256);
         let result = std::panic::catch_unwind(|| DeviceGuard::new(&config, DeviceOptions::default()));
@@ -167,6 +177,7 @@ mod cuda {
             max_blocks: max_blocks as u32,
             generations: None,
             check_canaries: false,
+            query_lens: None,
         };
         g.stream().synchronize().unwrap();
 
@@ -224,6 +235,7 @@ mod cuda {
             max_pages_per_seq: 3,
             generations: Some(lend(&g, &d_gens)),
             check_canaries: false,
+            query_lens: None,
         })
         .unwrap();
         assert_eq!(g.read_status(2).unwrap(), vec![0, 1 << DeviceKind::StalePage.code()]);

@@ -411,8 +411,14 @@ impl TableState {
         let pages = std::mem::take(&mut rec.pages);
         let mut held = rec.prefixes.clone();
         if !pages.is_empty() {
-            let slot =
-                self.new_prefix(PrefixRecord { key: None, tenant, publisher: parent, pages: Vec::new(), holders: 1 });
+            let slot = self.new_prefix(PrefixRecord {
+                key: None,
+                tenant,
+                publisher: parent,
+                pages: Vec::new(),
+                holders: 1,
+                cross_tenant: false,
+            });
             for &page in &pages {
                 self.tags[page.0 as usize].link = slot;
                 self.set_state(page, PageState::Shared);

@@ -60,8 +60,14 @@ impl TableState {
         for &page in pages {
             self.check_owned_by(Op::Publish, req, page)?;
         }
-        let slot =
-            self.new_prefix(PrefixRecord { key: Some(key), tenant, publisher: req, pages: Vec::new(), holders: 1 });
+        let slot = self.new_prefix(PrefixRecord {
+            key: Some(key),
+            tenant,
+            publisher: req,
+            pages: Vec::new(),
+            holders: 1,
+            cross_tenant: false,
+        });
         // The caller's order, for `attach` to hand back; a page listed twice is published once
         // (the second time round it is already shared).
         let mut ordered = Vec::with_capacity(pages.len());
@@ -93,6 +99,15 @@ impl TableState {
         let rec = self.requests.get_mut(&req).expect("checked above");
         if rec.prefixes.insert(slot) {
             self.prefix_mut(slot).holders += 1;
+        }
+        let prefix = self.prefix_mut(slot);
+        if prefix.tenant != tenant && !prefix.cross_tenant {
+            // The device mirror must learn that another tenant now reads these pages.
+            prefix.cross_tenant = true;
+            for i in 0..self.prefix(slot).pages.len() {
+                let page = self.prefix(slot).pages[i];
+                self.mark_changed(page);
+            }
         }
         Ok(self.prefix(slot).pages.iter().map(|&p| self.page_ref(p)).collect())
     }

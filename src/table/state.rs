@@ -121,6 +121,11 @@ pub(crate) struct PrefixRecord {
     pub publisher: RequestId,
     pub pages: Vec<PageId>,
     pub holders: u32,
+    /// A request of another tenant attached to it (under the publisher tenant's
+    /// cross-tenant grant). Set on that attach (its pages are marked changed, so a device mirror
+    /// re-syncs) and kept until the prefix goes: the device check, which cannot see holders,
+    /// then lets any tenant read its pages.
+    pub cross_tenant: bool,
 }
 
 /// Hashes the table's integer ids (requests, pages, prefix keys): one multiply-xorshift round
@@ -319,7 +324,7 @@ impl TableState {
     }
 
     #[inline]
-    fn mark_changed(&mut self, page: PageId) {
+    pub(super) fn mark_changed(&mut self, page: PageId) {
         let tag = &mut self.tags[page.0 as usize];
         if self.tracking_changes && !tag.changed {
             tag.changed = true;
