@@ -283,7 +283,9 @@ extern "C" __global__ void __launch_bounds__(128)
 // CRC32 of `page_bytes` bytes at `base + page * page_stride` for each page in `pages` (or pages
 // 0..n_pages when null), into `out[i]`. Page ids outside 0..num_pages are not read (their CRC is
 // written as 0). `chunk_bytes` is the least bytes per thread (0: 16). Launch: blocks of a power of
-// two threads, at most 256 (256 is the fast one), one block per page (any grid works).
+// two threads, at most 256 (256 is the fast one), and a persistent grid (a few blocks per SM,
+// `kvguard::cuda` uses 8): each block builds its 4 KiB table in shared memory once, then strides
+// over the pages, so the table costs once per block, not once per page (any grid is complete).
 extern "C" __global__ void __launch_bounds__(256)
     kvg_crc32_pages(const uint8_t *__restrict__ base, uint64_t page_stride, uint64_t page_bytes,
                     const int32_t *__restrict__ pages, uint32_t n_pages, uint32_t num_pages, uint32_t chunk_bytes,
