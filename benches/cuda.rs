@@ -1,5 +1,7 @@
 //! GPU benchmarks of the device checks, printed as one table (run by `scripts/gpu-check`):
-//! standalone verify µs for batch {1, 64, 256} x context {4K, 32K, 128K} at page size 16; the
+//! standalone verify µs for batch {1, 64, 256} x context {4K, 32K, 128K} at page size 16, with
+//! block tables as wide as engines make them (vLLM: `max_model_len / page_size` = 8,192 entries
+//! per row, whatever the context); the
 //! fused check's overhead in % of the reference attention's time, same shapes; CRC32 GB/s beside
 //! device-to-device memcpy GB/s; poison GB/s; tag-update µs for 1K changed pages.
 //!
@@ -8,18 +10,23 @@
 //! the machine needs no NVRTC.
 //! Timing: CUDA events around `iters` back-to-back launches after one warm-up.
 //!
+//! Every step benchmarked is clean (each sequence reads only its own written pages), and that is
+//! asserted per configuration: before the status words are cleared for the next one, they are
+//! read and the violation ring drained, and any flagged sequence, record or dropped record fails
+//! the run.
+//!
 //! Cargo entry: `[[bench]] name = "cuda", harness = false, required-features = ["cuda"]`. Run it
 //! with `cargo test --release --features cuda --bench cuda -- --nocapture`, which works with or
 //! without that entry (without it, the libtest harness runs `gpu_benchmarks` below).
 #![cfg(feature = "cuda")]
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, sys};
-use kvguard::PoolConfig;
 use kvguard::cuda::layout::{DeviceTag, canary};
 use kvguard::cuda::{
     AttentionCheck, AttentionShape, BlockTableStep, Borrowed, DecodeAttention, DeviceError, DeviceGuard, DeviceOptions,
-    POISON, PageRegion, UncheckedAttention,
+    Drained, POISON, PageRegion, UncheckedAttention,
 };
+use kvguard::{OwnershipTable, PoolConfig};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -53,6 +60,7 @@ fn time_us(stream: &Arc<CudaStream>, iters: u32, mut f: impl FnMut()) -> f64 {
 }
 
 fn main() {
+    the_clean_step_check_can_fail();
     let pages_per_seq = MAX_CONTEXT / PS;
     let num_pages = MAX_BATCH * pages_per_seq + 1; // + the reserved page 0
     let config = PoolConfig::new(num_pages, PS, u64::from(MAX_CONTEXT));
@@ -73,6 +81,8 @@ fn main() {
         Err(e) => panic!("DeviceGuard::new: {e}"),
     };
     let s = g.stream().clone();
+    // Only the sink of what `drain` takes from the device: every step here must leave it empty.
+    let sink = OwnershipTable::new(config.clone()).unwrap();
 
     // Sequence b owns pages 1 + b * pages_per_seq .. (request b + 1, tenant 1), all written.
     let owner = |page: u32| u64::from((page - 1) / pages_per_seq) + 1;
@@ -99,6 +109,14 @@ fn main() {
     let q = s.alloc_zeros::<f32>((MAX_BATCH * HEADS * HEAD_DIM) as usize).unwrap();
     let out = s.alloc_zeros::<f32>((MAX_BATCH * HEADS * HEAD_DIM) as usize).unwrap();
 
+    // The block table at the engines' real width: every row has MAX_CONTEXT / PS entries (8,192),
+    // sequence b's own pages; a step of context `ctx` reads the first ctx / PS of them.
+    let max_blocks = MAX_CONTEXT / PS;
+    let bt: Vec<i32> =
+        (0..MAX_BATCH).flat_map(|b| (0..max_blocks).map(move |j| (1 + b * pages_per_seq + j) as i32)).collect();
+    let d_bt = s.clone_htod(&bt).unwrap();
+    drop(bt);
+
     let mut rows = Vec::new();
     rows.push(
         "| batch | context | verify µs | verify+canary µs | attention µs | fused tags % | fused tags+canary % |"
@@ -107,19 +125,9 @@ fn main() {
     rows.push("|---|---|---|---|---|---|---|".to_string());
     for &batch in &BATCHES {
         for &ctx in &CONTEXTS {
-            let max_blocks = ctx / PS;
-            let bt: Vec<i32> =
-                (0..batch).flat_map(|b| (0..max_blocks).map(move |j| (1 + b * pages_per_seq + j) as i32)).collect();
-            let d_bt = s.clone_htod(&bt).unwrap();
             let d_lens = s.clone_htod(&vec![ctx as i32; batch as usize]).unwrap();
-            let mut step = BlockTableStep {
-                block_table: lend(&s, &d_bt),
-                seq_lens: lend(&s, &d_lens),
-                num_seqs: batch,
-                max_blocks,
-                generations: None,
-                check_canaries: false,
-            };
+            g.clear_status().unwrap();
+            let mut step = BlockTableStep::new(lend(&s, &d_bt), lend(&s, &d_lens), batch, max_blocks);
             let verify = time_us(&s, 200, || g.verify_block_table(&step).unwrap());
             step.check_canaries = true;
             let verify_canary = time_us(&s, 50, || g.verify_block_table(&step).unwrap());
@@ -155,12 +163,12 @@ fn main() {
                 pct(fused),
                 pct(fused_canary)
             ));
-            g.clear_status().unwrap();
+            // The steps above are clean: read what they left before the next clear.
+            let status = g.read_status(batch).unwrap();
+            let drained = g.drain(&sink).unwrap();
+            assert_clean(batch, ctx, &status, &drained);
         }
     }
-    s.synchronize().unwrap();
-    let status = g.read_status(MAX_BATCH).unwrap();
-    assert!(status.iter().all(|&w| w == 0), "the benchmark's steps are clean: no sequence may be flagged");
 
     // Bandwidth: CRC32 and poison over 4 GiB of 64 KiB pages (16 tokens x 8 KV heads x 128 x
     // bf16 x K+V per layer), beside a device-to-device memcpy of the same bytes.
@@ -192,7 +200,8 @@ fn main() {
     let update_kernel = time_us(&s, n, || g.upload_tags(&changed).unwrap());
 
     println!(
-        "\nkvguard device checks (page size {PS}; attention: {HEADS} heads, {KV_HEADS} KV head, dim {HEAD_DIM}, f32)\n"
+        "\nkvguard device checks (page size {PS}; block tables {max_blocks} entries wide; attention: {HEADS} heads, \
+         {KV_HEADS} KV head, dim {HEAD_DIM}, f32)\n"
     );
     for r in &rows {
         println!("{r}");
@@ -206,6 +215,42 @@ fn main() {
     println!("| poison 64 KiB pages | {:.0} GB/s | |", gbs(poison));
     println!("| tag update, 1K changed pages | {update_us:.1} µs wall ({update_kernel:.1} µs stream) | |");
     println!("\ngoals: fused check ≤ 1% of attention; verify 256 x 4K ≤ 10 µs; CRC32 ≥ 50% of memcpy");
+}
+
+/// Why a configuration's steps were not clean (a sequence flagged, a record in the ring, one
+/// dropped or half-written), or `None`.
+fn unclean(batch: u32, ctx: u32, status: &[u32], drained: &Drained) -> Option<String> {
+    let flagged = status.iter().filter(|&&w| w != 0).count();
+    let clean = flagged == 0 && drained.violations.is_empty() && drained.dropped_total == 0 && drained.incomplete == 0;
+    (!clean).then(|| {
+        format!(
+            "batch {batch} x context {ctx}: the benchmark's steps are clean, yet {flagged} sequence(s) were flagged, \
+             {} violation(s) recorded (first: {:?}), {} dropped, {} incomplete",
+            drained.violations.len(),
+            drained.violations.first().map(ToString::to_string),
+            drained.dropped_total,
+            drained.incomplete
+        )
+    })
+}
+
+fn assert_clean(batch: u32, ctx: u32, status: &[u32], drained: &Drained) {
+    if let Some(why) = unclean(batch, ctx, status, drained) {
+        panic!("{why}");
+    }
+}
+
+/// The clean-step check must be able to fail: run first, with or without a GPU (the bench has no
+/// test harness, so this is its test).
+fn the_clean_step_check_can_fail() {
+    let none = Drained::default();
+    assert_eq!(unclean(2, 4096, &[0, 0], &none), None);
+    assert!(unclean(2, 4096, &[0, 1 << 4], &none).is_some(), "a flagged sequence");
+    assert!(unclean(2, 4096, &[0, 0], &Drained { dropped_total: 1, ..Drained::default() }).is_some(), "a drop");
+    assert!(unclean(2, 4096, &[0, 0], &Drained { incomplete: 1, ..Drained::default() }).is_some(), "a torn record");
+    let foreign = kvguard::Violation::new(kvguard::ViolationKind::ForeignPage, kvguard::Op::Read);
+    let recorded = Drained { violations: vec![foreign], ..Drained::default() };
+    assert!(unclean(2, 4096, &[0, 0], &recorded).is_some(), "a record");
 }
 
 #[cfg(test)]

@@ -40,10 +40,12 @@ extern "C" __global__ void kvg_apply_tag_updates(kvg_tag *__restrict__ tags, uin
 // 2. Verification of a step's block tables, one thread per (sequence, block).
 // ---------------------------------------------------------------------------------------------
 
-// Checks block `j` (slots 0..need) of sequence `s`, and its canaries when given.
+// Checks block `j` (slots 0..need) of sequence `s`, and, when given, the canaries of its slots
+// 0..min(need, stamped): the slots written before this step (this step's own are stamped later).
 KVG_FN void kvg_verify_block(const kvg_tag *__restrict__ tags, uint32_t num_pages, uint32_t page_size, int32_t page,
-                             uint32_t expected_generation, uint32_t need, const uint32_t *__restrict__ canaries,
-                             kvg_reader reader, uint32_t s, uint32_t j, uint32_t *seq_status, kvg_ring *ring) {
+                             uint32_t expected_generation, uint32_t need, uint32_t stamped,
+                             const uint32_t *__restrict__ canaries, kvg_reader reader, uint32_t s, uint32_t j,
+                             uint32_t *seq_status, kvg_ring *ring) {
     kvg_tag found;
     uint32_t kind = kvg_check_page(tags, num_pages, page, reader, expected_generation, need, &found);
     uint32_t a = 0, b = 0;
@@ -51,8 +53,9 @@ KVG_FN void kvg_verify_block(const kvg_tag *__restrict__ tags, uint32_t num_page
         a = found.written;
         b = need;
     } else if (kind == KVG_OK && canaries != nullptr) {
-        uint64_t h = kvg_canary_page(found.owner, found.generation, static_cast<uint32_t>(page));
-        for (uint32_t t = 0; t < need; t++) {
+        const uint64_t h = kvg_canary_page(found.owner, found.generation, static_cast<uint32_t>(page));
+        const uint32_t check = stamped < need ? stamped : need;
+        for (uint32_t t = 0; t < check; t++) {
             if (!kvg_canary_ok(canaries, page_size, static_cast<uint32_t>(page), t, h)) {
                 kind = KVG_KIND_CANARY_MISMATCH;
                 a = t;
@@ -67,6 +70,14 @@ KVG_FN void kvg_verify_block(const kvg_tag *__restrict__ tags, uint32_t num_page
     }
 }
 
+// Slots of block `j` written before this step, of a sequence whose first `before` tokens were.
+KVG_FN uint32_t kvg_stamped_in_block(uint32_t before, uint32_t j, uint32_t page_size) {
+    const uint64_t start = static_cast<uint64_t>(j) * page_size;
+    if (before <= start) return 0;
+    const uint64_t rest = before - start;
+    return rest < page_size ? static_cast<uint32_t>(rest) : page_size;
+}
+
 KVG_FN void kvg_report_step(uint32_t kind, uint32_t s, uint32_t j, uint32_t found_amount, uint32_t limit,
                             kvg_reader reader, uint32_t *seq_status, kvg_ring *ring) {
     // Step-level faults carry the amounts in slot_start/slot_end: tokens asked vs covered.
@@ -75,16 +86,38 @@ KVG_FN void kvg_report_step(uint32_t kind, uint32_t s, uint32_t j, uint32_t foun
     kvg_report(ring, kind, KVG_OP_READ, s, j, -1, found_amount, limit, 0, reader, none);
 }
 
+// The tokens of sequence `s` written before this step: `len` minus its query length (this
+// step's new tokens), or all `len` when `query_lens` is null. A query length below 0 or above
+// `len` is a malformed step: reported, and the sequence is not checked further (returns false).
+KVG_FN bool kvg_tokens_before(const int32_t *__restrict__ query_lens, uint32_t s, uint32_t len, bool reporter,
+                              kvg_reader reader, uint32_t *seq_status, kvg_ring *ring, uint32_t *before) {
+    *before = len;
+    if (query_lens == nullptr) return true;
+    const int32_t q = query_lens[s];
+    if (q < 0 || static_cast<uint32_t>(q) > len) {
+        if (reporter) kvg_report_step(KVG_KIND_BAD_LAYOUT, s, 0, static_cast<uint32_t>(q), len, reader, seq_status, ring);
+        return false;
+    }
+    *before = len - static_cast<uint32_t>(q);
+    return true;
+}
+
 // vLLM layout: `block_table[num_seqs][max_blocks]` (int32, row stride `max_blocks`) and
 // `seq_lens[num_seqs]` tokens read. `expected_generations`, if not null, has the block table's
 // shape and names the incarnation the engine recorded for each entry. `canaries`, if not null,
-// has one word per slot of the pool. Launch: grid (ceil(max_blocks / 128), num_seqs), 128 threads.
+// has one word per slot of the pool; `query_lens[num_seqs]`, if not null (read only with
+// canaries), is each sequence's tokens of this step, whose slots are not yet stamped: only slots
+// `0 .. seq_len - query_len` have their canaries checked.
+//
+// Work is sized by sequence, not by the row stride: blocks (x, s) stride over sequence s's used
+// pages only, so a grid of (a few, num_seqs) blocks is complete at any `max_blocks`; the launch
+// (`kvguard::cuda`) picks x from the GPU's SM count and the sequence count. 128 threads.
 extern "C" __global__ void __launch_bounds__(128)
     kvg_verify_block_table(const kvg_tag *__restrict__ tags, uint32_t num_pages, uint32_t page_size,
                            const int32_t *__restrict__ block_table, uint32_t num_seqs, uint32_t max_blocks,
                            const int32_t *__restrict__ seq_lens, const uint32_t *__restrict__ expected_generations,
-                           const uint32_t *__restrict__ canaries, const kvg_reader *__restrict__ readers,
-                           uint32_t *seq_status, kvg_ring *ring) {
+                           const uint32_t *__restrict__ canaries, const int32_t *__restrict__ query_lens,
+                           const kvg_reader *__restrict__ readers, uint32_t *seq_status, kvg_ring *ring) {
     for (uint32_t s = blockIdx.y; s < num_seqs; s += gridDim.y) {
         const kvg_reader reader = readers[s];
         const int32_t len = seq_lens[s];
@@ -98,13 +131,18 @@ extern "C" __global__ void __launch_bounds__(128)
             }
             continue;
         }
+        uint32_t before = 0;
+        if (!kvg_tokens_before(canaries ? query_lens : nullptr, s, static_cast<uint32_t>(len), first == 0, reader,
+                               seq_status, ring, &before))
+            continue;
         const uint32_t blocks = (static_cast<uint32_t>(len) + page_size - 1) / page_size;
         const int32_t *row = block_table + static_cast<uint64_t>(s) * max_blocks;
         for (uint32_t j = first; j < blocks; j += gridDim.x * blockDim.x) {
             uint32_t rest = static_cast<uint32_t>(len) - j * page_size;
             uint32_t need = rest < page_size ? rest : page_size;
             uint32_t gen = expected_generations ? expected_generations[static_cast<uint64_t>(s) * max_blocks + j] : 0;
-            kvg_verify_block(tags, num_pages, page_size, row[j], gen, need, canaries, reader, s, j, seq_status, ring);
+            kvg_verify_block(tags, num_pages, page_size, row[j], gen, need, kvg_stamped_in_block(before, j, page_size),
+                             canaries, reader, s, j, seq_status, ring);
         }
     }
 }
@@ -112,14 +150,15 @@ extern "C" __global__ void __launch_bounds__(128)
 // FlashInfer layout: sequence `s` reads pages `kv_indices[kv_indptr[s] .. kv_indptr[s+1]]`, all
 // full but the last, which holds `kv_last_page_len[s]` tokens (1..=page_size when it has pages).
 // `kv_indices` has `num_indices` entries; an indptr beyond them is a malformed step, never read.
-// `expected_generations`, if not null, is parallel to `kv_indices`. Launch: grid
-// (ceil(max_pages_per_seq / 128), num_seqs), 128 threads.
+// `expected_generations`, if not null, is parallel to `kv_indices`; `query_lens` as above.
+// Launch: as `kvg_verify_block_table` (blocks (x, s) stride over sequence s's pages), 128 threads.
 extern "C" __global__ void __launch_bounds__(128)
     kvg_verify_paged_kv(const kvg_tag *__restrict__ tags, uint32_t num_pages, uint32_t page_size,
                         const int32_t *__restrict__ kv_indptr, const int32_t *__restrict__ kv_indices,
                         const int32_t *__restrict__ kv_last_page_len, uint32_t num_seqs, uint32_t num_indices,
                         const uint32_t *__restrict__ expected_generations, const uint32_t *__restrict__ canaries,
-                        const kvg_reader *__restrict__ readers, uint32_t *seq_status, kvg_ring *ring) {
+                        const int32_t *__restrict__ query_lens, const kvg_reader *__restrict__ readers,
+                        uint32_t *seq_status, kvg_ring *ring) {
     for (uint32_t s = blockIdx.y; s < num_seqs; s += gridDim.y) {
         const kvg_reader reader = readers[s];
         const int32_t start = kv_indptr[s], end = kv_indptr[s + 1];
@@ -135,12 +174,18 @@ extern "C" __global__ void __launch_bounds__(128)
             continue;
         }
         const uint32_t n = static_cast<uint32_t>(end - start);
+        // Tokens read: n - 1 full pages and the last; at most num_indices * page_size.
+        const uint64_t tokens = n == 0 ? 0 : static_cast<uint64_t>(n - 1) * page_size + static_cast<uint32_t>(last);
+        const uint32_t len = tokens > 0xffffffffull ? 0xffffffffu : static_cast<uint32_t>(tokens);
+        uint32_t before = 0;
+        if (!kvg_tokens_before(canaries ? query_lens : nullptr, s, len, first == 0, reader, seq_status, ring, &before))
+            continue;
         for (uint32_t j = first; j < n; j += gridDim.x * blockDim.x) {
             uint32_t need = j + 1 == n ? static_cast<uint32_t>(last) : page_size;
             uint64_t at = static_cast<uint64_t>(start) + j;
             uint32_t gen = expected_generations ? expected_generations[at] : 0;
-            kvg_verify_block(tags, num_pages, page_size, kv_indices[at], gen, need, canaries, reader, s, j, seq_status,
-                             ring);
+            kvg_verify_block(tags, num_pages, page_size, kv_indices[at], gen, need,
+                             kvg_stamped_in_block(before, j, page_size), canaries, reader, s, j, seq_status, ring);
         }
     }
 }
@@ -238,7 +283,9 @@ extern "C" __global__ void __launch_bounds__(128)
 // CRC32 of `page_bytes` bytes at `base + page * page_stride` for each page in `pages` (or pages
 // 0..n_pages when null), into `out[i]`. Page ids outside 0..num_pages are not read (their CRC is
 // written as 0). `chunk_bytes` is the least bytes per thread (0: 16). Launch: blocks of a power of
-// two threads, at most 256 (256 is the fast one), one block per page (any grid works).
+// two threads, at most 256 (256 is the fast one), and a persistent grid (a few blocks per SM,
+// `kvguard::cuda` uses 8): each block builds its 4 KiB table in shared memory once, then strides
+// over the pages, so the table costs once per block, not once per page (any grid is complete).
 extern "C" __global__ void __launch_bounds__(256)
     kvg_crc32_pages(const uint8_t *__restrict__ base, uint64_t page_stride, uint64_t page_bytes,
                     const int32_t *__restrict__ pages, uint32_t n_pages, uint32_t num_pages, uint32_t chunk_bytes,

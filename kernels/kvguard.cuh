@@ -64,13 +64,18 @@ typedef unsigned long long uintptr_t;
 #define KVG_KIND_PAGE_OUT_OF_RANGE 1u   // page id < 0 or >= num_pages
 #define KVG_KIND_RESERVED_PAGE 2u       // the null/padding page
 #define KVG_KIND_FREED_PAGE 3u          // free, awaiting scrub or retired
-#define KVG_KIND_FOREIGN_PAGE 4u        // another request's page (or another tenant's prefix)
+#define KVG_KIND_FOREIGN_PAGE 4u        // another request's page (or another tenant's unshared prefix)
 #define KVG_KIND_STALE_PAGE 5u          // generation differs from the one the engine recorded
 #define KVG_KIND_UNWRITTEN_SLOTS 6u     // the tag's written prefix does not cover the read
 #define KVG_KIND_BLOCK_TABLE_TOO_SHORT 7u // more tokens than the block table has pages for
 #define KVG_KIND_CANARY_MISMATCH 8u     // a slot's canary was not stamped by this incarnation
 #define KVG_KIND_WRITE_TO_SHARED 9u     // a KV store into a read-only prefix page
 #define KVG_KIND_BAD_LAYOUT 10u         // a malformed step: last_page_len or indptr out of range
+
+// Tag flags (`kvg_tag.flags`); the other bits are reserved, 0.
+// A shared page that a request of another tenant reads under a cross-tenant grant: the device
+// cannot see a prefix's holders, so any tenant may read it here (the host check is the exact one).
+#define KVG_FLAG_SHARED_ACROSS_TENANTS 1u
 
 #define KVG_OP_READ 1u
 #define KVG_OP_WRITE 2u
@@ -82,7 +87,7 @@ struct __attribute__((aligned(16))) kvg_tag {
     uint32_t generation; // The page's incarnation; 0 never names a live one.
     uint32_t written;    // Slots 0..written are written by the current incarnation.
     uint32_t state;      // KVG_STATE_*.
-    uint32_t flags;      // Reserved; 0.
+    uint32_t flags;      // KVG_FLAG_* bits; the others are 0.
 };
 
 // Who reads (or writes) through one sequence of a step.
@@ -170,7 +175,9 @@ KVG_FN void kvg_flag(uint32_t *seq_status, uint32_t seq, uint32_t kind) {
 // the tag (zeroed when the page is out of range). `expected_generation` 0 skips the stale check.
 //
 // Shared pages: the device knows a prefix's tenant but not who holds it, so any request of the
-// same tenant may read it here; the host table's check is the exact one.
+// same tenant may read it here, and any request at all once a request of another tenant holds it
+// (KVG_FLAG_SHARED_ACROSS_TENANTS). The host table's check (holders only) is the exact one; the
+// device never refuses a read the host allows.
 KVG_FN uint32_t kvg_check_page(const kvg_tag *__restrict__ tags, uint32_t num_pages, int32_t page,
                                kvg_reader reader, uint32_t expected_generation, uint32_t need, kvg_tag *found) {
     if (page < 0 || static_cast<uint32_t>(page) >= num_pages) {
@@ -184,7 +191,7 @@ KVG_FN uint32_t kvg_check_page(const kvg_tag *__restrict__ tags, uint32_t num_pa
         if (t.owner != reader.request) return KVG_KIND_FOREIGN_PAGE;
         break;
     case KVG_STATE_SHARED:
-        if (t.tenant != reader.tenant) return KVG_KIND_FOREIGN_PAGE;
+        if (t.tenant != reader.tenant && (t.flags & KVG_FLAG_SHARED_ACROSS_TENANTS) == 0) return KVG_KIND_FOREIGN_PAGE;
         break;
     case KVG_STATE_RESERVED:
         return KVG_KIND_RESERVED_PAGE;
@@ -267,9 +274,12 @@ KVG_FN bool kvg_canary_ok(const uint32_t *__restrict__ canaries, uint32_t page_s
 #define KVG_CRC32_POLY 0xedb88320u
 #define KVG_CRC32_TABLE_WORDS 1024 // slice-by-4: 4 tables of 256 words (4 KiB of shared memory)
 
-// x^(2^k) mod P for k = 0..31, so x^n mod P is a product over the bits of n.
+// x^(2^k) mod P for k = 0..31, so x^n mod P is a product over the bits of n. `static`: each
+// translation unit that includes this header gets its own copy (internal linkage), so engines
+// that build several .cu files with relocatable device code (-rdc) link without duplicate
+// symbols; the 128 bytes of constant memory per unit are the price.
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
-__constant__
+static __constant__
 #else
 static const
 #endif

@@ -109,6 +109,7 @@ void layout() {
     FIELD(kvg_ring, capacity);
     FIELD(kvg_ring, reserved);
 #undef FIELD
+    std::cout << "KVG_FLAG_SHARED_ACROSS_TENANTS " << KVG_FLAG_SHARED_ACROSS_TENANTS << "\n";
 }
 
 struct CanaryInput {
@@ -162,6 +163,7 @@ void verify(bool flashinfer) {
     auto readers = load<kvg_reader>("readers");
     auto gens = load<uint32_t>("generations", false);
     auto canaries = load<uint32_t>("canaries", false);
+    auto query_lens = load<int32_t>("query_lens", false);
     const uint32_t num_seqs = static_cast<uint32_t>(readers.size());
     const uint32_t num_pages = static_cast<uint32_t>(tags.size());
     const uint32_t page_size = static_cast<uint32_t>(param("page_size"));
@@ -170,6 +172,7 @@ void verify(bool flashinfer) {
     const kvg_tag *t = tags.data();
     const kvg_reader *r = readers.data();
     const uint32_t *g = or_null(gens), *c = or_null(canaries);
+    const int32_t *ql = or_null(query_lens);
     uint32_t *st = status.data();
     kvg_ring *rg = ring.get();
     const dim3 grid{static_cast<uint32_t>(param("grid_x")), static_cast<uint32_t>(param("grid_y")), 1};
@@ -180,7 +183,7 @@ void verify(bool flashinfer) {
         const int32_t *ip = indptr.data(), *ix = or_null(indices), *lp = last.data();
         const uint32_t ni = static_cast<uint32_t>(indices.size());
         kvg_sim::launch(grid, dim3{32, 1, 1}, [=] {
-            kvg_verify_paged_kv(t, num_pages, page_size, ip, ix, lp, num_seqs, ni, g, c, r, st, rg);
+            kvg_verify_paged_kv(t, num_pages, page_size, ip, ix, lp, num_seqs, ni, g, c, ql, r, st, rg);
         });
     } else {
         auto table = load<int32_t>("block_table");
@@ -188,7 +191,7 @@ void verify(bool flashinfer) {
         const uint32_t max_blocks = static_cast<uint32_t>(param("max_blocks"));
         const int32_t *bt = table.data(), *sl = lens.data();
         kvg_sim::launch(grid, dim3{32, 1, 1}, [=] {
-            kvg_verify_block_table(t, num_pages, page_size, bt, num_seqs, max_blocks, sl, g, c, r, st, rg);
+            kvg_verify_block_table(t, num_pages, page_size, bt, num_seqs, max_blocks, sl, g, c, ql, r, st, rg);
         });
     }
     store("status", status);

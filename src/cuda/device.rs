@@ -32,7 +32,7 @@ use super::lent::{Borrowed, EngineStream};
 use super::source;
 use super::step::{
     AttentionCheck, AttentionShape, BlockTableStep, DecodeAttention, KvElement, KvStore, PageRegion, PagedKvStep, fits,
-    need, need_opt,
+    need, need_opt, readers_cover,
 };
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice,
@@ -63,6 +63,34 @@ fn blocks_for(n: u64, threads: u32) -> u32 {
     n.div_ceil(u64::from(threads)).clamp(1, u64::from(MAX_GRID_X)) as u32
 }
 
+/// Threads per block of the verify kernels.
+const VERIFY_THREADS: u32 = 128;
+/// Verify blocks per SM the launch aims for in all: one wave, enough warps to hide latency.
+const VERIFY_BLOCKS_PER_SM: u32 = 8;
+/// CRC32 blocks per SM: 256 threads and 5 KiB of shared memory each, so 8 are resident on sm_80
+/// and sm_90; each builds its table once and then strides over the pages.
+const CRC_BLOCKS_PER_SM: u32 = 8;
+
+/// The verify grid: `(x, num_seqs)` blocks, where blocks `(.., s)` stride over sequence `s`'s
+/// used pages (at most `pages_bound`). Sized by sequence, not by the block table's width: `x`
+/// spreads about `VERIFY_BLOCKS_PER_SM` blocks per SM over the sequences, and is never more
+/// than a row's pages need, so a launch has at most `max(num_seqs, 2 x that)` blocks whatever
+/// `max_blocks` is (vLLM's rows are `max_model_len / page_size` wide, e.g. 8,192).
+pub(super) fn verify_grid(num_seqs: u32, pages_bound: u32, sm_count: u32) -> (u32, u32, u32) {
+    let y = num_seqs.clamp(1, MAX_GRID_Y);
+    let target = sm_count.max(1).saturating_mul(VERIFY_BLOCKS_PER_SM);
+    let row = pages_bound.div_ceil(VERIFY_THREADS).max(1);
+    let x = target.div_ceil(y).clamp(1, row).min(MAX_GRID_X);
+    (x, y, 1)
+}
+
+/// The CRC32 grid: a persistent one of `CRC_BLOCKS_PER_SM` blocks per SM (fewer for fewer
+/// pages), so each block builds its 4 KiB table once and amortises it over many pages.
+pub(super) fn crc_grid(n_pages: u32, sm_count: u32) -> (u32, u32, u32) {
+    let persistent = sm_count.max(1).saturating_mul(CRC_BLOCKS_PER_SM);
+    (n_pages.clamp(1, persistent.min(MAX_GRID_X)), 1, 1)
+}
+
 struct Kernels {
     apply: CudaFunction,
     verify_block_table: CudaFunction,
@@ -85,6 +113,10 @@ pub(super) struct Device {
     pub max_seqs: u32,
     pub ring_capacity: u32,
     pub staging_capacity: u32,
+    /// The device's multiprocessors: the verify and CRC32 grids are sized from it.
+    sm_count: u32,
+    /// Readers the last `set_readers` wrote: launches over more sequences are refused.
+    readers_set: u32,
     /// Raw addresses of the buffers below, taken once at allocation.
     pub raw: RawBuffers,
     // The tag table is used through `raw` only; this owns the allocation.
@@ -192,6 +224,7 @@ impl Device {
         })
         .map_err(|p| DeviceError::Loader(super::error::panic_message(p)))??;
         let (major, minor) = ctx.compute_capability()?;
+        let sm_count = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
         let arch = format!("sm_{major}{minor}");
         // SASS for this GPU (no JIT, so no driver-vs-NVRTC version constraint): the prebuilt
         // CUBIN, or NVRTC's; PTX for the JIT only when this NVRTC does not know the architecture.
@@ -272,6 +305,8 @@ impl Device {
             max_seqs: shape.max_seqs,
             ring_capacity: shape.ring_capacity,
             staging_capacity: shape.staging_capacity,
+            sm_count: u32::try_from(sm_count).unwrap_or(1).max(1),
+            readers_set: 0,
             _tags: tags,
             canaries,
             ring,
@@ -318,27 +353,32 @@ impl Device {
 
     /// `kvg_verify_block_table` over the engine's vLLM-layout step.
     pub fn verify_block_table(&mut self, step: &BlockTableStep) -> Result<(), DeviceError> {
-        let BlockTableStep { block_table, seq_lens, num_seqs, max_blocks, generations, check_canaries } = *step;
+        let BlockTableStep { block_table, seq_lens, num_seqs, max_blocks, generations, check_canaries, query_lens } =
+            *step;
         fits("sequences", u64::from(num_seqs), u64::from(self.max_seqs))?;
+        readers_cover("verify_block_table", num_seqs, self.readers_set)?;
         let cells = u64::from(num_seqs) * u64::from(max_blocks);
         need("block_table", &block_table, cells)?;
         need("seq_lens", &seq_lens, u64::from(num_seqs))?;
         need_opt("expected generations", &generations, cells)?;
+        need_opt("query_lens", &query_lens, u64::from(num_seqs))?;
         if num_seqs == 0 {
             return Ok(());
         }
-        let (bt, sl, gens) = (block_table.ptr(), seq_lens.ptr(), ptr_or_null(&generations));
+        let (bt, sl, gens, ql) =
+            (block_table.ptr(), seq_lens.ptr(), ptr_or_null(&generations), ptr_or_null(&query_lens));
         let mut b = self.stream.launch_builder(&self.kernels.verify_block_table);
         b.arg(&self.raw.tags).arg(&self.num_pages).arg(&self.page_size).arg(&bt).arg(&num_seqs).arg(&max_blocks);
-        b.arg(&sl).arg(&gens).arg(self.raw.canaries_if(check_canaries));
+        b.arg(&sl).arg(&gens).arg(self.raw.canaries_if(check_canaries)).arg(&ql);
         b.arg(&self.raw.readers).arg(&self.raw.status).arg(&self.raw.ring);
-        let grid = (blocks_for(u64::from(max_blocks), 128), num_seqs.min(MAX_GRID_Y), 1);
+        let grid = verify_grid(num_seqs, max_blocks, self.sm_count);
         // SAFETY: the kernel reads block_table/expected generations rows s < num_seqs of
-        // max_blocks entries, seq_lens[s], readers[s] and writes status[s] for s < num_seqs
-        // (checked against the Borrowed lengths and max_seqs above); page ids are range-checked
-        // in the kernel before tags or canaries are read; the ring is written within its
-        // capacity. Arguments match `kvg_verify_block_table`'s signature in order and type.
-        unsafe { b.launch(cfg(grid, 128)) }?;
+        // max_blocks entries, seq_lens[s], query_lens[s], readers[s] (s < num_seqs <= the
+        // readers set) and writes status[s] for s < num_seqs (checked against the Borrowed
+        // lengths and max_seqs above); page ids are range-checked in the kernel before tags or
+        // canaries are read; the ring is written within its capacity. Any grid is complete
+        // (grid-stride loops). Arguments match `kvg_verify_block_table`'s signature.
+        unsafe { b.launch(cfg(grid, VERIFY_THREADS)) }?;
         Ok(())
     }
 
@@ -352,27 +392,32 @@ impl Device {
             max_pages_per_seq,
             generations,
             check_canaries,
+            query_lens,
         } = *step;
         fits("sequences", u64::from(num_seqs), u64::from(self.max_seqs))?;
+        readers_cover("verify_paged_kv", num_seqs, self.readers_set)?;
         need("kv_indptr", &kv_indptr, u64::from(num_seqs) + 1)?;
         need("kv_last_page_len", &kv_last_page_len, u64::from(num_seqs))?;
         need_opt("expected generations", &generations, kv_indices.len() as u64)?;
+        need_opt("query_lens", &query_lens, u64::from(num_seqs))?;
         let num_indices = u32::try_from(kv_indices.len())
             .map_err(|_| DeviceError::Argument("kv_indices: more than 2^32 entries".into()))?;
         if num_seqs == 0 {
             return Ok(());
         }
-        let (ip, ix, lp, gens) = (kv_indptr.ptr(), kv_indices.ptr(), kv_last_page_len.ptr(), ptr_or_null(&generations));
+        let (ip, ix, lp) = (kv_indptr.ptr(), kv_indices.ptr(), kv_last_page_len.ptr());
+        let (gens, ql) = (ptr_or_null(&generations), ptr_or_null(&query_lens));
         let mut b = self.stream.launch_builder(&self.kernels.verify_paged_kv);
         b.arg(&self.raw.tags).arg(&self.num_pages).arg(&self.page_size).arg(&ip).arg(&ix).arg(&lp).arg(&num_seqs);
-        b.arg(&num_indices).arg(&gens).arg(self.raw.canaries_if(check_canaries));
+        b.arg(&num_indices).arg(&gens).arg(self.raw.canaries_if(check_canaries)).arg(&ql);
         b.arg(&self.raw.readers).arg(&self.raw.status).arg(&self.raw.ring);
-        let grid = (blocks_for(u64::from(max_pages_per_seq), 128), num_seqs.min(MAX_GRID_Y), 1);
-        // SAFETY: indptr[0..=num_seqs] and last_page_len[0..num_seqs] are in bounds (checked);
-        // the kernel refuses any indptr range beyond num_indices (= the lent length) before
-        // reading kv_indices or the generations (lent with at least as many entries); page ids
-        // are range-checked before tags are read. Arguments match `kvg_verify_paged_kv`.
-        unsafe { b.launch(cfg(grid, 128)) }?;
+        let grid = verify_grid(num_seqs, max_pages_per_seq, self.sm_count);
+        // SAFETY: indptr[0..=num_seqs], last_page_len[0..num_seqs], query_lens[0..num_seqs]
+        // and readers[0..num_seqs] are in bounds (checked); the kernel refuses any indptr range
+        // beyond num_indices (= the lent length) before reading kv_indices or the generations
+        // (lent with at least as many entries); page ids are range-checked before tags are
+        // read. Any grid is complete. Arguments match `kvg_verify_paged_kv`.
+        unsafe { b.launch(cfg(grid, VERIFY_THREADS)) }?;
         Ok(())
     }
 
@@ -401,7 +446,7 @@ impl Device {
         // SAFETY: the kernel reads page_bytes bytes of pages id < region.num_pages only, all
         // inside the lent region (checked), pages[0..n_pages] (checked) and writes
         // out[0..n_pages] (checked). Arguments match `kvg_crc32_pages`.
-        unsafe { b.launch(cfg((n_pages.min(MAX_GRID_X), 1, 1), 256)) }?;
+        unsafe { b.launch(cfg(crc_grid(n_pages, self.sm_count), 256)) }?;
         Ok(())
     }
 
@@ -448,6 +493,7 @@ impl Device {
             num_seqs,
         } = *store;
         fits("sequences", u64::from(num_seqs), u64::from(self.max_seqs))?;
+        readers_cover("store_kv", num_seqs, self.readers_set)?;
         let io = u64::from(num_tokens) * u64::from(kv_width);
         let cache = u64::from(self.num_pages) * u64::from(self.page_size) * u64::from(kv_width);
         need("key", &key, io)?;
@@ -484,6 +530,7 @@ impl Device {
         step.check(self.num_pages, self.page_size)?;
         let shape = step.shape;
         fits("sequences", u64::from(shape.num_seqs), u64::from(self.max_seqs))?;
+        readers_cover("decode_attention_checked", shape.num_seqs, self.readers_set)?;
         if shape.num_seqs == 0 {
             return Ok(());
         }
@@ -526,9 +573,12 @@ impl Device {
     pub fn set_readers(&mut self, readers: &[DeviceReader]) -> Result<(), DeviceError> {
         fits("readers", readers.len() as u64, u64::from(self.max_seqs))?;
         let bytes: Vec<u8> = readers.iter().flat_map(|r| r.to_bytes()).collect();
+        // Until the copy is queued, no launch may read past what the previous one wrote.
+        self.readers_set = 0;
         if !bytes.is_empty() {
             self.stream.memcpy_htod(&bytes, &mut self.readers.slice_mut(0..bytes.len()))?;
         }
+        self.readers_set = readers.len() as u32;
         Ok(())
     }
 
@@ -654,5 +704,36 @@ impl UncheckedAttention {
     /// The step.
     pub fn step(&self) -> &DecodeAttention {
         &self.step
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_verify_grid_is_sized_by_sequence_not_by_the_block_table_width() {
+        let sms = 132; // H100 SXM / H200
+        // vLLM's real width at max_model_len 131,072 / page size 16: 8,192 entries per row.
+        let (x, y, _) = verify_grid(256, 8192, sms);
+        assert_eq!(y, 256);
+        let blocks = x * y;
+        assert!(blocks <= 2 * sms * VERIFY_BLOCKS_PER_SM + 256, "{blocks} blocks at width 8,192");
+        assert!(blocks < 16_384 / 8, "the width-sized grid launched 16,384 blocks");
+        // The same step at a tight width launches no more.
+        assert!(verify_grid(256, 256, sms).0 <= x);
+        // Few sequences still spread over the GPU, up to one thread per page of a row.
+        assert_eq!(verify_grid(1, 8192, sms), (64, 1, 1));
+        assert_eq!(verify_grid(1, 100, sms), (1, 1, 1));
+        // Degenerate inputs never give an empty grid.
+        assert_eq!(verify_grid(0, 0, 0), (1, 1, 1));
+        assert_eq!(verify_grid(1 << 20, 8192, sms).1, MAX_GRID_Y);
+    }
+
+    #[test]
+    fn the_crc_grid_is_persistent() {
+        assert_eq!(crc_grid(65_536, 132), (132 * CRC_BLOCKS_PER_SM, 1, 1));
+        assert_eq!(crc_grid(10, 132), (10, 1, 1));
+        assert_eq!(crc_grid(0, 0), (1, 1, 1));
     }
 }

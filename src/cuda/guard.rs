@@ -81,11 +81,10 @@ pub struct Drained {
 /// guard.set_readers(&[(RequestId(1), TenantId(7))])?;
 /// # let (bt_ptr, lens_ptr) = (0u64, 0u64);
 /// // SAFETY: the engine's block table and seq_lens tensors, alive until the step completes.
-/// let step = BlockTableStep {
-///     block_table: unsafe { Borrowed::from_raw(bt_ptr, 1 * 8192) },
-///     seq_lens: unsafe { Borrowed::from_raw(lens_ptr, 1) },
-///     num_seqs: 1, max_blocks: 8192, generations: None, check_canaries: true,
-/// };
+/// let (block_table, seq_lens) =
+///     unsafe { (Borrowed::from_raw(bt_ptr, 1 * 8192), Borrowed::from_raw(lens_ptr, 1)) };
+/// // Canaries off: this engine's own KV store does not stamp them.
+/// let step = BlockTableStep::new(block_table, seq_lens, 1, 8192);
 /// guard.clear_status()?;
 /// guard.verify_block_table(&step)?; // attention kernels may read guard.status_ptr()
 /// let drained = guard.drain(&table)?; // off the hot path
@@ -180,7 +179,11 @@ impl DeviceGuard {
         self.device.write_canaries(first_slot, canaries)
     }
 
-    /// Names the request (and tenant) reading through each sequence of the next steps.
+    /// Names the request (and tenant) reading through each sequence of this step: call it every
+    /// step, before the step's verify, store and fused check. Launches over more sequences than
+    /// the last call named are refused ([`DeviceError::Argument`], on the host, before
+    /// launching): sequence `k` would otherwise be judged as whoever sat at `k` in an earlier
+    /// step. The copy is ordered on the guard's stream before the launches that read it.
     pub fn set_readers(&mut self, readers: &[(RequestId, TenantId)]) -> Result<(), DeviceError> {
         let r: Vec<DeviceReader> = readers.iter().map(|&(req, t)| DeviceReader::new(req, t)).collect();
         self.device.set_readers(&r)
@@ -192,19 +195,24 @@ impl DeviceGuard {
     }
 
     /// Verifies a vLLM-layout step before attention: violations go to the ring and set bit
-    /// `kind` of the sequence's status word. No host synchronisation.
+    /// `kind` of the sequence's status word. No host synchronisation. The launch is sized by
+    /// sequence, not by `max_blocks`. [`DeviceError::Argument`] before launching when
+    /// `num_seqs` exceeds the readers [`set_readers`](Self::set_readers) named or a buffer is
+    /// shorter than the step needs.
     pub fn verify_block_table(&mut self, step: &BlockTableStep) -> Result<(), DeviceError> {
         self.device.verify_block_table(step)
     }
 
-    /// Verifies a FlashInfer-layout step before attention. No host synchronisation.
+    /// Verifies a FlashInfer-layout step before attention. No host synchronisation; refused as
+    /// [`verify_block_table`](Self::verify_block_table) is.
     pub fn verify_paged_kv(&mut self, step: &PagedKvStep) -> Result<(), DeviceError> {
         self.device.verify_paged_kv(step)
     }
 
     /// CRC32 (crc32fast-exact) of pages of `region` (all of `0..n_pages` when `pages` is None)
     /// into `out`, for KV transfers. `chunk_bytes` is the least each thread hashes (0: 16; each
-    /// of the 256 threads of a page's block takes a power-of-two share).
+    /// of the 256 threads of a page's block takes a power-of-two share). A persistent grid of a
+    /// few blocks per SM: each builds its CRC table once, then strides over the pages.
     pub fn crc32_pages(
         &mut self,
         region: PageRegion,

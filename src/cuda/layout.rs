@@ -24,13 +24,19 @@ pub struct DeviceTag {
     pub written: u32,
     /// The [`PageState`] discriminant.
     pub state: u32,
-    /// Reserved; 0.
+    /// `KVG_FLAG_*` bits: [`FLAG_SHARED_ACROSS_TENANTS`](Self::FLAG_SHARED_ACROSS_TENANTS); the
+    /// other bits are reserved, 0.
     pub flags: u32,
 }
 
 impl DeviceTag {
     /// Bytes per tag.
     pub const SIZE: usize = 32;
+
+    /// `KVG_FLAG_SHARED_ACROSS_TENANTS`: a shared page that a request of another tenant reads
+    /// under a cross-tenant grant ([`PageInfo::shared_across_tenants`]). The device check then
+    /// lets a reader of any tenant read it, as the host lets that holder.
+    pub const FLAG_SHARED_ACROSS_TENANTS: u32 = 1;
 
     /// The device tag of a page the host table describes.
     pub fn from_page_info(info: &PageInfo) -> DeviceTag {
@@ -40,7 +46,7 @@ impl DeviceTag {
             generation: info.generation.0,
             written: info.written_prefix,
             state: info.state as u32,
-            flags: 0,
+            flags: if info.shared_across_tenants { Self::FLAG_SHARED_ACROSS_TENANTS } else { 0 },
         }
     }
 
@@ -122,7 +128,7 @@ pub enum DeviceKind {
     ReservedPage = 2,
     /// A free, retired or awaiting-scrub page.
     FreedPage = 3,
-    /// Another request's page, or another tenant's prefix.
+    /// Another request's page, or another tenant's prefix (unless shared across tenants).
     ForeignPage = 4,
     /// A generation other than the one the engine recorded.
     StalePage = 5,

@@ -7,25 +7,58 @@ use super::lent::Borrowed;
 
 /// A decode step in vLLM's layout: `block_table[num_seqs][max_blocks]` (int32) and
 /// `seq_lens[num_seqs]` (int32 tokens read), both the engine's device memory.
+///
+/// [`BlockTableStep::new`] gives the recipe's defaults: no generations, canaries off. Canaries
+/// are only meaningful when every KV write goes through kvguard's stamping store
+/// ([`DeviceGuard::store_kv`](super::DeviceGuard::store_kv), or `kvg_stamp_canary` in the
+/// engine's own store) or is seeded by
+/// [`DeviceGuard::write_canaries`](super::DeviceGuard::write_canaries): an engine that keeps its
+/// own unstamped KV-store kernel must leave them off, or every sequence is flagged.
 #[derive(Clone, Copy, Debug)]
 pub struct BlockTableStep {
     /// The block table, row-major, `max_blocks` entries per row.
     pub block_table: Borrowed<i32>,
     /// Tokens each sequence reads.
     pub seq_lens: Borrowed<i32>,
-    /// Sequences in the step (at most [`DeviceOptions::max_seqs`](super::DeviceOptions::max_seqs)).
+    /// Sequences in the step: at most the readers named for this step by
+    /// [`DeviceGuard::set_readers`](super::DeviceGuard::set_readers).
     pub num_seqs: u32,
-    /// Entries per block-table row.
+    /// Entries per block-table row (the row stride, e.g. `max_model_len / page_size`; the
+    /// launch is sized by sequence, so a wide table costs nothing).
     pub max_blocks: u32,
     /// Optional: the generation the engine recorded for each entry (the block table's shape);
     /// entries of another incarnation are [`StalePage`](crate::ViolationKind::StalePage).
     pub generations: Option<Borrowed<u32>>,
-    /// Also check every read slot's canary (KV stamped by the current incarnation).
+    /// Also check the canary of every read slot written before this step (KV stamped by the
+    /// current incarnation). Off by default: see the type's documentation.
     pub check_canaries: bool,
+    /// With canaries: each sequence's tokens of this step (its query length: 1 for a decode, the
+    /// chunk for a prefill), `[num_seqs]` int32. A verify placed before the forward pass runs
+    /// before this step's KV is stored, so slots `seq_len - query_len .. seq_len` are not yet
+    /// stamped and their canaries are not checked. `None`: every slot read was written before
+    /// this verify (it runs after the store). A length below 0 or above `seq_len` is a malformed
+    /// step ([`BadLayout`](super::DeviceKind::BadLayout)).
+    pub query_lens: Option<Borrowed<i32>>,
+}
+
+impl BlockTableStep {
+    /// A step with the recipe's defaults: no generations, canaries off.
+    pub fn new(block_table: Borrowed<i32>, seq_lens: Borrowed<i32>, num_seqs: u32, max_blocks: u32) -> Self {
+        BlockTableStep {
+            block_table,
+            seq_lens,
+            num_seqs,
+            max_blocks,
+            generations: None,
+            check_canaries: false,
+            query_lens: None,
+        }
+    }
 }
 
 /// A decode step in FlashInfer's layout: `kv_indptr[num_seqs + 1]`, `kv_indices[..]` and
-/// `kv_last_page_len[num_seqs]` (int32, the engine's device memory).
+/// `kv_last_page_len[num_seqs]` (int32, the engine's device memory). Canaries as for
+/// [`BlockTableStep`]: off by default ([`PagedKvStep::new`]).
 #[derive(Clone, Copy, Debug)]
 pub struct PagedKvStep {
     /// Where each sequence's pages start in `kv_indices`.
@@ -34,15 +67,39 @@ pub struct PagedKvStep {
     pub kv_indices: Borrowed<i32>,
     /// Tokens in each sequence's last page (1..=page_size).
     pub kv_last_page_len: Borrowed<i32>,
-    /// Sequences in the step.
+    /// Sequences in the step: at most the readers named for this step.
     pub num_seqs: u32,
-    /// An upper bound on pages per sequence (sizes the grid; any value is correct, a tight one
-    /// is fast).
+    /// An upper bound on pages per sequence (caps the grid; any value is correct).
     pub max_pages_per_seq: u32,
     /// Optional: generations parallel to `kv_indices`.
     pub generations: Option<Borrowed<u32>>,
-    /// Also check every read slot's canary.
+    /// Also check the canary of every read slot written before this step (off by default).
     pub check_canaries: bool,
+    /// With canaries: each sequence's tokens of this step, as
+    /// [`BlockTableStep::query_lens`].
+    pub query_lens: Option<Borrowed<i32>>,
+}
+
+impl PagedKvStep {
+    /// A step with the recipe's defaults: no generations, canaries off.
+    pub fn new(
+        kv_indptr: Borrowed<i32>,
+        kv_indices: Borrowed<i32>,
+        kv_last_page_len: Borrowed<i32>,
+        num_seqs: u32,
+        max_pages_per_seq: u32,
+    ) -> Self {
+        PagedKvStep {
+            kv_indptr,
+            kv_indices,
+            kv_last_page_len,
+            num_seqs,
+            max_pages_per_seq,
+            generations: None,
+            check_canaries: false,
+            query_lens: None,
+        }
+    }
 }
 
 /// One launch of the reference KV store: `num_tokens` tokens of `kv_width` elements each, token
@@ -203,10 +260,43 @@ pub(super) fn need_opt<T>(what: &str, b: &Option<Borrowed<T>>, elements: u64) ->
     b.as_ref().map_or(Ok(()), |b| need(what, b, elements))
 }
 
+/// Whether a launch over `num_seqs` sequences reads only readers named for this step:
+/// `readers_set` is how many the last [`DeviceGuard::set_readers`](super::DeviceGuard::set_readers)
+/// wrote. Sequences beyond them would be judged as whoever sat there in an earlier step (a
+/// false negative of exactly the incident's kind), so the launch is refused on the host.
+pub(super) fn readers_cover(what: &str, num_seqs: u32, readers_set: u32) -> Result<(), DeviceError> {
+    if num_seqs > readers_set {
+        return Err(DeviceError::Argument(format!(
+            "{what}: {num_seqs} sequences, but set_readers named {readers_set} for this step"
+        )));
+    }
+    Ok(())
+}
+
 /// Whether `count` fits a buffer of `capacity`.
 pub(super) fn fits(what: &str, count: u64, capacity: u64) -> Result<(), DeviceError> {
     if count > capacity {
         return Err(DeviceError::Argument(format!("{what}: {count} exceeds the capacity {capacity}")));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_step_over_more_sequences_than_readers_set_is_refused() {
+        assert!(readers_cover("verify", 4, 4).is_ok());
+        assert!(readers_cover("verify", 0, 0).is_ok());
+        assert!(readers_cover("verify", 3, 8).is_ok());
+        match readers_cover("verify", 5, 4) {
+            Err(DeviceError::Argument(why)) => {
+                assert!(why.contains("5 sequences") && why.contains("named 4"), "{why}");
+            }
+            other => panic!("expected DeviceError::Argument, got {other:?}"),
+        }
+        // No set_readers yet: nothing may be judged.
+        assert!(matches!(readers_cover("store", 1, 0), Err(DeviceError::Argument(_))));
+    }
 }

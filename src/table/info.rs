@@ -91,6 +91,12 @@ pub struct PageInfo {
     pub written_prefix: u32,
     /// Slots written by the current incarnation, in all.
     pub written_slots: u32,
+    /// Shared pages only: a request of another tenant attached to the prefix (under its
+    /// tenant's [cross-tenant grant](crate::OwnershipTable::allow_cross_tenant_sharing)), so
+    /// readers are not all of the prefix's tenant. Set by that attach, kept until the prefix goes;
+    /// the device check, which cannot see holders, then lets any tenant read the page.
+    #[serde(default)]
+    pub shared_across_tenants: bool,
 }
 
 /// What the table knows about one admitted request.

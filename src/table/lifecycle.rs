@@ -332,6 +332,7 @@ impl TableState {
                 publisher: parent,
                 pages: Vec::new(),
                 holders: 1,
+                cross_tenant: false,
             });
             for &page in &pages {
                 self.tags[page.0 as usize].set_prefix(slot);

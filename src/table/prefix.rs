@@ -61,6 +61,7 @@ impl TableState {
             publisher: req,
             pages: Vec::new(),
             holders: 1,
+            cross_tenant: false,
         });
         // The caller's order, for `attach` to hand back; a page listed twice is published once
         // (the second time round it is already shared).
@@ -93,6 +94,15 @@ impl TableState {
         let rec = self.requests.get_mut(&req).expect("checked above");
         if rec.prefixes.insert(slot) {
             self.prefixes[slot].holders += 1;
+        }
+        let prefix = &mut self.prefixes[slot];
+        if prefix.tenant != tenant && !prefix.cross_tenant {
+            // The device mirror must learn that another tenant now reads these pages.
+            prefix.cross_tenant = true;
+            for i in 0..self.prefixes[slot].pages.len() {
+                let page = self.prefixes[slot].pages[i];
+                self.mark_changed(page);
+            }
         }
         Ok(self.prefixes[slot].pages.iter().map(|&p| self.page_ref(p)).collect())
     }

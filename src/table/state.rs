@@ -177,6 +177,11 @@ pub(crate) struct PrefixRecord {
     pub publisher: RequestId,
     pub pages: Vec<PageId>,
     pub holders: u32,
+    /// A request of another tenant attached to it (under the publisher tenant's
+    /// cross-tenant grant). Set on that attach (its pages are marked changed, so a device mirror
+    /// re-syncs) and kept until the prefix goes: the device check, which cannot see holders,
+    /// then lets any tenant read its pages.
+    pub cross_tenant: bool,
 }
 
 /// Hashes the table's integer ids (requests, pages, prefix keys): foldhash, seeded at random
@@ -328,7 +333,7 @@ impl TableState {
     }
 
     #[inline]
-    fn mark_changed(&mut self, page: PageId) {
+    pub(super) fn mark_changed(&mut self, page: PageId) {
         let tag = &mut self.tags[page.0 as usize];
         if self.tracking_changes && !tag.changed {
             tag.changed = true;
@@ -591,8 +596,14 @@ mod tests {
 
     #[test]
     fn a_prefix_handle_kept_past_its_prefix_matches_nothing() {
-        let record =
-            || PrefixRecord { key: None, tenant: TenantId(1), publisher: RequestId(1), pages: vec![], holders: 1 };
+        let record = || PrefixRecord {
+            key: None,
+            tenant: TenantId(1),
+            publisher: RequestId(1),
+            pages: vec![],
+            holders: 1,
+            cross_tenant: false,
+        };
         let mut store: SlotMap<PrefixSlot, PrefixRecord> = SlotMap::with_key();
         let old = store.insert(record());
         let mut held = HeldPrefixes::default();

@@ -72,6 +72,16 @@ mod cuda {
     }
 
     #[test]
+    fn the_standalone_verify_recipe_defaults_to_canaries_off() {
+        // SAFETY: never launched; only the defaults are looked at.
+        let (bt, lens) = unsafe { (Borrowed::<i32>::from_raw(0, 8), Borrowed::<i32>::from_raw(0, 1)) };
+        let step = BlockTableStep::new(bt, lens, 1, 8);
+        assert!(!step.check_canaries && step.query_lens.is_none() && step.generations.is_none());
+        let step = PagedKvStep::new(lens, bt, lens, 1, 8);
+        assert!(!step.check_canaries && step.query_lens.is_none() && step.generations.is_none());
+    }
+
+    #[test]
     fn device_guard_without_a_driver_is_a_typed_error_not_a_panic() {
         let config = PoolConfig::new(64, 16, 256);
         let result = std::panic::catch_unwind(|| DeviceGuard::new(&config, DeviceOptions::default()));
@@ -164,6 +174,7 @@ mod cuda {
             max_blocks: max_blocks as u32,
             generations: None,
             check_canaries: false,
+            query_lens: None,
         };
         g.stream().synchronize().unwrap();
 
@@ -199,6 +210,40 @@ mod cuda {
     }
 
     #[test]
+    fn gpu_a_prefix_shared_across_tenants_reads_clean_and_stale_readers_are_refused() {
+        let (table, pa, pb) = two_requests();
+        let Some(mut g) = guard(table.config(), 8) else { return };
+        let (alice, bob) = (RequestId(1), RequestId(2));
+        // Alice (tenant 1) publishes her first two pages; tenant 1 opts in; bob (tenant 2) attaches.
+        table.publish_prefix(alice, kvguard::PrefixKey(9), &pa[..2]).unwrap();
+        table.allow_cross_tenant_sharing(TenantId(1), true);
+        table.attach_prefix(bob, kvguard::PrefixKey(9)).unwrap();
+        g.sync_tags(&table).unwrap(); // the first sync: every page, the flag included
+        let max_blocks = 8usize; // a wide row: the launch is sized by sequence
+        let mut bt = vec![0i32; 2 * max_blocks];
+        for (j, p) in pa[..2].iter().chain(&pb).enumerate() {
+            bt[j] = p.0 as i32; // seq 0: bob through the prefix, then his own pages
+        }
+        bt[max_blocks] = pa[0].0 as i32; // seq 1: alice through her prefix
+        let lens = [32i32 + 40, 16];
+        assert!(table.check_read(bob, &[pa[0], pa[1], pb[0], pb[1], pb[2]], 72).is_ok());
+        let d_bt = g.stream().clone_htod(&bt).unwrap();
+        let d_lens = g.stream().clone_htod(&lens).unwrap();
+        let step = BlockTableStep::new(lend(&g, &d_bt), lend(&g, &d_lens), 2, max_blocks as u32);
+        // Stale readers: one reader named for a two-sequence step is refused before launching.
+        g.set_readers(&[(bob, TenantId(2))]).unwrap();
+        match g.verify_block_table(&step) {
+            Err(DeviceError::Argument(why)) => assert!(why.contains("set_readers"), "{why}"),
+            other => panic!("a step over more sequences than readers must be refused, got {other:?}"),
+        }
+        g.set_readers(&[(bob, TenantId(2)), (alice, TenantId(1))]).unwrap();
+        g.clear_status().unwrap();
+        g.verify_block_table(&step).unwrap();
+        assert_eq!(g.read_status(2).unwrap(), vec![0, 0], "the host allows both reads");
+        assert!(g.drain(&table).unwrap().violations.is_empty());
+    }
+
+    #[test]
     fn gpu_verify_paged_kv_flags_a_stale_generation() {
         let (table, pa, _) = two_requests();
         let Some(mut g) = guard(table.config(), 4) else { return };
@@ -221,6 +266,7 @@ mod cuda {
             max_pages_per_seq: 3,
             generations: Some(lend(&g, &d_gens)),
             check_canaries: false,
+            query_lens: None,
         })
         .unwrap();
         assert_eq!(g.read_status(2).unwrap(), vec![0, 1 << DeviceKind::StalePage.code()]);

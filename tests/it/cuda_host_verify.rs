@@ -2,13 +2,18 @@
 //! (kernels/host/), against the ownership table's own verdicts: both block-table layouts on
 //! hand-made and random steps with injected violations (foreign, freed, reserved, out of range,
 //! stale generation, unwritten, too short), the violation ring, canaries stamped by the reference
-//! KV store and checked by the reads. Needs only a C++17 compiler (see `cuda_host_sim.rs`).
+//! KV store and checked by the reads, only for the slots written before the step (query lengths);
+//! prefixes shared across tenants, forks and prefix reads through the incrementally synced tag
+//! mirror. Needs only a C++17 compiler (see `cuda_host_sim.rs`).
 
 /// Under `cuda::` so that `cargo test cuda` selects these.
 mod cuda {
     use crate::common::host_sim::{Case, NUM_PAGES, PS, Pool, Rng, driver, pool};
-    use kvguard::cuda::layout::{DeviceKind, DeviceReader, DeviceViolation, RingDrain, canary};
-    use kvguard::{Generation, PageId, PageRef, PageState, RequestId, ViolationKind};
+    use kvguard::cuda::layout::{DeviceKind, DeviceReader, DeviceTag, DeviceViolation, RingDrain, canary};
+    use kvguard::{
+        Generation, OwnershipTable, PageId, PageRef, PageState, Policy, PoolConfig, PrefixKey, RequestId, TenantId,
+        ViolationKind,
+    };
     use std::collections::HashMap;
     use std::path::Path;
 
@@ -464,5 +469,269 @@ mod cuda {
         let (status, ring) = run_block_table(exe, &pool, std::slice::from_ref(&alice_reads), false, Some(&stamped));
         assert_eq!(status[0], 1 << DeviceKind::CanaryMismatch.code());
         assert_eq!((ring.records[0].block, ring.records[0].slot_start), (3, 1));
+    }
+
+    // ------------------------------------------------------------------------------------------------
+    // One step on the simulated grid, from explicit tags and readers
+    // ------------------------------------------------------------------------------------------------
+
+    /// One sequence of a step for [`run_rows`]: who reads, which pages, how many tokens.
+    struct Read {
+        reader: DeviceReader,
+        pages: Vec<PageId>,
+        tokens: u64,
+    }
+
+    /// Runs `kvg_verify_block_table` over `reads` (rows padded to `MAX_BLOCKS` with the reserved
+    /// page, never read) against `tags`; canaries and query lengths when given.
+    fn run_rows(
+        exe: &Path,
+        tags: &[DeviceTag],
+        reads: &[Read],
+        canaries: Option<&[u32]>,
+        query_lens: Option<&[i32]>,
+    ) -> (Vec<u32>, RingDrain) {
+        let mut table = Vec::new();
+        for r in reads {
+            let mut row: Vec<i32> = r.pages.iter().map(|p| p.0 as i32).collect();
+            row.resize(MAX_BLOCKS, 0);
+            table.extend(row);
+        }
+        let mut case = Case::new("verify-rows");
+        case.tags("tags", tags)
+            .readers("readers", &reads.iter().map(|r| r.reader).collect::<Vec<_>>())
+            .i32s("block_table", &table)
+            .i32s("seq_lens", &reads.iter().map(|r| r.tokens as i32).collect::<Vec<_>>())
+            .param("page_size", PS)
+            .param("max_blocks", MAX_BLOCKS)
+            .param("ring_capacity", 256)
+            .param("grid_x", 1)
+            .param("grid_y", 2);
+        if let Some(c) = canaries {
+            case.u32s("canaries", c);
+        }
+        if let Some(q) = query_lens {
+            case.i32s("query_lens", q);
+        }
+        case.run(exe, "verify_block_table");
+        (case.out_u32("status"), case.ring())
+    }
+
+    // ------------------------------------------------------------------------------------------------
+    // Prefixes shared across tenants, forks and prefix reads
+    // ------------------------------------------------------------------------------------------------
+
+    /// The device tag mirror as `DeviceGuard::sync_tags` keeps it: only the pages
+    /// `take_changed_pages` lists travel. Returns the pages that changed.
+    fn sync(table: &OwnershipTable, mirror: &mut [DeviceTag]) -> Vec<PageId> {
+        let changed = table.take_changed_pages();
+        for (p, info) in &changed {
+            mirror[p.0 as usize] = DeviceTag::from_page_info(info);
+        }
+        changed.into_iter().map(|(p, _)| p).collect()
+    }
+
+    #[test]
+    fn prefixes_shared_across_tenants_forks_and_prefix_reads_agree_with_the_table() {
+        let Some(exe) = driver() else { return };
+        let config = PoolConfig::new(NUM_PAGES, PS, 64).with_reserved([PageId(0)]).with_policy(Policy::Report);
+        let table = OwnershipTable::new(config).unwrap();
+        let mut mirror = vec![DeviceTag::default(); NUM_PAGES as usize];
+        sync(&table, &mut mirror); // the first call: the whole pool
+        let (acme, globex, initech) = (TenantId(10), TenantId(20), TenantId(30));
+        let (publisher, colleague, guest, stranger, child) =
+            (RequestId(1), RequestId(2), RequestId(3), RequestId(4), RequestId(5));
+        for (r, t) in [(publisher, acme), (colleague, acme), (guest, globex), (stranger, initech)] {
+            table.admit(r, t, 20, 20).unwrap();
+        }
+        let tenant_of = |r: RequestId| table.request_info(r).unwrap().tenant;
+        let alloc =
+            |r: RequestId, n: u32| -> Vec<PageId> { table.allocate(r, n).unwrap().iter().map(|x| x.page).collect() };
+        // acme's public prefix: two full pages, published under key 7 and held by a colleague.
+        let prefix = alloc(publisher, 2);
+        table.record_write_tokens(publisher, &prefix, 0..8).unwrap();
+        table.publish_prefix(publisher, PrefixKey(7), &prefix).unwrap();
+        table.attach_prefix(colleague, PrefixKey(7)).unwrap();
+        let guest_own = alloc(guest, 1);
+        table.record_write_tokens(guest, &guest_own, 0..3).unwrap();
+        let through = |own: &[PageId]| -> Vec<PageId> { prefix.iter().chain(own).copied().collect() };
+
+        // The host's verdicts and the device's, on the mirror as synced, must agree.
+        let agree = |mirror: &[DeviceTag], reads: &[(RequestId, Vec<PageId>, u64)]| {
+            let step: Vec<Read> = reads
+                .iter()
+                .map(|(r, pages, tokens)| Read {
+                    reader: DeviceReader::new(*r, tenant_of(*r)),
+                    pages: pages.clone(),
+                    tokens: *tokens,
+                })
+                .collect();
+            let (status, ring) = run_rows(exe, mirror, &step, None, None);
+            for (i, (r, pages, tokens)) in reads.iter().enumerate() {
+                let host = table.check_read(*r, pages, *tokens).err().map(|v| v.kind());
+                let device = device_verdict(&ring.records, &status, i).map(|(k, _)| k.violation_kind());
+                assert_eq!(device, host, "read {i} by {r:?} of {pages:?}, {tokens} tokens");
+            }
+        };
+
+        // Before any grant: the prefix is acme's alone; globex reading it is foreign on both.
+        let changed = sync(&table, &mut mirror);
+        assert!(prefix.iter().all(|p| changed.contains(p)), "publishing changed the prefix pages");
+        assert!(prefix.iter().all(|p| mirror[p.0 as usize].flags == 0));
+        agree(
+            &mirror,
+            &[
+                (colleague, prefix.clone(), 8),   // a prefix read, same tenant
+                (publisher, prefix.clone(), 8),   // the publisher holds it too
+                (guest, through(&guest_own), 11), // another tenant, not a holder
+                (guest, guest_own.clone(), 3),    // its own page
+                (stranger, prefix.clone(), 4),    // a third tenant
+            ],
+        );
+
+        // acme opts in and globex's request attaches: the grant changes no read by itself, the
+        // attach does, and the mirror learns it from the changed pages.
+        table.allow_cross_tenant_sharing(acme, true);
+        assert!(sync(&table, &mut mirror).is_empty(), "a grant alone changes no read verdict");
+        table.attach_prefix(guest, PrefixKey(7)).unwrap();
+        let changed = sync(&table, &mut mirror);
+        assert_eq!(changed.len(), prefix.len(), "exactly the prefix's pages re-sync: {changed:?}");
+        for p in &prefix {
+            assert!(table.page_info(*p).unwrap().shared_across_tenants);
+            assert_eq!(mirror[p.0 as usize].flags, DeviceTag::FLAG_SHARED_ACROSS_TENANTS);
+        }
+        assert_eq!(mirror[guest_own[0].0 as usize].flags, 0, "only shared pages carry the flag");
+        agree(
+            &mirror,
+            &[
+                (guest, through(&guest_own), 11), // the cross-tenant holder: allowed on both now
+                (colleague, prefix.clone(), 8),
+                (guest, vec![prefix[1]], 4),
+            ],
+        );
+        // Without the flag the device would refuse that legitimate read (the wrong verdict fixed here).
+        let mut unflagged = mirror.clone();
+        for p in &prefix {
+            unflagged[p.0 as usize].flags = 0;
+        }
+        let guest_read = Read { reader: DeviceReader::new(guest, globex), pages: through(&guest_own), tokens: 11 };
+        let (status, _) = run_rows(exe, &unflagged, std::slice::from_ref(&guest_read), None, None);
+        assert_eq!(status[0], 1 << DeviceKind::ForeignPage.code());
+
+        // A fork of the guest: the child (globex) holds the prefix and the parent's pages.
+        table.fork(guest, child).unwrap();
+        sync(&table, &mut mirror);
+        agree(
+            &mirror,
+            &[(child, through(&guest_own), 11), (guest, through(&guest_own), 11), (child, prefix.clone(), 5)],
+        );
+
+        // Revoking the grant keeps existing holders reading on the host; the device agrees.
+        table.allow_cross_tenant_sharing(acme, false);
+        sync(&table, &mut mirror);
+        agree(&mirror, &[(guest, through(&guest_own), 11), (child, prefix.clone(), 8)]);
+
+        // The documented difference: the device cannot see holders, so once the prefix is shared
+        // across tenants a non-holder of a third tenant passes there; the host refuses it.
+        let stranger_read = Read { reader: DeviceReader::new(stranger, initech), pages: prefix.clone(), tokens: 8 };
+        let (status, _) = run_rows(exe, &mirror, std::slice::from_ref(&stranger_read), None, None);
+        assert_eq!(status[0], 0);
+        assert_eq!(table.check_read(stranger, &prefix, 8).unwrap_err().kind(), ViolationKind::ForeignPage);
+
+        // The prefix goes: its pages are freed and lose the flag; reads of them are refused on both.
+        for r in [colleague, guest, child, publisher] {
+            table.release(r).unwrap();
+        }
+        table.evict_prefix(PrefixKey(7)).unwrap();
+        sync(&table, &mut mirror);
+        assert!(prefix.iter().all(|p| mirror[p.0 as usize].flags == 0));
+        agree(&mirror, &[(stranger, prefix.clone(), 8)]);
+    }
+
+    // ------------------------------------------------------------------------------------------------
+    // Canaries: only the slots written before this step
+    // ------------------------------------------------------------------------------------------------
+
+    #[test]
+    fn canaries_are_checked_only_for_slots_written_before_the_step() {
+        let Some(exe) = driver() else { return };
+        let pool = pool();
+        let tags = pool.device_tags();
+        let (a, ta, pa, _) = pool.requests[0].clone();
+        let (c, tc, pc, _) = pool.requests[2].clone();
+        // Alice decodes token 14 (slot 2 of her page 3): its KV is stored later in this step, so
+        // its canary is still 0 when a verify placed before the forward pass runs. Carol runs a
+        // prefill chunk of 6 tokens, 10..16: none of them is stamped yet.
+        let mut canaries = pool.canaries();
+        canaries[(pa[3].0 * PS + 2) as usize] = 0;
+        for t in 10..16u32 {
+            canaries[(pc[(t / PS) as usize].0 * PS + t % PS) as usize] = 0;
+        }
+        let reads = [
+            Read { reader: DeviceReader::new(a, ta), pages: pa.clone(), tokens: 15 },
+            Read { reader: DeviceReader::new(c, tc), pages: pc.clone(), tokens: 16 },
+        ];
+        let mut tags15 = tags.clone();
+        tags15[pa[3].0 as usize].written = PS; // the host table recorded the step's writes
+        // Without query lengths every read slot must be stamped: both sequences are flagged.
+        let (status, ring) = run_rows(exe, &tags15, &reads, Some(&canaries), None);
+        let canary_bit = 1 << DeviceKind::CanaryMismatch.code();
+        assert_eq!(status, vec![canary_bit, canary_bit]);
+        let first: Vec<(u32, u32, u32)> = ring.records.iter().map(|r| (r.seq, r.block, r.slot_start)).collect();
+        assert!(first.contains(&(0, 3, 2)) && first.contains(&(1, 2, 2)), "{first:?}");
+        // With this step's query lengths, the unstamped slots are this step's own: clean.
+        let (status, ring) = run_rows(exe, &tags15, &reads, Some(&canaries), Some(&[1, 6]));
+        assert_eq!(status, vec![0, 0], "{:?}", ring.records);
+        assert!(ring.records.is_empty());
+        // A prefill of the whole sequence has nothing stamped before it: zeroed canaries pass.
+        let zeroed = vec![0u32; canaries.len()];
+        let (status, _) = run_rows(exe, &tags15, &reads, Some(&zeroed), Some(&[15, 16]));
+        assert_eq!(status, vec![0, 0]);
+        // KV written before the step that this incarnation never stamped is still caught.
+        let mut bad = canaries.clone();
+        bad[(pa[1].0 * PS + 2) as usize] = canary(a.0, 0, pa[1].0, 2);
+        let (status, ring) = run_rows(exe, &tags15, &reads, Some(&bad), Some(&[1, 6]));
+        assert_eq!(status, vec![canary_bit, 0]);
+        assert_eq!((ring.records[0].block, ring.records[0].slot_start, ring.records[0].slot_end), (1, 2, 3));
+        // A query length below 0 or above the sequence's length is a malformed step.
+        let (status, ring) = run_rows(exe, &tags15, &reads, Some(&canaries), Some(&[-1, 17]));
+        let bad_layout = 1 << DeviceKind::BadLayout.code();
+        assert_eq!(status, vec![bad_layout, bad_layout]);
+        assert!(ring.records.iter().all(|r| r.to_violation().unwrap().kind() == ViolationKind::SlotOutOfRange));
+        // Query lengths are read only with canaries: without them they change nothing.
+        let (status, _) = run_rows(exe, &tags15, &reads, None, Some(&[-1, 17]));
+        assert_eq!(status, vec![0, 0]);
+    }
+
+    #[test]
+    fn the_paged_kv_verify_checks_canaries_only_before_the_step_too() {
+        let Some(exe) = driver() else { return };
+        let pool = pool();
+        let (a, ta, pa, _) = pool.requests[0].clone();
+        let mut tags = pool.device_tags();
+        tags[pa[3].0 as usize].written = PS;
+        let mut canaries = pool.canaries();
+        canaries[(pa[3].0 * PS + 2) as usize] = 0; // token 14, this step's
+        let run = |query_lens: Option<&[i32]>| {
+            let mut case = Case::new("verify-pkv-window");
+            case.tags("tags", &tags)
+                .readers("readers", &[DeviceReader::new(a, ta)])
+                .i32s("kv_indptr", &[0, 4])
+                .i32s("kv_indices", &pa.iter().map(|p| p.0 as i32).collect::<Vec<_>>())
+                .i32s("kv_last_page_len", &[3])
+                .u32s("canaries", &canaries)
+                .param("page_size", PS)
+                .param("ring_capacity", 16)
+                .param("grid_x", 1)
+                .param("grid_y", 1);
+            if let Some(q) = query_lens {
+                case.i32s("query_lens", q);
+            }
+            case.run(exe, "verify_paged_kv");
+            case.out_u32("status")
+        };
+        assert_eq!(run(None), vec![1 << DeviceKind::CanaryMismatch.code()]);
+        assert_eq!(run(Some(&[1])), vec![0]);
+        assert_eq!(run(Some(&[16])), vec![1 << DeviceKind::BadLayout.code()]);
     }
 }

@@ -168,4 +168,39 @@ mod cuda {
             assert!(src.contains(&format!("{k}(")), "{k} not defined");
         }
     }
+
+    /// Engines that fuse the checks include `kvguard.cuh` in several `.cu` files and may link them
+    /// with relocatable device code (`-rdc`): the header must define no symbol with external
+    /// linkage, or the device link sees each twice. Each unit's PTX, compiled relocatable, must
+    /// keep the CRC constant table internal (no `.visible`) and declare nothing `.extern`.
+    #[test]
+    fn the_header_defines_no_external_symbol_under_rdc() {
+        if !source::nvrtc_available() {
+            skip("NVRTC (libnvrtc.so.12) is not on LD_LIBRARY_PATH");
+            return;
+        }
+        let header = include_str!("../../kernels/kvguard.cuh");
+        for unit in ["a", "b"] {
+            let src = format!(
+                "{header}\nextern \"C\" __global__ void engine_{unit}(uint32_t *out, uint32_t crc, uint64_t n) {{\n\
+                     out[0] = kvg_crc32_combine(crc, out[1], n);\n}}\n"
+            );
+            let opts = cudarc::nvrtc::CompileOptions {
+                options: vec!["--gpu-architecture=compute_90".into(), "--relocatable-device-code=true".into()],
+                name: Some(format!("engine_{unit}.cu")),
+                ..Default::default()
+            };
+            let ptx = cudarc::nvrtc::compile_ptx_with_opts(&src, opts)
+                .unwrap_or_else(|e| panic!("the header does not compile relocatable: {e:?}"))
+                .to_src();
+            let table: Vec<&str> = ptx.lines().filter(|l| l.contains("kvg_crc32_x2n[")).collect();
+            assert!(!table.is_empty(), "unit {unit}: the CRC table is not in the PTX:\n{ptx}");
+            for line in table.iter().chain(ptx.lines().filter(|l| l.contains(".extern")).collect::<Vec<_>>().iter()) {
+                assert!(
+                    !line.contains(".visible") && !line.contains(".extern"),
+                    "unit {unit}: an external symbol would be defined twice under -rdc: {line}"
+                );
+            }
+        }
+    }
 }
