@@ -1,0 +1,130 @@
+//! One decode-step verify and one request lifecycle, each run once, guarded and unguarded, for
+//! instruction counting under callgrind (`scripts/instructions`): counts are repeatable run to
+//! run where criterion's times are noisy. Each measured region is one `#[inline(never)]`
+//! function whose name starts with `measured_`, so callgrind can count it alone.
+//!
+//! `cargo bench --bench instructions -- WORKLOAD` runs one of `decode_step/guarded`,
+//! `decode_step/unguarded`, `lifecycle/guarded`, `lifecycle/unguarded` (the shapes of
+//! `benches/ownership.rs`: 256 sequences x 4,096 tokens at page size 16; one request of 256 pages
+//! admitted, allocated, written through its slot mapping, read and released).
+
+use kvguard::{OwnershipTable, PageId, PageRef, PoolConfig, RequestId, SeqRead, TenantId};
+use std::hint::black_box;
+
+const PS: u32 = 16;
+const TOKENS: u64 = 4096;
+const PAGES: u32 = (TOKENS / PS as u64) as u32;
+const SEQS: u32 = 256;
+
+fn walk(block_table: &[PageId]) -> u64 {
+    block_table.iter().map(|p| u64::from(p.0) * u64::from(PS)).fold(0, u64::wrapping_add)
+}
+
+fn slot_mapping(block_table: &[PageId], tokens: u64, out: &mut Vec<u64>) {
+    out.clear();
+    out.extend(
+        (0..tokens).map(|t| u64::from(block_table[(t / u64::from(PS)) as usize].0) * u64::from(PS) + t % u64::from(PS)),
+    );
+}
+
+#[inline(never)]
+fn measured_decode_step_guarded(table: &OwnershipTable, reads: &[SeqRead<'_>]) -> bool {
+    table.verify_step(black_box(reads)).is_clean()
+}
+
+#[inline(never)]
+fn measured_decode_step_unguarded(reads: &[SeqRead<'_>]) -> u64 {
+    black_box(reads).iter().map(|r| walk(r.block_table)).sum()
+}
+
+fn decode_step(guarded: bool) {
+    let table = OwnershipTable::new(PoolConfig::new(SEQS * PAGES + 1, PS, TOKENS).with_reserved([PageId(0)]))
+        .expect("pool fits");
+    let mut tables = Vec::new();
+    for s in 0..SEQS {
+        let req = RequestId(u64::from(s));
+        table.admit(req, TenantId(u64::from(s % 8)), TOKENS, 0).expect("admit");
+        let bt: Vec<PageId> = table.allocate(req, PAGES).expect("allocate").iter().map(|r| r.page).collect();
+        table.record_write_tokens(req, &bt, 0..TOKENS).expect("write");
+        tables.push((req, bt));
+    }
+    let reads: Vec<SeqRead<'_>> =
+        tables.iter().map(|(req, bt)| SeqRead { request: *req, block_table: bt, tokens: TOKENS }).collect();
+    if guarded {
+        assert!(measured_decode_step_guarded(&table, &reads), "a clean step");
+    } else {
+        black_box(measured_decode_step_unguarded(&reads));
+    }
+}
+
+#[inline(never)]
+fn measured_lifecycle_guarded(
+    table: &OwnershipTable,
+    r: u64,
+    refs: &mut Vec<PageRef>,
+    bt: &mut Vec<PageId>,
+    slots: &mut Vec<u64>,
+) {
+    let req = RequestId(r);
+    table.admit(req, TenantId(r % 4), TOKENS, 0).expect("admit");
+    refs.clear();
+    table.allocate_into(req, PAGES, refs).expect("allocate");
+    bt.clear();
+    bt.extend(refs.iter().map(|r| r.page));
+    slot_mapping(bt, TOKENS, slots);
+    table.record_write_tokens(req, bt, 0..TOKENS).expect("write");
+    table.verify_read(req, bt, TOKENS).expect("read");
+    black_box(walk(bt));
+    black_box(table.release(req).expect("release"));
+}
+
+#[inline(never)]
+fn measured_lifecycle_unguarded(free: &mut Vec<PageId>, bt: &mut Vec<PageId>, slots: &mut Vec<u64>) {
+    bt.clear();
+    for _ in 0..PAGES {
+        bt.push(free.pop().expect("pool holds a request"));
+    }
+    slot_mapping(bt, TOKENS, slots);
+    black_box(&slots);
+    black_box(walk(bt));
+    free.extend(bt.iter().rev());
+}
+
+fn lifecycle(guarded: bool) {
+    let table =
+        OwnershipTable::new(PoolConfig::new(2 * PAGES + 1, PS, TOKENS).with_reserved([PageId(0)])).expect("fits");
+    let mut refs = Vec::with_capacity(PAGES as usize);
+    let mut bt: Vec<PageId> = Vec::with_capacity(PAGES as usize);
+    let mut slots = Vec::with_capacity(TOKENS as usize);
+    let mut free: Vec<PageId> = (1..=2 * PAGES).rev().map(PageId).collect();
+    // A few requests first, so the counted one finds warm spare lists, as in steady state.
+    for r in 0..4 {
+        if guarded {
+            measured_lifecycle_guarded(&table, r, &mut refs, &mut bt, &mut slots);
+        } else {
+            measured_lifecycle_unguarded(&mut free, &mut bt, &mut slots);
+        }
+    }
+    if guarded {
+        measured_lifecycle_guarded(&table, 4, &mut refs, &mut bt, &mut slots);
+    } else {
+        measured_lifecycle_unguarded(&mut free, &mut bt, &mut slots);
+    }
+}
+
+fn main() {
+    // cargo bench passes `--bench`; the workload is the one other argument.
+    let workload = std::env::args().skip(1).find(|a| !a.starts_with("--")).unwrap_or_default();
+    match workload.as_str() {
+        "decode_step/guarded" => decode_step(true),
+        "decode_step/unguarded" => decode_step(false),
+        "lifecycle/guarded" => lifecycle(true),
+        "lifecycle/unguarded" => lifecycle(false),
+        _ => {
+            eprintln!(
+                "usage: instructions decode_step/guarded|decode_step/unguarded|lifecycle/guarded|lifecycle/unguarded"
+            );
+            std::process::exit(2);
+        }
+    }
+}
