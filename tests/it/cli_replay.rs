@@ -56,12 +56,12 @@ fn json_prints_one_object_per_violation_then_a_summary() {
     let lines: Vec<serde_json::Value> =
         stdout.lines().map(|l| serde_json::from_str(l).expect("each line is JSON")).collect();
     assert_eq!(lines.len(), 3);
-    assert_eq!(lines[0]["line"], 32);
+    assert_eq!(lines[0]["line"], 33);
     assert_eq!(lines[0]["ev"], "import");
     assert_eq!(lines[0]["kind"], "token_count_mismatch");
     assert_eq!(lines[0]["req"], 101);
     assert_eq!(lines[1]["kind"], "unwritten_slots");
-    assert_eq!(lines[1]["slots"], serde_json::json!([0, 16]));
+    assert_eq!(lines[1]["slots"], serde_json::json!([1, 16]));
     for l in &lines[..2] {
         for field in ["line", "ev", "kind", "req"] {
             assert!(l.get(field).is_some(), "{field} missing in {l}");
