@@ -8,7 +8,7 @@
 //! run is *forced* (a write the table refused but the engine made): then the two older runs
 //! merge into one forced run over their hull, charged to the forced writer, so a foreign write
 //! is never forgotten while its bytes may still be there (reads are refused on too many slots,
-//! never on too few). Memory: 48 bytes per page, allocated with the pool.
+//! never on too few). Memory: 64 bytes per page, allocated with the pool.
 
 use crate::ids::{PageId, RequestId, TenantId};
 

@@ -23,6 +23,7 @@ mod cuda_nvrtc;
 mod table_concurrency;
 mod table_model;
 mod table_spec;
+mod trace_follow;
 mod trace_record;
 mod trace_replay;
 mod trace_zoo;
