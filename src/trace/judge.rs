@@ -449,8 +449,7 @@ fn wrote(
     req: RequestId,
     forced: bool,
 ) {
-    let tenant = live.tenant(req).unwrap_or(NO_TENANT);
-    let refs = writers.write(page, a, b, req, tenant, forced);
+    let refs = writers.write(page, a, b, req, || live.tenant(req).unwrap_or(NO_TENANT), forced);
     Judge::note_refs(tenants, refs);
 }
 

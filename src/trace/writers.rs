@@ -75,7 +75,7 @@ impl PageWriters {
         self.forced > 0
     }
 
-    /// Records that `req` (of `tenant`) wrote slots `a..b` of `page`; `forced` when the table
+    /// Records that `req` (of `tenant`, asked only when a new run starts) wrote slots `a..b` of `page`; `forced` when the table
     /// refused the write. Pages beyond the pool are ignored.
     #[inline]
     pub fn write(
@@ -84,7 +84,7 @@ impl PageWriters {
         a: u32,
         b: u32,
         req: RequestId,
-        tenant: TenantId,
+        tenant: impl FnOnce() -> TenantId,
         forced: bool,
     ) -> TenantRefs {
         let mut refs = TenantRefs::default();
@@ -104,6 +104,7 @@ impl PageWriters {
             }
             return refs;
         }
+        let tenant = tenant();
         let new = Run { req, tenant, a, b, forced };
         refs.added = Some(tenant);
         // Runs the new one hides entirely go; then the new one goes on top.
@@ -211,12 +212,12 @@ mod tests {
     fn appends_extend_one_run_and_a_new_writer_layers_on_top() {
         let mut w = PageWriters::new(4).unwrap();
         let p = PageId(1);
-        w.write(p, 0, 8, A, TenantId(1), false);
-        w.write(p, 8, 16, A, TenantId(1), false);
+        w.write(p, 0, 8, A, || TenantId(1), false);
+        w.write(p, 8, 16, A, || TenantId(1), false);
         assert_eq!(w.writers(p, 16).map(|r| (r.req, r.a, r.b)).collect::<Vec<_>>(), [(A, 0, 16)]);
-        w.write(p, 0, 4, B, TenantId(2), false);
+        w.write(p, 0, 4, B, || TenantId(2), false);
         assert_eq!(w.writers(p, 16).map(|r| (r.req, r.a, r.b)).collect::<Vec<_>>(), [(B, 0, 4), (A, 4, 16)]);
-        w.write(p, 0, 16, B, TenantId(2), false);
+        w.write(p, 0, 16, B, || TenantId(2), false);
         assert_eq!(w.writers(p, 16).map(|r| (r.req, r.a, r.b)).collect::<Vec<_>>(), [(B, 0, 16)]);
     }
 
@@ -224,16 +225,16 @@ mod tests {
     fn a_forced_run_is_never_pushed_out() {
         let mut w = PageWriters::new(4).unwrap();
         let p = PageId(2);
-        w.write(p, 0, 16, A, TenantId(1), false);
-        w.write(p, 4, 6, B, TenantId(2), true);
+        w.write(p, 0, 16, A, || TenantId(1), false);
+        w.write(p, 4, 6, B, || TenantId(2), true);
         assert!(w.any_forced());
         assert_eq!(w.foreign_forced(p, 16, A).map(|r| (r.req, r.a, r.b)), Some((B, 4, 6)));
         assert_eq!(w.foreign_forced(p, 4, A), None, "slots 0..4 do not reach the forced run");
         assert_eq!(w.foreign_forced(p, 16, B), None, "a writer reads its own bytes");
-        w.write(p, 10, 12, C, TenantId(3), false);
+        w.write(p, 10, 12, C, || TenantId(3), false);
         assert!(w.foreign_forced(p, 16, A).is_some_and(|r| r.req == B), "merged, still forced");
         // The owner rewrites everything: the forced bytes are gone.
-        w.write(p, 0, 16, A, TenantId(1), false);
+        w.write(p, 0, 16, A, || TenantId(1), false);
         assert!(!w.any_forced());
         assert_eq!(w.foreign_forced(p, 16, A), None);
     }
@@ -241,11 +242,11 @@ mod tests {
     #[test]
     fn a_scrub_forgets_the_page() {
         let mut w = PageWriters::new(1).unwrap();
-        w.write(PageId(0), 0, 3, B, TenantId(2), true);
+        w.write(PageId(0), 0, 3, B, || TenantId(2), true);
         let refs = w.scrub(PageId(0));
         assert_eq!(refs.dropped[0], Some(TenantId(2)));
         assert!(!w.any_forced());
         assert_eq!(w.writers(PageId(0), 16).count(), 0);
-        assert_eq!(w.write(PageId(9), 0, 1, A, TenantId(1), false).added, None, "beyond the pool");
+        assert_eq!(w.write(PageId(9), 0, 1, A, || TenantId(1), false).added, None, "beyond the pool");
     }
 }
