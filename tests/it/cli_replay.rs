@@ -157,3 +157,30 @@ fn help_explains_both_commands_with_examples() {
     let help = text(&out.stdout);
     assert!(help.contains("floored") && help.contains("--pool prefill=681280"), "{help}");
 }
+
+#[test]
+fn bounds_name_their_flags_and_leaks_name_whose_kv() {
+    let huge = br#"{"ev":"pool","pages":67108864,"page_size":256,"max_context":512}"#;
+    let out = kvguard(&["replay", "-"], Some(huge));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("--max-pool-mib"), "{}", text(&out.stderr));
+    let out = kvguard(&["replay", "--max-line-bytes", "18446744073709551615", "-"], Some(b""));
+    assert_eq!(out.status.code(), Some(2));
+    let out = kvguard(&["replay", "--leaks", &zoo("follow_evict.jsonl")], None);
+    assert_eq!(out.status.code(), Some(1));
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains(r#"req 2 (tenant "acme") read 16 slot(s) written by req 3 (tenant "evil")"#), "{stdout}");
+    let out = kvguard(&["replay", "--leaks", "--json", &zoo("follow_evict.jsonl")], None);
+    let last: serde_json::Value = serde_json::from_str(text(&out.stdout).lines().last().unwrap()).unwrap();
+    assert_eq!(last["summary"]["leaks"][0]["writer_tenant"], "evil");
+}
+
+#[test]
+fn audit_token_separators_go_only_between_digits() {
+    for bad in ["a=,,1_,_0", "a=_10", "a=10_", "a=1__0"] {
+        let out = kvguard(&["audit", "--max-context", "16", "--page-size", "16", "--pool", bad], None);
+        assert_eq!(out.status.code(), Some(2), "{bad}");
+    }
+    let out = kvguard(&["audit", "--max-context", "16", "--page-size", "16", "--pool", "a=1_024,0"], None);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+}
