@@ -7,7 +7,7 @@
 use clap::{Args, Parser, Subcommand};
 use kvguard::config::{MAX_PAGE_SIZE, MAX_PAGES};
 use kvguard::ids::grouped;
-use kvguard::trace::{ReplayErrorKind, ReplayOptions, Replayer};
+use kvguard::trace::{LeakSummary, MAX_LINE_BYTES, ReplayErrorKind, ReplayOptions, Replayer};
 use kvguard::{ConfigError, PageId, PoolConfig};
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, BufWriter, Write};
@@ -27,7 +27,13 @@ Each violation is printed with its line number, event, kind, request, page, owne
 With --json, each is one JSON object ({\"line\":9,\"ev\":\"read\",\"kind\":\"unwritten_slots\",\"req\":3,...})
 and the last line is {\"summary\":{\"events\":N,\"violations\":V,...}}.
 
-The trace format (v1) is in docs/trace-format.md: one JSON object per line, e.g.
+With --leaks, a forensic section follows: for each request whose refused reads reached KV that
+another request wrote, the writer (request and tenant), the slots read and the first line.
+
+Bounds (each refused with exit 2 and a message naming its flag): --max-pool-mib (default 1024),
+--max-live-requests and --max-prefixes (default 262,144 each), --max-line-bytes (default 16 MiB).
+
+The trace format (v1, v1.1) is in docs/trace-format.md: one JSON object per line, e.g.
   {\"ev\":\"pool\",\"pages\":4096,\"page_size\":16,\"max_context\":32768,\"reserved\":[0]}
   {\"ev\":\"admit\",\"req\":1,\"tenant\":\"acme\",\"prompt\":40,\"max_new\":200}
   {\"ev\":\"alloc\",\"req\":1,\"pages\":[5,6,7]}
@@ -87,10 +93,33 @@ struct ReplayArgs {
     /// One JSON object per violation, then a summary line.
     #[arg(long)]
     json: bool,
-    /// The longest line accepted, in bytes.
-    #[arg(long, value_name = "BYTES", default_value_t = ReplayOptions::default().max_line_bytes)]
-    max_line_bytes: usize,
+    /// After the violations, say whose KV the refused reads reached: per reader and writer
+    /// request (and tenant), the slots read and the first line. With --json, a "leaks" list in
+    /// the summary object.
+    #[arg(long)]
+    leaks: bool,
+    /// The longest line accepted, in bytes (at most 1 GiB).
+    #[arg(long, value_name = "BYTES", default_value_t = ReplayOptions::default().max_line_bytes as u64,
+          value_parser = clap::value_parser!(u64).range(1..=MAX_LINE_BYTES as u64))]
+    max_line_bytes: u64,
+    /// The memory the pool's state may take, in MiB (36 + 64 bytes per page and one bit per
+    /// slot); a trace whose pool needs more is refused (exit 2). At most 1,048,576 (1 TiB).
+    #[arg(long, value_name = "MIB", default_value_t = DEFAULT_POOL_MIB,
+          value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
+    max_pool_mib: u64,
+    /// The most requests admitted at once; one more is refused (exit 2). At most 67,108,864.
+    #[arg(long, value_name = "N", default_value_t = ReplayOptions::default().max_live_requests as u64,
+          value_parser = clap::value_parser!(u64).range(1..=1 << 26))]
+    max_live_requests: u64,
+    /// The most prefixes published at once; one more is refused (exit 2). At most 67,108,864.
+    #[arg(long, value_name = "N", default_value_t = ReplayOptions::default().max_prefixes as u64,
+          value_parser = clap::value_parser!(u64).range(1..=1 << 26))]
+    max_prefixes: u64,
 }
+
+/// The default memory budget of `kvguard replay` for the pool's state: 1 GiB, which a laptop has
+/// (a pool of about 10 million 16-slot pages).
+const DEFAULT_POOL_MIB: u64 = 1024;
 
 #[derive(Args, Debug)]
 struct AuditArgs {
@@ -117,6 +146,19 @@ fn parse_pool(s: &str) -> Result<(String, u64), String> {
     if name.is_empty() {
         return Err(format!("the pool in {s:?} has no name"));
     }
+    // Digits, with `_` or `,` allowed only between two digits (681_280, 2,040,000).
+    let bytes = tokens.as_bytes();
+    let separator = |b: u8| b == b'_' || b == b',';
+    let well_placed = bytes.iter().enumerate().all(|(i, &b)| {
+        b.is_ascii_digit()
+            || (separator(b)
+                && i > 0
+                && bytes[i - 1].is_ascii_digit()
+                && bytes.get(i + 1).is_some_and(u8::is_ascii_digit))
+    });
+    if tokens.is_empty() || !well_placed {
+        return Err(format!("TOKENS in {s:?} is not a token count: digits, with `_` or `,` only between two digits"));
+    }
     let tokens = tokens.replace(['_', ','], "");
     let tokens: u64 = tokens.parse().map_err(|e| format!("TOKENS in {s:?} is not a token count: {e}"))?;
     Ok((name.to_owned(), tokens))
@@ -142,13 +184,19 @@ fn replay(args: &ReplayArgs) -> ExitCode {
             }
         }
     };
-    let options = ReplayOptions::default().with_max_line_bytes(args.max_line_bytes);
+    // Each bound is capped by its argument's range, so every conversion fits.
+    let options = ReplayOptions::default()
+        .with_max_line_bytes(usize::try_from(args.max_line_bytes).unwrap_or(MAX_LINE_BYTES))
+        .with_max_pool_bytes(args.max_pool_mib << 20)
+        .with_max_live_requests(usize::try_from(args.max_live_requests).unwrap_or(usize::MAX))
+        .with_max_prefixes(usize::try_from(args.max_prefixes).unwrap_or(usize::MAX));
     let mut replayer = Replayer::with_options(options);
     let mut out = BufWriter::with_capacity(1 << 16, io::stdout().lock());
     let json = args.json;
     let result = replayer.replay(input, |v| {
         if json {
-            serde_json::to_writer(&mut out, v).map_err(io::Error::other)?;
+            // A failed write keeps its kind (a broken pipe stays one).
+            serde_json::to_writer(&mut out, v).map_err(io::Error::from)?;
             out.write_all(b"\n")
         } else {
             writeln!(out, "{v}")
@@ -164,20 +212,41 @@ fn replay(args: &ReplayArgs) -> ExitCode {
                 return ExitCode::from(2);
             }
             let name = if args.trace.as_os_str() == "-" { "stdin".into() } else { args.trace.display().to_string() };
-            eprintln!("kvguard: {name}: {e}");
+            let hint = match e.kind() {
+                ReplayErrorKind::PoolOverBudget { .. } => " (raise --max-pool-mib to replay it)",
+                ReplayErrorKind::TooManyLive { what: "requests", .. } => " (raise --max-live-requests)",
+                ReplayErrorKind::TooManyLive { .. } => " (raise --max-prefixes)",
+                ReplayErrorKind::LineTooLong { .. } => " (raise --max-line-bytes)",
+                _ => "",
+            };
+            eprintln!("kvguard: {name}: {e}{hint}");
             return ExitCode::from(2);
         }
     };
+    let leaks = args.leaks.then(|| replayer.leaks());
     let written = if json {
         let by_kind: serde_json::Map<String, serde_json::Value> =
             summary.by_kind.iter().map(|(k, n)| (k.as_str().to_owned(), (*n).into())).collect();
         let by_kind = serde_json::Value::Object(by_kind);
+        let leaks = match &leaks {
+            Some(l) => format!(
+                r#","leaks":{},"leak_pairs_dropped":{}"#,
+                serde_json::to_string(&l.leaks).unwrap_or_else(|_| "[]".into()),
+                l.pairs_dropped
+            ),
+            None => String::new(),
+        };
         writeln!(
             out,
-            r#"{{"summary":{{"events":{},"violations":{},"lines":{},"by_kind":{by_kind}}}}}"#,
+            r#"{{"summary":{{"events":{},"violations":{},"lines":{},"by_kind":{by_kind}{leaks}}}}}"#,
             summary.events, summary.violations, summary.lines
         )
     } else {
+        if let Some(l) = &leaks
+            && write_leaks(&mut out, l).is_err()
+        {
+            return ExitCode::from(2);
+        }
         let kinds: Vec<String> = summary.by_kind.iter().map(|(k, n)| format!("{} {n}", k.as_str())).collect();
         let kinds = if kinds.is_empty() { String::new() } else { format!(" ({})", kinds.join(", ")) };
         let noun = if summary.violations == 1 { "violation" } else { "violations" };
@@ -187,6 +256,40 @@ fn replay(args: &ReplayArgs) -> ExitCode {
         return ExitCode::from(2);
     }
     if summary.violations == 0 { ExitCode::SUCCESS } else { ExitCode::from(1) }
+}
+
+/// The forensic section of `--leaks`: one line per reader and writer.
+fn write_leaks(out: &mut impl Write, leaks: &LeakSummary) -> io::Result<()> {
+    let who = |req: u64, tenant: &Option<std::sync::Arc<str>>| match tenant {
+        Some(t) => format!("req {req} (tenant {t:?})"),
+        None => format!("req {req}"),
+    };
+    if leaks.leaks.is_empty() {
+        return writeln!(out, "leaks: no refused read reached another request's KV");
+    }
+    writeln!(
+        out,
+        "leaks: {} reader/writer pair(s), {} across tenants",
+        leaks.leaks.len(),
+        leaks.cross_tenant().count()
+    )?;
+    for l in &leaks.leaks {
+        let reads = if l.reads == 1 { "read" } else { "reads" };
+        writeln!(
+            out,
+            "  {} read {} slot(s) written by {} in {} {reads}, first at line {}{}",
+            who(l.reader, &l.reader_tenant),
+            grouped(l.slots),
+            who(l.writer, &l.writer_tenant),
+            grouped(l.reads),
+            l.first_line,
+            if l.cross_tenant() { ", across tenants" } else { "" }
+        )?;
+    }
+    if leaks.pairs_dropped > 0 {
+        writeln!(out, "  ... and {} more pair(s) not kept", grouped(leaks.pairs_dropped))?;
+    }
+    Ok(())
 }
 
 /// Why a pool fails the audit.

@@ -25,6 +25,10 @@
 //! that acts on a pure verdict itself records it with
 //! [`record_violation`](OwnershipTable::record_violation).
 //!
+//! Replay, which follows an engine that went ahead anyway, brings the table to the engine's
+//! state after a refused call with the `force_*` methods (`force_admit`, `force_claim`,
+//! `force_release_pages`, `force_evict_prefix`): they judge and record nothing.
+//!
 //! Every method that takes a block table or page list has a `_refs` form taking
 //! [`PageRef`](crate::PageRef)s, which also refuses a page no longer in the incarnation named
 //! ([`ViolationKind::StalePage`](crate::ViolationKind::StalePage)): `check_read`, `verify_read`,
@@ -41,9 +45,10 @@
 //! metadata and a 2 MiB bitmap. Each admitted request adds a small record; each prefix one more.
 //!
 //! # Files
-//! Each file uses only those below it: `import` → `ownership` → `lifecycle` → `prefix`, `verify`
+//! Each file uses only those below it: `forced`, `import` → `ownership` → `lifecycle` → `prefix`, `verify`
 //! → `violation` → `state` → `info`, `step`; `info` and `step` hold the public values re-exported here.
 
+mod forced;
 mod import;
 mod info;
 mod lifecycle;

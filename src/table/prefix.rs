@@ -11,7 +11,7 @@ use crate::violation::{Op, Violation, ViolationKind};
 
 impl TableState {
     /// Frees a prefix's pages and its slot (whose version moves on, so old handles stop matching).
-    fn drop_prefix(&mut self, slot: PrefixSlot, released: &mut Released) {
+    pub(crate) fn drop_prefix(&mut self, slot: PrefixSlot, released: &mut Released) {
         let Some(record) = self.prefixes.remove(slot) else {
             debug_assert!(false, "dropping a prefix that is gone");
             return;

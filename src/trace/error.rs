@@ -148,9 +148,56 @@ pub enum ReplayErrorKind {
         /// The limit.
         max: u32,
     },
+    /// The pool's state would take more memory than
+    /// [`ReplayOptions::max_pool_bytes`](super::ReplayOptions) allows.
+    #[error(
+        "pool of {pages} pages of {page_size} slots needs {} of replay memory, above the budget of {}",
+        mib(*bytes), mib(*budget)
+    )]
+    PoolOverBudget {
+        /// Pages in the trace's pool.
+        pages: u32,
+        /// Slots per page.
+        page_size: u32,
+        /// What its state would take, in bytes.
+        bytes: u64,
+        /// The budget, in bytes.
+        budget: u64,
+    },
+    /// More live requests (or published prefixes) than the replayer's cap
+    /// ([`ReplayOptions::max_live_requests`](super::ReplayOptions), `max_prefixes`).
+    #[error("more than {max} {what} live at once, the replay's cap")]
+    TooManyLive {
+        /// `"requests"` or `"prefixes"`.
+        what: &'static str,
+        /// The cap.
+        max: usize,
+    },
+    /// The pool declares a format version this replayer does not read (it reads 1 and 1.1).
+    #[error("trace format version {0:?} is not one this replayer reads (1, 1.1)")]
+    UnsupportedVersion(String),
+    /// An event after the `end` event.
+    #[error("{0} after the end event (nothing may follow it)")]
+    AfterEnd(&'static str),
+    /// The trace declares v1.1 but ends without its `end` event: the recording was cut short,
+    /// and what it lacks was never judged.
+    #[error("the recording is truncated: it declares version 1.1 but its {lines} lines end without an end event")]
+    Truncated {
+        /// Lines read.
+        lines: u64,
+    },
     /// The ownership table failed for a reason that is not a violation (out of memory).
     #[error("ownership table: {0}")]
     Table(#[source] crate::Error),
+}
+
+/// Bytes in MiB (or KiB below one MiB), rounded up, for messages.
+fn mib(bytes: u64) -> String {
+    if bytes < 1 << 20 {
+        format!("{} KiB", bytes.div_ceil(1 << 10))
+    } else {
+        format!("{} MiB", crate::ids::grouped(bytes.div_ceil(1 << 20)))
+    }
 }
 
 /// The JSON type found where another was required, for [`ReplayErrorKind::WrongType`].

@@ -1,11 +1,12 @@
-//! The v1 events: what an engine's scheduler did to its KV pool, one JSON object per line.
+//! The trace events (v1, and the v1.1 additions): what an engine's scheduler did to its KV pool,
+//! one JSON object per line.
 
 use crate::ids::{PageId, RequestId};
 use serde::Serialize;
 use std::borrow::Cow;
 use std::fmt;
 
-/// One v1 trace event, borrowing its strings and page lists (from a parsed line, or from the
+/// One trace event (v1, or one of the v1.1 additions), borrowing its strings and page lists (from a parsed line, or from the
 /// engine's own buffers when recording).
 ///
 /// Serializes to exactly one v1 line (`ev` first), and deserializes from one with the format's
@@ -34,6 +35,13 @@ pub enum Event<'a> {
         /// Pages never allocated and never readable (the null page).
         #[serde(skip_serializing_if = "<[PageId]>::is_empty")]
         reserved: Cow<'a, [PageId]>,
+        /// v1.1: the format version the recorder wrote (`"1.1"`); a trace that declares 1.1
+        /// must end with an [`Event::End`], or it is truncated. `None` for v1.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        version: Option<Cow<'a, str>>,
+        /// v1.1: released pages await a [`Event::Scrub`] before they can be allocated again.
+        #[serde(skip_serializing_if = "std::ops::Not::not")]
+        scrub_on_release: bool,
     },
     /// A request starts.
     Admit {
@@ -118,6 +126,36 @@ pub enum Event<'a> {
         /// The child.
         child: RequestId,
     },
+    /// v1.1: `req` lets go of prefix `key` and stays admitted.
+    Detach {
+        /// The request.
+        req: RequestId,
+        /// The prefix key.
+        key: Cow<'a, str>,
+    },
+    /// v1.1: `req` is preempted: its pages are released and its prefix holds dropped, but it
+    /// stays admitted (it will be given pages again and recompute).
+    Preempt {
+        /// The request.
+        req: RequestId,
+    },
+    /// v1.1: the engine poisoned or zeroed these released pages (their old KV is gone).
+    Scrub {
+        /// The pages.
+        pages: Cow<'a, [PageId]>,
+    },
+    /// v1.1: other tenants may attach to `tenant`'s prefixes from now on.
+    Grant {
+        /// The tenant that shares.
+        tenant: Cow<'a, str>,
+    },
+    /// v1.1: a [`Event::Grant`] withdrawn (holds already taken stay).
+    Revoke {
+        /// The tenant.
+        tenant: Cow<'a, str>,
+    },
+    /// v1.1: the recording ended here, complete. Nothing may follow it.
+    End,
 }
 
 impl Event<'_> {
@@ -135,6 +173,12 @@ impl Event<'_> {
             Event::Evict { .. } => EventKind::Evict,
             Event::Import { .. } => EventKind::Import,
             Event::Fork { .. } => EventKind::Fork,
+            Event::Detach { .. } => EventKind::Detach,
+            Event::Preempt { .. } => EventKind::Preempt,
+            Event::Scrub { .. } => EventKind::Scrub,
+            Event::Grant { .. } => EventKind::Grant,
+            Event::Revoke { .. } => EventKind::Revoke,
+            Event::End => EventKind::End,
         }
     }
 
@@ -147,9 +191,14 @@ impl Event<'_> {
             Cow::Owned(c.into_owned())
         }
         match self {
-            Event::Pool { pages, page_size, max_context, reserved } => {
-                Event::Pool { pages, page_size, max_context, reserved: own(reserved) }
-            }
+            Event::Pool { pages, page_size, max_context, reserved, version, scrub_on_release } => Event::Pool {
+                pages,
+                page_size,
+                max_context,
+                reserved: own(reserved),
+                version: version.map(text),
+                scrub_on_release,
+            },
             Event::Admit { req, tenant, prompt, max_new } => {
                 Event::Admit { req, tenant: text(tenant), prompt, max_new }
             }
@@ -162,19 +211,27 @@ impl Event<'_> {
             Event::Evict { key } => Event::Evict { key: text(key) },
             Event::Import { req, pages, tokens, expect } => Event::Import { req, pages: own(pages), tokens, expect },
             Event::Fork { req, child } => Event::Fork { req, child },
+            Event::Detach { req, key } => Event::Detach { req, key: text(key) },
+            Event::Preempt { req } => Event::Preempt { req },
+            Event::Scrub { pages } => Event::Scrub { pages: own(pages) },
+            Event::Grant { tenant } => Event::Grant { tenant: text(tenant) },
+            Event::Revoke { tenant } => Event::Revoke { tenant: text(tenant) },
+            Event::End => Event::End,
         }
     }
 
     /// The prefix key the event names, if any.
     pub fn key(&self) -> Option<&str> {
         match self {
-            Event::Share { key, .. } | Event::Attach { key, .. } | Event::Evict { key } => Some(key),
+            Event::Share { key, .. } | Event::Attach { key, .. } | Event::Evict { key } | Event::Detach { key, .. } => {
+                Some(key)
+            }
             _ => None,
         }
     }
 }
 
-/// The name of a v1 event (the `ev` field).
+/// The name of an event (the `ev` field).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 #[non_exhaustive]
 pub enum EventKind {
@@ -200,10 +257,35 @@ pub enum EventKind {
     Import,
     /// `fork`
     Fork,
+    /// `detach` (v1.1)
+    Detach,
+    /// `preempt` (v1.1)
+    Preempt,
+    /// `scrub` (v1.1)
+    Scrub,
+    /// `grant` (v1.1)
+    Grant,
+    /// `revoke` (v1.1)
+    Revoke,
+    /// `end` (v1.1)
+    End,
 }
 
 impl EventKind {
-    /// Every event, in the order the format lists them.
+    /// Whether the event is one of the v1.1 additions.
+    pub fn is_v1_1(self) -> bool {
+        matches!(
+            self,
+            EventKind::Detach
+                | EventKind::Preempt
+                | EventKind::Scrub
+                | EventKind::Grant
+                | EventKind::Revoke
+                | EventKind::End
+        )
+    }
+
+    /// Every event, in the order the format lists them (v1, then v1.1).
     pub const ALL: &'static [EventKind] = &[
         EventKind::Pool,
         EventKind::Admit,
@@ -216,6 +298,12 @@ impl EventKind {
         EventKind::Evict,
         EventKind::Import,
         EventKind::Fork,
+        EventKind::Detach,
+        EventKind::Preempt,
+        EventKind::Scrub,
+        EventKind::Grant,
+        EventKind::Revoke,
+        EventKind::End,
     ];
 
     /// The `ev` string.
@@ -232,10 +320,16 @@ impl EventKind {
             EventKind::Evict => "evict",
             EventKind::Import => "import",
             EventKind::Fork => "fork",
+            EventKind::Detach => "detach",
+            EventKind::Preempt => "preempt",
+            EventKind::Scrub => "scrub",
+            EventKind::Grant => "grant",
+            EventKind::Revoke => "revoke",
+            EventKind::End => "end",
         }
     }
 
-    /// The event named `name`, if v1 has one.
+    /// The event named `name`, if the format (v1 or v1.1) has one.
     pub fn from_name(name: &str) -> Option<EventKind> {
         EventKind::ALL.iter().copied().find(|k| k.as_str() == name)
     }

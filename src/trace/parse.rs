@@ -1,14 +1,17 @@
-//! The v1 line parser.
+//! The line parser (v1 and v1.1).
 //!
 //! A line is read in one pass into [`RawEvent`]: every known field is taken whatever its JSON type
 //! (so an event ignores the fields it does not use, as the format says), page lists go into
 //! buffers reused from line to line, and nothing is allocated for strings without escapes. Then
 //! [`RawEvent::event`] checks the fields the event needs and builds an [`Event`] borrowing them.
+//!
+//! Fields the parser ignores are still read as JSON, not skipped blind: their strings must be
+//! UTF-8 and their nesting at most 128 deep (serde_json's limit), as for the fields it uses.
 
 use super::error::{Found, ReplayErrorKind};
 use super::event::{Event, EventKind};
 use crate::ids::{PageId, RequestId};
-use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
 use std::borrow::Cow;
 use std::fmt;
 
@@ -48,6 +51,8 @@ fields! {
     PageSize => "page_size",
     MaxContext => "max_context",
     Reserved => "reserved",
+    Version => "version",
+    ScrubOnRelease => "scrub_on_release",
 }
 
 impl<'de> de::Deserialize<'de> for Field {
@@ -70,6 +75,7 @@ impl<'de> de::Deserialize<'de> for Field {
 #[derive(Debug)]
 enum Value<'de> {
     Uint(u64),
+    Bool(bool),
     Text(Cow<'de, str>),
     /// `len` elements in all (at most the cap of them kept); `bad` when one is not a `u64`.
     List {
@@ -157,7 +163,7 @@ impl<'de> Visitor<'de> for EventVisitor<'_> {
                 if field != Field::Other && raw.duplicate.is_none() {
                     raw.duplicate = Some(field);
                 }
-                map.next_value::<IgnoredAny>()?;
+                map.next_value::<Skip>()?;
                 continue;
             }
             let (list, cap) = match field {
@@ -201,8 +207,8 @@ impl<'de> Visitor<'de> for ValueSeed<'_> {
     fn visit_f64<E: de::Error>(self, _: f64) -> Result<Value<'de>, E> {
         Ok(Value::Other(Found::NotU64))
     }
-    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Value<'de>, E> {
-        Ok(Value::Other(Found::Bool))
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<Value<'de>, E> {
+        Ok(Value::Bool(v))
     }
     fn visit_unit<E: de::Error>(self) -> Result<Value<'de>, E> {
         Ok(Value::Other(Found::Null))
@@ -214,12 +220,12 @@ impl<'de> Visitor<'de> for ValueSeed<'_> {
         Ok(Value::Text(Cow::Owned(v.to_owned())))
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value<'de>, A::Error> {
-        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        while map.next_entry::<Skip, Skip>()?.is_some() {}
         Ok(Value::Other(Found::Object))
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value<'de>, A::Error> {
         let Some(list) = self.list else {
-            while seq.next_element::<IgnoredAny>()?.is_some() {}
+            while seq.next_element::<Skip>()?.is_some() {}
             return Ok(Value::Other(Found::List));
         };
         let (mut len, mut bad) = (0u64, false);
@@ -232,6 +238,49 @@ impl<'de> Visitor<'de> for ValueSeed<'_> {
             }
         }
         Ok(Value::List { len, bad })
+    }
+}
+
+/// A value the parser does not use, read through (strings checked as UTF-8, nesting limited),
+/// never kept.
+struct Skip;
+
+impl<'de> de::Deserialize<'de> for Skip {
+    fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Skip, D::Error> {
+        d.deserialize_any(Skip)
+    }
+}
+
+impl<'de> Visitor<'de> for Skip {
+    type Value = Skip;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Skip, E> {
+        Ok(Skip)
+    }
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Skip, E> {
+        Ok(Skip)
+    }
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Skip, E> {
+        Ok(Skip)
+    }
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Skip, E> {
+        Ok(Skip)
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<Skip, E> {
+        Ok(Skip)
+    }
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<Skip, E> {
+        Ok(Skip)
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Skip, A::Error> {
+        while map.next_entry::<Skip, Skip>()?.is_some() {}
+        Ok(Skip)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Skip, A::Error> {
+        while seq.next_element::<Skip>()?.is_some() {}
+        Ok(Skip)
     }
 }
 
@@ -269,11 +318,11 @@ impl<'de> Visitor<'de> for ElementSeed {
         Ok(None)
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Option<u64>, A::Error> {
-        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        while map.next_entry::<Skip, Skip>()?.is_some() {}
         Ok(None)
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Option<u64>, A::Error> {
-        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        while seq.next_element::<Skip>()?.is_some() {}
         Ok(None)
     }
 }
@@ -281,6 +330,7 @@ impl<'de> Visitor<'de> for ElementSeed {
 fn found(value: &Value<'_>) -> Found {
     match value {
         Value::Uint(_) => Found::Uint,
+        Value::Bool(_) => Found::Bool,
         Value::Text(_) => Found::Text,
         Value::List { bad: true, .. } => Found::ListOfOther,
         Value::List { .. } => Found::List,
@@ -298,6 +348,8 @@ fn page_id(v: u64) -> PageId {
 pub(crate) struct Parsed<'a> {
     pub event: Event<'a>,
     pub wide_page: Option<u64>,
+    /// A `write`'s slots, when one is beyond `u32` (the event holds them saturated).
+    pub wide_slots: Option<(u64, u64)>,
 }
 
 impl<'de> RawEvent<'de> {
@@ -371,6 +423,7 @@ impl<'de> RawEvent<'de> {
             Ok(buf)
         };
         let mut wide_page = None;
+        let mut wide_slots = None;
         let mut pages = |src: &[u64], ids: &'a mut Vec<PageId>| -> Cow<'a, [PageId]> {
             ids.clear();
             ids.extend(src.iter().map(|&p| page_id(p)));
@@ -392,11 +445,25 @@ impl<'de> RawEvent<'de> {
                     })
                 })?;
                 let max_context = uint(Field::MaxContext)?;
+                let version = match self.value(Field::Version) {
+                    None => None,
+                    Some(_) => Some(text(Field::Version)?),
+                };
+                let scrub_on_release = match self.value(Field::ScrubOnRelease) {
+                    None => false,
+                    Some(Value::Bool(b)) => *b,
+                    Some(v) => return Err(wrong(Field::ScrubOnRelease, "true or false", v)),
+                };
+                // No valid pool reserves more pages than it has.
+                if self.list_len(Field::Reserved) > n {
+                    let len = self.list_len(Field::Reserved);
+                    return Err(ReplayErrorKind::ListTooLong { ev, field: Field::Reserved.name(), len, max: n });
+                }
                 let reserved = match self.value(Field::Reserved) {
                     None => Cow::Borrowed(&[][..]),
                     Some(_) => pages(list(Field::Reserved, &bufs.reserved)?, ids),
                 };
-                Event::Pool { pages: pages_u32, page_size, max_context, reserved }
+                Event::Pool { pages: pages_u32, page_size, max_context, reserved, version, scrub_on_release }
             }
             EventKind::Admit => Event::Admit {
                 req: req()?,
@@ -420,6 +487,9 @@ impl<'de> RawEvent<'de> {
                 let (SLOTS_KEPT, &[a, b]) = (len, slots) else {
                     return Err(ReplayErrorKind::SlotsNotPair { ev, len });
                 };
+                if a > u64::from(u32::MAX) || b > u64::from(u32::MAX) {
+                    wide_slots = Some((a, b));
+                }
                 let slot = |v: u64| u32::try_from(v).unwrap_or(u32::MAX);
                 Event::Write { req, page: page_id(page), slots: [slot(a), slot(b)] }
             }
@@ -464,8 +534,14 @@ impl<'de> RawEvent<'de> {
                 expect: uint(Field::Expect)?,
             },
             EventKind::Fork => Event::Fork { req: req()?, child: uint(Field::Child).map(RequestId)? },
+            EventKind::Detach => Event::Detach { req: req()?, key: text(Field::Key)? },
+            EventKind::Preempt => Event::Preempt { req: req()? },
+            EventKind::Scrub => Event::Scrub { pages: pages(list(Field::Pages, &bufs.pages)?, ids) },
+            EventKind::Grant => Event::Grant { tenant: text(Field::Tenant)? },
+            EventKind::Revoke => Event::Revoke { tenant: text(Field::Tenant)? },
+            EventKind::End => Event::End,
         };
-        Ok(Parsed { event, wide_page })
+        Ok(Parsed { event, wide_page, wide_slots })
     }
 }
 

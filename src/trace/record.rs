@@ -1,15 +1,15 @@
-//! Recording: v1 lines written, buffered, from an engine's run, for replay later.
+//! Recording: trace lines (v1.1) written, buffered, from an engine's run, for replay later.
 
 use super::event::Event;
 use crate::config::PoolConfig;
 use crate::error::Error;
-use crate::ids::{PageId, PrefixKey, RequestId, TenantId};
+use crate::ids::{PageId, PageRef, PrefixKey, RequestId, TenantId};
 use crate::table::OwnershipTable;
 use parking_lot::Mutex;
 use std::borrow::Cow;
 use std::io::{self, BufWriter, Write};
 
-/// Writes v1 trace lines, buffered (64 KiB), to any writer.
+/// Writes trace lines (v1.1: the pool line declares it, [`into_inner`](Self::into_inner) ends it), buffered (64 KiB), to any writer.
 ///
 /// An engine calls it beside its own allocator, event by event; [`RecordingTable`] calls it for
 /// an engine that already drives an [`OwnershipTable`]. Lines are written in call order; call
@@ -30,12 +30,13 @@ use std::io::{self, BufWriter, Write};
 pub struct Recorder<W: Write> {
     out: BufWriter<W>,
     events: u64,
+    ended: bool,
 }
 
 impl<W: Write> Recorder<W> {
     /// A recorder writing to `writer`.
     pub fn new(writer: W) -> Recorder<W> {
-        Recorder { out: BufWriter::with_capacity(64 << 10, writer), events: 0 }
+        Recorder { out: BufWriter::with_capacity(64 << 10, writer), events: 0, ended: false }
     }
 
     /// Writes one event as one line.
@@ -65,6 +66,8 @@ impl<W: Write> Recorder<W> {
             page_size: config.page_size,
             max_context: config.max_context_tokens,
             reserved: Cow::Borrowed(&config.reserved[..]),
+            version: Some(Cow::Borrowed("1.1")),
+            scrub_on_release: config.scrub_on_release,
         })
     }
 
@@ -123,29 +126,64 @@ impl<W: Write> Recorder<W> {
         self.event(&Event::Fork { req, child })
     }
 
+    /// v1.1: `req` let go of prefix `key`.
+    pub fn detach(&mut self, req: RequestId, key: &str) -> io::Result<()> {
+        self.event(&Event::Detach { req, key: Cow::Borrowed(key) })
+    }
+
+    /// v1.1: `req` was preempted (pages and prefix holds released, still admitted).
+    pub fn preempt(&mut self, req: RequestId) -> io::Result<()> {
+        self.event(&Event::Preempt { req })
+    }
+
+    /// v1.1: the engine poisoned or zeroed these released pages.
+    pub fn scrub(&mut self, pages: &[PageId]) -> io::Result<()> {
+        self.event(&Event::Scrub { pages: Cow::Borrowed(pages) })
+    }
+
+    /// v1.1: other tenants may (`allow`) or may no longer attach to `tenant`'s prefixes.
+    pub fn grant(&mut self, tenant: &str, allow: bool) -> io::Result<()> {
+        let tenant = Cow::Borrowed(tenant);
+        self.event(&if allow { Event::Grant { tenant } } else { Event::Revoke { tenant } })
+    }
+
+    /// v1.1: writes the end marker (once; [`into_inner`](Self::into_inner) writes it if this was
+    /// not called). A recording the engine never finished lacks it, and replay calls it truncated.
+    pub fn end(&mut self) -> io::Result<()> {
+        if !self.ended {
+            self.event(&Event::End)?;
+            self.ended = true;
+        }
+        Ok(())
+    }
+
     /// Writes out what is buffered.
     pub fn flush(&mut self) -> io::Result<()> {
         self.out.flush()
     }
 
-    /// Flushes and hands the writer back.
-    pub fn into_inner(self) -> io::Result<W> {
+    /// Ends the recording (the end marker), flushes, and hands the writer back. A recorder
+    /// dropped without this flushes what it wrote but no end marker: the trace reads as
+    /// truncated, as it should.
+    pub fn into_inner(mut self) -> io::Result<W> {
+        self.end()?;
         self.out.into_inner().map_err(|e| e.into_error())
     }
 }
 
-/// An [`OwnershipTable`] in shadow mode whose every call is also recorded as a v1 event, so the
+/// An [`OwnershipTable`] in shadow mode whose every call is also recorded as a trace event, so the
 /// run can be replayed later with the same verdicts.
 ///
 /// The event is written before the table judges the call, refused calls included, under one lock
 /// so the trace's order is the table's order. Tenants are written as their decimal id, prefix
-/// keys as `0x` and their hex value. For identical verdicts on replay, build the table with
-/// [`Policy::Report`](crate::Policy::Report) (replay never quarantines). A failed write to the
+/// keys as `0x` and their hex value. Replay gives the same verdicts up to the first violation
+/// (build the table with [`Policy::Report`](crate::Policy::Report): replay never quarantines);
+/// after it, replay follows the engine, which went ahead with the call the table refused. A failed write to the
 /// trace does not fail the engine's call: it is kept and returned by [`finish`](Self::finish),
 /// and nothing more is recorded after it.
 ///
-/// Only calls v1 can express are offered: detaching a prefix, preemption that keeps prefix
-/// holds, scrub confirmations and cross-tenant sharing grants have no v1 event.
+/// Traces are written as v1.1 (the pool line says `"version":"1.1"`): [`finish`](Self::finish)
+/// writes the end marker, so a recording cut short reads as truncated.
 #[derive(Debug)]
 pub struct RecordingTable<'t, W: Write> {
     table: &'t OwnershipTable,
@@ -236,7 +274,31 @@ impl<'t, W: Write> RecordingTable<'t, W> {
         self.with(Event::Fork { req, child }, |t| t.fork(req, child))
     }
 
-    /// Flushes the trace and hands the writer back, or the first write error.
+    /// [`OwnershipTable::detach_prefix`], recorded as `detach` (v1.1).
+    pub fn detach_prefix(&self, req: RequestId, key: PrefixKey) -> Result<(), Error> {
+        self.with(Event::Detach { req, key: key_name(key).into() }, |t| t.detach_prefix(req, key).map(drop))
+    }
+
+    /// [`OwnershipTable::preempt`], recorded as `preempt` (v1.1).
+    pub fn preempt(&self, req: RequestId) -> Result<(), Error> {
+        self.with(Event::Preempt { req }, |t| t.preempt(req).map(drop))
+    }
+
+    /// [`OwnershipTable::confirm_scrubbed`], recorded as `scrub` (v1.1) with the page ids.
+    pub fn confirm_scrubbed(&self, pages: &[PageRef]) -> Result<(), Error> {
+        let ids: Vec<PageId> = pages.iter().map(|r| r.page).collect();
+        self.with(Event::Scrub { pages: ids.into() }, |t| t.confirm_scrubbed(pages))
+    }
+
+    /// [`OwnershipTable::allow_cross_tenant_sharing`], recorded as `grant` or `revoke` (v1.1).
+    pub fn allow_cross_tenant_sharing(&self, tenant: TenantId, allow: bool) {
+        let name: Cow<'_, str> = tenant.0.to_string().into();
+        let event = if allow { Event::Grant { tenant: name } } else { Event::Revoke { tenant: name } };
+        self.with(event, |t| t.allow_cross_tenant_sharing(tenant, allow))
+    }
+
+    /// Writes the end marker, flushes the trace and hands the writer back, or the first write
+    /// error.
     pub fn finish(self) -> io::Result<W> {
         let (recorder, failed) = self.recorder.into_inner();
         match failed {

@@ -2,44 +2,93 @@
 
 use super::error::{ReplayError, ReplayErrorKind};
 use super::event::{Event, EventKind};
-use super::names::{KeyEntry, Keys, Live, Tenants};
+use super::judge::Judge;
+use super::leaks::LeakSummary;
 use super::parse::{ListBuffers, ListCaps, parse_line};
 use super::verdict::ReplayViolation;
-use crate::config::{ConfigError, MAX_PAGES, PoolConfig};
-use crate::error::Error;
+use super::writers::PageWriters;
+use crate::config::MAX_PAGES;
 use crate::ids::PageId;
 use crate::table::OwnershipTable;
-use crate::violation::{Op, Policy, Violation, ViolationKind};
+use crate::violation::ViolationKind;
 use serde::Serialize;
 use std::io::{self, BufRead, Read};
 
-/// Limits on what a replayer accepts.
+/// The longest line any replayer accepts, whatever its options: 1 GiB.
+pub const MAX_LINE_BYTES: usize = 1 << 30;
+
+/// The table's memory per page, at most (see the table's docs), and replay's writer record.
+const TABLE_BYTES_PER_PAGE: u64 = 36;
+
+/// Limits on what a replayer accepts: every one bounds memory (or time) whatever the input.
 ///
 /// ```
 /// use kvguard::trace::ReplayOptions;
 /// let options = ReplayOptions::default().with_max_line_bytes(1 << 20).with_max_pool_pages(1 << 20);
 /// assert_eq!(options.max_line_bytes, 1 << 20);
+/// // A 2^26-page pool of 256-slot pages needs about 8.3 GiB: refused by a 1 GiB budget.
+/// assert!(ReplayOptions::pool_bytes(1 << 26, 256) > 1 << 30);
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ReplayOptions {
-    /// The longest line, in bytes (default 16 MiB): a longer one is unusable input.
+    /// The longest line, in bytes (default 16 MiB, at most [`MAX_LINE_BYTES`]): a longer one is
+    /// unusable input.
     pub max_line_bytes: usize,
-    /// The largest pool, in pages (default and most: [`MAX_PAGES`]). The table costs at most 36
-    /// bytes per page plus one bit per slot; lower this where memory is tight.
+    /// The largest pool, in pages (default and most: [`MAX_PAGES`]).
     pub max_pool_pages: u32,
+    /// The most memory the pool's state may take, in bytes, as [`pool_bytes`](Self::pool_bytes)
+    /// counts it (default: no limit beyond `max_pool_pages`; `kvguard replay` sets 1 GiB).
+    pub max_pool_bytes: u64,
+    /// The most requests admitted at once (default 262,144): one more is unusable input.
+    /// Each costs a few hundred bytes.
+    pub max_live_requests: usize,
+    /// The most prefixes published at once (default 262,144): one more is unusable input.
+    pub max_prefixes: usize,
 }
 
 impl Default for ReplayOptions {
     fn default() -> Self {
-        ReplayOptions { max_line_bytes: 16 << 20, max_pool_pages: MAX_PAGES }
+        ReplayOptions {
+            max_line_bytes: 16 << 20,
+            max_pool_pages: MAX_PAGES,
+            max_pool_bytes: u64::MAX,
+            max_live_requests: 1 << 18,
+            max_prefixes: 1 << 18,
+        }
     }
 }
 
 impl ReplayOptions {
-    /// Sets the longest line accepted, in bytes.
+    /// The memory a replay of a pool of `pages` pages of `page_size` slots takes for its
+    /// per-page state, at most: the table's 36 bytes per page and one bit per slot, and the
+    /// writer record's 64 bytes per page.
+    pub fn pool_bytes(pages: u32, page_size: u32) -> u64 {
+        let per_page = TABLE_BYTES_PER_PAGE + PageWriters::BYTES_PER_PAGE;
+        u64::from(pages) * per_page + (u64::from(pages) * u64::from(page_size)).div_ceil(8)
+    }
+
+    /// Sets the longest line accepted, in bytes (at most [`MAX_LINE_BYTES`]).
     pub fn with_max_line_bytes(mut self, bytes: usize) -> Self {
-        self.max_line_bytes = bytes;
+        self.max_line_bytes = bytes.min(MAX_LINE_BYTES);
+        self
+    }
+
+    /// Sets the memory budget of the pool's state, in bytes (see [`pool_bytes`](Self::pool_bytes)).
+    pub fn with_max_pool_bytes(mut self, bytes: u64) -> Self {
+        self.max_pool_bytes = bytes;
+        self
+    }
+
+    /// Sets the most requests admitted at once.
+    pub fn with_max_live_requests(mut self, requests: usize) -> Self {
+        self.max_live_requests = requests;
+        self
+    }
+
+    /// Sets the most prefixes published at once.
+    pub fn with_max_prefixes(mut self, prefixes: usize) -> Self {
+        self.max_prefixes = prefixes;
         self
     }
 
@@ -63,11 +112,15 @@ pub struct ReplaySummary {
     pub by_kind: Vec<(ViolationKind, u64)>,
 }
 
-/// Replays a v1 trace through an [`OwnershipTable`] in shadow mode with [`Policy::Report`].
+/// Replays a trace (v1 or v1.1) through an [`OwnershipTable`] in shadow mode with
+/// [`Policy::Report`](crate::Policy::Report), following the engine.
 ///
-/// Every event is judged as the table would judge the engine's call: a violating event is
-/// returned with its line, counted, and changes nothing in the table; replay goes on. Unusable
-/// input (a malformed line, an event before the pool) is a [`ReplayError`].
+/// Every event is judged against the state the engine is really in: a violating event is
+/// returned with its line and counted, and then applied as the engine applied it (a refused
+/// evict still evicts, a refused alloc still hands the pages over, a refused write still
+/// writes: docs/trace-format.md lists the rule for every event). Replay goes on. Unusable input
+/// (a malformed line, an event before the pool) is a [`ReplayError`]. [`leaks`](Self::leaks)
+/// sums up whose KV the refused reads reached.
 ///
 /// ```
 /// use kvguard::trace::Replayer;
@@ -96,16 +149,6 @@ pub struct Replayer {
     text: Vec<u8>,
 }
 
-/// What judging needs: the table and the names the trace gave its ids.
-#[derive(Debug, Default)]
-struct Judge {
-    options: ReplayOptions,
-    table: Option<OwnershipTable>,
-    tenants: Tenants,
-    keys: Keys,
-    live: Live,
-}
-
 impl Replayer {
     /// A replayer with the default [`ReplayOptions`].
     pub fn new() -> Replayer {
@@ -132,6 +175,25 @@ impl Replayer {
         }
     }
 
+    /// Which requests read KV other requests wrote, through the reads replay refused.
+    pub fn leaks(&self) -> LeakSummary {
+        self.state.leaks.summary()
+    }
+
+    /// The end of the trace: the summary, or why the trace as a whole is unusable — it has no
+    /// pool event ([`ReplayErrorKind::NoPool`]), or it declares v1.1 and lacks its `end` event
+    /// ([`ReplayErrorKind::Truncated`]). [`replay`](Self::replay) calls it at the end of its
+    /// input; call it after the last [`feed_line`](Self::feed_line) or [`apply`](Self::apply).
+    pub fn finish(&self) -> Result<ReplaySummary, ReplayError> {
+        if self.state.table.is_none() {
+            return Err(ReplayError::new(self.line + 1, ReplayErrorKind::NoPool));
+        }
+        if self.state.expects_end && !self.state.ended {
+            return Err(ReplayError::new(self.line + 1, ReplayErrorKind::Truncated { lines: self.line }));
+        }
+        Ok(self.summary())
+    }
+
     /// Tenant names, published keys and admitted requests held now: what replay memory grows with.
     pub fn live_names(&self) -> (usize, usize, usize) {
         (self.state.tenants.len(), self.state.keys.len(), self.state.live.len())
@@ -139,7 +201,8 @@ impl Replayer {
 
     /// Streams a whole trace, calling `on_violation` for each violation in line order; stops at
     /// the first unusable line (or the first error of `on_violation`). A trace that ends without
-    /// a pool event is unusable ([`ReplayErrorKind::NoPool`]): an empty recording is not a clean one.
+    /// a pool event is unusable ([`ReplayErrorKind::NoPool`]): an empty recording is not a clean one;
+    /// so is a v1.1 trace that ends without its `end` event ([`ReplayErrorKind::Truncated`]).
     pub fn replay<R: BufRead>(
         &mut self,
         mut reader: R,
@@ -148,17 +211,20 @@ impl Replayer {
         let mut text = std::mem::take(&mut self.text);
         let outcome = loop {
             text.clear();
-            let limit = (self.state.options.max_line_bytes as u64).saturating_add(1);
+            // The limit counts a line's bytes without its line end, `\n` or `\r\n`.
+            let max = self.state.options.max_line_bytes;
+            let limit = (max as u64).saturating_add(2);
             match reader.by_ref().take(limit).read_until(b'\n', &mut text) {
-                Ok(0) if self.state.table.is_none() => {
-                    break Err(ReplayError::new(self.line + 1, ReplayErrorKind::NoPool));
-                }
-                Ok(0) => break Ok(self.summary()),
+                Ok(0) => break self.finish(),
                 Ok(_) => {}
                 Err(e) => break Err(ReplayError::new(self.line + 1, ReplayErrorKind::Io(e))),
             }
-            if text.last() != Some(&b'\n') && text.len() > self.state.options.max_line_bytes {
-                let max = self.state.options.max_line_bytes;
+            let content = match text.as_slice() {
+                [.., b'\r', b'\n'] => text.len() - 2,
+                [.., b'\n'] => text.len() - 1,
+                _ => text.len(),
+            };
+            if content > max {
                 break Err(ReplayError::new(self.line + 1, ReplayErrorKind::LineTooLong { max }));
             }
             match self.feed_line(&text) {
@@ -195,6 +261,7 @@ impl Replayer {
         let found = outcome.map_err(at)?;
         Ok(found.map(|mut v| {
             v.wide_page = parsed.wide_page;
+            v.wide_slots = parsed.wide_slots;
             self.violations += 1;
             v
         }))
@@ -240,145 +307,14 @@ impl Replayer {
     }
 
     fn check_order(&self, kind: EventKind) -> Result<(), ReplayErrorKind> {
+        if self.state.ended {
+            return Err(ReplayErrorKind::AfterEnd(kind.as_str()));
+        }
         match (kind, self.state.table.is_some()) {
             (EventKind::Pool, true) => Err(ReplayErrorKind::SecondPool),
             (EventKind::Pool, false) | (_, true) => Ok(()),
             (other, false) => Err(ReplayErrorKind::BeforePool(other.as_str())),
         }
-    }
-}
-
-impl Judge {
-    /// Applies one event to the table and says whether it violated.
-    fn judge(&mut self, event: &Event<'_>, line: u64) -> Result<Option<ReplayViolation>, ReplayErrorKind> {
-        let Judge { options, table, tenants, keys, live } = self;
-        let ev = event.kind();
-        let found = |v: Violation, tenants: &Tenants, keys: &Keys| {
-            let prefix = match v.prefix() {
-                Some(k) if k != Keys::UNPUBLISHED => keys.name(k).cloned(),
-                _ => event.key().map(std::sync::Arc::from),
-            };
-            ReplayViolation {
-                line,
-                ev,
-                tenant: v.tenant().and_then(|t| tenants.name(t).cloned()),
-                owner_tenant: v.owner_tenant().and_then(|t| tenants.name(t).cloned()),
-                prefix,
-                wide_page: None,
-                violation: v,
-            }
-        };
-        let Some(t) = table.as_ref() else {
-            let Event::Pool { pages, page_size, max_context, reserved } = event else {
-                return Err(ReplayErrorKind::BeforePool(ev.as_str()));
-            };
-            if *pages > options.max_pool_pages {
-                return Err(ReplayErrorKind::PoolTooLarge { pages: u64::from(*pages), max: options.max_pool_pages });
-            }
-            let config = PoolConfig::new(*pages, *page_size, *max_context)
-                .with_reserved(reserved.iter().copied())
-                .with_policy(Policy::Report);
-            let too_small = match config.audit() {
-                Ok(()) => None,
-                Err(ConfigError::PoolTooSmall { capacity_tokens, max_context_tokens, .. }) => Some(
-                    Violation::new(ViolationKind::PoolTooSmall, Op::Configure)
-                        .with_amounts(capacity_tokens, max_context_tokens),
-                ),
-                Err(e) => return Err(ReplayErrorKind::InvalidPool(e)),
-            };
-            let new = OwnershipTable::new_unaudited(config).map_err(|e| match e {
-                Error::Config(c) => ReplayErrorKind::InvalidPool(c),
-                other => ReplayErrorKind::Table(other),
-            })?;
-            let new = table.insert(new);
-            return Ok(too_small.map(|v| {
-                new.record_violation(v.clone());
-                found(v, tenants, keys)
-            }));
-        };
-        // Mutations that violate come back as violations (already counted by the table) and
-        // change nothing; any other error is not a verdict on the trace.
-        let verdict = |r: Result<(), Error>| -> Result<Option<Violation>, ReplayErrorKind> {
-            match r {
-                Ok(()) => Ok(None),
-                Err(Error::Violation(v)) => Ok(Some(v)),
-                Err(other) => Err(ReplayErrorKind::Table(other)),
-            }
-        };
-        let violation = match event {
-            Event::Pool { .. } => return Err(ReplayErrorKind::SecondPool),
-            Event::Admit { req, tenant, prompt, max_new } => {
-                let id = tenants.intern(tenant);
-                let v = verdict(t.admit(*req, id, *prompt, *max_new))?;
-                if v.is_none() {
-                    live.insert(*req, id);
-                    tenants.retain(id);
-                }
-                let out = v.map(|v| found(v, tenants, keys));
-                tenants.forget_if_unused(id);
-                return Ok(out);
-            }
-            Event::Alloc { req, pages } => verdict(t.claim(*req, pages).map(drop))?,
-            Event::Write { req, page, slots: [a, b] } => verdict(t.record_write(*req, *page, *a..*b))?,
-            // The pure check, recorded here: replay returns every violation, where the judged
-            // `verify_read` lets one through under `Policy::Report`.
-            Event::Read { req, pages, tokens } => match t.check_read(*req, pages, *tokens) {
-                Ok(()) => None,
-                Err(v) => {
-                    t.record_violation(v.clone());
-                    Some(v)
-                }
-            },
-            Event::Free { req, pages: None } => {
-                let v = verdict(t.release(*req).map(drop))?;
-                if v.is_none()
-                    && let Some(id) = live.remove(*req)
-                {
-                    tenants.release(id);
-                }
-                v
-            }
-            Event::Free { req, pages: Some(pages) } => verdict(t.release_pages(*req, pages).map(drop))?,
-            Event::Share { req, key, pages } => {
-                let known = keys.get(key);
-                let id = known.map_or_else(|| keys.next_id(), |k| k.id);
-                let v = verdict(t.publish_prefix(*req, id, pages))?;
-                if v.is_none()
-                    && known.is_none()
-                    && let Some(tenant) = live.tenant(*req)
-                {
-                    keys.insert(key, KeyEntry { id, tenant });
-                    tenants.retain(tenant);
-                }
-                v
-            }
-            Event::Attach { req, key } => {
-                let id = keys.get(key).map_or(Keys::UNPUBLISHED, |k| k.id);
-                verdict(t.attach_prefix(*req, id).map(drop))?
-            }
-            Event::Evict { key } => {
-                let id = keys.get(key).map_or(Keys::UNPUBLISHED, |k| k.id);
-                let v = verdict(t.evict_prefix(id).map(drop))?;
-                if v.is_none()
-                    && let Some(entry) = keys.remove(key)
-                {
-                    tenants.release(entry.tenant);
-                }
-                v
-            }
-            Event::Import { req, pages, tokens, expect } => verdict(t.record_import(*req, pages, *tokens, *expect))?,
-            Event::Fork { req, child } => {
-                let v = verdict(t.fork(*req, *child))?;
-                if v.is_none()
-                    && let Some(tenant) = live.tenant(*req)
-                {
-                    live.insert(*child, tenant);
-                    tenants.retain(tenant);
-                }
-                v
-            }
-        };
-        Ok(violation.map(|v| found(v, tenants, keys)))
     }
 }
 
@@ -390,6 +326,7 @@ fn page_lists<'e>(event: &'e Event<'_>) -> impl Iterator<Item = (&'static str, u
         Event::Alloc { pages, .. }
         | Event::Share { pages, .. }
         | Event::Import { pages, .. }
+        | Event::Scrub { pages }
         | Event::Free { pages: Some(pages), .. } => ("pages", Some(pages)),
         _ => ("pages", None),
     };

@@ -24,6 +24,10 @@ pub struct ReplayViolation {
     pub(crate) owner_tenant: Option<Arc<str>>,
     pub(crate) prefix: Option<Arc<str>>,
     pub(crate) wide_page: Option<u64>,
+    /// The `slots` of a `write` as the trace wrote them, when one is beyond `u32`.
+    pub(crate) wide_slots: Option<(u64, u64)>,
+    /// An `admit` whose `prompt + max_new` overflows 64 bits: the two numbers.
+    pub(crate) overflow: Option<(u64, u64)>,
 }
 
 impl ReplayViolation {
@@ -72,9 +76,12 @@ impl ReplayViolation {
     pub fn prefix(&self) -> Option<&str> {
         self.prefix.as_deref()
     }
-    /// The slot range `[a, b)` concerned.
-    pub fn slots(&self) -> Option<(u32, u32)> {
-        self.violation.slots()
+    /// The slot range `[a, b)` concerned, as the trace names it (numbers beyond `u32` included).
+    pub fn slots(&self) -> Option<(u64, u64)> {
+        match (self.violation.kind(), self.wide_slots) {
+            (ViolationKind::SlotOutOfRange, Some(wide)) => Some(wide),
+            _ => self.violation.slots().map(|(a, b)| (u64::from(a), u64::from(b))),
+        }
     }
 }
 
@@ -108,11 +115,18 @@ impl fmt::Display for ReplayViolation {
                 f.write_str(" is live")?;
             }
         }
-        if let Some((a, b)) = v.slots() {
+        if let Some((a, b)) = self.slots() {
             write!(f, ", slots {a}..{b}")?;
+            if a > b {
+                f.write_str(" (reversed)")?;
+            }
         }
         if let Some(k) = &self.prefix {
             write!(f, ", prefix {k:?}")?;
+        }
+        if let (Some((prompt, max_new)), Some((_, limit))) = (self.overflow, v.amounts()) {
+            let (prompt, max_new, limit) = (grouped(prompt), grouped(max_new), grouped(limit));
+            return write!(f, ", {prompt} + {max_new} tokens (more than 2^64) vs max context {limit}");
         }
         if let Some((found, limit)) = v.amounts() {
             let (found, limit) = (grouped(found), grouped(limit));
@@ -154,11 +168,16 @@ impl Serialize for ReplayViolation {
         if let Some(t) = &self.owner_tenant {
             m.serialize_entry("owner_tenant", &**t)?;
         }
-        m.serialize_entry("slots", &v.slots().map(|(a, b)| [a, b]))?;
+        m.serialize_entry("slots", &self.slots().map(|(a, b)| [a, b]))?;
         if let Some(k) = &self.prefix {
             m.serialize_entry("prefix", &**k)?;
         }
-        if let Some((found, limit)) = v.amounts() {
+        if let Some((prompt, max_new)) = self.overflow {
+            // The true sum, which no u64 holds.
+            let sum = u128::from(prompt) + u128::from(max_new);
+            m.serialize_entry("found", &sum)?;
+            m.serialize_entry("limit", &v.amounts().map(|a| a.1))?;
+        } else if let Some((found, limit)) = v.amounts() {
             m.serialize_entry("found", &found)?;
             m.serialize_entry("limit", &limit)?;
         }

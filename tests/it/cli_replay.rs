@@ -56,12 +56,12 @@ fn json_prints_one_object_per_violation_then_a_summary() {
     let lines: Vec<serde_json::Value> =
         stdout.lines().map(|l| serde_json::from_str(l).expect("each line is JSON")).collect();
     assert_eq!(lines.len(), 3);
-    assert_eq!(lines[0]["line"], 32);
+    assert_eq!(lines[0]["line"], 33);
     assert_eq!(lines[0]["ev"], "import");
     assert_eq!(lines[0]["kind"], "token_count_mismatch");
     assert_eq!(lines[0]["req"], 101);
     assert_eq!(lines[1]["kind"], "unwritten_slots");
-    assert_eq!(lines[1]["slots"], serde_json::json!([0, 16]));
+    assert_eq!(lines[1]["slots"], serde_json::json!([1, 16]));
     for l in &lines[..2] {
         for field in ["line", "ev", "kind", "req"] {
             assert!(l.get(field).is_some(), "{field} missing in {l}");
@@ -156,4 +156,31 @@ fn help_explains_both_commands_with_examples() {
     let out = kvguard(&["audit", "--help"], None);
     let help = text(&out.stdout);
     assert!(help.contains("floored") && help.contains("--pool prefill=681280"), "{help}");
+}
+
+#[test]
+fn bounds_name_their_flags_and_leaks_name_whose_kv() {
+    let huge = br#"{"ev":"pool","pages":67108864,"page_size":256,"max_context":512}"#;
+    let out = kvguard(&["replay", "-"], Some(huge));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("--max-pool-mib"), "{}", text(&out.stderr));
+    let out = kvguard(&["replay", "--max-line-bytes", "18446744073709551615", "-"], Some(b""));
+    assert_eq!(out.status.code(), Some(2));
+    let out = kvguard(&["replay", "--leaks", &zoo("follow_evict.jsonl")], None);
+    assert_eq!(out.status.code(), Some(1));
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains(r#"req 2 (tenant "acme") read 16 slot(s) written by req 3 (tenant "evil")"#), "{stdout}");
+    let out = kvguard(&["replay", "--leaks", "--json", &zoo("follow_evict.jsonl")], None);
+    let last: serde_json::Value = serde_json::from_str(text(&out.stdout).lines().last().unwrap()).unwrap();
+    assert_eq!(last["summary"]["leaks"][0]["writer_tenant"], "evil");
+}
+
+#[test]
+fn audit_token_separators_go_only_between_digits() {
+    for bad in ["a=,,1_,_0", "a=_10", "a=10_", "a=1__0"] {
+        let out = kvguard(&["audit", "--max-context", "16", "--page-size", "16", "--pool", bad], None);
+        assert_eq!(out.status.code(), Some(2), "{bad}");
+    }
+    let out = kvguard(&["audit", "--max-context", "16", "--page-size", "16", "--pool", "a=1_024,0"], None);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
 }

@@ -24,6 +24,7 @@ mod table_concurrency;
 mod table_model;
 mod table_spec;
 mod table_step_writes;
+mod trace_follow;
 mod trace_record;
 mod trace_replay;
 mod trace_zoo;

@@ -87,7 +87,6 @@ fn double_free_and_unknown_request_are_told_apart() {
             (6, ViolationKind::UnknownRequest),
             (7, ViolationKind::UnknownRequest),
             (8, ViolationKind::ExceedsMaxContext),
-            (9, ViolationKind::UnknownRequest),
             (13, ViolationKind::DoubleFree),
         ]
     );
@@ -96,7 +95,7 @@ fn double_free_and_unknown_request_are_told_apart() {
 #[test]
 fn every_contract_kind_is_reachable_from_a_trace() {
     let found = kinds(&[
-        r#"{"ev":"admit","req":1,"tenant":"a","prompt":200,"max_new":100}"#, // 2 exceeds_max_context
+        r#"{"ev":"admit","req":7,"tenant":"a","prompt":200,"max_new":100}"#, // 2 exceeds_max_context
         r#"{"ev":"admit","req":1,"tenant":"a","prompt":32,"max_new":0}"#,
         r#"{"ev":"admit","req":1,"tenant":"a","prompt":32,"max_new":0}"#, // 4 duplicate_request
         r#"{"ev":"alloc","req":9,"pages":[1]}"#,                          // 5 unknown_request
@@ -105,7 +104,7 @@ fn every_contract_kind_is_reachable_from_a_trace() {
         r#"{"ev":"alloc","req":1,"pages":[64]}"#, // 8 page_out_of_range
         r#"{"ev":"alloc","req":1,"pages":[0]}"#,  // 9 reserved_page
         r#"{"ev":"write","req":1,"page":1,"slots":[0,16]}"#,
-        r#"{"ev":"write","req":1,"page":2,"slots":[0,17]}"#, // 11 slot_out_of_range
+        r#"{"ev":"write","req":1,"page":2,"slots":[4,17]}"#, // 11 slot_out_of_range
         r#"{"ev":"write","req":1,"page":2,"slots":[5,4]}"#,  // 12 slot_out_of_range
         r#"{"ev":"read","req":1,"pages":[1,2],"tokens":20}"#, // 13 unwritten_slots
         r#"{"ev":"admit","req":2,"tenant":"b","prompt":16,"max_new":0}"#,
@@ -157,33 +156,6 @@ fn every_contract_kind_is_reachable_from_a_trace() {
         })
         .unwrap();
     assert_eq!(got, vec![(1, PoolTooSmall), (2, ExceedsPool)]);
-}
-
-#[test]
-fn a_violating_event_changes_nothing() {
-    let mut r = Replayer::new();
-    for line in [
-        POOL,
-        r#"{"ev":"admit","req":1,"tenant":"a","prompt":32,"max_new":0}"#,
-        r#"{"ev":"alloc","req":1,"pages":[1,2]}"#,
-        r#"{"ev":"write","req":1,"page":1,"slots":[0,16]}"#,
-    ] {
-        assert!(r.feed_line(line.as_bytes()).unwrap().is_none());
-    }
-    let table = r.table().unwrap();
-    let before = (table.snapshot().owned, table.page_info(PageId(1)), table.page_info(PageId(3)));
-    for bad in [
-        r#"{"ev":"alloc","req":1,"pages":[3,2]}"#,
-        r#"{"ev":"write","req":1,"page":2,"slots":[0,99]}"#,
-        r#"{"ev":"free","req":1,"pages":[1,1]}"#,
-        r#"{"ev":"import","req":1,"pages":[1,2],"tokens":3,"expect":4}"#,
-        r#"{"ev":"read","req":1,"pages":[1,2],"tokens":32}"#,
-    ] {
-        assert!(r.feed_line(bad.as_bytes()).unwrap().is_some(), "{bad}");
-    }
-    let table = r.table().unwrap();
-    assert_eq!((table.snapshot().owned, table.page_info(PageId(1)), table.page_info(PageId(3))), before);
-    assert_eq!(r.summary().violations, 5);
 }
 
 #[test]
@@ -244,7 +216,7 @@ fn malformed_input_is_a_typed_error_naming_the_line() {
         (with_pool("\"admit\""), 2, |k| matches!(k, K::Json(_))),
         (with_pool_bytes(b"{\"ev\":\"evict\",\"key\":\"\xc3\x28\"}"), 2, |k| matches!(k, K::Json(_))),
         (with_pool_bytes(b"\xff\xfe"), 2, |k| matches!(k, K::Json(_))),
-        (with_pool(r#"{"ev":"preempt","req":1}"#), 2, |k| matches!(k, K::UnknownEvent(e) if e == "preempt")),
+        (with_pool(r#"{"ev":"launch","req":1}"#), 2, |k| matches!(k, K::UnknownEvent(e) if e == "launch")),
         (with_pool(r#"{"req":1}"#), 2, |k| matches!(k, K::MissingEvent)),
         (with_pool(r#"{"ev":7}"#), 2, |k| matches!(k, K::WrongType { field: "ev", .. })),
         (with_pool(r#"{"ev":"attach","req":1}"#), 2, |k| matches!(k, K::MissingField { ev: "attach", field: "key" })),
@@ -327,19 +299,30 @@ fn names_are_forgotten_when_nothing_refers_to_them() {
             format!(r#"{{"ev":"free","req":{i}}}"#),
             format!(r#"{{"ev":"evict","key":"k{i}"}}"#),
             format!(r#"{{"ev":"admit","req":{i},"tenant":"refused{i}","prompt":9999,"max_new":0}}"#),
+            format!(r#"{{"ev":"free","req":{i}}}"#),
         ];
         for (n, l) in lines.iter().enumerate() {
             let v = r.feed_line(l.as_bytes()).unwrap();
             assert_eq!(v.is_some(), n == 6, "{l}");
         }
     }
-    assert_eq!(r.live_names(), (0, 0, 0));
+    // The writer record keeps the tenants whose bytes are still in a page: at most two per page.
+    let (tenants, keys, live) = r.live_names();
+    assert!(tenants <= 2 * 64, "{tenants} tenant names kept");
+    assert_eq!((keys, live), (0, 0));
 }
 
 #[test]
 fn the_typed_api_judges_events_like_lines() {
     let mut r = Replayer::new();
-    let pool = Event::Pool { pages: 8, page_size: 16, max_context: 64, reserved: vec![PageId(0)].into() };
+    let pool = Event::Pool {
+        pages: 8,
+        page_size: 16,
+        max_context: 64,
+        reserved: vec![PageId(0)].into(),
+        version: None,
+        scrub_on_release: false,
+    };
     assert!(r.apply(&pool).unwrap().is_none());
     assert!(r.apply(&pool).is_err());
     let admit = Event::Admit { req: RequestId(1), tenant: "a".into(), prompt: 16, max_new: 0 };
@@ -418,11 +401,19 @@ fn long_page_lists_get_the_same_verdict_as_the_table() {
             table.claim(RequestId(2), &[PageId(5)]).unwrap();
             let ids = |v: &[u32]| v.iter().map(|&p| PageId(p)).collect::<Vec<_>>();
             let mut direct = Vec::new();
+            // Replay follows the engine: a refused claim still hands the pages over, a refused
+            // release still releases the owned pages listed.
             if let Err(e) = table.claim(RequestId(1), &ids(alloc)) {
                 direct.push(e.violation().unwrap().clone());
+                table.force_claim(RequestId(1), &ids(alloc));
             }
             if let Err(e) = table.release_pages(RequestId(1), &ids(release)) {
                 direct.push(e.violation().unwrap().clone());
+                let owned: Vec<PageId> = ids(release)
+                    .into_iter()
+                    .filter(|&p| table.page_info(p).is_some_and(|i| i.state == kvguard::PageState::Owned))
+                    .collect();
+                table.force_release_pages(&owned);
             }
             assert_eq!(found, direct);
             assert_eq!(replayer.table().unwrap().snapshot(), table.snapshot());

@@ -23,11 +23,12 @@ struct Cli {
     /// Workload seed (both nodes must use the same).
     #[arg(long, default_value_t = 1, global = true)]
     seed: u64,
-    /// Requests in the workload (both nodes must use the same).
-    #[arg(long, default_value_t = 3, global = true)]
+    /// Requests in the workload (both nodes must use the same), at most 100,000.
+    #[arg(long, default_value_t = 3, global = true,
+          value_parser = clap::value_parser!(u32).range(1..=i64::from(disagg::MAX_REQUESTS)))]
     requests: u32,
-    /// Socket timeout in milliseconds.
-    #[arg(long, default_value_t = 10_000, global = true)]
+    /// Deadline of each frame, in milliseconds (a frame sent or received whole), 1 to 3,600,000.
+    #[arg(long, default_value_t = 10_000, global = true, value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
     timeout_ms: u64,
 }
 

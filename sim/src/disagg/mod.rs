@@ -126,7 +126,7 @@ pub struct DisaggConfig {
     pub seed: u64,
     /// Requests decode pulls.
     pub requests: u32,
-    /// Socket read/write and accept timeout.
+    /// Deadline of each frame (sent or received whole) and of the accept.
     pub timeout: Duration,
 }
 
@@ -178,6 +178,66 @@ fn configure(stream: &TcpStream, timeout: Duration) -> io::Result<()> {
     stream.set_nodelay(true)
 }
 
+/// The most requests one demo run takes (each side generates the whole workload up front).
+pub const MAX_REQUESTS: u32 = 100_000;
+
+/// One frame's exchange on the stream under one deadline: the timeout bounds the whole frame,
+/// not each read or write call (a peer trickling one byte at a time cannot hold a node), and a
+/// timeout says what was awaited: `timed out after N ms waiting for ...`.
+struct Deadline<'s> {
+    stream: &'s TcpStream,
+    timeout: Duration,
+    until: Instant,
+    what: &'static str,
+}
+
+impl<'s> Deadline<'s> {
+    fn new(stream: &'s TcpStream, timeout: Duration, what: &'static str) -> Deadline<'s> {
+        Deadline { stream, timeout, until: Instant::now() + timeout, what }
+    }
+
+    fn timed_out(&self) -> io::Error {
+        let ms = self.timeout.as_millis();
+        io::Error::new(io::ErrorKind::TimedOut, format!("timed out after {ms} ms waiting for {}", self.what))
+    }
+
+    /// The time left, or the timeout error; sets it on the socket for the next call.
+    fn arm(&self, read: bool) -> io::Result<()> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(self.timed_out());
+        }
+        if read { self.stream.set_read_timeout(Some(left)) } else { self.stream.set_write_timeout(Some(left)) }
+    }
+
+    fn map(&self, e: io::Error) -> io::Error {
+        match e.kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => self.timed_out(),
+            _ => e,
+        }
+    }
+}
+
+impl io::Read for Deadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.arm(true)?;
+        let mut s = self.stream;
+        io::Read::read(&mut s, buf).map_err(|e| self.map(e))
+    }
+}
+
+impl io::Write for Deadline<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.arm(false)?;
+        let mut s = self.stream;
+        io::Write::write(&mut s, buf).map_err(|e| self.map(e))
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        let mut s = self.stream;
+        io::Write::flush(&mut s).map_err(|e| self.map(e))
+    }
+}
+
 /// Binds the decode node's listener on loopback (`port` 0: ephemeral).
 pub fn bind_decode(port: u16) -> io::Result<TcpListener> {
     TcpListener::bind(SocketAddr::from((Ipv4Addr::LOCALHOST, port)))
@@ -197,7 +257,9 @@ fn accept(listener: &TcpListener, timeout: Duration) -> io::Result<TcpStream> {
                 std::thread::sleep(Duration::from_millis(5));
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                return Err(io::Error::new(io::ErrorKind::TimedOut, "no prefill node connected"));
+                let ms = timeout.as_millis();
+                let msg = format!("timed out after {ms} ms waiting for the prefill node to connect");
+                return Err(io::Error::new(io::ErrorKind::TimedOut, msg));
             }
             Err(e) => return Err(e),
         }
@@ -211,10 +273,12 @@ pub fn run_decode(
     config: DisaggConfig,
     out: &mut dyn Write,
 ) -> Result<DecodeSummary, DisaggError> {
+    check_requests(config)?;
     let sim = config.sim_config();
     let table = OwnershipTable::new(PoolConfig::new(sim.decode_pages, sim.page_size, sim.max_context))?;
     let mut pool = KvPool::new(sim.decode_pages, sim.page_size);
-    let mut stream = accept(listener, config.timeout)?;
+    let stream = accept(listener, config.timeout)?;
+    let timeout = config.timeout;
     configure(&stream, config.timeout)?;
     let mut summary = DecodeSummary::default();
     for spec in config.workload() {
@@ -228,34 +292,45 @@ pub fn run_decode(
                 .allocate(n)
                 .ok_or(SimError::DecodePoolTooSmall { pages_needed: n as u64, pages: sim.decode_pages })?;
             let refs = table.claim(spec.id, &pages)?;
-            Frame::Pull { request: spec.id, dest: refs.clone() }.write_to(&mut stream)?;
-            let verdict = match Frame::read_from(&mut stream)? {
-                Frame::Busy if attempt < 2 => {
-                    writeln!(out, "req {}: transfer not ready, releasing and retrying", spec.id.0)?;
-                    None
-                }
-                Frame::Transfer { manifest, pages: bytes } => {
-                    let expected =
-                        ExpectedTransfer::for_prompt(spec.id, spec.tenant, &prompt, &refs, sim.page_size, SLOT_BYTES);
-                    let landed = Receiver::new(&table).accept(&expected, &manifest, &bytes, |_, page, b| {
-                        pool.land(page.page, b);
-                        pool.stamp(spec.id, page, (b.len() / SLOT_BYTES as usize) as u32);
-                    });
-                    Some(match landed {
-                        Ok(a) => match table.verify_read_refs(spec.id, &refs, u64::from(spec.prompt_tokens)) {
-                            Ok(()) => Ok(format!(
-                                "ACCEPTED req {}: {} tokens in {} pages, read verified",
-                                spec.id.0,
-                                a.tokens(),
-                                a.pages()
-                            )),
-                            Err(e) => Err((e.violation_kind().map_or("error", |k| k.as_str()), e.to_string())),
-                        },
-                        Err(e) => Err((e.kind().as_str(), e.to_string())),
-                    })
-                }
-                other => return Err(DisaggError::Protocol(format!("expected a transfer, got {other:?}"))),
-            };
+            Frame::Pull { request: spec.id, dest: refs.clone() }.write_to(&mut Deadline::new(
+                &stream,
+                timeout,
+                "the prefill node to take a pull",
+            ))?;
+            let verdict =
+                match Frame::read_from(&mut Deadline::new(&stream, timeout, "a transfer from the prefill node"))? {
+                    Frame::Busy if attempt < 2 => {
+                        writeln!(out, "req {}: transfer not ready, releasing and retrying", spec.id.0)?;
+                        None
+                    }
+                    Frame::Transfer { manifest, pages: bytes } => {
+                        let expected = ExpectedTransfer::for_prompt(
+                            spec.id,
+                            spec.tenant,
+                            &prompt,
+                            &refs,
+                            sim.page_size,
+                            SLOT_BYTES,
+                        );
+                        let landed = Receiver::new(&table).accept(&expected, &manifest, &bytes, |_, page, b| {
+                            pool.land(page.page, b);
+                            pool.stamp(spec.id, page, (b.len() / SLOT_BYTES as usize) as u32);
+                        });
+                        Some(match landed {
+                            Ok(a) => match table.verify_read_refs(spec.id, &refs, u64::from(spec.prompt_tokens)) {
+                                Ok(()) => Ok(format!(
+                                    "ACCEPTED req {}: {} tokens in {} pages, read verified",
+                                    spec.id.0,
+                                    a.tokens(),
+                                    a.pages()
+                                )),
+                                Err(e) => Err((e.violation_kind().map_or("error", |k| k.as_str()), e.to_string())),
+                            },
+                            Err(e) => Err((e.kind().as_str(), e.to_string())),
+                        })
+                    }
+                    other => return Err(DisaggError::Protocol(format!("expected a transfer, got {other:?}"))),
+                };
             pool.free(&pages);
             table.release(spec.id)?;
             match verdict {
@@ -272,13 +347,14 @@ pub fn run_decode(
             break;
         }
     }
-    Frame::Done.write_to(&mut stream)?;
+    Frame::Done.write_to(&mut Deadline::new(&stream, timeout, "the prefill node to take the end"))?;
     Ok(summary)
 }
 
 /// The prefill node: connects to decode at `127.0.0.1:port`, answers every pull, injecting
 /// `fault` into the transfer of request [`FAULTED_REQUEST`].
 pub fn run_prefill(port: u16, fault: Fault, config: DisaggConfig, out: &mut dyn Write) -> Result<u32, DisaggError> {
+    check_requests(config)?;
     let sim = config.sim_config();
     let workload = config.workload();
     let by_id: HashMap<RequestId, (usize, &RequestSpec)> =
@@ -286,17 +362,19 @@ pub fn run_prefill(port: u16, fault: Fault, config: DisaggConfig, out: &mut dyn 
     let table = OwnershipTable::new_unaudited(PoolConfig::new(sim.prefill_pages, sim.page_size, sim.max_context))?;
     let mut pool = KvPool::new(sim.prefill_pages, sim.page_size);
     let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
-    let mut stream = TcpStream::connect_timeout(&addr, config.timeout)?;
+    let stream = TcpStream::connect_timeout(&addr, config.timeout)?;
     configure(&stream, config.timeout)?;
+    let timeout = config.timeout;
     let mut sent: HashMap<RequestId, Frame> = HashMap::new();
     let mut held_back = false;
     let mut served = 0;
     loop {
-        let (request, dest) = match Frame::read_from(&mut stream)? {
-            Frame::Done => return Ok(served),
-            Frame::Pull { request, dest } => (request, dest),
-            other => return Err(DisaggError::Protocol(format!("expected a pull, got {other:?}"))),
-        };
+        let (request, dest) =
+            match Frame::read_from(&mut Deadline::new(&stream, timeout, "a pull from the decode node"))? {
+                Frame::Done => return Ok(served),
+                Frame::Pull { request, dest } => (request, dest),
+                other => return Err(DisaggError::Protocol(format!("expected a pull, got {other:?}"))),
+            };
         let &(index, spec) =
             by_id.get(&request).ok_or_else(|| DisaggError::Protocol(format!("pull for unknown {request}")))?;
         let faulty = index == FAULTED_REQUEST && fault != Fault::None;
@@ -308,7 +386,7 @@ pub fn run_prefill(port: u16, fault: Fault, config: DisaggConfig, out: &mut dyn 
                 held_back = true;
                 sent.insert(request, transfer);
                 writeln!(out, "req {}: holding the transfer back (fault late)", request.0)?;
-                Frame::Busy.write_to(&mut stream)?;
+                Frame::Busy.write_to(&mut Deadline::new(&stream, timeout, "the decode node to take a frame"))?;
                 continue;
             }
             Fault::Late => sent.remove(&request).unwrap_or(transfer),
@@ -321,10 +399,21 @@ pub fn run_prefill(port: u16, fault: Fault, config: DisaggConfig, out: &mut dyn 
         if let Frame::Transfer { .. } = &frame {
             sent.entry(request).or_insert_with(|| frame.clone());
         }
-        frame.write_to(&mut stream)?;
+        frame.write_to(&mut Deadline::new(&stream, timeout, "the decode node to take a transfer"))?;
         served += 1;
         writeln!(out, "sent req {}{}", request.0, if faulty { format!(" (fault {fault})") } else { String::new() })?;
     }
+}
+
+/// A workload size both sides can generate: at most [`MAX_REQUESTS`].
+fn check_requests(config: DisaggConfig) -> Result<(), DisaggError> {
+    if config.requests > MAX_REQUESTS {
+        return Err(DisaggError::Protocol(format!(
+            "{} requests is more than the demo's {MAX_REQUESTS}",
+            config.requests
+        )));
+    }
+    Ok(())
 }
 
 /// Prefills `prefilled` for `spec` in the prefill pool and builds the transfer into `dest`.
@@ -393,4 +482,41 @@ fn corrupt(frame: Frame, fault: Fault) -> Frame {
         _ => {}
     }
     Frame::Transfer { manifest, pages }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_trickling_peer_meets_the_frame_deadline() {
+        let listener = bind_decode(0).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let peer = std::thread::spawn(move || {
+            let mut s = TcpStream::connect(addr).unwrap();
+            // One byte every 40 ms: each read call succeeds, the frame never completes.
+            for _ in 0..25 {
+                if s.write_all(&[1]).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(40));
+            }
+        });
+        let stream = accept(&listener, Duration::from_secs(5)).unwrap();
+        let start = Instant::now();
+        let err = Frame::read_from(&mut Deadline::new(&stream, Duration::from_millis(200), "a transfer")).unwrap_err();
+        assert!(start.elapsed() < Duration::from_millis(600), "{:?}", start.elapsed());
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        assert_eq!(err.to_string(), "timed out after 200 ms waiting for a transfer");
+        drop(stream);
+        peer.join().unwrap();
+    }
+
+    #[test]
+    fn a_workload_beyond_the_cap_is_refused_before_it_is_built() {
+        let config = DisaggConfig { requests: 4_000_000_000, ..DisaggConfig::default() };
+        let listener = bind_decode(0).unwrap();
+        let err = run_decode(&listener, config, &mut Vec::new()).unwrap_err();
+        assert!(err.to_string().contains("more than the demo's 100000"), "{err}");
+    }
 }
