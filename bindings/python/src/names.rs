@@ -42,12 +42,19 @@ pub fn key<'a>(obj: &'a Bound<'_, PyAny>, what: &str) -> PyResult<Key<'a>> {
     if obj.is_instance_of::<PyBool>() {
         return Err(PyTypeError::new_err(format!("{what} must be an int or a str, got bool")));
     }
-    match obj.extract::<i128>() {
-        Ok(n) => int_key(n, what),
-        Err(_) => Err(PyTypeError::new_err(format!(
-            "{what} must be an int or a str, got {}",
-            obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
-        ))),
+    // i64 first: i128 goes through a slow path under the limited API.
+    match obj.extract::<i64>() {
+        Ok(n) => int_key(i128::from(n), what),
+        Err(_) => match obj.extract::<u64>() {
+            Ok(n) => int_key(i128::from(n), what),
+            Err(_) if obj.hasattr("__index__").unwrap_or(false) => {
+                Err(PyValueError::new_err(format!("{what} is too large: int ids are 0..2**63")))
+            }
+            Err(_) => Err(PyTypeError::new_err(format!(
+                "{what} must be an int or a str, got {}",
+                obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
+            ))),
+        },
     }
 }
 
