@@ -45,7 +45,7 @@ pub struct OwnershipTable {
 /// The verdict on a step: which rows may not run attention (reads), or whose writes were
 /// refused and not recorded (writes).
 ///
-/// clean: no row refused. refused: [(row, Violation)] in row order. refused_rows: [row].
+/// clean: no row refused. refused: `[(row, Violation)]` in row order. refused_rows: `[row]`.
 /// refused_mask: numpy bool array, one entry per row of the step, True where refused.
 #[pyclass(frozen, module = "kvguard")]
 pub struct StepVerdict {
