@@ -4,13 +4,14 @@
 //!   table computing each page's slot base (what attention's address math does); guarded runs
 //!   `verify_read` first. Throughput is per page.
 //! - `decode_step/guarded`: `verify_step` over 256 sequences x 4,096 tokens at page size 16.
+//! - `decode_step/writes`: `record_step_writes` of one decode step, 256 sequences of one token.
 //! - `lifecycle/{guarded,unguarded}`: 1,000 requests each admitted, given 256 pages, written
 //!   (slot mapping for 4,096 tokens), read and released. Unguarded is a plain free list.
 //!   `lifecycle/guarded_tracked` is guarded with a device mirror's change tracking on, the
 //!   changed pages taken after every request.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use kvguard::{OwnershipTable, PageId, PageRef, PoolConfig, RequestId, SeqRead, TenantId};
+use kvguard::{OwnershipTable, PageId, PageRef, PoolConfig, RequestId, SeqRead, SeqWrite, TenantId};
 use std::hint::black_box;
 
 const PS: u32 = 16;
@@ -82,6 +83,27 @@ fn decode_step(c: &mut Criterion) {
     group.finish();
 }
 
+/// `decode_step/writes`: one decode step's KV writes through the slot mapping, 256 sequences of
+/// one token each (the Python binding's `record_step_writes` is measured against this).
+fn decode_step_writes(c: &mut Criterion) {
+    const SEQS: u32 = 256;
+    let table =
+        OwnershipTable::new(PoolConfig::new(SEQS * 256 + 1, PS, 4096).with_reserved([PageId(0)])).expect("pool fits");
+    let mut slots = Vec::new();
+    for s in 0..SEQS {
+        let req = RequestId(u64::from(s));
+        table.admit(req, TenantId(u64::from(s % 8)), 4096, 0).expect("admit");
+        let page = table.allocate(req, 1).expect("allocate")[0].page;
+        slots.push(i64::from(page.0) * i64::from(PS) + 3);
+    }
+    let writes: Vec<SeqWrite<'_>> =
+        (0..SEQS as usize).map(|s| SeqWrite { request: RequestId(s as u64), slots: &slots[s..s + 1] }).collect();
+    let mut group = c.benchmark_group("decode_step");
+    group.throughput(Throughput::Elements(u64::from(SEQS)));
+    group.bench_function("writes", |b| b.iter(|| assert!(table.record_step_writes(black_box(&writes)).is_clean())));
+    group.finish();
+}
+
 const PAGES: u32 = 256;
 const TOKENS: u64 = PAGES as u64 * PS as u64;
 
@@ -148,5 +170,5 @@ fn lifecycle(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, verify, decode_step, lifecycle);
+criterion_group!(benches, verify, decode_step, decode_step_writes, lifecycle);
 criterion_main!(benches);

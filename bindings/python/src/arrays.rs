@@ -1,0 +1,299 @@
+//! Zero-copy views of the engine's integer arrays: numpy arrays, anything exposing the buffer
+//! protocol, or anything with `__array_interface__`; int32 and int64; any strides (a row stride
+//! that is not the row's width is honoured). Plain Python sequences of ints are accepted for 1-D
+//! arguments and copied.
+//!
+//! The arrays must not be written by another thread while a call reads them (the GIL is released
+//! during the check, as numpy does for its own loops).
+
+use kvguard::PageId;
+use pyo3::buffer::{ElementType, PyUntypedBuffer};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+
+/// The element type of an array kvguard reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Elem {
+    /// `int32` (vLLM's block table, FlashInfer's indices).
+    I32,
+    /// `int64` (vLLM's slot mapping; torch's default integer).
+    I64,
+}
+
+impl Elem {
+    fn size(self) -> usize {
+        match self {
+            Elem::I32 => 4,
+            Elem::I64 => 8,
+        }
+    }
+}
+
+/// What keeps an array's memory alive while it is viewed.
+#[derive(Debug)]
+enum Keep<'py> {
+    /// A buffer-protocol export (released on drop, with the GIL).
+    Buffer(#[allow(dead_code)] PyUntypedBuffer),
+    /// An object exposing `__array_interface__`.
+    Object(#[allow(dead_code)] Bound<'py, PyAny>),
+    /// A copy of a Python sequence.
+    Owned(#[allow(dead_code)] Vec<i64>),
+}
+
+/// A 1-D or 2-D integer array borrowed from Python.
+#[derive(Debug)]
+pub struct IntArray<'py> {
+    ptr: *const u8,
+    elem: Elem,
+    shape: [usize; 2],
+    /// In bytes.
+    strides: [isize; 2],
+    ndim: usize,
+    _keep: Keep<'py>,
+}
+
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
+}
+
+impl<'py> IntArray<'py> {
+    /// Views `obj` as an int32 or int64 array of `ndim` dimensions; `name` names the argument
+    /// in errors.
+    pub fn open(obj: &Bound<'py, PyAny>, name: &str, ndim: usize) -> PyResult<IntArray<'py>> {
+        if let Ok(buf) = PyUntypedBuffer::get(obj) {
+            return Self::from_buffer(buf, name, ndim);
+        }
+        if let Ok(iface) = obj.getattr("__array_interface__") {
+            return Self::from_interface(obj, &iface, name, ndim);
+        }
+        if ndim == 1
+            && !obj.is_instance_of::<pyo3::types::PyString>()
+            && let Ok(items) = obj.try_iter()
+        {
+            let mut v = Vec::new();
+            for item in items {
+                let item = item?;
+                v.push(
+                    item.extract::<i64>().map_err(|_| {
+                        PyTypeError::new_err(format!("{name} must hold ints, got a {}", type_name(&item)))
+                    })?,
+                );
+            }
+            let ptr = v.as_ptr().cast::<u8>();
+            let len = v.len();
+            return Ok(IntArray {
+                ptr,
+                elem: Elem::I64,
+                shape: [len, 1],
+                strides: [8, 8],
+                ndim: 1,
+                _keep: Keep::Owned(v),
+            });
+        }
+        Err(PyTypeError::new_err(format!(
+            "{name} must be a {ndim}-D int32 or int64 array (numpy, buffer protocol or __array_interface__){}, got {}",
+            if ndim == 1 { " or a sequence of ints" } else { "" },
+            type_name(obj)
+        )))
+    }
+
+    fn elem_of(format: &[u8], item_size: usize, name: &str) -> PyResult<Elem> {
+        if matches!(format.first(), Some(b'>' | b'!')) {
+            return Err(PyTypeError::new_err(format!("{name} must be little-endian int32 or int64, got big-endian")));
+        }
+        let fmt = std::ffi::CString::new(format).unwrap_or_default();
+        match (ElementType::from_format(&fmt), item_size) {
+            (ElementType::SignedInteger { bytes: 4 }, 4) => Ok(Elem::I32),
+            (ElementType::SignedInteger { bytes: 8 }, 8) => Ok(Elem::I64),
+            _ => Err(PyTypeError::new_err(format!(
+                "{name} must have dtype int32 or int64, got format {:?} ({item_size}-byte items)",
+                String::from_utf8_lossy(format)
+            ))),
+        }
+    }
+
+    fn from_buffer(buf: PyUntypedBuffer, name: &str, ndim: usize) -> PyResult<IntArray<'py>> {
+        let elem = Self::elem_of(buf.format().to_bytes(), buf.item_size(), name)?;
+        if buf.dimensions() != ndim {
+            return Err(PyValueError::new_err(format!(
+                "{name} must be {ndim}-D, got {} dimensions (shape {:?})",
+                buf.dimensions(),
+                buf.shape()
+            )));
+        }
+        if buf.suboffsets().is_some_and(|s| s.iter().any(|&o| o >= 0)) {
+            return Err(PyValueError::new_err(format!("{name}: indirect (suboffset) buffers are not supported")));
+        }
+        let mut shape = [0, 1];
+        let mut strides = [elem.size() as isize; 2];
+        shape[..ndim].copy_from_slice(&buf.shape()[..ndim]);
+        strides[..ndim].copy_from_slice(&buf.strides()[..ndim]);
+        let ptr = buf.buf_ptr() as *const u8;
+        Ok(IntArray { ptr, elem, shape, strides, ndim, _keep: Keep::Buffer(buf) })
+    }
+
+    fn from_interface(
+        obj: &Bound<'py, PyAny>,
+        iface: &Bound<'py, PyAny>,
+        name: &str,
+        ndim: usize,
+    ) -> PyResult<IntArray<'py>> {
+        let bad = |what: &str| PyValueError::new_err(format!("{name}: __array_interface__ {what}"));
+        let iface = iface.cast::<PyDict>().map_err(|_| bad("is not a dict"))?;
+        let typestr: String = iface.get_item("typestr")?.ok_or_else(|| bad("has no typestr"))?.extract()?;
+        let elem = match typestr.as_str() {
+            "<i4" | "=i4" => Elem::I32,
+            "<i8" | "=i8" => Elem::I64,
+            other => {
+                return Err(PyTypeError::new_err(format!(
+                    "{name} must have dtype int32 or int64, got typestr {other:?}"
+                )));
+            }
+        };
+        let shape_v: Vec<usize> = iface.get_item("shape")?.ok_or_else(|| bad("has no shape"))?.extract()?;
+        if shape_v.len() != ndim {
+            return Err(PyValueError::new_err(format!(
+                "{name} must be {ndim}-D, got {} dimensions (shape {shape_v:?})",
+                shape_v.len()
+            )));
+        }
+        let data = iface.get_item("data")?.ok_or_else(|| bad("has no data"))?;
+        let data = data.cast::<PyTuple>().map_err(|_| bad("data is not a (pointer, read_only) tuple"))?;
+        let addr: usize = data.get_item(0)?.extract()?;
+        if iface.get_item("mask")?.is_some_and(|m| !m.is_none()) {
+            return Err(bad("has a mask (masked arrays are not supported)"));
+        }
+        let mut shape = [0, 1];
+        shape[..ndim].copy_from_slice(&shape_v);
+        let strides_v: Option<Vec<isize>> = match iface.get_item("strides")? {
+            Some(s) if !s.is_none() => Some(s.extract()?),
+            _ => None,
+        };
+        let size = elem.size() as isize;
+        let strides = match strides_v {
+            Some(s) if s.len() == ndim => {
+                let mut st = [size; 2];
+                st[..ndim].copy_from_slice(&s);
+                st
+            }
+            Some(_) => return Err(bad("strides do not match its shape")),
+            // C-contiguous.
+            None => [if ndim == 2 { size * shape[1] as isize } else { size }, size],
+        };
+        let offset: isize = match iface.get_item("offset")? {
+            Some(o) if !o.is_none() => o.extract()?,
+            _ => 0,
+        };
+        let ptr = (addr as *const u8).wrapping_offset(offset);
+        if addr == 0 && shape[0] * shape[1] > 0 {
+            return Err(bad("data pointer is null"));
+        }
+        Ok(IntArray { ptr, elem, shape, strides, ndim, _keep: Keep::Object(obj.clone()) })
+    }
+
+    /// The element type.
+    pub fn elem(&self) -> Elem {
+        self.elem
+    }
+
+    /// Length of the first dimension.
+    pub fn len(&self) -> usize {
+        self.shape[0]
+    }
+
+    /// Whether the first dimension is empty.
+    pub fn is_empty(&self) -> bool {
+        self.shape[0] == 0
+    }
+
+    /// Length of the second dimension (1 for a 1-D array).
+    pub fn width(&self) -> usize {
+        if self.ndim == 2 { self.shape[1] } else { 1 }
+    }
+
+    /// Element `(i, j)` (`j` = 0 for 1-D), widened to `i64`. Bounds are the caller's: `i <
+    /// len()`, `j < width()` (checked, a violation is a bug of this crate and panics inside
+    /// PyO3's guard, never across the boundary).
+    pub fn get(&self, i: usize, j: usize) -> i64 {
+        assert!(i < self.shape[0] && j < self.width(), "index within the array's shape");
+        let at = self.ptr.wrapping_offset(i as isize * self.strides[0] + j as isize * self.strides[1]);
+        // SAFETY: `(i, j)` is within the shape (asserted), so `at` is an element of the viewed
+        // array, whose memory `_keep` keeps alive; read_unaligned needs no alignment.
+        unsafe {
+            match self.elem {
+                Elem::I32 => i64::from(at.cast::<i32>().read_unaligned()),
+                Elem::I64 => at.cast::<i64>().read_unaligned(),
+            }
+        }
+    }
+
+    /// Whether the second dimension (or the only one) is contiguous and aligned for the element
+    /// type, so rows can be borrowed as slices.
+    fn rows_contiguous(&self) -> bool {
+        let inner = if self.ndim == 2 { self.strides[1] } else { self.strides[0] };
+        let size = self.elem.size();
+        let aligned = (self.ptr as usize).is_multiple_of(size) && (self.strides[0].unsigned_abs()).is_multiple_of(size);
+        (inner == size as isize || (self.width() <= 1 && self.ndim == 2)) && aligned
+    }
+
+    /// Row `i` (of a 2-D array; the whole array for 1-D, `i` = 0) as page ids without copying,
+    /// when it is int32, contiguous and aligned. A negative int32 reads as a page id of 2**31 or
+    /// more: beyond any pool, refused as `page_out_of_range`, never a real page.
+    pub fn row_pages(&self, i: usize) -> Option<&[PageId]> {
+        if self.elem != Elem::I32 || !self.rows_contiguous() || i >= self.rows() {
+            return None;
+        }
+        let len = if self.ndim == 2 { self.shape[1] } else { self.shape[0] };
+        if len == 0 {
+            return Some(&[]);
+        }
+        let at = self.ptr.wrapping_offset(if self.ndim == 2 { i as isize * self.strides[0] } else { 0 });
+        // SAFETY: `at` is row `i`'s first element: `len` contiguous int32s (inner stride 4,
+        // checked above), aligned to 4 (checked), kept alive by `_keep` for the borrow of
+        // `self`. `PageId` is `#[repr(transparent)]` over `u32`, which has the size and
+        // alignment of `i32`, and every bit pattern is a valid `u32`.
+        Some(unsafe { std::slice::from_raw_parts(at.cast::<PageId>(), len) })
+    }
+
+    /// The whole 1-D array as `&[i64]` without copying, when it is int64, contiguous and aligned.
+    pub fn as_i64(&self) -> Option<&[i64]> {
+        if self.ndim != 1 || self.elem != Elem::I64 || !self.rows_contiguous() {
+            return None;
+        }
+        if self.shape[0] == 0 {
+            return Some(&[]);
+        }
+        // SAFETY: `shape[0]` contiguous (stride 8, checked), 8-aligned (checked) int64s at
+        // `ptr`, kept alive by `_keep` for the borrow of `self`.
+        Some(unsafe { std::slice::from_raw_parts(self.ptr.cast::<i64>(), self.shape[0]) })
+    }
+
+    fn rows(&self) -> usize {
+        if self.ndim == 2 { self.shape[0] } else { 1 }
+    }
+
+    /// Appends the first `n` entries of row `i` (of a 2-D array; `i` = 0 and the whole array
+    /// for 1-D) to `out` as page ids: any dtype and stride. A value outside `0..2**32` becomes
+    /// `u32::MAX`, beyond any pool: refused as `page_out_of_range`, never a real page.
+    pub fn row_pages_into(&self, i: usize, n: usize, out: &mut Vec<PageId>) {
+        for j in 0..n {
+            let v = if self.ndim == 2 { self.get(i, j) } else { self.get(j, 0) };
+            out.push(PageId(u32::try_from(v).unwrap_or(u32::MAX)));
+        }
+    }
+
+    /// The first `n` entries of a 1-D array as non-negative ints; `what` names them in the
+    /// `ValueError` a negative one raises.
+    pub fn counts(&self, n: usize, name: &str) -> PyResult<Vec<u64>> {
+        if self.len() < n {
+            return Err(PyValueError::new_err(format!("{name} has {} entries, {n} needed", self.len())));
+        }
+        (0..n)
+            .map(|i| {
+                let v = self.get(i, 0);
+                u64::try_from(v).map_err(|_| PyValueError::new_err(format!("{name}[{i}] is {v}: must be >= 0")))
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,208 @@
+//! The CUDA device guard.
+//!
+//! Device pointers are integers (`tensor.data_ptr()`), the engine's stream an integer handle
+//! (`torch.cuda.current_stream().cuda_stream`). kvguard cannot check a raw pointer: the caller
+//! promises what [`kvguard::cuda::Borrowed::from_raw`] asks (live memory of the guard's device,
+//! of at least the sizes given, untouched by unordered work until the launch completes). Without
+//! a GPU, the constructor raises `kvguard.DeviceError`.
+
+use crate::errors::{DeviceError, log_violation};
+use crate::table::OwnershipTable;
+use crate::values::{PoolConfig, Violation};
+use kvguard::cuda::{self as core, BlockTableStep, Borrowed, DeviceOptions, EngineStream, PagedKvStep};
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+
+fn dev_err(e: core::DeviceError) -> PyErr {
+    DeviceError::new_err(e.to_string())
+}
+
+/// Whether the CUDA driver library loads here (no device needed).
+#[pyfunction]
+pub fn driver_available() -> bool {
+    core::driver_available()
+}
+
+/// The device side of one KV pool: a mirror of the table's tags on the GPU, the verify kernels
+/// over a step's block tables, a violation ring drained into the table.
+///
+/// DeviceGuard(config, *, device=0, max_seqs=1024, ring_capacity=4096, cubin=None)
+/// Raises DeviceError without a driver, a device or NVRTC (pass cubin=bytes built ahead of time
+/// to run without NVRTC).
+///
+/// Each step: sync_tags(table); set_readers(table, req_ids); clear_status();
+/// verify_block_table(...) before attention (no host sync); drain(table) off the hot path.
+/// Pointers are ints from tensor.data_ptr(): they must be live int32 device tensors of this
+/// guard's device, of at least the sizes given, until the launch completes.
+#[pyclass(frozen, module = "kvguard")]
+pub struct DeviceGuard {
+    guard: Mutex<core::DeviceGuard>,
+}
+
+#[pymethods]
+impl DeviceGuard {
+    #[new]
+    #[pyo3(signature = (config, *, device = 0, max_seqs = 1024, ring_capacity = 4096, cubin = None))]
+    fn new(
+        py: Python<'_>,
+        config: &PoolConfig,
+        device: usize,
+        max_seqs: u32,
+        ring_capacity: u32,
+        cubin: Option<Vec<u8>>,
+    ) -> PyResult<DeviceGuard> {
+        let options = DeviceOptions {
+            ordinal: device,
+            max_seqs,
+            ring_capacity,
+            cubin: cubin.map(Into::into),
+            ..DeviceOptions::default()
+        };
+        let config = &config.inner;
+        let guard = py.detach(|| core::DeviceGuard::new(config, options)).map_err(dev_err)?;
+        Ok(DeviceGuard { guard: Mutex::new(guard) })
+    }
+
+    /// Launches on the engine's CUDA stream from now on (an int handle, e.g.
+    /// torch.cuda.current_stream().cuda_stream); it must outlive the guard.
+    fn use_engine_stream(&self, stream: usize) -> PyResult<()> {
+        // SAFETY: the caller promises (documented above) a live CUstream of this guard's
+        // device's primary context that outlives the guard.
+        let stream = unsafe { EngineStream::from_raw(stream as cudarc::driver::sys::CUstream) };
+        self.guard.lock().use_engine_stream(stream).map_err(dev_err)
+    }
+
+    /// Copies the tags of the pages the table changed since the last call; returns how many.
+    fn sync_tags(&self, py: Python<'_>, table: &OwnershipTable) -> PyResult<usize> {
+        py.detach(|| self.guard.lock().sync_tags(table.core())).map_err(dev_err)
+    }
+
+    /// Writes every page's tag (start-up).
+    fn upload_all_tags(&self, py: Python<'_>, table: &OwnershipTable) -> PyResult<()> {
+        py.detach(|| self.guard.lock().upload_all_tags(table.core())).map_err(dev_err)
+    }
+
+    /// Names the request reading through each sequence of the next steps (ids as the table
+    /// knows them; each request's tenant is the table's).
+    fn set_readers(&self, py: Python<'_>, table: &OwnershipTable, req_ids: Vec<Bound<'_, PyAny>>) -> PyResult<()> {
+        let keys = req_ids.iter().map(|o| crate::names::key(o, "req_ids entry")).collect::<PyResult<Vec<_>>>()?;
+        let requests: Vec<_> = {
+            let names = table.names().lock();
+            keys.into_iter().map(|k| names.request(k)).collect()
+        };
+        let readers: Vec<_> = requests
+            .into_iter()
+            .map(|r| (r, table.core().request_info(r).map_or(crate::names::UNKNOWN_TENANT, |i| i.tenant)))
+            .collect();
+        py.detach(|| self.guard.lock().set_readers(&readers)).map_err(dev_err)
+    }
+
+    /// Zeroes the per-sequence status words before a step.
+    fn clear_status(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.guard.lock().clear_status()).map_err(dev_err)
+    }
+
+    /// Verifies a vLLM-layout step on the device: block_table int32 [num_seqs][max_blocks] and
+    /// seq_lens int32 [num_seqs], device pointers. No host sync.
+    #[pyo3(signature = (block_table, seq_lens, num_seqs, max_blocks, *, check_canaries = false))]
+    fn verify_block_table(
+        &self,
+        py: Python<'_>,
+        block_table: u64,
+        seq_lens: u64,
+        num_seqs: u32,
+        max_blocks: u32,
+        check_canaries: bool,
+    ) -> PyResult<()> {
+        let len = num_seqs as usize * max_blocks as usize;
+        // SAFETY: the caller promises (documented above) live int32 device tensors of this
+        // guard's device of `len` and `num_seqs` elements, untouched until the launch completes.
+        let step = unsafe {
+            BlockTableStep {
+                block_table: Borrowed::from_raw(block_table, len),
+                seq_lens: Borrowed::from_raw(seq_lens, num_seqs as usize),
+                num_seqs,
+                max_blocks,
+                generations: None,
+                check_canaries,
+            }
+        };
+        py.detach(|| self.guard.lock().verify_block_table(&step)).map_err(dev_err)
+    }
+
+    /// Verifies a FlashInfer-layout step on the device (int32 device pointers: kv_indptr
+    /// [num_seqs + 1], kv_indices [num_indices], kv_last_page_len [num_seqs]). No host sync.
+    #[pyo3(signature = (kv_indptr, kv_indices, kv_last_page_len, num_seqs, num_indices, max_pages_per_seq, *, check_canaries = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn verify_paged_kv(
+        &self,
+        py: Python<'_>,
+        kv_indptr: u64,
+        kv_indices: u64,
+        kv_last_page_len: u64,
+        num_seqs: u32,
+        num_indices: usize,
+        max_pages_per_seq: u32,
+        check_canaries: bool,
+    ) -> PyResult<()> {
+        // SAFETY: the caller promises (documented above) live int32 device tensors of this
+        // guard's device of these sizes, untouched until the launch completes.
+        let step = unsafe {
+            PagedKvStep {
+                kv_indptr: Borrowed::from_raw(kv_indptr, num_seqs as usize + 1),
+                kv_indices: Borrowed::from_raw(kv_indices, num_indices),
+                kv_last_page_len: Borrowed::from_raw(kv_last_page_len, num_seqs as usize),
+                num_seqs,
+                max_pages_per_seq,
+                generations: None,
+                check_canaries,
+            }
+        };
+        py.detach(|| self.guard.lock().verify_paged_kv(&step)).map_err(dev_err)
+    }
+
+    /// The first `n` per-sequence status words (bit k set: a violation of kind k). Syncs.
+    fn read_status(&self, py: Python<'_>, n: u32) -> PyResult<Vec<u32>> {
+        py.detach(|| self.guard.lock().read_status(n)).map_err(dev_err)
+    }
+
+    /// Takes the device's violation ring into the table (counted, logged, judged) and returns
+    /// the violations. Off the hot path: it syncs.
+    fn drain(&self, py: Python<'_>, table: &OwnershipTable) -> PyResult<Vec<Py<Violation>>> {
+        let drained = py.detach(|| self.guard.lock().drain(table.core())).map_err(dev_err)?;
+        let resolved: Vec<_> = {
+            let names = table.names().lock();
+            drained
+                .violations
+                .into_iter()
+                .map(|v| {
+                    let r = names.resolve(&v);
+                    (v, r)
+                })
+                .collect()
+        };
+        let mut out = Vec::with_capacity(resolved.len());
+        for (v, r) in resolved {
+            let v = Violation::wrap(py, v, r)?;
+            log_violation(py, &v);
+            out.push(v);
+        }
+        Ok(out)
+    }
+
+    /// Device address of the per-sequence status words (attention kernels may read it).
+    #[getter]
+    fn status_ptr(&self) -> u64 {
+        self.guard.lock().status_ptr()
+    }
+    /// Device address of the tag table.
+    #[getter]
+    fn tags_ptr(&self) -> u64 {
+        self.guard.lock().tags_ptr()
+    }
+    /// Device address of the canaries.
+    #[getter]
+    fn canaries_ptr(&self) -> u64 {
+        self.guard.lock().canaries_ptr()
+    }
+}

@@ -1,0 +1,67 @@
+//! The Python binding of kvguard: the extension module `kvguard._kvguard`, re-exported by the
+//! pure-Python package `kvguard` (`python/kvguard/__init__.py`).
+//!
+//! A binding adds no semantics: every function converts its arguments, calls the core crate and
+//! converts the result back. What this crate does on its own:
+//!
+//! | module | what it holds |
+//! |---|---|
+//! | [`names`] | request and tenant ids as engines have them (`int` or `str`); strings interned, released with the request |
+//! | [`arrays`] | zero-copy views of the engine's arrays (buffer protocol, `__array_interface__`), int32 and int64 |
+//! | [`errors`] | the exception hierarchy, and violations sent to Python's `logging` |
+//! | [`values`] | the plain values: pool config, page refs, infos, snapshot, violations |
+//! | [`table`] | `OwnershipTable`, the one-call-per-step entry points and their verdict |
+//! | [`transfer`] | manifests and the receiver |
+//! | [`trace`] | the trace recorder and replayer |
+//! | [`device`] | the CUDA device guard (a typed error without a GPU) |
+//!
+//! All `unsafe` of the Python binding lives in [`arrays`] and [`device`], each block with its
+//! `// SAFETY:` argument.
+
+use pyo3::prelude::*;
+
+pub mod arrays;
+pub mod device;
+pub mod errors;
+pub mod names;
+pub mod table;
+pub mod trace;
+pub mod transfer;
+pub mod values;
+
+/// The extension module: classes, exceptions and functions, re-exported by `kvguard`.
+#[pymodule]
+fn _kvguard(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("PADDING_SLOT", kvguard::PADDING_SLOT)?;
+    m.add("Error", py.get_type::<errors::Error>())?;
+    m.add("ViolationError", py.get_type::<errors::ViolationError>())?;
+    m.add("ConfigError", py.get_type::<errors::ConfigError>())?;
+    m.add("OutOfPagesError", py.get_type::<errors::OutOfPagesError>())?;
+    m.add("ScrubError", py.get_type::<errors::ScrubError>())?;
+    m.add("TransferError", py.get_type::<errors::TransferError>())?;
+    m.add("TraceError", py.get_type::<errors::TraceError>())?;
+    m.add("DeviceError", py.get_type::<errors::DeviceError>())?;
+    m.add_class::<values::PoolConfig>()?;
+    m.add_class::<values::PageRef>()?;
+    m.add_class::<values::Violation>()?;
+    m.add_class::<values::Released>()?;
+    m.add_class::<values::PageInfo>()?;
+    m.add_class::<values::RequestInfo>()?;
+    m.add_class::<values::PoolSnapshot>()?;
+    m.add_class::<table::OwnershipTable>()?;
+    m.add_class::<table::StepVerdict>()?;
+    m.add_class::<transfer::Manifest>()?;
+    m.add_class::<transfer::Receiver>()?;
+    m.add_class::<transfer::Accepted>()?;
+    m.add_function(wrap_pyfunction!(transfer::page_checksum, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer::prompt_digest, m)?)?;
+    m.add_class::<trace::Recorder>()?;
+    m.add_class::<trace::Replayer>()?;
+    m.add_class::<trace::ReplayViolation>()?;
+    m.add_class::<device::DeviceGuard>()?;
+    m.add_function(wrap_pyfunction!(device::driver_available, m)?)?;
+    m.add("VIOLATION_KINDS", kvguard::ViolationKind::ALL.iter().map(|k| k.as_str()).collect::<Vec<_>>())?;
+    Ok(())
+}

@@ -1,0 +1,359 @@
+//! Request and tenant ids as engines have them: Python `int` or `str`.
+//!
+//! vLLM's `request_id` and SGLang's `rid` are strings. A string is *interned*: the table gives it
+//! the next unused id, never a hash (a collision would merge two requests' ownership). The two id
+//! spaces never meet: ints are `0..2**63`, interned strings take ids from `2**63 + 1` up.
+//!
+//! A request's string lives as long as the request: it is interned by `admit` (or `fork`, for the
+//! child) and forgotten by `release`, or at once when the admission is refused. A tenant's string
+//! lives while a live request of that tenant (or a sharing permission) holds it. So memory stays
+//! flat over millions of requests.
+
+use foldhash::{HashMap, HashSet};
+use kvguard::{RequestId, TenantId};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyString};
+
+/// The first id of the interned strings' space; never handed out itself.
+pub const STRING_IDS: u64 = 1 << 63;
+
+/// The request id a string that is not interned maps to: never admitted, so the table refuses it
+/// as an unknown request.
+pub const UNKNOWN_REQUEST: RequestId = RequestId(STRING_IDS);
+
+/// The tenant id a string that is not interned maps to: no request has it.
+pub const UNKNOWN_TENANT: TenantId = TenantId(STRING_IDS);
+
+/// A request or tenant id as the caller gave it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Key<'a> {
+    /// An int id, `0..2**63`.
+    Int(u64),
+    /// A string id, to be interned.
+    Name(&'a str),
+}
+
+/// Reads an id: a `str`, or an int in `0..2**63` (anything with `__index__`, numpy ints too).
+pub fn key<'a>(obj: &'a Bound<'_, PyAny>, what: &str) -> PyResult<Key<'a>> {
+    if let Ok(s) = obj.cast::<PyString>() {
+        return Ok(Key::Name(s.to_str()?));
+    }
+    if obj.is_instance_of::<PyBool>() {
+        return Err(PyTypeError::new_err(format!("{what} must be an int or a str, got bool")));
+    }
+    // i64 first: i128 goes through a slow path under the limited API.
+    match obj.extract::<i64>() {
+        Ok(n) => int_key(i128::from(n), what),
+        Err(_) => match obj.extract::<u64>() {
+            Ok(n) => int_key(i128::from(n), what),
+            Err(_) if obj.hasattr("__index__").unwrap_or(false) => {
+                Err(PyValueError::new_err(format!("{what} is too large: int ids are 0..2**63")))
+            }
+            Err(_) => Err(PyTypeError::new_err(format!(
+                "{what} must be an int or a str, got {}",
+                obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
+            ))),
+        },
+    }
+}
+
+/// An int id, checked to be in `0..2**63`.
+pub fn int_key(n: i128, what: &str) -> PyResult<Key<'static>> {
+    if n < 0 {
+        Err(PyValueError::new_err(format!("{what} must be a non-negative int (0..2**63) or a str, got {n}")))
+    } else if n >= i128::from(STRING_IDS) {
+        Err(PyValueError::new_err(format!(
+            "{what} {n} is too large: int ids are 0..2**63 (larger ids are kept for str ids)"
+        )))
+    } else {
+        Ok(Key::Int(n as u64))
+    }
+}
+
+/// One interned string and how many holds keep it.
+#[derive(Debug)]
+struct Entry {
+    name: Box<str>,
+    holds: u64,
+}
+
+/// One id space (requests or tenants): names to ids and back.
+#[derive(Debug, Default)]
+struct Space {
+    ids: HashMap<Box<str>, u64>,
+    names: HashMap<u64, Entry>,
+    next: u64,
+}
+
+impl Space {
+    fn get(&self, name: &str) -> Option<u64> {
+        self.ids.get(name).copied()
+    }
+
+    /// The name's id, interned if new, with one more hold; and whether it was new.
+    fn hold(&mut self, name: &str) -> (u64, bool) {
+        if let Some(&id) = self.ids.get(name) {
+            if let Some(e) = self.names.get_mut(&id) {
+                e.holds += 1;
+            }
+            return (id, false);
+        }
+        self.next += 1;
+        let id = STRING_IDS + self.next;
+        self.ids.insert(name.into(), id);
+        self.names.insert(id, Entry { name: name.into(), holds: 1 });
+        (id, true)
+    }
+
+    /// Drops one hold of `id`; the name is forgotten with its last hold.
+    fn release(&mut self, id: u64) {
+        if let Some(e) = self.names.get_mut(&id) {
+            e.holds = e.holds.saturating_sub(1);
+            if e.holds == 0
+                && let Some(e) = self.names.remove(&id)
+            {
+                self.ids.remove(&e.name);
+            }
+        }
+    }
+
+    fn name(&self, id: u64) -> Option<&str> {
+        self.names.get(&id).map(|e| &*e.name)
+    }
+}
+
+/// The names one table has interned.
+#[derive(Debug, Default)]
+pub struct Names {
+    requests: Space,
+    tenants: Space,
+    /// The string tenant each live request holds.
+    tenant_of: HashMap<u64, u64>,
+    /// String tenants held by a sharing permission.
+    sharing: HashSet<u64>,
+}
+
+/// What [`Names::admit`] took, to be kept or given back.
+#[derive(Clone, Copy, Debug)]
+pub struct Admission {
+    /// The request's id.
+    pub request: RequestId,
+    /// Its tenant's id.
+    pub tenant: TenantId,
+    new_request: bool,
+    string_tenant: bool,
+}
+
+impl Names {
+    /// The id of a request for a call that does not create it (a string never admitted maps to
+    /// [`UNKNOWN_REQUEST`]).
+    pub fn request(&self, key: Key<'_>) -> RequestId {
+        match key {
+            Key::Int(n) => RequestId(n),
+            Key::Name(s) => self.requests.get(s).map(RequestId).unwrap_or(UNKNOWN_REQUEST),
+        }
+    }
+
+    /// The id of a tenant for a call that does not hold it.
+    pub fn tenant(&self, key: Key<'_>) -> TenantId {
+        match key {
+            Key::Int(n) => TenantId(n),
+            Key::Name(s) => self.tenants.get(s).map(TenantId).unwrap_or(UNKNOWN_TENANT),
+        }
+    }
+
+    /// Interns a request about to be admitted (a live string keeps its id: the table then
+    /// refuses the duplicate) and holds its tenant. Give it back with [`Names::refused`] or keep
+    /// it with [`Names::admitted`].
+    pub fn admit(&mut self, request: Key<'_>, tenant: Key<'_>) -> Admission {
+        let (request, new_request) = match request {
+            Key::Int(n) => (RequestId(n), false),
+            Key::Name(s) => {
+                let (id, new) = self.requests.hold(s);
+                if !new {
+                    // A duplicate: the live request keeps the only hold.
+                    self.requests.release(id);
+                }
+                (RequestId(id), new)
+            }
+        };
+        let (tenant, string_tenant) = match tenant {
+            Key::Int(n) => (TenantId(n), false),
+            Key::Name(s) => (TenantId(self.tenants.hold(s).0), true),
+        };
+        Admission { request, tenant, new_request, string_tenant }
+    }
+
+    /// A child about to be forked from `parent`: interned like an admission, holding the
+    /// parent's string tenant if it has one.
+    pub fn fork(&mut self, parent: RequestId, child: Key<'_>) -> Admission {
+        let tenant = self.tenant_of.get(&parent.0).copied();
+        let mut a = self.admit(child, Key::Int(0));
+        if let Some(t) = tenant {
+            self.tenants.names.entry(t).and_modify(|e| e.holds += 1);
+            a.tenant = TenantId(t);
+            a.string_tenant = true;
+        }
+        a
+    }
+
+    /// The table admitted it: the request keeps its string and its tenant hold.
+    pub fn admitted(&mut self, a: Admission) {
+        if a.string_tenant
+            && let Some(old) = self.tenant_of.insert(a.request.0, a.tenant.0)
+        {
+            self.tenants.release(old);
+        }
+    }
+
+    /// The table refused it: a string interned for it is forgotten, the tenant hold dropped.
+    pub fn refused(&mut self, a: Admission) {
+        if a.new_request {
+            self.requests.release(a.request.0);
+        }
+        if a.string_tenant {
+            self.tenants.release(a.tenant.0);
+        }
+    }
+
+    /// The request ended: its string and its tenant hold are dropped.
+    pub fn forget(&mut self, request: RequestId) {
+        if request.0 > STRING_IDS {
+            self.requests.release(request.0);
+        }
+        if let Some(t) = self.tenant_of.remove(&request.0) {
+            self.tenants.release(t);
+        }
+    }
+
+    /// A tenant's sharing permission: a str tenant is held while it allows sharing. Returns
+    /// its id.
+    pub fn share(&mut self, tenant: Key<'_>, allow: bool) -> TenantId {
+        match tenant {
+            Key::Int(n) => TenantId(n),
+            Key::Name(s) => match (allow, self.tenants.get(s)) {
+                (true, Some(id)) if self.sharing.contains(&id) => TenantId(id),
+                (true, _) => {
+                    let id = self.tenants.hold(s).0;
+                    self.sharing.insert(id);
+                    TenantId(id)
+                }
+                (false, Some(id)) => {
+                    if self.sharing.remove(&id) {
+                        self.tenants.release(id);
+                    }
+                    TenantId(id)
+                }
+                (false, None) => UNKNOWN_TENANT,
+            },
+        }
+    }
+
+    /// The string a request id was interned from, while the request lives.
+    pub fn request_name(&self, id: RequestId) -> Option<&str> {
+        self.requests.name(id.0)
+    }
+
+    /// The string a tenant id was interned from, while something holds it.
+    pub fn tenant_name(&self, id: TenantId) -> Option<&str> {
+        self.tenants.name(id.0)
+    }
+
+    /// Interned request and tenant strings held now.
+    pub fn len(&self) -> (usize, usize) {
+        (self.requests.names.len(), self.tenants.names.len())
+    }
+
+    /// A request id as Python sees it: its string while it lives, else the int.
+    pub fn request_id(&self, id: RequestId) -> PyId {
+        self.request_name(id).map_or(PyId::Int(id.0), |s| PyId::Name(s.into()))
+    }
+
+    /// A tenant id as Python sees it: its string while held, else the int.
+    pub fn tenant_id(&self, id: TenantId) -> PyId {
+        self.tenant_name(id).map_or(PyId::Int(id.0), |s| PyId::Name(s.into()))
+    }
+
+    /// The ids a violation names, as Python sees them.
+    pub fn resolve(&self, v: &kvguard::Violation) -> Resolved {
+        Resolved {
+            request: v.request().map(|r| self.request_id(r)),
+            tenant: v.tenant().map(|t| self.tenant_id(t)),
+            owner: v.owner().map(|r| self.request_id(r)),
+            owner_tenant: v.owner_tenant().map(|t| self.tenant_id(t)),
+        }
+    }
+}
+
+/// An id resolved under the names lock, turned into a Python object after it is dropped (making
+/// Python objects may run Python code: the lock is never held then).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PyId {
+    /// An int id (or a string id no longer interned).
+    Int(u64),
+    /// The string it was interned from.
+    Name(Box<str>),
+}
+
+impl PyId {
+    /// The Python object: `int` or `str`.
+    pub fn to_py(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        Ok(match self {
+            PyId::Int(n) => n.into_pyobject(py)?.into_any().unbind(),
+            PyId::Name(s) => PyString::new(py, s).into_any().unbind(),
+        })
+    }
+}
+
+/// The ids a violation names, resolved.
+#[derive(Clone, Debug, Default)]
+pub struct Resolved {
+    /// The request that did it.
+    pub request: Option<PyId>,
+    /// Its tenant.
+    pub tenant: Option<PyId>,
+    /// The page's owner.
+    pub owner: Option<PyId>,
+    /// The owner's tenant.
+    pub owner_tenant: Option<PyId>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strings_get_fresh_ids_and_are_forgotten_with_the_request() {
+        let mut names = Names::default();
+        let a = names.admit(Key::Name("cmpl-1"), Key::Name("acme"));
+        names.admitted(a);
+        let b = names.admit(Key::Name("cmpl-2"), Key::Name("acme"));
+        names.admitted(b);
+        assert_ne!(a.request, b.request);
+        assert_eq!(a.tenant, b.tenant);
+        assert!(a.request.0 > STRING_IDS && b.request.0 > STRING_IDS);
+        assert_eq!(names.request(Key::Name("cmpl-1")), a.request);
+        assert_eq!(names.request(Key::Name("nope")), UNKNOWN_REQUEST);
+        names.forget(a.request);
+        assert_eq!(names.request(Key::Name("cmpl-1")), UNKNOWN_REQUEST);
+        assert_eq!(names.len(), (1, 1));
+        names.forget(b.request);
+        assert_eq!(names.len(), (0, 0));
+    }
+
+    #[test]
+    fn a_refused_admission_leaves_nothing_and_a_duplicate_keeps_the_live_one() {
+        let mut names = Names::default();
+        let a = names.admit(Key::Name("r"), Key::Name("t"));
+        names.admitted(a);
+        let dup = names.admit(Key::Name("r"), Key::Name("t"));
+        assert_eq!(dup.request, a.request);
+        names.refused(dup);
+        assert_eq!(names.request(Key::Name("r")), a.request);
+        assert_eq!(names.len(), (1, 1));
+        let refused = names.admit(Key::Name("other"), Key::Int(3));
+        names.refused(refused);
+        assert_eq!(names.len(), (1, 1));
+    }
+}

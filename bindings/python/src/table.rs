@@ -1,0 +1,860 @@
+//! `OwnershipTable` for Python, and the one-call-per-step entry points.
+//!
+//! Every method converts, calls the core table with the GIL released, and converts back; the
+//! names lock (request and tenant strings) is taken for the conversion only, never across the
+//! core call or while Python code may run.
+
+use crate::arrays::IntArray;
+use crate::errors::{self, log_violation};
+use crate::names::{self, Key, Names, Resolved};
+use crate::values::{PageInfo, PageRef, PoolConfig, PoolSnapshot, Released, RequestInfo, Violation};
+use kvguard::{PageId, PrefixKey, RequestId, SeqRead, SeqWrite};
+use parking_lot::Mutex;
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyList, PyTuple};
+
+/// The ownership table of one KV pool: every page's owner request, tenant, generation and
+/// written slots; every attention read checked against it.
+///
+/// OwnershipTable(config: PoolConfig, *, audit=True)
+///
+/// Request and tenant ids are ints (0..2**63) or strs (vLLM's request_id, SGLang's rid); strs are
+/// interned to unique ids (never hashed) and forgotten when the request is released.
+///
+/// Naming rule: check_* is pure (returns the verdict, records nothing); verify_* is judged (a
+/// violation is counted, sent to the `kvguard` logger, and under policy "enforce" refused with
+/// its request quarantined). Mutations (admit, claim, record_*, release*, ...) are always judged
+/// and raise ViolationError when refused, under either policy.
+///
+/// One call per scheduler step, zero copy:
+///   verify_step(req_ids, block_tables, seq_lens)                    vLLM's block table
+///   verify_step_csr(req_ids, kv_indptr, kv_indices, kv_last_page_len) FlashInfer's paged KV
+///   record_step_writes(req_ids, slot_mapping, query_start_loc)      vLLM's slot mapping
+/// each returning a StepVerdict whose refused_mask marks the rows to abort.
+///
+/// Thread-safe: reads run in parallel; every other call takes the table's lock for its own
+/// duration; the GIL is released while the table works.
+#[pyclass(frozen, module = "kvguard")]
+pub struct OwnershipTable {
+    table: kvguard::OwnershipTable,
+    names: Mutex<Names>,
+}
+
+/// The verdict on a step: which rows may not run attention (reads), or whose writes were
+/// refused and not recorded (writes).
+///
+/// clean: no row refused. refused: `[(row, Violation)]` in row order. refused_rows: `[row]`.
+/// refused_mask: numpy bool array, one entry per row of the step, True where refused.
+#[pyclass(frozen, module = "kvguard")]
+pub struct StepVerdict {
+    rows: usize,
+    refused: Vec<(usize, Py<Violation>)>,
+    mask: PyOnceLock<Py<PyAny>>,
+}
+
+static NUMPY: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
+
+#[pymethods]
+impl StepVerdict {
+    /// No row was refused.
+    #[getter]
+    fn clean(&self) -> bool {
+        self.refused.is_empty()
+    }
+    /// Rows in the step.
+    #[getter]
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    /// [(row, Violation)] for every refused row, in row order.
+    #[getter]
+    fn refused(&self, py: Python<'_>) -> Vec<(usize, Py<Violation>)> {
+        self.refused.iter().map(|(i, v)| (*i, v.clone_ref(py))).collect()
+    }
+    /// The refused rows, in order.
+    #[getter]
+    fn refused_rows(&self) -> Vec<usize> {
+        self.refused.iter().map(|(i, _)| *i).collect()
+    }
+    /// The violations, in row order.
+    #[getter]
+    fn violations(&self, py: Python<'_>) -> Vec<Py<Violation>> {
+        self.refused.iter().map(|(_, v)| v.clone_ref(py)).collect()
+    }
+    /// numpy bool array of `rows` entries, True for each refused row (built on first access).
+    #[getter]
+    fn refused_mask(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let mask = self.mask.get_or_try_init(py, || -> PyResult<Py<PyAny>> {
+            let np = NUMPY.get_or_try_init(py, || -> PyResult<Py<PyModule>> { Ok(py.import("numpy")?.unbind()) })?;
+            let np = np.bind(py);
+            let mask = np.call_method1("zeros", (self.rows, np.getattr("bool_")?))?;
+            for (i, _) in &self.refused {
+                mask.set_item(*i, true)?;
+            }
+            Ok(mask.unbind())
+        })?;
+        Ok(mask.clone_ref(py))
+    }
+    /// Number of refused rows.
+    fn __len__(&self) -> usize {
+        self.refused.len()
+    }
+    fn __repr__(&self) -> String {
+        format!("StepVerdict(rows={}, refused={:?})", self.rows, self.refused_rows())
+    }
+}
+
+/// A prefix key: an int in `0..2**64` (the engine's block hash, radix node id, ...).
+fn prefix_key(key: u64) -> PrefixKey {
+    PrefixKey(key)
+}
+
+/// A page list argument (sequence or 1-D array of non-negative ints).
+fn page_list(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<PageId>> {
+    let a = IntArray::open(obj, name, 1)?;
+    (0..a.len())
+        .map(|i| {
+            let v = a.get(i, 0);
+            u32::try_from(v)
+                .map(PageId)
+                .map_err(|_| PyValueError::new_err(format!("{name}[{i}] is {v}: page ids are ints in 0..2**32")))
+        })
+        .collect()
+}
+
+/// A list of PageRefs.
+fn ref_list(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<kvguard::PageRef>> {
+    obj.try_iter()
+        .map_err(|_| PyTypeError::new_err(format!("{name} must be a sequence of kvguard.PageRef")))?
+        .map(|item| {
+            let item = item?;
+            item.cast::<PageRef>().map(|r| kvguard::PageRef::from(*r.get())).map_err(|_| {
+                PyTypeError::new_err(format!("{name} must hold kvguard.PageRef, got a {}", item.get_type()))
+            })
+        })
+        .collect()
+}
+
+fn refs_out(refs: Vec<kvguard::PageRef>) -> Vec<PageRef> {
+    refs.into_iter().map(PageRef::from).collect()
+}
+
+impl OwnershipTable {
+    fn resolve(&self) -> impl FnOnce(&kvguard::Violation) -> Resolved + '_ {
+        move |v| self.names.lock().resolve(v)
+    }
+
+    /// A core error as a Python exception (a violation logged on the way).
+    fn err(&self, py: Python<'_>, e: kvguard::Error) -> PyErr {
+        errors::to_py(py, e, self.resolve())
+    }
+
+    /// The request a call names (not creating it).
+    fn request(&self, obj: &Bound<'_, PyAny>) -> PyResult<RequestId> {
+        let key = names::key(obj, "request")?;
+        Ok(self.names.lock().request(key))
+    }
+
+    /// The requests of a step: a list/tuple of ids (int or str), or a 1-D int array.
+    fn step_requests(&self, req_ids: &Bound<'_, PyAny>) -> PyResult<Vec<RequestId>> {
+        if let Ok(list) = req_ids.cast::<PyList>() {
+            let items: Vec<Bound<'_, PyAny>> = list.iter().collect();
+            return self.requests_of(&items);
+        }
+        if let Ok(tuple) = req_ids.cast::<PyTuple>() {
+            let items: Vec<Bound<'_, PyAny>> = tuple.iter().collect();
+            return self.requests_of(&items);
+        }
+        let a = IntArray::open(req_ids, "req_ids", 1)?;
+        (0..a.len())
+            .map(|i| match names::int_key(i128::from(a.get(i, 0)), "req_ids entry")? {
+                Key::Int(n) => Ok(RequestId(n)),
+                Key::Name(_) => unreachable!("int_key returns Key::Int"),
+            })
+            .collect()
+    }
+
+    fn requests_of(&self, items: &[Bound<'_, PyAny>]) -> PyResult<Vec<RequestId>> {
+        let keys = items.iter().map(|o| names::key(o, "req_ids entry")).collect::<PyResult<Vec<_>>>()?;
+        let names = self.names.lock();
+        Ok(keys.into_iter().map(|k| names.request(k)).collect())
+    }
+
+    /// Converts a step verdict; `judged`: its violations are logged.
+    fn verdict(&self, py: Python<'_>, v: kvguard::StepVerdict, rows: usize, judged: bool) -> PyResult<StepVerdict> {
+        let resolved: Vec<(usize, kvguard::Violation, Resolved)> = {
+            let names = self.names.lock();
+            v.refused
+                .into_iter()
+                .map(|(i, v)| {
+                    let r = names.resolve(&v);
+                    (i, v, r)
+                })
+                .collect()
+        };
+        let mut refused = Vec::with_capacity(resolved.len());
+        for (i, v, r) in resolved {
+            let v = Violation::wrap(py, v, r)?;
+            if judged {
+                log_violation(py, &v);
+            }
+            refused.push((i, v));
+        }
+        Ok(StepVerdict { rows, refused, mask: PyOnceLock::new() })
+    }
+
+    /// Checks a step in vLLM's layout; `judged` picks verify over check.
+    fn step(
+        &self,
+        py: Python<'_>,
+        req_ids: &Bound<'_, PyAny>,
+        block_tables: &Bound<'_, PyAny>,
+        seq_lens: &Bound<'_, PyAny>,
+        judged: bool,
+    ) -> PyResult<StepVerdict> {
+        let requests = self.step_requests(req_ids)?;
+        let n = requests.len();
+        let bt = IntArray::open(block_tables, "block_tables", 2)?;
+        if bt.len() < n {
+            return Err(PyValueError::new_err(format!("block_tables has {} rows, {n} requests given", bt.len())));
+        }
+        let lens = IntArray::open(seq_lens, "seq_lens", 1)?.counts(n, "seq_lens")?;
+        let ps = u64::from(self.table.page_size());
+        // int32 rows are borrowed as they are; other rows are converted into one buffer.
+        let mut converted = Vec::new();
+        let mut spans = Vec::new();
+        if bt.row_pages(0).is_none() && n > 0 {
+            for (i, &tokens) in lens.iter().enumerate() {
+                let need = usize::try_from(tokens.div_ceil(ps)).unwrap_or(usize::MAX).min(bt.width());
+                let start = converted.len();
+                bt.row_pages_into(i, need, &mut converted);
+                spans.push(start..converted.len());
+            }
+        }
+        let reads: Vec<SeqRead<'_>> = (0..n)
+            .map(|i| SeqRead {
+                request: requests[i],
+                block_table: match bt.row_pages(i) {
+                    Some(row) => row,
+                    None => &converted[spans[i].clone()],
+                },
+                tokens: lens[i],
+            })
+            .collect();
+        let table = &self.table;
+        let v = py.detach(|| if judged { table.verify_step(&reads) } else { table.check_step(&reads) });
+        drop(reads);
+        self.verdict(py, v, n, judged)
+    }
+
+    /// Checks a step in FlashInfer's layout.
+    fn step_csr(
+        &self,
+        py: Python<'_>,
+        req_ids: &Bound<'_, PyAny>,
+        kv_indptr: &Bound<'_, PyAny>,
+        kv_indices: &Bound<'_, PyAny>,
+        kv_last_page_len: &Bound<'_, PyAny>,
+        judged: bool,
+    ) -> PyResult<StepVerdict> {
+        let requests = self.step_requests(req_ids)?;
+        let n = requests.len();
+        let indptr = IntArray::open(kv_indptr, "kv_indptr", 1)?.counts(n + 1, "kv_indptr")?;
+        let indices = IntArray::open(kv_indices, "kv_indices", 1)?;
+        let last = IntArray::open(kv_last_page_len, "kv_last_page_len", 1)?.counts(n, "kv_last_page_len")?;
+        let ps = u64::from(self.table.page_size());
+        let mut spans = Vec::with_capacity(n);
+        for i in 0..n {
+            let (a, b) = (indptr[i], indptr[i + 1]);
+            if a > b || b > indices.len() as u64 {
+                return Err(PyValueError::new_err(format!(
+                    "kv_indptr[{i}..{}] = {a}..{b} is not a range within kv_indices (length {})",
+                    i + 1,
+                    indices.len()
+                )));
+            }
+            spans.push(a as usize..b as usize);
+        }
+        let converted = if indices.row_pages(0).is_none() {
+            let mut c = Vec::with_capacity(indices.len());
+            indices.row_pages_into(0, indices.len(), &mut c);
+            c
+        } else {
+            Vec::new()
+        };
+        let all: &[PageId] = indices.row_pages(0).unwrap_or(&converted);
+        let reads: Vec<SeqRead<'_>> = (0..n)
+            .map(|i| {
+                let pages = spans[i].len() as u64;
+                let tokens = if pages == 0 { 0 } else { (pages - 1) * ps + last[i] };
+                SeqRead { request: requests[i], block_table: &all[spans[i].clone()], tokens }
+            })
+            .collect();
+        let table = &self.table;
+        let v = py.detach(|| if judged { table.verify_step(&reads) } else { table.check_step(&reads) });
+        drop(reads);
+        self.verdict(py, v, n, judged)
+    }
+
+    /// Runs a mutation with the GIL released and converts its error.
+    fn run<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&kvguard::OwnershipTable) -> Result<T, kvguard::Error> + Send,
+    ) -> PyResult<T> {
+        let table = &self.table;
+        py.detach(|| f(table)).map_err(|e| self.err(py, e))
+    }
+}
+
+#[pymethods]
+impl OwnershipTable {
+    /// A table for `config`. With audit=True (the default) the start-up audit runs first: a pool
+    /// that cannot hold one max-context request raises ConfigError. audit=False only validates
+    /// (for replaying what a mis-sized deployment did; admission then refuses what cannot fit).
+    #[new]
+    #[pyo3(signature = (config, *, audit = true))]
+    fn new(config: &PoolConfig, audit: bool) -> PyResult<OwnershipTable> {
+        let c = config.inner.clone();
+        let table = if audit { kvguard::OwnershipTable::new(c) } else { kvguard::OwnershipTable::new_unaudited(c) };
+        let table = table.map_err(|e| match e {
+            kvguard::Error::Config(c) => errors::ConfigError::new_err(c.to_string()),
+            other => errors::Error::new_err(other.to_string()),
+        })?;
+        Ok(OwnershipTable { table, names: Mutex::new(Names::default()) })
+    }
+
+    /// The pool configuration.
+    #[getter]
+    fn config(&self) -> PoolConfig {
+        PoolConfig { inner: self.table.config().clone() }
+    }
+
+    /// Token slots per page.
+    #[getter]
+    fn page_size(&self) -> u32 {
+        self.table.page_size()
+    }
+
+    /// Admits `request` of `tenant` with `prompt_tokens` that may generate `max_new_tokens`.
+    /// Refused (ViolationError) before any page is touched when the total exceeds the max context
+    /// or the pool, or the id is live (duplicate_request).
+    fn admit(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        tenant: &Bound<'_, PyAny>,
+        prompt_tokens: u64,
+        max_new_tokens: u64,
+    ) -> PyResult<()> {
+        let (rk, tk) = (names::key(request, "request")?, names::key(tenant, "tenant")?);
+        let a = self.names.lock().admit(rk, tk);
+        let outcome = py.detach(|| self.table.admit(a.request, a.tenant, prompt_tokens, max_new_tokens));
+        match outcome {
+            Ok(()) => {
+                self.names.lock().admitted(a);
+                Ok(())
+            }
+            Err(e) => {
+                let err = self.err(py, e);
+                self.names.lock().refused(a);
+                Err(err)
+            }
+        }
+    }
+
+    /// Allocator mode: hands `n` free pages to `request` (appended to its pages) and returns
+    /// them as PageRefs; OutOfPagesError when fewer are free (none is taken then).
+    fn allocate(&self, py: Python<'_>, request: &Bound<'_, PyAny>, n: u32) -> PyResult<Vec<PageRef>> {
+        let req = self.request(request)?;
+        self.run(py, |t| t.allocate(req, n)).map(refs_out)
+    }
+
+    /// Shadow mode: the engine's allocator gave `pages` to `request`; all must be free, then
+    /// all are claimed (else none). Returns their PageRefs.
+    fn claim(&self, py: Python<'_>, request: &Bound<'_, PyAny>, pages: &Bound<'_, PyAny>) -> PyResult<Vec<PageRef>> {
+        let req = self.request(request)?;
+        let pages = page_list(pages, "pages")?;
+        self.run(py, |t| t.claim(req, &pages)).map(refs_out)
+    }
+
+    /// Records that `request` wrote slots start..end of `page`, which it must own exclusively.
+    fn record_write(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        page: u32,
+        start: u32,
+        end: u32,
+    ) -> PyResult<()> {
+        let req = self.request(request)?;
+        self.run(py, |t| t.record_write(req, PageId(page), start..end))
+    }
+
+    /// Records that `request` wrote tokens start..end of its sequence through `block_table`
+    /// (token t in block t // page_size, slot t % page_size); all or nothing.
+    fn record_write_tokens(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        block_table: &Bound<'_, PyAny>,
+        start: u64,
+        end: u64,
+    ) -> PyResult<()> {
+        let req = self.request(request)?;
+        let pages = page_list(block_table, "block_table")?;
+        self.run(py, |t| t.record_write_tokens(req, &pages, start..end))
+    }
+
+    /// record_write_tokens through PageRefs: each page must also still be in the incarnation named.
+    fn record_write_tokens_refs(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        refs: &Bound<'_, PyAny>,
+        start: u64,
+        end: u64,
+    ) -> PyResult<()> {
+        let req = self.request(request)?;
+        let refs = ref_list(refs, "refs")?;
+        self.run(py, |t| t.record_write_tokens_refs(req, &refs, start..end))
+    }
+
+    /// Records a whole step's KV writes in one call, from the engine's slot mapping.
+    ///
+    /// req_ids: the step's requests (list of int/str, or int array), n of them.
+    /// slot_mapping: 1-D int64 (or int32), one entry per token: page * page_size + offset, -1
+    ///   (PADDING_SLOT) for padding; entries past query_start_loc[n] are ignored.
+    /// query_start_loc: 1-D int, n + 1 entries: request i wrote tokens
+    ///   query_start_loc[i]..query_start_loc[i + 1] of the slot mapping.
+    /// Each request is all or nothing; a refused one is judged (counted, logged, quarantined
+    /// under enforce) and marked in the returned StepVerdict; the others are recorded.
+    fn record_step_writes(
+        &self,
+        py: Python<'_>,
+        req_ids: &Bound<'_, PyAny>,
+        slot_mapping: &Bound<'_, PyAny>,
+        query_start_loc: &Bound<'_, PyAny>,
+    ) -> PyResult<StepVerdict> {
+        let requests = self.step_requests(req_ids)?;
+        let n = requests.len();
+        let slots = IntArray::open(slot_mapping, "slot_mapping", 1)?;
+        let qsl = IntArray::open(query_start_loc, "query_start_loc", 1)?.counts(n + 1, "query_start_loc")?;
+        for i in 0..n {
+            if qsl[i] > qsl[i + 1] || qsl[i + 1] > slots.len() as u64 {
+                return Err(PyValueError::new_err(format!(
+                    "query_start_loc[{i}..{}] = {}..{} is not a range within slot_mapping (length {})",
+                    i + 1,
+                    qsl[i],
+                    qsl[i + 1],
+                    slots.len()
+                )));
+            }
+        }
+        let copied: Vec<i64> = if slots.as_i64().is_none() {
+            let end = qsl.get(n).copied().unwrap_or(0) as usize;
+            (0..end).map(|j| slots.get(j, 0)).collect()
+        } else {
+            Vec::new()
+        };
+        let all: &[i64] = slots.as_i64().unwrap_or(&copied);
+        let writes: Vec<SeqWrite<'_>> = (0..n)
+            .map(|i| SeqWrite { request: requests[i], slots: &all[qsl[i] as usize..qsl[i + 1] as usize] })
+            .collect();
+        let table = &self.table;
+        let v = py.detach(|| table.record_step_writes(&writes));
+        drop(writes);
+        self.verdict(py, v, n, true)
+    }
+
+    /// Whether `request` may read its first `tokens` tokens through `block_table`: the
+    /// Violation, or None. Pure: counts, logs and quarantines nothing.
+    fn check_read(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        block_table: &Bound<'_, PyAny>,
+        tokens: u64,
+    ) -> PyResult<Option<Py<Violation>>> {
+        let list = PyList::new(py, [request])?;
+        let bt = block_table_row(py, block_table)?;
+        let lens = PyList::new(py, [tokens])?;
+        let v = self.step(py, list.as_any(), &bt, lens.as_any(), false)?;
+        Ok(v.refused.into_iter().next().map(|(_, v)| v))
+    }
+
+    /// check_read, judged: a violation is counted and logged; under enforce it raises
+    /// ViolationError and quarantines `request`, under report the read goes on.
+    fn verify_read(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        block_table: &Bound<'_, PyAny>,
+        tokens: u64,
+    ) -> PyResult<()> {
+        let list = PyList::new(py, [request])?;
+        let bt = block_table_row(py, block_table)?;
+        let lens = PyList::new(py, [tokens])?;
+        let v = self.step(py, list.as_any(), &bt, lens.as_any(), true)?;
+        match v.refused.into_iter().next() {
+            Some((_, v)) if self.table.config().policy == kvguard::Policy::Enforce => {
+                Err(errors::violation_error(py, v))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// check_read through PageRefs: each page must also still be in the incarnation named.
+    fn check_read_refs(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        refs: &Bound<'_, PyAny>,
+        tokens: u64,
+    ) -> PyResult<Option<Py<Violation>>> {
+        let req = self.request(request)?;
+        let refs = ref_list(refs, "refs")?;
+        let outcome = py.detach(|| self.table.check_read_refs(req, &refs, tokens));
+        match outcome {
+            Ok(()) => Ok(None),
+            Err(v) => {
+                let r = self.names.lock().resolve(&v);
+                Violation::wrap(py, v, r).map(Some)
+            }
+        }
+    }
+
+    /// verify_read through PageRefs.
+    fn verify_read_refs(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        refs: &Bound<'_, PyAny>,
+        tokens: u64,
+    ) -> PyResult<()> {
+        let req = self.request(request)?;
+        let refs = ref_list(refs, "refs")?;
+        let reads = [SeqRead { request: req, block_table: &refs[..], tokens }];
+        let v = py.detach(|| self.table.verify_step_refs(&reads));
+        let v = self.verdict(py, v, 1, true)?;
+        match v.refused.into_iter().next() {
+            Some((_, v)) if self.table.config().policy == kvguard::Policy::Enforce => {
+                Err(errors::violation_error(py, v))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Pure check of a decode step in vLLM's layout (see verify_step); counts, logs and
+    /// quarantines nothing.
+    fn check_step(
+        &self,
+        py: Python<'_>,
+        req_ids: &Bound<'_, PyAny>,
+        block_tables: &Bound<'_, PyAny>,
+        seq_lens: &Bound<'_, PyAny>,
+    ) -> PyResult<StepVerdict> {
+        self.step(py, req_ids, block_tables, seq_lens, false)
+    }
+
+    /// Verifies a whole decode step in one call, without copying the arrays, the GIL released.
+    ///
+    /// req_ids: the step's n requests (list of int/str, e.g. vLLM's input_batch.req_ids, or an
+    ///   int array).
+    /// block_tables: 2-D int32 or int64 array with at least n rows (vLLM's
+    ///   BlockTable.block_table.np, [max_num_reqs, max_blocks], padded with the null block);
+    ///   any row stride. Entries that are negative or beyond the pool are refused as
+    ///   page_out_of_range.
+    /// seq_lens: 1-D int array (or sequence), tokens each request reads.
+    /// Returns a StepVerdict: each refused row is counted, logged and (enforce) its request
+    /// quarantined; abort exactly the rows in verdict.refused_mask and keep the batch. Under
+    /// report the verdict lists them too; the engine decides.
+    fn verify_step(
+        &self,
+        py: Python<'_>,
+        req_ids: &Bound<'_, PyAny>,
+        block_tables: &Bound<'_, PyAny>,
+        seq_lens: &Bound<'_, PyAny>,
+    ) -> PyResult<StepVerdict> {
+        self.step(py, req_ids, block_tables, seq_lens, true)
+    }
+
+    /// Pure check of a decode step in FlashInfer's layout (see verify_step_csr).
+    fn check_step_csr(
+        &self,
+        py: Python<'_>,
+        req_ids: &Bound<'_, PyAny>,
+        kv_indptr: &Bound<'_, PyAny>,
+        kv_indices: &Bound<'_, PyAny>,
+        kv_last_page_len: &Bound<'_, PyAny>,
+    ) -> PyResult<StepVerdict> {
+        self.step_csr(py, req_ids, kv_indptr, kv_indices, kv_last_page_len, false)
+    }
+
+    /// verify_step for FlashInfer's paged-KV layout: request i reads pages
+    /// kv_indices[kv_indptr[i]:kv_indptr[i+1]], all full but the last, which holds
+    /// kv_last_page_len[i] tokens. int32 or int64, no copy of int32 indices.
+    fn verify_step_csr(
+        &self,
+        py: Python<'_>,
+        req_ids: &Bound<'_, PyAny>,
+        kv_indptr: &Bound<'_, PyAny>,
+        kv_indices: &Bound<'_, PyAny>,
+        kv_last_page_len: &Bound<'_, PyAny>,
+    ) -> PyResult<StepVerdict> {
+        self.step_csr(py, req_ids, kv_indptr, kv_indices, kv_last_page_len, true)
+    }
+
+    /// Ends `request`: all its pages released (generation bumped), prefix holds dropped,
+    /// quarantine lifted; a str id is forgotten. Releasing it again is double_free.
+    fn release(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<Released> {
+        let req = self.request(request)?;
+        let outcome = py.detach(|| self.table.release(req));
+        let out = outcome.map(Released::from).map_err(|e| self.err(py, e));
+        self.names.lock().forget(req);
+        out
+    }
+
+    /// Releases some of `request`'s pages (sliding window, partial eviction); all or none.
+    fn release_pages(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        pages: &Bound<'_, PyAny>,
+    ) -> PyResult<Released> {
+        let req = self.request(request)?;
+        let pages = page_list(pages, "pages")?;
+        self.run(py, |t| t.release_pages(req, &pages)).map(Released::from)
+    }
+
+    /// release_pages through PageRefs.
+    fn release_pages_refs(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        refs: &Bound<'_, PyAny>,
+    ) -> PyResult<Released> {
+        let req = self.request(request)?;
+        let refs = ref_list(refs, "refs")?;
+        self.run(py, |t| t.release_pages_refs(req, &refs)).map(Released::from)
+    }
+
+    /// Preemption: releases all of `request`'s pages and prefix holds but keeps it admitted.
+    fn preempt(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<Released> {
+        let req = self.request(request)?;
+        self.run(py, |t| t.preempt(req)).map(Released::from)
+    }
+
+    /// With scrub_on_release: the engine poisoned or zeroed these released pages (PageRefs from
+    /// Released.scrub); they return to the free list. ScrubError if one is not awaiting a scrub.
+    fn confirm_scrubbed(&self, py: Python<'_>, refs: &Bound<'_, PyAny>) -> PyResult<()> {
+        let refs = ref_list(refs, "refs")?;
+        self.run(py, |t| t.confirm_scrubbed(&refs))
+    }
+
+    /// Publishes `pages` of `request` (all its own) as the read-only prefix `key` (an int);
+    /// `request` holds it.
+    fn publish_prefix(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        key: u64,
+        pages: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let req = self.request(request)?;
+        let pages = page_list(pages, "pages")?;
+        self.run(py, |t| t.publish_prefix(req, prefix_key(key), &pages))
+    }
+
+    /// publish_prefix through PageRefs.
+    fn publish_prefix_refs(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        key: u64,
+        refs: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let req = self.request(request)?;
+        let refs = ref_list(refs, "refs")?;
+        self.run(py, |t| t.publish_prefix_refs(req, prefix_key(key), &refs))
+    }
+
+    /// `request` holds prefix `key` and may read its pages (returned in published order).
+    /// Another tenant's prefix is cross_tenant_share unless that tenant allows sharing.
+    fn attach_prefix(&self, py: Python<'_>, request: &Bound<'_, PyAny>, key: u64) -> PyResult<Vec<PageRef>> {
+        let req = self.request(request)?;
+        self.run(py, |t| t.attach_prefix(req, prefix_key(key))).map(refs_out)
+    }
+
+    /// `request` lets go of prefix `key`.
+    fn detach_prefix(&self, py: Python<'_>, request: &Bound<'_, PyAny>, key: u64) -> PyResult<Released> {
+        let req = self.request(request)?;
+        self.run(py, |t| t.detach_prefix(req, prefix_key(key))).map(Released::from)
+    }
+
+    /// The cache drops prefix `key`; its pages are released. evict_in_use while held.
+    fn evict_prefix(&self, py: Python<'_>, key: u64) -> PyResult<Released> {
+        self.run(py, |t| t.evict_prefix(prefix_key(key))).map(Released::from)
+    }
+
+    /// Lets other tenants attach to `tenant`'s prefixes (off by default).
+    fn allow_cross_tenant_sharing(&self, tenant: &Bound<'_, PyAny>, allow: bool) -> PyResult<()> {
+        let key = names::key(tenant, "tenant")?;
+        let id = self.names.lock().share(key, allow);
+        self.table.allow_cross_tenant_sharing(id, allow);
+        Ok(())
+    }
+
+    /// Parallel sampling: `child` is admitted for the same tenant, holding `parent`'s pages
+    /// read-only (writes to them are refused; copy-on-write is the engine's move).
+    fn fork(&self, py: Python<'_>, parent: &Bound<'_, PyAny>, child: &Bound<'_, PyAny>) -> PyResult<()> {
+        let parent = self.request(parent)?;
+        let ck = names::key(child, "child")?;
+        let a = self.names.lock().fork(parent, ck);
+        match py.detach(|| self.table.fork(parent, a.request)) {
+            Ok(()) => {
+                self.names.lock().admitted(a);
+                Ok(())
+            }
+            Err(e) => {
+                let err = self.err(py, e);
+                self.names.lock().refused(a);
+                Err(err)
+            }
+        }
+    }
+
+    /// Records a KV transfer that wrote `tokens` tokens into `request`'s `pages` from the first
+    /// slot, when it expected `expected`; a different count is token_count_mismatch and nothing
+    /// is recorded.
+    fn record_import(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        pages: &Bound<'_, PyAny>,
+        tokens: u64,
+        expected: u64,
+    ) -> PyResult<()> {
+        let req = self.request(request)?;
+        let pages = page_list(pages, "pages")?;
+        self.run(py, |t| t.record_import(req, &pages, tokens, expected))
+    }
+
+    /// Counts and logs a violation found outside the table (a check_* verdict the caller acts
+    /// on), and under enforce quarantines its request.
+    fn record_violation(&self, py: Python<'_>, violation: &Bound<'_, Violation>) {
+        let v = violation.get().inner.clone();
+        py.detach(|| self.table.record_violation(v));
+        log_violation(py, &violation.clone().unbind());
+    }
+
+    /// Page counts by state and other totals.
+    fn snapshot(&self, py: Python<'_>) -> PoolSnapshot {
+        py.detach(|| self.table.snapshot()).into()
+    }
+
+    /// What the table knows about `page`, or None beyond the pool.
+    fn page_info(&self, py: Python<'_>, page: u32) -> PyResult<Option<PageInfo>> {
+        let Some(info) = self.table.page_info(PageId(page)) else { return Ok(None) };
+        let (owner, tenant) = {
+            let names = self.names.lock();
+            (info.owner.map(|r| names.request_id(r)), info.tenant.map(|t| names.tenant_id(t)))
+        };
+        PageInfo::new(py, info, owner, tenant).map(Some)
+    }
+
+    /// What the table knows about an admitted request, or None.
+    fn request_info(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<Option<RequestInfo>> {
+        let req = self.request(request)?;
+        let Some(info) = self.table.request_info(req) else { return Ok(None) };
+        let tenant = self.names.lock().tenant_id(info.tenant);
+        RequestInfo::new(py, info, tenant).map(Some)
+    }
+
+    /// Violations seen per kind: {kind: count}, non-zero kinds only.
+    fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (kind, n) in self.table.counters().nonzero() {
+            d.set_item(kind.as_str(), n)?;
+        }
+        Ok(d)
+    }
+
+    /// Takes the logged violations (the last 1,024), oldest first. str ids of requests already
+    /// released read as their interned ints.
+    fn drain_violations(&self, py: Python<'_>) -> PyResult<Vec<Py<Violation>>> {
+        let drained = self.table.drain_violations();
+        let resolved: Vec<(kvguard::Violation, Resolved)> = {
+            let names = self.names.lock();
+            drained
+                .into_iter()
+                .map(|v| {
+                    let r = names.resolve(&v);
+                    (v, r)
+                })
+                .collect()
+        };
+        resolved.into_iter().map(|(v, r)| Violation::wrap(py, v, r)).collect()
+    }
+
+    /// The int id the table uses for `request`: the int itself, or a live str's interned id (what
+    /// a transfer manifest must carry; see kvguard.Manifest).
+    fn request_key(&self, request: &Bound<'_, PyAny>) -> PyResult<u64> {
+        Ok(self.request(request)?.0)
+    }
+
+    /// The int id the table uses for `tenant`: the int itself, or a held str's interned id.
+    fn tenant_key(&self, tenant: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let key = names::key(tenant, "tenant")?;
+        Ok(self.names.lock().tenant(key).0)
+    }
+
+    /// (requests, tenants): str ids interned now. Flat over any number of released requests.
+    fn interned(&self) -> (usize, usize) {
+        self.names.lock().len()
+    }
+
+    fn __repr__(&self) -> String {
+        let s = self.table.snapshot();
+        format!(
+            "<kvguard.OwnershipTable {} pages x {} slots, policy {:?}: {} free, {} owned, {} shared, {} requests>",
+            s.total_pages,
+            self.table.page_size(),
+            self.table.config().policy,
+            s.free,
+            s.owned,
+            s.shared,
+            s.requests
+        )
+    }
+}
+
+impl OwnershipTable {
+    /// The core table (for the transfer receiver and the device guard).
+    pub fn core(&self) -> &kvguard::OwnershipTable {
+        &self.table
+    }
+
+    /// The names lock (for the transfer receiver).
+    pub fn names(&self) -> &Mutex<Names> {
+        &self.names
+    }
+}
+
+/// One block table as a 1-row 2-D array for the step path: a 1-D array gets a new axis (no
+/// copy), a sequence becomes an int64 numpy row.
+fn block_table_row<'py>(py: Python<'py>, block_table: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    let np = NUMPY.get_or_try_init(py, || -> PyResult<Py<PyModule>> { Ok(py.import("numpy")?.unbind()) })?;
+    let np = np.bind(py);
+    let arr = np.call_method1("asarray", (block_table,))?;
+    let ndim: usize = arr.getattr("ndim")?.extract()?;
+    if ndim != 1 {
+        return Err(PyValueError::new_err(format!("block_table must be 1-D, got {ndim} dimensions")));
+    }
+    if arr.getattr("size")?.extract::<usize>()? == 0 {
+        return np.call_method1("zeros", ((1, 0), np.getattr("int32")?));
+    }
+    arr.call_method1("reshape", ((1, -1),))
+}

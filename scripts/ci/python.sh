@@ -1,0 +1,37 @@
+# Sourced by scripts/test (argument: setup | after). The Python package: a project-local venv
+# (.venv/, gitignored) with pinned maturin, numpy and pytest from PyPI, the abi3 wheel built by
+# maturin (release) and installed there, then pytest against the installed wheel.
+# Needs only python3 (3.11 or later, with venv and pip) and the Rust toolchain.
+
+kvguard_python_after() {
+  local root venv wheel_dir wheel status
+  root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+  venv="$root/.venv"
+  if [ ! -x "$venv/bin/python" ]; then
+    echo "python.sh: creating $venv"
+    python3 -m venv "$venv" || return 1
+  fi
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+    "maturin==1.9.6" "numpy==2.2.6" "pytest==8.3.5" || return 1
+  wheel_dir="$root/target/wheels"
+  rm -f "$wheel_dir"/kvguard-*.whl
+  echo "python.sh: building the wheel (maturin, release)"
+  (cd "$root" && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" \
+    maturin build --release --quiet -m bindings/python/Cargo.toml -o "$wheel_dir") || return 1
+  wheel=$(ls "$wheel_dir"/kvguard-*.whl)
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps "$wheel" || return 1
+  # The property test replays its traces through the Rust command line too.
+  (cd "$root" && cargo build --release --quiet --bin kvguard) || return 1
+  status=0
+  # From the tests' directory, so `import kvguard` is the installed wheel, not the source tree.
+  (cd "$root/bindings/python/tests" && KVGUARD_BIN="$root/target/release/kvguard" \
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider .) || status=$?
+  return "$status"
+}
+
+case "${1:-}" in
+  setup) : ;;
+  after) kvguard_python_after || { echo "python.sh: the Python tests failed" >&2; unset -f kvguard_python_after; exit 1; } ;;
+  *) echo "usage: source scripts/ci/python.sh setup|after" >&2 ;;
+esac
+unset -f kvguard_python_after
