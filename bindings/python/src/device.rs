@@ -103,8 +103,11 @@ impl DeviceGuard {
     }
 
     /// Verifies a vLLM-layout step on the device: block_table int32 [num_seqs][max_blocks] and
-    /// seq_lens int32 [num_seqs], device pointers. No host sync.
-    #[pyo3(signature = (block_table, seq_lens, num_seqs, max_blocks, *, check_canaries = false))]
+    /// seq_lens int32 [num_seqs], device pointers. With canaries, `query_lens` (int32 [num_seqs], a
+    /// device pointer) names each sequence's tokens of this step, whose canaries are not yet
+    /// stamped. No host sync.
+    #[pyo3(signature = (block_table, seq_lens, num_seqs, max_blocks, *, check_canaries = false, query_lens = None))]
+    #[allow(clippy::too_many_arguments)] // the Python signature: keyword arguments, not a struct
     fn verify_block_table(
         &self,
         py: Python<'_>,
@@ -113,6 +116,7 @@ impl DeviceGuard {
         num_seqs: u32,
         max_blocks: u32,
         check_canaries: bool,
+        query_lens: Option<u64>,
     ) -> PyResult<()> {
         let len = num_seqs as usize * max_blocks as usize;
         // SAFETY: the caller promises (documented above) live int32 device tensors of this
@@ -125,6 +129,7 @@ impl DeviceGuard {
                 max_blocks,
                 generations: None,
                 check_canaries,
+                query_lens: query_lens.map(|p| Borrowed::from_raw(p, num_seqs as usize)),
             }
         };
         py.detach(|| self.guard.lock().verify_block_table(&step)).map_err(dev_err)
@@ -132,7 +137,7 @@ impl DeviceGuard {
 
     /// Verifies a FlashInfer-layout step on the device (int32 device pointers: kv_indptr
     /// [num_seqs + 1], kv_indices [num_indices], kv_last_page_len [num_seqs]). No host sync.
-    #[pyo3(signature = (kv_indptr, kv_indices, kv_last_page_len, num_seqs, num_indices, max_pages_per_seq, *, check_canaries = false))]
+    #[pyo3(signature = (kv_indptr, kv_indices, kv_last_page_len, num_seqs, num_indices, max_pages_per_seq, *, check_canaries = false, query_lens = None))]
     #[allow(clippy::too_many_arguments)]
     fn verify_paged_kv(
         &self,
@@ -144,6 +149,7 @@ impl DeviceGuard {
         num_indices: usize,
         max_pages_per_seq: u32,
         check_canaries: bool,
+        query_lens: Option<u64>,
     ) -> PyResult<()> {
         // SAFETY: the caller promises (documented above) live int32 device tensors of this
         // guard's device of these sizes, untouched until the launch completes.
@@ -156,6 +162,7 @@ impl DeviceGuard {
                 max_pages_per_seq,
                 generations: None,
                 check_canaries,
+                query_lens: query_lens.map(|p| Borrowed::from_raw(p, num_seqs as usize)),
             }
         };
         py.detach(|| self.guard.lock().verify_paged_kv(&step)).map_err(dev_err)

@@ -151,7 +151,7 @@ pub struct ReplayViolation {
     prefix: Option<String>,
     /// Slots (start, end).
     #[pyo3(get)]
-    slots: Option<(u32, u32)>,
+    slots: Option<(u64, u64)>,
 }
 
 impl ReplayViolation {
