@@ -20,9 +20,11 @@ pub struct TenantId(pub u64);
 /// One page (block) of the KV pool, `0..num_pages`.
 ///
 /// `u32` because engines hand block tables to kernels as `int32`; the pool configuration refuses
-/// more pages than an `int32` block table can address.
+/// more pages than an `int32` block table can address. `repr(transparent)`: a binding may view
+/// an engine's `int32`/`uint32` block table as `[PageId]` without copying it.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, Serialize, Deserialize)]
 #[serde(transparent)]
+#[repr(transparent)]
 pub struct PageId(pub u32);
 
 /// The key under which a read-only prefix is published (an engine's block hash, radix node id, ...).
