@@ -1,7 +1,8 @@
 # Sourced by scripts/test (argument: setup | after). The C ABI (bindings/c): its test program,
-# compiled as C11 with warnings as errors against include/kvguard.h and the static library, and a
-# C++17 caller of the same header. That the header is current is checked by `cargo test`
-# (bindings/c/tests/header.rs; `KVGUARD_BLESS=1 cargo test -p kvguard-c --test header` rewrites it).
+# compiled as C11 with warnings as errors against include/kvguard.h and the static library; a
+# C++17 caller of the same header; the quick start of docs/c-api.md. That the header is current
+# is checked by `cargo test` (bindings/c/tests/header.rs; `KVGUARD_BLESS=1 cargo test -p
+# kvguard-c --test header` rewrites it).
 
 kvguard_c_after() {
   local out=target/c-test libs
@@ -16,8 +17,14 @@ kvguard_c_after() {
   # shellcheck disable=SC2086
   g++ -std=c++17 -Wall -Wextra -Werror -pedantic -Ibindings/c/include bindings/c/tests/test_header.cpp \
     target/release/libkvguard_c.a $libs -o "$out/test_header"
+  # The quick start in docs/c-api.md, compiled and run as it is written there.
+  awk '/^```c$/ { f = 1; next } /^```$/ { f = 0 } f' docs/c-api.md >"$out/quick_start.c"
+  # shellcheck disable=SC2086
+  cc -std=c11 -Wall -Wextra -Werror -pedantic -Ibindings/c/include "$out/quick_start.c" \
+    target/release/libkvguard_c.a $libs -o "$out/quick_start"
   "$out/test_kvguard"
   "$out/test_header"
+  "$out/quick_start"
 }
 
 case "${1:-}" in
