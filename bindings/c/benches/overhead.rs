@@ -1,0 +1,32 @@
+//! What the C ABI costs over the Rust call, measured in the same run on identical tables:
+//! - `verify_step/{rust,c_abi}/65536`: a decode step of 256 sequences x 4,096 tokens at page size
+//!   16 (256 x 256 int32 block table, 65,536 pages, all clean), as `decode_step/guarded` in the
+//!   core's benches; the C call takes the engine's int32 matrix with its row stride.
+//! - `verify_step/{rust,c_abi}/16`: one sequence of 16 pages: the call's fixed cost.
+//!
+//! `examples/overhead_count.rs` gives the same comparison in instructions (callgrind).
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+mod fixture;
+use fixture::Fixture;
+use std::hint::black_box;
+
+fn verify_step(c: &mut Criterion) {
+    let mut group = c.benchmark_group("verify_step");
+    for (rows, blocks) in [(256usize, 256usize), (1, 16)] {
+        let f = Fixture::new(rows, blocks);
+        let pages = (rows * blocks) as u64;
+        group.throughput(Throughput::Elements(pages));
+        group.bench_function(BenchmarkId::new("rust", pages), |b| {
+            let reads = f.reads();
+            b.iter(|| assert!(f.table.verify_step(black_box(&reads)).is_clean()))
+        });
+        group.bench_function(BenchmarkId::new("c_abi", pages), |b| {
+            b.iter(|| assert!(f.verify_step_c(black_box(&f.matrix))))
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, verify_step);
+criterion_main!(benches);

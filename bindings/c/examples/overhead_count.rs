@@ -1,0 +1,29 @@
+//! The C ABI's overhead in instructions, for when wall-clock ratios are noisy:
+//!
+//! ```text
+//! cargo build --release -p kvguard-c --example overhead_count
+//! for via in rust c_abi; do for n in 0 20; do
+//!   valgrind --tool=callgrind --callgrind-out-file=/dev/null target/release/examples/overhead_count $via $n 2>&1 | grep refs
+//! done; done
+//! ```
+//! (refs at 20 calls - refs at 0 calls) / 20 = instructions per call; setup is the same for both.
+
+#[path = "../benches/fixture/mod.rs"]
+mod fixture;
+use fixture::Fixture;
+use std::hint::black_box;
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let via = args.next().unwrap_or_else(|| "rust".to_string());
+    let calls: usize = args.next().and_then(|n| n.parse().ok()).unwrap_or(20);
+    let f = Fixture::new(256, 256);
+    let reads = f.reads();
+    for _ in 0..calls {
+        let clean = match via.as_str() {
+            "c_abi" => f.verify_step_c(black_box(&f.matrix)),
+            _ => f.table.verify_step(black_box(&reads)).is_clean(),
+        };
+        assert!(clean, "the fixture's step is clean");
+    }
+}

@@ -1,0 +1,270 @@
+//! Status codes, the per-thread last error, and the guard every entry point runs in: a panic is
+//! caught there and never crosses into C.
+
+use crate::types::kvg_violation_info;
+use kvguard::{Error, Violation};
+use std::cell::RefCell;
+use std::ffi::{CStr, CString, c_char};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+/// What a call did. `KVG_STATUS_OK` is 0; every other value is a failure whose message (and, for
+/// `KVG_STATUS_VIOLATION`, whose violations) the same thread reads with
+/// `kvg_last_error_message` and `kvg_last_violation` before its next kvguard call.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[allow(non_camel_case_types)]
+pub enum kvg_status {
+    /// Done.
+    Ok = 0,
+    /// The operation would break page ownership: refused (see `kvg_last_violation`). For a step
+    /// call, some rows were refused and the others went through.
+    Violation = 1,
+    /// Not enough free pages right now: wait, preempt or evict.
+    OutOfPages = 2,
+    /// The pool configuration was refused (the start-up audit or a structural check).
+    ConfigInvalid = 3,
+    /// A scrub confirmation for a page that is not awaiting one in that incarnation.
+    NotAwaitingScrub = 4,
+    /// A scrub confirmation for a page a transfer still lands in: scrub it again afterwards.
+    ScrubInFlight = 5,
+    /// The table's metadata could not be allocated.
+    OutOfMemory = 6,
+    /// A required pointer was NULL.
+    NullPointer = 7,
+    /// A struct's `struct_size` is too small, absurdly large, or sets fields this library does
+    /// not know.
+    BadStructSize = 8,
+    /// An argument is malformed: a misaligned pointer, a negative count, an unknown enum value,
+    /// token boundaries out of order.
+    InvalidArgument = 9,
+    /// An output buffer is too small. Where the operation had already happened (a release, an
+    /// attach), it stays done; the message says what did not fit.
+    BufferTooSmall = 10,
+    /// kvguard panicked (a bug): the call was abandoned and the table is refused from then on
+    /// (free it).
+    Panic = 11,
+    /// Another error of the core, newer than this binding; the message says what.
+    Other = 12,
+}
+
+impl kvg_status {
+    /// The status's name, as the C enumerator reads without its prefix (`"ok"`, `"violation"`).
+    pub(crate) fn name(self) -> &'static CStr {
+        match self {
+            kvg_status::Ok => c"ok",
+            kvg_status::Violation => c"violation",
+            kvg_status::OutOfPages => c"out_of_pages",
+            kvg_status::ConfigInvalid => c"config_invalid",
+            kvg_status::NotAwaitingScrub => c"not_awaiting_scrub",
+            kvg_status::ScrubInFlight => c"scrub_in_flight",
+            kvg_status::OutOfMemory => c"out_of_memory",
+            kvg_status::NullPointer => c"null_pointer",
+            kvg_status::BadStructSize => c"bad_struct_size",
+            kvg_status::InvalidArgument => c"invalid_argument",
+            kvg_status::BufferTooSmall => c"buffer_too_small",
+            kvg_status::Panic => c"panic",
+            kvg_status::Other => c"other",
+        }
+    }
+
+    const ALL: [kvg_status; 13] = [
+        kvg_status::Ok,
+        kvg_status::Violation,
+        kvg_status::OutOfPages,
+        kvg_status::ConfigInvalid,
+        kvg_status::NotAwaitingScrub,
+        kvg_status::ScrubInFlight,
+        kvg_status::OutOfMemory,
+        kvg_status::NullPointer,
+        kvg_status::BadStructSize,
+        kvg_status::InvalidArgument,
+        kvg_status::BufferTooSmall,
+        kvg_status::Panic,
+        kvg_status::Other,
+    ];
+}
+
+/// Why a call failed, before it becomes a status and the thread's last error.
+#[derive(Debug)]
+pub(crate) enum Failure {
+    /// The core refused.
+    Core(Error),
+    /// Rows of a step were refused: `(row, violation)`, in row order, of `rows`.
+    Step { refused: Vec<(usize, Violation)>, rows: usize },
+    /// A status of the binding's own, with its message.
+    Status(kvg_status, String),
+}
+
+impl Failure {
+    pub(crate) fn status(status: kvg_status, message: String) -> Failure {
+        Failure::Status(status, message)
+    }
+
+    pub(crate) fn invalid(message: String) -> Failure {
+        Failure::Status(kvg_status::InvalidArgument, message)
+    }
+}
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Failure {
+        Failure::Core(e)
+    }
+}
+
+/// The thread's last failure: its status, its one-line message, its violations (with the step
+/// row each came from, for step calls).
+#[derive(Default)]
+struct LastError {
+    status: Option<kvg_status>,
+    message: CString,
+    violations: Vec<(Option<usize>, Violation)>,
+}
+
+thread_local! {
+    static LAST: RefCell<LastError> = RefCell::new(LastError::default());
+}
+
+fn message(text: String) -> CString {
+    // A message never holds a NUL; if one did, it is cut there rather than lost.
+    CString::new(text).unwrap_or_else(|e| {
+        let cut = e.nul_position();
+        let mut bytes = e.into_vec();
+        bytes.truncate(cut);
+        CString::new(bytes).unwrap_or_default()
+    })
+}
+
+fn core_status(e: &Error) -> kvg_status {
+    match e {
+        Error::Config(_) => kvg_status::ConfigInvalid,
+        Error::Violation(_) => kvg_status::Violation,
+        Error::OutOfPages { .. } => kvg_status::OutOfPages,
+        Error::NotAwaitingScrub(_) => kvg_status::NotAwaitingScrub,
+        Error::ScrubInFlight(_) => kvg_status::ScrubInFlight,
+        Error::OutOfMemory { .. } => kvg_status::OutOfMemory,
+        _ => kvg_status::Other,
+    }
+}
+
+fn record(failure: Failure) -> kvg_status {
+    let (status, text, violations) = match failure {
+        Failure::Core(e) => {
+            let status = core_status(&e);
+            let text = e.to_string();
+            let violations = match e {
+                Error::Violation(v) => vec![(None, v)],
+                _ => Vec::new(),
+            };
+            (status, text, violations)
+        }
+        Failure::Step { refused, rows } => {
+            let text = match refused.first() {
+                Some((row, v)) => format!("{} of {rows} rows refused; first, row {row}: {v}", refused.len()),
+                None => format!("0 of {rows} rows refused"),
+            };
+            let violations = refused.into_iter().map(|(row, v)| (Some(row), v)).collect();
+            (kvg_status::Violation, text, violations)
+        }
+        Failure::Status(status, text) => (status, text, Vec::new()),
+    };
+    LAST.with(|last| {
+        let mut last = last.borrow_mut();
+        last.status = Some(status);
+        last.message = message(text);
+        last.violations = violations;
+    });
+    status
+}
+
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    let what = payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a panic without a message");
+    format!("kvguard panicked (a bug; the table is refused from now on): {what}")
+}
+
+/// Runs one entry point: clears the thread's last error, runs `body`, turns its failure (or its
+/// panic) into a status and the thread's last error. `on_panic` runs after a caught panic (the
+/// table marks itself poisoned there).
+pub(crate) fn guard(on_panic: impl FnOnce(), body: impl FnOnce() -> Result<(), Failure>) -> kvg_status {
+    LAST.with(|last| {
+        if let Ok(mut last) = last.try_borrow_mut()
+            && last.status.is_some()
+        {
+            *last = LastError::default();
+        }
+    });
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(Ok(())) => kvg_status::Ok,
+        Ok(Err(failure)) => catch_unwind(AssertUnwindSafe(|| record(failure))).unwrap_or(kvg_status::Panic),
+        Err(payload) => {
+            on_panic();
+            let text = panic_text(&*payload);
+            catch_unwind(AssertUnwindSafe(|| record(Failure::Status(kvg_status::Panic, text))))
+                .unwrap_or(kvg_status::Panic)
+        }
+    }
+}
+
+/// [`guard`] for a call that touches no table.
+pub(crate) fn guard_free(body: impl FnOnce() -> Result<(), Failure>) -> kvg_status {
+    guard(|| {}, body)
+}
+
+/// The thread's last error message: one line, NUL-terminated, `""` when the thread's last kvguard
+/// call succeeded. Valid until the thread's next kvguard call; never NULL.
+#[unsafe(no_mangle)]
+pub extern "C" fn kvg_last_error_message() -> *const c_char {
+    catch_unwind(|| LAST.with(|last| last.borrow().message.as_ptr())).unwrap_or(c"kvguard panicked".as_ptr())
+}
+
+/// The status of the thread's last kvguard call that returned one (`KVG_STATUS_OK` after a
+/// success).
+#[unsafe(no_mangle)]
+pub extern "C" fn kvg_last_status() -> kvg_status {
+    catch_unwind(|| LAST.with(|last| last.borrow().status.unwrap_or(kvg_status::Ok))).unwrap_or(kvg_status::Panic)
+}
+
+/// How many violations the thread's last failed call left: 1 for a refused operation, one per
+/// refused row for a step call, 0 otherwise.
+#[unsafe(no_mangle)]
+pub extern "C" fn kvg_last_violation_count() -> usize {
+    catch_unwind(|| LAST.with(|last| last.borrow().violations.len())).unwrap_or(0)
+}
+
+/// Copies violation `index` (`0..kvg_last_violation_count()`) of the thread's last failed call
+/// into `*out` (whose `struct_size` the caller sets). Reading it does not clear it.
+///
+/// Returns `KVG_STATUS_INVALID_ARGUMENT` when there is no such violation.
+///
+/// # Safety
+/// `out` is NULL or points to a writable `kvg_violation_info` of its `struct_size` bytes.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvg_last_violation(index: usize, out: *mut kvg_violation_info) -> kvg_status {
+    // Read before `guard` clears the thread's last error; a failure here replaces it.
+    let found = catch_unwind(|| {
+        LAST.with(|last| {
+            last.borrow().violations.get(index).map(|(row, v)| kvg_violation_info::from_violation(v, *row))
+        })
+    })
+    .unwrap_or(None);
+    let count = kvg_last_violation_count();
+    match found {
+        // The copy goes out without `guard`, so the thread's last error stays readable.
+        Some(info) => match catch_unwind(AssertUnwindSafe(|| crate::raw::write_sized(out, info, "out"))) {
+            Ok(Ok(())) => kvg_status::Ok,
+            Ok(Err(failure)) => guard_free(|| Err(failure)),
+            Err(_) => kvg_status::Panic,
+        },
+        None => guard_free(|| Err(Failure::invalid(format!("no violation {index}: the last call left {count}")))),
+    }
+}
+
+/// The status's name without its prefix (`"ok"`, `"violation"`, ...), or `"unknown"`. Static.
+#[unsafe(no_mangle)]
+pub extern "C" fn kvg_status_name(status: u32) -> *const c_char {
+    kvg_status::ALL.get(status as usize).map_or(c"unknown", |s| s.name()).as_ptr()
+}

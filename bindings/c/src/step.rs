@@ -1,0 +1,277 @@
+//! Reads and writes as engines hold them: one request's block table, or a whole step's block
+//! tables as one `int32` matrix with a row stride (TensorRT-LLM's block offsets, llama.cpp's
+//! per-sequence cells), and a step's writes as a slot mapping with per-request token boundaries.
+//! One call per step; the block tables are read in place, never copied.
+
+use crate::raw;
+use crate::status::{Failure, kvg_status};
+use crate::table::{kvg_table, with_table};
+use crate::types::kvg_page_ref;
+use kvguard::{PageRef, RequestId, SeqRead, SeqWrite, StepVerdict};
+
+/// The rows of a step's block-table matrix, each with its request and token count.
+fn step_reads<'a>(
+    rows: usize,
+    request_ids: *const u64,
+    block_tables: *const i32,
+    row_stride: usize,
+    max_blocks: usize,
+    seq_lens: *const i32,
+) -> Result<Vec<SeqRead<'a>>, Failure> {
+    if rows == 0 {
+        return Ok(Vec::new());
+    }
+    if rows > 1 && row_stride < max_blocks {
+        return Err(Failure::invalid(format!(
+            "row_stride {row_stride} is below max_blocks {max_blocks}: rows overlap"
+        )));
+    }
+    let extent = (rows - 1)
+        .checked_mul(row_stride)
+        .and_then(|n| n.checked_add(max_blocks))
+        .ok_or_else(|| Failure::invalid(format!("{rows} rows of stride {row_stride} overflow")))?;
+    let requests = raw::slice(request_ids, rows, "request_ids")?;
+    let lens = raw::slice(seq_lens, rows, "seq_lens")?;
+    let matrix = raw::pages(raw::slice(block_tables, extent, "block_tables")?);
+    if let Some(row) = lens.iter().position(|&n| n < 0) {
+        return Err(Failure::invalid(format!("seq_lens[{row}] is {}: a token count is not negative", lens[row])));
+    }
+    Ok((0..rows)
+        .map(|r| SeqRead {
+            request: RequestId(requests[r]),
+            block_table: &matrix[r * row_stride..r * row_stride + max_blocks],
+            tokens: lens[r] as u64,
+        })
+        .collect())
+}
+
+/// Writes the per-row refusal mask (when wanted) and turns refused rows into the call's failure.
+fn verdict(verdict: StepVerdict, rows: usize, refused: &mut [u8]) -> Result<(), Failure> {
+    if !refused.is_empty() {
+        refused.fill(0);
+        for (row, _) in &verdict.refused {
+            refused[*row] = 1;
+        }
+    }
+    if verdict.is_clean() { Ok(()) } else { Err(Failure::Step { refused: verdict.refused, rows }) }
+}
+
+/// The optional refusal mask: NULL, or `rows` writable bytes.
+fn mask<'a>(refused: *mut u8, rows: usize) -> Result<&'a mut [u8], Failure> {
+    if refused.is_null() { Ok(&mut []) } else { raw::slice_mut(refused, rows, "refused") }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn step(
+    table: *const kvg_table,
+    rows: usize,
+    request_ids: *const u64,
+    block_tables: *const i32,
+    row_stride: usize,
+    max_blocks: usize,
+    seq_lens: *const i32,
+    refused: *mut u8,
+    judged: bool,
+) -> kvg_status {
+    with_table(table, |t| {
+        let reads = step_reads(rows, request_ids, block_tables, row_stride, max_blocks, seq_lens)?;
+        let refused = mask(refused, rows)?;
+        let v = if judged { t.table.verify_step(&reads) } else { t.table.check_step(&reads) };
+        verdict(v, rows, refused)
+    })
+}
+
+/// Verifies a decode step's reads, judged: row `r` is request `request_ids[r]` reading its first
+/// `seq_lens[r]` tokens through the `max_blocks` page ids at `block_tables + r * row_stride`
+/// (entries past the tokens read are not looked at, so padding there is fine). A refused row is
+/// counted, logged and (enforce) its request quarantined; the others may run.
+///
+/// Returns `KVG_STATUS_OK` when every row may read, `KVG_STATUS_VIOLATION` when some may not:
+/// `refused` (NULL, or `rows` bytes) gets 1 for each refused row and 0 for the others, and
+/// `kvg_last_violation(i, ...)` gives each refused row's violation (its `row` field set).
+///
+/// # Safety
+/// `table` is a live handle; `request_ids` and `seq_lens` hold `rows` entries; `block_tables`
+/// holds `(rows - 1) * row_stride + max_blocks` entries; `refused` is NULL or has `rows` bytes.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvg_verify_step(
+    table: *mut kvg_table,
+    rows: usize,
+    request_ids: *const u64,
+    block_tables: *const i32,
+    row_stride: usize,
+    max_blocks: usize,
+    seq_lens: *const i32,
+    refused: *mut u8,
+) -> kvg_status {
+    step(table, rows, request_ids, block_tables, row_stride, max_blocks, seq_lens, refused, true)
+}
+
+/// `kvg_verify_step`, pure: the same verdict, and nothing counted, logged or quarantined.
+///
+/// # Safety
+/// As for `kvg_verify_step`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvg_check_step(
+    table: *const kvg_table,
+    rows: usize,
+    request_ids: *const u64,
+    block_tables: *const i32,
+    row_stride: usize,
+    max_blocks: usize,
+    seq_lens: *const i32,
+    refused: *mut u8,
+) -> kvg_status {
+    step(table, rows, request_ids, block_tables, row_stride, max_blocks, seq_lens, refused, false)
+}
+
+/// Records a step's KV writes in one call, as the engine's slot mapping gives them: sequence `s`
+/// is request `request_ids[s]` writing `slot_mapping[query_start_loc[s] .. query_start_loc[s+1]]`,
+/// one entry per token, `page * page_size + offset`, -1 for padding (vLLM's `slot_mapping` and
+/// `query_start_loc`). Entries past `query_start_loc[num_seqs]` are ignored.
+///
+/// Each sequence is all or nothing: one writing a page that is not its own is refused, nothing of
+/// it recorded (`refused[s]` = 1, `KVG_STATUS_VIOLATION`); the others are recorded.
+/// `query_start_loc` must hold `num_seqs + 1` non-decreasing offsets within `num_slots`.
+///
+/// # Safety
+/// `table` is a live handle; `request_ids` holds `num_seqs` entries, `query_start_loc`
+/// `num_seqs + 1`, `slot_mapping` `num_slots`; `refused` is NULL or has `num_seqs` bytes.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvg_record_step_writes(
+    table: *mut kvg_table,
+    num_seqs: usize,
+    request_ids: *const u64,
+    slot_mapping: *const i64,
+    num_slots: usize,
+    query_start_loc: *const i32,
+    refused: *mut u8,
+) -> kvg_status {
+    with_table(table, |t| {
+        let requests = raw::slice(request_ids, num_seqs, "request_ids")?;
+        let bounds_len = num_seqs.checked_add(1).ok_or_else(|| Failure::invalid("num_seqs overflows".to_string()))?;
+        let bounds = raw::slice(query_start_loc, bounds_len, "query_start_loc")?;
+        let slots = raw::slice(slot_mapping, num_slots, "slot_mapping")?;
+        let refused = mask(refused, num_seqs)?;
+        let mut writes = Vec::with_capacity(num_seqs);
+        for (s, pair) in bounds.windows(2).enumerate() {
+            let (start, end) = (pair[0], pair[1]);
+            if start < 0 || end < start || end as usize > num_slots {
+                return Err(Failure::invalid(format!(
+                    "query_start_loc[{s}..={}] is {start}..{end}: not non-decreasing within the {num_slots} slots",
+                    s + 1
+                )));
+            }
+            writes.push(SeqWrite { request: RequestId(requests[s]), slots: &slots[start as usize..end as usize] });
+        }
+        verdict(t.table.record_step_writes(&writes), num_seqs, refused)
+    })
+}
+
+fn read(
+    table: *const kvg_table,
+    request: u64,
+    block_table: *const i32,
+    num_blocks: usize,
+    tokens: u64,
+    judged: bool,
+) -> kvg_status {
+    with_table(table, |t| {
+        let bt = raw::pages(raw::slice(block_table, num_blocks, "block_table")?);
+        let req = RequestId(request);
+        if judged {
+            Ok(t.table.verify_read(req, bt, tokens)?)
+        } else {
+            Ok(t.table.check_read(req, bt, tokens).map_err(kvguard::Error::from)?)
+        }
+    })
+}
+
+fn read_refs(
+    table: *const kvg_table,
+    request: u64,
+    refs: *const kvg_page_ref,
+    num_refs: usize,
+    tokens: u64,
+    judged: bool,
+) -> kvg_status {
+    with_table(table, |t| {
+        let refs: Vec<PageRef> = raw::slice(refs, num_refs, "block_table")?.iter().map(|r| r.to_core()).collect();
+        let req = RequestId(request);
+        if judged {
+            Ok(t.table.verify_read_refs(req, &refs, tokens)?)
+        } else {
+            Ok(t.table.check_read_refs(req, &refs, tokens).map_err(kvguard::Error::from)?)
+        }
+    })
+}
+
+/// Whether `request` may read its first `tokens` tokens through `block_table`: every page its own
+/// (or a prefix it holds), every slot read written by the page's current incarnation. Judged: a
+/// violation is counted, logged and (enforce) refused with the request quarantined.
+///
+/// # Safety
+/// `table` is a live handle; `block_table` holds `num_blocks` entries.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvg_verify_read(
+    table: *mut kvg_table,
+    request: u64,
+    block_table: *const i32,
+    num_blocks: usize,
+    tokens: u64,
+) -> kvg_status {
+    read(table, request, block_table, num_blocks, tokens, true)
+}
+
+/// `kvg_verify_read`, pure: the same verdict, nothing counted, logged or quarantined.
+///
+/// # Safety
+/// As for `kvg_verify_read`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvg_check_read(
+    table: *const kvg_table,
+    request: u64,
+    block_table: *const i32,
+    num_blocks: usize,
+    tokens: u64,
+) -> kvg_status {
+    read(table, request, block_table, num_blocks, tokens, false)
+}
+
+/// `kvg_verify_read` through page refs: a page no longer in the incarnation named is also
+/// refused (`stale_page`).
+///
+/// # Safety
+/// `table` is a live handle; `block_table` holds `num_blocks` refs.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvg_verify_read_refs(
+    table: *mut kvg_table,
+    request: u64,
+    block_table: *const kvg_page_ref,
+    num_blocks: usize,
+    tokens: u64,
+) -> kvg_status {
+    read_refs(table, request, block_table, num_blocks, tokens, true)
+}
+
+/// `kvg_verify_read_refs`, pure.
+///
+/// # Safety
+/// As for `kvg_verify_read_refs`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvg_check_read_refs(
+    table: *const kvg_table,
+    request: u64,
+    block_table: *const kvg_page_ref,
+    num_blocks: usize,
+    tokens: u64,
+) -> kvg_status {
+    read_refs(table, request, block_table, num_blocks, tokens, false)
+}

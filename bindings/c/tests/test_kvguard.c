@@ -1,0 +1,679 @@
+/*
+ * The C ABI's test: every function, NULL pointers, bad struct sizes and every violation kind the
+ * ownership table can raise, through include/kvguard.h and the static library. Built and run by
+ * scripts/ci/c.sh (cc -std=c11 -Wall -Wextra -Werror). Prints "N passed, N failed"; exits 1 on a
+ * failure.
+ */
+#include "kvguard.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int passed, failed;
+
+#define CHECK(cond)                                                                        \
+    do {                                                                                   \
+        if (cond) {                                                                        \
+            passed++;                                                                      \
+        } else {                                                                           \
+            failed++;                                                                      \
+            fprintf(stderr, "FAIL %s:%d: %s (last error: %s)\n", __FILE__, __LINE__, #cond, \
+                    kvg_last_error_message());                                             \
+        }                                                                                  \
+    } while (0)
+
+/* The call returned `status`. */
+#define EXPECT(call, status) CHECK((call) == (status))
+#define OK(call) EXPECT(call, KVG_STATUS_OK)
+
+enum { PAGES = 64, PS = 16, MAX_CONTEXT = 256 };
+
+static const int32_t NULL_PAGE[1] = {0};
+
+static kvg_table *new_table(uint32_t policy, uint32_t scrub) {
+    kvg_pool_config config;
+    kvg_table *table = NULL;
+    OK(kvg_pool_config_init(&config, sizeof config));
+    config.num_pages = PAGES;
+    config.page_size = PS;
+    config.max_context_tokens = MAX_CONTEXT;
+    config.reserved = NULL_PAGE;
+    config.num_reserved = 1;
+    config.policy = policy;
+    config.scrub_on_release = scrub;
+    OK(kvg_table_new(&config, &table));
+    CHECK(table != NULL);
+    return table;
+}
+
+/* The kind of the thread's last violation `index` (0 if none). */
+static uint32_t last_kind(size_t index) {
+    kvg_violation_info info;
+    info.struct_size = sizeof info;
+    if (kvg_last_violation(index, &info) != KVG_STATUS_OK) return 0;
+    return info.kind;
+}
+
+static kvg_violation_info last_info(void) {
+    kvg_violation_info info;
+    memset(&info, 0, sizeof info);
+    info.struct_size = sizeof info;
+    if (kvg_last_violation(0, &info) != KVG_STATUS_OK) info.kind = 0;
+    return info;
+}
+
+/* `call` was refused as a violation of `kind`. */
+#define VIOLATES(call, kind)                                                                 \
+    do {                                                                                     \
+        EXPECT(call, KVG_STATUS_VIOLATION);                                                  \
+        CHECK(last_kind(0) == (uint32_t)(kind));                                             \
+        CHECK(kvg_last_status() == KVG_STATUS_VIOLATION);                                    \
+        CHECK(strstr(kvg_last_error_message(), kvg_violation_kind_name(kind)) != NULL);       \
+    } while (0)
+
+static void test_names_and_version(void) {
+    CHECK(strcmp(kvg_version(), "0.1.0") == 0);
+    CHECK(strcmp(kvg_status_name(KVG_STATUS_OK), "ok") == 0);
+    CHECK(strcmp(kvg_status_name(KVG_STATUS_BAD_STRUCT_SIZE), "bad_struct_size") == 0);
+    CHECK(strcmp(kvg_status_name(KVG_STATUS_OTHER), "other") == 0);
+    CHECK(strcmp(kvg_status_name(999), "unknown") == 0);
+    /* Every kind has its core name, the transfer and device ones included. */
+    static const struct { uint32_t kind; const char *name; } kinds[] = {
+        {KVG_VIOLATION_KIND_POOL_TOO_SMALL, "pool_too_small"},
+        {KVG_VIOLATION_KIND_EXCEEDS_MAX_CONTEXT, "exceeds_max_context"},
+        {KVG_VIOLATION_KIND_EXCEEDS_POOL, "exceeds_pool"},
+        {KVG_VIOLATION_KIND_DUPLICATE_REQUEST, "duplicate_request"},
+        {KVG_VIOLATION_KIND_UNKNOWN_REQUEST, "unknown_request"},
+        {KVG_VIOLATION_KIND_DOUBLE_FREE, "double_free"},
+        {KVG_VIOLATION_KIND_PAGE_NOT_FREE, "page_not_free"},
+        {KVG_VIOLATION_KIND_PAGE_OUT_OF_RANGE, "page_out_of_range"},
+        {KVG_VIOLATION_KIND_RESERVED_PAGE, "reserved_page"},
+        {KVG_VIOLATION_KIND_FOREIGN_PAGE, "foreign_page"},
+        {KVG_VIOLATION_KIND_FREED_PAGE, "freed_page"},
+        {KVG_VIOLATION_KIND_UNWRITTEN_SLOTS, "unwritten_slots"},
+        {KVG_VIOLATION_KIND_SLOT_OUT_OF_RANGE, "slot_out_of_range"},
+        {KVG_VIOLATION_KIND_WRITE_TO_SHARED, "write_to_shared"},
+        {KVG_VIOLATION_KIND_DUPLICATE_PREFIX, "duplicate_prefix"},
+        {KVG_VIOLATION_KIND_UNKNOWN_PREFIX, "unknown_prefix"},
+        {KVG_VIOLATION_KIND_CROSS_TENANT_SHARE, "cross_tenant_share"},
+        {KVG_VIOLATION_KIND_EVICT_IN_USE, "evict_in_use"},
+        {KVG_VIOLATION_KIND_TOKEN_COUNT_MISMATCH, "token_count_mismatch"},
+        {KVG_VIOLATION_KIND_STALE_PAGE, "stale_page"},
+        {KVG_VIOLATION_KIND_QUARANTINED, "quarantined"},
+        {KVG_VIOLATION_KIND_BLOCK_TABLE_TOO_SHORT, "block_table_too_short"},
+        {KVG_VIOLATION_KIND_PAGE_SHARED, "page_shared"},
+        {KVG_VIOLATION_KIND_TRANSFER_MISROUTED, "transfer_misrouted"},
+        {KVG_VIOLATION_KIND_TRANSFER_PAGES_MISMATCH, "transfer_pages_mismatch"},
+        {KVG_VIOLATION_KIND_PROMPT_DIGEST_MISMATCH, "prompt_digest_mismatch"},
+        {KVG_VIOLATION_KIND_PAGE_CHECKSUM_MISMATCH, "page_checksum_mismatch"},
+        {KVG_VIOLATION_KIND_PAGE_LENGTH_MISMATCH, "page_length_mismatch"},
+        {KVG_VIOLATION_KIND_MISSING_CHECKSUM, "missing_checksum"},
+        {KVG_VIOLATION_KIND_MANIFEST_CORRUPT, "manifest_corrupt"},
+        {KVG_VIOLATION_KIND_CANARY_MISMATCH, "canary_mismatch"},
+        {KVG_VIOLATION_KIND_IMPORT_IN_FLIGHT, "import_in_flight"},
+    };
+    for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++) {
+        CHECK(strcmp(kvg_violation_kind_name(kinds[i].kind), kinds[i].name) == 0);
+    }
+    CHECK(strcmp(kvg_violation_kind_name(0), "unknown") == 0);
+    CHECK(strcmp(kvg_violation_kind_name(KVG_VIOLATION_KIND_IMPORT_IN_FLIGHT + 1), "unknown") == 0);
+}
+
+static void test_config_and_sizes(void) {
+    kvg_pool_config config;
+    kvg_table *table = (kvg_table *)&config; /* must be reset to NULL on failure */
+
+    OK(kvg_pool_config_init(&config, sizeof config));
+    CHECK(config.struct_size == sizeof config && config.policy == KVG_POLICY_ENFORCE);
+    CHECK(config.generation_limit == 0 && config.reserved == NULL && config.scrub_on_release == 0);
+    EXPECT(kvg_pool_config_init(NULL, sizeof config), KVG_STATUS_NULL_POINTER);
+    EXPECT(kvg_pool_config_init(&config, sizeof config - 1), KVG_STATUS_BAD_STRUCT_SIZE);
+
+    /* The incident's pool fails the audit, naming both numbers. */
+    OK(kvg_pool_config_init(&config, sizeof config));
+    config.num_pages = 10645;
+    config.page_size = 64;
+    config.max_context_tokens = 1048576;
+    EXPECT(kvg_pool_config_audit(&config), KVG_STATUS_CONFIG_INVALID);
+    CHECK(strstr(kvg_last_error_message(), "681,280") != NULL);
+    CHECK(strstr(kvg_last_error_message(), "1,048,576") != NULL);
+    CHECK(kvg_last_violation_count() == 0);
+    EXPECT(kvg_table_new(&config, &table), KVG_STATUS_CONFIG_INVALID);
+    CHECK(table == NULL);
+    /* Unaudited, it is built, and admission refuses what cannot fit. */
+    OK(kvg_table_new_unaudited(&config, &table));
+    CHECK(table != NULL);
+    VIOLATES(kvg_admit(table, 1, 1, 1048576, 0), KVG_VIOLATION_KIND_EXCEEDS_POOL);
+    kvg_table_free(table);
+    /* A success clears the thread's last error. */
+    CHECK(kvg_last_status() == KVG_STATUS_VIOLATION);
+    OK(kvg_pool_config_init(&config, sizeof config));
+    CHECK(kvg_last_status() == KVG_STATUS_OK && strcmp(kvg_last_error_message(), "") == 0);
+
+    config.num_pages = 0;
+    config.page_size = PS;
+    config.max_context_tokens = 16;
+    EXPECT(kvg_pool_config_audit(&config), KVG_STATUS_CONFIG_INVALID);
+    config.num_pages = 4;
+    OK(kvg_pool_config_audit(&config));
+    config.policy = 7;
+    EXPECT(kvg_pool_config_audit(&config), KVG_STATUS_INVALID_ARGUMENT);
+    config.policy = KVG_POLICY_REPORT;
+    OK(kvg_pool_config_audit(&config));
+    config.generation_limit = 1;
+    EXPECT(kvg_pool_config_audit(&config), KVG_STATUS_CONFIG_INVALID);
+    config.generation_limit = 0;
+    config.num_reserved = 2; /* reserved is NULL */
+    EXPECT(kvg_pool_config_audit(&config), KVG_STATUS_NULL_POINTER);
+    config.num_reserved = 0;
+    EXPECT(kvg_pool_config_audit(NULL), KVG_STATUS_NULL_POINTER);
+    EXPECT(kvg_table_new(NULL, &table), KVG_STATUS_NULL_POINTER);
+    EXPECT(kvg_table_new(&config, NULL), KVG_STATUS_NULL_POINTER);
+    /* A reserved page beyond the pool, and a negative one, are refused. */
+    {
+        int32_t bad[1] = {-1};
+        config.reserved = bad;
+        config.num_reserved = 1;
+        EXPECT(kvg_pool_config_audit(&config), KVG_STATUS_CONFIG_INVALID);
+        config.reserved = NULL;
+        config.num_reserved = 0;
+    }
+
+    /* struct_size: too small, absurd, larger with unknown fields set, larger with them zero. */
+    {
+        struct {
+            kvg_pool_config config;
+            uint64_t newer_fields[4];
+        } grown;
+        memset(&grown, 0, sizeof grown);
+        grown.config = config;
+        config.struct_size = sizeof config - 8;
+        EXPECT(kvg_pool_config_audit(&config), KVG_STATUS_BAD_STRUCT_SIZE);
+        CHECK(strstr(kvg_last_error_message(), "struct_size") != NULL);
+        config.struct_size = 1u << 20;
+        EXPECT(kvg_pool_config_audit(&config), KVG_STATUS_BAD_STRUCT_SIZE);
+        config.struct_size = 0;
+        EXPECT(kvg_pool_config_audit(&config), KVG_STATUS_BAD_STRUCT_SIZE);
+        config.struct_size = sizeof config;
+        grown.config.struct_size = sizeof grown;
+        OK(kvg_pool_config_audit(&grown.config));
+        grown.newer_fields[2] = 1;
+        EXPECT(kvg_pool_config_audit(&grown.config), KVG_STATUS_BAD_STRUCT_SIZE);
+    }
+}
+
+static void test_null_table_and_pointers(void) {
+    kvg_pool_snapshot snap;
+    uint64_t n = 0;
+    snap.struct_size = sizeof snap;
+    EXPECT(kvg_admit(NULL, 1, 1, 1, 1), KVG_STATUS_NULL_POINTER);
+    CHECK(strstr(kvg_last_error_message(), "NULL") != NULL);
+    EXPECT(kvg_snapshot(NULL, &snap), KVG_STATUS_NULL_POINTER);
+    EXPECT(kvg_verify_step(NULL, 0, NULL, NULL, 0, 0, NULL, NULL), KVG_STATUS_NULL_POINTER);
+    EXPECT(kvg_violation_count(NULL, 0, &n), KVG_STATUS_NULL_POINTER);
+    kvg_table_free(NULL);
+
+    kvg_table *t = new_table(KVG_POLICY_ENFORCE, 0);
+    OK(kvg_admit(t, 1, 1, 32, 0));
+    EXPECT(kvg_snapshot(t, NULL), KVG_STATUS_NULL_POINTER);
+    EXPECT(kvg_verify_read(t, 1, NULL, 2, 32), KVG_STATUS_NULL_POINTER);
+    EXPECT(kvg_claim(t, 1, NULL, 1, NULL, 0), KVG_STATUS_NULL_POINTER);
+    EXPECT(kvg_allocate(t, 1, 1, NULL, 1), KVG_STATUS_NULL_POINTER);
+    EXPECT(kvg_violation_count(t, 0, NULL), KVG_STATUS_NULL_POINTER);
+    EXPECT(kvg_last_violation(0, NULL), KVG_STATUS_INVALID_ARGUMENT); /* none left: the NULL failed first */
+    EXPECT(kvg_publish_prefix(t, 1, NULL, 3, NULL, 0), KVG_STATUS_NULL_POINTER);
+    EXPECT(kvg_publish_prefix(t, 1, (const uint8_t *)"k", 0, NULL, 0), KVG_STATUS_INVALID_ARGUMENT);
+    EXPECT(kvg_confirm_scrubbed(t, NULL, 1), KVG_STATUS_NULL_POINTER);
+    EXPECT(kvg_record_step_writes(t, 1, NULL, NULL, 0, NULL, NULL), KVG_STATUS_NULL_POINTER);
+    /* Zero-length arrays may be NULL. */
+    OK(kvg_verify_read(t, 1, NULL, 0, 0));
+    OK(kvg_verify_step(t, 0, NULL, NULL, 0, 0, NULL, NULL));
+    /* A misaligned array is refused. */
+    {
+        int32_t buf[4] = {1, 2, 3, 4};
+        const int32_t *odd = (const int32_t *)((const char *)buf + 1);
+        EXPECT(kvg_verify_read(t, 1, odd, 2, 32), KVG_STATUS_INVALID_ARGUMENT);
+    }
+    /* Output structs: too small, absurd. */
+    snap.struct_size = sizeof snap - 8;
+    EXPECT(kvg_snapshot(t, &snap), KVG_STATUS_BAD_STRUCT_SIZE);
+    snap.struct_size = 100000;
+    EXPECT(kvg_snapshot(t, &snap), KVG_STATUS_BAD_STRUCT_SIZE);
+    /* A newer caller's larger struct: filled up to what this library knows, the rest zeroed. */
+    {
+        struct {
+            kvg_pool_snapshot snap;
+            uint64_t newer[2];
+        } grown;
+        memset(&grown, 0xff, sizeof grown);
+        grown.snap.struct_size = sizeof grown;
+        OK(kvg_snapshot(t, &grown.snap));
+        CHECK(grown.snap.struct_size == sizeof(kvg_pool_snapshot));
+        CHECK(grown.newer[0] == 0 && grown.newer[1] == 0);
+        CHECK(grown.snap.total_pages == PAGES && grown.snap.requests == 1);
+    }
+    kvg_table_free(t);
+}
+
+/* Allocator mode: allocate, write, read, release, the snapshot and infos along the way. */
+static void test_allocator_mode(void) {
+    kvg_table *t = new_table(KVG_POLICY_ENFORCE, 0);
+    kvg_page_ref refs[4];
+    int32_t bt[4];
+    kvg_pool_snapshot snap;
+    kvg_page_info page;
+    kvg_request_info req;
+    kvg_released released;
+
+    OK(kvg_admit(t, 1, 10, 40, 8));
+    EXPECT(kvg_allocate(t, 1, 3, refs, 2), KVG_STATUS_BUFFER_TOO_SMALL);
+    OK(kvg_allocate(t, 1, 3, refs, 4));
+    for (int i = 0; i < 3; i++) {
+        bt[i] = refs[i].page;
+        CHECK(refs[i].page > 0 && refs[i].generation == 1);
+    }
+    OK(kvg_record_write_tokens(t, 1, bt, 3, 0, 40));
+    OK(kvg_verify_read(t, 1, bt, 3, 40));
+    OK(kvg_check_read(t, 1, bt, 3, 40));
+    OK(kvg_verify_read_refs(t, 1, refs, 3, 40));
+    OK(kvg_check_read_refs(t, 1, refs, 3, 40));
+    OK(kvg_record_write(t, 1, bt[2], 8, 10));
+    OK(kvg_verify_read(t, 1, bt, 3, 42));
+
+    snap.struct_size = sizeof snap;
+    OK(kvg_snapshot(t, &snap));
+    CHECK(snap.total_pages == PAGES && snap.owned == 3 && snap.reserved == 1 && snap.free == PAGES - 4);
+    CHECK(snap.requests == 1 && snap.violations == 0);
+
+    page.struct_size = sizeof page;
+    OK(kvg_get_page_info(t, bt[0], &page));
+    CHECK(page.state == KVG_PAGE_STATE_OWNED && page.owner == 1 && page.tenant == 10);
+    CHECK((page.fields & KVG_FIELD_OWNER) && page.written_prefix == PS && page.generation == 1);
+    OK(kvg_get_page_info(t, 0, &page));
+    CHECK(page.state == KVG_PAGE_STATE_RESERVED);
+    EXPECT(kvg_get_page_info(t, PAGES, &page), KVG_STATUS_INVALID_ARGUMENT);
+    EXPECT(kvg_get_page_info(t, -1, &page), KVG_STATUS_INVALID_ARGUMENT);
+
+    req.struct_size = sizeof req;
+    OK(kvg_get_request_info(t, 1, &req));
+    CHECK(req.tenant == 10 && req.prompt_tokens == 40 && req.max_new_tokens == 8 && req.owned_pages == 3);
+    CHECK(req.quarantined == 0 && req.prefixes == 0);
+    EXPECT(kvg_get_request_info(t, 2, &req), KVG_STATUS_INVALID_ARGUMENT);
+
+    /* Pool exhausted: a typed status, not a violation. */
+    OK(kvg_admit(t, 2, 10, 16, 0));
+    {
+        kvg_page_ref many[PAGES];
+        EXPECT(kvg_allocate(t, 2, PAGES, many, PAGES), KVG_STATUS_OUT_OF_PAGES);
+        CHECK(kvg_last_violation_count() == 0);
+    }
+
+    /* Sliding window, then the rest. */
+    memset(&released, 0, sizeof released);
+    released.struct_size = sizeof released;
+    OK(kvg_release_pages(t, 1, bt, 1, &released));
+    CHECK(released.ended == 1 && released.scrub_len == 0);
+    OK(kvg_release(t, 1, &released));
+    CHECK(released.ended == 2);
+    OK(kvg_release(t, 2, NULL));
+    released.struct_size = 3;
+    EXPECT(kvg_release(t, 2, &released), KVG_STATUS_BAD_STRUCT_SIZE);
+    /* Checked before the release: request 2 was released above, so this is the double free. */
+    released.struct_size = sizeof released;
+    VIOLATES(kvg_release(t, 2, &released), KVG_VIOLATION_KIND_DOUBLE_FREE);
+    kvg_table_free(t);
+}
+
+/* Shadow mode: claim, preempt, fork, import, scrub on release. */
+static void test_shadow_mode_and_scrub(void) {
+    kvg_table *t = new_table(KVG_POLICY_ENFORCE, 1);
+    const int32_t pages[2] = {5, 6};
+    kvg_page_ref refs[2], scrub[4];
+    kvg_released released;
+
+    OK(kvg_admit(t, 1, 1, 32, 0));
+    OK(kvg_claim(t, 1, pages, 2, refs, 2));
+    CHECK(refs[0].page == 5 && refs[1].page == 6 && refs[0].generation == 1);
+    OK(kvg_record_import(t, 1, pages, 2, 32, 32));
+    OK(kvg_verify_read(t, 1, pages, 2, 32));
+
+    /* Fork: the child reads the parent's pages, now shared. */
+    OK(kvg_fork(t, 1, 2));
+    OK(kvg_verify_read(t, 2, pages, 2, 32));
+    OK(kvg_release(t, 2, NULL));
+
+    /* Preempt keeps the request; its pages await a scrub. */
+    memset(&released, 0, sizeof released);
+    released.struct_size = sizeof released;
+    released.scrub = scrub;
+    released.scrub_capacity = 1; /* too small: the preemption still happens */
+    EXPECT(kvg_preempt(t, 1, &released), KVG_STATUS_BUFFER_TOO_SMALL);
+    CHECK(released.ended == 2 && released.scrub_len == 2);
+    {
+        kvg_page_info info;
+        info.struct_size = sizeof info;
+        OK(kvg_get_page_info(t, 6, &info));
+        CHECK(info.state == KVG_PAGE_STATE_AWAITING_SCRUB && info.generation == 2);
+    }
+    {
+        kvg_page_ref both[2] = {{5, 1}, {6, 1}};
+        kvg_page_ref wrong[1] = {{5, 2}};
+        kvg_page_ref negative[1] = {{-5, 1}};
+        EXPECT(kvg_confirm_scrubbed(t, wrong, 1), KVG_STATUS_NOT_AWAITING_SCRUB);
+        EXPECT(kvg_confirm_scrubbed(t, negative, 1), KVG_STATUS_NOT_AWAITING_SCRUB);
+        OK(kvg_confirm_scrubbed(t, both, 2));
+        EXPECT(kvg_confirm_scrubbed(t, both, 2), KVG_STATUS_NOT_AWAITING_SCRUB);
+    }
+    {
+        kvg_request_info req;
+        req.struct_size = sizeof req;
+        OK(kvg_get_request_info(t, 1, &req));
+        CHECK(req.owned_pages == 0);
+    }
+    /* Claim again after the scrub, release with room for the whole list. */
+    OK(kvg_claim(t, 1, pages, 2, NULL, 0));
+    released.scrub_capacity = 4;
+    OK(kvg_release(t, 1, &released));
+    CHECK(released.scrub_len == 2 && scrub[0].generation == 2);
+    OK(kvg_confirm_scrubbed(t, scrub, released.scrub_len));
+    kvg_table_free(t);
+}
+
+static void test_prefixes(void) {
+    kvg_table *t = new_table(KVG_POLICY_ENFORCE, 0);
+    const uint8_t key[] = {0xde, 0xad, 0x00, 0xbe, 0xef}; /* bytes, NUL included */
+    const int32_t pages[2] = {3, 4};
+    kvg_page_ref refs[2];
+    size_t n = 0;
+    kvg_released released;
+
+    OK(kvg_admit(t, 1, 7, 32, 0));
+    OK(kvg_admit(t, 2, 7, 32, 0));
+    OK(kvg_admit(t, 3, 8, 32, 0));
+    OK(kvg_claim(t, 1, pages, 2, NULL, 0));
+    OK(kvg_record_write_tokens(t, 1, pages, 2, 0, 32));
+    OK(kvg_publish_prefix(t, 1, key, sizeof key, pages, 2));
+    EXPECT(kvg_attach_prefix(t, 2, key, sizeof key, refs, 1, &n), KVG_STATUS_BUFFER_TOO_SMALL);
+    CHECK(n == 2);
+    OK(kvg_detach_prefix(t, 2, key, sizeof key, NULL));
+    OK(kvg_attach_prefix(t, 2, key, sizeof key, refs, 2, &n));
+    CHECK(n == 2 && refs[0].page == 3 && refs[1].page == 4);
+    OK(kvg_verify_read(t, 2, pages, 2, 32));
+    /* The same bytes but one shorter are another key. */
+    VIOLATES(kvg_attach_prefix(t, 2, key, sizeof key - 1, NULL, 0, NULL), KVG_VIOLATION_KIND_UNKNOWN_PREFIX);
+    /* Another tenant, until tenant 7 allows sharing. */
+    VIOLATES(kvg_attach_prefix(t, 3, key, sizeof key, NULL, 0, NULL), KVG_VIOLATION_KIND_CROSS_TENANT_SHARE);
+    {
+        kvg_violation_info info = last_info();
+        CHECK(info.owner == 1 && info.owner_tenant == 7 && info.tenant == 8 && (info.fields & KVG_FIELD_PREFIX));
+        CHECK(info.operation == KVG_OPERATION_ATTACH);
+    }
+    OK(kvg_allow_cross_tenant_sharing(t, 7, 1));
+    OK(kvg_attach_prefix(t, 3, key, sizeof key, NULL, 0, NULL));
+    OK(kvg_allow_cross_tenant_sharing(t, 7, 0));
+    OK(kvg_detach_prefix(t, 3, key, sizeof key, NULL));
+    VIOLATES(kvg_evict_prefix(t, key, sizeof key, NULL), KVG_VIOLATION_KIND_EVICT_IN_USE);
+    OK(kvg_detach_prefix(t, 1, key, sizeof key, NULL));
+    OK(kvg_detach_prefix(t, 2, key, sizeof key, NULL));
+    memset(&released, 0, sizeof released);
+    released.struct_size = sizeof released;
+    OK(kvg_evict_prefix(t, key, sizeof key, &released));
+    CHECK(released.ended == 2);
+    VIOLATES(kvg_evict_prefix(t, key, sizeof key, NULL), KVG_VIOLATION_KIND_UNKNOWN_PREFIX);
+    /* Evicted keys can be published again. */
+    OK(kvg_claim(t, 1, pages, 2, NULL, 0));
+    OK(kvg_publish_prefix(t, 1, key, sizeof key, pages, 2));
+    kvg_table_free(t);
+}
+
+/* Every violation kind the table raises, through the C calls. */
+static void test_every_violation_kind(void) {
+    kvg_table *t = new_table(KVG_POLICY_ENFORCE, 0);
+    const int32_t p5[1] = {5}, p6[1] = {6}, p7[1] = {7}, p8[1] = {8}, p9[2] = {9, 10};
+    const int32_t zero[1] = {0}, negative[1] = {-1}, beyond[1] = {PAGES};
+    const uint8_t key[] = "prefix";
+
+    VIOLATES(kvg_admit(t, 1, 1, MAX_CONTEXT, 1), KVG_VIOLATION_KIND_EXCEEDS_MAX_CONTEXT);
+    OK(kvg_admit(t, 1, 1, 64, 0));
+    OK(kvg_admit(t, 2, 2, 64, 0));
+    VIOLATES(kvg_verify_read(t, 99, p5, 1, 1), KVG_VIOLATION_KIND_UNKNOWN_REQUEST);
+    /* Refused mutations quarantine their request too (enforce): request 9 takes them. */
+    OK(kvg_admit(t, 9, 9, 64, 0));
+    OK(kvg_claim(t, 1, p5, 1, NULL, 0));
+    VIOLATES(kvg_claim(t, 9, p5, 1, NULL, 0), KVG_VIOLATION_KIND_PAGE_NOT_FREE);
+    VIOLATES(kvg_claim(t, 9, negative, 1, NULL, 0), KVG_VIOLATION_KIND_PAGE_OUT_OF_RANGE);
+    VIOLATES(kvg_claim(t, 9, beyond, 1, NULL, 0), KVG_VIOLATION_KIND_PAGE_OUT_OF_RANGE);
+    VIOLATES(kvg_claim(t, 9, zero, 1, NULL, 0), KVG_VIOLATION_KIND_RESERVED_PAGE);
+    VIOLATES(kvg_record_write(t, 9, -3, 0, 1), KVG_VIOLATION_KIND_PAGE_OUT_OF_RANGE);
+    OK(kvg_claim(t, 9, p8, 1, NULL, 0));
+    VIOLATES(kvg_record_write(t, 9, 8, 0, PS + 1), KVG_VIOLATION_KIND_SLOT_OUT_OF_RANGE);
+    {
+        kvg_request_info req;
+        req.struct_size = sizeof req;
+        OK(kvg_get_request_info(t, 9, &req));
+        CHECK(req.quarantined == 1);
+    }
+    OK(kvg_record_write(t, 1, 5, 0, 8));
+    VIOLATES(kvg_verify_read(t, 1, p5, 1, 9), KVG_VIOLATION_KIND_UNWRITTEN_SLOTS);
+    {
+        kvg_violation_info info = last_info();
+        CHECK(info.page == 5 && info.slot_start == 8 && info.slot_end == 9 && (info.fields & KVG_FIELD_SLOTS));
+        CHECK(info.request == 1 && info.tenant == 1 && info.generation == 1 && info.block_index == 0);
+        CHECK(info.operation == KVG_OPERATION_READ && strstr(info.message, "unwritten_slots") != NULL);
+    }
+    /* Request 1 is now quarantined (enforce): every later read is refused. */
+    VIOLATES(kvg_verify_read(t, 1, p5, 1, 8), KVG_VIOLATION_KIND_QUARANTINED);
+    VIOLATES(kvg_fork(t, 1, 3), KVG_VIOLATION_KIND_QUARANTINED);
+    OK(kvg_release(t, 1, NULL));
+    VIOLATES(kvg_release(t, 1, NULL), KVG_VIOLATION_KIND_DOUBLE_FREE);
+
+    OK(kvg_admit(t, 1, 1, 64, 0));
+    VIOLATES(kvg_admit(t, 1, 1, 64, 0), KVG_VIOLATION_KIND_DUPLICATE_REQUEST);
+    OK(kvg_release(t, 1, NULL)); /* the duplicate quarantined it */
+    OK(kvg_admit(t, 1, 1, 64, 0));
+    OK(kvg_claim(t, 1, p6, 1, NULL, 0));
+    OK(kvg_record_write(t, 1, 6, 0, PS));
+    VIOLATES(kvg_verify_read(t, 2, p6, 1, PS), KVG_VIOLATION_KIND_FOREIGN_PAGE);
+    {
+        kvg_violation_info info = last_info();
+        CHECK(info.owner == 1 && info.owner_tenant == 1 && info.request == 2 && info.tenant == 2);
+    }
+    OK(kvg_release(t, 2, NULL));
+    OK(kvg_admit(t, 2, 2, 64, 0));
+    VIOLATES(kvg_verify_read(t, 2, p7, 1, 1), KVG_VIOLATION_KIND_FREED_PAGE);
+    OK(kvg_release(t, 2, NULL));
+    OK(kvg_admit(t, 2, 2, 64, 0));
+    VIOLATES(kvg_verify_read(t, 1, p6, 1, PS + 1), KVG_VIOLATION_KIND_BLOCK_TABLE_TOO_SHORT);
+    {
+        kvg_violation_info info = last_info();
+        CHECK((info.fields & KVG_FIELD_AMOUNTS) && info.found == PS + 1 && info.limit == PS);
+    }
+    OK(kvg_release(t, 1, NULL));
+
+    /* Stale: a ref to an incarnation that ended, the page the reader's own again. */
+    OK(kvg_admit(t, 1, 1, 64, 0));
+    {
+        kvg_page_ref old[1];
+        OK(kvg_claim(t, 1, p7, 1, old, 1));
+        OK(kvg_release_pages(t, 1, p7, 1, NULL));
+        OK(kvg_claim(t, 1, p7, 1, NULL, 0));
+        OK(kvg_record_write(t, 1, 7, 0, PS));
+        VIOLATES(kvg_check_read_refs(t, 1, old, 1, PS), KVG_VIOLATION_KIND_STALE_PAGE);
+        kvg_violation_info info = last_info();
+        CHECK(info.expected_generation == 1 && info.generation == 2);
+    }
+    VIOLATES(kvg_record_import(t, 1, p7, 1, 10, 12), KVG_VIOLATION_KIND_TOKEN_COUNT_MISMATCH);
+
+    /* Prefix kinds. */
+    OK(kvg_claim(t, 1, p9, 2, NULL, 0));
+    OK(kvg_record_write_tokens(t, 1, p9, 2, 0, 32));
+    OK(kvg_publish_prefix(t, 1, key, sizeof key, p9, 2));
+    VIOLATES(kvg_publish_prefix(t, 1, key, sizeof key, p7, 1), KVG_VIOLATION_KIND_DUPLICATE_PREFIX);
+    OK(kvg_release(t, 1, NULL)); /* the duplicate quarantined it; the prefix stays (it has a key) */
+    OK(kvg_admit(t, 1, 1, 64, 0));
+    OK(kvg_attach_prefix(t, 1, key, sizeof key, NULL, 0, NULL));
+    VIOLATES(kvg_record_write(t, 1, 9, 0, 1), KVG_VIOLATION_KIND_WRITE_TO_SHARED);
+    OK(kvg_release(t, 1, NULL));
+    OK(kvg_admit(t, 1, 1, 64, 0));
+    OK(kvg_attach_prefix(t, 1, key, sizeof key, NULL, 0, NULL));
+    VIOLATES(kvg_release_pages(t, 1, p9, 1, NULL), KVG_VIOLATION_KIND_PAGE_SHARED);
+    VIOLATES(kvg_detach_prefix(t, 2, key, sizeof key, NULL), KVG_VIOLATION_KIND_UNKNOWN_PREFIX);
+
+    /* The counters and the log saw them all; draining hands them out oldest first. */
+    {
+        uint64_t total = 0, foreign = 0;
+        kvg_violation_info info;
+        uint32_t found = 0;
+        size_t drained = 0;
+        OK(kvg_violation_count(t, 0, &total));
+        OK(kvg_violation_count(t, KVG_VIOLATION_KIND_FOREIGN_PAGE, &foreign));
+        /* 22 refusals above; the stale one went through a pure check, which counts nothing. */
+        CHECK(total == 21 && foreign == 1);
+        EXPECT(kvg_violation_count(t, 999, &total), KVG_STATUS_INVALID_ARGUMENT);
+        info.struct_size = sizeof info;
+        OK(kvg_drain_violation(t, &info, &found));
+        CHECK(found == 1 && info.kind == KVG_VIOLATION_KIND_EXCEEDS_MAX_CONTEXT);
+        for (drained = 1; found; drained++) OK(kvg_drain_violation(t, &info, &found));
+        CHECK(drained - 1 == total);
+        info.struct_size = 8;
+        EXPECT(kvg_drain_violation(t, &info, &found), KVG_STATUS_BAD_STRUCT_SIZE);
+        EXPECT(kvg_drain_violation(t, NULL, &found), KVG_STATUS_NULL_POINTER);
+    }
+    kvg_table_free(t);
+}
+
+/* One call per step: a block-table matrix with a row stride, and a slot mapping. */
+static void test_steps(void) {
+    enum { ROWS = 4, STRIDE = 6, BLOCKS = 4 };
+    kvg_table *t = new_table(KVG_POLICY_ENFORCE, 0);
+    uint64_t ids[ROWS] = {1, 2, 3, 4};
+    int32_t matrix[ROWS * STRIDE];
+    int32_t lens[ROWS] = {40, 40, 40, 40};
+    uint8_t refused[ROWS];
+    kvg_page_ref refs[3];
+
+    for (int i = 0; i < ROWS * STRIDE; i++) matrix[i] = -1; /* padding past each row's pages */
+    for (int r = 0; r < ROWS; r++) {
+        OK(kvg_admit(t, ids[r], ids[r], 40, 0));
+        OK(kvg_allocate(t, ids[r], 3, refs, 3));
+        for (int b = 0; b < 3; b++) matrix[r * STRIDE + b] = refs[b].page;
+    }
+    /* The step's writes as a slot mapping: 40 tokens per request, padding at the end. */
+    {
+        int64_t slots[ROWS * 40 + 3];
+        int32_t starts[ROWS + 1];
+        for (int r = 0; r < ROWS; r++) {
+            starts[r] = r * 40;
+            for (int k = 0; k < 40; k++) slots[r * 40 + k] = (int64_t)matrix[r * STRIDE + k / PS] * PS + k % PS;
+        }
+        starts[ROWS] = ROWS * 40;
+        slots[ROWS * 40] = slots[ROWS * 40 + 1] = slots[ROWS * 40 + 2] = -1;
+        /* Request 4 writes into request 3's page: refused alone, nothing of it recorded. */
+        slots[3 * 40 + 5] = (int64_t)matrix[2 * STRIDE] * PS + 5;
+        memset(refused, 0xff, sizeof refused);
+        VIOLATES(kvg_record_step_writes(t, ROWS, ids, slots, ROWS * 40 + 3, starts, refused),
+                 KVG_VIOLATION_KIND_FOREIGN_PAGE);
+        CHECK(refused[0] == 0 && refused[1] == 0 && refused[2] == 0 && refused[3] == 1);
+        CHECK(kvg_last_violation_count() == 1);
+        {
+            kvg_violation_info info = last_info();
+            CHECK((info.fields & KVG_FIELD_ROW) && info.row == 3 && info.request == 4);
+        }
+        /* Malformed boundaries are refused before anything is recorded. */
+        starts[2] = starts[1] - 1;
+        EXPECT(kvg_record_step_writes(t, ROWS, ids, slots, ROWS * 40 + 3, starts, NULL), KVG_STATUS_INVALID_ARGUMENT);
+        starts[2] = 2 * 40;
+        starts[ROWS] = ROWS * 40 + 100;
+        EXPECT(kvg_record_step_writes(t, ROWS, ids, slots, ROWS * 40 + 3, starts, NULL), KVG_STATUS_INVALID_ARGUMENT);
+        starts[ROWS] = ROWS * 40;
+        starts[0] = -1;
+        EXPECT(kvg_record_step_writes(t, ROWS, ids, slots, ROWS * 40 + 3, starts, NULL), KVG_STATUS_INVALID_ARGUMENT);
+        starts[0] = 0;
+        /* Request 4 is quarantined now; release it and bring it back with its own writes. */
+        OK(kvg_release(t, 4, NULL));
+        OK(kvg_admit(t, 4, 4, 40, 0));
+        OK(kvg_allocate(t, 4, 3, refs, 3));
+        for (int b = 0; b < 3; b++) matrix[3 * STRIDE + b] = refs[b].page;
+        OK(kvg_record_write_tokens(t, 4, &matrix[3 * STRIDE], 3, 0, 40));
+    }
+    memset(refused, 0xff, sizeof refused);
+    OK(kvg_verify_step(t, ROWS, ids, matrix, STRIDE, BLOCKS, lens, refused));
+    CHECK(refused[0] == 0 && refused[3] == 0);
+    OK(kvg_check_step(t, ROWS, ids, matrix, STRIDE, BLOCKS, lens, NULL));
+
+    /* Row 1 points at row 0's page, row 2 at a negative page (never wrapped onto a real one). */
+    {
+        int32_t saved1 = matrix[1 * STRIDE + 1], saved2 = matrix[2 * STRIDE];
+        uint64_t before = 0, after = 0;
+        matrix[1 * STRIDE + 1] = matrix[0];
+        matrix[2 * STRIDE] = -2;
+        OK(kvg_violation_count(t, 0, &before));
+        EXPECT(kvg_check_step(t, ROWS, ids, matrix, STRIDE, BLOCKS, lens, refused), KVG_STATUS_VIOLATION);
+        OK(kvg_violation_count(t, 0, &after));
+        CHECK(after == before); /* pure */
+        EXPECT(kvg_verify_step(t, ROWS, ids, matrix, STRIDE, BLOCKS, lens, refused), KVG_STATUS_VIOLATION);
+        CHECK(refused[0] == 0 && refused[1] == 1 && refused[2] == 1 && refused[3] == 0);
+        CHECK(kvg_last_violation_count() == 2);
+        CHECK(strstr(kvg_last_error_message(), "2 of 4 rows refused") != NULL);
+        CHECK(last_kind(0) == KVG_VIOLATION_KIND_FOREIGN_PAGE && last_kind(1) == KVG_VIOLATION_KIND_PAGE_OUT_OF_RANGE);
+        {
+            kvg_violation_info info;
+            info.struct_size = sizeof info;
+            OK(kvg_last_violation(1, &info));
+            CHECK(info.row == 2 && info.block_index == 0 && info.page == (uint32_t)-2);
+            /* Reading a violation leaves the thread's last error as it was. */
+            CHECK(kvg_last_violation_count() == 2 && kvg_last_status() == KVG_STATUS_VIOLATION);
+            info.struct_size = 4;
+            EXPECT(kvg_last_violation(0, &info), KVG_STATUS_BAD_STRUCT_SIZE);
+        }
+        EXPECT(kvg_last_violation(2, NULL), KVG_STATUS_INVALID_ARGUMENT);
+        OK(kvg_violation_count(t, 0, &after));
+        CHECK(after == before + 2);
+        matrix[1 * STRIDE + 1] = saved1;
+        matrix[2 * STRIDE] = saved2;
+    }
+    /* Bad shapes: a stride below the row length, a negative token count. */
+    EXPECT(kvg_verify_step(t, ROWS, ids, matrix, 2, BLOCKS, lens, NULL), KVG_STATUS_INVALID_ARGUMENT);
+    lens[2] = -1;
+    EXPECT(kvg_verify_step(t, ROWS, ids, matrix, STRIDE, BLOCKS, lens, NULL), KVG_STATUS_INVALID_ARGUMENT);
+    lens[2] = 40;
+    /* More tokens than the row's blocks: block_table_too_short. */
+    lens[0] = BLOCKS * PS + 1;
+    EXPECT(kvg_check_step(t, ROWS, ids, matrix, STRIDE, BLOCKS, lens, refused), KVG_STATUS_VIOLATION);
+    CHECK(last_kind(0) == KVG_VIOLATION_KIND_BLOCK_TABLE_TOO_SHORT && refused[0] == 1);
+    kvg_table_free(t);
+}
+
+/* Report policy: reads that violate are counted and let through. */
+static void test_report_policy(void) {
+    kvg_table *t = new_table(KVG_POLICY_REPORT, 0);
+    const int32_t p3[1] = {3};
+    uint64_t n = 0;
+    kvg_request_info req;
+    OK(kvg_admit(t, 1, 1, 16, 0));
+    OK(kvg_admit(t, 2, 2, 16, 0));
+    OK(kvg_claim(t, 1, p3, 1, NULL, 0));
+    OK(kvg_record_write(t, 1, 3, 0, PS));
+    OK(kvg_verify_read(t, 2, p3, 1, PS));
+    OK(kvg_violation_count(t, KVG_VIOLATION_KIND_FOREIGN_PAGE, &n));
+    CHECK(n == 1);
+    req.struct_size = sizeof req;
+    OK(kvg_get_request_info(t, 2, &req));
+    CHECK(req.quarantined == 0);
+    kvg_table_free(t);
+}
+
+int main(void) {
+    test_names_and_version();
+    test_config_and_sizes();
+    test_null_table_and_pointers();
+    test_allocator_mode();
+    test_shadow_mode_and_scrub();
+    test_prefixes();
+    test_every_violation_kind();
+    test_steps();
+    test_report_policy();
+    printf("%d passed, %d failed\n", passed, failed);
+    return failed == 0 ? 0 : 1;
+}
