@@ -240,6 +240,10 @@ KVG_FN void kvg_store_kv(const T *__restrict__ key, const T *__restrict__ value,
             key_cache[dst + i] = key[src + i];
             value_cache[dst + i] = value[src + i];
         }
+        // The canary vouches for the KV: it becomes visible only after every thread's K/V
+        // writes did (fence each, then the barrier; the branch above is uniform per block).
+        __threadfence();
+        __syncthreads();
         if (threadIdx.x == 0 && canaries != nullptr) {
             kvg_stamp_canary(canaries, page_size, static_cast<uint32_t>(page), in_page, writer.request,
                              found.generation);
@@ -359,68 +363,161 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // ---------------------------------------------------------------------------------------------
-// 6. Reference paged decode attention (f32, vLLM layout, GQA), with and without the fused check.
+// 6. Paged decode attention (vLLM layout, GQA, split over the KV length), with and without the
+// fused check: the baseline engines actually run, and the check fused into it.
 // ---------------------------------------------------------------------------------------------
 
 #define KVG_ATTN_WARPS 4u
+#define KVG_ATTN_THREADS (KVG_ATTN_WARPS * KVG_WARP)
 #define KVG_ATTN_MAX_DIM 256u
-#define KVG_ATTN_PER_LANE (KVG_ATTN_MAX_DIM / KVG_WARP)
+#define KVG_ATTN_MAX_GROUP 4u // query heads per block (`AttentionShape::HEADS_PER_BLOCK`)
+#define KVG_ATTN_MAX_VEC 8u   // 16-byte loads per lane per K row: at most 128 bytes
+#define KVG_ATTN_MAX_DPL (KVG_ATTN_MAX_DIM / KVG_WARP)
+#define KVG_ATTN_NEG (-3.402823466e38f)
 
-// One block (4 warps) per (head, sequence); warp w reads pages w, w+4, ... with an online
-// softmax, and the warps are merged at the end. `head_dim` is a multiple of 32, at most 256.
-// Caches are `[num_pages][page_size][num_kv_heads][head_dim]`; q and out `[num_seqs][num_heads][head_dim]`.
+KVG_FN float kvg_bits_to_float(uint32_t u) {
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+    return __uint_as_float(u);
+#else
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+// Element `i` of a 16-byte vector of `T` (float: 4, bfloat16 bits: 8) as a float.
+template <typename T> struct kvg_kv;
+template <> struct kvg_kv<float> {
+    static constexpr uint32_t per_vec = 4;
+    KVG_FN static float get(const uint4 &v, uint32_t i) {
+        const uint32_t w = i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+        return kvg_bits_to_float(w);
+    }
+    KVG_FN static float one(float x) { return x; }
+};
+template <> struct kvg_kv<uint16_t> {
+    static constexpr uint32_t per_vec = 8;
+    KVG_FN static float get(const uint4 &v, uint32_t i) {
+        const uint32_t h = i >> 1;
+        const uint32_t w = h == 0 ? v.x : h == 1 ? v.y : h == 2 ? v.z : v.w;
+        return kvg_bits_to_float((i & 1u) ? (w & 0xffff0000u) : (w << 16));
+    }
+    KVG_FN static float one(uint16_t x) { return kvg_bits_to_float(static_cast<uint32_t>(x) << 16); }
+};
+
+// One block per (split, head block, sequence): a head block is up to 4 query heads of one KV
+// head, so each K/V row is read once for all of them; a split is a contiguous share of the
+// sequence's pages. The 4 warps take the split's pages in turn. Per page, a warp reads K with
+// 16-byte loads, `L` lanes per token (each lane at most 128 bytes of the row), scores every
+// head, keeps an online softmax per head, and reads V with one row per warp load (each lane
+// `head_dim / 32` contiguous elements). The warps merge in shared memory; with several splits,
+// each block leaves its partial (max, sum, output) in `workspace` and the last block of a
+// (sequence, head block) to finish merges them and writes the output, then zeroes its counter.
 //
-// CHECK: every page is checked before it is read (tag, then the canaries of the slots read).
-// Violations are reported once per page (from head 0) and flag the sequence. `fail_closed` 0 is
-// report mode: the output is what the unchecked kernel computes. `fail_closed` 1 writes zeros for
-// a sequence with any violation (or already flagged in `seq_status` by the standalone verify), so
-// leaked KV never reaches sampling. Pages out of range are never read in either mode.
-template <bool CHECK>
-KVG_FN void kvg_decode_attention(const float *__restrict__ q, const float *__restrict__ key_cache,
-                                 const float *__restrict__ value_cache, const int32_t *__restrict__ block_table,
+// Caches are `[num_pages][page_size][num_kv_heads][head_dim]` of `T`; q and out
+// `[num_seqs][num_heads][head_dim]` f32; `head_dim` a multiple of 32, at most 256. `workspace`
+// (read only when `splits > 1`): `AttentionShape::workspace_len(splits)` words, zeroed.
+//
+// CHECK: every page's tag is checked before its K/V are used, and with canaries each slot's;
+// the next page's id, tag and canaries are loaded while this page's K/V are read, so the check
+// adds no dependent load to the loop. Violations are reported once per page (by the first head
+// block, lane 0, out of line) and flag the sequence. `fail_closed` 0 is report mode: the output
+// is what the unchecked kernel computes. `fail_closed` 1 writes zeros for a sequence with any
+// violation (or already flagged in `seq_status` by the standalone verify), so leaked KV never
+// reaches sampling. Pages out of range are never read in either mode.
+template <bool CHECK, typename T>
+KVG_FN void kvg_decode_attention(const float *__restrict__ q, const T *__restrict__ key_cache,
+                                 const T *__restrict__ value_cache, const int32_t *__restrict__ block_table,
                                  uint32_t max_blocks, const int32_t *__restrict__ seq_lens, uint32_t num_seqs,
                                  uint32_t num_heads, uint32_t num_kv_heads, uint32_t head_dim, uint32_t page_size,
-                                 float scale, float *__restrict__ out, const kvg_tag *__restrict__ tags,
-                                 uint32_t num_pages, const kvg_reader *__restrict__ readers,
-                                 const uint32_t *__restrict__ canaries, uint32_t *seq_status, kvg_ring *ring,
-                                 uint32_t fail_closed) {
-    __shared__ float warp_m[KVG_ATTN_WARPS];
-    __shared__ float warp_l[KVG_ATTN_WARPS];
-    __shared__ float warp_acc[KVG_ATTN_WARPS][KVG_ATTN_MAX_DIM];
-    __shared__ uint32_t warp_bad[KVG_ATTN_WARPS];
+                                 float scale, float *__restrict__ out, float *workspace, uint32_t splits,
+                                 const kvg_tag *__restrict__ tags, uint32_t num_pages,
+                                 const kvg_reader *__restrict__ readers, const uint32_t *__restrict__ canaries,
+                                 uint32_t *seq_status, kvg_ring *ring, uint32_t fail_closed) {
+    __shared__ float q_s[KVG_ATTN_MAX_GROUP][KVG_ATTN_MAX_DIM];
+    __shared__ float p_s[KVG_ATTN_WARPS][KVG_ATTN_MAX_GROUP][KVG_WARP];
+    __shared__ float warp_m[KVG_ATTN_WARPS][KVG_ATTN_MAX_GROUP];
+    __shared__ float warp_l[KVG_ATTN_WARPS][KVG_ATTN_MAX_GROUP];
+    __shared__ float warp_acc[KVG_ATTN_WARPS][KVG_ATTN_MAX_GROUP][KVG_ATTN_MAX_DIM];
+    __shared__ uint32_t block_bad, block_last;
+    typedef kvg_kv<T> kv;
     const uint32_t lane = threadIdx.x % KVG_WARP, warp = threadIdx.x / KVG_WARP;
-    const uint32_t per_lane = head_dim / KVG_WARP;
-    for (uint32_t s = blockIdx.y; s < num_seqs; s += gridDim.y) {
-        for (uint32_t h = blockIdx.x; h < num_heads; h += gridDim.x) {
-            const uint32_t kvh = h / (num_heads / num_kv_heads);
+    const uint32_t group = num_heads / num_kv_heads;
+    const uint32_t blocks_per_kv = (group + KVG_ATTN_MAX_GROUP - 1) / KVG_ATTN_MAX_GROUP;
+    const uint32_t head_blocks = num_kv_heads * blocks_per_kv;
+    // K: L lanes per token, nvec 16-byte loads each; V: dpl elements per lane.
+    const uint32_t row_bytes = head_dim * static_cast<uint32_t>(sizeof(T));
+    uint32_t lanes_per_token = 1;
+    while (row_bytes / lanes_per_token > 16 * KVG_ATTN_MAX_VEC) lanes_per_token *= 2;
+    const uint32_t nvec = row_bytes / lanes_per_token / 16;
+    const uint32_t per_lane = nvec * kv::per_vec;
+    const uint32_t tokens_per_pass = KVG_WARP / lanes_per_token;
+    const uint32_t tl = lane / lanes_per_token, sub = lane % lanes_per_token;
+    const uint32_t dpl = head_dim / KVG_WARP;
+    const uint32_t counters = (num_seqs * head_blocks + 3u) & ~3u;
+    for (uint32_t s = blockIdx.z; s < num_seqs; s += gridDim.z) {
+        for (uint32_t hb = blockIdx.y; hb < head_blocks; hb += gridDim.y) {
+            const uint32_t split = blockIdx.x;
+            const uint32_t kvh = hb / blocks_per_kv;
+            const uint32_t h0 = kvh * group + (hb % blocks_per_kv) * KVG_ATTN_MAX_GROUP;
+            const uint32_t rest_heads = group - (hb % blocks_per_kv) * KVG_ATTN_MAX_GROUP;
+            const uint32_t nh = rest_heads < KVG_ATTN_MAX_GROUP ? rest_heads : KVG_ATTN_MAX_GROUP;
             const int32_t len_signed = seq_lens[s];
             const uint32_t len = len_signed > 0 ? static_cast<uint32_t>(len_signed) : 0u;
             const uint32_t blocks = (len + page_size - 1) / page_size;
-            float qv[KVG_ATTN_PER_LANE], acc[KVG_ATTN_PER_LANE];
-#pragma unroll
-            for (uint32_t e = 0; e < KVG_ATTN_PER_LANE; e++) {
-                qv[e] = e < per_lane ? q[(static_cast<uint64_t>(s) * num_heads + h) * head_dim + e * KVG_WARP + lane]
-                                     : 0.0f;
-                acc[e] = 0.0f;
-            }
-            float m = -3.402823466e38f, l = 0.0f;
-            uint32_t bad = 0;
+            const bool too_short = blocks > max_blocks;
+            const uint32_t per_split = (blocks + splits - 1) / splits;
+            const uint32_t j0 = too_short ? 0 : split * per_split;
+            const uint32_t j_end = too_short ? 0 : (j0 + per_split < blocks ? j0 + per_split : blocks);
             kvg_reader reader = {0, 0};
             if (CHECK) reader = readers[s];
-            const bool reporter = CHECK && h == 0 && lane == 0;
-            if (reporter && warp == 0 && blocks > max_blocks) {
+            if (threadIdx.x == 0) block_bad = 0;
+            for (uint32_t i = threadIdx.x; i < nh * head_dim; i += blockDim.x) {
+                const uint32_t g = i / head_dim, d = i % head_dim;
+                q_s[g][d] = q[(static_cast<uint64_t>(s) * num_heads + h0 + g) * head_dim + d] * scale;
+            }
+            if (CHECK && too_short && split == 0 && hb == 0 && threadIdx.x == 0) {
                 const kvg_tag none = {0, 0, 0, 0, 0, 0};
                 kvg_flag(seq_status, s, KVG_KIND_BLOCK_TABLE_TOO_SHORT);
                 kvg_report(ring, KVG_KIND_BLOCK_TABLE_TOO_SHORT, KVG_OP_READ, s, max_blocks, -1, len,
                            max_blocks * page_size, 0, reader, none);
             }
-            for (uint32_t j = warp; j < blocks && (blocks <= max_blocks); j += KVG_ATTN_WARPS) {
-                const int32_t page = block_table[static_cast<uint64_t>(s) * max_blocks + j];
+            __syncthreads();
+            float m[KVG_ATTN_MAX_GROUP], l[KVG_ATTN_MAX_GROUP], acc[KVG_ATTN_MAX_GROUP][KVG_ATTN_MAX_DPL];
+#pragma unroll
+            for (uint32_t g = 0; g < KVG_ATTN_MAX_GROUP; g++) {
+                m[g] = KVG_ATTN_NEG;
+                l[g] = 0.0f;
+#pragma unroll
+                for (uint32_t e = 0; e < KVG_ATTN_MAX_DPL; e++) acc[g][e] = 0.0f;
+            }
+            const int32_t *row = block_table + static_cast<uint64_t>(s) * max_blocks;
+            // Prefetched for the next page: its id, and with the check its tag and first canaries.
+            uint32_t j = j0 + warp;
+            int32_t next_page = j < j_end ? row[j] : -1;
+            kvg_tag next_tag = {0, 0, 0, 0, 0, 0};
+            uint32_t next_canary = 0;
+            if (CHECK && j < j_end) {
+                next_tag = kvg_load_tag(tags, num_pages, next_page);
+                if (canaries != nullptr && kvg_page_in_range(next_page, num_pages) && lane < page_size)
+                    next_canary = canaries[static_cast<uint64_t>(next_page) * page_size + lane];
+            }
+            for (; j < j_end; j += KVG_ATTN_WARPS) {
+                const int32_t page = next_page;
+                const kvg_tag found = next_tag;
+                const uint32_t my_canary = next_canary;
+                const uint32_t jn = j + KVG_ATTN_WARPS;
+                next_page = jn < j_end ? row[jn] : -1;
+                if (CHECK && jn < j_end) {
+                    next_tag = kvg_load_tag(tags, num_pages, next_page);
+                    if (canaries != nullptr && kvg_page_in_range(next_page, num_pages) && lane < page_size)
+                        next_canary = canaries[static_cast<uint64_t>(next_page) * page_size + lane];
+                }
                 const uint32_t rest = len - j * page_size;
                 const uint32_t need = rest < page_size ? rest : page_size;
                 if (CHECK) {
-                    kvg_tag found;
-                    uint32_t kind = kvg_check_page(tags, num_pages, page, reader, 0, need, &found);
+                    const bool in_range = kvg_page_in_range(page, num_pages);
+                    uint32_t kind = kvg_check_tag(found, in_range, reader, 0, need);
                     uint32_t a = 0, b = 0;
                     if (kind == KVG_KIND_UNWRITTEN_SLOTS) {
                         a = found.written;
@@ -429,8 +526,9 @@ KVG_FN void kvg_decode_attention(const float *__restrict__ q, const float *__res
                         const uint64_t ph = kvg_canary_page(found.owner, found.generation, static_cast<uint32_t>(page));
                         uint32_t first_bad = need;
                         for (uint32_t t = lane; t < need; t += KVG_WARP) {
-                            if (!kvg_canary_ok(canaries, page_size, static_cast<uint32_t>(page), t, ph) && t < first_bad)
-                                first_bad = t;
+                            const uint32_t c = t == lane ? my_canary
+                                                         : canaries[static_cast<uint64_t>(page) * page_size + t];
+                            if (c != kvg_canary_slot(ph, t) && t < first_bad) first_bad = t;
                         }
                         first_bad = kvg_warp_min(first_bad);
                         if (first_bad < need) {
@@ -440,85 +538,221 @@ KVG_FN void kvg_decode_attention(const float *__restrict__ q, const float *__res
                         }
                     }
                     if (kind != KVG_OK) {
-                        bad = 1;
-                        if (reporter) {
+                        if (lane == 0) {
+                            block_bad = 1;
                             kvg_flag(seq_status, s, kind);
-                            kvg_report(ring, kind, KVG_OP_READ, s, j, page, a, b, 0, reader, found);
+                            if (hb == 0) kvg_report(ring, kind, KVG_OP_READ, s, j, page, a, b, 0, reader, found);
                         }
-                        if (kind == KVG_KIND_PAGE_OUT_OF_RANGE || fail_closed) continue;
+                        if (!in_range || fail_closed) continue;
                     }
                 } else if (page < 0) {
                     continue;
                 }
-                for (uint32_t t = 0; t < need; t++) {
-                    const uint64_t row = ((static_cast<uint64_t>(page) * page_size + t) * num_kv_heads + kvh) * head_dim;
-                    float dot = 0.0f;
+                const uint64_t page_row = static_cast<uint64_t>(page) * page_size;
+                for (uint32_t t0 = 0; t0 < need; t0 += tokens_per_pass) {
+                    const uint32_t t = t0 + tl;
+                    const bool valid = t < need;
+                    // K: this lane's share of token t's row, 16 bytes per load.
+                    uint4 k[KVG_ATTN_MAX_VEC];
+                    const uint4 *krow = reinterpret_cast<const uint4 *>(
+                        key_cache + ((page_row + (valid ? t : 0)) * num_kv_heads + kvh) * head_dim + sub * per_lane);
 #pragma unroll
-                    for (uint32_t e = 0; e < KVG_ATTN_PER_LANE; e++) {
-                        if (e < per_lane) dot += qv[e] * key_cache[row + e * KVG_WARP + lane];
+                    for (uint32_t v = 0; v < KVG_ATTN_MAX_VEC; v++) {
+                        if (v < nvec && valid) k[v] = krow[v];
+                        else k[v] = make_uint4(0, 0, 0, 0);
                     }
-                    const float score = kvg_warp_sum(dot) * scale;
-                    const float m_new = score > m ? score : m;
-                    const float correction = expf(m - m_new);
-                    const float p = expf(score - m_new);
-                    l = l * correction + p;
+                    float sc[KVG_ATTN_MAX_GROUP];
 #pragma unroll
-                    for (uint32_t e = 0; e < KVG_ATTN_PER_LANE; e++) {
-                        if (e < per_lane) acc[e] = acc[e] * correction + p * value_cache[row + e * KVG_WARP + lane];
+                    for (uint32_t g = 0; g < KVG_ATTN_MAX_GROUP; g++) {
+                        float dot = 0.0f;
+                        if (g < nh) {
+                            const float *qg = &q_s[g][sub * per_lane];
+#pragma unroll
+                            for (uint32_t v = 0; v < KVG_ATTN_MAX_VEC; v++) {
+                                if (v < nvec) {
+#pragma unroll
+                                    for (uint32_t e = 0; e < kv::per_vec; e++)
+                                        dot += qg[v * kv::per_vec + e] * kv::get(k[v], e);
+                                }
+                            }
+                        }
+                        for (uint32_t o = lanes_per_token / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+                        sc[g] = valid ? dot : KVG_ATTN_NEG;
                     }
-                    m = m_new;
+                    // Online softmax per head over this pass's tokens: the warp's max, then p.
+#pragma unroll
+                    for (uint32_t g = 0; g < KVG_ATTN_MAX_GROUP; g++) {
+                        if (g >= nh) continue;
+                        float top = sc[g];
+                        for (uint32_t o = KVG_WARP / 2; o >= lanes_per_token && o > 0; o >>= 1) {
+                            const float other = __shfl_xor_sync(0xffffffffu, top, o);
+                            top = other > top ? other : top;
+                        }
+                        const float m_new = top > m[g] ? top : m[g];
+                        const float correction = expf(m[g] - m_new);
+                        m[g] = m_new;
+                        l[g] *= correction;
+#pragma unroll
+                        for (uint32_t e = 0; e < KVG_ATTN_MAX_DPL; e++) acc[g][e] *= correction;
+                        if (sub == 0) p_s[warp][g][tl] = valid ? expf(sc[g] - m_new) : 0.0f;
+                    }
+                    __syncwarp();
+                    // V: one row per warp load, each lane `dpl` contiguous elements.
+                    const uint32_t pass = need - t0 < tokens_per_pass ? need - t0 : tokens_per_pass;
+#pragma unroll 4
+                    for (uint32_t u = 0; u < pass; u++) {
+                        const T *vrow = value_cache + ((page_row + t0 + u) * num_kv_heads + kvh) * head_dim + lane * dpl;
+                        float v[KVG_ATTN_MAX_DPL];
+                        const uint32_t vbytes = dpl * static_cast<uint32_t>(sizeof(T));
+                        if (vbytes % 16 == 0) {
+#pragma unroll
+                            for (uint32_t w = 0; w < KVG_ATTN_MAX_DPL * sizeof(T) / 16; w++) {
+                                if (w * 16 < vbytes) {
+                                    const uint4 x = reinterpret_cast<const uint4 *>(vrow)[w];
+#pragma unroll
+                                    for (uint32_t e = 0; e < kv::per_vec; e++) {
+                                        const uint32_t at = w * kv::per_vec + e;
+                                        if (at < KVG_ATTN_MAX_DPL) v[at] = kv::get(x, e);
+                                    }
+                                }
+                            }
+                        } else if (vbytes % 8 == 0) {
+#pragma unroll
+                            for (uint32_t w = 0; w < KVG_ATTN_MAX_DPL * sizeof(T) / 8; w++) {
+                                if (w * 8 < vbytes) {
+                                    const uint2 x2 = reinterpret_cast<const uint2 *>(vrow)[w];
+                                    const uint4 x = make_uint4(x2.x, x2.y, 0, 0);
+#pragma unroll
+                                    for (uint32_t e = 0; e < kv::per_vec / 2; e++) {
+                                        const uint32_t at = w * (kv::per_vec / 2) + e;
+                                        if (at < KVG_ATTN_MAX_DPL) v[at] = kv::get(x, e);
+                                    }
+                                }
+                            }
+                        } else {
+#pragma unroll
+                            for (uint32_t e = 0; e < KVG_ATTN_MAX_DPL; e++) {
+                                if (e < dpl) v[e] = kv::one(vrow[e]);
+                            }
+                        }
+#pragma unroll
+                        for (uint32_t g = 0; g < KVG_ATTN_MAX_GROUP; g++) {
+                            if (g >= nh) continue;
+                            const float p = p_s[warp][g][u];
+                            l[g] += p;
+#pragma unroll
+                            for (uint32_t e = 0; e < KVG_ATTN_MAX_DPL; e++) {
+                                if (e < dpl) acc[g][e] += p * v[e];
+                            }
+                        }
+                    }
+                    __syncwarp();
                 }
             }
-            if (lane == 0) {
-                warp_m[warp] = m;
-                warp_l[warp] = l;
-                warp_bad[warp] = bad;
-            }
+            // Merge the warps.
 #pragma unroll
-            for (uint32_t e = 0; e < KVG_ATTN_PER_LANE; e++) {
-                if (e < per_lane) warp_acc[warp][e * KVG_WARP + lane] = acc[e];
+            for (uint32_t g = 0; g < KVG_ATTN_MAX_GROUP; g++) {
+                if (g >= nh) continue;
+                if (lane == 0) {
+                    warp_m[warp][g] = m[g];
+                    warp_l[warp][g] = l[g];
+                }
+#pragma unroll
+                for (uint32_t e = 0; e < KVG_ATTN_MAX_DPL; e++) {
+                    if (e < dpl) warp_acc[warp][g][lane * dpl + e] = acc[g][e];
+                }
             }
             __syncthreads();
-            bool zero = blocks > max_blocks;
-            if (CHECK && fail_closed) {
-                for (uint32_t w = 0; w < KVG_ATTN_WARPS; w++) zero = zero || warp_bad[w] != 0;
-                zero = zero || (seq_status != nullptr && seq_status[s] != 0);
-            }
-            float big = -3.402823466e38f;
-            for (uint32_t w = 0; w < KVG_ATTN_WARPS; w++) big = warp_m[w] > big ? warp_m[w] : big;
-            float total = 0.0f;
-            for (uint32_t w = 0; w < KVG_ATTN_WARPS; w++) total += warp_l[w] * expf(warp_m[w] - big);
-            for (uint32_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
-                float o = 0.0f;
-                if (!zero && total > 0.0f) {
-                    for (uint32_t w = 0; w < KVG_ATTN_WARPS; w++) o += warp_acc[w][d] * expf(warp_m[w] - big);
-                    o /= total;
+            float *parts = workspace + counters;
+            const uint32_t stride = head_dim + 2;
+            bool zero = too_short;
+            if (CHECK && fail_closed)
+                zero = zero || block_bad != 0 || reinterpret_cast<volatile uint32_t *>(seq_status)[s] != 0;
+            for (uint32_t i = threadIdx.x; i < nh * head_dim; i += blockDim.x) {
+                const uint32_t g = i / head_dim, d = i % head_dim;
+                float big = KVG_ATTN_NEG;
+                for (uint32_t w = 0; w < KVG_ATTN_WARPS; w++) big = warp_m[w][g] > big ? warp_m[w][g] : big;
+                float total = 0.0f, o = 0.0f;
+                for (uint32_t w = 0; w < KVG_ATTN_WARPS; w++) {
+                    const float f = expf(warp_m[w][g] - big);
+                    total += warp_l[w][g] * f;
+                    o += warp_acc[w][g][d] * f;
                 }
-                out[(static_cast<uint64_t>(s) * num_heads + h) * head_dim + d] = o;
+                const uint64_t head = static_cast<uint64_t>(s) * num_heads + h0 + g;
+                if (splits == 1) {
+                    out[head * head_dim + d] = !zero && total > 0.0f ? o / total : 0.0f;
+                } else {
+                    float *part = parts + (head * splits + split) * stride;
+                    if (d == 0) {
+                        part[0] = big;
+                        part[1] = total;
+                    }
+                    part[2 + d] = o;
+                }
+            }
+            if (splits > 1) {
+                // The last block of (s, hb) to finish merges the splits' partials.
+                __threadfence();
+                __syncthreads();
+                uint32_t *counter = reinterpret_cast<uint32_t *>(workspace) + s * head_blocks + hb;
+                if (threadIdx.x == 0) block_last = atomicAdd(counter, 1u) == splits - 1 ? 1u : 0u;
+                __syncthreads();
+                if (block_last) {
+                    __threadfence();
+                    if (CHECK && fail_closed) zero = zero || reinterpret_cast<volatile uint32_t *>(seq_status)[s] != 0;
+                    const volatile float *vparts = parts;
+                    for (uint32_t i = threadIdx.x; i < nh * head_dim; i += blockDim.x) {
+                        const uint32_t g = i / head_dim, d = i % head_dim;
+                        const uint64_t head = static_cast<uint64_t>(s) * num_heads + h0 + g;
+                        const volatile float *first = vparts + head * splits * stride;
+                        float big = KVG_ATTN_NEG;
+                        for (uint32_t x = 0; x < splits; x++) big = first[x * stride] > big ? first[x * stride] : big;
+                        float total = 0.0f, o = 0.0f;
+                        for (uint32_t x = 0; x < splits; x++) {
+                            const float f = expf(first[x * stride] - big);
+                            total += first[x * stride + 1] * f;
+                            o += first[x * stride + 2 + d] * f;
+                        }
+                        out[head * head_dim + d] = !zero && total > 0.0f ? o / total : 0.0f;
+                    }
+                    if (threadIdx.x == 0) *counter = 0;
+                }
             }
             __syncthreads();
         }
     }
 }
 
-#define KVG_ATTN_ARGS                                                                                                  \
-    const float *__restrict__ q, const float *__restrict__ key_cache, const float *__restrict__ value_cache,         \
+#define KVG_ATTN_ARGS(T)                                                                                               \
+    const float *__restrict__ q, const T *__restrict__ key_cache, const T *__restrict__ value_cache,                 \
         const int32_t *__restrict__ block_table, uint32_t max_blocks, const int32_t *__restrict__ seq_lens,          \
         uint32_t num_seqs, uint32_t num_heads, uint32_t num_kv_heads, uint32_t head_dim, uint32_t page_size,         \
-        float scale, float *__restrict__ out
+        float scale, float *__restrict__ out, float *workspace, uint32_t splits
 #define KVG_ATTN_PASS                                                                                                  \
     q, key_cache, value_cache, block_table, max_blocks, seq_lens, num_seqs, num_heads, num_kv_heads, head_dim,       \
-        page_size, scale, out
+        page_size, scale, out, workspace, splits
+#define KVG_ATTN_CHECK_ARGS                                                                                            \
+    const kvg_tag *__restrict__ tags, uint32_t num_pages, const kvg_reader *__restrict__ readers,                    \
+        const uint32_t *__restrict__ canaries, uint32_t *seq_status, kvg_ring *ring, uint32_t fail_closed
+#define KVG_ATTN_CHECK_PASS tags, num_pages, readers, canaries, seq_status, ring, fail_closed
 
-// Unchecked reference. Launch: grid (num_heads, num_seqs), 128 threads.
-extern "C" __global__ void __launch_bounds__(128) kvg_decode_attention_unchecked(KVG_ATTN_ARGS) {
-    kvg_decode_attention<false>(KVG_ATTN_PASS, nullptr, 0, nullptr, nullptr, nullptr, nullptr, 0);
+// Launch (all four): grid (splits, head blocks, num_seqs), 128 threads; see kvg_decode_attention.
+extern "C" __global__ void __launch_bounds__(KVG_ATTN_THREADS, 3) kvg_decode_attention_unchecked(KVG_ATTN_ARGS(float)) {
+    kvg_decode_attention<false, float>(KVG_ATTN_PASS, nullptr, 0, nullptr, nullptr, nullptr, nullptr, 0);
 }
 
-// With the fused per-page check. Launch: grid (num_heads, num_seqs), 128 threads.
-extern "C" __global__ void __launch_bounds__(128)
-    kvg_decode_attention_checked(KVG_ATTN_ARGS, const kvg_tag *__restrict__ tags, uint32_t num_pages,
-                                 const kvg_reader *__restrict__ readers, const uint32_t *__restrict__ canaries,
-                                 uint32_t *seq_status, kvg_ring *ring, uint32_t fail_closed) {
-    kvg_decode_attention<true>(KVG_ATTN_PASS, tags, num_pages, readers, canaries, seq_status, ring, fail_closed);
+extern "C" __global__ void __launch_bounds__(KVG_ATTN_THREADS, 3)
+    kvg_decode_attention_checked(KVG_ATTN_ARGS(float), KVG_ATTN_CHECK_ARGS) {
+    kvg_decode_attention<true, float>(KVG_ATTN_PASS, KVG_ATTN_CHECK_PASS);
+}
+
+// bfloat16 K/V caches (the bits, as uint16_t).
+extern "C" __global__ void __launch_bounds__(KVG_ATTN_THREADS, 3)
+    kvg_decode_attention_unchecked_bf16(KVG_ATTN_ARGS(uint16_t)) {
+    kvg_decode_attention<false, uint16_t>(KVG_ATTN_PASS, nullptr, 0, nullptr, nullptr, nullptr, nullptr, 0);
+}
+
+extern "C" __global__ void __launch_bounds__(KVG_ATTN_THREADS, 3)
+    kvg_decode_attention_checked_bf16(KVG_ATTN_ARGS(uint16_t), KVG_ATTN_CHECK_ARGS) {
+    kvg_decode_attention<true, uint16_t>(KVG_ATTN_PASS, KVG_ATTN_CHECK_PASS);
 }

@@ -117,6 +117,12 @@ struct __attribute__((aligned(16))) kvg_violation {
 // The violation ring: a 32-byte header followed by `capacity` records, in one allocation. The
 // device appends; the host drains asynchronously (copy, then advance `consumed`). Records that
 // would overwrite undrained ones are dropped and counted, never written.
+//
+// The single-stream rule: every kernel that reports, and the host's copy of the ring, are ordered
+// on one stream (or joined by events). A record still being written when the ring is copied is
+// counted incomplete and its slot handed back; a writer that finishes it late could then race
+// the writer of the same slot one lap later and tear both. Ordered, no writer is in flight when
+// the ring is copied, and the race cannot happen.
 struct __attribute__((aligned(16))) kvg_ring {
     uint64_t head;     // records ever reserved (atomic)
     uint64_t dropped;  // records lost because the ring was full (atomic)
@@ -178,14 +184,23 @@ KVG_FN void kvg_flag(uint32_t *seq_status, uint32_t seq, uint32_t kind) {
 // same tenant may read it here, and any request at all once a request of another tenant holds it
 // (KVG_FLAG_SHARED_ACROSS_TENANTS). The host table's check (holders only) is the exact one; the
 // device never refuses a read the host allows.
-KVG_FN uint32_t kvg_check_page(const kvg_tag *__restrict__ tags, uint32_t num_pages, int32_t page,
-                               kvg_reader reader, uint32_t expected_generation, uint32_t need, kvg_tag *found) {
-    if (page < 0 || static_cast<uint32_t>(page) >= num_pages) {
-        *found = kvg_tag{0, 0, 0, 0, 0, 0};
-        return KVG_KIND_PAGE_OUT_OF_RANGE;
-    }
-    const kvg_tag t = tags[page];
-    *found = t;
+//
+// `kvg_check_tag` is the same rule on a tag already loaded (zeroed when out of range), so that a
+// kernel can load the next page's tag while it reads this page's K/V (`kvg_load_tag`): the
+// fused check then costs no dependent load in the attention's loop.
+KVG_FN bool kvg_page_in_range(int32_t page, uint32_t num_pages) {
+    return page >= 0 && static_cast<uint32_t>(page) < num_pages;
+}
+
+// The tag of `page`, or a zeroed tag when it is out of range (never read).
+KVG_FN kvg_tag kvg_load_tag(const kvg_tag *__restrict__ tags, uint32_t num_pages, int32_t page) {
+    if (!kvg_page_in_range(page, num_pages)) return kvg_tag{0, 0, 0, 0, 0, 0};
+    return tags[page];
+}
+
+KVG_FN uint32_t kvg_check_tag(const kvg_tag &t, bool in_range, kvg_reader reader, uint32_t expected_generation,
+                              uint32_t need) {
+    if (!in_range) return KVG_KIND_PAGE_OUT_OF_RANGE;
     switch (t.state) {
     case KVG_STATE_OWNED:
         if (t.owner != reader.request) return KVG_KIND_FOREIGN_PAGE;
@@ -201,6 +216,17 @@ KVG_FN uint32_t kvg_check_page(const kvg_tag *__restrict__ tags, uint32_t num_pa
     if (expected_generation != 0 && expected_generation != t.generation) return KVG_KIND_STALE_PAGE;
     if (t.written < need) return KVG_KIND_UNWRITTEN_SLOTS;
     return KVG_OK;
+}
+
+KVG_FN uint32_t kvg_check_page(const kvg_tag *__restrict__ tags, uint32_t num_pages, int32_t page,
+                               kvg_reader reader, uint32_t expected_generation, uint32_t need, kvg_tag *found) {
+    if (!kvg_page_in_range(page, num_pages)) {
+        *found = kvg_tag{0, 0, 0, 0, 0, 0};
+        return KVG_KIND_PAGE_OUT_OF_RANGE;
+    }
+    const kvg_tag t = tags[page];
+    *found = t;
+    return kvg_check_tag(t, true, reader, expected_generation, need);
 }
 
 // Checks that `writer` may store into `page`: it must own it exclusively.
@@ -254,6 +280,10 @@ KVG_HD uint32_t kvg_canary(uint64_t owner, uint32_t generation, uint32_t page, u
 }
 
 // Stamps the canary of `slot` of `page` for `writer` in incarnation `generation` (the KV-store path).
+// Stamp only after the slot's K and V are written and visible: every thread that wrote them runs
+// `__threadfence()`, then the block `__syncthreads()`, then one thread stamps (as
+// `kvg_store_kv` does). A reader on another stream that sees the canary then sees the KV it
+// vouches for; stamped first, a canary could pass over KV of the previous incarnation.
 KVG_FN void kvg_stamp_canary(uint32_t *canaries, uint32_t page_size, uint32_t page, uint32_t slot, uint64_t writer,
                              uint32_t generation) {
     canaries[static_cast<uint64_t>(page) * page_size + slot] = kvg_canary(writer, generation, page, slot);

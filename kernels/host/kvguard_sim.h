@@ -35,6 +35,9 @@ struct uint4 {
     uint32_t x, y, z, w;
 };
 inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return uint4{x, y, z, w}; }
+struct uint2 {
+    uint32_t x, y;
+};
 
 inline thread_local dim3 threadIdx;
 inline thread_local dim3 blockIdx;
@@ -146,6 +149,7 @@ template <class T> T shuffle(T v, uint32_t src_lane) {
 } // namespace kvg_sim
 
 inline void __syncthreads() { kvg_sim::current->block.wait(); }
+inline void __syncwarp(uint32_t = 0xffffffffu) { kvg_sim::current->warps[kvg_sim::linear_tid / 32]->wait(); }
 template <class T> T __shfl_xor_sync(uint32_t, T v, uint32_t mask) {
     return kvg_sim::shuffle(v, (kvg_sim::linear_tid & 31u) ^ mask);
 }

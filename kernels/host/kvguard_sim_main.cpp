@@ -55,6 +55,11 @@ uint64_t param(const std::string &name) {
     return static_cast<uint64_t>(it->second);
 }
 
+uint64_t param_or(const std::string &name, uint64_t otherwise) {
+    auto it = params.find(name);
+    return it == params.end() ? otherwise : static_cast<uint64_t>(it->second);
+}
+
 double param_f(const std::string &name) {
     auto it = params.find(name);
     if (it == params.end()) fail("missing parameter " + name);
@@ -252,8 +257,6 @@ void scrub() {
 
 void attention() {
     auto q = load<float>("q");
-    auto kc = load<float>("key_cache");
-    auto vc = load<float>("value_cache");
     auto bt = load<int32_t>("block_table");
     auto lens = load<int32_t>("seq_lens");
     const uint32_t num_seqs = static_cast<uint32_t>(lens.size());
@@ -262,39 +265,70 @@ void attention() {
     const uint32_t num_kv_heads = static_cast<uint32_t>(param("num_kv_heads"));
     const uint32_t head_dim = static_cast<uint32_t>(param("head_dim"));
     const uint32_t page_size = static_cast<uint32_t>(param("page_size"));
+    const uint32_t splits = static_cast<uint32_t>(param_or("splits", 1));
+    const bool bf16 = param_or("bf16", 0) != 0;
     const float scale = static_cast<float>(param_f("scale"));
     const bool checked = param("checked") != 0;
+    // The workspace as `AttentionShape::workspace_len(splits)` words, zeroed; the kernel leaves
+    // its counters zeroed again, which the test checks.
+    const uint32_t group = num_heads / num_kv_heads;
+    const uint32_t head_blocks = num_kv_heads * ((group + KVG_ATTN_MAX_GROUP - 1) / KVG_ATTN_MAX_GROUP);
+    const uint64_t counters = (static_cast<uint64_t>(num_seqs) * head_blocks + 3) & ~3ull;
+    std::vector<float> workspace(counters + static_cast<uint64_t>(num_seqs) * num_heads * splits * (head_dim + 2), 0.0f);
     std::vector<float> out(static_cast<size_t>(num_seqs) * num_heads * head_dim, -1.0f);
-    const float *qp = q.data(), *kp = kc.data(), *vp = vc.data();
+    const float *qp = q.data();
     const int32_t *btp = bt.data(), *lp = lens.data();
-    float *op = out.data();
-    const dim3 grid{num_heads, num_seqs, 1}, block{KVG_ATTN_WARPS * 32, 1, 1};
-    if (!checked) {
-        kvg_sim::launch(grid, block, [=] {
-            kvg_decode_attention_unchecked(qp, kp, vp, btp, max_blocks, lp, num_seqs, num_heads, num_kv_heads,
-                                           head_dim, page_size, scale, op);
-        });
-        store("out", out);
-        return;
+    float *op = out.data(), *ws = workspace.data();
+    const dim3 grid{splits, head_blocks, num_seqs}, block{KVG_ATTN_THREADS, 1, 1};
+    std::vector<kvg_tag> tags;
+    std::vector<kvg_reader> readers;
+    std::vector<uint32_t> canaries, status;
+    if (checked) {
+        tags = load<kvg_tag>("tags");
+        readers = load<kvg_reader>("readers");
+        canaries = load<uint32_t>("canaries", false);
+        status = load<uint32_t>("status", false);
     }
-    auto tags = load<kvg_tag>("tags");
-    auto readers = load<kvg_reader>("readers");
-    auto canaries = load<uint32_t>("canaries", false);
-    auto status = load<uint32_t>("status", false);
     if (status.empty()) status.assign(num_seqs, 0);
     Ring ring(static_cast<uint32_t>(param("ring_capacity")));
-    const uint32_t fail_closed = static_cast<uint32_t>(param("fail_closed"));
+    const uint32_t fail_closed = static_cast<uint32_t>(param_or("fail_closed", 0));
     const uint32_t num_pages = static_cast<uint32_t>(tags.size());
     const kvg_tag *t = tags.data();
     const kvg_reader *r = readers.data();
     const uint32_t *c = or_null(canaries);
     uint32_t *st = status.data();
     kvg_ring *rg = ring.get();
-    kvg_sim::launch(grid, block, [=] {
-        kvg_decode_attention_checked(qp, kp, vp, btp, max_blocks, lp, num_seqs, num_heads, num_kv_heads, head_dim,
-                                     page_size, scale, op, t, num_pages, r, c, st, rg, fail_closed);
-    });
+    if (bf16) {
+        auto kc = load<uint16_t>("key_cache");
+        auto vc = load<uint16_t>("value_cache");
+        const uint16_t *kp = kc.data(), *vp = vc.data();
+        kvg_sim::launch(grid, block, [=] {
+            if (checked)
+                kvg_decode_attention_checked_bf16(qp, kp, vp, btp, max_blocks, lp, num_seqs, num_heads, num_kv_heads,
+                                                  head_dim, page_size, scale, op, ws, splits, t, num_pages, r, c, st,
+                                                  rg, fail_closed);
+            else
+                kvg_decode_attention_unchecked_bf16(qp, kp, vp, btp, max_blocks, lp, num_seqs, num_heads, num_kv_heads,
+                                                    head_dim, page_size, scale, op, ws, splits);
+        });
+    } else {
+        auto kc = load<float>("key_cache");
+        auto vc = load<float>("value_cache");
+        const float *kp = kc.data(), *vp = vc.data();
+        kvg_sim::launch(grid, block, [=] {
+            if (checked)
+                kvg_decode_attention_checked(qp, kp, vp, btp, max_blocks, lp, num_seqs, num_heads, num_kv_heads,
+                                             head_dim, page_size, scale, op, ws, splits, t, num_pages, r, c, st, rg,
+                                             fail_closed);
+            else
+                kvg_decode_attention_unchecked(qp, kp, vp, btp, max_blocks, lp, num_seqs, num_heads, num_kv_heads,
+                                               head_dim, page_size, scale, op, ws, splits);
+        });
+    }
+    std::vector<uint32_t> counter_words(counters);
+    std::memcpy(counter_words.data(), workspace.data(), counters * 4);
     store("out", out);
+    store("counters", counter_words);
     store("status", status);
     ring.save();
 }

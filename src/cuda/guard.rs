@@ -7,7 +7,9 @@ use super::error::DeviceError;
 use super::layout::{DeviceReader, DeviceTag, RingDrain};
 use super::lent::{Borrowed, EngineStream};
 use super::source;
-use super::step::{AttentionCheck, BlockTableStep, DecodeAttention, KvElement, KvStore, PageRegion, PagedKvStep};
+use super::step::{
+    AttentionCheck, AttentionElement, BlockTableStep, DecodeAttention, KvElement, KvStore, PageRegion, PagedKvStep,
+};
 use crate::config::PoolConfig;
 use crate::ids::{RequestId, TenantId};
 use crate::table::OwnershipTable;
@@ -69,25 +71,40 @@ pub struct Drained {
 
 /// The device side of one KV pool: its tag mirror, canaries, violation ring and the kernels.
 ///
+/// Every call that queues device work takes the stream to queue it on, an [`EngineStream`]:
+/// kvguard keeps no stream of its own, so its work is ordered with the engine's exactly as the
+/// caller chooses (the stream the step runs on; the side stream `torch.cuda.graph` captures on).
+/// Calls given different streams are ordered only by the caller. `docs/cuda.md` lists what each
+/// call must come after and which calls are capture-safe.
+///
+/// Dropping the guard waits for the whole context (kernels on any stream may still use its
+/// buffers by address), then frees its memory and unloads its kernels. Destroy CUDA graphs that
+/// captured its launches (or hold its pointers, e.g. a fused `kvg_check_page`) first, and never
+/// drop it while a stream is capturing.
+///
 /// ```no_run
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// use kvguard::cuda::{BlockTableStep, Borrowed, DeviceGuard, DeviceOptions};
+/// use kvguard::cuda::{BlockTableStep, Borrowed, DeviceGuard, DeviceOptions, EngineStream};
 /// use kvguard::{OwnershipTable, PoolConfig, RequestId, TenantId};
 /// let config = PoolConfig::new(65_536, 16, 131_072);
 /// let table = OwnershipTable::new(config.clone())?;
 /// let mut guard = DeviceGuard::new(&config, DeviceOptions::default())?; // typed error without a GPU
-/// // every step: mirror the table's changes, name the readers, verify, and later drain.
-/// guard.sync_tags(&table)?;
-/// guard.set_readers(&[(RequestId(1), TenantId(7))])?;
-/// # let (bt_ptr, lens_ptr) = (0u64, 0u64);
+/// # let (torch_stream, bt_ptr, lens_ptr) = (std::ptr::null_mut(), 0u64, 0u64);
+/// // SAFETY: the engine's current stream (`torch.cuda.current_stream().cuda_stream`), a stream
+/// // of the guard's device, live during every call it is given to.
+/// let stream = unsafe { EngineStream::from_raw(torch_stream) };
+/// // every step, on the engine's stream: mirror the table's changes, name the readers, verify,
+/// // and later drain.
+/// guard.sync_tags(&table, &stream)?;
+/// guard.set_readers(&[(RequestId(1), TenantId(7))], &stream)?;
 /// // SAFETY: the engine's block table and seq_lens tensors, alive until the step completes.
 /// let (block_table, seq_lens) =
 ///     unsafe { (Borrowed::from_raw(bt_ptr, 1 * 8192), Borrowed::from_raw(lens_ptr, 1)) };
 /// // Canaries off: this engine's own KV store does not stamp them.
 /// let step = BlockTableStep::new(block_table, seq_lens, 1, 8192);
-/// guard.clear_status()?;
-/// guard.verify_block_table(&step)?; // attention kernels may read guard.status_ptr()
-/// let drained = guard.drain(&table)?; // off the hot path
+/// guard.clear_status(&stream)?;
+/// guard.verify_block_table(&step, &stream)?; // attention kernels may read guard.status_ptr()
+/// let drained = guard.drain(&table, &stream)?; // off the hot path
 /// # Ok(()) }
 /// ```
 pub struct DeviceGuard {
@@ -113,6 +130,10 @@ impl DeviceGuard {
     /// (free, generation 0): call [`sync_tags`](Self::sync_tags) with a table whose changes cover
     /// every live page, or [`upload_all_tags`](Self::upload_all_tags).
     ///
+    /// Construction allocates (device memory, and page-locked memory for staging and drains:
+    /// nothing allocates later) and waits for a stream of its own that zeroes the buffers; it
+    /// does not synchronise the context. Create the guard at start-up, outside any capture.
+    ///
     /// Errors, never panics: [`DeviceError::Argument`] and [`DeviceError::Cubin`] (an image that
     /// is not a CUBIN) before the driver is touched, then [`DeviceError::DriverNotFound`],
     /// [`DeviceError::NoDevice`], [`DeviceError::NvrtcNotFound`] and [`DeviceError::Compile`]
@@ -137,76 +158,81 @@ impl DeviceGuard {
         Ok(DeviceGuard { device })
     }
 
-    /// Launches on the engine's stream from now on (the default is a stream of kvguard's own).
-    /// Waits for the work kvguard queued so far.
-    pub fn use_engine_stream(&mut self, stream: EngineStream) -> Result<(), DeviceError> {
-        self.device.use_stream(stream)
-    }
-
     /// Copies the tags of the pages `table` changed since the last call into the device table
-    /// (incremental: only changed pages travel). Returns how many pages were updated.
-    pub fn sync_tags(&mut self, table: &OwnershipTable) -> Result<usize, DeviceError> {
+    /// (incremental: only changed pages travel), on `stream`. Returns how many pages were
+    /// updated. Not capture-safe (it stages host memory): call it before the step's graph.
+    pub fn sync_tags(&mut self, table: &OwnershipTable, stream: &EngineStream) -> Result<usize, DeviceError> {
         let changed = table.take_changed_pages();
         let tags: Vec<(u32, DeviceTag)> =
             changed.iter().map(|(p, info)| (p.0, DeviceTag::from_page_info(info))).collect();
-        self.upload_tags(&tags)?;
+        self.upload_tags(&tags, stream)?;
         Ok(changed.len())
     }
 
     /// Writes the tag of every page of `table` (start-up, or after the device lost its state).
-    pub fn upload_all_tags(&mut self, table: &OwnershipTable) -> Result<(), DeviceError> {
+    pub fn upload_all_tags(&mut self, table: &OwnershipTable, stream: &EngineStream) -> Result<(), DeviceError> {
         table.take_changed_pages();
         let tags: Vec<(u32, DeviceTag)> = (0..self.device.num_pages)
             .filter_map(|p| table.page_info(crate::ids::PageId(p)).map(|i| (p, DeviceTag::from_page_info(&i))))
             .collect();
-        self.upload_tags(&tags)
+        self.upload_tags(&tags, stream)
     }
 
-    /// Writes these tags (page, tag) into the device table, in batches of `update_batch`.
-    pub fn upload_tags(&mut self, tags: &[(u32, DeviceTag)]) -> Result<(), DeviceError> {
+    /// Writes these tags (page, tag) into the device table, in batches of `update_batch`, each
+    /// copied from page-locked staging (two slots used in turn: a batch waits only for the copy
+    /// and scatter of the batch two before it) and scattered by a kernel on `stream`.
+    pub fn upload_tags(&mut self, tags: &[(u32, DeviceTag)], stream: &EngineStream) -> Result<(), DeviceError> {
         for batch in tags.chunks(self.device.staging_capacity as usize) {
             let pages: Vec<u32> = batch.iter().map(|(p, _)| *p).collect();
-            let bytes: Vec<u8> = batch.iter().flat_map(|(_, t)| t.to_bytes()).collect();
-            self.device.apply_tag_updates(&pages, &bytes)?;
+            let tags: Vec<DeviceTag> = batch.iter().map(|(_, t)| *t).collect();
+            self.device.apply_tag_updates(&pages, &tags, stream)?;
         }
         Ok(())
     }
 
     /// Writes the canaries of slots `first_slot..` (slot = page * page_size + slot in page): to
     /// restore them after a migration, or to seed a pool whose KV was written without the
-    /// stamping store. [`layout::canary`](super::layout::canary) computes them.
-    pub fn write_canaries(&mut self, first_slot: u64, canaries: &[u32]) -> Result<(), DeviceError> {
-        self.device.write_canaries(first_slot, canaries)
+    /// stamping store. [`layout::canary`](super::layout::canary) computes them. Staged through
+    /// page-locked memory in 1 MiB chunks; not capture-safe.
+    pub fn write_canaries(
+        &mut self,
+        first_slot: u64,
+        canaries: &[u32],
+        stream: &EngineStream,
+    ) -> Result<(), DeviceError> {
+        self.device.write_canaries(first_slot, canaries, stream)
     }
 
     /// Names the request (and tenant) reading through each sequence of this step: call it every
-    /// step, before the step's verify, store and fused check. Launches over more sequences than
-    /// the last call named are refused ([`DeviceError::Argument`], on the host, before
-    /// launching): sequence `k` would otherwise be judged as whoever sat at `k` in an earlier
-    /// step. The copy is ordered on the guard's stream before the launches that read it.
-    pub fn set_readers(&mut self, readers: &[(RequestId, TenantId)]) -> Result<(), DeviceError> {
+    /// step, before the step's verify, store and fused check, on their stream (or one ordered
+    /// before it). Launches over more sequences than the last call named are refused
+    /// ([`DeviceError::Argument`], on the host, before launching): sequence `k` would otherwise
+    /// be judged as whoever sat at `k` in an earlier step. Staged through page-locked memory;
+    /// not capture-safe (call it before launching the step's graph: the graph reads the
+    /// readers buffer when it runs).
+    pub fn set_readers(&mut self, readers: &[(RequestId, TenantId)], stream: &EngineStream) -> Result<(), DeviceError> {
         let r: Vec<DeviceReader> = readers.iter().map(|&(req, t)| DeviceReader::new(req, t)).collect();
-        self.device.set_readers(&r)
+        self.device.set_readers(&r, stream)
     }
 
     /// Zeroes the per-sequence status words before a step (a memset, capturable in a graph).
-    pub fn clear_status(&mut self) -> Result<(), DeviceError> {
-        self.device.clear_status()
+    pub fn clear_status(&mut self, stream: &EngineStream) -> Result<(), DeviceError> {
+        self.device.clear_status(stream)
     }
 
-    /// Verifies a vLLM-layout step before attention: violations go to the ring and set bit
-    /// `kind` of the sequence's status word. No host synchronisation. The launch is sized by
-    /// sequence, not by `max_blocks`. [`DeviceError::Argument`] before launching when
-    /// `num_seqs` exceeds the readers [`set_readers`](Self::set_readers) named or a buffer is
-    /// shorter than the step needs.
-    pub fn verify_block_table(&mut self, step: &BlockTableStep) -> Result<(), DeviceError> {
-        self.device.verify_block_table(step)
+    /// Verifies a vLLM-layout step before attention, on `stream`: violations go to the ring and
+    /// set bit `kind` of the sequence's status word. No host synchronisation; capturable. The
+    /// launch is sized by sequence, not by `max_blocks`. [`DeviceError::Argument`] before
+    /// launching when `num_seqs` exceeds the readers [`set_readers`](Self::set_readers) named or
+    /// a buffer is shorter than the step needs.
+    pub fn verify_block_table(&mut self, step: &BlockTableStep, stream: &EngineStream) -> Result<(), DeviceError> {
+        self.device.verify_block_table(step, stream)
     }
 
     /// Verifies a FlashInfer-layout step before attention. No host synchronisation; refused as
     /// [`verify_block_table`](Self::verify_block_table) is.
-    pub fn verify_paged_kv(&mut self, step: &PagedKvStep) -> Result<(), DeviceError> {
-        self.device.verify_paged_kv(step)
+    pub fn verify_paged_kv(&mut self, step: &PagedKvStep, stream: &EngineStream) -> Result<(), DeviceError> {
+        self.device.verify_paged_kv(step, stream)
     }
 
     /// CRC32 (crc32fast-exact) of pages of `region` (all of `0..n_pages` when `pages` is None)
@@ -220,8 +246,9 @@ impl DeviceGuard {
         n_pages: u32,
         chunk_bytes: u32,
         out: Borrowed<u32>,
+        stream: &EngineStream,
     ) -> Result<(), DeviceError> {
-        self.device.crc32_pages(region, pages, n_pages, chunk_bytes, out)
+        self.device.crc32_pages(region, pages, n_pages, chunk_bytes, out, stream)
     }
 
     /// Fills released pages with `pattern` (0 zeroes; [`POISON`] is NaN in f32, f16 and bf16)
@@ -233,73 +260,95 @@ impl DeviceGuard {
         n_pages: u32,
         pattern: u32,
         clear_canaries: bool,
+        stream: &EngineStream,
     ) -> Result<(), DeviceError> {
-        self.device.scrub_pages(region, pages, n_pages, pattern, clear_canaries)
+        self.device.scrub_pages(region, pages, n_pages, pattern, clear_canaries, stream)
     }
 
     /// The reference KV store: writes each token's K and V to its slot if the writing sequence
     /// (readers set by [`set_readers`](Self::set_readers)) owns the page, and stamps the slot's
-    /// canary; other stores are refused on the device and recorded in the violation ring.
-    pub fn store_kv<T: KvElement>(&mut self, store: &KvStore<T>) -> Result<(), DeviceError> {
-        self.device.store_kv(store)
+    /// canary after a fence (a reader that sees the canary sees the KV); other stores are
+    /// refused on the device and recorded in the violation ring.
+    pub fn store_kv<T: KvElement>(&mut self, store: &KvStore<T>, stream: &EngineStream) -> Result<(), DeviceError> {
+        self.device.store_kv(store, stream)
     }
 
-    /// The reference paged decode attention with the fused per-page check (flag only, or
-    /// fail-closed: a flagged sequence's output is zeros).
-    pub fn decode_attention_checked(
+    /// The paged decode attention (split over the KV length when `step.workspace` allows) with
+    /// the fused per-page check (flag only, or fail-closed: a flagged sequence's output is
+    /// zeros). Capturable.
+    pub fn decode_attention_checked<T: AttentionElement>(
         &mut self,
-        step: &DecodeAttention,
+        step: &DecodeAttention<T>,
         check: AttentionCheck,
+        stream: &EngineStream,
     ) -> Result<(), DeviceError> {
-        self.device.decode_attention_checked(step, check)
+        self.device.decode_attention_checked(step, check, stream)
     }
 
     /// The same attention without any check: the baseline for the check's cost. The caller
     /// vouched for the pages when it built the [`UncheckedAttention`].
-    pub fn decode_attention_unchecked(&mut self, step: &UncheckedAttention) -> Result<(), DeviceError> {
-        self.device.decode_attention_unchecked(step)
+    pub fn decode_attention_unchecked<T: AttentionElement>(
+        &mut self,
+        step: &UncheckedAttention<T>,
+        stream: &EngineStream,
+    ) -> Result<(), DeviceError> {
+        self.device.decode_attention_unchecked(step, stream)
     }
 
     /// The status words of the first `n` sequences (bit `k` set: a [`DeviceKind`](super::DeviceKind)
-    /// of code `k` was found). Synchronises the stream: for tests and diagnosis, not the hot path.
-    pub fn read_status(&self, n: u32) -> Result<Vec<u32>, DeviceError> {
-        self.device.read_status(n)
+    /// of code `k` was found), copied after the work queued on `stream`. Waits for `stream`:
+    /// for tests and diagnosis, not the hot path; refused on a capturing stream.
+    pub fn read_status(&mut self, n: u32, stream: &EngineStream) -> Result<Vec<u32>, DeviceError> {
+        self.device.read_status(n, stream)
     }
 
     /// Starts draining the violation ring without waiting: an asynchronous copy to page-locked
-    /// memory, ordered after the work queued so far. Finish with
-    /// [`try_finish_drain`](Self::try_finish_drain) whenever convenient (e.g. next step).
-    pub fn begin_drain(&mut self) -> Result<(), DeviceError> {
-        self.device.start_ring_copy()
+    /// memory (allocated with the guard), ordered after the work queued so far on `stream`.
+    /// Finish with [`try_finish_drain`](Self::try_finish_drain) whenever convenient (e.g. next
+    /// step). Every launch that may report must be ordered before the copy (on `stream`, or
+    /// joined to it by an event): a record still being written when the ring is copied is
+    /// lost to this drain (counted in [`Drained::incomplete`]).
+    pub fn begin_drain(&mut self, stream: &EngineStream) -> Result<(), DeviceError> {
+        self.device.start_ring_copy(stream)
     }
 
     /// If the copy started by [`begin_drain`](Self::begin_drain) has landed, records each violation
-    /// in `table` (counters, log, and under enforce, quarantine) and tells the device those
-    /// records are consumed; `None` if it has not landed yet. Never waits for the GPU.
-    pub fn try_finish_drain(&mut self, table: &OwnershipTable) -> Result<Option<Drained>, DeviceError> {
+    /// in `table` (counters, log, and under enforce, quarantine) and tells the device, on
+    /// `stream`, that those records are consumed; `None` if it has not landed yet. Never waits
+    /// for the GPU.
+    pub fn try_finish_drain(
+        &mut self,
+        table: &OwnershipTable,
+        stream: &EngineStream,
+    ) -> Result<Option<Drained>, DeviceError> {
         match self.device.finish_ring_copy(false)? {
             None => Ok(None),
-            Some(bytes) => self.record_drained(&bytes, table).map(Some),
+            Some(bytes) => self.record_drained(&bytes, table, stream).map(Some),
         }
     }
 
     /// Drains the violation ring now: [`begin_drain`](Self::begin_drain), wait for the copy, and
-    /// record. Waits for the work queued so far on the stream; off the step's critical path.
-    pub fn drain(&mut self, table: &OwnershipTable) -> Result<Drained, DeviceError> {
+    /// record. Waits for the work queued so far on `stream`; off the step's critical path.
+    pub fn drain(&mut self, table: &OwnershipTable, stream: &EngineStream) -> Result<Drained, DeviceError> {
         // A copy begun earlier shows the ring as it was then: let it land and copy again. Its
         // records were not marked consumed, so the fresh copy still holds them: none is lost.
         let _older = self.device.finish_ring_copy(true)?;
-        self.device.start_ring_copy()?;
+        self.device.start_ring_copy(stream)?;
         let bytes = self.device.finish_ring_copy(true)?.unwrap_or_default();
-        self.record_drained(&bytes, table)
+        self.record_drained(&bytes, table, stream)
     }
 
     /// Parses a copy of the ring, records each violation in `table` and tells the device those
     /// records are consumed.
-    fn record_drained(&mut self, ring: &[u8], table: &OwnershipTable) -> Result<Drained, DeviceError> {
+    fn record_drained(
+        &mut self,
+        ring: &[u8],
+        table: &OwnershipTable,
+        stream: &EngineStream,
+    ) -> Result<Drained, DeviceError> {
         let drain =
             RingDrain::parse(ring).ok_or_else(|| DeviceError::Argument("the device ring header is corrupt".into()))?;
-        self.device.set_consumed(drain.consumed)?;
+        self.device.set_consumed(drain.consumed, stream)?;
         let violations: Vec<Violation> = drain.records.iter().filter_map(|r| r.to_violation()).collect();
         for v in &violations {
             table.record_violation(v.clone());
@@ -340,9 +389,10 @@ impl DeviceGuard {
         }
     }
 
-    /// The stream kvguard launches on.
-    pub fn stream(&self) -> &std::sync::Arc<cudarc::driver::CudaStream> {
-        &self.device.stream
+    /// The CUDA context the guard's buffers live in (the primary context of its ordinal): the
+    /// context every [`EngineStream`] given to it must belong to.
+    pub fn context(&self) -> &Arc<cudarc::driver::CudaContext> {
+        &self.device.ctx
     }
 }
 

@@ -1,5 +1,5 @@
-//! What the engine lends kvguard: its device memory ([`Borrowed`]) and its stream
-//! ([`EngineStream`]).
+//! What the engine lends kvguard: its device memory ([`Borrowed`]) and the streams to queue
+//! work on ([`EngineStream`]).
 //!
 //! kvguard cannot check that a raw device address or stream handle is live, so each enters
 //! through an `unsafe` constructor whose `# Safety` section is the engine's promise. This file
@@ -58,9 +58,9 @@ impl<T> Borrowed<T> {
     }
 }
 
-/// The engine's CUDA stream (e.g. PyTorch's current stream), lent to
-/// [`DeviceGuard::use_engine_stream`](super::DeviceGuard::use_engine_stream) so that kvguard's
-/// launches are ordered with the engine's own work.
+/// A CUDA stream to queue kvguard's work on, passed with every call that queues any (e.g.
+/// PyTorch's current stream, or the side stream a `torch.cuda.graph` captures on), so that
+/// kvguard's launches are ordered with the engine's own work exactly as the caller chooses.
 #[derive(Debug)]
 pub struct EngineStream {
     raw: cudarc::driver::sys::CUstream,
@@ -72,8 +72,9 @@ impl EngineStream {
     /// # Safety
     /// - `stream` is a live `CUstream` of the CUDA context of the
     ///   [`DeviceGuard`](super::DeviceGuard) it is given to (the primary context of the guard's
-    ///   device ordinal);
-    /// - it stays alive as long as that guard (and any launch queued on it) may use it.
+    ///   device ordinal), or null (the legacy default stream, which cannot be captured);
+    /// - it stays alive during every call it is given to (work already queued on it may
+    ///   outlive it, as CUDA allows).
     pub unsafe fn from_raw(stream: cudarc::driver::sys::CUstream) -> EngineStream {
         EngineStream { raw: stream }
     }

@@ -10,13 +10,13 @@
 //! The files, each importing only those below it (`unsafe` allowed only where marked):
 //!
 //! - `guard.rs`: [`DeviceGuard`], [`DeviceOptions`], [`Drained`]: the safe host API.
-//! - `device.rs` (`unsafe`): the CUDA context, stream, kernels, kvguard's own buffers and every
-//!   launch, each with its `SAFETY` argument and the invariants it relies on;
+//! - `device.rs` (`unsafe`): the CUDA context, kernels, kvguard's own buffers and page-locked
+//!   staging, and every launch (each on the stream its caller passes), each with its `SAFETY` argument and the invariants it relies on;
 //!   [`UncheckedAttention`].
 //! - `step.rs`: the launches' arguments ([`BlockTableStep`], [`PagedKvStep`], [`KvStore`],
 //!   [`DecodeAttention`], [`PageRegion`], ...) and the checks that what they lend is long enough.
 //! - `lent.rs` (`unsafe`: two constructors): what the engine lends, [`Borrowed`] device memory
-//!   and an [`EngineStream`].
+//!   and the [`EngineStream`] each call queues its work on.
 //! - [`source`]: the embedded kernel sources and their NVRTC compilation (cached), and the check
 //!   of a CUBIN built ahead of time ([`DeviceOptions::cubin`]: no NVRTC at run time).
 //! - `nvrtc.rs` (`unsafe`): the NVRTC calls cudarc's safe API does not cover.
@@ -27,7 +27,7 @@
 //! `unsafe_code` is denied for the whole module and allowed only on those three files' `mod`
 //! declarations: a lint, not a promise. What an engine must vouch for it vouches for when it
 //! builds a [`Borrowed`] (device memory of that length, live until the launches complete), an
-//! [`EngineStream`] (a stream of the guard's context) or an [`UncheckedAttention`] (pages in
+//! [`EngineStream`] (a stream of the guard's context, live during the calls given it) or an [`UncheckedAttention`] (pages in
 //! range, for the unchecked baseline); the guard takes those values safely.
 //!
 //! Without the `cuda` feature only [`layout`] and [`canary`] are here: the byte layout and the
@@ -70,7 +70,8 @@ pub use layout::{DeviceKind, DeviceReader, DeviceTag, DeviceViolation, RingHeade
 pub use lent::{Borrowed, EngineStream};
 #[cfg(feature = "cuda")]
 pub use step::{
-    AttentionCheck, AttentionShape, BlockTableStep, DecodeAttention, KvElement, KvStore, PageRegion, PagedKvStep,
+    AttentionCheck, AttentionElement, AttentionShape, Bf16, BlockTableStep, DecodeAttention, KvElement, KvStore,
+    PageRegion, PagedKvStep,
 };
 
 #[cfg(feature = "cuda")]

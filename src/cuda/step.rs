@@ -129,24 +129,68 @@ pub struct KvStore<T> {
     pub num_seqs: u32,
 }
 
-/// One launch of the reference decode attention (vLLM layout, f32): the shape and the engine's
-/// device buffers.
+/// One launch of the paged decode attention (vLLM layout, GQA): the shape and the engine's device
+/// buffers. The K/V caches hold `T`: `f32`, or [`Bf16`] (what engines store); queries and the
+/// output are `f32`.
+///
+/// The kernel is a split-KV ("flash-decoding") paged attention: each block takes one sequence,
+/// up to four query heads of one KV head (so K/V are read once per four query heads) and one share of
+/// the sequence's pages; four warps stream whole pages with 16-byte loads. Splitting needs
+/// `workspace` (the partial results and a counter per sequence and head block; zeroed once by
+/// the caller, left zeroed by every launch); without one, each sequence is one block's work.
 #[derive(Clone, Copy, Debug)]
-pub struct DecodeAttention {
+pub struct DecodeAttention<T: AttentionElement = f32> {
     /// Sequences, heads, head size, block-table width and softmax scale.
     pub shape: AttentionShape,
     /// The queries, `[num_seqs][num_heads][head_dim]`.
     pub q: Borrowed<f32>,
     /// The paged key cache, `[num_pages * page_size][num_kv_heads][head_dim]`.
-    pub key_cache: Borrowed<f32>,
+    pub key_cache: Borrowed<T>,
     /// The paged value cache, same shape.
-    pub value_cache: Borrowed<f32>,
+    pub value_cache: Borrowed<T>,
     /// The block table, `[num_seqs][max_blocks]`.
     pub block_table: Borrowed<i32>,
     /// Tokens each sequence reads.
     pub seq_lens: Borrowed<i32>,
     /// The output, `[num_seqs][num_heads][head_dim]`.
     pub out: Borrowed<f32>,
+    /// Scratch for splitting each sequence's pages over several blocks: zeroed device memory of
+    /// at least [`AttentionShape::workspace_len`]`(splits)` words; the launch splits as far as
+    /// it holds (at most [`AttentionShape::MAX_SPLITS`]). `None`: no split.
+    pub workspace: Option<Borrowed<f32>>,
+}
+
+/// A bfloat16 value, as its 16 bits (the KV caches of [`DecodeAttention<Bf16>`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[repr(transparent)]
+pub struct Bf16(pub u16);
+
+impl Bf16 {
+    /// The bfloat16 nearest to `x` (round to nearest even; NaN stays NaN).
+    pub fn from_f32(x: f32) -> Bf16 {
+        let bits = x.to_bits();
+        if x.is_nan() {
+            return Bf16(((bits >> 16) as u16) | 0x40);
+        }
+        let round = 0x7fff + ((bits >> 16) & 1);
+        Bf16((bits.wrapping_add(round) >> 16) as u16)
+    }
+    /// Its value as an `f32` (exact).
+    pub fn to_f32(self) -> f32 {
+        f32::from_bits(u32::from(self.0) << 16)
+    }
+}
+
+/// Element types of the attention's K/V caches: `f32` and [`Bf16`].
+pub trait AttentionElement: sealed::SealedAttention + Copy {
+    /// Whether this is [`Bf16`] (the kernels' `_bf16` variants).
+    const BF16: bool;
+}
+impl AttentionElement for f32 {
+    const BF16: bool = false;
+}
+impl AttentionElement for Bf16 {
+    const BF16: bool = true;
 }
 
 /// What the fused check of
@@ -160,7 +204,7 @@ pub struct AttentionCheck {
     pub fail_closed: bool,
 }
 
-/// The shape of a reference decode-attention launch (vLLM layout, f32, GQA).
+/// The shape of a decode-attention launch (vLLM layout, GQA).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttentionShape {
     /// Sequences in the step.
@@ -177,7 +221,28 @@ pub struct AttentionShape {
     pub scale: f32,
 }
 
-impl DecodeAttention {
+impl AttentionShape {
+    /// The most splits of a sequence's KV length one launch makes.
+    pub const MAX_SPLITS: u32 = 64;
+    /// Query heads one block takes (of one KV head): `kvg_decode_attention`'s `KVG_ATTN_MAX_GROUP`.
+    pub const HEADS_PER_BLOCK: u32 = 4;
+
+    /// Head blocks per sequence: each KV head's query heads, four at a time.
+    pub fn head_blocks(&self) -> u32 {
+        let group = (self.num_heads / self.num_kv_heads.max(1)).max(1);
+        self.num_kv_heads.max(1) * group.div_ceil(Self::HEADS_PER_BLOCK)
+    }
+
+    /// Words (`f32`) of workspace a launch of `splits` splits needs: a counter per sequence and
+    /// head block (padded to 16 bytes), then `head_dim + 2` words per sequence, head and split.
+    pub fn workspace_len(&self, splits: u32) -> u64 {
+        let counters = (u64::from(self.num_seqs) * u64::from(self.head_blocks())).next_multiple_of(4);
+        let partials = u64::from(self.num_seqs) * u64::from(self.num_heads) * u64::from(splits);
+        counters + partials * (u64::from(self.head_dim) + 2)
+    }
+}
+
+impl<T: AttentionElement> DecodeAttention<T> {
     /// Whether every buffer holds what the shape makes the kernels index, in a pool of
     /// `num_pages` pages of `page_size` slots.
     pub(super) fn check(&self, num_pages: u32, page_size: u32) -> Result<(), DeviceError> {
@@ -190,6 +255,9 @@ impl DecodeAttention {
         }
         let io = u64::from(s.num_seqs) * u64::from(s.num_heads) * u64::from(s.head_dim);
         let cache = u64::from(num_pages) * u64::from(page_size) * u64::from(s.num_kv_heads) * u64::from(s.head_dim);
+        if !self.key_cache.ptr().is_multiple_of(16) || !self.value_cache.ptr().is_multiple_of(16) {
+            return Err(DeviceError::Argument("attention: the K/V caches must be 16-byte aligned".into()));
+        }
         need("q", &self.q, io)?;
         need("out", &self.out, io)?;
         need("key_cache", &self.key_cache, cache)?;
@@ -245,6 +313,9 @@ mod sealed {
     impl Sealed for u16 {}
     impl Sealed for u32 {}
     impl Sealed for f32 {}
+    pub trait SealedAttention {}
+    impl SealedAttention for f32 {}
+    impl SealedAttention for super::Bf16 {}
 }
 
 /// Whether `b` lends at least `elements` elements.
@@ -284,6 +355,29 @@ pub(super) fn fits(what: &str, count: u64, capacity: u64) -> Result<(), DeviceEr
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bf16_rounds_to_nearest_even_and_widens_exactly() {
+        assert_eq!(Bf16::from_f32(1.0).0, 0x3f80);
+        assert_eq!(Bf16::from_f32(1.0).to_f32(), 1.0);
+        assert_eq!(Bf16::from_f32(-2.5).to_f32(), -2.5);
+        // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to even (1).
+        assert_eq!(Bf16::from_f32(1.0 + 1.0 / 256.0).0, 0x3f80);
+        assert_eq!(Bf16::from_f32(1.0 + 3.0 / 256.0).0, 0x3f82);
+        assert!(Bf16::from_f32(f32::NAN).to_f32().is_nan());
+    }
+
+    #[test]
+    fn the_workspace_holds_a_counter_per_head_block_and_a_partial_per_head_and_split() {
+        let shape =
+            AttentionShape { num_seqs: 3, max_blocks: 8, num_heads: 32, num_kv_heads: 2, head_dim: 64, scale: 1.0 };
+        assert_eq!(shape.head_blocks(), 8, "16 query heads per KV head: four blocks of four");
+        assert_eq!(shape.workspace_len(1), 24 + 3 * 32 * 66);
+        assert_eq!(shape.workspace_len(4), 24 + 3 * 32 * 4 * 66);
+        let mha = AttentionShape { num_heads: 2, ..shape };
+        assert_eq!(mha.head_blocks(), 2);
+        assert_eq!(mha.workspace_len(2), 8 + 3 * 2 * 2 * 66);
+    }
 
     #[test]
     fn a_step_over_more_sequences_than_readers_set_is_refused() {

@@ -11,10 +11,10 @@
 
 /// Under `cuda::` so that `cargo test cuda` selects these.
 mod cuda {
-    use cudarc::driver::{CudaSlice, DevicePtr, sys};
+    use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, sys};
     use kvguard::cuda::{
         AttentionCheck, AttentionShape, BlockTableStep, Borrowed, DecodeAttention, DeviceError, DeviceGuard,
-        DeviceKind, DeviceOptions, KvStore, PageRegion, PagedKvStep,
+        DeviceKind, DeviceOptions, EngineStream, KvStore, PageRegion, PagedKvStep,
     };
     use kvguard::{OwnershipTable, PageId, PoolConfig, RequestId, TenantId, ViolationKind};
     use std::sync::{Arc, OnceLock};
@@ -36,8 +36,9 @@ mod cuda {
         CUBIN.get_or_init(|| cubin_from_env("KVGUARD_CUBIN")).clone()
     }
 
-    /// A guard on device 0, or `None` (with a SKIPPED line) where there is no GPU.
-    fn guard(config: &PoolConfig, max_seqs: u32) -> Option<DeviceGuard> {
+    /// A guard on device 0 with a stream to queue its work on (a side stream of the test's own,
+    /// as `torch.cuda.graph` captures on), or `None` (with a SKIPPED line) where there is no GPU.
+    fn guard(config: &PoolConfig, max_seqs: u32) -> Option<(DeviceGuard, Arc<CudaStream>, EngineStream)> {
         let options = DeviceOptions {
             max_seqs,
             ring_capacity: 1024,
@@ -46,7 +47,13 @@ mod cuda {
             ..DeviceOptions::default()
         };
         match DeviceGuard::new(config, options) {
-            Ok(g) => Some(g),
+            Ok(g) => {
+                let s = g.context().new_stream().expect("a stream of the guard's context");
+                // SAFETY: a stream of the guard's context; every test keeps `s` alive as long
+                // as the guard and the stream handle.
+                let es = unsafe { EngineStream::from_raw(s.cu_stream()) };
+                Some((g, s, es))
+            }
             Err(e @ (DeviceError::DriverNotFound | DeviceError::NoDevice { .. } | DeviceError::NvrtcNotFound)) => {
                 assert!(!required(), "KVGUARD_REQUIRE_GPU=1 but: {e}");
                 crate::common::skip::skipped(&format!("no GPU here: {e}"));
@@ -57,11 +64,12 @@ mod cuda {
     }
 
     /// Lends a buffer the test owns to the guard.
-    fn lend<T>(g: &DeviceGuard, s: &CudaSlice<T>) -> Borrowed<T> {
-        let (ptr, _sync) = s.device_ptr(g.stream());
-        // SAFETY: `s` is a live allocation of `s.len()` elements in the guard's context (allocated on
-        // the guard's stream); every test keeps it alive until it has synchronised that stream.
-        unsafe { Borrowed::from_raw(ptr, s.len()) }
+    fn lend<T>(stream: &Arc<CudaStream>, b: &CudaSlice<T>) -> Borrowed<T> {
+        let (ptr, _sync) = b.device_ptr(stream);
+        // SAFETY: `b` is a live allocation of `b.len()` elements in the guard's context
+        // (allocated on the test's stream); every test keeps it alive until it has synchronised
+        // that stream.
+        unsafe { Borrowed::from_raw(ptr, b.len()) }
     }
 
     #[test]
@@ -147,8 +155,8 @@ mod cuda {
     #[test]
     fn gpu_verify_agrees_with_the_table_and_replays_in_a_cuda_graph() {
         let (table, pa, pb) = two_requests();
-        let Some(mut g) = guard(table.config(), 8) else { return };
-        g.upload_all_tags(&table).unwrap();
+        let Some((mut g, s, es)) = guard(table.config(), 8) else { return };
+        g.upload_all_tags(&table, &es).unwrap();
         let (alice, bob) = (RequestId(1), RequestId(2));
         // seq 0 alice clean; seq 1 bob reads alice's page 1 (foreign); seq 2 alice reads 41 tokens
         // (unwritten); seq 3 bob reads the reserved page; seq 4 bob clean.
@@ -164,30 +172,30 @@ mod cuda {
         }
         let tenants: Vec<(RequestId, TenantId)> =
             readers.iter().map(|&r| (r, table.request_info(r).unwrap().tenant)).collect();
-        g.set_readers(&tenants).unwrap();
-        let d_bt = g.stream().clone_htod(&bt).unwrap();
-        let d_lens = g.stream().clone_htod(&lens).unwrap();
+        g.set_readers(&tenants, &es).unwrap();
+        let d_bt = s.clone_htod(&bt).unwrap();
+        let d_lens = s.clone_htod(&lens).unwrap();
         let step = BlockTableStep {
-            block_table: lend(&g, &d_bt),
-            seq_lens: lend(&g, &d_lens),
+            block_table: lend(&s, &d_bt),
+            seq_lens: lend(&s, &d_lens),
             num_seqs: rows.len() as u32,
             max_blocks: max_blocks as u32,
             generations: None,
             check_canaries: false,
             query_lens: None,
         };
-        g.stream().synchronize().unwrap();
+        s.synchronize().unwrap();
 
         // Capture the check path (status reset + verify) into a graph and replay it.
-        let stream = g.stream().clone();
+        let stream = s.clone();
         stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
-        g.clear_status().unwrap();
-        g.verify_block_table(&step).unwrap();
+        g.clear_status(&es).unwrap();
+        g.verify_block_table(&step, &es).unwrap();
         let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0)).unwrap().expect("a captured graph");
         for _ in 0..2 {
             graph.launch().unwrap();
         }
-        let status = g.read_status(rows.len() as u32).unwrap();
+        let status = g.read_status(rows.len() as u32, &es).unwrap();
         for (s, row) in rows.iter().enumerate() {
             let host = table.check_read(readers[s], row, lens[s] as u64).err();
             let device = DeviceKind::from_status(status[s]);
@@ -196,15 +204,15 @@ mod cuda {
                 Some(v) => assert_eq!(device.iter().map(|k| k.violation_kind()).collect::<Vec<_>>(), vec![v.kind()]),
             }
         }
-        let report = g.drain(&table).unwrap();
+        let report = g.drain(&table, &es).unwrap();
         assert_eq!(report.violations.len(), 2 * 3, "two replays x three refused sequences");
         assert_eq!(table.counters().get(ViolationKind::ForeignPage), 2);
 
         // The table changes (alice ends); the same graph, replayed, now sees her pages freed.
         table.release(alice).unwrap();
-        assert!(g.sync_tags(&table).unwrap() >= 3);
+        assert!(g.sync_tags(&table, &es).unwrap() >= 3);
         graph.launch().unwrap();
-        let status = g.read_status(rows.len() as u32).unwrap();
+        let status = g.read_status(rows.len() as u32, &es).unwrap();
         assert_eq!(status[0], 1 << DeviceKind::FreedPage.code());
         assert_eq!(status[4], 0);
     }
@@ -212,13 +220,13 @@ mod cuda {
     #[test]
     fn gpu_a_prefix_shared_across_tenants_reads_clean_and_stale_readers_are_refused() {
         let (table, pa, pb) = two_requests();
-        let Some(mut g) = guard(table.config(), 8) else { return };
+        let Some((mut g, s, es)) = guard(table.config(), 8) else { return };
         let (alice, bob) = (RequestId(1), RequestId(2));
         // Alice (tenant 1) publishes her first two pages; tenant 1 opts in; bob (tenant 2) attaches.
         table.publish_prefix(alice, kvguard::PrefixKey(9), &pa[..2]).unwrap();
         table.allow_cross_tenant_sharing(TenantId(1), true);
         table.attach_prefix(bob, kvguard::PrefixKey(9)).unwrap();
-        g.sync_tags(&table).unwrap(); // the first sync: every page, the flag included
+        g.sync_tags(&table, &es).unwrap(); // the first sync: every page, the flag included
         let max_blocks = 8usize; // a wide row: the launch is sized by sequence
         let mut bt = vec![0i32; 2 * max_blocks];
         for (j, p) in pa[..2].iter().chain(&pb).enumerate() {
@@ -227,50 +235,53 @@ mod cuda {
         bt[max_blocks] = pa[0].0 as i32; // seq 1: alice through her prefix
         let lens = [32i32 + 40, 16];
         assert!(table.check_read(bob, &[pa[0], pa[1], pb[0], pb[1], pb[2]], 72).is_ok());
-        let d_bt = g.stream().clone_htod(&bt).unwrap();
-        let d_lens = g.stream().clone_htod(&lens).unwrap();
-        let step = BlockTableStep::new(lend(&g, &d_bt), lend(&g, &d_lens), 2, max_blocks as u32);
+        let d_bt = s.clone_htod(&bt).unwrap();
+        let d_lens = s.clone_htod(&lens).unwrap();
+        let step = BlockTableStep::new(lend(&s, &d_bt), lend(&s, &d_lens), 2, max_blocks as u32);
         // Stale readers: one reader named for a two-sequence step is refused before launching.
-        g.set_readers(&[(bob, TenantId(2))]).unwrap();
-        match g.verify_block_table(&step) {
+        g.set_readers(&[(bob, TenantId(2))], &es).unwrap();
+        match g.verify_block_table(&step, &es) {
             Err(DeviceError::Argument(why)) => assert!(why.contains("set_readers"), "{why}"),
             other => panic!("a step over more sequences than readers must be refused, got {other:?}"),
         }
-        g.set_readers(&[(bob, TenantId(2)), (alice, TenantId(1))]).unwrap();
-        g.clear_status().unwrap();
-        g.verify_block_table(&step).unwrap();
-        assert_eq!(g.read_status(2).unwrap(), vec![0, 0], "the host allows both reads");
-        assert!(g.drain(&table).unwrap().violations.is_empty());
+        g.set_readers(&[(bob, TenantId(2)), (alice, TenantId(1))], &es).unwrap();
+        g.clear_status(&es).unwrap();
+        g.verify_block_table(&step, &es).unwrap();
+        assert_eq!(g.read_status(2, &es).unwrap(), vec![0, 0], "the host allows both reads");
+        assert!(g.drain(&table, &es).unwrap().violations.is_empty());
     }
 
     #[test]
     fn gpu_verify_paged_kv_flags_a_stale_generation() {
         let (table, pa, _) = two_requests();
-        let Some(mut g) = guard(table.config(), 4) else { return };
-        g.upload_all_tags(&table).unwrap();
-        g.set_readers(&[(RequestId(1), TenantId(1)); 2]).unwrap();
+        let Some((mut g, s, es)) = guard(table.config(), 4) else { return };
+        g.upload_all_tags(&table, &es).unwrap();
+        g.set_readers(&[(RequestId(1), TenantId(1)); 2], &es).unwrap();
         let gens: Vec<u32> = pa.iter().map(|p| table.page_info(*p).unwrap().generation.0).collect();
         let indices: Vec<i32> = pa.iter().chain(&pa).map(|p| p.0 as i32).collect();
         let mut expected: Vec<u32> = gens.iter().chain(&gens).copied().collect();
         expected[4] += 1; // seq 1, block 1: an incarnation that does not exist
-        let d_indptr = g.stream().clone_htod(&[0i32, 3, 6]).unwrap();
-        let d_indices = g.stream().clone_htod(&indices).unwrap();
-        let d_last = g.stream().clone_htod(&[8i32, 8]).unwrap();
-        let d_gens = g.stream().clone_htod(&expected).unwrap();
-        g.clear_status().unwrap();
-        g.verify_paged_kv(&PagedKvStep {
-            kv_indptr: lend(&g, &d_indptr),
-            kv_indices: lend(&g, &d_indices),
-            kv_last_page_len: lend(&g, &d_last),
-            num_seqs: 2,
-            max_pages_per_seq: 3,
-            generations: Some(lend(&g, &d_gens)),
-            check_canaries: false,
-            query_lens: None,
-        })
+        let d_indptr = s.clone_htod(&[0i32, 3, 6]).unwrap();
+        let d_indices = s.clone_htod(&indices).unwrap();
+        let d_last = s.clone_htod(&[8i32, 8]).unwrap();
+        let d_gens = s.clone_htod(&expected).unwrap();
+        g.clear_status(&es).unwrap();
+        g.verify_paged_kv(
+            &PagedKvStep {
+                kv_indptr: lend(&s, &d_indptr),
+                kv_indices: lend(&s, &d_indices),
+                kv_last_page_len: lend(&s, &d_last),
+                num_seqs: 2,
+                max_pages_per_seq: 3,
+                generations: Some(lend(&s, &d_gens)),
+                check_canaries: false,
+                query_lens: None,
+            },
+            &es,
+        )
         .unwrap();
-        assert_eq!(g.read_status(2).unwrap(), vec![0, 1 << DeviceKind::StalePage.code()]);
-        let v = g.drain(&table).unwrap().violations;
+        assert_eq!(g.read_status(2, &es).unwrap(), vec![0, 1 << DeviceKind::StalePage.code()]);
+        let v = g.drain(&table, &es).unwrap().violations;
         assert_eq!(v.len(), 1);
         assert_eq!((v[0].kind(), v[0].block_index()), (ViolationKind::StalePage, Some(1)));
     }
@@ -278,20 +289,20 @@ mod cuda {
     #[test]
     fn gpu_crc32_matches_crc32fast() {
         let config = PoolConfig::new(8, PS, 64);
-        let Some(mut g) = guard(&config, 4) else { return };
+        let Some((mut g, s, es)) = guard(&config, 4) else { return };
         let (stride, pages) = (70_001usize, 6usize);
         let data: Vec<u8> = (0..stride * pages).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
-        let d_data = g.stream().clone_htod(&data).unwrap();
+        let d_data = s.clone_htod(&data).unwrap();
         for len in [0usize, 1, 3, 1023, 1024, 1025, 65_536, 70_001] {
-            let d_out = g.stream().alloc_zeros::<u32>(pages).unwrap();
+            let d_out = s.alloc_zeros::<u32>(pages).unwrap();
             let region = PageRegion {
-                base: lend(&g, &d_data),
+                base: lend(&s, &d_data),
                 page_stride: stride as u64,
                 page_bytes: len as u64,
                 num_pages: pages as u32,
             };
-            g.crc32_pages(region, None, pages as u32, 0, lend(&g, &d_out)).unwrap();
-            let got = g.stream().clone_dtoh(&d_out).unwrap();
+            g.crc32_pages(region, None, pages as u32, 0, lend(&s, &d_out), &es).unwrap();
+            let got = s.clone_dtoh(&d_out).unwrap();
             for (p, &crc) in got.iter().enumerate() {
                 assert_eq!(crc, crc32fast::hash(&data[p * stride..p * stride + len]), "page {p}, {len} bytes");
             }
@@ -301,8 +312,8 @@ mod cuda {
     #[test]
     fn gpu_store_then_fused_attention_fails_closed_on_a_foreign_page() {
         let (table, pa, pb) = two_requests();
-        let Some(mut g) = guard(table.config(), 4) else { return };
-        g.upload_all_tags(&table).unwrap();
+        let Some((mut g, s, es)) = guard(table.config(), 4) else { return };
+        g.upload_all_tags(&table, &es).unwrap();
         let (alice, bob) = (RequestId(1), RequestId(2));
         let (heads, kv_heads, dim) = (4u32, 2u32, 64u32);
         let width = (kv_heads * dim) as usize;
@@ -312,23 +323,26 @@ mod cuda {
         let mapping: Vec<i64> = (0..80).map(|t| if t < 40 { slot_of(&pa, t) } else { slot_of(&pb, t - 40) }).collect();
         let key: Vec<f32> = (0..80 * width).map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0).collect();
         let value: Vec<f32> = (0..80 * width).map(|i| ((i * 53 % 97) as f32 / 48.0) - 1.0).collect();
-        g.set_readers(&[(alice, TenantId(1)), (bob, TenantId(2))]).unwrap();
-        let s = g.stream().clone();
+        g.set_readers(&[(alice, TenantId(1)), (bob, TenantId(2))], &es).unwrap();
+        let s = s.clone();
         let (d_k, d_v) = (s.clone_htod(&key).unwrap(), s.clone_htod(&value).unwrap());
         let d_kc = s.alloc_zeros::<f32>(slots * width).unwrap();
         let d_vc = s.alloc_zeros::<f32>(slots * width).unwrap();
         let (d_map, d_qsl) = (s.clone_htod(&mapping).unwrap(), s.clone_htod(&[0i32, 40, 80]).unwrap());
-        g.store_kv(&KvStore {
-            key: lend(&g, &d_k),
-            value: lend(&g, &d_v),
-            key_cache: lend(&g, &d_kc),
-            value_cache: lend(&g, &d_vc),
-            slot_mapping: lend(&g, &d_map),
-            num_tokens: 80,
-            kv_width: width as u32,
-            query_start_loc: lend(&g, &d_qsl),
-            num_seqs: 2,
-        })
+        g.store_kv(
+            &KvStore {
+                key: lend(&s, &d_k),
+                value: lend(&s, &d_v),
+                key_cache: lend(&s, &d_kc),
+                value_cache: lend(&s, &d_vc),
+                slot_mapping: lend(&s, &d_map),
+                num_tokens: 80,
+                kv_width: width as u32,
+                query_start_loc: lend(&s, &d_qsl),
+                num_seqs: 2,
+            },
+            &es,
+        )
         .unwrap();
         // Decode: alice reads her 40 tokens; bob reads his first page and alice's second (foreign).
         let max_blocks = 3usize;
@@ -345,19 +359,20 @@ mod cuda {
             head_dim: dim,
             scale: 1.0 / (dim as f32).sqrt(),
         };
-        g.clear_status().unwrap();
+        g.clear_status(&es).unwrap();
         let attn = DecodeAttention {
             shape,
-            q: lend(&g, &d_q),
-            key_cache: lend(&g, &d_kc),
-            value_cache: lend(&g, &d_vc),
-            block_table: lend(&g, &d_bt),
-            seq_lens: lend(&g, &d_lens),
-            out: lend(&g, &d_out),
+            q: lend(&s, &d_q),
+            key_cache: lend(&s, &d_kc),
+            value_cache: lend(&s, &d_vc),
+            block_table: lend(&s, &d_bt),
+            seq_lens: lend(&s, &d_lens),
+            out: lend(&s, &d_out),
+            workspace: None,
         };
-        g.decode_attention_checked(&attn, AttentionCheck { check_canaries: true, fail_closed: true }).unwrap();
+        g.decode_attention_checked(&attn, AttentionCheck { check_canaries: true, fail_closed: true }, &es).unwrap();
         let out = s.clone_dtoh(&d_out).unwrap();
-        assert_eq!(g.read_status(2).unwrap(), vec![0, 1 << DeviceKind::ForeignPage.code()]);
+        assert_eq!(g.read_status(2, &es).unwrap(), vec![0, 1 << DeviceKind::ForeignPage.code()]);
         let per_seq = (heads * dim) as usize;
         assert!(out[per_seq..].iter().all(|&x| x == 0.0), "bob's output is zeros: fail closed");
         // Alice's output against a naive attention over what the store wrote.
@@ -378,7 +393,7 @@ mod cuda {
                 assert!((f64::from(got) - want).abs() < 1e-4, "head {h} dim {d}: {got} vs {want}");
             }
         }
-        let report = g.drain(&table).unwrap();
+        let report = g.drain(&table, &es).unwrap();
         assert_eq!(report.violations.len(), 1);
         assert_eq!(report.violations[0].kind(), ViolationKind::ForeignPage);
         assert_eq!(report.violations[0].request(), Some(bob));

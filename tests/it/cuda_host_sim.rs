@@ -8,6 +8,7 @@
 /// Under `cuda::` so that `cargo test cuda` selects these.
 mod cuda {
     use crate::common::host_sim::{Case, NUM_PAGES, PS, Pool, Rng, driver, pool};
+    use kvguard::cuda::Bf16;
     use kvguard::cuda::layout::{DeviceKind, DeviceReader, DeviceTag, DeviceViolation, RingDrain, RingHeader, canary};
     use kvguard::{PageId, RequestId, TenantId, ViolationKind};
     use std::collections::HashMap;
@@ -252,7 +253,8 @@ mod cuda {
     }
 
     // ------------------------------------------------------------------------------------------------
-    // Reference attention, with and without the fused check
+    // The paged decode attention (split over the KV length; f32 and bf16), with and without the
+    // fused check
     // ------------------------------------------------------------------------------------------------
 
     struct Attn {
@@ -298,16 +300,34 @@ mod cuda {
         out
     }
 
+    /// How the attention is launched: the splits of each sequence's pages, and whether the
+    /// caches are bfloat16 (the values of `Attn`, rounded).
+    #[derive(Clone, Copy, Debug)]
+    struct Launch {
+        splits: u32,
+        bf16: bool,
+    }
+
+    fn bf16_bits(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|&x| Bf16::from_f32(x).0.to_le_bytes()).collect()
+    }
+
     fn run_attention(
         exe: &Path,
         pool: &Pool,
         a: &Attn,
+        launch: Launch,
         checked: Option<(&[DeviceReader], &[u32], bool)>,
     ) -> (Vec<f32>, Vec<u32>, RingDrain) {
         let mut case = Case::new("attention");
+        if launch.bf16 {
+            case.bytes("key_cache", &bf16_bits(&a.kc)).bytes("value_cache", &bf16_bits(&a.vc));
+        } else {
+            case.f32s("key_cache", &a.kc).f32s("value_cache", &a.vc);
+        }
         case.f32s("q", &a.q)
-            .f32s("key_cache", &a.kc)
-            .f32s("value_cache", &a.vc)
+            .param("splits", launch.splits)
+            .param("bf16", u32::from(launch.bf16))
             .i32s("block_table", &a.rows)
             .i32s("seq_lens", &a.lens)
             .param("max_blocks", MAX_BLOCKS)
@@ -325,6 +345,10 @@ mod cuda {
                 .param("fail_closed", u32::from(fail_closed));
         }
         case.run(exe, "attention");
+        assert!(
+            case.out_u32("counters").iter().all(|&c| c == 0),
+            "{launch:?}: the workspace's counters are zeroed again"
+        );
         if checked.is_some() {
             (case.out_f32("out"), case.out_u32("status"), case.ring())
         } else {
@@ -333,7 +357,7 @@ mod cuda {
     }
 
     #[test]
-    fn reference_attention_matches_naive_and_the_fused_check_fails_closed() {
+    fn the_split_attention_matches_naive_and_the_fused_check_fails_closed() {
         let Some(exe) = driver() else { return };
         let pool = pool();
         let mut rng = Rng(31);
@@ -366,17 +390,48 @@ mod cuda {
             dim,
             scale: 1.0 / (dim as f32).sqrt(),
         };
-        let naive = naive_attention(&a);
-        let (plain, ..) = run_attention(exe, &pool, &a, None);
-        for (i, (x, y)) in plain.iter().zip(&naive).enumerate() {
-            assert!((x - y).abs() <= 1e-4 * (1.0 + y.abs()), "out[{i}]: kernel {x} vs naive {y}");
-        }
-
         let readers: Vec<DeviceReader> = reads.iter().map(|(q, ..)| DeviceReader::new(*q, pool.tenant(*q))).collect();
         let mut canaries = pool.canaries();
         canaries[(r[0].2[2].0 * PS + 1) as usize] = 0; // seqs 0 and 4 read this slot of alice's
+        // One block per sequence, the pages split over three blocks, and bfloat16 caches.
+        for launch in
+            [Launch { splits: 1, bf16: false }, Launch { splits: 3, bf16: false }, Launch { splits: 2, bf16: true }]
+        {
+            attention_case(exe, &pool, &a, launch, &readers, &canaries, reads.len());
+        }
+    }
+
+    fn attention_case(
+        exe: &Path,
+        pool: &Pool,
+        a: &Attn,
+        launch: Launch,
+        readers: &[DeviceReader],
+        canaries: &[u32],
+        n_reads: usize,
+    ) {
+        let (heads, dim) = (a.heads, a.dim);
+        let rounded;
+        let naive = if launch.bf16 {
+            let round = |v: &[f32]| v.iter().map(|&x| Bf16::from_f32(x).to_f32()).collect::<Vec<_>>();
+            rounded = Attn {
+                kc: round(&a.kc),
+                vc: round(&a.vc),
+                q: a.q.clone(),
+                rows: a.rows.clone(),
+                lens: a.lens.clone(),
+                ..*a
+            };
+            naive_attention(&rounded)
+        } else {
+            naive_attention(a)
+        };
+        let (plain, ..) = run_attention(exe, pool, a, launch, None);
+        for (i, (x, y)) in plain.iter().zip(&naive).enumerate() {
+            assert!((x - y).abs() <= 1e-4 * (1.0 + y.abs()), "{launch:?} out[{i}]: kernel {x} vs naive {y}");
+        }
         // Report mode: same output as unchecked, violations flagged and recorded once per page.
-        let (report, status, ring) = run_attention(exe, &pool, &a, Some((&readers, &canaries, false)));
+        let (report, status, ring) = run_attention(exe, pool, a, launch, Some((readers, canaries, false)));
         assert_eq!(report, plain, "report mode computes exactly what the unchecked kernel does");
         let foreign = 1 << DeviceKind::ForeignPage.code();
         let canary_bit = 1 << DeviceKind::CanaryMismatch.code();
@@ -394,10 +449,10 @@ mod cuda {
             "one record per bad page, from head 0 only"
         );
         // Fail closed: flagged sequences output zeros, the others are untouched.
-        let (closed, status2, _) = run_attention(exe, &pool, &a, Some((&readers, &canaries, true)));
+        let (closed, status2, _) = run_attention(exe, pool, a, launch, Some((readers, canaries, true)));
         assert_eq!(status2, status);
         let per_seq = heads * dim;
-        for s in 0..reads.len() {
+        for s in 0..n_reads {
             let got = &closed[s * per_seq..(s + 1) * per_seq];
             if status[s] != 0 {
                 assert!(got.iter().all(|&x| x == 0.0), "seq {s} was flagged: its output must be zeros");
