@@ -1,7 +1,9 @@
 //! The CUDA device guard.
 //!
 //! Device pointers are integers (`tensor.data_ptr()`), the engine's stream an integer handle
-//! (`torch.cuda.current_stream().cuda_stream`). kvguard cannot check a raw pointer: the caller
+//! (`torch.cuda.current_stream().cuda_stream`) passed to every call that queues GPU work, so a
+//! call lands in stream order with the engine's kernels and can be captured in a CUDA graph on a
+//! side stream. kvguard cannot check a raw pointer: the caller
 //! promises what [`kvguard::cuda::Borrowed::from_raw`] asks (live memory of the guard's device,
 //! of at least the sizes given, untouched by unordered work until the launch completes). Without
 //! a GPU, the constructor raises `kvguard.DeviceError`.
@@ -17,6 +19,13 @@ fn dev_err(e: core::DeviceError) -> PyErr {
     DeviceError::new_err(e.to_string())
 }
 
+/// The engine's stream from its integer handle.
+fn engine_stream(stream: usize) -> EngineStream {
+    // SAFETY: the caller promises (documented on DeviceGuard) a live CUstream of this guard's
+    // device's primary context, or 0 for the legacy default stream, during the call.
+    unsafe { EngineStream::from_raw(stream as cudarc::driver::sys::CUstream) }
+}
+
 /// Whether the CUDA driver library loads here (no device needed).
 #[pyfunction]
 pub fn driver_available() -> bool {
@@ -30,8 +39,10 @@ pub fn driver_available() -> bool {
 /// Raises DeviceError without a driver, a device or NVRTC (pass cubin=bytes built ahead of time
 /// to run without NVRTC).
 ///
-/// Each step: sync_tags(table); set_readers(table, req_ids); clear_status();
-/// verify_block_table(...) before attention (no host sync); drain(table) off the hot path.
+/// Each step, on the engine's stream s (an int): sync_tags(table, stream=s);
+/// set_readers(table, req_ids, stream=s); clear_status(stream=s); verify_block_table(...,
+/// stream=s) before attention (no host sync; clear_status and verify_* can be captured in a
+/// graph); drain(table, stream=s) off the hot path.
 /// Pointers are ints from tensor.data_ptr(): they must be live int32 device tensors of this
 /// guard's device, of at least the sizes given, until the launch completes.
 #[pyclass(frozen, module = "kvguard")]
@@ -63,28 +74,28 @@ impl DeviceGuard {
         Ok(DeviceGuard { guard: Mutex::new(guard) })
     }
 
-    /// Launches on the engine's CUDA stream from now on (an int handle, e.g.
-    /// torch.cuda.current_stream().cuda_stream); it must outlive the guard.
-    fn use_engine_stream(&self, stream: usize) -> PyResult<()> {
-        // SAFETY: the caller promises (documented above) a live CUstream of this guard's
-        // device's primary context that outlives the guard.
-        let stream = unsafe { EngineStream::from_raw(stream as cudarc::driver::sys::CUstream) };
-        self.guard.lock().use_engine_stream(stream).map_err(dev_err)
-    }
-
     /// Copies the tags of the pages the table changed since the last call; returns how many.
-    fn sync_tags(&self, py: Python<'_>, table: &OwnershipTable) -> PyResult<usize> {
-        py.detach(|| self.guard.lock().sync_tags(table.core())).map_err(dev_err)
+    #[pyo3(signature = (table, *, stream))]
+    fn sync_tags(&self, py: Python<'_>, table: &OwnershipTable, stream: usize) -> PyResult<usize> {
+        py.detach(|| self.guard.lock().sync_tags(table.core(), &engine_stream(stream))).map_err(dev_err)
     }
 
     /// Writes every page's tag (start-up).
-    fn upload_all_tags(&self, py: Python<'_>, table: &OwnershipTable) -> PyResult<()> {
-        py.detach(|| self.guard.lock().upload_all_tags(table.core())).map_err(dev_err)
+    #[pyo3(signature = (table, *, stream))]
+    fn upload_all_tags(&self, py: Python<'_>, table: &OwnershipTable, stream: usize) -> PyResult<()> {
+        py.detach(|| self.guard.lock().upload_all_tags(table.core(), &engine_stream(stream))).map_err(dev_err)
     }
 
     /// Names the request reading through each sequence of the next steps (ids as the table
     /// knows them; each request's tenant is the table's).
-    fn set_readers(&self, py: Python<'_>, table: &OwnershipTable, req_ids: Vec<Bound<'_, PyAny>>) -> PyResult<()> {
+    #[pyo3(signature = (table, req_ids, *, stream))]
+    fn set_readers(
+        &self,
+        py: Python<'_>,
+        table: &OwnershipTable,
+        req_ids: Vec<Bound<'_, PyAny>>,
+        stream: usize,
+    ) -> PyResult<()> {
         let keys = req_ids.iter().map(|o| crate::names::key(o, "req_ids entry")).collect::<PyResult<Vec<_>>>()?;
         let requests: Vec<_> = {
             let names = table.names().lock();
@@ -94,19 +105,20 @@ impl DeviceGuard {
             .into_iter()
             .map(|r| (r, table.core().request_info(r).map_or(crate::names::UNKNOWN_TENANT, |i| i.tenant)))
             .collect();
-        py.detach(|| self.guard.lock().set_readers(&readers)).map_err(dev_err)
+        py.detach(|| self.guard.lock().set_readers(&readers, &engine_stream(stream))).map_err(dev_err)
     }
 
     /// Zeroes the per-sequence status words before a step.
-    fn clear_status(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.guard.lock().clear_status()).map_err(dev_err)
+    #[pyo3(signature = (*, stream))]
+    fn clear_status(&self, py: Python<'_>, stream: usize) -> PyResult<()> {
+        py.detach(|| self.guard.lock().clear_status(&engine_stream(stream))).map_err(dev_err)
     }
 
     /// Verifies a vLLM-layout step on the device: block_table int32 [num_seqs][max_blocks] and
     /// seq_lens int32 [num_seqs], device pointers. With canaries, `query_lens` (int32 [num_seqs], a
     /// device pointer) names each sequence's tokens of this step, whose canaries are not yet
     /// stamped. No host sync.
-    #[pyo3(signature = (block_table, seq_lens, num_seqs, max_blocks, *, check_canaries = false, query_lens = None))]
+    #[pyo3(signature = (block_table, seq_lens, num_seqs, max_blocks, *, stream, check_canaries = false, query_lens = None))]
     #[allow(clippy::too_many_arguments)] // the Python signature: keyword arguments, not a struct
     fn verify_block_table(
         &self,
@@ -115,6 +127,7 @@ impl DeviceGuard {
         seq_lens: u64,
         num_seqs: u32,
         max_blocks: u32,
+        stream: usize,
         check_canaries: bool,
         query_lens: Option<u64>,
     ) -> PyResult<()> {
@@ -132,12 +145,12 @@ impl DeviceGuard {
                 query_lens: query_lens.map(|p| Borrowed::from_raw(p, num_seqs as usize)),
             }
         };
-        py.detach(|| self.guard.lock().verify_block_table(&step)).map_err(dev_err)
+        py.detach(|| self.guard.lock().verify_block_table(&step, &engine_stream(stream))).map_err(dev_err)
     }
 
     /// Verifies a FlashInfer-layout step on the device (int32 device pointers: kv_indptr
     /// [num_seqs + 1], kv_indices [num_indices], kv_last_page_len [num_seqs]). No host sync.
-    #[pyo3(signature = (kv_indptr, kv_indices, kv_last_page_len, num_seqs, num_indices, max_pages_per_seq, *, check_canaries = false, query_lens = None))]
+    #[pyo3(signature = (kv_indptr, kv_indices, kv_last_page_len, num_seqs, num_indices, max_pages_per_seq, *, stream, check_canaries = false, query_lens = None))]
     #[allow(clippy::too_many_arguments)]
     fn verify_paged_kv(
         &self,
@@ -148,6 +161,7 @@ impl DeviceGuard {
         num_seqs: u32,
         num_indices: usize,
         max_pages_per_seq: u32,
+        stream: usize,
         check_canaries: bool,
         query_lens: Option<u64>,
     ) -> PyResult<()> {
@@ -165,18 +179,20 @@ impl DeviceGuard {
                 query_lens: query_lens.map(|p| Borrowed::from_raw(p, num_seqs as usize)),
             }
         };
-        py.detach(|| self.guard.lock().verify_paged_kv(&step)).map_err(dev_err)
+        py.detach(|| self.guard.lock().verify_paged_kv(&step, &engine_stream(stream))).map_err(dev_err)
     }
 
     /// The first `n` per-sequence status words (bit k set: a violation of kind k). Syncs.
-    fn read_status(&self, py: Python<'_>, n: u32) -> PyResult<Vec<u32>> {
-        py.detach(|| self.guard.lock().read_status(n)).map_err(dev_err)
+    #[pyo3(signature = (n, *, stream))]
+    fn read_status(&self, py: Python<'_>, n: u32, stream: usize) -> PyResult<Vec<u32>> {
+        py.detach(|| self.guard.lock().read_status(n, &engine_stream(stream))).map_err(dev_err)
     }
 
     /// Takes the device's violation ring into the table (counted, logged, judged) and returns
     /// the violations. Off the hot path: it syncs.
-    fn drain(&self, py: Python<'_>, table: &OwnershipTable) -> PyResult<Vec<Py<Violation>>> {
-        let drained = py.detach(|| self.guard.lock().drain(table.core())).map_err(dev_err)?;
+    #[pyo3(signature = (table, *, stream))]
+    fn drain(&self, py: Python<'_>, table: &OwnershipTable, stream: usize) -> PyResult<Vec<Py<Violation>>> {
+        let drained = py.detach(|| self.guard.lock().drain(table.core(), &engine_stream(stream))).map_err(dev_err)?;
         let resolved: Vec<_> = {
             let names = table.names().lock();
             drained
