@@ -137,6 +137,9 @@ class Engine:
         self.reports: list[tuple[int, object]] = []
         #: Hooks a test sets to inject a bug: called with the engine before the worker check.
         self.before_check = None
+        #: Scheduler decisions seen: preemptions, and kvguard events by kind.
+        self.preemptions = 0
+        self.events: dict[str, int] = {}
 
     # -- client --------------------------------------------------------------------------------
 
@@ -167,6 +170,10 @@ class Engine:
 
         self.steps += 1
         so = self.scheduler.schedule()
+        self.preemptions += len(so.preempted_req_ids or ())
+        for ev in getattr(so, "kvguard_events", None) or ():
+            name = ev[0].name
+            self.events[name] = self.events.get(name, 0) + 1
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             out = self.scheduler.update_from_output(so, EMPTY_MODEL_RUNNER_OUTPUT)
