@@ -276,6 +276,7 @@ class Engine:
         bs = self.cfg.block_size
         sampled: list[list[int]] = []
         rows = []
+        manager = self.scheduler.kv_cache_manager
         for i, rid in enumerate(req_ids):
             c = int(batch.num_computed_tokens_cpu[i])
             n = int(sched[i])
@@ -285,9 +286,13 @@ class Engine:
             rows.append((i, rid, c + n, len(toks)))
         for i, rid, seq_len, known in rows:
             pos = np.arange(seq_len)
+            blocks = bt[i, : -(-seq_len // bs)]
             read = self.kv[bt[i, pos // bs], pos % bs]
             truth = np.asarray(self.tokens[rid][:seq_len], dtype=np.int64)
-            if not np.array_equal(read, truth):
+            # Ground truth, independent of kvguard: the request reads (and wrote) only through
+            # the blocks the scheduler gave it, and reads back exactly its own tokens.
+            owned = set(manager.get_block_ids(rid)[0]) if rid in self.scheduler.requests else set()
+            if not np.array_equal(read, truth) or not set(blocks.tolist()) <= owned:
                 self.oracle_errors.append((self.steps, rid))
             if seq_len >= known:
                 h = int(((read + 7) * (pos * 2 + 1) % 1_000_003).sum())
