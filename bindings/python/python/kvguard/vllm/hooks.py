@@ -109,7 +109,8 @@ def _install_scheduler() -> None:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    signature = inspect.signature(KVCacheManager.allocate_slots)
+    # The position of new_computed_blocks after `request` (checked once, not per call).
+    hits_at = list(inspect.signature(KVCacheManager.allocate_slots).parameters).index("new_computed_blocks") - 2
 
     def allocate_slots(original: Any) -> Any:
         def wrapper(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
@@ -120,9 +121,11 @@ def _install_scheduler() -> None:
             try:
                 out = original(self, request, *args, **kwargs)
             finally:
-                bound = signature.bind_partial(self, request, *args, **kwargs).arguments
-                hits = bound.get("new_computed_blocks")
-                rec.end_allocation(request, before, list(hits.blocks[0]) if hits is not None else [])
+                # allocate_slots(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, ...)
+                hits = kwargs["new_computed_blocks"] if "new_computed_blocks" in kwargs else (
+                    args[hits_at] if len(args) > hits_at else None
+                )
+                rec.end_allocation(request, before, hits.blocks[0] if hits is not None else ())
             return out
 
         return wrapper

@@ -138,16 +138,16 @@ class SchedulerRecorder:
         blocks = self.manager.req_to_blocks.get(request_id)
         return (len(blocks) if blocks else 0, self.manager.num_cached_block.get(request_id, 0))
 
-    def end_allocation(self, request: Any, before: tuple[int, int], hits: list[Any]) -> None:
+    def end_allocation(self, request: Any, before: tuple[int, int], hits: Any) -> None:
         """After ``allocate_slots``: what it admitted, handed out, reused and hashed."""
         self._in_alloc = False
         rid = request.request_id
         n_before, cached_before = before
         blocks = self.manager.req_to_blocks.get(rid) or ()
-        new = blocks[n_before:]
         evicted, self._evicted = self._evicted, []
-        if not new and not evicted and self.manager.num_cached_block.get(rid, 0) <= cached_before:
-            return
+        if len(blocks) == n_before and not evicted and self.manager.num_cached_block.get(rid, 0) <= cached_before:
+            return  # the common decode step: nothing new
+        new = blocks[n_before:]
         if rid not in self.admitted:
             prompt = int(request.num_prompt_tokens)
             max_new = max(0, min(int(request.max_tokens or 0), self.max_model_len - prompt))
