@@ -1,0 +1,324 @@
+"""Where kvguard attaches to vLLM 0.33, and why each attachment is a wrapper.
+
+vLLM offers ``vllm.general_plugins`` (code run in every process it starts) but no callback on
+the KV cache manager's decisions nor on the worker's block table, so the plugin wraps these
+methods at load, on the classes, once (each wrapper calls the original and only observes, except
+the two marked *acts*):
+
+scheduler process (engine core)
+  ``KVCacheManager.allocate_slots``      allocation, prefix-cache hits, newly cacheable blocks
+  ``KVCacheManager.free``                free on finish (release) and on preemption
+  ``KVCacheManager.pop_blocks_for_free`` the same, for vLLM's deferred frees
+  ``KVCacheManager.reset_prefix_cache``  every cached block dropped
+  ``BlockPool._maybe_evict_cached_block`` a cached block reused: its hash dropped
+  ``Scheduler.schedule``                 the step's events put on ``SchedulerOutput.kvguard_events``
+  ``Scheduler.update_from_output``       *acts*: the refused requests' tokens of the step are
+                                         dropped and those requests end with FINISHED_ERROR and a
+                                         ``RequestError`` the client sees (vLLM's per-request
+                                         error path, the one grammar errors take)
+worker process
+  ``GPUModelRunner._prepare_inputs``     *acts*: the check, after ``_update_states`` built the
+                                         persistent batch and before ``commit_block_table`` copies
+                                         it; under enforce refused rows are nulled
+  ``GPUModelRunner.execute_model`` / ``sample_tokens``  refusals put on the ModelRunnerOutput
+                                         (``kvguard_refused``) that goes back to the scheduler
+
+The scheduler's truth reaches the worker on the ``SchedulerOutput`` it already sends each step
+(by reference in-process, pickled through vLLM's shared-memory broadcast otherwise), and the
+refusals come back on the ``ModelRunnerOutput`` the same way: no extra channel, no extra round
+trip. Supported: one full-attention KV cache group, block size equal to the hash block size,
+no KV connector, vLLM's V1 model runner (``CPUModelRunner`` is a subclass); anything else is
+refused at start under enforce and left unchecked (with a warning) under report.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import logging
+import os
+from typing import Any
+
+from .guard import StepGuard, StepReport
+from .recorder import SchedulerRecorder
+
+__all__ = ["annotate_output", "install", "installed_mode", "uninstall", "worker_step"]
+
+logger = logging.getLogger("vllm.kvguard")
+
+_MODE: str | None = None
+_ORIGINALS: list[tuple[type, str, Any]] = []
+
+
+class UnsupportedConfig(RuntimeError):
+    """kvguard cannot check this vLLM configuration."""
+
+
+def installed_mode() -> str | None:
+    return _MODE
+
+
+def _wrap(cls: type, name: str, make: Any) -> None:
+    original = cls.__dict__[name]
+    _ORIGINALS.append((cls, name, original))
+    wrapper = make(original)
+    functools.update_wrapper(wrapper, original)
+    wrapper.__kvguard_original__ = original
+    setattr(cls, name, wrapper)
+
+
+def uninstall() -> None:
+    global _MODE
+    while _ORIGINALS:
+        cls, name, original = _ORIGINALS.pop()
+        setattr(cls, name, original)
+    _MODE = None
+
+
+def _unsupported(what: str) -> None:
+    if _MODE == "enforce":
+        raise UnsupportedConfig(f"kvguard (KVGUARD_VLLM=enforce) cannot check {what}")
+    logger.warning("kvguard: cannot check %s; this engine runs unchecked", what)
+
+
+# -- scheduler side --------------------------------------------------------------------------
+
+
+def recorder_of(kv_cache_manager: Any) -> SchedulerRecorder | None:
+    """The recorder of a ``KVCacheManager`` (created on first use; None when unsupported)."""
+    rec = kv_cache_manager.__dict__.get("_kvguard_recorder", False)
+    if rec is not False:
+        return rec
+    managers = kv_cache_manager.coordinator.single_type_managers
+    rec = None
+    if len(managers) != 1 or type(managers[0]).__name__ != "FullAttentionManager":
+        _unsupported(f"KV cache groups {[type(m).__name__ for m in managers]} (one full-attention group only)")
+    elif managers[0].block_size != kv_cache_manager.block_pool.hash_block_size:
+        _unsupported("a block size different from the hash block size (partial-block prefix caching)")
+    else:
+        rec = SchedulerRecorder(managers[0], kv_cache_manager.max_model_len)
+        kv_cache_manager.block_pool._kvguard_recorder = rec
+    kv_cache_manager._kvguard_recorder = rec
+    return rec
+
+
+def _install_scheduler() -> None:
+    from vllm.outputs import RequestError
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    # The position of new_computed_blocks after `request` (checked once, not per call).
+    hits_at = list(inspect.signature(KVCacheManager.allocate_slots).parameters).index("new_computed_blocks") - 2
+
+    def allocate_slots(original: Any) -> Any:
+        def wrapper(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+            rec = recorder_of(self)
+            if rec is None:
+                return original(self, request, *args, **kwargs)
+            before = rec.begin_allocation(request.request_id)
+            try:
+                out = original(self, request, *args, **kwargs)
+            finally:
+                # allocate_slots(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, ...)
+                hits = kwargs["new_computed_blocks"] if "new_computed_blocks" in kwargs else (
+                    args[hits_at] if len(args) > hits_at else None
+                )
+                rec.end_allocation(request, before, hits.blocks[0] if hits is not None else ())
+            return out
+
+        return wrapper
+
+    def freeing(original: Any) -> Any:
+        def wrapper(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+            out = original(self, request, *args, **kwargs)
+            rec = recorder_of(self)
+            if rec is not None:
+                rec.freed(request)
+            return out
+
+        return wrapper
+
+    def reset_prefix_cache(original: Any) -> Any:
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            ok = original(self, *args, **kwargs)
+            rec = recorder_of(self)
+            if ok and rec is not None:
+                rec.cache_reset()
+            return ok
+
+        return wrapper
+
+    def maybe_evict(original: Any) -> Any:
+        def wrapper(self: Any, block: Any) -> Any:
+            evicted = original(self, block)
+            if evicted:
+                rec = self.__dict__.get("_kvguard_recorder")
+                if rec is not None:
+                    rec.evicted(block.block_id)
+            return evicted
+
+        return wrapper
+
+    def schedule(original: Any) -> Any:
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self.__dict__.get("_kvguard_checked_config"):
+                self._kvguard_checked_config = True
+                if getattr(self, "use_v2_model_runner", False):
+                    _unsupported("vLLM's V2 model runner (its workers are not hooked)")
+            out = original(self, *args, **kwargs)
+            rec = recorder_of(self.kv_cache_manager)
+            out.kvguard_events = rec.take() if rec is not None else None
+            return out
+
+        return wrapper
+
+    def update_from_output(original: Any) -> Any:
+        def wrapper(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
+            refused = getattr(model_runner_output, "kvguard_refused", None)
+            if refused:
+                model_runner_output = copy.copy(model_runner_output)
+                sampled = list(model_runner_output.sampled_token_ids)
+                for rid, message in refused.items():
+                    row = model_runner_output.req_id_to_index.get(rid)
+                    if row is not None and row < len(sampled):
+                        sampled[row] = []
+                    if rid in self.requests:
+                        self.grammar_compile_error_reqs[rid] = RequestError(
+                            code="kvguard_violation", message=message
+                        )
+                model_runner_output.sampled_token_ids = sampled
+            return original(self, scheduler_output, model_runner_output)
+
+        return wrapper
+
+    _wrap(KVCacheManager, "allocate_slots", allocate_slots)
+    _wrap(KVCacheManager, "free", freeing)
+    _wrap(KVCacheManager, "pop_blocks_for_free", freeing)
+    _wrap(KVCacheManager, "reset_prefix_cache", reset_prefix_cache)
+    _wrap(BlockPool, "_maybe_evict_cached_block", maybe_evict)
+    _wrap(Scheduler, "schedule", schedule)
+    _wrap(Scheduler, "update_from_output", update_from_output)
+
+
+# -- worker side -----------------------------------------------------------------------------
+
+
+def worker_step(
+    owner: Any,
+    input_batch: Any,
+    scheduler_output: Any,
+    num_scheduled_tokens: Any,
+    *,
+    num_blocks: int,
+    max_model_len: int,
+) -> StepReport | None:
+    """The worker's check of one step (what the ``_prepare_inputs`` wrapper runs; a harness
+    driving ``InputBatch`` itself calls it at the same point). ``owner`` keeps the guard
+    (``owner._kvguard``) and the refusals awaiting the step's output."""
+    guard = owner.__dict__.get("_kvguard", False)
+    if guard is False:
+        tables = input_batch.block_table.block_tables
+        guard = None
+        if len(tables) != 1:
+            _unsupported(f"{len(tables)} block tables (one KV cache group only)")
+        else:
+            guard = StepGuard(num_blocks, tables[0].block_size, max_model_len, _MODE or "enforce")
+        owner._kvguard = guard
+    if guard is None:
+        return None
+    table = input_batch.block_table.block_tables[0]
+    report = guard.check_step(
+        input_batch.req_ids,
+        table.block_table.np,
+        table.num_blocks_per_row,
+        input_batch.num_computed_tokens_cpu,
+        num_scheduled_tokens,
+        getattr(scheduler_output, "kvguard_events", None),
+    )
+    if report.refused and guard.mode == "enforce":
+        pending = owner.__dict__.setdefault("_kvguard_refused", {})
+        for rid, refusal in report.refused.items():
+            pending[rid] = refusal.client_message(rid)
+    return report
+
+
+def annotate_output(owner: Any, output: Any) -> Any:
+    """Puts the refusals awaiting ``owner``'s step output on it (``kvguard_refused``)."""
+    pending = owner.__dict__.get("_kvguard_refused")
+    if not pending or output is None:
+        return output
+    if hasattr(output, "req_id_to_index"):
+        output = copy.copy(output)  # never mutate vLLM's shared EMPTY_MODEL_RUNNER_OUTPUT
+        output.kvguard_refused = dict(pending)
+        pending.clear()
+    elif hasattr(output, "get_output"):
+        get_output = output.get_output
+        refused = dict(pending)
+        pending.clear()
+
+        def get_output_with_refusals() -> Any:
+            out = copy.copy(get_output())
+            out.kvguard_refused = refused
+            return out
+
+        output.get_output = get_output_with_refusals
+    return output
+
+
+def _install_worker() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def prepare_inputs(original: Any) -> Any:
+        def wrapper(self: Any, scheduler_output: Any, num_scheduled_tokens: Any, *args: Any, **kw: Any) -> Any:
+            if self.kv_cache_config is not None and not self.__dict__.get("_kvguard_checked_config"):
+                self._kvguard_checked_config = True
+                if getattr(self.vllm_config, "kv_transfer_config", None) is not None:
+                    _unsupported("a KV connector (kv_transfer_config): its imports are not recorded")
+                    self._kvguard = None
+            worker_step(
+                self,
+                self.input_batch,
+                scheduler_output,
+                num_scheduled_tokens,
+                num_blocks=self.kv_cache_config.num_blocks,
+                max_model_len=self.max_model_len,
+            )
+            return original(self, scheduler_output, num_scheduled_tokens, *args, **kw)
+
+        return wrapper
+
+    def annotating(original: Any) -> Any:
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return annotate_output(self, original(self, *args, **kwargs))
+
+        return wrapper
+
+    _wrap(GPUModelRunner, "_prepare_inputs", prepare_inputs)
+    _wrap(GPUModelRunner, "execute_model", annotating)
+    _wrap(GPUModelRunner, "sample_tokens", annotating)
+
+
+def install(mode: str) -> None:
+    """Wraps vLLM's methods in this process (idempotent; a second mode replaces the first)."""
+    global _MODE
+    if _MODE is not None:
+        _MODE = mode
+        return
+    import vllm.envs as envs
+
+    _MODE = mode
+    if "VLLM_USE_V2_MODEL_RUNNER" not in os.environ:
+        # vLLM picks its V2 model runner by default where Triton exists; kvguard hooks the V1
+        # runner's persistent batch, so it asks for that one (inherited by the workers).
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        logger.info("kvguard: VLLM_USE_V2_MODEL_RUNNER=0 (kvguard checks the V1 model runner)")
+    elif envs.VLLM_USE_V2_MODEL_RUNNER:
+        _unsupported("vLLM's V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1)")
+    _install_scheduler()
+    try:
+        _install_worker()
+    except ImportError as e:  # a platform without the GPU model runner module
+        _unsupported(f"this worker ({e})")
+    logger.info("kvguard: checking every step's block table (%s)", mode)

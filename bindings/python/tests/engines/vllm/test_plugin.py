@@ -1,0 +1,50 @@
+"""The plugin as vLLM loads it: the entry point, the setting, the refusal on the output path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+
+import kvguard.vllm
+
+
+def test_entry_point_is_registered():
+    names = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert names.get("kvguard") == "kvguard.vllm:register"
+
+
+@pytest.mark.parametrize("mode", ["enforce", "report", "off"])
+def test_vllm_loads_the_plugin_with_the_setting(mode):
+    code = (
+        "from vllm.plugins import load_general_plugins; load_general_plugins();"
+        "import kvguard.vllm, os; print(kvguard.vllm.installed_mode(), os.environ.get('VLLM_USE_V2_MODEL_RUNNER'))"
+    )
+    env = dict(os.environ, KVGUARD_VLLM=mode, VLLM_TARGET_DEVICE="cpu")
+    env.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    expect = "None None" if mode == "off" else f"{mode} 0"
+    assert out.stdout.strip().splitlines()[-1] == expect
+
+
+def test_bad_setting_is_an_error(monkeypatch):
+    monkeypatch.setenv("KVGUARD_VLLM", "enforse")
+    with pytest.raises(ValueError, match="KVGUARD_VLLM"):
+        kvguard.vllm.register()
+
+
+def test_metrics_are_registered(enforce):
+    from conftest import workload
+    from engine import Engine, EngineConfig
+    from prometheus_client import REGISTRY
+
+    e = Engine(EngineConfig(num_blocks=64, max_num_seqs=4, max_model_len=512), guarded=True)
+    workload(e, 3, 6)
+    e.run()
+    steps = REGISTRY.get_sample_value("kvguard_steps_total")
+    assert steps is not None and steps >= e.steps
+    assert REGISTRY.get_sample_value("kvguard_pages", {"state": "free"}) is not None

@@ -1,0 +1,44 @@
+# Sourced by scripts/test (argument: setup | after). kvguard.vllm against vLLM 0.33 itself, on
+# CPU: vLLM's real v1 Scheduler, KVCacheManager, BlockPool, InputBatch and BlockTable driven
+# without a model (bindings/python/tests/engines/vllm). Never skipped.
+#
+# The vLLM venv lives in $KVGUARD_VLLM_VENV (default $HOME/.cache/kvguard/vllm-venv): created
+# and `pip install vllm==0.33.0` once (about 3 minutes and 9 GB: torch's CUDA wheels come with
+# it even on CPU), reused afterwards. The kvguard wheel scripts/ci/python.sh built into
+# target/wheels is installed into it (--force-reinstall --no-deps); built here with maturin if
+# that part did not run first. The tests take about two minutes on two cores.
+
+kvguard_vllm_after() {
+  local root venv wheel_dir wheel status
+  root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+  venv="${KVGUARD_VLLM_VENV:-$HOME/.cache/kvguard/vllm-venv}"
+  if [ ! -x "$venv/bin/python" ] || ! VLLM_TARGET_DEVICE=cpu "$venv/bin/python" -c \
+      'import importlib.metadata as m, sys; sys.exit(m.version("vllm") != "0.33.0")' 2>/dev/null; then
+    echo "vllm.sh: creating $venv with vllm==0.33.0 (once; several minutes)"
+    python3 -m venv "$venv" || return 1
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "vllm==0.33.0" || return 1
+  fi
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+    "maturin==1.9.6" "pytest==8.3.5" || return 1
+  wheel_dir="$root/target/wheels"
+  wheel=$(ls "$wheel_dir"/kvguard-*.whl 2>/dev/null | head -n 1)
+  if [ -z "$wheel" ]; then
+    echo "vllm.sh: building the kvguard wheel (maturin, release)"
+    (cd "$root" && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" \
+      maturin build --release --quiet -m bindings/python/Cargo.toml -o "$wheel_dir") || return 1
+    wheel=$(ls "$wheel_dir"/kvguard-*.whl | head -n 1)
+  fi
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps "$wheel" || return 1
+  status=0
+  # From the tests' directory, so `import kvguard` is the installed wheel, not the source tree.
+  (cd "$root/bindings/python/tests/engines/vllm" && VLLM_TARGET_DEVICE=cpu \
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider .) || status=$?
+  return "$status"
+}
+
+case "${1:-}" in
+  setup) : ;;
+  after) kvguard_vllm_after || { echo "vllm.sh: the vLLM tests failed" >&2; unset -f kvguard_vllm_after; exit 1; } ;;
+  *) echo "usage: source scripts/ci/vllm.sh setup|after" >&2 ;;
+esac
+unset -f kvguard_vllm_after
