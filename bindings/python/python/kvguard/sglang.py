@@ -174,6 +174,7 @@ class Guard:
         self._page_owner: dict[int, Any] = {}
         self._owned: dict[Any, set[int]] = {}
         self._tree_pages: dict[int, int] = {}
+        self._tenant_ids: dict[Any, int] = {}
         self._holds: dict[Any, set[int]] = {}
         self._withheld: dict[int, int] = {}
         self._next_key = 1
@@ -327,7 +328,7 @@ class Guard:
         prompt = int(prompt_tokens if prompt_tokens is not None else len(req.origin_input_ids))
         max_new = int(getattr(req.sampling_params, "max_new_tokens", None) or 0)
         try:
-            self.table.admit(rid, self.tenant_of(req), prompt, max_new)
+            self.table.admit(rid, self._tenant_key(self.tenant_of(req)), prompt, max_new)
         except ViolationError as e:
             self._refused(rid, e.violation)
             return False
@@ -335,6 +336,15 @@ class Guard:
         self._owned[rid] = set()
         self._holds[rid] = set()
         return True
+
+    def _tenant_key(self, tenant: Any) -> int:
+        """A stable int per tenant. The table interns a str tenant only while one of its requests
+        lives, but a radix-cache prefix outlives its publisher: with str ids, the next request of
+        the same tenant would get a new id and be refused as another tenant."""
+        key = self._tenant_ids.get(tenant)
+        if key is None:
+            key = self._tenant_ids[tenant] = len(self._tenant_ids) + 1
+        return key
 
     def release(self, req: Any) -> None:
         """The request gives its row back: every hold and page it still has ends in kvguard."""
