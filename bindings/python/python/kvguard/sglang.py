@@ -168,6 +168,8 @@ class Guard:
         """Requests aborted under enforce, with the violation that refused them."""
         self.violations: list[Violation] = []
         """Every violation seen, in order (report and enforce)."""
+        self.refusals: list[tuple[Any, Violation]] = []
+        """Every violation with the SGLang ``rid`` it was charged to (None: the radix cache's)."""
         self._reqs: dict[Any, Any] = {}
         self._admitted: set[Any] = set()
         self._row_owner: dict[int, Any] = {}
@@ -209,7 +211,8 @@ class Guard:
         def alloc(reqs: list[Any]) -> Any:
             fresh = [r for r in reqs if not r.kv.holds_kv]
             for req in fresh:
-                if self._rid(req) not in self._admitted:
+                rid = self._rid(req)
+                if rid not in self._admitted and rid not in self.aborted:
                     self.admit(req)
             rows = inner(reqs)
             if rows is not None:
@@ -320,12 +323,18 @@ class Guard:
     def admit(self, req: Any, *, prompt_tokens: int | None = None) -> bool:
         """Intake check (the scheduler's ``_add_request_to_queue``): a request whose prompt plus
         ``max_new_tokens`` can never fit the pool or the context length is refused before any page
-        or row is touched. ``prompt_tokens`` defaults to ``len(req.origin_input_ids)``; pass the
-        length the client sent when SGLang has already cut it. Returns whether it was admitted;
+        or row is touched. ``prompt_tokens`` defaults to the longer of ``origin_input_ids`` and
+        ``origin_input_ids_unpadded``, so SGLang's one-token abort stub is judged at the length the
+        client sent. Returns whether it was admitted;
         a refused request is aborted (its ``to_finish`` names the two numbers)."""
         rid = self._rid(req)
         self._reqs[rid] = req
-        prompt = int(prompt_tokens if prompt_tokens is not None else len(req.origin_input_ids))
+        if prompt_tokens is None:
+            # set_finish_with_abort swaps origin_input_ids for a one-token stub; the unpadded copy
+            # keeps what the client sent.
+            unpadded = getattr(req, "origin_input_ids_unpadded", None) or ()
+            prompt_tokens = max(len(req.origin_input_ids), len(unpadded))
+        prompt = int(prompt_tokens)
         max_new = int(getattr(req.sampling_params, "max_new_tokens", None) or 0)
         try:
             self.table.admit(rid, self._tenant_key(self.tenant_of(req)), prompt, max_new)
@@ -366,7 +375,15 @@ class Guard:
 
     def _row_written(self, row: int, slots: np.ndarray) -> None:
         rid = self._row_owner.get(row)
-        if rid is None or rid not in self._admitted:
+        if rid is None:
+            return
+        if rid not in self._admitted:
+            # A request the intake refused (or never saw) must not get pages: the table answers
+            # unknown_request, on this request.
+            try:
+                self.table.claim(rid, _pages_of(slots, self.page_size).tolist())
+            except ViolationError as e:
+                self._refused(rid, e.violation)
             return
         owned = self._owned[rid]
         fresh: list[int] = []
@@ -396,6 +413,10 @@ class Guard:
 
     def _published(self, pages: np.ndarray) -> None:
         for page in pages.tolist():
+            if page in self._withheld:
+                # The cache takes back a page whose eviction was refused: it is the tree's again.
+                del self._withheld[page]
+                continue
             if page in self._tree_pages or page == 0:
                 continue
             owner = self._page_owner.get(page)
@@ -569,8 +590,26 @@ class Guard:
 
     # ---- verdicts ------------------------------------------------------------------------------
 
+    def _imported(self, rid: Any, tokens: int) -> None:
+        """A PD transfer of ``tokens`` landed and was accepted for ``rid``."""
+        self.metrics["imported_tokens"] += tokens
+
+    def _abort_plain(self, rid: Any, message: str) -> None:
+        """A refusal that carries no violation (a missing manifest)."""
+        self.metrics["violations_total"] += 1
+        self.metrics["violations_total:missing_manifest"] += 1
+        logger.warning("kvguard %s: %s (request %r)", self.policy, message, rid)
+        if self.policy != "enforce" or rid in self.aborted:
+            return
+        self.aborted[rid] = message
+        self.metrics["aborted_requests"] += 1
+        req = self._reqs.get(rid)
+        if req is not None and not req.finished():
+            req.to_finish = _finish_abort(f"kvguard refused this request: {message}")
+
     def _violation(self, rid: Any, violation: Violation) -> None:
         self.violations.append(violation)
+        self.refusals.append((rid, violation))
         self.metrics["violations_total"] += 1
         self.metrics[f"violations_total:{violation.kind}"] += 1
         logger.warning("kvguard %s: %s (request %r)", self.policy, violation, rid)
@@ -602,3 +641,158 @@ def _pages_of(slots: np.ndarray, page_size: int) -> np.ndarray:
         return pages
     _, first = np.unique(pages, return_index=True)
     return pages[np.sort(first)]
+
+
+# ---- PD disaggregation: the manifest at SGLang's KV sender and receiver --------------------------
+
+
+class ManifestChannel:
+    """What travels beside a transfer, keyed by SGLang's ``bootstrap_room``: the decode side's
+    destination page refs and ids (with ``send_metadata``) and the prefill side's encoded manifest
+    (with ``send``). A backend carries it on its own side channel (mooncake/nixl bootstrap
+    messages); in one process, a dict."""
+
+    def __init__(self) -> None:
+        self.rooms: dict[int, dict[str, Any]] = {}
+
+    def put(self, room: int, field: str, value: Any) -> None:
+        """Sets one field of a room's record."""
+        self.rooms.setdefault(int(room), {})[field] = value
+
+    def get(self, room: int, field: str) -> Any:
+        """One field of a room's record, or None."""
+        return self.rooms.get(int(room), {}).get(field)
+
+
+def _page_bytes(kv_pool: Any, page: int, page_size: int) -> bytes:
+    """A page's K and V bytes over every layer, as a transfer moves them."""
+    lo, hi = page * page_size, (page + 1) * page_size
+    parts = []
+    for k, v in zip(kv_pool.k_buffer, kv_pool.v_buffer, strict=True):
+        parts.append(k[lo:hi].contiguous().view(-1).view(dtype=_u8()).numpy().tobytes())
+        parts.append(v[lo:hi].contiguous().view(-1).view(dtype=_u8()).numpy().tobytes())
+    return b"".join(parts)
+
+
+def _u8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
+def _slot_bytes(kv_pool: Any, page_size: int) -> int:
+    return len(_page_bytes(kv_pool, 0, page_size)) // page_size
+
+
+class GuardedKVSender:
+    """Prefill side: wraps an SGLang ``BaseKVSender`` (mooncake, nixl, fake). ``send`` builds the
+    kvguard manifest of the pages it sends (request and tenant as the decode side named them,
+    the prompt's digest, each page's CRC32) and puts it on the channel before the bytes go."""
+
+    def __init__(self, inner: Any, guard: Guard, req: Any, channel: ManifestChannel, *, sender: int = 0) -> None:
+        self.inner = inner
+        self.guard = guard
+        self.req = req
+        self.channel = channel
+        self.sender = sender
+        self.room = int(getattr(inner, "bootstrap_room", 0) or 0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def send(self, kv_indices: Any, state_indices: Any = None, num_kv_tokens: int | None = None) -> Any:
+        """Sends ``kv_indices`` (prefill pages) with their manifest."""
+        dest = self.channel.get(self.room, "dest")
+        ids = self.channel.get(self.room, "ids")
+        if dest is None or ids is None:
+            raise TransferError(f"kvguard: no destination for room {self.room}; the decode side sent no metadata")
+        ps = self.guard.page_size
+        pool = self.guard.kv_pool
+        pages = [_page_bytes(pool, int(p), ps) for p in np.asarray(kv_indices).reshape(-1).tolist()]
+        manifest = Manifest.build(
+            ids[0], ids[1], self.sender, ps, _slot_bytes(pool, ps), np.asarray(self.req.origin_input_ids, dtype=np.int64), dest, pages
+        )
+        self.channel.put(self.room, "manifest", manifest.encode())
+        return self.inner.send(kv_indices, state_indices, num_kv_tokens)
+
+
+class GuardedKVReceiver:
+    """Decode side: wraps an SGLang ``BaseKVReceiver``. ``send_metadata`` names the destination
+    pages in their current incarnation; when the backend reports ``KVPoll.Success``, the manifest
+    is checked against the decode side's own copy of the request and the bytes that landed. A
+    missing manifest, a token count or prompt digest that differs, or a page whose CRC32 differs
+    turns the poll into ``KVPoll.Failed``, aborts the request, and its pages stay unwritten, so
+    attention can never read them."""
+
+    def __init__(self, inner: Any, guard: Guard, req: Any, channel: ManifestChannel) -> None:
+        self.inner = inner
+        self.guard = guard
+        self.req = req
+        self.channel = channel
+        self.room = int(getattr(inner, "bootstrap_room", None) or getattr(req, "bootstrap_room", 0) or 0)
+        self._pages: list[int] = []
+        self._verdict: int | None = None
+        self.refusal: Error | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def send_metadata(self, kv_indices: Any, aux_index: Any = None, state_indices: Any = None, **kwargs: Any) -> Any:
+        """Offers ``kv_indices`` (decode pages, already in this request's row) to the prefill side."""
+        table = self.guard.table
+        rid = self.req.rid
+        self._pages = [int(p) for p in np.asarray(kv_indices).reshape(-1).tolist()]
+        dest = []
+        for page in self._pages:
+            info = table.page_info(page)
+            dest.append(PageRef(page, info.generation if info is not None else 0))
+        self.channel.put(self.room, "dest", dest)
+        self.channel.put(
+            self.room, "ids", (table.request_key(rid), self.guard._tenant_key(self.guard.tenant_of(self.req)))
+        )
+        return self.inner.send_metadata(kv_indices, aux_index, state_indices, **kwargs)
+
+    def poll(self) -> int:
+        """The backend's poll, then the manifest check once it says ``Success``."""
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        if self._verdict is not None:
+            return self._verdict
+        state = self.inner.poll()
+        if state != KVPoll.Success:
+            return state
+        self._verdict = KVPoll.Success if self._accept() else KVPoll.Failed
+        return self._verdict
+
+    def _accept(self) -> bool:
+        guard = self.guard
+        rid = self.req.rid
+        manifest = self.channel.get(self.room, "manifest")
+        dest = self.channel.get(self.room, "dest") or []
+        ps = guard.page_size
+        landed = [_page_bytes(guard.kv_pool, p, ps) for p in self._pages]
+        try:
+            if manifest is None:
+                raise TransferError(f"kvguard: transfer for room {self.room} arrived without a manifest")
+            accepted = Receiver(guard.table).accept(
+                rid,
+                guard._tenant_key(guard.tenant_of(self.req)),
+                np.asarray(self.req.origin_input_ids, dtype=np.int64),
+                dest,
+                manifest,
+                landed,
+                slot_bytes=_slot_bytes(guard.kv_pool, ps),
+                page_size=ps,
+            )
+        except (TransferError, ViolationError) as e:
+            self.refusal = e
+            violation = getattr(e, "violation", None)
+            guard.metrics["transfers_refused"] += 1
+            if violation is not None:
+                guard._refused(rid, violation)
+            else:
+                guard._abort_plain(rid, str(e))
+            return False
+        guard.metrics["transfers_accepted"] += 1
+        guard._imported(rid, accepted.tokens)
+        return True

@@ -42,7 +42,7 @@ class Engine:
             layer_num=1, device="cpu", enable_memory_saver=False,
         )
         if page_size == 1:
-            self.allocator = TokenToKVPoolAllocator(tokens, torch.float32, "cpu", self.kv_pool, need_sort=False)
+            self.allocator = TokenToKVPoolAllocator(tokens, torch.float32, "cpu", self.kv_pool, need_sort=True)
         else:
             self.allocator = PagedTokenToKVPoolAllocator(
                 tokens, page_size, torch.float32, "cpu", self.kv_pool, need_sort=True
