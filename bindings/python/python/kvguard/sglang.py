@@ -664,9 +664,11 @@ class ManifestChannel:
         return self.rooms.get(int(room), {}).get(field)
 
 
-def _page_bytes(kv_pool: Any, page: int, page_size: int) -> bytes:
-    """A page's K and V bytes over every layer, as a transfer moves them."""
-    lo, hi = page * page_size, (page + 1) * page_size
+def _page_bytes(kv_pool: Any, page: int, page_size: int, tokens: int | None = None) -> bytes:
+    """The K and V bytes of a page's first ``tokens`` slots over every layer, as a transfer
+    moves them (a request's last page carries only its own tokens)."""
+    lo = page * page_size
+    hi = lo + (page_size if tokens is None else tokens)
     parts = []
     for k, v in zip(kv_pool.k_buffer, kv_pool.v_buffer, strict=True):
         parts.append(k[lo:hi].contiguous().view(-1).view(dtype=_u8()).numpy().tobytes())
@@ -708,7 +710,11 @@ class GuardedKVSender:
             raise TransferError(f"kvguard: no destination for room {self.room}; the decode side sent no metadata")
         ps = self.guard.page_size
         pool = self.guard.kv_pool
-        pages = [_page_bytes(pool, int(p), ps) for p in np.asarray(kv_indices).reshape(-1).tolist()]
+        total = len(self.req.origin_input_ids)
+        pages = [
+            _page_bytes(pool, int(p), ps, min(ps, total - i * ps))
+            for i, p in enumerate(np.asarray(kv_indices).reshape(-1).tolist())
+        ]
         manifest = Manifest.build(
             ids[0], ids[1], self.sender, ps, _slot_bytes(pool, ps), np.asarray(self.req.origin_input_ids, dtype=np.int64), dest, pages
         )
@@ -770,7 +776,10 @@ class GuardedKVReceiver:
         manifest = self.channel.get(self.room, "manifest")
         dest = self.channel.get(self.room, "dest") or []
         ps = guard.page_size
-        landed = [_page_bytes(guard.kv_pool, p, ps) for p in self._pages]
+        total = len(self.req.origin_input_ids)
+        landed = [
+            _page_bytes(guard.kv_pool, p, ps, max(0, min(ps, total - i * ps))) for i, p in enumerate(self._pages)
+        ]
         try:
             if manifest is None:
                 raise TransferError(f"kvguard: transfer for room {self.room} arrived without a manifest")
