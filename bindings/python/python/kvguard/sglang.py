@@ -238,8 +238,16 @@ class Guard:
             if isinstance(cols, slice):
                 self._row_written(int(rows), _host(values))
             else:
-                slots = _host(values).reshape(-1)
-                for row, slot in zip(_host(rows).reshape(-1).tolist(), slots.tolist(), strict=True):
+                # A decode step: one slot per row. Only a page the row's request does not own yet
+                # needs the table (a new page every page_size steps).
+                ps = self.page_size
+                slots = _host(values).reshape(-1).tolist()
+                owner, owned = self._row_owner, self._owned
+                for row, slot in zip(_host(rows).reshape(-1).tolist(), slots, strict=True):
+                    rid = owner.get(row)
+                    mine = owned.get(rid)
+                    if mine is not None and slot // ps in mine:
+                        continue
                     self._row_written(int(row), np.array([slot], dtype=np.int64))
             return inner(indices, values)
 
