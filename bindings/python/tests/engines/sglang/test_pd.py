@@ -1,0 +1,102 @@
+"""PD disaggregation: the start-up audit of both pools, and the kvguard manifest at SGLang's
+BaseKVSender / BaseKVReceiver (its fake backend's objects; the bytes are landed by the test, as
+mooncake or nixl would land them)."""
+
+from __future__ import annotations
+
+import kvguard
+import pytest
+import torch
+from kvguard.sglang import GuardedKVReceiver, GuardedKVSender, ManifestChannel, audit_pd
+from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.fake.conn import FakeKVReceiver, FakeKVSender
+from sglang.srt.mem_cache.common import suffix_page_indices
+
+PROMPT = list(range(1, 100))
+
+
+def test_audit_refuses_a_side_that_cannot_hold_one_request(engine_factory):
+    prefill = engine_factory(page_size=16, tokens=4096, policy=None)
+    decode = engine_factory(page_size=16, tokens=512, policy=None)
+    audit_pd(prefill.allocator, prefill.allocator, 1024)
+    with pytest.raises(kvguard.ConfigError, match=r"decode KV pool holds 512 tokens.*1024 tokens"):
+        audit_pd(prefill.allocator, decode.allocator, 1024)
+    with pytest.raises(kvguard.ConfigError, match=r"prefill KV pool holds 512 tokens"):
+        audit_pd(decode.allocator, prefill.allocator, 1024)
+
+
+def transfer(prefill, decode, *, decode_prompt=PROMPT, corrupt=False, drop_manifest=False):
+    """One request through prefill, the transfer, and the decode side's check."""
+    channel = ManifestChannel()
+    p_req = prefill.request("r", PROMPT)
+    d_req = decode.request("r", decode_prompt)
+    d_req.origin_input_ids_unpadded = d_req.origin_input_ids
+    assert prefill.submit(p_req) and decode.submit(d_req)
+    prefill.prefill([p_req])
+    # Decode preallocates the request's pages (DecodePreallocQueue) without running it.
+    rows = decode.req_to_token_pool.alloc([d_req])
+    n = len(PROMPT)
+    pages_needed = -(-n // decode.page_size)
+    out = decode.allocator.alloc(pages_needed * decode.page_size)[:n]
+    decode.req_to_token_pool.write((rows[0], slice(0, n)), out.to(torch.int32))
+    d_pages = suffix_page_indices(decode.req_to_token_pool.req_to_token, rows[0], 0, n, decode.page_size)
+    p_pages = suffix_page_indices(prefill.req_to_token_pool.req_to_token, p_req.kv.req_pool_idx, 0, n, prefill.page_size)
+    receiver = GuardedKVReceiver(FakeKVReceiver(None, "fake", 7), decode.guard, d_req, channel)
+    receiver.room = 7
+    receiver.init(0)
+    receiver.send_metadata(d_pages)
+    sender = GuardedKVSender(FakeKVSender(None, "fake", 7), prefill.guard, p_req, channel)
+    sender.init(len(p_pages))
+    sender.send(p_pages)
+    if drop_manifest:
+        channel.rooms[7].pop("manifest")
+    # The backend lands the bytes page for page.
+    ps = prefill.page_size
+    for src, dst in zip(p_pages.tolist(), d_pages.tolist()):
+        for pb, db in ((prefill.kv_pool.k_buffer[0], decode.kv_pool.k_buffer[0]),
+                       (prefill.kv_pool.v_buffer[0], decode.kv_pool.v_buffer[0])):
+            db[dst * ps:(dst + 1) * ps] = pb[src * ps:(src + 1) * ps]
+    if corrupt:
+        decode.kv_pool.k_buffer[0][int(d_pages[1]) * ps] += 1.0
+    return receiver, d_req, rows[0]
+
+
+@pytest.fixture
+def pd(engine_factory):
+    return engine_factory(page_size=16, tokens=2048), engine_factory(page_size=16, tokens=2048)
+
+
+def test_clean_transfer_is_accepted_and_readable(pd):
+    prefill, decode = pd
+    receiver, d_req, _ = transfer(prefill, decode)
+    assert receiver.poll() == KVPoll.Success
+    assert decode.guard.violations == [] and prefill.guard.violations == []
+    decode.running.append(d_req)
+    decode.decode([d_req])
+    assert decode.guard.violations == []
+
+
+@pytest.mark.parametrize(
+    "case,kind",
+    [
+        ("stub", ("token_count_mismatch", "prompt_digest_mismatch")),
+        ("corrupt", ("page_checksum_mismatch",)),
+        ("missing", ("missing_manifest",)),
+    ],
+)
+def test_refused_transfer_never_becomes_readable(pd, case, kind):
+    prefill, decode = pd
+    receiver, d_req, row = transfer(
+        prefill, decode,
+        decode_prompt=[0] if case == "stub" else PROMPT,
+        corrupt=case == "corrupt", drop_manifest=case == "missing",
+    )
+    assert receiver.poll() == KVPoll.Failed
+    refusal = decode.guard.aborted["r"]
+    got = refusal.kind if isinstance(refusal, kvguard.Violation) else "missing_manifest"
+    assert got in kind
+    assert d_req.to_finish is not None and "kvguard" in d_req.to_finish.message
+    # The pages were never covered: a read through the row is refused.
+    table = decode.req_to_token_pool.req_to_token[row, : len(PROMPT)][::16] // 16
+    verdict = decode.guard.table.check_step(["r"], table.reshape(1, -1).numpy().astype("int32"), [len(PROMPT)])
+    assert not verdict.clean

@@ -1,0 +1,42 @@
+# Sourced by scripts/test (argument: setup | after). kvguard inside SGLang 0.5.23: a cached venv in
+# $HOME/.cache/kvguard/sglang-venv with SGLang (--no-deps), torch 2.14.1 and what its mem_cache and
+# schedule_batch modules import (about 6 GB, created once, reused), the kvguard wheel that
+# scripts/ci/python.sh built into target/wheels (built here if missing), then pytest against
+# SGLang's real allocator, ReqToTokenPool, MHATokenToKVPool and RadixCache on CPU. Never skipped.
+
+kvguard_sglang_after() {
+  local root venv wheel status
+  root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+  venv="$HOME/.cache/kvguard/sglang-venv"
+  if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import sglang, torch" 2>/dev/null; then
+    echo "sglang.sh: creating $venv (SGLang 0.5.23 --no-deps, torch 2.14.1, about 6 GB)"
+    mkdir -p "$(dirname "$venv")"
+    python3 -m venv "$venv" || return 1
+    "$venv/bin/pip" install --quiet --disable-pip-version-check torch==2.14.1 numpy orjson psutil pillow \
+      pybase64 requests packaging starlette msgspec pydantic pyzmq tqdm IPython aiohttp torchvision dill \
+      apache-tvm-ffi==0.1.11 transformers==5.19.0 sentencepiece==0.2.1 compressed-tensors==0.18.0 gguf \
+      einops openai==2.8.0 partial_json_parser || return 1
+    "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps sglang==0.5.23 || return 1
+  fi
+  "$venv/bin/pip" install --quiet --disable-pip-version-check "maturin==1.9.6" "pytest==8.3.5" || return 1
+  wheel=$(ls "$root"/target/wheels/kvguard-*.whl 2>/dev/null | head -n 1)
+  if [ -z "$wheel" ]; then
+    echo "sglang.sh: building the kvguard wheel (maturin, release)"
+    (cd "$root" && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" \
+      maturin build --release --quiet -m bindings/python/Cargo.toml -o target/wheels) || return 1
+    wheel=$(ls "$root"/target/wheels/kvguard-*.whl | head -n 1)
+  fi
+  "$venv/bin/pip" install --quiet --disable-pip-version-check --force-reinstall --no-deps "$wheel" || return 1
+  status=0
+  # From the tests' directory, so `import kvguard` is the installed wheel, not the source tree.
+  (cd "$root/bindings/python/tests/engines/sglang" && \
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider -W ignore .) || status=$?
+  return "$status"
+}
+
+case "${1:-}" in
+  setup) : ;;
+  after) kvguard_sglang_after || { echo "sglang.sh: the SGLang tests failed" >&2; unset -f kvguard_sglang_after; exit 1; } ;;
+  *) echo "usage: source scripts/ci/sglang.sh setup|after" >&2 ;;
+esac
+unset -f kvguard_sglang_after
