@@ -68,7 +68,6 @@ __all__ = [
     "ManifestChannel",
     "audit_pd",
     "audit_pool",
-    "plugin",
 ]
 
 ENV_POLICY = "KVGUARD_SGLANG"
