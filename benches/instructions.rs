@@ -164,6 +164,20 @@ fn lifecycle(guarded: bool) {
     }
 }
 
+#[path = "common/trace.rs"]
+mod common_trace;
+
+#[inline(never)]
+fn measured_replay(text: &[u8]) -> u64 {
+    kvguard::trace::Replayer::new().replay(black_box(text), |_| Ok(())).expect("a clean trace").events
+}
+
+/// 20,000 events of `benches/replay.rs`'s trace replayed (instructions per event = count / 20,000).
+fn replay() {
+    let (text, events) = common_trace::trace(20_000);
+    assert_eq!(measured_replay(text.as_bytes()) as usize, events, "every event replayed");
+}
+
 fn main() {
     // cargo bench passes `--bench`; the workload is the one other argument.
     let workload = std::env::args().skip(1).find(|a| !a.starts_with("--")).unwrap_or_default();
@@ -174,9 +188,10 @@ fn main() {
         "lifecycle/unguarded" => lifecycle(false),
         "lifecycle/guarded_tracked" => lifecycle_tracked(false),
         "lifecycle/guarded_tracked_info" => lifecycle_tracked(true),
+        "replay/events" => replay(),
         _ => {
             eprintln!(
-                "usage: instructions decode_step/guarded|decode_step/unguarded|lifecycle/guarded|lifecycle/unguarded|lifecycle/guarded_tracked[_info]"
+                "usage: instructions decode_step/guarded|decode_step/unguarded|lifecycle/guarded|lifecycle/unguarded|lifecycle/guarded_tracked[_info]|replay/events"
             );
             std::process::exit(2);
         }
