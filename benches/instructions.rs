@@ -4,10 +4,13 @@
 //! function whose name starts with `measured_`, so callgrind can count it alone.
 //!
 //! `cargo bench --bench instructions -- WORKLOAD` runs one of `decode_step/guarded`,
-//! `decode_step/unguarded`, `lifecycle/guarded`, `lifecycle/unguarded` (the shapes of
+//! `decode_step/unguarded`, `lifecycle/guarded`, `lifecycle/unguarded`,
+//! `lifecycle/guarded_tracked` (change tracking on, the changed device tags taken after each
+//! request; `lifecycle/guarded_tracked_info`: taken as `PageInfo`s) (the shapes of
 //! `benches/ownership.rs`: 256 sequences x 4,096 tokens at page size 16; one request of 256 pages
 //! admitted, allocated, written through its slot mapping, read and released).
 
+use kvguard::cuda::layout::DeviceTag;
 use kvguard::{OwnershipTable, PageId, PageRef, PoolConfig, RequestId, SeqRead, TenantId};
 use std::hint::black_box;
 
@@ -57,14 +60,9 @@ fn decode_step(guarded: bool) {
     }
 }
 
-#[inline(never)]
-fn measured_lifecycle_guarded(
-    table: &OwnershipTable,
-    r: u64,
-    refs: &mut Vec<PageRef>,
-    bt: &mut Vec<PageId>,
-    slots: &mut Vec<u64>,
-) {
+/// One request's life: admitted, given its pages, written, read, released.
+#[inline(always)]
+fn one_request(table: &OwnershipTable, r: u64, refs: &mut Vec<PageRef>, bt: &mut Vec<PageId>, slots: &mut Vec<u64>) {
     let req = RequestId(r);
     table.admit(req, TenantId(r % 4), TOKENS, 0).expect("admit");
     refs.clear();
@@ -79,6 +77,17 @@ fn measured_lifecycle_guarded(
 }
 
 #[inline(never)]
+fn measured_lifecycle_guarded(
+    table: &OwnershipTable,
+    r: u64,
+    refs: &mut Vec<PageRef>,
+    bt: &mut Vec<PageId>,
+    slots: &mut Vec<u64>,
+) {
+    one_request(table, r, refs, bt, slots);
+}
+
+#[inline(never)]
 fn measured_lifecycle_unguarded(free: &mut Vec<PageId>, bt: &mut Vec<PageId>, slots: &mut Vec<u64>) {
     bt.clear();
     for _ in 0..PAGES {
@@ -88,6 +97,49 @@ fn measured_lifecycle_unguarded(free: &mut Vec<PageId>, bt: &mut Vec<PageId>, sl
     black_box(&slots);
     black_box(walk(bt));
     free.extend(bt.iter().rev());
+}
+
+#[inline(never)]
+fn measured_lifecycle_guarded_tracked(
+    table: &OwnershipTable,
+    r: u64,
+    refs: &mut Vec<PageRef>,
+    bt: &mut Vec<PageId>,
+    slots: &mut Vec<u64>,
+    upload: &mut Vec<(u32, DeviceTag)>,
+) {
+    one_request(table, r, refs, bt, slots);
+    upload.clear();
+    table.take_changed_tags_into(upload);
+    black_box(upload);
+}
+
+#[inline(never)]
+fn measured_lifecycle_guarded_tracked_info(
+    table: &OwnershipTable,
+    r: u64,
+    refs: &mut Vec<PageRef>,
+    bt: &mut Vec<PageId>,
+    slots: &mut Vec<u64>,
+) {
+    one_request(table, r, refs, bt, slots);
+    black_box(table.take_changed_pages());
+}
+
+/// A lifecycle with a device mirror's change tracking on, the changed pages taken after it as
+/// device tags (`info`: as `PageInfo`s, the older path).
+fn lifecycle_tracked(info: bool) {
+    let table =
+        OwnershipTable::new(PoolConfig::new(2 * PAGES + 1, PS, TOKENS).with_reserved([PageId(0)])).expect("fits");
+    let (mut refs, mut bt, mut slots, mut upload) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    table.take_changed_tags_into(&mut upload);
+    for r in 0..5 {
+        if info {
+            measured_lifecycle_guarded_tracked_info(&table, r, &mut refs, &mut bt, &mut slots);
+        } else {
+            measured_lifecycle_guarded_tracked(&table, r, &mut refs, &mut bt, &mut slots, &mut upload);
+        }
+    }
 }
 
 fn lifecycle(guarded: bool) {
@@ -112,6 +164,20 @@ fn lifecycle(guarded: bool) {
     }
 }
 
+#[path = "common/trace.rs"]
+mod common_trace;
+
+#[inline(never)]
+fn measured_replay(text: &[u8]) -> u64 {
+    kvguard::trace::Replayer::new().replay(black_box(text), |_| Ok(())).expect("a clean trace").events
+}
+
+/// 20,000 events of `benches/replay.rs`'s trace replayed (instructions per event = count / 20,000).
+fn replay() {
+    let (text, events) = common_trace::trace(20_000);
+    assert_eq!(measured_replay(text.as_bytes()) as usize, events, "every event replayed");
+}
+
 fn main() {
     // cargo bench passes `--bench`; the workload is the one other argument.
     let workload = std::env::args().skip(1).find(|a| !a.starts_with("--")).unwrap_or_default();
@@ -120,9 +186,12 @@ fn main() {
         "decode_step/unguarded" => decode_step(false),
         "lifecycle/guarded" => lifecycle(true),
         "lifecycle/unguarded" => lifecycle(false),
+        "lifecycle/guarded_tracked" => lifecycle_tracked(false),
+        "lifecycle/guarded_tracked_info" => lifecycle_tracked(true),
+        "replay/events" => replay(),
         _ => {
             eprintln!(
-                "usage: instructions decode_step/guarded|decode_step/unguarded|lifecycle/guarded|lifecycle/unguarded"
+                "usage: instructions decode_step/guarded|decode_step/unguarded|lifecycle/guarded|lifecycle/unguarded|lifecycle/guarded_tracked[_info]|replay/events"
             );
             std::process::exit(2);
         }

@@ -8,9 +8,11 @@
 //! - `lifecycle/{guarded,unguarded}`: 1,000 requests each admitted, given 256 pages, written
 //!   (slot mapping for 4,096 tokens), read and released. Unguarded is a plain free list.
 //!   `lifecycle/guarded_tracked` is guarded with a device mirror's change tracking on, the
-//!   changed pages taken after every request.
+//!   changed pages taken after every request as the device tags a mirror uploads
+//!   (`take_changed_tags_into`, what `DeviceGuard::sync_tags` needs).
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use kvguard::cuda::layout::DeviceTag;
 use kvguard::{OwnershipTable, PageId, PageRef, PoolConfig, RequestId, SeqRead, SeqWrite, TenantId};
 use std::hint::black_box;
 
@@ -143,12 +145,15 @@ fn lifecycle(c: &mut Criterion) {
     // every request, as a mirror syncing once per step would.
     let tracked =
         OwnershipTable::new(PoolConfig::new(2 * PAGES + 1, PS, TOKENS).with_reserved([PageId(0)])).expect("fits");
-    tracked.take_changed_pages();
+    let mut upload: Vec<(u32, DeviceTag)> = Vec::new();
+    tracked.take_changed_tags_into(&mut upload);
     group.bench_function("guarded_tracked", |b| {
         b.iter(|| {
             for r in 0..REQUESTS {
                 one_request(&tracked, r, &mut refs, &mut bt, &mut slots);
-                black_box(tracked.take_changed_pages());
+                upload.clear();
+                tracked.take_changed_tags_into(&mut upload);
+                black_box(&upload);
             }
         })
     });

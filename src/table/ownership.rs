@@ -4,6 +4,7 @@ use super::info::{PageInfo, PageState, PoolSnapshot, Released, RequestInfo};
 use super::state::{BlockEntry, PageTag, TableState};
 use super::step::{SeqRead, SeqWrite, StepVerdict};
 use crate::config::PoolConfig;
+use crate::cuda::layout::DeviceTag;
 use crate::error::Error;
 use crate::ids::{Generation, PageId, PageRef, PrefixKey, RequestId, TenantId};
 use crate::violation::{Op, Policy, Violation, ViolationCounters};
@@ -466,6 +467,16 @@ impl OwnershipTable {
         let mut state = self.state.write();
         let changed = state.take_changed();
         changed.into_iter().map(|p| (p, page_info(&state, p, &state.tags[p.0 as usize]))).collect()
+    }
+
+    /// [`take_changed_pages`](Self::take_changed_pages) as the device mirror uploads it: each
+    /// changed page's [`DeviceTag`] appended to `out` as `(page, tag)`, built straight from the
+    /// table's tag (no [`PageInfo`] per page, no list allocated). Returns how many were appended.
+    ///
+    /// Each tag equals [`DeviceTag::from_page_info`] of the page's [`PageInfo`].
+    pub fn take_changed_tags_into(&self, out: &mut Vec<(u32, DeviceTag)>) -> usize {
+        let mut state = self.state.write();
+        state.take_changed_tags_into(out)
     }
 
     /// Violation counts per kind.

@@ -4,6 +4,7 @@
 
 use super::info::{PageState, Released};
 use crate::config::PoolConfig;
+use crate::cuda::layout::DeviceTag;
 use crate::error::Error;
 use crate::ids::{Generation, PageId, PageRef, PrefixKey, RequestId, TenantId};
 use bitvec::prelude::{BitVec, Lsb0};
@@ -584,6 +585,62 @@ impl TableState {
             PageState::Shared => self.prefixes.get(tag.prefix()).map(|p| p.tenant),
             _ => None,
         }
+    }
+
+    /// Appends the device tag of every changed page to `out` (see
+    /// [`take_changed`](Self::take_changed), whose list it takes the same way).
+    pub fn take_changed_tags_into(&mut self, out: &mut Vec<(u32, DeviceTag)>) -> usize {
+        let first = !self.tracking_changes;
+        if first {
+            self.tracking_changes = true;
+            self.changed.clear();
+            self.changed.extend((0..self.tags.len() as u32).map(PageId));
+        }
+        // Disjoint borrows; `extend` over a slice's map knows its length, so no push checks
+        // the capacity per page.
+        let TableState { tags, changed, requests, prefixes, .. } = self;
+        // Changed pages come in runs of one owner: its tenant is looked up once per run.
+        let mut last_owner: Option<(u64, u64)> = None;
+        out.extend(changed.iter().map(|&page| {
+            let tag = &mut tags[page.0 as usize];
+            tag.changed = false;
+            let tag = *tag;
+            let (owner, tenant, flags) = match tag.state {
+                PageState::Owned => {
+                    let tenant = match last_owner {
+                        Some((owner, tenant)) if owner == tag.holder => tenant,
+                        _ => {
+                            let tenant = requests.get(&tag.owner()).map_or(0, |r| r.tenant.0);
+                            last_owner = Some((tag.holder, tenant));
+                            tenant
+                        }
+                    };
+                    (tag.holder, tenant, 0)
+                }
+                PageState::Shared => match prefixes.get(tag.prefix()) {
+                    Some(p) => (
+                        p.publisher.0,
+                        p.tenant.0,
+                        if p.cross_tenant { DeviceTag::FLAG_SHARED_ACROSS_TENANTS } else { 0 },
+                    ),
+                    None => (0, 0, 0),
+                },
+                _ => (0, 0, 0),
+            };
+            let device = DeviceTag {
+                owner,
+                tenant,
+                generation: tag.generation,
+                written: tag.written,
+                state: tag.state as u32,
+                flags,
+            };
+            (page.0, device)
+        }));
+        let n = self.changed.len();
+        // Cleared, not taken: the list keeps its pool-sized capacity.
+        self.changed.clear();
+        n
     }
 
     pub fn take_changed(&mut self) -> Vec<PageId> {

@@ -25,7 +25,12 @@ macro_rules! fields {
             const COUNT: usize = [$($name,)*].len();
 
             fn from_name(name: &str) -> Field {
-                match name { $($name => Field::$variant,)* _ => Field::Other }
+                Field::from_bytes(name.as_bytes())
+            }
+
+            fn from_bytes(name: &[u8]) -> Field {
+                $(if name == $name.as_bytes() { return Field::$variant; })*
+                Field::Other
             }
 
             fn name(self) -> &'static str {
@@ -138,10 +143,130 @@ pub(crate) fn parse_line<'de>(
     bufs.pages.clear();
     bufs.slots.clear();
     bufs.reserved.clear();
+    if let Some(raw) = parse_plain(line, bufs, caps) {
+        return Ok(raw);
+    }
+    parse_json(line, bufs, caps)
+}
+
+/// [`parse_line`] through serde_json, for any line (the reference the fast path must match).
+fn parse_json<'de>(line: &'de [u8], bufs: &mut ListBuffers, caps: ListCaps) -> Result<RawEvent<'de>, ReplayErrorKind> {
+    bufs.pages.clear();
+    bufs.slots.clear();
+    bufs.reserved.clear();
     let mut de = serde_json::Deserializer::from_slice(line);
     let raw = de::Deserializer::deserialize_map(&mut de, EventVisitor { bufs, caps }).map_err(ReplayErrorKind::Json)?;
     de.end().map_err(ReplayErrorKind::Json)?;
     Ok(raw)
+}
+
+/// The fast path of [`parse_line`], for the lines engines write: one flat object of known fields,
+/// each once, whose values are unsigned integers, ASCII strings without escapes, `true`/`false`
+/// or lists of unsigned integers. Any other line (whitespace inside lists aside) is `None`, and
+/// serde_json reads it instead; for a line it takes, the result is what serde_json's pass gives.
+fn parse_plain<'de>(line: &'de [u8], bufs: &mut ListBuffers, caps: ListCaps) -> Option<RawEvent<'de>> {
+    let mut raw = RawEvent { values: Default::default(), duplicate: None };
+    let mut at = 0;
+    let space = |at: &mut usize| {
+        while line.get(*at).is_some_and(|b| matches!(b, b' ' | b'\t' | b'\r' | b'\n')) {
+            *at += 1;
+        }
+    };
+    let expect = |at: &mut usize, byte: u8| {
+        space(at);
+        let found = line.get(*at) == Some(&byte);
+        *at += usize::from(found);
+        found
+    };
+    // An ASCII string without escapes or control characters (anything else: serde_json).
+    let bytes = |at: &mut usize| -> Option<&'de [u8]> {
+        if !expect(at, b'"') {
+            return None;
+        }
+        let start = *at;
+        let len = line[start..].iter().position(|&b| b == b'"' || b == b'\\' || !(0x20..0x80).contains(&b))?;
+        *at = start + len;
+        if line[*at] != b'"' {
+            return None;
+        }
+        *at += 1;
+        Some(&line[start..start + len])
+    };
+    // An unsigned integer as serde_json reads one into a u64: no sign, fraction, exponent or
+    // leading zero, at most u64::MAX (anything else: serde_json).
+    let uint = |at: &mut usize| -> Option<u64> {
+        space(at);
+        let start = *at;
+        let mut v = 0u64;
+        while let Some(&d) = line.get(*at).filter(|d| d.is_ascii_digit()) {
+            v = v.checked_mul(10)?.checked_add(u64::from(d - b'0'))?;
+            *at += 1;
+        }
+        let digits = *at - start;
+        if digits == 0 || (digits > 1 && line[start] == b'0') || matches!(line.get(*at), Some(b'.' | b'e' | b'E')) {
+            return None;
+        }
+        Some(v)
+    };
+    if !expect(&mut at, b'{') {
+        return None;
+    }
+    if !expect(&mut at, b'}') {
+        loop {
+            let field = Field::from_bytes(bytes(&mut at)?);
+            if field == Field::Other || raw.values[field as usize].is_some() || !expect(&mut at, b':') {
+                return None;
+            }
+            space(&mut at);
+            let value = match line.get(at)? {
+                b'"' => Value::Text(Cow::Borrowed(std::str::from_utf8(bytes(&mut at)?).ok()?)),
+                b't' if line[at..].starts_with(b"true") => {
+                    at += 4;
+                    Value::Bool(true)
+                }
+                b'f' if line[at..].starts_with(b"false") => {
+                    at += 5;
+                    Value::Bool(false)
+                }
+                b'[' => {
+                    let (list, cap) = match field {
+                        Field::Pages => (&mut bufs.pages, caps.keep()),
+                        Field::Slots => (&mut bufs.slots, SLOTS_KEPT),
+                        Field::Reserved => (&mut bufs.reserved, caps.pages),
+                        _ => return None,
+                    };
+                    at += 1;
+                    let mut len = 0u64;
+                    if !expect(&mut at, b']') {
+                        loop {
+                            let v = uint(&mut at)?;
+                            len = len.saturating_add(1);
+                            if (list.len() as u64) < cap {
+                                list.push(v);
+                            }
+                            if expect(&mut at, b']') {
+                                break;
+                            }
+                            if !expect(&mut at, b',') {
+                                return None;
+                            }
+                        }
+                    }
+                    Value::List { len, bad: false }
+                }
+                _ => Value::Uint(uint(&mut at)?),
+            };
+            raw.values[field as usize] = Some(value);
+            if expect(&mut at, b'}') {
+                break;
+            }
+            if !expect(&mut at, b',') {
+                return None;
+            }
+        }
+    }
+    space(&mut at);
+    (at == line.len()).then_some(raw)
 }
 
 struct EventVisitor<'b> {
@@ -562,6 +687,53 @@ impl<'de> de::Deserialize<'de> for Event<'static> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A parse's outcome as text: each field's value, the kept lists, or the error.
+    fn shown(outcome: Result<RawEvent<'_>, ReplayErrorKind>, bufs: &ListBuffers) -> String {
+        match outcome {
+            Ok(raw) => format!("{:?} {:?} {:?}", raw.values, raw.duplicate, bufs),
+            Err(e) => format!("error {e:?}"),
+        }
+    }
+
+    #[test]
+    fn the_fast_path_reads_each_line_as_serde_json_does() {
+        let lines = [
+            r#"{"ev":"read","req":7,"pages":[1,2,3],"tokens":40}"#,
+            r#" { "ev" : "write" , "req" : 7 , "page" : 3 , "slots" : [ 0 , 16 ] } "#,
+            r#"{"ev":"admit","req":18446744073709551615,"tenant":"acme","prompt":0,"max_new":1}"#,
+            r#"{"ev":"admit","req":18446744073709551616,"tenant":"acme"}"#,
+            r#"{"ev":"admit","req":007,"tenant":"acme"}"#,
+            r#"{"ev":"admit","req":-7,"tenant":"acme"}"#,
+            r#"{"ev":"admit","req":7.0,"tenant":"acme"}"#,
+            r#"{"ev":"admit","req":7e2,"tenant":"acme"}"#,
+            r#"{"ev":"admit","req":7,"tenant":"a"b"}"#,
+            r#"{"ev":"admit","req":7,"tenant":"é"}"#,
+            r#"{"ev":"admit","req":7,"req":8}"#,
+            r#"{"ev":"admit","req":7,"other":{"a":[1,{"b":2}]}}"#,
+            r#"{"ev":"pool","pages":8,"page_size":16,"max_context":64,"reserved":[0],"scrub_on_release":true}"#,
+            r#"{"ev":"pool","pages":8,"scrub_on_release":false,"version":"1.1"}"#,
+            r#"{"ev":"read","req":7,"pages":[1,-2,3.5,"x"],"tokens":40}"#,
+            r#"{"ev":"read","req":7,"pages":[],"tokens":0}"#,
+            r#"{"ev":"read","req":7,"pages":[1,2,],"tokens":0}"#,
+            r#"{"ev":"read","req":7,"tokens":[1]}"#,
+            r#"{"ev":"free","req":7} x"#,
+            r#"{"ev":"free","req":7,}"#,
+            r#"{"ev":"free","req":7"#,
+            r#"{"ev":"free","req":null}"#,
+            r#"{"ev":"free","req":tru}"#,
+            r#"{}"#,
+            r#"[1]"#,
+            r#"{"ev":"write","req":1,"page":2,"slots":[0,1,2,3]}"#,
+        ];
+        for line in lines {
+            let (mut fast, mut reference) = (ListBuffers::default(), ListBuffers::default());
+            let caps = ListCaps::strict(2);
+            let got = shown(parse_line(line.as_bytes(), &mut fast, caps), &fast);
+            let want = shown(parse_json(line.as_bytes(), &mut reference, caps), &reference);
+            assert_eq!(got, want, "{line}");
+        }
+    }
 
     fn parse(line: &str) -> Result<Event<'static>, ReplayErrorKind> {
         let mut bufs = ListBuffers::default();

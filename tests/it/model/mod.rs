@@ -8,6 +8,7 @@
 
 #![allow(dead_code)]
 
+use kvguard::cuda::layout::DeviceTag;
 use kvguard::{Error, OwnershipTable, PageId, PageState, PoolConfig, PrefixKey, RequestId, TenantId};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -529,6 +530,8 @@ pub fn run_with(config: PoolConfig, ops: &[Op]) {
     let table = OwnershipTable::new(config).expect("the model's pool passes its audit");
     let mut model = Model::new();
     let mut generations: Vec<u32> = vec![1; PAGES as usize];
+    // A device mirror kept from the changed tags alone, checked against every page's info.
+    let mut mirror = Mirror { tags: vec![DeviceTag::default(); PAGES as usize], changed: Vec::new() };
     for (step, op) in ops.iter().enumerate() {
         let outcome = execute(&table, &model, op);
         let (expected_ok, quarantines) = model.apply(op);
@@ -557,7 +560,7 @@ pub fn run_with(config: PoolConfig, ops: &[Op]) {
             (Ok(_), false) => panic!("step {step}: {op:?} succeeded, the model refuses it"),
             (Err(e), true) => panic!("step {step}: {op:?} refused ({e}), the model allows it"),
         }
-        check_invariants(&table, &model, &mut generations, step);
+        check_invariants(&table, &model, &mut generations, &mut mirror, step);
     }
     // Releasing every request and evicting every prefix returns every page.
     for r in 0..REQUESTS {
@@ -643,7 +646,18 @@ fn execute(table: &OwnershipTable, model: &Model, op: &Op) -> Result<Option<Vec<
     }
 }
 
-fn check_invariants(table: &OwnershipTable, model: &Model, generations: &mut [u32], step: usize) {
+/// A device tag mirror as a guard keeps it, from `take_changed_tags_into` (the fast path).
+struct Mirror {
+    tags: Vec<DeviceTag>,
+    changed: Vec<(u32, DeviceTag)>,
+}
+
+fn check_invariants(table: &OwnershipTable, model: &Model, generations: &mut [u32], mirror: &mut Mirror, step: usize) {
+    mirror.changed.clear();
+    table.take_changed_tags_into(&mut mirror.changed);
+    for &(p, tag) in &mirror.changed {
+        mirror.tags[p as usize] = tag;
+    }
     let s = table.snapshot();
     assert_eq!(
         s.free + s.owned + s.shared + s.reserved + s.retired + s.awaiting_scrub,
@@ -661,6 +675,8 @@ fn check_invariants(table: &OwnershipTable, model: &Model, generations: &mut [u3
             MState::Retired => PageState::Retired,
         };
         assert_eq!(info.state, state, "step {step}: page {p} state");
+        // The reference path: a device tag built from the page's info.
+        assert_eq!(mirror.tags[p as usize], DeviceTag::from_page_info(&info), "step {step}: page {p} device tag");
         if let MState::Owned(r) = m.state {
             assert_eq!(info.owner, Some(req_id(r)), "step {step}: page {p} owner");
         }
