@@ -109,6 +109,9 @@ pub struct Drained {
 /// ```
 pub struct DeviceGuard {
     device: Device,
+    /// The changed tags of the last [`sync_tags`](Self::sync_tags), reused so a step allocates
+    /// nothing.
+    changed: Vec<(u32, DeviceTag)>,
 }
 
 impl std::fmt::Debug for DeviceGuard {
@@ -155,23 +158,27 @@ impl DeviceGuard {
             staging_capacity: options.update_batch,
             cubin: options.cubin,
         })?;
-        Ok(DeviceGuard { device })
+        Ok(DeviceGuard { device, changed: Vec::new() })
     }
 
     /// Copies the tags of the pages `table` changed since the last call into the device table
     /// (incremental: only changed pages travel), on `stream`. Returns how many pages were
     /// updated. Not capture-safe (it stages host memory): call it before the step's graph.
     pub fn sync_tags(&mut self, table: &OwnershipTable, stream: &EngineStream) -> Result<usize, DeviceError> {
-        let changed = table.take_changed_pages();
-        let tags: Vec<(u32, DeviceTag)> =
-            changed.iter().map(|(p, info)| (p.0, DeviceTag::from_page_info(info))).collect();
-        self.upload_tags(&tags, stream)?;
-        Ok(changed.len())
+        let mut changed = std::mem::take(&mut self.changed);
+        changed.clear();
+        let n = table.take_changed_tags_into(&mut changed);
+        let uploaded = self.upload_tags(&changed, stream);
+        self.changed = changed;
+        uploaded.map(|()| n)
     }
 
     /// Writes the tag of every page of `table` (start-up, or after the device lost its state).
     pub fn upload_all_tags(&mut self, table: &OwnershipTable, stream: &EngineStream) -> Result<(), DeviceError> {
-        table.take_changed_pages();
+        // Every page travels below, so the changes pending until now need not.
+        self.changed.clear();
+        table.take_changed_tags_into(&mut self.changed);
+        self.changed.clear();
         let tags: Vec<(u32, DeviceTag)> = (0..self.device.num_pages)
             .filter_map(|p| table.page_info(crate::ids::PageId(p)).map(|i| (p, DeviceTag::from_page_info(&i))))
             .collect();

@@ -7,37 +7,11 @@
 
 use crate::ids::{Generation, PageId, RequestId, TenantId};
 use crate::le;
+pub use crate::table::DeviceTag;
 use crate::table::{PageInfo, PageState};
 use crate::violation::{Op, Violation, ViolationKind};
 
-/// A page's tag as the kernels see it (`kvg_tag`): 32 bytes, 16-byte aligned.
-#[repr(C, align(16))]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct DeviceTag {
-    /// Owned: the owning request. Shared: the publisher. Otherwise 0.
-    pub owner: u64,
-    /// The owner's tenant (owned or shared pages), otherwise 0.
-    pub tenant: u64,
-    /// The page's incarnation; 0 never names a live one (zeroed device memory).
-    pub generation: u32,
-    /// Slots `0..written` are written by the current incarnation.
-    pub written: u32,
-    /// The [`PageState`] discriminant.
-    pub state: u32,
-    /// `KVG_FLAG_*` bits: [`FLAG_SHARED_ACROSS_TENANTS`](Self::FLAG_SHARED_ACROSS_TENANTS); the
-    /// other bits are reserved, 0.
-    pub flags: u32,
-}
-
 impl DeviceTag {
-    /// Bytes per tag.
-    pub const SIZE: usize = 32;
-
-    /// `KVG_FLAG_SHARED_ACROSS_TENANTS`: a shared page that a request of another tenant reads
-    /// under a cross-tenant grant ([`PageInfo::shared_across_tenants`]). The device check then
-    /// lets a reader of any tenant read it, as the host lets that holder.
-    pub const FLAG_SHARED_ACROSS_TENANTS: u32 = 1;
-
     /// The device tag of a page the host table describes.
     pub fn from_page_info(info: &PageInfo) -> DeviceTag {
         DeviceTag {

@@ -52,6 +52,7 @@ mod forced;
 mod import;
 mod info;
 mod lifecycle;
+mod mirror;
 mod ownership;
 mod prefix;
 mod state;
@@ -61,5 +62,6 @@ mod violation;
 
 pub use import::ImportTicket;
 pub use info::{PageInfo, PageState, PoolSnapshot, Released, RequestInfo};
+pub use mirror::DeviceTag;
 pub use ownership::{OwnershipTable, VIOLATION_LOG_CAPACITY};
 pub use step::{PADDING_SLOT, SeqRead, SeqWrite, StepVerdict};

@@ -1,10 +1,10 @@
 //! [`OwnershipTable`]: the table's data behind a lock, each call judged under the pool's policy.
 
 use super::info::{PageInfo, PageState, PoolSnapshot, Released, RequestInfo};
+use super::mirror::DeviceTag;
 use super::state::{BlockEntry, PageTag, TableState};
 use super::step::{SeqRead, SeqWrite, StepVerdict};
 use crate::config::PoolConfig;
-use crate::cuda::layout::DeviceTag;
 use crate::error::Error;
 use crate::ids::{Generation, PageId, PageRef, PrefixKey, RequestId, TenantId};
 use crate::violation::{Op, Policy, Violation, ViolationCounters};

@@ -3,8 +3,8 @@
 //! Everything here runs under the table's lock; nothing here knows about policy or threads.
 
 use super::info::{PageState, Released};
+use super::mirror::DeviceTag;
 use crate::config::PoolConfig;
-use crate::cuda::layout::DeviceTag;
 use crate::error::Error;
 use crate::ids::{Generation, PageId, PageRef, PrefixKey, RequestId, TenantId};
 use bitvec::prelude::{BitVec, Lsb0};
