@@ -114,7 +114,7 @@ mod transfer {
                             link.push(prefill_region, &src, &dest_pages, REQ, &manifest, deadline).unwrap()
                         }
                         Prefill::Stage => link.stage(&src, REQ, &manifest, deadline).unwrap(),
-                        Prefill::Decline => link.decline(REQ).unwrap(),
+                        Prefill::Decline => link.decline(REQ, deadline).unwrap(),
                         // The data, and no notification at all.
                         Prefill::Silent => {}
                     }

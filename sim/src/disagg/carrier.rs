@@ -226,7 +226,7 @@ pub(super) mod nixl {
         ) -> Result<(), DisaggError> {
             let deadline = Instant::now() + timeout;
             let (manifest, pages) = match frame {
-                Frame::Busy => return Ok(self.link.decline(request)?),
+                Frame::Busy => return Ok(self.link.decline(request, deadline)?),
                 Frame::Transfer { manifest, pages } => (manifest, pages),
                 other => return Err(DisaggError::Protocol(format!("cannot carry {other:?} over NIXL"))),
             };

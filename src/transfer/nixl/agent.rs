@@ -289,11 +289,6 @@ pub struct HostRegion {
     memory: Box<[std::cell::UnsafeCell<u8>]>,
 }
 
-// SAFETY: the bytes are only reached through `&self`/`&mut self` methods below, with Rust's usual
-// aliasing rules; NIXL's writes come from this process's agent calls or the NIC, as for any
-// registered buffer (see the type's documentation).
-unsafe impl Sync for HostRegion {}
-
 impl std::fmt::Debug for HostRegion {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HostRegion").field("layout", &self.registration.layout).finish_non_exhaustive()

@@ -158,9 +158,11 @@ impl<'a> NixlLink<'a> {
         self.wait(request, &[NoticeKind::Released], deadline).map(|_| ())
     }
 
-    /// Prefill: declines `request` for now.
-    pub fn decline(&mut self, request: RequestId) -> Result<(), NixlError> {
-        self.send(&Notice::bare(NoticeKind::Declined, request))
+    /// Prefill: declines `request` for now, and waits until decode has taken the decline (its
+    /// `Released`): with no progress thread a notification leaves only while the agent is called.
+    pub fn decline(&mut self, request: RequestId, deadline: Instant) -> Result<(), NixlError> {
+        self.send(&Notice::bare(NoticeKind::Declined, request))?;
+        self.wait(request, &[NoticeKind::Released], deadline).map(|_| ())
     }
 
     /// Decode: receives the transfer `pinned` was pinned for (pin it with
@@ -215,6 +217,8 @@ impl<'a> NixlLink<'a> {
         let notice = match self.wait(request, &[carrying, NoticeKind::Declined], deadline) {
             Ok(n) if n.kind == NoticeKind::Declined => {
                 pinned.abort();
+                // The decline taken; if this cannot be sent, prefill's own wait times out.
+                let _ = self.send(&Notice::bare(NoticeKind::Released, request));
                 return Err(ImportError::Declined);
             }
             Ok(n) => n,

@@ -22,7 +22,7 @@ pub enum NoticeKind {
     /// what it is; decode READs it.
     Staged,
     /// Pull, decode → prefill: decode no longer reads the staged pages (whatever its verdict);
-    /// prefill may reuse them.
+    /// prefill may reuse them. Also decode's answer to `Declined`.
     Released,
     /// prefill → decode: it will not send this request's KV now; decode aborts and may ask again.
     Declined,
