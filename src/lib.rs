@@ -15,7 +15,7 @@
 //! | [`table`] | [`OwnershipTable`]: every page's owner, tenant, generation and coverage; admission, allocation, writes, block-table verification, prefixes, forks, transfer pins |
 //! | [`violation`] | [`Violation`] and [`ViolationKind`]: what was refused, in one line; [`Policy`] (enforce or report) and the counters |
 //! | [`error`] | [`Error`]: every fallible call's error type |
-//! | [`transfer`] | the manifest that travels with a prefill→decode KV transfer, its wire format, and the [`Receiver`](transfer::Receiver) that fails closed |
+//! | [`transfer`] | the manifest that travels with a prefill→decode KV transfer, its wire format, and the [`Receiver`](transfer::Receiver) that fails closed; with feature `nixl`, the transport over NIXL |
 //! | [`trace`] | the engine's ownership events as JSON lines: [`Recorder`](trace::Recorder) and [`Replayer`](trace::Replayer) |
 //! | [`cuda`] | the device tag layout and the kernel-exact canary; with feature `cuda`, the device guard (tag mirror, verify, CRC32, scrub kernels) |
 //!
@@ -44,6 +44,8 @@
 //!
 //! - `cli` (default): the `kvguard` command line (`replay`, `audit`).
 //! - `cuda`: the device guard through cudarc (dynamic loading: builds without CUDA installed).
+//! - `nixl`: checked prefill→decode transfers over NIXL ([`transfer::nixl`]; nixl-sys's stub API,
+//!   `libnixl_capi.so` from the `nixl-cu12` wheel loaded at run time; building needs libclang).
 //!
 //! ```
 //! use kvguard::{OwnershipTable, PoolConfig, PageId, RequestId, TenantId};

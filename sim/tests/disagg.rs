@@ -1,7 +1,10 @@
-//! The prefill and decode nodes as two processes on loopback TCP: a clean run passes, and every
-//! injected fault is refused by decode with its named error while the other requests pass.
+//! The prefill and decode nodes as two processes on loopback: a clean run passes, and every
+//! injected fault is refused by decode with its named error while the other requests pass; the
+//! KV inside the TCP frames, and (feature `nixl`) over NIXL, written by prefill or read by
+//! decode. Over NIXL `libnixl_capi.so` must be loadable (`source scripts/ci/nixl.sh setup`); with
+//! `KVGUARD_REQUIRE_NIXL=1` its absence fails the tests instead of skipping them.
 
-use kvguard_sim::disagg::Fault;
+use kvguard_sim::disagg::{Fault, Transport};
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -31,8 +34,12 @@ struct PairRun {
 }
 
 fn run_pair(fault: Fault) -> PairRun {
+    run_pair_over(fault, Transport::Tcp)
+}
+
+fn run_pair_over(fault: Fault, transport: Transport) -> PairRun {
     let mut decode = Command::new(BIN)
-        .args(["decode", "--port", "0", "--timeout-ms", "20000"])
+        .args(["--transport", transport.name(), "decode", "--port", "0", "--timeout-ms", "20000"])
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -44,7 +51,17 @@ fn run_pair(fault: Fault) -> PairRun {
     assert!(addr.starts_with("127.0.0.1:"), "decode must listen on loopback only: {addr}");
     let port = addr.rsplit(':').next().unwrap().to_string();
     let mut prefill = Command::new(BIN)
-        .args(["prefill", "--port", &port, "--fault", fault.name(), "--timeout-ms", "20000"])
+        .args([
+            "--transport",
+            transport.name(),
+            "prefill",
+            "--port",
+            &port,
+            "--fault",
+            fault.name(),
+            "--timeout-ms",
+            "20000",
+        ])
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -69,8 +86,13 @@ fn a_clean_transfer_passes_across_two_processes() {
 
 #[test]
 fn every_injected_fault_is_refused_with_its_named_error() {
+    every_fault_refused_over(Transport::Tcp);
+}
+
+fn every_fault_refused_over(transport: Transport) {
     let faults: Vec<Fault> = Fault::ALL.into_iter().filter(|&f| f != Fault::None).collect();
-    let handles: Vec<_> = faults.iter().map(|&f| (f, std::thread::spawn(move || run_pair(f)))).collect();
+    let handles: Vec<_> =
+        faults.iter().map(|&f| (f, std::thread::spawn(move || run_pair_over(f, transport)))).collect();
     for (fault, h) in handles {
         let run = h.join().unwrap();
         let kind = fault.expected_refusal().unwrap();
@@ -88,4 +110,64 @@ fn every_injected_fault_is_refused_with_its_named_error() {
 fn a_bad_fault_name_is_a_usage_error() {
     let out = Command::new(BIN).args(["prefill", "--port", "1", "--fault", "gremlins"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
+}
+
+/// Over NIXL: the same runs, both directions.
+#[cfg(feature = "nixl")]
+mod nixl {
+    use super::*;
+
+    /// Whether the NIXL runs can happen here; a loud skip (or a failure, where required) if not.
+    fn available() -> bool {
+        if kvguard::transfer::nixl::library_available() {
+            return true;
+        }
+        let required = std::env::var("KVGUARD_REQUIRE_NIXL").is_ok_and(|v| v == "1");
+        assert!(!required, "KVGUARD_REQUIRE_NIXL=1 but libnixl_capi.so cannot be loaded");
+        let why = "libnixl_capi.so not loadable (set up with `source scripts/ci/nixl.sh setup`)";
+        let test = std::thread::current().name().unwrap_or("(unnamed test)").to_string();
+        eprintln!("\n*** SKIPPED {test}: {why} ***\n");
+        if let Some(path) = std::env::var_os("KVGUARD_SKIP_LOG")
+            && let Ok(mut log) = std::fs::OpenOptions::new().create(true).append(true).open(path)
+        {
+            use std::io::Write;
+            let _ = log.write_all(format!("{test}: {why}\n").as_bytes());
+        }
+        false
+    }
+
+    fn clean(transport: Transport) {
+        let run = run_pair_over(Fault::None, transport);
+        assert!(run.decode_status.success(), "{transport}: {}", run.decode_out);
+        assert!(run.prefill_status.success(), "{transport}: {}", run.prefill_out);
+        assert_eq!(run.decode_out.matches("ACCEPTED req").count(), 3, "{}", run.decode_out);
+    }
+
+    #[test]
+    fn a_clean_push_over_nixl_passes_across_two_processes() {
+        if available() {
+            clean(Transport::NixlWrite);
+        }
+    }
+
+    #[test]
+    fn a_clean_pull_over_nixl_passes_across_two_processes() {
+        if available() {
+            clean(Transport::NixlRead);
+        }
+    }
+
+    #[test]
+    fn every_fault_pushed_over_nixl_is_refused_with_its_named_error() {
+        if available() {
+            every_fault_refused_over(Transport::NixlWrite);
+        }
+    }
+
+    #[test]
+    fn every_fault_pulled_over_nixl_is_refused_with_its_named_error() {
+        if available() {
+            every_fault_refused_over(Transport::NixlRead);
+        }
+    }
 }

@@ -36,9 +36,11 @@
 //! ```
 
 mod digest;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 mod receive;
 pub mod wire;
 
 pub use digest::PromptDigest;
-pub use receive::{Accepted, ExpectedTransfer, Receiver, TransferError, verify};
+pub use receive::{Accepted, ExpectedTransfer, PinnedImport, Receiver, TransferError, verify};
 pub use wire::{BuildError, DecodeError, Manifest, PageEntry, SenderId, TransferHeader, page_checksum, tokens_in_page};

@@ -5,7 +5,7 @@ use super::digest::PromptDigest;
 use super::wire::{DecodeError, Manifest, SenderId};
 use crate::error::Error;
 use crate::ids::{PageRef, RequestId, TenantId, grouped};
-use crate::table::OwnershipTable;
+use crate::table::{ImportTicket, OwnershipTable};
 use crate::violation::{Op, Violation, ViolationKind};
 
 /// What the receiver expects of a transfer, from its own copy of the request.
@@ -420,24 +420,48 @@ impl<'t> Receiver<'t> {
         outcome
     }
 
+    /// Records the refusal `error` in the table (unless the table counted it itself) and returns it.
+    fn refused(&self, expected: &ExpectedTransfer<'_>, error: TransferError) -> TransferError {
+        if !matches!(error, TransferError::Table(_) | TransferError::NotHeld(_)) {
+            self.table.record_violation(error.to_violation(expected));
+        }
+        error
+    }
+
     /// Pins, checks, lands and records coverage; a refusal is returned, not yet recorded.
     fn check_and_land<P: AsRef<[u8]>>(
         &self,
         expected: &ExpectedTransfer<'_>,
         manifest: &Manifest,
         pages: &[P],
-        mut land: impl FnMut(usize, PageRef, &[u8]),
+        land: impl FnMut(usize, PageRef, &[u8]),
     ) -> Result<Accepted, TransferError> {
+        let ticket = self.pin_ticket(expected)?;
+        self.land_pinned(ticket, expected, manifest, pages, land)
+    }
+
+    /// Pins `expected.pages` for `expected.request` (its page size must be the table's).
+    fn pin_ticket(&self, expected: &ExpectedTransfer<'_>) -> Result<ImportTicket<'t>, TransferError> {
         let table_page_size = self.table.page_size();
         if expected.page_size != table_page_size {
             return Err(TransferError::TablePageSize { expected: expected.page_size, table: table_page_size });
         }
-        // Pinned until `finish`; every early return below drops the ticket, which aborts.
-        let ticket = match self.table.begin_import(expected.request, expected.pages) {
-            Ok(ticket) => ticket,
-            Err(Error::Violation(v)) => return Err(TransferError::NotHeld(v)),
-            Err(e) => return Err(TransferError::Table(e)),
-        };
+        match self.table.begin_import(expected.request, expected.pages) {
+            Ok(ticket) => Ok(ticket),
+            Err(Error::Violation(v)) => Err(TransferError::NotHeld(v)),
+            Err(e) => Err(TransferError::Table(e)),
+        }
+    }
+
+    /// Checks and lands under `ticket`; every early return drops the ticket, which aborts.
+    fn land_pinned<P: AsRef<[u8]>>(
+        &self,
+        ticket: ImportTicket<'t>,
+        expected: &ExpectedTransfer<'_>,
+        manifest: &Manifest,
+        pages: &[P],
+        mut land: impl FnMut(usize, PageRef, &[u8]),
+    ) -> Result<Accepted, TransferError> {
         self.check_tenant(expected)?;
         verify(expected, manifest, pages)?;
         for (index, (&page, bytes)) in expected.pages.iter().zip(pages).enumerate() {
@@ -445,6 +469,18 @@ impl<'t> Receiver<'t> {
         }
         ticket.finish(manifest.prompt_tokens(), expected.prompt_tokens).map_err(TransferError::Table)?;
         Ok(Accepted { tokens: manifest.prompt_tokens(), pages: expected.pages.len() })
+    }
+
+    /// Pins the receiving pages *before* any byte is asked for, for transports that land bytes
+    /// directly in the pool (NIXL's one-sided writes and reads): the pages stay the request's,
+    /// and out of every other request's reach, until the returned [`PinnedImport`] accepts,
+    /// refuses or is dropped (which aborts: nothing recorded). Refused like
+    /// [`accept`](Self::accept) when the table does not hold the pages (recorded in the table).
+    pub fn pin(&self, expected: &ExpectedTransfer<'_>) -> Result<PinnedImport<'t>, TransferError> {
+        match self.pin_ticket(expected) {
+            Ok(ticket) => Ok(PinnedImport { receiver: *self, ticket }),
+            Err(e) => Err(self.refused(expected, e)),
+        }
     }
 
     /// The table holds the receiving request for `expected.tenant`. Called with the pages pinned:
@@ -467,5 +503,58 @@ impl<'t> Receiver<'t> {
             }
             _ => Ok(()),
         }
+    }
+}
+
+/// A transfer whose receiving pages are pinned ([`Receiver::pin`]) while its bytes are on their
+/// way; it ends by [`accept`](Self::accept), [`refuse`](Self::refuse) or
+/// [`abort`](Self::abort) (also on drop): only an accepted transfer records coverage.
+#[derive(Debug)]
+#[must_use = "dropping a pinned import aborts it"]
+pub struct PinnedImport<'t> {
+    receiver: Receiver<'t>,
+    ticket: ImportTicket<'t>,
+}
+
+impl<'t> PinnedImport<'t> {
+    /// The pinned pages, in the incarnations pinned.
+    pub fn pages(&self) -> &[PageRef] {
+        self.ticket.pages()
+    }
+
+    /// [`Receiver::accept`] under the pin: `expected` must name the pages pinned
+    /// ([`TransferError::Pages`] otherwise). `pages` are the bytes that landed (for a transport
+    /// that wrote them in place, the pool's own pages; `land` may then do nothing).
+    pub fn accept<P: AsRef<[u8]>>(
+        self,
+        expected: &ExpectedTransfer<'_>,
+        manifest_bytes: &[u8],
+        pages: &[P],
+        land: impl FnMut(usize, PageRef, &[u8]),
+    ) -> Result<Accepted, TransferError> {
+        let PinnedImport { receiver, ticket } = self;
+        let outcome = if ticket.pages() != expected.pages {
+            let index = ticket.pages().iter().zip(expected.pages).position(|(a, b)| a != b);
+            Err(TransferError::Pages { expected: ticket.pages().len(), found: expected.pages.len(), index })
+        } else {
+            Manifest::decode(manifest_bytes)
+                .map_err(TransferError::from)
+                .and_then(|manifest| receiver.land_pinned(ticket, expected, &manifest, pages, land))
+        };
+        receiver.record_refusal(expected, outcome)
+    }
+
+    /// Refuses the transfer for `error` (found by the transport: pages it wrote elsewhere, say):
+    /// recorded in the table like any refusal, nothing recorded as written, the pages unpinned.
+    pub fn refuse(self, expected: &ExpectedTransfer<'_>, error: TransferError) -> TransferError {
+        let PinnedImport { receiver, ticket } = self;
+        ticket.abort();
+        receiver.refused(expected, error)
+    }
+
+    /// Abandons the transfer with no verdict on its content (it timed out, or the transport
+    /// failed): nothing is recorded, the pages are unpinned.
+    pub fn abort(self) {
+        self.ticket.abort();
     }
 }

@@ -29,3 +29,5 @@ mod trace_record;
 mod trace_replay;
 mod trace_zoo;
 mod transfer_manifest;
+#[cfg(feature = "nixl")]
+mod transfer_nixl;

@@ -1,8 +1,13 @@
-//! One side of a disaggregated prefill/decode pair over loopback TCP, with fault injection.
+//! One side of a disaggregated prefill/decode pair on loopback, with fault injection. The KV
+//! travels inside the TCP frames (`--transport tcp`, the default) or over NIXL (`nixl-write`:
+//! prefill writes decode's pages; `nixl-read`: decode reads prefill's; needs feature `nixl` and
+//! `libnixl_capi.so` on `LD_LIBRARY_PATH`), the control frames over TCP either way.
 //!
 //! ```text
 //! kvguard-disagg decode --port 0             # prints "listening 127.0.0.1:PORT", then one line per request
 //! kvguard-disagg prefill --port PORT --fault flip-byte
+//! kvguard-disagg --transport nixl-write decode --port 0
+//! kvguard-disagg --transport nixl-write prefill --port PORT --fault late
 //! ```
 //!
 //! Exit codes: 0 every transfer accepted (decode) or every pull answered (prefill); 3 decode
@@ -10,7 +15,7 @@
 //! protocol error; 2 bad arguments.
 
 use clap::{Parser, Subcommand};
-use kvguard_sim::disagg::{self, DisaggConfig, Fault};
+use kvguard_sim::disagg::{self, DisaggConfig, Fault, Transport};
 use std::io::Write;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -30,6 +35,9 @@ struct Cli {
     /// Deadline of each frame, in milliseconds (a frame sent or received whole), 1 to 3,600,000.
     #[arg(long, default_value_t = 10_000, global = true, value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
     timeout_ms: u64,
+    /// How the KV travels (both nodes must use the same): tcp, nixl-write, nixl-read.
+    #[arg(long, default_value = "tcp", global = true)]
+    transport: Transport,
 }
 
 #[derive(Subcommand)]
@@ -54,8 +62,12 @@ enum Role {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let config =
-        DisaggConfig { seed: cli.seed, requests: cli.requests, timeout: Duration::from_millis(cli.timeout_ms) };
+    let config = DisaggConfig {
+        seed: cli.seed,
+        requests: cli.requests,
+        timeout: Duration::from_millis(cli.timeout_ms),
+        transport: cli.transport,
+    };
     let mut out = std::io::stdout();
     match cli.role {
         Role::Decode { port } => {

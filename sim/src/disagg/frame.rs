@@ -30,12 +30,21 @@ pub enum Frame {
     Busy,
     /// Decode → prefill: no more requests.
     Done,
+    /// Either way, once after connecting, when the KV travels over NIXL: the sender's agent
+    /// metadata and the layout of its registered pages (the out-of-band exchange NIXL expects).
+    Peer {
+        /// The NIXL agent metadata.
+        metadata: Vec<u8>,
+        /// The encoded region layout.
+        region: Vec<u8>,
+    },
 }
 
 const PULL: u8 = 1;
 const TRANSFER: u8 = 2;
 const BUSY: u8 = 3;
 const DONE: u8 = 4;
+const PEER: u8 = 5;
 
 fn bad(msg: impl Into<String>) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, msg.into())
@@ -101,6 +110,13 @@ impl Frame {
             }
             Frame::Busy => BUSY,
             Frame::Done => DONE,
+            Frame::Peer { metadata, region } => {
+                for part in [metadata, region] {
+                    payload.extend_from_slice(&(part.len() as u32).to_le_bytes());
+                    payload.extend_from_slice(part);
+                }
+                PEER
+            }
         };
         let len = u32::try_from(payload.len()).ok().filter(|&l| l <= MAX_FRAME);
         let len = len.ok_or_else(|| bad(format!("frame of {} bytes exceeds the cap", payload.len())))?;
@@ -145,6 +161,13 @@ impl Frame {
             }
             BUSY => Frame::Busy,
             DONE => Frame::Done,
+            PEER => {
+                let m = c.count(1, MAX_FRAME)?;
+                let metadata = c.take(m)?.to_vec();
+                let r = c.count(1, MAX_FRAME)?;
+                let region = c.take(r)?.to_vec();
+                Frame::Peer { metadata, region }
+            }
             t => return Err(bad(format!("unknown frame tag {t}"))),
         };
         if !c.rest.is_empty() {
@@ -165,6 +188,7 @@ mod tests {
             Frame::Transfer { manifest: vec![1, 2, 3], pages: vec![vec![4; 12], vec![]] },
             Frame::Busy,
             Frame::Done,
+            Frame::Peer { metadata: vec![9; 5], region: vec![7; 32] },
         ];
         for f in frames {
             let mut buf = Vec::new();

@@ -7,12 +7,17 @@
 //! a [`Frame::Transfer`]. Decode lands it through a [`Receiver`] and prints one line per request:
 //! `ACCEPTED req N ...` or `REFUSED req N: <violation kind>: <error>`.
 
+mod carrier;
 pub mod frame;
 
 use crate::kv::{KvPool, SLOT_BYTES, SlotKv};
 use crate::workload::{self, RequestSpec};
 use crate::{DUMMY_TOKEN, SimConfig, SimError};
+pub use carrier::Transport;
+use carrier::{DecodeCarrier, Fetched, PrefillCarrier};
 pub use frame::Frame;
+#[cfg(feature = "nixl")]
+use kvguard::transfer::nixl::{Direction, NixlError};
 use kvguard::transfer::wire::{HEADER_LEN, PAGE_ENTRY_LEN, TRAILER_LEN};
 use kvguard::transfer::{BuildError, ExpectedTransfer, Manifest, Receiver, SenderId, TransferHeader, tokens_in_page};
 use kvguard::{Error, OwnershipTable, PageId, PageRef, PoolConfig, RequestId};
@@ -117,6 +122,17 @@ pub enum DisaggError {
     /// The sender could not build a manifest.
     #[error("manifest: {0}")]
     Build(#[from] BuildError),
+    /// NIXL failed outside a transfer (set-up, connection).
+    #[cfg(feature = "nixl")]
+    #[error("nixl: {0}")]
+    Nixl(#[from] NixlError),
+    /// A transfer over NIXL failed, timed out or never notified: aborted, nothing readable.
+    #[cfg(feature = "nixl")]
+    #[error("transfer aborted: {0}")]
+    Aborted(NixlError),
+    /// The transport was not built in (feature `nixl` of kvguard-sim).
+    #[error("transport {0} needs kvguard-sim built with feature nixl")]
+    Unsupported(Transport),
 }
 
 /// Both nodes' shared knowledge: the workload seed and size (each derives its own copy).
@@ -128,11 +144,13 @@ pub struct DisaggConfig {
     pub requests: u32,
     /// Deadline of each frame (sent or received whole) and of the accept.
     pub timeout: Duration,
+    /// How the KV travels (both nodes must use the same).
+    pub transport: Transport,
 }
 
 impl Default for DisaggConfig {
     fn default() -> Self {
-        DisaggConfig { seed: 1, requests: 3, timeout: Duration::from_secs(10) }
+        DisaggConfig { seed: 1, requests: 3, timeout: Duration::from_secs(10), transport: Transport::Tcp }
     }
 }
 
@@ -277,9 +295,31 @@ pub fn run_decode(
     let sim = config.sim_config();
     let table = OwnershipTable::new(PoolConfig::new(sim.decode_pages, sim.page_size, sim.max_context))?;
     let mut pool = KvPool::new(sim.decode_pages, sim.page_size);
+    #[cfg(feature = "nixl")]
+    let mut side = match config.transport {
+        Transport::Tcp => None,
+        _ => Some(carrier::nixl::NixlSide::new("decode", sim.decode_pages, sim.page_size * SLOT_BYTES)?),
+    };
     let stream = accept(listener, config.timeout)?;
     let timeout = config.timeout;
     configure(&stream, config.timeout)?;
+    let mut carrier = match config.transport {
+        Transport::Tcp => DecodeCarrier::Tcp,
+        #[cfg(feature = "nixl")]
+        t => {
+            let side = side.as_mut().ok_or(DisaggError::Unsupported(t))?;
+            side.peer_frame()?.write_to(&mut Deadline::new(
+                &stream,
+                timeout,
+                "the prefill node to take our metadata",
+            ))?;
+            let link = carrier::nixl::connect(&side.agent, &stream, timeout)?;
+            let direction = if t == Transport::NixlRead { Direction::Read } else { Direction::Write };
+            DecodeCarrier::Nixl(carrier::nixl::DecodeNixl { link, region: &mut side.region, direction })
+        }
+        #[cfg(not(feature = "nixl"))]
+        t => return Err(DisaggError::Unsupported(t)),
+    };
     let mut summary = DecodeSummary::default();
     for spec in config.workload() {
         let n = spec.prompt_tokens.div_ceil(sim.page_size) as usize;
@@ -292,45 +332,41 @@ pub fn run_decode(
                 .allocate(n)
                 .ok_or(SimError::DecodePoolTooSmall { pages_needed: n as u64, pages: sim.decode_pages })?;
             let refs = table.claim(spec.id, &pages)?;
+            let expected =
+                ExpectedTransfer::for_prompt(spec.id, spec.tenant, &prompt, &refs, sim.page_size, SLOT_BYTES);
+            // Pinned before prefill is asked for anything: no byte can land in a page another
+            // request holds.
+            let pinned = Receiver::new(&table).pin(&expected).map_err(|e| DisaggError::Protocol(e.to_string()))?;
             Frame::Pull { request: spec.id, dest: refs.clone() }.write_to(&mut Deadline::new(
                 &stream,
                 timeout,
                 "the prefill node to take a pull",
             ))?;
-            let verdict =
-                match Frame::read_from(&mut Deadline::new(&stream, timeout, "a transfer from the prefill node"))? {
-                    Frame::Busy if attempt < 2 => {
-                        writeln!(out, "req {}: transfer not ready, releasing and retrying", spec.id.0)?;
-                        None
-                    }
-                    Frame::Transfer { manifest, pages: bytes } => {
-                        let expected = ExpectedTransfer::for_prompt(
-                            spec.id,
-                            spec.tenant,
-                            &prompt,
-                            &refs,
-                            sim.page_size,
-                            SLOT_BYTES,
-                        );
-                        let landed = Receiver::new(&table).accept(&expected, &manifest, &bytes, |_, page, b| {
-                            pool.land(page.page, b);
-                            pool.stamp(spec.id, page, (b.len() / SLOT_BYTES as usize) as u32);
-                        });
-                        Some(match landed {
-                            Ok(a) => match table.verify_read_refs(spec.id, &refs, u64::from(spec.prompt_tokens)) {
-                                Ok(()) => Ok(format!(
-                                    "ACCEPTED req {}: {} tokens in {} pages, read verified",
-                                    spec.id.0,
-                                    a.tokens(),
-                                    a.pages()
-                                )),
-                                Err(e) => Err((e.violation_kind().map_or("error", |k| k.as_str()), e.to_string())),
-                            },
-                            Err(e) => Err((e.kind().as_str(), e.to_string())),
-                        })
-                    }
-                    other => return Err(DisaggError::Protocol(format!("expected a transfer, got {other:?}"))),
-                };
+            let fetched = carrier.fetch(&stream, timeout, pinned, &expected, |_, page, b| {
+                pool.land(page.page, b);
+                pool.stamp(spec.id, page, (b.len() / SLOT_BYTES as usize) as u32);
+            })?;
+            let verdict = match fetched {
+                Fetched::NotReady if attempt < 2 => {
+                    writeln!(out, "req {}: transfer not ready, releasing and retrying", spec.id.0)?;
+                    None
+                }
+                Fetched::NotReady => {
+                    return Err(DisaggError::Protocol(format!("req {}: not ready on the retry", spec.id.0)));
+                }
+                Fetched::Verdict(landed) => Some(match landed {
+                    Ok(a) => match table.verify_read_refs(spec.id, &refs, u64::from(spec.prompt_tokens)) {
+                        Ok(()) => Ok(format!(
+                            "ACCEPTED req {}: {} tokens in {} pages, read verified",
+                            spec.id.0,
+                            a.tokens(),
+                            a.pages()
+                        )),
+                        Err(e) => Err((e.violation_kind().map_or("error", |k| k.as_str()), e.to_string())),
+                    },
+                    Err(e) => Err((e.kind().as_str(), e.to_string())),
+                }),
+            };
             pool.free(&pages);
             table.release(spec.id)?;
             match verdict {
@@ -361,10 +397,32 @@ pub fn run_prefill(port: u16, fault: Fault, config: DisaggConfig, out: &mut dyn 
         workload.iter().enumerate().map(|(i, s)| (s.id, (i, s))).collect();
     let table = OwnershipTable::new_unaudited(PoolConfig::new(sim.prefill_pages, sim.page_size, sim.max_context))?;
     let mut pool = KvPool::new(sim.prefill_pages, sim.page_size);
+    #[cfg(feature = "nixl")]
+    let mut side = match config.transport {
+        Transport::Tcp => None,
+        _ => Some(carrier::nixl::NixlSide::new("prefill", sim.prefill_pages, sim.page_size * SLOT_BYTES)?),
+    };
     let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
     let stream = TcpStream::connect_timeout(&addr, config.timeout)?;
     configure(&stream, config.timeout)?;
     let timeout = config.timeout;
+    let mut carrier = match config.transport {
+        Transport::Tcp => PrefillCarrier::Tcp,
+        #[cfg(feature = "nixl")]
+        t => {
+            let side = side.as_mut().ok_or(DisaggError::Unsupported(t))?;
+            let link = carrier::nixl::connect(&side.agent, &stream, timeout)?;
+            side.peer_frame()?.write_to(&mut Deadline::new(
+                &stream,
+                timeout,
+                "the decode node to take our metadata",
+            ))?;
+            let direction = if t == Transport::NixlRead { Direction::Read } else { Direction::Write };
+            PrefillCarrier::Nixl(carrier::nixl::PrefillNixl { link, region: &mut side.region, direction })
+        }
+        #[cfg(not(feature = "nixl"))]
+        t => return Err(DisaggError::Unsupported(t)),
+    };
     let mut sent: HashMap<RequestId, Frame> = HashMap::new();
     let mut held_back = false;
     let mut served = 0;
@@ -386,7 +444,7 @@ pub fn run_prefill(port: u16, fault: Fault, config: DisaggConfig, out: &mut dyn 
                 held_back = true;
                 sent.insert(request, transfer);
                 writeln!(out, "req {}: holding the transfer back (fault late)", request.0)?;
-                Frame::Busy.write_to(&mut Deadline::new(&stream, timeout, "the decode node to take a frame"))?;
+                carrier.deliver(&stream, timeout, request, &dest, &Frame::Busy)?;
                 continue;
             }
             Fault::Late => sent.remove(&request).unwrap_or(transfer),
@@ -399,7 +457,7 @@ pub fn run_prefill(port: u16, fault: Fault, config: DisaggConfig, out: &mut dyn 
         if let Frame::Transfer { .. } = &frame {
             sent.entry(request).or_insert_with(|| frame.clone());
         }
-        frame.write_to(&mut Deadline::new(&stream, timeout, "the decode node to take a transfer"))?;
+        carrier.deliver(&stream, timeout, request, &dest, &frame)?;
         served += 1;
         writeln!(out, "sent req {}{}", request.0, if faulty { format!(" (fault {fault})") } else { String::new() })?;
     }

@@ -6,5 +6,5 @@
 
 #[cfg(feature = "cuda")]
 pub mod host_sim;
-#[cfg(feature = "cuda")]
+#[cfg(any(feature = "cuda", feature = "nixl"))]
 pub mod skip;

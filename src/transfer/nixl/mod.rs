@@ -1,0 +1,75 @@
+//! Checked KV transfers over NIXL (feature `nixl`): the transport engines use between prefill and
+//! decode (vLLM's NixlConnector, SGLang's nixl backend, Dynamo), with kvguard's manifest riding
+//! along and decode failing closed.
+//!
+//! NIXL moves bytes between registered memory of two agents and can attach a notification to a
+//! transfer, delivered after the data; it checks nothing about the content. Here:
+//!
+//! - each side creates a [`NixlAgent`] (UCX back end, no progress thread) and registers its KV
+//!   pages ([`HostRegion`] for host pages; [`NixlAgent::register`] for an engine's own pool,
+//!   host or GPU, the same code with [`Segment::Vram`]);
+//! - the agents' metadata and [`RegionLayout`]s are exchanged out of band (a file or a socket),
+//!   and each side opens a [`NixlLink`] to the other;
+//! - decode pins the receiving pages ([`Receiver::pin`](crate::transfer::Receiver::pin)) before it
+//!   asks for anything, then [`NixlLink::receive`]s: prefill either WRITEs the pages with the
+//!   [`Notice`] `Written` (extents + the encoded [`Manifest`](crate::transfer::Manifest)) as the
+//!   transfer's notification ([`NixlLink::push`]), or stages them and notifies `Staged`, and
+//!   decode READs them and answers `Released` ([`NixlLink::stage`]);
+//! - decode checks the manifest against its own copy of the request and the landed bytes, and
+//!   records coverage only on success; on a refusal, an error, a timeout or a notification that
+//!   never comes, the import is aborted, nothing is readable, and the pages are scrubbed.
+//!
+//! The files: `agent.rs` is the FFI edge (`unsafe` allowed there only: loading the library,
+//! registering memory, the region's bytes); `notice.rs` the notification and layout wire
+//! formats; `link.rs` the protocol. The library `libnixl_capi.so` comes from the `nixl-cu12`
+//! wheel and is loaded at run time (see docs/transfer.md for the setup); without it
+//! [`NixlAgent::new`] returns [`NixlError::Library`], never aborts.
+
+#[allow(unsafe_code)]
+mod agent;
+mod link;
+mod notice;
+
+pub use agent::{Direction, Extent, HostRegion, NIXL_LIBRARY, NixlAgent, Registration, library_available};
+pub use link::{FLUSH, INBOX_CAP, ImportError, NixlLink};
+pub use notice::{LAYOUT_LEN, Notice, NoticeKind, RegionLayout, Segment};
+
+/// What went wrong in the transport (not a verdict on a transfer's content: that is a
+/// [`TransferError`](crate::transfer::TransferError)).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum NixlError {
+    /// `libnixl_capi.so` cannot be loaded (put the `nixl-cu12` wheel's
+    /// `site-packages/.nixl_cu12.mesonpy.libs` on `LD_LIBRARY_PATH`).
+    #[error("cannot load {NIXL_LIBRARY}: {reason}")]
+    Library {
+        /// The loader's message.
+        reason: String,
+    },
+    /// A NIXL call failed.
+    #[error("NIXL {call} failed: {reason}")]
+    Call {
+        /// The NIXL operation.
+        call: &'static str,
+        /// NIXL's error.
+        reason: String,
+    },
+    /// The deadline passed.
+    #[error("timed out waiting for {waiting_for}")]
+    Timeout {
+        /// What was awaited.
+        waiting_for: &'static str,
+    },
+    /// Extents outside their region, or local and remote extents that do not pair up.
+    #[error("bad extents: {reason}")]
+    Extents {
+        /// What is wrong.
+        reason: String,
+    },
+    /// A malformed notice or region layout.
+    #[error("malformed notice: {reason}")]
+    Notice {
+        /// What is wrong.
+        reason: String,
+    },
+}
