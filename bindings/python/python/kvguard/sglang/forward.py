@@ -73,6 +73,7 @@ class HostRowCheck:
         self._qsl: np.ndarray = np.zeros(1, dtype=np.int32)
         self._rows_dev: Any = None
         self._lens_dev: Any = None
+        self._first_slots: np.ndarray | None = None
 
     def begin(self, rows: Any, seq_lens: Any, extend_lens: Any, rows_cpu: Any, seq_lens_cpu: Any) -> None:
         """A forward over ``rows`` of ``req_to_token`` is about to run."""
@@ -140,14 +141,18 @@ class HostRowCheck:
         return masked
 
     def _page_table(self, rows: np.ndarray, width: int) -> np.ndarray:
-        """The pages of ``rows``' first ``width`` tokens, one row per request (int32)."""
-        g = self.guard
-        rt = _host(g.req_to_token_pool.req_to_token)
-        ps = g.page_size
-        if ps == 1:
-            return rt[:, :width][rows]
-        table = rt[rows[:, None], np.arange(0, width, ps)]
-        table //= ps
+        """The pages of ``rows``' first ``width`` tokens, one row per request (int32): the first
+        slot of each page (a strided view of ``req_to_token``, gathered once), over the page size."""
+        if self._first_slots is None:
+            rt = _host(self.guard.req_to_token_pool.req_to_token)  # SGLang allocates it once
+            self._first_slots = rt[:, :: self.guard.page_size]
+        ps = self.guard.page_size
+        table = self._first_slots[:, : -(-width // ps)].take(rows, axis=0)
+        if ps > 1:
+            if ps & (ps - 1) == 0:
+                np.right_shift(table, ps.bit_length() - 1, out=table)
+            else:
+                table //= ps
         return table
 
     def _verify_rows(self, pos: np.ndarray, keys: np.ndarray) -> list[tuple[int, Any]]:

@@ -111,7 +111,10 @@ def _host(t: Any) -> np.ndarray:
     if isinstance(t, np.ndarray):
         return t
     if hasattr(t, "detach"):
-        return t.detach().cpu().numpy()
+        try:
+            return t.numpy()  # a CPU tensor: its memory, no copy (the common case, fastest)
+        except (TypeError, RuntimeError):
+            return t.detach().cpu().numpy()
     return np.asarray(t)
 
 
@@ -414,19 +417,24 @@ class Guard:
         idx = np.flatnonzero(new)
         plain = self._row_live[rows[idx]] & (self._page_prefix[np.clip(pages[idx], 0, self._page_limit)] == 0)
         plain &= keys[idx] != 0
+        ks = keys[idx].tolist()
+        ps = pages[idx].tolist()
+        claimed = plain.tolist()
         claim = self.table.claim
-        claimed = np.zeros(len(idx), dtype=bool)
-        # One claim per request whose new token opened a page: the binding has no batched claim.
-        for j, (key, page) in enumerate(zip(keys[idx].tolist(), pages[idx].tolist(), strict=True)):
-            if not plain[j]:
-                continue
+        # One claim per request whose new token opened a page (every request, every step, at page
+        # size 1): the binding has no batched claim. The loop is restarted after a refusal.
+        j, n = 0, len(ks)
+        while j < n:
             try:
-                claim(key, (page,))
+                for j in range(j, n):  # noqa: B020 - resumes after the refused entry
+                    if claimed[j]:
+                        claim(ks[j], [ps[j]])
+                j = n
             except ViolationError as e:
-                self._refused(key, e.violation)
-                continue
-            claimed[j] = True
-        done = idx[claimed]
+                claimed[j] = False
+                self._refused(ks[j], e.violation)
+                j += 1
+        done = idx[np.array(claimed, dtype=bool)]
         self._page_key[pages[done]] = keys[done]
         for j in np.flatnonzero(~plain).tolist():
             i = int(idx[j])
