@@ -315,9 +315,9 @@ class Guard:
 
     def _wrap_set_kv_buffer(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         start_layer = int(getattr(self.kv_pool, "start_layer", 0) or 0)
-        check = self.row_check
 
         def set_kv_buffer(layer: Any, loc: Any, cache_k: Any, cache_v: Any, *args: Any, **kwargs: Any) -> Any:
+            check = self.row_check
             if check.pending:
                 layer_id = kwargs.get("layer_id_override")
                 if layer_id is None:
