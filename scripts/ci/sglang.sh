@@ -18,7 +18,8 @@ kvguard_sglang_after() {
       einops openai==2.8.0 partial_json_parser || return 1
     "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps sglang==0.5.23 || return 1
   fi
-  "$venv/bin/pip" install --quiet --disable-pip-version-check "maturin==1.9.6" "pytest==8.3.5" || return 1
+  "$venv/bin/pip" install --quiet --disable-pip-version-check "maturin==1.9.6" "pytest==8.3.5" \
+    "prometheus_client==0.26.0" || return 1
   wheel=$(ls "$root"/target/wheels/kvguard-*.whl 2>/dev/null | head -n 1)
   if [ -z "$wheel" ]; then
     echo "sglang.sh: building the kvguard wheel (maturin, release)"

@@ -1,8 +1,11 @@
-"""Per-step cost of kvguard at 256 running requests on CPU, with and without it, in one run.
+"""Per-step cost of kvguard at 256 running requests on CPU, with and without it, interleaved.
 
 One step = what SGLang's allocator and cache bookkeeping do for a decode step (alloc, the
-req_to_token write, the KV store at one layer) plus, guarded, kvguard's hooks on those calls and
-the forward-batch check. Usage: python bench_step.py [page_size]"""
+req_to_token write, the KV store at one layer, the scheduler's per-request length updates) plus,
+guarded, kvguard's hooks on those calls and the forward-batch check. Runs alternate unguarded and
+guarded engines (the machine may be shared), each the median of its steps; the ratio
+(guarded - unguarded) / unguarded is reported as min / median / max over the pairs.
+Usage: python bench_step.py [--pairs N] [page_size ...]"""
 
 from __future__ import annotations
 
@@ -35,10 +38,23 @@ def run(page_size: int, guarded: bool, n: int = 256, steps: int = 60) -> float:
 if __name__ == "__main__":
     from harness import sglang_context
 
+    args = sys.argv[1:]
+    pairs = 5
+    if args[:1] == ["--pairs"]:
+        pairs, args = int(args[1]), args[2:]
     ctx = sglang_context.__wrapped__()
     next(ctx)
-    for ps in [int(a) for a in sys.argv[1:]] or [16, 1]:
-        base = run(ps, False)
-        guard = run(ps, True)
-        print(f"page_size {ps}: step without kvguard {base * 1e6:.0f} us, with {guard * 1e6:.0f} us, "
-              f"kvguard {100 * (guard - base) / base:.1f} % of the step")
+    for ps in [int(a) for a in args] or [16, 1]:
+        base, guard, ratio = [], [], []
+        for _ in range(pairs):
+            b = run(ps, False)
+            g = run(ps, True)
+            base.append(b)
+            guard.append(g)
+            ratio.append((g - b) / b)
+        r = sorted(ratio)
+        print(
+            f"page_size {ps}: step without kvguard {statistics.median(base) * 1e6:.0f} us, with "
+            f"{statistics.median(guard) * 1e6:.0f} us (medians of {pairs}); kvguard's share of the "
+            f"step min/median/max {100 * r[0]:.1f} / {100 * statistics.median(r):.1f} / {100 * r[-1]:.1f} %"
+        )

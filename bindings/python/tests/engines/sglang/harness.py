@@ -148,11 +148,16 @@ class Engine:
 
     def forward(self, reqs, out_cache_loc, seq_lens, extend_lens) -> None:
         """ModelRunner.forward's KV store at layer 0 (the attention read follows it)."""
-        rows = [r.kv.req_pool_idx for r in reqs]
+        rows = torch.tensor([r.kv.req_pool_idx for r in reqs], dtype=torch.int64)
+        lens = torch.tensor(seq_lens, dtype=torch.int64)
+        new = None if extend_lens is None else torch.tensor(extend_lens, dtype=torch.int64)
         if self.guard is not None:
-            self.guard.begin_forward(rows, seq_lens, extend_lens)
-        k = torch.stack([torch.full((1, HEAD_DIM), float(hash(r.rid) % 997)) for r in reqs for _ in range(
-            1 if extend_lens is None else extend_lens[reqs.index(r)])]) if reqs else torch.empty(0, 1, HEAD_DIM)
+            self.guard.begin_forward(rows, lens, new)
+        # The model's stand-in: each request's K/V is a value derived from its rid (one tensor op).
+        vals = torch.tensor([float(hash(r.rid) % 997) for r in reqs], dtype=torch.float32)
+        if new is not None:
+            vals = vals.repeat_interleave(new)
+        k = vals[:, None, None].expand(-1, 1, HEAD_DIM).contiguous()
         self.kv_pool.set_kv_buffer(self.layer, out_cache_loc, k, k.clone())
         if self.guard is not None:
             self.guard.end_forward()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import kvguard
 import pytest
 import torch
-from kvguard.sglang import GuardedKVReceiver, GuardedKVSender, ManifestChannel, audit_pd
+from kvguard.sglang import GuardedKVReceiver, GuardedKVSender, ManifestChannel, NamedViolation, audit_pd
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.fake.conn import FakeKVReceiver, FakeKVSender
 from sglang.srt.mem_cache.common import suffix_page_indices
@@ -93,7 +93,7 @@ def test_refused_transfer_never_becomes_readable(pd, case, kind):
     )
     assert receiver.poll() == KVPoll.Failed
     refusal = decode.guard.aborted["r"]
-    got = refusal.kind if isinstance(refusal, kvguard.Violation) else "missing_manifest"
+    got = refusal.kind if isinstance(refusal, NamedViolation) else "missing_manifest"
     assert got in kind
     assert d_req.to_finish is not None and "kvguard" in d_req.to_finish.message
     # The pages were never covered: a read through the row is refused.

@@ -1,0 +1,174 @@
+"""kvguard inside SGLang (0.5.23): shadow ownership of SGLang's own pool, checked at its own calls.
+
+Turned on with one setting: ``KVGUARD_SGLANG=enforce`` (or ``report``) in the environment of
+``python -m sglang.launch_server``. The kvguard wheel declares an entry point in SGLang's general
+plugin group ``sglang.srt.plugins``; SGLang's ``load_plugins()`` runs it first thing in every
+scheduler process (``run_scheduler_process``), and :func:`register` registers three hooks with
+SGLang's own ``HookRegistry`` (no SGLang source changed, nothing imported at start-up when the
+setting is unset):
+
+- ``Scheduler.__init__`` (after): a :class:`Guard` over the scheduler's ``req_to_token_pool``,
+  ``token_to_kv_pool_allocator``, ``tree_cache`` and KV pool, audited against the model's
+  context length (a pool that cannot hold one max-context request refuses to start);
+- ``Scheduler._add_request_to_queue`` (around): the intake check; a refused request is answered
+  with an abort (HTTP 400, ``KVGuardViolation``) and never queued;
+- ``ModelRunner.forward`` (around): the forward batch's rows and sequence lengths, checked at the
+  first layer's KV store.
+
+SGLang's ``SGLANG_PLUGINS`` whitelist, when set, must name ``kvguard``.
+
+What the :class:`Guard` hooks on the instances:
+
+- ``ReqToTokenPool.alloc`` / ``free``: a request gets a row (its block table) / gives it back.
+- ``ReqToTokenPool.write``: slots written into a row, i.e. the pages attention will read for that
+  request. A fresh page is claimed for the row's request; a radix-cache page is attached (held
+  read-only, same tenant only); anything else is refused on that request.
+- allocator ``_release_page_ids`` (paged) / ``free`` (page size 1): the page release every free
+  ends in. Who frees is known from the caller hooked above it: ``free_kv_row`` (a request gives
+  back its row's pages), ``evict`` (the radix cache drops a leaf), ``checkpoint`` (a request's
+  duplicates of cached pages). A page its freer does not hold is refused and kept out of
+  SGLang's free list (a double free never hands one page to two requests).
+- ``RadixCache.insert`` / ``checkpoint`` / ``evict``: pages entering the tree are published as
+  read-only prefixes (one key per page, so node splits change nothing); an evicted page whose
+  prefix a running request still holds is refused (``evict_in_use``) and withheld until its last
+  holder lets go.
+- ``MHATokenToKVPool.set_kv_buffer`` (first layer of a forward): the step's writes
+  (``out_cache_loc``) recorded in one ``record_step_writes``, then the ``req_to_token`` rows and
+  sequence lengths attention will read verified in one ``verify_step`` (on the host) or by
+  :class:`kvguard.DeviceGuard` on SGLang's stream (rows on a GPU). A refused row's writes go to
+  the padding slot and the request is aborted.
+
+Refusal under ``enforce``: exactly the refused request is aborted (``req.to_finish =
+FINISH_ABORT``, the error its client receives), nothing is raised into the scheduler loop, which
+keeps serving the others. Under ``report``: logged on the ``sglang.srt.kvguard`` logger, counted
+in ``Guard.metrics`` and on Prometheus (``kvguard_violations_total{kind,policy}``,
+``kvguard_refused_requests_total``); SGLang runs as before.
+
+PD disaggregation: :func:`audit_pd` refuses a deployment whose prefill or decode pool cannot hold
+one max-context request; :class:`GuardedKVSender` / :class:`GuardedKVReceiver` wrap SGLang's
+``BaseKVSender`` / ``BaseKVReceiver`` (mooncake, nixl, fake) so that every transfer carries a
+kvguard manifest and the decode side refuses one that is missing or does not match.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from http import HTTPStatus
+from typing import Any
+
+from .guard import Guard, NamedViolation, audit_pd, audit_pool
+from .pd import GuardedKVReceiver, GuardedKVSender, ManifestChannel
+
+__all__ = [
+    "ENV_POLICY",
+    "Guard",
+    "GuardedKVReceiver",
+    "GuardedKVSender",
+    "ManifestChannel",
+    "NamedViolation",
+    "audit_pd",
+    "audit_pool",
+    "installed_mode",
+    "register",
+]
+
+ENV_POLICY = "KVGUARD_SGLANG"
+"""The one setting: ``enforce`` or ``report`` turns the guard on in every SGLang scheduler."""
+
+logger = logging.getLogger("sglang.srt.kvguard")
+
+_MODE: str | None = None
+
+_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+_MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
+
+
+def _mode_from_env() -> str | None:
+    """``enforce``/``report`` from ``KVGUARD_SGLANG``; None when unset, empty or ``off``."""
+    value = os.environ.get(ENV_POLICY, "").strip().lower()
+    if value in ("", "off", "0", "none"):
+        return None
+    if value not in ("enforce", "report"):
+        raise ValueError(f"{ENV_POLICY} must be enforce, report or off, not {value!r}")
+    return value
+
+
+def installed_mode() -> str | None:
+    """``enforce``/``report`` once :func:`register` installed the hooks in this process, else None."""
+    return _MODE
+
+
+def register() -> None:
+    """The ``sglang.srt.plugins`` entry point: registers kvguard's hooks with SGLang's
+    ``HookRegistry`` when ``KVGUARD_SGLANG`` is ``enforce`` or ``report`` (SGLang applies them
+    right after its plugins ran). Inert when the setting is unset; a second call is a no-op."""
+    global _MODE
+    mode = _mode_from_env()
+    if mode is None or _MODE is not None:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(f"{_SCHEDULER}.__init__", _scheduler_started, HookType.AFTER)
+    HookRegistry.register(f"{_SCHEDULER}._add_request_to_queue", _add_request_to_queue, HookType.AROUND)
+    HookRegistry.register(f"{_MODEL_RUNNER}.forward", _forward, HookType.AROUND)
+    _MODE = mode
+    logger.info("kvguard: %s mode in every SGLang scheduler (%s)", mode, ENV_POLICY)
+
+
+def _scheduler_started(_result: Any, scheduler: Any, *_args: Any, **_kwargs: Any) -> None:
+    """After ``Scheduler.__init__``: the scheduler's guard, on its pools (audited now)."""
+    if _MODE is None:
+        return
+    allocator = scheduler.token_to_kv_pool_allocator
+    get_kvcache = getattr(allocator, "get_kvcache", None)
+    side = str(getattr(getattr(scheduler, "disaggregation_mode", None), "value", None) or "pool")
+    guard = Guard(
+        scheduler.req_to_token_pool,
+        allocator,
+        tree_cache=getattr(scheduler, "tree_cache", None),
+        kv_pool=get_kvcache() if get_kvcache is not None else None,
+        context_len=int(scheduler.model_config.context_len),
+        policy=_MODE,
+        side=side if side != "null" else "pool",
+    )
+    scheduler.kvguard = guard
+    runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
+    if runner is not None:
+        runner.kvguard = guard
+
+
+def _add_request_to_queue(original: Any, scheduler: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """The intake check before SGLang queues ``req``: refused under enforce, it is answered with
+    its abort at once and never queued (no row, no page)."""
+    guard = getattr(scheduler, "kvguard", None)
+    is_retracted = kwargs.get("is_retracted", args[0] if args else False)
+    if guard is None or is_retracted or guard.admit(req) or guard.policy != "enforce":
+        return original(scheduler, req, *args, **kwargs)
+    from sglang.srt.disaggregation.utils import prepare_abort
+
+    reason = guard.aborted.get(req.rid, "refused at intake")
+    prepare_abort(req, f"kvguard refused this request: {reason}", status_code=HTTPStatus.BAD_REQUEST)
+    scheduler.output_streamer.stream_output([req], req.return_logprob)
+    return None
+
+
+def _forward(original: Any, runner: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """``ModelRunner.forward``: the batch's rows and lengths go to the guard, checked at the first
+    layer's KV store."""
+    guard = getattr(runner, "kvguard", None)
+    rows = getattr(forward_batch, "req_pool_indices", None)
+    if guard is None or rows is None or forward_batch.forward_mode.is_idle():
+        return original(runner, forward_batch, *args, **kwargs)
+    extend = forward_batch.extend_seq_lens if forward_batch.forward_mode.is_extend() else None
+    guard.begin_forward(
+        rows,
+        forward_batch.seq_lens,
+        extend,
+        req_pool_indices_cpu=getattr(forward_batch, "req_pool_indices_cpu", None),
+        seq_lens_cpu=getattr(forward_batch, "seq_lens_cpu", None),
+    )
+    try:
+        return original(runner, forward_batch, *args, **kwargs)
+    finally:
+        guard.end_forward()

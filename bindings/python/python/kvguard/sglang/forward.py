@@ -1,0 +1,230 @@
+"""The forward batch's check: the step's KV writes recorded, then the ``req_to_token`` rows and
+sequence lengths attention will read verified, once per forward, at the first layer's KV store.
+
+One batched call each, with arrays SGLang already has: ``record_step_writes`` takes
+``out_cache_loc`` as it is (split per request by the extend lengths), and the request keys are
+one gather (``Guard._row_key[req_pool_indices]``). The rows are verified where they live:
+
+- :class:`HostRowCheck`: ``req_to_token`` on the host. ``verify_step`` reads the rows' pages: at
+  page size 1 the row slice itself, otherwise the first slot of each page divided by the page
+  size (one vectorised gather, ``width / page_size`` entries per row).
+- :class:`DeviceRowCheck`: ``req_to_token`` on a GPU. The same page table is gathered on the
+  device and checked by :class:`kvguard.DeviceGuard` on SGLang's current stream
+  (``sync_tags``, ``set_readers``, ``clear_status``, ``verify_block_table``: no host sync); its
+  verdicts are drained when the forward ends. The rows never come to the host.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .. import ConfigError, DeviceError, DeviceGuard
+from .guard import _host
+
+if TYPE_CHECKING:
+    from .guard import Guard
+
+logger = logging.getLogger("sglang.srt.kvguard")
+
+
+def _on_device(req_to_token: Any) -> bool:
+    """Whether SGLang's ``req_to_token`` lives on a CUDA device."""
+    return bool(getattr(req_to_token, "is_cuda", False))
+
+
+def row_check_for(guard: Guard, device_rows: bool | None) -> HostRowCheck:
+    """The check for ``guard``'s pool: on the device when ``req_to_token`` is a CUDA tensor
+    (``device_rows`` None or True), else on the host.
+
+    Without a CUDA driver or NVRTC, ``DeviceGuard`` raises :class:`kvguard.DeviceError` (never a
+    crash): with ``device_rows=None`` the guard falls back to the host check (as strong; it copies
+    the rows), logs it and counts ``device_check_unavailable``; with ``device_rows=True`` it
+    refuses to start (``ConfigError``)."""
+    rows = guard.req_to_token_pool.req_to_token
+    if device_rows is False or (device_rows is None and not _on_device(rows)):
+        return HostRowCheck(guard)
+    if not _on_device(rows):
+        raise ConfigError("kvguard: device_rows=True, but SGLang's req_to_token is not on a CUDA device")
+    try:
+        return DeviceRowCheck(guard)
+    except DeviceError as e:
+        if device_rows:
+            raise ConfigError(f"kvguard: the device check of req_to_token cannot start: {e}") from e
+        guard.metrics["device_check_unavailable"] += 1
+        logger.warning("kvguard: no device check (%s); req_to_token rows are checked on the host", e)
+        return HostRowCheck(guard)
+
+
+class HostRowCheck:
+    """The forward batch checked on the host (see the module doc)."""
+
+    where = "host"
+
+    def __init__(self, guard: Guard) -> None:
+        self.guard = guard
+        self.pending = False
+        """Between ``begin`` and ``end``: the KV stores of this forward are checked."""
+        self._refused_slots: np.ndarray | None = None
+        self._rows: np.ndarray = np.zeros(0, dtype=np.int64)
+        self._lens: np.ndarray = np.zeros(0, dtype=np.int64)
+        self._qsl: np.ndarray = np.zeros(1, dtype=np.int32)
+        self._rows_dev: Any = None
+        self._lens_dev: Any = None
+        self._first_slots: np.ndarray | None = None
+
+    def begin(self, rows: Any, seq_lens: Any, extend_lens: Any, rows_cpu: Any, seq_lens_cpu: Any) -> None:
+        """A forward over ``rows`` of ``req_to_token`` is about to run."""
+        g = self.guard
+        self._rows_dev, self._lens_dev = rows, seq_lens
+        self._rows = _host(rows if rows_cpu is None else rows_cpu).reshape(-1)
+        self._lens = _host(seq_lens if seq_lens_cpu is None else seq_lens_cpu).reshape(-1)
+        n = len(self._rows)
+        if extend_lens is None:
+            self._qsl = g._qsl_decode[: n + 1]
+        else:
+            self._qsl = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(_host(extend_lens).reshape(-1), out=self._qsl[1:])
+        self._refused_slots = None
+        self.pending = True
+
+    def end(self) -> None:
+        """The forward is over."""
+        self.pending = False
+        self._refused_slots = None
+        self._rows_dev = self._lens_dev = None
+
+    def first_store(self, loc: Any) -> Any:
+        """The first layer's KV store: the whole check; returns the slots to write (a refused
+        request's go to the padding slot under enforce)."""
+        g = self.guard
+        rows, qsl = self._rows, self._qsl
+        keys = g._row_key[rows]
+        live = g._row_live[rows]
+        slots = _host(loc).reshape(-1)
+        refused = ~live
+        if live.all():
+            verdict = g.table.record_step_writes(keys, slots, qsl)
+            pos = None
+        else:
+            # Rows of requests kvguard never admitted (or already released): their writes are
+            # not the table's to record; they are masked below.
+            pos = np.flatnonzero(live)
+            counts = np.diff(qsl)[pos]
+            sub_qsl = np.zeros(len(pos) + 1, dtype=np.int64)
+            np.cumsum(counts, out=sub_qsl[1:])
+            take = np.concatenate([np.arange(qsl[i], qsl[i + 1]) for i in pos.tolist()]) if len(pos) else pos
+            verdict = g.table.record_step_writes(keys[pos], slots[take], sub_qsl)
+        for i, v in verdict.refused:
+            at = i if pos is None else int(pos[i])
+            refused[at] = True
+            g._refused(int(keys[at]), v)
+        ok = np.flatnonzero(~refused)
+        if len(ok):
+            for i, v in self._verify_rows(ok, keys[ok]):
+                refused[ok[i]] = True
+                g._refused(int(keys[ok[i]]), v)
+        if refused.any() and g.policy == "enforce":
+            bad = np.flatnonzero(refused).tolist()
+            self._refused_slots = np.concatenate([np.arange(qsl[i], qsl[i + 1]) for i in bad])
+            return self.later_store(loc)
+        return loc
+
+    def later_store(self, loc: Any) -> Any:
+        """Another layer's KV store: a refused request's writes go to the padding slot 0."""
+        if self._refused_slots is None or not len(self._refused_slots):
+            return loc
+        masked = loc.clone()
+        masked[self._refused_slots] = 0
+        return masked
+
+    def _page_table(self, rows: np.ndarray, width: int) -> np.ndarray:
+        """The pages of ``rows``' first ``width`` tokens, one row per request (int32): the first
+        slot of each page (a strided view of ``req_to_token``, gathered once), over the page size."""
+        if self._first_slots is None:
+            rt = _host(self.guard.req_to_token_pool.req_to_token)  # SGLang allocates it once
+            self._first_slots = rt[:, :: self.guard.page_size]
+        ps = self.guard.page_size
+        table = self._first_slots[:, : -(-width // ps)].take(rows, axis=0)
+        if ps > 1:
+            if ps & (ps - 1) == 0:
+                np.right_shift(table, ps.bit_length() - 1, out=table)
+            else:
+                table //= ps
+        return table
+
+    def _verify_rows(self, pos: np.ndarray, keys: np.ndarray) -> list[tuple[int, Any]]:
+        """Verifies the rows at batch positions ``pos``; returns (index into pos, violation)."""
+        g = self.guard
+        lens = self._lens if len(pos) == len(self._lens) else self._lens[pos]
+        rows = self._rows if len(pos) == len(self._rows) else self._rows[pos]
+        width = int(lens.max()) if len(lens) else 0
+        verdict = g.table.verify_step(keys, self._page_table(rows, width), lens)
+        return verdict.refused
+
+
+class DeviceRowCheck(HostRowCheck):
+    """The forward batch's rows checked on the GPU by :class:`kvguard.DeviceGuard`, on SGLang's
+    stream. Writes are recorded on the host as before (``out_cache_loc``, one entry per new
+    token); the rows (``width`` entries per request) stay on the device. Verdicts are drained
+    when the forward ends: the refused request is aborted before its output is returned (the
+    device's fail-closed status already marked its sequence)."""
+
+    where = "device"
+
+    def __init__(self, guard: Guard) -> None:
+        super().__init__(guard)
+        rows = guard.req_to_token_pool.req_to_token
+        index = getattr(rows.device, "index", None) or 0
+        self.device_guard = DeviceGuard(guard.config, device=int(index), max_seqs=int(rows.shape[0]))
+        self._inflight: tuple[Any, ...] | None = None
+        self._stream: int | None = None
+
+    def _current_stream(self) -> int:
+        import torch
+
+        return int(torch.cuda.current_stream(self.guard.req_to_token_pool.req_to_token.device).cuda_stream)
+
+    def _verify_rows(self, pos: np.ndarray, keys: np.ndarray) -> list[tuple[int, Any]]:
+        import torch
+
+        g = self.guard
+        rt = g.req_to_token_pool.req_to_token
+        lens = self._lens if len(pos) == len(self._lens) else self._lens[pos]
+        width = int(lens.max()) if len(lens) else 0
+        rows_dev = torch.as_tensor(self._rows_dev, device=rt.device).reshape(-1)
+        lens_dev = torch.as_tensor(self._lens_dev, device=rt.device).reshape(-1)
+        if len(pos) != len(self._rows):
+            at = torch.as_tensor(pos, device=rt.device)
+            rows_dev, lens_dev = rows_dev[at], lens_dev[at]
+        ps = g.page_size
+        table = rt[rows_dev, :width:ps] if ps > 1 else rt[rows_dev, :width]
+        if ps > 1:
+            table = torch.div(table, ps, rounding_mode="floor")
+        table = table.to(torch.int32).contiguous()
+        seq = lens_dev.to(torch.int32).contiguous()
+        stream = self._current_stream()
+        dg = self.device_guard
+        dg.sync_tags(g.table, stream=stream)
+        dg.set_readers(g.table, keys.tolist(), stream=stream)
+        dg.clear_status(stream=stream)
+        dg.verify_block_table(table.data_ptr(), seq.data_ptr(), len(pos), int(table.shape[1]), stream=stream)
+        # The launch reads these until it completes: keep them until the drain.
+        self._inflight = (table, seq)
+        self._stream = stream
+        return []
+
+    def end(self) -> None:
+        """Drains the device's verdicts for this forward (a sync, after the forward)."""
+        if self._inflight is not None and self._stream is not None:
+            g = self.guard
+            for v in self.device_guard.drain(g.table, stream=self._stream):
+                key = v.request
+                if isinstance(key, int):
+                    g._refused(key, v)
+                else:
+                    g._violation(None, v)
+            self._inflight = None
+        super().end()

@@ -1,0 +1,661 @@
+"""``Guard``: kvguard's ownership table mirroring one SGLang scheduler's pool, judged at SGLang's calls.
+
+Ids: the table knows each request by an int key (``Guard.request_key``), given at admission, so a
+step's requests go to the table as one int array gathered from ``req_to_token`` row numbers
+(``_row_key[req_pool_indices]``), never a Python list of ``rid`` strings. Violations come back
+as :class:`NamedViolation`, with the SGLang ``rid`` and tenant names restored.
+
+Tenants get stable int keys too (``_tenant_key``): the binding interns a str tenant only while one
+of its requests lives, but a radix-cache prefix outlives its publisher; with str tenants the next
+request of the same tenant would get a fresh id and be refused as another tenant on its prefix
+hit. The int key keeps the tenant's identity for as long as the scheduler runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from http import HTTPStatus
+from typing import Any
+
+import numpy as np
+
+from .. import ConfigError, OwnershipTable, PoolConfig, Violation, ViolationError
+from . import metrics as _metrics
+
+logger = logging.getLogger("sglang.srt.kvguard")
+
+_TREE = object()
+"""Freer marker: the radix cache itself drops pages (eviction)."""
+
+_NO_OWNER = -1
+"""``_page_key`` of a page no request owns exclusively (free, a prefix, or the padding page)."""
+
+
+def _pool_pages(allocator: Any) -> int:
+    """Allocatable pages of an SGLang allocator (page 0 excluded)."""
+    num_pages = getattr(allocator, "num_pages", None)
+    return int(num_pages) if num_pages is not None else int(allocator.size) // int(allocator.page_size)
+
+
+def audit_pool(allocator: Any, context_len: int, *, side: str = "pool", policy: str = "enforce") -> PoolConfig:
+    """Start-up audit of one SGLang pool: refused (``ConfigError``) unless one request of
+    ``context_len`` tokens fits in its pages. The message names both numbers."""
+    config = PoolConfig(
+        _pool_pages(allocator) + 1, int(allocator.page_size), int(context_len), reserved=[0], policy=policy
+    )
+    capacity = config.capacity_tokens()
+    if capacity < context_len:
+        raise ConfigError(
+            f"kvguard: the {side} KV pool holds {capacity} tokens "
+            f"({_pool_pages(allocator)} pages of {allocator.page_size}), fewer than one "
+            f"max-context request of {context_len} tokens; refusing to start "
+            f"(lower --context-length or give the pool more memory)"
+        )
+    try:
+        config.audit()
+    except ConfigError as e:
+        raise ConfigError(f"kvguard: the {side} KV pool fails the start-up audit: {e}") from e
+    return config
+
+
+def audit_pd(prefill_allocator: Any, decode_allocator: Any, context_len: int) -> None:
+    """Start-up audit of both sides of a PD deployment against the model's context length;
+    either side too small is refused, naming its capacity and the context length."""
+    audit_pool(prefill_allocator, context_len, side="prefill")
+    audit_pool(decode_allocator, context_len, side="decode")
+
+
+def _default_tenant(req: Any) -> str:
+    """A request's tenant: an explicit ``kvguard_tenant``, else its cache salt (SGLang's own
+    isolation key), else ``default``. Read once, at admission."""
+    return getattr(req, "kvguard_tenant", None) or getattr(req, "cache_salt", None) or "default"
+
+
+def _finish_abort(message: str, status: HTTPStatus = HTTPStatus.INTERNAL_SERVER_ERROR) -> Any:
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    return FINISH_ABORT(message, status, "KVGuardViolation")
+
+
+class NamedViolation:
+    """A kvguard :class:`~kvguard.Violation` with its request, owner and tenants named as SGLang
+    names them (``rid``, the tenant's name) instead of the table's int keys. Every other field
+    (``kind``, ``op``, ``page``, ``generation``, ``slots``, ``prefix``, ...) is the violation's."""
+
+    __slots__ = ("violation", "request", "owner", "tenant", "owner_tenant")
+
+    def __init__(self, violation: Violation, request: Any, owner: Any, tenant: Any, owner_tenant: Any) -> None:
+        self.violation = violation
+        self.request = request
+        self.owner = owner
+        self.tenant = tenant
+        self.owner_tenant = owner_tenant
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.violation, name)
+
+    def __str__(self) -> str:
+        named = f"request {self.request!r} (tenant {self.tenant!r})"
+        if self.owner is not None or self.owner_tenant is not None:
+            named += f", page owner {self.owner!r} (tenant {self.owner_tenant!r})"
+        return f"{self.violation}; {named}"
+
+    def __repr__(self) -> str:
+        return f"<kvguard.sglang.NamedViolation {self}>"
+
+
+def _host(t: Any) -> np.ndarray:
+    """A tensor or array as a host numpy array (no copy for CPU tensors and arrays)."""
+    if isinstance(t, np.ndarray):
+        return t
+    if hasattr(t, "detach"):
+        try:
+            return t.numpy()  # a CPU tensor: its memory, no copy (the common case, fastest)
+        except (TypeError, RuntimeError):
+            return t.detach().cpu().numpy()
+    return np.asarray(t)
+
+
+def _pages_of(slots: np.ndarray, page_size: int) -> np.ndarray:
+    """The distinct pages of ``slots``, in first-seen order."""
+    if page_size == 1:
+        return slots
+    pages = slots // page_size
+    _, first = np.unique(pages, return_index=True)
+    return pages[np.sort(first)]
+
+
+class Guard:
+    """kvguard for one SGLang scheduler: its ``ReqToTokenPool``, token allocator, radix cache and
+    KV pool, hooked on the instances (see the package doc).
+
+    ``policy``: ``enforce`` (abort the refused request) or ``report`` (log and count).
+    ``context_len``: the model's context length; the pool is audited against it at construction.
+    ``device_rows``: check the forward batch's ``req_to_token`` rows on the GPU with
+    :class:`kvguard.DeviceGuard` when they are CUDA tensors (``None``: whenever they are).
+    """
+
+    def __init__(
+        self,
+        req_to_token_pool: Any,
+        allocator: Any,
+        *,
+        tree_cache: Any = None,
+        kv_pool: Any = None,
+        context_len: int | None = None,
+        policy: str = "enforce",
+        side: str = "pool",
+        tenant_of: Callable[[Any], Any] = _default_tenant,
+        device_rows: bool | None = None,
+    ) -> None:
+        from .forward import row_check_for
+
+        if policy not in ("enforce", "report"):
+            raise ConfigError(f"kvguard: policy must be 'enforce' or 'report', not {policy!r}")
+        self.policy = policy
+        self.page_size = int(allocator.page_size)
+        self.context_len = int(context_len if context_len is not None else req_to_token_pool.max_context_len)
+        self.config = audit_pool(allocator, self.context_len, side=side, policy=policy)
+        self.table = OwnershipTable(self.config)
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.tree_cache = tree_cache
+        self.kv_pool = kv_pool
+        self.tenant_of = tenant_of
+        self.metrics: Counter[str] = Counter()
+        """``violations_total`` and ``violations_total:<kind>``, ``aborted_requests``, ``withheld_pages``."""
+        self.aborted: dict[Any, NamedViolation | str] = {}
+        """Requests (SGLang ``rid``) aborted under enforce, with the violation that refused them."""
+        self.violations: list[NamedViolation] = []
+        """Every violation seen, in order (report and enforce)."""
+        self.refusals: list[tuple[Any, NamedViolation]] = []
+        """Every violation with the SGLang ``rid`` it was charged to (None: the radix cache's)."""
+        self.prometheus = _metrics.scheduler_metrics()
+        """The process's Prometheus metrics (None without ``prometheus_client``)."""
+        num_pages = self.config.num_pages
+        rows = int(req_to_token_pool.req_to_token.shape[0])
+        # page -> key of the request owning it exclusively; one extra entry (never owned) takes
+        # every page id out of range, so lookups need no bounds check.
+        self._page_key = np.full(num_pages + 1, _NO_OWNER, dtype=np.int64)
+        self._page_limit = num_pages
+        # page -> key of the radix prefix it belongs to (0: none).
+        self._page_prefix = np.zeros(num_pages + 1, dtype=np.int64)
+        # req_to_token row -> key of the request holding it (0: none), and whether it is admitted.
+        self._row_key = np.zeros(rows, dtype=np.int64)
+        self._row_live = np.zeros(rows, dtype=bool)
+        self._keys: dict[Any, int] = {}
+        self._rids: dict[int, Any] = {}
+        self._reqs: dict[int, Any] = {}
+        self._tenants: dict[int, Any] = {}
+        self._admitted: set[int] = set()
+        self._tenant_ids: dict[Any, int] = {}
+        self._tenant_names: dict[int, Any] = {}
+        self._holds: dict[int, set[int]] = {}
+        self._withheld: dict[int, int] = {}
+        self._next_request = 1
+        self._next_prefix = 1
+        self._freer: Any = None
+        self._qsl_decode = np.arange(rows + 1, dtype=np.int32)
+        self.row_check = row_check_for(self, device_rows)
+        """How the forward batch's rows are verified: on the host or on the device."""
+        self._hook()
+
+    # ---- hooks -------------------------------------------------------------------------------
+
+    def _hook(self) -> None:
+        pool = self.req_to_token_pool
+        pool.alloc = self._wrap_alloc_rows(pool.alloc)
+        pool.free = self._wrap_free_row(pool.free)
+        pool.write = self._wrap_row_write(pool.write)
+        alloc = self.allocator
+        if hasattr(alloc, "_release_page_ids"):
+            alloc._release_page_ids = self._wrap_release_page_ids(alloc._release_page_ids)
+        else:
+            alloc.free = self._wrap_token_free(alloc.free)
+        tree = self.tree_cache
+        if tree is not None:
+            tree.insert = self._wrap_insert(tree.insert)
+            tree.checkpoint = self._wrap_freer(tree.checkpoint, lambda req, **_: self.request_key(req.rid))
+            tree.free_kv_row = self._wrap_freer(tree.free_kv_row, lambda kv, *_a, **_k: self._row_of(kv))
+            tree.evict = self._wrap_freer(tree.evict, lambda *_a, **_k: _TREE)
+        if self.kv_pool is not None:
+            self.kv_pool.set_kv_buffer = self._wrap_set_kv_buffer(self.kv_pool.set_kv_buffer)
+
+    def _wrap_alloc_rows(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        def alloc(reqs: list[Any]) -> Any:
+            fresh = [r for r in reqs if not r.kv.holds_kv]
+            for req in fresh:
+                key = self.request_key(req.rid)
+                if key not in self._admitted and req.rid not in self.aborted:
+                    self.admit(req)
+            rows = inner(reqs)
+            if rows is not None:
+                for req in fresh:
+                    row = int(req.kv.req_pool_idx)
+                    key = self.request_key(req.rid)
+                    self._row_key[row] = key
+                    self._row_live[row] = key in self._admitted
+            return rows
+
+        return alloc
+
+    def _wrap_free_row(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        def free(req: Any) -> Any:
+            row = req.kv.req_pool_idx
+            self.release(req)
+            if row is not None:
+                self._row_key[int(row)] = 0
+                self._row_live[int(row)] = False
+            return inner(req)
+
+        return free
+
+    def _wrap_row_write(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        def write(indices: Any, values: Any) -> Any:
+            rows, cols = indices
+            if isinstance(cols, slice):
+                self._row_written(int(rows), _host(values).reshape(-1))
+            else:
+                self._decode_rows_written(_host(rows).reshape(-1), _host(values).reshape(-1))
+            return inner(indices, values)
+
+        return write
+
+    def _wrap_release_page_ids(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        def release_page_ids(*page_ids: Any) -> Any:
+            kept = [self._released(_host(ids).reshape(-1)) for ids in page_ids]
+            kept = [k for k in kept if len(k)]
+            if kept:
+                import torch
+
+                dev = self.allocator.device
+                return inner(*(torch.as_tensor(k, dtype=torch.int64, device=dev) for k in kept))
+            return None
+
+        return release_page_ids
+
+    def _wrap_token_free(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        def free(free_index: Any) -> Any:
+            if free_index.numel() == 0 or self.allocator.free_group is not None:
+                return inner(free_index)
+            kept = self._released(_host(free_index).reshape(-1))
+            if len(kept) == free_index.numel():
+                return inner(free_index)
+            if len(kept):
+                import torch
+
+                return inner(torch.as_tensor(kept, dtype=free_index.dtype, device=free_index.device))
+            return None
+
+        return free
+
+    def _wrap_freer(self, inner: Callable[..., Any], who: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            outer = self._freer
+            self._freer = who(*args, **kwargs)
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self._freer = outer
+
+        return call
+
+    def _wrap_insert(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        def insert(params: Any) -> Any:
+            result = inner(params)
+            if params.value is not None:
+                key_len = len(params.key.page_aligned(self.page_size))
+                new = _host(params.value[result.prefix_len : key_len]).reshape(-1)
+                self._published(_pages_of(new, self.page_size))
+            return result
+
+        return insert
+
+    def _wrap_set_kv_buffer(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        start_layer = int(getattr(self.kv_pool, "start_layer", 0) or 0)
+
+        def set_kv_buffer(layer: Any, loc: Any, cache_k: Any, cache_v: Any, *args: Any, **kwargs: Any) -> Any:
+            check = self.row_check
+            if check.pending:
+                layer_id = kwargs.get("layer_id_override")
+                if layer_id is None:
+                    layer_id = layer.layer_id
+                if int(layer_id) == start_layer:
+                    loc = check.first_store(loc)
+                else:
+                    loc = check.later_store(loc)
+            return inner(layer, loc, cache_k, cache_v, *args, **kwargs)
+
+        return set_kv_buffer
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def request_key(self, rid: Any) -> int:
+        """The int key the table knows SGLang request ``rid`` by (given on first sight)."""
+        key = self._keys.get(rid)
+        if key is None:
+            key = self._keys[rid] = self._next_request
+            self._rids[key] = rid
+            self._next_request += 1
+        return key
+
+    def _row_of(self, kv: Any) -> int | None:
+        key = int(self._row_key[int(kv.req_pool_idx)])
+        return key or None
+
+    def admit(self, req: Any, *, prompt_tokens: int | None = None) -> bool:
+        """Intake check (the scheduler's ``_add_request_to_queue``): a request whose prompt plus
+        ``max_new_tokens`` can never fit the pool or the context length is refused before any page
+        or row is touched. ``prompt_tokens`` defaults to the longer of ``origin_input_ids`` and
+        ``origin_input_ids_unpadded``, so SGLang's one-token abort stub is judged at the length the
+        client sent. Returns whether it was admitted;
+        a refused request is aborted (its ``to_finish`` names the two numbers)."""
+        key = self.request_key(req.rid)
+        self._reqs[key] = req
+        if prompt_tokens is None:
+            # set_finish_with_abort swaps origin_input_ids for a one-token stub; the unpadded copy
+            # keeps what the client sent.
+            unpadded = getattr(req, "origin_input_ids_unpadded", None) or ()
+            prompt_tokens = max(len(req.origin_input_ids), len(unpadded))
+        max_new = int(getattr(req.sampling_params, "max_new_tokens", None) or 0)
+        tenant = self._tenant_key(self.tenant_of(req))
+        self._tenants[key] = tenant
+        try:
+            self.table.admit(key, tenant, int(prompt_tokens), max_new)
+        except ViolationError as e:
+            self._refused(key, e.violation, HTTPStatus.BAD_REQUEST)
+            return False
+        self._admitted.add(key)
+        self._holds[key] = set()
+        return True
+
+    def _tenant_key(self, tenant: Any) -> int:
+        """A stable int per tenant. The table interns a str tenant only while one of its requests
+        lives, but a radix-cache prefix outlives its publisher: with str ids, the next request of
+        the same tenant would get a new id and be refused as another tenant."""
+        key = self._tenant_ids.get(tenant)
+        if key is None:
+            key = self._tenant_ids[tenant] = len(self._tenant_ids) + 1
+            self._tenant_names[key] = tenant
+        return key
+
+    def release(self, req: Any) -> None:
+        """The request gives its row back: every hold and page it still has ends in kvguard."""
+        key = self._keys.get(req.rid)
+        if key is None or key not in self._admitted:
+            return
+        self._admitted.discard(key)
+        self._page_key[self._page_key == key] = _NO_OWNER
+        self._holds.pop(key, None)
+        try:
+            self.table.release(key)
+        except ViolationError as e:
+            self._violation(key, e.violation)
+        self._reqs.pop(key, None)
+        self._forget(key)
+        self._return_withheld()
+
+    def _forget(self, key: int) -> None:
+        rid = self._rids.pop(key, None)
+        if rid is not None and self._keys.get(rid) == key:
+            del self._keys[rid]
+        self._tenants.pop(key, None)
+
+    # ---- events ------------------------------------------------------------------------------
+
+    def _decode_rows_written(self, rows: np.ndarray, slots: np.ndarray) -> None:
+        """A decode step's ``req_to_token`` write: one slot per row. Only a page its row's request
+        does not own yet goes to the table (every step at page size 1; one row in page_size
+        otherwise); the rest is one vectorised comparison."""
+        pages = slots // self.page_size if self.page_size > 1 else slots
+        keys = self._row_key[rows]
+        new = self._page_key[np.clip(pages, 0, self._page_limit)] != keys
+        if not new.any():
+            return
+        idx = np.flatnonzero(new)
+        plain = self._row_live[rows[idx]] & (self._page_prefix[np.clip(pages[idx], 0, self._page_limit)] == 0)
+        plain &= keys[idx] != 0
+        ks = keys[idx].tolist()
+        ps = pages[idx].tolist()
+        claimed = plain.tolist()
+        claim = self.table.claim
+        # One claim per request whose new token opened a page (every request, every step, at page
+        # size 1): the binding has no batched claim. The loop is restarted after a refusal.
+        j, n = 0, len(ks)
+        while j < n:
+            try:
+                for j in range(j, n):  # noqa: B020 - resumes after the refused entry
+                    if claimed[j]:
+                        claim(ks[j], [ps[j]])
+                j = n
+            except ViolationError as e:
+                claimed[j] = False
+                self._refused(ks[j], e.violation)
+                j += 1
+        done = idx[np.array(claimed, dtype=bool)]
+        self._page_key[pages[done]] = keys[done]
+        for j in np.flatnonzero(~plain).tolist():
+            i = int(idx[j])
+            self._row_written(int(rows[i]), slots[i : i + 1])
+
+    def _row_written(self, row: int, slots: np.ndarray) -> None:
+        key = int(self._row_key[row])
+        if key == 0:
+            return
+        pages = _pages_of(slots, self.page_size).tolist()
+        if key not in self._admitted:
+            # A request the intake refused (or never saw) must not get pages: the table answers
+            # unknown_request, on this request.
+            try:
+                self.table.claim(key, pages)
+            except ViolationError as e:
+                self._refused(key, e.violation)
+            return
+        fresh: list[int] = []
+        holds = self._holds[key]
+        for page in pages:
+            if 0 <= page < self._page_limit and self._page_key[page] == key:
+                continue
+            prefix = int(self._page_prefix[page]) if 0 <= page < self._page_limit else 0
+            if prefix:
+                if prefix not in holds:
+                    try:
+                        self.table.attach_prefix(key, prefix)
+                        holds.add(prefix)
+                    except ViolationError as e:
+                        self._refused(key, e.violation)
+                        return
+                continue
+            if page not in fresh:
+                fresh.append(page)
+        if fresh:
+            try:
+                self.table.claim(key, fresh)
+            except ViolationError as e:
+                self._refused(key, e.violation)
+                return
+            self._page_key[fresh] = key
+
+    def _published(self, pages: np.ndarray) -> None:
+        for page in pages.tolist():
+            if page in self._withheld:
+                # The cache takes back a page whose eviction was refused: it is the tree's again.
+                del self._withheld[page]
+                continue
+            if page <= 0 or page >= self._page_limit or self._page_prefix[page]:
+                continue
+            owner = int(self._page_key[page])
+            if owner == _NO_OWNER:
+                continue
+            prefix = self._next_prefix
+            self._next_prefix += 1
+            try:
+                self.table.publish_prefix(owner, prefix, [page])
+            except ViolationError as e:
+                self._refused(owner, e.violation)
+                continue
+            self._page_prefix[page] = prefix
+            self._holds[owner].add(prefix)
+            self._page_key[page] = _NO_OWNER
+
+    def _released(self, pages: np.ndarray) -> list[int]:
+        """Judges one release of ``pages``; returns those SGLang may put back in its free list."""
+        freer = self._freer
+        kept: list[int] = []
+        by_owner: dict[Any, list[int]] = {}
+        for page in pages.tolist():
+            prefix = int(self._page_prefix[page]) if 0 <= page < self._page_limit else 0
+            if prefix and (freer is _TREE or freer is None):
+                try:
+                    self.table.evict_prefix(prefix)
+                except ViolationError as e:
+                    self._violation(None, e.violation)
+                    if self.policy == "enforce":
+                        self._withheld[page] = prefix
+                        self.metrics["withheld_pages"] += 1
+                        continue
+                self._page_prefix[page] = 0
+                kept.append(page)
+                continue
+            if freer is not None and freer is not _TREE:
+                key = freer
+            else:
+                owner = int(self._page_key[page]) if 0 <= page < self._page_limit else _NO_OWNER
+                key = None if owner == _NO_OWNER else owner
+            by_owner.setdefault(key, []).append(page)
+        for key, own in by_owner.items():
+            kept.extend(self._release_owned(key, own))
+        return kept
+
+    def _release_owned(self, key: Any, pages: list[int]) -> list[int]:
+        if key is None or key not in self._admitted:
+            # Nobody in kvguard holds these pages: a release no request can make.
+            self.metrics["unattributed_frees"] += sum(
+                1 for p in pages if not (0 <= p < self._page_limit) or self._page_key[p] == _NO_OWNER
+            )
+            logger.warning("kvguard: free of pages %s that no live request holds", pages[:8])
+            return pages if self.policy == "report" else []
+        try:
+            self.table.release_pages(key, pages)
+            ok = pages
+        except ViolationError as e:
+            self._refused(key, e.violation)
+            ok = []
+            for page in pages:
+                if 0 <= page < self._page_limit and self._page_key[page] == key:
+                    try:
+                        self.table.release_pages(key, [page])
+                        ok.append(page)
+                    except ViolationError:
+                        pass
+            if self.policy == "report":
+                ok = pages
+        mine = [p for p in ok if 0 <= p < self._page_limit and self._page_key[p] == key]
+        self._page_key[mine] = _NO_OWNER
+        return ok
+
+    def _return_withheld(self) -> None:
+        """Pages whose eviction was refused go back to SGLang once their last holder let go."""
+        if not self._withheld:
+            return
+        back = []
+        for page, prefix in list(self._withheld.items()):
+            try:
+                self.table.evict_prefix(prefix)
+            except ViolationError:
+                continue
+            del self._withheld[page]
+            self._page_prefix[page] = 0
+            back.append(page)
+        if back:
+            import torch
+
+            ids = torch.as_tensor(back, dtype=torch.int64, device=self.allocator.device)
+            freer, self._freer = self._freer, _TREE
+            try:
+                if hasattr(self.allocator, "_release_page_ids"):
+                    self.allocator._release_page_ids(ids)
+                else:
+                    self.allocator.free(ids)
+            finally:
+                self._freer = freer
+
+    # ---- the forward batch ---------------------------------------------------------------------
+
+    def begin_forward(
+        self,
+        req_pool_indices: Any,
+        seq_lens: Any,
+        extend_lens: Any = None,
+        *,
+        req_pool_indices_cpu: Any = None,
+        seq_lens_cpu: Any = None,
+    ) -> None:
+        """A forward is about to run (``ModelRunner.forward``): the rows of ``req_to_token`` and
+        the sequence lengths attention will read, and each request's new tokens this step
+        (``extend_seq_lens``; one per request in decode). The ``_cpu`` copies SGLang's forward
+        batch already has spare a device-to-host copy. Checked at the first layer's KV store."""
+        self.row_check.begin(req_pool_indices, seq_lens, extend_lens, req_pool_indices_cpu, seq_lens_cpu)
+
+    def end_forward(self) -> None:
+        """The forward is over (device verdicts, if any, are taken here)."""
+        self.row_check.end()
+
+    # ---- verdicts ------------------------------------------------------------------------------
+
+    def _name(self, violation: Violation) -> NamedViolation:
+        def rid(k: Any) -> Any:
+            return self._rids.get(k, k) if isinstance(k, int) else k
+
+        def tenant(k: Any) -> Any:
+            return self._tenant_names.get(k, k) if isinstance(k, int) else k
+
+        return NamedViolation(
+            violation,
+            rid(violation.request),
+            rid(violation.owner),
+            tenant(violation.tenant),
+            tenant(violation.owner_tenant),
+        )
+
+    def _count(self, kind: str, rid: Any, text: str) -> None:
+        self.metrics["violations_total"] += 1
+        self.metrics[f"violations_total:{kind}"] += 1
+        if self.prometheus is not None:
+            self.prometheus.violation(kind, self.policy)
+        logger.warning("kvguard %s: %s (request %r)", self.policy, text, rid)
+
+    def _violation(self, key: int | None, violation: Violation) -> NamedViolation:
+        named = self._name(violation)
+        rid = None if key is None else self._rids.get(key)
+        self.violations.append(named)
+        self.refusals.append((rid, named))
+        self._count(violation.kind, rid, str(named))
+        return named
+
+    def _abort(self, key: int, reason: NamedViolation | str, status: HTTPStatus) -> None:
+        rid = self._rids.get(key)
+        if self.policy != "enforce" or rid is None or rid in self.aborted:
+            return
+        self.aborted[rid] = reason
+        self.metrics["aborted_requests"] += 1
+        if self.prometheus is not None:
+            self.prometheus.refused()
+        req = self._reqs.get(key)
+        if req is not None and not req.finished():
+            req.to_finish = _finish_abort(f"kvguard refused this request: {reason}", status)
+
+    def _refused(self, key: int, violation: Violation, status: HTTPStatus = HTTPStatus.INTERNAL_SERVER_ERROR) -> None:
+        named = self._violation(key, violation)
+        self._abort(key, named, status)
+
+    def _abort_plain(self, key: int, message: str) -> None:
+        """A refusal that carries no violation (a missing manifest)."""
+        self._count("missing_manifest", self._rids.get(key), message)
+        self._abort(key, message, HTTPStatus.INTERNAL_SERVER_ERROR)
+
+    def _imported(self, key: int, tokens: int) -> None:
+        """A PD transfer of ``tokens`` landed and was accepted for ``key``."""
+        self.metrics["imported_tokens"] += tokens

@@ -1,0 +1,221 @@
+"""The plugin as SGLang loads it: the entry point, the setting, the hooks' glue on real pools,
+Prometheus, and the choice between the host and the device check of the forward batch's rows."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from types import SimpleNamespace
+
+import kvguard
+import kvguard.sglang
+import pytest
+import torch
+from kvguard.sglang import forward as fwd
+
+HOOKED = [
+    "sglang.srt.managers.scheduler.Scheduler.__init__",
+    "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue",
+    "sglang.srt.model_executor.model_runner.ModelRunner.forward",
+]
+
+
+def test_entry_point_is_registered():
+    names = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
+    assert names.get("kvguard") == "kvguard.sglang:register"
+
+
+@pytest.mark.parametrize("mode", ["enforce", "report", "off"])
+def test_sglang_loads_the_plugin_with_the_setting(mode):
+    """SGLang's own loader (what run_scheduler_process calls first) finds kvguard through the
+    entry point; the setting decides whether it registers its hooks."""
+    code = (
+        "from sglang.srt.plugins import load_plugins; load_plugins();"
+        "from sglang.srt.plugins.hook_registry import HookRegistry;"
+        "import kvguard.sglang as k;"
+        "hooks = sorted(t for t, hs in HookRegistry._hooks.items() for _, _, src in hs"
+        " if src is not None and src.plugin_name == 'kvguard');"
+        "print(k.installed_mode(), ','.join(hooks))"
+    )
+    env = dict(os.environ, KVGUARD_SGLANG=mode)
+    env.pop("SGLANG_PLUGINS", None)
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    last = out.stdout.splitlines()[-1].strip()
+    assert last == ("None" if mode == "off" else f"{mode} {','.join(sorted(HOOKED))}")
+
+
+def test_bad_setting_is_an_error(monkeypatch):
+    monkeypatch.setenv("KVGUARD_SGLANG", "enforse")
+    with pytest.raises(ValueError, match="KVGUARD_SGLANG"):
+        kvguard.sglang.register()
+
+
+def scheduler_of(eng, context_len=1024):
+    """The attributes of SGLang's Scheduler (and its ModelRunner) the hooks read."""
+    streamed = []
+    runner = SimpleNamespace()
+    return SimpleNamespace(
+        req_to_token_pool=eng.req_to_token_pool,
+        token_to_kv_pool_allocator=eng.allocator,
+        tree_cache=eng.tree,
+        model_config=SimpleNamespace(context_len=context_len),
+        tp_worker=SimpleNamespace(model_runner=runner),
+        output_streamer=SimpleNamespace(stream_output=lambda reqs, _lp: streamed.extend(reqs)),
+        streamed=streamed,
+        queued=[],
+    )
+
+
+def test_the_hooks_on_a_scheduler(engine_factory, monkeypatch):
+    """Scheduler.__init__ builds the guard on the scheduler's own pools; the intake refuses the
+    one-token stub with an abort the client receives and never queues it; ModelRunner.forward
+    brackets the KV store with the forward-batch check; violations reach Prometheus."""
+    from prometheus_client import REGISTRY
+
+    monkeypatch.setattr(kvguard.sglang, "_MODE", "enforce")
+    eng = engine_factory(page_size=16, context_len=1024, policy=None)
+    sched = scheduler_of(eng)
+    kvguard.sglang._scheduler_started(None, sched)
+    guard = sched.kvguard
+    assert sched.tp_worker.model_runner.kvguard is guard and guard.policy == "enforce"
+    assert guard.kv_pool is eng.kv_pool
+    eng.guard = guard
+
+    def queue(s, req, is_retracted=False):
+        s.queued.append(req)
+
+    before = REGISTRY.get_sample_value("kvguard_refused_requests_total") or 0.0
+    ok = eng.request("ok", list(range(1, 40)))
+    kvguard.sglang._add_request_to_queue(queue, sched, ok)
+    stub = eng.request("too-long", list(range(1, 3001)))
+    stub.set_finish_with_abort("Input length (3000 tokens) exceeds the maximum allowed length")
+    kvguard.sglang._add_request_to_queue(queue, sched, stub)
+    assert sched.queued == [ok] and sched.streamed == [stub]
+    assert "kvguard refused this request" in stub.finished_reason.message
+    assert stub.finished_reason.status_code == 400
+    assert REGISTRY.get_sample_value("kvguard_refused_requests_total") == before + 1
+    assert REGISTRY.get_sample_value(
+        "kvguard_violations_total", {"kind": "exceeds_max_context", "policy": "enforce"}
+    ) >= 1
+
+    # ModelRunner.forward: begin_forward from the batch (the _cpu copies SGLang keeps), the
+    # check at the first layer's store, end_forward after.
+    eng.prefill([ok])
+    seen = []
+
+    def model_forward(runner, batch):
+        seen.append(guard.row_check.pending)
+        eng.kv_pool.set_kv_buffer(eng.layer, batch.out_cache_loc, batch.k, batch.k)
+        return "out"
+
+    for r in eng.running:
+        r.output_ids.append(7)
+    rows = torch.tensor([ok.kv.req_pool_idx])
+    seq = torch.tensor([ok.kv.kv_committed_len], dtype=torch.int64)
+    last = eng.req_to_token_pool.req_to_token[rows, seq - 1].to(torch.int64)
+    loc = eng.allocator.alloc_decode(seq + 1, seq + 1, last)
+    eng.req_to_token_pool.write((rows, seq.clone()), loc.to(torch.int32))
+    batch = SimpleNamespace(
+        req_pool_indices=rows, seq_lens=seq + 1, req_pool_indices_cpu=rows, seq_lens_cpu=seq + 1,
+        extend_seq_lens=None, out_cache_loc=loc, k=torch.ones(1, 1, 8),
+        forward_mode=SimpleNamespace(is_idle=lambda: False, is_extend=lambda: False),
+    )
+    assert kvguard.sglang._forward(model_forward, sched.tp_worker.model_runner, batch) == "out"
+    assert seen == [True] and not guard.row_check.pending
+    assert guard.violations[1:] == [] and "ok" not in guard.aborted
+
+
+def test_rows_on_the_host_are_checked_on_the_host(engine_factory):
+    eng = engine_factory(page_size=16)
+    assert isinstance(eng.guard.row_check, fwd.HostRowCheck) and eng.guard.row_check.where == "host"
+    with pytest.raises(kvguard.ConfigError, match="not on a CUDA device"):
+        fwd.row_check_for(eng.guard, True)
+
+
+@pytest.mark.skipif(kvguard.driver_available(), reason="a CUDA driver is present")
+def test_rows_on_a_gpu_without_a_driver(engine_factory, monkeypatch):
+    """req_to_token on a CUDA device, but no driver: DeviceGuard raises kvguard.DeviceError (never
+    a crash). Chosen automatically, the guard falls back to the host check and says so; asked
+    for explicitly, it refuses to start."""
+    eng = engine_factory(page_size=16)
+    monkeypatch.setattr(fwd, "_on_device", lambda rows: True)
+    monkeypatch.setattr(eng.req_to_token_pool.req_to_token.__class__, "device", property(lambda t: torch.device("cpu")), raising=False)
+    check = fwd.row_check_for(eng.guard, None)
+    assert check.where == "host" and eng.guard.metrics["device_check_unavailable"] == 1
+    with pytest.raises(kvguard.ConfigError, match="device check"):
+        fwd.row_check_for(eng.guard, True)
+
+
+class RecordingDeviceGuard:
+    """kvguard.DeviceGuard's calls as the device check makes them, with the page table it was
+    given (read back from the tensor the pointer names)."""
+
+    def __init__(self, config, *, device=0, max_seqs=1024):
+        self.calls = []
+
+    def sync_tags(self, table, *, stream):
+        self.calls.append("sync_tags")
+
+    def set_readers(self, table, req_ids, *, stream):
+        self.calls.append(("set_readers", list(req_ids)))
+
+    def clear_status(self, *, stream):
+        self.calls.append("clear_status")
+
+    def verify_block_table(self, block_table, seq_lens, num_seqs, max_blocks, *, stream):
+        self.calls.append(("verify_block_table", block_table, seq_lens, num_seqs, max_blocks, stream))
+
+    def drain(self, table, *, stream):
+        self.calls.append("drain")
+        return []
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_device_check_gathers_pages_on_the_device_and_verifies_on_the_stream(engine_factory, monkeypatch, page_size):
+    """The device path's logic on CPU tensors: the page table handed to verify_block_table is the
+    rows' first slot of each page over the page size (int32, contiguous), the readers are the
+    batch's request keys, everything on SGLang's stream, drained when the forward ends."""
+    monkeypatch.setattr(fwd, "DeviceGuard", RecordingDeviceGuard)
+    monkeypatch.setattr(fwd.DeviceRowCheck, "_current_stream", lambda self: 77)
+    eng = engine_factory(page_size=page_size, policy=None)
+    from kvguard.sglang import Guard
+
+    eng.guard = Guard(eng.req_to_token_pool, eng.allocator, tree_cache=eng.tree, kv_pool=eng.kv_pool,
+                      context_len=eng.context_len, device_rows=None)
+    assert eng.guard.row_check.where == "host"  # CPU rows: the host path
+    monkeypatch.setattr(fwd, "_on_device", lambda rows: True)
+    check = fwd.row_check_for(eng.guard, True)
+    eng.guard.row_check = check
+    reqs = [eng.request(f"r{i}", list(range(100 * i + 1, 100 * i + 41))) for i in range(3)]
+    for r in reqs:
+        assert eng.submit(r)
+    eng.prefill(reqs)
+    kept = {}
+    real = check._verify_rows
+
+    def spy(pos, keys):
+        out = real(pos, keys)
+        kept["table"], kept["seq"] = check._inflight
+        return out
+
+    monkeypatch.setattr(check, "_verify_rows", spy)
+    eng.decode()
+    dg = check.device_guard
+    names = [c if isinstance(c, str) else c[0] for c in dg.calls]
+    assert names[-5:] == ["sync_tags", "set_readers", "clear_status", "verify_block_table", "drain"]
+    readers = next(c for c in reversed(dg.calls) if c[0] == "set_readers")[1]
+    assert readers == [eng.guard.request_key(r.rid) for r in reqs]
+    _, bt, sl, n, width, stream = next(c for c in reversed(dg.calls) if c[0] == "verify_block_table")
+    table, seq = kept["table"], kept["seq"]
+    assert (bt, sl, n, width, stream) == (table.data_ptr(), seq.data_ptr(), 3, table.shape[1], 77)
+    assert table.dtype == torch.int32 and table.is_contiguous()
+    rt = eng.req_to_token_pool.req_to_token
+    for i, r in enumerate(reqs):
+        length = r.kv.kv_committed_len
+        assert int(seq[i]) == length
+        want = rt[r.kv.req_pool_idx, :length:page_size] // page_size
+        assert torch.equal(table[i, : len(want)], want.to(torch.int32))
+    assert eng.guard.violations == []
