@@ -100,6 +100,27 @@ impl Recorder {
     fn fork(&mut self, request: u64, child: u64) -> PyResult<()> {
         self.inner.fork(RequestId(request), RequestId(child)).map_err(io_err)
     }
+    /// v1.1: `request` let go of prefix `key`.
+    fn detach(&mut self, request: u64, key: &str) -> PyResult<()> {
+        self.inner.detach(RequestId(request), key).map_err(io_err)
+    }
+    /// v1.1: `request` was preempted (its pages and prefix holds released, still admitted).
+    fn preempt(&mut self, request: u64) -> PyResult<()> {
+        self.inner.preempt(RequestId(request)).map_err(io_err)
+    }
+    /// v1.1: the engine poisoned or zeroed these released pages.
+    fn scrub(&mut self, pages: Vec<u32>) -> PyResult<()> {
+        self.inner.scrub(&self::pages(pages)).map_err(io_err)
+    }
+    /// v1.1: other tenants may (`allow`) or may no longer attach to `tenant`'s prefixes.
+    fn grant(&mut self, tenant: &str, allow: bool) -> PyResult<()> {
+        self.inner.grant(tenant, allow).map_err(io_err)
+    }
+    /// v1.1: the end marker (once). A trace without it replays as truncated, so a recording cut
+    /// short is told from a finished one; `text()` after `end()` is the whole recording.
+    fn end(&mut self) -> PyResult<()> {
+        self.inner.end().map_err(io_err)
+    }
     /// A comment line.
     fn comment(&mut self, text: &str) -> PyResult<()> {
         self.inner.comment(text).map_err(io_err)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import kvguard
-from conftest import PAGE, admitted, block_table
+from pool import PAGE, admitted, block_table
 
 
 def two_requests(table):

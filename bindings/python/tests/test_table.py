@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import kvguard
-from conftest import PAGE, admitted
+from pool import PAGE, admitted
 
 
 def test_config_and_audit():

@@ -65,6 +65,9 @@ def test_recorder_and_replayer():
     rec.comment("done")
     rec.free(1)
     assert rec.events == 6  # the pool event counts
+    with pytest.raises(kvguard.TraceError, match="truncated"):
+        kvguard.Replayer().replay(rec.text())  # no end marker yet: a recording cut short
+    rec.end()
     found = kvguard.Replayer().replay(rec.text())
     assert [(v.line, v.kind, v.page, v.tenant) for v in found] == [(5, "unwritten_slots", 6, "acme")]
     assert found[0].as_dict()["kind"] == "unwritten_slots" and "unwritten_slots" in str(found[0])

@@ -1,6 +1,18 @@
-"""Engine plugin tests run in their engine's own venv (scripts/ci/vllm.sh); the package's plain
-venv (scripts/ci/python.sh) does not collect them."""
+"""Engine plugin tests run in their engine's own venv (scripts/ci/vllm.sh, scripts/ci/sglang.sh);
+the package's plain venv (scripts/ci/python.sh) does not collect them.
 
-import importlib.util
+Whether vLLM is installed is asked of the installed distributions, not of the import system:
+this directory's own `vllm/` folder would pass for a namespace package named `vllm`."""
 
-collect_ignore = [] if importlib.util.find_spec("vllm") is not None else ["vllm"]
+import importlib.metadata
+
+
+def _installed(dist: str) -> bool:
+    try:
+        importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+collect_ignore = [] if _installed("vllm") else ["vllm"]
