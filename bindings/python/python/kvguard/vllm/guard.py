@@ -38,6 +38,9 @@ __all__ = ["Refusal", "StepGuard", "StepReport"]
 #: vLLM's null block: page 0 is never allocated and pads every row.
 NULL_BLOCK = 0
 
+#: The int id a request never admitted is spoken of by (the table refuses it as unknown).
+UNKNOWN_REQUEST = 2**62
+
 logger = logging.getLogger("vllm.kvguard")
 
 
@@ -91,6 +94,12 @@ class StepGuard:
         self.steps = 0
         self.refusals_total = 0
         self._arange = np.arange(0, dtype=np.int64)
+        #: vLLM request id -> the table's int id (given at admission, dropped at release): the
+        #: table is spoken to in ints, so no string is interned per call.
+        self._ids: dict[str, int] = {}
+        self._next_id = 0
+        self._batch_ids: np.ndarray | None = None
+        self._batch_req_ids: list[str] = []
         self._metrics = metrics.pool_metrics()
 
     # -- events ------------------------------------------------------------------------------
@@ -105,39 +114,69 @@ class StepGuard:
             return
         report.refused[rid] = Refusal(kind, stage, message)
 
-    def _call(self, report: StepReport, rid: str | None, stage: str, fn: Any, *args: Any) -> None:
-        try:
-            fn(*args)
-        except kvguard.ViolationError as e:
-            self._refuse(report, rid, e.kind, stage, str(e))
-
-    def _apply(self, report: StepReport, events: list[tuple], late: bool) -> None:
-        """Applies the early events (late=False) or the publishes and attaches (late=True)."""
+    def _apply(self, report: StepReport, events: list[tuple]) -> list[tuple]:
+        """Applies the early events (admit, claim, evict, release, preempt) in order; returns
+        the late ones (publishes and attaches), applied after the step's writes."""
         t = self.table
+        ids = self._ids
+        late = []
         for ev in events:
             kind = ev[0]
-            if late:
-                if kind == EventKind.PUBLISH:
-                    rid = ev[1]
+            rid = ev[1]
+            try:
+                if kind == EventKind.CLAIM:
+                    stage = "allocate"
+                    t.claim(ids.get(rid, UNKNOWN_REQUEST), ev[2])
+                elif kind == EventKind.PUBLISH or kind == EventKind.ATTACH:
+                    late.append(ev)
+                elif kind == EventKind.EVICT:
+                    stage = "evict"
                     for block in ev[2]:
-                        self._call(report, rid, "publish", t.publish_prefix, rid, block, [block])
-                elif kind == EventKind.ATTACH:
-                    rid = ev[1]
-                    for block in ev[2]:
-                        self._call(report, rid, "prefix hit", t.attach_prefix, rid, block)
-                continue
-            if kind == EventKind.CLAIM:
-                self._call(report, ev[1], "allocate", t.claim, ev[1], ev[2])
-            elif kind == EventKind.ADMIT:
-                self._call(report, ev[1], "admit", t.admit, ev[1], ev[2], ev[3], ev[4])
-            elif kind == EventKind.RELEASE:
-                self._call(report, ev[1], "release", t.release, ev[1])
-                self.refused_ever.discard(ev[1])
-            elif kind == EventKind.PREEMPT:
-                self._call(report, ev[1], "preempt", t.preempt, ev[1])
-            elif kind == EventKind.EVICT:
-                for block in ev[2]:
-                    self._call(report, ev[1], "evict", t.evict_prefix, block)
+                        try:
+                            t.evict_prefix(block)
+                        except kvguard.ViolationError as e:
+                            self._refuse(report, rid, e.kind, stage, str(e))
+                elif kind == EventKind.ADMIT:
+                    stage = "admit"
+                    if rid not in ids:  # else the table refuses the duplicate
+                        ids[rid] = self._next_id
+                        self._next_id += 1
+                        self._batch_ids = None
+                    t.admit(ids[rid], ev[2], ev[3], ev[4])
+                elif kind == EventKind.RELEASE:
+                    stage = "release"
+                    self.refused_ever.discard(rid)
+                    t.release(ids.pop(rid, UNKNOWN_REQUEST))
+                    self._batch_ids = None
+                elif kind == EventKind.PREEMPT:
+                    stage = "preempt"
+                    t.preempt(ids.get(rid, UNKNOWN_REQUEST))
+            except kvguard.ViolationError as e:
+                self._refuse(report, rid, e.kind, stage, str(e))
+        return late
+
+    def _apply_late(self, report: StepReport, late: list[tuple]) -> None:
+        t = self.table
+        ids = self._ids
+        for kind, rid, blocks in late:
+            iid = ids.get(rid, UNKNOWN_REQUEST)
+            for block in blocks:
+                try:
+                    if kind == EventKind.PUBLISH:
+                        t.publish_prefix(iid, block, [block])
+                    else:
+                        t.attach_prefix(iid, block)
+                except kvguard.ViolationError as e:
+                    self._refuse(report, rid, e.kind, "publish" if kind == EventKind.PUBLISH else "prefix hit", str(e))
+
+    def _step_ids(self, req_ids: list[str]) -> np.ndarray:
+        """The table's int ids of the step's requests (cached while the batch is unchanged)."""
+        if self._batch_ids is not None and self._batch_req_ids == req_ids:
+            return self._batch_ids
+        get = self._ids.get
+        self._batch_ids = np.array([get(r, UNKNOWN_REQUEST) for r in req_ids], dtype=np.int64)
+        self._batch_req_ids = list(req_ids)
+        return self._batch_ids
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -156,30 +195,42 @@ class StepGuard:
         ``block_table`` in place."""
         report = StepReport()
         self.steps += 1
-        if events:
-            self._apply(report, events, late=False)
+        late = self._apply(report, events) if events else None
         n = len(req_ids)
         if n:
+            ids = self._step_ids(req_ids)
             sched = np.asarray(num_scheduled_tokens, dtype=np.int64)
             computed = np.asarray(num_computed_tokens[:n], dtype=np.int64)
-            qsl = np.zeros(n + 1, dtype=np.int64)
-            np.cumsum(sched, out=qsl[1:])
-            total = int(qsl[n])
-            if self._arange.shape[0] < total:
-                self._arange = np.arange(max(total, 2 * self._arange.shape[0]), dtype=np.int64)
-            rows = np.repeat(self._arange[:n], sched)
-            positions = computed[rows] + (self._arange[:total] - qsl[rows])
+            if self._arange.shape[0] <= n:
+                self._arange = np.arange(max(n + 1, 2 * self._arange.shape[0]), dtype=np.int64)
+            total = int(sched.sum())
             bs = self.block_size
-            col = np.minimum(positions // bs, block_table.shape[1] - 1)
-            slots = block_table[rows, col].astype(np.int64) * bs + positions % bs
-            writes = self.table.record_step_writes(req_ids, slots, qsl)
+            last_col = block_table.shape[1] - 1
+            if total == n:
+                # Every request writes one token (decode): token i at its computed count.
+                qsl = self._arange[: n + 1]
+                positions = computed
+                rows = self._arange[:n]
+            else:
+                qsl = np.zeros(n + 1, dtype=np.int64)
+                np.cumsum(sched, out=qsl[1:])
+                if self._arange.shape[0] < total:
+                    self._arange = np.arange(max(total, 2 * self._arange.shape[0]), dtype=np.int64)
+                rows = np.repeat(self._arange[:n], sched)
+                positions = computed[rows] + (self._arange[:total] - qsl[rows])
+            col = positions // bs
+            np.minimum(col, last_col, out=col)
+            slots = block_table[rows, col].astype(np.int64)
+            slots *= bs
+            slots += positions % bs
+            writes = self.table.record_step_writes(ids, slots, qsl)
             for row, v in writes.refused:
                 self._refuse(report, req_ids[row], v.kind, "write", str(v))
-        if events:
-            self._apply(report, events, late=True)
+        if late:
+            self._apply_late(report, late)
         if n:
             seq_lens = computed + sched
-            reads = self.table.verify_step(req_ids, block_table, seq_lens)
+            reads = self.table.verify_step(ids, block_table, seq_lens)
             for row, v in reads.refused:
                 self._refuse(report, req_ids[row], v.kind, "read", str(v))
         if report.refused:

@@ -6,7 +6,11 @@ methods at load, on the classes, once (each wrapper calls the original and only 
 the two marked *acts*):
 
 scheduler process (engine core)
-  ``KVCacheManager.allocate_slots``      allocation, prefix-cache hits, newly cacheable blocks
+  ``req_to_blocks`` of the manager       a dict of per-request lists that report what the manager
+                                         adds: prefix-cache hits, new blocks (not a method: the
+                                         manager's attribute is replaced, same contents)
+  ``BlockPool.get_new_blocks``           which blocks are fresh, and the evictions they cost
+  ``BlockPool.cache_full_blocks``        blocks that became cacheable
   ``KVCacheManager.free``                free on finish (release) and on preemption
   ``KVCacheManager.pop_blocks_for_free`` the same, for vLLM's deferred frees
   ``KVCacheManager.reset_prefix_cache``  every cached block dropped
@@ -35,7 +39,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import inspect
 import logging
 import os
 from typing import Any
@@ -85,10 +88,13 @@ def _unsupported(what: str) -> None:
 # -- scheduler side --------------------------------------------------------------------------
 
 
-def recorder_of(kv_cache_manager: Any) -> SchedulerRecorder | None:
-    """The recorder of a ``KVCacheManager`` (created on first use; None when unsupported)."""
+def recorder_of(kv_cache_manager: Any, requests: dict[str, Any] | None = None) -> SchedulerRecorder | None:
+    """The recorder of a ``KVCacheManager`` (created on first use; None when unsupported).
+    ``requests``: the scheduler's request dict, read at admission."""
     rec = kv_cache_manager.__dict__.get("_kvguard_recorder", False)
     if rec is not False:
+        if rec is not None and requests is not None and rec.requests is not requests:
+            rec.requests = requests
         return rec
     managers = kv_cache_manager.coordinator.single_type_managers
     rec = None
@@ -97,7 +103,7 @@ def recorder_of(kv_cache_manager: Any) -> SchedulerRecorder | None:
     elif managers[0].block_size != kv_cache_manager.block_pool.hash_block_size:
         _unsupported("a block size different from the hash block size (partial-block prefix caching)")
     else:
-        rec = SchedulerRecorder(managers[0], kv_cache_manager.max_model_len)
+        rec = SchedulerRecorder(managers[0], kv_cache_manager.max_model_len, requests)
         kv_cache_manager.block_pool._kvguard_recorder = rec
     kv_cache_manager._kvguard_recorder = rec
     return rec
@@ -109,23 +115,34 @@ def _install_scheduler() -> None:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    # The position of new_computed_blocks after `request` (checked once, not per call).
-    hits_at = list(inspect.signature(KVCacheManager.allocate_slots).parameters).index("new_computed_blocks") - 2
+    # Nothing wraps allocate_slots (once per running request per step): the recorder hears of
+    # new blocks and prefix hits through the request's block list, of fresh blocks and
+    # evictions through get_new_blocks, of newly cacheable blocks through cache_full_blocks,
+    # all of which run only when something changes.
 
-    def allocate_slots(original: Any) -> Any:
-        def wrapper(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-            rec = recorder_of(self)
+    def get_new_blocks(original: Any) -> Any:
+        def wrapper(self: Any, num_blocks: int) -> Any:
+            rec = self.__dict__.get("_kvguard_recorder")
             if rec is None:
-                return original(self, request, *args, **kwargs)
-            before = rec.begin_allocation(request.request_id)
+                return original(self, num_blocks)
+            rec.begin_new_blocks()
+            blocks: list = []
             try:
-                out = original(self, request, *args, **kwargs)
+                blocks = original(self, num_blocks)
             finally:
-                # allocate_slots(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, ...)
-                hits = kwargs["new_computed_blocks"] if "new_computed_blocks" in kwargs else (
-                    args[hits_at] if len(args) > hits_at else None
-                )
-                rec.end_allocation(request, before, hits.blocks[0] if hits is not None else ())
+                rec.end_new_blocks(blocks)
+            return blocks
+
+        return wrapper
+
+    def cache_full_blocks(original: Any) -> Any:
+        def wrapper(
+            self: Any, request: Any, blocks: Any, num_cached_blocks: int, num_full_blocks: int, *args: Any, **kw: Any
+        ) -> Any:
+            out = original(self, request, blocks, num_cached_blocks, num_full_blocks, *args, **kw)
+            rec = self.__dict__.get("_kvguard_recorder")
+            if rec is not None:
+                rec.cached(request.request_id, blocks, num_cached_blocks, num_full_blocks)
             return out
 
         return wrapper
@@ -167,8 +184,8 @@ def _install_scheduler() -> None:
                 self._kvguard_checked_config = True
                 if getattr(self, "use_v2_model_runner", False):
                     _unsupported("vLLM's V2 model runner (its workers are not hooked)")
+            rec = recorder_of(self.kv_cache_manager, self.requests)
             out = original(self, *args, **kwargs)
-            rec = recorder_of(self.kv_cache_manager)
             out.kvguard_events = rec.take() if rec is not None else None
             return out
 
@@ -193,11 +210,12 @@ def _install_scheduler() -> None:
 
         return wrapper
 
-    _wrap(KVCacheManager, "allocate_slots", allocate_slots)
     _wrap(KVCacheManager, "free", freeing)
     _wrap(KVCacheManager, "pop_blocks_for_free", freeing)
     _wrap(KVCacheManager, "reset_prefix_cache", reset_prefix_cache)
     _wrap(BlockPool, "_maybe_evict_cached_block", maybe_evict)
+    _wrap(BlockPool, "get_new_blocks", get_new_blocks)
+    _wrap(BlockPool, "cache_full_blocks", cache_full_blocks)
     _wrap(Scheduler, "schedule", schedule)
     _wrap(Scheduler, "update_from_output", update_from_output)
 

@@ -37,7 +37,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["EventKind", "SchedulerRecorder", "set_tenant_of", "tenant_of"]
+__all__ = ["EventKind", "RequestBlockMap", "RequestBlocks", "SchedulerRecorder", "set_tenant_of", "tenant_of"]
 
 
 class EventKind(enum.IntEnum):
@@ -109,17 +109,53 @@ def tenant_of(request: Any) -> str:
     return _tenant_of(request)
 
 
+class RequestBlocks(list):
+    """One request's block list in the manager (``req_to_blocks[request_id]``), reporting what
+    the manager adds to it: the manager extends it with prefix-cache hits when the request first
+    gets blocks and with blocks fresh from ``BlockPool.get_new_blocks`` when it needs more. A
+    decode step inside its last block adds nothing, so it costs nothing."""
+
+    __slots__ = ("_recorder", "_request_id")
+
+    def extend(self, blocks: Any) -> None:
+        if type(blocks) is not list:
+            blocks = list(blocks)
+        list.extend(self, blocks)
+        if blocks:
+            self._recorder.added(self._request_id, blocks)
+
+    def append(self, block: Any) -> None:
+        self.extend([block])
+
+
+class RequestBlockMap(dict):
+    """The manager's ``req_to_blocks`` (a ``defaultdict(list)`` in vLLM) with a
+    :class:`RequestBlocks` for each request."""
+
+    __slots__ = ("_recorder",)
+
+    def __missing__(self, request_id: str) -> RequestBlocks:
+        blocks = RequestBlocks()
+        blocks._recorder = self._recorder
+        blocks._request_id = request_id
+        self[request_id] = blocks
+        return blocks
+
+
 class SchedulerRecorder:
     """Ownership events of one ``KVCacheManager`` (single full-attention KV cache group).
 
-    ``manager`` is the group's single-type manager (its ``req_to_blocks`` and
-    ``num_cached_block`` are read, never written); ``max_model_len`` bounds admission as vLLM
-    bounds generation.
+    ``manager`` is the group's single-type manager: its ``req_to_blocks`` becomes a
+    :class:`RequestBlockMap` (same contents, same behaviour), so the recorder hears of each block
+    the manager hands a request the moment it does; nothing else of it is written.
+    ``max_model_len`` bounds admission as vLLM bounds generation. ``requests``: the scheduler's
+    ``requests`` dict (request id -> vLLM ``Request``), read at admission.
     """
 
-    def __init__(self, manager: Any, max_model_len: int) -> None:
+    def __init__(self, manager: Any, max_model_len: int, requests: dict[str, Any] | None = None) -> None:
         self.manager = manager
         self.max_model_len = max_model_len
+        self.requests: dict[str, Any] = requests if requests is not None else {}
         self.admitted: set[str] = set()
         #: Block ids published (a live prefix in the worker's table once applied).
         self.published: set[int] = set()
@@ -127,55 +163,79 @@ class SchedulerRecorder:
         self._publish: dict[str, list[int]] = {}
         self._attach: dict[str, list[int]] = {}
         self._in_alloc = False
+        #: Cached blocks evicted by the running get_new_blocks.
         self._evicted: list[int] = []
+        #: The list the last get_new_blocks returned, and what it evicted, until a request's
+        #: block list takes it.
+        self._fresh: list[Any] | None = None
+        self._fresh_evicted: list[int] = []
+        blocks = RequestBlockMap()
+        blocks._recorder = self
+        for rid, old in manager.req_to_blocks.items():
+            mine = blocks[rid]
+            list.extend(mine, old)
+        manager.req_to_blocks = blocks
 
-    # -- hooks, called by the wrappers in kvguard.vllm.hooks ---------------------------------
+    # -- hooks, called by the wrappers in kvguard.vllm.hooks and by RequestBlocks --------------
 
-    def begin_allocation(self, request_id: str) -> tuple[int, int]:
-        """Before ``allocate_slots``: the request's block count and cached count."""
+    def begin_new_blocks(self) -> None:
+        """Before ``BlockPool.get_new_blocks``."""
+        self._flush_fresh()
         self._in_alloc = True
-        self._evicted = []
-        blocks = self.manager.req_to_blocks.get(request_id)
-        return (len(blocks) if blocks else 0, self.manager.num_cached_block.get(request_id, 0))
 
-    def end_allocation(self, request: Any, before: tuple[int, int], hits: Any) -> None:
-        """After ``allocate_slots``: what it admitted, handed out, reused and hashed."""
+    def end_new_blocks(self, blocks: list[Any]) -> None:
+        """After ``BlockPool.get_new_blocks`` returned ``blocks``."""
         self._in_alloc = False
-        rid = request.request_id
-        n_before, cached_before = before
-        blocks = self.manager.req_to_blocks.get(rid) or ()
-        evicted, self._evicted = self._evicted, []
-        if len(blocks) == n_before and not evicted and self.manager.num_cached_block.get(rid, 0) <= cached_before:
-            return  # the common decode step: nothing new
-        new = blocks[n_before:]
+        self._fresh = blocks
+        self._fresh_evicted, self._evicted = self._evicted, []
+
+    def _flush_fresh(self) -> None:
+        # Blocks handed out that no request's list took (none in a supported configuration):
+        # their evictions still happened.
+        if self._fresh_evicted:
+            self._events.append((EventKind.EVICT, None, self._fresh_evicted))
+            self._fresh_evicted = []
+        self._fresh = None
+
+    def _admit(self, rid: str) -> None:
+        request = self.requests.get(rid)
+        if request is None:
+            # Not a request of the scheduler this recorder knows: its claims will be refused
+            # as an unknown request, which is what the worker's table should say.
+            return
+        prompt = int(request.num_prompt_tokens)
+        max_new = max(0, min(int(request.max_tokens or 0), self.max_model_len - prompt))
+        self._events.append((EventKind.ADMIT, rid, tenant_of(request), prompt, max_new))
+        self.admitted.add(rid)
+
+    def added(self, rid: str, blocks: list[Any]) -> None:
+        """The manager appended ``blocks`` to request ``rid``'s list: fresh ones from
+        ``get_new_blocks`` (a claim), or else prefix-cache hits (attached after the step's
+        writes)."""
         if rid not in self.admitted:
-            prompt = int(request.num_prompt_tokens)
-            max_new = max(0, min(int(request.max_tokens or 0), self.max_model_len - prompt))
-            self._events.append((EventKind.ADMIT, rid, tenant_of(request), prompt, max_new))
-            self.admitted.add(rid)
-        if evicted:
-            self._events.append((EventKind.EVICT, rid, evicted))
-        n_hits = len(hits) if n_before == 0 else 0
-        hit_ids = [b.block_id for b in new[:n_hits] if not b.is_null]
-        claimed = [b.block_id for b in new[n_hits:] if not b.is_null]
-        if claimed:
-            self._events.append((EventKind.CLAIM, rid, claimed))
-        if hit_ids:
-            self._attach.setdefault(rid, []).extend(hit_ids)
-        cached_after = self.manager.num_cached_block.get(rid, 0)
-        if cached_after > cached_before:
-            hit_set = set(hit_ids)
-            fresh = [
-                b.block_id
-                for b in blocks[cached_before:cached_after]
-                if not b.is_null
-                and b.block_hash is not None
-                and b.block_id not in hit_set
-                and b.block_id not in self.published
-            ]
-            if fresh:
-                self.published.update(fresh)
-                self._publish.setdefault(rid, []).extend(fresh)
+            self._admit(rid)
+        ids = [b.block_id for b in blocks if not b.is_null]
+        if blocks is self._fresh:
+            self._fresh = None
+            if self._fresh_evicted:
+                self._events.append((EventKind.EVICT, rid, self._fresh_evicted))
+                self._fresh_evicted = []
+            if ids:
+                self._events.append((EventKind.CLAIM, rid, ids))
+        elif ids:
+            self._attach.setdefault(rid, []).extend(ids)
+
+    def cached(self, rid: str, blocks: list[Any], start: int, end: int) -> None:
+        """``BlockPool.cache_full_blocks`` hashed ``blocks[start:end]`` of request ``rid``
+        (those that got a hash are published after the step's writes)."""
+        fresh = [
+            b.block_id
+            for b in blocks[start:end]
+            if not b.is_null and b.block_hash is not None and b.block_id not in self.published
+        ]
+        if fresh:
+            self.published.update(fresh)
+            self._publish.setdefault(rid, []).extend(fresh)
 
     def evicted(self, block_id: int) -> None:
         """``BlockPool`` dropped the hash of ``block_id``."""
@@ -209,6 +269,7 @@ class SchedulerRecorder:
 
     def take(self) -> list[tuple] | None:
         """The step's events in the order the worker applies them (None when there are none)."""
+        self._flush_fresh()
         events = self._events
         for rid, blocks in self._publish.items():
             events.append((EventKind.PUBLISH, rid, blocks))
