@@ -6,7 +6,7 @@
 //!
 //! | module | what it holds |
 //! |---|---|
-//! | [`names`] | request and tenant ids as engines have them (`int` or `str`); strings interned, released with the request |
+//! | [`names`] | request and tenant ids as engines have them (`int` or `str`); strings interned, released with the request; a step's ids remembered by object |
 //! | [`arrays`] | zero-copy views of the engine's arrays (buffer protocol, `__array_interface__`), int32 and int64 |
 //! | [`errors`] | the exception hierarchy, and violations sent to Python's `logging` |
 //! | [`values`] | the plain values: pool config, page refs, infos, snapshot, violations |
@@ -15,8 +15,8 @@
 //! | [`trace`] | the trace recorder and replayer |
 //! | [`device`] | the CUDA device guard (a typed error without a GPU) |
 //!
-//! All `unsafe` of the Python binding lives in [`arrays`] and [`device`], each block with its
-//! `// SAFETY:` argument.
+//! All `unsafe` of the Python binding lives in [`arrays`], [`names`] (a step's id list read
+//! with borrowed items) and [`device`], each block with its `// SAFETY:` argument.
 
 use pyo3::prelude::*;
 

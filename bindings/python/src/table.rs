@@ -4,16 +4,16 @@
 //! names lock (request and tenant strings) is taken for the conversion only, never across the
 //! core call or while Python code may run.
 
-use crate::arrays::IntArray;
+use crate::arrays::{IntArray, Ints};
 use crate::errors::{self, log_violation};
-use crate::names::{self, Key, Names, Resolved};
+use crate::names::{self, Names, Resolved, StepIds};
 use crate::values::{PageInfo, PageRef, PoolConfig, PoolSnapshot, Released, RequestInfo, Violation};
 use kvguard::{PageId, PrefixKey, RequestId, SeqRead, SeqWrite};
 use parking_lot::Mutex;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PyList, PyTuple};
+use pyo3::types::{PyDict, PyList};
 
 /// The ownership table of one KV pool: every page's owner request, tenant, generation and
 /// written slots; every attention read checked against it.
@@ -40,6 +40,8 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 pub struct OwnershipTable {
     table: kvguard::OwnershipTable,
     names: Mutex<Names>,
+    /// The last step's id objects (see [`names::StepIds`]).
+    step_ids: Mutex<StepIds>,
 }
 
 /// The verdict on a step: which rows may not run attention (reads), or whose writes were
@@ -106,6 +108,32 @@ impl StepVerdict {
     }
 }
 
+/// A step's writes: request `i` wrote `slots[qsl[i]..qsl[i + 1]]`. `qsl` has one entry more than
+/// `requests`; every range must be within `slots` (one branch-free pass checks them all, so the
+/// common case is a tight loop).
+fn step_writes<'a, T: Copy + Into<i64>>(
+    requests: &[RequestId],
+    qsl: &[T],
+    slots: &'a [i64],
+) -> PyResult<Vec<SeqWrite<'a>>> {
+    let len = slots.len() as i64;
+    let bad = |w: &[T]| (w[0].into() < 0) | (w[0].into() > w[1].into()) | (w[1].into() > len);
+    if qsl.windows(2).fold(false, |any, w| any | bad(w)) {
+        let i = qsl.windows(2).position(bad).unwrap_or(0);
+        let (start, end) = (qsl[i].into(), qsl[i + 1].into());
+        let what = if start < 0 { "must be >= 0" } else { "is not a range within slot_mapping" };
+        return Err(PyValueError::new_err(format!(
+            "query_start_loc[{i}..{}] = {start}..{end} {what} (slot_mapping has {len} entries)",
+            i + 1
+        )));
+    }
+    Ok(requests
+        .iter()
+        .zip(qsl.windows(2))
+        .map(|(&request, w)| SeqWrite { request, slots: &slots[w[0].into() as usize..w[1].into() as usize] })
+        .collect())
+}
+
 /// A prefix key: an int in `0..2**64` (the engine's block hash, radix node id, ...).
 fn prefix_key(key: u64) -> PrefixKey {
     PrefixKey(key)
@@ -159,27 +187,11 @@ impl OwnershipTable {
 
     /// The requests of a step: a list/tuple of ids (int or str), or a 1-D int array.
     fn step_requests(&self, req_ids: &Bound<'_, PyAny>) -> PyResult<Vec<RequestId>> {
-        if let Ok(list) = req_ids.cast::<PyList>() {
-            let items: Vec<Bound<'_, PyAny>> = list.iter().collect();
-            return self.requests_of(&items);
-        }
-        if let Ok(tuple) = req_ids.cast::<PyTuple>() {
-            let items: Vec<Bound<'_, PyAny>> = tuple.iter().collect();
-            return self.requests_of(&items);
+        if let Some(requests) = names::step_requests(req_ids, &self.names, &self.step_ids) {
+            return requests;
         }
         let a = IntArray::open(req_ids, "req_ids", 1)?;
-        (0..a.len())
-            .map(|i| match names::int_key(i128::from(a.get(i, 0)), "req_ids entry")? {
-                Key::Int(n) => Ok(RequestId(n)),
-                Key::Name(_) => unreachable!("int_key returns Key::Int"),
-            })
-            .collect()
-    }
-
-    fn requests_of(&self, items: &[Bound<'_, PyAny>]) -> PyResult<Vec<RequestId>> {
-        let keys = items.iter().map(|o| names::key(o, "req_ids entry")).collect::<PyResult<Vec<_>>>()?;
-        let names = self.names.lock();
-        Ok(keys.into_iter().map(|k| names.request(k)).collect())
+        Ok(a.counts(a.len(), "req_ids")?.into_iter().map(RequestId).collect())
     }
 
     /// Converts a step verdict; `judged`: its violations are logged.
@@ -323,7 +335,7 @@ impl OwnershipTable {
             kvguard::Error::Config(c) => errors::ConfigError::new_err(c.to_string()),
             other => errors::Error::new_err(other.to_string()),
         })?;
-        Ok(OwnershipTable { table, names: Mutex::new(Names::default()) })
+        Ok(OwnershipTable { table, names: Mutex::new(Names::default()), step_ids: Mutex::default() })
     }
 
     /// The pool configuration.
@@ -441,28 +453,19 @@ impl OwnershipTable {
         let requests = self.step_requests(req_ids)?;
         let n = requests.len();
         let slots = IntArray::open(slot_mapping, "slot_mapping", 1)?;
-        let qsl = IntArray::open(query_start_loc, "query_start_loc", 1)?.counts(n + 1, "query_start_loc")?;
-        for i in 0..n {
-            if qsl[i] > qsl[i + 1] || qsl[i + 1] > slots.len() as u64 {
-                return Err(PyValueError::new_err(format!(
-                    "query_start_loc[{i}..{}] = {}..{} is not a range within slot_mapping (length {})",
-                    i + 1,
-                    qsl[i],
-                    qsl[i + 1],
-                    slots.len()
-                )));
-            }
+        let qsl = IntArray::open(query_start_loc, "query_start_loc", 1)?;
+        if qsl.len() < n + 1 {
+            return Err(PyValueError::new_err(format!("query_start_loc has {} entries, {} needed", qsl.len(), n + 1)));
         }
-        let copied: Vec<i64> = if slots.as_i64().is_none() {
-            let end = qsl.get(n).copied().unwrap_or(0) as usize;
-            (0..end).map(|j| slots.get(j, 0)).collect()
-        } else {
-            Vec::new()
-        };
+        // int64 slots are borrowed as they are; others are converted.
+        let copied: Vec<i64> =
+            if slots.as_i64().is_none() { (0..slots.len()).map(|j| slots.get(j, 0)).collect() } else { Vec::new() };
         let all: &[i64] = slots.as_i64().unwrap_or(&copied);
-        let writes: Vec<SeqWrite<'_>> = (0..n)
-            .map(|i| SeqWrite { request: requests[i], slots: &all[qsl[i] as usize..qsl[i + 1] as usize] })
-            .collect();
+        let writes = match qsl.as_ints() {
+            Some(Ints::I32(q)) => step_writes(&requests, &q[..=n], all)?,
+            Some(Ints::I64(q)) => step_writes(&requests, &q[..=n], all)?,
+            None => step_writes(&requests, &(0..=n).map(|i| qsl.get(i, 0)).collect::<Vec<_>>(), all)?,
+        };
         let table = &self.table;
         let v = py.detach(|| table.record_step_writes(&writes));
         drop(writes);

@@ -55,6 +55,33 @@ def test_receiver_fails_closed():
     assert t.request_info("req-7").quarantined
 
 
+def test_recorder_v1_1_events():
+    rec = kvguard.Recorder()
+    rec.pool(kvguard.PoolConfig(64, 16, 512, reserved=[0]))
+    rec.grant("acme", True)
+    rec.admit(1, "acme", 16, 0)
+    rec.alloc(1, [5])
+    rec.write(1, 5, 0, 16)
+    rec.share(1, "k", [5])
+    rec.admit(2, "globex", 16, 0)
+    rec.attach(2, "k")
+    rec.detach(2, "k")
+    rec.grant("acme", False)
+    rec.preempt(1)
+    rec.free(2)
+    rec.end()
+    rec.end()  # once
+    text = rec.text()
+    assert text.count('"ev":"end"') == 1
+    for ev in ("grant", "revoke", "detach", "preempt"):
+        assert f'"ev":"{ev}"' in text
+    r = kvguard.Replayer()
+    assert r.replay(text) == []
+    scrubbed = kvguard.Recorder()
+    scrubbed.scrub([5])
+    assert '"ev":"scrub"' in scrubbed.text()
+
+
 def test_recorder_and_replayer():
     rec = kvguard.Recorder()
     rec.pool(kvguard.PoolConfig(64, 16, 512, reserved=[0]))
@@ -65,6 +92,9 @@ def test_recorder_and_replayer():
     rec.comment("done")
     rec.free(1)
     assert rec.events == 6  # the pool event counts
+    with pytest.raises(kvguard.TraceError, match="truncated"):
+        kvguard.Replayer().replay(rec.text())
+    rec.end()
     found = kvguard.Replayer().replay(rec.text())
     assert [(v.line, v.kind, v.page, v.tenant) for v in found] == [(5, "unwritten_slots", 6, "acme")]
     assert found[0].as_dict()["kind"] == "unwritten_slots" and "unwritten_slots" in str(found[0])
