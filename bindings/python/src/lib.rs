@@ -11,18 +11,20 @@
 //! | [`errors`] | the exception hierarchy, and violations sent to Python's `logging` |
 //! | [`values`] | the plain values: pool config, page refs, infos, snapshot, violations |
 //! | [`table`] | `OwnershipTable`, the one-call-per-step entry points and their verdict |
+//! | [`import`] | `ImportTicket`: a KV transfer in flight, its pages pinned until it ends |
 //! | [`transfer`] | manifests and the receiver |
 //! | [`trace`] | the trace recorder and replayer |
 //! | [`device`] | the CUDA device guard (a typed error without a GPU) |
 //!
 //! All `unsafe` of the Python binding lives in [`arrays`], [`names`] (a step's id list read
-//! with borrowed items) and [`device`], each block with its `// SAFETY:` argument.
+//! with borrowed items), [`import`] (a ticket's borrow of its table) and [`device`], each block with its `// SAFETY:` argument.
 
 use pyo3::prelude::*;
 
 pub mod arrays;
 pub mod device;
 pub mod errors;
+pub mod import;
 pub mod names;
 pub mod table;
 pub mod trace;
@@ -52,6 +54,7 @@ fn _kvguard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<values::PoolSnapshot>()?;
     m.add_class::<table::OwnershipTable>()?;
     m.add_class::<table::StepVerdict>()?;
+    m.add_class::<import::ImportTicket>()?;
     m.add_class::<transfer::Manifest>()?;
     m.add_class::<transfer::Receiver>()?;
     m.add_class::<transfer::Accepted>()?;

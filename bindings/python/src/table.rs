@@ -6,6 +6,7 @@
 
 use crate::arrays::{IntArray, Ints};
 use crate::errors::{self, log_violation};
+use crate::import::ImportTicket;
 use crate::names::{self, Names, Resolved, StepIds};
 use crate::values::{PageInfo, PageRef, PoolConfig, PoolSnapshot, Released, RequestInfo, Violation};
 use kvguard::{PageId, PrefixKey, RequestId, SeqRead, SeqWrite};
@@ -175,7 +176,7 @@ impl OwnershipTable {
     }
 
     /// A core error as a Python exception (a violation logged on the way).
-    fn err(&self, py: Python<'_>, e: kvguard::Error) -> PyErr {
+    pub(crate) fn err(&self, py: Python<'_>, e: kvguard::Error) -> PyErr {
         errors::to_py(py, e, self.resolve())
     }
 
@@ -306,6 +307,35 @@ impl OwnershipTable {
             .collect();
         let table = &self.table;
         let v = py.detach(|| if judged { table.verify_step(&reads) } else { table.check_step(&reads) });
+        drop(reads);
+        self.verdict(py, v, n, judged)
+    }
+
+    /// Checks a step through PageRefs; `judged` picks verify over check.
+    fn step_refs(
+        &self,
+        py: Python<'_>,
+        req_ids: &Bound<'_, PyAny>,
+        refs: &Bound<'_, PyAny>,
+        seq_lens: &Bound<'_, PyAny>,
+        judged: bool,
+    ) -> PyResult<StepVerdict> {
+        let requests = self.step_requests(req_ids)?;
+        let n = requests.len();
+        let lens = IntArray::open(seq_lens, "seq_lens", 1)?.counts(n, "seq_lens")?;
+        let rows = refs
+            .try_iter()
+            .map_err(|_| PyTypeError::new_err("refs must be a sequence of sequences of kvguard.PageRef"))?
+            .take(n)
+            .map(|row| ref_list(&row?, "refs[i]"))
+            .collect::<PyResult<Vec<_>>>()?;
+        if rows.len() < n {
+            return Err(PyValueError::new_err(format!("refs has {} rows, {n} requests given", rows.len())));
+        }
+        let reads: Vec<SeqRead<'_, kvguard::PageRef>> =
+            (0..n).map(|i| SeqRead { request: requests[i], block_table: &rows[i][..], tokens: lens[i] }).collect();
+        let table = &self.table;
+        let v = py.detach(|| if judged { table.verify_step_refs(&reads) } else { table.check_step_refs(&reads) });
         drop(reads);
         self.verdict(py, v, n, judged)
     }
@@ -584,6 +614,31 @@ impl OwnershipTable {
         self.step(py, req_ids, block_tables, seq_lens, true)
     }
 
+    /// Pure check of a step through PageRefs (see verify_step_refs).
+    fn check_step_refs(
+        &self,
+        py: Python<'_>,
+        req_ids: &Bound<'_, PyAny>,
+        refs: &Bound<'_, PyAny>,
+        seq_lens: &Bound<'_, PyAny>,
+    ) -> PyResult<StepVerdict> {
+        self.step_refs(py, req_ids, refs, seq_lens, false)
+    }
+
+    /// verify_step for engines that keep each page's generation: request i reads its first
+    /// seq_lens[i] tokens through refs[i], a sequence of PageRefs (as allocate, claim and
+    /// attach_prefix return them). Besides everything verify_step checks, a page released
+    /// since its ref was taken is refused as stale_page, even if the same request owns it again.
+    fn verify_step_refs(
+        &self,
+        py: Python<'_>,
+        req_ids: &Bound<'_, PyAny>,
+        refs: &Bound<'_, PyAny>,
+        seq_lens: &Bound<'_, PyAny>,
+    ) -> PyResult<StepVerdict> {
+        self.step_refs(py, req_ids, refs, seq_lens, true)
+    }
+
     /// Pure check of a decode step in FlashInfer's layout (see verify_step_csr).
     fn check_step_csr(
         &self,
@@ -743,6 +798,47 @@ impl OwnershipTable {
         let req = self.request(request)?;
         let pages = page_list(pages, "pages")?;
         self.run(py, |t| t.record_import(req, &pages, tokens, expected))
+    }
+
+    /// Starts a KV transfer into `refs` (PageRefs of `request`'s own pages, in exactly those
+    /// incarnations) and returns its ImportTicket: the pages are pinned until the ticket is
+    /// finished or aborted (a release meanwhile keeps them out of the free list). Call it before
+    /// any byte lands; a page already receiving a transfer is import_in_flight.
+    ///
+    ///     with table.begin_import("cmpl-7", refs) as ticket:
+    ///         ...  # the bytes land, the manifest is accepted
+    ///         ticket.finish(tokens, expected)
+    fn begin_import(
+        slf: &Bound<'_, Self>,
+        request: &Bound<'_, PyAny>,
+        refs: &Bound<'_, PyAny>,
+    ) -> PyResult<ImportTicket> {
+        let req = slf.get().request(request)?;
+        let refs = ref_list(refs, "refs")?;
+        ImportTicket::begin(slf, request, req, &refs)
+    }
+
+    /// The pages whose tags changed since the last call, with what the table knows of each now:
+    /// [(page, PageInfo)], each page once however often it changed. What a mirror of the tags
+    /// (a device copy, an engine's own view) must refresh. Tracking starts with the first call,
+    /// which lists every page of the pool.
+    fn take_changed_pages(&self, py: Python<'_>) -> PyResult<Vec<(u32, PageInfo)>> {
+        let changed = py.detach(|| self.table.take_changed_pages());
+        let resolved: Vec<_> = {
+            let names = self.names.lock();
+            changed
+                .into_iter()
+                .map(|(page, info)| {
+                    let owner = info.owner.map(|r| names.request_id(r));
+                    let tenant = info.tenant.map(|t| names.tenant_id(t));
+                    (page, info, owner, tenant)
+                })
+                .collect()
+        };
+        resolved
+            .into_iter()
+            .map(|(page, info, owner, tenant)| Ok((page.0, PageInfo::new(py, info, owner, tenant)?)))
+            .collect()
     }
 
     /// Counts and logs a violation found outside the table (a check_* verdict the caller acts
