@@ -196,6 +196,8 @@ enum kvg_violation_kind
   KVG_VIOLATION_KIND_CANARY_MISMATCH,
   // A transfer into a page another transfer is still landing in.
   KVG_VIOLATION_KIND_IMPORT_IN_FLIGHT,
+  // A write of tokens `start..end` with `start` after `end`.
+  KVG_VIOLATION_KIND_TOKEN_RANGE_REVERSED,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -354,9 +356,10 @@ typedef struct kvg_violation_info {
   // The table's id of the prefix concerned: prefix keys are byte strings interned per table
   // in publish order from 1, never hashed.
   uint64_t prefix;
-  // The count that broke a limit (tokens, pages, holders).
+  // The count that broke a limit (tokens, pages, holders); for `token_range_reversed`, the
+  // range's start.
   uint64_t found;
-  // The limit.
+  // The limit; for `token_range_reversed`, the range's end.
   uint64_t limit;
   // For a step call: the refused row.
   uint64_t row;

@@ -116,6 +116,8 @@ pub enum kvg_violation_kind {
     CanaryMismatch,
     /// A transfer into a page another transfer is still landing in.
     ImportInFlight,
+    /// A write of tokens `start..end` with `start` after `end`.
+    TokenRangeReversed,
 }
 
 impl kvg_violation_kind {
@@ -456,9 +458,10 @@ pub struct kvg_violation_info {
     /// The table's id of the prefix concerned: prefix keys are byte strings interned per table
     /// in publish order from 1, never hashed.
     pub prefix: u64,
-    /// The count that broke a limit (tokens, pages, holders).
+    /// The count that broke a limit (tokens, pages, holders); for `token_range_reversed`, the
+    /// range's start.
     pub found: u64,
-    /// The limit.
+    /// The limit; for `token_range_reversed`, the range's end.
     pub limit: u64,
     /// For a step call: the refused row.
     pub row: u64,
@@ -723,6 +726,7 @@ mod tests {
             K::ManifestCorrupt,
             K::CanaryMismatch,
             K::ImportInFlight,
+            K::TokenRangeReversed,
         ];
         assert_eq!(c_kinds.len(), ViolationKind::ALL.len(), "a core kind is missing from kvg_violation_kind");
         for (c, &core) in c_kinds.iter().zip(ViolationKind::ALL) {

@@ -115,12 +115,13 @@ static void test_names_and_version(void) {
         {KVG_VIOLATION_KIND_MANIFEST_CORRUPT, "manifest_corrupt"},
         {KVG_VIOLATION_KIND_CANARY_MISMATCH, "canary_mismatch"},
         {KVG_VIOLATION_KIND_IMPORT_IN_FLIGHT, "import_in_flight"},
+        {KVG_VIOLATION_KIND_TOKEN_RANGE_REVERSED, "token_range_reversed"},
     };
     for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++) {
         CHECK(strcmp(kvg_violation_kind_name(kinds[i].kind), kinds[i].name) == 0);
     }
     CHECK(strcmp(kvg_violation_kind_name(0), "unknown") == 0);
-    CHECK(strcmp(kvg_violation_kind_name(KVG_VIOLATION_KIND_IMPORT_IN_FLIGHT + 1), "unknown") == 0);
+    CHECK(strcmp(kvg_violation_kind_name(KVG_VIOLATION_KIND_TOKEN_RANGE_REVERSED + 1), "unknown") == 0);
 }
 
 static void test_config_and_sizes(void) {
@@ -728,6 +729,15 @@ static void test_refs_forms(void) {
     OK(kvg_verify_read_refs(t, 3, listed, 2, 32));
     EXPECT(kvg_record_import_refs(t, 3, NULL, 2, 32, 32), KVG_STATUS_NULL_POINTER);
     VIOLATES(kvg_record_write_tokens_refs(t, 3, listed, 1, 0, 32), KVG_VIOLATION_KIND_BLOCK_TABLE_TOO_SHORT);
+    /* A reversed token range says so, through ids and through refs. */
+    {
+        const int32_t ids[2] = {listed[0].page, listed[1].page};
+        kvg_violation_info info;
+        VIOLATES(kvg_record_write_tokens(t, 3, ids, 2, 20, 10), KVG_VIOLATION_KIND_TOKEN_RANGE_REVERSED);
+        info = last_info();
+        CHECK(info.found == 20 && info.limit == 10 && strstr(info.message, "tokens 20..10") != NULL);
+        VIOLATES(kvg_record_write_tokens_refs(t, 3, listed, 2, 20, 10), KVG_VIOLATION_KIND_TOKEN_RANGE_REVERSED);
+    }
     kvg_table_free(t);
 }
 

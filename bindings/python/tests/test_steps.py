@@ -198,3 +198,15 @@ def test_step_ids_read_again_when_they_change(table):
     class Rid(str):
         pass
     assert table.verify_step([7, Rid("b")], block_table([c, b]), [16, 20]).clean
+
+
+def test_a_reversed_token_range_says_so(table):
+    assert "token_range_reversed" in kvguard.VIOLATION_KINDS
+    table.admit("r", "acme", 32, 0)
+    refs = table.allocate("r", 2)
+    with pytest.raises(kvguard.ViolationError) as e:
+        table.record_write_tokens("r", [r.page for r in refs], 20, 10)
+    assert e.value.kind == "token_range_reversed" and e.value.violation.amounts == (20, 10)
+    assert "tokens 20..10 (start after end)" in str(e.value)
+    with pytest.raises(kvguard.ViolationError, match="token_range_reversed"):
+        table.record_write_tokens_refs("r", refs, 20, 10)
