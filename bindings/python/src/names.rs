@@ -125,28 +125,25 @@ fn read_step_requests(
     let mut out = Vec::with_capacity(len);
     let mut guard = Some(names.lock());
     let mut epoch = guard.as_ref().map_or(0, |n| n.epoch);
-    // SAFETY: `seq` is a list or tuple (checked by the caller), alive for this borrow; the index
-    // is within `len`, and a list shortened meanwhile (only Python code run by the slow path
-    // below can do that) makes the call return NULL, handled where it is used. The item pointer
-    // is borrowed: it is used before any Python code runs (the slow path takes an owned
-    // reference first).
-    let get = |i: usize| unsafe {
-        if is_list {
-            ffi::PyList_GetItem(seq.as_ptr(), i as ffi::Py_ssize_t)
-        } else {
-            ffi::PyTuple_GetItem(seq.as_ptr(), i as ffi::Py_ssize_t)
-        }
-    };
-    // The steady state first: every item the object seen at its position last step.
+    let get_item: unsafe extern "C" fn(*mut ffi::PyObject, ffi::Py_ssize_t) -> *mut ffi::PyObject =
+        if is_list { ffi::PyList_GetItem } else { ffi::PyTuple_GetItem };
+    // SAFETY: `seq` is a list or tuple (checked by the caller, `get_item` chosen to match), alive
+    // for this borrow; the index is within `len`, and a list shortened meanwhile (only Python code
+    // run by the slow path below can do that) makes the call return NULL, handled where it is
+    // used. The item pointer is borrowed: it is used before any Python code runs (the slow path
+    // takes an owned reference first).
+    let get = |i: usize| unsafe { get_item(seq.as_ptr(), i as ffi::Py_ssize_t) };
+    // The steady state first: the leading items that are the objects seen at their positions
+    // last step, found in one pass and copied in another.
     let mut first = 0;
     if let Some(c) = cache.as_deref() {
-        for seen in c.seen.iter().take(len) {
-            if get(first) != seen.object.as_ptr() || seen.epoch.is_some_and(|e| e != epoch) {
-                break;
-            }
-            out.push(seen.request);
-            first += 1;
-        }
+        let seen = &c.seen[..len.min(c.seen.len())];
+        first = seen
+            .iter()
+            .enumerate()
+            .position(|(i, s)| get(i) != s.object.as_ptr() || s.epoch.is_some_and(|e| e != epoch))
+            .unwrap_or(seen.len());
+        out.extend(seen[..first].iter().map(|s| s.request));
     }
     for i in first..len {
         let item = get(i);

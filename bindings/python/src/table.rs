@@ -110,8 +110,8 @@ impl StepVerdict {
 }
 
 /// A step's writes: request `i` wrote `slots[qsl[i]..qsl[i + 1]]`. `qsl` has one entry more than
-/// `requests`; every range must be within `slots` (one branch-free pass checks them all, so the
-/// common case is a tight loop).
+/// `requests`; every range must be within `slots` (one branch-free pass checks them all, then an
+/// exact-size collect builds the writes: the common case is two tight loops).
 fn step_writes<'a, T: Copy + Into<i64>>(
     requests: &[RequestId],
     qsl: &[T],
