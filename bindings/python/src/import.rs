@@ -19,9 +19,9 @@ use pyo3::prelude::*;
 /// abort(). As a context manager it aborts on leaving the block unless finished; a ticket
 /// garbage-collected while open aborts too.
 ///
-///     with table.begin_import("cmpl-7", refs) as ticket:
-///         ...  # the bytes land, receiver.accept(...) checks the manifest
-///         ticket.finish(tokens, expected)
+///   with table.begin_import("cmpl-7", refs) as ticket:
+///       ...  # the bytes land, receiver.accept(...) checks the manifest
+///       ticket.finish(tokens, expected)
 #[pyclass(frozen, module = "kvguard")]
 pub struct ImportTicket {
     /// `None` once ended. Declared before `table`, so it is dropped (aborted) first.

@@ -805,9 +805,9 @@ impl OwnershipTable {
     /// finished or aborted (a release meanwhile keeps them out of the free list). Call it before
     /// any byte lands; a page already receiving a transfer is import_in_flight.
     ///
-    ///     with table.begin_import("cmpl-7", refs) as ticket:
-    ///         ...  # the bytes land, the manifest is accepted
-    ///         ticket.finish(tokens, expected)
+    ///   with table.begin_import("cmpl-7", refs) as ticket:
+    ///       ...  # the bytes land, the manifest is accepted
+    ///       ticket.finish(tokens, expected)
     fn begin_import(
         slf: &Bound<'_, Self>,
         request: &Bound<'_, PyAny>,
