@@ -106,6 +106,8 @@ violation_kinds! {
     CanaryMismatch => "canary_mismatch",
     /// A KV transfer into a page that another transfer is still landing in.
     ImportInFlight => "import_in_flight",
+    /// A write of tokens `start..end` with `start` after `end` (its amounts are the two ends).
+    TokenRangeReversed => "token_range_reversed",
 }
 
 /// What the table does when it sees a violation.
@@ -331,7 +333,8 @@ impl Violation {
     pub fn prefix(&self) -> Option<PrefixKey> {
         self.0.prefix
     }
-    /// The count that broke a limit, and the limit: `(found, limit)`.
+    /// The count that broke a limit, and the limit: `(found, limit)`; for
+    /// [`ViolationKind::TokenRangeReversed`], the range's `(start, end)`.
     pub fn amounts(&self) -> Option<(u64, u64)> {
         match (self.0.found, self.0.limit) {
             (Some(f), Some(l)) => Some((f, l)),
@@ -377,6 +380,9 @@ impl fmt::Display for Violation {
         }
         if let Some(k) = d.prefix {
             write!(f, ", {k}")?;
+        }
+        if let (ViolationKind::TokenRangeReversed, Some(start), Some(end)) = (d.kind, d.found, d.limit) {
+            return write!(f, ", tokens {}..{} (start after end)", grouped(start), grouped(end));
         }
         if let (Some(found), Some(limit)) = (d.found, d.limit) {
             let (what, bound) = match d.kind {

@@ -12,7 +12,7 @@ kvguard_c_after() {
   libs=$(cargo rustc --release --package kvguard-c --lib --crate-type staticlib -- --print native-static-libs 2>&1 \
     | sed -n 's/.*native-static-libs: //p' | tail -n 1)
   # shellcheck disable=SC2086 # $libs is a list of flags
-  cc -std=c11 -Wall -Wextra -Werror -pedantic -Ibindings/c/include bindings/c/tests/test_kvguard.c \
+  cc -std=c11 -Wall -Wextra -Werror -pedantic -pthread -Ibindings/c/include bindings/c/tests/test_kvguard.c \
     target/release/libkvguard_c.a $libs -o "$out/test_kvguard"
   # shellcheck disable=SC2086
   g++ -std=c++17 -Wall -Wextra -Werror -pedantic -Ibindings/c/include bindings/c/tests/test_header.cpp \

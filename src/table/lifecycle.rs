@@ -143,17 +143,20 @@ impl TableState {
         })
     }
 
-    /// The blocks `first..last` that tokens `range` touch, or `block_table_too_short`.
+    /// The blocks `first..last` that tokens `range` touch, or `token_range_reversed`, or
+    /// `block_table_too_short`.
     fn token_blocks(&self, op: Op, req: RequestId, blocks: usize, range: &Range<u64>) -> Result<Range<usize>, Error> {
+        if range.start > range.end {
+            let v = self.violation(ViolationKind::TokenRangeReversed, op, req).with_amounts(range.start, range.end);
+            return Err(v.into());
+        }
         if range.start == range.end {
             return Ok(0..0); // an empty write touches no page
         }
         let ps = u64::from(self.page_size);
         let covered = (blocks as u64).saturating_mul(ps);
-        if range.start > range.end || range.end > covered {
-            let v = self
-                .violation(ViolationKind::BlockTableTooShort, op, req)
-                .with_amounts(range.end.max(range.start), covered);
+        if range.end > covered {
+            let v = self.violation(ViolationKind::BlockTableTooShort, op, req).with_amounts(range.end, covered);
             return Err(v.into());
         }
         Ok((range.start / ps) as usize..range.end.div_ceil(ps) as usize)

@@ -139,6 +139,7 @@ impl fmt::Display for ReplayViolation {
                 ViolationKind::TokenCountMismatch => write!(f, ", {found} tokens arrived vs {limit} expected"),
                 ViolationKind::EvictInUse => write!(f, ", still held by {found} request(s)"),
                 ViolationKind::BlockTableTooShort => write!(f, ", {found} tokens vs {limit} the block table covers"),
+                ViolationKind::TokenRangeReversed => write!(f, ", tokens {found}..{limit} (start after end)"),
                 _ => write!(f, ", found {found} vs limit {limit}"),
             }?;
         }

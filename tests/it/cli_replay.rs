@@ -184,3 +184,58 @@ fn audit_token_separators_go_only_between_digits() {
     let out = kvguard(&["audit", "--max-context", "16", "--page-size", "16", "--pool", "a=1_024,0"], None);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
 }
+
+/// A v1 trace of `n` violations: one request reading a page it never wrote, `n` times.
+fn noisy_trace(n: usize) -> Vec<u8> {
+    let mut trace = String::from(
+        "{\"ev\":\"pool\",\"pages\":8,\"page_size\":16,\"max_context\":64}\n\
+         {\"ev\":\"admit\",\"req\":1,\"tenant\":\"acme\",\"prompt\":16,\"max_new\":0}\n\
+         {\"ev\":\"alloc\",\"req\":1,\"pages\":[5]}\n",
+    );
+    for _ in 0..n {
+        trace.push_str("{\"ev\":\"read\",\"req\":1,\"pages\":[5],\"tokens\":16}\n");
+    }
+    trace.into_bytes()
+}
+
+/// `kvguard replay - <extra>` of a trace of `violations` violations whose reader went away
+/// before the output (`kvguard replay ... | head -0`). The trace goes in after the reader left, so
+/// every write meets the closed pipe: with many violations, a write during the replay; with one,
+/// the final flush.
+fn replay_into_a_closed_pipe(extra: &[&str], violations: usize) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvguard"))
+        .args(["replay", "-"])
+        .args(extra)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kvguard runs");
+    drop(child.stdout.take());
+    let mut stdin = child.stdin.take().expect("piped stdin");
+    // From another thread: the child may exit before it has read all of it.
+    let writer = std::thread::spawn(move || {
+        let _ = stdin.write_all(&noisy_trace(violations));
+    });
+    let out = child.wait_with_output().expect("kvguard exits");
+    writer.join().expect("the writer thread ends");
+    out
+}
+
+#[test]
+fn text_mode_exits_2_silently_on_a_broken_pipe() {
+    for (extra, violations) in [(&[][..], 20_000), (&[][..], 1), (&["--leaks"][..], 20_000), (&["--leaks"][..], 1)] {
+        let out = replay_into_a_closed_pipe(extra, violations);
+        assert_eq!(out.status.code(), Some(2), "{extra:?}, {violations} violations");
+        assert!(out.stderr.is_empty(), "{extra:?}: {}", text(&out.stderr));
+    }
+}
+
+#[test]
+fn json_mode_exits_2_silently_on_a_broken_pipe() {
+    for (extra, violations) in [(&["--json"][..], 20_000), (&["--json"][..], 1), (&["--json", "--leaks"][..], 1)] {
+        let out = replay_into_a_closed_pipe(extra, violations);
+        assert_eq!(out.status.code(), Some(2), "{extra:?}, {violations} violations");
+        assert!(out.stderr.is_empty(), "{extra:?}: {}", text(&out.stderr));
+    }
+}

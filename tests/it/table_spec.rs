@@ -658,7 +658,11 @@ fn hostile_sizes_get_typed_errors_never_panics() {
     assert_eq!(kind(t.record_write_tokens(A, &a, u64::MAX - 1..u64::MAX)), ViolationKind::BlockTableTooShort);
     #[allow(clippy::reversed_empty_ranges)]
     let reversed = 9..3;
-    assert_eq!(kind(t.record_write_tokens(A, &a, reversed)), ViolationKind::BlockTableTooShort);
+    let refused = t.record_write_tokens(A, &a, reversed.clone()).unwrap_err();
+    assert_eq!(refused.violation_kind(), Some(ViolationKind::TokenRangeReversed));
+    assert!(refused.to_string().contains("tokens 9..3 (start after end)"), "{refused}");
+    let refs = t.request_info(A).unwrap().owned_pages;
+    assert_eq!(kind(t.record_write_tokens_refs(A, &refs, reversed)), ViolationKind::TokenRangeReversed);
     assert_eq!(kind(t.record_write(A, a[0], u32::MAX - 1..u32::MAX)), ViolationKind::SlotOutOfRange);
     assert_eq!(kind(t.record_import(A, &a, u64::MAX, u64::MAX)), ViolationKind::BlockTableTooShort);
     t.release(A).unwrap();

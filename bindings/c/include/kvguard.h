@@ -196,6 +196,8 @@ enum kvg_violation_kind
   KVG_VIOLATION_KIND_CANARY_MISMATCH,
   // A transfer into a page another transfer is still landing in.
   KVG_VIOLATION_KIND_IMPORT_IN_FLIGHT,
+  // A write of tokens `start..end` with `start` after `end`.
+  KVG_VIOLATION_KIND_TOKEN_RANGE_REVERSED,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -277,6 +279,17 @@ typedef uint32_t kvg_page_state;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// A KV transfer in flight behind an opaque handle: while it lives, its pages are pinned (a
+// release takes them from the request, but they stay out of the free list until the ticket
+// ends, so bytes still landing never reach a next owner). Ended, and freed, by exactly one
+// `kvg_import_finish` or `kvg_import_abort`, before its table is freed. It may move between
+// threads, but not be used by two at once.
+typedef struct kvg_import_ticket kvg_import_ticket;
+
+// A transfer manifest behind an opaque handle (`kvg_manifest_build`, `kvg_manifest_decode`;
+// `kvg_manifest_free`). Immutable: any number of threads may read one at once.
+typedef struct kvg_manifest kvg_manifest;
+
 // An ownership table behind an opaque handle (`kvg_table_new`, `kvg_table_free`). Safe to share
 // between threads: every call may run on any thread, concurrently with any other except
 // `kvg_table_free`.
@@ -343,9 +356,10 @@ typedef struct kvg_violation_info {
   // The table's id of the prefix concerned: prefix keys are byte strings interned per table
   // in publish order from 1, never hashed.
   uint64_t prefix;
-  // The count that broke a limit (tokens, pages, holders).
+  // The count that broke a limit (tokens, pages, holders); for `token_range_reversed`, the
+  // range's start.
   uint64_t found;
-  // The limit.
+  // The limit; for `token_range_reversed`, the range's end.
   uint64_t limit;
   // For a step call: the refused row.
   uint64_t row;
@@ -449,9 +463,139 @@ typedef struct kvg_request_info {
   uint32_t quarantined;
 } kvg_request_info;
 
+// Who a KV transfer is for and the shape of its pages, for `kvg_manifest_build` (the sender's
+// side; the rest of the manifest comes from the prompt and the page bytes).
+typedef struct kvg_transfer_header {
+  // `sizeof(kvg_transfer_header)` as the caller compiled it.
+  size_t struct_size;
+  // The request whose KV this is (the receiver's id for it).
+  uint64_t request;
+  // Its tenant.
+  uint64_t tenant;
+  // The sending instance (a prefill worker's id).
+  uint64_t sender;
+  // Token slots per page (the same on both sides).
+  uint32_t page_size;
+  // Bytes of KV per token slot: a page carrying `t` tokens sends `t * slot_bytes` bytes.
+  uint32_t slot_bytes;
+} kvg_transfer_header;
+
+// What a manifest says, filled by `kvg_manifest_get_info`.
+typedef struct kvg_manifest_info {
+  // `sizeof(kvg_manifest_info)` as the caller compiled it.
+  size_t struct_size;
+  // The request whose KV this is.
+  uint64_t request;
+  // Its tenant.
+  uint64_t tenant;
+  // The sending instance.
+  uint64_t sender;
+  // Tokens prefilled.
+  uint64_t prompt_tokens;
+  // The digest of the prompt prefilled (`kvg_prompt_digest`).
+  uint64_t prompt_digest;
+  // Token slots per page.
+  uint32_t page_size;
+  // Bytes per token slot.
+  uint32_t slot_bytes;
+  // Pages listed (`kvg_manifest_get_pages`).
+  uint64_t num_pages;
+} kvg_manifest_info;
+
+// One page of a manifest: where it lands, how many tokens it carries, its bytes' CRC32.
+typedef struct kvg_manifest_page {
+  // The receiving page, in the incarnation the receiver offered.
+  struct kvg_page_ref dest;
+  // Token slots it carries, from slot 0.
+  uint32_t tokens;
+  // CRC32 of its bytes, 0 folded into 1 (`kvg_page_checksum`).
+  uint32_t crc32;
+} kvg_manifest_page;
+
+// What the receiver expects of a transfer, from its own copy of the request, for
+// `kvg_accept_transfer`. The caller owns the arrays it points to for the call.
+typedef struct kvg_expected_transfer {
+  // `sizeof(kvg_expected_transfer)` as the caller compiled it.
+  size_t struct_size;
+  // The receiving request.
+  uint64_t request;
+  // Its tenant.
+  uint64_t tenant;
+  // The sender asked, checked only when `check_sender` is non-zero.
+  uint64_t sender;
+  // Non-zero: the transfer must come from `sender`.
+  uint32_t check_sender;
+  // Token slots per page: the table's page size.
+  uint32_t page_size;
+  // Bytes per token slot.
+  uint32_t slot_bytes;
+  // Entries of `prompt`.
+  size_t prompt_len;
+  // The receiver's copy of the prompt's token ids (each read as its 32 bits).
+  const int32_t *prompt;
+  // Entries of `pages`.
+  size_t num_pages;
+  // The receiving pages in token order, in the incarnations offered to the sender: exactly the
+  // pages the prompt lands in.
+  const struct kvg_page_ref *pages;
+} kvg_expected_transfer;
+
+// Copies one accepted page into the engine's pool: called by `kvg_accept_transfer` for page
+// `index` (landing in `page`) with its `len` bytes, only once every check passed. `user` is the
+// pointer given to `kvg_accept_transfer`. It must not unwind (no C++ exception may leave it).
+typedef void (*kvg_land_fn)(void *user,
+                            size_t index,
+                            struct kvg_page_ref page,
+                            const uint8_t *bytes,
+                            size_t len);
+
+// What an accepted transfer recorded, filled by `kvg_accept_transfer`.
+typedef struct kvg_accepted {
+  // `sizeof(kvg_accepted)` as the caller compiled it.
+  size_t struct_size;
+  // Tokens recorded as written for the receiving request.
+  uint64_t tokens;
+  // Pages landed.
+  uint64_t pages;
+} kvg_accepted;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+// Starts a KV transfer into `refs` (`num_refs` refs of `request`'s own pages, in exactly those
+// incarnations): the pages are pinned and `*out` is the ticket (NULL on failure). Call it before
+// any byte lands. A page already receiving a transfer is `import_in_flight`; a page not the
+// request's in that incarnation is `stale_page`, `foreign_page` or `freed_page`.
+//
+// # Safety
+// `table` is a live handle that outlives the ticket; `refs` holds `num_refs` entries; `out` is
+// writable.
+KVG_MUST_USE
+kvg_status kvg_begin_import(struct kvg_table *table,
+                            uint64_t request,
+                            const struct kvg_page_ref *refs,
+                            size_t num_refs,
+                            struct kvg_import_ticket **out);
+
+// Ends the transfer: records `tokens` tokens as landed from the first slot of the first page,
+// when `expected` were expected, and unpins the pages in the same step. A count that differs
+// (`token_count_mismatch`), or pages that changed hands meanwhile (`stale_page`,
+// `foreign_page`), record nothing. The ticket is freed whatever the outcome.
+//
+// # Safety
+// `ticket` is NULL or a handle from `kvg_begin_import` not ended yet; its table is live.
+KVG_MUST_USE
+kvg_status kvg_import_finish(struct kvg_import_ticket *ticket,
+                             uint64_t tokens,
+                             uint64_t expected);
+
+// Abandons the transfer (its manifest was refused, say): nothing is recorded, the pages are
+// unpinned, the ticket freed. NULL is a no-op.
+//
+// # Safety
+// `ticket` is NULL or a handle from `kvg_begin_import` not ended yet; its table is live.
+void kvg_import_abort(struct kvg_import_ticket *ticket);
 
 // Publishes `pages` of `request` (all its own) as the read-only prefix under the byte-string
 // key `key` (`key_len` bytes); `request` holds it. A key already published is
@@ -466,6 +610,19 @@ kvg_status kvg_publish_prefix(struct kvg_table *table,
                               size_t key_len,
                               const int32_t *pages,
                               size_t num_pages);
+
+// `kvg_publish_prefix` through page refs: each page must also still be in the incarnation its
+// ref names (`stale_page`).
+//
+// # Safety
+// `table` is a live handle; `key` holds `key_len` bytes; `pages` holds `num_pages` refs.
+KVG_MUST_USE
+kvg_status kvg_publish_prefix_refs(struct kvg_table *table,
+                                   uint64_t request,
+                                   const uint8_t *key,
+                                   size_t key_len,
+                                   const struct kvg_page_ref *pages,
+                                   size_t num_pages);
 
 // `request` holds the prefix under `key` and may read its pages, whose refs (in published
 // order) go to `out` when it is not NULL; `*num_out` (if not NULL) gets how many there are.
@@ -740,6 +897,32 @@ kvg_status kvg_record_write_tokens(struct kvg_table *table,
                                    uint64_t token_start,
                                    uint64_t token_end);
 
+// `kvg_record_write_tokens` through page refs: each page must also still be in the incarnation
+// its ref names (`stale_page`), so a write landing after its page changed hands is refused.
+//
+// # Safety
+// `table` is a live handle; `block_table` holds `num_blocks` refs.
+KVG_MUST_USE
+kvg_status kvg_record_write_tokens_refs(struct kvg_table *table,
+                                        uint64_t request,
+                                        const struct kvg_page_ref *block_table,
+                                        size_t num_blocks,
+                                        uint64_t token_start,
+                                        uint64_t token_end);
+
+// `kvg_record_import` through page refs: a transfer landing after its pages were released (and
+// maybe reused) is `stale_page` or `foreign_page`, and nothing is recorded.
+//
+// # Safety
+// `table` is a live handle; `block_table` holds `num_blocks` refs.
+KVG_MUST_USE
+kvg_status kvg_record_import_refs(struct kvg_table *table,
+                                  uint64_t request,
+                                  const struct kvg_page_ref *block_table,
+                                  size_t num_blocks,
+                                  uint64_t tokens,
+                                  uint64_t expected);
+
 // Records a KV transfer that wrote `tokens` tokens into `request`'s pages from the first slot,
 // when it expected `expected`: a count that differs is `token_count_mismatch`, nothing recorded.
 //
@@ -774,6 +957,18 @@ kvg_status kvg_release_pages(struct kvg_table *table,
                              const int32_t *pages,
                              size_t num_pages,
                              struct kvg_released *released);
+
+// `kvg_release_pages` through page refs: each page must still be in the incarnation its ref
+// names (`stale_page`), so a late release never frees the page's next incarnation.
+//
+// # Safety
+// As for `kvg_release`; `pages` holds `num_pages` refs.
+KVG_MUST_USE
+kvg_status kvg_release_pages_refs(struct kvg_table *table,
+                                  uint64_t request,
+                                  const struct kvg_page_ref *pages,
+                                  size_t num_pages,
+                                  struct kvg_released *released);
 
 // Preemption: releases all of `request`'s pages and prefix holds but keeps it admitted.
 //
@@ -836,6 +1031,20 @@ kvg_status kvg_get_request_info(const struct kvg_table *table,
                                 uint64_t request,
                                 struct kvg_request_info *out);
 
+// The pages admitted request `request` owns exclusively, in the order it got them, as refs
+// into `out`, which has room for `capacity`; `*num_out` (required) gets how many there are.
+// `out` NULL asks the count only; a shorter `out` is `KVG_STATUS_BUFFER_TOO_SMALL`, nothing
+// written. One not admitted is `KVG_STATUS_INVALID_ARGUMENT`.
+//
+// # Safety
+// `table` is a live handle; `out` is NULL or has room for `capacity`; `num_out` is writable.
+KVG_MUST_USE
+kvg_status kvg_get_request_pages(const struct kvg_table *table,
+                                 uint64_t request,
+                                 struct kvg_page_ref *out,
+                                 size_t capacity,
+                                 size_t *num_out);
+
 // How many violations of kind `kind` (a `kvg_violation_kind`; 0 for all kinds) the table has
 // counted, into `*out`.
 //
@@ -856,6 +1065,120 @@ KVG_MUST_USE
 kvg_status kvg_drain_violation(struct kvg_table *table,
                                struct kvg_violation_info *out,
                                uint32_t *found);
+
+// The checksum a manifest carries for `len` bytes at `bytes` (CRC32, 0 folded into 1), into
+// `*out`.
+//
+// # Safety
+// `bytes` holds `len` bytes (NULL if 0); `out` is writable.
+KVG_MUST_USE kvg_status kvg_page_checksum(const uint8_t *bytes, size_t len, uint32_t *out);
+
+// The digest of a prompt's `len` token ids (each read as its 32 bits), into `*out`: what a
+// manifest carries and the receiver compares with its own copy of the prompt.
+//
+// # Safety
+// `prompt` holds `len` entries (NULL if 0); `out` is writable.
+KVG_MUST_USE kvg_status kvg_prompt_digest(const int32_t *prompt, size_t len, uint64_t *out);
+
+// The sender's side: builds the manifest for `prompt` (the `prompt_len` token ids prefilled)
+// sent as `num_pages` page buffers (`pages[i]`, `page_lens[i]` bytes: its tokens times
+// `slot_bytes`) into the receiver's `dest` pages (`num_dest` refs, one per page). `*out` is the
+// handle (NULL on failure); a malformed shape is `KVG_STATUS_INVALID_ARGUMENT`.
+//
+// # Safety
+// `header` is a `kvg_transfer_header` of its `struct_size`; `prompt` holds `prompt_len`
+// entries, `dest` `num_dest`, `pages` and `page_lens` `num_pages`, each `pages[i]`
+// `page_lens[i]` bytes; `out` is writable.
+KVG_MUST_USE
+kvg_status kvg_manifest_build(const struct kvg_transfer_header *header,
+                              const int32_t *prompt,
+                              size_t prompt_len,
+                              const struct kvg_page_ref *dest,
+                              size_t num_dest,
+                              const uint8_t *const *pages,
+                              const size_t *page_lens,
+                              size_t num_pages,
+                              struct kvg_manifest **out);
+
+// Decodes manifest bytes (`len` at `bytes`) into a handle at `*out` (NULL on failure). Bytes
+// that do not decode are refused as a violation (`KVG_STATUS_VIOLATION`, kind
+// `manifest_corrupt`, or `missing_checksum` for a page without one), counted by no table.
+//
+// # Safety
+// `bytes` holds `len` bytes; `out` is writable.
+KVG_MUST_USE
+kvg_status kvg_manifest_decode(const uint8_t *bytes,
+                               size_t len,
+                               struct kvg_manifest **out);
+
+// Encodes a manifest: `*len` (required) gets its length in bytes; with `buf` NULL that is all
+// (ask the size first), else the bytes go to `buf`, which has room for `capacity`
+// (`KVG_STATUS_BUFFER_TOO_SMALL`, nothing written, when it is shorter).
+//
+// # Safety
+// `manifest` is a live handle; `buf` is NULL or has room for `capacity` bytes; `len` is writable.
+KVG_MUST_USE
+kvg_status kvg_manifest_encode(const struct kvg_manifest *manifest,
+                               uint8_t *buf,
+                               size_t capacity,
+                               size_t *len);
+
+// What the manifest says (whose KV, which prompt, the page shape, how many pages), into `*out`.
+//
+// # Safety
+// `manifest` is a live handle; `out` is a `kvg_manifest_info` of its `struct_size` bytes.
+KVG_MUST_USE
+kvg_status kvg_manifest_get_info(const struct kvg_manifest *manifest,
+                                 struct kvg_manifest_info *out);
+
+// The manifest's pages (where each lands, its tokens, its CRC32) into `out`, which has room for
+// `capacity`; `*num_out` (required) gets how many there are. `KVG_STATUS_BUFFER_TOO_SMALL`,
+// nothing written, when `out` is shorter; `out` NULL asks the count only.
+//
+// # Safety
+// `manifest` is a live handle; `out` is NULL or has room for `capacity`; `num_out` is writable.
+KVG_MUST_USE
+kvg_status kvg_manifest_get_pages(const struct kvg_manifest *manifest,
+                                  struct kvg_manifest_page *out,
+                                  size_t capacity,
+                                  size_t *num_out);
+
+// Frees a manifest. NULL is a no-op.
+//
+// # Safety
+// `manifest` is NULL or a handle not freed yet, which no other thread is using.
+void kvg_manifest_free(struct kvg_manifest *manifest);
+
+// The receiver's side: accepts a transfer only if its manifest (`manifest_len` bytes) is for
+// `expected` in every respect (request, tenant, sender if asked, prompt length and digest, the
+// receiving pages in the offered incarnations, the page shape), every page buffer has its
+// length and CRC32, and the table still holds every receiving page for the request. The pages
+// are pinned while it runs (as `kvg_begin_import`). Only then is `land(user, i, page, bytes,
+// len)` called for each page (NULL: the bytes are already in place) and the tokens recorded as
+// written.
+//
+// Returns `KVG_STATUS_OK` (and fills `accepted`, if not NULL) or `KVG_STATUS_VIOLATION`: the
+// message says which check failed, `kvg_last_violation` gives the kind (`transfer_misrouted`,
+// `prompt_digest_mismatch`, `page_checksum_mismatch`, `stale_page`, ...), and the table counted
+// and logged it. A refusal records no coverage; only the final record can be refused after
+// `land` ran (the request released its pages meanwhile).
+//
+// # Safety
+// `table` is a live handle; `expected` a `kvg_expected_transfer` of its `struct_size` whose
+// arrays hold what it says; `manifest` holds `manifest_len` bytes; `pages` and `page_lens` hold
+// `num_pages` entries, each `pages[i]` `page_lens[i]` bytes; `land` must not unwind; `accepted`
+// is NULL or a `kvg_accepted` of its `struct_size` bytes.
+KVG_MUST_USE
+kvg_status kvg_accept_transfer(struct kvg_table *table,
+                               const struct kvg_expected_transfer *expected,
+                               const uint8_t *manifest,
+                               size_t manifest_len,
+                               const uint8_t *const *pages,
+                               const size_t *page_lens,
+                               size_t num_pages,
+                               kvg_land_fn land,
+                               void *user,
+                               struct kvg_accepted *accepted);
 
 // The static, NUL-terminated name of violation kind `value` (`"foreign_page"`), or `"unknown"`.
 const char *kvg_violation_kind_name(uint32_t kind);

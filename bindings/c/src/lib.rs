@@ -9,6 +9,8 @@
 //!   violations, `kvg_last_violation(i, &info)`: kind, request, tenant, page, generation, owner,
 //!   slots, the step row, and the one-line message.
 //! - **Growth**: every struct starts with `size_t struct_size`; see `docs/c-api.md`.
+//! - **Transfers**: manifests built, encoded and decoded (`kvg_manifest_*`), checked on arrival
+//!   by `kvg_accept_transfer`; a transfer's pages pinned by an import ticket (`kvg_begin_import`).
 //! - **Ids**: requests and tenants are `uint64_t`; pages are `int32_t` as engines keep them in
 //!   block tables (a negative id is `page_out_of_range`, never wrapped onto a real page).
 //!
@@ -18,14 +20,17 @@
 #![allow(non_camel_case_types)]
 #![warn(missing_docs)]
 
+mod import;
 mod prefix;
 mod raw;
 mod status;
 mod step;
 mod table;
+mod transfer;
 mod types;
 
-pub use prefix::{kvg_attach_prefix, kvg_detach_prefix, kvg_evict_prefix, kvg_publish_prefix};
+pub use import::{kvg_begin_import, kvg_import_abort, kvg_import_finish, kvg_import_ticket};
+pub use prefix::{kvg_attach_prefix, kvg_detach_prefix, kvg_evict_prefix, kvg_publish_prefix, kvg_publish_prefix_refs};
 pub use status::{
     kvg_last_error_message, kvg_last_status, kvg_last_violation, kvg_last_violation_count, kvg_status, kvg_status_name,
 };
@@ -35,8 +40,13 @@ pub use step::{
 };
 pub use table::{
     kvg_admit, kvg_allocate, kvg_allow_cross_tenant_sharing, kvg_claim, kvg_confirm_scrubbed, kvg_drain_violation,
-    kvg_fork, kvg_get_page_info, kvg_get_request_info, kvg_pool_config_audit, kvg_pool_config_init, kvg_preempt,
-    kvg_record_import, kvg_record_write, kvg_record_write_tokens, kvg_release, kvg_release_pages, kvg_snapshot,
-    kvg_table, kvg_table_free, kvg_table_new, kvg_table_new_unaudited, kvg_version, kvg_violation_count,
+    kvg_fork, kvg_get_page_info, kvg_get_request_info, kvg_get_request_pages, kvg_pool_config_audit,
+    kvg_pool_config_init, kvg_preempt, kvg_record_import, kvg_record_import_refs, kvg_record_write,
+    kvg_record_write_tokens, kvg_record_write_tokens_refs, kvg_release, kvg_release_pages, kvg_release_pages_refs,
+    kvg_snapshot, kvg_table, kvg_table_free, kvg_table_new, kvg_table_new_unaudited, kvg_version, kvg_violation_count,
+};
+pub use transfer::{
+    kvg_accept_transfer, kvg_manifest, kvg_manifest_build, kvg_manifest_decode, kvg_manifest_encode, kvg_manifest_free,
+    kvg_manifest_get_info, kvg_manifest_get_pages, kvg_page_checksum, kvg_prompt_digest,
 };
 pub use types::*;

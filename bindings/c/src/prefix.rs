@@ -57,18 +57,50 @@ pub unsafe extern "C" fn kvg_publish_prefix(
     with_table(table, |t| {
         let key = self::key(key, key_len)?;
         let pages = raw::pages(raw::slice(pages, num_pages, "pages")?);
-        // Held across the core's call: two publishes of one key must not both get fresh ids.
-        let mut keys = t.prefixes.lock();
-        if let Some(&id) = keys.ids.get(key) {
-            // The core refuses it (`duplicate_prefix`) and counts it.
-            return Ok(t.table.publish_prefix(RequestId(request), id, pages)?);
-        }
-        let id = PrefixKey(keys.last + 1);
-        t.table.publish_prefix(RequestId(request), id, pages)?;
-        keys.last = id.0;
-        keys.ids.insert(key.into(), id);
-        Ok(())
+        publish(t, key, |id| t.table.publish_prefix(RequestId(request), id, pages))
     })
+}
+
+/// `kvg_publish_prefix` through page refs: each page must also still be in the incarnation its
+/// ref names (`stale_page`).
+///
+/// # Safety
+/// `table` is a live handle; `key` holds `key_len` bytes; `pages` holds `num_pages` refs.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvg_publish_prefix_refs(
+    table: *mut kvg_table,
+    request: u64,
+    key: *const u8,
+    key_len: usize,
+    pages: *const kvg_page_ref,
+    num_pages: usize,
+) -> kvg_status {
+    with_table(table, |t| {
+        let key = self::key(key, key_len)?;
+        let refs = crate::table::refs(pages, num_pages, "pages")?;
+        publish(t, key, |id| t.table.publish_prefix_refs(RequestId(request), id, &refs))
+    })
+}
+
+/// Publishes under `key` with `publish(id)`: a key already published keeps its id (the core
+/// refuses it as `duplicate_prefix`); a new one gets the next id if the publish succeeds.
+fn publish(
+    t: &kvg_table,
+    key: &[u8],
+    publish: impl FnOnce(PrefixKey) -> Result<(), kvguard::Error>,
+) -> Result<(), Failure> {
+    // Held across the core's call: two publishes of one key must not both get fresh ids.
+    let mut keys = t.prefixes.lock();
+    if let Some(&id) = keys.ids.get(key) {
+        // The core refuses it (`duplicate_prefix`) and counts it.
+        return Ok(publish(id)?);
+    }
+    let id = PrefixKey(keys.last + 1);
+    publish(id)?;
+    keys.last = id.0;
+    keys.ids.insert(key.into(), id);
+    Ok(())
 }
 
 /// `request` holds the prefix under `key` and may read its pages, whose refs (in published

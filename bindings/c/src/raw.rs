@@ -1,6 +1,8 @@
 //! The raw-pointer edge: caller memory turned into slices and sized structs, every pointer, length
-//! and `struct_size` checked before it is used. The only other `unsafe` of the crate is the
-//! handle's box (`table.rs`) and the reinterpretation of `int32` page ids (here).
+//! and `struct_size` checked before it is used, and the reinterpretation of `int32` page and
+//! token ids. The only other `unsafe` of the crate is in the handles: the table's box
+//! (`table.rs`), the manifest's box and the caller's `land` callback (`transfer.rs`), and the
+//! import ticket's box and its borrow of the table (`import.rs`).
 
 use crate::status::{Failure, kvg_status};
 use kvguard::PageId;
@@ -125,6 +127,14 @@ pub(crate) fn pages(ids: &[i32]) -> &[PageId] {
     // SAFETY: `PageId` is `repr(transparent)` over `u32`, which has the size and alignment of
     // `i32` (asserted above), and every bit pattern is a valid `u32`.
     unsafe { std::slice::from_raw_parts(ids.as_ptr().cast::<PageId>(), ids.len()) }
+}
+
+/// An engine's `int32` token ids as the `u32`s the core digests, without copying: each id is read
+/// as its 32 bits, the same on every side of a transfer.
+pub(crate) fn tokens(ids: &[i32]) -> &[u32] {
+    // SAFETY: `u32` and `i32` have the same size and alignment, and every bit pattern is a valid
+    // `u32`.
+    unsafe { std::slice::from_raw_parts(ids.as_ptr().cast::<u32>(), ids.len()) }
 }
 
 /// One `int32` page id as the table's [`PageId`] (negative: beyond any pool, as in [`pages`]).

@@ -93,6 +93,10 @@ pub(crate) enum Failure {
     Step { refused: Vec<(usize, Violation)>, rows: usize },
     /// A status of the binding's own, with its message.
     Status(kvg_status, String),
+    /// Refused as `violation`, described by `message` (more precise than the violation's own
+    /// line: a transfer's refusal says which check failed); the thread's message is
+    /// `"<kind>: <message>"`.
+    Refused { message: String, violation: Violation },
 }
 
 impl Failure {
@@ -166,6 +170,9 @@ fn record(failure: Failure) -> kvg_status {
             (kvg_status::Violation, text, violations)
         }
         Failure::Status(status, text) => (status, text, Vec::new()),
+        Failure::Refused { message, violation } => {
+            (kvg_status::Violation, format!("{}: {message}", violation.kind().as_str()), vec![(None, violation)])
+        }
     };
     LAST.with(|last| {
         let mut last = last.borrow_mut();

@@ -333,6 +333,53 @@ pub unsafe extern "C" fn kvg_record_write_tokens(
     })
 }
 
+/// The caller's page refs as the core's.
+pub(crate) fn refs(ptr: *const kvg_page_ref, len: usize, what: &str) -> Result<Vec<kvguard::PageRef>, Failure> {
+    Ok(raw::slice(ptr, len, what)?.iter().map(|r| r.to_core()).collect())
+}
+
+/// `kvg_record_write_tokens` through page refs: each page must also still be in the incarnation
+/// its ref names (`stale_page`), so a write landing after its page changed hands is refused.
+///
+/// # Safety
+/// `table` is a live handle; `block_table` holds `num_blocks` refs.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvg_record_write_tokens_refs(
+    table: *mut kvg_table,
+    request: u64,
+    block_table: *const kvg_page_ref,
+    num_blocks: usize,
+    token_start: u64,
+    token_end: u64,
+) -> kvg_status {
+    with_table(table, |t| {
+        let bt = refs(block_table, num_blocks, "block_table")?;
+        Ok(t.table.record_write_tokens_refs(RequestId(request), &bt, token_start..token_end)?)
+    })
+}
+
+/// `kvg_record_import` through page refs: a transfer landing after its pages were released (and
+/// maybe reused) is `stale_page` or `foreign_page`, and nothing is recorded.
+///
+/// # Safety
+/// `table` is a live handle; `block_table` holds `num_blocks` refs.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvg_record_import_refs(
+    table: *mut kvg_table,
+    request: u64,
+    block_table: *const kvg_page_ref,
+    num_blocks: usize,
+    tokens: u64,
+    expected: u64,
+) -> kvg_status {
+    with_table(table, |t| {
+        let bt = refs(block_table, num_blocks, "block_table")?;
+        Ok(t.table.record_import_refs(RequestId(request), &bt, tokens, expected)?)
+    })
+}
+
 /// Records a KV transfer that wrote `tokens` tokens into `request`'s pages from the first slot,
 /// when it expected `expected`: a count that differs is `token_count_mismatch`, nothing recorded.
 ///
@@ -386,6 +433,27 @@ pub unsafe extern "C" fn kvg_release_pages(
         let pages = raw::slice(pages, num_pages, "pages")?;
         check_released(released)?;
         put_released(released, t.table.release_pages(RequestId(request), raw::pages(pages))?)
+    })
+}
+
+/// `kvg_release_pages` through page refs: each page must still be in the incarnation its ref
+/// names (`stale_page`), so a late release never frees the page's next incarnation.
+///
+/// # Safety
+/// As for `kvg_release`; `pages` holds `num_pages` refs.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvg_release_pages_refs(
+    table: *mut kvg_table,
+    request: u64,
+    pages: *const kvg_page_ref,
+    num_pages: usize,
+    released: *mut kvg_released,
+) -> kvg_status {
+    with_table(table, |t| {
+        let pages = refs(pages, num_pages, "pages")?;
+        check_released(released)?;
+        put_released(released, t.table.release_pages_refs(RequestId(request), &pages)?)
     })
 }
 
@@ -500,6 +568,46 @@ pub unsafe extern "C" fn kvg_get_request_info(
             quarantined: u32::from(info.quarantined),
         };
         raw::write_sized(out, c, "out")
+    })
+}
+
+/// The pages admitted request `request` owns exclusively, in the order it got them, as refs
+/// into `out`, which has room for `capacity`; `*num_out` (required) gets how many there are.
+/// `out` NULL asks the count only; a shorter `out` is `KVG_STATUS_BUFFER_TOO_SMALL`, nothing
+/// written. One not admitted is `KVG_STATUS_INVALID_ARGUMENT`.
+///
+/// # Safety
+/// `table` is a live handle; `out` is NULL or has room for `capacity`; `num_out` is writable.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvg_get_request_pages(
+    table: *const kvg_table,
+    request: u64,
+    out: *mut kvg_page_ref,
+    capacity: usize,
+    num_out: *mut usize,
+) -> kvg_status {
+    with_table(table, |t| {
+        raw::put_required(num_out, 0, "num_out")?;
+        let info = t
+            .table
+            .request_info(RequestId(request))
+            .ok_or_else(|| Failure::invalid(format!("req {request} is not admitted")))?;
+        let pages = info.owned_pages;
+        raw::put(num_out, pages.len())?;
+        if out.is_null() {
+            return Ok(());
+        }
+        if capacity < pages.len() {
+            return Err(Failure::status(
+                kvg_status::BufferTooSmall,
+                format!("req {request} owns {} pages, `out` has room for {capacity}", pages.len()),
+            ));
+        }
+        for (dst, r) in raw::slice_mut(out, pages.len(), "out")?.iter_mut().zip(pages) {
+            *dst = kvg_page_ref::from_core(r);
+        }
+        Ok(())
     })
 }
 

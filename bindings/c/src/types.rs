@@ -116,6 +116,8 @@ pub enum kvg_violation_kind {
     CanaryMismatch,
     /// A transfer into a page another transfer is still landing in.
     ImportInFlight,
+    /// A write of tokens `start..end` with `start` after `end`.
+    TokenRangeReversed,
 }
 
 impl kvg_violation_kind {
@@ -456,9 +458,10 @@ pub struct kvg_violation_info {
     /// The table's id of the prefix concerned: prefix keys are byte strings interned per table
     /// in publish order from 1, never hashed.
     pub prefix: u64,
-    /// The count that broke a limit (tokens, pages, holders).
+    /// The count that broke a limit (tokens, pages, holders); for `token_range_reversed`, the
+    /// range's start.
     pub found: u64,
-    /// The limit.
+    /// The limit; for `token_range_reversed`, the range's end.
     pub limit: u64,
     /// For a step call: the refused row.
     pub row: u64,
@@ -525,6 +528,110 @@ impl kvg_violation_info {
     }
 }
 
+/// Who a KV transfer is for and the shape of its pages, for `kvg_manifest_build` (the sender's
+/// side; the rest of the manifest comes from the prompt and the page bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct kvg_transfer_header {
+    /// `sizeof(kvg_transfer_header)` as the caller compiled it.
+    pub struct_size: usize,
+    /// The request whose KV this is (the receiver's id for it).
+    pub request: u64,
+    /// Its tenant.
+    pub tenant: u64,
+    /// The sending instance (a prefill worker's id).
+    pub sender: u64,
+    /// Token slots per page (the same on both sides).
+    pub page_size: u32,
+    /// Bytes of KV per token slot: a page carrying `t` tokens sends `t * slot_bytes` bytes.
+    pub slot_bytes: u32,
+}
+
+/// What a manifest says, filled by `kvg_manifest_get_info`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct kvg_manifest_info {
+    /// `sizeof(kvg_manifest_info)` as the caller compiled it.
+    pub struct_size: usize,
+    /// The request whose KV this is.
+    pub request: u64,
+    /// Its tenant.
+    pub tenant: u64,
+    /// The sending instance.
+    pub sender: u64,
+    /// Tokens prefilled.
+    pub prompt_tokens: u64,
+    /// The digest of the prompt prefilled (`kvg_prompt_digest`).
+    pub prompt_digest: u64,
+    /// Token slots per page.
+    pub page_size: u32,
+    /// Bytes per token slot.
+    pub slot_bytes: u32,
+    /// Pages listed (`kvg_manifest_get_pages`).
+    pub num_pages: u64,
+}
+
+/// One page of a manifest: where it lands, how many tokens it carries, its bytes' CRC32.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct kvg_manifest_page {
+    /// The receiving page, in the incarnation the receiver offered.
+    pub dest: kvg_page_ref,
+    /// Token slots it carries, from slot 0.
+    pub tokens: u32,
+    /// CRC32 of its bytes, 0 folded into 1 (`kvg_page_checksum`).
+    pub crc32: u32,
+}
+
+/// What the receiver expects of a transfer, from its own copy of the request, for
+/// `kvg_accept_transfer`. The caller owns the arrays it points to for the call.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvg_expected_transfer {
+    /// `sizeof(kvg_expected_transfer)` as the caller compiled it.
+    pub struct_size: usize,
+    /// The receiving request.
+    pub request: u64,
+    /// Its tenant.
+    pub tenant: u64,
+    /// The sender asked, checked only when `check_sender` is non-zero.
+    pub sender: u64,
+    /// Non-zero: the transfer must come from `sender`.
+    pub check_sender: u32,
+    /// Token slots per page: the table's page size.
+    pub page_size: u32,
+    /// Bytes per token slot.
+    pub slot_bytes: u32,
+    /// Entries of `prompt`.
+    pub prompt_len: usize,
+    /// The receiver's copy of the prompt's token ids (each read as its 32 bits).
+    pub prompt: *const i32,
+    /// Entries of `pages`.
+    pub num_pages: usize,
+    /// The receiving pages in token order, in the incarnations offered to the sender: exactly the
+    /// pages the prompt lands in.
+    pub pages: *const kvg_page_ref,
+}
+
+/// What an accepted transfer recorded, filled by `kvg_accept_transfer`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct kvg_accepted {
+    /// `sizeof(kvg_accepted)` as the caller compiled it.
+    pub struct_size: usize,
+    /// Tokens recorded as written for the receiving request.
+    pub tokens: u64,
+    /// Pages landed.
+    pub pages: u64,
+}
+
+/// Copies one accepted page into the engine's pool: called by `kvg_accept_transfer` for page
+/// `index` (landing in `page`) with its `len` bytes, only once every check passed. `user` is the
+/// pointer given to `kvg_accept_transfer`. It must not unwind (no C++ exception may leave it).
+pub type kvg_land_fn = Option<
+    unsafe extern "C" fn(user: *mut std::ffi::c_void, index: usize, page: kvg_page_ref, bytes: *const u8, len: usize),
+>;
+
 // SAFETY (each impl): `#[repr(C)]`, the first field is `struct_size: usize`, and every field is an
 // integer, a raw pointer or an array of integers, so every bit pattern is valid.
 unsafe impl SizedStruct for kvg_pool_config {
@@ -548,6 +655,22 @@ unsafe impl SizedStruct for kvg_released {
 }
 // SAFETY: as above.
 unsafe impl SizedStruct for kvg_violation_info {
+    const MIN_SIZE: usize = size_of::<Self>();
+}
+// SAFETY: as above.
+unsafe impl SizedStruct for kvg_transfer_header {
+    const MIN_SIZE: usize = size_of::<Self>();
+}
+// SAFETY: as above.
+unsafe impl SizedStruct for kvg_manifest_info {
+    const MIN_SIZE: usize = size_of::<Self>();
+}
+// SAFETY: as above.
+unsafe impl SizedStruct for kvg_expected_transfer {
+    const MIN_SIZE: usize = size_of::<Self>();
+}
+// SAFETY: as above.
+unsafe impl SizedStruct for kvg_accepted {
     const MIN_SIZE: usize = size_of::<Self>();
 }
 
@@ -603,6 +726,7 @@ mod tests {
             K::ManifestCorrupt,
             K::CanaryMismatch,
             K::ImportInFlight,
+            K::TokenRangeReversed,
         ];
         assert_eq!(c_kinds.len(), ViolationKind::ALL.len(), "a core kind is missing from kvg_violation_kind");
         for (c, &core) in c_kinds.iter().zip(ViolationKind::ALL) {

@@ -45,7 +45,7 @@ def rust_figures():
 
 
 def best_of(f, repeat=7, number=200):
-    """Best mean time per call over `repeat` runs of `number` calls (the timeit convention)."""
+    """Median of the mean time per call over `repeat` runs of `number` calls."""
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()

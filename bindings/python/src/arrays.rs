@@ -7,7 +7,7 @@
 //! during the check, as numpy does for its own loops).
 
 use kvguard::PageId;
-use pyo3::buffer::{ElementType, PyUntypedBuffer};
+use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
@@ -98,14 +98,29 @@ impl<'py> IntArray<'py> {
         )))
     }
 
+    /// The element type of a buffer's struct-module format: a signed integer of 4 or 8 bytes,
+    /// native or little-endian (parsed without allocating: this runs on every step call).
     fn elem_of(format: &[u8], item_size: usize, name: &str) -> PyResult<Elem> {
-        if matches!(format.first(), Some(b'>' | b'!')) {
+        let (order, code) = match *format {
+            [code] => (b'@', code),
+            [order, code] => (order, code),
+            _ => (0, 0),
+        };
+        if matches!(order, b'>' | b'!') {
             return Err(PyTypeError::new_err(format!("{name} must be little-endian int32 or int64, got big-endian")));
         }
-        let fmt = std::ffi::CString::new(format).unwrap_or_default();
-        match (ElementType::from_format(&fmt), item_size) {
-            (ElementType::SignedInteger { bytes: 4 }, 4) => Ok(Elem::I32),
-            (ElementType::SignedInteger { bytes: 8 }, 8) => Ok(Elem::I64),
+        let native = order == b'@';
+        let size = match (code, native) {
+            (b'i', _) => Some(4),
+            (b'q', _) => Some(8),
+            (b'l', true) => Some(std::mem::size_of::<std::ffi::c_long>()),
+            (b'l', false) => Some(4),
+            (b'n', true) => Some(std::mem::size_of::<isize>()),
+            _ => None,
+        };
+        match size.filter(|&s| s == item_size && (native || matches!(order, b'=' | b'<'))) {
+            Some(4) => Ok(Elem::I32),
+            Some(8) => Ok(Elem::I64),
             _ => Err(PyTypeError::new_err(format!(
                 "{name} must have dtype int32 or int64, got format {:?} ({item_size}-byte items)",
                 String::from_utf8_lossy(format)
@@ -283,11 +298,37 @@ impl<'py> IntArray<'py> {
         }
     }
 
+    /// The whole 1-D array as a slice of its own element type without copying, when it is
+    /// contiguous and aligned (the step path reads it in one tight loop then).
+    pub fn as_ints(&self) -> Option<Ints<'_>> {
+        if self.ndim != 1 || !self.rows_contiguous() {
+            return None;
+        }
+        let len = self.shape[0];
+        if len == 0 {
+            return Some(Ints::I64(&[]));
+        }
+        // SAFETY: `len` contiguous elements of `elem`'s type (inner stride = element size,
+        // checked by rows_contiguous) at `ptr`, aligned for that type (checked), kept alive by
+        // `_keep` for the borrow of `self`; every bit pattern is a valid i32/i64.
+        Some(unsafe {
+            match self.elem {
+                Elem::I32 => Ints::I32(std::slice::from_raw_parts(self.ptr.cast::<i32>(), len)),
+                Elem::I64 => Ints::I64(std::slice::from_raw_parts(self.ptr.cast::<i64>(), len)),
+            }
+        })
+    }
+
     /// The first `n` entries of a 1-D array as non-negative ints; `what` names them in the
     /// `ValueError` a negative one raises.
     pub fn counts(&self, n: usize, name: &str) -> PyResult<Vec<u64>> {
         if self.len() < n {
             return Err(PyValueError::new_err(format!("{name} has {} entries, {n} needed", self.len())));
+        }
+        match self.as_ints() {
+            Some(Ints::I32(s)) => return non_negative(&s[..n], name),
+            Some(Ints::I64(s)) => return non_negative(&s[..n], name),
+            None => {}
         }
         (0..n)
             .map(|i| {
@@ -296,4 +337,24 @@ impl<'py> IntArray<'py> {
             })
             .collect()
     }
+}
+
+/// A contiguous 1-D array borrowed as a slice of its element type.
+#[derive(Clone, Copy, Debug)]
+pub enum Ints<'a> {
+    /// int32 entries.
+    I32(&'a [i32]),
+    /// int64 entries.
+    I64(&'a [i64]),
+}
+
+/// `values` as `u64`s, or the `ValueError` naming the first negative one. One branch-free pass
+/// checks them all, so the common case (all fine) is a tight loop.
+fn non_negative<T: Copy + Into<i64>>(values: &[T], name: &str) -> PyResult<Vec<u64>> {
+    if values.iter().fold(false, |neg, &v| neg | (v.into() < 0)) {
+        let (i, v) =
+            values.iter().enumerate().find(|(_, v)| (**v).into() < 0).map_or((0, 0), |(i, v)| (i, (*v).into()));
+        return Err(PyValueError::new_err(format!("{name}[{i}] is {v}: must be >= 0")));
+    }
+    Ok(values.iter().map(|&v| v.into() as u64).collect())
 }

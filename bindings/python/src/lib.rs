@@ -6,23 +6,25 @@
 //!
 //! | module | what it holds |
 //! |---|---|
-//! | [`names`] | request and tenant ids as engines have them (`int` or `str`); strings interned, released with the request |
+//! | [`names`] | request and tenant ids as engines have them (`int` or `str`); strings interned, released with the request; a step's ids remembered by object |
 //! | [`arrays`] | zero-copy views of the engine's arrays (buffer protocol, `__array_interface__`), int32 and int64 |
 //! | [`errors`] | the exception hierarchy, and violations sent to Python's `logging` |
 //! | [`values`] | the plain values: pool config, page refs, infos, snapshot, violations |
 //! | [`table`] | `OwnershipTable`, the one-call-per-step entry points and their verdict |
+//! | [`import`] | `ImportTicket`: a KV transfer in flight, its pages pinned until it ends |
 //! | [`transfer`] | manifests and the receiver |
 //! | [`trace`] | the trace recorder and replayer |
 //! | [`device`] | the CUDA device guard (a typed error without a GPU) |
 //!
-//! All `unsafe` of the Python binding lives in [`arrays`] and [`device`], each block with its
-//! `// SAFETY:` argument.
+//! All `unsafe` of the Python binding lives in [`arrays`], [`names`] (a step's id list read
+//! with borrowed items), [`import`] (a ticket's borrow of its table) and [`device`], each block with its `// SAFETY:` argument.
 
 use pyo3::prelude::*;
 
 pub mod arrays;
 pub mod device;
 pub mod errors;
+pub mod import;
 pub mod names;
 pub mod table;
 pub mod trace;
@@ -52,6 +54,7 @@ fn _kvguard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<values::PoolSnapshot>()?;
     m.add_class::<table::OwnershipTable>()?;
     m.add_class::<table::StepVerdict>()?;
+    m.add_class::<import::ImportTicket>()?;
     m.add_class::<transfer::Manifest>()?;
     m.add_class::<transfer::Receiver>()?;
     m.add_class::<transfer::Accepted>()?;

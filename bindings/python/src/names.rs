@@ -11,9 +11,11 @@
 
 use foldhash::{HashMap, HashSet};
 use kvguard::{RequestId, TenantId};
+use parking_lot::Mutex;
 use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyString};
+use pyo3::types::{PyBool, PyList, PyString, PyTuple};
 
 /// The first id of the interned strings' space; never handed out itself.
 pub const STRING_IDS: u64 = 1 << 63;
@@ -69,6 +71,137 @@ pub fn int_key(n: i128, what: &str) -> PyResult<Key<'static>> {
     } else {
         Ok(Key::Int(n as u64))
     }
+}
+
+/// The id objects of the last step read, by position. A scheduler passes the same `int` and
+/// `str` objects step after step (vLLM keeps `input_batch.req_ids`), so an item that is the very
+/// object seen at its position last time is not read again. A strong reference to each keeps the
+/// object (so its value) alive and its address unique; a `str`'s id also names the
+/// epoch of the names it was read at (bumped whenever a request string is interned or
+/// forgotten), and counts only while the names are unchanged since.
+#[derive(Debug, Default)]
+pub struct StepIds {
+    seen: Vec<Seen>,
+}
+
+#[derive(Debug)]
+struct Seen {
+    object: Py<PyAny>,
+    request: RequestId,
+    /// `None` for an int (its id never changes), else the names' epoch the str was read at.
+    epoch: Option<u64>,
+}
+
+/// A step's request ids from a `list` or `tuple` (vLLM's `input_batch.req_ids`), or `None` when
+/// `seq` is neither. Read once per scheduler step, so exact `int`s and `str`s take a fast path:
+/// items are borrowed (no reference counting), an item met at the same position last step is
+/// taken from `cache` (when no other thread is using it), and the names lock is held only while
+/// no Python code can run. Anything else (numpy ints, subclasses, wrong types) goes through
+/// [`key`] with the lock released.
+pub fn step_requests(
+    seq: &Bound<'_, PyAny>,
+    names: &Mutex<Names>,
+    cache: &Mutex<StepIds>,
+) -> Option<PyResult<Vec<RequestId>>> {
+    let (is_list, len) = if let Ok(list) = seq.cast::<PyList>() {
+        (true, list.len())
+    } else if let Ok(tuple) = seq.cast::<PyTuple>() {
+        (false, tuple.len())
+    } else {
+        return None;
+    };
+    let mut cache = cache.try_lock();
+    Some(read_step_requests(seq, is_list, len, names, cache.as_deref_mut()))
+}
+
+fn read_step_requests(
+    seq: &Bound<'_, PyAny>,
+    is_list: bool,
+    len: usize,
+    names: &Mutex<Names>,
+    mut cache: Option<&mut StepIds>,
+) -> PyResult<Vec<RequestId>> {
+    let py = seq.py();
+    let mut out = Vec::with_capacity(len);
+    let mut guard = Some(names.lock());
+    let mut epoch = guard.as_ref().map_or(0, |n| n.epoch);
+    let get_item: unsafe extern "C" fn(*mut ffi::PyObject, ffi::Py_ssize_t) -> *mut ffi::PyObject =
+        if is_list { ffi::PyList_GetItem } else { ffi::PyTuple_GetItem };
+    // SAFETY: `seq` is a list or tuple (checked by the caller, `get_item` chosen to match), alive
+    // for this borrow; the index is within `len`, and a list shortened meanwhile (only Python code
+    // run by the slow path below can do that) makes the call return NULL, handled where it is
+    // used. The item pointer is borrowed: it is used before any Python code runs (the slow path
+    // takes an owned reference first).
+    let get = |i: usize| unsafe { get_item(seq.as_ptr(), i as ffi::Py_ssize_t) };
+    // The steady state first: the leading items that are the objects seen at their positions
+    // last step, found in one pass and copied in another.
+    let mut first = 0;
+    if let Some(c) = cache.as_deref() {
+        let seen = &c.seen[..len.min(c.seen.len())];
+        first = seen
+            .iter()
+            .enumerate()
+            .position(|(i, s)| get(i) != s.object.as_ptr() || s.epoch.is_some_and(|e| e != epoch))
+            .unwrap_or(seen.len());
+        out.extend(seen[..first].iter().map(|s| s.request));
+    }
+    for i in first..len {
+        let item = get(i);
+        if item.is_null() {
+            drop(guard.take());
+            return Err(PyErr::take(py).unwrap_or_else(|| PyValueError::new_err("req_ids changed while it was read")));
+        }
+        if let Some(seen) = cache.as_deref().and_then(|c| c.seen.get(i))
+            && seen.object.as_ptr() == item
+            && seen.epoch.is_none_or(|e| e == epoch)
+        {
+            out.push(seen.request);
+            continue;
+        }
+        // SAFETY: `item` is a live object (non-null, borrowed from `seq`); reading its type
+        // pointer is what Py_TYPE does.
+        let ty = unsafe { ffi::Py_TYPE(item) };
+        let fast = if ty == &raw mut ffi::PyLong_Type {
+            let mut overflow = 0;
+            // SAFETY: `item` is an exact int; with an overflow flag, no exception is set.
+            let n = unsafe { ffi::PyLong_AsLongLongAndOverflow(item, &mut overflow) };
+            (overflow == 0 && n >= 0).then_some((RequestId(n as u64), None))
+        } else if ty == &raw mut ffi::PyUnicode_Type {
+            // SAFETY: `item` is live for this borrow and an exact str; from_ptr ties it to
+            // this iteration and no Python code runs while it is used.
+            let item = unsafe { Borrowed::from_ptr(py, item) };
+            let item = item.cast::<PyString>()?;
+            let key = Key::Name(item.to_str()?);
+            let names = guard.get_or_insert_with(|| names.lock());
+            epoch = names.epoch;
+            Some((names.request(key), Some(epoch)))
+        } else {
+            None
+        };
+        // SAFETY: as above; to_owned takes a strong reference before any Python code runs.
+        let owned = unsafe { Borrowed::from_ptr(py, item) }.to_owned();
+        let Some((request, read_at)) = fast else {
+            // The slow path may run Python code (`__index__`): no lock held, the item owned.
+            drop(guard.take());
+            let key = key(&owned, "req_ids entry")?;
+            let names = guard.insert(names.lock());
+            epoch = names.epoch;
+            out.push(names.request(key));
+            continue;
+        };
+        out.push(request);
+        // Only exact ints and strs are kept: their value cannot change while they are held.
+        // Dropping the object replaced (an exact int or str) runs no Python code.
+        let entry = Seen { object: owned.unbind(), request, epoch: read_at };
+        if let Some(c) = cache.as_deref_mut() {
+            if i < c.seen.len() {
+                c.seen[i] = entry;
+            } else if i == c.seen.len() {
+                c.seen.push(entry);
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// One interned string and how many holds keep it.
@@ -132,6 +265,8 @@ pub struct Names {
     tenant_of: HashMap<u64, u64>,
     /// String tenants held by a sharing permission.
     sharing: HashSet<u64>,
+    /// Bumped whenever a request string is interned or forgotten (what [`StepIds`] checks).
+    epoch: u64,
 }
 
 /// What [`Names::admit`] took, to be kept or given back.
@@ -170,6 +305,7 @@ impl Names {
         let (request, new_request) = match request {
             Key::Int(n) => (RequestId(n), false),
             Key::Name(s) => {
+                self.epoch += 1;
                 let (id, new) = self.requests.hold(s);
                 if !new {
                     // A duplicate: the live request keeps the only hold.
@@ -210,6 +346,7 @@ impl Names {
     /// The table refused it: a string interned for it is forgotten, the tenant hold dropped.
     pub fn refused(&mut self, a: Admission) {
         if a.new_request {
+            self.epoch += 1;
             self.requests.release(a.request.0);
         }
         if a.string_tenant {
@@ -220,6 +357,7 @@ impl Names {
     /// The request ended: its string and its tenant hold are dropped.
     pub fn forget(&mut self, request: RequestId) {
         if request.0 > STRING_IDS {
+            self.epoch += 1;
             self.requests.release(request.0);
         }
         if let Some(t) = self.tenant_of.remove(&request.0) {

@@ -4,16 +4,17 @@
 //! names lock (request and tenant strings) is taken for the conversion only, never across the
 //! core call or while Python code may run.
 
-use crate::arrays::IntArray;
+use crate::arrays::{IntArray, Ints};
 use crate::errors::{self, log_violation};
-use crate::names::{self, Key, Names, Resolved};
+use crate::import::ImportTicket;
+use crate::names::{self, Names, Resolved, StepIds};
 use crate::values::{PageInfo, PageRef, PoolConfig, PoolSnapshot, Released, RequestInfo, Violation};
 use kvguard::{PageId, PrefixKey, RequestId, SeqRead, SeqWrite};
 use parking_lot::Mutex;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PyList, PyTuple};
+use pyo3::types::{PyDict, PyList};
 
 /// The ownership table of one KV pool: every page's owner request, tenant, generation and
 /// written slots; every attention read checked against it.
@@ -40,6 +41,8 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 pub struct OwnershipTable {
     table: kvguard::OwnershipTable,
     names: Mutex<Names>,
+    /// The last step's id objects (see [`names::StepIds`]).
+    step_ids: Mutex<StepIds>,
 }
 
 /// The verdict on a step: which rows may not run attention (reads), or whose writes were
@@ -106,6 +109,32 @@ impl StepVerdict {
     }
 }
 
+/// A step's writes: request `i` wrote `slots[qsl[i]..qsl[i + 1]]`. `qsl` has one entry more than
+/// `requests`; every range must be within `slots` (one branch-free pass checks them all, then an
+/// exact-size collect builds the writes: the common case is two tight loops).
+fn step_writes<'a, T: Copy + Into<i64>>(
+    requests: &[RequestId],
+    qsl: &[T],
+    slots: &'a [i64],
+) -> PyResult<Vec<SeqWrite<'a>>> {
+    let len = slots.len() as i64;
+    let bad = |w: &[T]| (w[0].into() < 0) | (w[0].into() > w[1].into()) | (w[1].into() > len);
+    if qsl.windows(2).fold(false, |any, w| any | bad(w)) {
+        let i = qsl.windows(2).position(bad).unwrap_or(0);
+        let (start, end) = (qsl[i].into(), qsl[i + 1].into());
+        let what = if start < 0 { "must be >= 0" } else { "is not a range within slot_mapping" };
+        return Err(PyValueError::new_err(format!(
+            "query_start_loc[{i}..{}] = {start}..{end} {what} (slot_mapping has {len} entries)",
+            i + 1
+        )));
+    }
+    Ok(requests
+        .iter()
+        .zip(qsl.windows(2))
+        .map(|(&request, w)| SeqWrite { request, slots: &slots[w[0].into() as usize..w[1].into() as usize] })
+        .collect())
+}
+
 /// A prefix key: an int in `0..2**64` (the engine's block hash, radix node id, ...).
 fn prefix_key(key: u64) -> PrefixKey {
     PrefixKey(key)
@@ -147,7 +176,7 @@ impl OwnershipTable {
     }
 
     /// A core error as a Python exception (a violation logged on the way).
-    fn err(&self, py: Python<'_>, e: kvguard::Error) -> PyErr {
+    pub(crate) fn err(&self, py: Python<'_>, e: kvguard::Error) -> PyErr {
         errors::to_py(py, e, self.resolve())
     }
 
@@ -159,27 +188,11 @@ impl OwnershipTable {
 
     /// The requests of a step: a list/tuple of ids (int or str), or a 1-D int array.
     fn step_requests(&self, req_ids: &Bound<'_, PyAny>) -> PyResult<Vec<RequestId>> {
-        if let Ok(list) = req_ids.cast::<PyList>() {
-            let items: Vec<Bound<'_, PyAny>> = list.iter().collect();
-            return self.requests_of(&items);
-        }
-        if let Ok(tuple) = req_ids.cast::<PyTuple>() {
-            let items: Vec<Bound<'_, PyAny>> = tuple.iter().collect();
-            return self.requests_of(&items);
+        if let Some(requests) = names::step_requests(req_ids, &self.names, &self.step_ids) {
+            return requests;
         }
         let a = IntArray::open(req_ids, "req_ids", 1)?;
-        (0..a.len())
-            .map(|i| match names::int_key(i128::from(a.get(i, 0)), "req_ids entry")? {
-                Key::Int(n) => Ok(RequestId(n)),
-                Key::Name(_) => unreachable!("int_key returns Key::Int"),
-            })
-            .collect()
-    }
-
-    fn requests_of(&self, items: &[Bound<'_, PyAny>]) -> PyResult<Vec<RequestId>> {
-        let keys = items.iter().map(|o| names::key(o, "req_ids entry")).collect::<PyResult<Vec<_>>>()?;
-        let names = self.names.lock();
-        Ok(keys.into_iter().map(|k| names.request(k)).collect())
+        Ok(a.counts(a.len(), "req_ids")?.into_iter().map(RequestId).collect())
     }
 
     /// Converts a step verdict; `judged`: its violations are logged.
@@ -298,6 +311,35 @@ impl OwnershipTable {
         self.verdict(py, v, n, judged)
     }
 
+    /// Checks a step through PageRefs; `judged` picks verify over check.
+    fn step_refs(
+        &self,
+        py: Python<'_>,
+        req_ids: &Bound<'_, PyAny>,
+        refs: &Bound<'_, PyAny>,
+        seq_lens: &Bound<'_, PyAny>,
+        judged: bool,
+    ) -> PyResult<StepVerdict> {
+        let requests = self.step_requests(req_ids)?;
+        let n = requests.len();
+        let lens = IntArray::open(seq_lens, "seq_lens", 1)?.counts(n, "seq_lens")?;
+        let rows = refs
+            .try_iter()
+            .map_err(|_| PyTypeError::new_err("refs must be a sequence of sequences of kvguard.PageRef"))?
+            .take(n)
+            .map(|row| ref_list(&row?, "refs[i]"))
+            .collect::<PyResult<Vec<_>>>()?;
+        if rows.len() < n {
+            return Err(PyValueError::new_err(format!("refs has {} rows, {n} requests given", rows.len())));
+        }
+        let reads: Vec<SeqRead<'_, kvguard::PageRef>> =
+            (0..n).map(|i| SeqRead { request: requests[i], block_table: &rows[i][..], tokens: lens[i] }).collect();
+        let table = &self.table;
+        let v = py.detach(|| if judged { table.verify_step_refs(&reads) } else { table.check_step_refs(&reads) });
+        drop(reads);
+        self.verdict(py, v, n, judged)
+    }
+
     /// Runs a mutation with the GIL released and converts its error.
     fn run<T: Send>(
         &self,
@@ -323,7 +365,7 @@ impl OwnershipTable {
             kvguard::Error::Config(c) => errors::ConfigError::new_err(c.to_string()),
             other => errors::Error::new_err(other.to_string()),
         })?;
-        Ok(OwnershipTable { table, names: Mutex::new(Names::default()) })
+        Ok(OwnershipTable { table, names: Mutex::new(Names::default()), step_ids: Mutex::default() })
     }
 
     /// The pool configuration.
@@ -441,28 +483,19 @@ impl OwnershipTable {
         let requests = self.step_requests(req_ids)?;
         let n = requests.len();
         let slots = IntArray::open(slot_mapping, "slot_mapping", 1)?;
-        let qsl = IntArray::open(query_start_loc, "query_start_loc", 1)?.counts(n + 1, "query_start_loc")?;
-        for i in 0..n {
-            if qsl[i] > qsl[i + 1] || qsl[i + 1] > slots.len() as u64 {
-                return Err(PyValueError::new_err(format!(
-                    "query_start_loc[{i}..{}] = {}..{} is not a range within slot_mapping (length {})",
-                    i + 1,
-                    qsl[i],
-                    qsl[i + 1],
-                    slots.len()
-                )));
-            }
+        let qsl = IntArray::open(query_start_loc, "query_start_loc", 1)?;
+        if qsl.len() < n + 1 {
+            return Err(PyValueError::new_err(format!("query_start_loc has {} entries, {} needed", qsl.len(), n + 1)));
         }
-        let copied: Vec<i64> = if slots.as_i64().is_none() {
-            let end = qsl.get(n).copied().unwrap_or(0) as usize;
-            (0..end).map(|j| slots.get(j, 0)).collect()
-        } else {
-            Vec::new()
-        };
+        // int64 slots are borrowed as they are; others are converted.
+        let copied: Vec<i64> =
+            if slots.as_i64().is_none() { (0..slots.len()).map(|j| slots.get(j, 0)).collect() } else { Vec::new() };
         let all: &[i64] = slots.as_i64().unwrap_or(&copied);
-        let writes: Vec<SeqWrite<'_>> = (0..n)
-            .map(|i| SeqWrite { request: requests[i], slots: &all[qsl[i] as usize..qsl[i + 1] as usize] })
-            .collect();
+        let writes = match qsl.as_ints() {
+            Some(Ints::I32(q)) => step_writes(&requests, &q[..=n], all)?,
+            Some(Ints::I64(q)) => step_writes(&requests, &q[..=n], all)?,
+            None => step_writes(&requests, &(0..=n).map(|i| qsl.get(i, 0)).collect::<Vec<_>>(), all)?,
+        };
         let table = &self.table;
         let v = py.detach(|| table.record_step_writes(&writes));
         drop(writes);
@@ -579,6 +612,31 @@ impl OwnershipTable {
         seq_lens: &Bound<'_, PyAny>,
     ) -> PyResult<StepVerdict> {
         self.step(py, req_ids, block_tables, seq_lens, true)
+    }
+
+    /// Pure check of a step through PageRefs (see verify_step_refs).
+    fn check_step_refs(
+        &self,
+        py: Python<'_>,
+        req_ids: &Bound<'_, PyAny>,
+        refs: &Bound<'_, PyAny>,
+        seq_lens: &Bound<'_, PyAny>,
+    ) -> PyResult<StepVerdict> {
+        self.step_refs(py, req_ids, refs, seq_lens, false)
+    }
+
+    /// verify_step for engines that keep each page's generation: request i reads its first
+    /// seq_lens[i] tokens through refs[i], a sequence of PageRefs (as allocate, claim and
+    /// attach_prefix return them). Besides everything verify_step checks, a page released
+    /// since its ref was taken is refused as stale_page, even if the same request owns it again.
+    fn verify_step_refs(
+        &self,
+        py: Python<'_>,
+        req_ids: &Bound<'_, PyAny>,
+        refs: &Bound<'_, PyAny>,
+        seq_lens: &Bound<'_, PyAny>,
+    ) -> PyResult<StepVerdict> {
+        self.step_refs(py, req_ids, refs, seq_lens, true)
     }
 
     /// Pure check of a decode step in FlashInfer's layout (see verify_step_csr).
@@ -740,6 +798,47 @@ impl OwnershipTable {
         let req = self.request(request)?;
         let pages = page_list(pages, "pages")?;
         self.run(py, |t| t.record_import(req, &pages, tokens, expected))
+    }
+
+    /// Starts a KV transfer into `refs` (PageRefs of `request`'s own pages, in exactly those
+    /// incarnations) and returns its ImportTicket: the pages are pinned until the ticket is
+    /// finished or aborted (a release meanwhile keeps them out of the free list). Call it before
+    /// any byte lands; a page already receiving a transfer is import_in_flight.
+    ///
+    ///   with table.begin_import("cmpl-7", refs) as ticket:
+    ///       ...  # the bytes land, the manifest is accepted
+    ///       ticket.finish(tokens, expected)
+    fn begin_import(
+        slf: &Bound<'_, Self>,
+        request: &Bound<'_, PyAny>,
+        refs: &Bound<'_, PyAny>,
+    ) -> PyResult<ImportTicket> {
+        let req = slf.get().request(request)?;
+        let refs = ref_list(refs, "refs")?;
+        ImportTicket::begin(slf, request, req, &refs)
+    }
+
+    /// The pages whose tags changed since the last call, with what the table knows of each now:
+    /// [(page, PageInfo)], each page once however often it changed. What a mirror of the tags
+    /// (a device copy, an engine's own view) must refresh. Tracking starts with the first call,
+    /// which lists every page of the pool.
+    fn take_changed_pages(&self, py: Python<'_>) -> PyResult<Vec<(u32, PageInfo)>> {
+        let changed = py.detach(|| self.table.take_changed_pages());
+        let resolved: Vec<_> = {
+            let names = self.names.lock();
+            changed
+                .into_iter()
+                .map(|(page, info)| {
+                    let owner = info.owner.map(|r| names.request_id(r));
+                    let tenant = info.tenant.map(|t| names.tenant_id(t));
+                    (page, info, owner, tenant)
+                })
+                .collect()
+        };
+        resolved
+            .into_iter()
+            .map(|(page, info, owner, tenant)| Ok((page.0, PageInfo::new(py, info, owner, tenant)?)))
+            .collect()
     }
 
     /// Counts and logs a violation found outside the table (a check_* verdict the caller acts

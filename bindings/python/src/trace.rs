@@ -19,11 +19,11 @@ fn pages(v: Vec<u32>) -> Vec<PageId> {
     v.into_iter().map(PageId).collect()
 }
 
-/// Records an engine's ownership events as a v1 trace (JSON lines), in memory: replay it with
+/// Records an engine's ownership events as a v1.1 trace (JSON lines), in memory: replay it with
 /// kvguard.Replayer or the `kvguard replay` command line.
 ///
 /// Requests are ints (the trace's ids); tenants and prefix keys are strs. text() returns the
-/// trace so far.
+/// trace so far; end() writes the end marker, without which replay calls the trace truncated.
 #[pyclass(module = "kvguard")]
 pub struct Recorder {
     inner: core::Recorder<Shared>,
@@ -100,24 +100,24 @@ impl Recorder {
     fn fork(&mut self, request: u64, child: u64) -> PyResult<()> {
         self.inner.fork(RequestId(request), RequestId(child)).map_err(io_err)
     }
-    /// v1.1: `request` let go of prefix `key`.
+    /// v1.1: `request` lets go of prefix `key`.
     fn detach(&mut self, request: u64, key: &str) -> PyResult<()> {
         self.inner.detach(RequestId(request), key).map_err(io_err)
     }
-    /// v1.1: `request` was preempted (its pages and prefix holds released, still admitted).
+    /// v1.1: `request` is preempted (its pages and prefix holds released, still admitted).
     fn preempt(&mut self, request: u64) -> PyResult<()> {
         self.inner.preempt(RequestId(request)).map_err(io_err)
     }
-    /// v1.1: the engine poisoned or zeroed these released pages.
+    /// v1.1: the engine scrubbed these released pages.
     fn scrub(&mut self, pages: Vec<u32>) -> PyResult<()> {
         self.inner.scrub(&self::pages(pages)).map_err(io_err)
     }
-    /// v1.1: other tenants may (`allow`) or may no longer attach to `tenant`'s prefixes.
+    /// v1.1: other tenants may (allow=True) or may no longer attach to `tenant`'s prefixes.
     fn grant(&mut self, tenant: &str, allow: bool) -> PyResult<()> {
         self.inner.grant(tenant, allow).map_err(io_err)
     }
-    /// v1.1: the end marker (once). A trace without it replays as truncated, so a recording cut
-    /// short is told from a finished one; `text()` after `end()` is the whole recording.
+    /// v1.1: the end marker, once (later calls do nothing). A trace without it replays as
+    /// truncated: call it when the engine shuts down cleanly, before the last text().
     fn end(&mut self) -> PyResult<()> {
         self.inner.end().map_err(io_err)
     }

@@ -279,7 +279,7 @@ impl Violation {
     fn prefix(&self) -> Option<u64> {
         self.inner.prefix().map(|p| p.0)
     }
-    /// (found, limit) for counts (tokens, pages).
+    /// (found, limit) for counts (tokens, pages); (start, end) for token_range_reversed.
     #[getter]
     fn amounts(&self) -> Option<(u64, u64)> {
         self.inner.amounts()

@@ -161,3 +161,52 @@ def test_record_step_writes_int64_zero_copy_strided(table):
     base[::2] = [p * PAGE + t for t in range(16)]
     assert table.record_step_writes([1], base[::2], [0, 16]).clean
     table.verify_read(1, [p], 16)
+
+
+def test_step_ids_read_again_when_they_change(table):
+    """The ids of the last step are remembered by object; a str re-interned after its request
+    ended, an item replaced in place, a shorter or longer list, numpy ints and tuples all read
+    as they are now."""
+    a, b = two_requests(table)
+    ids = ["a", "b"]
+    bt = block_table([a, b])
+    lens = [40, 20]
+    assert table.verify_step(ids, bt, lens).clean
+    assert table.verify_step(ids, bt, lens).clean  # the same objects: remembered
+    # "a" ends and a new request of the same name starts: a fresh interned id.
+    table.release("a")
+    v = table.verify_step(ids, bt, lens)
+    assert v.refused_rows == [0] and v.violations[0].kind == "unknown_request"
+    a2 = admitted(table, "a", "acme", 16)
+    assert table.verify_step(ids, block_table([a2, b]), [16, 20]).clean
+    # Replaced in place, by an int request.
+    c = admitted(table, 7, 3, 16)
+    ids[0] = 7
+    assert table.verify_step(ids, block_table([c, b]), [16, 20]).clean
+    ids[0] = 2**40 + 7  # a big int, never admitted
+    assert table.verify_step(ids, block_table([c, b]), [16, 20]).refused_rows == [0]
+    # numpy ints, a tuple, a shorter and a longer list.
+    assert table.verify_step([np.int64(7), "b"], block_table([c, b]), [16, 20]).clean
+    assert table.verify_step((7, "b"), block_table([c, b]), [16, 20]).clean
+    assert table.verify_step([7], block_table([c]), [16]).clean
+    assert table.verify_step([7, "b", "a"], block_table([c, b, a2]), [16, 20, 16]).clean
+    with pytest.raises(ValueError, match="non-negative"):
+        table.verify_step([7, -1], block_table([c, b]), [16, 20])
+    with pytest.raises(TypeError, match="int or a str"):
+        table.verify_step([7, True], block_table([c, b]), [16, 20])
+    # A str subclass takes the slow path and reads as its value.
+    class Rid(str):
+        pass
+    assert table.verify_step([7, Rid("b")], block_table([c, b]), [16, 20]).clean
+
+
+def test_a_reversed_token_range_says_so(table):
+    assert "token_range_reversed" in kvguard.VIOLATION_KINDS
+    table.admit("r", "acme", 32, 0)
+    refs = table.allocate("r", 2)
+    with pytest.raises(kvguard.ViolationError) as e:
+        table.record_write_tokens("r", [r.page for r in refs], 20, 10)
+    assert e.value.kind == "token_range_reversed" and e.value.violation.amounts == (20, 10)
+    assert "tokens 20..10 (start after end)" in str(e.value)
+    with pytest.raises(kvguard.ViolationError, match="token_range_reversed"):
+        table.record_write_tokens_refs("r", refs, 20, 10)
