@@ -3,6 +3,7 @@
 
 use crate::{Outcome, RunTally, SimConfig, StartupAudit};
 use kvguard::ViolationKind;
+use kvguard::ids::grouped;
 use std::fmt::Write as _;
 
 /// The side-by-side table of `runs` (the first is usually unguarded) as the incident example prints
@@ -128,31 +129,4 @@ pub fn result_line(unguarded: &RunTally, guarded: &[&RunTally], main: &RunTally)
         main.rejected(),
         main.violation_total()
     )
-}
-
-/// Formats a count with thousands separators, as the printout shows numbers.
-fn grouped(n: u64) -> String {
-    let digits = n.to_string();
-    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i).is_multiple_of(3) {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::grouped;
-
-    #[test]
-    fn grouped_inserts_separators_every_three_digits() {
-        assert_eq!(grouped(0), "0");
-        assert_eq!(grouped(999), "999");
-        assert_eq!(grouped(1000), "1,000");
-        assert_eq!(grouped(681_280), "681,280");
-        assert_eq!(grouped(u64::MAX), "18,446,744,073,709,551,615");
-    }
 }
