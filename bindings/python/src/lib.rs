@@ -55,6 +55,7 @@ fn _kvguard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<transfer::Manifest>()?;
     m.add_class::<transfer::Receiver>()?;
     m.add_class::<transfer::Accepted>()?;
+    m.add_class::<transfer::PinnedImport>()?;
     m.add_function(wrap_pyfunction!(transfer::page_checksum, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::prompt_digest, m)?)?;
     m.add_class::<trace::Recorder>()?;
