@@ -14,9 +14,11 @@
 //! | [`transfer`] | manifests and the receiver |
 //! | [`trace`] | the trace recorder and replayer |
 //! | [`device`] | the CUDA device guard (a typed error without a GPU) |
+//! | `nixl` | checked transfers over NIXL (feature `nixl`): agent, host region, link |
 //!
-//! All `unsafe` of the Python binding lives in [`arrays`] and [`device`], each block with its
-//! `// SAFETY:` argument.
+//! All `unsafe` of the Python binding lives in [`arrays`], [`device`], [`transfer`] and `nixl`
+//! (buffers borrowed from Python; core borrows of a Python object the borrower keeps alive),
+//! each block with its `// SAFETY:` argument.
 
 use pyo3::prelude::*;
 
@@ -24,6 +26,8 @@ pub mod arrays;
 pub mod device;
 pub mod errors;
 pub mod names;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 pub mod table;
 pub mod trace;
 pub mod transfer;
@@ -63,6 +67,14 @@ fn _kvguard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<trace::ReplayViolation>()?;
     m.add_class::<device::DeviceGuard>()?;
     m.add_function(wrap_pyfunction!(device::driver_available, m)?)?;
+    #[cfg(feature = "nixl")]
+    {
+        m.add("NixlError", py.get_type::<nixl::NixlError>())?;
+        m.add_class::<nixl::NixlAgent>()?;
+        m.add_class::<nixl::HostRegion>()?;
+        m.add_class::<nixl::NixlLink>()?;
+        m.add_function(wrap_pyfunction!(nixl::nixl_library_available, m)?)?;
+    }
     m.add("VIOLATION_KINDS", kvguard::ViolationKind::ALL.iter().map(|k| k.as_str()).collect::<Vec<_>>())?;
     Ok(())
 }

@@ -17,12 +17,12 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 /// A contiguous byte buffer borrowed from Python (bytes, bytearray, memoryview, numpy array).
-struct Bytes {
+pub(crate) struct Bytes {
     buf: PyUntypedBuffer,
 }
 
 impl Bytes {
-    fn open(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Bytes> {
+    pub(crate) fn open(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Bytes> {
         let buf = PyUntypedBuffer::get(obj).map_err(|_| {
             PyTypeError::new_err(format!("{name} must expose the buffer protocol (bytes, memoryview, numpy)"))
         })?;
