@@ -68,9 +68,7 @@ fn with_kind(py: Python<'_>, message: String, kind: &str) -> PyErr {
 fn deadline(timeout: f64) -> PyResult<Instant> {
     let d = Duration::try_from_secs_f64(timeout)
         .map_err(|_| PyValueError::new_err(format!("timeout must be seconds >= 0, got {timeout}")))?;
-    Instant::now()
-        .checked_add(d)
-        .ok_or_else(|| PyValueError::new_err(format!("timeout {timeout} s is too far away")))
+    Instant::now().checked_add(d).ok_or_else(|| PyValueError::new_err(format!("timeout {timeout} s is too far away")))
 }
 
 /// A bytes-like argument, copied (metadata, layouts, manifests: small).
@@ -243,14 +241,14 @@ impl NixlLink {
         peer_layout: &Bound<'_, PyAny>,
     ) -> PyResult<NixlLink> {
         let metadata = bytes_arg(peer_metadata, "peer_metadata")?;
-        let layout = core::RegionLayout::decode(&bytes_arg(peer_layout, "peer_layout")?).map_err(|e| nixl_error(py, &e))?;
+        let layout =
+            core::RegionLayout::decode(&bytes_arg(peer_layout, "peer_layout")?).map_err(|e| nixl_error(py, &e))?;
         // SAFETY: the agent lives inside the Python object `agent`, which this link keeps alive
         // (its `agent` field) and which never moves while alive; the core link that borrows it
         // is dropped first (declared first), so the borrow never outlives the agent.
         let core_agent: &'static core::NixlAgent = unsafe { &*std::ptr::from_ref(&agent.get().agent) };
-        let link = py
-            .detach(|| core::NixlLink::connect(core_agent, &metadata, layout))
-            .map_err(|e| nixl_error(py, &e))?;
+        let link =
+            py.detach(|| core::NixlLink::connect(core_agent, &metadata, layout)).map_err(|e| nixl_error(py, &e))?;
         Ok(NixlLink { link: Mutex::new(link), agent })
     }
 
@@ -271,6 +269,7 @@ impl NixlLink {
     /// transfer's notification, delivered after the data; `request` is decode's int id.
     /// Returns when the transfer completed; NixlError otherwise.
     #[pyo3(signature = (region, src, dest, request, manifest, *, timeout = 20.0))]
+    #[allow(clippy::too_many_arguments)]
     fn push(
         &self,
         py: Python<'_>,
