@@ -223,7 +223,8 @@ impl HostRegion {
 /// NixlLink(agent, peer_metadata, peer_layout): the peer's agent metadata and region layout,
 /// received out of band. Prefill: push (WRITE + the manifest as the notification), stage
 /// (pull: tell decode where the KV is, wait for its release) or decline. Decode: receive.
-/// Every wait releases the GIL; `timeout` is in seconds.
+/// Every wait releases the GIL; `timeout` is in seconds. One call at a time per link (and per
+/// region): a second thread's call meanwhile raises RuntimeError rather than wait.
 #[pyclass(frozen, module = "kvguard")]
 pub struct NixlLink {
     // Dropped first: the link borrows the agent kept alive by `agent`.
