@@ -2,9 +2,13 @@
 # (.venv/, gitignored) with pinned maturin, numpy and pytest from PyPI, the abi3 wheel built by
 # maturin (release) and installed there, then pytest against the installed wheel.
 # Needs only python3 (3.11 or later, with venv and pip) and the Rust toolchain.
+# Where scripts/ci/nixl.sh set NIXL up (its setup runs first in scripts/test and exports
+# KVGUARD_NIXL_PYTHON, LD_LIBRARY_PATH, the UCX variables and KVGUARD_REQUIRE_NIXL=1), the wheel
+# is built with the `nixl` feature and tests/test_nixl.py runs prefill and decode as two
+# processes over NIXL; KVGUARD_REQUIRE_NIXL=1 makes those tests fail rather than skip.
 
 kvguard_python_after() {
-  local root venv wheel_dir wheel status
+  local root venv wheel_dir wheel status features
   root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
   venv="$root/.venv"
   if [ ! -x "$venv/bin/python" ]; then
@@ -15,9 +19,12 @@ kvguard_python_after() {
     "maturin==1.9.6" "numpy==2.2.6" "pytest==8.3.5" || return 1
   wheel_dir="$root/target/wheels"
   rm -f "$wheel_dir"/kvguard-*.whl
-  echo "python.sh: building the wheel (maturin, release)"
+  # pyproject's feature (pyo3/extension-module) named beside nixl, so the wheel never lacks it.
+  features="pyo3/extension-module"
+  [ -n "${KVGUARD_NIXL_PYTHON:-}" ] && features="$features,nixl"
+  echo "python.sh: building the wheel (maturin, release, features $features)"
   (cd "$root" && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" \
-    maturin build --release --quiet -m bindings/python/Cargo.toml -o "$wheel_dir") || return 1
+    maturin build --release --quiet -m bindings/python/Cargo.toml --features "$features" -o "$wheel_dir") || return 1
   wheel=$(ls "$wheel_dir"/kvguard-*.whl)
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps "$wheel" || return 1
   # The property test replays its traces through the Rust command line too.

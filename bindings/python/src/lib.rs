@@ -15,9 +15,12 @@
 //! | [`transfer`] | manifests and the receiver |
 //! | [`trace`] | the trace recorder and replayer |
 //! | [`device`] | the CUDA device guard (a typed error without a GPU) |
+//! | `nixl` | checked transfers over NIXL (feature `nixl`): agent, host region, link |
 //!
-//! All `unsafe` of the Python binding lives in [`arrays`], [`names`] (a step's id list read
-//! with borrowed items), [`import`] (a ticket's borrow of its table) and [`device`], each block with its `// SAFETY:` argument.
+//! All `unsafe` of the Python binding lives in [`arrays`], [`names`] (a step's id list read with
+//! borrowed items), [`import`] and [`transfer`] (a ticket's or pin's borrow of its table, kept
+//! alive by the Python object), [`device`] and `nixl` (buffers borrowed from Python; a link's
+//! borrow of its agent), each block with its `// SAFETY:` argument.
 
 use pyo3::prelude::*;
 
@@ -26,6 +29,8 @@ pub mod device;
 pub mod errors;
 pub mod import;
 pub mod names;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 pub mod table;
 pub mod trace;
 pub mod transfer;
@@ -58,6 +63,7 @@ fn _kvguard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<transfer::Manifest>()?;
     m.add_class::<transfer::Receiver>()?;
     m.add_class::<transfer::Accepted>()?;
+    m.add_class::<transfer::PinnedImport>()?;
     m.add_function(wrap_pyfunction!(transfer::page_checksum, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::prompt_digest, m)?)?;
     m.add_class::<trace::Recorder>()?;
@@ -65,6 +71,14 @@ fn _kvguard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<trace::ReplayViolation>()?;
     m.add_class::<device::DeviceGuard>()?;
     m.add_function(wrap_pyfunction!(device::driver_available, m)?)?;
+    #[cfg(feature = "nixl")]
+    {
+        m.add("NixlError", py.get_type::<nixl::NixlError>())?;
+        m.add_class::<nixl::NixlAgent>()?;
+        m.add_class::<nixl::HostRegion>()?;
+        m.add_class::<nixl::NixlLink>()?;
+        m.add_function(wrap_pyfunction!(nixl::nixl_library_available, m)?)?;
+    }
     m.add("VIOLATION_KINDS", kvguard::ViolationKind::ALL.iter().map(|k| k.as_str()).collect::<Vec<_>>())?;
     Ok(())
 }

@@ -10,18 +10,19 @@ use crate::table::OwnershipTable;
 use crate::values::{PageRef, Violation};
 use kvguard::transfer::{self as core, SenderId, TransferHeader};
 use kvguard::{RequestId, TenantId};
+use parking_lot::Mutex;
 use pyo3::buffer::PyUntypedBuffer;
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 /// A contiguous byte buffer borrowed from Python (bytes, bytearray, memoryview, numpy array).
-struct Bytes {
+pub(crate) struct Bytes {
     buf: PyUntypedBuffer,
 }
 
 impl Bytes {
-    fn open(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Bytes> {
+    pub(crate) fn open(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Bytes> {
         let buf = PyUntypedBuffer::get(obj).map_err(|_| {
             PyTypeError::new_err(format!("{name} must expose the buffer protocol (bytes, memoryview, numpy)"))
         })?;
@@ -288,21 +289,236 @@ impl Receiver {
             return Err(e);
         }
         match outcome {
-            Ok(a) => Ok(Accepted { tokens: a.tokens(), pages: a.pages() }),
-            Err(e) => {
-                let kind = e.kind().as_str();
-                let v = e.to_violation(&expected);
-                let r = table.names().lock().resolve(&v);
-                let v = Violation::wrap(py, v, r)?;
-                log_violation(py, &v);
-                let err = TransferError::new_err(e.to_string());
-                let value = err.value(py);
-                value.setattr("kind", kind)?;
-                value.setattr("violation", v)?;
-                Err(err)
-            }
+            Ok(a) => Ok(Accepted::from(a)),
+            Err(e) => Err(refusal(py, table, &e, &expected)),
         }
     }
+
+    /// Pins the receiving pages *before* any byte is asked for (a transport that lands bytes in
+    /// the pool itself: NIXL's writes and reads): until the returned PinnedImport accepts,
+    /// refuses or aborts (also when it is garbage-collected or its `with` block ends), the pages
+    /// stay `request`'s and out of every other request's reach. Same arguments as accept, less
+    /// the manifest and the bytes. TransferError (with .kind and .violation, recorded in the
+    /// table) when the table no longer holds the pages in the incarnations named.
+    #[pyo3(signature = (request, tenant, prompt, dest, *, slot_bytes, page_size = None, sender = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn pin(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        tenant: &Bound<'_, PyAny>,
+        prompt: &Bound<'_, PyAny>,
+        dest: &Bound<'_, PyAny>,
+        slot_bytes: u32,
+        page_size: Option<u32>,
+        sender: Option<u64>,
+    ) -> PyResult<PinnedImport> {
+        let table = self.table.get();
+        let (req, ten) = {
+            let rk = crate::names::key(request, "request")?;
+            let tk = crate::names::key(tenant, "tenant")?;
+            let names = table.names().lock();
+            (names.request(rk), names.tenant(tk))
+        };
+        let prompt = tokens(prompt, "prompt")?;
+        let expected = Expectation {
+            request: req,
+            tenant: ten,
+            sender: sender.map(SenderId),
+            prompt_tokens: prompt.len() as u64,
+            prompt_digest: core::PromptDigest::of_tokens(&prompt),
+            pages: refs(dest, "dest")?,
+            page_size: page_size.unwrap_or(table.core().page_size()),
+            slot_bytes,
+        };
+        // SAFETY: the table lives inside the Python object `self.table`, which the PinnedImport
+        // keeps alive (its `table` field) and which never moves while alive; the core pin that
+        // borrows it is dropped first (declared first), so the borrow never outlives the table.
+        let core_table: &'static kvguard::OwnershipTable = unsafe { &*std::ptr::from_ref(table.core()) };
+        let pinned = py.detach(|| core::Receiver::new(core_table).pin(&expected.as_expected()));
+        match pinned {
+            Ok(pin) => Ok(PinnedImport { pin: Mutex::new(Some(pin)), expected, table: self.table.clone_ref(py) }),
+            Err(e) => Err(refusal(py, table, &e, &expected.as_expected())),
+        }
+    }
+}
+
+impl From<core::Accepted> for Accepted {
+    fn from(a: core::Accepted) -> Accepted {
+        Accepted { tokens: a.tokens(), pages: a.pages() }
+    }
+}
+
+/// A refused transfer as a `TransferError` (.kind, .violation), the violation logged.
+pub(crate) fn refusal(
+    py: Python<'_>,
+    table: &OwnershipTable,
+    e: &core::TransferError,
+    expected: &core::ExpectedTransfer<'_>,
+) -> PyErr {
+    let v = e.to_violation(expected);
+    let r = table.names().lock().resolve(&v);
+    let v = match Violation::wrap(py, v, r) {
+        Ok(v) => v,
+        Err(err) => return err,
+    };
+    log_violation(py, &v);
+    let err = TransferError::new_err(e.to_string());
+    let value = err.value(py);
+    if let Err(err) = value.setattr("kind", e.kind().as_str()).and_then(|_| value.setattr("violation", v)) {
+        return err;
+    }
+    err
+}
+
+/// What decode expects of a pinned transfer, owned (the core's `ExpectedTransfer` borrows).
+#[derive(Clone, Debug)]
+pub(crate) struct Expectation {
+    request: RequestId,
+    tenant: TenantId,
+    sender: Option<SenderId>,
+    prompt_tokens: u64,
+    prompt_digest: core::PromptDigest,
+    pages: Vec<kvguard::PageRef>,
+    page_size: u32,
+    slot_bytes: u32,
+}
+
+impl Expectation {
+    /// The core's view of it.
+    pub(crate) fn as_expected(&self) -> core::ExpectedTransfer<'_> {
+        core::ExpectedTransfer {
+            request: self.request,
+            tenant: self.tenant,
+            sender: self.sender,
+            prompt_tokens: self.prompt_tokens,
+            prompt_digest: self.prompt_digest,
+            pages: &self.pages,
+            page_size: self.page_size,
+            slot_bytes: self.slot_bytes,
+        }
+    }
+}
+
+/// A transfer whose receiving pages are pinned (Receiver.pin) while its bytes are on their way.
+///
+/// It ends exactly once: accept(manifest, pages, land=None) checks and records (Accepted, or
+/// TransferError and nothing recorded), abort() gives up with no verdict (nothing recorded), and
+/// so does leaving a `with` block or being garbage-collected unended. A transport's receive
+/// (NixlLink.receive) ends it too. Calls after the end raise RuntimeError.
+#[pyclass(frozen, module = "kvguard")]
+pub struct PinnedImport {
+    // Dropped first: the core pin borrows the table kept alive by `table`.
+    pin: Mutex<Option<core::PinnedImport<'static>>>,
+    expected: Expectation,
+    table: Py<OwnershipTable>,
+}
+
+impl PinnedImport {
+    /// Takes the pin out (it ends here), with what it expects and its table.
+    pub(crate) fn take(&self) -> PyResult<(core::PinnedImport<'static>, &Expectation, &Py<OwnershipTable>)> {
+        let pin = self.pin.lock().take().ok_or_else(|| PyRuntimeError::new_err("this PinnedImport has ended"))?;
+        Ok((pin, &self.expected, &self.table))
+    }
+}
+
+#[pymethods]
+impl PinnedImport {
+    /// The pinned pages (PageRefs, in token order).
+    #[getter]
+    fn pages(&self) -> Vec<PageRef> {
+        self.expected.pages.iter().map(|&r| PageRef::from(r)).collect()
+    }
+
+    /// The receiving request (the table's int id: what the manifest must carry).
+    #[getter]
+    fn request(&self) -> u64 {
+        self.expected.request.0
+    }
+
+    /// Whether the pin still holds (not accepted, aborted or received yet).
+    #[getter]
+    fn pinned(&self) -> bool {
+        self.pin.lock().is_some()
+    }
+
+    /// Checks `manifest` and `pages` (the bytes that landed; one bytes-like per page) as
+    /// Receiver.accept does, under the pin; `land(index, PageRef, bytes)` is called per page
+    /// only when everything holds, then the coverage is recorded. The CRCs run without the GIL.
+    #[pyo3(signature = (manifest, pages, land = None))]
+    fn accept(
+        &self,
+        py: Python<'_>,
+        manifest: &Bound<'_, PyAny>,
+        pages: &Bound<'_, PyAny>,
+        land: Option<Py<PyAny>>,
+    ) -> PyResult<Accepted> {
+        let manifest = Bytes::open(manifest, "manifest")?;
+        let pages: Vec<Bytes> = pages
+            .try_iter()?
+            .enumerate()
+            .map(|(i, p)| Bytes::open(&p?, &format!("pages[{i}]")))
+            .collect::<PyResult<_>>()?;
+        let (pin, expected, table) = self.take()?;
+        let mut land_err: Option<PyErr> = None;
+        let outcome = py.detach(|| {
+            let expected = expected.as_expected();
+            pin.accept(&expected, manifest.as_ref(), &pages, |i, r, bytes| {
+                land_page(land.as_ref(), &mut land_err, i, r, bytes)
+            })
+        });
+        if let Some(e) = land_err {
+            return Err(e);
+        }
+        outcome.map(Accepted::from).map_err(|e| refusal(py, table.get(), &e, &expected.as_expected()))
+    }
+
+    /// Gives up with no verdict on content: nothing recorded, the pages unpinned. A no-op once
+    /// the import has ended.
+    fn abort(&self) {
+        if let Some(pin) = self.pin.lock().take() {
+            pin.abort();
+        }
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, _exc: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        self.abort();
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "PinnedImport(request={}, pages={}, pinned={})",
+            self.expected.request.0,
+            self.expected.pages.len(),
+            self.pinned()
+        )
+    }
+}
+
+/// Calls the caller's `land` for one accepted page (taking the GIL), keeping the first error.
+pub(crate) fn land_page(
+    land: Option<&Py<PyAny>>,
+    error: &mut Option<PyErr>,
+    index: usize,
+    page: kvguard::PageRef,
+    bytes: &[u8],
+) {
+    let Some(f) = land else { return };
+    if error.is_some() {
+        return;
+    }
+    Python::attach(|py| {
+        let view = PyBytes::new(py, bytes);
+        if let Err(e) = f.call1(py, (index, PageRef::from(page), view)) {
+            *error = Some(e);
+        }
+    });
 }
 
 /// The checksum a manifest carries for `data`: CRC32 (crc32fast), 0 folded into 1.

@@ -33,6 +33,7 @@ from ._kvguard import (
     OwnershipTable,
     PageInfo,
     PageRef,
+    PinnedImport,
     PoolConfig,
     PoolSnapshot,
     Receiver,
@@ -67,6 +68,7 @@ __all__ = [
     "OwnershipTable",
     "PageInfo",
     "PageRef",
+    "PinnedImport",
     "PoolConfig",
     "PoolSnapshot",
     "Receiver",
@@ -86,3 +88,13 @@ __all__ = [
     "page_checksum",
     "prompt_digest",
 ]
+
+# Checked transfers over NIXL: only in a wheel built with the `nixl` feature (scripts/ci/python.sh
+# builds it so where scripts/ci/nixl.sh set NIXL up); libnixl_capi.so is loaded when an agent is
+# made (nixl_library_available() says whether it can be).
+try:
+    from ._kvguard import HostRegion, NixlAgent, NixlError, NixlLink, nixl_library_available
+except ImportError:  # a wheel without the nixl feature
+    pass
+else:
+    __all__ += ["HostRegion", "NixlAgent", "NixlError", "NixlLink", "nixl_library_available"]

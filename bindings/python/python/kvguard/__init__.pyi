@@ -1,6 +1,13 @@
 """kvguard: memory safety for paged KV caches (type stubs; see _kvguard.pyi)."""
 
 from ._kvguard import (
+    HostRegion as HostRegion,
+    NixlAgent as NixlAgent,
+    NixlError as NixlError,
+    NixlLink as NixlLink,
+    nixl_library_available as nixl_library_available,
+)
+from ._kvguard import (
     PADDING_SLOT,
     VIOLATION_KINDS,
     Accepted,
@@ -14,6 +21,7 @@ from ._kvguard import (
     OwnershipTable,
     PageInfo,
     PageRef,
+    PinnedImport,
     PoolConfig,
     PoolSnapshot,
     Receiver,
@@ -48,6 +56,7 @@ __all__ = [
     "OwnershipTable",
     "PageInfo",
     "PageRef",
+    "PinnedImport",
     "PoolConfig",
     "PoolSnapshot",
     "Receiver",

@@ -43,6 +43,11 @@ class TransferError(Error):
     kind: str | None
     violation: Violation | None
 
+class NixlError(Error):
+    """The NIXL transport failed (wheel built with the `nixl` feature): no verdict on content."""
+
+    kind: str  # 'library' | 'call' | 'timeout' | 'declined' | 'extents' | 'notice'
+
 class TraceError(Error):
     line: int
 
@@ -281,6 +286,96 @@ class Receiver:
         slot_bytes: int,
         page_size: int | None = None,
         sender: int | None = None,
+        land: Callable[[int, PageRef, bytes], object] | None = None,
+    ) -> Accepted: ...
+    def pin(
+        self,
+        request: Id,
+        tenant: Id,
+        prompt: Sequence[int] | IntArray,
+        dest: Sequence[PageRef],
+        *,
+        slot_bytes: int,
+        page_size: int | None = None,
+        sender: int | None = None,
+    ) -> PinnedImport: ...
+
+@final
+class PinnedImport:
+    """A transfer whose receiving pages are pinned (Receiver.pin); it ends exactly once."""
+
+    @property
+    def pages(self) -> list[PageRef]: ...
+    @property
+    def request(self) -> int: ...
+    @property
+    def pinned(self) -> bool: ...
+    def accept(
+        self,
+        manifest: Any,
+        pages: Sequence[Any],
+        land: Callable[[int, PageRef, bytes], object] | None = None,
+    ) -> Accepted: ...
+    def abort(self) -> None: ...
+    def __enter__(self) -> PinnedImport: ...
+    def __exit__(self, *exc: object) -> bool: ...
+
+# Checked transfers over NIXL: present only in a wheel built with the `nixl` feature.
+
+def nixl_library_available() -> bool: ...
+@final
+class NixlAgent:
+    """A NIXL agent (UCX back end, no progress thread)."""
+
+    def __init__(self, name: str) -> None: ...
+    @property
+    def name(self) -> str: ...
+    def metadata(self) -> bytes: ...
+
+@final
+class HostRegion:
+    """Host pages registered with an agent; page i at page_bytes * i."""
+
+    def __init__(self, agent: NixlAgent, pages: int, page_bytes: int) -> None: ...
+    @property
+    def pages(self) -> int: ...
+    @property
+    def page_bytes(self) -> int: ...
+    def layout(self) -> bytes: ...
+    def read(self, page: int, length: int | None = None) -> bytes: ...
+    def write(self, page: int, data: Any) -> None: ...
+    def scrub(self, pages: Sequence[int | PageRef]) -> None: ...
+
+@final
+class NixlLink:
+    """One side's connection to its peer; the checked protocol of docs/transfer.md."""
+
+    def __init__(self, agent: NixlAgent, peer_metadata: Any, peer_layout: Any) -> None: ...
+    @property
+    def peer(self) -> str: ...
+    @property
+    def malformed(self) -> int: ...
+    def push(
+        self,
+        region: HostRegion,
+        src: Sequence[tuple[int, int]],
+        dest: Sequence[int | PageRef],
+        request: int,
+        manifest: Any,
+        *,
+        timeout: float = 20.0,
+    ) -> None: ...
+    def stage(
+        self, src: Sequence[tuple[int, int]], request: int, manifest: Any, *, timeout: float = 20.0
+    ) -> None: ...
+    def decline(self, request: int, *, timeout: float = 20.0) -> None: ...
+    def receive(
+        self,
+        pinned: PinnedImport,
+        region: HostRegion,
+        *,
+        direction: str = "write",
+        timeout: float = 20.0,
         land: Callable[[int, PageRef, bytes], object] | None = None,
     ) -> Accepted: ...
 

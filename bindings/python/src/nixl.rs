@@ -1,0 +1,380 @@
+//! Checked KV transfers over NIXL from Python (feature `nixl`): the core's
+//! [`kvguard::transfer::nixl`] bound, not re-implemented over `nixl_cu12._api`, so that an
+//! engine's Python connector (vLLM's NixlConnector, SGLang's nixl backend) gets the same
+//! protocol and failure paths as the Rust side: the pin taken before the pull and held across it
+//! ([`PinnedImport`]), check, record and scrub in one step, the page CRCs and every wait run
+//! without the GIL.
+//!
+//! ```text
+//! agent  = NixlAgent("decode")                      # UCX, no progress thread
+//! region = HostRegion(agent, pages, page_bytes)     # registered host pages
+//! # out of band: agent.metadata() and region.layout() (bytes) to the peer, the peer's back
+//! link   = NixlLink(agent, peer_metadata, peer_layout)
+//! decode:  pinned = Receiver(table).pin(...); <ask prefill>; link.receive(pinned, region)
+//! prefill: link.push(region, src, dest, request, manifest) | link.stage(...) | link.decline(...)
+//! ```
+//!
+//! Refusals are `kvguard.TransferError` (with `.kind` and `.violation`, recorded in the table);
+//! a transport failure, a timeout or a decline is `kvguard.NixlError` (`.kind`), with nothing
+//! recorded. Either way the pinned pages get no coverage and are scrubbed.
+
+use crate::errors::Error;
+use crate::transfer::{Accepted, Bytes, PinnedImport, land_page, refusal};
+use crate::values::PageRef;
+use kvguard::PageId;
+use kvguard::RequestId;
+use kvguard::transfer::nixl as core;
+use parking_lot::Mutex;
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use std::time::{Duration, Instant};
+
+pyo3::create_exception!(
+    kvguard,
+    NixlError,
+    Error,
+    "The NIXL transport failed: no verdict on the transfer's content, nothing recorded; a pinned\n\
+     import it aborted leaves its pages without coverage, and scrubbed.\n\n\
+     Attribute kind: 'library' (libnixl_capi.so cannot be loaded: put the nixl-cu12 wheel's\n\
+     site-packages/.nixl_cu12.mesonpy.libs on LD_LIBRARY_PATH), 'call' (a NIXL call failed),\n\
+     'timeout' (the transfer or the notification did not come by the deadline), 'declined' (the\n\
+     sender declined; ask again later), 'extents' (pages outside a region), 'notice' (a malformed\n\
+     notice or region layout)."
+);
+
+/// A core transport error as a `NixlError` with its `.kind`.
+fn nixl_error(py: Python<'_>, e: &core::NixlError) -> PyErr {
+    let kind = match e {
+        core::NixlError::Library { .. } => "library",
+        core::NixlError::Call { .. } => "call",
+        core::NixlError::Timeout { .. } => "timeout",
+        core::NixlError::Extents { .. } => "extents",
+        core::NixlError::Notice { .. } => "notice",
+        _ => "transport",
+    };
+    with_kind(py, e.to_string(), kind)
+}
+
+fn with_kind(py: Python<'_>, message: String, kind: &str) -> PyErr {
+    let err = NixlError::new_err(message);
+    if let Err(e) = err.value(py).setattr("kind", kind) {
+        return e;
+    }
+    err
+}
+
+/// The deadline `timeout` seconds from now.
+fn deadline(timeout: f64) -> PyResult<Instant> {
+    let d = Duration::try_from_secs_f64(timeout)
+        .map_err(|_| PyValueError::new_err(format!("timeout must be seconds >= 0, got {timeout}")))?;
+    Instant::now().checked_add(d).ok_or_else(|| PyValueError::new_err(format!("timeout {timeout} s is too far away")))
+}
+
+/// A bytes-like argument, copied (metadata, layouts, manifests: small).
+fn bytes_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u8>> {
+    Ok(Bytes::open(obj, name)?.as_ref().to_vec())
+}
+
+/// `[(page, length)]` → extents.
+fn extents(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<core::Extent>> {
+    obj.try_iter()?
+        .map(|item| {
+            let (page, len): (u32, u32) = item?
+                .extract()
+                .map_err(|_| PyTypeError::new_err(format!("{name} must hold (page, length) pairs of ints")))?;
+            Ok(core::Extent { page, len })
+        })
+        .collect()
+}
+
+/// Page ids, from ints or kvguard.PageRef.
+fn page_ids(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<PageId>> {
+    obj.try_iter()?
+        .map(|item| {
+            let item = item?;
+            if let Ok(r) = item.cast::<PageRef>() {
+                return Ok(kvguard::PageRef::from(*r.get()).page);
+            }
+            item.extract::<u32>()
+                .map(PageId)
+                .map_err(|_| PyTypeError::new_err(format!("{name} must hold page ids (ints) or kvguard.PageRef")))
+        })
+        .collect()
+}
+
+fn busy(what: &str) -> PyErr {
+    PyRuntimeError::new_err(format!("a transfer is in flight on this {what} (another thread's call)"))
+}
+
+/// Whether libnixl_capi.so can be loaded in this process (the nixl-cu12 wheel's
+/// site-packages/.nixl_cu12.mesonpy.libs on LD_LIBRARY_PATH).
+#[pyfunction]
+pub fn nixl_library_available(py: Python<'_>) -> bool {
+    py.detach(core::library_available)
+}
+
+/// One NIXL agent with the UCX back end and no progress thread: UCX moves bytes only inside this
+/// agent's calls, which every wait here keeps making (no core burnt while idle).
+///
+/// NixlAgent(name): name unique among the agents that talk to each other. UCX reads its usual
+/// variables (UCX_TLS=tcp,self UCX_NET_DEVICES=lo: loopback TCP). NixlError (kind 'library')
+/// when libnixl_capi.so cannot be loaded.
+#[pyclass(frozen, module = "kvguard")]
+pub struct NixlAgent {
+    agent: core::NixlAgent,
+}
+
+#[pymethods]
+impl NixlAgent {
+    #[new]
+    fn new(py: Python<'_>, name: &str) -> PyResult<NixlAgent> {
+        py.detach(|| core::NixlAgent::new(name)).map(|agent| NixlAgent { agent }).map_err(|e| nixl_error(py, &e))
+    }
+
+    /// The agent's name.
+    #[getter]
+    fn name(&self) -> &str {
+        self.agent.name()
+    }
+
+    /// This agent's metadata (bytes) for the peer's NixlLink, sent out of band; take it after
+    /// registering the regions.
+    fn metadata<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let md = py.detach(|| self.agent.metadata()).map_err(|e| nixl_error(py, &e))?;
+        Ok(PyBytes::new(py, &md))
+    }
+
+    fn __repr__(&self) -> String {
+        format!("NixlAgent({:?})", self.agent.name())
+    }
+}
+
+/// Host pages owned by kvguard and registered with an agent: what prefill sends from and
+/// decode receives into. Page i is page_bytes bytes at page_bytes * i, zeroed at first.
+///
+/// HostRegion(agent, pages, page_bytes). layout() is what the peer needs (bytes, out of band).
+/// read/write/scrub raise RuntimeError while a transfer on this region runs in another thread.
+#[pyclass(frozen, module = "kvguard")]
+pub struct HostRegion {
+    region: Mutex<core::HostRegion>,
+    layout: core::RegionLayout,
+}
+
+#[pymethods]
+impl HostRegion {
+    #[new]
+    fn new(py: Python<'_>, agent: &Bound<'_, NixlAgent>, pages: u32, page_bytes: u32) -> PyResult<HostRegion> {
+        let agent = &agent.get().agent;
+        let region = py.detach(|| core::HostRegion::new(agent, pages, page_bytes)).map_err(|e| nixl_error(py, &e))?;
+        let layout = region.layout();
+        Ok(HostRegion { region: Mutex::new(region), layout })
+    }
+
+    /// Pages in the region.
+    #[getter]
+    fn pages(&self) -> u32 {
+        self.layout.pages
+    }
+
+    /// Bytes per page.
+    #[getter]
+    fn page_bytes(&self) -> u32 {
+        self.layout.page_bytes
+    }
+
+    /// The region's layout (address, page size, page count, segment, device) as the 32 bytes
+    /// the peer's NixlLink takes.
+    fn layout<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.layout.encode())
+    }
+
+    /// The first `length` bytes of `page` (the whole page by default), copied.
+    #[pyo3(signature = (page, length = None))]
+    fn read<'py>(&self, py: Python<'py>, page: u32, length: Option<u32>) -> PyResult<Bound<'py, PyBytes>> {
+        let region = self.region.try_lock().ok_or_else(|| busy("region"))?;
+        let bytes = region.bytes(page, length.unwrap_or(self.layout.page_bytes)).map_err(|e| nixl_error(py, &e))?;
+        Ok(PyBytes::new(py, bytes))
+    }
+
+    /// Copies `data` (bytes-like, at most a page) to the start of `page`.
+    fn write(&self, py: Python<'_>, page: u32, data: &Bound<'_, PyAny>) -> PyResult<()> {
+        let data = bytes_arg(data, "data")?;
+        let len = u32::try_from(data.len()).map_err(|_| PyValueError::new_err("data is longer than a page"))?;
+        let mut region = self.region.try_lock().ok_or_else(|| busy("region"))?;
+        region.bytes_mut(page, len).map_err(|e| nixl_error(py, &e))?.copy_from_slice(&data);
+        Ok(())
+    }
+
+    /// Zeroes whole pages.
+    fn scrub(&self, py: Python<'_>, pages: &Bound<'_, PyAny>) -> PyResult<()> {
+        let pages = page_ids(pages, "pages")?;
+        let mut region = self.region.try_lock().ok_or_else(|| busy("region"))?;
+        region.scrub(pages.into_iter().map(|p| p.0)).map_err(|e| nixl_error(py, &e))
+    }
+
+    fn __repr__(&self) -> String {
+        format!("HostRegion(pages={}, page_bytes={})", self.layout.pages, self.layout.page_bytes)
+    }
+}
+
+/// One side's connection to its peer, over which the checked protocol runs (docs/transfer.md).
+///
+/// NixlLink(agent, peer_metadata, peer_layout): the peer's agent metadata and region layout,
+/// received out of band. Prefill: push (WRITE + the manifest as the notification), stage
+/// (pull: tell decode where the KV is, wait for its release) or decline. Decode: receive.
+/// Every wait releases the GIL; `timeout` is in seconds. One call at a time per link (and per
+/// region): a second thread's call meanwhile raises RuntimeError rather than wait.
+#[pyclass(frozen, module = "kvguard")]
+pub struct NixlLink {
+    // Dropped first: the link borrows the agent kept alive by `agent`.
+    link: Mutex<core::NixlLink<'static>>,
+    agent: Py<NixlAgent>,
+}
+
+#[pymethods]
+impl NixlLink {
+    #[new]
+    fn new(
+        py: Python<'_>,
+        agent: Py<NixlAgent>,
+        peer_metadata: &Bound<'_, PyAny>,
+        peer_layout: &Bound<'_, PyAny>,
+    ) -> PyResult<NixlLink> {
+        let metadata = bytes_arg(peer_metadata, "peer_metadata")?;
+        let layout =
+            core::RegionLayout::decode(&bytes_arg(peer_layout, "peer_layout")?).map_err(|e| nixl_error(py, &e))?;
+        // SAFETY: the agent lives inside the Python object `agent`, which this link keeps alive
+        // (its `agent` field) and which never moves while alive; the core link that borrows it
+        // is dropped first (declared first), so the borrow never outlives the agent.
+        let core_agent: &'static core::NixlAgent = unsafe { &*std::ptr::from_ref(&agent.get().agent) };
+        let link =
+            py.detach(|| core::NixlLink::connect(core_agent, &metadata, layout)).map_err(|e| nixl_error(py, &e))?;
+        Ok(NixlLink { link: Mutex::new(link), agent })
+    }
+
+    /// The peer's agent name.
+    #[getter]
+    fn peer(&self) -> PyResult<String> {
+        Ok(self.link.try_lock().ok_or_else(|| busy("link"))?.peer().to_owned())
+    }
+
+    /// Notifications from the peer that were not kvguard notices or were damaged (dropped).
+    #[getter]
+    fn malformed(&self) -> PyResult<u64> {
+        Ok(self.link.try_lock().ok_or_else(|| busy("link"))?.malformed())
+    }
+
+    /// Prefill, push: WRITEs `region`'s extents `src` ([(page, length)]) into the peer's pages
+    /// `dest` (ints or PageRefs, position by position) with the manifest (bytes) as the
+    /// transfer's notification, delivered after the data; `request` is decode's int id.
+    /// Returns when the transfer completed; NixlError otherwise.
+    #[pyo3(signature = (region, src, dest, request, manifest, *, timeout = 20.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn push(
+        &self,
+        py: Python<'_>,
+        region: &Bound<'_, HostRegion>,
+        src: &Bound<'_, PyAny>,
+        dest: &Bound<'_, PyAny>,
+        request: u64,
+        manifest: &Bound<'_, PyAny>,
+        timeout: f64,
+    ) -> PyResult<()> {
+        let (src, dest) = (extents(src, "src")?, page_ids(dest, "dest")?);
+        if src.len() != dest.len() {
+            return Err(PyValueError::new_err(format!("{} src extents, {} dest pages", src.len(), dest.len())));
+        }
+        let manifest = bytes_arg(manifest, "manifest")?;
+        let deadline = deadline(timeout)?;
+        let link = self.link.try_lock().ok_or_else(|| busy("link"))?;
+        let mut region = region.get().region.try_lock().ok_or_else(|| busy("region"))?;
+        // `&mut`: a HostRegion may be sent to another thread, not shared with one.
+        let (link, region) = (&*link, &mut *region);
+        py.detach(move || link.push(region, &src, &dest, RequestId(request), &manifest, deadline))
+            .map_err(|e| nixl_error(py, &e))
+    }
+
+    /// Prefill, pull: tells decode that `request`'s KV is staged in this side's extents `src`
+    /// ([(page, length)]) with its manifest, then waits until decode released them (it READ
+    /// them, whatever its verdict): only then may prefill reuse those pages.
+    #[pyo3(signature = (src, request, manifest, *, timeout = 20.0))]
+    fn stage(
+        &self,
+        py: Python<'_>,
+        src: &Bound<'_, PyAny>,
+        request: u64,
+        manifest: &Bound<'_, PyAny>,
+        timeout: f64,
+    ) -> PyResult<()> {
+        let src = extents(src, "src")?;
+        let manifest = bytes_arg(manifest, "manifest")?;
+        let deadline = deadline(timeout)?;
+        let mut link = self.link.try_lock().ok_or_else(|| busy("link"))?;
+        let link = &mut *link;
+        py.detach(|| link.stage(&src, RequestId(request), &manifest, deadline)).map_err(|e| nixl_error(py, &e))
+    }
+
+    /// Prefill: declines `request` for now and waits until decode took the decline.
+    #[pyo3(signature = (request, *, timeout = 20.0))]
+    fn decline(&self, py: Python<'_>, request: u64, timeout: f64) -> PyResult<()> {
+        let deadline = deadline(timeout)?;
+        let mut link = self.link.try_lock().ok_or_else(|| busy("link"))?;
+        let link = &mut *link;
+        py.detach(|| link.decline(RequestId(request), deadline)).map_err(|e| nixl_error(py, &e))
+    }
+
+    /// Decode: receives the transfer `pinned` was pinned for (Receiver.pin, *before* asking the
+    /// peer) into `region`, whose page i is the pool's page i. direction 'write' (push: waits
+    /// for prefill's notice, delivered after the data) or 'read' (pull: waits for the staged
+    /// notice, READs into the pinned pages, releases prefill's).
+    ///
+    /// Then checks the manifest and the landed bytes (request, tenant, token count, prompt
+    /// digest, incarnations, per-page length and CRC32) and records the coverage only if all
+    /// hold: Accepted; `land(index, PageRef, bytes)` sees each accepted page. Otherwise the
+    /// pinned import ends with nothing recorded as written and its pages scrubbed: TransferError
+    /// (refused: .kind, .violation, recorded in the table) or NixlError (timeout, transport
+    /// failure, declined: no verdict). The pinned import has ended either way.
+    #[pyo3(signature = (pinned, region, *, direction = "write", timeout = 20.0, land = None))]
+    fn receive(
+        &self,
+        py: Python<'_>,
+        pinned: &Bound<'_, PinnedImport>,
+        region: &Bound<'_, HostRegion>,
+        direction: &str,
+        timeout: f64,
+        land: Option<Py<PyAny>>,
+    ) -> PyResult<Accepted> {
+        let direction = match direction {
+            "write" => core::Direction::Write,
+            "read" => core::Direction::Read,
+            other => return Err(PyValueError::new_err(format!("direction must be 'write' or 'read', got {other:?}"))),
+        };
+        let deadline = deadline(timeout)?;
+        let mut link = self.link.try_lock().ok_or_else(|| busy("link"))?;
+        let mut region = region.get().region.try_lock().ok_or_else(|| busy("region"))?;
+        let (pin, expected, table) = pinned.get().take()?;
+        let (link, region) = (&mut *link, &mut *region);
+        let mut land_err: Option<PyErr> = None;
+        let outcome = py.detach(|| {
+            link.receive(direction, pin, &expected.as_expected(), region, deadline, |i, r, b| {
+                land_page(land.as_ref(), &mut land_err, i, r, b)
+            })
+        });
+        if let Some(e) = land_err {
+            return Err(e);
+        }
+        match outcome {
+            Ok(a) => Ok(Accepted::from(a)),
+            Err(core::ImportError::Refused(e)) => Err(refusal(py, table.get(), &e, &expected.as_expected())),
+            Err(core::ImportError::Aborted(e)) => Err(nixl_error(py, &e)),
+            Err(core::ImportError::Declined) => Err(with_kind(py, "declined by the sender".to_owned(), "declined")),
+            Err(e) => Err(with_kind(py, e.to_string(), "transport")),
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        let peer = self.link.try_lock().map(|l| l.peer().to_owned()).unwrap_or_else(|| "?".to_owned());
+        format!("NixlLink({} -> {peer})", self.agent.get().agent.name())
+    }
+}
