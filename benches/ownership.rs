@@ -3,7 +3,8 @@
 //! - `verify/{guarded,unguarded}/N`: one request reads N full pages. Unguarded walks the block
 //!   table computing each page's slot base (what attention's address math does); guarded runs
 //!   `verify_read` first. Throughput is per page.
-//! - `decode_step/guarded`: `verify_step` over 256 sequences x 4,096 tokens at page size 16.
+//! - `decode_step/guarded`: `verify_step` over 256 sequences x 4,096 tokens at page size 16;
+//!   `decode_step/guarded_2_threads`: the same step through `verify_step_parallel` on 2 threads.
 //! - `decode_step/writes`: `record_step_writes` of one decode step, 256 sequences of one token.
 //! - `lifecycle/{guarded,unguarded}`: 1,000 requests each admitted, given 256 pages, written
 //!   (slot mapping for 4,096 tokens), read and released. Unguarded is a plain free list.
@@ -78,6 +79,13 @@ fn decode_step(c: &mut Criterion) {
     group.bench_function("guarded", |b| {
         b.iter(|| {
             let verdict = table.verify_step(black_box(&reads));
+            assert!(verdict.is_clean());
+        })
+    });
+    let two = std::num::NonZeroUsize::new(2).expect("2 is not zero");
+    group.bench_function("guarded_2_threads", |b| {
+        b.iter(|| {
+            let verdict = table.verify_step_parallel(black_box(&reads), two);
             assert!(verdict.is_clean());
         })
     });

@@ -197,13 +197,16 @@ fn parse_plain<'de>(line: &'de [u8], bufs: &mut ListBuffers, caps: ListCaps) -> 
     let uint = |at: &mut usize| -> Option<u64> {
         space(at);
         let start = *at;
-        let mut v = 0u64;
-        while let Some(&d) = line.get(*at).filter(|d| d.is_ascii_digit()) {
-            v = v.checked_mul(10)?.checked_add(u64::from(d - b'0'))?;
-            *at += 1;
-        }
-        let digits = *at - start;
-        if digits == 0 || (digits > 1 && line[start] == b'0') || matches!(line.get(*at), Some(b'.' | b'e' | b'E')) {
+        let rest = &line[start..];
+        let digits = rest.iter().position(|d| !d.is_ascii_digit()).unwrap_or(rest.len());
+        // Up to 19 digits cannot pass u64::MAX (20 digits); more are checked.
+        let v = if digits <= 19 {
+            rest[..digits].iter().fold(0u64, |v, &d| v * 10 + u64::from(d - b'0'))
+        } else {
+            rest[..digits].iter().try_fold(0u64, |v, &d| v.checked_mul(10)?.checked_add(u64::from(d - b'0')))?
+        };
+        *at = start + digits;
+        if digits == 0 || (digits > 1 && rest[0] == b'0') || matches!(rest.get(digits), Some(b'.' | b'e' | b'E')) {
             return None;
         }
         Some(v)
@@ -244,11 +247,21 @@ fn parse_plain<'de>(line: &'de [u8], bufs: &mut ListBuffers, caps: ListCaps) -> 
                             if (list.len() as u64) < cap {
                                 list.push(v);
                             }
-                            if expect(&mut at, b']') {
-                                break;
-                            }
-                            if !expect(&mut at, b',') {
-                                return None;
+                            // The usual separator first, without the whitespace scan.
+                            match line.get(at) {
+                                Some(b',') => at += 1,
+                                Some(b']') => {
+                                    at += 1;
+                                    break;
+                                }
+                                _ => {
+                                    if expect(&mut at, b']') {
+                                        break;
+                                    }
+                                    if !expect(&mut at, b',') {
+                                        return None;
+                                    }
+                                }
                             }
                         }
                     }
@@ -700,6 +713,11 @@ mod tests {
     fn the_fast_path_reads_each_line_as_serde_json_does() {
         let lines = [
             r#"{"ev":"read","req":7,"pages":[1,2,3],"tokens":40}"#,
+            r#"{"ev":"read","req":7,"pages":[1 ,2, 3,18446744073709551615],"tokens":40}"#,
+            r#"{"ev":"read","req":7,"pages":[1,99999999999999999999],"tokens":40}"#,
+            r#"{"ev":"read","req":7,"pages":[1,02],"tokens":40}"#,
+            r#"{"ev":"read","req":7,"pages":[1,2,],"tokens":40}"#,
+            r#"{"ev":"read","req":7,"pages":[1,2"#,
             r#" { "ev" : "write" , "req" : 7 , "page" : 3 , "slots" : [ 0 , 16 ] } "#,
             r#"{"ev":"admit","req":18446744073709551615,"tenant":"acme","prompt":0,"max_new":1}"#,
             r#"{"ev":"admit","req":18446744073709551616,"tenant":"acme"}"#,

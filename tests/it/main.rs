@@ -23,6 +23,7 @@ mod cuda_nvrtc;
 mod table_concurrency;
 mod table_model;
 mod table_spec;
+mod table_step_parallel;
 mod table_step_writes;
 mod trace_follow;
 mod trace_record;
