@@ -33,6 +33,8 @@ use pyo3::types::{PyDict, PyList};
 ///   verify_step(req_ids, block_tables, seq_lens)                    vLLM's block table
 ///   verify_step_csr(req_ids, kv_indptr, kv_indices, kv_last_page_len) FlashInfer's paged KV
 ///   record_step_writes(req_ids, slot_mapping, query_start_loc)      vLLM's slot mapping
+///   claim_step(req_ids, pages, indptr)                              a step's shadow claims
+///   verify_step_rows(req_ids, table, rows, seq_lens)                rows read in place by index
 /// each returning a StepVerdict whose refused_mask marks the rows to abort.
 ///
 /// Thread-safe: reads run in parallel; every other call takes the table's lock for its own
