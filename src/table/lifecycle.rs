@@ -93,6 +93,12 @@ impl TableState {
     }
 
     pub(crate) fn claim(&mut self, req: RequestId, pages: &[PageId]) -> Result<Vec<PageRef>, Error> {
+        self.claim_pages(req, pages)?;
+        Ok(pages.iter().map(|&page| self.page_ref(page)).collect())
+    }
+
+    /// [`claim`](Self::claim) without the refs: all of `pages` free, then all taken (else none).
+    pub(crate) fn claim_pages(&mut self, req: RequestId, pages: &[PageId]) -> Result<(), Error> {
         self.record(Op::Claim, req)?;
         let repeat = first_repeat(pages);
         for &page in pages {
@@ -102,12 +108,10 @@ impl TableState {
                 return Err(self.page_violation(ViolationKind::PageNotFree, Op::Claim, req, page).into());
             }
         }
-        let mut refs = Vec::with_capacity(pages.len());
         for &page in pages {
             self.take_free_page(page, req);
-            refs.push(self.page_ref(page));
         }
-        Ok(refs)
+        Ok(())
     }
 
     fn check_slots(&self, op: Op, req: RequestId, page: PageId, slots: &Range<u32>) -> Result<(), Error> {

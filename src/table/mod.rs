@@ -64,4 +64,4 @@ pub use import::ImportTicket;
 pub use info::{PageInfo, PageState, PoolSnapshot, Released, RequestInfo};
 pub use mirror::DeviceTag;
 pub use ownership::{OwnershipTable, VIOLATION_LOG_CAPACITY};
-pub use step::{PADDING_SLOT, SeqRead, SeqWrite, StepVerdict};
+pub use step::{PADDING_SLOT, SeqClaim, SeqRead, SeqWrite, StepVerdict};

@@ -3,7 +3,7 @@
 use super::info::{PageInfo, PageState, PoolSnapshot, Released, RequestInfo};
 use super::mirror::DeviceTag;
 use super::state::{BlockEntry, PageTag, TableState};
-use super::step::{SeqRead, SeqWrite, StepVerdict};
+use super::step::{SeqClaim, SeqRead, SeqWrite, StepVerdict};
 use crate::config::PoolConfig;
 use crate::error::Error;
 use crate::ids::{Generation, PageId, PageRef, PrefixKey, RequestId, TenantId};
@@ -281,6 +281,37 @@ impl OwnershipTable {
     /// [`ViolationKind::PageOutOfRange`]: crate::ViolationKind::PageOutOfRange
     pub fn claim(&self, req: RequestId, pages: &[PageId]) -> Result<Vec<PageRef>, Error> {
         self.mutate(|state| state.claim(req, pages))
+    }
+
+    /// [`claim`](Self::claim) for a whole step under one write lock: every request's newly
+    /// opened pages, in step order, each request all or nothing (exactly as that many `claim`
+    /// calls in a row would judge them), no refs built. A refused claim is judged (counted,
+    /// logged, under enforce its request quarantined) and listed in the verdict; the others are
+    /// claimed.
+    ///
+    /// ```
+    /// use kvguard::{OwnershipTable, PoolConfig, PageId, RequestId, TenantId, SeqClaim, ViolationKind};
+    /// let table = OwnershipTable::new(PoolConfig::new(64, 16, 512).with_reserved([PageId(0)]))?;
+    /// table.admit(RequestId(1), TenantId(1), 20, 0)?;
+    /// table.admit(RequestId(2), TenantId(1), 20, 0)?;
+    /// let verdict = table.claim_step(&[
+    ///     SeqClaim { request: RequestId(1), pages: &[PageId(3), PageId(4)] },
+    ///     SeqClaim { request: RequestId(2), pages: &[PageId(4)] }, // 1 just took it
+    /// ]);
+    /// assert_eq!(verdict.refused.len(), 1);
+    /// assert_eq!((verdict.refused[0].0, verdict.refused[0].1.kind()), (1, ViolationKind::PageNotFree));
+    /// # Ok::<(), kvguard::Error>(())
+    /// ```
+    pub fn claim_step(&self, claims: &[SeqClaim<'_>]) -> StepVerdict {
+        let mut state = self.state.write();
+        let mut verdict = StepVerdict::default();
+        for (i, c) in claims.iter().enumerate() {
+            if let Err(Error::Violation(v)) = state.claim_pages(c.request, c.pages) {
+                self.note(&state, &v);
+                verdict.refused.push((i, v));
+            }
+        }
+        verdict
     }
 
     /// Records that `req`'s KV store wrote `slots` of `page`, which it must own exclusively.

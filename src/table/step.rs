@@ -35,6 +35,16 @@ pub struct SeqWrite<'a> {
     pub slots: &'a [i64],
 }
 
+/// One request's pages opened in a step, as the engine's allocator handed them out (shadow
+/// mode): for [`claim_step`](crate::OwnershipTable::claim_step).
+#[derive(Clone, Copy, Debug)]
+pub struct SeqClaim<'a> {
+    /// The claiming request.
+    pub request: RequestId,
+    /// The pages its allocator gave it this step.
+    pub pages: &'a [PageId],
+}
+
 /// The verdict on a step: which sequences may not run attention (reads), or whose writes were
 /// refused and not recorded (writes).
 #[derive(Debug, Default)]

@@ -101,3 +101,46 @@ fn an_unknown_request_is_refused_and_the_step_goes_on() {
     assert_eq!((v.refused[0].0, v.refused[0].1.kind()), (0, ViolationKind::UnknownRequest));
     t.verify_read(RequestId(1), &[PageId(5)], 1).unwrap();
 }
+
+/// `claim_step` judges exactly as the same `claim` calls in a row: random steps of claims
+/// (fresh pages, pages taken earlier in the step, reserved and out-of-range pages, unknown
+/// requests), run both ways on two tables, give the same refused rows, kinds and page states.
+#[test]
+fn claim_step_judges_as_claims_in_a_row() {
+    use kvguard::SeqClaim;
+    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = move |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    };
+    for round in 0..200 {
+        let policy = if round % 2 == 0 { Policy::Enforce } else { Policy::Report };
+        let (one, batch) = (table(policy), table(policy));
+        for r in 1..=4 {
+            one.admit(RequestId(r), TenantId(r), 16, 0).unwrap();
+            batch.admit(RequestId(r), TenantId(r), 16, 0).unwrap();
+        }
+        let claims: Vec<(RequestId, Vec<PageId>)> = (0..next(6))
+            .map(|_| {
+                let pages = (0..next(3)).map(|_| PageId(next(18) as u32)).collect();
+                (RequestId(next(6)), pages)
+            })
+            .collect();
+        let mut expected = Vec::new();
+        for (i, (req, pages)) in claims.iter().enumerate() {
+            if let Err(kvguard::Error::Violation(v)) = one.claim(*req, pages) {
+                expected.push((i, v.kind()));
+            }
+        }
+        let step: Vec<SeqClaim<'_>> = claims.iter().map(|(r, p)| SeqClaim { request: *r, pages: p }).collect();
+        let got: Vec<_> = batch.claim_step(&step).refused.iter().map(|(i, v)| (*i, v.kind())).collect();
+        assert_eq!(got, expected, "round {round}: {claims:?}");
+        for p in 0..16 {
+            let (a, b) = (one.page_info(PageId(p)).unwrap(), batch.page_info(PageId(p)).unwrap());
+            assert_eq!((a.state, a.owner, a.generation), (b.state, b.owner, b.generation), "page {p}");
+        }
+        assert_eq!(one.counters().nonzero(), batch.counters().nonzero());
+    }
+}

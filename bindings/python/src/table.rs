@@ -9,7 +9,7 @@ use crate::errors::{self, log_violation};
 use crate::import::ImportTicket;
 use crate::names::{self, Names, Resolved, StepIds};
 use crate::values::{PageInfo, PageRef, PoolConfig, PoolSnapshot, Released, RequestInfo, Violation};
-use kvguard::{PageId, PrefixKey, RequestId, SeqRead, SeqWrite};
+use kvguard::{PageId, PrefixKey, RequestId, SeqClaim, SeqRead, SeqWrite};
 use parking_lot::Mutex;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -33,6 +33,8 @@ use pyo3::types::{PyDict, PyList};
 ///   verify_step(req_ids, block_tables, seq_lens)                    vLLM's block table
 ///   verify_step_csr(req_ids, kv_indptr, kv_indices, kv_last_page_len) FlashInfer's paged KV
 ///   record_step_writes(req_ids, slot_mapping, query_start_loc)      vLLM's slot mapping
+///   claim_step(req_ids, pages, indptr)                              a step's shadow claims
+///   verify_step_rows(req_ids, table, rows, seq_lens)                rows read in place by index
 /// each returning a StepVerdict whose refused_mask marks the rows to abort.
 ///
 /// Thread-safe: reads run in parallel; every other call takes the table's lock for its own
@@ -153,6 +155,38 @@ fn page_list(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<PageId>> {
         .collect()
 }
 
+/// A step's CSR spans: entry `i` is `indptr[i]..indptr[i + 1]`, each a range within `len` items
+/// (`what` names them in the `ValueError`).
+fn csr_spans(indptr: &[u64], len: usize, name: &str, what: &str) -> PyResult<Vec<std::ops::Range<usize>>> {
+    indptr
+        .windows(2)
+        .enumerate()
+        .map(|(i, w)| {
+            if w[0] > w[1] || w[1] > len as u64 {
+                return Err(PyValueError::new_err(format!(
+                    "{name}[{i}..{}] = {}..{} is not a range within {what} (length {len})",
+                    i + 1,
+                    w[0],
+                    w[1]
+                )));
+            }
+            Ok(w[0] as usize..w[1] as usize)
+        })
+        .collect()
+}
+
+/// A 1-D page array as page ids: int32 borrowed as it is, anything else converted into `buf`
+/// (a value outside `0..2**32` becomes a page beyond any pool: refused as page_out_of_range).
+fn pages_view<'a>(a: &'a IntArray<'_>, buf: &'a mut Vec<PageId>) -> &'a [PageId] {
+    match a.row_pages(0) {
+        Some(pages) => pages,
+        None => {
+            a.row_pages_into(0, a.len(), buf);
+            buf
+        }
+    }
+}
+
 /// A list of PageRefs.
 fn ref_list(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<kvguard::PageRef>> {
     obj.try_iter()
@@ -258,6 +292,64 @@ impl OwnershipTable {
             .collect();
         let table = &self.table;
         let v = py.detach(|| if judged { table.verify_step(&reads) } else { table.check_step(&reads) });
+        drop(reads);
+        self.verdict(py, v, n, judged)
+    }
+
+    /// Checks a step whose block tables are rows of one engine table, read in place by row
+    /// index; `token_slots`: the table holds one KV slot per token (page j of a row is its entry
+    /// j * page_size over page_size), else one page per entry.
+    #[allow(clippy::too_many_arguments)]
+    fn step_rows(
+        &self,
+        py: Python<'_>,
+        req_ids: &Bound<'_, PyAny>,
+        table: &Bound<'_, PyAny>,
+        rows: &Bound<'_, PyAny>,
+        seq_lens: &Bound<'_, PyAny>,
+        token_slots: bool,
+        judged: bool,
+    ) -> PyResult<StepVerdict> {
+        let requests = self.step_requests(req_ids)?;
+        let n = requests.len();
+        let t = IntArray::open(table, "table", 2)?;
+        let rows = IntArray::open(rows, "rows", 1)?.counts(n, "rows")?;
+        if let Some((i, r)) = rows.iter().enumerate().find(|(_, r)| **r >= t.len() as u64) {
+            return Err(PyValueError::new_err(format!("rows[{i}] is {r}: table has {} rows", t.len())));
+        }
+        let lens = IntArray::open(seq_lens, "seq_lens", 1)?.counts(n, "seq_lens")?;
+        let ps = u64::from(self.table.page_size());
+        let stride = if token_slots { ps as usize } else { 1 };
+        let width = t.width().div_ceil(stride);
+        // int32 page rows are borrowed as they are; token-slot rows (page size > 1) and int64
+        // rows are converted, the entries each request reads only, into one buffer.
+        let direct = n > 0 && stride == 1 && t.row_pages(rows[0] as usize).is_some();
+        let mut converted = Vec::new();
+        let mut spans = Vec::new();
+        if !direct {
+            for (&row, &tokens) in rows.iter().zip(&lens) {
+                let need = usize::try_from(tokens.div_ceil(ps)).unwrap_or(usize::MAX).min(width);
+                let start = converted.len();
+                converted.extend((0..need).map(|j| {
+                    let v = t.get(row as usize, j * stride);
+                    let page = if v < 0 { -1 } else { v / stride as i64 };
+                    PageId(u32::try_from(page).unwrap_or(u32::MAX))
+                }));
+                spans.push(start..converted.len());
+            }
+        }
+        let reads: Vec<SeqRead<'_>> = (0..n)
+            .map(|i| SeqRead {
+                request: requests[i],
+                block_table: match t.row_pages(rows[i] as usize) {
+                    Some(row) if direct => row,
+                    _ => &converted[spans[i].clone()],
+                },
+                tokens: lens[i],
+            })
+            .collect();
+        let core = &self.table;
+        let v = py.detach(|| if judged { core.verify_step(&reads) } else { core.check_step(&reads) });
         drop(reads);
         self.verdict(py, v, n, judged)
     }
@@ -420,6 +512,40 @@ impl OwnershipTable {
         let req = self.request(request)?;
         let pages = page_list(pages, "pages")?;
         self.run(py, |t| t.claim(req, &pages)).map(refs_out)
+    }
+
+    /// Shadow claims of a whole step in one call, under one lock, no PageRefs built: request i's
+    /// allocator gave it pages[indptr[i]:indptr[i+1]] (the pages it opened this step).
+    ///
+    /// req_ids: the step's n requests (list of int/str, or an int array); a request may appear
+    ///   more than once (its claims apply in order).
+    /// pages: 1-D int32 or int64 array (or sequence) of page ids; int32 is read in place. A
+    ///   negative or too-large id is refused as page_out_of_range.
+    /// indptr: 1-D int, n + 1 entries, non-decreasing ranges within pages.
+    /// Each request's claim is all or nothing and judged exactly as `claim(req_ids[i], ...)`
+    /// called for i = 0..n in order would be: a refused one is counted, logged (enforce: its
+    /// request quarantined) and marked in the returned StepVerdict; the others are claimed.
+    /// At page size 1 this replaces one claim call per running request per decode step.
+    fn claim_step(
+        &self,
+        py: Python<'_>,
+        req_ids: &Bound<'_, PyAny>,
+        pages: &Bound<'_, PyAny>,
+        indptr: &Bound<'_, PyAny>,
+    ) -> PyResult<StepVerdict> {
+        let requests = self.step_requests(req_ids)?;
+        let n = requests.len();
+        let pages = IntArray::open(pages, "pages", 1)?;
+        let indptr = IntArray::open(indptr, "indptr", 1)?.counts(n + 1, "indptr")?;
+        let spans = csr_spans(&indptr, pages.len(), "indptr", "pages")?;
+        let mut buf = Vec::new();
+        let all = pages_view(&pages, &mut buf);
+        let claims: Vec<SeqClaim<'_>> =
+            requests.iter().zip(spans).map(|(&request, span)| SeqClaim { request, pages: &all[span] }).collect();
+        let table = &self.table;
+        let v = py.detach(|| table.claim_step(&claims));
+        drop(claims);
+        self.verdict(py, v, n, true)
     }
 
     /// Records that `request` wrote slots start..end of `page`, which it must own exclusively.
@@ -612,6 +738,47 @@ impl OwnershipTable {
         seq_lens: &Bound<'_, PyAny>,
     ) -> PyResult<StepVerdict> {
         self.step(py, req_ids, block_tables, seq_lens, true)
+    }
+
+    /// Pure check of a step read from a table's rows by index (see verify_step_rows).
+    #[pyo3(signature = (req_ids, table, rows, seq_lens, *, token_slots = false))]
+    fn check_step_rows(
+        &self,
+        py: Python<'_>,
+        req_ids: &Bound<'_, PyAny>,
+        table: &Bound<'_, PyAny>,
+        rows: &Bound<'_, PyAny>,
+        seq_lens: &Bound<'_, PyAny>,
+        token_slots: bool,
+    ) -> PyResult<StepVerdict> {
+        self.step_rows(py, req_ids, table, rows, seq_lens, token_slots, false)
+    }
+
+    /// verify_step for engines whose block tables are rows of one big table indexed per
+    /// request (SGLang's req_to_token, indexed by req_pool_indices): request i reads its first
+    /// seq_lens[i] tokens through row rows[i] of `table`, read in place (no gather, no copy of
+    /// int32 page rows), the GIL released.
+    ///
+    /// req_ids: the step's n requests (list of int/str, or an int array).
+    /// table: 2-D int32 or int64 array, any row stride.
+    /// rows: 1-D int, n entries, each a row of `table` (ValueError otherwise).
+    /// seq_lens: 1-D int, n entries: tokens each request reads.
+    /// token_slots: False: one page id per entry (vLLM's layout). True: one KV slot per token
+    ///   (page * page_size + offset, SGLang's req_to_token); page j of a request is its entry
+    ///   j * page_size divided by page_size (what a paged attention kernel reads). A negative
+    ///   entry is refused as page_out_of_range.
+    /// The verdict is the one verify_step gives on the gathered page table.
+    #[pyo3(signature = (req_ids, table, rows, seq_lens, *, token_slots = false))]
+    fn verify_step_rows(
+        &self,
+        py: Python<'_>,
+        req_ids: &Bound<'_, PyAny>,
+        table: &Bound<'_, PyAny>,
+        rows: &Bound<'_, PyAny>,
+        seq_lens: &Bound<'_, PyAny>,
+        token_slots: bool,
+    ) -> PyResult<StepVerdict> {
+        self.step_rows(py, req_ids, table, rows, seq_lens, token_slots, true)
     }
 
     /// Pure check of a step through PageRefs (see verify_step_refs).

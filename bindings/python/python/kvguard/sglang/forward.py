@@ -5,9 +5,9 @@ One batched call each, with arrays SGLang already has: ``record_step_writes`` ta
 ``out_cache_loc`` as it is (split per request by the extend lengths), and the request keys are
 one gather (``Guard._row_key[req_pool_indices]``). The rows are verified where they live:
 
-- :class:`HostRowCheck`: ``req_to_token`` on the host. ``verify_step`` reads the rows' pages: at
-  page size 1 the row slice itself, otherwise the first slot of each page divided by the page
-  size (one vectorised gather, ``width / page_size`` entries per row).
+- :class:`HostRowCheck`: ``req_to_token`` on the host. ``verify_step_rows`` reads each
+  request's row in place by its row index (no gather): at page size 1 the row itself, otherwise
+  the first slot of each page divided by the page size.
 - :class:`DeviceRowCheck`: ``req_to_token`` on a GPU. The same page table is gathered on the
   device and checked by :class:`kvguard.DeviceGuard` on SGLang's current stream
   (``sync_tags``, ``set_readers``, ``clear_status``, ``verify_block_table``: no host sync); its
@@ -73,7 +73,7 @@ class HostRowCheck:
         self._qsl: np.ndarray = np.zeros(1, dtype=np.int32)
         self._rows_dev: Any = None
         self._lens_dev: Any = None
-        self._first_slots: np.ndarray | None = None
+        self._req_to_token: np.ndarray | None = None
 
     def begin(self, rows: Any, seq_lens: Any, extend_lens: Any, rows_cpu: Any, seq_lens_cpu: Any) -> None:
         """A forward over ``rows`` of ``req_to_token`` is about to run."""
@@ -140,28 +140,14 @@ class HostRowCheck:
         masked[self._refused_slots] = 0
         return masked
 
-    def _page_table(self, rows: np.ndarray, width: int) -> np.ndarray:
-        """The pages of ``rows``' first ``width`` tokens, one row per request (int32): the first
-        slot of each page (a strided view of ``req_to_token``, gathered once), over the page size."""
-        if self._first_slots is None:
-            rt = _host(self.guard.req_to_token_pool.req_to_token)  # SGLang allocates it once
-            self._first_slots = rt[:, :: self.guard.page_size]
-        ps = self.guard.page_size
-        table = self._first_slots[:, : -(-width // ps)].take(rows, axis=0)
-        if ps > 1:
-            if ps & (ps - 1) == 0:
-                np.right_shift(table, ps.bit_length() - 1, out=table)
-            else:
-                table //= ps
-        return table
-
     def _verify_rows(self, pos: np.ndarray, keys: np.ndarray) -> list[tuple[int, Any]]:
         """Verifies the rows at batch positions ``pos``; returns (index into pos, violation)."""
         g = self.guard
         lens = self._lens if len(pos) == len(self._lens) else self._lens[pos]
         rows = self._rows if len(pos) == len(self._rows) else self._rows[pos]
-        width = int(lens.max()) if len(lens) else 0
-        verdict = g.table.verify_step(keys, self._page_table(rows, width), lens)
+        if self._req_to_token is None:
+            self._req_to_token = _host(g.req_to_token_pool.req_to_token)  # SGLang allocates it once
+        verdict = g.table.verify_step_rows(keys, self._req_to_token, rows, lens, token_slots=True)
         return verdict.refused
 
 

@@ -417,24 +417,17 @@ class Guard:
         idx = np.flatnonzero(new)
         plain = self._row_live[rows[idx]] & (self._page_prefix[np.clip(pages[idx], 0, self._page_limit)] == 0)
         plain &= keys[idx] != 0
-        ks = keys[idx].tolist()
-        ps = pages[idx].tolist()
-        claimed = plain.tolist()
-        claim = self.table.claim
-        # One claim per request whose new token opened a page (every request, every step, at page
-        # size 1): the binding has no batched claim. The loop is restarted after a refusal.
-        j, n = 0, len(ks)
-        while j < n:
-            try:
-                for j in range(j, n):  # noqa: B020 - resumes after the refused entry
-                    if claimed[j]:
-                        claim(ks[j], [ps[j]])
-                j = n
-            except ViolationError as e:
-                claimed[j] = False
-                self._refused(ks[j], e.violation)
-                j += 1
-        done = idx[np.array(claimed, dtype=bool)]
+        # Every page opened this step, claimed in one call under one lock (each request's claim
+        # judged as its own claim call would be, in row order).
+        claimed = plain.copy()
+        sel = np.flatnonzero(plain)
+        if len(sel):
+            ks = keys[idx[sel]]
+            verdict = self.table.claim_step(ks, pages[idx[sel]], self._qsl_decode[: len(sel) + 1])
+            for j, v in verdict.refused:
+                claimed[sel[j]] = False
+                self._refused(int(ks[j]), v)
+        done = idx[claimed]
         self._page_key[pages[done]] = keys[done]
         for j in np.flatnonzero(~plain).tolist():
             i = int(idx[j])

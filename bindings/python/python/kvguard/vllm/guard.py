@@ -120,14 +120,19 @@ class StepGuard:
         t = self.table
         ids = self._ids
         late = []
+        claims: list[tuple] = []
         for ev in events:
             kind = ev[0]
             rid = ev[1]
+            if kind == EventKind.CLAIM:
+                # A run of claims goes to the table as one claim_step (judged as in order).
+                claims.append(ev)
+                continue
+            if claims:
+                self._claim_run(report, claims)
+                claims = []
             try:
-                if kind == EventKind.CLAIM:
-                    stage = "allocate"
-                    t.claim(ids.get(rid, UNKNOWN_REQUEST), ev[2])
-                elif kind == EventKind.PUBLISH or kind == EventKind.ATTACH:
+                if kind == EventKind.PUBLISH or kind == EventKind.ATTACH:
                     late.append(ev)
                 elif kind == EventKind.EVICT:
                     stage = "evict"
@@ -153,7 +158,20 @@ class StepGuard:
                     t.preempt(ids.get(rid, UNKNOWN_REQUEST))
             except kvguard.ViolationError as e:
                 self._refuse(report, rid, e.kind, stage, str(e))
+        if claims:
+            self._claim_run(report, claims)
         return late
+
+    def _claim_run(self, report: StepReport, claims: list[tuple]) -> None:
+        """Consecutive claim events of a step, in one call under one lock."""
+        get = self._ids.get
+        keys = [get(ev[1], UNKNOWN_REQUEST) for ev in claims]
+        pages = [b for ev in claims for b in ev[2]]
+        indptr = [0]
+        for ev in claims:
+            indptr.append(indptr[-1] + len(ev[2]))
+        for i, v in self.table.claim_step(keys, pages, indptr).refused:
+            self._refuse(report, claims[i][1], v.kind, "allocate", str(v))
 
     def _apply_late(self, report: StepReport, late: list[tuple]) -> None:
         t = self.table
