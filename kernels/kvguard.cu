@@ -373,6 +373,8 @@ extern "C" __global__ void __launch_bounds__(256)
 #define KVG_ATTN_MAX_GROUP 4u // query heads per block (`AttentionShape::HEADS_PER_BLOCK`)
 #define KVG_ATTN_MAX_VEC 8u   // 16-byte loads per lane per K row: at most 128 bytes
 #define KVG_ATTN_MAX_DPL (KVG_ATTN_MAX_DIM / KVG_WARP)
+#define KVG_ATTN_V_ROWS 8u   // V rows in flight per warp
+#define KVG_ATTN_CHECK_BATCHES 2u // batches of 32 tags in flight per warp in the deferred check
 #define KVG_ATTN_NEG (-3.402823466e38f)
 
 KVG_FN float kvg_bits_to_float(uint32_t u) {
@@ -418,14 +420,18 @@ template <> struct kvg_kv<uint16_t> {
 // `[num_seqs][num_heads][head_dim]` f32; `head_dim` a multiple of 32, at most 256. `workspace`
 // (read only when `splits > 1`): `AttentionShape::workspace_len(splits)` words, zeroed.
 //
-// CHECK: every page's tag is checked before its K/V are used, and with canaries each slot's;
-// the next page's id, tag and canaries are loaded while this page's K/V are read, so the check
-// adds no dependent load to the loop. Violations are reported once per page (by the first head
-// block, lane 0, out of line) and flag the sequence. `fail_closed` 0 is report mode: the output
-// is what the unchecked kernel computes. `fail_closed` 1 writes zeros for a sequence with any
-// violation (or already flagged in `seq_status` by the standalone verify), so leaked KV never
-// reaches sampling. Pages out of range are never read in either mode.
-template <bool CHECK, typename T>
+// CHECK: pages out of range are never read, in either mode, and every page's tag is judged
+// before the output is written. Tags only (CANARY false): the loop itself only tests the range,
+// and after it each warp judges the tags of its pages 32 at a time, lane i taking the i-th (the
+// first 32 loaded before the loop, so their latency hides behind it): measured on an H200, a
+// check inside the loop cost 2 to 4 % of this latency-bound attention, the range test nothing.
+// With canaries (CANARY true), each page's tag and slot canaries are judged before its K/V are
+// read, the next page's loaded while this page's K/V are read. Violations are reported once per
+// page (by the first head block) and flag the sequence. `fail_closed` 0 is report mode: the
+// output is what the unchecked kernel computes. `fail_closed` 1 writes zeros for a sequence with
+// any violation (or already flagged in `seq_status` by the standalone verify), so leaked KV never
+// reaches sampling: a foreign page's K/V may reach this block's registers, never its output.
+template <bool CHECK, bool CANARY, typename T>
 KVG_FN void kvg_decode_attention(const float *__restrict__ q, const T *__restrict__ key_cache,
                                  const T *__restrict__ value_cache, const int32_t *__restrict__ block_table,
                                  uint32_t max_blocks, const int32_t *__restrict__ seq_lens, uint32_t num_seqs,
@@ -492,15 +498,24 @@ KVG_FN void kvg_decode_attention(const float *__restrict__ q, const T *__restric
                 for (uint32_t e = 0; e < KVG_ATTN_MAX_DPL; e++) acc[g][e] = 0.0f;
             }
             const int32_t *row = block_table + static_cast<uint64_t>(s) * max_blocks;
-            // Prefetched for the next page: its id, and with the check its tag and first canaries.
+            // Prefetched for the next page: its id, and with canaries its tag and first canaries.
             uint32_t j = j0 + warp;
             int32_t next_page = j < j_end ? row[j] : -1;
             kvg_tag next_tag = {0, 0, 0, 0, 0, 0};
             uint32_t next_canary = 0;
-            if (CHECK && j < j_end) {
+            if (CHECK && CANARY && j < j_end) {
                 next_tag = kvg_load_tag(tags, num_pages, next_page);
-                if (canaries != nullptr && kvg_page_in_range(next_page, num_pages) && lane < page_size)
+                if (kvg_page_in_range(next_page, num_pages) && lane < page_size)
                     next_canary = canaries[static_cast<uint64_t>(next_page) * page_size + lane];
+            }
+            // Tags only: the first 32 of this warp's pages (lane i the i-th), loaded now and
+            // judged after the loop with the rest.
+            int32_t first_page = -1;
+            kvg_tag first_tag = {0, 0, 0, 0, 0, 0};
+            if (CHECK && !CANARY) {
+                const uint32_t jl = j + lane * KVG_ATTN_WARPS;
+                first_page = jl < j_end ? row[jl] : -1;
+                first_tag = kvg_load_tag(tags, num_pages, first_page);
             }
             for (; j < j_end; j += KVG_ATTN_WARPS) {
                 const int32_t page = next_page;
@@ -508,21 +523,21 @@ KVG_FN void kvg_decode_attention(const float *__restrict__ q, const T *__restric
                 const uint32_t my_canary = next_canary;
                 const uint32_t jn = j + KVG_ATTN_WARPS;
                 next_page = jn < j_end ? row[jn] : -1;
-                if (CHECK && jn < j_end) {
+                if (CHECK && CANARY && jn < j_end) {
                     next_tag = kvg_load_tag(tags, num_pages, next_page);
-                    if (canaries != nullptr && kvg_page_in_range(next_page, num_pages) && lane < page_size)
+                    if (kvg_page_in_range(next_page, num_pages) && lane < page_size)
                         next_canary = canaries[static_cast<uint64_t>(next_page) * page_size + lane];
                 }
                 const uint32_t rest = len - j * page_size;
                 const uint32_t need = rest < page_size ? rest : page_size;
-                if (CHECK) {
+                if (CHECK && CANARY) {
                     const bool in_range = kvg_page_in_range(page, num_pages);
                     uint32_t kind = kvg_check_tag(found, in_range, reader, 0, need);
                     uint32_t a = 0, b = 0;
                     if (kind == KVG_KIND_UNWRITTEN_SLOTS) {
                         a = found.written;
                         b = need;
-                    } else if (kind == KVG_OK && canaries != nullptr) {
+                    } else if (kind == KVG_OK) {
                         const uint64_t ph = kvg_canary_page(found.owner, found.generation, static_cast<uint32_t>(page));
                         uint32_t first_bad = need;
                         for (uint32_t t = lane; t < need; t += KVG_WARP) {
@@ -545,6 +560,9 @@ KVG_FN void kvg_decode_attention(const float *__restrict__ q, const T *__restric
                         }
                         if (!in_range || fail_closed) continue;
                     }
+                } else if (CHECK) {
+                    // Tags only: a page out of range is never read; the rest is judged after the loop.
+                    if (!kvg_page_in_range(page, num_pages)) continue;
                 } else if (page < 0) {
                     continue;
                 }
@@ -597,13 +615,57 @@ KVG_FN void kvg_decode_attention(const float *__restrict__ q, const T *__restric
                         if (sub == 0) p_s[warp][g][tl] = valid ? expf(sc[g] - m_new) : 0.0f;
                     }
                     __syncwarp();
-                    // V: one row per warp load, each lane `dpl` contiguous elements.
+                    // V: one row per warp load, each lane `dpl` contiguous elements. When a lane's share
+                    // is 4, 8 or 16 bytes, KVG_ATTN_V_ROWS rows are loaded before any is used, so their
+                    // loads overlap instead of each waiting for the one before.
                     const uint32_t pass = need - t0 < tokens_per_pass ? need - t0 : tokens_per_pass;
+                    const uint32_t vbytes = dpl * static_cast<uint32_t>(sizeof(T));
+                    if (vbytes == 16 || vbytes == 8 || vbytes == 4) {
+                        for (uint32_t u0 = 0; u0 < pass; u0 += KVG_ATTN_V_ROWS) {
+                            uint4 raw[KVG_ATTN_V_ROWS];
+#pragma unroll
+                            for (uint32_t i = 0; i < KVG_ATTN_V_ROWS; i++) {
+                                raw[i] = make_uint4(0, 0, 0, 0);
+                                if (u0 + i < pass) {
+                                    const T *vrow =
+                                        value_cache + ((page_row + t0 + u0 + i) * num_kv_heads + kvh) * head_dim + lane * dpl;
+                                    if (vbytes == 16) {
+                                        raw[i] = *reinterpret_cast<const uint4 *>(vrow);
+                                    } else if (vbytes == 8) {
+                                        const uint2 x2 = *reinterpret_cast<const uint2 *>(vrow);
+                                        raw[i].x = x2.x;
+                                        raw[i].y = x2.y;
+                                    } else {
+                                        raw[i].x = *reinterpret_cast<const uint32_t *>(vrow);
+                                    }
+                                }
+                            }
+#pragma unroll
+                            for (uint32_t i = 0; i < KVG_ATTN_V_ROWS; i++) {
+                                if (u0 + i >= pass) break;
+                                float v[KVG_ATTN_MAX_DPL];
+#pragma unroll
+                                for (uint32_t e = 0; e < KVG_ATTN_MAX_DPL; e++)
+                                    v[e] = e < kv::per_vec ? kv::get(raw[i], e < kv::per_vec ? e : 0) : 0.0f;
+#pragma unroll
+                                for (uint32_t g = 0; g < KVG_ATTN_MAX_GROUP; g++) {
+                                    if (g >= nh) continue;
+                                    const float p = p_s[warp][g][u0 + i];
+                                    l[g] += p;
+#pragma unroll
+                                    for (uint32_t e = 0; e < KVG_ATTN_MAX_DPL; e++) {
+                                        if (e < dpl) acc[g][e] += p * v[e];
+                                    }
+                                }
+                            }
+                        }
+                        __syncwarp();
+                        continue;
+                    }
 #pragma unroll 4
                     for (uint32_t u = 0; u < pass; u++) {
                         const T *vrow = value_cache + ((page_row + t0 + u) * num_kv_heads + kvh) * head_dim + lane * dpl;
                         float v[KVG_ATTN_MAX_DPL];
-                        const uint32_t vbytes = dpl * static_cast<uint32_t>(sizeof(T));
                         if (vbytes % 16 == 0) {
 #pragma unroll
                             for (uint32_t w = 0; w < KVG_ATTN_MAX_DPL * sizeof(T) / 16; w++) {
@@ -647,6 +709,40 @@ KVG_FN void kvg_decode_attention(const float *__restrict__ q, const T *__restric
                         }
                     }
                     __syncwarp();
+                }
+            }
+            if (CHECK && !CANARY) {
+                // Tags only: every page of this warp's share judged, 32 at a time (lane i the i-th),
+                // KVG_ATTN_CHECK_BATCHES batches' loads in flight (ids, then tags); a bad page flags
+                // the sequence and is reported.
+                for (uint32_t jb = j0 + warp; jb < j_end; jb += KVG_ATTN_CHECK_BATCHES * KVG_WARP * KVG_ATTN_WARPS) {
+                    const bool first = jb == j0 + warp; // its first 32 were loaded before the loop
+                    int32_t p[KVG_ATTN_CHECK_BATCHES];
+                    kvg_tag t[KVG_ATTN_CHECK_BATCHES];
+#pragma unroll
+                    for (uint32_t x = 0; x < KVG_ATTN_CHECK_BATCHES; x++) {
+                        const uint32_t jl = jb + (x * KVG_WARP + lane) * KVG_ATTN_WARPS;
+                        p[x] = first && x == 0 ? first_page : jl < j_end ? row[jl] : -1;
+                    }
+#pragma unroll
+                    for (uint32_t x = 0; x < KVG_ATTN_CHECK_BATCHES; x++)
+                        t[x] = first && x == 0 ? first_tag : kvg_load_tag(tags, num_pages, p[x]);
+#pragma unroll
+                    for (uint32_t x = 0; x < KVG_ATTN_CHECK_BATCHES; x++) {
+                        const uint32_t jl = jb + (x * KVG_WARP + lane) * KVG_ATTN_WARPS;
+                        if (jl >= j_end) continue;
+                        const uint32_t rest = len - jl * page_size;
+                        const uint32_t need = rest < page_size ? rest : page_size;
+                        const uint32_t kind = kvg_check_tag(t[x], kvg_page_in_range(p[x], num_pages), reader, 0, need);
+                        if (kind != KVG_OK) {
+                            const bool unwritten = kind == KVG_KIND_UNWRITTEN_SLOTS;
+                            block_bad = 1;
+                            kvg_flag(seq_status, s, kind);
+                            if (hb == 0)
+                                kvg_report(ring, kind, KVG_OP_READ, s, jl, p[x], unwritten ? t[x].written : 0,
+                                           unwritten ? need : 0, 0, reader, t[x]);
+                        }
+                    }
                 }
             }
             // Merge the warps.
@@ -736,23 +832,34 @@ KVG_FN void kvg_decode_attention(const float *__restrict__ q, const T *__restric
         const uint32_t *__restrict__ canaries, uint32_t *seq_status, kvg_ring *ring, uint32_t fail_closed
 #define KVG_ATTN_CHECK_PASS tags, num_pages, readers, canaries, seq_status, ring, fail_closed
 
-// Launch (all four): grid (splits, head blocks, num_seqs), 128 threads; see kvg_decode_attention.
+// Launch (all six): grid (splits, head blocks, num_seqs), 128 threads; see kvg_decode_attention.
+// `_checked` checks tags (its `canaries` argument is not read), `_checked_canary` tags and canaries.
 extern "C" __global__ void __launch_bounds__(KVG_ATTN_THREADS, 3) kvg_decode_attention_unchecked(KVG_ATTN_ARGS(float)) {
-    kvg_decode_attention<false, float>(KVG_ATTN_PASS, nullptr, 0, nullptr, nullptr, nullptr, nullptr, 0);
+    kvg_decode_attention<false, false, float>(KVG_ATTN_PASS, nullptr, 0, nullptr, nullptr, nullptr, nullptr, 0);
 }
 
 extern "C" __global__ void __launch_bounds__(KVG_ATTN_THREADS, 3)
     kvg_decode_attention_checked(KVG_ATTN_ARGS(float), KVG_ATTN_CHECK_ARGS) {
-    kvg_decode_attention<true, float>(KVG_ATTN_PASS, KVG_ATTN_CHECK_PASS);
+    kvg_decode_attention<true, false, float>(KVG_ATTN_PASS, KVG_ATTN_CHECK_PASS);
+}
+
+extern "C" __global__ void __launch_bounds__(KVG_ATTN_THREADS, 3)
+    kvg_decode_attention_checked_canary(KVG_ATTN_ARGS(float), KVG_ATTN_CHECK_ARGS) {
+    kvg_decode_attention<true, true, float>(KVG_ATTN_PASS, KVG_ATTN_CHECK_PASS);
 }
 
 // bfloat16 K/V caches (the bits, as uint16_t).
 extern "C" __global__ void __launch_bounds__(KVG_ATTN_THREADS, 3)
     kvg_decode_attention_unchecked_bf16(KVG_ATTN_ARGS(uint16_t)) {
-    kvg_decode_attention<false, uint16_t>(KVG_ATTN_PASS, nullptr, 0, nullptr, nullptr, nullptr, nullptr, 0);
+    kvg_decode_attention<false, false, uint16_t>(KVG_ATTN_PASS, nullptr, 0, nullptr, nullptr, nullptr, nullptr, 0);
 }
 
 extern "C" __global__ void __launch_bounds__(KVG_ATTN_THREADS, 3)
     kvg_decode_attention_checked_bf16(KVG_ATTN_ARGS(uint16_t), KVG_ATTN_CHECK_ARGS) {
-    kvg_decode_attention<true, uint16_t>(KVG_ATTN_PASS, KVG_ATTN_CHECK_PASS);
+    kvg_decode_attention<true, false, uint16_t>(KVG_ATTN_PASS, KVG_ATTN_CHECK_PASS);
+}
+
+extern "C" __global__ void __launch_bounds__(KVG_ATTN_THREADS, 3)
+    kvg_decode_attention_checked_canary_bf16(KVG_ATTN_ARGS(uint16_t), KVG_ATTN_CHECK_ARGS) {
+    kvg_decode_attention<true, true, uint16_t>(KVG_ATTN_PASS, KVG_ATTN_CHECK_PASS);
 }

@@ -303,7 +303,11 @@ void attention() {
         auto vc = load<uint16_t>("value_cache");
         const uint16_t *kp = kc.data(), *vp = vc.data();
         kvg_sim::launch(grid, block, [=] {
-            if (checked)
+            if (checked && c != nullptr)
+                kvg_decode_attention_checked_canary_bf16(qp, kp, vp, btp, max_blocks, lp, num_seqs, num_heads,
+                                                         num_kv_heads, head_dim, page_size, scale, op, ws, splits, t,
+                                                         num_pages, r, c, st, rg, fail_closed);
+            else if (checked)
                 kvg_decode_attention_checked_bf16(qp, kp, vp, btp, max_blocks, lp, num_seqs, num_heads, num_kv_heads,
                                                   head_dim, page_size, scale, op, ws, splits, t, num_pages, r, c, st,
                                                   rg, fail_closed);
@@ -316,7 +320,11 @@ void attention() {
         auto vc = load<float>("value_cache");
         const float *kp = kc.data(), *vp = vc.data();
         kvg_sim::launch(grid, block, [=] {
-            if (checked)
+            if (checked && c != nullptr)
+                kvg_decode_attention_checked_canary(qp, kp, vp, btp, max_blocks, lp, num_seqs, num_heads, num_kv_heads,
+                                                    head_dim, page_size, scale, op, ws, splits, t, num_pages, r, c, st,
+                                                    rg, fail_closed);
+            else if (checked)
                 kvg_decode_attention_checked(qp, kp, vp, btp, max_blocks, lp, num_seqs, num_heads, num_kv_heads,
                                              head_dim, page_size, scale, op, ws, splits, t, num_pages, r, c, st, rg,
                                              fail_closed);

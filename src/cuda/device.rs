@@ -129,8 +129,10 @@ struct Kernels {
     scrub: CudaFunction,
     attention_unchecked: CudaFunction,
     attention_checked: CudaFunction,
+    attention_checked_canary: CudaFunction,
     attention_unchecked_bf16: CudaFunction,
     attention_checked_bf16: CudaFunction,
+    attention_checked_canary_bf16: CudaFunction,
 }
 
 /// Device memory kvguard allocated with `cuMemAlloc`; freed by [`Device`]'s `Drop`.
@@ -473,8 +475,10 @@ impl Device {
             scrub: f("kvg_scrub_pages")?,
             attention_unchecked: f("kvg_decode_attention_unchecked")?,
             attention_checked: f("kvg_decode_attention_checked")?,
+            attention_checked_canary: f("kvg_decode_attention_checked_canary")?,
             attention_unchecked_bf16: f("kvg_decode_attention_unchecked_bf16")?,
             attention_checked_bf16: f("kvg_decode_attention_checked_bf16")?,
+            attention_checked_canary_bf16: f("kvg_decode_attention_checked_canary_bf16")?,
         };
         ctx.bind_to_thread()?;
         // A stream of construction's own, created raw: cudarc's `new_stream` would synchronise
@@ -772,7 +776,8 @@ impl Device {
         Ok(())
     }
 
-    /// The paged decode attention with the fused check (`kvg_decode_attention_checked[_bf16]`).
+    /// The paged decode attention with the fused check (`kvg_decode_attention_checked[_bf16]`, or
+    /// `kvg_decode_attention_checked_canary[_bf16]` when `check.check_canaries`).
     pub fn decode_attention_checked<T: AttentionElement>(
         &mut self,
         step: &DecodeAttention<T>,
@@ -789,7 +794,13 @@ impl Device {
         let fc = u32::from(check.fail_closed);
         let splits = attention_splits(&shape, step.workspace.map(|w| w.len() as u64), self.sm_count);
         let ptrs = attention_ptrs(step);
-        let func = if T::BF16 { &self.kernels.attention_checked_bf16 } else { &self.kernels.attention_checked };
+        let k = &self.kernels;
+        let func = match (T::BF16, check.check_canaries) {
+            (false, false) => &k.attention_checked,
+            (false, true) => &k.attention_checked_canary,
+            (true, false) => &k.attention_checked_bf16,
+            (true, true) => &k.attention_checked_canary_bf16,
+        };
         let s = self.on(stream);
         let mut b = s.launch_builder(func);
         push_attention_args(&mut b, &shape, &ptrs, &self.page_size, &splits);
@@ -800,8 +811,9 @@ impl Device {
         b.arg(&self.raw.status).arg(&self.raw.ring).arg(&fc);
         // SAFETY: step.check verified every buffer holds the elements the kernel indexes from
         // the shape, and the workspace the `splits` chosen from its length (1 split without
-        // one: not read); pages are range-checked (kvg_check_page) before any K/V row is read,
-        // and a page out of range is never read in either mode. Arguments match the kernel.
+        // one: not read); every page is range-checked (kvg_page_in_range) before its K/V rows
+        // are read, so a page out of range is never read in either mode. Arguments match the
+        // kernel.
         unsafe { b.launch(attention_grid(&shape, splits)) }?;
         Ok(())
     }

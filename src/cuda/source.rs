@@ -24,8 +24,10 @@ pub const KERNELS: &[&str] = &[
     "kvg_scrub_pages",
     "kvg_decode_attention_unchecked",
     "kvg_decode_attention_checked",
+    "kvg_decode_attention_checked_canary",
     "kvg_decode_attention_unchecked_bf16",
     "kvg_decode_attention_checked_bf16",
+    "kvg_decode_attention_checked_canary_bf16",
 ];
 
 /// One translation unit for NVRTC: `kvguard.cu` with `kvguard.cuh` inlined where it is included,

@@ -261,7 +261,9 @@ mod cuda {
         q: Vec<f32>,
         kc: Vec<f32>,
         vc: Vec<f32>,
+        /// `num_seqs` rows of `max_blocks` page ids.
         rows: Vec<i32>,
+        max_blocks: usize,
         lens: Vec<i32>,
         heads: usize,
         kv_heads: usize,
@@ -277,7 +279,7 @@ mod cuda {
                 let q = &a.q[(s * a.heads + h) * a.dim..][..a.dim];
                 let rows: Vec<usize> = (0..len as usize)
                     .map(|t| {
-                        let page = a.rows[s * MAX_BLOCKS + t / PS as usize] as usize;
+                        let page = a.rows[s * a.max_blocks + t / PS as usize] as usize;
                         ((page * PS as usize + t % PS as usize) * a.kv_heads + kvh) * a.dim
                     })
                     .collect();
@@ -330,7 +332,7 @@ mod cuda {
             .param("bf16", u32::from(launch.bf16))
             .i32s("block_table", &a.rows)
             .i32s("seq_lens", &a.lens)
-            .param("max_blocks", MAX_BLOCKS)
+            .param("max_blocks", a.max_blocks)
             .param("num_heads", a.heads)
             .param("num_kv_heads", a.kv_heads)
             .param("head_dim", a.dim)
@@ -384,6 +386,7 @@ mod cuda {
             kc: (0..cache).map(|_| rng.f32()).collect(),
             vc: (0..cache).map(|_| rng.f32()).collect(),
             rows,
+            max_blocks: MAX_BLOCKS,
             lens: reads.iter().map(|r| r.2 as i32).collect(),
             heads,
             kv_heads,
@@ -458,6 +461,127 @@ mod cuda {
                 assert!(got.iter().all(|&x| x == 0.0), "seq {s} was flagged: its output must be zeros");
             } else {
                 assert_eq!(got, &plain[s * per_seq..(s + 1) * per_seq], "seq {s} is clean");
+            }
+        }
+    }
+
+    /// The fused check judges a warp's tags 32 pages at a time (one ballot bit per page): rows of
+    /// 300 pages cross several batches of every warp, and a foreign page at the first and last
+    /// position, at a batch's first and middle page, and in a later split is each caught where it
+    /// is, with and without canaries, while a clean row of the same length is untouched.
+    #[test]
+    fn the_batched_tag_check_catches_a_bad_page_at_any_position_of_a_long_row() {
+        let Some(exe) = driver() else { return };
+        let pool = pool();
+        let mut rng = Rng(47);
+        let (heads, kv_heads, dim, max_blocks) = (2usize, 1usize, 32usize, 300usize);
+        let cache = (NUM_PAGES * PS) as usize * kv_heads * dim;
+        let r = &pool.requests;
+        // Carol's four full pages, cycled; alice's first (full) page is foreign to her. With 4
+        // warps, block j is a warp's batch (j / 4) / 32, at position (j / 4) % 32 in it: 0 and 299
+        // are the ends, 128 opens warp 0's second batch, 193 is the middle (16) of warp 1's.
+        let carol = r[2].0;
+        let own: Vec<i32> = r[2].2.iter().map(|p| p.0 as i32).collect();
+        assert_eq!(r[2].3, 4 * u64::from(PS), "carol's pages are all full");
+        let foreign = r[0].2[0].0 as i32;
+        let bad_at = [0usize, 128, 193, 299];
+        let clean: Vec<i32> = (0..max_blocks).map(|j| own[j % own.len()]).collect();
+        let mut dirty = clean.clone();
+        for &j in &bad_at {
+            dirty[j] = foreign;
+        }
+        let a = Attn {
+            q: (0..2 * heads * dim).map(|_| rng.f32()).collect(),
+            kc: (0..cache).map(|_| rng.f32()).collect(),
+            vc: (0..cache).map(|_| rng.f32()).collect(),
+            rows: clean.iter().chain(&dirty).copied().collect(),
+            max_blocks,
+            lens: vec![(max_blocks as u32 * PS) as i32; 2],
+            heads,
+            kv_heads,
+            dim,
+            scale: 1.0 / (dim as f32).sqrt(),
+        };
+        let readers = vec![DeviceReader::new(carol, pool.tenant(carol)); 2];
+        let canaries = pool.canaries();
+        let foreign_bit = 1 << DeviceKind::ForeignPage.code();
+        for launch in [Launch { splits: 1, bf16: false }, Launch { splits: 2, bf16: false }] {
+            let (plain, ..) = run_attention(exe, &pool, &a, launch, None);
+            for with_canaries in [false, true] {
+                let c: &[u32] = if with_canaries { &canaries } else { &[] };
+                let what = format!("{launch:?}, canaries {with_canaries}");
+                let (report, status, ring) = run_attention(exe, &pool, &a, launch, Some((&readers, c, false)));
+                assert_eq!(report, plain, "{what}: report mode computes what the unchecked kernel does");
+                assert_eq!(status, vec![0, foreign_bit], "{what}: only the dirty row is flagged");
+                let mut recs: Vec<(u32, u32, i32, ViolationKind)> =
+                    ring.records.iter().map(|x| (x.seq, x.block, x.page, x.to_violation().unwrap().kind())).collect();
+                recs.sort_by_key(|x| x.1);
+                let want: Vec<_> = bad_at.iter().map(|&j| (1, j as u32, foreign, ViolationKind::ForeignPage)).collect();
+                assert_eq!(recs, want, "{what}: one record per foreign page, where it is");
+                let (closed, status2, _) = run_attention(exe, &pool, &a, launch, Some((&readers, c, true)));
+                assert_eq!(status2, status, "{what}");
+                let per_seq = heads * dim;
+                assert_eq!(closed[..per_seq], plain[..per_seq], "{what}: the clean row is untouched");
+                assert!(closed[per_seq..].iter().all(|&x| x == 0.0), "{what}: the flagged row is zeros");
+            }
+        }
+    }
+
+    /// Every way a lane's share of a V row is loaded (2 bytes: one element at a time; 4, 8 and
+    /// 16 bytes: several rows in flight; 32 bytes: two 16-byte loads per row) computes what the
+    /// naive attention does, f32 and bfloat16, with and without splits.
+    #[test]
+    fn the_attention_matches_naive_for_every_width_of_a_lanes_v_share() {
+        let Some(exe) = driver() else { return };
+        let pool = pool();
+        let mut rng = Rng(53);
+        let r = &pool.requests;
+        let reads = [(&r[0].2, 14i32), (&r[2].2, 16), (&r[3].2, 5)];
+        let mut rows = Vec::new();
+        for (pages, _) in &reads {
+            let mut row: Vec<i32> = pages.iter().map(|p| p.0 as i32).collect();
+            row.resize(MAX_BLOCKS, 0);
+            rows.extend(row);
+        }
+        // (head_dim, bf16): the lane's share is head_dim / 32 elements.
+        for (dim, bf16) in [(32usize, true), (32, false), (128, false), (256, true), (256, false)] {
+            let (heads, kv_heads) = (2usize, 1usize);
+            let cache = (NUM_PAGES * PS) as usize * kv_heads * dim;
+            let a = Attn {
+                q: (0..reads.len() * heads * dim).map(|_| rng.f32()).collect(),
+                kc: (0..cache).map(|_| rng.f32()).collect(),
+                vc: (0..cache).map(|_| rng.f32()).collect(),
+                rows: rows.clone(),
+                max_blocks: MAX_BLOCKS,
+                lens: reads.iter().map(|x| x.1).collect(),
+                heads,
+                kv_heads,
+                dim,
+                scale: 1.0 / (dim as f32).sqrt(),
+            };
+            let naive = if bf16 {
+                let round = |v: &[f32]| v.iter().map(|&x| Bf16::from_f32(x).to_f32()).collect::<Vec<_>>();
+                naive_attention(&Attn {
+                    kc: round(&a.kc),
+                    vc: round(&a.vc),
+                    q: a.q.clone(),
+                    rows: a.rows.clone(),
+                    lens: a.lens.clone(),
+                    ..a
+                })
+            } else {
+                naive_attention(&a)
+            };
+            for splits in [1, 2] {
+                let launch = Launch { splits, bf16 };
+                let (got, ..) = run_attention(exe, &pool, &a, launch, None);
+                let share = dim / 32 * if bf16 { 2 } else { 4 };
+                for (i, (x, y)) in got.iter().zip(&naive).enumerate() {
+                    assert!(
+                        (x - y).abs() <= 1e-4 * (1.0 + y.abs()),
+                        "{launch:?}, dim {dim} ({share}-byte share), out[{i}]: kernel {x} vs naive {y}"
+                    );
+                }
             }
         }
     }
