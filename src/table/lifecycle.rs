@@ -1,7 +1,9 @@
 //! Request lifecycle on the table: admit, allocate or claim, write, release, fork.
 
 use super::info::{PageState, Released};
-use super::state::{BlockEntry, PrefixRecord, RequestRecord, SPARE_LIST_MAX_CAPACITY, SPARE_LISTS, TableState};
+use super::state::{
+    BlockEntry, HotWord, PrefixRecord, RequestRecord, SPARE_LIST_MAX_CAPACITY, SPARE_LISTS, TableState,
+};
 use crate::error::Error;
 use crate::ids::{Generation, PageId, PageRef, RequestId, TenantId};
 use crate::violation::{Op, Violation, ViolationKind};
@@ -30,9 +32,11 @@ impl TableState {
         }
         self.ended.forget(req);
         let pages = self.spare_page_lists.pop().unwrap_or_default();
+        let slot = self.take_request_slot();
         self.requests.insert(
             req,
             RequestRecord {
+                slot,
                 tenant,
                 prompt_tokens: prompt,
                 max_new_tokens: max_new,
@@ -47,7 +51,7 @@ impl TableState {
     pub(crate) fn allocate_into(&mut self, req: RequestId, n: u32, out: &mut Vec<PageRef>) -> Result<(), Error> {
         // Disjoint borrows, so the loop keeps its counts in registers; the changed list is grown
         // by `n` and filled by index (see `end_incarnations`).
-        let TableState { tags, free, changed, requests, state_counts, tracking_changes, .. } = self;
+        let TableState { tags, hot, free, changed, requests, state_counts, tracking_changes, .. } = self;
         let Some(rec) = requests.get_mut(&req) else {
             return Err(Violation::new(ViolationKind::UnknownRequest, Op::Allocate).with_request(req, None).into());
         };
@@ -68,6 +72,8 @@ impl TableState {
         // `out` is grown first and filled by index, so no length lives in memory across pages.
         let handed = &free[start..];
         let tags = tags.as_mut_slice(); // its pointer and length stay in registers
+        let hot = hot.as_mut_slice();
+        let owned = HotWord::new(rec.slot, PageState::Owned, false);
         let out_base = out.len();
         out.resize(out_base + n as usize, PageRef { page: PageId(0), generation: Generation(0) });
         let out_slots = &mut out[out_base..];
@@ -83,6 +89,7 @@ impl TableState {
             tag.set_owner(req);
             tag.link = (first_link + k) as u32;
             tag.state = PageState::Owned;
+            hot[page.0 as usize] = owned;
         }
         changed.truncate(changed_base + changed_count);
         rec.pages.extend(free[start..].iter().rev());
@@ -194,9 +201,10 @@ impl TableState {
         }
         if last > first + 1 {
             let middle = &block_table[first + 1..last];
-            let TableState { tags, changed, page_size, scratch, tracking_changes, .. } = self;
+            let TableState { tags, hot, changed, page_size, scratch, tracking_changes, .. } = self;
             let tracking = *tracking_changes;
             let tags = tags.as_mut_slice(); // its pointer and length stay in registers
+            let hot = hot.as_mut_slice();
             scratch.clear();
             scratch.resize(middle.len(), 0);
             let refused = middle.iter().enumerate().position(|(k, entry)| {
@@ -208,6 +216,8 @@ impl TableState {
                 }
                 scratch[k] = tag.written;
                 tag.written = *page_size; // a whole-page write: gap or not, every slot is written
+                let word = &mut hot[page.0 as usize]; // in range: the tag is
+                *word = word.with_full(true);
                 if tracking && !tag.changed {
                     tag.changed = true;
                     changed.push(page);
@@ -219,6 +229,8 @@ impl TableState {
                 // (Pages marked changed stay listed: the device mirror copies an unchanged tag.)
                 for (entry, &old) in middle[..k].iter().zip(&scratch[..k]).rev() {
                     tags[entry.page().0 as usize].written = old;
+                    let word = &mut hot[entry.page().0 as usize];
+                    *word = word.with_full(old >= *page_size);
                 }
                 return Err(self.write_refusal(op, req, first + 1 + k, middle[k]));
             }
@@ -249,6 +261,7 @@ impl TableState {
             self.drop_hold(slot, &mut released);
         }
         self.ended.insert(req);
+        self.give_back_request_slot(rec.slot);
         self.keep_spare(rec.pages);
         Ok(released)
     }
@@ -342,8 +355,7 @@ impl TableState {
                 cross_tenant: false,
             });
             for &page in &pages {
-                self.tags[page.0 as usize].set_prefix(slot);
-                self.set_state(page, PageState::Shared);
+                self.share_page(page, slot);
             }
             self.prefixes[slot].pages = pages;
             self.requests.get_mut(&parent).expect("checked above").prefixes.insert(slot);
@@ -355,9 +367,11 @@ impl TableState {
             }
         }
         self.ended.forget(child);
+        let slot = self.take_request_slot();
         self.requests.insert(
             child,
             RequestRecord {
+                slot,
                 tenant,
                 prompt_tokens: prompt,
                 max_new_tokens: max_new,
