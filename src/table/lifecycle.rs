@@ -72,7 +72,8 @@ impl TableState {
         // `out` is grown first and filled by index, so no length lives in memory across pages.
         let handed = &free[start..];
         let tags = tags.as_mut_slice(); // its pointer and length stay in registers
-        let hot = hot.as_mut_slice();
+        // As long as `tags`, so a page in range of one needs no second bounds check.
+        let hot = &mut hot[..tags.len()];
         let owned = HotWord::new(rec.slot, PageState::Owned, false);
         let out_base = out.len();
         out.resize(out_base + n as usize, PageRef { page: PageId(0), generation: Generation(0) });
@@ -180,7 +181,7 @@ impl TableState {
         block_table: &[E],
         tokens: Range<u64>,
     ) -> Result<(), Error> {
-        self.record(op, req)?;
+        let slot = self.record(op, req)?.slot;
         let blocks = self.token_blocks(op, req, block_table.len(), &tokens)?;
         if blocks.is_empty() {
             return Ok(());
@@ -204,7 +205,9 @@ impl TableState {
             let TableState { tags, hot, changed, page_size, scratch, tracking_changes, .. } = self;
             let tracking = *tracking_changes;
             let tags = tags.as_mut_slice(); // its pointer and length stay in registers
-            let hot = hot.as_mut_slice();
+            // As long as `tags`, so a page in range of one needs no second bounds check.
+            let hot = &mut hot[..tags.len()];
+            let whole = HotWord::new(slot, PageState::Owned, true);
             scratch.clear();
             scratch.resize(middle.len(), 0);
             let refused = middle.iter().enumerate().position(|(k, entry)| {
@@ -216,8 +219,7 @@ impl TableState {
                 }
                 scratch[k] = tag.written;
                 tag.written = *page_size; // a whole-page write: gap or not, every slot is written
-                let word = &mut hot[page.0 as usize]; // in range: the tag is
-                *word = word.with_full(true);
+                hot[page.0 as usize] = whole; // an owned page of `req`'s, now whole
                 if tracking && !tag.changed {
                     tag.changed = true;
                     changed.push(page);

@@ -540,7 +540,8 @@ impl TableState {
         changed.resize(changed_base + room, PageId(0));
         let changed_slots = &mut changed[changed_base..];
         let tags = tags.as_mut_slice(); // its pointer and length stay in registers
-        let hot = hot.as_mut_slice();
+        // As long as `tags`, so a page in range of one needs no second bounds check.
+        let hot = &mut hot[..tags.len()];
         let next_hot = HotWord::unheld(next_state);
         let (mut changed_count, mut rare) = (0usize, 0usize);
         for (i, &page) in pages.iter().enumerate() {

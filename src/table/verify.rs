@@ -87,8 +87,8 @@ fn hot_run<E: BlockEntry>(hot: &[HotWord], tags: &[PageTag], entries: &[E], expe
     };
     const CHUNK: usize = 8;
     let mut done = 0;
-    for chunk in entries.chunks_exact(CHUNK) {
-        if !chunk.iter().fold(true, |all, &entry| all & fits(entry)) {
+    for chunk in entries.as_chunks::<CHUNK>().0 {
+        if !chunk.iter().all(|&entry| fits(entry)) {
             break;
         }
         done += CHUNK;
