@@ -203,11 +203,17 @@ impl TableState {
         if last > first + 1 {
             let middle = &block_table[first + 1..last];
             let TableState { tags, hot, changed, page_size, scratch, tracking_changes, .. } = self;
-            let tracking = *tracking_changes;
+            let ps = *page_size;
             let tags = tags.as_mut_slice(); // its pointer and length stay in registers
             // As long as `tags`, so a page in range of one needs no second bounds check.
             let hot = &mut hot[..tags.len()];
             let whole = HotWord::new(slot, PageState::Owned, true);
+            // The changed list grown first and filled by index (see `end_incarnations`).
+            let changed_base = changed.len();
+            let room = if *tracking_changes { middle.len().min(tags.len() - changed_base) } else { 0 };
+            changed.resize(changed_base + room, PageId(0));
+            let changed_slots = &mut changed[changed_base..];
+            let mut changed_count = 0;
             scratch.clear();
             scratch.resize(middle.len(), 0);
             let refused = middle.iter().enumerate().position(|(k, entry)| {
@@ -218,21 +224,23 @@ impl TableState {
                     return true;
                 }
                 scratch[k] = tag.written;
-                tag.written = *page_size; // a whole-page write: gap or not, every slot is written
+                tag.written = ps; // a whole-page write: gap or not, every slot is written
                 hot[page.0 as usize] = whole; // an owned page of `req`'s, now whole
-                if tracking && !tag.changed {
+                if room > 0 && !tag.changed {
                     tag.changed = true;
-                    changed.push(page);
+                    changed_slots[changed_count] = page;
+                    changed_count += 1;
                 }
                 false
             });
+            changed.truncate(changed_base + changed_count);
             if let Some(k) = refused {
                 // Back out in reverse, so a page listed twice gets its first old watermark.
                 // (Pages marked changed stay listed: the device mirror copies an unchanged tag.)
                 for (entry, &old) in middle[..k].iter().zip(&scratch[..k]).rev() {
                     tags[entry.page().0 as usize].written = old;
                     let word = &mut hot[entry.page().0 as usize];
-                    *word = word.with_full(old >= *page_size);
+                    *word = word.with_full(old >= ps);
                 }
                 return Err(self.write_refusal(op, req, first + 1 + k, middle[k]));
             }
