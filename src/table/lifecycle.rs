@@ -1,9 +1,8 @@
 //! Request lifecycle on the table: admit, allocate or claim, write, release, fork.
 
+use super::hot::HotWord;
 use super::info::{PageState, Released};
-use super::state::{
-    BlockEntry, HotWord, PrefixRecord, RequestRecord, SPARE_LIST_MAX_CAPACITY, SPARE_LISTS, TableState,
-};
+use super::state::{BlockEntry, PrefixRecord, RequestRecord, SPARE_LIST_MAX_CAPACITY, SPARE_LISTS, TableState};
 use crate::error::Error;
 use crate::ids::{Generation, PageId, PageRef, RequestId, TenantId};
 use crate::violation::{Op, Violation, ViolationKind};

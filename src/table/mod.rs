@@ -48,9 +48,11 @@
 //!
 //! # Files
 //! Each file uses only those below it: `forced`, `import` → `ownership` → `lifecycle` → `prefix`, `verify`
-//! → `violation` → `state` → `info`, `step`; `info` and `step` hold the public values re-exported here.
+//! → `violation` → `state` → `hot` → `info`, `step`; `info` and `step` hold the public values re-exported
+//! here; `hot` holds the per-page words read verification compares.
 
 mod forced;
+mod hot;
 mod import;
 mod info;
 mod lifecycle;

@@ -2,6 +2,7 @@
 //!
 //! Everything here runs under the table's lock; nothing here knows about policy or threads.
 
+use super::hot::HotWord;
 use super::info::{PageState, Released};
 use super::mirror::DeviceTag;
 use crate::config::PoolConfig;
@@ -122,42 +123,6 @@ impl PageTag {
     #[inline(always)]
     pub fn set_prefix(&mut self, prefix: PrefixSlot) {
         self.holder = prefix.to_bits();
-    }
-}
-
-/// What a read of a whole page checks, in 8 bytes: its holder's dense index (an owned page: its
-/// owner's [`RequestRecord::slot`]; a shared page: its prefix's [`PrefixSlot::index`]), its state,
-/// and whether every slot is written. One cache line holds the words of eight pages, where it held
-/// under three tags.
-///
-/// A live holder's index is unique among live holders of its kind, and an owned (shared) page's
-/// owner (prefix) is always live, so two owned or shared pages whose words are equal have the
-/// same holder. A read that passed the full check on one whole page may therefore read any other
-/// page whose word equals that page's: `check_read` compares words and runs the full check only
-/// where one differs. Every change to a tag's state, holder or watermark updates the word with it
-/// (`hot_word_of` derives it from scratch, for the tests). A page that is neither owned nor
-/// shared keeps holder 0.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(crate) struct HotWord(pub u64);
-
-impl HotWord {
-    const STATE_SHIFT: u32 = 32;
-    const FULL: u64 = 1 << 40;
-
-    /// The word of a page held by `holder` (a dense index) in `state`, whole (`full`) or not.
-    #[inline(always)]
-    pub fn new(holder: u32, state: PageState, full: bool) -> HotWord {
-        HotWord(u64::from(holder) | (state as u64) << Self::STATE_SHIFT | if full { Self::FULL } else { 0 })
-    }
-    /// A page that nobody holds, in `state`, with nothing written.
-    #[inline(always)]
-    pub fn unheld(state: PageState) -> HotWord {
-        HotWord::new(0, state, false)
-    }
-    /// The same word with every slot written, or not.
-    #[inline(always)]
-    pub fn with_full(self, full: bool) -> HotWord {
-        HotWord((self.0 & !Self::FULL) | if full { Self::FULL } else { 0 })
     }
 }
 
@@ -443,7 +408,7 @@ impl TableState {
     /// Makes an owned page part of `prefix`, shared.
     pub fn share_page(&mut self, page: PageId, prefix: PrefixSlot) {
         self.tags[page.0 as usize].set_prefix(prefix);
-        let full = self.hot[page.0 as usize].0 & HotWord::FULL != 0;
+        let full = self.hot[page.0 as usize].is_full();
         self.hot[page.0 as usize] = HotWord::new(prefix.index(), PageState::Shared, full);
         self.set_state(page, PageState::Shared);
     }
@@ -472,12 +437,7 @@ impl TableState {
         self.state_counts[state as usize] += 1;
         tag.state = state;
         let hot = &mut self.hot[page.0 as usize];
-        *hot = match state {
-            PageState::Owned | PageState::Shared => {
-                HotWord((hot.0 & !(0xff << HotWord::STATE_SHIFT)) | (state as u64) << HotWord::STATE_SHIFT)
-            }
-            _ => HotWord::new(0, state, hot.0 & HotWord::FULL != 0),
-        };
+        *hot = hot.with_state(state);
         self.mark_changed(page);
     }
 
