@@ -17,7 +17,7 @@ use super::info::PageState;
 /// (`hot_word_of` derives it from scratch, for the tests). A page that is neither owned nor
 /// shared keeps holder 0.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(crate) struct HotWord(pub u64);
+pub(crate) struct HotWord(u64);
 
 impl HotWord {
     const STATE_SHIFT: u32 = 32;
