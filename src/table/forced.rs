@@ -22,9 +22,11 @@ impl OwnershipTable {
         }
         state.ended.forget(req);
         let pages = state.spare_page_lists.pop().unwrap_or_default();
+        let slot = state.take_request_slot();
         state.requests.insert(
             req,
             RequestRecord {
+                slot,
                 tenant,
                 prompt_tokens,
                 max_new_tokens,

@@ -1,5 +1,6 @@
 //! Request lifecycle on the table: admit, allocate or claim, write, release, fork.
 
+use super::hot::HotWord;
 use super::info::{PageState, Released};
 use super::state::{BlockEntry, PrefixRecord, RequestRecord, SPARE_LIST_MAX_CAPACITY, SPARE_LISTS, TableState};
 use crate::error::Error;
@@ -30,9 +31,11 @@ impl TableState {
         }
         self.ended.forget(req);
         let pages = self.spare_page_lists.pop().unwrap_or_default();
+        let slot = self.take_request_slot();
         self.requests.insert(
             req,
             RequestRecord {
+                slot,
                 tenant,
                 prompt_tokens: prompt,
                 max_new_tokens: max_new,
@@ -47,7 +50,7 @@ impl TableState {
     pub(crate) fn allocate_into(&mut self, req: RequestId, n: u32, out: &mut Vec<PageRef>) -> Result<(), Error> {
         // Disjoint borrows, so the loop keeps its counts in registers; the changed list is grown
         // by `n` and filled by index (see `end_incarnations`).
-        let TableState { tags, free, changed, requests, state_counts, tracking_changes, .. } = self;
+        let TableState { tags, hot, free, changed, requests, state_counts, tracking_changes, .. } = self;
         let Some(rec) = requests.get_mut(&req) else {
             return Err(Violation::new(ViolationKind::UnknownRequest, Op::Allocate).with_request(req, None).into());
         };
@@ -68,6 +71,9 @@ impl TableState {
         // `out` is grown first and filled by index, so no length lives in memory across pages.
         let handed = &free[start..];
         let tags = tags.as_mut_slice(); // its pointer and length stay in registers
+        // As long as `tags`, so a page in range of one needs no second bounds check.
+        let hot = &mut hot[..tags.len()];
+        let owned = HotWord::new(rec.slot, PageState::Owned, false);
         let out_base = out.len();
         out.resize(out_base + n as usize, PageRef { page: PageId(0), generation: Generation(0) });
         let out_slots = &mut out[out_base..];
@@ -83,6 +89,7 @@ impl TableState {
             tag.set_owner(req);
             tag.link = (first_link + k) as u32;
             tag.state = PageState::Owned;
+            hot[page.0 as usize] = owned;
         }
         changed.truncate(changed_base + changed_count);
         rec.pages.extend(free[start..].iter().rev());
@@ -173,7 +180,7 @@ impl TableState {
         block_table: &[E],
         tokens: Range<u64>,
     ) -> Result<(), Error> {
-        self.record(op, req)?;
+        let slot = self.record(op, req)?.slot;
         let blocks = self.token_blocks(op, req, block_table.len(), &tokens)?;
         if blocks.is_empty() {
             return Ok(());
@@ -194,9 +201,18 @@ impl TableState {
         }
         if last > first + 1 {
             let middle = &block_table[first + 1..last];
-            let TableState { tags, changed, page_size, scratch, tracking_changes, .. } = self;
-            let tracking = *tracking_changes;
+            let TableState { tags, hot, changed, page_size, scratch, tracking_changes, .. } = self;
+            let ps = *page_size;
             let tags = tags.as_mut_slice(); // its pointer and length stay in registers
+            // As long as `tags`, so a page in range of one needs no second bounds check.
+            let hot = &mut hot[..tags.len()];
+            let whole = HotWord::new(slot, PageState::Owned, true);
+            // The changed list grown first and filled by index (see `end_incarnations`).
+            let changed_base = changed.len();
+            let room = if *tracking_changes { middle.len().min(tags.len() - changed_base) } else { 0 };
+            changed.resize(changed_base + room, PageId(0));
+            let changed_slots = &mut changed[changed_base..];
+            let mut changed_count = 0;
             scratch.clear();
             scratch.resize(middle.len(), 0);
             let refused = middle.iter().enumerate().position(|(k, entry)| {
@@ -207,18 +223,23 @@ impl TableState {
                     return true;
                 }
                 scratch[k] = tag.written;
-                tag.written = *page_size; // a whole-page write: gap or not, every slot is written
-                if tracking && !tag.changed {
+                tag.written = ps; // a whole-page write: gap or not, every slot is written
+                hot[page.0 as usize] = whole; // an owned page of `req`'s, now whole
+                if room > 0 && !tag.changed {
                     tag.changed = true;
-                    changed.push(page);
+                    changed_slots[changed_count] = page;
+                    changed_count += 1;
                 }
                 false
             });
+            changed.truncate(changed_base + changed_count);
             if let Some(k) = refused {
                 // Back out in reverse, so a page listed twice gets its first old watermark.
                 // (Pages marked changed stay listed: the device mirror copies an unchanged tag.)
                 for (entry, &old) in middle[..k].iter().zip(&scratch[..k]).rev() {
                     tags[entry.page().0 as usize].written = old;
+                    let word = &mut hot[entry.page().0 as usize];
+                    *word = word.with_full(old >= ps);
                 }
                 return Err(self.write_refusal(op, req, first + 1 + k, middle[k]));
             }
@@ -249,6 +270,7 @@ impl TableState {
             self.drop_hold(slot, &mut released);
         }
         self.ended.insert(req);
+        self.give_back_request_slot(rec.slot);
         self.keep_spare(rec.pages);
         Ok(released)
     }
@@ -342,8 +364,7 @@ impl TableState {
                 cross_tenant: false,
             });
             for &page in &pages {
-                self.tags[page.0 as usize].set_prefix(slot);
-                self.set_state(page, PageState::Shared);
+                self.share_page(page, slot);
             }
             self.prefixes[slot].pages = pages;
             self.requests.get_mut(&parent).expect("checked above").prefixes.insert(slot);
@@ -355,9 +376,11 @@ impl TableState {
             }
         }
         self.ended.forget(child);
+        let slot = self.take_request_slot();
         self.requests.insert(
             child,
             RequestRecord {
+                slot,
                 tenant,
                 prompt_tokens: prompt,
                 max_new_tokens: max_new,

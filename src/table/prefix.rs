@@ -69,8 +69,7 @@ impl TableState {
         for &page in pages {
             if self.tags[page.0 as usize].state == PageState::Owned {
                 self.detach_from_owner(page);
-                self.tags[page.0 as usize].set_prefix(slot);
-                self.set_state(page, PageState::Shared);
+                self.share_page(page, slot);
                 ordered.push(page);
             }
         }

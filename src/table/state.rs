@@ -2,6 +2,7 @@
 //!
 //! Everything here runs under the table's lock; nothing here knows about policy or threads.
 
+use super::hot::HotWord;
 use super::info::{PageState, Released};
 use super::mirror::DeviceTag;
 use crate::config::PoolConfig;
@@ -53,6 +54,12 @@ impl PrefixSlot {
     #[inline(always)]
     fn to_bits(self) -> u64 {
         self.data().as_ffi()
+    }
+    /// The handle's slot index, unique among live prefixes: a shared page's holder in its
+    /// [`HotWord`].
+    #[inline(always)]
+    pub fn index(self) -> u32 {
+        self.to_bits() as u32 // `KeyData::as_ffi` keeps the index in the low 32 bits
     }
     /// The handle from the 64 bits [`to_bits`](Self::to_bits) gave.
     #[inline(always)]
@@ -120,6 +127,9 @@ impl PageTag {
 }
 
 pub(crate) struct RequestRecord {
+    /// Dense index, unique among live requests, reused after release: the holder an owned
+    /// page's [`HotWord`] names.
+    pub slot: u32,
     pub tenant: TenantId,
     pub prompt_tokens: u64,
     pub max_new_tokens: u64,
@@ -268,6 +278,8 @@ pub(crate) struct TableState {
     pub generation_limit: u32,
     pub scrub_on_release: bool,
     pub tags: Vec<PageTag>,
+    /// One [`HotWord`] per page, kept in step with `tags`.
+    pub hot: Vec<HotWord>,
     pub coverage: BitVec<u64, Lsb0>,
     pub free: Vec<PageId>,
     pub requests: IdMap<RequestId, RequestRecord>,
@@ -287,6 +299,10 @@ pub(crate) struct TableState {
     pub spare_page_lists: Vec<Vec<PageId>>,
     /// Working space for one operation (old watermarks a refused write puts back).
     pub scratch: Vec<u32>,
+    /// Request slots ([`RequestRecord::slot`]) given back by released requests, for reuse.
+    pub spare_request_slots: Vec<u32>,
+    /// The next request slot never handed out.
+    pub next_request_slot: u32,
 }
 
 impl TableState {
@@ -306,12 +322,15 @@ impl TableState {
         free.try_reserve_exact(n).map_err(|_| oom())?;
         let mut changed = Vec::new();
         changed.try_reserve_exact(n).map_err(|_| oom())?;
+        let mut hot = Vec::new();
+        hot.try_reserve_exact(n).map_err(|_| oom())?;
 
         let mut state_counts = [0u64; PageState::COUNT];
         for p in 0..config.num_pages {
             let reserved = config.reserved.binary_search(&PageId(p)).is_ok();
             let state = if reserved { PageState::Reserved } else { PageState::Free };
             state_counts[state as usize] += 1;
+            hot.push(HotWord::unheld(state));
             tags.push(PageTag {
                 holder: 0,
                 generation: Generation::FIRST.0,
@@ -336,6 +355,7 @@ impl TableState {
             generation_limit: config.generation_limit,
             scrub_on_release: config.scrub_on_release,
             tags,
+            hot,
             coverage,
             free,
             requests: IdMap::default(),
@@ -350,7 +370,47 @@ impl TableState {
             tracking_changes: false,
             spare_page_lists: Vec::new(),
             scratch: Vec::new(),
+            spare_request_slots: Vec::new(),
+            next_request_slot: 0,
         })
+    }
+
+    /// A request slot for a request being admitted (see [`RequestRecord::slot`]).
+    pub fn take_request_slot(&mut self) -> u32 {
+        self.spare_request_slots.pop().unwrap_or_else(|| {
+            let slot = self.next_request_slot;
+            // Live requests are far fewer than 2^32: each holds a record in memory.
+            self.next_request_slot += 1;
+            slot
+        })
+    }
+
+    /// Gives back the slot of a released request; none of its pages is owned any more.
+    pub fn give_back_request_slot(&mut self, slot: u32) {
+        self.spare_request_slots.push(slot);
+    }
+
+    /// `page`'s [`HotWord`] derived from its tag alone; `hot[page]` must always equal it.
+    #[cfg(test)]
+    pub fn hot_word_of(&self, page: PageId) -> HotWord {
+        let tag = &self.tags[page.0 as usize];
+        let full = tag.written >= self.page_size;
+        match tag.state {
+            PageState::Owned => {
+                let slot = self.requests.get(&tag.owner()).expect("an owned page's owner is admitted").slot;
+                HotWord::new(slot, PageState::Owned, full)
+            }
+            PageState::Shared => HotWord::new(tag.prefix().index(), PageState::Shared, full),
+            state => HotWord::new(0, state, full),
+        }
+    }
+
+    /// Makes an owned page part of `prefix`, shared.
+    pub fn share_page(&mut self, page: PageId, prefix: PrefixSlot) {
+        self.tags[page.0 as usize].set_prefix(prefix);
+        let full = self.hot[page.0 as usize].is_full();
+        self.hot[page.0 as usize] = HotWord::new(prefix.index(), PageState::Shared, full);
+        self.set_state(page, PageState::Shared);
     }
 
     pub fn tag(&self, page: PageId) -> Option<&PageTag> {
@@ -376,6 +436,8 @@ impl TableState {
         self.state_counts[tag.state as usize] -= 1;
         self.state_counts[state as usize] += 1;
         tag.state = state;
+        let hot = &mut self.hot[page.0 as usize];
+        *hot = hot.with_state(state);
         self.mark_changed(page);
     }
 
@@ -398,6 +460,7 @@ impl TableState {
         tag.set_owner(req);
         tag.link = rec.pages.len() as u32;
         rec.pages.push(page);
+        self.hot[page.0 as usize] = HotWord::new(rec.slot, PageState::Owned, false);
         self.set_state(page, PageState::Owned);
     }
 
@@ -427,7 +490,7 @@ impl TableState {
         let (limit, scrub) = (self.generation_limit, self.scrub_on_release);
         let next_state = if scrub { PageState::AwaitingScrub } else { PageState::Free };
         // Disjoint borrows, so the loop keeps its counts in registers.
-        let TableState { tags, free, changed, tracking_changes, .. } = self;
+        let TableState { tags, hot, free, changed, tracking_changes, .. } = self;
         let free_base = free.len();
         let changed_base = changed.len();
         // A page is listed as changed at most once, so the list never outgrows the pool; and
@@ -437,6 +500,9 @@ impl TableState {
         changed.resize(changed_base + room, PageId(0));
         let changed_slots = &mut changed[changed_base..];
         let tags = tags.as_mut_slice(); // its pointer and length stay in registers
+        // As long as `tags`, so a page in range of one needs no second bounds check.
+        let hot = &mut hot[..tags.len()];
+        let next_hot = HotWord::unheld(next_state);
         let (mut changed_count, mut rare) = (0usize, 0usize);
         for (i, &page) in pages.iter().enumerate() {
             // Read before anything is written: a byte loaded just after a neighbouring byte of
@@ -457,6 +523,7 @@ impl TableState {
             tag.generation = old.generation + 1;
             tag.state = next_state;
             tag.link = (free_base + i) as u32;
+            hot[page.0 as usize] = next_hot;
         }
         changed.truncate(changed_base + changed_count);
         debug_assert!(matches!(from, PageState::Owned | PageState::Shared));
@@ -490,6 +557,7 @@ impl TableState {
                     tag.generation += 1;
                     tag.state = if self.scrub_on_release { PageState::AwaitingScrub } else { PageState::Free };
                 }
+                self.hot[page.0 as usize] = HotWord::unheld(tag.state);
             }
             let tag = &mut self.tags[page.0 as usize];
             let state = tag.state;
@@ -533,6 +601,9 @@ impl TableState {
         if a <= tag.written && !tag.sparse {
             // The common case: appending to the written prefix.
             tag.written = b;
+            let full = b >= self.page_size;
+            let hot = &mut self.hot[page.0 as usize];
+            *hot = hot.with_full(full);
             if self.tracking_changes && !std::mem::replace(&mut tag.changed, true) {
                 self.changed.push(page);
             }
@@ -555,6 +626,8 @@ impl TableState {
             tag.written
         };
         self.tags[page.0 as usize].written = written;
+        let hot = &mut self.hot[page.0 as usize];
+        *hot = hot.with_full(written >= self.page_size);
         self.mark_changed(page);
     }
 
@@ -717,5 +790,6 @@ mod tests {
     fn a_page_tag_is_24_bytes() {
         // The memory figure in the table's docs and the README depends on it.
         assert_eq!(std::mem::size_of::<PageTag>(), 24);
+        assert_eq!(std::mem::size_of::<HotWord>(), 8);
     }
 }
