@@ -18,7 +18,7 @@ use std::io::{self, BufRead, Read};
 pub const MAX_LINE_BYTES: usize = 1 << 30;
 
 /// The table's memory per page, at most (see the table's docs), and replay's writer record.
-const TABLE_BYTES_PER_PAGE: u64 = 36;
+const TABLE_BYTES_PER_PAGE: u64 = 44;
 
 /// Limits on what a replayer accepts: every one bounds memory (or time) whatever the input.
 ///
@@ -26,7 +26,7 @@ const TABLE_BYTES_PER_PAGE: u64 = 36;
 /// use kvguard::trace::ReplayOptions;
 /// let options = ReplayOptions::default().with_max_line_bytes(1 << 20).with_max_pool_pages(1 << 20);
 /// assert_eq!(options.max_line_bytes, 1 << 20);
-/// // A 2^26-page pool of 256-slot pages needs about 8.3 GiB: refused by a 1 GiB budget.
+/// // A 2^26-page pool of 256-slot pages needs about 8.8 GiB: refused by a 1 GiB budget.
 /// assert!(ReplayOptions::pool_bytes(1 << 26, 256) > 1 << 30);
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -61,7 +61,7 @@ impl Default for ReplayOptions {
 
 impl ReplayOptions {
     /// The memory a replay of a pool of `pages` pages of `page_size` slots takes for its
-    /// per-page state, at most: the table's 36 bytes per page and one bit per slot, and the
+    /// per-page state, at most: the table's 44 bytes per page and one bit per slot, and the
     /// writer record's 64 bytes per page.
     pub fn pool_bytes(pages: u32, page_size: u32) -> u64 {
         let per_page = TABLE_BYTES_PER_PAGE + PageWriters::BYTES_PER_PAGE;
