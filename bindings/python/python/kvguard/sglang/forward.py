@@ -74,6 +74,8 @@ class HostRowCheck:
         self._rows_dev: Any = None
         self._lens_dev: Any = None
         self._req_to_token: np.ndarray | None = None
+        self._decode = False
+        self._forwards = 0
 
     def begin(self, rows: Any, seq_lens: Any, extend_lens: Any, rows_cpu: Any, seq_lens_cpu: Any) -> None:
         """A forward over ``rows`` of ``req_to_token`` is about to run."""
@@ -82,6 +84,7 @@ class HostRowCheck:
         self._rows = _host(rows if rows_cpu is None else rows_cpu).reshape(-1)
         self._lens = _host(seq_lens if seq_lens_cpu is None else seq_lens_cpu).reshape(-1)
         n = len(self._rows)
+        self._decode = extend_lens is None
         if extend_lens is None:
             self._qsl = g._qsl_decode[: n + 1]
         else:
@@ -107,6 +110,15 @@ class HostRowCheck:
         refused = ~live
         if live.all():
             verdict = g.table.record_step_writes(keys, slots, qsl)
+            if verdict.clean:
+                # The common step: every row live, every write recorded.
+                refusals = self._verify_rows(None, keys)
+                if not refusals:
+                    return loc
+                for i, v in refusals:
+                    refused[i] = True
+                    g._refused(int(keys[i]), v)
+                return self._refuse(loc, refused)
             pos = None
         else:
             # Rows of requests kvguard never admitted (or already released): their writes are
@@ -126,7 +138,13 @@ class HostRowCheck:
             for i, v in self._verify_rows(ok, keys[ok]):
                 refused[ok[i]] = True
                 g._refused(int(keys[ok[i]]), v)
-        if refused.any() and g.policy == "enforce":
+        return self._refuse(loc, refused)
+
+    def _refuse(self, loc: Any, refused: np.ndarray) -> Any:
+        """Under enforce, the refused rows' writes go to the padding slot (this layer and the
+        later ones)."""
+        if refused.any() and self.guard.policy == "enforce":
+            qsl = self._qsl
             bad = np.flatnonzero(refused).tolist()
             self._refused_slots = np.concatenate([np.arange(qsl[i], qsl[i + 1]) for i in bad])
             return self.later_store(loc)
@@ -140,15 +158,55 @@ class HostRowCheck:
         masked[self._refused_slots] = 0
         return masked
 
-    def _verify_rows(self, pos: np.ndarray, keys: np.ndarray) -> list[tuple[int, Any]]:
-        """Verifies the rows at batch positions ``pos``; returns (index into pos, violation)."""
+    def _verify_rows(self, pos: np.ndarray | None, keys: np.ndarray) -> list[tuple[int, Any]]:
+        """Verifies the rows at batch positions ``pos`` (None: every row); returns (index into
+        pos, violation).
+
+        A decode forward checks each row's window only: the pages holding the tokens written
+        since the row's last clean check (one page per row in decode), in one pure
+        ``check_step_csr``. The rest of the row is as it was when found clean: its entries are
+        rewritten only through ``ReqToTokenPool.write`` (which lowers the row's checked length),
+        and a checked page becomes unreadable only by a release, an eviction, a violation or an
+        import (each makes the next forward a full check, ``Guard._rows_stale``). Anything the
+        window check refuses, and every ``full_check_every``-th forward, goes to the full
+        ``verify_step_rows``, so verdicts are exactly the full check's."""
         g = self.guard
-        lens = self._lens if len(pos) == len(self._lens) else self._lens[pos]
-        rows = self._rows if len(pos) == len(self._rows) else self._rows[pos]
+        lens = self._lens if pos is None or len(pos) == len(self._lens) else self._lens[pos]
+        rows = self._rows if pos is None or len(pos) == len(self._rows) else self._rows[pos]
         if self._req_to_token is None:
             self._req_to_token = _host(g.req_to_token_pool.req_to_token)  # SGLang allocates it once
-        verdict = g.table.verify_step_rows(keys, self._req_to_token, rows, lens, token_slots=True)
-        return verdict.refused
+        rt = self._req_to_token
+        self._forwards += 1
+        full = g._rows_stale or not self._decode or self._forwards % g.full_check_every == 0
+        if not full and len(rows) and self._window_clean(rt, keys, rows, lens):
+            g._row_checked[rows] = lens
+            return []
+        verdict = g.table.verify_step_rows(keys, rt, rows, lens, token_slots=True)
+        if g._rows_stale:
+            # Rows outside this forward were not checked against what changed: in full next time.
+            g._row_checked[:] = 0
+            g._rows_stale = False
+        g._row_checked[rows] = lens
+        if verdict.clean:
+            return []
+        refused = verdict.refused
+        g._row_checked[rows[[i for i, _ in refused]]] = 0
+        return refused
+
+    def _window_clean(self, rt: np.ndarray, keys: np.ndarray, rows: np.ndarray, lens: np.ndarray) -> bool:
+        """Whether every row's window is one page (the decode step's) and passes the pure check."""
+        g = self.guard
+        ps = g.page_size
+        checked = g._row_checked[rows]
+        first = checked // ps if ps > 1 else checked
+        # One page per row: the page holding the first unchecked token is the last one read.
+        if not ((checked > 0) & (checked <= lens) & ((lens - 1) // ps == first)).all():
+            return False
+        n = len(rows)
+        slots = rt[rows, first * ps] if ps > 1 else rt[rows, first]
+        pages = slots // ps if ps > 1 else slots
+        last = lens - first * ps if ps > 1 else np.ones(n, dtype=np.int64)
+        return g.table.check_step_csr(keys, g._qsl_decode[: n + 1], pages, last).clean
 
 
 class DeviceRowCheck(HostRowCheck):
@@ -173,11 +231,13 @@ class DeviceRowCheck(HostRowCheck):
 
         return int(torch.cuda.current_stream(self.guard.req_to_token_pool.req_to_token.device).cuda_stream)
 
-    def _verify_rows(self, pos: np.ndarray, keys: np.ndarray) -> list[tuple[int, Any]]:
+    def _verify_rows(self, pos: np.ndarray | None, keys: np.ndarray) -> list[tuple[int, Any]]:
         import torch
 
         g = self.guard
         rt = g.req_to_token_pool.req_to_token
+        if pos is None:
+            pos = np.arange(len(self._rows))
         lens = self._lens if len(pos) == len(self._lens) else self._lens[pos]
         width = int(lens.max()) if len(lens) else 0
         rows_dev = torch.as_tensor(self._rows_dev, device=rt.device).reshape(-1)

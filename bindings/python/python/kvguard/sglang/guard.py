@@ -135,6 +135,11 @@ class Guard:
     ``context_len``: the model's context length; the pool is audited against it at construction.
     ``device_rows``: check the forward batch's ``req_to_token`` rows on the GPU with
     :class:`kvguard.DeviceGuard` when they are CUDA tensors (``None``: whenever they are).
+    ``full_check_every``: on the host, a decode forward checks only each row's tokens written
+    since its last check (the rest of the row is unchanged: every ``ReqToTokenPool.write`` below
+    a row's checked length, and every page released or evicted anywhere, makes the next forward a
+    full check); every ``full_check_every``-th forward is a full check all the same, for a row
+    changed behind SGLang's own calls (``1``: every forward is a full check).
     """
 
     def __init__(
@@ -149,9 +154,13 @@ class Guard:
         side: str = "pool",
         tenant_of: Callable[[Any], Any] = _default_tenant,
         device_rows: bool | None = None,
+        full_check_every: int = 64,
     ) -> None:
         from .forward import row_check_for
 
+        if int(full_check_every) < 1:
+            raise ConfigError(f"kvguard: full_check_every must be >= 1, not {full_check_every!r}")
+        self.full_check_every = int(full_check_every)
         if policy not in ("enforce", "report"):
             raise ConfigError(f"kvguard: policy must be 'enforce' or 'report', not {policy!r}")
         self.policy = policy
@@ -185,6 +194,11 @@ class Guard:
         # req_to_token row -> key of the request holding it (0: none), and whether it is admitted.
         self._row_key = np.zeros(rows, dtype=np.int64)
         self._row_live = np.zeros(rows, dtype=bool)
+        # req_to_token row -> its tokens the last forward check found clean (0: check in full),
+        # and whether anything since then may have made a checked page unreadable (a release,
+        # an eviction, a violation, an import): then the next forward checks every row in full.
+        self._row_checked = np.zeros(rows, dtype=np.int64)
+        self._rows_stale = True
         self._keys: dict[Any, int] = {}
         self._rids: dict[int, Any] = {}
         self._reqs: dict[int, Any] = {}
@@ -237,6 +251,7 @@ class Guard:
                     key = self.request_key(req.rid)
                     self._row_key[row] = key
                     self._row_live[row] = key in self._admitted
+                    self._row_checked[row] = 0
             return rows
 
         return alloc
@@ -248,6 +263,7 @@ class Guard:
             if row is not None:
                 self._row_key[int(row)] = 0
                 self._row_live[int(row)] = False
+                self._row_checked[int(row)] = 0
             return inner(req)
 
         return free
@@ -256,12 +272,29 @@ class Guard:
         def write(indices: Any, values: Any) -> Any:
             rows, cols = indices
             if isinstance(cols, slice):
-                self._row_written(int(rows), _host(values).reshape(-1))
+                row = int(rows)
+                start = cols.start or 0
+                if start < self._row_checked[row]:
+                    self._row_checked[row] = start
+                self._row_written(row, _host(values).reshape(-1))
             else:
-                self._decode_rows_written(_host(rows).reshape(-1), _host(values).reshape(-1))
+                rows = _host(rows).reshape(-1)
+                self._columns_written(rows, _host(cols).reshape(-1))
+                self._decode_rows_written(rows, _host(values).reshape(-1))
             return inner(indices, values)
 
         return write
+
+    def _columns_written(self, rows: np.ndarray, cols: np.ndarray) -> None:
+        """Entries ``(rows[i], cols[i])`` of ``req_to_token`` are rewritten: a row's checked
+        length drops to the first column written below it (a decode step writes at the checked
+        length: nothing to do)."""
+        checked = self._row_checked
+        if len(cols) == len(rows) and not (cols < checked[rows]).any():
+            return
+        if len(cols) == 1 and len(rows) > 1:
+            cols = np.broadcast_to(cols, rows.shape)
+        np.minimum.at(checked, rows, cols.astype(np.int64, copy=False))
 
     def _wrap_release_page_ids(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         def release_page_ids(*page_ids: Any) -> Any:
@@ -386,6 +419,7 @@ class Guard:
         key = self._keys.get(req.rid)
         if key is None or key not in self._admitted:
             return
+        self._rows_stale = True
         self._admitted.discard(key)
         self._page_key[self._page_key == key] = _NO_OWNER
         self._holds.pop(key, None)
@@ -408,27 +442,48 @@ class Guard:
     def _decode_rows_written(self, rows: np.ndarray, slots: np.ndarray) -> None:
         """A decode step's ``req_to_token`` write: one slot per row. Only a page its row's request
         does not own yet goes to the table (every step at page size 1; one row in page_size
-        otherwise); the rest is one vectorised comparison."""
-        pages = slots // self.page_size if self.page_size > 1 else slots
+        otherwise); the rest is one vectorised comparison. The common step (every new page a
+        plain claim by a live row) is a handful of array operations and one ``claim_step``."""
+        ps = self.page_size
+        pages = slots // ps if ps > 1 else slots
+        at = pages  # where the page's entries are looked up
+        if len(pages) and (pages.min() < 0 or pages.max() >= self._page_limit):
+            at = np.clip(pages, -1, self._page_limit)  # -1 and the limit index never-owned entries
         keys = self._row_key[rows]
-        new = self._page_key[np.clip(pages, 0, self._page_limit)] != keys
-        if not new.any():
+        new = self._page_key[at] != keys
+        if new.all():
+            idx = None
+            nrows, npages, nat, nkeys = rows, pages, at, keys
+        else:
+            idx = np.flatnonzero(new)
+            if not len(idx):
+                return
+            nrows, npages, nat, nkeys = rows[idx], pages[idx], at[idx], keys[idx]
+        plain = self._row_live[nrows] & (self._page_prefix[nat] == 0) & (nkeys != 0)
+        if plain.all():
+            # Every page opened this step, claimed in one call under one lock (each request's
+            # claim judged as its own claim call would be, in row order).
+            verdict = self.table.claim_step(nkeys, npages, self._qsl_decode[: len(nkeys) + 1])
+            if verdict.clean:
+                self._page_key[npages] = nkeys
+                return
+            claimed = np.ones(len(nkeys), dtype=bool)
+            for j, v in verdict.refused:
+                claimed[j] = False
+                self._refused(int(nkeys[j]), v)
+            self._page_key[npages[claimed]] = nkeys[claimed]
             return
-        idx = np.flatnonzero(new)
-        plain = self._row_live[rows[idx]] & (self._page_prefix[np.clip(pages[idx], 0, self._page_limit)] == 0)
-        plain &= keys[idx] != 0
-        # Every page opened this step, claimed in one call under one lock (each request's claim
-        # judged as its own claim call would be, in row order).
+        if idx is None:
+            idx = np.arange(len(rows))
         claimed = plain.copy()
         sel = np.flatnonzero(plain)
         if len(sel):
-            ks = keys[idx[sel]]
-            verdict = self.table.claim_step(ks, pages[idx[sel]], self._qsl_decode[: len(sel) + 1])
+            ks = nkeys[sel]
+            verdict = self.table.claim_step(ks, npages[sel], self._qsl_decode[: len(sel) + 1])
             for j, v in verdict.refused:
                 claimed[sel[j]] = False
                 self._refused(int(ks[j]), v)
-        done = idx[claimed]
-        self._page_key[pages[done]] = keys[done]
+        self._page_key[npages[claimed]] = nkeys[claimed]
         for j in np.flatnonzero(~plain).tolist():
             i = int(idx[j])
             self._row_written(int(rows[i]), slots[i : i + 1])
@@ -496,6 +551,8 @@ class Guard:
     def _released(self, pages: np.ndarray) -> list[int]:
         """Judges one release of ``pages``; returns those SGLang may put back in its free list."""
         freer = self._freer
+        if len(pages):
+            self._rows_stale = True
         kept: list[int] = []
         by_owner: dict[Any, list[int]] = {}
         for page in pages.tolist():
@@ -621,6 +678,7 @@ class Guard:
         logger.warning("kvguard %s: %s (request %r)", self.policy, text, rid)
 
     def _violation(self, key: int | None, violation: Violation) -> NamedViolation:
+        self._rows_stale = True
         named = self._name(violation)
         rid = None if key is None else self._rids.get(key)
         self.violations.append(named)
@@ -646,9 +704,11 @@ class Guard:
 
     def _abort_plain(self, key: int, message: str) -> None:
         """A refusal that carries no violation (a missing manifest)."""
+        self._rows_stale = True
         self._count("missing_manifest", self._rids.get(key), message)
         self._abort(key, message, HTTPStatus.INTERNAL_SERVER_ERROR)
 
     def _imported(self, key: int, tokens: int) -> None:
         """A PD transfer of ``tokens`` landed and was accepted for ``key``."""
+        self._rows_stale = True
         self.metrics["imported_tokens"] += tokens
