@@ -1095,6 +1095,71 @@ impl OwnershipTable {
             s.requests
         )
     }
+
+    // ---- the forward window (SGLang decode forwards) ----------------------------------------
+
+    /// check_step_rows over each request's window only: request i reads tokens
+    /// from_tokens[i]..seq_lens[i] of row rows[i], i.e. the pages holding them (from page
+    /// from_tokens[i] // page_size on), judged as a read of those pages for
+    /// seq_lens[i] - first_page * page_size tokens. Pure: counts, logs and quarantines nothing.
+    ///
+    /// For an engine that checked each row in full once and knows nothing before from_tokens[i]
+    /// changed since (the row's entries and the pages they name): a decode step then checks one
+    /// page per request instead of its whole row. from_tokens[i] = 0 checks the whole row; a
+    /// from_tokens[i] beyond seq_lens[i] is taken as seq_lens[i] (nothing unchecked).
+    /// A window that is clean here is clean in the full check; a refused one is what the engine
+    /// must judge with verify_step_rows (the violation's page index is relative to the window).
+    ///
+    /// req_ids, table, rows, seq_lens, token_slots: as verify_step_rows.
+    /// from_tokens: 1-D int, n entries, non-negative (ValueError otherwise).
+    #[pyo3(signature = (req_ids, table, rows, seq_lens, from_tokens, *, token_slots = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn check_step_window(
+        &self,
+        py: Python<'_>,
+        req_ids: &Bound<'_, PyAny>,
+        table: &Bound<'_, PyAny>,
+        rows: &Bound<'_, PyAny>,
+        seq_lens: &Bound<'_, PyAny>,
+        from_tokens: &Bound<'_, PyAny>,
+        token_slots: bool,
+    ) -> PyResult<StepVerdict> {
+        let requests = self.step_requests(req_ids)?;
+        let n = requests.len();
+        let t = IntArray::open(table, "table", 2)?;
+        let rows = IntArray::open(rows, "rows", 1)?.counts(n, "rows")?;
+        if let Some((i, r)) = rows.iter().enumerate().find(|(_, r)| **r >= t.len() as u64) {
+            return Err(PyValueError::new_err(format!("rows[{i}] is {r}: table has {} rows", t.len())));
+        }
+        let lens = IntArray::open(seq_lens, "seq_lens", 1)?.counts(n, "seq_lens")?;
+        let from = IntArray::open(from_tokens, "from_tokens", 1)?.counts(n, "from_tokens")?;
+        let ps = u64::from(self.table.page_size());
+        let stride = if token_slots { ps as usize } else { 1 };
+        let width = t.width().div_ceil(stride);
+        let mut pages = Vec::with_capacity(n);
+        let mut spans = Vec::with_capacity(n);
+        let mut tokens = Vec::with_capacity(n);
+        for i in 0..n {
+            let (row, seq) = (rows[i] as usize, lens[i]);
+            let first = usize::try_from(from[i].min(seq) / ps).unwrap_or(usize::MAX);
+            let end = usize::try_from(seq.div_ceil(ps)).unwrap_or(usize::MAX).min(width).max(first);
+            let start = pages.len();
+            pages.extend((first..end).map(|j| {
+                let v = t.get(row, j * stride);
+                let page = if v < 0 { -1 } else { v / stride as i64 };
+                PageId(u32::try_from(page).unwrap_or(u32::MAX))
+            }));
+            spans.push(start..pages.len());
+            tokens.push(seq - first as u64 * ps);
+        }
+        let reads: Vec<SeqRead<'_>> = (0..n)
+            .map(|i| SeqRead { request: requests[i], block_table: &pages[spans[i].clone()], tokens: tokens[i] })
+            .collect();
+        let core = &self.table;
+        let v = py.detach(|| core.check_step(&reads));
+        drop(reads);
+        self.verdict(py, v, n, false)
+    }
 }
 
 impl OwnershipTable {

@@ -164,7 +164,7 @@ class HostRowCheck:
 
         A decode forward checks each row's window only: the pages holding the tokens written
         since the row's last clean check (one page per row in decode), in one pure
-        ``check_step_csr``. The rest of the row is as it was when found clean: its entries are
+        ``check_step_window``. The rest of the row is as it was when found clean: its entries are
         rewritten only through ``ReqToTokenPool.write`` (which lowers the row's checked length),
         and a checked page becomes unreadable only by a release, an eviction, a violation or an
         import (each makes the next forward a full check, ``Guard._rows_stale``). Anything the
@@ -178,9 +178,12 @@ class HostRowCheck:
         rt = self._req_to_token
         self._forwards += 1
         full = g._rows_stale or not self._decode or self._forwards % g.full_check_every == 0
-        if not full and len(rows) and self._window_clean(rt, keys, rows, lens):
-            g._row_checked[rows] = lens
-            return []
+        if not full:
+            checked = g._row_checked[rows]
+            window = g.table.check_step_window(keys, rt, rows, lens, checked, token_slots=True)
+            if window.clean:
+                g._row_checked[rows] = lens
+                return []
         verdict = g.table.verify_step_rows(keys, rt, rows, lens, token_slots=True)
         if g._rows_stale:
             # Rows outside this forward were not checked against what changed: in full next time.
@@ -192,21 +195,6 @@ class HostRowCheck:
         refused = verdict.refused
         g._row_checked[rows[[i for i, _ in refused]]] = 0
         return refused
-
-    def _window_clean(self, rt: np.ndarray, keys: np.ndarray, rows: np.ndarray, lens: np.ndarray) -> bool:
-        """Whether every row's window is one page (the decode step's) and passes the pure check."""
-        g = self.guard
-        ps = g.page_size
-        checked = g._row_checked[rows]
-        first = checked // ps if ps > 1 else checked
-        # One page per row: the page holding the first unchecked token is the last one read.
-        if not ((checked > 0) & (checked <= lens) & ((lens - 1) // ps == first)).all():
-            return False
-        n = len(rows)
-        slots = rt[rows, first * ps] if ps > 1 else rt[rows, first]
-        pages = slots // ps if ps > 1 else slots
-        last = lens - first * ps if ps > 1 else np.ones(n, dtype=np.int64)
-        return g.table.check_step_csr(keys, g._qsl_decode[: n + 1], pages, last).clean
 
 
 class DeviceRowCheck(HostRowCheck):
