@@ -1160,6 +1160,109 @@ impl OwnershipTable {
         drop(reads);
         self.verdict(py, v, n, false)
     }
+
+    /// A decode step's block-table writes, one slot per request, judged in one call against the
+    /// engine's own mirror of page owners (kvguard.sglang's): request row_keys[rows[i]] wrote
+    /// slot slots[i] (page slots[i] // page_size) into row rows[i].
+    ///
+    /// A page its row's request already owns in the mirror (page_owner[page] == its key) is
+    /// nothing new. A new page of a plain row (row_claimants[row] != 0: its request is live) that
+    /// is no prefix (page_prefix[page] == 0) is claimed for it: all such claims in one claim_step
+    /// (judged: a refusal is counted, logged, quarantined under enforce). Anything else is left
+    /// to the engine: its positions are returned, in order. Nothing is written to the arrays.
+    ///
+    /// row_keys, row_claimants: 1-D int, one entry per row of the engine's table.
+    /// page_owner, page_prefix: 1-D int, one entry per page and one more, the same length (a
+    ///   page outside 0..len - 1 reads as that last entry, which must be owned by no key).
+    /// rows, slots: 1-D int, n entries (rows within row_keys, ValueError otherwise).
+    /// Returns (StepVerdict over the claims made, in order; [positions left to the engine];
+    /// granted: numpy int64 array of shape (m, 2), the (page, key) of each claim granted: what
+    /// the engine's page_owner must now say).
+    #[allow(clippy::too_many_arguments)]
+    fn claim_decode_slots(
+        &self,
+        py: Python<'_>,
+        row_keys: &Bound<'_, PyAny>,
+        row_claimants: &Bound<'_, PyAny>,
+        page_owner: &Bound<'_, PyAny>,
+        page_prefix: &Bound<'_, PyAny>,
+        rows: &Bound<'_, PyAny>,
+        slots: &Bound<'_, PyAny>,
+    ) -> PyResult<(StepVerdict, Vec<usize>, Py<PyAny>)> {
+        let keys = IntArray::open(row_keys, "row_keys", 1)?;
+        let claimants = IntArray::open(row_claimants, "row_claimants", 1)?;
+        if claimants.len() != keys.len() {
+            return Err(PyValueError::new_err(format!(
+                "row_claimants has {} entries, row_keys {}",
+                claimants.len(),
+                keys.len()
+            )));
+        }
+        let prefix = IntArray::open(page_prefix, "page_prefix", 1)?;
+        let owner = IntArray::open(page_owner, "page_owner", 1)?;
+        if owner.is_empty() || prefix.len() != owner.len() {
+            return Err(PyValueError::new_err(format!(
+                "page_owner ({}) and page_prefix ({}) must have one entry per page and one more",
+                owner.len(),
+                prefix.len()
+            )));
+        }
+        let rows = IntArray::open(rows, "rows", 1)?;
+        let n = rows.len();
+        let slots = IntArray::open(slots, "slots", 1)?;
+        if slots.len() < n {
+            return Err(PyValueError::new_err(format!("slots has {} entries, {n} needed", slots.len())));
+        }
+        let rows = rows.counts(n, "rows")?;
+        if let Some((i, r)) = rows.iter().enumerate().find(|(_, r)| **r >= keys.len() as u64) {
+            return Err(PyValueError::new_err(format!("rows[{i}] is {r}: row_keys has {} rows", keys.len())));
+        }
+        let ps = i64::from(self.table.page_size());
+        let never = owner.len() - 1;
+        let mut claims: Vec<(RequestId, PageId, usize)> = Vec::new();
+        let mut left = Vec::new();
+        for (i, &row) in rows.iter().enumerate() {
+            let key = keys.get(row as usize, 0);
+            let page = slots.get(i, 0).div_euclid(ps);
+            let at = usize::try_from(page).ok().filter(|&p| p < never).unwrap_or(never);
+            if owner.get(at, 0) == key {
+                continue;
+            }
+            if claimants.get(row as usize, 0) == 0 || prefix.get(at, 0) != 0 {
+                left.push(i);
+                continue;
+            }
+            let id = PageId(u32::try_from(page).unwrap_or(u32::MAX));
+            claims.push((RequestId(key as u64), id, at));
+        }
+        let pages: Vec<PageId> = claims.iter().map(|c| c.1).collect();
+        let step: Vec<SeqClaim<'_>> = claims
+            .iter()
+            .enumerate()
+            .map(|(k, c)| SeqClaim { request: c.0, pages: &pages[k..=k] })
+            .collect();
+        let table = &self.table;
+        let v = py.detach(|| table.claim_step(&step));
+        drop(step);
+        let mut ok = vec![true; claims.len()];
+        for (k, _) in &v.refused {
+            ok[*k] = false;
+        }
+        let granted: Vec<u8> = claims
+            .iter()
+            .zip(ok)
+            .filter(|(c, ok)| *ok && c.2 < never)
+            .flat_map(|(c, _)| [i64::from(c.1.0), c.0.0 as i64])
+            .flat_map(i64::to_le_bytes)
+            .collect();
+        let np = NUMPY.get_or_try_init(py, || -> PyResult<Py<PyModule>> { Ok(py.import("numpy")?.unbind()) })?;
+        let granted = np
+            .bind(py)
+            .call_method1("frombuffer", (pyo3::types::PyBytes::new(py, &granted), "<i8"))?
+            .call_method1("reshape", (-1, 2))?;
+        let m = claims.len();
+        Ok((self.verdict(py, v, m, true)?, left, granted.unbind()))
+    }
 }
 
 impl OwnershipTable {

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kvguard
-from pool import PAGE
+from pool import PAGE, admitted
 from test_batched import filled, table_of
 
 
@@ -78,3 +78,50 @@ def test_window_bad_input_is_a_typed_exception():
     with pytest.raises(TypeError, match="table"):
         t.check_step_window(["a"], np.zeros((4, 8), dtype=np.float32), [1], [1], [0])
     assert t.check_step_window([], big, [], [], []).clean
+
+
+def mirror():
+    """A table whose int requests 1..5 hold rows 0..4, and kvguard.sglang's arrays for it."""
+    config = kvguard.PoolConfig(128, PAGE, 512, reserved=[0], policy="enforce")
+    t = kvguard.OwnershipTable(config)
+    rows = {r: admitted(t, r, "acme", 20) for r in range(1, 6)}
+    keys = np.array([1, 2, 3, 4, 5, 0, 0, 0], dtype=np.int64)
+    owner = np.full(129, -1, dtype=np.int64)
+    for r, pages in rows.items():
+        owner[pages] = r
+    return t, rows, keys, keys.copy(), owner, np.zeros(129, dtype=np.int64)
+
+
+def test_claim_decode_slots_claims_new_pages_of_live_rows_and_leaves_the_rest():
+    t, rows, keys, claimants, owner, prefix = mirror()
+    free = [p for p in range(1, 128) if t.page_info(p).state == "free"]
+    claimants[2] = 0  # request 3's row is not live: left to the engine
+    prefix[free[3]] = 9  # a prefix page: left to the engine
+    # Row 0 (1): its own page again (nothing new); row 1 (2): a fresh page; row 3 (4): 1's page
+    # (refused, page_not_free); row 2 (3): not live; row 4 (5): the prefix page; row 1 again: a
+    # page beyond the pool (refused).
+    slot_rows = np.array([0, 1, 3, 2, 4, 1], dtype=np.int64)
+    own = rows[1]
+    slots = np.array([own[0] * PAGE + 1, free[0] * PAGE, own[1] * PAGE, free[1] * PAGE, free[3] * PAGE, 500 * PAGE], dtype=np.int32)
+    verdict, left, granted = t.claim_decode_slots(keys, claimants, owner, prefix, slot_rows, slots)
+    assert left == [3, 4]
+    assert verdict.rows == 3
+    assert [(i, v.kind, v.request) for i, v in verdict.refused] == [(1, "page_not_free", 4), (2, "page_out_of_range", 2)]
+    assert granted.tolist() == [[free[0], 2]]
+    assert t.page_info(free[0]).owner == 2
+
+
+def test_claim_decode_slots_bad_input_is_a_typed_exception():
+    t, rows, keys, claimants, owner, prefix = mirror()
+    with pytest.raises(ValueError, match="rows"):
+        t.claim_decode_slots(keys, claimants, owner, prefix, [len(keys)], [16])
+    with pytest.raises(ValueError, match="slots"):
+        t.claim_decode_slots(keys, claimants, owner, prefix, [0, 1], [16])
+    with pytest.raises(ValueError, match="row_claimants"):
+        t.claim_decode_slots(keys, claimants[:2], owner, prefix, [0], [16])
+    with pytest.raises(ValueError, match="page_prefix"):
+        t.claim_decode_slots(keys, claimants, owner, prefix[:5], [0], [16])
+    with pytest.raises(TypeError, match="page_owner"):
+        t.claim_decode_slots(keys, claimants, owner.astype(np.float64), prefix, [0], [16])
+    verdict, left, granted = t.claim_decode_slots(keys, claimants, owner, prefix, [], [])
+    assert verdict.clean and left == [] and granted.shape == (0, 2)

@@ -194,6 +194,9 @@ class Guard:
         # req_to_token row -> key of the request holding it (0: none), and whether it is admitted.
         self._row_key = np.zeros(rows, dtype=np.int64)
         self._row_live = np.zeros(rows, dtype=bool)
+        # req_to_token row -> its request's key while that request is admitted (0: none), for
+        # the decode step's claims in one call (OwnershipTable.claim_decode_slots).
+        self._row_claimant = np.zeros(rows, dtype=np.int64)
         # req_to_token row -> its tokens the last forward check found clean (0: check in full),
         # and whether anything since then may have made a checked page unreadable (a release,
         # an eviction, a violation, an import): then the next forward checks every row in full.
@@ -251,6 +254,7 @@ class Guard:
                     key = self.request_key(req.rid)
                     self._row_key[row] = key
                     self._row_live[row] = key in self._admitted
+                    self._row_claimant[row] = key if key in self._admitted else 0
                     self._row_checked[row] = 0
             return rows
 
@@ -263,6 +267,7 @@ class Guard:
             if row is not None:
                 self._row_key[int(row)] = 0
                 self._row_live[int(row)] = False
+                self._row_claimant[int(row)] = 0
                 self._row_checked[int(row)] = 0
             return inner(req)
 
@@ -440,52 +445,20 @@ class Guard:
     # ---- events ------------------------------------------------------------------------------
 
     def _decode_rows_written(self, rows: np.ndarray, slots: np.ndarray) -> None:
-        """A decode step's ``req_to_token`` write: one slot per row. Only a page its row's request
-        does not own yet goes to the table (every step at page size 1; one row in page_size
-        otherwise); the rest is one vectorised comparison. The common step (every new page a
-        plain claim by a live row) is a handful of array operations and one ``claim_step``."""
-        ps = self.page_size
-        pages = slots // ps if ps > 1 else slots
-        at = pages  # where the page's entries are looked up
-        if len(pages) and (pages.min() < 0 or pages.max() >= self._page_limit):
-            at = np.clip(pages, -1, self._page_limit)  # -1 and the limit index never-owned entries
-        keys = self._row_key[rows]
-        new = self._page_key[at] != keys
-        if new.all():
-            idx = None
-            nrows, npages, nat, nkeys = rows, pages, at, keys
-        else:
-            idx = np.flatnonzero(new)
-            if not len(idx):
-                return
-            nrows, npages, nat, nkeys = rows[idx], pages[idx], at[idx], keys[idx]
-        plain = self._row_live[nrows] & (self._page_prefix[nat] == 0) & (nkeys != 0)
-        if plain.all():
-            # Every page opened this step, claimed in one call under one lock (each request's
-            # claim judged as its own claim call would be, in row order).
-            verdict = self.table.claim_step(nkeys, npages, self._qsl_decode[: len(nkeys) + 1])
-            if verdict.clean:
-                self._page_key[npages] = nkeys
-                return
-            claimed = np.ones(len(nkeys), dtype=bool)
-            for j, v in verdict.refused:
-                claimed[j] = False
-                self._refused(int(nkeys[j]), v)
-            self._page_key[npages[claimed]] = nkeys[claimed]
-            return
-        if idx is None:
-            idx = np.arange(len(rows))
-        claimed = plain.copy()
-        sel = np.flatnonzero(plain)
-        if len(sel):
-            ks = nkeys[sel]
-            verdict = self.table.claim_step(ks, npages[sel], self._qsl_decode[: len(sel) + 1])
-            for j, v in verdict.refused:
-                claimed[sel[j]] = False
-                self._refused(int(ks[j]), v)
-        self._page_key[npages[claimed]] = nkeys[claimed]
-        for j in np.flatnonzero(~plain).tolist():
-            i = int(idx[j])
+        """A decode step's ``req_to_token`` write: one slot per row, in one call
+        (``claim_decode_slots``). A page its row's request already owns is nothing new (every
+        step but one in page_size at page size > 1); every page a live row opens is claimed in
+        one ``claim_step`` (each request's claim judged as its own claim call would be, in row
+        order); a row that is not live or a prefix page goes through :meth:`_row_written`."""
+        verdict, left, granted = self.table.claim_decode_slots(
+            self._row_key, self._row_claimant, self._page_key, self._page_prefix, rows, slots
+        )
+        if len(granted):
+            self._page_key[granted[:, 0]] = granted[:, 1]
+        if not verdict.clean:
+            for _, v in verdict.refused:
+                self._refused(int(v.request), v)
+        for i in left:
             self._row_written(int(rows[i]), slots[i : i + 1])
 
     def _row_written(self, row: int, slots: np.ndarray) -> None:
