@@ -295,7 +295,7 @@ class Guard:
         length drops to the first column written below it (a decode step writes at the checked
         length: nothing to do)."""
         checked = self._row_checked
-        if len(cols) == len(rows) and not (cols < checked[rows]).any():
+        if len(cols) == len(rows) and not np.count_nonzero(cols < checked[rows]):
             return
         if len(cols) == 1 and len(rows) > 1:
             cols = np.broadcast_to(cols, rows.shape)
