@@ -1236,11 +1236,8 @@ impl OwnershipTable {
             claims.push((RequestId(key as u64), id, at));
         }
         let pages: Vec<PageId> = claims.iter().map(|c| c.1).collect();
-        let step: Vec<SeqClaim<'_>> = claims
-            .iter()
-            .enumerate()
-            .map(|(k, c)| SeqClaim { request: c.0, pages: &pages[k..=k] })
-            .collect();
+        let step: Vec<SeqClaim<'_>> =
+            claims.iter().enumerate().map(|(k, c)| SeqClaim { request: c.0, pages: &pages[k..=k] }).collect();
         let table = &self.table;
         let v = py.detach(|| table.claim_step(&step));
         drop(step);

@@ -108,14 +108,14 @@ class NamedViolation:
 
 def _host(t: Any) -> np.ndarray:
     """A tensor or array as a host numpy array (no copy for CPU tensors and arrays)."""
-    if isinstance(t, np.ndarray):
+    if type(t) is np.ndarray:
         return t
-    if hasattr(t, "detach"):
-        try:
-            return t.numpy()  # a CPU tensor: its memory, no copy (the common case, fastest)
-        except (TypeError, RuntimeError):
-            return t.detach().cpu().numpy()
-    return np.asarray(t)
+    try:
+        return t.numpy()  # a CPU tensor: its memory, no copy (the common case, fastest)
+    except AttributeError:
+        return np.asarray(t)  # a sequence, or an ndarray subclass
+    except (TypeError, RuntimeError):
+        return t.detach().cpu().numpy()  # on a device, or requiring grad
 
 
 def _pages_of(slots: np.ndarray, page_size: int) -> np.ndarray:
