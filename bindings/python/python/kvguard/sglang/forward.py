@@ -7,7 +7,8 @@ one gather (``Guard._row_key[req_pool_indices]``). The rows are verified where t
 
 - :class:`HostRowCheck`: ``req_to_token`` on the host. ``verify_step_rows`` reads each
   request's row in place by its row index (no gather): at page size 1 the row itself, otherwise
-  the first slot of each page divided by the page size.
+  the first slot of each page divided by the page size. A decode forward checks each row's
+  window only (``check_step_window``, see :meth:`HostRowCheck._verify_rows`).
 - :class:`DeviceRowCheck`: ``req_to_token`` on a GPU. The same page table is gathered on the
   device and checked by :class:`kvguard.DeviceGuard` on SGLang's current stream
   (``sync_tags``, ``set_readers``, ``clear_status``, ``verify_block_table``: no host sync); its
