@@ -168,8 +168,9 @@ class HostRowCheck:
         since the row's last clean check (one page per row in decode), in one pure
         ``check_step_window``. The rest of the row is as it was when found clean: its entries are
         rewritten only through ``ReqToTokenPool.write`` (which lowers the row's checked length),
-        and a checked page becomes unreadable only by a release, an eviction, a violation or an
-        import (each makes the next forward a full check, ``Guard._rows_stale``). Anything the
+        and a checked page becomes unreadable only by a release (its request's rows are checked
+        in full next), an eviction, a free nobody holds or a violation (each makes the next
+        forward a full check of every row, ``Guard._rows_stale``). Anything the
         window check refuses, and every ``full_check_every``-th forward, goes to the full
         ``verify_step_rows``, so verdicts are exactly the full check's."""
         g = self.guard

@@ -136,10 +136,11 @@ class Guard:
     ``device_rows``: check the forward batch's ``req_to_token`` rows on the GPU with
     :class:`kvguard.DeviceGuard` when they are CUDA tensors (``None``: whenever they are).
     ``full_check_every``: on the host, a decode forward checks only each row's tokens written
-    since its last check (the rest of the row is unchanged: every ``ReqToTokenPool.write`` below
-    a row's checked length, and every page released or evicted anywhere, makes the next forward a
-    full check); every ``full_check_every``-th forward is a full check all the same, for a row
-    changed behind SGLang's own calls (``1``: every forward is a full check).
+    since its last check (the rest of the row is unchanged: a ``ReqToTokenPool.write`` below a
+    row's checked length and a release by its request check that row in full next; an eviction,
+    a free nobody holds or a violation anywhere, every row); every ``full_check_every``-th
+    forward is a full check all the same, for a row changed behind SGLang's own calls (``1``:
+    every forward is a full check).
     """
 
     def __init__(
@@ -198,8 +199,10 @@ class Guard:
         # the decode step's claims in one call (OwnershipTable.claim_decode_slots).
         self._row_claimant = np.zeros(rows, dtype=np.int64)
         # req_to_token row -> its tokens the last forward check found clean (0: check in full),
-        # and whether anything since then may have made a checked page unreadable (a release,
-        # an eviction, a violation, an import): then the next forward checks every row in full.
+        # and whether anything since then may have made a page unreadable to a row other than
+        # its releasing request's (an eviction, a free nobody holds, a violation): then the next
+        # forward checks every row in full. A request's own release resets its rows only: a
+        # clean row reads no page another request may release.
         self._row_checked = np.zeros(rows, dtype=np.int64)
         self._rows_stale = True
         self._keys: dict[Any, int] = {}
@@ -424,7 +427,7 @@ class Guard:
         key = self._keys.get(req.rid)
         if key is None or key not in self._admitted:
             return
-        self._rows_stale = True
+        self._forget_checks(key)
         self._admitted.discard(key)
         self._page_key[self._page_key == key] = _NO_OWNER
         self._holds.pop(key, None)
@@ -435,6 +438,11 @@ class Guard:
         self._reqs.pop(key, None)
         self._forget(key)
         self._return_withheld()
+
+    def _forget_checks(self, key: int) -> None:
+        """``key`` releases pages: its rows are checked in full at their next forward (no other
+        row found clean reads a page ``key`` owns or alone holds)."""
+        self._row_checked[self._row_key == key] = 0
 
     def _forget(self, key: int) -> None:
         rid = self._rids.pop(key, None)
@@ -524,13 +532,12 @@ class Guard:
     def _released(self, pages: np.ndarray) -> list[int]:
         """Judges one release of ``pages``; returns those SGLang may put back in its free list."""
         freer = self._freer
-        if len(pages):
-            self._rows_stale = True
         kept: list[int] = []
         by_owner: dict[Any, list[int]] = {}
         for page in pages.tolist():
             prefix = int(self._page_prefix[page]) if 0 <= page < self._page_limit else 0
             if prefix and (freer is _TREE or freer is None):
+                self._rows_stale = True
                 try:
                     self.table.evict_prefix(prefix)
                 except ViolationError as e:
@@ -555,11 +562,13 @@ class Guard:
     def _release_owned(self, key: Any, pages: list[int]) -> list[int]:
         if key is None or key not in self._admitted:
             # Nobody in kvguard holds these pages: a release no request can make.
+            self._rows_stale = True
             self.metrics["unattributed_frees"] += sum(
                 1 for p in pages if not (0 <= p < self._page_limit) or self._page_key[p] == _NO_OWNER
             )
             logger.warning("kvguard: free of pages %s that no live request holds", pages[:8])
             return pages if self.policy == "report" else []
+        self._forget_checks(key)
         try:
             self.table.release_pages(key, pages)
             ok = pages
@@ -683,5 +692,4 @@ class Guard:
 
     def _imported(self, key: int, tokens: int) -> None:
         """A PD transfer of ``tokens`` landed and was accepted for ``key``."""
-        self._rows_stale = True
         self.metrics["imported_tokens"] += tokens

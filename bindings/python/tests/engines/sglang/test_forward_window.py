@@ -117,3 +117,22 @@ def test_full_check_every_is_validated(engine_factory):
     eng = engine_factory(policy=None)
     with pytest.raises(ConfigError, match="full_check_every"):
         eng.install("enforce", full_check_every=0)
+
+
+def test_a_request_finishing_does_not_make_the_others_check_in_full(engine_factory, monkeypatch):
+    """A request's release resets its own rows only: the next decode of the others stays in the
+    window (no full verify_step_rows)."""
+    eng = engine_factory(page_size=16, tokens=4096, context_len=512, policy=None)
+    eng.install("enforce", full_check_every=1000)
+    reqs = [eng.request(f"r{i}", [5 + i] * 40, max_new=64) for i in range(3)]
+    for r in reqs:
+        assert eng.submit(r)
+    eng.prefill(reqs)
+    eng.decode()
+    eng.decode()
+    calls = full_checks(eng, monkeypatch)
+    eng.finish(reqs[0])
+    for _ in range(3):
+        eng.decode()
+    assert calls == []
+    assert eng.guard.violations == []
