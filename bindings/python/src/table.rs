@@ -1245,13 +1245,12 @@ impl OwnershipTable {
         for (k, _) in &v.refused {
             ok[*k] = false;
         }
-        let granted: Vec<u8> = claims
-            .iter()
-            .zip(ok)
-            .filter(|(c, ok)| *ok && c.2 < never)
-            .flat_map(|(c, _)| [i64::from(c.1.0), c.0.0 as i64])
-            .flat_map(i64::to_le_bytes)
-            .collect();
+        // (page, key) pairs as little-endian int64 bytes, numpy's view of them below.
+        let mut granted: Vec<u8> = Vec::with_capacity(claims.len() * 16);
+        for (c, _) in claims.iter().zip(ok).filter(|(c, ok)| *ok && c.2 < never) {
+            granted.extend_from_slice(&i64::from(c.1.0).to_le_bytes());
+            granted.extend_from_slice(&(c.0.0 as i64).to_le_bytes());
+        }
         let np = NUMPY.get_or_try_init(py, || -> PyResult<Py<PyModule>> { Ok(py.import("numpy")?.unbind()) })?;
         let granted = np
             .bind(py)
