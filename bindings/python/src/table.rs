@@ -1095,6 +1095,170 @@ impl OwnershipTable {
             s.requests
         )
     }
+
+    // ---- the forward window (SGLang decode forwards) ----------------------------------------
+
+    /// check_step_rows over each request's window only: request i reads tokens
+    /// from_tokens[i]..seq_lens[i] of row rows[i], i.e. the pages holding them (from page
+    /// from_tokens[i] // page_size on), judged as a read of those pages for
+    /// seq_lens[i] - first_page * page_size tokens. Pure: counts, logs and quarantines nothing.
+    ///
+    /// For an engine that checked each row in full once and knows nothing before from_tokens[i]
+    /// changed since (the row's entries and the pages they name): a decode step then checks one
+    /// page per request instead of its whole row. from_tokens[i] = 0 checks the whole row; a
+    /// from_tokens[i] beyond seq_lens[i] is taken as seq_lens[i] (nothing unchecked).
+    /// A window that is clean here is clean in the full check; a refused one is what the engine
+    /// must judge with verify_step_rows (the violation's page index is relative to the window).
+    ///
+    /// req_ids, table, rows, seq_lens, token_slots: as verify_step_rows.
+    /// from_tokens: 1-D int, n entries, non-negative (ValueError otherwise).
+    #[pyo3(signature = (req_ids, table, rows, seq_lens, from_tokens, *, token_slots = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn check_step_window(
+        &self,
+        py: Python<'_>,
+        req_ids: &Bound<'_, PyAny>,
+        table: &Bound<'_, PyAny>,
+        rows: &Bound<'_, PyAny>,
+        seq_lens: &Bound<'_, PyAny>,
+        from_tokens: &Bound<'_, PyAny>,
+        token_slots: bool,
+    ) -> PyResult<StepVerdict> {
+        let requests = self.step_requests(req_ids)?;
+        let n = requests.len();
+        let t = IntArray::open(table, "table", 2)?;
+        let rows = IntArray::open(rows, "rows", 1)?.counts(n, "rows")?;
+        if let Some((i, r)) = rows.iter().enumerate().find(|(_, r)| **r >= t.len() as u64) {
+            return Err(PyValueError::new_err(format!("rows[{i}] is {r}: table has {} rows", t.len())));
+        }
+        let lens = IntArray::open(seq_lens, "seq_lens", 1)?.counts(n, "seq_lens")?;
+        let from = IntArray::open(from_tokens, "from_tokens", 1)?.counts(n, "from_tokens")?;
+        let ps = u64::from(self.table.page_size());
+        let stride = if token_slots { ps as usize } else { 1 };
+        let width = t.width().div_ceil(stride);
+        let mut pages = Vec::with_capacity(n);
+        let mut spans = Vec::with_capacity(n);
+        let mut tokens = Vec::with_capacity(n);
+        for i in 0..n {
+            let (row, seq) = (rows[i] as usize, lens[i]);
+            let first = usize::try_from(from[i].min(seq) / ps).unwrap_or(usize::MAX);
+            let end = usize::try_from(seq.div_ceil(ps)).unwrap_or(usize::MAX).min(width).max(first);
+            let start = pages.len();
+            pages.extend((first..end).map(|j| {
+                let v = t.get(row, j * stride);
+                let page = if v < 0 { -1 } else { v / stride as i64 };
+                PageId(u32::try_from(page).unwrap_or(u32::MAX))
+            }));
+            spans.push(start..pages.len());
+            tokens.push(seq - first as u64 * ps);
+        }
+        let reads: Vec<SeqRead<'_>> = (0..n)
+            .map(|i| SeqRead { request: requests[i], block_table: &pages[spans[i].clone()], tokens: tokens[i] })
+            .collect();
+        let core = &self.table;
+        let v = py.detach(|| core.check_step(&reads));
+        drop(reads);
+        self.verdict(py, v, n, false)
+    }
+
+    /// A decode step's block-table writes, one slot per request, judged in one call against the
+    /// engine's own mirror of page owners (kvguard.sglang's): request row_keys[rows[i]] wrote
+    /// slot slots[i] (page slots[i] // page_size) into row rows[i].
+    ///
+    /// A page its row's request already owns in the mirror (page_owner[page] == its key) is
+    /// nothing new. A new page of a plain row (row_claimants[row] != 0: its request is live) that
+    /// is no prefix (page_prefix[page] == 0) is claimed for it: all such claims in one claim_step
+    /// (judged: a refusal is counted, logged, quarantined under enforce). Anything else is left
+    /// to the engine: its positions are returned, in order. Nothing is written to the arrays.
+    ///
+    /// row_keys, row_claimants: 1-D int, one entry per row of the engine's table.
+    /// page_owner, page_prefix: 1-D int, one entry per page and one more, the same length (a
+    ///   page outside 0..len - 1 reads as that last entry, which must be owned by no key).
+    /// rows, slots: 1-D int, n entries (rows within row_keys, ValueError otherwise).
+    /// Returns (StepVerdict over the claims made, in order; [positions left to the engine];
+    /// granted: numpy int64 array of shape (m, 2), the (page, key) of each claim granted: what
+    /// the engine's page_owner must now say).
+    #[allow(clippy::too_many_arguments)]
+    fn claim_decode_slots(
+        &self,
+        py: Python<'_>,
+        row_keys: &Bound<'_, PyAny>,
+        row_claimants: &Bound<'_, PyAny>,
+        page_owner: &Bound<'_, PyAny>,
+        page_prefix: &Bound<'_, PyAny>,
+        rows: &Bound<'_, PyAny>,
+        slots: &Bound<'_, PyAny>,
+    ) -> PyResult<(StepVerdict, Vec<usize>, Py<PyAny>)> {
+        let keys = IntArray::open(row_keys, "row_keys", 1)?;
+        let claimants = IntArray::open(row_claimants, "row_claimants", 1)?;
+        if claimants.len() != keys.len() {
+            return Err(PyValueError::new_err(format!(
+                "row_claimants has {} entries, row_keys {}",
+                claimants.len(),
+                keys.len()
+            )));
+        }
+        let prefix = IntArray::open(page_prefix, "page_prefix", 1)?;
+        let owner = IntArray::open(page_owner, "page_owner", 1)?;
+        if owner.is_empty() || prefix.len() != owner.len() {
+            return Err(PyValueError::new_err(format!(
+                "page_owner ({}) and page_prefix ({}) must have one entry per page and one more",
+                owner.len(),
+                prefix.len()
+            )));
+        }
+        let rows = IntArray::open(rows, "rows", 1)?;
+        let n = rows.len();
+        let slots = IntArray::open(slots, "slots", 1)?;
+        if slots.len() < n {
+            return Err(PyValueError::new_err(format!("slots has {} entries, {n} needed", slots.len())));
+        }
+        let rows = rows.counts(n, "rows")?;
+        if let Some((i, r)) = rows.iter().enumerate().find(|(_, r)| **r >= keys.len() as u64) {
+            return Err(PyValueError::new_err(format!("rows[{i}] is {r}: row_keys has {} rows", keys.len())));
+        }
+        let ps = i64::from(self.table.page_size());
+        let never = owner.len() - 1;
+        let mut claims: Vec<(RequestId, PageId, usize)> = Vec::new();
+        let mut left = Vec::new();
+        for (i, &row) in rows.iter().enumerate() {
+            let key = keys.get(row as usize, 0);
+            let page = slots.get(i, 0).div_euclid(ps);
+            let at = usize::try_from(page).ok().filter(|&p| p < never).unwrap_or(never);
+            if owner.get(at, 0) == key {
+                continue;
+            }
+            if claimants.get(row as usize, 0) == 0 || prefix.get(at, 0) != 0 {
+                left.push(i);
+                continue;
+            }
+            let id = PageId(u32::try_from(page).unwrap_or(u32::MAX));
+            claims.push((RequestId(key as u64), id, at));
+        }
+        let pages: Vec<PageId> = claims.iter().map(|c| c.1).collect();
+        let step: Vec<SeqClaim<'_>> =
+            claims.iter().enumerate().map(|(k, c)| SeqClaim { request: c.0, pages: &pages[k..=k] }).collect();
+        let table = &self.table;
+        let v = py.detach(|| table.claim_step(&step));
+        drop(step);
+        let mut ok = vec![true; claims.len()];
+        for (k, _) in &v.refused {
+            ok[*k] = false;
+        }
+        // (page, key) pairs as little-endian int64 bytes, numpy's view of them below.
+        let mut granted: Vec<u8> = Vec::with_capacity(claims.len() * 16);
+        for (c, _) in claims.iter().zip(ok).filter(|(c, ok)| *ok && c.2 < never) {
+            granted.extend_from_slice(&i64::from(c.1.0).to_le_bytes());
+            granted.extend_from_slice(&(c.0.0 as i64).to_le_bytes());
+        }
+        let np = NUMPY.get_or_try_init(py, || -> PyResult<Py<PyModule>> { Ok(py.import("numpy")?.unbind()) })?;
+        let granted = np
+            .bind(py)
+            .call_method1("frombuffer", (pyo3::types::PyBytes::new(py, &granted), "<i8"))?
+            .call_method1("reshape", (-1, 2))?;
+        let m = claims.len();
+        Ok((self.verdict(py, v, m, true)?, left, granted.unbind()))
+    }
 }
 
 impl OwnershipTable {

@@ -209,6 +209,13 @@ class OwnershipTable:
     def verify_step_rows(self, req_ids: Sequence[Id] | IntArray, table: IntArray, rows: Sequence[int] | IntArray, seq_lens: Sequence[int] | IntArray, *, token_slots: bool = False) -> StepVerdict:
         """verify_step reading request i's block table in place from row rows[i] of table;
         token_slots=True: one KV slot per token (SGLang's req_to_token), page j = entry j*page_size // page_size."""
+    def check_step_window(self, req_ids: Sequence[Id] | IntArray, table: IntArray, rows: Sequence[int] | IntArray, seq_lens: Sequence[int] | IntArray, from_tokens: Sequence[int] | IntArray, *, token_slots: bool = False) -> StepVerdict:
+        """check_step_rows over each request's window: tokens from_tokens[i]..seq_lens[i] of row rows[i]
+        (the pages holding them); pure. 0 checks the whole row; beyond seq_lens[i]: nothing unchecked."""
+    def claim_decode_slots(self, row_keys: IntArray, row_claimants: IntArray, page_owner: IntArray, page_prefix: IntArray, rows: Sequence[int] | IntArray, slots: Sequence[int] | IntArray) -> tuple[StepVerdict, list[int], Any]:
+        """A decode step's block-table writes (one slot per row) against the engine's mirror of page owners:
+        each new page of a live row, no prefix, claimed in one claim_step; returns (verdict over the claims,
+        [positions left to the engine], granted (page, key) int64 array of shape (m, 2)). Writes nothing."""
     def check_step_refs(self, req_ids: Sequence[Id] | IntArray, refs: Sequence[Sequence[PageRef]], seq_lens: Sequence[int] | IntArray) -> StepVerdict: ...
     def verify_step_refs(self, req_ids: Sequence[Id] | IntArray, refs: Sequence[Sequence[PageRef]], seq_lens: Sequence[int] | IntArray) -> StepVerdict: ...
     def release(self, request: Id) -> Released: ...

@@ -7,7 +7,8 @@ one gather (``Guard._row_key[req_pool_indices]``). The rows are verified where t
 
 - :class:`HostRowCheck`: ``req_to_token`` on the host. ``verify_step_rows`` reads each
   request's row in place by its row index (no gather): at page size 1 the row itself, otherwise
-  the first slot of each page divided by the page size.
+  the first slot of each page divided by the page size. A decode forward checks each row's
+  window only (``check_step_window``, see :meth:`HostRowCheck._verify_rows`).
 - :class:`DeviceRowCheck`: ``req_to_token`` on a GPU. The same page table is gathered on the
   device and checked by :class:`kvguard.DeviceGuard` on SGLang's current stream
   (``sync_tags``, ``set_readers``, ``clear_status``, ``verify_block_table``: no host sync); its
@@ -74,6 +75,8 @@ class HostRowCheck:
         self._rows_dev: Any = None
         self._lens_dev: Any = None
         self._req_to_token: np.ndarray | None = None
+        self._decode = False
+        self._forwards = 0
 
     def begin(self, rows: Any, seq_lens: Any, extend_lens: Any, rows_cpu: Any, seq_lens_cpu: Any) -> None:
         """A forward over ``rows`` of ``req_to_token`` is about to run."""
@@ -82,6 +85,7 @@ class HostRowCheck:
         self._rows = _host(rows if rows_cpu is None else rows_cpu).reshape(-1)
         self._lens = _host(seq_lens if seq_lens_cpu is None else seq_lens_cpu).reshape(-1)
         n = len(self._rows)
+        self._decode = extend_lens is None
         if extend_lens is None:
             self._qsl = g._qsl_decode[: n + 1]
         else:
@@ -105,8 +109,18 @@ class HostRowCheck:
         live = g._row_live[rows]
         slots = _host(loc).reshape(-1)
         refused = ~live
-        if live.all():
+        # count_nonzero: a C call (ndarray.all goes through numpy's Python wrapper), every step.
+        if np.count_nonzero(refused) == 0:
             verdict = g.table.record_step_writes(keys, slots, qsl)
+            if verdict.clean:
+                # The common step: every row live, every write recorded.
+                refusals = self._verify_rows(None, keys)
+                if not refusals:
+                    return loc
+                for i, v in refusals:
+                    refused[i] = True
+                    g._refused(int(keys[i]), v)
+                return self._refuse(loc, refused)
             pos = None
         else:
             # Rows of requests kvguard never admitted (or already released): their writes are
@@ -126,7 +140,13 @@ class HostRowCheck:
             for i, v in self._verify_rows(ok, keys[ok]):
                 refused[ok[i]] = True
                 g._refused(int(keys[ok[i]]), v)
-        if refused.any() and g.policy == "enforce":
+        return self._refuse(loc, refused)
+
+    def _refuse(self, loc: Any, refused: np.ndarray) -> Any:
+        """Under enforce, the refused rows' writes go to the padding slot (this layer and the
+        later ones)."""
+        if refused.any() and self.guard.policy == "enforce":
+            qsl = self._qsl
             bad = np.flatnonzero(refused).tolist()
             self._refused_slots = np.concatenate([np.arange(qsl[i], qsl[i + 1]) for i in bad])
             return self.later_store(loc)
@@ -140,15 +160,44 @@ class HostRowCheck:
         masked[self._refused_slots] = 0
         return masked
 
-    def _verify_rows(self, pos: np.ndarray, keys: np.ndarray) -> list[tuple[int, Any]]:
-        """Verifies the rows at batch positions ``pos``; returns (index into pos, violation)."""
+    def _verify_rows(self, pos: np.ndarray | None, keys: np.ndarray) -> list[tuple[int, Any]]:
+        """Verifies the rows at batch positions ``pos`` (None: every row); returns (index into
+        pos, violation).
+
+        A decode forward checks each row's window only: the pages holding the tokens written
+        since the row's last clean check (one page per row in decode), in one pure
+        ``check_step_window``. The rest of the row is as it was when found clean: its entries are
+        rewritten only through ``ReqToTokenPool.write`` (which lowers the row's checked length),
+        and a checked page becomes unreadable only by a release (its request's rows are checked
+        in full next), an eviction, a free nobody holds or a violation (each makes the next
+        forward a full check of every row, ``Guard._rows_stale``). Anything the
+        window check refuses, and every ``full_check_every``-th forward, goes to the full
+        ``verify_step_rows``, so verdicts are exactly the full check's."""
         g = self.guard
-        lens = self._lens if len(pos) == len(self._lens) else self._lens[pos]
-        rows = self._rows if len(pos) == len(self._rows) else self._rows[pos]
+        lens = self._lens if pos is None or len(pos) == len(self._lens) else self._lens[pos]
+        rows = self._rows if pos is None or len(pos) == len(self._rows) else self._rows[pos]
         if self._req_to_token is None:
             self._req_to_token = _host(g.req_to_token_pool.req_to_token)  # SGLang allocates it once
-        verdict = g.table.verify_step_rows(keys, self._req_to_token, rows, lens, token_slots=True)
-        return verdict.refused
+        rt = self._req_to_token
+        self._forwards += 1
+        full = g._rows_stale or not self._decode or self._forwards % g.full_check_every == 0
+        if not full:
+            checked = g._row_checked[rows]
+            window = g.table.check_step_window(keys, rt, rows, lens, checked, token_slots=True)
+            if window.clean:
+                g._row_checked[rows] = lens
+                return []
+        verdict = g.table.verify_step_rows(keys, rt, rows, lens, token_slots=True)
+        if g._rows_stale:
+            # Rows outside this forward were not checked against what changed: in full next time.
+            g._row_checked[:] = 0
+            g._rows_stale = False
+        g._row_checked[rows] = lens
+        if verdict.clean:
+            return []
+        refused = verdict.refused
+        g._row_checked[rows[[i for i, _ in refused]]] = 0
+        return refused
 
 
 class DeviceRowCheck(HostRowCheck):
@@ -173,11 +222,13 @@ class DeviceRowCheck(HostRowCheck):
 
         return int(torch.cuda.current_stream(self.guard.req_to_token_pool.req_to_token.device).cuda_stream)
 
-    def _verify_rows(self, pos: np.ndarray, keys: np.ndarray) -> list[tuple[int, Any]]:
+    def _verify_rows(self, pos: np.ndarray | None, keys: np.ndarray) -> list[tuple[int, Any]]:
         import torch
 
         g = self.guard
         rt = g.req_to_token_pool.req_to_token
+        if pos is None:
+            pos = np.arange(len(self._rows))
         lens = self._lens if len(pos) == len(self._lens) else self._lens[pos]
         width = int(lens.max()) if len(lens) else 0
         rows_dev = torch.as_tensor(self._rows_dev, device=rt.device).reshape(-1)

@@ -108,14 +108,14 @@ class NamedViolation:
 
 def _host(t: Any) -> np.ndarray:
     """A tensor or array as a host numpy array (no copy for CPU tensors and arrays)."""
-    if isinstance(t, np.ndarray):
+    if type(t) is np.ndarray:
         return t
-    if hasattr(t, "detach"):
-        try:
-            return t.numpy()  # a CPU tensor: its memory, no copy (the common case, fastest)
-        except (TypeError, RuntimeError):
-            return t.detach().cpu().numpy()
-    return np.asarray(t)
+    try:
+        return t.numpy()  # a CPU tensor: its memory, no copy (the common case, fastest)
+    except AttributeError:
+        return np.asarray(t)  # a sequence, or an ndarray subclass
+    except (TypeError, RuntimeError):
+        return t.detach().cpu().numpy()  # on a device, or requiring grad
 
 
 def _pages_of(slots: np.ndarray, page_size: int) -> np.ndarray:
@@ -135,6 +135,12 @@ class Guard:
     ``context_len``: the model's context length; the pool is audited against it at construction.
     ``device_rows``: check the forward batch's ``req_to_token`` rows on the GPU with
     :class:`kvguard.DeviceGuard` when they are CUDA tensors (``None``: whenever they are).
+    ``full_check_every``: on the host, a decode forward checks only each row's tokens written
+    since its last check (the rest of the row is unchanged: a ``ReqToTokenPool.write`` below a
+    row's checked length and a release by its request check that row in full next; an eviction,
+    a free nobody holds or a violation anywhere, every row); every ``full_check_every``-th
+    forward is a full check all the same, for a row changed behind SGLang's own calls (``1``:
+    every forward is a full check).
     """
 
     def __init__(
@@ -149,9 +155,13 @@ class Guard:
         side: str = "pool",
         tenant_of: Callable[[Any], Any] = _default_tenant,
         device_rows: bool | None = None,
+        full_check_every: int = 64,
     ) -> None:
         from .forward import row_check_for
 
+        if int(full_check_every) < 1:
+            raise ConfigError(f"kvguard: full_check_every must be >= 1, not {full_check_every!r}")
+        self.full_check_every = int(full_check_every)
         if policy not in ("enforce", "report"):
             raise ConfigError(f"kvguard: policy must be 'enforce' or 'report', not {policy!r}")
         self.policy = policy
@@ -185,6 +195,16 @@ class Guard:
         # req_to_token row -> key of the request holding it (0: none), and whether it is admitted.
         self._row_key = np.zeros(rows, dtype=np.int64)
         self._row_live = np.zeros(rows, dtype=bool)
+        # req_to_token row -> its request's key while that request is admitted (0: none), for
+        # the decode step's claims in one call (OwnershipTable.claim_decode_slots).
+        self._row_claimant = np.zeros(rows, dtype=np.int64)
+        # req_to_token row -> its tokens the last forward check found clean (0: check in full),
+        # and whether anything since then may have made a page unreadable to a row other than
+        # its releasing request's (an eviction, a free nobody holds, a violation): then the next
+        # forward checks every row in full. A request's own release resets its rows only: a
+        # clean row reads no page another request may release.
+        self._row_checked = np.zeros(rows, dtype=np.int64)
+        self._rows_stale = True
         self._keys: dict[Any, int] = {}
         self._rids: dict[int, Any] = {}
         self._reqs: dict[int, Any] = {}
@@ -237,6 +257,8 @@ class Guard:
                     key = self.request_key(req.rid)
                     self._row_key[row] = key
                     self._row_live[row] = key in self._admitted
+                    self._row_claimant[row] = key if key in self._admitted else 0
+                    self._row_checked[row] = 0
             return rows
 
         return alloc
@@ -248,6 +270,8 @@ class Guard:
             if row is not None:
                 self._row_key[int(row)] = 0
                 self._row_live[int(row)] = False
+                self._row_claimant[int(row)] = 0
+                self._row_checked[int(row)] = 0
             return inner(req)
 
         return free
@@ -256,12 +280,29 @@ class Guard:
         def write(indices: Any, values: Any) -> Any:
             rows, cols = indices
             if isinstance(cols, slice):
-                self._row_written(int(rows), _host(values).reshape(-1))
+                row = int(rows)
+                start = cols.start or 0
+                if start < self._row_checked[row]:
+                    self._row_checked[row] = start
+                self._row_written(row, _host(values).reshape(-1))
             else:
-                self._decode_rows_written(_host(rows).reshape(-1), _host(values).reshape(-1))
+                rows = _host(rows).reshape(-1)
+                self._columns_written(rows, _host(cols).reshape(-1))
+                self._decode_rows_written(rows, _host(values).reshape(-1))
             return inner(indices, values)
 
         return write
+
+    def _columns_written(self, rows: np.ndarray, cols: np.ndarray) -> None:
+        """Entries ``(rows[i], cols[i])`` of ``req_to_token`` are rewritten: a row's checked
+        length drops to the first column written below it (a decode step writes at the checked
+        length: nothing to do)."""
+        checked = self._row_checked
+        if len(cols) == len(rows) and not np.count_nonzero(cols < checked[rows]):
+            return
+        if len(cols) == 1 and len(rows) > 1:
+            cols = np.broadcast_to(cols, rows.shape)
+        np.minimum.at(checked, rows, cols.astype(np.int64, copy=False))
 
     def _wrap_release_page_ids(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         def release_page_ids(*page_ids: Any) -> Any:
@@ -386,6 +427,7 @@ class Guard:
         key = self._keys.get(req.rid)
         if key is None or key not in self._admitted:
             return
+        self._forget_checks(key)
         self._admitted.discard(key)
         self._page_key[self._page_key == key] = _NO_OWNER
         self._holds.pop(key, None)
@@ -397,6 +439,11 @@ class Guard:
         self._forget(key)
         self._return_withheld()
 
+    def _forget_checks(self, key: int) -> None:
+        """``key`` releases pages: its rows are checked in full at their next forward (no other
+        row found clean reads a page ``key`` owns or alone holds)."""
+        self._row_checked[self._row_key == key] = 0
+
     def _forget(self, key: int) -> None:
         rid = self._rids.pop(key, None)
         if rid is not None and self._keys.get(rid) == key:
@@ -406,31 +453,20 @@ class Guard:
     # ---- events ------------------------------------------------------------------------------
 
     def _decode_rows_written(self, rows: np.ndarray, slots: np.ndarray) -> None:
-        """A decode step's ``req_to_token`` write: one slot per row. Only a page its row's request
-        does not own yet goes to the table (every step at page size 1; one row in page_size
-        otherwise); the rest is one vectorised comparison."""
-        pages = slots // self.page_size if self.page_size > 1 else slots
-        keys = self._row_key[rows]
-        new = self._page_key[np.clip(pages, 0, self._page_limit)] != keys
-        if not new.any():
-            return
-        idx = np.flatnonzero(new)
-        plain = self._row_live[rows[idx]] & (self._page_prefix[np.clip(pages[idx], 0, self._page_limit)] == 0)
-        plain &= keys[idx] != 0
-        # Every page opened this step, claimed in one call under one lock (each request's claim
-        # judged as its own claim call would be, in row order).
-        claimed = plain.copy()
-        sel = np.flatnonzero(plain)
-        if len(sel):
-            ks = keys[idx[sel]]
-            verdict = self.table.claim_step(ks, pages[idx[sel]], self._qsl_decode[: len(sel) + 1])
-            for j, v in verdict.refused:
-                claimed[sel[j]] = False
-                self._refused(int(ks[j]), v)
-        done = idx[claimed]
-        self._page_key[pages[done]] = keys[done]
-        for j in np.flatnonzero(~plain).tolist():
-            i = int(idx[j])
+        """A decode step's ``req_to_token`` write: one slot per row, in one call
+        (``claim_decode_slots``). A page its row's request already owns is nothing new (every
+        step but one in page_size at page size > 1); every page a live row opens is claimed in
+        one ``claim_step`` (each request's claim judged as its own claim call would be, in row
+        order); a row that is not live or a prefix page goes through :meth:`_row_written`."""
+        verdict, left, granted = self.table.claim_decode_slots(
+            self._row_key, self._row_claimant, self._page_key, self._page_prefix, rows, slots
+        )
+        if len(granted):
+            self._page_key[granted[:, 0]] = granted[:, 1]
+        if not verdict.clean:
+            for _, v in verdict.refused:
+                self._refused(int(v.request), v)
+        for i in left:
             self._row_written(int(rows[i]), slots[i : i + 1])
 
     def _row_written(self, row: int, slots: np.ndarray) -> None:
@@ -501,6 +537,7 @@ class Guard:
         for page in pages.tolist():
             prefix = int(self._page_prefix[page]) if 0 <= page < self._page_limit else 0
             if prefix and (freer is _TREE or freer is None):
+                self._rows_stale = True
                 try:
                     self.table.evict_prefix(prefix)
                 except ViolationError as e:
@@ -525,11 +562,13 @@ class Guard:
     def _release_owned(self, key: Any, pages: list[int]) -> list[int]:
         if key is None or key not in self._admitted:
             # Nobody in kvguard holds these pages: a release no request can make.
+            self._rows_stale = True
             self.metrics["unattributed_frees"] += sum(
                 1 for p in pages if not (0 <= p < self._page_limit) or self._page_key[p] == _NO_OWNER
             )
             logger.warning("kvguard: free of pages %s that no live request holds", pages[:8])
             return pages if self.policy == "report" else []
+        self._forget_checks(key)
         try:
             self.table.release_pages(key, pages)
             ok = pages
@@ -621,6 +660,7 @@ class Guard:
         logger.warning("kvguard %s: %s (request %r)", self.policy, text, rid)
 
     def _violation(self, key: int | None, violation: Violation) -> NamedViolation:
+        self._rows_stale = True
         named = self._name(violation)
         rid = None if key is None else self._rids.get(key)
         self.violations.append(named)
@@ -646,6 +686,7 @@ class Guard:
 
     def _abort_plain(self, key: int, message: str) -> None:
         """A refusal that carries no violation (a missing manifest)."""
+        self._rows_stale = True
         self._count("missing_manifest", self._rids.get(key), message)
         self._abort(key, message, HTTPStatus.INTERNAL_SERVER_ERROR)
 

@@ -5,18 +5,50 @@ req_to_token write, the KV store at one layer, the scheduler's per-request lengt
 guarded, kvguard's hooks on those calls and the forward-batch check. Runs alternate unguarded and
 guarded engines (the machine may be shared), each the median of its steps; the ratio
 (guarded - unguarded) / unguarded is reported as min / median / max over the pairs.
-Usage: python bench_step.py [--pairs N] [page_size ...]"""
+Also the fastest step of each engine (min over its steps, over the pairs), guarded against
+unguarded: on a loaded machine the medians swing, the fastest steps much less.
+``--hooks``: also each kvguard hook's median time per step (over the guarded runs), so a loaded
+machine's noise in the ratio can be told from kvguard's own time.
+Usage: python bench_step.py [--pairs N] [--hooks] [page_size ...]"""
 
 from __future__ import annotations
 
 import statistics
 import sys
 import time
+from collections import defaultdict
 
 from harness import Engine
 
 
-def run(page_size: int, guarded: bool, n: int = 256, steps: int = 60) -> float:
+HOOKS: dict[str, list[float]] = defaultdict(list)
+"""Per-hook step times of the guarded runs (``--hooks``)."""
+
+
+def _timed(obj, name: str, label: str) -> None:
+    inner = getattr(obj, name)
+
+    def call(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            HOOKS[label].append(time.perf_counter() - t)
+
+    setattr(obj, name, call)
+
+
+def _time_hooks(eng: Engine) -> None:
+    g = eng.guard
+    _timed(g, "_decode_rows_written", "ReqToTokenPool.write (claim_decode_slots)")
+    _timed(g.row_check, "begin", "begin_forward")
+    _timed(g.row_check, "first_store", "set_kv_buffer, first layer (record + row check)")
+    _timed(g.row_check, "_verify_rows", "  of which the row check (window or full)")
+    _timed(g.row_check, "end", "end_forward")
+
+
+def run(page_size: int, guarded: bool, n: int = 256, steps: int = 60, hooks: bool = False) -> tuple[float, float]:
+    """(median, fastest) step time of one engine, the first 10 steps left out."""
     eng = Engine(page_size=page_size, tokens=n * 512, rows=n + 8, context_len=1024)
     if guarded:
         eng.install("enforce")
@@ -25,6 +57,8 @@ def run(page_size: int, guarded: bool, n: int = 256, steps: int = 60) -> float:
         eng.submit(r)
     for i in range(0, n, 32):
         eng.prefill(reqs[i : i + 32])
+    if guarded and hooks:
+        _time_hooks(eng)
     times = []
     for _ in range(steps):
         t = time.perf_counter()
@@ -32,7 +66,7 @@ def run(page_size: int, guarded: bool, n: int = 256, steps: int = 60) -> float:
         times.append(time.perf_counter() - t)
     if guarded:
         assert eng.guard.violations == [], eng.guard.violations[:2]
-    return statistics.median(times[10:])
+    return statistics.median(times[10:]), min(times[10:])
 
 
 if __name__ == "__main__":
@@ -40,15 +74,21 @@ if __name__ == "__main__":
 
     args = sys.argv[1:]
     pairs = 5
+    hooks = "--hooks" in args
+    args = [a for a in args if a != "--hooks"]
     if args[:1] == ["--pairs"]:
         pairs, args = int(args[1]), args[2:]
     ctx = sglang_context.__wrapped__()
     next(ctx)
     for ps in [int(a) for a in args] or [16, 1]:
         base, guard, ratio = [], [], []
+        fastest_base, fastest_guard = [], []
+        HOOKS.clear()
         for _ in range(pairs):
-            b = run(ps, False)
-            g = run(ps, True)
+            b, fb = run(ps, False)
+            g, fg = run(ps, True, hooks=hooks)
+            fastest_base.append(fb)
+            fastest_guard.append(fg)
             base.append(b)
             guard.append(g)
             ratio.append((g - b) / b)
@@ -58,3 +98,7 @@ if __name__ == "__main__":
             f"{statistics.median(guard) * 1e6:.0f} us (medians of {pairs}); kvguard's share of the "
             f"step min/median/max {100 * r[0]:.1f} / {100 * statistics.median(r):.1f} / {100 * r[-1]:.1f} %"
         )
+        fb, fg = min(fastest_base), min(fastest_guard)
+        print(f"    fastest steps: {fb * 1e6:.0f} -> {fg * 1e6:.0f} us ({100 * (fg - fb) / fb:+.1f} %)")
+        for label, times in HOOKS.items():
+            print(f"    {label}: {statistics.median(times) * 1e6:.1f} us (median of {len(times)} calls)")

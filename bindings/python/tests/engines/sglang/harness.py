@@ -61,12 +61,12 @@ class Engine:
         self.guard = None
         self.running: list[Req] = []
 
-    def install(self, policy: str = "enforce"):
+    def install(self, policy: str = "enforce", **options):
         from kvguard.sglang import Guard
 
         self.guard = Guard(
             self.req_to_token_pool, self.allocator, tree_cache=self.tree, kv_pool=self.kv_pool,
-            context_len=self.context_len, policy=policy,
+            context_len=self.context_len, policy=policy, **options,
         )
         return self.guard
 
