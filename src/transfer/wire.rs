@@ -65,7 +65,13 @@ pub struct PageEntry {
 /// zero field always reads as "missing".
 #[inline]
 pub fn page_checksum(bytes: &[u8]) -> u32 {
-    match crc32fast::hash(bytes) {
+    checksum_value(crc32fast::hash(bytes))
+}
+
+/// A CRC32 as [`page_checksum`] reports it (0 folded into 1), for a CRC computed piecewise.
+#[inline]
+pub(crate) fn checksum_value(crc: u32) -> u32 {
+    match crc {
         0 => 1,
         c => c,
     }

@@ -1,7 +1,7 @@
 //! The checked protocol between one prefill and one decode agent: pushes and pulls of a
 //! request's pages with the manifest riding along, and decode's receive, which fails closed.
 
-use super::{Direction, Extent, HostRegion, NixlAgent, NixlError, Notice, NoticeKind, RegionLayout};
+use super::{Direction, Extent, NixlAgent, NixlError, Notice, NoticeKind, PageRegion, RegionLayout};
 use crate::ids::{PageId, RequestId};
 use crate::transfer::{Accepted, ExpectedTransfer, PinnedImport, TransferError};
 use std::time::Instant;
@@ -9,6 +9,15 @@ use std::time::Instant;
 /// Notices kept for requests nobody waits for yet; past this, the oldest are dropped (a peer
 /// cannot make decode hold unbounded memory).
 pub const INBOX_CAP: usize = 4_096;
+
+/// A push of more bytes than this goes as several WRITEs of about this many bytes each, each
+/// with a `Part` notification, so that decode checksums the pages of one part while the next is
+/// in flight rather than all of them after the transfer.
+pub const PART_BYTES: u64 = 1 << 20;
+
+/// Bytes checksummed between two calls into the agent while decode checks landed pages: with no
+/// progress thread, UCX moves the next part only while the agent is called.
+const CHECKSUM_SLICE: usize = 128 << 10;
 
 /// How long [`NixlLink::send`] keeps the agent busy after a notification.
 pub const FLUSH: std::time::Duration = std::time::Duration::from_millis(2);
@@ -118,10 +127,13 @@ impl<'a> NixlLink<'a> {
 
     /// Prefill, push: WRITEs `local`'s extents into the peer's pages `dest` (position by
     /// position, same lengths) with the notice `Written { dest extents, manifest }` as the
-    /// transfer's notification (NIXL delivers it after the data). Waits for completion.
-    pub fn push(
+    /// transfer's notification (NIXL delivers it after the data). Past [`PART_BYTES`] the
+    /// transfer goes as several WRITEs posted at once, each but the last notified by a `Part`
+    /// notice naming its extents, the last by `Written` (every extent, the manifest, the number
+    /// of parts). Waits for completion.
+    pub fn push<R: PageRegion + ?Sized>(
         &self,
-        local: &HostRegion,
+        local: &R,
         src: &[Extent],
         dest: &[PageId],
         request: RequestId,
@@ -129,20 +141,47 @@ impl<'a> NixlLink<'a> {
         deadline: Instant,
     ) -> Result<(), NixlError> {
         let written: Vec<Extent> = src.iter().zip(dest).map(|(s, d)| Extent { page: d.0, len: s.len }).collect();
-        let notice =
-            Notice { kind: NoticeKind::Written, request, extents: written.clone(), manifest: manifest.to_vec() };
         let src = &src[..written.len()];
-        let message = notice.encode();
-        self.agent.transfer(
-            Direction::Write,
-            &local.layout(),
-            src,
-            &self.peer,
-            &self.peer_region,
-            &written,
-            Some(&message),
-            deadline,
-        )
+        let layout = local.layout();
+        let ends = part_ends(&written);
+        let mut posted = Vec::with_capacity(ends.len());
+        let mut start = 0;
+        for (k, &end) in ends.iter().enumerate() {
+            let last = k + 1 == ends.len();
+            let notice = if last {
+                Notice {
+                    kind: NoticeKind::Written,
+                    request,
+                    extents: written.clone(),
+                    manifest: manifest.to_vec(),
+                    // `part_ends` makes at most `u16::MAX + 1` parts.
+                    parts: u16::try_from(k).unwrap_or(u16::MAX),
+                }
+            } else {
+                Notice {
+                    kind: NoticeKind::Part,
+                    request,
+                    extents: written[start..end].to_vec(),
+                    manifest: Vec::new(),
+                    parts: 0,
+                }
+            };
+            let message = notice.encode();
+            posted.push(self.agent.post(
+                Direction::Write,
+                &layout,
+                &src[start..end],
+                &self.peer,
+                &self.peer_region,
+                &written[start..end],
+                Some(&message),
+            )?);
+            start = end;
+        }
+        for p in &mut posted {
+            self.agent.wait(p, deadline)?;
+        }
+        Ok(())
     }
 
     /// Prefill, pull: tells decode that `request`'s KV is staged in `local`'s extents `src`,
@@ -154,7 +193,13 @@ impl<'a> NixlLink<'a> {
         manifest: &[u8],
         deadline: Instant,
     ) -> Result<(), NixlError> {
-        self.send(&Notice { kind: NoticeKind::Staged, request, extents: src.to_vec(), manifest: manifest.to_vec() })?;
+        self.send(&Notice {
+            kind: NoticeKind::Staged,
+            request,
+            extents: src.to_vec(),
+            manifest: manifest.to_vec(),
+            parts: 0,
+        })?;
         self.wait(request, &[NoticeKind::Released], deadline).map(|_| ())
     }
 
@@ -180,12 +225,12 @@ impl<'a> NixlLink<'a> {
     /// timeout, a transport error or a decline nothing is recorded as written and the pinned
     /// pages are scrubbed.
     #[allow(clippy::too_many_arguments)]
-    pub fn receive(
+    pub fn receive<R: PageRegion + ?Sized>(
         &mut self,
         direction: Direction,
         pinned: PinnedImport<'_>,
         expected: &ExpectedTransfer<'_>,
-        region: &mut HostRegion,
+        region: &mut R,
         deadline: Instant,
         land: impl FnMut(usize, crate::PageRef, &[u8]),
     ) -> Result<Accepted, ImportError> {
@@ -195,45 +240,81 @@ impl<'a> NixlLink<'a> {
             // Best effort: the pages are still the request's; zero whatever landed. Pages
             // outside the region cannot have been written through it.
             let in_region: Vec<u32> = pages.into_iter().filter(|&p| p < region.layout().pages).collect();
-            let _ = region.scrub(in_region);
+            let _ = region.scrub(&in_region);
         }
+        // Parts of this transfer that came after its end are no use to a later one.
+        let request = expected.request;
+        self.inbox.retain(|n| !(n.request == request && n.kind == NoticeKind::Part));
         outcome
     }
 
-    fn receive_pinned(
+    fn receive_pinned<R: PageRegion + ?Sized>(
         &mut self,
         direction: Direction,
         pinned: PinnedImport<'_>,
         expected: &ExpectedTransfer<'_>,
-        region: &mut HostRegion,
+        region: &mut R,
         deadline: Instant,
         land: impl FnMut(usize, crate::PageRef, &[u8]),
     ) -> Result<Accepted, ImportError> {
         let request = expected.request;
+        let layout = region.layout();
+        // Parts of an earlier, abandoned transfer of this request name bytes since overwritten.
+        self.inbox.retain(|n| !(n.request == request && n.kind == NoticeKind::Part));
         let carrying = match direction {
             Direction::Write => NoticeKind::Written,
             Direction::Read => NoticeKind::Staged,
         };
-        let notice = match self.wait(request, &[carrying, NoticeKind::Declined], deadline) {
-            Ok(n) if n.kind == NoticeKind::Declined => {
-                pinned.abort();
-                // The decline taken; if this cannot be sent, prefill's own wait times out.
-                let _ = self.send(&Notice::bare(NoticeKind::Released, request));
-                return Err(ImportError::Declined);
+        let pinned_pages: Vec<u32> = pinned.pages().iter().map(|r| r.page.0).collect();
+        // Push in parts: each pinned page's (length, CRC32), computed when its part's notice
+        // came (NIXL delivers it after that part's data), while later parts were in flight.
+        let mut early: Vec<Option<(u32, u32)>> = vec![None; pinned_pages.len()];
+        let mut parts = 0usize;
+        let mut notice: Option<Notice> = None;
+        loop {
+            if let Some(n) = &notice
+                && parts >= usize::from(n.parts)
+            {
+                break;
             }
-            Ok(n) => n,
-            Err(e) => {
-                pinned.abort();
-                return Err(ImportError::Aborted(e));
+            let kinds: &[NoticeKind] = match notice {
+                Some(_) => &[NoticeKind::Part],
+                None => &[carrying, NoticeKind::Part, NoticeKind::Declined],
+            };
+            let n = match self.wait(request, kinds, deadline) {
+                Ok(n) => n,
+                Err(e) => {
+                    pinned.abort();
+                    return Err(ImportError::Aborted(e));
+                }
+            };
+            match n.kind {
+                NoticeKind::Declined => {
+                    pinned.abort();
+                    // The decline taken; if this cannot be sent, prefill's own wait times out.
+                    let _ = self.send(&Notice::bare(NoticeKind::Released, request));
+                    return Err(ImportError::Declined);
+                }
+                NoticeKind::Part => {
+                    parts += 1;
+                    if direction == Direction::Write {
+                        self.checksum_part(&n.extents, &pinned_pages, &layout, region, &mut early);
+                    }
+                }
+                _ => notice = Some(n),
             }
+        }
+        let Some(notice) = notice else {
+            // The loop leaves only once the carrying notice came.
+            pinned.abort();
+            return Err(ImportError::Aborted(NixlError::Notice { reason: "no carrying notice".to_owned() }));
         };
-        let layout = region.layout();
         // Where each extent landed (push) or is to land (pull): the pinned page at its position.
-        let mut landed = Vec::with_capacity(notice.extents.len().min(pinned.pages().len()));
-        for (index, (extent, page)) in notice.extents.iter().zip(pinned.pages()).enumerate() {
-            if direction == Direction::Write && extent.page != page.page.0 {
+        let mut landed = Vec::with_capacity(notice.extents.len().min(pinned_pages.len()));
+        for (index, (extent, &page)) in notice.extents.iter().zip(&pinned_pages).enumerate() {
+            if direction == Direction::Write && extent.page != page {
                 let e = TransferError::Pages {
-                    expected: pinned.pages().len(),
+                    expected: pinned_pages.len(),
                     found: notice.extents.len(),
                     index: Some(index),
                 };
@@ -247,7 +328,7 @@ impl<'a> NixlLink<'a> {
                 };
                 return Err(ImportError::Refused(pinned.refuse(expected, e)));
             }
-            landed.push(Extent { page: page.page.0, len: extent.len });
+            landed.push(Extent { page, len: extent.len });
         }
         if direction == Direction::Read {
             let src = &notice.extents[..landed.len()];
@@ -269,7 +350,7 @@ impl<'a> NixlLink<'a> {
         }
         let mut bytes = Vec::with_capacity(landed.len());
         for e in &landed {
-            match region.bytes(e.page, e.len) {
+            match region.page(e.page, e.len) {
                 Ok(b) => bytes.push(b),
                 Err(err) => {
                     pinned.abort();
@@ -277,6 +358,57 @@ impl<'a> NixlLink<'a> {
                 }
             }
         }
-        pinned.accept(expected, &notice.manifest, &bytes, land).map_err(ImportError::Refused)
+        // An early checksum counts only for the length it was taken over.
+        let checksums: Vec<Option<u32>> = landed
+            .iter()
+            .zip(&early)
+            .map(|(e, early)| early.filter(|&(len, _)| len == e.len).map(|(_, crc)| crc))
+            .collect();
+        pinned.accept_checksummed(expected, &notice.manifest, &bytes, &checksums, land).map_err(ImportError::Refused)
     }
+
+    /// Checksums the pinned pages a `Part` notice names (their data has landed), a slice at a
+    /// time with the agent called in between, so the next part keeps moving. A page named twice,
+    /// not pinned, or not readable gets no early checksum: it is checked after the transfer.
+    fn checksum_part<R: PageRegion + ?Sized>(
+        &mut self,
+        extents: &[Extent],
+        pinned_pages: &[u32],
+        layout: &RegionLayout,
+        region: &R,
+        early: &mut [Option<(u32, u32)>],
+    ) {
+        for extent in extents {
+            let Some(at) = pinned_pages.iter().position(|&p| p == extent.page) else { continue };
+            if early[at].take().is_some() || extent.len > layout.page_bytes {
+                continue; // named twice: checked after the transfer
+            }
+            let Ok(bytes) = region.page(extent.page, extent.len) else { continue };
+            let mut hasher = crc32fast::Hasher::new();
+            for slice in bytes.chunks(CHECKSUM_SLICE) {
+                hasher.update(slice);
+                // Notices that arrive meanwhile are kept; a failing agent shows in the wait.
+                let _ = self.collect();
+            }
+            early[at] = Some((extent.len, crate::transfer::wire::checksum_value(hasher.finalize())));
+        }
+    }
+}
+
+/// Where each part of a push ends (exclusive indices into its extents): consecutive extents
+/// adding up to about [`PART_BYTES`], at most `u16::MAX + 1` parts, never an empty one.
+fn part_ends(extents: &[Extent]) -> Vec<usize> {
+    let total: u64 = extents.iter().map(|e| u64::from(e.len)).sum();
+    let part = PART_BYTES.max(total.div_ceil(u64::from(u16::MAX) + 1));
+    let mut ends = Vec::new();
+    let mut bytes = 0u64;
+    for (i, e) in extents.iter().enumerate() {
+        bytes += u64::from(e.len);
+        if bytes >= part && i + 1 < extents.len() {
+            ends.push(i + 1);
+            bytes = 0;
+        }
+    }
+    ends.push(extents.len());
+    ends
 }
