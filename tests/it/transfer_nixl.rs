@@ -210,7 +210,15 @@ mod transfer {
 
         /// A push of `pages` pages of `page_bytes` (several parts past [`PART_BYTES`]) into an
         /// engine's own pool on decode; `flip` flips a byte of that page on prefill's side.
-        fn push_into_engine_pool(test: &str, pages: u32, page_bytes: u32, flip: Option<u32>) -> Option<()> {
+        /// `build_on_the_way`: prefill uses `push_prompt` (the manifest built while parts fly)
+        /// instead of `Manifest::build` then `push`.
+        fn push_into_engine_pool(
+            test: &str,
+            pages: u32,
+            page_bytes: u32,
+            flip: Option<u32>,
+            build_on_the_way: bool,
+        ) -> Option<()> {
             let (decode, prefill) = agents(test)?;
             let slot_bytes = page_bytes / PAGE_SIZE;
             let prompt: Vec<u32> = (0..pages * PAGE_SIZE).collect();
@@ -247,7 +255,12 @@ mod transfer {
                     let src: Vec<Extent> = (0..pages).map(|page| Extent { page, len: page_bytes }).collect();
                     let dest: Vec<PageId> = refs.iter().map(|r| r.page).collect();
                     let deadline = Instant::now() + Duration::from_secs(20);
-                    link.push(&*prefill_region, &src, &dest, REQ, manifest, deadline).unwrap();
+                    if build_on_the_way {
+                        let prompt = &prompt;
+                        link.push_prompt(&*prefill_region, &src, header, prompt, refs, deadline).unwrap();
+                    } else {
+                        link.push(&*prefill_region, &src, &dest, REQ, manifest, deadline).unwrap();
+                    }
                 });
                 let deadline = Instant::now() + Duration::from_secs(20);
                 decode_link.receive(Direction::Write, pinned, &expected, &mut pool, deadline, |_, _, _| {})
@@ -280,19 +293,46 @@ mod transfer {
 
         #[test]
         fn a_push_lands_in_place_in_an_engines_own_pool() {
-            push_into_engine_pool("engine", 4, 1024, None);
+            push_into_engine_pool("engine", 4, 1024, None, false);
         }
 
         #[test]
         fn a_push_in_parts_is_checksummed_as_it_lands_and_accepted() {
-            let page_bytes = 512 << 10;
+            let page_bytes = 2 << 20;
             assert!(u64::from(page_bytes) * 4 > PART_BYTES, "several parts");
-            push_into_engine_pool("parts", 4, page_bytes, None);
+            push_into_engine_pool("parts", 4, page_bytes, None, false);
+        }
+
+        #[test]
+        fn a_push_that_builds_its_manifest_while_parts_fly_is_accepted() {
+            push_into_engine_pool("prompt-parts", 4, 2 << 20, None, true);
+            push_into_engine_pool("prompt-one", 2, 1024, None, true);
+        }
+
+        #[test]
+        fn a_push_whose_manifest_cannot_be_built_sends_nothing() {
+            let Some((decode, prefill)) = agents("prompt-bad") else { return };
+            let region = HostRegion::new(&decode, 2, PAGE_BYTES).unwrap();
+            let prefill_region = HostRegion::new(&prefill, 2, PAGE_BYTES).unwrap();
+            let link = NixlLink::connect(&prefill, &decode.metadata().unwrap(), region.layout()).unwrap();
+            let header = TransferHeader {
+                request: REQ,
+                tenant: TENANT,
+                sender: SenderId(1),
+                page_size: PAGE_SIZE,
+                slot_bytes: SLOT_BYTES,
+            };
+            let dest = [PageRef { page: PageId(0), generation: kvguard::Generation(1) }];
+            // Six tokens need two pages: one extent, one receiving page.
+            let src = [Extent { page: 0, len: PAGE_BYTES }];
+            let deadline = Instant::now() + Duration::from_secs(5);
+            let err = link.push_prompt(&prefill_region, &src, header, &PROMPT, &dest, deadline).unwrap_err();
+            assert!(matches!(err, NixlError::Extents { .. }), "{err}");
         }
 
         #[test]
         fn a_flipped_byte_in_a_later_part_is_refused_and_the_pool_zeroed() {
-            push_into_engine_pool("parts-flip", 4, 512 << 10, Some(3));
+            push_into_engine_pool("parts-flip", 4, 2 << 20, Some(3), false);
         }
 
         #[test]

@@ -565,6 +565,46 @@ impl NixlLink {
             .map_err(|e| nixl_error(py, &e))
     }
 
+    /// Prefill, push, building the manifest on the way: WRITEs `region`'s extents `src`
+    /// ([(page, length)]) into the peer's pages `dest` (decode's PageRefs, in the incarnations
+    /// it offered) as the KV of `prompt` (ints) for decode's `request` of `tenant`, from
+    /// `sender`, with pages of `page_size` slots of `slot_bytes`. Past 4 MiB the page CRCs run
+    /// on a worker thread while the parts fly; the last part carries the manifest. NixlError
+    /// (kind 'extents') when the extents do not fit the prompt, before anything is sent.
+    #[pyo3(signature = (region, src, dest, request, tenant, sender, page_size, slot_bytes, prompt, *, timeout = 20.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn push_prompt(
+        &self,
+        py: Python<'_>,
+        region: &Bound<'_, PyAny>,
+        src: &Bound<'_, PyAny>,
+        dest: &Bound<'_, PyAny>,
+        request: u64,
+        tenant: u64,
+        sender: u64,
+        page_size: u32,
+        slot_bytes: u32,
+        prompt: &Bound<'_, PyAny>,
+        timeout: f64,
+    ) -> PyResult<()> {
+        let src = extents(src, "src")?;
+        let dest = crate::transfer::refs(dest, "dest")?;
+        let prompt = crate::transfer::tokens(prompt, "prompt")?;
+        let header = kvguard::transfer::TransferHeader {
+            request: RequestId(request),
+            tenant: kvguard::TenantId(tenant),
+            sender: kvguard::transfer::SenderId(sender),
+            page_size,
+            slot_bytes,
+        };
+        let deadline = deadline(timeout)?;
+        let link = self.link.try_lock().ok_or_else(|| busy("link"))?;
+        let mut region = RegionArg::lock(region)?;
+        let (link, region) = (&*link, region.region());
+        py.detach(move || link.push_prompt(region, &src, header, &prompt, &dest, deadline))
+            .map_err(|e| nixl_error(py, &e))
+    }
+
     /// Prefill, pull: tells decode that `request`'s KV is staged in this side's extents `src`
     /// ([(page, length)]) with its manifest, then waits until decode released them (it READ
     /// them, whatever its verdict): only then may prefill reuse those pages.

@@ -93,7 +93,14 @@ def main():
             region.write(FIRST_SRC_PAGE, bytes(first))
         if fault == "truncate-page":
             src[0] = (src[0][0], src[0][1] - SLOT_BYTES)
-        if pull["direction"] == "write":
+        if pull["direction"] == "write-building":
+            # The manifest built by kvguard on the way (push_prompt), for the faults that do not
+            # tamper with it or the bytes after it is made.
+            try:
+                link.push_prompt(region, src, dest, request, tenant, SENDER, PAGE_SIZE, SLOT_BYTES, prompt)
+            except kvguard.NixlError:
+                pass  # refused before anything was sent: decode's wait times out
+        elif pull["direction"] == "write":
             link.push(region, src, [r.page for r in dest], request, manifest)
         else:
             link.stage(src, request, manifest)

@@ -171,7 +171,8 @@ class Decode:
         )
         try:
             into = self.pair.region if region is None else region
-            return self.pair.link.receive(pinned, into, direction=direction, timeout=timeout, land=land)
+            receive = "write" if direction.startswith("write") else direction
+            return self.pair.link.receive(pinned, into, direction=receive, timeout=timeout, land=land)
         finally:
             assert not pinned.pinned, "receive ends the pinned import, whatever its outcome"
             assert self.pair.read()["done"] in (fault, "declined")
@@ -419,3 +420,24 @@ def test_pinned_pages_outside_the_engine_pool_abort_and_record_nothing(engine_pa
         d.pull(refs, "read", "none", region=pool)
     assert d.table.check_read_refs(d.request, refs, 1) is not None
     assert small.tobytes() == bytes(PAGE_BYTES)
+
+
+@pytest.mark.parametrize("fault", ["none", "dummy-prompt", "truncate-page"])
+def test_a_push_that_builds_its_manifest_on_the_way_is_checked_the_same(prefill, fault):
+    """Prefill's push_prompt: kvguard builds the manifest while the parts fly; decode's checks
+    are the same (a substituted prompt is refused; extents that do not fit send nothing)."""
+    d = Decode(prefill)
+    refs = d.pages()
+    if fault == "none":
+        accepted = d.pull(refs, "write-building", fault)
+        assert accepted.tokens == len(PROMPT)
+        assert d.table.check_read_refs(d.request, refs, len(PROMPT)) is None
+        return
+    with pytest.raises((kvguard.TransferError, kvguard.NixlError)) as refused:
+        d.pull(refs, "write-building", fault, timeout=3.0)
+    if fault == "truncate-page":
+        # The extents no longer fit the prompt: prefill sends nothing, decode times out.
+        assert getattr(refused.value, "kind", None) == "timeout", str(refused.value)
+    else:
+        assert refused.value.kind == FAULTS[fault], str(refused.value)
+    d.assert_nothing_leaked(refs)

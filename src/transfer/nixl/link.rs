@@ -1,9 +1,10 @@
 //! The checked protocol between one prefill and one decode agent: pushes and pulls of a
 //! request's pages with the manifest riding along, and decode's receive, which fails closed.
 
-use super::{Direction, Extent, NixlAgent, NixlError, Notice, NoticeKind, PageRegion, RegionLayout};
-use crate::ids::{PageId, RequestId};
-use crate::transfer::{Accepted, ExpectedTransfer, PinnedImport, TransferError};
+use super::{Direction, Extent, NixlAgent, NixlError, Notice, NoticeKind, PageRegion, Posted, RegionLayout};
+use crate::ids::{PageId, PageRef, RequestId};
+use crate::transfer::{Accepted, ExpectedTransfer, Manifest, PinnedImport, TransferError, TransferHeader};
+use std::sync::mpsc;
 use std::time::Instant;
 
 /// Notices kept for requests nobody waits for yet; past this, the oldest are dropped (a peer
@@ -13,11 +14,7 @@ pub const INBOX_CAP: usize = 4_096;
 /// A push of more bytes than this goes as several WRITEs of about this many bytes each, each
 /// with a `Part` notification, so that decode checksums the pages of one part while the next is
 /// in flight rather than all of them after the transfer.
-pub const PART_BYTES: u64 = 1 << 20;
-
-/// Bytes checksummed between two calls into the agent while decode checks landed pages: with no
-/// progress thread, UCX moves the next part only while the agent is called.
-const CHECKSUM_SLICE: usize = 128 << 10;
+pub const PART_BYTES: u64 = 4 << 20;
 
 /// How long [`NixlLink::send`] keeps the agent busy after a notification.
 pub const FLUSH: std::time::Duration = std::time::Duration::from_millis(2);
@@ -140,20 +137,90 @@ impl<'a> NixlLink<'a> {
         manifest: &[u8],
         deadline: Instant,
     ) -> Result<(), NixlError> {
+        self.push_parts(local, src, dest, request, deadline, |_, _| Ok(manifest.to_vec()))
+    }
+
+    /// Prefill, push, checksumming on the way: [`push`](Self::push) of `local`'s extents `src`
+    /// as `header`'s request's prompt `prompt` into the peer's pages `dest` (the incarnations
+    /// decode offered), building the manifest itself. Past [`PART_BYTES`] the pages are
+    /// checksummed on a worker thread while this one posts every part but the last and keeps
+    /// them moving; the last part goes with the manifest once the checksums are done. Every check decode makes is the same
+    /// as for [`Manifest::build`]: this only moves the sender's CRCs off the critical path.
+    pub fn push_prompt<R: PageRegion + ?Sized>(
+        &self,
+        local: &R,
+        src: &[Extent],
+        header: TransferHeader,
+        prompt: &[u32],
+        dest: &[PageRef],
+        deadline: Instant,
+    ) -> Result<(), NixlError> {
+        let build = |checksums: &[(usize, u32)]| {
+            Manifest::build_checksummed(header, prompt, dest, checksums)
+                .map_err(|e| NixlError::Extents { reason: format!("manifest: {e}") })
+        };
+        // The lengths first: nothing is sent for a manifest that cannot be built.
+        let lengths: Vec<(usize, u32)> = src.iter().map(|e| (e.len as usize, 1)).collect();
+        build(&lengths)?;
+        let pages: Vec<PageId> = dest.iter().map(|r| r.page).collect();
+        let bytes = src.iter().map(|e| local.page(e.page, e.len)).collect::<Result<Vec<_>, _>>()?;
+        let checksum = |bytes: &[std::borrow::Cow<'_, [u8]>]| -> Vec<(usize, u32)> {
+            bytes.iter().map(|b| (b.len(), crc32fast::hash(b))).collect()
+        };
+        if part_ends(src).len() == 1 {
+            // One WRITE: nothing to overlap with.
+            let manifest = build(&checksum(&bytes))?.encode();
+            return self.push(local, src, &pages, header.request, &manifest, deadline);
+        }
+        std::thread::scope(|scope| {
+            // The CRCs on a worker while this thread posts the parts and keeps them moving.
+            let mut worker = Some(scope.spawn(|| checksum(&bytes)));
+            self.push_parts(local, src, &pages, header.request, deadline, |last, in_flight| {
+                if !last {
+                    return Ok(Vec::new()); // only the last part carries the manifest
+                }
+                let mut spins = 0u32;
+                while worker.as_ref().is_some_and(|w| !w.is_finished()) {
+                    for p in in_flight.iter_mut() {
+                        self.agent.poll(p)?;
+                    }
+                    super::agent::pause(&mut spins);
+                }
+                let sums = worker.take().map(|w| w.join());
+                match sums {
+                    Some(Ok(sums)) => Ok(build(&sums)?.encode()),
+                    _ => Err(NixlError::Call { call: "checksum worker", reason: "lost".to_owned() }),
+                }
+            })
+        })
+    }
+
+    /// Posts `src` → `dest` in parts (see [`push`](Self::push)); before each part is posted,
+    /// `manifest(is it the last part, parts in flight)` runs, and what it returns for the last
+    /// part is the manifest. Waits for every part.
+    fn push_parts<R: PageRegion + ?Sized>(
+        &self,
+        local: &R,
+        src: &[Extent],
+        dest: &[PageId],
+        request: RequestId,
+        deadline: Instant,
+        mut manifest: impl FnMut(bool, &mut [Posted]) -> Result<Vec<u8>, NixlError>,
+    ) -> Result<(), NixlError> {
         let written: Vec<Extent> = src.iter().zip(dest).map(|(s, d)| Extent { page: d.0, len: s.len }).collect();
         let src = &src[..written.len()];
         let layout = local.layout();
         let ends = part_ends(&written);
-        let mut posted = Vec::with_capacity(ends.len());
+        let mut posted: Vec<Posted> = Vec::with_capacity(ends.len());
         let mut start = 0;
         for (k, &end) in ends.iter().enumerate() {
-            let last = k + 1 == ends.len();
-            let notice = if last {
+            let made = manifest(k + 1 == ends.len(), &mut posted)?;
+            let notice = if k + 1 == ends.len() {
                 Notice {
                     kind: NoticeKind::Written,
                     request,
                     extents: written.clone(),
-                    manifest: manifest.to_vec(),
+                    manifest: made,
                     // `part_ends` makes at most `u16::MAX + 1` parts.
                     parts: u16::try_from(k).unwrap_or(u16::MAX),
                 }
@@ -261,53 +328,19 @@ impl<'a> NixlLink<'a> {
         let layout = region.layout();
         // Parts of an earlier, abandoned transfer of this request name bytes since overwritten.
         self.inbox.retain(|n| !(n.request == request && n.kind == NoticeKind::Part));
-        let carrying = match direction {
-            Direction::Write => NoticeKind::Written,
-            Direction::Read => NoticeKind::Staged,
-        };
         let pinned_pages: Vec<u32> = pinned.pages().iter().map(|r| r.page.0).collect();
-        // Push in parts: each pinned page's (length, CRC32), computed when its part's notice
-        // came (NIXL delivers it after that part's data), while later parts were in flight.
-        let mut early: Vec<Option<(u32, u32)>> = vec![None; pinned_pages.len()];
-        let mut parts = 0usize;
-        let mut notice: Option<Notice> = None;
-        loop {
-            if let Some(n) = &notice
-                && parts >= usize::from(n.parts)
-            {
-                break;
+        let (notice, early) = match self.wait_carrying(direction, request, &pinned_pages, &layout, &*region, deadline) {
+            Ok(found) => found,
+            Err(Waited::Declined) => {
+                pinned.abort();
+                // The decline taken; if this cannot be sent, prefill's own wait times out.
+                let _ = self.send(&Notice::bare(NoticeKind::Released, request));
+                return Err(ImportError::Declined);
             }
-            let kinds: &[NoticeKind] = match notice {
-                Some(_) => &[NoticeKind::Part],
-                None => &[carrying, NoticeKind::Part, NoticeKind::Declined],
-            };
-            let n = match self.wait(request, kinds, deadline) {
-                Ok(n) => n,
-                Err(e) => {
-                    pinned.abort();
-                    return Err(ImportError::Aborted(e));
-                }
-            };
-            match n.kind {
-                NoticeKind::Declined => {
-                    pinned.abort();
-                    // The decline taken; if this cannot be sent, prefill's own wait times out.
-                    let _ = self.send(&Notice::bare(NoticeKind::Released, request));
-                    return Err(ImportError::Declined);
-                }
-                NoticeKind::Part => {
-                    parts += 1;
-                    if direction == Direction::Write {
-                        self.checksum_part(&n.extents, &pinned_pages, &layout, region, &mut early);
-                    }
-                }
-                _ => notice = Some(n),
+            Err(Waited::Failed(e)) => {
+                pinned.abort();
+                return Err(ImportError::Aborted(e));
             }
-        }
-        let Some(notice) = notice else {
-            // The loop leaves only once the carrying notice came.
-            pinned.abort();
-            return Err(ImportError::Aborted(NixlError::Notice { reason: "no carrying notice".to_owned() }));
         };
         // Where each extent landed (push) or is to land (pull): the pinned page at its position.
         let mut landed = Vec::with_capacity(notice.extents.len().min(pinned_pages.len()));
@@ -367,32 +400,112 @@ impl<'a> NixlLink<'a> {
         pinned.accept_checksummed(expected, &notice.manifest, &bytes, &checksums, land).map_err(ImportError::Refused)
     }
 
-    /// Checksums the pinned pages a `Part` notice names (their data has landed), a slice at a
-    /// time with the agent called in between, so the next part keeps moving. A page named twice,
-    /// not pinned, or not readable gets no early checksum: it is checked after the transfer.
-    fn checksum_part<R: PageRegion + ?Sized>(
+    /// Waits for the notice that carries the manifest (`Written` for a push, `Staged` for a
+    /// pull) and, for a push in parts, for as many `Part`s as it counts. Each part's pinned pages
+    /// are checksummed as its notice comes (NIXL delivers it after that part's data) on a
+    /// worker thread, while this one keeps the agent moving the next parts. Returns the notice
+    /// and each pinned page's early (length, CRC32): none for a page named twice, not pinned,
+    /// longer than a page, or unreadable (checked after the transfer like any other).
+    fn wait_carrying<R: PageRegion + ?Sized>(
         &mut self,
-        extents: &[Extent],
+        direction: Direction,
+        request: RequestId,
         pinned_pages: &[u32],
         layout: &RegionLayout,
         region: &R,
-        early: &mut [Option<(u32, u32)>],
-    ) {
-        for extent in extents {
-            let Some(at) = pinned_pages.iter().position(|&p| p == extent.page) else { continue };
-            if early[at].take().is_some() || extent.len > layout.page_bytes {
-                continue; // named twice: checked after the transfer
+        deadline: Instant,
+    ) -> Result<(Notice, Vec<EarlySum>), Waited> {
+        let carrying = match direction {
+            Direction::Write => NoticeKind::Written,
+            Direction::Read => NoticeKind::Staged,
+        };
+        let mut named = vec![0u8; pinned_pages.len()];
+        std::thread::scope(|scope| {
+            // Started on the first part: a transfer in one WRITE has nothing to overlap.
+            let mut worker: Option<(mpsc::Sender<PageJob<'_>>, std::thread::ScopedJoinHandle<'_, Vec<PageSum>>)> = None;
+            let mut parts = 0usize;
+            let mut notice: Option<Notice> = None;
+            let outcome = loop {
+                if let Some(n) = &notice
+                    && parts >= usize::from(n.parts)
+                {
+                    break Ok(());
+                }
+                let kinds: &[NoticeKind] = match notice {
+                    Some(_) => &[NoticeKind::Part],
+                    None => &[carrying, NoticeKind::Part, NoticeKind::Declined],
+                };
+                let n = match self.wait(request, kinds, deadline) {
+                    Ok(n) => n,
+                    Err(e) => break Err(Waited::Failed(e)),
+                };
+                match n.kind {
+                    NoticeKind::Declined => break Err(Waited::Declined),
+                    NoticeKind::Part => {
+                        parts += 1;
+                        if direction != Direction::Write {
+                            continue;
+                        }
+                        let (jobs, _) = worker.get_or_insert_with(|| {
+                            let (jobs, todo) = mpsc::channel::<PageJob<'_>>();
+                            let handle = scope.spawn(move || {
+                                todo.into_iter()
+                                    .map(|(at, len, bytes)| (at, len, crate::transfer::page_checksum(&bytes)))
+                                    .collect()
+                            });
+                            (jobs, handle)
+                        });
+                        for extent in &n.extents {
+                            let Some(at) = pinned_pages.iter().position(|&p| p == extent.page) else { continue };
+                            named[at] = named[at].saturating_add(1);
+                            if named[at] > 1 || extent.len > layout.page_bytes {
+                                continue;
+                            }
+                            if let Ok(bytes) = region.page(extent.page, extent.len) {
+                                // The worker ends only when `jobs` is dropped: it is there.
+                                let _ = jobs.send((at, extent.len, bytes));
+                            }
+                        }
+                    }
+                    _ => notice = Some(n),
+                }
+            };
+            let mut early = vec![None; pinned_pages.len()];
+            if let Some((jobs, handle)) = worker {
+                drop(jobs);
+                // A CRC cannot panic; were the worker lost, every page is checked afterwards.
+                for (at, len, crc) in handle.join().unwrap_or_default() {
+                    if named[at] == 1 {
+                        early[at] = Some((len, crc));
+                    }
+                }
             }
-            let Ok(bytes) = region.page(extent.page, extent.len) else { continue };
-            let mut hasher = crc32fast::Hasher::new();
-            for slice in bytes.chunks(CHECKSUM_SLICE) {
-                hasher.update(slice);
-                // Notices that arrive meanwhile are kept; a failing agent shows in the wait.
-                let _ = self.collect();
+            outcome?;
+            match notice {
+                Some(n) => Ok((n, early)),
+                // The loop leaves with `Ok` only once the carrying notice came.
+                None => Err(Waited::Failed(NixlError::Notice { reason: "no carrying notice".to_owned() })),
             }
-            early[at] = Some((extent.len, crate::transfer::wire::checksum_value(hasher.finalize())));
-        }
+        })
     }
+}
+
+/// A landed page for the checksum worker: its position among the pinned pages, its length and
+/// its bytes.
+type PageJob<'a> = (usize, u32, std::borrow::Cow<'a, [u8]>);
+
+/// What the checksum worker found: position, length, CRC32 (as [`page_checksum`] reports it).
+///
+/// [`page_checksum`]: crate::transfer::page_checksum
+type PageSum = (usize, u32, u32);
+
+/// A pinned page's (length, CRC32) taken as its part landed, if it was.
+type EarlySum = Option<(u32, u32)>;
+
+/// How waiting for the carrying notice ended without it.
+enum Waited {
+    Declined,
+    Failed(NixlError),
 }
 
 /// Where each part of a push ends (exclusive indices into its extents): consecutive extents

@@ -272,6 +272,15 @@ mod tests {
     }
 
     #[test]
+    fn parts_are_counted_only_on_the_notice_that_ends_a_push() {
+        let part =
+            Notice { kind: NoticeKind::Part, request: RequestId(3), extents: vec![], manifest: vec![], parts: 0 };
+        assert_eq!(Notice::decode(&part.encode()).unwrap(), part);
+        let counted = Notice { parts: 1, ..part };
+        assert!(Notice::decode(&counted.encode()).is_err());
+    }
+
+    #[test]
     fn a_layout_round_trips_and_extents_stay_inside_it() {
         let l = RegionLayout { base: 0x1000, page_bytes: 64, pages: 4, segment: Segment::Vram, device: 1 };
         assert_eq!(RegionLayout::decode(&l.encode()).unwrap(), l);

@@ -400,6 +400,20 @@ class NixlLink:
         *,
         timeout: float = 20.0,
     ) -> None: ...
+    def push_prompt(
+        self,
+        region: HostRegion | EnginePool,
+        src: Sequence[tuple[int, int]],
+        dest: Sequence[PageRef],
+        request: int,
+        tenant: int,
+        sender: int,
+        page_size: int,
+        slot_bytes: int,
+        prompt: Any,
+        *,
+        timeout: float = 20.0,
+    ) -> None: ...
     def stage(
         self, src: Sequence[tuple[int, int]], request: int, manifest: Any, *, timeout: float = 20.0
     ) -> None: ...
