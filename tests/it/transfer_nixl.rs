@@ -251,7 +251,8 @@ mod transfer {
                 let pinned = Receiver::new(&table).pin(&expected).unwrap();
                 let (prefill_region, manifest, refs) = (&mut prefill_region, &manifest, &refs);
                 s.spawn(move || {
-                    let link = NixlLink::connect(&prefill, &prefill_md, pool_layout).unwrap();
+                    let mut link = NixlLink::connect(&prefill, &prefill_md, pool_layout).unwrap();
+                    link.set_parts(Some(PART_BYTES));
                     let src: Vec<Extent> = (0..pages).map(|page| Extent { page, len: page_bytes }).collect();
                     let dest: Vec<PageId> = refs.iter().map(|r| r.page).collect();
                     let deadline = Instant::now() + Duration::from_secs(20);

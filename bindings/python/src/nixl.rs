@@ -490,9 +490,11 @@ impl<'a> RegionArg<'a> {
 
 /// One side's connection to its peer, over which the checked protocol runs (docs/transfer.md).
 ///
-/// NixlLink(agent, peer_metadata, peer_layout): the peer's agent metadata and region layout,
-/// received out of band. Prefill: push (WRITE + the manifest as the notification), stage
-/// (pull: tell decode where the KV is, wait for its release) or decline. Decode: receive.
+/// NixlLink(agent, peer_metadata, peer_layout, *, part_bytes=4 MiB): the peer's agent metadata
+/// and region layout, received out of band; this side's pushes past part_bytes go in parts,
+/// the checksums overlapped with the transfer (None: one WRITE, checked in series).
+/// Prefill: push (WRITE + the manifest as the notification), stage (pull: tell decode where the
+/// KV is, wait for its release) or decline. Decode: receive.
 /// Every wait releases the GIL; `timeout` is in seconds. One call at a time per link (and per
 /// region): a second thread's call meanwhile raises RuntimeError rather than wait.
 #[pyclass(frozen, module = "kvguard")]
@@ -505,11 +507,13 @@ pub struct NixlLink {
 #[pymethods]
 impl NixlLink {
     #[new]
+    #[pyo3(signature = (agent, peer_metadata, peer_layout, *, part_bytes = Some(core::PART_BYTES)))]
     fn new(
         py: Python<'_>,
         agent: Py<NixlAgent>,
         peer_metadata: &Bound<'_, PyAny>,
         peer_layout: &Bound<'_, PyAny>,
+        part_bytes: Option<u64>,
     ) -> PyResult<NixlLink> {
         let metadata = bytes_arg(peer_metadata, "peer_metadata")?;
         let layout =
@@ -518,8 +522,9 @@ impl NixlLink {
         // (its `agent` field) and which never moves while alive; the core link that borrows it
         // is dropped first (declared first), so the borrow never outlives the agent.
         let core_agent: &'static core::NixlAgent = unsafe { &*std::ptr::from_ref(&agent.get().agent) };
-        let link =
+        let mut link =
             py.detach(|| core::NixlLink::connect(core_agent, &metadata, layout)).map_err(|e| nixl_error(py, &e))?;
+        link.set_parts(part_bytes);
         Ok(NixlLink { link: Mutex::new(link), agent })
     }
 
@@ -568,8 +573,9 @@ impl NixlLink {
     /// Prefill, push, building the manifest on the way: WRITEs `region`'s extents `src`
     /// ([(page, length)]) into the peer's pages `dest` (decode's PageRefs, in the incarnations
     /// it offered) as the KV of `prompt` (ints) for decode's `request` of `tenant`, from
-    /// `sender`, with pages of `page_size` slots of `slot_bytes`. Past 4 MiB the page CRCs run
-    /// on a worker thread while the parts fly; the last part carries the manifest. NixlError
+    /// `sender`, with pages of `page_size` slots of `slot_bytes`. With part_bytes set and more
+    /// than one part, the page CRCs run on a worker thread while the parts fly; the last part
+    /// carries the manifest. NixlError
     /// (kind 'extents') when the extents do not fit the prompt, before anything is sent.
     #[pyo3(signature = (region, src, dest, request, tenant, sender, page_size, slot_bytes, prompt, *, timeout = 20.0))]
     #[allow(clippy::too_many_arguments)]

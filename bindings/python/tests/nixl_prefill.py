@@ -56,7 +56,10 @@ def main():
     region = kvguard.HostRegion(agent, PAGES, PAGE_BYTES)
     send({"metadata": agent.metadata().hex(), "layout": region.layout().hex()})
     peer = json.loads(sys.stdin.readline())
-    link = kvguard.NixlLink(agent, bytes.fromhex(peer["metadata"]), bytes.fromhex(peer["layout"]))
+    # Parts of one page: a two-page push goes as two WRITEs, checksums overlapped.
+    link = kvguard.NixlLink(
+        agent, bytes.fromhex(peer["metadata"]), bytes.fromhex(peer["layout"]), part_bytes=PAGE_BYTES
+    )
     held_back = {}  # request -> (manifest, pages): the `late` fault's transfer
     for line in sys.stdin:
         pull = json.loads(line)

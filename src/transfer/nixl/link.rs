@@ -11,9 +11,10 @@ use std::time::Instant;
 /// cannot make decode hold unbounded memory).
 pub const INBOX_CAP: usize = 4_096;
 
-/// A push of more bytes than this goes as several WRITEs of about this many bytes each, each
-/// with a `Part` notification, so that decode checksums the pages of one part while the next is
-/// in flight rather than all of them after the transfer.
+/// A link's part size unless [`NixlLink::set_parts`] says otherwise: a push of more bytes than
+/// this goes as several WRITEs of about this many bytes each, each with a `Part` notification,
+/// so that the sender's and decode's checksums run on worker threads while the transfer is in
+/// flight rather than before and after it (benches/nixl.rs: `overlapped` against `checked`).
 pub const PART_BYTES: u64 = 4 << 20;
 
 /// How long [`NixlLink::send`] keeps the agent busy after a notification.
@@ -44,6 +45,7 @@ pub struct NixlLink<'a> {
     peer_region: RegionLayout,
     inbox: Vec<Notice>,
     malformed: u64,
+    part_bytes: Option<u64>,
 }
 
 impl<'a> NixlLink<'a> {
@@ -51,12 +53,19 @@ impl<'a> NixlLink<'a> {
     pub fn connect(agent: &'a NixlAgent, peer_metadata: &[u8], peer_region: RegionLayout) -> Result<Self, NixlError> {
         let peer = agent.connect(peer_metadata)?;
         agent.make_connection(&peer)?;
-        Ok(NixlLink { agent, peer, peer_region, inbox: Vec::new(), malformed: 0 })
+        Ok(NixlLink { agent, peer, peer_region, inbox: Vec::new(), malformed: 0, part_bytes: Some(PART_BYTES) })
     }
 
     /// The peer's agent name.
     pub fn peer(&self) -> &str {
         &self.peer
+    }
+
+    /// Pushes from this side in parts of about `part_bytes` (by default [`PART_BYTES`]), the
+    /// checksums overlapped with the transfer; `None`: every push is one WRITE, checked in series.
+    /// Decode needs no setting: it takes a push in parts or in one WRITE alike.
+    pub fn set_parts(&mut self, part_bytes: Option<u64>) {
+        self.part_bytes = part_bytes.map(|b| b.max(1));
     }
 
     /// The peer's pages.
@@ -124,8 +133,8 @@ impl<'a> NixlLink<'a> {
 
     /// Prefill, push: WRITEs `local`'s extents into the peer's pages `dest` (position by
     /// position, same lengths) with the notice `Written { dest extents, manifest }` as the
-    /// transfer's notification (NIXL delivers it after the data). Past [`PART_BYTES`] the
-    /// transfer goes as several WRITEs posted at once, each but the last notified by a `Part`
+    /// transfer's notification (NIXL delivers it after the data). With parts on
+    /// ([`set_parts`](Self::set_parts)), a larger transfer goes as several WRITEs posted at once, each but the last notified by a `Part`
     /// notice naming its extents, the last by `Written` (every extent, the manifest, the number
     /// of parts). Waits for completion.
     pub fn push<R: PageRegion + ?Sized>(
@@ -142,10 +151,12 @@ impl<'a> NixlLink<'a> {
 
     /// Prefill, push, checksumming on the way: [`push`](Self::push) of `local`'s extents `src`
     /// as `header`'s request's prompt `prompt` into the peer's pages `dest` (the incarnations
-    /// decode offered), building the manifest itself. Past [`PART_BYTES`] the pages are
-    /// checksummed on a worker thread while this one posts every part but the last and keeps
-    /// them moving; the last part goes with the manifest once the checksums are done. Every check decode makes is the same
-    /// as for [`Manifest::build`]: this only moves the sender's CRCs off the critical path.
+    /// decode offered), building the manifest itself. With parts on
+    /// ([`set_parts`](Self::set_parts)) and more than one part, the pages are checksummed on a
+    /// worker thread while this one posts every part but the last and keeps them moving; the
+    /// last part goes with the manifest once the checksums are done. Every check decode makes
+    /// is the same as for [`Manifest::build`]: this only moves the sender's CRCs off the
+    /// critical path.
     pub fn push_prompt<R: PageRegion + ?Sized>(
         &self,
         local: &R,
@@ -167,7 +178,7 @@ impl<'a> NixlLink<'a> {
         let checksum = |bytes: &[std::borrow::Cow<'_, [u8]>]| -> Vec<(usize, u32)> {
             bytes.iter().map(|b| (b.len(), crc32fast::hash(b))).collect()
         };
-        if part_ends(src).len() == 1 {
+        if part_ends(src, self.part_bytes).len() == 1 {
             // One WRITE: nothing to overlap with.
             let manifest = build(&checksum(&bytes))?.encode();
             return self.push(local, src, &pages, header.request, &manifest, deadline);
@@ -210,7 +221,7 @@ impl<'a> NixlLink<'a> {
         let written: Vec<Extent> = src.iter().zip(dest).map(|(s, d)| Extent { page: d.0, len: s.len }).collect();
         let src = &src[..written.len()];
         let layout = local.layout();
-        let ends = part_ends(&written);
+        let ends = part_ends(&written, self.part_bytes);
         let mut posted: Vec<Posted> = Vec::with_capacity(ends.len());
         let mut start = 0;
         for (k, &end) in ends.iter().enumerate() {
@@ -509,10 +520,12 @@ enum Waited {
 }
 
 /// Where each part of a push ends (exclusive indices into its extents): consecutive extents
-/// adding up to about [`PART_BYTES`], at most `u16::MAX + 1` parts, never an empty one.
-fn part_ends(extents: &[Extent]) -> Vec<usize> {
+/// adding up to about `part_bytes`, at most `u16::MAX + 1` parts, never an empty one; one part
+/// when parts are off.
+fn part_ends(extents: &[Extent], part_bytes: Option<u64>) -> Vec<usize> {
+    let Some(part_bytes) = part_bytes else { return vec![extents.len()] };
     let total: u64 = extents.iter().map(|e| u64::from(e.len)).sum();
-    let part = PART_BYTES.max(total.div_ceil(u64::from(u16::MAX) + 1));
+    let part = part_bytes.max(total.div_ceil(u64::from(u16::MAX) + 1));
     let mut ends = Vec::new();
     let mut bytes = 0u64;
     for (i, e) in extents.iter().enumerate() {

@@ -385,7 +385,9 @@ class EnginePool:
 class NixlLink:
     """One side's connection to its peer; the checked protocol of docs/transfer.md."""
 
-    def __init__(self, agent: NixlAgent, peer_metadata: Any, peer_layout: Any) -> None: ...
+    def __init__(
+        self, agent: NixlAgent, peer_metadata: Any, peer_layout: Any, *, part_bytes: int | None = 4194304
+    ) -> None: ...
     @property
     def peer(self) -> str: ...
     @property
