@@ -271,6 +271,17 @@ pub fn verify<P: AsRef<[u8]>>(
     manifest: &Manifest,
     pages: &[P],
 ) -> Result<(), TransferError> {
+    verify_with(expected, manifest, pages, &[])
+}
+
+/// [`verify`], taking page `i`'s CRC32 from `checksums[i]` where it is `Some` (the transport
+/// checksummed the page while the rest of the transfer was in flight, after it landed).
+fn verify_with<P: AsRef<[u8]>>(
+    expected: &ExpectedTransfer<'_>,
+    manifest: &Manifest,
+    pages: &[P],
+    checksums: &[Option<u32>],
+) -> Result<(), TransferError> {
     if manifest.request() != expected.request {
         return Err(TransferError::WrongRequest { expected: expected.request, found: manifest.request() });
     }
@@ -324,7 +335,10 @@ pub fn verify<P: AsRef<[u8]>>(
         if entry.crc32 == 0 {
             return Err(TransferError::MissingChecksum { index });
         }
-        let computed = super::wire::page_checksum(bytes);
+        let computed = match checksums.get(index) {
+            Some(&Some(crc)) => crc,
+            _ => super::wire::page_checksum(bytes),
+        };
         if computed != entry.crc32 {
             return Err(TransferError::PageChecksum { index, expected: entry.crc32, computed });
         }
@@ -460,10 +474,23 @@ impl<'t> Receiver<'t> {
         expected: &ExpectedTransfer<'_>,
         manifest: &Manifest,
         pages: &[P],
+        land: impl FnMut(usize, PageRef, &[u8]),
+    ) -> Result<Accepted, TransferError> {
+        self.land_checked(ticket, expected, manifest, pages, &[], land)
+    }
+
+    /// [`land_pinned`](Self::land_pinned) with the page CRCs the transport already computed.
+    fn land_checked<P: AsRef<[u8]>>(
+        &self,
+        ticket: ImportTicket<'t>,
+        expected: &ExpectedTransfer<'_>,
+        manifest: &Manifest,
+        pages: &[P],
+        checksums: &[Option<u32>],
         mut land: impl FnMut(usize, PageRef, &[u8]),
     ) -> Result<Accepted, TransferError> {
         self.check_tenant(expected)?;
-        verify(expected, manifest, pages)?;
+        verify_with(expected, manifest, pages, checksums)?;
         for (index, (&page, bytes)) in expected.pages.iter().zip(pages).enumerate() {
             land(index, page, bytes.as_ref());
         }
@@ -532,6 +559,21 @@ impl<'t> PinnedImport<'t> {
         pages: &[P],
         land: impl FnMut(usize, PageRef, &[u8]),
     ) -> Result<Accepted, TransferError> {
+        self.accept_checksummed(expected, manifest_bytes, pages, &[], land)
+    }
+
+    /// [`accept`](Self::accept), with page `i`'s CRC32 ([`page_checksum`](super::page_checksum)
+    /// of `pages[i]`) taken from `checksums[i]` where it is `Some`: a transport that checksummed
+    /// pages as they landed, while the rest of the transfer was in flight, so the check does not
+    /// run after the transfer. Each must be the checksum of the bytes `pages[i]` holds now.
+    pub fn accept_checksummed<P: AsRef<[u8]>>(
+        self,
+        expected: &ExpectedTransfer<'_>,
+        manifest_bytes: &[u8],
+        pages: &[P],
+        checksums: &[Option<u32>],
+        land: impl FnMut(usize, PageRef, &[u8]),
+    ) -> Result<Accepted, TransferError> {
         let PinnedImport { receiver, ticket } = self;
         let outcome = if ticket.pages() != expected.pages {
             let index = ticket.pages().iter().zip(expected.pages).position(|(a, b)| a != b);
@@ -539,7 +581,7 @@ impl<'t> PinnedImport<'t> {
         } else {
             Manifest::decode(manifest_bytes)
                 .map_err(TransferError::from)
-                .and_then(|manifest| receiver.land_pinned(ticket, expected, &manifest, pages, land))
+                .and_then(|manifest| receiver.land_checked(ticket, expected, &manifest, pages, checksums, land))
         };
         receiver.record_refusal(expected, outcome)
     }

@@ -65,7 +65,13 @@ pub struct PageEntry {
 /// zero field always reads as "missing".
 #[inline]
 pub fn page_checksum(bytes: &[u8]) -> u32 {
-    match crc32fast::hash(bytes) {
+    checksum_value(crc32fast::hash(bytes))
+}
+
+/// A CRC32 as [`page_checksum`] reports it (0 folded into 1), for a CRC computed piecewise.
+#[inline]
+pub(crate) fn checksum_value(crc: u32) -> u32 {
+    match crc {
         0 => 1,
         c => c,
     }
@@ -259,6 +265,23 @@ impl Manifest {
         dest: &[PageRef],
         pages: &[P],
     ) -> Result<Manifest, BuildError> {
+        let checksums: Vec<(usize, u32)> = pages.iter().map(|p| (p.as_ref().len(), 1)).collect();
+        // Lengths first: no page is checksummed for a manifest that cannot be built.
+        Manifest::build_checksummed(header, prompt, dest, &checksums)?;
+        let checksums: Vec<(usize, u32)> =
+            pages.iter().map(|p| (p.as_ref().len(), page_checksum(p.as_ref()))).collect();
+        Manifest::build_checksummed(header, prompt, dest, &checksums)
+    }
+
+    /// [`build`](Self::build) from each page's length in bytes and CRC32 ([`page_checksum`] of
+    /// its bytes), for a sender that checksummed the pages itself (while earlier pages were in
+    /// flight, say). A CRC of 0 is taken as [`page_checksum`] reports it (1).
+    pub fn build_checksummed(
+        header: TransferHeader,
+        prompt: &[u32],
+        dest: &[PageRef],
+        pages: &[(usize, u32)],
+    ) -> Result<Manifest, BuildError> {
         let TransferHeader { request, tenant, sender, page_size, slot_bytes } = header;
         let shape = BuildError::Shape { page_size, slot_bytes };
         if page_size == 0 || slot_bytes == 0 || u64::from(page_size) * u64::from(slot_bytes) > u64::from(u32::MAX) {
@@ -273,14 +296,13 @@ impl Manifest {
             return Err(BuildError::PageCount { tokens, needed, dest: dest.len(), buffers: pages.len() });
         }
         let mut entries = Vec::with_capacity(dest.len());
-        for (index, (&dest, bytes)) in dest.iter().zip(pages).enumerate() {
-            let bytes = bytes.as_ref();
+        for (index, (&dest, &(len, crc))) in dest.iter().zip(pages).enumerate() {
             let page_tokens = tokens_in_page(tokens, page_size, index);
             let expected = u64::from(page_tokens) * u64::from(slot_bytes);
-            if bytes.len() as u64 != expected {
-                return Err(BuildError::PageLength { index, found: bytes.len(), expected });
+            if len as u64 != expected {
+                return Err(BuildError::PageLength { index, found: len, expected });
             }
-            entries.push(PageEntry { dest, tokens: page_tokens, crc32: page_checksum(bytes) });
+            entries.push(PageEntry { dest, tokens: page_tokens, crc32: checksum_value(crc) });
         }
         Ok(Manifest {
             request,
@@ -445,6 +467,32 @@ impl Manifest {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_manifest_built_from_checksums_is_the_one_built_from_bytes() {
+        let (built, pages) = sample();
+        let header = TransferHeader {
+            request: built.request(),
+            tenant: built.tenant(),
+            sender: built.sender(),
+            page_size: built.page_size(),
+            slot_bytes: built.slot_bytes(),
+        };
+        let dest: Vec<PageRef> = built.pages().iter().map(|e| e.dest).collect();
+        let prompt: Vec<u32> = (100..110).collect(); // sample()'s prompt
+        let sums: Vec<(usize, u32)> = pages.iter().map(|p| (p.len(), crc32fast::hash(p))).collect();
+        let from_sums = Manifest::build_checksummed(header, &prompt, &dest, &sums).unwrap();
+        assert_eq!(from_sums, Manifest::build(header, &prompt, &dest, &pages).unwrap());
+        // A raw CRC of 0 is recorded as page_checksum reports it, never as "missing".
+        let zero: Vec<(usize, u32)> = sums.iter().map(|&(len, _)| (len, 0)).collect();
+        let m = Manifest::build_checksummed(header, &prompt, &dest, &zero).unwrap();
+        assert!(m.pages().iter().all(|e| e.crc32 == 1));
+        let short: Vec<(usize, u32)> = sums.iter().map(|&(len, c)| (len - 1, c)).collect();
+        assert!(matches!(
+            Manifest::build_checksummed(header, &prompt, &dest, &short),
+            Err(BuildError::PageLength { index: 0, .. })
+        ));
+    }
 
     fn sample() -> (Manifest, Vec<Vec<u8>>) {
         let header = TransferHeader {

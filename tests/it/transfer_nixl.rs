@@ -8,7 +8,8 @@
 mod transfer {
     mod nixl {
         use kvguard::transfer::nixl::{
-            Direction, Extent, HostRegion, ImportError, NixlAgent, NixlError, NixlLink, library_available,
+            Direction, EnginePool, Extent, HostRegion, ImportError, NixlAgent, NixlError, NixlLink, PART_BYTES,
+            PageRegion, RegionLayout, Segment, library_available,
         };
         use kvguard::transfer::{ExpectedTransfer, Manifest, Receiver, SenderId, TransferError, TransferHeader};
         use kvguard::{OwnershipTable, PageId, PageRef, PoolConfig, RequestId, TenantId, ViolationKind};
@@ -185,6 +186,187 @@ mod transfer {
             let Some(o) = run("decline", Direction::Read, Prefill::Decline) else { return };
             assert!(matches!(o.verdict, Err(ImportError::Declined)));
             assert!(o.table.verify_read(REQ, &pages_of(&o.refs), 1).is_err());
+        }
+
+        /// The engine's own pool: memory it owns (here a `Vec`), described by its layout.
+        struct Engine {
+            memory: Vec<std::cell::UnsafeCell<u8>>,
+        }
+
+        impl Engine {
+            fn new(pages: u32, page_bytes: u32) -> Engine {
+                Engine { memory: (0..pages * page_bytes).map(|_| std::cell::UnsafeCell::new(0xEE)).collect() }
+            }
+            fn layout(&self, pages: u32, page_bytes: u32) -> RegionLayout {
+                RegionLayout {
+                    base: self.memory.as_ptr() as usize as u64,
+                    page_bytes,
+                    pages,
+                    segment: Segment::Dram,
+                    device: 0,
+                }
+            }
+        }
+
+        /// A push of `pages` pages of `page_bytes` (several parts past [`PART_BYTES`]) into an
+        /// engine's own pool on decode; `flip` flips a byte of that page on prefill's side.
+        /// `build_on_the_way`: prefill uses `push_prompt` (the manifest built while parts fly)
+        /// instead of `Manifest::build` then `push`.
+        fn push_into_engine_pool(
+            test: &str,
+            pages: u32,
+            page_bytes: u32,
+            flip: Option<u32>,
+            build_on_the_way: bool,
+        ) -> Option<()> {
+            let (decode, prefill) = agents(test)?;
+            let slot_bytes = page_bytes / PAGE_SIZE;
+            let prompt: Vec<u32> = (0..pages * PAGE_SIZE).collect();
+            let engine = Engine::new(pages + 2, page_bytes);
+            // SAFETY: the engine's memory outlives the pool (dropped at the end of this function,
+            // after `pool`), and nothing else reads or writes it meanwhile.
+            let mut pool = unsafe { EnginePool::register(&decode, engine.layout(pages + 2, page_bytes)) }.unwrap();
+            assert!(pool.owns_registration());
+            let mut prefill_region = HostRegion::new(&prefill, pages, page_bytes).unwrap();
+            let kv: Vec<Vec<u8>> =
+                (0..pages).map(|p| (0..page_bytes).map(|i| (i.wrapping_mul(31) ^ p) as u8).collect()).collect();
+            for (p, bytes) in kv.iter().enumerate() {
+                prefill_region.bytes_mut(p as u32, page_bytes).unwrap().copy_from_slice(bytes);
+            }
+            if let Some(p) = flip {
+                prefill_region.bytes_mut(p, page_bytes).unwrap()[page_bytes as usize - 1] ^= 0x10;
+            }
+            let mut decode_link =
+                NixlLink::connect(&decode, &prefill.metadata().unwrap(), prefill_region.layout()).unwrap();
+            let (prefill_md, pool_layout) = (decode.metadata().unwrap(), pool.layout());
+            let table =
+                OwnershipTable::new(PoolConfig::new(pages + 2, PAGE_SIZE, u64::from(pages * PAGE_SIZE))).unwrap();
+            table.admit(REQ, TENANT, prompt.len() as u64, 0).unwrap();
+            let refs = table.allocate(REQ, pages).unwrap();
+            let expected = ExpectedTransfer::for_prompt(REQ, TENANT, &prompt, &refs, PAGE_SIZE, slot_bytes);
+            let header =
+                TransferHeader { request: REQ, tenant: TENANT, sender: SenderId(1), page_size: PAGE_SIZE, slot_bytes };
+            let manifest = Manifest::build(header, &prompt, &refs, &kv).unwrap().encode();
+            let verdict = std::thread::scope(|s| {
+                let pinned = Receiver::new(&table).pin(&expected).unwrap();
+                let (prefill_region, manifest, refs) = (&mut prefill_region, &manifest, &refs);
+                s.spawn(move || {
+                    let mut link = NixlLink::connect(&prefill, &prefill_md, pool_layout).unwrap();
+                    link.set_parts(Some(PART_BYTES));
+                    let src: Vec<Extent> = (0..pages).map(|page| Extent { page, len: page_bytes }).collect();
+                    let dest: Vec<PageId> = refs.iter().map(|r| r.page).collect();
+                    let deadline = Instant::now() + Duration::from_secs(20);
+                    if build_on_the_way {
+                        let prompt = &prompt;
+                        link.push_prompt(&*prefill_region, &src, header, prompt, refs, deadline).unwrap();
+                    } else {
+                        link.push(&*prefill_region, &src, &dest, REQ, manifest, deadline).unwrap();
+                    }
+                });
+                let deadline = Instant::now() + Duration::from_secs(20);
+                decode_link.receive(Direction::Write, pinned, &expected, &mut pool, deadline, |_, _, _| {})
+            });
+            match flip {
+                None => {
+                    let accepted = verdict.expect("accepted");
+                    assert_eq!(accepted.pages(), pages as usize);
+                    for (r, bytes) in refs.iter().zip(&kv) {
+                        assert_eq!(&*pool.page(r.page.0, page_bytes).unwrap(), &bytes[..], "{test}: landed in place");
+                    }
+                    table.verify_read(REQ, &pages_of(&refs), 1).unwrap();
+                }
+                Some(p) => {
+                    let err = verdict.unwrap_err();
+                    assert!(
+                        matches!(err, ImportError::Refused(TransferError::PageChecksum { index, .. }) if index == p as usize),
+                        "{test}: {err}"
+                    );
+                    for r in &refs {
+                        assert!(pool.page(r.page.0, page_bytes).unwrap().iter().all(|&b| b == 0), "{test}: scrubbed");
+                    }
+                    assert!(table.verify_read(REQ, &pages_of(&refs), 1).is_err());
+                }
+            }
+            drop(pool);
+            drop(engine);
+            Some(())
+        }
+
+        #[test]
+        fn a_push_lands_in_place_in_an_engines_own_pool() {
+            push_into_engine_pool("engine", 4, 1024, None, false);
+        }
+
+        #[test]
+        fn a_push_in_parts_is_checksummed_as_it_lands_and_accepted() {
+            let page_bytes = 2 << 20;
+            assert!(u64::from(page_bytes) * 4 > PART_BYTES, "several parts");
+            push_into_engine_pool("parts", 4, page_bytes, None, false);
+        }
+
+        #[test]
+        fn a_push_that_builds_its_manifest_while_parts_fly_is_accepted() {
+            push_into_engine_pool("prompt-parts", 4, 2 << 20, None, true);
+            push_into_engine_pool("prompt-one", 2, 1024, None, true);
+        }
+
+        #[test]
+        fn a_push_whose_manifest_cannot_be_built_sends_nothing() {
+            let Some((decode, prefill)) = agents("prompt-bad") else { return };
+            let region = HostRegion::new(&decode, 2, PAGE_BYTES).unwrap();
+            let prefill_region = HostRegion::new(&prefill, 2, PAGE_BYTES).unwrap();
+            let link = NixlLink::connect(&prefill, &decode.metadata().unwrap(), region.layout()).unwrap();
+            let header = TransferHeader {
+                request: REQ,
+                tenant: TENANT,
+                sender: SenderId(1),
+                page_size: PAGE_SIZE,
+                slot_bytes: SLOT_BYTES,
+            };
+            let dest = [PageRef { page: PageId(0), generation: kvguard::Generation(1) }];
+            // Six tokens need two pages: one extent, one receiving page.
+            let src = [Extent { page: 0, len: PAGE_BYTES }];
+            let deadline = Instant::now() + Duration::from_secs(5);
+            let err = link.push_prompt(&prefill_region, &src, header, &PROMPT, &dest, deadline).unwrap_err();
+            assert!(matches!(err, NixlError::Extents { .. }), "{err}");
+        }
+
+        #[test]
+        fn a_flipped_byte_in_a_later_part_is_refused_and_the_pool_zeroed() {
+            push_into_engine_pool("parts-flip", 4, 2 << 20, Some(3), false);
+        }
+
+        #[test]
+        fn engine_pool_descriptions_that_do_not_fit_are_refused() {
+            let Some((decode, _prefill)) = agents("pool-shape") else { return };
+            let engine = Engine::new(2, 64);
+            let good = engine.layout(2, 64);
+            for bad in [
+                RegionLayout { pages: 0, ..good },
+                RegionLayout { page_bytes: 0, ..good },
+                RegionLayout { base: 0, ..good },
+                RegionLayout { base: u64::MAX - 64, ..good },
+            ] {
+                // SAFETY: refused before anything is registered, read or written.
+                let err = unsafe { EnginePool::registered(bad) }.unwrap_err();
+                assert!(matches!(err, NixlError::Extents { .. }), "{bad:?}: {err}");
+            }
+            // SAFETY: the engine's memory outlives the pool.
+            let mut pool = unsafe { EnginePool::register(&decode, good) }.unwrap();
+            assert!(matches!(pool.page(2, 1), Err(NixlError::Extents { .. })));
+            assert!(matches!(pool.page(0, 65), Err(NixlError::Extents { .. })));
+            assert!(matches!(pool.scrub(&[5]), Err(NixlError::Extents { .. })));
+            pool.scrub(&[1]).unwrap();
+            assert!(pool.page(1, 64).unwrap().iter().all(|&b| b == 0));
+            assert!(pool.page(0, 64).unwrap().iter().all(|&b| b == 0xEE));
+            // GPU memory: registered and named the same way, never read or written from the host.
+            let vram = RegionLayout { segment: Segment::Vram, ..good };
+            // SAFETY: never registered, read or written: only described.
+            let mut gpu = unsafe { EnginePool::registered(vram) }.unwrap();
+            assert!(matches!(gpu.page(0, 1), Err(NixlError::Segment { .. })));
+            assert!(matches!(gpu.scrub(&[0]), Err(NixlError::Segment { .. })));
+            drop(pool);
+            drop(engine);
         }
     }
 }

@@ -76,6 +76,7 @@ fn _kvguard(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add("NixlError", py.get_type::<nixl::NixlError>())?;
         m.add_class::<nixl::NixlAgent>()?;
         m.add_class::<nixl::HostRegion>()?;
+        m.add_class::<nixl::EnginePool>()?;
         m.add_class::<nixl::NixlLink>()?;
         m.add_function(wrap_pyfunction!(nixl::nixl_library_available, m)?)?;
     }

@@ -24,10 +24,13 @@ use crate::values::PageRef;
 use kvguard::PageId;
 use kvguard::RequestId;
 use kvguard::transfer::nixl as core;
+use kvguard::transfer::nixl::PageRegion;
 use parking_lot::Mutex;
+use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
+use std::borrow::Cow;
 use std::time::{Duration, Instant};
 
 pyo3::create_exception!(
@@ -39,8 +42,9 @@ pyo3::create_exception!(
      Attribute kind: 'library' (libnixl_capi.so cannot be loaded: put the nixl-cu12 wheel's\n\
      site-packages/.nixl_cu12.mesonpy.libs on LD_LIBRARY_PATH), 'call' (a NIXL call failed),\n\
      'timeout' (the transfer or the notification did not come by the deadline), 'declined' (the\n\
-     sender declined; ask again later), 'extents' (pages outside a region), 'notice' (a malformed\n\
-     notice or region layout)."
+     sender declined; ask again later), 'extents' (pages outside a region, a pool description\n\
+     that does not fit), 'notice' (a malformed notice or region layout), 'segment' (memory\n\
+     kvguard cannot read from the host: a GPU pool without read/scrub callbacks)."
 );
 
 /// A core transport error as a `NixlError` with its `.kind`.
@@ -51,6 +55,7 @@ fn nixl_error(py: Python<'_>, e: &core::NixlError) -> PyErr {
         core::NixlError::Timeout { .. } => "timeout",
         core::NixlError::Extents { .. } => "extents",
         core::NixlError::Notice { .. } => "notice",
+        core::NixlError::Segment { .. } => "segment",
         _ => "transport",
     };
     with_kind(py, e.to_string(), kind)
@@ -218,11 +223,278 @@ impl HostRegion {
     }
 }
 
+/// An engine's GPU pool as a core page region: NIXL moves its bytes, the engine's callbacks
+/// copy a page to the host for the check and zero pages on a refusal.
+struct DevicePool {
+    pool: core::EnginePool,
+    read: Py<PyAny>,
+    scrub: Py<PyAny>,
+}
+
+impl PageRegion for DevicePool {
+    fn layout(&self) -> core::RegionLayout {
+        self.pool.layout()
+    }
+
+    fn page(&self, page: u32, len: u32) -> Result<Cow<'_, [u8]>, core::NixlError> {
+        let layout = self.pool.layout();
+        layout.extent_addr(&core::Extent { page, len })?;
+        Python::attach(|py| {
+            let failed = |why: String| core::NixlError::Segment { reason: format!("read({page}, {len}): {why}") };
+            let out = self.read.call1(py, (page, len)).map_err(|e| failed(e.to_string()))?;
+            let bytes = Bytes::open(out.bind(py), "read's result").map_err(|e| failed(e.to_string()))?;
+            let bytes = bytes.as_ref();
+            if bytes.len() != len as usize {
+                return Err(failed(format!("returned {} bytes", bytes.len())));
+            }
+            Ok(Cow::Owned(bytes.to_vec()))
+        })
+    }
+
+    fn scrub(&mut self, pages: &[u32]) -> Result<(), core::NixlError> {
+        let layout = self.pool.layout();
+        for &page in pages {
+            layout.extent_addr(&core::Extent { page, len: layout.page_bytes })?;
+        }
+        Python::attach(|py| {
+            self.scrub
+                .call1(py, (pages.to_vec(),))
+                .map(drop)
+                .map_err(|e| core::NixlError::Segment { reason: format!("scrub: {e}") })
+        })
+    }
+}
+
+/// What an [`EnginePool`] describes: host memory kvguard reads in place (a buffer it holds, or
+/// an address whose owner it keeps alive), or GPU memory behind the engine's callbacks.
+enum PoolMemory {
+    Host {
+        // Dropped first: deregistered while the memory is still there.
+        pool: core::EnginePool,
+        _buffer: Option<PyUntypedBuffer>,
+        _owner: Option<Py<PyAny>>,
+    },
+    Device {
+        // Dropped first, as above.
+        pool: DevicePool,
+        _owner: Option<Py<PyAny>>,
+    },
+}
+
+impl PoolMemory {
+    fn region(&mut self) -> &mut (dyn PageRegion + Send) {
+        match self {
+            PoolMemory::Host { pool, .. } => pool,
+            PoolMemory::Device { pool, .. } => pool,
+        }
+    }
+}
+
+/// An engine's own KV pool, described by the caller, for receiving (and sending) checked
+/// transfers in place: page i is page_bytes bytes at base + page_bytes * i. Registered with the
+/// agent by kvguard (register=True, the default; deregistered when the pool is dropped) or
+/// already registered with it by the engine (register=False: NIXL refuses transfers over memory
+/// the agent does not know, which aborts the receive).
+///
+/// EnginePool(agent, buffer, page_bytes, *, register=True): host memory the engine owns, given
+/// as a writable C-contiguous buffer (a numpy array; a torch CPU tensor through .numpy()),
+/// held for the pool's life; its length must be a whole number of pages.
+///
+/// EnginePool.at(agent, address, length, page_bytes, *, segment='dram', device=0,
+/// register=True, owner=None, read=None, scrub=None): memory named by address (a tensor's
+/// data_ptr()); owner is kept alive for the pool's life. The caller vouches that the memory
+/// stays allocated meanwhile. segment 'vram' (GPU memory on CUDA device `device`) needs
+/// read(page, length) -> bytes (a copy to the host, for the check) and scrub(pages) (zeroes
+/// whole pages on the device): kvguard cannot touch GPU memory from the host.
+///
+/// A refused or aborted receive into the pool leaves its pinned pages zeroed.
+#[pyclass(frozen, module = "kvguard")]
+pub struct EnginePool {
+    memory: Mutex<PoolMemory>,
+    layout: core::RegionLayout,
+}
+
+/// `pages` of `page_bytes` in `length` bytes, or a NixlError (kind 'extents').
+fn whole_pages(py: Python<'_>, length: u64, page_bytes: u32) -> PyResult<u32> {
+    let bad = |why: String| nixl_error(py, &core::NixlError::Extents { reason: why });
+    if page_bytes == 0 || length == 0 || !length.is_multiple_of(u64::from(page_bytes)) {
+        return Err(bad(format!("{length} bytes are not a whole number of {page_bytes}-byte pages")));
+    }
+    u32::try_from(length / u64::from(page_bytes)).map_err(|_| bad(format!("{length} bytes: too many pages")))
+}
+
+/// Registers (or only describes) `layout` for `agent`.
+///
+/// # Safety
+/// `layout` names memory of its segment that stays allocated while the returned pool lives.
+unsafe fn engine_pool(
+    py: Python<'_>,
+    agent: &core::NixlAgent,
+    layout: core::RegionLayout,
+    register: bool,
+) -> PyResult<core::EnginePool> {
+    let pool = py.detach(|| {
+        if register {
+            // SAFETY: the caller's contract.
+            unsafe { core::EnginePool::register(agent, layout) }
+        } else {
+            // SAFETY: the caller's contract.
+            unsafe { core::EnginePool::registered(layout) }
+        }
+    });
+    pool.map_err(|e| nixl_error(py, &e))
+}
+
+#[pymethods]
+impl EnginePool {
+    #[new]
+    #[pyo3(signature = (agent, buffer, page_bytes, *, register = true))]
+    fn new(
+        py: Python<'_>,
+        agent: &Bound<'_, NixlAgent>,
+        buffer: &Bound<'_, PyAny>,
+        page_bytes: u32,
+        register: bool,
+    ) -> PyResult<EnginePool> {
+        let buf = PyUntypedBuffer::get(buffer)
+            .map_err(|_| PyTypeError::new_err("buffer must expose the buffer protocol (a numpy array, a bytearray)"))?;
+        if !buf.is_c_contiguous() {
+            return Err(PyValueError::new_err("buffer must be C-contiguous"));
+        }
+        if buf.readonly() {
+            return Err(PyValueError::new_err("buffer must be writable: transfers land in it"));
+        }
+        let pages = whole_pages(py, buf.len_bytes() as u64, page_bytes)?;
+        let layout = core::RegionLayout {
+            base: buf.buf_ptr() as usize as u64,
+            page_bytes,
+            pages,
+            segment: core::Segment::Dram,
+            device: 0,
+        };
+        // SAFETY: `buf` is a writable, C-contiguous export of `pages * page_bytes` host bytes at
+        // `base`, held by the pool (dropped after the registration) so the exporter keeps the
+        // memory allocated; peers writing it and kvguard zeroing refused pages is what the
+        // caller asked for by handing it over.
+        let pool = unsafe { engine_pool(py, &agent.get().agent, layout, register)? };
+        Ok(EnginePool { memory: Mutex::new(PoolMemory::Host { pool, _buffer: Some(buf), _owner: None }), layout })
+    }
+
+    /// An engine pool at `address` (see the class doc).
+    #[staticmethod]
+    #[pyo3(signature = (agent, address, length, page_bytes, *, segment = "dram", device = 0, register = true, owner = None, read = None, scrub = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn at(
+        py: Python<'_>,
+        agent: &Bound<'_, NixlAgent>,
+        address: u64,
+        length: u64,
+        page_bytes: u32,
+        segment: &str,
+        device: u64,
+        register: bool,
+        owner: Option<Py<PyAny>>,
+        read: Option<Py<PyAny>>,
+        scrub: Option<Py<PyAny>>,
+    ) -> PyResult<EnginePool> {
+        let segment = match segment {
+            "dram" => core::Segment::Dram,
+            "vram" => core::Segment::Vram,
+            other => return Err(PyValueError::new_err(format!("segment must be 'dram' or 'vram', got {other:?}"))),
+        };
+        let pages = whole_pages(py, length, page_bytes)?;
+        let layout = core::RegionLayout { base: address, page_bytes, pages, segment, device };
+        let memory = match (segment, read, scrub) {
+            (core::Segment::Dram, None, None) => {
+                // SAFETY: the caller vouches for the memory (the class doc); `owner`, kept by the
+                // pool until after the registration is dropped, is what keeps it allocated.
+                let pool = unsafe { engine_pool(py, &agent.get().agent, layout, register)? };
+                PoolMemory::Host { pool, _buffer: None, _owner: owner }
+            }
+            (core::Segment::Vram, Some(read), Some(scrub)) => {
+                // SAFETY: as above; kvguard never dereferences GPU memory, only NIXL moves it.
+                let pool = unsafe { engine_pool(py, &agent.get().agent, layout, register)? };
+                PoolMemory::Device { pool: DevicePool { pool, read, scrub }, _owner: owner }
+            }
+            (core::Segment::Dram, _, _) => {
+                return Err(PyValueError::new_err("read and scrub are for 'vram' pools: kvguard reads host pools"));
+            }
+            _ => return Err(PyValueError::new_err("a 'vram' pool needs read(page, length) and scrub(pages)")),
+        };
+        Ok(EnginePool { memory: Mutex::new(memory), layout })
+    }
+
+    /// Pages in the pool.
+    #[getter]
+    fn pages(&self) -> u32 {
+        self.layout.pages
+    }
+
+    /// Bytes per page (the page stride).
+    #[getter]
+    fn page_bytes(&self) -> u32 {
+        self.layout.page_bytes
+    }
+
+    /// 'dram' or 'vram'.
+    #[getter]
+    fn segment(&self) -> &'static str {
+        match self.layout.segment {
+            core::Segment::Dram => "dram",
+            core::Segment::Vram => "vram",
+        }
+    }
+
+    /// The pool's layout as the 32 bytes the peer's NixlLink takes.
+    fn layout<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.layout.encode())
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "EnginePool(base={:#x}, pages={}, page_bytes={}, segment={:?})",
+            self.layout.base,
+            self.layout.pages,
+            self.layout.page_bytes,
+            self.segment()
+        )
+    }
+}
+
+/// A region argument: kvguard's HostRegion or an engine's EnginePool, locked for one call.
+enum RegionArg<'a> {
+    Host(parking_lot::MutexGuard<'a, core::HostRegion>),
+    Engine(parking_lot::MutexGuard<'a, PoolMemory>),
+}
+
+impl<'a> RegionArg<'a> {
+    fn lock(region: &'a Bound<'_, PyAny>) -> PyResult<RegionArg<'a>> {
+        if let Ok(r) = region.cast::<HostRegion>() {
+            let r: &'a HostRegion = r.get();
+            return Ok(RegionArg::Host(r.region.try_lock().ok_or_else(|| busy("region"))?));
+        }
+        if let Ok(p) = region.cast::<EnginePool>() {
+            let p: &'a EnginePool = p.get();
+            return Ok(RegionArg::Engine(p.memory.try_lock().ok_or_else(|| busy("pool"))?));
+        }
+        Err(PyTypeError::new_err("region must be a kvguard.HostRegion or a kvguard.EnginePool"))
+    }
+
+    fn region(&mut self) -> &mut (dyn PageRegion + Send) {
+        match self {
+            RegionArg::Host(r) => &mut **r,
+            RegionArg::Engine(p) => p.region(),
+        }
+    }
+}
+
 /// One side's connection to its peer, over which the checked protocol runs (docs/transfer.md).
 ///
-/// NixlLink(agent, peer_metadata, peer_layout): the peer's agent metadata and region layout,
-/// received out of band. Prefill: push (WRITE + the manifest as the notification), stage
-/// (pull: tell decode where the KV is, wait for its release) or decline. Decode: receive.
+/// NixlLink(agent, peer_metadata, peer_layout, *, part_bytes=4 MiB): the peer's agent metadata
+/// and region layout, received out of band; this side's pushes past part_bytes go in parts,
+/// the checksums overlapped with the transfer (None: one WRITE, checked in series).
+/// Prefill: push (WRITE + the manifest as the notification), stage (pull: tell decode where the
+/// KV is, wait for its release) or decline. Decode: receive.
 /// Every wait releases the GIL; `timeout` is in seconds. One call at a time per link (and per
 /// region): a second thread's call meanwhile raises RuntimeError rather than wait.
 #[pyclass(frozen, module = "kvguard")]
@@ -235,11 +507,13 @@ pub struct NixlLink {
 #[pymethods]
 impl NixlLink {
     #[new]
+    #[pyo3(signature = (agent, peer_metadata, peer_layout, *, part_bytes = Some(core::PART_BYTES)))]
     fn new(
         py: Python<'_>,
         agent: Py<NixlAgent>,
         peer_metadata: &Bound<'_, PyAny>,
         peer_layout: &Bound<'_, PyAny>,
+        part_bytes: Option<u64>,
     ) -> PyResult<NixlLink> {
         let metadata = bytes_arg(peer_metadata, "peer_metadata")?;
         let layout =
@@ -248,8 +522,9 @@ impl NixlLink {
         // (its `agent` field) and which never moves while alive; the core link that borrows it
         // is dropped first (declared first), so the borrow never outlives the agent.
         let core_agent: &'static core::NixlAgent = unsafe { &*std::ptr::from_ref(&agent.get().agent) };
-        let link =
+        let mut link =
             py.detach(|| core::NixlLink::connect(core_agent, &metadata, layout)).map_err(|e| nixl_error(py, &e))?;
+        link.set_parts(part_bytes);
         Ok(NixlLink { link: Mutex::new(link), agent })
     }
 
@@ -265,7 +540,7 @@ impl NixlLink {
         Ok(self.link.try_lock().ok_or_else(|| busy("link"))?.malformed())
     }
 
-    /// Prefill, push: WRITEs `region`'s extents `src` ([(page, length)]) into the peer's pages
+    /// Prefill, push: WRITEs `region`'s (a HostRegion or an EnginePool) extents `src` ([(page, length)]) into the peer's pages
     /// `dest` (ints or PageRefs, position by position) with the manifest (bytes) as the
     /// transfer's notification, delivered after the data; `request` is decode's int id.
     /// Returns when the transfer completed; NixlError otherwise.
@@ -274,7 +549,7 @@ impl NixlLink {
     fn push(
         &self,
         py: Python<'_>,
-        region: &Bound<'_, HostRegion>,
+        region: &Bound<'_, PyAny>,
         src: &Bound<'_, PyAny>,
         dest: &Bound<'_, PyAny>,
         request: u64,
@@ -288,10 +563,51 @@ impl NixlLink {
         let manifest = bytes_arg(manifest, "manifest")?;
         let deadline = deadline(timeout)?;
         let link = self.link.try_lock().ok_or_else(|| busy("link"))?;
-        let mut region = region.get().region.try_lock().ok_or_else(|| busy("region"))?;
+        let mut region = RegionArg::lock(region)?;
         // `&mut`: a HostRegion may be sent to another thread, not shared with one.
-        let (link, region) = (&*link, &mut *region);
+        let (link, region) = (&*link, region.region());
         py.detach(move || link.push(region, &src, &dest, RequestId(request), &manifest, deadline))
+            .map_err(|e| nixl_error(py, &e))
+    }
+
+    /// Prefill, push, building the manifest on the way: WRITEs `region`'s extents `src`
+    /// ([(page, length)]) into the peer's pages `dest` (decode's PageRefs, in the incarnations
+    /// it offered) as the KV of `prompt` (ints) for decode's `request` of `tenant`, from
+    /// `sender`, with pages of `page_size` slots of `slot_bytes`. With part_bytes set and more
+    /// than one part, the page CRCs run on a worker thread while the parts fly; the last part
+    /// carries the manifest. NixlError
+    /// (kind 'extents') when the extents do not fit the prompt, before anything is sent.
+    #[pyo3(signature = (region, src, dest, request, tenant, sender, page_size, slot_bytes, prompt, *, timeout = 20.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn push_prompt(
+        &self,
+        py: Python<'_>,
+        region: &Bound<'_, PyAny>,
+        src: &Bound<'_, PyAny>,
+        dest: &Bound<'_, PyAny>,
+        request: u64,
+        tenant: u64,
+        sender: u64,
+        page_size: u32,
+        slot_bytes: u32,
+        prompt: &Bound<'_, PyAny>,
+        timeout: f64,
+    ) -> PyResult<()> {
+        let src = extents(src, "src")?;
+        let dest = crate::transfer::refs(dest, "dest")?;
+        let prompt = crate::transfer::tokens(prompt, "prompt")?;
+        let header = kvguard::transfer::TransferHeader {
+            request: RequestId(request),
+            tenant: kvguard::TenantId(tenant),
+            sender: kvguard::transfer::SenderId(sender),
+            page_size,
+            slot_bytes,
+        };
+        let deadline = deadline(timeout)?;
+        let link = self.link.try_lock().ok_or_else(|| busy("link"))?;
+        let mut region = RegionArg::lock(region)?;
+        let (link, region) = (&*link, region.region());
+        py.detach(move || link.push_prompt(region, &src, header, &prompt, &dest, deadline))
             .map_err(|e| nixl_error(py, &e))
     }
 
@@ -325,7 +641,8 @@ impl NixlLink {
     }
 
     /// Decode: receives the transfer `pinned` was pinned for (Receiver.pin, *before* asking the
-    /// peer) into `region`, whose page i is the pool's page i. direction 'write' (push: waits
+    /// peer) into `region` (a HostRegion, or the engine's own EnginePool), whose page i is the
+    /// pool's page i. direction 'write' (push: waits
     /// for prefill's notice, delivered after the data) or 'read' (pull: waits for the staged
     /// notice, READs into the pinned pages, releases prefill's).
     ///
@@ -340,7 +657,7 @@ impl NixlLink {
         &self,
         py: Python<'_>,
         pinned: &Bound<'_, PinnedImport>,
-        region: &Bound<'_, HostRegion>,
+        region: &Bound<'_, PyAny>,
         direction: &str,
         timeout: f64,
         land: Option<Py<PyAny>>,
@@ -352,9 +669,9 @@ impl NixlLink {
         };
         let deadline = deadline(timeout)?;
         let mut link = self.link.try_lock().ok_or_else(|| busy("link"))?;
-        let mut region = region.get().region.try_lock().ok_or_else(|| busy("region"))?;
+        let mut region = RegionArg::lock(region)?;
         let (pin, expected, table) = pinned.get().take()?;
-        let (link, region) = (&mut *link, &mut *region);
+        let (link, region) = (&mut *link, region.region());
         let mut land_err: Option<PyErr> = None;
         let outcome = py.detach(|| {
             link.receive(direction, pin, &expected.as_expected(), region, deadline, |i, r, b| {

@@ -46,7 +46,7 @@ impl AsRef<[u8]> for Bytes {
     }
 }
 
-fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
+pub(crate) fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
     let a = crate::arrays::IntArray::open(obj, name, 1)?;
     (0..a.len())
         .map(|i| {
@@ -57,7 +57,7 @@ fn tokens(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
         .collect()
 }
 
-fn refs(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<kvguard::PageRef>> {
+pub(crate) fn refs(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<kvguard::PageRef>> {
     obj.try_iter()?
         .map(|i| {
             let i = i?;

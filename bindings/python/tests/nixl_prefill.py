@@ -56,7 +56,10 @@ def main():
     region = kvguard.HostRegion(agent, PAGES, PAGE_BYTES)
     send({"metadata": agent.metadata().hex(), "layout": region.layout().hex()})
     peer = json.loads(sys.stdin.readline())
-    link = kvguard.NixlLink(agent, bytes.fromhex(peer["metadata"]), bytes.fromhex(peer["layout"]))
+    # Parts of one page: a two-page push goes as two WRITEs, checksums overlapped.
+    link = kvguard.NixlLink(
+        agent, bytes.fromhex(peer["metadata"]), bytes.fromhex(peer["layout"]), part_bytes=PAGE_BYTES
+    )
     held_back = {}  # request -> (manifest, pages): the `late` fault's transfer
     for line in sys.stdin:
         pull = json.loads(line)
@@ -93,7 +96,14 @@ def main():
             region.write(FIRST_SRC_PAGE, bytes(first))
         if fault == "truncate-page":
             src[0] = (src[0][0], src[0][1] - SLOT_BYTES)
-        if pull["direction"] == "write":
+        if pull["direction"] == "write-building":
+            # The manifest built by kvguard on the way (push_prompt), for the faults that do not
+            # tamper with it or the bytes after it is made.
+            try:
+                link.push_prompt(region, src, dest, request, tenant, SENDER, PAGE_SIZE, SLOT_BYTES, prompt)
+            except kvguard.NixlError:
+                pass  # refused before anything was sent: decode's wait times out
+        elif pull["direction"] == "write":
             link.push(region, src, [r.page for r in dest], request, manifest)
         else:
             link.stage(src, request, manifest)

@@ -8,6 +8,10 @@ pages), decode pins its pages before asking, receives, and refuses with the faul
 error; a clean transfer is accepted and readable. A refused or aborted transfer records no
 coverage (reads through its pages are refused) and its pages are scrubbed.
 
+The same runs with decode receiving into an engine's own pool (kvguard.EnginePool over a numpy
+array the "engine" owns and registered through kvguard), and into a GPU-typed pool whose pages
+the engine's callbacks copy and zero (emulated here over host memory: no GPU).
+
 Needs a wheel built with the `nixl` feature and libnixl_capi.so on LD_LIBRARY_PATH
 (`source scripts/ci/nixl.sh setup`); skipped otherwise, unless KVGUARD_REQUIRE_NIXL=1 (set by
 that setup, so in scripts/test), which turns the skip into a failure.
@@ -58,11 +62,41 @@ def _nixl_or_skip():
     pytest.skip(f"{why}; set up with `source scripts/ci/nixl.sh setup`")
 
 
+class HostPages:
+    """Decode's pages as kvguard's own HostRegion."""
+
+    def __init__(self, agent):
+        self.region = kvguard.HostRegion(agent, PAGES, PAGE_BYTES)
+
+    def write(self, page, data):
+        self.region.write(page, data)
+
+    def read(self, page, length=PAGE_BYTES):
+        return self.region.read(page, length)
+
+
+class EnginePages:
+    """Decode's pages as an engine's own pool: a numpy array the engine owns, registered with
+    decode's agent through kvguard.EnginePool."""
+
+    def __init__(self, agent):
+        import numpy as np
+
+        self.memory = np.zeros(PAGES * PAGE_BYTES, dtype=np.uint8)
+        self.region = kvguard.EnginePool(agent, self.memory, PAGE_BYTES)
+
+    def write(self, page, data):
+        self.memory[page * PAGE_BYTES : page * PAGE_BYTES + len(data)] = list(data)
+
+    def read(self, page, length=PAGE_BYTES):
+        return self.memory[page * PAGE_BYTES : page * PAGE_BYTES + length].tobytes()
+
+
 class Prefill:
     """The prefill process and decode's side of the pair: agent, pages, link."""
 
-    def __init__(self):
-        tag = f"{os.getpid()}"
+    def __init__(self, pages=HostPages):
+        tag = f"{os.getpid()}-{pages.__name__}"
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("nixl_prefill.py")), f"prefill-{tag}"],
             stdin=subprocess.PIPE,
@@ -70,7 +104,8 @@ class Prefill:
             text=True,
         )
         self.agent = kvguard.NixlAgent(f"decode-{tag}")
-        self.region = kvguard.HostRegion(self.agent, PAGES, PAGE_BYTES)
+        self.pages = pages(self.agent)
+        self.region = self.pages.region
         peer = self.read()
         self.write({"metadata": self.agent.metadata().hex(), "layout": self.region.layout().hex()})
         self.link = kvguard.NixlLink(self.agent, bytes.fromhex(peer["metadata"]), bytes.fromhex(peer["layout"]))
@@ -94,10 +129,10 @@ class Prefill:
                 self.proc.wait()
 
 
-@pytest.fixture(scope="module")
-def prefill():
+@pytest.fixture(scope="module", params=[HostPages, EnginePages], ids=["host_region", "engine_pool"])
+def prefill(request):
     _nixl_or_skip()
-    pair = Prefill()
+    pair = Prefill(request.param)
     yield pair
     pair.close()
     assert pair.proc.returncode == 0
@@ -113,14 +148,15 @@ class Decode:
         self.receiver = kvguard.Receiver(self.table)
         self.request = next(_requests)
         for page in range(PAGES):
-            pair.region.write(page, bytes([STALE]) * PAGE_BYTES)
+            pair.pages.write(page, bytes([STALE]) * PAGE_BYTES)
 
     def pages(self):
         self.table.admit(self.request, TENANT, len(PROMPT), 8)
         return self.table.allocate(self.request, -(-len(PROMPT) // PAGE_SIZE))
 
-    def pull(self, refs, direction, fault, timeout=20.0, land=None):
-        """Pins `refs`, asks prefill, receives: the Accepted, or raises."""
+    def pull(self, refs, direction, fault, timeout=20.0, land=None, region=None):
+        """Pins `refs`, asks prefill, receives (into the pair's region, or `region`): the
+        Accepted, or raises."""
         pinned = self.receiver.pin(self.request, TENANT, PROMPT, refs, slot_bytes=SLOT_BYTES)
         assert pinned.pinned
         self.pair.write(
@@ -134,7 +170,9 @@ class Decode:
             }
         )
         try:
-            return self.pair.link.receive(pinned, self.pair.region, direction=direction, timeout=timeout, land=land)
+            into = self.pair.region if region is None else region
+            receive = "write" if direction.startswith("write") else direction
+            return self.pair.link.receive(pinned, into, direction=receive, timeout=timeout, land=land)
         finally:
             assert not pinned.pinned, "receive ends the pinned import, whatever its outcome"
             assert self.pair.read()["done"] in (fault, "declined")
@@ -143,7 +181,7 @@ class Decode:
         v = self.table.check_read_refs(self.request, refs, 1)
         assert v is not None, "a refused transfer's pages must not be readable"
         for r in refs:
-            assert self.pair.region.read(r.page) == bytes(PAGE_BYTES), "a refused transfer's pages are scrubbed"
+            assert self.pair.pages.read(r.page) == bytes(PAGE_BYTES), "a refused transfer's pages are scrubbed"
 
 
 def kv_pages(prompt):
@@ -163,7 +201,7 @@ def test_a_clean_transfer_is_accepted_and_readable(prefill, direction):
     assert [b for _, _, b in landed] == want
     assert [r for _, r, _ in landed] == refs
     for r, data in zip(refs, want):
-        assert prefill.region.read(r.page, len(data)) == data
+        assert prefill.pages.read(r.page, len(data)) == data
 
 
 @pytest.mark.parametrize("direction", DIRECTIONS)
@@ -227,3 +265,179 @@ def test_a_pinned_import_ends_once(prefill):
     with pytest.raises(kvguard.TransferError):
         d.receiver.pin(d.request, TENANT, PROMPT, refs, slot_bytes=SLOT_BYTES)
     first.abort()
+
+
+class DeviceView:
+    """A GPU-typed ('vram') EnginePool over the engine pair's memory, with the callbacks an
+    engine gives for GPU memory: read copies a page to the host, scrub zeroes pages "on the
+    device". Emulated over the numpy array (no GPU here), and not registered (register=False):
+    NIXL cannot register device memory without CUDA, so kvguard's own transfers over it fail."""
+
+    def __init__(self, pair):
+        self.pages = pair.pages
+        self.reads = []
+        self.scrubbed = []
+        memory = pair.pages.memory
+        self.pool = kvguard.EnginePool.at(
+            pair.agent,
+            memory.ctypes.data,
+            memory.nbytes,
+            PAGE_BYTES,
+            segment="vram",
+            register=False,
+            owner=memory,
+            read=self.read,
+            scrub=self.scrub,
+        )
+
+    def read(self, page, length):
+        self.reads.append(page)
+        return self.pages.read(page, length)
+
+    def scrub(self, pages):
+        self.scrubbed.extend(pages)
+        for page in pages:
+            self.pages.write(page, bytes(PAGE_BYTES))
+
+
+@pytest.fixture(scope="module")
+def engine_pair():
+    _nixl_or_skip()
+    pair = Prefill(EnginePages)
+    yield pair
+    pair.close()
+    assert pair.proc.returncode == 0
+
+
+def test_an_engine_pool_is_received_into_in_place(engine_pair):
+    """The bytes land in the engine's own numpy array: no copy through kvguard's pages."""
+    d = Decode(engine_pair)
+    refs = d.pages()
+    d.pull(refs, "write", "none")
+    for r, data in zip(refs, kv_pages(PROMPT)):
+        start = r.page * PAGE_BYTES
+        assert engine_pair.pages.memory[start : start + len(data)].tobytes() == data
+    assert engine_pair.region.segment == "dram" and engine_pair.region.pages == PAGES
+
+
+def test_a_gpu_typed_pool_checks_through_the_engines_callbacks(engine_pair):
+    view = DeviceView(engine_pair)
+    assert view.pool.segment == "vram"
+    assert view.pool.layout()[16] == 1, "the layout tells the peer it is GPU memory"
+    d = Decode(engine_pair)
+    refs = d.pages()
+    accepted = d.pull(refs, "write", "none", region=view.pool)
+    assert accepted.pages == 2 and set(view.reads) == {r.page for r in refs}
+    assert d.table.check_read_refs(d.request, refs, len(PROMPT)) is None
+    # A fault is refused through the same callbacks, and the pages are zeroed by the engine's.
+    d = Decode(engine_pair)
+    refs = d.pages()
+    with pytest.raises(kvguard.TransferError) as refused:
+        d.pull(refs, "write", "flip-byte", region=view.pool)
+    assert refused.value.kind == "page_checksum_mismatch"
+    assert sorted(view.scrubbed) == sorted(r.page for r in refs)
+    d.assert_nothing_leaked(refs)
+
+
+def test_a_pull_into_an_unregistered_gpu_pool_aborts_and_zeroes(engine_pair):
+    """NIXL refuses to READ into memory its agent does not know: aborted, nothing recorded."""
+    view = DeviceView(engine_pair)
+    d = Decode(engine_pair)
+    refs = d.pages()
+    with pytest.raises(kvguard.NixlError) as aborted:
+        d.pull(refs, "read", "none", region=view.pool)
+    assert aborted.value.kind == "call", str(aborted.value)
+    assert sum(d.table.counters().values()) == 0, "a transport failure is no verdict on content"
+    assert sorted(view.scrubbed) == sorted(r.page for r in refs)
+    d.assert_nothing_leaked(refs)
+
+
+def test_a_gpu_pool_whose_callbacks_fail_aborts(engine_pair):
+    def broken(*_):
+        raise OSError("device lost")
+
+    memory = engine_pair.pages.memory
+    pool = kvguard.EnginePool.at(
+        engine_pair.agent, memory.ctypes.data, memory.nbytes, PAGE_BYTES,
+        segment="vram", register=False, owner=memory, read=broken, scrub=broken,
+    )  # fmt: skip
+    d = Decode(engine_pair)
+    refs = d.pages()
+    with pytest.raises(kvguard.NixlError) as aborted:
+        d.pull(refs, "write", "none", region=pool)
+    assert aborted.value.kind == "segment", str(aborted.value)
+    assert d.table.check_read_refs(d.request, refs, 1) is not None, "nothing recorded"
+
+
+def test_engine_pool_descriptions_that_do_not_fit_are_refused(engine_pair):
+    import numpy as np
+
+    agent = engine_pair.agent
+    with pytest.raises(kvguard.NixlError) as bad:
+        kvguard.EnginePool(agent, np.zeros(PAGE_BYTES * 2 + 1, dtype=np.uint8), PAGE_BYTES)
+    assert bad.value.kind == "extents"
+    with pytest.raises(kvguard.NixlError) as bad:
+        kvguard.EnginePool(agent, np.zeros(PAGE_BYTES, dtype=np.uint8), 0)
+    assert bad.value.kind == "extents"
+    with pytest.raises(kvguard.NixlError) as bad:
+        kvguard.EnginePool(agent, np.zeros(0, dtype=np.uint8), PAGE_BYTES)
+    assert bad.value.kind == "extents"
+    readonly = np.zeros(PAGE_BYTES, dtype=np.uint8)
+    readonly.flags.writeable = False
+    with pytest.raises(ValueError):
+        kvguard.EnginePool(agent, readonly, PAGE_BYTES)
+    with pytest.raises(ValueError):
+        kvguard.EnginePool(agent, np.zeros((4, PAGE_BYTES), dtype=np.uint8)[:, :8], 8)
+    with pytest.raises(TypeError):
+        kvguard.EnginePool(agent, [0] * PAGE_BYTES, PAGE_BYTES)
+    with pytest.raises(kvguard.NixlError) as bad:
+        kvguard.EnginePool.at(agent, 0, PAGE_BYTES, PAGE_BYTES, register=False)
+    assert bad.value.kind == "extents"
+    with pytest.raises(kvguard.NixlError) as bad:
+        kvguard.EnginePool.at(agent, 2**64 - PAGE_BYTES, 2 * PAGE_BYTES, PAGE_BYTES, register=False)
+    assert bad.value.kind == "extents"
+    with pytest.raises(ValueError):
+        kvguard.EnginePool.at(agent, 4096, PAGE_BYTES, PAGE_BYTES, segment="vram", register=False)
+    with pytest.raises(ValueError):
+        kvguard.EnginePool.at(agent, 4096, PAGE_BYTES, PAGE_BYTES, read=len, scrub=len, register=False)
+    with pytest.raises(ValueError):
+        kvguard.EnginePool.at(agent, 4096, PAGE_BYTES, PAGE_BYTES, segment="hbm", register=False)
+
+
+def test_pinned_pages_outside_the_engine_pool_abort_and_record_nothing(engine_pair):
+    """Decode's table has more pages than the pool it receives into: a transfer to pages the
+    pool does not have is never landed, whatever prefill sends."""
+    import numpy as np
+
+    small = np.zeros(PAGE_BYTES, dtype=np.uint8)  # one page: the pinned pages lie past it
+    pool = kvguard.EnginePool(engine_pair.agent, small, PAGE_BYTES)
+    d = Decode(engine_pair)
+    d.table.admit(d.request, TENANT, len(PROMPT), 8)
+    d.table.allocate(d.request, 1)  # page 0 taken, so the prompt's pages are past the pool
+    refs = d.table.allocate(d.request, 2)
+    assert all(r.page >= 1 for r in refs)
+    with pytest.raises((kvguard.TransferError, kvguard.NixlError)):
+        d.pull(refs, "read", "none", region=pool)
+    assert d.table.check_read_refs(d.request, refs, 1) is not None
+    assert small.tobytes() == bytes(PAGE_BYTES)
+
+
+@pytest.mark.parametrize("fault", ["none", "dummy-prompt", "truncate-page"])
+def test_a_push_that_builds_its_manifest_on_the_way_is_checked_the_same(prefill, fault):
+    """Prefill's push_prompt: kvguard builds the manifest while the parts fly; decode's checks
+    are the same (a substituted prompt is refused; extents that do not fit send nothing)."""
+    d = Decode(prefill)
+    refs = d.pages()
+    if fault == "none":
+        accepted = d.pull(refs, "write-building", fault)
+        assert accepted.tokens == len(PROMPT)
+        assert d.table.check_read_refs(d.request, refs, len(PROMPT)) is None
+        return
+    with pytest.raises((kvguard.TransferError, kvguard.NixlError)) as refused:
+        d.pull(refs, "write-building", fault, timeout=3.0)
+    if fault == "truncate-page":
+        # The extents no longer fit the prompt: prefill sends nothing, decode times out.
+        assert getattr(refused.value, "kind", None) == "timeout", str(refused.value)
+    else:
+        assert refused.value.kind == FAULTS[fault], str(refused.value)
+    d.assert_nothing_leaked(refs)

@@ -136,6 +136,24 @@ impl NixlAgent {
         notification: Option<&[u8]>,
         deadline: Instant,
     ) -> Result<(), NixlError> {
+        let mut posted = self.post(op, local, local_extents, peer, remote, remote_extents, notification)?;
+        self.wait(&mut posted, deadline)
+    }
+
+    /// Posts the transfer [`transfer`](Self::transfer) makes, without waiting: several may be in
+    /// flight at once. [`poll`](Self::poll) or [`wait`](Self::wait) it; dropping it while in
+    /// flight releases it (NIXL aborts it).
+    #[allow(clippy::too_many_arguments)]
+    pub fn post(
+        &self,
+        op: Direction,
+        local: &RegionLayout,
+        local_extents: &[Extent],
+        peer: &str,
+        remote: &RegionLayout,
+        remote_extents: &[Extent],
+        notification: Option<&[u8]>,
+    ) -> Result<Posted, NixlError> {
         if local_extents.len() != remote_extents.len() {
             return Err(NixlError::Extents {
                 reason: format!("{} local, {} remote", local_extents.len(), remote_extents.len()),
@@ -168,23 +186,30 @@ impl NixlAgent {
             .create_xfer_req(xfer_op, &local_list, &remote_list, peer, Some(&args))
             .map_err(call("createXferReq"))?;
         let in_progress = self.agent.post_xfer_req(&request, Some(&args)).map_err(call("postXferReq"))?;
-        if in_progress {
-            self.wait(&request, deadline)?;
-        }
-        Ok(())
+        Ok(Posted { request, done: !in_progress })
     }
 
-    fn wait(&self, request: &XferRequest, deadline: Instant) -> Result<(), NixlError> {
-        let mut spins = 0u32;
-        loop {
-            match self.agent.get_xfer_status(request).map_err(call("getXferStatus"))? {
-                XferStatus::Success => return Ok(()),
-                XferStatus::InProgress if Instant::now() >= deadline => {
-                    return Err(NixlError::Timeout { waiting_for: "the transfer to complete" });
-                }
-                XferStatus::InProgress => pause(&mut spins),
-            }
+    /// Whether `posted` has completed (an error if it failed); moves UCX along.
+    pub fn poll(&self, posted: &mut Posted) -> Result<bool, NixlError> {
+        if !posted.done {
+            posted.done = matches!(
+                self.agent.get_xfer_status(&posted.request).map_err(call("getXferStatus"))?,
+                XferStatus::Success
+            );
         }
+        Ok(posted.done)
+    }
+
+    /// Waits until `posted` completes, fails, or `deadline` passes ([`NixlError::Timeout`]).
+    pub fn wait(&self, posted: &mut Posted, deadline: Instant) -> Result<(), NixlError> {
+        let mut spins = 0u32;
+        while !self.poll(posted)? {
+            if Instant::now() >= deadline {
+                return Err(NixlError::Timeout { waiting_for: "the transfer to complete" });
+            }
+            pause(&mut spins);
+        }
+        Ok(())
     }
 
     /// Registers `layout`'s memory (engine-owned pages, host or GPU) with this agent, so peers
@@ -199,6 +224,19 @@ impl NixlAgent {
         let span = Span { base: layout.base, len: layout.len()?, segment: layout.segment, device: layout.device };
         let handle = self.agent.register_memory(&span, None).map_err(call("registerMem"))?;
         Ok(Registration { _handle: handle, layout })
+    }
+}
+
+/// A transfer [posted](NixlAgent::post) by an agent; released on drop (NIXL aborts it if it is
+/// still in flight).
+pub struct Posted {
+    request: XferRequest,
+    done: bool,
+}
+
+impl std::fmt::Debug for Posted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Posted").field("done", &self.done).finish_non_exhaustive()
     }
 }
 
@@ -276,9 +314,27 @@ impl Registration {
     }
 }
 
+/// Pages a transfer lands in or leaves from: a region's layout (what the peer names in
+/// transfers), the landed bytes the receiver checks, and the scrub of a refused transfer's pages.
+///
+/// [`HostRegion`] (kvguard's own host pages) and [`EnginePool`] (an engine's own pool) implement
+/// it; an engine whose pages kvguard cannot read directly (GPU memory) implements it with a copy
+/// to the host for [`page`](Self::page) and a device-side fill for [`scrub`](Self::scrub).
+pub trait PageRegion {
+    /// The region's address, page stride, page count, segment and device.
+    fn layout(&self) -> RegionLayout;
+
+    /// The first `len` bytes of `page`, borrowed where the memory is host memory, copied
+    /// otherwise. Called only when no transfer into the page is in flight.
+    fn page(&self, page: u32, len: u32) -> Result<std::borrow::Cow<'_, [u8]>, NixlError>;
+
+    /// Zeroes whole pages (a refused or abandoned transfer's, so no byte of it stays there).
+    fn scrub(&mut self, pages: &[u32]) -> Result<(), NixlError>;
+}
+
 /// Host pages owned by kvguard and registered with an agent: what the tests, the demo and the
-/// benchmark transfer between. An engine registers its own pool instead
-/// ([`NixlAgent::register`]).
+/// benchmark transfer between. An engine lands transfers in its own pool instead
+/// ([`EnginePool`]).
 ///
 /// Peers write these bytes with no call on this side but the agent's own (UCX lands them while
 /// the agent polls): read a page only when no transfer into it is in flight, as the checked
@@ -351,6 +407,129 @@ impl HostRegion {
         let page_bytes = self.layout().page_bytes;
         for page in pages {
             self.bytes_mut(page, page_bytes)?.fill(0);
+        }
+        Ok(())
+    }
+}
+
+impl PageRegion for HostRegion {
+    fn layout(&self) -> RegionLayout {
+        HostRegion::layout(self)
+    }
+    fn page(&self, page: u32, len: u32) -> Result<std::borrow::Cow<'_, [u8]>, NixlError> {
+        self.bytes(page, len).map(std::borrow::Cow::Borrowed)
+    }
+    fn scrub(&mut self, pages: &[u32]) -> Result<(), NixlError> {
+        HostRegion::scrub(self, pages.iter().copied())
+    }
+}
+
+/// An engine's own KV pool (memory kvguard does not own), described by its layout: page `i` is
+/// `page_bytes` bytes at `base + i * page_bytes`. Registered with the agent by kvguard
+/// ([`register`](Self::register), deregistered on drop) or by the caller beforehand
+/// ([`registered`](Self::registered)).
+///
+/// Host memory (`Segment::Dram`) is read and scrubbed in place. GPU memory (`Segment::Vram`) is
+/// registered and transferred the same way, but kvguard cannot read it from the host: its
+/// [`page`](PageRegion::page) and [`scrub`](PageRegion::scrub) fail with
+/// [`NixlError::Segment`], so a receive into it is aborted (fail closed) unless the engine
+/// wraps it in a [`PageRegion`] that copies the pages to the host and fills them on the device.
+#[derive(Debug)]
+pub struct EnginePool {
+    // Dropped first: deregistered while the caller's memory is still allocated.
+    registration: Option<Registration>,
+    layout: RegionLayout,
+}
+
+impl EnginePool {
+    /// Checks `layout` as a pool description: at least one page, pages of at least one byte,
+    /// no address wrap, and (host memory) an address range this process can name.
+    fn checked(layout: RegionLayout) -> Result<RegionLayout, NixlError> {
+        let len = layout.len()?;
+        if layout.is_empty() || layout.base == 0 {
+            return Err(NixlError::Extents {
+                reason: format!(
+                    "a pool of {} pages x {} bytes at {:#x}: empty or null",
+                    layout.pages, layout.page_bytes, layout.base
+                ),
+            });
+        }
+        if layout.segment == Segment::Dram && usize::try_from(layout.base.saturating_add(len)).is_err() {
+            return Err(NixlError::Extents { reason: format!("a host pool of {len} bytes past this address space") });
+        }
+        Ok(layout)
+    }
+
+    /// Describes `layout`'s memory, which the caller registered with the agent that will move
+    /// its bytes (NIXL refuses transfers over memory it does not know: an abort, never a landing).
+    ///
+    /// # Safety
+    /// `layout.base .. layout.base + layout.len()` must be memory of `layout.segment` on
+    /// `layout.device` that stays allocated while this pool lives; peers may write it at any time
+    /// while it is registered, and kvguard reads (host memory) and zeroes (on a refusal) the
+    /// pages of the transfers it receives into it.
+    pub unsafe fn registered(layout: RegionLayout) -> Result<EnginePool, NixlError> {
+        Ok(EnginePool { registration: None, layout: EnginePool::checked(layout)? })
+    }
+
+    /// Registers `layout`'s memory with `agent` and describes it; deregistered when the pool is
+    /// dropped.
+    ///
+    /// # Safety
+    /// As for [`registered`](Self::registered).
+    pub unsafe fn register(agent: &NixlAgent, layout: RegionLayout) -> Result<EnginePool, NixlError> {
+        let layout = EnginePool::checked(layout)?;
+        // SAFETY: the caller's contract is `register`'s.
+        let registration = unsafe { agent.register(layout)? };
+        Ok(EnginePool { registration: Some(registration), layout })
+    }
+
+    /// Whether kvguard registered the memory (and deregisters it on drop).
+    pub fn owns_registration(&self) -> bool {
+        self.registration.is_some()
+    }
+
+    /// The address of `len` bytes at the start of `page`, if the pool is host memory.
+    fn host_addr(&self, page: u32, len: u32) -> Result<usize, NixlError> {
+        if self.layout.segment != Segment::Dram {
+            return Err(NixlError::Segment {
+                reason: format!(
+                    "{:?} memory on device {} cannot be read or zeroed from the host",
+                    self.layout.segment, self.layout.device
+                ),
+            });
+        }
+        let addr = self.layout.extent_addr(&Extent { page, len })?;
+        // `checked` made sure the whole host pool is addressable.
+        usize::try_from(addr).map_err(|_| NixlError::Extents { reason: format!("address {addr:#x}") })
+    }
+}
+
+impl PageRegion for EnginePool {
+    fn layout(&self) -> RegionLayout {
+        self.layout
+    }
+
+    fn page(&self, page: u32, len: u32) -> Result<std::borrow::Cow<'_, [u8]>, NixlError> {
+        let addr = self.host_addr(page, len)?;
+        if len == 0 {
+            return Ok(std::borrow::Cow::Borrowed(&[]));
+        }
+        // SAFETY: `addr .. addr + len` lies inside one page of the pool (`extent_addr`), host
+        // memory that stays allocated while the pool lives (the constructor's contract); u8 has
+        // no alignment or validity requirement. It is read only when no transfer into the page is
+        // in flight (the trait's contract).
+        Ok(std::borrow::Cow::Borrowed(unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) }))
+    }
+
+    fn scrub(&mut self, pages: &[u32]) -> Result<(), NixlError> {
+        let page_bytes = self.layout.page_bytes;
+        for &page in pages {
+            let addr = self.host_addr(page, page_bytes)?;
+            // SAFETY: one whole page of the pool, host memory the caller lets kvguard zero on a
+            // refusal (the constructor's contract); `&mut self`: no read of it from this pool is
+            // alive.
+            unsafe { std::ptr::write_bytes(addr as *mut u8, 0, page_bytes as usize) };
         }
         Ok(())
     }

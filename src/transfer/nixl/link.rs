@@ -1,14 +1,21 @@
 //! The checked protocol between one prefill and one decode agent: pushes and pulls of a
 //! request's pages with the manifest riding along, and decode's receive, which fails closed.
 
-use super::{Direction, Extent, HostRegion, NixlAgent, NixlError, Notice, NoticeKind, RegionLayout};
-use crate::ids::{PageId, RequestId};
-use crate::transfer::{Accepted, ExpectedTransfer, PinnedImport, TransferError};
+use super::{Direction, Extent, NixlAgent, NixlError, Notice, NoticeKind, PageRegion, Posted, RegionLayout};
+use crate::ids::{PageId, PageRef, RequestId};
+use crate::transfer::{Accepted, ExpectedTransfer, Manifest, PinnedImport, TransferError, TransferHeader};
+use std::sync::mpsc;
 use std::time::Instant;
 
 /// Notices kept for requests nobody waits for yet; past this, the oldest are dropped (a peer
 /// cannot make decode hold unbounded memory).
 pub const INBOX_CAP: usize = 4_096;
+
+/// A link's part size unless [`NixlLink::set_parts`] says otherwise: a push of more bytes than
+/// this goes as several WRITEs of about this many bytes each, each with a `Part` notification,
+/// so that the sender's and decode's checksums run on worker threads while the transfer is in
+/// flight rather than before and after it (benches/nixl.rs: `overlapped` against `checked`).
+pub const PART_BYTES: u64 = 4 << 20;
 
 /// How long [`NixlLink::send`] keeps the agent busy after a notification.
 pub const FLUSH: std::time::Duration = std::time::Duration::from_millis(2);
@@ -38,6 +45,7 @@ pub struct NixlLink<'a> {
     peer_region: RegionLayout,
     inbox: Vec<Notice>,
     malformed: u64,
+    part_bytes: Option<u64>,
 }
 
 impl<'a> NixlLink<'a> {
@@ -45,12 +53,19 @@ impl<'a> NixlLink<'a> {
     pub fn connect(agent: &'a NixlAgent, peer_metadata: &[u8], peer_region: RegionLayout) -> Result<Self, NixlError> {
         let peer = agent.connect(peer_metadata)?;
         agent.make_connection(&peer)?;
-        Ok(NixlLink { agent, peer, peer_region, inbox: Vec::new(), malformed: 0 })
+        Ok(NixlLink { agent, peer, peer_region, inbox: Vec::new(), malformed: 0, part_bytes: Some(PART_BYTES) })
     }
 
     /// The peer's agent name.
     pub fn peer(&self) -> &str {
         &self.peer
+    }
+
+    /// Pushes from this side in parts of about `part_bytes` (by default [`PART_BYTES`]), the
+    /// checksums overlapped with the transfer; `None`: every push is one WRITE, checked in series.
+    /// Decode needs no setting: it takes a push in parts or in one WRITE alike.
+    pub fn set_parts(&mut self, part_bytes: Option<u64>) {
+        self.part_bytes = part_bytes.map(|b| b.max(1));
     }
 
     /// The peer's pages.
@@ -118,31 +133,133 @@ impl<'a> NixlLink<'a> {
 
     /// Prefill, push: WRITEs `local`'s extents into the peer's pages `dest` (position by
     /// position, same lengths) with the notice `Written { dest extents, manifest }` as the
-    /// transfer's notification (NIXL delivers it after the data). Waits for completion.
-    pub fn push(
+    /// transfer's notification (NIXL delivers it after the data). With parts on
+    /// ([`set_parts`](Self::set_parts)), a larger transfer goes as several WRITEs posted at once, each but the last notified by a `Part`
+    /// notice naming its extents, the last by `Written` (every extent, the manifest, the number
+    /// of parts). Waits for completion.
+    pub fn push<R: PageRegion + ?Sized>(
         &self,
-        local: &HostRegion,
+        local: &R,
         src: &[Extent],
         dest: &[PageId],
         request: RequestId,
         manifest: &[u8],
         deadline: Instant,
     ) -> Result<(), NixlError> {
+        self.push_parts(local, src, dest, request, deadline, |_, _| Ok(manifest.to_vec()))
+    }
+
+    /// Prefill, push, checksumming on the way: [`push`](Self::push) of `local`'s extents `src`
+    /// as `header`'s request's prompt `prompt` into the peer's pages `dest` (the incarnations
+    /// decode offered), building the manifest itself. With parts on
+    /// ([`set_parts`](Self::set_parts)) and more than one part, the pages are checksummed on a
+    /// worker thread while this one posts every part but the last and keeps them moving; the
+    /// last part goes with the manifest once the checksums are done. Every check decode makes
+    /// is the same as for [`Manifest::build`]: this only moves the sender's CRCs off the
+    /// critical path.
+    pub fn push_prompt<R: PageRegion + ?Sized>(
+        &self,
+        local: &R,
+        src: &[Extent],
+        header: TransferHeader,
+        prompt: &[u32],
+        dest: &[PageRef],
+        deadline: Instant,
+    ) -> Result<(), NixlError> {
+        let build = |checksums: &[(usize, u32)]| {
+            Manifest::build_checksummed(header, prompt, dest, checksums)
+                .map_err(|e| NixlError::Extents { reason: format!("manifest: {e}") })
+        };
+        // The lengths first: nothing is sent for a manifest that cannot be built.
+        let lengths: Vec<(usize, u32)> = src.iter().map(|e| (e.len as usize, 1)).collect();
+        build(&lengths)?;
+        let pages: Vec<PageId> = dest.iter().map(|r| r.page).collect();
+        let bytes = src.iter().map(|e| local.page(e.page, e.len)).collect::<Result<Vec<_>, _>>()?;
+        let checksum = |bytes: &[std::borrow::Cow<'_, [u8]>]| -> Vec<(usize, u32)> {
+            bytes.iter().map(|b| (b.len(), crc32fast::hash(b))).collect()
+        };
+        if part_ends(src, self.part_bytes).len() == 1 {
+            // One WRITE: nothing to overlap with.
+            let manifest = build(&checksum(&bytes))?.encode();
+            return self.push(local, src, &pages, header.request, &manifest, deadline);
+        }
+        std::thread::scope(|scope| {
+            // The CRCs on a worker while this thread posts the parts and keeps them moving.
+            let mut worker = Some(scope.spawn(|| checksum(&bytes)));
+            self.push_parts(local, src, &pages, header.request, deadline, |last, in_flight| {
+                if !last {
+                    return Ok(Vec::new()); // only the last part carries the manifest
+                }
+                let mut spins = 0u32;
+                while worker.as_ref().is_some_and(|w| !w.is_finished()) {
+                    for p in in_flight.iter_mut() {
+                        self.agent.poll(p)?;
+                    }
+                    super::agent::pause(&mut spins);
+                }
+                let sums = worker.take().map(|w| w.join());
+                match sums {
+                    Some(Ok(sums)) => Ok(build(&sums)?.encode()),
+                    _ => Err(NixlError::Call { call: "checksum worker", reason: "lost".to_owned() }),
+                }
+            })
+        })
+    }
+
+    /// Posts `src` → `dest` in parts (see [`push`](Self::push)); before each part is posted,
+    /// `manifest(is it the last part, parts in flight)` runs, and what it returns for the last
+    /// part is the manifest. Waits for every part.
+    fn push_parts<R: PageRegion + ?Sized>(
+        &self,
+        local: &R,
+        src: &[Extent],
+        dest: &[PageId],
+        request: RequestId,
+        deadline: Instant,
+        mut manifest: impl FnMut(bool, &mut [Posted]) -> Result<Vec<u8>, NixlError>,
+    ) -> Result<(), NixlError> {
         let written: Vec<Extent> = src.iter().zip(dest).map(|(s, d)| Extent { page: d.0, len: s.len }).collect();
-        let notice =
-            Notice { kind: NoticeKind::Written, request, extents: written.clone(), manifest: manifest.to_vec() };
         let src = &src[..written.len()];
-        let message = notice.encode();
-        self.agent.transfer(
-            Direction::Write,
-            &local.layout(),
-            src,
-            &self.peer,
-            &self.peer_region,
-            &written,
-            Some(&message),
-            deadline,
-        )
+        let layout = local.layout();
+        let ends = part_ends(&written, self.part_bytes);
+        let mut posted: Vec<Posted> = Vec::with_capacity(ends.len());
+        let mut start = 0;
+        for (k, &end) in ends.iter().enumerate() {
+            let made = manifest(k + 1 == ends.len(), &mut posted)?;
+            let notice = if k + 1 == ends.len() {
+                Notice {
+                    kind: NoticeKind::Written,
+                    request,
+                    extents: written.clone(),
+                    manifest: made,
+                    // `part_ends` makes at most `u16::MAX + 1` parts.
+                    parts: u16::try_from(k).unwrap_or(u16::MAX),
+                }
+            } else {
+                Notice {
+                    kind: NoticeKind::Part,
+                    request,
+                    extents: written[start..end].to_vec(),
+                    manifest: Vec::new(),
+                    parts: 0,
+                }
+            };
+            let message = notice.encode();
+            posted.push(self.agent.post(
+                Direction::Write,
+                &layout,
+                &src[start..end],
+                &self.peer,
+                &self.peer_region,
+                &written[start..end],
+                Some(&message),
+            )?);
+            start = end;
+        }
+        for p in &mut posted {
+            self.agent.wait(p, deadline)?;
+        }
+        Ok(())
     }
 
     /// Prefill, pull: tells decode that `request`'s KV is staged in `local`'s extents `src`,
@@ -154,7 +271,13 @@ impl<'a> NixlLink<'a> {
         manifest: &[u8],
         deadline: Instant,
     ) -> Result<(), NixlError> {
-        self.send(&Notice { kind: NoticeKind::Staged, request, extents: src.to_vec(), manifest: manifest.to_vec() })?;
+        self.send(&Notice {
+            kind: NoticeKind::Staged,
+            request,
+            extents: src.to_vec(),
+            manifest: manifest.to_vec(),
+            parts: 0,
+        })?;
         self.wait(request, &[NoticeKind::Released], deadline).map(|_| ())
     }
 
@@ -180,12 +303,12 @@ impl<'a> NixlLink<'a> {
     /// timeout, a transport error or a decline nothing is recorded as written and the pinned
     /// pages are scrubbed.
     #[allow(clippy::too_many_arguments)]
-    pub fn receive(
+    pub fn receive<R: PageRegion + ?Sized>(
         &mut self,
         direction: Direction,
         pinned: PinnedImport<'_>,
         expected: &ExpectedTransfer<'_>,
-        region: &mut HostRegion,
+        region: &mut R,
         deadline: Instant,
         land: impl FnMut(usize, crate::PageRef, &[u8]),
     ) -> Result<Accepted, ImportError> {
@@ -195,45 +318,47 @@ impl<'a> NixlLink<'a> {
             // Best effort: the pages are still the request's; zero whatever landed. Pages
             // outside the region cannot have been written through it.
             let in_region: Vec<u32> = pages.into_iter().filter(|&p| p < region.layout().pages).collect();
-            let _ = region.scrub(in_region);
+            let _ = region.scrub(&in_region);
         }
+        // Parts of this transfer that came after its end are no use to a later one.
+        let request = expected.request;
+        self.inbox.retain(|n| !(n.request == request && n.kind == NoticeKind::Part));
         outcome
     }
 
-    fn receive_pinned(
+    fn receive_pinned<R: PageRegion + ?Sized>(
         &mut self,
         direction: Direction,
         pinned: PinnedImport<'_>,
         expected: &ExpectedTransfer<'_>,
-        region: &mut HostRegion,
+        region: &mut R,
         deadline: Instant,
         land: impl FnMut(usize, crate::PageRef, &[u8]),
     ) -> Result<Accepted, ImportError> {
         let request = expected.request;
-        let carrying = match direction {
-            Direction::Write => NoticeKind::Written,
-            Direction::Read => NoticeKind::Staged,
-        };
-        let notice = match self.wait(request, &[carrying, NoticeKind::Declined], deadline) {
-            Ok(n) if n.kind == NoticeKind::Declined => {
+        let layout = region.layout();
+        // Parts of an earlier, abandoned transfer of this request name bytes since overwritten.
+        self.inbox.retain(|n| !(n.request == request && n.kind == NoticeKind::Part));
+        let pinned_pages: Vec<u32> = pinned.pages().iter().map(|r| r.page.0).collect();
+        let (notice, early) = match self.wait_carrying(direction, request, &pinned_pages, &layout, &*region, deadline) {
+            Ok(found) => found,
+            Err(Waited::Declined) => {
                 pinned.abort();
                 // The decline taken; if this cannot be sent, prefill's own wait times out.
                 let _ = self.send(&Notice::bare(NoticeKind::Released, request));
                 return Err(ImportError::Declined);
             }
-            Ok(n) => n,
-            Err(e) => {
+            Err(Waited::Failed(e)) => {
                 pinned.abort();
                 return Err(ImportError::Aborted(e));
             }
         };
-        let layout = region.layout();
         // Where each extent landed (push) or is to land (pull): the pinned page at its position.
-        let mut landed = Vec::with_capacity(notice.extents.len().min(pinned.pages().len()));
-        for (index, (extent, page)) in notice.extents.iter().zip(pinned.pages()).enumerate() {
-            if direction == Direction::Write && extent.page != page.page.0 {
+        let mut landed = Vec::with_capacity(notice.extents.len().min(pinned_pages.len()));
+        for (index, (extent, &page)) in notice.extents.iter().zip(&pinned_pages).enumerate() {
+            if direction == Direction::Write && extent.page != page {
                 let e = TransferError::Pages {
-                    expected: pinned.pages().len(),
+                    expected: pinned_pages.len(),
                     found: notice.extents.len(),
                     index: Some(index),
                 };
@@ -247,7 +372,7 @@ impl<'a> NixlLink<'a> {
                 };
                 return Err(ImportError::Refused(pinned.refuse(expected, e)));
             }
-            landed.push(Extent { page: page.page.0, len: extent.len });
+            landed.push(Extent { page, len: extent.len });
         }
         if direction == Direction::Read {
             let src = &notice.extents[..landed.len()];
@@ -269,7 +394,7 @@ impl<'a> NixlLink<'a> {
         }
         let mut bytes = Vec::with_capacity(landed.len());
         for e in &landed {
-            match region.bytes(e.page, e.len) {
+            match region.page(e.page, e.len) {
                 Ok(b) => bytes.push(b),
                 Err(err) => {
                     pinned.abort();
@@ -277,6 +402,139 @@ impl<'a> NixlLink<'a> {
                 }
             }
         }
-        pinned.accept(expected, &notice.manifest, &bytes, land).map_err(ImportError::Refused)
+        // An early checksum counts only for the length it was taken over.
+        let checksums: Vec<Option<u32>> = landed
+            .iter()
+            .zip(&early)
+            .map(|(e, early)| early.filter(|&(len, _)| len == e.len).map(|(_, crc)| crc))
+            .collect();
+        pinned.accept_checksummed(expected, &notice.manifest, &bytes, &checksums, land).map_err(ImportError::Refused)
     }
+
+    /// Waits for the notice that carries the manifest (`Written` for a push, `Staged` for a
+    /// pull) and, for a push in parts, for as many `Part`s as it counts. Each part's pinned pages
+    /// are checksummed as its notice comes (NIXL delivers it after that part's data) on a
+    /// worker thread, while this one keeps the agent moving the next parts. Returns the notice
+    /// and each pinned page's early (length, CRC32): none for a page named twice, not pinned,
+    /// longer than a page, or unreadable (checked after the transfer like any other).
+    fn wait_carrying<R: PageRegion + ?Sized>(
+        &mut self,
+        direction: Direction,
+        request: RequestId,
+        pinned_pages: &[u32],
+        layout: &RegionLayout,
+        region: &R,
+        deadline: Instant,
+    ) -> Result<(Notice, Vec<EarlySum>), Waited> {
+        let carrying = match direction {
+            Direction::Write => NoticeKind::Written,
+            Direction::Read => NoticeKind::Staged,
+        };
+        let mut named = vec![0u8; pinned_pages.len()];
+        std::thread::scope(|scope| {
+            // Started on the first part: a transfer in one WRITE has nothing to overlap.
+            let mut worker: Option<(mpsc::Sender<PageJob<'_>>, std::thread::ScopedJoinHandle<'_, Vec<PageSum>>)> = None;
+            let mut parts = 0usize;
+            let mut notice: Option<Notice> = None;
+            let outcome = loop {
+                if let Some(n) = &notice
+                    && parts >= usize::from(n.parts)
+                {
+                    break Ok(());
+                }
+                let kinds: &[NoticeKind] = match notice {
+                    Some(_) => &[NoticeKind::Part],
+                    None => &[carrying, NoticeKind::Part, NoticeKind::Declined],
+                };
+                let n = match self.wait(request, kinds, deadline) {
+                    Ok(n) => n,
+                    Err(e) => break Err(Waited::Failed(e)),
+                };
+                match n.kind {
+                    NoticeKind::Declined => break Err(Waited::Declined),
+                    NoticeKind::Part => {
+                        parts += 1;
+                        if direction != Direction::Write {
+                            continue;
+                        }
+                        let (jobs, _) = worker.get_or_insert_with(|| {
+                            let (jobs, todo) = mpsc::channel::<PageJob<'_>>();
+                            let handle = scope.spawn(move || {
+                                todo.into_iter()
+                                    .map(|(at, len, bytes)| (at, len, crate::transfer::page_checksum(&bytes)))
+                                    .collect()
+                            });
+                            (jobs, handle)
+                        });
+                        for extent in &n.extents {
+                            let Some(at) = pinned_pages.iter().position(|&p| p == extent.page) else { continue };
+                            named[at] = named[at].saturating_add(1);
+                            if named[at] > 1 || extent.len > layout.page_bytes {
+                                continue;
+                            }
+                            if let Ok(bytes) = region.page(extent.page, extent.len) {
+                                // The worker ends only when `jobs` is dropped: it is there.
+                                let _ = jobs.send((at, extent.len, bytes));
+                            }
+                        }
+                    }
+                    _ => notice = Some(n),
+                }
+            };
+            let mut early = vec![None; pinned_pages.len()];
+            if let Some((jobs, handle)) = worker {
+                drop(jobs);
+                // A CRC cannot panic; were the worker lost, every page is checked afterwards.
+                for (at, len, crc) in handle.join().unwrap_or_default() {
+                    if named[at] == 1 {
+                        early[at] = Some((len, crc));
+                    }
+                }
+            }
+            outcome?;
+            match notice {
+                Some(n) => Ok((n, early)),
+                // The loop leaves with `Ok` only once the carrying notice came.
+                None => Err(Waited::Failed(NixlError::Notice { reason: "no carrying notice".to_owned() })),
+            }
+        })
+    }
+}
+
+/// A landed page for the checksum worker: its position among the pinned pages, its length and
+/// its bytes.
+type PageJob<'a> = (usize, u32, std::borrow::Cow<'a, [u8]>);
+
+/// What the checksum worker found: position, length, CRC32 (as [`page_checksum`] reports it).
+///
+/// [`page_checksum`]: crate::transfer::page_checksum
+type PageSum = (usize, u32, u32);
+
+/// A pinned page's (length, CRC32) taken as its part landed, if it was.
+type EarlySum = Option<(u32, u32)>;
+
+/// How waiting for the carrying notice ended without it.
+enum Waited {
+    Declined,
+    Failed(NixlError),
+}
+
+/// Where each part of a push ends (exclusive indices into its extents): consecutive extents
+/// adding up to about `part_bytes`, at most `u16::MAX + 1` parts, never an empty one; one part
+/// when parts are off.
+fn part_ends(extents: &[Extent], part_bytes: Option<u64>) -> Vec<usize> {
+    let Some(part_bytes) = part_bytes else { return vec![extents.len()] };
+    let total: u64 = extents.iter().map(|e| u64::from(e.len)).sum();
+    let part = part_bytes.max(total.div_ceil(u64::from(u16::MAX) + 1));
+    let mut ends = Vec::new();
+    let mut bytes = 0u64;
+    for (i, e) in extents.iter().enumerate() {
+        bytes += u64::from(e.len);
+        if bytes >= part && i + 1 < extents.len() {
+            ends.push(i + 1);
+            bytes = 0;
+        }
+    }
+    ends.push(extents.len());
+    ends
 }

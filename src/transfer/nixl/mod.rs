@@ -6,8 +6,8 @@
 //! transfer, delivered after the data; it checks nothing about the content. Here:
 //!
 //! - each side creates a [`NixlAgent`] (UCX back end, no progress thread) and registers its KV
-//!   pages ([`HostRegion`] for host pages; [`NixlAgent::register`] for an engine's own pool,
-//!   host or GPU, the same code with [`Segment::Vram`]);
+//!   pages ([`HostRegion`]: kvguard's own host pages; [`EnginePool`]: an engine's own pool,
+//!   host or GPU, the same code with [`Segment::Vram`]; receiving goes through [`PageRegion`]);
 //! - the agents' metadata and [`RegionLayout`]s are exchanged out of band (a file or a socket),
 //!   and each side opens a [`NixlLink`] to the other;
 //! - decode pins the receiving pages ([`Receiver::pin`](crate::transfer::Receiver::pin)) before it
@@ -30,8 +30,11 @@ mod agent;
 mod link;
 mod notice;
 
-pub use agent::{Direction, Extent, HostRegion, NIXL_LIBRARY, NixlAgent, Registration, library_available};
-pub use link::{FLUSH, INBOX_CAP, ImportError, NixlLink};
+pub use agent::{
+    Direction, EnginePool, Extent, HostRegion, NIXL_LIBRARY, NixlAgent, PageRegion, Posted, Registration,
+    library_available,
+};
+pub use link::{FLUSH, INBOX_CAP, ImportError, NixlLink, PART_BYTES};
 pub use notice::{LAYOUT_LEN, Notice, NoticeKind, RegionLayout, Segment};
 
 /// What went wrong in the transport (not a verdict on a transfer's content: that is a
@@ -63,6 +66,13 @@ pub enum NixlError {
     /// Extents outside their region, or local and remote extents that do not pair up.
     #[error("bad extents: {reason}")]
     Extents {
+        /// What is wrong.
+        reason: String,
+    },
+    /// Memory kvguard cannot read or zero from the host (an engine's GPU pool without a
+    /// [`PageRegion`] of its own that copies the pages).
+    #[error("memory not accessible: {reason}")]
+    Segment {
         /// What is wrong.
         reason: String,
     },

@@ -26,6 +26,11 @@ pub enum NoticeKind {
     Released,
     /// prefill → decode: it will not send this request's KV now; decode aborts and may ask again.
     Declined,
+    /// Push, prefill → decode, the notification of one WRITE of a transfer sent in several (NIXL
+    /// delivers it after that WRITE's data): the extents it landed, no manifest. Decode may
+    /// checksum those pages while the rest is in flight; the `Written` notice that ends the
+    /// transfer says how many parts came before it.
+    Part,
 }
 
 impl NoticeKind {
@@ -35,6 +40,7 @@ impl NoticeKind {
             NoticeKind::Staged => 2,
             NoticeKind::Released => 3,
             NoticeKind::Declined => 4,
+            NoticeKind::Part => 5,
         }
     }
     fn from_code(code: u8) -> Option<NoticeKind> {
@@ -43,6 +49,7 @@ impl NoticeKind {
             2 => NoticeKind::Staged,
             3 => NoticeKind::Released,
             4 => NoticeKind::Declined,
+            5 => NoticeKind::Part,
             _ => return None,
         })
     }
@@ -54,7 +61,7 @@ impl NoticeKind {
 ///  0  magic "KVGN"   4      16  extent count n   4
 ///  4  version = 1    1      20  manifest length  4
 ///  5  kind           1      24  n x { page u32, bytes u32 }
-///  6  reserved = 0   2      24+8n  manifest (kvguard's own wire format, sealed by its own CRC)
+///  6  parts          2      24+8n  manifest (kvguard's own wire format, sealed by its own CRC)
 ///  8  request id     8      ...  CRC32 of everything before
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -65,14 +72,18 @@ pub struct Notice {
     pub request: RequestId,
     /// The pages written (push: decode's) or staged (pull: prefill's), each with its length.
     pub extents: Vec<Extent>,
-    /// The encoded manifest (empty for `Released` and `Declined`).
+    /// The encoded manifest (empty for `Released`, `Declined` and `Part`).
     pub manifest: Vec<u8>,
+    /// `Written` only: how many `Part` notices of the same transfer precede it (0: the whole
+    /// transfer was one WRITE). The final WRITE carries the data of the extents no part named;
+    /// `extents` still lists every extent of the transfer, in order. 0 for every other kind.
+    pub parts: u16,
 }
 
 impl Notice {
     /// A notice with no extents and no manifest.
     pub fn bare(kind: NoticeKind, request: RequestId) -> Notice {
-        Notice { kind, request, extents: Vec::new(), manifest: Vec::new() }
+        Notice { kind, request, extents: Vec::new(), manifest: Vec::new(), parts: 0 }
     }
 
     /// The bytes sent.
@@ -81,7 +92,7 @@ impl Notice {
         out.extend_from_slice(MAGIC);
         out.push(VERSION);
         out.push(self.kind.code());
-        out.extend_from_slice(&[0, 0]);
+        out.extend_from_slice(&self.parts.to_le_bytes());
         out.extend_from_slice(&self.request.0.to_le_bytes());
         out.extend_from_slice(&(self.extents.len() as u32).to_le_bytes());
         out.extend_from_slice(&(self.manifest.len() as u32).to_le_bytes());
@@ -113,8 +124,9 @@ impl Notice {
             return Err(bad("unknown version"));
         }
         let kind = NoticeKind::from_code(body[5]).ok_or_else(|| bad("unknown kind"))?;
-        if body[6..8] != [0, 0] {
-            return Err(bad("reserved bits set"));
+        let parts = u16::from_le_bytes([body[6], body[7]]);
+        if parts != 0 && kind != NoticeKind::Written {
+            return Err(bad("parts set on a notice that does not end a push"));
         }
         let u32_at = |at: usize| u32::from_le_bytes([body[at], body[at + 1], body[at + 2], body[at + 3]]);
         let mut id = [0u8; 8];
@@ -131,7 +143,7 @@ impl Notice {
             .map(|i| Extent { page: u32_at(HEADER + EXTENT * i), len: u32_at(HEADER + EXTENT * i + 4) });
         let extents: Vec<Extent> = extents.collect();
         let manifest = body[HEADER + EXTENT * count as usize..].to_vec();
-        Ok(Notice { kind, request: RequestId(u64::from_le_bytes(id)), extents, manifest })
+        Ok(Notice { kind, request: RequestId(u64::from_le_bytes(id)), extents, manifest, parts })
     }
 }
 
@@ -245,6 +257,7 @@ mod tests {
             request: RequestId(7),
             extents: vec![Extent { page: 3, len: 768 }, Extent { page: 9, len: 12 }],
             manifest: vec![1, 2, 3],
+            parts: 2,
         };
         let bytes = n.encode();
         assert_eq!(Notice::decode(&bytes).unwrap(), n);
@@ -256,6 +269,15 @@ mod tests {
         for len in 0..bytes.len() {
             assert!(Notice::decode(&bytes[..len]).is_err(), "len {len}");
         }
+    }
+
+    #[test]
+    fn parts_are_counted_only_on_the_notice_that_ends_a_push() {
+        let part =
+            Notice { kind: NoticeKind::Part, request: RequestId(3), extents: vec![], manifest: vec![], parts: 0 };
+        assert_eq!(Notice::decode(&part.encode()).unwrap(), part);
+        let counted = Notice { parts: 1, ..part };
+        assert!(Notice::decode(&counted.encode()).is_err());
     }
 
     #[test]

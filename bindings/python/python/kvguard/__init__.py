@@ -93,8 +93,8 @@ __all__ = [
 # builds it so where scripts/ci/nixl.sh set NIXL up); libnixl_capi.so is loaded when an agent is
 # made (nixl_library_available() says whether it can be).
 try:
-    from ._kvguard import HostRegion, NixlAgent, NixlError, NixlLink, nixl_library_available
+    from ._kvguard import EnginePool, HostRegion, NixlAgent, NixlError, NixlLink, nixl_library_available
 except ImportError:  # a wheel without the nixl feature
     pass
 else:
-    __all__ += ["HostRegion", "NixlAgent", "NixlError", "NixlLink", "nixl_library_available"]
+    __all__ += ["EnginePool", "HostRegion", "NixlAgent", "NixlError", "NixlLink", "nixl_library_available"]

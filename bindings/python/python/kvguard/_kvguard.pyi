@@ -1,7 +1,7 @@
 """Type stubs of the extension module kvguard._kvguard (re-exported by kvguard)."""
 
 from collections.abc import Callable, Sequence
-from typing import Any, final
+from typing import Any, Literal, final
 
 import numpy as np
 import numpy.typing as npt
@@ -361,21 +361,65 @@ class HostRegion:
     def scrub(self, pages: Sequence[int | PageRef]) -> None: ...
 
 @final
+class EnginePool:
+    """An engine's own KV pool, page i at base + page_bytes * i, registered through kvguard
+    (register=True) or by the engine beforehand; transfers are received into it in place."""
+
+    def __init__(self, agent: NixlAgent, buffer: Any, page_bytes: int, *, register: bool = True) -> None: ...
+    @staticmethod
+    def at(
+        agent: NixlAgent,
+        address: int,
+        length: int,
+        page_bytes: int,
+        *,
+        segment: Literal["dram", "vram"] = "dram",
+        device: int = 0,
+        register: bool = True,
+        owner: Any = None,
+        read: Callable[[int, int], Any] | None = None,
+        scrub: Callable[[list[int]], None] | None = None,
+    ) -> EnginePool: ...
+    @property
+    def pages(self) -> int: ...
+    @property
+    def page_bytes(self) -> int: ...
+    @property
+    def segment(self) -> Literal["dram", "vram"]: ...
+    def layout(self) -> bytes: ...
+
+@final
 class NixlLink:
     """One side's connection to its peer; the checked protocol of docs/transfer.md."""
 
-    def __init__(self, agent: NixlAgent, peer_metadata: Any, peer_layout: Any) -> None: ...
+    def __init__(
+        self, agent: NixlAgent, peer_metadata: Any, peer_layout: Any, *, part_bytes: int | None = 4194304
+    ) -> None: ...
     @property
     def peer(self) -> str: ...
     @property
     def malformed(self) -> int: ...
     def push(
         self,
-        region: HostRegion,
+        region: HostRegion | EnginePool,
         src: Sequence[tuple[int, int]],
         dest: Sequence[int | PageRef],
         request: int,
         manifest: Any,
+        *,
+        timeout: float = 20.0,
+    ) -> None: ...
+    def push_prompt(
+        self,
+        region: HostRegion | EnginePool,
+        src: Sequence[tuple[int, int]],
+        dest: Sequence[PageRef],
+        request: int,
+        tenant: int,
+        sender: int,
+        page_size: int,
+        slot_bytes: int,
+        prompt: Any,
         *,
         timeout: float = 20.0,
     ) -> None: ...
@@ -386,7 +430,7 @@ class NixlLink:
     def receive(
         self,
         pinned: PinnedImport,
-        region: HostRegion,
+        region: HostRegion | EnginePool,
         *,
         direction: str = "write",
         timeout: float = 20.0,
