@@ -24,7 +24,7 @@ use kvguard::{PageId, PrefixKey, RequestId, SeqClaim};
 use parking_lot::Mutex;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyString, PyTuple};
+use pyo3::types::{PyList, PyString, PyTuple};
 
 /// A request or tenant id read from an event, owned so the events outlive the GIL.
 #[derive(Clone, Debug)]
@@ -74,6 +74,9 @@ pub struct Event {
 /// when it was refused (a released request's string is forgotten right after).
 pub type RefusedEvent = (usize, kvguard::Violation, Resolved);
 
+/// The refused events as Python sees them: `[(index, Violation)]`.
+pub type RefusedForPython = Vec<(usize, Py<crate::values::Violation>)>;
+
 /// An event that failed with an error that is not a violation: its index and the error, after
 /// the events refused before it.
 pub struct EventError {
@@ -85,7 +88,23 @@ pub struct EventError {
     pub refused: Vec<RefusedEvent>,
 }
 
+/// A page list: a list or tuple of ints read directly (what a recorder builds), else any 1-D int
+/// array.
 fn page_ids(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<PageId>> {
+    let page = |i: usize, item: Bound<'_, PyAny>| -> PyResult<PageId> {
+        let v = item
+            .extract::<i64>()
+            .map_err(|_| PyTypeError::new_err(format!("{name}[{i}] must be an int, got a {}", item.get_type())))?;
+        u32::try_from(v)
+            .map(PageId)
+            .map_err(|_| PyValueError::new_err(format!("{name}[{i}] is {v}: page ids are ints in 0..2**32")))
+    };
+    if let Ok(list) = obj.cast::<PyList>() {
+        return list.iter().enumerate().map(|(i, item)| page(i, item)).collect();
+    }
+    if let Ok(tuple) = obj.cast::<PyTuple>() {
+        return tuple.iter().enumerate().map(|(i, item)| page(i, item)).collect();
+    }
     let a = crate::arrays::IntArray::open(obj, name, 1)?;
     (0..a.len())
         .map(|i| {
@@ -176,6 +195,12 @@ pub fn parse(events: &Bound<'_, PyAny>) -> PyResult<Vec<Event>> {
         out.push(Event { request, op });
     }
     Ok(out)
+}
+
+/// Whether applying `events` may change which id a str request reads as (an admission interns
+/// it, a release forgets it).
+pub fn renames(events: &[Event]) -> bool {
+    events.iter().any(|e| matches!(e.op, Op::Admit { .. } | Op::Release))
 }
 
 /// Applies `events` in order (no Python code runs: call it with the GIL released). Returns the

@@ -1175,7 +1175,7 @@ impl OwnershipTable {
         num_computed_tokens: &Bound<'_, PyAny>,
         num_scheduled_tokens: &Bound<'_, PyAny>,
         events: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<(StepVerdict, Vec<(usize, Py<Violation>)>, StepVerdict)> {
+    ) -> PyResult<(StepVerdict, crate::events::RefusedForPython, StepVerdict)> {
         let requests = self.step_requests(req_ids)?;
         let n = requests.len();
         let bt = IntArray::open(block_table, "block_table", 2)?;
@@ -1194,6 +1194,19 @@ impl OwnershipTable {
         let (slots, qsl) = row_slots(&bt, &computed, &scheduled, ps)?;
         let writes: Vec<SeqWrite<'_>> =
             (0..n).map(|i| SeqWrite { request: requests[i], slots: &slots[qsl[i]..qsl[i + 1]] }).collect();
+        let (table, names) = (&self.table, &self.names);
+        // Each verdict's ids are resolved as they read at its stage (a released request's str
+        // is forgotten by the events that follow).
+        let (written, applied) = py.detach(|| {
+            let written = resolved(names, table.record_step_writes(&writes));
+            let applied = if events.is_empty() { Ok(Vec::new()) } else { crate::events::apply(table, names, &events) };
+            (written, applied)
+        });
+        drop(writes);
+        let written = judged_verdict(py, written, n)?;
+        let refused = self.refused_events(py, applied)?;
+        // The reads name the requests as they read after the events (as verify_step would).
+        let requests = if crate::events::renames(&events) { self.step_requests(req_ids)? } else { requests };
         // int32 rows are borrowed as they are; other rows are converted into one buffer.
         let mut converted = Vec::new();
         let mut spans = Vec::new();
@@ -1216,17 +1229,9 @@ impl OwnershipTable {
                 tokens: computed[i] + scheduled[i],
             })
             .collect();
-        let (table, names) = (&self.table, &self.names);
-        let (written, applied, read) = py.detach(|| {
-            let written = table.record_step_writes(&writes);
-            let applied = if events.is_empty() { Ok(Vec::new()) } else { crate::events::apply(table, names, &events) };
-            let read = applied.is_ok().then(|| table.verify_step(&reads));
-            (written, applied, read)
-        });
-        drop((writes, reads));
-        let written = self.verdict(py, written, n, true)?;
-        let refused = self.refused_events(py, applied)?;
-        let read = self.verdict(py, read.unwrap_or_default(), n, true)?;
+        let read = py.detach(|| resolved(names, table.verify_step(&reads)));
+        drop(reads);
+        let read = judged_verdict(py, read, n)?;
         Ok((written, refused, read))
     }
 }
@@ -1300,4 +1305,34 @@ fn row_slots(bt: &IntArray<'_>, computed: &[u64], scheduled: &[u64], ps: u64) ->
         }
     }
     Ok((slots, qsl))
+}
+
+/// A step verdict's violations with their ids resolved now (the names lock only; no Python).
+fn resolved(names: &Mutex<Names>, v: kvguard::StepVerdict) -> Vec<(usize, kvguard::Violation, Resolved)> {
+    if v.refused.is_empty() {
+        return Vec::new();
+    }
+    let names = names.lock();
+    v.refused
+        .into_iter()
+        .map(|(i, v)| {
+            let r = names.resolve(&v);
+            (i, v, r)
+        })
+        .collect()
+}
+
+/// A judged step verdict for Python from resolved violations, each logged.
+fn judged_verdict(
+    py: Python<'_>,
+    refused: Vec<(usize, kvguard::Violation, Resolved)>,
+    rows: usize,
+) -> PyResult<StepVerdict> {
+    let mut out = Vec::with_capacity(refused.len());
+    for (i, v, r) in refused {
+        let v = Violation::wrap(py, v, r)?;
+        log_violation(py, &v);
+        out.push((i, v));
+    }
+    Ok(StepVerdict { rows, refused: out, mask: PyOnceLock::new() })
 }
