@@ -6,9 +6,12 @@ schedule + update_from_output + the persistent batch / block table build; kvguar
 everything the plugin adds (the scheduler-side recorder inside those calls, and the worker
 check). The stand-in model is not timed.
 
-Two engines run the same workload step by step, interleaved (the order flips every step): one
-with kvguard's hooks on its classes for its steps, one without. A shared, loaded machine slows
-both alike then, and per-step medians shrug off the steps the OS took the CPU away. The clock is
+Two engines run the same workload, each in its own process started by this one: one with
+kvguard's hooks installed (as the ``vllm.general_plugins`` entry point installs them), one
+without (kvguard never imported). Their steps are interleaved in lockstep (the order flips every
+step), so a shared, loaded machine slows both alike, and per-step medians shrug off the steps the
+OS took the CPU away. Neither process ever swaps methods on vLLM's classes (which would throw away
+CPython's specialised attribute caches on every swap and bill that to both engines). The clock is
 the thread's CPU time by default (time a loaded machine spends elsewhere is not the step's cost),
 wall time with ``--clock wall``. Each round prints its figures; the last line gives
 min / median / max of the cost ratio over the rounds.
@@ -22,18 +25,13 @@ import argparse
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engines" / "vllm"))
-
-import numpy as np
-from engine import Engine, EngineConfig
-
-import kvguard.vllm
-from kvguard.vllm import hooks
 
 
 def clock() -> float:
@@ -42,57 +40,47 @@ def clock() -> float:
     return _clock()
 
 
-class Hooks:
-    """kvguard's wrappers, switched on and off per step (install once, then swap the methods)."""
+def make_engine(guarded: bool):  # noqa: ANN201 (the harness engine class is imported late)
+    import numpy as np
+    from engine import Engine, EngineConfig
 
-    def __init__(self) -> None:
-        kvguard.vllm.install("enforce")
-        self.wrapped = [(cls, name, cls.__dict__[name]) for cls, name, _ in hooks._ORIGINALS]
-        self.originals = list(hooks._ORIGINALS)
+    class TimedEngine(Engine):
+        """Times vLLM's part of each step and the worker check separately."""
 
-    def on(self) -> None:
-        for cls, name, fn in self.wrapped:
-            setattr(cls, name, fn)
+        def timed_step(self) -> tuple[float, float, bool]:  # the harness step, split into timed parts
+            from vllm.v1.outputs import ModelRunnerOutput
 
-    def off(self) -> None:
-        for cls, name, fn in self.originals:
-            setattr(cls, name, fn)
-
-
-class TimedEngine(Engine):
-    """Times vLLM's part of each step and the worker check separately."""
-
-    def step(self) -> tuple[float, float, bool]:  # the harness step, split into timed parts
-        from vllm.v1.outputs import ModelRunnerOutput
-
-        t0 = clock()
-        so = self.scheduler.schedule()
-        self._update_states(so)
-        req_ids = list(self.input_batch.req_ids)
-        sched = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int32)
-        t1 = clock()
-        if self.guarded:
-            hooks.worker_step(
-                self, self.input_batch, so, sched, num_blocks=self.cfg.num_blocks, max_model_len=self.cfg.max_model_len
+            t0 = clock()
+            so = self.scheduler.schedule()
+            self._update_states(so)
+            req_ids = list(self.input_batch.req_ids)
+            sched = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int32)
+            t1 = clock()
+            if self.guarded:
+                hooks.worker_step(
+                    self, self.input_batch, so, sched, num_blocks=self.cfg.num_blocks, max_model_len=self.cfg.max_model_len
+                )
+            t2 = clock()
+            sampled = self._forward(req_ids, sched)
+            mro = ModelRunnerOutput(
+                req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled
             )
-        t2 = clock()
-        sampled = self._forward(req_ids, sched)
-        mro = ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled
-        )
-        t3 = clock()
-        self.scheduler.update_from_output(so, mro)
-        for rid, toks in zip(req_ids, sampled):
-            if toks:
-                self.tokens[rid].extend(toks)
-                self.requests[rid].output_token_ids.extend(toks)
-        t4 = clock()
-        self.steps += 1
-        decode = len(req_ids) == args.requests and int(sched.max()) == 1
-        return (t1 - t0) + (t4 - t3), t2 - t1, decode
+            t3 = clock()
+            self.scheduler.update_from_output(so, mro)
+            for rid, toks in zip(req_ids, sampled):
+                if toks:
+                    self.tokens[rid].extend(toks)
+                    self.requests[rid].output_token_ids.extend(toks)
+            t4 = clock()
+            self.steps += 1
+            decode = len(req_ids) == args.requests and int(sched.max()) == 1
+            return (t1 - t0) + (t4 - t3), t2 - t1, decode
 
+    if guarded:
+        import kvguard.vllm
+        from kvguard.vllm import hooks
 
-def engine(guarded: bool) -> TimedEngine:
+        kvguard.vllm.install("enforce")
     cfg = EngineConfig(num_blocks=256 * 8 + 64, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=2048)
     e = TimedEngine(cfg, guarded=guarded)
     rng = random.Random(0)
@@ -101,34 +89,72 @@ def engine(guarded: bool) -> TimedEngine:
     return e
 
 
-def one_round(h: Hooks) -> float:
-    h.off()
-    plain = engine(False)
-    h.on()
-    guarded = engine(True)
+def serve(role: str) -> None:
+    """A child: one engine, stepped on each ``step`` line of stdin; answers one line per step
+    (vLLM's part, the worker check, whether it was a full decode step); ``new`` starts a fresh
+    engine (a new round)."""
+    global hooks
+    guarded = role == "guarded"
+    if guarded:
+        from kvguard.vllm import hooks as h
 
-    def step_plain() -> tuple[float, float, bool]:
-        h.off()
-        return plain.step()
+        hooks = h
+    e = None
+    out = sys.__stdout__
+    sys.stdout = sys.stderr  # vLLM's chatter never reaches the protocol
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "new":
+            e = make_engine(guarded)
+            out.write("ok\n")
+        elif cmd == "step":
+            v, c, d = e.timed_step()
+            out.write(f"{v!r} {c!r} {int(d)}\n")
+        out.flush()
 
-    def step_guarded() -> tuple[float, float, bool]:
-        h.on()
-        return guarded.step()
 
+class Child:
+    def __init__(self, role: str) -> None:
+        cmd = [sys.executable, __file__, "--serve", role, "--requests", str(args.requests), "--clock", args.clock]
+        # The same string hashes in both (set and dict orders inside vLLM alike).
+        env = {**os.environ, "PYTHONHASHSEED": "0"}
+        self.p = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1, env=env
+        )
+
+    def ask(self, cmd: str) -> str:
+        self.p.stdin.write(cmd + "\n")
+        self.p.stdin.flush()
+        reply = self.p.stdout.readline()
+        if not reply:
+            raise RuntimeError(f"the bench child ({cmd}) died; run it with --serve to see why")
+        return reply
+
+    def step(self) -> tuple[float, float, bool]:
+        v, c, d = self.ask("step").split()
+        return float(v), float(c), d == "1"
+
+    def close(self) -> None:
+        self.p.stdin.close()
+        self.p.wait()
+
+
+def one_round(plain: Child, guarded: Child) -> float:
+    plain.ask("new")
+    guarded.ask("new")
     # Prefill, then time decode steps only (both engines take the same steps: kvguard changes
     # nothing in a clean run).
-    while not (step_plain()[2] & step_guarded()[2]):
+    while not (plain.step()[2] & guarded.step()[2]):
         pass
     t_plain, t_guarded, t_check = [], [], []
     for i in range(args.steps):
         if i % 2:
-            p, g = step_plain(), step_guarded()
+            p, g = plain.step(), guarded.step()
         else:
-            g, p = step_guarded(), step_plain()
+            g, p = guarded.step(), plain.step()
         t_plain.append(p[0])
         t_guarded.append(g[0])
         t_check.append(g[1])
-    h.off()
     med = statistics.median
     plain_vllm, guarded_vllm, check = med(t_plain), med(t_guarded), med(t_check)
     hooks_cost = guarded_vllm - plain_vllm
@@ -141,19 +167,23 @@ def one_round(h: Hooks) -> float:
     print(f"kvguard/worker_check/{n}:   {check * 1e6:9.1f} us")
     print(
         f"kvguard cost per step: {hooks_cost * 1e6:.1f} (hooks) + {check * 1e6:.1f} (check) = {cost * 1e6:.1f} us"
-        f" = {ratio:.2f} % of vLLM's step (medians of {args.steps} decode steps; {mean_ratio:.2f} % by means)"
+        f" = {ratio:.2f} % of vLLM's step (medians of {args.steps} decode steps; {mean_ratio:.2f} % by means)",
+        flush=True,
     )
     return ratio
 
 
 def main() -> None:
-    h = Hooks()
-    ratios = [one_round(h) for _ in range(args.rounds)]
+    plain, guarded = Child("plain"), Child("guarded")
+    try:
+        ratios = [one_round(plain, guarded) for _ in range(args.rounds)]
+    finally:
+        plain.close()
+        guarded.close()
     print(
         f"kvguard cost / vLLM step over {args.rounds} rounds: min {min(ratios):.2f} %, "
         f"median {statistics.median(ratios):.2f} %, max {max(ratios):.2f} %"
     )
-    kvguard.vllm.uninstall()
 
 
 parser = argparse.ArgumentParser()
@@ -161,8 +191,13 @@ parser.add_argument("--requests", type=int, default=256)
 parser.add_argument("--steps", type=int, default=200)
 parser.add_argument("--rounds", type=int, default=3)
 parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
+parser.add_argument("--serve", choices=["plain", "guarded"], help=argparse.SUPPRESS)
 args = parser.parse_args()
 _clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+hooks = None
 
 if __name__ == "__main__":
-    main()
+    if args.serve:
+        serve(args.serve)
+    else:
+        main()

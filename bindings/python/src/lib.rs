@@ -27,6 +27,7 @@ use pyo3::prelude::*;
 pub mod arrays;
 pub mod device;
 pub mod errors;
+pub mod events;
 pub mod import;
 pub mod names;
 #[cfg(feature = "nixl")]

@@ -432,6 +432,37 @@ impl OwnershipTable {
         self.verdict(py, v, n, judged)
     }
 
+    /// Converts apply_events' outcome: each refusal logged and wrapped; a non-violation error
+    /// raised after the refusals before it are logged.
+    fn refused_events(
+        &self,
+        py: Python<'_>,
+        outcome: Result<Vec<crate::events::RefusedEvent>, Box<crate::events::EventError>>,
+    ) -> PyResult<Vec<(usize, Py<Violation>)>> {
+        let (refused, error) = match outcome {
+            Ok(refused) => (refused, None),
+            Err(e) => {
+                let e = *e;
+                (e.refused, Some((e.index, e.error)))
+            }
+        };
+        let mut out = Vec::with_capacity(refused.len());
+        for (i, v, r) in refused {
+            let v = Violation::wrap(py, v, r)?;
+            log_violation(py, &v);
+            out.push((i, v));
+        }
+        match error {
+            None => Ok(out),
+            Some((i, e)) => {
+                let err = self.err(py, e);
+                let note = PyValueError::new_err(format!("events[{i}] failed; the events before it were applied"));
+                err.set_cause(py, Some(note));
+                Err(err)
+            }
+        }
+    }
+
     /// Runs a mutation with the GIL released and converts its error.
     fn run<T: Send>(
         &self,
@@ -1259,6 +1290,114 @@ impl OwnershipTable {
         let m = claims.len();
         Ok((self.verdict(py, v, m, true)?, left, granted.unbind()))
     }
+
+    // -- one call per step for an engine plugin (kvguard.vllm) ---------------------------------
+
+    /// Applies a step's ownership events in order, in one call (the GIL released): what the
+    /// single-event methods would do called one by one, judged the same way (a refused event is
+    /// counted, logged and, under enforce, its request quarantined), and the rest applied.
+    ///
+    /// events: a list of tuples, each one of
+    ///   ("admit", request, tenant, prompt_tokens, max_new_tokens)
+    ///   ("claim", request, pages)            (a run of claims goes to the table as one claim_step)
+    ///   ("release", request)  ("preempt", request)
+    ///   ("publish", request, key, pages)  ("attach", request, key)  ("detach", request, key)
+    ///   ("evict", request or None, key)      (request: whom the eviction is charged to; reported only)
+    /// Every event is checked first: a malformed one raises TypeError/ValueError and nothing is
+    /// applied. Returns [(index, Violation)] of the refused events, in order. An error that is not
+    /// a violation (e.g. OutOfPagesError) is raised at the event that hit it; the events before
+    /// it stay applied.
+    fn apply_events(&self, py: Python<'_>, events: &Bound<'_, PyAny>) -> PyResult<Vec<(usize, Py<Violation>)>> {
+        let events = crate::events::parse(events)?;
+        let outcome = py.detach(|| crate::events::apply(&self.table, &self.names, &events));
+        self.refused_events(py, outcome)
+    }
+
+    /// One worker step of vLLM in one call: records the step's KV writes, applies `events`,
+    /// then verifies the block table, all from the arrays the worker is about to copy to the
+    /// GPU (no slot mapping built in Python, no copy of int32 rows), the GIL released.
+    ///
+    /// req_ids: the step's n requests (list of int/str, e.g. input_batch.req_ids, or an int array).
+    /// block_table: 2-D int32 or int64, at least n rows (BlockTable.block_table.np); row i is
+    ///   req_ids[i]'s, page j holding tokens j*page_size .. (j+1)*page_size.
+    /// num_computed_tokens: 1-D int, at least n entries: tokens each request had before the step.
+    /// num_scheduled_tokens: 1-D int, at least n entries: tokens it writes this step, at positions
+    ///   num_computed_tokens[i] + 0.. (the slot mapping vLLM's kernel computes from the same rows:
+    ///   row[pos // page_size] * page_size + pos % page_size; a position past the row's width
+    ///   takes its last entry). At most width * page_size per request (ValueError otherwise).
+    /// events: None or a list as apply_events takes, applied after the writes and before the
+    ///   reads (publishes of blocks the step fills, prefix hits on them).
+    /// Returns (writes, refused_events, reads): the writes' StepVerdict (as record_step_writes),
+    /// [(index, Violation)] of the refused events, and the reads' StepVerdict (as verify_step,
+    /// each request reading num_computed_tokens[i] + num_scheduled_tokens[i] tokens).
+    #[pyo3(signature = (req_ids, block_table, num_computed_tokens, num_scheduled_tokens, events = None))]
+    fn record_and_verify_step(
+        &self,
+        py: Python<'_>,
+        req_ids: &Bound<'_, PyAny>,
+        block_table: &Bound<'_, PyAny>,
+        num_computed_tokens: &Bound<'_, PyAny>,
+        num_scheduled_tokens: &Bound<'_, PyAny>,
+        events: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<(StepVerdict, crate::events::RefusedForPython, StepVerdict)> {
+        let requests = self.step_requests(req_ids)?;
+        let n = requests.len();
+        let bt = IntArray::open(block_table, "block_table", 2)?;
+        if bt.len() < n {
+            return Err(PyValueError::new_err(format!("block_table has {} rows, {n} requests given", bt.len())));
+        }
+        let computed =
+            IntArray::open(num_computed_tokens, "num_computed_tokens", 1)?.counts(n, "num_computed_tokens")?;
+        let scheduled =
+            IntArray::open(num_scheduled_tokens, "num_scheduled_tokens", 1)?.counts(n, "num_scheduled_tokens")?;
+        let events = match events {
+            Some(e) if !e.is_none() => crate::events::parse(e)?,
+            _ => Vec::new(),
+        };
+        let ps = u64::from(self.table.page_size());
+        let (slots, qsl) = row_slots(&bt, &computed, &scheduled, ps)?;
+        let writes: Vec<SeqWrite<'_>> =
+            (0..n).map(|i| SeqWrite { request: requests[i], slots: &slots[qsl[i]..qsl[i + 1]] }).collect();
+        let (table, names) = (&self.table, &self.names);
+        // Each verdict's ids are resolved as they read at its stage (a released request's str
+        // is forgotten by the events that follow).
+        let (written, applied) = py.detach(|| {
+            let written = resolved(names, table.record_step_writes(&writes));
+            let applied = if events.is_empty() { Ok(Vec::new()) } else { crate::events::apply(table, names, &events) };
+            (written, applied)
+        });
+        drop(writes);
+        let written = judged_verdict(py, written, n)?;
+        let refused = self.refused_events(py, applied)?;
+        // The reads name the requests as they read after the events (as verify_step would).
+        let requests = if crate::events::renames(&events) { self.step_requests(req_ids)? } else { requests };
+        // int32 rows are borrowed as they are; other rows are converted into one buffer.
+        let mut converted = Vec::new();
+        let mut spans = Vec::new();
+        if n > 0 && bt.row_pages(0).is_none() {
+            for i in 0..n {
+                let need =
+                    usize::try_from((computed[i] + scheduled[i]).div_ceil(ps)).unwrap_or(usize::MAX).min(bt.width());
+                let start = converted.len();
+                bt.row_pages_into(i, need, &mut converted);
+                spans.push(start..converted.len());
+            }
+        }
+        let reads: Vec<SeqRead<'_>> = (0..n)
+            .map(|i| SeqRead {
+                request: requests[i],
+                block_table: match bt.row_pages(i) {
+                    Some(row) => row,
+                    None => &converted[spans[i].clone()],
+                },
+                tokens: computed[i] + scheduled[i],
+            })
+            .collect();
+        let read = py.detach(|| resolved(names, table.verify_step(&reads)));
+        drop(reads);
+        let read = judged_verdict(py, read, n)?;
+        Ok((written, refused, read))
+    }
 }
 
 impl OwnershipTable {
@@ -1287,4 +1426,77 @@ fn block_table_row<'py>(py: Python<'py>, block_table: &Bound<'py, PyAny>) -> PyR
         return np.call_method1("zeros", ((1, 0), np.getattr("int32")?));
     }
     arr.call_method1("reshape", ((1, -1),))
+}
+
+/// The slot mapping of a step computed from its block table rows, as vLLM's slot-mapping kernel
+/// computes it: request i writes positions computed[i] + 0..scheduled[i], position p to
+/// `row[min(p / page_size, width - 1)] * page_size + p % page_size`. Returns the slots and each
+/// request's range of them (n + 1 boundaries).
+fn row_slots(bt: &IntArray<'_>, computed: &[u64], scheduled: &[u64], ps: u64) -> PyResult<(Vec<i64>, Vec<usize>)> {
+    let width = bt.width();
+    let most = width as u64 * ps;
+    if let Some(i) = scheduled.iter().position(|&s| s > most) {
+        return Err(PyValueError::new_err(format!(
+            "num_scheduled_tokens[{i}] is {}: a block table row addresses at most {most} tokens",
+            scheduled[i]
+        )));
+    }
+    let mut qsl = Vec::with_capacity(scheduled.len() + 1);
+    qsl.push(0usize);
+    let mut total = 0usize;
+    for &s in scheduled {
+        total += s as usize;
+        qsl.push(total);
+    }
+    let mut slots = Vec::with_capacity(total);
+    if width == 0 {
+        // No entry to write through: every position is refused as a page beyond any pool.
+        slots.resize(total, i64::MAX);
+        return Ok((slots, qsl));
+    }
+    let last = width as u64 - 1;
+    let ps_i = ps as i64;
+    for (i, (&c, &s)) in computed.iter().zip(scheduled).enumerate() {
+        let row = bt.row_pages(i);
+        for p in c..c + s {
+            let col = (p / ps).min(last) as usize;
+            let page = match row {
+                // An int32 entry as vLLM holds it (a negative one stays negative).
+                Some(r) => i64::from(r[col].0 as i32),
+                None => bt.get(i, col),
+            };
+            slots.push(page.wrapping_mul(ps_i).wrapping_add((p % ps) as i64));
+        }
+    }
+    Ok((slots, qsl))
+}
+
+/// A step verdict's violations with their ids resolved now (the names lock only; no Python).
+fn resolved(names: &Mutex<Names>, v: kvguard::StepVerdict) -> Vec<(usize, kvguard::Violation, Resolved)> {
+    if v.refused.is_empty() {
+        return Vec::new();
+    }
+    let names = names.lock();
+    v.refused
+        .into_iter()
+        .map(|(i, v)| {
+            let r = names.resolve(&v);
+            (i, v, r)
+        })
+        .collect()
+}
+
+/// A judged step verdict for Python from resolved violations, each logged.
+fn judged_verdict(
+    py: Python<'_>,
+    refused: Vec<(usize, kvguard::Violation, Resolved)>,
+    rows: usize,
+) -> PyResult<StepVerdict> {
+    let mut out = Vec::with_capacity(refused.len());
+    for (i, v, r) in refused {
+        let v = Violation::wrap(py, v, r)?;
+        log_violation(py, &v);
+        out.push((i, v));
+    }
+    Ok(StepVerdict { rows, refused: out, mask: PyOnceLock::new() })
 }

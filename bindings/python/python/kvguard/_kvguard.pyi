@@ -14,6 +14,10 @@ Id = int | str
 """A request or tenant id: an int in 0..2**63, or a str (interned, released with the request)."""
 IntArray = Any
 """A numpy int32/int64 array, anything with the buffer protocol or __array_interface__."""
+StepEvent = tuple[Any, ...]
+"""An ownership event for apply_events: ("admit", request, tenant, prompt_tokens, max_new_tokens),
+("claim", request, pages), ("release", request), ("preempt", request), ("publish", request, key,
+pages), ("attach", request, key), ("detach", request, key) or ("evict", request | None, key)."""
 
 class Error(Exception): ...
 
@@ -242,6 +246,22 @@ class OwnershipTable:
     def request_key(self, request: Id) -> int: ...
     def tenant_key(self, tenant: Id) -> int: ...
     def interned(self) -> tuple[int, int]: ...
+    # one call per step for an engine plugin (kvguard.vllm)
+    def apply_events(self, events: Sequence[StepEvent]) -> list[tuple[int, Violation]]:
+        """A step's ownership events in order, in one call, each judged as its single-event
+        method would be; [(index, Violation)] of the refused ones. Malformed events raise
+        TypeError/ValueError before any is applied."""
+    def record_and_verify_step(
+        self,
+        req_ids: Sequence[Id] | IntArray,
+        block_table: IntArray,
+        num_computed_tokens: Sequence[int] | IntArray,
+        num_scheduled_tokens: Sequence[int] | IntArray,
+        events: Sequence[StepEvent] | None = None,
+    ) -> tuple[StepVerdict, list[tuple[int, Violation]], StepVerdict]:
+        """vLLM's worker step in one call: the writes (slot mapping computed from the rows), then
+        `events` (as apply_events), then the reads of computed + scheduled tokens;
+        (writes, refused_events, reads)."""
 
 @final
 class ImportTicket:

@@ -29,13 +29,14 @@ from __future__ import annotations
 import os
 
 from .guard import StepGuard, StepReport
-from .recorder import EventKind, SchedulerRecorder, set_tenant_of, tenant_of
+from .recorder import EventKind, SchedulerRecorder, StepEvents, set_tenant_of, tenant_of
 
 __all__ = [
     "EventKind",
     "MODE_ENV",
     "SchedulerRecorder",
     "StepGuard",
+    "StepEvents",
     "StepReport",
     "install",
     "installed_mode",

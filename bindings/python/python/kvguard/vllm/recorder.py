@@ -35,29 +35,48 @@ from __future__ import annotations
 import enum
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["EventKind", "RequestBlockMap", "RequestBlocks", "SchedulerRecorder", "set_tenant_of", "tenant_of"]
+__all__ = [
+    "EventKind",
+    "RequestBlockMap",
+    "RequestBlocks",
+    "SchedulerRecorder",
+    "StepEvents",
+    "set_tenant_of",
+    "tenant_of",
+]
 
 
-class EventKind(enum.IntEnum):
-    """What an ownership event says (the first item of each event tuple)."""
+class EventKind(enum.StrEnum):
+    """What an ownership event says (the first item of each event tuple). The tuples are the
+    ones ``OwnershipTable.apply_events`` takes, so the worker applies a step's events in one
+    call."""
 
     #: (ADMIT, request, tenant, prompt_tokens, max_new_tokens)
-    ADMIT = 0
+    ADMIT = "admit"
     #: (CLAIM, request, [block ids]) freshly allocated blocks
-    CLAIM = 1
-    #: (ATTACH, request, [block ids]) prefix-cache hits
-    ATTACH = 2
-    #: (PUBLISH, request, [block ids]) blocks that became cacheable
-    PUBLISH = 3
+    CLAIM = "claim"
+    #: (ATTACH, request, block id) a prefix-cache hit
+    ATTACH = "attach"
+    #: (PUBLISH, request, block id, (block id,)) a block that became cacheable
+    PUBLISH = "publish"
     #: (RELEASE, request) a finished request freed its blocks
-    RELEASE = 4
+    RELEASE = "release"
     #: (PREEMPT, request) a preempted request freed its blocks
-    PREEMPT = 5
-    #: (EVICT, request or None, [block ids]) cached blocks dropped; request: whose allocation
-    #: reused them (charged if the eviction is refused), None for a cache reset
-    EVICT = 6
+    PREEMPT = "preempt"
+    #: (EVICT, request or None, block id) a cached block dropped; request: whose allocation
+    #: reused it (charged if the eviction is refused), None for a cache reset
+    EVICT = "evict"
+
+
+class StepEvents(NamedTuple):
+    """A step's events as they ride on ``SchedulerOutput.kvguard_events``: ``early`` (admit,
+    claim, evict, release, preempt, in the order vLLM decided them), applied before the step's
+    writes; ``late`` (publishes, then prefix hits), applied after them."""
+
+    early: list[tuple]
+    late: list[tuple]
 
 
 #: Environment variable naming the request fields that make up the tenant: a comma list of
@@ -193,7 +212,7 @@ class SchedulerRecorder:
         # Blocks handed out that no request's list took (none in a supported configuration):
         # their evictions still happened.
         if self._fresh_evicted:
-            self._events.append((EventKind.EVICT, None, self._fresh_evicted))
+            self._events.extend([(EventKind.EVICT, None, b) for b in self._fresh_evicted])
             self._fresh_evicted = []
         self._fresh = None
 
@@ -218,7 +237,7 @@ class SchedulerRecorder:
         if blocks is self._fresh:
             self._fresh = None
             if self._fresh_evicted:
-                self._events.append((EventKind.EVICT, rid, self._fresh_evicted))
+                self._events.extend([(EventKind.EVICT, rid, b) for b in self._fresh_evicted])
                 self._fresh_evicted = []
             if ids:
                 self._events.append((EventKind.CLAIM, rid, ids))
@@ -245,7 +264,7 @@ class SchedulerRecorder:
         if self._in_alloc:
             self._evicted.append(block_id)
         else:
-            self._events.append((EventKind.EVICT, None, [block_id]))
+            self._events.append((EventKind.EVICT, None, block_id))
 
     def freed(self, request: Any) -> None:
         """``free``/``pop_blocks_for_free``: a finished request releases, a live one is preempted."""
@@ -264,16 +283,15 @@ class SchedulerRecorder:
     def cache_reset(self) -> None:
         """``reset_prefix_cache`` succeeded: every cached block lost its hash."""
         if self.published:
-            self._events.append((EventKind.EVICT, None, sorted(self.published)))
+            self._events.extend([(EventKind.EVICT, None, b) for b in sorted(self.published)])
             self.published.clear()
 
-    def take(self) -> list[tuple] | None:
+    def take(self) -> StepEvents | None:
         """The step's events in the order the worker applies them (None when there are none)."""
         self._flush_fresh()
-        events = self._events
-        for rid, blocks in self._publish.items():
-            events.append((EventKind.PUBLISH, rid, blocks))
+        early = self._events
+        late = [(EventKind.PUBLISH, rid, b, (b,)) for rid, blocks in self._publish.items() for b in blocks]
         for rid, blocks in self._attach.items():
-            events.append((EventKind.ATTACH, rid, blocks))
+            late.extend([(EventKind.ATTACH, rid, b) for b in blocks])
         self._events, self._publish, self._attach = [], {}, {}
-        return events or None
+        return StepEvents(early, late) if early or late else None

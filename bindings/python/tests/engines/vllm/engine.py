@@ -171,7 +171,8 @@ class Engine:
         self.steps += 1
         so = self.scheduler.schedule()
         self.preemptions += len(so.preempted_req_ids or ())
-        for ev in getattr(so, "kvguard_events", None) or ():
+        events = getattr(so, "kvguard_events", None)
+        for ev in (events.early + events.late) if events else ():
             name = ev[0].name
             self.events[name] = self.events.get(name, 0) + 1
         self._update_states(so)

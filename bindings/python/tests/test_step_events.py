@@ -1,0 +1,196 @@
+"""apply_events and record_and_verify_step judge exactly as the single calls they stand for:
+random event streams and steps with violations, both policies, int32 and int64 block tables;
+malformed input is a TypeError / ValueError with nothing applied, never a panic."""
+
+import random
+
+import numpy as np
+import pytest
+
+import kvguard
+
+PAGE = 4
+PAGES = 48
+
+
+def tables(policy):
+    config = kvguard.PoolConfig(PAGES, PAGE, 128, reserved=[0], policy=policy)
+    return kvguard.OwnershipTable(config), kvguard.OwnershipTable(config)
+
+
+def state(table):
+    pages = [(i.state, i.owner, i.generation) for i in (table.page_info(p) for p in range(PAGES))]
+    return pages, table.counters(), table.snapshot().requests
+
+
+def one_by_one(table, events):
+    """What apply_events stands for: each event through its single-event method."""
+    refused = []
+    for i, ev in enumerate(events):
+        op, req = ev[0], ev[1]
+        try:
+            if op == "admit":
+                table.admit(req, ev[2], ev[3], ev[4])
+            elif op == "claim":
+                table.claim(req, ev[2])
+            elif op == "release":
+                table.release(req)
+            elif op == "preempt":
+                table.preempt(req)
+            elif op == "publish":
+                table.publish_prefix(req, ev[2], ev[3])
+            elif op == "attach":
+                table.attach_prefix(req, ev[2])
+            elif op == "detach":
+                table.detach_prefix(req, ev[2])
+            elif op == "evict":
+                table.evict_prefix(ev[2])
+        except kvguard.ViolationError as e:
+            refused.append((i, e.kind, str(e)))
+    return refused
+
+
+def random_events(rng, n):
+    reqs = ["a", "b", "c", 7, "zz"]
+    events = []
+    for _ in range(n):
+        r = rng.choice(reqs)
+        op = rng.choice(["admit", "claim", "claim", "claim", "release", "preempt", "publish", "attach", "detach", "evict"])
+        if op == "admit":
+            events.append((op, r, rng.choice(["acme", "globex", 3]), rng.randrange(1, 64), rng.randrange(0, 64)))
+        elif op == "claim":
+            events.append((op, r, [rng.randrange(0, PAGES + 2) for _ in range(rng.randrange(0, 3))]))
+        elif op in ("release", "preempt"):
+            events.append((op, r))
+        elif op == "publish":
+            p = rng.randrange(1, PAGES)
+            events.append((op, r, p, (p,)))
+        elif op == "evict":
+            events.append((op, rng.choice([r, None]), rng.randrange(1, PAGES)))
+        else:
+            events.append((op, r, rng.randrange(1, PAGES)))
+    return events
+
+
+@pytest.mark.parametrize("policy", ["enforce", "report"])
+def test_apply_events_judges_as_single_calls_in_order(policy):
+    rng = random.Random(11)
+    refusals = 0
+    for _ in range(40):
+        one, batch = tables(policy)
+        for _ in range(4):
+            events = random_events(rng, rng.randrange(0, 20))
+            want = one_by_one(one, events)
+            got = [(i, v.kind, str(v)) for i, v in batch.apply_events(events)]
+            assert got == want
+            assert state(batch) == state(one)
+            refusals += len(got)
+    assert refusals > 50  # the streams do refuse things
+
+
+def test_apply_events_rejects_malformed_input_and_applies_nothing(table):
+    table.admit("a", "acme", 8, 8)
+    good = ("claim", "a", [1])
+    before = state(table)
+    for bad, err in [
+        (5, TypeError),
+        ([good, ["claim", "a", [2]]], TypeError),
+        ([good, ()], ValueError),
+        ([good, (3, "a")], TypeError),
+        ([good, ("steal", "a")], ValueError),
+        ([good, ("claim", "a")], ValueError),
+        ([good, ("claim", "a", [-1])], ValueError),
+        ([good, ("claim", "a", ["x"])], TypeError),
+        ([good, ("claim", -1, [2])], ValueError),
+        ([good, ("claim", 1.5, [2])], TypeError),
+        ([good, ("admit", "b", "acme", -1, 0)], ValueError),
+        ([good, ("publish", "a", -3, [1])], ValueError),
+        ([good, ("evict", "a")], ValueError),
+    ]:
+        with pytest.raises(err):
+            table.apply_events(bad)
+        assert state(table) == before
+    assert table.apply_events([good, ("claim", "a", np.array([2, 3], dtype=np.int32))]) == []
+    assert [table.page_info(p).owner for p in (1, 2, 3)] == ["a", "a", "a"]
+
+
+def reference_step(table, req_ids, bt, computed, scheduled, events):
+    """What record_and_verify_step stands for: the slot mapping built as vLLM's kernel does, then
+    record_step_writes, the events, verify_step."""
+    n = len(req_ids)
+    qsl = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(scheduled[:n], out=qsl[1:])
+    rows = np.repeat(np.arange(n), scheduled[:n])
+    pos = computed[:n].astype(np.int64)[rows] + (np.arange(int(qsl[-1])) - qsl[rows])
+    col = np.minimum(pos // PAGE, bt.shape[1] - 1)
+    slots = bt[rows, col].astype(np.int64) * PAGE + pos % PAGE
+    w = table.record_step_writes(req_ids, slots, qsl)
+    refused = one_by_one(table, events or [])
+    r = table.verify_step(req_ids, bt, computed[:n].astype(np.int64) + scheduled[:n])
+    return w, refused, r
+
+
+def verdict(v):
+    return [(row, x.kind, str(x)) for row, x in v.refused]
+
+
+@pytest.mark.parametrize("policy", ["enforce", "report"])
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_record_and_verify_step_judges_as_the_calls_it_fuses(policy, dtype):
+    rng = random.Random(5)
+    refusals = 0
+    for _ in range(30):
+        one, batch = tables(policy)
+        reqs = ["a", "b", "c", 9]
+        for t in (one, batch):
+            for r in reqs:
+                t.admit(r, "acme" if r != "c" else "globex", 24, 24)
+            t.claim("a", [1, 2, 3])
+            t.claim("b", [4, 5])
+            t.claim("c", [6, 7, 8])
+            t.claim(9, [10])
+        written = {r: 0 for r in reqs}
+        for _ in range(4):
+            n = rng.randrange(0, 5)
+            ids = [rng.choice(reqs + ["ghost"]) for _ in range(n)]
+            bt = np.zeros((n + 2, 6), dtype=dtype)
+            for i in range(n + 2):
+                bt[i] = [rng.choice([1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 0, -1, PAGES + 1]) for _ in range(6)]
+            computed = np.array([written.get(r, 0) + rng.choice([0, 0, 0, 2]) for r in ids] + [0, 0], np.int32)
+            scheduled = np.array([rng.randrange(0, 6) for _ in ids] + [0, 0], np.int32)
+            late = random_events(rng, rng.randrange(0, 4)) if rng.random() < 0.5 else None
+            want = reference_step(one, ids, bt, computed, scheduled, late)
+            got = batch.record_and_verify_step(ids, bt, computed, scheduled, late)
+            assert verdict(got[0]) == verdict(want[0])
+            assert [(i, v.kind, str(v)) for i, v in got[1]] == want[1]
+            assert verdict(got[2]) == verdict(want[2])
+            assert state(batch) == state(one)
+            refusals += len(got[0].refused) + len(got[1]) + len(got[2].refused)
+            for r, c, s in zip(ids, computed, scheduled):
+                written[r] = max(written.get(r, 0), int(c) + int(s))
+    assert refusals > 30
+
+
+def test_record_and_verify_step_rejects_bad_arrays(table):
+    table.admit("a", "acme", 8, 8)
+    table.claim("a", [1, 2])
+    bt = np.array([[1, 2, 0]], dtype=np.int32)
+    ok = (["a"], bt, np.array([0]), np.array([5]))
+    w, refused, r = table.record_and_verify_step(*ok)
+    assert w.clean and refused == [] and r.clean
+    for args, err in [
+        ((["a"], np.zeros(3, np.int32), np.array([0]), np.array([1])), ValueError),  # 1-D table
+        ((["a"], np.zeros((1, 3), np.float32), np.array([0]), np.array([1])), TypeError),
+        ((["a", "a"], bt, np.array([0, 0]), np.array([1, 1])), ValueError),  # rows < requests
+        ((["a"], bt, np.array([-1]), np.array([1])), ValueError),
+        ((["a"], bt, np.array([0]), np.array([], dtype=np.int64)), ValueError),
+        ((["a"], bt, np.array([0]), np.array([10**9])), ValueError),  # more than a row addresses
+        ((["a"], bt, np.array([0]), np.array([1]), [("nope",)]), ValueError),
+        (([1.5], bt, np.array([0]), np.array([1])), TypeError),
+    ]:
+        with pytest.raises(err):
+            table.record_and_verify_step(*args)
+    # A position past the row's width takes its last entry (vLLM's kernel would read past the
+    # row): refused, not a crash.
+    w, _, r = table.record_and_verify_step(["a"], bt, np.array([40]), np.array([2]))
+    assert not w.clean and not r.clean
