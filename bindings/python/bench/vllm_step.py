@@ -193,6 +193,8 @@ parser.add_argument("--rounds", type=int, default=3)
 parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
 parser.add_argument("--serve", choices=["plain", "guarded"], help=argparse.SUPPRESS)
 args = parser.parse_args()
+if args.requests < 1 or args.rounds < 1 or args.steps < 1:
+    parser.error("--requests, --steps and --rounds must be at least 1")
 _clock = time.thread_time if args.clock == "cpu" else time.perf_counter
 hooks = None
 

@@ -13,6 +13,7 @@ Usage: python bench_step.py [--pairs N] [--hooks] [page_size ...]"""
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -72,15 +73,17 @@ def run(page_size: int, guarded: bool, n: int = 256, steps: int = 60, hooks: boo
 if __name__ == "__main__":
     from harness import sglang_context
 
-    args = sys.argv[1:]
-    pairs = 5
-    hooks = "--hooks" in args
-    args = [a for a in args if a != "--hooks"]
-    if args[:1] == ["--pairs"]:
-        pairs, args = int(args[1]), args[2:]
+    parser = argparse.ArgumentParser(description="kvguard's share of an SGLang decode step (256 running requests, CPU)")
+    parser.add_argument("page_sizes", nargs="*", type=int, default=[16, 1], help="page sizes to measure (default: 16 1)")
+    parser.add_argument("--pairs", type=int, default=5, help="unguarded/guarded pairs per page size (default: 5)")
+    parser.add_argument("--hooks", action="store_true", help="also print each hook's median time")
+    opts = parser.parse_args()
+    if opts.pairs < 1 or any(ps < 1 for ps in opts.page_sizes):
+        parser.error("--pairs and page sizes must be at least 1")
+    pairs, hooks = opts.pairs, opts.hooks
     ctx = sglang_context.__wrapped__()
     next(ctx)
-    for ps in [int(a) for a in args] or [16, 1]:
+    for ps in opts.page_sizes:
         base, guard, ratio = [], [], []
         fastest_base, fastest_guard = [], []
         HOOKS.clear()
