@@ -331,7 +331,26 @@ impl EventKind {
 
     /// The event named `name`, if the format (v1 or v1.1) has one.
     pub fn from_name(name: &str) -> Option<EventKind> {
-        EventKind::ALL.iter().copied().find(|k| k.as_str() == name)
+        Some(match name {
+            "pool" => EventKind::Pool,
+            "admit" => EventKind::Admit,
+            "alloc" => EventKind::Alloc,
+            "write" => EventKind::Write,
+            "read" => EventKind::Read,
+            "free" => EventKind::Free,
+            "share" => EventKind::Share,
+            "attach" => EventKind::Attach,
+            "evict" => EventKind::Evict,
+            "import" => EventKind::Import,
+            "fork" => EventKind::Fork,
+            "detach" => EventKind::Detach,
+            "preempt" => EventKind::Preempt,
+            "scrub" => EventKind::Scrub,
+            "grant" => EventKind::Grant,
+            "revoke" => EventKind::Revoke,
+            "end" => EventKind::End,
+            _ => return None,
+        })
     }
 }
 

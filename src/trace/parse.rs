@@ -28,10 +28,6 @@ macro_rules! fields {
                 Field::from_bytes(name.as_bytes())
             }
 
-            fn from_bytes(name: &[u8]) -> Field {
-                $(if name == $name.as_bytes() { return Field::$variant; })*
-                Field::Other
-            }
 
             fn name(self) -> &'static str {
                 match self { $(Field::$variant => $name,)* Field::Other => "?" }
@@ -58,6 +54,33 @@ fields! {
     Reserved => "reserved",
     Version => "version",
     ScrubOnRelease => "scrub_on_release",
+}
+
+impl Field {
+    /// The field named `name` (the names of [`Field::name`], as a match the compiler dispatches
+    /// on length and bytes rather than one comparison per field).
+    fn from_bytes(name: &[u8]) -> Field {
+        match name {
+            b"ev" => Field::Ev,
+            b"req" => Field::Req,
+            b"tenant" => Field::Tenant,
+            b"prompt" => Field::Prompt,
+            b"max_new" => Field::MaxNew,
+            b"pages" => Field::Pages,
+            b"page" => Field::Page,
+            b"slots" => Field::Slots,
+            b"tokens" => Field::Tokens,
+            b"key" => Field::Key,
+            b"expect" => Field::Expect,
+            b"child" => Field::Child,
+            b"page_size" => Field::PageSize,
+            b"max_context" => Field::MaxContext,
+            b"reserved" => Field::Reserved,
+            b"version" => Field::Version,
+            b"scrub_on_release" => Field::ScrubOnRelease,
+            _ => Field::Other,
+        }
+    }
 }
 
 impl<'de> de::Deserialize<'de> for Field {
@@ -198,13 +221,11 @@ fn parse_plain<'de>(line: &'de [u8], bufs: &mut ListBuffers, caps: ListCaps) -> 
         space(at);
         let start = *at;
         let rest = &line[start..];
-        let digits = rest.iter().position(|d| !d.is_ascii_digit()).unwrap_or(rest.len());
         // Up to 19 digits cannot pass u64::MAX (20 digits); more are checked.
-        let v = if digits <= 19 {
-            rest[..digits].iter().fold(0u64, |v, &d| v * 10 + u64::from(d - b'0'))
-        } else {
-            rest[..digits].iter().try_fold(0u64, |v, &d| v.checked_mul(10)?.checked_add(u64::from(d - b'0')))?
-        };
+        let (mut v, digits) = leading_digits(rest);
+        if digits > 19 {
+            v = rest[..digits].iter().try_fold(0u64, |v, &d| v.checked_mul(10)?.checked_add(u64::from(d - b'0')))?;
+        }
         *at = start + digits;
         if digits == 0 || (digits > 1 && rest[0] == b'0') || matches!(rest.get(digits), Some(b'.' | b'e' | b'E')) {
             return None;
@@ -280,6 +301,45 @@ fn parse_plain<'de>(line: &'de [u8], bufs: &mut ListBuffers, caps: ListCaps) -> 
     }
     space(&mut at);
     (at == line.len()).then_some(raw)
+}
+
+/// The decimal digits `text` starts with: their value (wrapped past `u64::MAX`) and count. A
+/// number of at most seven digits is read eight bytes at a time.
+fn leading_digits(text: &[u8]) -> (u64, usize) {
+    if let Some(&[b0, b1, b2, b3, b4, b5, b6, b7]) = text.get(..8) {
+        const LOW: u64 = u64::from_le_bytes([0x0f; 8]);
+        const HIGH: u64 = u64::from_le_bytes([0xf0; 8]);
+        const ZEROS: u64 = u64::from_le_bytes([b'0'; 8]);
+        const SIXES: u64 = u64::from_le_bytes([0x06; 8]);
+        // The string's first byte in the word's low byte.
+        let word = u64::from_le_bytes([b0, b1, b2, b3, b4, b5, b6, b7]);
+        // Non-zero in each byte that is no digit: its high nibble, or that of the byte plus 6
+        // (which passes 0x39), is not 3. A carry out of a byte only reaches the bytes after it.
+        let other = ((word & HIGH) ^ ZEROS) | ((word.wrapping_add(SIXES) & HIGH) ^ ZEROS);
+        if other != 0 {
+            let digits = (other.trailing_zeros() / 8) as usize;
+            if digits == 0 {
+                return (0, 0);
+            }
+            // The digits moved to the top bytes, so the bytes before them read as leading zeros;
+            // then pairs, fours and eights of digits are combined.
+            let v = (word & LOW) << (8 * (8 - digits));
+            let v = (v.wrapping_mul(1 + (10 << 8))) >> 8;
+            let v = ((v & 0x00ff_00ff_00ff_00ff).wrapping_mul(1 + (100 << 16))) >> 16;
+            let v = ((v & 0x0000_ffff_0000_ffff).wrapping_mul(1 + (10_000 << 32))) >> 32;
+            return (v, digits);
+        }
+    }
+    let mut v = 0u64;
+    let mut digits = 0;
+    for &d in text {
+        if !d.is_ascii_digit() {
+            break;
+        }
+        v = v.wrapping_mul(10).wrapping_add(u64::from(d - b'0'));
+        digits += 1;
+    }
+    (v, digits)
 }
 
 struct EventVisitor<'b> {
@@ -760,6 +820,59 @@ mod tests {
         let kind = raw.kind()?;
         let parsed = raw.event(kind, &bufs, &mut ids, ListCaps::strict(1000))?;
         Ok(parsed.event.into_owned())
+    }
+
+    #[test]
+    fn leading_digits_are_read_at_any_length() {
+        for n in 0..=20usize {
+            let digits: String = (0..n).map(|i| char::from(b'1' + (i % 9) as u8)).collect();
+            for tail in ["", ",", "]", "}", ",1,2,3,4,5,6,7,8", "\u{ff}xxxxxxxx", "\u{fa}:::::::"] {
+                let text = format!("{digits}{tail}");
+                let want = digits.bytes().fold(0u64, |v, d| v.wrapping_mul(10).wrapping_add(u64::from(d - b'0')));
+                assert_eq!(leading_digits(text.as_bytes()), (want, n), "{text:?}");
+            }
+        }
+        for b in 0..=255u8 {
+            let text = [b, b'7', b'7', b'7', b'7', b'7', b'7', b'7', b'7'];
+            let want = if b.is_ascii_digit() { (u64::from(b - b'0') * 100_000_000 + 77_777_777, 9) } else { (0, 0) };
+            assert_eq!(leading_digits(&text), want, "{b}");
+            let text = [b'4', b'2', b, b'7', b'7', b'7', b'7', b'7', b'7'];
+            if !b.is_ascii_digit() {
+                assert_eq!(leading_digits(&text), (42, 2), "{b}");
+            }
+        }
+    }
+
+    #[test]
+    fn field_names_round_trip() {
+        let all = [
+            Field::Ev,
+            Field::Req,
+            Field::Tenant,
+            Field::Prompt,
+            Field::MaxNew,
+            Field::Pages,
+            Field::Page,
+            Field::Slots,
+            Field::Tokens,
+            Field::Key,
+            Field::Expect,
+            Field::Child,
+            Field::PageSize,
+            Field::MaxContext,
+            Field::Reserved,
+            Field::Version,
+            Field::ScrubOnRelease,
+        ];
+        assert_eq!(all.len(), Field::COUNT);
+        for f in all {
+            assert_eq!(Field::from_bytes(f.name().as_bytes()), f);
+        }
+        assert_eq!(Field::from_bytes(b"pagez"), Field::Other);
+        for &k in EventKind::ALL {
+            assert_eq!(EventKind::from_name(k.as_str()), Some(k));
+        }
+        assert_eq!(EventKind::from_name("reads"), None);
     }
 
     #[test]

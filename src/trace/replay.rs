@@ -12,7 +12,7 @@ use crate::ids::PageId;
 use crate::table::OwnershipTable;
 use crate::violation::ViolationKind;
 use serde::Serialize;
-use std::io::{self, BufRead, Read};
+use std::io::{self, BufRead};
 
 /// The longest line any replayer accepts, whatever its options: 1 GiB.
 pub const MAX_LINE_BYTES: usize = 1 << 30;
@@ -208,37 +208,80 @@ impl Replayer {
         mut reader: R,
         mut on_violation: impl FnMut(&ReplayViolation) -> io::Result<()>,
     ) -> Result<ReplaySummary, ReplayError> {
+        // Lines are read in place from the reader's buffer; only a line that straddles two
+        // buffers is copied (into `text`, at most the limit's bytes: memory stays bounded).
         let mut text = std::mem::take(&mut self.text);
+        text.clear();
+        // The limit counts a line's bytes without its line end, `\n` or `\r\n`.
+        let max = self.state.options.max_line_bytes;
+        let limit = max.saturating_add(2);
         let outcome = loop {
-            text.clear();
-            // The limit counts a line's bytes without its line end, `\n` or `\r\n`.
-            let max = self.state.options.max_line_bytes;
-            let limit = (max as u64).saturating_add(2);
-            match reader.by_ref().take(limit).read_until(b'\n', &mut text) {
-                Ok(0) => break self.finish(),
-                Ok(_) => {}
+            let buf = match reader.fill_buf() {
+                Ok(buf) => buf,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => break Err(ReplayError::new(self.line + 1, ReplayErrorKind::Io(e))),
-            }
-            let content = match text.as_slice() {
-                [.., b'\r', b'\n'] => text.len() - 2,
-                [.., b'\n'] => text.len() - 1,
-                _ => text.len(),
             };
-            if content > max {
-                break Err(ReplayError::new(self.line + 1, ReplayErrorKind::LineTooLong { max }));
-            }
-            match self.feed_line(&text) {
-                Ok(Some(v)) => {
-                    if let Err(e) = on_violation(&v) {
-                        break Err(ReplayError::new(self.line, ReplayErrorKind::Output(e)));
+            if buf.is_empty() {
+                // The end of the input: the last line may lack its newline.
+                if !text.is_empty() {
+                    let fed = self.feed_checked(&text, max, &mut on_violation);
+                    text.clear();
+                    if let Err(e) = fed {
+                        break Err(e);
                     }
                 }
-                Ok(None) => {}
-                Err(e) => break Err(e),
+                break self.finish();
+            }
+            let Some(end) = newline(buf) else {
+                // A line that runs past this buffer: keep it, up to the limit.
+                let take = buf.len().min(limit - text.len());
+                text.extend_from_slice(&buf[..take]);
+                reader.consume(take);
+                if text.len() >= limit {
+                    break Err(ReplayError::new(self.line + 1, ReplayErrorKind::LineTooLong { max }));
+                }
+                continue;
+            };
+            let fed = if text.is_empty() {
+                self.feed_checked(&buf[..=end], max, &mut on_violation)
+            } else {
+                let take = (end + 1).min(limit - text.len());
+                text.extend_from_slice(&buf[..take]);
+                let fed = self.feed_checked(&text, max, &mut on_violation);
+                text.clear();
+                fed
+            };
+            reader.consume(end + 1);
+            if let Err(e) = fed {
+                break Err(e);
             }
         };
+        text.clear();
         self.text = text;
         outcome
+    }
+
+    /// [`feed_line`](Self::feed_line) for a line read by [`replay`](Self::replay) (its newline
+    /// included, if it has one): refused when longer than `max` bytes without its line end, and
+    /// its violation handed to `on_violation`.
+    fn feed_checked(
+        &mut self,
+        line: &[u8],
+        max: usize,
+        on_violation: &mut impl FnMut(&ReplayViolation) -> io::Result<()>,
+    ) -> Result<(), ReplayError> {
+        let content = match line {
+            [.., b'\r', b'\n'] => line.len() - 2,
+            [.., b'\n'] => line.len() - 1,
+            _ => line.len(),
+        };
+        if content > max {
+            return Err(ReplayError::new(self.line + 1, ReplayErrorKind::LineTooLong { max }));
+        }
+        if let Some(v) = self.feed_line(line)? {
+            on_violation(&v).map_err(|e| ReplayError::new(self.line, ReplayErrorKind::Output(e)))?;
+        }
+        Ok(())
     }
 
     /// Replays one line (its newline optional): `Ok(Some(_))` when the event violates,
@@ -338,4 +381,82 @@ fn trim(line: &[u8]) -> &[u8] {
     let start = line.iter().position(|b| !b.is_ascii_whitespace()).unwrap_or(line.len());
     let end = line.iter().rposition(|b| !b.is_ascii_whitespace()).map_or(start, |i| i + 1);
     &line[start..end]
+}
+
+/// The first `\n` in `buf`, eight bytes at a time.
+fn newline(buf: &[u8]) -> Option<usize> {
+    const ONES: u64 = u64::from_ne_bytes([0x01; 8]);
+    const HIGHS: u64 = u64::from_ne_bytes([0x80; 8]);
+    const NEWLINES: u64 = u64::from_ne_bytes([b'\n'; 8]);
+    let mut chunks = buf.chunks_exact(8);
+    let mut at = 0;
+    for chunk in &mut chunks {
+        let word = u64::from_ne_bytes([chunk[0], chunk[1], chunk[2], chunk[3], chunk[4], chunk[5], chunk[6], chunk[7]]);
+        let x = word ^ NEWLINES;
+        // A byte of `x` is zero (a newline) exactly when this has a high bit set somewhere.
+        if x.wrapping_sub(ONES) & !x & HIGHS != 0 {
+            return chunk.iter().position(|&b| b == b'\n').map(|i| at + i);
+        }
+        at += 8;
+    }
+    chunks.remainder().iter().position(|&b| b == b'\n').map(|i| at + i)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::BufReader;
+
+    /// A replay's outcome as text: each violation's line and kind, then the summary or error.
+    fn outcome(text: &[u8], options: ReplayOptions, capacity: Option<usize>) -> String {
+        let mut shown = String::new();
+        let mut replayer = Replayer::with_options(options);
+        let on = |v: &ReplayViolation| {
+            shown.push_str(&format!("{}:{:?} ", v.line(), v.kind()));
+            Ok(())
+        };
+        let end = match capacity {
+            None => replayer.replay(text, on),
+            Some(c) => replayer.replay(BufReader::with_capacity(c, text), on),
+        };
+        format!("{shown}{end:?}")
+    }
+
+    #[test]
+    fn lines_that_straddle_buffers_replay_as_whole_ones() {
+        let trace = concat!(
+            "{\"ev\":\"pool\",\"pages\":64,\"page_size\":16,\"max_context\":512,\"reserved\":[0]}\r\n",
+            "\n# a comment\n",
+            "{\"ev\":\"admit\",\"req\":1,\"tenant\":\"acme\",\"prompt\":20,\"max_new\":8}\n",
+            "{\"ev\":\"alloc\",\"req\":1,\"pages\":[5,6]}\n",
+            "{\"ev\":\"write\",\"req\":1,\"page\":5,\"slots\":[0,16]}\n",
+            "{\"ev\":\"read\",\"req\":1,\"pages\":[5,6],\"tokens\":20}\n",
+            "{\"ev\":\"read\",\"req\":1,\"pages\":[5,6],\"tokens\":20}",
+        );
+        let broken = trace.replace("\"tokens\":20}\n", "\"tokens\":2x}\n");
+        for text in [trace, &broken[..], &trace[..trace.len() - 10]] {
+            for max in [40, 60, 70, 71, 72, 73, 80, 1 << 20] {
+                let options = ReplayOptions::default().with_max_line_bytes(max);
+                let want = outcome(text.as_bytes(), options, None);
+                for capacity in 1..=90 {
+                    let got = outcome(text.as_bytes(), options, Some(capacity));
+                    assert_eq!(got, want, "max {max}, capacity {capacity}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn newlines_are_found_at_any_offset() {
+        for len in 0..40 {
+            for at in 0..=len {
+                let mut buf = vec![b'x'; len];
+                if at < len {
+                    buf[at] = b'\n';
+                }
+                assert_eq!(newline(&buf), (at < len).then_some(at));
+            }
+        }
+        assert_eq!(newline(b"\x8a\x0a"), Some(1));
+    }
 }
