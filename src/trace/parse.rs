@@ -151,6 +151,7 @@ pub(crate) struct ListBuffers {
 }
 
 /// One parsed line: each known field's value, before the event checks them.
+#[derive(Default)]
 pub(crate) struct RawEvent<'de> {
     values: [Option<Value<'de>>; Field::COUNT],
     duplicate: Option<Field>,
@@ -158,21 +159,37 @@ pub(crate) struct RawEvent<'de> {
 
 /// Parses one line (no newline) into `bufs`; page lists keep at most [`ListCaps::keep`] elements,
 /// `slots` at most two.
+#[cfg(test)]
 pub(crate) fn parse_line<'de>(
     line: &'de [u8],
     bufs: &mut ListBuffers,
     caps: ListCaps,
 ) -> Result<RawEvent<'de>, ReplayErrorKind> {
+    let mut raw = RawEvent::default();
+    parse_line_into(line, &mut raw, bufs, caps)?;
+    Ok(raw)
+}
+
+/// Parses one line (no newline) into `raw`, which must be empty ([`RawEvent::default`]), and
+/// `bufs`; page lists keep at most [`ListCaps::keep`] elements, `slots` at most two. (Filled in
+/// place: the raw event is a few hundred bytes, too many to move for every line.)
+pub(crate) fn parse_line_into<'de>(
+    line: &'de [u8],
+    raw: &mut RawEvent<'de>,
+    bufs: &mut ListBuffers,
+    caps: ListCaps,
+) -> Result<(), ReplayErrorKind> {
     bufs.pages.clear();
     bufs.slots.clear();
     bufs.reserved.clear();
-    if let Some(raw) = parse_plain(line, bufs, caps) {
-        return Ok(raw);
+    if parse_plain(line, raw, bufs, caps).is_some() {
+        return Ok(());
     }
-    parse_json(line, bufs, caps)
+    *raw = parse_json(line, bufs, caps)?;
+    Ok(())
 }
 
-/// [`parse_line`] through serde_json, for any line (the reference the fast path must match).
+/// [`parse_line_into`] through serde_json, for any line (the reference the fast path must match).
 fn parse_json<'de>(line: &'de [u8], bufs: &mut ListBuffers, caps: ListCaps) -> Result<RawEvent<'de>, ReplayErrorKind> {
     bufs.pages.clear();
     bufs.slots.clear();
@@ -183,73 +200,30 @@ fn parse_json<'de>(line: &'de [u8], bufs: &mut ListBuffers, caps: ListCaps) -> R
     Ok(raw)
 }
 
-/// The fast path of [`parse_line`], for the lines engines write: one flat object of known fields,
+/// The fast path of [`parse_line_into`], for the lines engines write: one flat object of known fields,
 /// each once, whose values are unsigned integers, ASCII strings without escapes, `true`/`false`
 /// or lists of unsigned integers. Any other line (whitespace inside lists aside) is `None`, and
 /// serde_json reads it instead; for a line it takes, the result is what serde_json's pass gives.
-fn parse_plain<'de>(line: &'de [u8], bufs: &mut ListBuffers, caps: ListCaps) -> Option<RawEvent<'de>> {
-    let mut raw = RawEvent { values: Default::default(), duplicate: None };
-    let mut at = 0;
-    let space = |at: &mut usize| {
-        while line.get(*at).is_some_and(|b| matches!(b, b' ' | b'\t' | b'\r' | b'\n')) {
-            *at += 1;
-        }
-    };
-    let expect = |at: &mut usize, byte: u8| {
-        space(at);
-        let found = line.get(*at) == Some(&byte);
-        *at += usize::from(found);
-        found
-    };
-    // An ASCII string without escapes or control characters (anything else: serde_json).
-    let bytes = |at: &mut usize| -> Option<&'de [u8]> {
-        if !expect(at, b'"') {
-            return None;
-        }
-        let start = *at;
-        let len = line[start..].iter().position(|&b| b == b'"' || b == b'\\' || !(0x20..0x80).contains(&b))?;
-        *at = start + len;
-        if line[*at] != b'"' {
-            return None;
-        }
-        *at += 1;
-        Some(&line[start..start + len])
-    };
-    // An unsigned integer as serde_json reads one into a u64: no sign, fraction, exponent or
-    // leading zero, at most u64::MAX (anything else: serde_json).
-    let uint = |at: &mut usize| -> Option<u64> {
-        space(at);
-        let start = *at;
-        let rest = &line[start..];
-        // Up to 19 digits cannot pass u64::MAX (20 digits); more are checked.
-        let (mut v, digits) = leading_digits(rest);
-        if digits > 19 {
-            v = rest[..digits].iter().try_fold(0u64, |v, &d| v.checked_mul(10)?.checked_add(u64::from(d - b'0')))?;
-        }
-        *at = start + digits;
-        if digits == 0 || (digits > 1 && rest[0] == b'0') || matches!(rest.get(digits), Some(b'.' | b'e' | b'E')) {
-            return None;
-        }
-        Some(v)
-    };
-    if !expect(&mut at, b'{') {
+fn parse_plain<'de>(line: &'de [u8], raw: &mut RawEvent<'de>, bufs: &mut ListBuffers, caps: ListCaps) -> Option<()> {
+    let mut cur = Cursor { line, at: 0 };
+    if !cur.eat(b'{') {
         return None;
     }
-    if !expect(&mut at, b'}') {
+    if !cur.eat(b'}') {
         loop {
-            let field = Field::from_bytes(bytes(&mut at)?);
-            if field == Field::Other || raw.values[field as usize].is_some() || !expect(&mut at, b':') {
+            let field = Field::from_bytes(cur.string()?);
+            if field == Field::Other || raw.values[field as usize].is_some() || !cur.eat(b':') {
                 return None;
             }
-            space(&mut at);
-            let value = match line.get(at)? {
-                b'"' => Value::Text(Cow::Borrowed(std::str::from_utf8(bytes(&mut at)?).ok()?)),
-                b't' if line[at..].starts_with(b"true") => {
-                    at += 4;
+            cur.space();
+            let value = match cur.peek()? {
+                b'"' => Value::Text(Cow::Borrowed(std::str::from_utf8(cur.string()?).ok()?)),
+                b't' if line[cur.at..].starts_with(b"true") => {
+                    cur.at += 4;
                     Value::Bool(true)
                 }
-                b'f' if line[at..].starts_with(b"false") => {
-                    at += 5;
+                b'f' if line[cur.at..].starts_with(b"false") => {
+                    cur.at += 5;
                     Value::Bool(false)
                 }
                 b'[' => {
@@ -259,27 +233,27 @@ fn parse_plain<'de>(line: &'de [u8], bufs: &mut ListBuffers, caps: ListCaps) -> 
                         Field::Reserved => (&mut bufs.reserved, caps.pages),
                         _ => return None,
                     };
-                    at += 1;
+                    cur.at += 1;
                     let mut len = 0u64;
-                    if !expect(&mut at, b']') {
+                    if !cur.eat(b']') {
                         loop {
-                            let v = uint(&mut at)?;
+                            let v = cur.uint()?;
                             len = len.saturating_add(1);
                             if (list.len() as u64) < cap {
                                 list.push(v);
                             }
                             // The usual separator first, without the whitespace scan.
-                            match line.get(at) {
-                                Some(b',') => at += 1,
+                            match cur.peek() {
+                                Some(b',') => cur.at += 1,
                                 Some(b']') => {
-                                    at += 1;
+                                    cur.at += 1;
                                     break;
                                 }
                                 _ => {
-                                    if expect(&mut at, b']') {
+                                    if cur.eat(b']') {
                                         break;
                                     }
-                                    if !expect(&mut at, b',') {
+                                    if !cur.eat(b',') {
                                         return None;
                                     }
                                 }
@@ -288,23 +262,94 @@ fn parse_plain<'de>(line: &'de [u8], bufs: &mut ListBuffers, caps: ListCaps) -> 
                     }
                     Value::List { len, bad: false }
                 }
-                _ => Value::Uint(uint(&mut at)?),
+                _ => Value::Uint(cur.uint()?),
             };
             raw.values[field as usize] = Some(value);
-            if expect(&mut at, b'}') {
+            if cur.eat(b'}') {
                 break;
             }
-            if !expect(&mut at, b',') {
+            if !cur.eat(b',') {
                 return None;
             }
         }
     }
-    space(&mut at);
-    (at == line.len()).then_some(raw)
+    cur.space();
+    (cur.at == line.len()).then_some(())
+}
+
+/// [`parse_plain`]'s place in its line.
+struct Cursor<'de> {
+    line: &'de [u8],
+    at: usize,
+}
+
+impl<'de> Cursor<'de> {
+    #[inline]
+    fn peek(&self) -> Option<u8> {
+        self.line.get(self.at).copied()
+    }
+
+    /// Past JSON whitespace.
+    #[inline]
+    fn space(&mut self) {
+        while matches!(self.peek(), Some(b' ' | b'\t' | b'\r' | b'\n')) {
+            self.at += 1;
+        }
+    }
+
+    /// Past `byte`, after any whitespace, when it is next.
+    #[inline]
+    fn eat(&mut self, byte: u8) -> bool {
+        if self.peek() != Some(byte) {
+            self.space();
+            if self.peek() != Some(byte) {
+                return false;
+            }
+        }
+        self.at += 1;
+        true
+    }
+
+    /// An ASCII string without escapes or control characters (anything else: `None`, for
+    /// serde_json).
+    #[inline]
+    fn string(&mut self) -> Option<&'de [u8]> {
+        if !self.eat(b'"') {
+            return None;
+        }
+        let start = self.at;
+        let len = self.line[start..].iter().position(|&b| b == b'"' || b == b'\\' || !(0x20..0x80).contains(&b))?;
+        self.at = start + len;
+        if self.line[self.at] != b'"' {
+            return None;
+        }
+        self.at += 1;
+        Some(&self.line[start..start + len])
+    }
+
+    /// An unsigned integer as serde_json reads one into a u64: no sign, fraction, exponent or
+    /// leading zero, at most u64::MAX (anything else: `None`, for serde_json).
+    #[inline(always)]
+    fn uint(&mut self) -> Option<u64> {
+        self.space();
+        let start = self.at;
+        let rest = &self.line[start..];
+        // Up to 19 digits cannot pass u64::MAX (20 digits); more are checked.
+        let (mut v, digits) = leading_digits(rest);
+        if digits > 19 {
+            v = rest[..digits].iter().try_fold(0u64, |v, &d| v.checked_mul(10)?.checked_add(u64::from(d - b'0')))?;
+        }
+        self.at = start + digits;
+        if digits == 0 || (digits > 1 && rest[0] == b'0') || matches!(rest.get(digits), Some(b'.' | b'e' | b'E')) {
+            return None;
+        }
+        Some(v)
+    }
 }
 
 /// The decimal digits `text` starts with: their value (wrapped past `u64::MAX`) and count. A
 /// number of at most seven digits is read eight bytes at a time.
+#[inline(always)]
 fn leading_digits(text: &[u8]) -> (u64, usize) {
     if let Some(&[b0, b1, b2, b3, b4, b5, b6, b7]) = text.get(..8) {
         const LOW: u64 = u64::from_le_bytes([0x0f; 8]);

@@ -4,7 +4,7 @@ use super::error::{ReplayError, ReplayErrorKind};
 use super::event::{Event, EventKind};
 use super::judge::Judge;
 use super::leaks::LeakSummary;
-use super::parse::{ListBuffers, ListCaps, parse_line};
+use super::parse::{ListBuffers, ListCaps, RawEvent, parse_line_into};
 use super::verdict::ReplayViolation;
 use super::writers::PageWriters;
 use crate::config::MAX_PAGES;
@@ -295,7 +295,8 @@ impl Replayer {
             return Ok(None);
         }
         let caps = self.list_caps();
-        let raw = parse_line(text, &mut self.lists, caps).map_err(at)?;
+        let mut raw = RawEvent::default();
+        parse_line_into(text, &mut raw, &mut self.lists, caps).map_err(at)?;
         let kind = raw.kind().map_err(at)?;
         self.check_order(kind).map_err(at)?;
         let parsed = raw.event(kind, &self.lists, &mut self.ids, caps).map_err(at)?;
