@@ -669,8 +669,11 @@ impl<'de> RawEvent<'de> {
         let mut wide_slots = None;
         let mut pages = |src: &[u64], ids: &'a mut Vec<PageId>| -> Cow<'a, [PageId]> {
             ids.clear();
-            ids.extend(src.iter().map(|&p| page_id(p)));
-            wide_page = src.iter().copied().find(|&p| p > u64::from(u32::MAX));
+            // Two plain passes the compiler vectorizes: the ids saturated, then a look for wide ones.
+            ids.extend(src.iter().map(|&p| PageId(p.min(u64::from(u32::MAX)) as u32)));
+            if src.iter().any(|&p| p > u64::from(u32::MAX)) {
+                wide_page = src.iter().copied().find(|&p| p > u64::from(u32::MAX));
+            }
             Cow::Borrowed(&ids[..])
         };
         let req = || uint(Field::Req).map(RequestId);
