@@ -861,6 +861,74 @@ mod tests {
         }
     }
 
+    #[test]
+    fn the_fast_path_matches_serde_json_on_random_lines() {
+        let tokens = [
+            "{",
+            "}",
+            "[",
+            "]",
+            ":",
+            ",",
+            " ",
+            "\"ev\"",
+            "\"read\"",
+            "\"req\"",
+            "\"pages\"",
+            "\"slots\"",
+            "\"tokens\"",
+            "\"reserved\"",
+            "\"x\"",
+            "true",
+            "false",
+            "null",
+            "-",
+            ".",
+            "e",
+            "0",
+            "00",
+            "7",
+            "12",
+            "4294967296",
+            "18446744073709551615",
+            "18446744073709551616",
+            "99999999",
+            "1234567",
+            "\"a\\\"b\"",
+        ];
+        let mut rng = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move |m: usize| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            (rng % m as u64) as usize
+        };
+        for _ in 0..20_000 {
+            // Mostly well-formed events, a token or two changed.
+            let mut line = String::from("{\"ev\":\"read\",\"req\":");
+            line.push_str(tokens[21 + next(10)]);
+            line.push_str(",\"pages\":[");
+            for i in 0..next(12) {
+                if i > 0 {
+                    line.push(',');
+                }
+                line.push_str(tokens[21 + next(10)]);
+            }
+            line.push_str("],\"tokens\":7}");
+            for _ in 0..next(3) {
+                let at = next(line.len() + 1);
+                if line.is_char_boundary(at) {
+                    line.insert_str(at, tokens[next(tokens.len())]);
+                }
+            }
+            let (mut fast, mut reference) = (ListBuffers::default(), ListBuffers::default());
+            let caps = ListCaps::strict(6);
+            let got = shown(parse_line(line.as_bytes(), &mut fast, caps), &fast);
+            let want = shown(parse_json(line.as_bytes(), &mut reference, caps), &reference);
+            assert_eq!(got, want, "{line}");
+        }
+    }
+
     fn parse(line: &str) -> Result<Event<'static>, ReplayErrorKind> {
         let mut bufs = ListBuffers::default();
         let mut ids = Vec::new();
