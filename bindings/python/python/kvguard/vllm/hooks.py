@@ -7,10 +7,10 @@ the two marked *acts*):
 
 scheduler process (engine core)
   ``req_to_blocks`` of the manager       a dict of per-request lists that report what the manager
-                                         adds: prefix-cache hits, new blocks (not a method: the
-                                         manager's attribute is replaced, same contents)
-  ``BlockPool.get_new_blocks``           which blocks are fresh, and the evictions they cost
-                                         (fresh blocks the recorder had published)
+                                         adds: prefix-cache hits (blocks with a hash), new blocks
+                                         (without one) and the evictions they cost (new blocks the
+                                         recorder had published); not a method: the manager's
+                                         attribute is replaced, same contents
   ``BlockPool.cache_full_blocks``        blocks that became cacheable
   ``KVCacheManager.free``                free on finish (release) and on preemption
   ``KVCacheManager.pop_blocks_for_free`` the same, for vLLM's deferred frees
@@ -129,32 +129,12 @@ def _install_scheduler() -> None:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    # Nothing wraps allocate_slots (once per running request per step) nor anything per block:
-    # the recorder hears of new blocks and prefix hits through the request's block list, of
-    # fresh blocks and the evictions they cost through get_new_blocks (a block it hands out
-    # that the recorder published had its hash dropped by vLLM: that is the eviction, so
-    # ``_maybe_evict_cached_block``, once per block, needs no wrapper), of newly cacheable
-    # blocks through cache_full_blocks, all of which run only when something changes. The
-    # wrappers read the recorder as a plain attribute (a class default of None).
-
-    def get_new_blocks(original: Any) -> Any:
-        def wrapper(self: Any, num_blocks: int) -> Any:
-            rec = self._kvguard_recorder
-            if rec is None:
-                return original(self, num_blocks)
-            if rec.fresh is not None:
-                rec.flush_fresh()
-            blocks = original(self, num_blocks)
-            published = rec.published
-            if published:
-                evicted = [b.block_id for b in blocks if b.block_id in published]
-                if evicted:
-                    published.difference_update(evicted)
-                    rec.fresh_evicted = evicted
-            rec.fresh = blocks
-            return blocks
-
-        return wrapper
+    # Nothing wraps allocate_slots (once per running request per step), get_new_blocks nor
+    # anything per block: the recorder hears of new blocks and prefix hits through the
+    # request's block list (a fresh block has no hash, a prefix hit has one; a fresh block the
+    # recorder had published was evicted by vLLM for this reuse), of newly cacheable blocks
+    # through cache_full_blocks, both of which run only when something changes. The wrappers
+    # read the recorder as a plain attribute (a class default of None).
 
     def evict_blocks(original: Any) -> Any:
         # A KV connector's evictions (unsupported configuration; recorded all the same).
@@ -236,7 +216,6 @@ def _install_scheduler() -> None:
     _wrap(KVCacheManager, "reset_prefix_cache", reset_prefix_cache)
     _default(BlockPool, "_kvguard_recorder", None)
     _wrap(BlockPool, "evict_blocks", evict_blocks)
-    _wrap(BlockPool, "get_new_blocks", get_new_blocks)
     _wrap(BlockPool, "cache_full_blocks", cache_full_blocks)
     _wrap(Scheduler, "schedule", schedule)
     _wrap(Scheduler, "update_from_output", update_from_output)

@@ -181,11 +181,6 @@ class SchedulerRecorder:
         self._events: list[tuple] = []
         self._publish: dict[str, list[int]] = {}
         self._attach: dict[str, list[int]] = {}
-        #: The list the last ``get_new_blocks`` returned, until a request's block list takes
-        #: it (set by the wrapper in :mod:`kvguard.vllm.hooks`), and the published blocks it
-        #: evicted (cached blocks vLLM handed out again: their hashes were dropped).
-        self.fresh: list[Any] | None = None
-        self.fresh_evicted: list[int] = []
         blocks = RequestBlockMap()
         blocks._recorder = self
         for rid, old in manager.req_to_blocks.items():
@@ -194,15 +189,6 @@ class SchedulerRecorder:
         manager.req_to_blocks = blocks
 
     # -- hooks, called by the wrappers in kvguard.vllm.hooks and by RequestBlocks --------------
-
-    def flush_fresh(self) -> None:
-        """Forgets the last fresh list (before the next ``get_new_blocks`` and at the step's
-        end). Blocks handed out that no request's list took (none in a supported
-        configuration): their evictions still happened."""
-        if self.fresh_evicted:
-            self._events.extend([(EventKind.EVICT, None, b) for b in self.fresh_evicted])
-            self.fresh_evicted = []
-        self.fresh = None
 
     def _admit(self, rid: str) -> None:
         request = self.requests.get(rid)
@@ -217,17 +203,21 @@ class SchedulerRecorder:
 
     def added(self, rid: str, blocks: list[Any]) -> None:
         """The manager appended ``blocks`` to request ``rid``'s list: fresh ones from
-        ``get_new_blocks`` (a claim), or else prefix-cache hits (attached after the step's
-        writes)."""
+        ``get_new_blocks`` (a claim; no hash yet: vLLM drops a reused cached block's hash as it
+        hands it out, and those the recorder had published are evictions), or else prefix-cache
+        hits (found by their hash; attached after the step's writes). vLLM appends the two
+        kinds in separate calls."""
         if rid not in self.admitted:
             self._admit(rid)
-        if blocks is self.fresh:
-            # Fresh from the free queue: never the null block.
-            self.fresh = None
-            if self.fresh_evicted:
-                self._events.extend([(EventKind.EVICT, rid, b) for b in self.fresh_evicted])
-                self.fresh_evicted = []
-            self._events.append((EventKind.CLAIM, rid, [b.block_id for b in blocks]))
+        if blocks[0].block_hash is None:
+            ids = [b.block_id for b in blocks]
+            published = self.published
+            if published:
+                evicted = [b for b in ids if b in published]
+                if evicted:
+                    published.difference_update(evicted)
+                    self._events.extend([(EventKind.EVICT, rid, b) for b in evicted])
+            self._events.append((EventKind.CLAIM, rid, ids))
             return
         ids = [b.block_id for b in blocks if not b.is_null]
         if ids:
@@ -276,7 +266,6 @@ class SchedulerRecorder:
 
     def take(self) -> StepEvents | None:
         """The step's events in the order the worker applies them (None when there are none)."""
-        self.flush_fresh()
         early = self._events
         late = [(EventKind.PUBLISH, rid, b, (b,)) for rid, blocks in self._publish.items() for b in blocks]
         for rid, blocks in self._attach.items():
