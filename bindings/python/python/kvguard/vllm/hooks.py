@@ -7,14 +7,15 @@ the two marked *acts*):
 
 scheduler process (engine core)
   ``req_to_blocks`` of the manager       a dict of per-request lists that report what the manager
-                                         adds: prefix-cache hits, new blocks (not a method: the
-                                         manager's attribute is replaced, same contents)
-  ``BlockPool.get_new_blocks``           which blocks are fresh, and the evictions they cost
+                                         adds: prefix-cache hits (blocks with a hash), new blocks
+                                         (without one) and the evictions they cost (new blocks the
+                                         recorder had published); not a method: the manager's
+                                         attribute is replaced, same contents
   ``BlockPool.cache_full_blocks``        blocks that became cacheable
   ``KVCacheManager.free``                free on finish (release) and on preemption
   ``KVCacheManager.pop_blocks_for_free`` the same, for vLLM's deferred frees
   ``KVCacheManager.reset_prefix_cache``  every cached block dropped
-  ``BlockPool._maybe_evict_cached_block`` a cached block reused: its hash dropped
+  ``BlockPool.evict_blocks``             a KV connector's evictions (unsupported; recorded)
   ``Scheduler.schedule``                 the step's events put on ``SchedulerOutput.kvguard_events``
   ``Scheduler.update_from_output``       *acts*: the refused requests' tokens of the step are
                                          dropped and those requests end with FINISHED_ERROR and a
@@ -71,11 +72,24 @@ def _wrap(cls: type, name: str, make: Any) -> None:
     setattr(cls, name, wrapper)
 
 
+def _default(cls: type, name: str, value: Any) -> None:
+    """A class attribute the wrappers read (removed again by :func:`uninstall`): a plain
+    attribute load in the hot wrappers instead of an instance ``__dict__`` lookup."""
+    _ORIGINALS.append((cls, name, cls.__dict__.get(name, _ABSENT)))
+    setattr(cls, name, value)
+
+
+_ABSENT = object()
+
+
 def uninstall() -> None:
     global _MODE
     while _ORIGINALS:
         cls, name, original = _ORIGINALS.pop()
-        setattr(cls, name, original)
+        if original is _ABSENT:
+            delattr(cls, name)
+        else:
+            setattr(cls, name, original)
     _MODE = None
 
 
@@ -115,23 +129,21 @@ def _install_scheduler() -> None:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    # Nothing wraps allocate_slots (once per running request per step): the recorder hears of
-    # new blocks and prefix hits through the request's block list, of fresh blocks and
-    # evictions through get_new_blocks, of newly cacheable blocks through cache_full_blocks,
-    # all of which run only when something changes.
+    # Nothing wraps allocate_slots (once per running request per step), get_new_blocks nor
+    # anything per block: the recorder hears of new blocks and prefix hits through the
+    # request's block list (a fresh block has no hash, a prefix hit has one; a fresh block the
+    # recorder had published was evicted by vLLM for this reuse), of newly cacheable blocks
+    # through cache_full_blocks, both of which run only when something changes. The wrappers
+    # read the recorder as a plain attribute (a class default of None).
 
-    def get_new_blocks(original: Any) -> Any:
-        def wrapper(self: Any, num_blocks: int) -> Any:
-            rec = self.__dict__.get("_kvguard_recorder")
-            if rec is None:
-                return original(self, num_blocks)
-            rec.begin_new_blocks()
-            blocks: list = []
-            try:
-                blocks = original(self, num_blocks)
-            finally:
-                rec.end_new_blocks(blocks)
-            return blocks
+    def evict_blocks(original: Any) -> Any:
+        # A KV connector's evictions (unsupported configuration; recorded all the same).
+        def wrapper(self: Any, block_ids: Any) -> Any:
+            out = original(self, block_ids)
+            rec = self._kvguard_recorder
+            if rec is not None:
+                rec.evicted(block_ids)
+            return out
 
         return wrapper
 
@@ -140,7 +152,7 @@ def _install_scheduler() -> None:
             self: Any, request: Any, blocks: Any, num_cached_blocks: int, num_full_blocks: int, *args: Any, **kw: Any
         ) -> Any:
             out = original(self, request, blocks, num_cached_blocks, num_full_blocks, *args, **kw)
-            rec = self.__dict__.get("_kvguard_recorder")
+            rec = self._kvguard_recorder
             if rec is not None:
                 rec.cached(request.request_id, blocks, num_cached_blocks, num_full_blocks)
             return out
@@ -164,17 +176,6 @@ def _install_scheduler() -> None:
             if ok and rec is not None:
                 rec.cache_reset()
             return ok
-
-        return wrapper
-
-    def maybe_evict(original: Any) -> Any:
-        def wrapper(self: Any, block: Any) -> Any:
-            evicted = original(self, block)
-            if evicted:
-                rec = self.__dict__.get("_kvguard_recorder")
-                if rec is not None:
-                    rec.evicted(block.block_id)
-            return evicted
 
         return wrapper
 
@@ -213,8 +214,8 @@ def _install_scheduler() -> None:
     _wrap(KVCacheManager, "free", freeing)
     _wrap(KVCacheManager, "pop_blocks_for_free", freeing)
     _wrap(KVCacheManager, "reset_prefix_cache", reset_prefix_cache)
-    _wrap(BlockPool, "_maybe_evict_cached_block", maybe_evict)
-    _wrap(BlockPool, "get_new_blocks", get_new_blocks)
+    _default(BlockPool, "_kvguard_recorder", None)
+    _wrap(BlockPool, "evict_blocks", evict_blocks)
     _wrap(BlockPool, "cache_full_blocks", cache_full_blocks)
     _wrap(Scheduler, "schedule", schedule)
     _wrap(Scheduler, "update_from_output", update_from_output)

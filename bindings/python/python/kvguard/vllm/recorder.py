@@ -181,13 +181,6 @@ class SchedulerRecorder:
         self._events: list[tuple] = []
         self._publish: dict[str, list[int]] = {}
         self._attach: dict[str, list[int]] = {}
-        self._in_alloc = False
-        #: Cached blocks evicted by the running get_new_blocks.
-        self._evicted: list[int] = []
-        #: The list the last get_new_blocks returned, and what it evicted, until a request's
-        #: block list takes it.
-        self._fresh: list[Any] | None = None
-        self._fresh_evicted: list[int] = []
         blocks = RequestBlockMap()
         blocks._recorder = self
         for rid, old in manager.req_to_blocks.items():
@@ -196,25 +189,6 @@ class SchedulerRecorder:
         manager.req_to_blocks = blocks
 
     # -- hooks, called by the wrappers in kvguard.vllm.hooks and by RequestBlocks --------------
-
-    def begin_new_blocks(self) -> None:
-        """Before ``BlockPool.get_new_blocks``."""
-        self._flush_fresh()
-        self._in_alloc = True
-
-    def end_new_blocks(self, blocks: list[Any]) -> None:
-        """After ``BlockPool.get_new_blocks`` returned ``blocks``."""
-        self._in_alloc = False
-        self._fresh = blocks
-        self._fresh_evicted, self._evicted = self._evicted, []
-
-    def _flush_fresh(self) -> None:
-        # Blocks handed out that no request's list took (none in a supported configuration):
-        # their evictions still happened.
-        if self._fresh_evicted:
-            self._events.extend([(EventKind.EVICT, None, b) for b in self._fresh_evicted])
-            self._fresh_evicted = []
-        self._fresh = None
 
     def _admit(self, rid: str) -> None:
         request = self.requests.get(rid)
@@ -229,42 +203,46 @@ class SchedulerRecorder:
 
     def added(self, rid: str, blocks: list[Any]) -> None:
         """The manager appended ``blocks`` to request ``rid``'s list: fresh ones from
-        ``get_new_blocks`` (a claim), or else prefix-cache hits (attached after the step's
-        writes)."""
+        ``get_new_blocks`` (a claim; no hash yet: vLLM drops a reused cached block's hash as it
+        hands it out, and those the recorder had published are evictions), or else prefix-cache
+        hits (found by their hash; attached after the step's writes). vLLM appends the two
+        kinds in separate calls."""
         if rid not in self.admitted:
             self._admit(rid)
+        if blocks[0].block_hash is None:
+            ids = [b.block_id for b in blocks]
+            published = self.published
+            if published:
+                evicted = [b for b in ids if b in published]
+                if evicted:
+                    published.difference_update(evicted)
+                    self._events.extend([(EventKind.EVICT, rid, b) for b in evicted])
+            self._events.append((EventKind.CLAIM, rid, ids))
+            return
         ids = [b.block_id for b in blocks if not b.is_null]
-        if blocks is self._fresh:
-            self._fresh = None
-            if self._fresh_evicted:
-                self._events.extend([(EventKind.EVICT, rid, b) for b in self._fresh_evicted])
-                self._fresh_evicted = []
-            if ids:
-                self._events.append((EventKind.CLAIM, rid, ids))
-        elif ids:
+        if ids:
             self._attach.setdefault(rid, []).extend(ids)
 
     def cached(self, rid: str, blocks: list[Any], start: int, end: int) -> None:
         """``BlockPool.cache_full_blocks`` hashed ``blocks[start:end]`` of request ``rid``
         (those that got a hash are published after the step's writes)."""
-        fresh = [
-            b.block_id
-            for b in blocks[start:end]
-            if not b.is_null and b.block_hash is not None and b.block_id not in self.published
-        ]
+        published = self.published
+        fresh = []
+        for i in range(start, min(end, len(blocks))):
+            b = blocks[i]
+            if b.block_hash is not None and not b.is_null and b.block_id not in published:
+                fresh.append(b.block_id)
         if fresh:
-            self.published.update(fresh)
+            published.update(fresh)
             self._publish.setdefault(rid, []).extend(fresh)
 
-    def evicted(self, block_id: int) -> None:
-        """``BlockPool`` dropped the hash of ``block_id``."""
-        if block_id not in self.published:
-            return
-        self.published.discard(block_id)
-        if self._in_alloc:
-            self._evicted.append(block_id)
-        else:
-            self._events.append((EventKind.EVICT, None, block_id))
+    def evicted(self, block_ids: Any) -> None:
+        """``BlockPool.evict_blocks`` dropped the hashes of ``block_ids`` outside an
+        allocation (a KV connector's evictions)."""
+        for block_id in block_ids:
+            if block_id in self.published:
+                self.published.discard(block_id)
+                self._events.append((EventKind.EVICT, None, block_id))
 
     def freed(self, request: Any) -> None:
         """``free``/``pop_blocks_for_free``: a finished request releases, a live one is preempted."""
@@ -288,7 +266,6 @@ class SchedulerRecorder:
 
     def take(self) -> StepEvents | None:
         """The step's events in the order the worker applies them (None when there are none)."""
-        self._flush_fresh()
         early = self._events
         late = [(EventKind.PUBLISH, rid, b, (b,)) for rid, blocks in self._publish.items() for b in blocks]
         for rid, blocks in self._attach.items():
