@@ -298,7 +298,8 @@ impl OwnershipTable {
 
     /// Checks a step whose block tables are rows of one engine table, read in place by row
     /// index; `token_slots`: the table holds one KV slot per token (page j of a row is its entry
-    /// j * page_size over page_size), else one page per entry.
+    /// j * page_size over page_size), else one page per entry. With `from_tokens`, request i
+    /// reads only the pages from token from_tokens[i] on (its window; see check_step_window).
     #[allow(clippy::too_many_arguments)]
     fn step_rows(
         &self,
@@ -307,6 +308,7 @@ impl OwnershipTable {
         table: &Bound<'_, PyAny>,
         rows: &Bound<'_, PyAny>,
         seq_lens: &Bound<'_, PyAny>,
+        from_tokens: Option<&Bound<'_, PyAny>>,
         token_slots: bool,
         judged: bool,
     ) -> PyResult<StepVerdict> {
@@ -317,25 +319,33 @@ impl OwnershipTable {
         if let Some((i, r)) = rows.iter().enumerate().find(|(_, r)| **r >= t.len() as u64) {
             return Err(PyValueError::new_err(format!("rows[{i}] is {r}: table has {} rows", t.len())));
         }
-        let lens = IntArray::open(seq_lens, "seq_lens", 1)?.counts(n, "seq_lens")?;
+        let mut lens = IntArray::open(seq_lens, "seq_lens", 1)?.counts(n, "seq_lens")?;
+        let from = match from_tokens {
+            Some(f) => Some(IntArray::open(f, "from_tokens", 1)?.counts(n, "from_tokens")?),
+            None => None,
+        };
         let ps = u64::from(self.table.page_size());
         let stride = if token_slots { ps as usize } else { 1 };
         let width = t.width().div_ceil(stride);
-        // int32 page rows are borrowed as they are; token-slot rows (page size > 1) and int64
-        // rows are converted, the entries each request reads only, into one buffer.
-        let direct = n > 0 && stride == 1 && t.row_pages(rows[0] as usize).is_some();
+        // int32 page rows are borrowed as they are; token-slot rows (page size > 1), int64 rows
+        // and windows are converted, the entries each request reads only, into one buffer.
+        let direct = n > 0 && from.is_none() && stride == 1 && t.row_pages(rows[0] as usize).is_some();
         let mut converted = Vec::new();
         let mut spans = Vec::new();
         if !direct {
-            for (&row, &tokens) in rows.iter().zip(&lens) {
-                let need = usize::try_from(tokens.div_ceil(ps)).unwrap_or(usize::MAX).min(width);
+            for i in 0..n {
+                let (row, seq) = (rows[i] as usize, lens[i]);
+                let first = from.as_ref().map_or(0, |f| usize::try_from(f[i].min(seq) / ps).unwrap_or(usize::MAX));
+                let end = usize::try_from(seq.div_ceil(ps)).unwrap_or(usize::MAX).min(width).max(first);
                 let start = converted.len();
-                converted.extend((0..need).map(|j| {
-                    let v = t.get(row as usize, j * stride);
+                converted.extend((first..end).map(|j| {
+                    let v = t.get(row, j * stride);
                     let page = if v < 0 { -1 } else { v / stride as i64 };
                     PageId(u32::try_from(page).unwrap_or(u32::MAX))
                 }));
                 spans.push(start..converted.len());
+                // The window is read as its own block table: its tokens start at its first page.
+                lens[i] = seq - first as u64 * ps;
             }
         }
         let reads: Vec<SeqRead<'_>> = (0..n)
@@ -782,7 +792,7 @@ impl OwnershipTable {
         seq_lens: &Bound<'_, PyAny>,
         token_slots: bool,
     ) -> PyResult<StepVerdict> {
-        self.step_rows(py, req_ids, table, rows, seq_lens, token_slots, false)
+        self.step_rows(py, req_ids, table, rows, seq_lens, None, token_slots, false)
     }
 
     /// verify_step for engines whose block tables are rows of one big table indexed per
@@ -809,7 +819,7 @@ impl OwnershipTable {
         seq_lens: &Bound<'_, PyAny>,
         token_slots: bool,
     ) -> PyResult<StepVerdict> {
-        self.step_rows(py, req_ids, table, rows, seq_lens, token_slots, true)
+        self.step_rows(py, req_ids, table, rows, seq_lens, None, token_slots, true)
     }
 
     /// Pure check of a step through PageRefs (see verify_step_refs).
@@ -1155,41 +1165,7 @@ impl OwnershipTable {
         from_tokens: &Bound<'_, PyAny>,
         token_slots: bool,
     ) -> PyResult<StepVerdict> {
-        let requests = self.step_requests(req_ids)?;
-        let n = requests.len();
-        let t = IntArray::open(table, "table", 2)?;
-        let rows = IntArray::open(rows, "rows", 1)?.counts(n, "rows")?;
-        if let Some((i, r)) = rows.iter().enumerate().find(|(_, r)| **r >= t.len() as u64) {
-            return Err(PyValueError::new_err(format!("rows[{i}] is {r}: table has {} rows", t.len())));
-        }
-        let lens = IntArray::open(seq_lens, "seq_lens", 1)?.counts(n, "seq_lens")?;
-        let from = IntArray::open(from_tokens, "from_tokens", 1)?.counts(n, "from_tokens")?;
-        let ps = u64::from(self.table.page_size());
-        let stride = if token_slots { ps as usize } else { 1 };
-        let width = t.width().div_ceil(stride);
-        let mut pages = Vec::with_capacity(n);
-        let mut spans = Vec::with_capacity(n);
-        let mut tokens = Vec::with_capacity(n);
-        for i in 0..n {
-            let (row, seq) = (rows[i] as usize, lens[i]);
-            let first = usize::try_from(from[i].min(seq) / ps).unwrap_or(usize::MAX);
-            let end = usize::try_from(seq.div_ceil(ps)).unwrap_or(usize::MAX).min(width).max(first);
-            let start = pages.len();
-            pages.extend((first..end).map(|j| {
-                let v = t.get(row, j * stride);
-                let page = if v < 0 { -1 } else { v / stride as i64 };
-                PageId(u32::try_from(page).unwrap_or(u32::MAX))
-            }));
-            spans.push(start..pages.len());
-            tokens.push(seq - first as u64 * ps);
-        }
-        let reads: Vec<SeqRead<'_>> = (0..n)
-            .map(|i| SeqRead { request: requests[i], block_table: &pages[spans[i].clone()], tokens: tokens[i] })
-            .collect();
-        let core = &self.table;
-        let v = py.detach(|| core.check_step(&reads));
-        drop(reads);
-        self.verdict(py, v, n, false)
+        self.step_rows(py, req_ids, table, rows, seq_lens, Some(from_tokens), token_slots, false)
     }
 
     /// A decode step's block-table writes, one slot per request, judged in one call against the
