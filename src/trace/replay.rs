@@ -384,23 +384,9 @@ fn trim(line: &[u8]) -> &[u8] {
     &line[start..end]
 }
 
-/// The first `\n` in `buf`, eight bytes at a time.
+/// The first `\n` in `buf` (memchr: vectorised where the CPU allows).
 fn newline(buf: &[u8]) -> Option<usize> {
-    const ONES: u64 = u64::from_ne_bytes([0x01; 8]);
-    const HIGHS: u64 = u64::from_ne_bytes([0x80; 8]);
-    const NEWLINES: u64 = u64::from_ne_bytes([b'\n'; 8]);
-    let mut chunks = buf.chunks_exact(8);
-    let mut at = 0;
-    for chunk in &mut chunks {
-        let word = u64::from_ne_bytes([chunk[0], chunk[1], chunk[2], chunk[3], chunk[4], chunk[5], chunk[6], chunk[7]]);
-        let x = word ^ NEWLINES;
-        // A byte of `x` is zero (a newline) exactly when this has a high bit set somewhere.
-        if x.wrapping_sub(ONES) & !x & HIGHS != 0 {
-            return chunk.iter().position(|&b| b == b'\n').map(|i| at + i);
-        }
-        at += 8;
-    }
-    chunks.remainder().iter().position(|&b| b == b'\n').map(|i| at + i)
+    memchr::memchr(b'\n', buf)
 }
 
 #[cfg(test)]
