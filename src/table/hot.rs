@@ -20,8 +20,21 @@ use super::info::PageState;
 pub(crate) struct HotWord(u64);
 
 impl HotWord {
+    /// Zero exactly when `self` equals `other`: mismatches of several pages OR together into one
+    /// test.
+    #[inline(always)]
+    pub fn differs(self, other: HotWord) -> u64 {
+        self.0 ^ other.0
+    }
+}
+
+impl HotWord {
     const STATE_SHIFT: u32 = 32;
     const FULL: u64 = 1 << 40;
+    /// The word after the last page's, which the read check compares for any page id past the
+    /// pool: no page's word equals it (a page's word has no bit above `FULL` set), so that check
+    /// needs no range test of its own.
+    pub const PAST_THE_POOL: HotWord = HotWord(u64::MAX);
 
     /// The word of a page held by `holder` (a dense index) in `state`, whole (`full`) or not.
     #[inline(always)]

@@ -279,6 +279,8 @@ pub(crate) struct TableState {
     pub scrub_on_release: bool,
     pub tags: Vec<PageTag>,
     /// One [`HotWord`] per page, kept in step with `tags`.
+    /// One word per page, then [`HotWord::PAST_THE_POOL`] (what a read of a page id past the
+    /// pool compares).
     pub hot: Vec<HotWord>,
     pub coverage: BitVec<u64, Lsb0>,
     pub free: Vec<PageId>,
@@ -323,7 +325,7 @@ impl TableState {
         let mut changed = Vec::new();
         changed.try_reserve_exact(n).map_err(|_| oom())?;
         let mut hot = Vec::new();
-        hot.try_reserve_exact(n).map_err(|_| oom())?;
+        hot.try_reserve_exact(n + 1).map_err(|_| oom())?;
 
         let mut state_counts = [0u64; PageState::COUNT];
         for p in 0..config.num_pages {
@@ -342,6 +344,7 @@ impl TableState {
                 pinned: false,
             });
         }
+        hot.push(HotWord::PAST_THE_POOL);
         // Lowest ids on top of the stack, so a fresh pool hands out pages in id order.
         for p in (0..config.num_pages).rev() {
             if tags[p as usize].state == PageState::Free {

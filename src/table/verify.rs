@@ -76,25 +76,29 @@ impl TableState {
 /// named, for page refs. With `expected` the word of a whole page the reader may read, those are
 /// whole pages it may read too: the same owner, or the same prefix (see [`HotWord`]).
 ///
-/// Eight entries are checked at a time, unrolled: per page a bounds check and a word compare,
-/// each a branch taken only where a run ends, so a clean read costs five instructions and one
-/// eighth of a cache line per page. Page refs also compare the generation in the page's tag.
+/// `hot` ends with [`HotWord::PAST_THE_POOL`], which no page's word equals: a page id past the
+/// pool is clamped onto it (a conditional move, not a branch). Eight entries are checked at a
+/// time, their mismatches ORed together, so a clean read costs one branch per eight pages and
+/// one eighth of a cache line per page; the first chunk with a mismatch is then scanned page by
+/// page for where the run ends. Page refs also compare the generation in the page's tag.
 #[inline(never)]
 fn hot_run<E: BlockEntry>(hot: &[HotWord], tags: &[PageTag], entries: &[E], expected: HotWord) -> usize {
-    let fits = |entry: E| {
+    let Some(past) = hot.len().checked_sub(1) else { return 0 };
+    // Non-zero when `entry` is not a page of the run.
+    let mismatch = |entry: E| {
         let page = entry.page().0 as usize;
-        hot.get(page).is_some_and(|&word| word == expected)
-            && entry.generation().is_none_or(|g| tags.get(page).is_some_and(|tag| tag.generation == g.0))
+        let stale = entry.generation().is_some_and(|g| tags.get(page).is_none_or(|tag| tag.generation != g.0));
+        hot[page.min(past)].differs(expected) | u64::from(stale)
     };
     const CHUNK: usize = 8;
     let mut done = 0;
     for chunk in entries.as_chunks::<CHUNK>().0 {
-        if !chunk.iter().all(|&entry| fits(entry)) {
+        if chunk.iter().fold(0, |any, &entry| any | mismatch(entry)) != 0 {
             break;
         }
         done += CHUNK;
     }
-    done + entries[done..].iter().position(|&entry| !fits(entry)).unwrap_or(entries.len() - done)
+    done + entries[done..].iter().position(|&entry| mismatch(entry) != 0).unwrap_or(entries.len() - done)
 }
 
 #[cfg(test)]
@@ -191,6 +195,9 @@ mod tests {
         t.check_read(b, &bt, 160).unwrap();
         for (at, page, kind) in [
             (13, PageId(200), ViolationKind::PageOutOfRange),
+            // The index of the word past the pool's last, and the largest id: both out of range.
+            (4, PageId(128), ViolationKind::PageOutOfRange),
+            (8, PageId(u32::MAX), ViolationKind::PageOutOfRange),
             (27, PageId(0), ViolationKind::ReservedPage),
             (35, PageId(127), ViolationKind::FreedPage),
         ] {
@@ -202,5 +209,26 @@ mod tests {
         // The reader's own pages are not the publisher's.
         let v = t.check_read(a, &bt, 160).unwrap_err();
         assert_eq!((v.kind(), v.block_index()), (ViolationKind::ForeignPage, Some(20)));
+    }
+
+    #[test]
+    fn a_page_id_past_the_pool_is_refused_when_the_last_page_is_the_readers() {
+        // The reader holds every page, the last one included: an id past the pool must not
+        // read as that page.
+        let t = OwnershipTable::new(PoolConfig::new(17, 4, 64).with_reserved([PageId(0)])).unwrap();
+        let r = RequestId(1);
+        t.admit(r, TenantId(1), 64, 0).unwrap();
+        let bt: Vec<PageId> = t.allocate(r, 16).unwrap().iter().map(|p| p.page).collect();
+        assert_eq!(bt.last(), Some(&PageId(16)));
+        t.record_write_tokens(r, &bt, 0..64).unwrap();
+        t.check_read(r, &bt, 64).unwrap();
+        for at in [0, 3, 8, 15] {
+            for page in [PageId(17), PageId(18), PageId(u32::MAX)] {
+                let mut bad = bt.clone();
+                bad[at] = page;
+                let v = t.check_read(r, &bad, 64).unwrap_err();
+                assert_eq!((v.kind(), v.block_index()), (ViolationKind::PageOutOfRange, Some(at as u32)), "{v}");
+            }
+        }
     }
 }
