@@ -154,8 +154,8 @@ impl<'a> NixlLink<'a> {
     /// as `header`'s request's prompt `prompt` into the peer's pages `dest` (the incarnations
     /// decode offered), building the manifest itself. With parts on
     /// ([`set_parts`](Self::set_parts)) and more than one part, each part's pages are
-    /// checksummed just before the part is posted, while the parts before it are in flight
-    /// (polled between pages); the last part goes with the manifest. Every check decode makes
+    /// checksummed right after the part is posted, while it flies (polled between pages); the
+    /// last part's before it is posted, with the manifest. Every check decode makes
     /// is the same as for [`Manifest::build`]: this only moves the sender's CRCs off the
     /// critical path.
     pub fn push_prompt<R: PageRegion + ?Sized>(
@@ -175,15 +175,18 @@ impl<'a> NixlLink<'a> {
         let lengths: Vec<(usize, u32)> = src.iter().map(|e| (e.len as usize, 1)).collect();
         build(&lengths)?;
         let pages: Vec<PageId> = dest.iter().map(|r| r.page).collect();
-        // Each part's pages are checksummed just before the part is posted, on this thread:
-        // the bytes are read once from memory and are still in cache when UCX sends them, and
-        // the earlier parts keep moving meanwhile (they are polled between pages). No worker
-        // thread: on a machine whose cores UCX's copies already keep busy, a thread adds
-        // contention, not overlap.
+        // Each part but the last is checksummed on this thread right after it is posted (UCX's
+        // send has just read its bytes: they are in cache), while it and the parts before it
+        // keep moving (polled between pages); the last part before it is posted, as its
+        // notification carries the manifest. No worker thread: on a machine whose cores UCX's
+        // copies already keep busy, a thread adds contention, not overlap. A page changed by
+        // the engine meanwhile gets a CRC that does not match what landed: refused either way.
         let bytes = src.iter().map(|e| local.page(e.page, e.len)).collect::<Result<Vec<_>, _>>()?;
         let mut sums: Vec<(usize, u32)> = Vec::with_capacity(src.len());
         self.push_parts(local, src, &pages, header.request, deadline, |part, last, in_flight| {
-            for page in &bytes[part] {
+            // Before part k is posted: the parts posted so far, and the last part itself.
+            let upto = if last { part.end } else { part.start };
+            for page in &bytes[sums.len()..upto] {
                 sums.push((page.len(), crc32fast::hash(page)));
                 for p in in_flight.iter_mut() {
                     self.agent.poll(p)?;
