@@ -490,7 +490,7 @@ impl<'a> RegionArg<'a> {
 
 /// One side's connection to its peer, over which the checked protocol runs (docs/transfer.md).
 ///
-/// NixlLink(agent, peer_metadata, peer_layout, *, part_bytes=1 MiB): the peer's agent metadata
+/// NixlLink(agent, peer_metadata, peer_layout, *, part_bytes=2 MiB): the peer's agent metadata
 /// and region layout, received out of band; this side's pushes past part_bytes go in parts,
 /// the checksums overlapped with the transfer (None: one WRITE, checked in series).
 /// Prefill: push (WRITE + the manifest as the notification), stage (pull: tell decode where the
