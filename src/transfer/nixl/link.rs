@@ -13,11 +13,10 @@ pub const INBOX_CAP: usize = 4_096;
 /// A link's part size unless [`NixlLink::set_parts`] says otherwise: a push of more bytes than
 /// this goes as several WRITEs of about this many bytes each (whole pages: a part holds at least
 /// one), each with a `Part` notification, so that each side checksums a part's pages on its own
-/// thread while the other parts are in flight, and while those bytes are still in cache, rather
-/// than all of them before and after the transfer (benches/nixl.rs: `overlapped` against
-/// `checked`). Two MiB: 2 MiB pages go one per part (decode's CRCs of a part's landed bytes ran
-/// at 26-39 GB/s, against 17-20 GB/s in 4 MiB parts), while a transfer of 2 MiB or less stays
-/// one WRITE (in 1 MiB parts, 64 KiB pages lost 2-4 % more to the extra WRITE than they gained).
+/// thread while the other parts are in flight, rather than all of them before and after the
+/// transfer (benches/nixl.rs: `overlapped` against `checked`). Two MiB: 2 MiB pages go one per
+/// part, while a transfer of 2 MiB or less stays one WRITE (in 1 MiB parts, 64 KiB pages lost
+/// 2-4 % to the extra WRITE, and 2 MiB pages gained nothing measurable over 4 MiB parts).
 pub const PART_BYTES: u64 = 2 << 20;
 
 /// How long [`NixlLink::send`] keeps the agent busy after a notification.
@@ -177,10 +176,10 @@ impl<'a> NixlLink<'a> {
         let lengths: Vec<(usize, u32)> = src.iter().map(|e| (e.len as usize, 1)).collect();
         build(&lengths)?;
         let pages: Vec<PageId> = dest.iter().map(|r| r.page).collect();
-        // Each part but the last is checksummed on this thread right after it is posted (UCX's
-        // send has just read its bytes: they are in cache), while it and the parts before it
-        // keep moving (polled between pages); the last part before it is posted, as its
-        // notification carries the manifest. No worker thread: on a machine whose cores UCX's
+        // Each part but the last is checksummed on this thread right after it is posted, while
+        // it and the parts before it keep moving (polled between pages; the first part leaves
+        // at once); the last part before it is posted, as its notification carries the
+        // manifest. No worker thread: on a machine whose cores UCX's
         // copies already keep busy, a thread adds contention, not overlap. A page changed by
         // the engine meanwhile gets a CRC that does not match what landed: refused either way.
         let bytes = src.iter().map(|e| local.page(e.page, e.len)).collect::<Result<Vec<_>, _>>()?;
@@ -406,8 +405,7 @@ impl<'a> NixlLink<'a> {
     /// Waits for the notice that carries the manifest (`Written` for a push, `Staged` for a
     /// pull) and, for a push in parts, for as many `Part`s as it counts. Each part's pinned pages
     /// are checksummed as its notice comes (NIXL delivers it after that part's data), on this
-    /// thread, while the bytes are still in cache and the later parts wait in the socket's
-    /// buffers. Returns the notice and each pinned page's early (length, CRC32): none for a
+    /// thread, while the later parts wait in the socket's buffers. Returns the notice and each pinned page's early (length, CRC32): none for a
     /// page named twice, not pinned, longer than a page, or unreadable (checked after the
     /// transfer like any other).
     fn wait_carrying<R: PageRegion + ?Sized>(
