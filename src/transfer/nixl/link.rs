@@ -179,9 +179,9 @@ impl<'a> NixlLink<'a> {
         // Each part but the last is checksummed on this thread right after it is posted, while
         // it and the parts before it keep moving (polled between pages; the first part leaves
         // at once); the last part before it is posted, as its notification carries the
-        // manifest. No worker thread: on a machine whose cores UCX's
-        // copies already keep busy, a thread adds contention, not overlap. A page changed by
-        // the engine meanwhile gets a CRC that does not match what landed: refused either way.
+        // manifest. No worker thread: on a machine whose cores UCX's copies already keep busy,
+        // a thread adds contention, not overlap. A page changed by the engine meanwhile gets a
+        // CRC that does not match what landed: refused either way.
         let bytes = src.iter().map(|e| local.page(e.page, e.len)).collect::<Result<Vec<_>, _>>()?;
         let mut sums: Vec<(usize, u32)> = Vec::with_capacity(src.len());
         self.push_parts(local, src, &pages, header.request, deadline, |part, last, in_flight| {
@@ -198,7 +198,7 @@ impl<'a> NixlLink<'a> {
     }
 
     /// Posts `src` → `dest` in parts (see [`push`](Self::push)); before each part is posted,
-    /// `manifest(is it the last part, parts in flight)` runs, and what it returns for the last
+    /// `manifest(the part's extents, is it the last part, parts in flight)` runs, and what it returns for the last
     /// part is the manifest. Waits for every part.
     fn push_parts<R: PageRegion + ?Sized>(
         &self,
