@@ -198,8 +198,8 @@ impl<'a> NixlLink<'a> {
     }
 
     /// Posts `src` → `dest` in parts (see [`push`](Self::push)); before each part is posted,
-    /// `manifest(the part's extents, is it the last part, parts in flight)` runs, and what it returns for the last
-    /// part is the manifest. Waits for every part.
+    /// `manifest(the part's extents, is it the last part, parts in flight)` runs, and what it
+    /// returns for the last part is the manifest. Waits for every part.
     fn push_parts<R: PageRegion + ?Sized>(
         &self,
         local: &R,
