@@ -5,13 +5,17 @@
 //! default (prefill builds the manifest: a CRC32 per page, and [`NixlLink::push`]es it in one
 //! WRITE; decode pins, decodes the manifest, checks it and every page's length and CRC32,
 //! records coverage, releases); `transfer_nixl/overlapped/SIZE` is the same with parts on
-//! ([`NixlLink::set_parts`], [`NixlLink::push_prompt`]: both sides' CRCs on worker threads while
-//! the parts fly).
+//! ([`NixlLink::set_parts`], [`NixlLink::push_prompt`]: each side checksums a part's pages as
+//! the part is posted or lands, while the other parts fly).
 //! 64 KiB pages (32 per transfer) and 2 MiB pages (8 per transfer). Goal: checked ≥ 0.9 of
 //! unchecked.
 //!
 //! `cargo bench --features nixl --bench nixl` with `libnixl_capi.so` on `LD_LIBRARY_PATH`
-//! (`source scripts/ci/nixl.sh setup`). Prints one line per row and the ratio per size.
+//! (`source scripts/ci/nixl.sh setup`). Prints one line per row, the ratio per size, and where
+//! the checked transfer's time goes (`transfer_nixl/pieces/SIZE`: medians of each piece, timed
+//! from both threads' timestamps: decode's admit and pin, prefill's CRCs and manifest, NIXL's
+//! WRITE, decode after prefill saw the WRITE complete — the notification, the CRCs of the
+//! landed bytes, the checks, coverage — and the release), next to the unchecked transfer.
 
 use kvguard::transfer::nixl::{
     Direction, Extent, HostRegion, NixlAgent, NixlLink, Notice, NoticeKind, PART_BYTES, library_available,
@@ -37,6 +41,13 @@ fn main() {
         println!("transfer_nixl/unchecked/{label}  {:>8.1} MiB/s (median transfer)", m.unchecked);
         println!("transfer_nixl/checked/{label}    {:>8.1} MiB/s (median transfer)", m.checked);
         println!("transfer_nixl/overlapped/{label} {:>8.1} MiB/s (median transfer)", m.overlapped);
+        let [pin, sums, write, landed, release] = m.pieces;
+        println!(
+            "transfer_nixl/pieces/{label} checked: pin {pin:.0} us, prefill CRCs + manifest {sums:.0} us, WRITE {write:.0} us, \
+             decode after the WRITE (notification, CRCs, checks, coverage) {landed:.0} us, release {release:.0} us; \
+             unchecked transfer {:.0} us",
+            m.unchecked_us
+        );
         for (row, ratio, [lo, mid, hi]) in
             [("ratio", m.ratio, m.round_ratios), ("ratio_overlapped", m.ratio_overlapped, m.round_ratios_overlapped)]
         {
@@ -63,6 +74,12 @@ struct Measured {
     ratio_overlapped: f64,
     /// As `round_ratios`, for the overlapped transfers.
     round_ratios_overlapped: [f64; 3],
+    /// Medians (µs) of the checked transfer's pieces: decode's admit and pin; prefill's CRCs
+    /// and manifest; the WRITE; decode from the WRITE's completion to its verdict; the release
+    /// and the hand-back to prefill.
+    pieces: [f64; 5],
+    /// The median unchecked transfer, µs.
+    unchecked_us: f64,
 }
 
 /// Min, median and max.
@@ -99,6 +116,9 @@ fn measure(page_bytes: u32, pages: u32) -> Measured {
     let (go, jobs) = mpsc::channel::<Option<(bool, u64)>>();
     // Decode → prefill: the pinned pages (the pull), then "received".
     let (done, finished) = mpsc::channel::<Vec<PageRef>>();
+    // Decode → prefill, checked transfers: when the pages were pinned and the verdict came.
+    let (stamp, stamps) = mpsc::channel::<[Instant; 2]>();
+    let mut pieces: [Vec<f64>; 5] = Default::default();
     let mut times: [Vec<f64>; 3] = Default::default();
     let (mut pair_ratios, mut round_ratios): ([Vec<f64>; 2], [Vec<f64>; 2]) = Default::default();
     std::thread::scope(|s| {
@@ -117,8 +137,10 @@ fn measure(page_bytes: u32, pages: u32) -> Measured {
                     let expected =
                         ExpectedTransfer::for_prompt(req, TenantId(1), prompt, &refs, TOKENS_PER_PAGE, slot_bytes);
                     let pinned = Receiver::new(&table).pin(&expected).unwrap();
+                    let pinned_at = Instant::now();
                     done.send(refs.clone()).unwrap(); // pinned: prefill may write
                     link.receive(Direction::Write, pinned, &expected, dst_region, deadline, |_, _, _| {}).unwrap();
+                    stamp.send([pinned_at, Instant::now()]).unwrap();
                     table.release(req).unwrap();
                 } else {
                     done.send((0..pages).map(|p| PageRef { page: PageId(p), generation: Generation(0) }).collect())
@@ -170,17 +192,29 @@ fn measure(page_bytes: u32, pages: u32) -> Measured {
                         page_size: TOKENS_PER_PAGE,
                         slot_bytes,
                     };
+                    let refs_at = Instant::now();
+                    let mut sent = [refs_at; 2];
                     if mode == 1 {
                         link.set_parts(None);
                         let bytes: Vec<&[u8]> = (0..pages).map(|p| src_region.bytes(p, page_bytes).unwrap()).collect();
                         let manifest = Manifest::build(header, prompt, &dest_refs, &bytes).unwrap().encode();
+                        sent[0] = Instant::now();
                         link.push(&src_region, &src, &dest, RequestId(request), &manifest, deadline).unwrap();
+                        sent[1] = Instant::now();
                     } else {
                         link.set_parts(Some(PART_BYTES));
                         link.push_prompt(&src_region, &src, header, prompt, &dest_refs, deadline).unwrap();
                     }
                     finished.recv().unwrap();
-                    pair[mode] = start.elapsed().as_secs_f64();
+                    let end = Instant::now();
+                    pair[mode] = (end - start).as_secs_f64();
+                    let [pinned_at, verdict_at] = stamps.recv().unwrap();
+                    if mode == 1 {
+                        let marks = [start, pinned_at.max(start), sent[0], sent[1], verdict_at.max(sent[1]), end];
+                        for (k, piece) in pieces.iter_mut().enumerate() {
+                            piece.push(marks[k + 1].saturating_duration_since(marks[k]).as_secs_f64() * 1e6);
+                        }
+                    }
                 }
                 for (mode, t) in pair.iter().enumerate() {
                     times[mode].push(*t);
@@ -204,5 +238,7 @@ fn measure(page_bytes: u32, pages: u32) -> Measured {
         round_ratios: spread(std::mem::take(&mut round_ratios[0])),
         ratio_overlapped: median(&mut pair_ratios[1]),
         round_ratios_overlapped: spread(std::mem::take(&mut round_ratios[1])),
+        pieces: pieces.map(|mut p| median(&mut p)),
+        unchecked_us: median(t0) * 1e6,
     }
 }

@@ -490,7 +490,7 @@ impl<'a> RegionArg<'a> {
 
 /// One side's connection to its peer, over which the checked protocol runs (docs/transfer.md).
 ///
-/// NixlLink(agent, peer_metadata, peer_layout, *, part_bytes=4 MiB): the peer's agent metadata
+/// NixlLink(agent, peer_metadata, peer_layout, *, part_bytes=2 MiB): the peer's agent metadata
 /// and region layout, received out of band; this side's pushes past part_bytes go in parts,
 /// the checksums overlapped with the transfer (None: one WRITE, checked in series).
 /// Prefill: push (WRITE + the manifest as the notification), stage (pull: tell decode where the
@@ -574,8 +574,8 @@ impl NixlLink {
     /// ([(page, length)]) into the peer's pages `dest` (decode's PageRefs, in the incarnations
     /// it offered) as the KV of `prompt` (ints) for decode's `request` of `tenant`, from
     /// `sender`, with pages of `page_size` slots of `slot_bytes`. With part_bytes set and more
-    /// than one part, the page CRCs run on a worker thread while the parts fly; the last part
-    /// carries the manifest. NixlError
+    /// than one part, each part's page CRCs run right after it is posted, while it flies; the
+    /// last part's before it, and it carries the manifest. NixlError
     /// (kind 'extents') when the extents do not fit the prompt, before anything is sent.
     #[pyo3(signature = (region, src, dest, request, tenant, sender, page_size, slot_bytes, prompt, *, timeout = 20.0))]
     #[allow(clippy::too_many_arguments)]

@@ -4,7 +4,6 @@
 use super::{Direction, Extent, NixlAgent, NixlError, Notice, NoticeKind, PageRegion, Posted, RegionLayout};
 use crate::ids::{PageId, PageRef, RequestId};
 use crate::transfer::{Accepted, ExpectedTransfer, Manifest, PinnedImport, TransferError, TransferHeader};
-use std::sync::mpsc;
 use std::time::Instant;
 
 /// Notices kept for requests nobody waits for yet; past this, the oldest are dropped (a peer
@@ -12,10 +11,13 @@ use std::time::Instant;
 pub const INBOX_CAP: usize = 4_096;
 
 /// A link's part size unless [`NixlLink::set_parts`] says otherwise: a push of more bytes than
-/// this goes as several WRITEs of about this many bytes each, each with a `Part` notification,
-/// so that the sender's and decode's checksums run on worker threads while the transfer is in
-/// flight rather than before and after it (benches/nixl.rs: `overlapped` against `checked`).
-pub const PART_BYTES: u64 = 4 << 20;
+/// this goes as several WRITEs of about this many bytes each (whole pages: a part holds at least
+/// one), each with a `Part` notification, so that each side checksums a part's pages on its own
+/// thread while the other parts are in flight, rather than all of them before and after the
+/// transfer (benches/nixl.rs: `overlapped` against `checked`). Two MiB: 2 MiB pages go one per
+/// part, while a transfer of 2 MiB or less stays one WRITE (in 1 MiB parts, 64 KiB pages lost
+/// 2-4 % to the extra WRITE, and 2 MiB pages gained nothing measurable over 4 MiB parts).
+pub const PART_BYTES: u64 = 2 << 20;
 
 /// How long [`NixlLink::send`] keeps the agent busy after a notification.
 pub const FLUSH: std::time::Duration = std::time::Duration::from_millis(2);
@@ -146,15 +148,15 @@ impl<'a> NixlLink<'a> {
         manifest: &[u8],
         deadline: Instant,
     ) -> Result<(), NixlError> {
-        self.push_parts(local, src, dest, request, deadline, |_, _| Ok(manifest.to_vec()))
+        self.push_parts(local, src, dest, request, deadline, |_, _, _| Ok(manifest.to_vec()))
     }
 
     /// Prefill, push, checksumming on the way: [`push`](Self::push) of `local`'s extents `src`
     /// as `header`'s request's prompt `prompt` into the peer's pages `dest` (the incarnations
     /// decode offered), building the manifest itself. With parts on
-    /// ([`set_parts`](Self::set_parts)) and more than one part, the pages are checksummed on a
-    /// worker thread while this one posts every part but the last and keeps them moving; the
-    /// last part goes with the manifest once the checksums are done. Every check decode makes
+    /// ([`set_parts`](Self::set_parts)) and more than one part, each part's pages are
+    /// checksummed right after the part is posted, while it flies (polled between pages); the
+    /// last part's before it is posted, with the manifest. Every check decode makes
     /// is the same as for [`Manifest::build`]: this only moves the sender's CRCs off the
     /// critical path.
     pub fn push_prompt<R: PageRegion + ?Sized>(
@@ -174,41 +176,30 @@ impl<'a> NixlLink<'a> {
         let lengths: Vec<(usize, u32)> = src.iter().map(|e| (e.len as usize, 1)).collect();
         build(&lengths)?;
         let pages: Vec<PageId> = dest.iter().map(|r| r.page).collect();
+        // Each part but the last is checksummed on this thread right after it is posted, while
+        // it and the parts before it keep moving (polled between pages; the first part leaves
+        // at once); the last part before it is posted, as its notification carries the
+        // manifest. No worker thread: on a machine whose cores UCX's copies already keep busy,
+        // a thread adds contention, not overlap. A page changed by the engine meanwhile gets a
+        // CRC that does not match what landed: refused either way.
         let bytes = src.iter().map(|e| local.page(e.page, e.len)).collect::<Result<Vec<_>, _>>()?;
-        let checksum = |bytes: &[std::borrow::Cow<'_, [u8]>]| -> Vec<(usize, u32)> {
-            bytes.iter().map(|b| (b.len(), crc32fast::hash(b))).collect()
-        };
-        if part_ends(src, self.part_bytes).len() == 1 {
-            // One WRITE: nothing to overlap with.
-            let manifest = build(&checksum(&bytes))?.encode();
-            return self.push(local, src, &pages, header.request, &manifest, deadline);
-        }
-        std::thread::scope(|scope| {
-            // The CRCs on a worker while this thread posts the parts and keeps them moving.
-            let mut worker = Some(scope.spawn(|| checksum(&bytes)));
-            self.push_parts(local, src, &pages, header.request, deadline, |last, in_flight| {
-                if !last {
-                    return Ok(Vec::new()); // only the last part carries the manifest
+        let mut sums: Vec<(usize, u32)> = Vec::with_capacity(src.len());
+        self.push_parts(local, src, &pages, header.request, deadline, |part, last, in_flight| {
+            // Before part k is posted: the parts posted so far, and the last part itself.
+            let upto = if last { part.end } else { part.start };
+            for page in &bytes[sums.len()..upto] {
+                sums.push((page.len(), crc32fast::hash(page)));
+                for p in in_flight.iter_mut() {
+                    self.agent.poll(p)?;
                 }
-                let mut spins = 0u32;
-                while worker.as_ref().is_some_and(|w| !w.is_finished()) {
-                    for p in in_flight.iter_mut() {
-                        self.agent.poll(p)?;
-                    }
-                    super::agent::pause(&mut spins);
-                }
-                let sums = worker.take().map(|w| w.join());
-                match sums {
-                    Some(Ok(sums)) => Ok(build(&sums)?.encode()),
-                    _ => Err(NixlError::Call { call: "checksum worker", reason: "lost".to_owned() }),
-                }
-            })
+            }
+            if last { Ok(build(&sums)?.encode()) } else { Ok(Vec::new()) }
         })
     }
 
     /// Posts `src` → `dest` in parts (see [`push`](Self::push)); before each part is posted,
-    /// `manifest(is it the last part, parts in flight)` runs, and what it returns for the last
-    /// part is the manifest. Waits for every part.
+    /// `manifest(the part's extents, is it the last part, parts in flight)` runs, and what it
+    /// returns for the last part is the manifest. Waits for every part.
     fn push_parts<R: PageRegion + ?Sized>(
         &self,
         local: &R,
@@ -216,7 +207,7 @@ impl<'a> NixlLink<'a> {
         dest: &[PageId],
         request: RequestId,
         deadline: Instant,
-        mut manifest: impl FnMut(bool, &mut [Posted]) -> Result<Vec<u8>, NixlError>,
+        mut manifest: impl FnMut(std::ops::Range<usize>, bool, &mut [Posted]) -> Result<Vec<u8>, NixlError>,
     ) -> Result<(), NixlError> {
         let written: Vec<Extent> = src.iter().zip(dest).map(|(s, d)| Extent { page: d.0, len: s.len }).collect();
         let src = &src[..written.len()];
@@ -225,7 +216,7 @@ impl<'a> NixlLink<'a> {
         let mut posted: Vec<Posted> = Vec::with_capacity(ends.len());
         let mut start = 0;
         for (k, &end) in ends.iter().enumerate() {
-            let made = manifest(k + 1 == ends.len(), &mut posted)?;
+            let made = manifest(start..end, k + 1 == ends.len(), &mut posted)?;
             let notice = if k + 1 == ends.len() {
                 Notice {
                     kind: NoticeKind::Written,
@@ -413,10 +404,10 @@ impl<'a> NixlLink<'a> {
 
     /// Waits for the notice that carries the manifest (`Written` for a push, `Staged` for a
     /// pull) and, for a push in parts, for as many `Part`s as it counts. Each part's pinned pages
-    /// are checksummed as its notice comes (NIXL delivers it after that part's data) on a
-    /// worker thread, while this one keeps the agent moving the next parts. Returns the notice
-    /// and each pinned page's early (length, CRC32): none for a page named twice, not pinned,
-    /// longer than a page, or unreadable (checked after the transfer like any other).
+    /// are checksummed as its notice comes (NIXL delivers it after that part's data), on this
+    /// thread, while the later parts wait in the socket's buffers. Returns the notice and each pinned page's early (length, CRC32): none for a
+    /// page named twice, not pinned, longer than a page, or unreadable (checked after the
+    /// transfer like any other).
     fn wait_carrying<R: PageRegion + ?Sized>(
         &mut self,
         direction: Direction,
@@ -431,84 +422,50 @@ impl<'a> NixlLink<'a> {
             Direction::Read => NoticeKind::Staged,
         };
         let mut named = vec![0u8; pinned_pages.len()];
-        std::thread::scope(|scope| {
-            // Started on the first part: a transfer in one WRITE has nothing to overlap.
-            let mut worker: Option<(mpsc::Sender<PageJob<'_>>, std::thread::ScopedJoinHandle<'_, Vec<PageSum>>)> = None;
-            let mut parts = 0usize;
-            let mut notice: Option<Notice> = None;
-            let outcome = loop {
-                if let Some(n) = &notice
-                    && parts >= usize::from(n.parts)
-                {
-                    break Ok(());
-                }
-                let kinds: &[NoticeKind] = match notice {
-                    Some(_) => &[NoticeKind::Part],
-                    None => &[carrying, NoticeKind::Part, NoticeKind::Declined],
-                };
-                let n = match self.wait(request, kinds, deadline) {
-                    Ok(n) => n,
-                    Err(e) => break Err(Waited::Failed(e)),
-                };
-                match n.kind {
-                    NoticeKind::Declined => break Err(Waited::Declined),
-                    NoticeKind::Part => {
-                        parts += 1;
-                        if direction != Direction::Write {
+        let mut early: Vec<EarlySum> = vec![None; pinned_pages.len()];
+        let mut parts = 0usize;
+        let mut notice: Option<Notice> = None;
+        loop {
+            if let Some(n) = &notice
+                && parts >= usize::from(n.parts)
+            {
+                break;
+            }
+            let kinds: &[NoticeKind] = match notice {
+                Some(_) => &[NoticeKind::Part],
+                None => &[carrying, NoticeKind::Part, NoticeKind::Declined],
+            };
+            let n = self.wait(request, kinds, deadline).map_err(Waited::Failed)?;
+            match n.kind {
+                NoticeKind::Declined => return Err(Waited::Declined),
+                NoticeKind::Part => {
+                    parts += 1;
+                    if direction != Direction::Write {
+                        continue;
+                    }
+                    for extent in &n.extents {
+                        let Some(at) = pinned_pages.iter().position(|&p| p == extent.page) else { continue };
+                        named[at] = named[at].saturating_add(1);
+                        if named[at] > 1 {
+                            // Named twice: its bytes may have changed since; checked afterwards.
+                            early[at] = None;
                             continue;
                         }
-                        let (jobs, _) = worker.get_or_insert_with(|| {
-                            let (jobs, todo) = mpsc::channel::<PageJob<'_>>();
-                            let handle = scope.spawn(move || {
-                                todo.into_iter()
-                                    .map(|(at, len, bytes)| (at, len, crate::transfer::page_checksum(&bytes)))
-                                    .collect()
-                            });
-                            (jobs, handle)
-                        });
-                        for extent in &n.extents {
-                            let Some(at) = pinned_pages.iter().position(|&p| p == extent.page) else { continue };
-                            named[at] = named[at].saturating_add(1);
-                            if named[at] > 1 || extent.len > layout.page_bytes {
-                                continue;
-                            }
-                            if let Ok(bytes) = region.page(extent.page, extent.len) {
-                                // The worker ends only when `jobs` is dropped: it is there.
-                                let _ = jobs.send((at, extent.len, bytes));
-                            }
+                        if extent.len > layout.page_bytes {
+                            continue;
+                        }
+                        if let Ok(bytes) = region.page(extent.page, extent.len) {
+                            early[at] = Some((extent.len, crate::transfer::page_checksum(&bytes)));
                         }
                     }
-                    _ => notice = Some(n),
                 }
-            };
-            let mut early = vec![None; pinned_pages.len()];
-            if let Some((jobs, handle)) = worker {
-                drop(jobs);
-                // A CRC cannot panic; were the worker lost, every page is checked afterwards.
-                for (at, len, crc) in handle.join().unwrap_or_default() {
-                    if named[at] == 1 {
-                        early[at] = Some((len, crc));
-                    }
-                }
+                _ => notice = Some(n),
             }
-            outcome?;
-            match notice {
-                Some(n) => Ok((n, early)),
-                // The loop leaves with `Ok` only once the carrying notice came.
-                None => Err(Waited::Failed(NixlError::Notice { reason: "no carrying notice".to_owned() })),
-            }
-        })
+        }
+        // The loop leaves only once the carrying notice came.
+        notice.map(|n| (n, early)).ok_or(Waited::Failed(NixlError::Notice { reason: "no carrying notice".to_owned() }))
     }
 }
-
-/// A landed page for the checksum worker: its position among the pinned pages, its length and
-/// its bytes.
-type PageJob<'a> = (usize, u32, std::borrow::Cow<'a, [u8]>);
-
-/// What the checksum worker found: position, length, CRC32 (as [`page_checksum`] reports it).
-///
-/// [`page_checksum`]: crate::transfer::page_checksum
-type PageSum = (usize, u32, u32);
 
 /// A pinned page's (length, CRC32) taken as its part landed, if it was.
 type EarlySum = Option<(u32, u32)>;
