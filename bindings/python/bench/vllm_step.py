@@ -13,8 +13,16 @@ step), so a shared, loaded machine slows both alike, and per-step medians shrug 
 OS took the CPU away. Neither process ever swaps methods on vLLM's classes (which would throw away
 CPython's specialised attribute caches on every swap and bill that to both engines). The clock is
 the thread's CPU time by default (time a loaded machine spends elsewhere is not the step's cost),
-wall time with ``--clock wall``. Each round prints its figures; the last line gives
-min / median / max of the cost ratio over the rounds.
+wall time with ``--clock wall``.
+
+The two-process difference swings by several per cent on a loaded machine (two processes' steps
+vary more than kvguard costs), so the guarded engine also times kvguard's own work in process,
+the same steps: the worker check (around ``worker_step``) and the scheduler-side recorder
+(``time.perf_counter_ns`` around each of its calls: block-list appends, newly cacheable blocks,
+frees, the step's event hand-off; the wrapper frames around them, about 25 plain calls a step, are
+not in it). That in-process figure over the same process's vLLM step (its step minus the
+recorder) is the one to read; the two-process line is there to check it. Each round prints its
+figures; the last lines give min / median / max of both ratios over the rounds.
 
     VLLM_TARGET_DEVICE=cpu python bindings/python/bench/vllm_step.py [--requests 256] [--steps 200] [--rounds 3] [--clock cpu|wall]
 """
@@ -40,6 +48,12 @@ def clock() -> float:
     return _clock()
 
 
+#: Each step's empty interval of the bench's clock (seconds), taken off its timed intervals: a
+#: reading is a system call in some sandboxes, and read in the middle of a step it costs far
+#: more than in a tight loop (11 us against 0.6 us for the thread clock here).
+CLOCK_GAPS: list[float] = []
+
+
 def make_engine(guarded: bool):  # noqa: ANN201 (the harness engine class is imported late)
     import numpy as np
     from engine import Engine, EngineConfig
@@ -47,15 +61,17 @@ def make_engine(guarded: bool):  # noqa: ANN201 (the harness engine class is imp
     class TimedEngine(Engine):
         """Times vLLM's part of each step and the worker check separately."""
 
-        def timed_step(self) -> tuple[float, float, bool]:  # the harness step, split into timed parts
+        def timed_step(self) -> tuple[float, float, float, bool]:  # the harness step, split into timed parts
             from vllm.v1.outputs import ModelRunnerOutput
 
+            RECORDER[:] = [0, 0]
             t0 = clock()
             so = self.scheduler.schedule()
             self._update_states(so)
             req_ids = list(self.input_batch.req_ids)
             sched = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int32)
             t1 = clock()
+            t1x = clock()  # an empty interval: what one reading costs here, now
             if self.guarded:
                 hooks.worker_step(
                     self, self.input_batch, so, sched, num_blocks=self.cfg.num_blocks, max_model_len=self.cfg.max_model_len
@@ -74,19 +90,75 @@ def make_engine(guarded: bool):  # noqa: ANN201 (the harness engine class is imp
             t4 = clock()
             self.steps += 1
             decode = len(req_ids) == args.requests and int(sched.max()) == 1
-            return (t1 - t0) + (t4 - t3), t2 - t1, decode
+            # The recorder's time without the clock's share, and vLLM's step without the timing
+            # wrappers (both zero in the unguarded engine).
+            ns, calls = RECORDER
+            recorder = max(0.0, ns - calls * TIMER_NS[0]) * 1e-9
+            wrappers = calls * (TIMER_NS[1] - TIMER_NS[0]) * 1e-9
+            # Each interval holds one clock reading's cost: this step's empty interval.
+            c = t1x - t1
+            CLOCK_GAPS.append(c)
+            return (t1 - t0) + (t4 - t3) - 2 * c - wrappers, t2 - t1x - c, recorder, decode
 
     if guarded:
         import kvguard.vllm
         from kvguard.vllm import hooks
 
         kvguard.vllm.install("enforce")
+        time_recorder()
     cfg = EngineConfig(num_blocks=256 * 8 + 64, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=2048)
     e = TimedEngine(cfg, guarded=guarded)
     rng = random.Random(0)
     for i in range(args.requests):
         e.add(f"req-{i}", [rng.randrange(500) for _ in range(rng.randrange(32, 64))], 10_000)
     return e
+
+
+#: The scheduler-side recorder's calls in the current step (guarded engine): [nanoseconds timed,
+#: calls].
+RECORDER = [0, 0]
+#: Per timed call: the clock's own cost inside the timed interval, and the whole timing
+#: wrapper's cost (both measured at start, subtracted from the step's figures).
+TIMER_NS = [0.0, 0.0]
+
+
+def _timed(fn):  # noqa: ANN001, ANN202
+    now = time.perf_counter_ns
+
+    def wrapper(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        t = now()
+        try:
+            return fn(*a, **kw)
+        finally:
+            RECORDER[0] += now() - t
+            RECORDER[1] += 1
+
+    return wrapper
+
+
+def time_recorder() -> None:
+    """Times each call of the scheduler-side recorder (``SchedulerRecorder``'s hooks) into
+    ``RECORDER`` with ``time.perf_counter_ns`` (a call is a few microseconds; the thread clock is
+    a system call costing microseconds itself). A clock reading is not free either (0.7 us in
+    some sandboxes): what an empty call timed this way reads, and what the timing wrapper costs
+    in all, are measured here, in a loop, and taken off the step's figures. In the middle of a
+    step a reading may cost more than in a loop, so the recorder's figure is an upper bound."""
+    from kvguard.vllm.recorder import SchedulerRecorder
+
+    if TIMER_NS[1]:
+        return  # wrapped once per process (each round's engine reuses the class)
+    for name in ("added", "cached", "freed", "evicted", "cache_reset", "take"):
+        setattr(SchedulerRecorder, name, _timed(getattr(SchedulerRecorder, name)))
+    empty = _timed(lambda: None)
+    inside, whole = [], []
+    for _ in range(50):
+        RECORDER[:] = [0, 0]
+        t = time.perf_counter_ns()
+        for _ in range(200):
+            empty()
+        whole.append((time.perf_counter_ns() - t) / 200)
+        inside.append(RECORDER[0] / 200)
+    TIMER_NS[:] = [statistics.median(inside), statistics.median(whole)]
 
 
 def serve(role: str) -> None:
@@ -106,10 +178,11 @@ def serve(role: str) -> None:
         cmd = line.strip()
         if cmd == "new":
             e = make_engine(guarded)
-            out.write("ok\n")
+            CLOCK_GAPS.clear()
+            out.write(f"{TIMER_NS[0]!r} {TIMER_NS[1]!r}\n")
         elif cmd == "step":
-            v, c, d = e.timed_step()
-            out.write(f"{v!r} {c!r} {int(d)}\n")
+            v, c, r, d = e.timed_step()
+            out.write(f"{v!r} {c!r} {r!r} {int(d)} {statistics.median(CLOCK_GAPS)!r}\n")
         out.flush()
 
 
@@ -130,23 +203,27 @@ class Child:
             raise RuntimeError(f"the bench child ({cmd}) died; run it with --serve to see why")
         return reply
 
-    def step(self) -> tuple[float, float, bool]:
-        v, c, d = self.ask("step").split()
-        return float(v), float(c), d == "1"
+    def step(self) -> tuple[float, float, float, bool, float]:
+        """One step: vLLM's part, the worker check, the recorder, whether it was a full decode
+        step, and the median empty clock interval of this engine's steps so far."""
+        v, c, r, d, gap = self.ask("step").split()
+        return float(v), float(c), float(r), d == "1", float(gap)
 
     def close(self) -> None:
         self.p.stdin.close()
         self.p.wait()
 
 
-def one_round(plain: Child, guarded: Child) -> float:
+def one_round(plain: Child, guarded: Child) -> tuple[float, float]:
+    """One round: fresh engines, prefill untimed, then ``--steps`` decode steps. Returns the
+    in-process ratio and the two-process ratio (per cent of vLLM's step)."""
     plain.ask("new")
-    guarded.ask("new")
+    timer_in, timer_all = (float(x) for x in guarded.ask("new").split())
     # Prefill, then time decode steps only (both engines take the same steps: kvguard changes
     # nothing in a clean run).
-    while not (plain.step()[2] & guarded.step()[2]):
+    while not (plain.step()[3] & guarded.step()[3]):
         pass
-    t_plain, t_guarded, t_check = [], [], []
+    t_plain, t_guarded, t_check, t_rec = [], [], [], []
     for i in range(args.steps):
         if i % 2:
             p, g = plain.step(), guarded.step()
@@ -155,35 +232,49 @@ def one_round(plain: Child, guarded: Child) -> float:
         t_plain.append(p[0])
         t_guarded.append(g[0])
         t_check.append(g[1])
+        t_rec.append(g[2])
     med = statistics.median
-    plain_vllm, guarded_vllm, check = med(t_plain), med(t_guarded), med(t_check)
+    plain_vllm, guarded_vllm, check, rec = med(t_plain), med(t_guarded), med(t_check), med(t_rec)
+    # In process: kvguard's own work per step over the same process's vLLM step without it.
+    own = [c + r for c, r in zip(t_check, t_rec)]
+    base = [g - r for g, r in zip(t_guarded, t_rec)]
+    in_process = 100 * med([o / b for o, b in zip(own, base)])
     hooks_cost = guarded_vllm - plain_vllm
     cost = hooks_cost + check
     ratio = 100 * cost / plain_vllm
-    mean_ratio = 100 * (sum(t_guarded) - sum(t_plain) + sum(t_check)) / sum(t_plain)
     n = args.requests
     print(f"vllm_step/unguarded/{n}:    {plain_vllm * 1e6:9.1f} us  (median; schedule + update + batch build)")
     print(f"vllm_step/guarded/{n}:      {guarded_vllm * 1e6:9.1f} us  (the same, with the recorder hooks)")
-    print(f"kvguard/worker_check/{n}:   {check * 1e6:9.1f} us")
+    print(f"kvguard/worker_check/{n}:   {check * 1e6:9.1f} us  (in process)")
+    print(f"kvguard/recorder/{n}:       {rec * 1e6:9.1f} us  (in process)")
     print(
-        f"kvguard cost per step: {hooks_cost * 1e6:.1f} (hooks) + {check * 1e6:.1f} (check) = {cost * 1e6:.1f} us"
-        f" = {ratio:.2f} % of vLLM's step (medians of {args.steps} decode steps; {mean_ratio:.2f} % by means)",
+        f"  (taken off: {g[4] * 1e6:.2f} us per clock interval (median), {timer_in / 1e3:.2f} us per recorder call"
+        f" timed, {timer_all / 1e3:.2f} us per timing wrapper)"
+    )
+    print(
+        f"kvguard in process: {med(own) * 1e6:.1f} us = {in_process:.2f} % of the same process's vLLM step"
+        f" (median of {args.steps} decode steps' ratios)"
+    )
+    print(
+        f"two processes: {hooks_cost * 1e6:.1f} (guarded - unguarded step) + {check * 1e6:.1f} (check)"
+        f" = {cost * 1e6:.1f} us = {ratio:.2f} % of the unguarded step (medians)",
         flush=True,
     )
-    return ratio
+    return in_process, ratio
 
 
 def main() -> None:
     plain, guarded = Child("plain"), Child("guarded")
     try:
-        ratios = [one_round(plain, guarded) for _ in range(args.rounds)]
+        rounds = [one_round(plain, guarded) for _ in range(args.rounds)]
     finally:
         plain.close()
         guarded.close()
-    print(
-        f"kvguard cost / vLLM step over {args.rounds} rounds: min {min(ratios):.2f} %, "
-        f"median {statistics.median(ratios):.2f} %, max {max(ratios):.2f} %"
-    )
+    for label, ratios in (("in process", [r[0] for r in rounds]), ("two processes", [r[1] for r in rounds])):
+        print(
+            f"kvguard cost / vLLM step over {args.rounds} rounds, {label}: min {min(ratios):.2f} %, "
+            f"median {statistics.median(ratios):.2f} %, max {max(ratios):.2f} %"
+        )
 
 
 parser = argparse.ArgumentParser()

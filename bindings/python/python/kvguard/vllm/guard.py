@@ -103,6 +103,11 @@ class StepGuard:
         self.steps = 0
         self.refusals_total = 0
         self._metrics = metrics.pool_metrics()
+        #: Steps between metric writes (multiprocess mode), else 0: read when scraped.
+        self._flush_every = 0
+        if self._metrics is not None:
+            self._metrics.track(self)
+            self._flush_every = self._metrics.flush_every or 0
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -134,35 +139,62 @@ class StepGuard:
         (rows ``0..n``, n = ``len(req_ids)``); ``num_computed_tokens``: per row, before this step;
         ``num_scheduled_tokens``: int array of n. Under enforce, refused rows are nulled in
         ``block_table`` in place."""
-        report = StepReport()
+        # The clean step is the hot path: two binding calls, a few attribute reads, no per-row
+        # Python work; everything else happens only when something was refused.
         self.steps += 1
         table = self.table
         early, late = events if events else (None, None)
+        report = None
         if early:
-            self._refuse_events(report, early, table.apply_events(early))
+            refused = table.apply_events(early)
+            if refused:
+                report = StepReport()
+                self._refuse_events(report, early, refused)
             if self.refused_ever:
                 # A released request's id may be reused by the scheduler: its old refusal is done.
                 for ev in early:
                     if ev[0] is EventKind.RELEASE:
                         self.refused_ever.discard(ev[1])
-        n = len(req_ids)
-        if n:
+        writes = reads = refused_late = None
+        if req_ids:
             # Writes, the late events (publishes, prefix hits), reads: one call, the GIL released.
             writes, refused_late, reads = table.record_and_verify_step(
                 req_ids, block_table, num_computed_tokens, num_scheduled_tokens, late
             )
-            if not writes.clean:
-                for row, v in writes.refused:
-                    self._refuse(report, req_ids[row], v.kind, "write", str(v))
-            if refused_late:
-                self._refuse_events(report, late, refused_late)
-            if not reads.clean:
-                for row, v in reads.refused:
-                    self._refuse(report, req_ids[row], v.kind, "read", str(v))
         elif late:
-            self._refuse_events(report, late, table.apply_events(late))
+            refused_late = table.apply_events(late)
+        if self._flush_every and self.steps % self._flush_every == 0:
+            self._metrics.flush(self)
+        if report is None and not refused_late and (writes is None or writes.clean and reads.clean):
+            return StepReport()
+        return self._refused_step(
+            report or StepReport(), req_ids, block_table, num_blocks_per_row, late, refused_late, writes, reads
+        )
+
+    def _refused_step(
+        self,
+        report: StepReport,
+        req_ids: list[str],
+        block_table: np.ndarray,
+        num_blocks_per_row: np.ndarray,
+        late: list[tuple] | None,
+        refused_late: list | None,
+        writes: Any,
+        reads: Any,
+    ) -> StepReport:
+        """Completes the report of a step something was refused in (``report`` holds the early
+        events' refusals; then writes, late events, reads: a request's first refusal is the one
+        it is told) and acts on it."""
+        if writes is not None and not writes.clean:
+            for row, v in writes.refused:
+                self._refuse(report, req_ids[row], v.kind, "write", str(v))
+        if refused_late:
+            self._refuse_events(report, late, refused_late)
+        if reads is not None and not reads.clean:
+            for row, v in reads.refused:
+                self._refuse(report, req_ids[row], v.kind, "read", str(v))
         if report.refused:
-            index = {rid: i for i, rid in enumerate(req_ids)} if n else {}
+            index = {rid: i for i, rid in enumerate(req_ids)}
             for rid, refusal in report.refused.items():
                 row = index.get(rid)
                 if row is not None:
@@ -183,6 +215,4 @@ class StepGuard:
             if self.mode == "enforce":
                 for row in report.refused_rows:
                     block_table[row, : max(int(num_blocks_per_row[row]), 1)] = NULL_BLOCK
-        if self._metrics is not None:
-            self._metrics.step(self.table)
         return report

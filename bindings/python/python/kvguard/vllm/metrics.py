@@ -6,51 +6,117 @@
 - ``kvguard_pages{state}``: pages free, owned (one request), shared (cached prefixes).
 
 They are registered in the process that checks (the worker; the engine core when vLLM runs the
-worker in-process). vLLM's API server collects other processes' metrics through
-``prometheus_client``'s multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``), which it sets up; the
-gauges use ``livemostrecent`` there. Without ``prometheus_client`` there are no metrics.
+worker in-process). A clean step costs the metrics nothing: the violation and refusal counters
+move only when something is refused, and the step count and page gauges are read off the
+checking guards when ``/metrics`` is scraped (a custom collector).
+
+vLLM's API server collects other processes' metrics through ``prometheus_client``'s
+multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``), which reads only the values processes wrote
+to their files, never a collector's: there the step count and page gauges are written every
+:data:`FLUSH_EVERY` steps instead (so they lag by at most that many steps; the gauges use
+``livemostrecent``). Without ``prometheus_client`` there are no metrics.
 """
 
 from __future__ import annotations
 
+import os
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["PoolMetrics", "pool_metrics"]
+__all__ = ["FLUSH_EVERY", "PoolMetrics", "pool_metrics"]
 
 _SINGLETON: PoolMetrics | None = None
 
-#: Gauges are refreshed every this many steps (a snapshot is cheap, but not free).
-GAUGE_EVERY = 16
+#: In multiprocess mode, the step count and page gauges are written every this many steps.
+FLUSH_EVERY = 64
 
 
 class PoolMetrics:
-    """The registered metrics of this process."""
+    """The registered metrics of this process, and the guards whose pools they describe.
+
+    ``flush_every`` is None when the step count and the gauges are read at scrape time (one
+    process), else the number of steps between writes (multiprocess mode): a guard calls
+    :meth:`flush` when its step count is a multiple of it.
+    """
 
     def __init__(self) -> None:
-        from prometheus_client import Counter, Gauge
+        from prometheus_client import Counter
 
         self.violations = Counter("kvguard_violations", "kvguard violations seen, by kind", ["kind"])
         self.refused_requests = Counter("kvguard_refused_requests", "requests kvguard refused")
-        self.steps = Counter("kvguard_steps", "scheduler steps kvguard checked")
-        self.pages = Gauge(
-            "kvguard_pages", "KV pages by ownership state", ["state"], multiprocess_mode="livemostrecent"
-        )
-        self._n = 0
+        #: The guards of this process (each has ``steps`` and ``table``).
+        self.guards: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.flush_every: int | None = None
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            from prometheus_client import Gauge
+
+            self.flush_every = FLUSH_EVERY
+            self._steps = Counter("kvguard_steps", "scheduler steps kvguard checked")
+            self._pages = Gauge(
+                "kvguard_pages", "KV pages by ownership state", ["state"], multiprocess_mode="livemostrecent"
+            )
+            self._flushed: dict[int, int] = {}
+        else:
+            from prometheus_client import REGISTRY
+
+            REGISTRY.register(_ScrapeCollector(self))
+
+    def track(self, guard: Any) -> None:
+        """Counts ``guard``'s steps and pool in the metrics (while it lives)."""
+        self.guards.add(guard)
 
     def violation(self, kind: str) -> None:
+        """One violation of ``kind``."""
         self.violations.labels(kind=kind).inc()
 
     def refused(self, n: int) -> None:
+        """``n`` requests refused."""
         self.refused_requests.inc(n)
 
-    def step(self, table: Any) -> None:
-        self.steps.inc()
-        self._n += 1
-        if self._n % GAUGE_EVERY == 1:
-            s = table.snapshot()
-            self.pages.labels(state="free").set(s.free)
-            self.pages.labels(state="owned").set(s.owned)
-            self.pages.labels(state="shared").set(s.shared)
+    def flush(self, guard: Any) -> None:
+        """Multiprocess mode: writes the steps ``guard`` checked since its last flush and its
+        pool's page counts."""
+        done = self._flushed.get(id(guard), 0)
+        self._steps.inc(guard.steps - done)
+        self._flushed[id(guard)] = guard.steps
+        s = guard.table.snapshot()
+        self._pages.labels(state="free").set(s.free)
+        self._pages.labels(state="owned").set(s.owned)
+        self._pages.labels(state="shared").set(s.shared)
+
+
+class _ScrapeCollector:
+    """``kvguard_steps_total`` and ``kvguard_pages`` read off the live guards when scraped."""
+
+    def __init__(self, metrics: PoolMetrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> list[Any]:
+        # Registering must not call collect() (no guard exists yet); the names are fixed.
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        return [
+            CounterMetricFamily("kvguard_steps", "scheduler steps kvguard checked"),
+            GaugeMetricFamily("kvguard_pages", "KV pages by ownership state", labels=["state"]),
+        ]
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        guards = list(self._metrics.guards)
+        steps = CounterMetricFamily("kvguard_steps", "scheduler steps kvguard checked")
+        steps.add_metric([], sum(g.steps for g in guards))
+        pages = GaugeMetricFamily("kvguard_pages", "KV pages by ownership state", labels=["state"])
+        free = owned = shared = 0
+        for g in guards:
+            s = g.table.snapshot()
+            free, owned, shared = free + s.free, owned + s.owned, shared + s.shared
+        pages.add_metric(["free"], free)
+        pages.add_metric(["owned"], owned)
+        pages.add_metric(["shared"], shared)
+        yield steps
+        yield pages
 
 
 def pool_metrics() -> PoolMetrics | None:

@@ -48,3 +48,33 @@ def test_metrics_are_registered(enforce):
     steps = REGISTRY.get_sample_value("kvguard_steps_total")
     assert steps is not None and steps >= e.steps
     assert REGISTRY.get_sample_value("kvguard_pages", {"state": "free"}) is not None
+
+
+def test_metrics_in_multiprocess_mode(tmp_path):
+    """With ``PROMETHEUS_MULTIPROC_DIR`` (how vLLM's API server collects other processes'
+    metrics) the step count and page gauges are written to the process's files every
+    FLUSH_EVERY steps, where the server's collector reads them."""
+    code = (
+        "import kvguard.vllm\n"
+        "from kvguard.vllm import metrics\n"
+        "from engine import Engine, EngineConfig\n"
+        "from conftest import workload\n"
+        "from prometheus_client import CollectorRegistry\n"
+        "from prometheus_client.multiprocess import MultiProcessCollector\n"
+        "kvguard.vllm.install('enforce')\n"
+        "e = Engine(EngineConfig(num_blocks=64, max_num_seqs=4, max_model_len=512), guarded=True)\n"
+        "workload(e, 3, 12)\n"
+        "e.run()\n"
+        "assert e.steps >= metrics.FLUSH_EVERY, e.steps\n"
+        "r = CollectorRegistry(); MultiProcessCollector(r)\n"
+        "steps = r.get_sample_value('kvguard_steps_total')\n"
+        "assert steps == e.steps - e.steps % metrics.FLUSH_EVERY, (steps, e.steps)\n"
+        "assert r.get_sample_value('kvguard_pages', {'state': 'free'}) is not None\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path), VLLM_TARGET_DEVICE="cpu")
+    env.pop("KVGUARD_VLLM", None)
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=here, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "ok"
