@@ -142,15 +142,23 @@ pub(crate) struct RequestRecord {
     pub quarantined: AtomicBool,
 }
 
-/// The prefixes one request holds: a short list scanned in place, and past
-/// [`HeldPrefixes::INLINE`] a hash set, so both the read path's membership test and adding or
-/// dropping a hold stay O(1) however many prefixes (one per cached block, in vLLM's style) a
-/// request holds, and in whatever order it takes them. (A sorted list cost a shift per insert:
-/// 400,000 holds taken in descending order were quadratic.)
+/// The prefixes one request holds, in the order it took them: a short list scanned in place,
+/// and past [`HeldPrefixes::INLINE`] a list with a hash index beside it, so the membership test,
+/// adding a hold and dropping one stay O(1) however many prefixes (one per cached block, in
+/// vLLM's style) a request holds, and in whatever order it takes them. (A sorted list cost a
+/// shift per insert: 400,000 holds taken in descending order were quadratic.) Dropping a hold
+/// moves the last one into its place.
+///
+/// The order is what a read's prefix run follows ([`in_order`](Self::in_order)): an engine that
+/// takes one prefix per cached block takes them in the order its block table lists them.
 #[derive(Clone, Debug)]
 pub(crate) enum HeldPrefixes {
     Few(Vec<PrefixSlot>),
-    Many(std::collections::HashSet<PrefixSlot, IdHash>),
+    Many {
+        order: Vec<PrefixSlot>,
+        /// Each held slot's place in `order`.
+        at: HashMap<PrefixSlot, u32, IdHash>,
+    },
 }
 
 impl Default for HeldPrefixes {
@@ -160,14 +168,28 @@ impl Default for HeldPrefixes {
 }
 
 impl HeldPrefixes {
-    /// Holds kept in a plain list before it becomes a set.
+    /// Holds kept in a plain list before the list gets an index.
     pub const INLINE: usize = 8;
 
     #[inline]
     pub fn contains(&self, slot: PrefixSlot) -> bool {
+        self.position(slot).is_some()
+    }
+    /// Where `slot` is in [`in_order`](Self::in_order), if held.
+    #[inline]
+    pub fn position(&self, slot: PrefixSlot) -> Option<usize> {
         match self {
-            HeldPrefixes::Few(list) => list.contains(&slot),
-            HeldPrefixes::Many(set) => set.contains(&slot),
+            HeldPrefixes::Few(list) => list.iter().position(|&s| s == slot),
+            HeldPrefixes::Many { at, .. } => at.get(&slot).map(|&i| i as usize),
+        }
+    }
+    /// The held slots, in the order they were taken (but where a dropped hold's place went to
+    /// the last one).
+    #[inline]
+    pub fn in_order(&self) -> &[PrefixSlot] {
+        match self {
+            HeldPrefixes::Few(list) => list,
+            HeldPrefixes::Many { order, .. } => order,
         }
     }
     /// Adds `slot`; false if it was already held.
@@ -179,33 +201,47 @@ impl HeldPrefixes {
                 true
             }
             HeldPrefixes::Few(list) => {
-                let mut set: std::collections::HashSet<PrefixSlot, IdHash> = list.drain(..).collect();
-                set.insert(slot);
-                *self = HeldPrefixes::Many(set);
+                let mut order = std::mem::take(list);
+                order.push(slot);
+                let at = order.iter().enumerate().map(|(i, &s)| (s, i as u32)).collect();
+                *self = HeldPrefixes::Many { order, at };
                 true
             }
-            HeldPrefixes::Many(set) => set.insert(slot),
+            HeldPrefixes::Many { order, at } => {
+                if at.contains_key(&slot) {
+                    return false;
+                }
+                // A request's holds fit in u32: each is a live prefix, and slot indices are u32.
+                at.insert(slot, order.len() as u32);
+                order.push(slot);
+                true
+            }
         }
     }
     /// Drops `slot`; false if it was not held.
     pub fn remove(&mut self, slot: PrefixSlot) -> bool {
         match self {
             HeldPrefixes::Few(list) => match list.iter().position(|&s| s == slot) {
-                Some(at) => {
-                    list.swap_remove(at);
+                Some(i) => {
+                    list.swap_remove(i);
                     true
                 }
                 None => false,
             },
-            HeldPrefixes::Many(set) => set.remove(&slot),
+            HeldPrefixes::Many { order, at } => match at.remove(&slot) {
+                Some(i) => {
+                    order.swap_remove(i as usize);
+                    if let Some(&moved) = order.get(i as usize) {
+                        at.insert(moved, i);
+                    }
+                    true
+                }
+                None => false,
+            },
         }
     }
     pub fn iter(&self) -> impl Iterator<Item = PrefixSlot> + '_ {
-        let (few, many) = match self {
-            HeldPrefixes::Few(list) => (Some(list.iter().copied()), None),
-            HeldPrefixes::Many(set) => (None, Some(set.iter().copied())),
-        };
-        few.into_iter().flatten().chain(many.into_iter().flatten())
+        self.in_order().iter().copied()
     }
 }
 

@@ -2,7 +2,7 @@
 
 use super::hot::HotWord;
 use super::info::PageState;
-use super::state::{BlockEntry, PageTag, RequestRecord, TableState};
+use super::state::{BlockEntry, PageTag, PrefixSlot, RequestRecord, TableState};
 use crate::ids::RequestId;
 use crate::violation::{Op, Violation, ViolationKind};
 use std::sync::atomic::Ordering;
@@ -31,13 +31,31 @@ impl TableState {
         // run is checked by `hot_run`, which compares each page's hot word with the word of the
         // run's first page; the page that ends a run gets the full check, and if it passes, its
         // word keys the next run (see `HotWord` for why an equal word is as good as a pass).
+        // Where each page is a prefix of its own (vLLM publishes one per cached block), pages
+        // come in the order the request took the prefixes: `prefix_run` follows that order from
+        // `next`, the held prefix after the last one a page was found in, so such a row is read
+        // from hot words too, not tags.
+        let held = rec.prefixes.in_order();
         let mut expected = HotWord::new(rec.slot, PageState::Owned, true);
+        let mut next = 0;
         let mut i = 0;
         while i < full {
             i += hot_run(&self.hot, &self.tags, &block_table[i..full], expected);
+            let run = prefix_run(&self.hot, &self.tags, &block_table[i..full], &held[next.min(held.len())..]);
+            if run > 0 {
+                i += run;
+                next += run;
+                // The last page's prefix keys the next run: a prefix of several pages goes on.
+                expected = HotWord::new(held[next - 1].index(), PageState::Shared, true);
+                continue;
+            }
             let Some(&entry) = block_table[..full].get(i) else { break };
             self.check_entry(rec, req, i, entry, self.page_size)?;
-            expected = self.hot[entry.page().0 as usize]; // in range: it passed
+            let page = entry.page().0 as usize; // in range: it passed
+            expected = self.hot[page];
+            if self.tags[page].state == PageState::Shared {
+                next = rec.prefixes.position(self.tags[page].prefix()).map_or(next, |at| at + 1);
+            }
             i += 1;
         }
         let tail = (tokens % ps) as u32;
@@ -99,6 +117,24 @@ fn hot_run<E: BlockEntry>(hot: &[HotWord], tags: &[PageTag], entries: &[E], expe
         done += CHUNK;
     }
     done + entries[done..].iter().position(|&entry| mismatch(entry) != 0).unwrap_or(entries.len() - done)
+}
+
+/// How many leading `entries` are whole pages of the prefixes `held`, one page each, in that
+/// order — in the incarnation named, for page refs. A held prefix is live, and a live prefix's
+/// slot index is unique among live prefixes, so a page whose hot word is (shared, whole, held
+/// prefix's index) is a whole page of that prefix: what the full check would pass.
+#[inline(never)]
+fn prefix_run<E: BlockEntry>(hot: &[HotWord], tags: &[PageTag], entries: &[E], held: &[PrefixSlot]) -> usize {
+    let Some(past) = hot.len().checked_sub(1) else { return 0 };
+    entries
+        .iter()
+        .zip(held)
+        .take_while(|&(&entry, &slot)| {
+            let page = entry.page().0 as usize;
+            hot[page.min(past)] == HotWord::new(slot.index(), PageState::Shared, true)
+                && entry.generation().is_none_or(|g| tags.get(page).is_some_and(|tag| tag.generation == g.0))
+        })
+        .count()
 }
 
 #[cfg(test)]
@@ -230,5 +266,57 @@ mod tests {
                 assert_eq!((v.kind(), v.block_index()), (ViolationKind::PageOutOfRange, Some(at as u32)), "{v}");
             }
         }
+    }
+
+    /// vLLM's shape: every cached block a prefix of its own, taken in the order of the row.
+    #[test]
+    fn a_row_of_single_page_prefixes_is_checked_page_by_page() {
+        let t = OwnershipTable::new(PoolConfig::new(64, 4, 200).with_reserved([PageId(0)])).unwrap();
+        let (a, b, c) = (RequestId(1), RequestId(2), RequestId(3));
+        t.admit(a, TenantId(1), 100, 0).unwrap();
+        t.admit(b, TenantId(1), 100, 0).unwrap();
+        t.admit(c, TenantId(2), 100, 0).unwrap();
+        let pa: Vec<PageId> = t.allocate(a, 12).unwrap().iter().map(|r| r.page).collect();
+        t.record_write_tokens(a, &pa, 0..48).unwrap();
+        for (k, &page) in pa.iter().enumerate() {
+            t.publish_prefix(a, PrefixKey(k as u64), &[page]).unwrap();
+        }
+        // b takes the first ten in row order, then two more pages of its own.
+        for k in 0..10 {
+            t.attach_prefix(b, PrefixKey(k)).unwrap();
+        }
+        let own: Vec<PageId> = t.allocate(b, 2).unwrap().iter().map(|r| r.page).collect();
+        t.record_write_tokens(b, &own, 0..8).unwrap();
+        let bt: Vec<PageId> = pa[..10].iter().chain(&own).copied().collect();
+        t.check_read(b, &bt, 48).unwrap();
+        // The same pages out of the order b took them read as well (the full check finds each).
+        let mut shuffled = bt.clone();
+        shuffled.swap(2, 7);
+        shuffled.swap(0, 9);
+        t.check_read(b, &shuffled, 48).unwrap();
+        // A whole page of another request's own, a's pages b does not hold (whole, shared), a
+        // page of another tenant, a free page: refused where they stand, in the prefix run.
+        let pc: Vec<PageId> = t.allocate(c, 1).unwrap().iter().map(|r| r.page).collect();
+        t.record_write_tokens(c, &pc, 0..4).unwrap();
+        for (at, page, kind) in [
+            (0, pa[10], ViolationKind::ForeignPage),
+            (4, pa[11], ViolationKind::ForeignPage),
+            (9, pa[10], ViolationKind::ForeignPage),
+            (3, pc[0], ViolationKind::ForeignPage),
+            (5, PageId(63), ViolationKind::FreedPage),
+            (11, pa[11], ViolationKind::ForeignPage),
+        ] {
+            let mut bad = bt.clone();
+            bad[at] = page;
+            let v = t.check_read(b, &bad, 48).unwrap_err();
+            assert_eq!((v.kind(), v.block_index()), (kind, Some(at as u32)), "{v}");
+        }
+        // A prefix b let go of: its page is foreign at once, before and after the ones it holds.
+        t.detach_prefix(b, PrefixKey(4)).unwrap();
+        let v = t.check_read(b, &bt, 48).unwrap_err();
+        assert_eq!((v.kind(), v.block_index()), (ViolationKind::ForeignPage, Some(4)), "{v}");
+        let mut rest = bt.clone();
+        rest.remove(4);
+        t.check_read(b, &rest, 44).unwrap();
     }
 }
