@@ -2,7 +2,9 @@
 
 use super::hot::HotWord;
 use super::info::{PageState, Released};
-use super::state::{BlockEntry, PrefixRecord, RequestRecord, SPARE_LIST_MAX_CAPACITY, SPARE_LISTS, TableState};
+use super::state::{
+    BlockEntry, ChangeListing, PageTag, PrefixRecord, RequestRecord, SPARE_LIST_MAX_CAPACITY, SPARE_LISTS, TableState,
+};
 use crate::error::Error;
 use crate::ids::{Generation, PageId, PageRef, RequestId, TenantId};
 use crate::violation::{Op, Violation, ViolationKind};
@@ -48,8 +50,7 @@ impl TableState {
     }
 
     pub(crate) fn allocate_into(&mut self, req: RequestId, n: u32, out: &mut Vec<PageRef>) -> Result<(), Error> {
-        // Disjoint borrows, so the loop keeps its counts in registers; the changed list is grown
-        // by `n` and filled by index (see `end_incarnations`).
+        // Disjoint borrows, so the loop keeps its counts in registers.
         let TableState { tags, hot, free, changed, requests, state_counts, tracking_changes, .. } = self;
         let Some(rec) = requests.get_mut(&req) else {
             return Err(Violation::new(ViolationKind::UnknownRequest, Op::Allocate).with_request(req, None).into());
@@ -58,41 +59,22 @@ impl TableState {
             return Err(Error::OutOfPages { requested: u64::from(n), free: free.len() as u64 });
         }
         let start = free.len() - n as usize;
-        let first_link = rec.pages.len();
-        let changed_base = changed.len();
-        // A page is listed as changed at most once, so the list never outgrows the pool; and
-        // while nobody tracks changes no page is listed at all.
-        let tracking = *tracking_changes;
-        let room = if tracking { (n as usize).min(tags.len() - changed_base) } else { 0 };
-        changed.resize(changed_base + room, PageId(0));
-        let changed_slots = &mut changed[changed_base..];
-        let mut changed_count = 0;
         // The top of the free stack, most recently freed last: hand it out from the top down.
-        // `out` is grown first and filled by index, so no length lives in memory across pages.
         let handed = &free[start..];
-        let tags = tags.as_mut_slice(); // its pointer and length stay in registers
-        // As long as `tags`, so a page in range of one needs no second bounds check.
-        let hot = &mut hot[..tags.len()];
-        let owned = HotWord::new(rec.slot, PageState::Owned, false);
+        let tracking = *tracking_changes;
+        let listing = ChangeListing::new(changed, if tracking { handed.len() } else { 0 }, tags.len());
+        // `out` grown first and filled in step with the pages: no length lives in memory
+        // across pages, and no bounds check.
         let out_base = out.len();
-        out.resize(out_base + n as usize, PageRef { page: PageId(0), generation: Generation(0) });
-        let out_slots = &mut out[out_base..];
-        for (k, &page) in handed.iter().rev().enumerate() {
-            let tag = &mut tags[page.0 as usize];
-            debug_assert!(tag.state == PageState::Free && tag.written == 0 && !tag.sparse);
-            out_slots[k] = PageRef { page, generation: Generation(tag.generation) };
-            if tracking && !tag.changed {
-                tag.changed = true;
-                changed_slots[changed_count] = page;
-                changed_count += 1;
-            }
-            tag.set_owner(req);
-            tag.link = (first_link + k) as u32;
-            tag.state = PageState::Owned;
-            hot[page.0 as usize] = owned;
-        }
-        changed.truncate(changed_base + changed_count);
-        rec.pages.extend(free[start..].iter().rev());
+        out.resize(out_base + handed.len(), PageRef { page: PageId(0), generation: Generation(0) });
+        let out = &mut out[out_base..];
+        let listed = if tracking {
+            give_pages::<true>(tags, hot, handed, out, req, rec, listing)
+        } else {
+            give_pages::<false>(tags, hot, handed, out, req, rec, listing)
+        };
+        changed.truncate(listed);
+        rec.pages.extend(handed.iter().rev());
         state_counts[PageState::Free as usize] -= u64::from(n);
         state_counts[PageState::Owned as usize] += u64::from(n);
         free.truncate(start);
@@ -201,38 +183,25 @@ impl TableState {
         }
         if last > first + 1 {
             let middle = &block_table[first + 1..last];
+            // A page owned by `req` has `req`'s slot in its hot word (a live request's slot is
+            // unique, see `HotWord`), so a page id is checked by its word alone; a ref also by
+            // its tag's generation. Checked and written in one pass that keeps each old
+            // watermark, put back if a later page is refused.
             let TableState { tags, hot, changed, page_size, scratch, tracking_changes, .. } = self;
             let ps = *page_size;
-            let tags = tags.as_mut_slice(); // its pointer and length stay in registers
-            // As long as `tags`, so a page in range of one needs no second bounds check.
-            let hot = &mut hot[..tags.len()];
-            let whole = HotWord::new(slot, PageState::Owned, true);
-            // The changed list grown first and filled by index (see `end_incarnations`).
-            let changed_base = changed.len();
-            let room = if *tracking_changes { middle.len().min(tags.len() - changed_base) } else { 0 };
-            changed.resize(changed_base + room, PageId(0));
-            let changed_slots = &mut changed[changed_base..];
-            let mut changed_count = 0;
-            scratch.clear();
-            scratch.resize(middle.len(), 0);
-            let refused = middle.iter().enumerate().position(|(k, entry)| {
-                let page = entry.page();
-                let Some(tag) = tags.get_mut(page.0 as usize) else { return true };
-                let fine = tag.owned_by(req) && entry.generation().is_none_or(|g| g.0 == tag.generation);
-                if !fine {
-                    return true;
-                }
-                scratch[k] = tag.written;
-                tag.written = ps; // a whole-page write: gap or not, every slot is written
-                hot[page.0 as usize] = whole; // an owned page of `req`'s, now whole
-                if room > 0 && !tag.changed {
-                    tag.changed = true;
-                    changed_slots[changed_count] = page;
-                    changed_count += 1;
-                }
-                false
-            });
-            changed.truncate(changed_base + changed_count);
+            // Grown, never cleared: every entry the loop reads back it wrote first.
+            if scratch.len() < middle.len() {
+                scratch.resize(middle.len(), 0);
+            }
+            let tracking = *tracking_changes;
+            let listing = ChangeListing::new(changed, if tracking { middle.len() } else { 0 }, tags.len());
+            let owned = HotWord::new(slot, PageState::Owned, false);
+            let (refused, listed) = if tracking {
+                write_whole::<true, E>(tags, hot, middle, scratch, ps, owned, listing)
+            } else {
+                write_whole::<false, E>(tags, hot, middle, scratch, ps, owned, listing)
+            };
+            changed.truncate(listed);
             if let Some(k) = refused {
                 // Back out in reverse, so a page listed twice gets its first old watermark.
                 // (Pages marked changed stay listed: the device mirror copies an unchanged tag.)
@@ -441,6 +410,84 @@ pub(crate) fn first_repeat<T: Copy + Eq + std::hash::Hash>(items: &[T]) -> Optio
     }
     let mut seen = std::collections::HashSet::with_capacity(items.len());
     items.iter().copied().find(|x| !seen.insert(*x))
+}
+
+/// [`record_write_tokens`](TableState::record_write_tokens)' loop over the whole pages between
+/// the first and last, in order: each checked (owned by the request whose word is `owned`; a
+/// ref also in its incarnation), its old watermark kept in `old` (as long as `pages`), written
+/// up to `page_size` and made whole, and listed as changed if `TRACK`. Returns the index of the
+/// first page refused (the pages before it written, it and those after untouched), and the
+/// change list's new length.
+#[inline(never)] // apart, so only the loop's own values compete for registers
+fn write_whole<const TRACK: bool, E: BlockEntry>(
+    tags: &mut [PageTag],
+    hot: &mut [HotWord],
+    pages: &[E],
+    old: &mut [u32],
+    page_size: u32,
+    owned: HotWord,
+    mut listing: ChangeListing<'_>,
+) -> (Option<usize>, usize) {
+    // As long as `tags`, so a page in range of one needs no second bounds check.
+    let hot = &mut hot[..tags.len()];
+    let whole = owned.with_full(true);
+    // One count for both lists, each cut to it, so neither index needs a bounds check.
+    let n = pages.len().min(old.len());
+    let (pages, old) = (&pages[..n], &mut old[..n]);
+    for k in 0..n {
+        let entry = pages[k];
+        let page = entry.page();
+        let Some(tag) = tags.get_mut(page.0 as usize) else { return (Some(k), listing.finish()) };
+        let word = &mut hot[page.0 as usize];
+        if word.with_full(false) != owned || entry.generation().is_some_and(|g| g.0 != tag.generation) {
+            return (Some(k), listing.finish());
+        }
+        old[k] = tag.written;
+        tag.written = page_size; // a whole-page write: gap or not, every slot is written
+        if TRACK {
+            listing.note(tag, page);
+        }
+        *word = whole; // an owned page of `req`'s, now whole
+    }
+    (None, listing.finish())
+}
+
+/// [`allocate_into`](TableState::allocate_into)'s loop: the free `pages`, top of the stack
+/// first, made `rec`'s (owned by `req`, linked after its current pages), their refs written to
+/// `out` (as long as `pages`), each listed as changed if `TRACK`; returns the change list's new
+/// length.
+#[inline(never)] // apart, so only the loop's own values compete for registers
+fn give_pages<const TRACK: bool>(
+    tags: &mut [PageTag],
+    hot: &mut [HotWord],
+    pages: &[PageId],
+    out: &mut [PageRef],
+    req: RequestId,
+    rec: &RequestRecord,
+    mut listing: ChangeListing<'_>,
+) -> usize {
+    // As long as `tags`, so a page in range of one needs no second bounds check.
+    let hot = &mut hot[..tags.len()];
+    let owned = HotWord::new(rec.slot, PageState::Owned, false);
+    // A page list never outgrows the pool, whose size is a `u32`.
+    let first_link = rec.pages.len() as u32;
+    // One count for both lists, each cut to it, so neither index needs a bounds check.
+    let n = out.len().min(pages.len());
+    let (out, pages) = (&mut out[..n], &pages[..n]);
+    for k in 0..n {
+        let page = pages[n - 1 - k];
+        let tag = &mut tags[page.0 as usize];
+        debug_assert!(tag.state == PageState::Free && tag.written == 0 && !tag.sparse);
+        out[k] = PageRef { page, generation: Generation(tag.generation) };
+        if TRACK {
+            listing.note(tag, page);
+        }
+        tag.set_owner(req);
+        tag.link = first_link + k as u32;
+        tag.state = PageState::Owned;
+        hot[page.0 as usize] = owned;
+    }
+    listing.finish()
 }
 
 /// Calls `f` on every maximal run of consecutive slots of one page in a slot mapping, in order;

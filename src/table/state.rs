@@ -308,6 +308,46 @@ impl RecentlyEnded {
     }
 }
 
+/// The pages one batch loop lists as changed for a device mirror (allocate, write, release):
+/// the change list grown by the batch's size up front and filled by index, then cut to what was
+/// listed, so no length lives in memory across pages (a store-to-load chain per page). A page is
+/// listed at most once (its [`PageTag::changed`]), so the list never outgrows the pool and never
+/// reallocates.
+///
+/// The batch loops take a `TRACK` parameter and note pages only when it is set: a table nobody
+/// mirrors runs a loop with no listing in it at all.
+pub(crate) struct ChangeListing<'a> {
+    slots: &'a mut [PageId],
+    listed: usize,
+    base: usize,
+}
+
+impl<'a> ChangeListing<'a> {
+    /// Room in `changed` for `n` pages of a pool of `pool` pages (`n` = 0 while nobody tracks).
+    #[inline(always)]
+    pub fn new(changed: &'a mut Vec<PageId>, n: usize, pool: usize) -> ChangeListing<'a> {
+        let base = changed.len();
+        // Unlisted pages are distinct and outside `changed[..base]`: at most this many.
+        let room = n.min(pool - base);
+        changed.resize(base + room, PageId(0));
+        ChangeListing { slots: &mut changed[base..], listed: 0, base }
+    }
+    /// Lists `page` (whose tag is `tag`) unless it is listed already.
+    #[inline(always)]
+    pub fn note(&mut self, tag: &mut PageTag, page: PageId) {
+        if !tag.changed {
+            tag.changed = true;
+            self.slots[self.listed] = page;
+            self.listed += 1;
+        }
+    }
+    /// The change list's length now: truncate it to this.
+    #[inline(always)]
+    pub fn finish(self) -> usize {
+        self.base + self.listed
+    }
+}
+
 pub(crate) struct TableState {
     pub page_size: u32,
     pub max_context_tokens: u64,
@@ -530,41 +570,21 @@ impl TableState {
         let next_state = if scrub { PageState::AwaitingScrub } else { PageState::Free };
         // Disjoint borrows, so the loop keeps its counts in registers.
         let TableState { tags, hot, free, changed, tracking_changes, .. } = self;
-        let free_base = free.len();
-        let changed_base = changed.len();
-        // A page is listed as changed at most once, so the list never outgrows the pool; and
-        // while nobody tracks changes no page is listed at all.
         let tracking = *tracking_changes;
-        let room = if tracking { n.min(tags.len() - changed_base) } else { 0 };
-        changed.resize(changed_base + room, PageId(0));
-        let changed_slots = &mut changed[changed_base..];
-        let tags = tags.as_mut_slice(); // its pointer and length stay in registers
-        // As long as `tags`, so a page in range of one needs no second bounds check.
-        let hot = &mut hot[..tags.len()];
-        let next_hot = HotWord::unheld(next_state);
-        let (mut changed_count, mut rare) = (0usize, 0usize);
-        for (i, &page) in pages.iter().enumerate() {
-            // Read before anything is written: a byte loaded just after a neighbouring byte of
-            // the same tag was stored waits for that store to retire.
-            let tag = &mut tags[page.0 as usize];
-            let old = *tag;
-            debug_assert!(old.state == from, "ending a {:?} page as {from:?}", old.state);
-            if tracking && !old.changed {
-                tag.changed = true;
-                changed_slots[changed_count] = page;
-                changed_count += 1;
-            }
-            if old.sparse | old.pinned | (old.generation >= limit) {
-                rare += 1; // left in its old state for the general pass
-                continue;
-            }
-            tag.written = 0;
-            tag.generation = old.generation + 1;
-            tag.state = next_state;
-            tag.link = (free_base + i) as u32;
-            hot[page.0 as usize] = next_hot;
-        }
-        changed.truncate(changed_base + changed_count);
+        let listing = ChangeListing::new(changed, if tracking { n } else { 0 }, tags.len());
+        // The free list never outgrows the pool, whose size is a `u32`.
+        let first_link = free.len() as u32;
+        let ends = Ending { limit, next_state, next_hot: HotWord::unheld(next_state), first_link };
+        debug_assert!(
+            pages.iter().all(|p| tags.get(p.0 as usize).is_some_and(|t| t.state == from)),
+            "ending a page that is not {from:?}"
+        );
+        let (rare, listed) = if tracking {
+            ends.run::<true>(tags, hot, pages, listing)
+        } else {
+            ends.run::<false>(tags, hot, pages, listing)
+        };
+        changed.truncate(listed);
         debug_assert!(matches!(from, PageState::Owned | PageState::Shared));
         self.state_counts[from as usize] -= n as u64;
         released.ended += n as u64;
@@ -708,9 +728,10 @@ impl TableState {
             self.changed.clear();
             self.changed.extend((0..self.tags.len() as u32).map(PageId));
         }
-        // Disjoint borrows; `extend` over a slice's map knows its length, so no push checks
-        // the capacity per page.
+        // Disjoint borrows, and the tags as a slice (its pointer and length stay in registers);
+        // `extend` over a slice's map knows its length, so no push checks the capacity per page.
         let TableState { tags, changed, requests, prefixes, .. } = self;
+        let tags = tags.as_mut_slice();
         // Changed pages come in runs of one owner: its tenant is looked up once per run.
         let mut last_owner: Option<(u64, u64)> = None;
         out.extend(changed.iter().map(|&page| {
@@ -770,6 +791,53 @@ impl TableState {
             self.tags[p.0 as usize].changed = false;
         }
         changed
+    }
+}
+
+/// The fast loop of [`TableState::end_incarnations`]: what an ordinary page becomes.
+struct Ending {
+    limit: u32,
+    next_state: PageState,
+    next_hot: HotWord,
+    /// The free-list index of the first page.
+    first_link: u32,
+}
+
+impl Ending {
+    /// Ends the incarnation of every ordinary page of `pages` (listing each as changed if
+    /// `TRACK`) and leaves the rare ones (retiring, pinned, or with gaps in their coverage) as
+    /// they were; returns how many it left, and the change list's new length.
+    #[inline(never)] // apart, so only the loop's own values compete for registers
+    fn run<const TRACK: bool>(
+        &self,
+        tags: &mut [PageTag],
+        hot: &mut [HotWord],
+        pages: &[PageId],
+        mut listing: ChangeListing<'_>,
+    ) -> (usize, usize) {
+        // As long as `tags`, so a page in range of one needs no second bounds check.
+        let hot = &mut hot[..tags.len()];
+        let (mut rare, mut link) = (0usize, self.first_link);
+        for &page in pages {
+            // Read before anything is written: a byte loaded just after a neighbouring byte of
+            // the same tag was stored waits for that store to retire.
+            let tag = &mut tags[page.0 as usize];
+            let old = *tag;
+            if TRACK {
+                listing.note(tag, page);
+            }
+            if old.sparse | old.pinned | (old.generation >= self.limit) {
+                rare += 1; // left in its old state for the general pass
+            } else {
+                tag.written = 0;
+                tag.generation = old.generation + 1;
+                tag.state = self.next_state;
+                tag.link = link;
+                hot[page.0 as usize] = self.next_hot;
+            }
+            link += 1;
+        }
+        (rare, listing.finish())
     }
 }
 
