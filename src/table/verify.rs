@@ -41,7 +41,8 @@ impl TableState {
         let mut i = 0;
         while i < full {
             i += hot_run(&self.hot, &self.tags, &block_table[i..full], expected);
-            let run = prefix_run(&self.hot, &self.tags, &block_table[i..full], &held[next.min(held.len())..]);
+            let rest = held.get(next..).unwrap_or_default();
+            let run = if rest.is_empty() { 0 } else { prefix_run(&self.hot, &self.tags, &block_table[i..full], rest) };
             if run > 0 {
                 i += run;
                 next += run;
