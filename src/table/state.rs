@@ -375,8 +375,6 @@ pub(crate) struct TableState {
     pub tracking_changes: bool,
     /// Page lists of released requests, emptied, for the next admissions (see `SPARE_LISTS`).
     pub spare_page_lists: Vec<Vec<PageId>>,
-    /// Working space for one operation (old watermarks a refused write puts back).
-    pub scratch: Vec<u32>,
     /// Request slots ([`RequestRecord::slot`]) given back by released requests, for reuse.
     pub spare_request_slots: Vec<u32>,
     /// The next request slot never handed out.
@@ -448,7 +446,6 @@ impl TableState {
             next_ticket: 0,
             tracking_changes: false,
             spare_page_lists: Vec::new(),
-            scratch: Vec::new(),
             spare_request_slots: Vec::new(),
             next_request_slot: 0,
         })
@@ -735,9 +732,11 @@ impl TableState {
         // Changed pages come in runs of one owner: its tenant is looked up once per run.
         let mut last_owner: Option<(u64, u64)> = None;
         out.extend(changed.iter().map(|&page| {
-            let tag = &mut tags[page.0 as usize];
-            tag.changed = false;
-            let tag = *tag;
+            // Read whole before the flag is cleared: a byte loaded just after a neighbouring
+            // byte of the same tag was stored waits for that store to retire.
+            let slot = &mut tags[page.0 as usize];
+            let tag = *slot;
+            slot.changed = false;
             let (owner, tenant, flags) = match tag.state {
                 PageState::Owned => {
                     let tenant = match last_owner {
