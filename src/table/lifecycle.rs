@@ -484,14 +484,18 @@ fn give_pages<const TRACK: bool>(
         let page = pages[n - 1 - k];
         let tag = &mut tags[page.0 as usize];
         debug_assert!(tag.state == PageState::Free && tag.written == 0 && !tag.sparse);
-        out[k] = PageRef { page, generation: Generation(tag.generation) };
-        if TRACK {
-            listing.note(tag, page);
-        }
+        let (generation, listed_already) = (tag.generation, tag.changed);
+        out[k] = PageRef { page, generation: Generation(generation) };
         tag.set_owner(req);
         tag.link = first_link + k as u32;
         tag.state = PageState::Owned;
+        if TRACK {
+            tag.changed = true; // beside `state`: the two bytes stored at once
+        }
         hot[page.0 as usize] = owned;
+        if TRACK {
+            listing.list_unless(page, listed_already);
+        }
     }
     listing.finish()
 }

@@ -341,6 +341,18 @@ impl<'a> ChangeListing<'a> {
             self.listed += 1;
         }
     }
+    /// Lists `page` unless `listed_already` (its tag's [`PageTag::changed`] before the caller
+    /// set it), without a branch: the page is stored at the next place either way, and the
+    /// place is kept only if the page was not listed. For loops that set the flag with the
+    /// tag's other fields, so the stores can merge.
+    #[inline(always)]
+    pub fn list_unless(&mut self, page: PageId, listed_already: bool) {
+        // An unlisted page always has a place (see `new`); a listed one may find none.
+        if let Some(place) = self.slots.get_mut(self.listed) {
+            *place = page;
+        }
+        self.listed += usize::from(!listed_already);
+    }
     /// The change list's length now: truncate it to this.
     #[inline(always)]
     pub fn finish(self) -> usize {
@@ -822,8 +834,9 @@ impl Ending {
             // the same tag was stored waits for that store to retire.
             let tag = &mut tags[page.0 as usize];
             let old = *tag;
-            if TRACK {
-                listing.note(tag, page);
+            if TRACK && !old.changed {
+                tag.changed = true;
+                listing.list_unless(page, false);
             }
             if old.sparse | old.pinned | (old.generation >= self.limit) {
                 rare += 1; // left in its old state for the general pass
