@@ -185,33 +185,21 @@ impl TableState {
             let middle = &block_table[first + 1..last];
             // A page owned by `req` has `req`'s slot in its hot word (a live request's slot is
             // unique, see `HotWord`), so a page id is checked by its word alone; a ref also by
-            // its tag's generation. Checked and written in one pass that keeps each old
-            // watermark, put back if a later page is refused.
-            let TableState { tags, hot, changed, page_size, scratch, tracking_changes, .. } = self;
-            let ps = *page_size;
-            // Grown, never cleared: every entry the loop reads back it wrote first.
-            if scratch.len() < middle.len() {
-                scratch.resize(middle.len(), 0);
-            }
-            let tracking = *tracking_changes;
-            let listing = ChangeListing::new(changed, if tracking { middle.len() } else { 0 }, tags.len());
+            // its tag's generation. All checked first (loads only), then all written: a refusal
+            // leaves nothing to put back.
             let owned = HotWord::new(slot, PageState::Owned, false);
-            let (refused, listed) = if tracking {
-                write_whole::<true, E>(tags, hot, middle, scratch, ps, owned, listing)
-            } else {
-                write_whole::<false, E>(tags, hot, middle, scratch, ps, owned, listing)
-            };
-            changed.truncate(listed);
-            if let Some(k) = refused {
-                // Back out in reverse, so a page listed twice gets its first old watermark.
-                // (Pages marked changed stay listed: the device mirror copies an unchanged tag.)
-                for (entry, &old) in middle[..k].iter().zip(&scratch[..k]).rev() {
-                    tags[entry.page().0 as usize].written = old;
-                    let word = &mut hot[entry.page().0 as usize];
-                    *word = word.with_full(old >= ps);
-                }
+            if let Some(k) = first_unwritable(&self.tags, &self.hot, middle, owned) {
                 return Err(self.write_refusal(op, req, first + 1 + k, middle[k]));
             }
+            let TableState { tags, hot, changed, page_size, tracking_changes, .. } = self;
+            let tracking = *tracking_changes;
+            let listing = ChangeListing::new(changed, if tracking { middle.len() } else { 0 }, tags.len());
+            let listed = if tracking {
+                write_whole::<true, E>(tags, hot, middle, *page_size, owned, listing)
+            } else {
+                write_whole::<false, E>(tags, hot, middle, *page_size, owned, listing)
+            };
+            changed.truncate(listed);
         }
         let ps = u64::from(self.page_size);
         let slots = |b: usize| {
@@ -412,44 +400,62 @@ pub(crate) fn first_repeat<T: Copy + Eq + std::hash::Hash>(items: &[T]) -> Optio
     items.iter().copied().find(|x| !seen.insert(*x))
 }
 
+/// The first of the whole pages [`record_write_tokens`](TableState::record_write_tokens) writes
+/// between the first and last that may not be written: not owned by the request whose word is
+/// `owned` (any watermark), or, for a ref, not in its incarnation. Reads only.
+///
+/// Like the read check's run of hot words: eight entries at a time, their mismatches ORed
+/// together (one branch per eight pages), a page id past the pool clamped onto the word after the
+/// last page's, which matches no page; the first chunk with a mismatch is then scanned page by
+/// page.
+#[inline(never)] // apart, so only the loop's own values compete for registers
+fn first_unwritable<E: BlockEntry>(tags: &[PageTag], hot: &[HotWord], pages: &[E], owned: HotWord) -> Option<usize> {
+    // `hot` ends with the word past the pool; without it nothing is writable (fail closed).
+    let Some(past) = hot.len().checked_sub(1) else { return (!pages.is_empty()).then_some(0) };
+    // Non-zero when `entry` may not be written.
+    let unwritable = |entry: E| {
+        let page = entry.page().0 as usize;
+        let stale = entry.generation().is_some_and(|g| tags.get(page).is_none_or(|tag| tag.generation != g.0));
+        hot[page.min(past)].with_full(false).differs(owned) | u64::from(stale)
+    };
+    const CHUNK: usize = 8;
+    let mut done = 0;
+    for chunk in pages.as_chunks::<CHUNK>().0 {
+        if chunk.iter().fold(0, |any, &entry| any | unwritable(entry)) != 0 {
+            break;
+        }
+        done += CHUNK;
+    }
+    pages[done..].iter().position(|&entry| unwritable(entry) != 0).map(|k| done + k)
+}
+
 /// [`record_write_tokens`](TableState::record_write_tokens)' loop over the whole pages between
-/// the first and last, in order: each checked (owned by the request whose word is `owned`; a
-/// ref also in its incarnation), its old watermark kept in `old` (as long as `pages`), written
-/// up to `page_size` and made whole, and listed as changed if `TRACK`. Returns the index of the
-/// first page refused (the pages before it written, it and those after untouched), and the
-/// change list's new length.
+/// the first and last, all checked writable ([`first_unwritable`]): each written up to
+/// `page_size` and made whole (its word becomes `owned`'s, whole), and listed as changed if
+/// `TRACK`. Returns the change list's new length.
 #[inline(never)] // apart, so only the loop's own values compete for registers
 fn write_whole<const TRACK: bool, E: BlockEntry>(
     tags: &mut [PageTag],
     hot: &mut [HotWord],
     pages: &[E],
-    old: &mut [u32],
     page_size: u32,
     owned: HotWord,
     mut listing: ChangeListing<'_>,
-) -> (Option<usize>, usize) {
+) -> usize {
     // As long as `tags`, so a page in range of one needs no second bounds check.
     let hot = &mut hot[..tags.len()];
     let whole = owned.with_full(true);
-    // One count for both lists, each cut to it, so neither index needs a bounds check.
-    let n = pages.len().min(old.len());
-    let (pages, old) = (&pages[..n], &mut old[..n]);
-    for k in 0..n {
-        let entry = pages[k];
+    for &entry in pages {
         let page = entry.page();
-        let Some(tag) = tags.get_mut(page.0 as usize) else { return (Some(k), listing.finish()) };
-        let word = &mut hot[page.0 as usize];
-        if word.with_full(false) != owned || entry.generation().is_some_and(|g| g.0 != tag.generation) {
-            return (Some(k), listing.finish());
-        }
-        old[k] = tag.written;
-        tag.written = page_size; // a whole-page write: gap or not, every slot is written
+        // Checked by `first_unwritable`: in range. A page listed twice is written twice, alike.
+        let Some(tag) = tags.get_mut(page.0 as usize) else { continue };
         if TRACK {
-            listing.note(tag, page);
+            listing.note(tag, page); // first: it loads a byte of the tag
         }
-        *word = whole; // an owned page of `req`'s, now whole
+        tag.written = page_size; // a whole-page write: gap or not, every slot is written
+        hot[page.0 as usize] = whole;
     }
-    (None, listing.finish())
+    listing.finish()
 }
 
 /// [`allocate_into`](TableState::allocate_into)'s loop: the free `pages`, top of the stack
@@ -478,14 +484,18 @@ fn give_pages<const TRACK: bool>(
         let page = pages[n - 1 - k];
         let tag = &mut tags[page.0 as usize];
         debug_assert!(tag.state == PageState::Free && tag.written == 0 && !tag.sparse);
-        out[k] = PageRef { page, generation: Generation(tag.generation) };
-        if TRACK {
-            listing.note(tag, page);
-        }
+        let (generation, listed_already) = (tag.generation, tag.changed);
+        out[k] = PageRef { page, generation: Generation(generation) };
         tag.set_owner(req);
         tag.link = first_link + k as u32;
         tag.state = PageState::Owned;
+        if TRACK {
+            tag.changed = true; // beside `state`: the two bytes stored at once
+        }
         hot[page.0 as usize] = owned;
+        if TRACK {
+            listing.list_unless(page, listed_already);
+        }
     }
     listing.finish()
 }

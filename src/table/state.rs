@@ -341,6 +341,18 @@ impl<'a> ChangeListing<'a> {
             self.listed += 1;
         }
     }
+    /// Lists `page` unless `listed_already` (its tag's [`PageTag::changed`] before the caller
+    /// set it), without a branch: the page is stored at the next place either way, and the
+    /// place is kept only if the page was not listed. For loops that set the flag with the
+    /// tag's other fields, so the stores can merge.
+    #[inline(always)]
+    pub fn list_unless(&mut self, page: PageId, listed_already: bool) {
+        // An unlisted page always has a place (see `new`); a listed one may find none.
+        if let Some(place) = self.slots.get_mut(self.listed) {
+            *place = page;
+        }
+        self.listed += usize::from(!listed_already);
+    }
     /// The change list's length now: truncate it to this.
     #[inline(always)]
     pub fn finish(self) -> usize {
@@ -375,8 +387,6 @@ pub(crate) struct TableState {
     pub tracking_changes: bool,
     /// Page lists of released requests, emptied, for the next admissions (see `SPARE_LISTS`).
     pub spare_page_lists: Vec<Vec<PageId>>,
-    /// Working space for one operation (old watermarks a refused write puts back).
-    pub scratch: Vec<u32>,
     /// Request slots ([`RequestRecord::slot`]) given back by released requests, for reuse.
     pub spare_request_slots: Vec<u32>,
     /// The next request slot never handed out.
@@ -448,7 +458,6 @@ impl TableState {
             next_ticket: 0,
             tracking_changes: false,
             spare_page_lists: Vec::new(),
-            scratch: Vec::new(),
             spare_request_slots: Vec::new(),
             next_request_slot: 0,
         })
@@ -735,9 +744,11 @@ impl TableState {
         // Changed pages come in runs of one owner: its tenant is looked up once per run.
         let mut last_owner: Option<(u64, u64)> = None;
         out.extend(changed.iter().map(|&page| {
-            let tag = &mut tags[page.0 as usize];
-            tag.changed = false;
-            let tag = *tag;
+            // Read whole before the flag is cleared: a byte loaded just after a neighbouring
+            // byte of the same tag was stored waits for that store to retire.
+            let slot = &mut tags[page.0 as usize];
+            let tag = *slot;
+            slot.changed = false;
             let (owner, tenant, flags) = match tag.state {
                 PageState::Owned => {
                     let tenant = match last_owner {
@@ -823,8 +834,9 @@ impl Ending {
             // the same tag was stored waits for that store to retire.
             let tag = &mut tags[page.0 as usize];
             let old = *tag;
-            if TRACK {
-                listing.note(tag, page);
+            if TRACK && !old.changed {
+                tag.changed = true;
+                listing.list_unless(page, false);
             }
             if old.sparse | old.pinned | (old.generation >= self.limit) {
                 rare += 1; // left in its old state for the general pass
