@@ -113,8 +113,8 @@ mod tests {
             1 => r().prop_map(Step::Release),
             1 => (r(), prop::collection::vec(0u8..8, 0..3)).prop_map(|(a, b)| Step::ReleasePages(a, b)),
             1 => r().prop_map(Step::Preempt),
-            1 => (r(), 0u8..4, 0u8..6).prop_map(|(a, b, c)| Step::Publish(a, b, c)),
-            1 => (r(), 0u8..4).prop_map(|(a, b)| Step::Attach(a, b)),
+            3 => (r(), 0u8..4, 0u8..6).prop_map(|(a, b, c)| Step::Publish(a, b, c)),
+            3 => (r(), 0u8..4).prop_map(|(a, b)| Step::Attach(a, b)),
             1 => (r(), 0u8..4).prop_map(|(a, b)| Step::Detach(a, b)),
             1 => (0u8..4).prop_map(Step::Evict),
             1 => (r(), r()).prop_map(|(a, b)| Step::Fork(a, b)),
@@ -224,7 +224,13 @@ mod tests {
                         *entry = PageRef { page: swap, generation };
                     }
                     let ids: Vec<PageId> = refs.iter().map(|r| r.page).collect();
-                    let tokens = u64::from(*tokens) % (refs.len() as u64 * u64::from(PS) + 2);
+                    // The whole view too: every page a full one, the swapped one included.
+                    let whole = refs.len() as u64 * u64::from(PS);
+                    prop_assert_eq!(
+                        state.check_read(req(*r), &ids, whole),
+                        state.check_read_reference(req(*r), &ids, whole)
+                    );
+                    let tokens = u64::from(*tokens) % (whole + 2);
                     prop_assert_eq!(
                         state.check_read(req(*r), &ids, tokens),
                         state.check_read_reference(req(*r), &ids, tokens)
