@@ -15,18 +15,7 @@ impl TableState {
         block_table: &[E],
         tokens: u64,
     ) -> Result<(), Violation> {
-        let Some(rec) = self.requests.get(&req) else {
-            return Err(Violation::new(ViolationKind::UnknownRequest, Op::Read).with_request(req, None));
-        };
-        if rec.quarantined.load(Ordering::Relaxed) {
-            return Err(self.violation(ViolationKind::Quarantined, Op::Read, req));
-        }
-        let ps = u64::from(self.page_size);
-        let covered = (block_table.len() as u64).saturating_mul(ps);
-        if tokens > covered {
-            return Err(self.violation(ViolationKind::BlockTableTooShort, Op::Read, req).with_amounts(tokens, covered));
-        }
-        let full = (tokens / ps) as usize;
+        let (rec, full) = self.read_start(req, block_table.len(), tokens)?;
         // Full pages come in runs of one holder: the request's own pages, a prefix's pages. A
         // run is checked by `hot_run`, which compares each page's hot word with the word of the
         // run's first page; the page that ends a run gets the full check, and if it passes, its
@@ -59,11 +48,29 @@ impl TableState {
             }
             i += 1;
         }
-        let tail = (tokens % ps) as u32;
+        let tail = (tokens % u64::from(self.page_size)) as u32;
         if tail > 0 {
             self.check_entry(rec, req, full, block_table[full], tail)?;
         }
         Ok(())
+    }
+
+    /// What every read checks first: `req` is live and not quarantined, and a block table of
+    /// `entries` entries covers `tokens`. Its record, and how many of the entries are whole pages.
+    #[inline(always)]
+    fn read_start(&self, req: RequestId, entries: usize, tokens: u64) -> Result<(&RequestRecord, usize), Violation> {
+        let Some(rec) = self.requests.get(&req) else {
+            return Err(Violation::new(ViolationKind::UnknownRequest, Op::Read).with_request(req, None));
+        };
+        if rec.quarantined.load(Ordering::Relaxed) {
+            return Err(self.violation(ViolationKind::Quarantined, Op::Read, req));
+        }
+        let ps = u64::from(self.page_size);
+        let covered = (entries as u64).saturating_mul(ps);
+        if tokens > covered {
+            return Err(self.violation(ViolationKind::BlockTableTooShort, Op::Read, req).with_amounts(tokens, covered));
+        }
+        Ok((rec, (tokens / ps) as usize))
     }
 
     /// One page of a read: slots `0..need` of `entry`'s page.
@@ -148,22 +155,11 @@ impl TableState {
         block_table: &[E],
         tokens: u64,
     ) -> Result<(), Violation> {
-        let Some(rec) = self.requests.get(&req) else {
-            return Err(Violation::new(ViolationKind::UnknownRequest, Op::Read).with_request(req, None));
-        };
-        if rec.quarantined.load(Ordering::Relaxed) {
-            return Err(self.violation(ViolationKind::Quarantined, Op::Read, req));
-        }
-        let ps = u64::from(self.page_size);
-        let covered = (block_table.len() as u64).saturating_mul(ps);
-        if tokens > covered {
-            return Err(self.violation(ViolationKind::BlockTableTooShort, Op::Read, req).with_amounts(tokens, covered));
-        }
-        let full = (tokens / ps) as usize;
+        let (rec, full) = self.read_start(req, block_table.len(), tokens)?;
         for (i, &entry) in block_table[..full].iter().enumerate() {
             self.check_entry(rec, req, i, entry, self.page_size)?;
         }
-        let tail = (tokens % ps) as u32;
+        let tail = (tokens % u64::from(self.page_size)) as u32;
         if tail > 0 {
             self.check_entry(rec, req, full, block_table[full], tail)?;
         }
