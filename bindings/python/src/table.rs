@@ -269,27 +269,8 @@ impl OwnershipTable {
         }
         let lens = IntArray::open(seq_lens, "seq_lens", 1)?.counts(n, "seq_lens")?;
         let ps = u64::from(self.table.page_size());
-        // int32 rows are borrowed as they are; other rows are converted into one buffer.
         let mut converted = Vec::new();
-        let mut spans = Vec::new();
-        if bt.row_pages(0).is_none() && n > 0 {
-            for (i, &tokens) in lens.iter().enumerate() {
-                let need = usize::try_from(tokens.div_ceil(ps)).unwrap_or(usize::MAX).min(bt.width());
-                let start = converted.len();
-                bt.row_pages_into(i, need, &mut converted);
-                spans.push(start..converted.len());
-            }
-        }
-        let reads: Vec<SeqRead<'_>> = (0..n)
-            .map(|i| SeqRead {
-                request: requests[i],
-                block_table: match bt.row_pages(i) {
-                    Some(row) => row,
-                    None => &converted[spans[i].clone()],
-                },
-                tokens: lens[i],
-            })
-            .collect();
+        let reads = rows_as_reads(&bt, &requests, &lens, ps, &mut converted);
         let table = &self.table;
         let v = py.detach(|| if judged { table.verify_step(&reads) } else { table.check_step(&reads) });
         drop(reads);
@@ -1347,33 +1328,50 @@ impl OwnershipTable {
         let refused = self.refused_events(py, applied)?;
         // The reads name the requests as they read after the events (as verify_step would).
         let requests = if crate::events::renames(&events) { self.step_requests(req_ids)? } else { requests };
-        // int32 rows are borrowed as they are; other rows are converted into one buffer.
+        let tokens: Vec<u64> = (0..n).map(|i| computed[i] + scheduled[i]).collect();
         let mut converted = Vec::new();
-        let mut spans = Vec::new();
-        if n > 0 && bt.row_pages(0).is_none() {
-            for i in 0..n {
-                let need =
-                    usize::try_from((computed[i] + scheduled[i]).div_ceil(ps)).unwrap_or(usize::MAX).min(bt.width());
-                let start = converted.len();
-                bt.row_pages_into(i, need, &mut converted);
-                spans.push(start..converted.len());
-            }
-        }
-        let reads: Vec<SeqRead<'_>> = (0..n)
-            .map(|i| SeqRead {
-                request: requests[i],
-                block_table: match bt.row_pages(i) {
-                    Some(row) => row,
-                    None => &converted[spans[i].clone()],
-                },
-                tokens: computed[i] + scheduled[i],
-            })
-            .collect();
+        let reads = rows_as_reads(&bt, &requests, &tokens, ps, &mut converted);
         let read = py.detach(|| resolved(names, table.verify_step(&reads)));
         drop(reads);
         let read = judged_verdict(py, read, n)?;
         Ok((written, refused, read))
     }
+}
+
+/// The step's reads from a 2-D block table: request `i` reads its first `tokens[i]` tokens
+/// through row `i` (`tokens` and `requests` as long as each other, at most the table's rows).
+/// int32 rows are borrowed as they are; other rows are converted into `converted`, one buffer
+/// for all, only the pages each read covers.
+fn rows_as_reads<'a>(
+    bt: &'a IntArray<'_>,
+    requests: &[RequestId],
+    tokens: &[u64],
+    page_size: u64,
+    converted: &'a mut Vec<PageId>,
+) -> Vec<SeqRead<'a>> {
+    let mut spans = Vec::new();
+    if !tokens.is_empty() && bt.row_pages(0).is_none() {
+        for (i, &t) in tokens.iter().enumerate() {
+            let need = usize::try_from(t.div_ceil(page_size)).unwrap_or(usize::MAX).min(bt.width());
+            let start = converted.len();
+            bt.row_pages_into(i, need, converted);
+            spans.push(start..converted.len());
+        }
+    }
+    let converted: &'a Vec<PageId> = converted;
+    requests
+        .iter()
+        .zip(tokens)
+        .enumerate()
+        .map(|(i, (&request, &tokens))| SeqRead {
+            request,
+            block_table: match bt.row_pages(i) {
+                Some(row) => row,
+                None => &converted[spans[i].clone()],
+            },
+            tokens,
+        })
+        .collect()
 }
 
 impl OwnershipTable {
