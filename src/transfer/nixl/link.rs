@@ -405,9 +405,9 @@ impl<'a> NixlLink<'a> {
     /// Waits for the notice that carries the manifest (`Written` for a push, `Staged` for a
     /// pull) and, for a push in parts, for as many `Part`s as it counts. Each part's pinned pages
     /// are checksummed as its notice comes (NIXL delivers it after that part's data), on this
-    /// thread, while the later parts wait in the socket's buffers. Returns the notice and each pinned page's early (length, CRC32): none for a
-    /// page named twice, not pinned, longer than a page, or unreadable (checked after the
-    /// transfer like any other).
+    /// thread, while the later parts wait in the socket's buffers. Returns the notice and each
+    /// pinned page's early (length, CRC32): none for a page named twice, not pinned, longer than
+    /// a page, or unreadable (checked after the transfer like any other).
     fn wait_carrying<R: PageRegion + ?Sized>(
         &mut self,
         direction: Direction,
