@@ -540,9 +540,10 @@ impl NixlLink {
         Ok(self.link.try_lock().ok_or_else(|| busy("link"))?.malformed())
     }
 
-    /// Prefill, push: WRITEs `region`'s (a HostRegion or an EnginePool) extents `src` ([(page, length)]) into the peer's pages
-    /// `dest` (ints or PageRefs, position by position) with the manifest (bytes) as the
-    /// transfer's notification, delivered after the data; `request` is decode's int id.
+    /// Prefill, push: WRITEs `region`'s (a HostRegion or an EnginePool) extents `src`
+    /// ([(page, length)]) into the peer's pages `dest` (ints or PageRefs, position by position)
+    /// with the manifest (bytes) as the transfer's notification, delivered after the data;
+    /// `request` is decode's int id.
     /// Returns when the transfer completed; NixlError otherwise.
     #[pyo3(signature = (region, src, dest, request, manifest, *, timeout = 20.0))]
     #[allow(clippy::too_many_arguments)]

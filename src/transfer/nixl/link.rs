@@ -136,9 +136,9 @@ impl<'a> NixlLink<'a> {
     /// Prefill, push: WRITEs `local`'s extents into the peer's pages `dest` (position by
     /// position, same lengths) with the notice `Written { dest extents, manifest }` as the
     /// transfer's notification (NIXL delivers it after the data). With parts on
-    /// ([`set_parts`](Self::set_parts)), a larger transfer goes as several WRITEs posted at once, each but the last notified by a `Part`
-    /// notice naming its extents, the last by `Written` (every extent, the manifest, the number
-    /// of parts). Waits for completion.
+    /// ([`set_parts`](Self::set_parts)), a larger transfer goes as several WRITEs posted at once,
+    /// each but the last notified by a `Part` notice naming its extents, the last by `Written`
+    /// (every extent, the manifest, the number of parts). Waits for completion.
     pub fn push<R: PageRegion + ?Sized>(
         &self,
         local: &R,
