@@ -197,6 +197,14 @@ pub fn parse(events: &Bound<'_, PyAny>) -> PyResult<Vec<Event>> {
     Ok(out)
 }
 
+/// [`parse`] of an optional list: None (or Python's None) is no events.
+pub fn parse_optional(events: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<Event>> {
+    match events {
+        Some(e) if !e.is_none() => parse(e),
+        _ => Ok(Vec::new()),
+    }
+}
+
 /// Whether applying `events` may change which id a str request reads as (an admission interns
 /// it, a release forgets it).
 pub fn renames(events: &[Event]) -> bool {

@@ -1297,8 +1297,65 @@ impl OwnershipTable {
         num_scheduled_tokens: &Bound<'_, PyAny>,
         events: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<(StepVerdict, crate::events::RefusedForPython, StepVerdict)> {
-        let requests = self.step_requests(req_ids)?;
-        let n = requests.len();
+        let step = StepArrays::open(req_ids, block_table, num_computed_tokens, num_scheduled_tokens)?;
+        let late = crate::events::parse_optional(events)?;
+        let (_, written, refused, read) = self.worker_step(py, &step, Vec::new(), late)?;
+        Ok((written, refused, read))
+    }
+
+    /// vLLM's whole worker step in one call, the GIL released once: applies the step's `early`
+    /// events (admissions, claims, evictions, releases, preemptions, as apply_events), then what
+    /// record_and_verify_step does with `late` as its events (the writes, the late events, the
+    /// reads). One entry instead of apply_events + record_and_verify_step: the same judgements,
+    /// in the same order.
+    ///
+    /// Every event of both lists and every array is checked before anything is applied. The
+    /// requests of req_ids are read after the early events (a request they admit or release
+    /// reads as it does then). Returns (refused_early, writes, refused_late, reads): the refused
+    /// events of each list as [(index, Violation)] and the two StepVerdicts. An error that is not
+    /// a violation (e.g. OutOfPagesError) is raised at the event that hit it, with what came
+    /// before it applied.
+    #[pyo3(signature = (early, req_ids, block_table, num_computed_tokens, num_scheduled_tokens, late = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn apply_record_and_verify_step(
+        &self,
+        py: Python<'_>,
+        early: Option<&Bound<'_, PyAny>>,
+        req_ids: &Bound<'_, PyAny>,
+        block_table: &Bound<'_, PyAny>,
+        num_computed_tokens: &Bound<'_, PyAny>,
+        num_scheduled_tokens: &Bound<'_, PyAny>,
+        late: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<StepOutcome> {
+        let early = crate::events::parse_optional(early)?;
+        let step = StepArrays::open(req_ids, block_table, num_computed_tokens, num_scheduled_tokens)?;
+        let late = crate::events::parse_optional(late)?;
+        self.worker_step(py, &step, early, late)
+    }
+}
+
+/// What apply_record_and_verify_step returns: (refused early events, writes, refused late
+/// events, reads).
+type StepOutcome = (crate::events::RefusedForPython, StepVerdict, crate::events::RefusedForPython, StepVerdict);
+
+/// A worker step's arrays, opened and checked (before any event is applied).
+struct StepArrays<'a, 'py> {
+    req_ids: &'a Bound<'py, PyAny>,
+    /// Requests in the step (req_ids' length).
+    n: usize,
+    bt: IntArray<'a>,
+    computed: Vec<u64>,
+    scheduled: Vec<u64>,
+}
+
+impl<'a, 'py> StepArrays<'a, 'py> {
+    fn open(
+        req_ids: &'a Bound<'py, PyAny>,
+        block_table: &'a Bound<'py, PyAny>,
+        num_computed_tokens: &'a Bound<'py, PyAny>,
+        num_scheduled_tokens: &'a Bound<'py, PyAny>,
+    ) -> PyResult<Self> {
+        let n = req_ids.len()?;
         let bt = IntArray::open(block_table, "block_table", 2)?;
         if bt.len() < n {
             return Err(PyValueError::new_err(format!("block_table has {} rows, {n} requests given", bt.len())));
@@ -1307,35 +1364,87 @@ impl OwnershipTable {
             IntArray::open(num_computed_tokens, "num_computed_tokens", 1)?.counts(n, "num_computed_tokens")?;
         let scheduled =
             IntArray::open(num_scheduled_tokens, "num_scheduled_tokens", 1)?.counts(n, "num_scheduled_tokens")?;
-        let events = match events {
-            Some(e) if !e.is_none() => crate::events::parse(e)?,
-            _ => Vec::new(),
-        };
+        Ok(StepArrays { req_ids, n, bt, computed, scheduled })
+    }
+}
+
+impl OwnershipTable {
+    /// The early events, the writes, the late events and the reads of a worker step, in that
+    /// order. The GIL is released once when no event admits or releases a request (a decode
+    /// step), else around each stage, the requests re-read after the events that rename them.
+    fn worker_step(
+        &self,
+        py: Python<'_>,
+        step: &StepArrays<'_, '_>,
+        early: Vec<crate::events::Event>,
+        late: Vec<crate::events::Event>,
+    ) -> PyResult<StepOutcome> {
+        let n = step.n;
         let ps = u64::from(self.table.page_size());
-        let (slots, qsl) = row_slots(&bt, &computed, &scheduled, ps)?;
-        let writes: Vec<SeqWrite<'_>> =
-            (0..n).map(|i| SeqWrite { request: requests[i], slots: &slots[qsl[i]..qsl[i + 1]] }).collect();
+        let (slots, qsl) = row_slots(&step.bt, &step.computed, &step.scheduled, ps)?;
+        let tokens: Vec<u64> = (0..n).map(|i| step.computed[i] + step.scheduled[i]).collect();
         let (table, names) = (&self.table, &self.names);
+        let apply = |events: &[crate::events::Event]| {
+            if events.is_empty() { Ok(Vec::new()) } else { crate::events::apply(table, names, events) }
+        };
+        let mut converted = Vec::new();
+        if !crate::events::renames(&early) && !crate::events::renames(&late) {
+            // A decode step: the requests read the same throughout; one release of the GIL.
+            let requests = self.step_requests(step.req_ids)?;
+            check_request_count(&requests, n)?;
+            let writes: Vec<SeqWrite<'_>> =
+                (0..n).map(|i| SeqWrite { request: requests[i], slots: &slots[qsl[i]..qsl[i + 1]] }).collect();
+            let reads = rows_as_reads(&step.bt, &requests, &tokens, ps, &mut converted);
+            let (applied_early, written, applied_late, read) = py.detach(|| {
+                let applied_early = apply(&early);
+                if applied_early.is_err() {
+                    // Raised below before anything else is read; nothing after it runs.
+                    return (applied_early, Vec::new(), Ok(Vec::new()), Vec::new());
+                }
+                let written = resolved(names, table.record_step_writes(&writes));
+                let applied_late = apply(&late);
+                let read = if applied_late.is_ok() { resolved(names, table.verify_step(&reads)) } else { Vec::new() };
+                (applied_early, written, applied_late, read)
+            });
+            drop((writes, reads));
+            let refused_early = self.refused_events(py, applied_early)?;
+            let written = judged_verdict(py, written, n)?;
+            let refused_late = self.refused_events(py, applied_late)?;
+            let read = judged_verdict(py, read, n)?;
+            return Ok((refused_early, written, refused_late, read));
+        }
+        let applied_early = py.detach(|| apply(&early));
+        let refused_early = self.refused_events(py, applied_early)?;
         // Each verdict's ids are resolved as they read at its stage (a released request's str
         // is forgotten by the events that follow).
-        let (written, applied) = py.detach(|| {
+        let requests = self.step_requests(step.req_ids)?;
+        check_request_count(&requests, n)?;
+        let writes: Vec<SeqWrite<'_>> =
+            (0..n).map(|i| SeqWrite { request: requests[i], slots: &slots[qsl[i]..qsl[i + 1]] }).collect();
+        let (written, applied_late) = py.detach(|| {
             let written = resolved(names, table.record_step_writes(&writes));
-            let applied = if events.is_empty() { Ok(Vec::new()) } else { crate::events::apply(table, names, &events) };
-            (written, applied)
+            (written, apply(&late))
         });
         drop(writes);
         let written = judged_verdict(py, written, n)?;
-        let refused = self.refused_events(py, applied)?;
+        let refused_late = self.refused_events(py, applied_late)?;
         // The reads name the requests as they read after the events (as verify_step would).
-        let requests = if crate::events::renames(&events) { self.step_requests(req_ids)? } else { requests };
-        let tokens: Vec<u64> = (0..n).map(|i| computed[i] + scheduled[i]).collect();
-        let mut converted = Vec::new();
-        let reads = rows_as_reads(&bt, &requests, &tokens, ps, &mut converted);
+        let requests = if crate::events::renames(&late) { self.step_requests(step.req_ids)? } else { requests };
+        check_request_count(&requests, n)?;
+        let reads = rows_as_reads(&step.bt, &requests, &tokens, ps, &mut converted);
         let read = py.detach(|| resolved(names, table.verify_step(&reads)));
         drop(reads);
         let read = judged_verdict(py, read, n)?;
-        Ok((written, refused, read))
+        Ok((refused_early, written, refused_late, read))
     }
+}
+
+/// req_ids read as many requests as it had when the step's arrays were checked.
+fn check_request_count(requests: &[RequestId], n: usize) -> PyResult<()> {
+    if requests.len() != n {
+        return Err(PyValueError::new_err(format!("req_ids changed while it was read ({n} then {})", requests.len())));
+    }
+    Ok(())
 }
 
 /// The step's reads from a 2-D block table: request `i` reads its first `tokens[i]` tokens

@@ -194,3 +194,64 @@ def test_record_and_verify_step_rejects_bad_arrays(table):
     # row): refused, not a crash.
     w, _, r = table.record_and_verify_step(["a"], bt, np.array([40]), np.array([2]))
     assert not w.clean and not r.clean
+
+
+@pytest.mark.parametrize("policy", ["enforce", "report"])
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_apply_record_and_verify_step_judges_as_the_calls_it_fuses(policy, dtype):
+    """The whole worker step in one call is apply_events(early), then record_and_verify_step
+    with the late events: the same refusals, the same table after, with and without early
+    events that admit or release (the requests re-read after them)."""
+    rng = random.Random(11)
+    refusals = 0
+    for _ in range(30):
+        one, batch = tables(policy)
+        reqs = ["a", "b", "c", 9]
+        for t in (one, batch):
+            for r in reqs:
+                t.admit(r, "acme" if r != "c" else "globex", 24, 24)
+            t.claim("a", [1, 2, 3])
+            t.claim("b", [4, 5])
+        for _ in range(4):
+            n = rng.randrange(0, 5)
+            ids = [rng.choice(reqs + ["ghost", "zz"]) for _ in range(n)]
+            bt = np.zeros((n + 2, 6), dtype=dtype)
+            for i in range(n + 2):
+                bt[i] = [rng.choice([1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 0, -1, PAGES + 1]) for _ in range(6)]
+            computed = np.array([rng.choice([0, 0, 2, 5]) for _ in ids] + [0, 0], np.int32)
+            scheduled = np.array([rng.randrange(0, 6) for _ in ids] + [0, 0], np.int32)
+            early = random_events(rng, rng.randrange(0, 6)) if rng.random() < 0.7 else None
+            late = random_events(rng, rng.randrange(0, 4)) if rng.random() < 0.5 else None
+            want_early = one_by_one(one, early or [])
+            want = reference_step(one, ids, bt, computed, scheduled, late)
+            got = batch.apply_record_and_verify_step(early, ids, bt, computed, scheduled, late)
+            assert [(i, v.kind, str(v)) for i, v in got[0]] == want_early
+            assert verdict(got[1]) == verdict(want[0])
+            assert [(i, v.kind, str(v)) for i, v in got[2]] == want[1]
+            assert verdict(got[3]) == verdict(want[2])
+            assert state(batch) == state(one)
+            refusals += len(got[0]) + len(got[1].refused) + len(got[2]) + len(got[3].refused)
+    assert refusals > 30
+
+
+def test_apply_record_and_verify_step_checks_everything_first(table):
+    """A malformed event (early or late) or array raises with nothing applied."""
+    table.admit("a", "acme", 8, 8)
+    table.claim("a", [1, 2])
+    bt = np.array([[1, 2, 0]], dtype=np.int32)
+    before = table.snapshot().requests, table.counters()
+    claim = ("claim", "a", [3])
+    for args, err in [
+        (([claim], ["a"], bt, np.array([0]), np.array([1]), [("nope",)]), ValueError),
+        (([claim, ("claim",)], ["a"], bt, np.array([0]), np.array([1])), ValueError),
+        (([claim], ["a"], np.zeros(3, np.int32), np.array([0]), np.array([1])), ValueError),
+        (([claim], ["a", "a"], bt, np.array([0, 0]), np.array([1, 1])), ValueError),
+        (([claim], ["a"], bt, np.array([0]), np.array([10**9])), ValueError),
+    ]:
+        with pytest.raises(err):
+            table.apply_record_and_verify_step(*args)
+        assert (table.snapshot().requests, table.counters()) == before
+        assert table.page_info(3).state == "free"
+    refused_early, w, refused_late, r = table.apply_record_and_verify_step([claim], ["a"], bt, np.array([0]), np.array([5]))
+    assert refused_early == [] and w.clean and refused_late == [] and r.clean
+    assert table.page_info(3).owner == "a"

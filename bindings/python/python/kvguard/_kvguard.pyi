@@ -262,6 +262,18 @@ class OwnershipTable:
         """vLLM's worker step in one call: the writes (slot mapping computed from the rows), then
         `events` (as apply_events), then the reads of computed + scheduled tokens;
         (writes, refused_events, reads)."""
+    def apply_record_and_verify_step(
+        self,
+        early: Sequence[StepEvent] | None,
+        req_ids: Sequence[Id] | IntArray,
+        block_table: IntArray,
+        num_computed_tokens: Sequence[int] | IntArray,
+        num_scheduled_tokens: Sequence[int] | IntArray,
+        late: Sequence[StepEvent] | None = None,
+    ) -> tuple[list[tuple[int, Violation]], StepVerdict, list[tuple[int, Violation]], StepVerdict]:
+        """vLLM's whole worker step in one call: the `early` events (as apply_events), then what
+        record_and_verify_step does with `late`; (refused_early, writes, refused_late, reads).
+        Every event and array is checked before anything is applied."""
 
 @final
 class ImportTicket:

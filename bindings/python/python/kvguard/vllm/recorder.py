@@ -35,6 +35,7 @@ from __future__ import annotations
 import enum
 import os
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any, NamedTuple
 
 __all__ = [
@@ -161,6 +162,16 @@ class RequestBlockMap(dict):
         return blocks
 
 
+#: The event kinds as module constants: the hooks build tuples with them on every step, and a
+#: global load is cheaper than an attribute load on the enum class.
+_ADMIT, _CLAIM, _ATTACH, _PUBLISH = EventKind.ADMIT, EventKind.CLAIM, EventKind.ATTACH, EventKind.PUBLISH
+_RELEASE, _PREEMPT, _EVICT = EventKind.RELEASE, EventKind.PREEMPT, EventKind.EVICT
+#: A block's id, read in C (a comprehension is a Python function call of its own in 3.11).
+_block_id = attrgetter("block_id")
+#: ``StepEvents(early, late)`` without the Python frame of the named tuple's ``__new__``.
+_tuple_new = tuple.__new__
+
+
 class SchedulerRecorder:
     """Ownership events of one ``KVCacheManager`` (single full-attention KV cache group).
 
@@ -169,6 +180,11 @@ class SchedulerRecorder:
     the manager hands a request the moment it does; nothing else of it is written.
     ``max_model_len`` bounds admission as vLLM bounds generation. ``requests``: the scheduler's
     ``requests`` dict (request id -> vLLM ``Request``), read at admission.
+
+    The hooks run inside vLLM's scheduler step, on every block a request gets or fills, so each
+    one does the least it can: append a ready event tuple to the step's lists (no per-request
+    containers, no work left for :meth:`take`). A decode step costs one call per request that
+    crossed into a new block and one per request that filled one.
     """
 
     def __init__(self, manager: Any, max_model_len: int, requests: dict[str, Any] | None = None) -> None:
@@ -178,9 +194,10 @@ class SchedulerRecorder:
         self.admitted: set[str] = set()
         #: Block ids published (a live prefix in the worker's table once applied).
         self.published: set[int] = set()
+        #: The step's early events, its publishes and its prefix hits, in the order heard.
         self._events: list[tuple] = []
-        self._publish: dict[str, list[int]] = {}
-        self._attach: dict[str, list[int]] = {}
+        self._publish: list[tuple] = []
+        self._attach: list[tuple] = []
         blocks = RequestBlockMap()
         blocks._recorder = self
         for rid, old in manager.req_to_blocks.items():
@@ -198,7 +215,7 @@ class SchedulerRecorder:
             return
         prompt = int(request.num_prompt_tokens)
         max_new = max(0, min(int(request.max_tokens or 0), self.max_model_len - prompt))
-        self._events.append((EventKind.ADMIT, rid, tenant_of(request), prompt, max_new))
+        self._events.append((_ADMIT, rid, tenant_of(request), prompt, max_new))
         self.admitted.add(rid)
 
     def added(self, rid: str, blocks: list[Any]) -> None:
@@ -210,31 +227,33 @@ class SchedulerRecorder:
         if rid not in self.admitted:
             self._admit(rid)
         if blocks[0].block_hash is None:
-            ids = [b.block_id for b in blocks]
+            ids = list(map(_block_id, blocks))
             published = self.published
-            if published:
+            if published and not published.isdisjoint(ids):
                 evicted = [b for b in ids if b in published]
-                if evicted:
-                    published.difference_update(evicted)
-                    self._events.extend([(EventKind.EVICT, rid, b) for b in evicted])
-            self._events.append((EventKind.CLAIM, rid, ids))
+                published.difference_update(evicted)
+                self._events.extend([(_EVICT, rid, b) for b in evicted])
+            self._events.append((_CLAIM, rid, ids))
             return
-        ids = [b.block_id for b in blocks if not b.is_null]
-        if ids:
-            self._attach.setdefault(rid, []).extend(ids)
+        self._attach.extend([(_ATTACH, rid, b.block_id) for b in blocks if not b.is_null])
 
     def cached(self, rid: str, blocks: list[Any], start: int, end: int) -> None:
         """``BlockPool.cache_full_blocks`` hashed ``blocks[start:end]`` of request ``rid``
         (those that got a hash are published after the step's writes)."""
         published = self.published
-        fresh = []
-        for i in range(start, min(end, len(blocks))):
-            b = blocks[i]
-            if b.block_hash is not None and not b.is_null and b.block_id not in published:
-                fresh.append(b.block_id)
-        if fresh:
-            published.update(fresh)
-            self._publish.setdefault(rid, []).extend(fresh)
+        if end - start == 1 and start < len(blocks):
+            # A decode step filled one block: the common case, without a loop.
+            b = blocks[start]
+            block_id = b.block_id
+            if b.block_hash is not None and not b.is_null and block_id not in published:
+                published.add(block_id)
+                self._publish.append((_PUBLISH, rid, block_id, (block_id,)))
+            return
+        for b in blocks[start:end]:
+            block_id = b.block_id
+            if b.block_hash is not None and not b.is_null and block_id not in published:
+                published.add(block_id)
+                self._publish.append((_PUBLISH, rid, block_id, (block_id,)))
 
     def evicted(self, block_ids: Any) -> None:
         """``BlockPool.evict_blocks`` dropped the hashes of ``block_ids`` outside an
@@ -242,33 +261,41 @@ class SchedulerRecorder:
         for block_id in block_ids:
             if block_id in self.published:
                 self.published.discard(block_id)
-                self._events.append((EventKind.EVICT, None, block_id))
+                self._events.append((_EVICT, None, block_id))
 
     def freed(self, request: Any) -> None:
-        """``free``/``pop_blocks_for_free``: a finished request releases, a live one is preempted."""
+        """``free``/``pop_blocks_for_free``: a finished request releases, a live one is preempted.
+        Its publishes and prefix hits still pending in this step are dropped (it never wrote the
+        blocks it was to publish)."""
         rid = request.request_id
         if rid not in self.admitted:
             return
-        for block in self._publish.pop(rid, ()):
-            self.published.discard(block)
-        self._attach.pop(rid, None)
+        if self._publish:
+            kept = [e for e in self._publish if e[1] != rid]
+            if len(kept) != len(self._publish):
+                self.published.difference_update([e[2] for e in self._publish if e[1] == rid])
+                self._publish = kept
+        if self._attach:
+            self._attach = [e for e in self._attach if e[1] != rid]
         if request.is_finished():
             self.admitted.discard(rid)
-            self._events.append((EventKind.RELEASE, rid))
+            self._events.append((_RELEASE, rid))
         else:
-            self._events.append((EventKind.PREEMPT, rid))
+            self._events.append((_PREEMPT, rid))
 
     def cache_reset(self) -> None:
         """``reset_prefix_cache`` succeeded: every cached block lost its hash."""
         if self.published:
-            self._events.extend([(EventKind.EVICT, None, b) for b in sorted(self.published)])
+            self._events.extend([(_EVICT, None, b) for b in sorted(self.published)])
             self.published.clear()
 
     def take(self) -> StepEvents | None:
         """The step's events in the order the worker applies them (None when there are none)."""
-        early = self._events
-        late = [(EventKind.PUBLISH, rid, b, (b,)) for rid, blocks in self._publish.items() for b in blocks]
-        for rid, blocks in self._attach.items():
-            late.extend([(EventKind.ATTACH, rid, b) for b in blocks])
-        self._events, self._publish, self._attach = [], {}, {}
-        return StepEvents(early, late) if early or late else None
+        early, late, attach = self._events, self._publish, self._attach
+        if not (early or late or attach):
+            return None
+        if attach:
+            late.extend(attach)
+            self._attach = []
+        self._events, self._publish = [], []
+        return _tuple_new(StepEvents, (early, late))
