@@ -180,7 +180,23 @@ mod tests {
                 Step::WriteTokens(r, start, len) => {
                     let bt = own(&t, *r);
                     let start = u64::from(*start) % (bt.len() as u64 * u64::from(PS) + 1);
-                    let _ = t.record_write_tokens(req(*r), &bt, start..start + u64::from(*len % 24));
+                    let tokens = start..start + u64::from(*len % 24);
+                    let before = t.state.read().hot.clone();
+                    if t.record_write_tokens(req(*r), &bt, tokens.clone()).is_err() {
+                        // All or nothing: a refused write (whole pages' FULL bits included)
+                        // leaves every word as it was.
+                        prop_assert_eq!(&t.state.read().hot, &before);
+                    } else {
+                        // Every page the write covers whole reads whole, however its watermark
+                        // lags behind its FULL bit.
+                        let state = t.state.read();
+                        let whole = tokens.start.div_ceil(u64::from(PS))..tokens.end / u64::from(PS);
+                        for b in whole {
+                            let page = bt[b as usize];
+                            prop_assert_eq!(state.written_prefix(page), PS, "page {}", page.0);
+                            prop_assert_eq!(state.written_slots(page), PS, "page {}", page.0);
+                        }
+                    }
                 }
                 Step::WriteSlots(r, i, a, b) => {
                     if let Some(&page) = own(&t, *r).get(*i as usize) {

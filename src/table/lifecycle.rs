@@ -191,13 +191,13 @@ impl TableState {
             if let Some(k) = first_unwritable(&self.tags, &self.hot, middle, owned) {
                 return Err(self.write_refusal(op, req, first + 1 + k, middle[k]));
             }
-            let TableState { tags, hot, changed, page_size, tracking_changes, .. } = self;
+            let TableState { tags, hot, changed, tracking_changes, .. } = self;
             let tracking = *tracking_changes;
             let listing = ChangeListing::new(changed, if tracking { middle.len() } else { 0 }, tags.len());
             let listed = if tracking {
-                write_whole::<true, E>(tags, hot, middle, *page_size, owned, listing)
+                write_whole::<true, E>(tags, hot, middle, owned, listing)
             } else {
-                write_whole::<false, E>(tags, hot, middle, *page_size, owned, listing)
+                write_whole::<false, E>(tags, hot, middle, owned, listing)
             };
             changed.truncate(listed);
         }
@@ -430,30 +430,37 @@ fn first_unwritable<E: BlockEntry>(tags: &[PageTag], hot: &[HotWord], pages: &[E
 }
 
 /// [`record_write_tokens`](TableState::record_write_tokens)' loop over the whole pages between
-/// the first and last, all checked writable ([`first_unwritable`]): each written up to
-/// `page_size` and made whole (its word becomes `owned`'s, whole), and listed as changed if
-/// `TRACK`. Returns the change list's new length.
+/// the first and last, all checked writable ([`first_unwritable`]): each made whole (its word
+/// becomes `owned`'s with the FULL bit, which says every slot is written: the tag's watermark is
+/// not touched), and listed as changed if `TRACK`. Returns the change list's new length.
 #[inline(never)] // apart, so only the loop's own values compete for registers
 fn write_whole<const TRACK: bool, E: BlockEntry>(
     tags: &mut [PageTag],
     hot: &mut [HotWord],
     pages: &[E],
-    page_size: u32,
     owned: HotWord,
     mut listing: ChangeListing<'_>,
 ) -> usize {
-    // As long as `tags`, so a page in range of one needs no second bounds check.
-    let hot = &mut hot[..tags.len()];
     let whole = owned.with_full(true);
-    for &entry in pages {
-        let page = entry.page();
-        // Checked by `first_unwritable`: in range. A page listed twice is written twice, alike.
-        let Some(tag) = tags.get_mut(page.0 as usize) else { continue };
-        if TRACK {
-            listing.note(tag, page); // first: it loads a byte of the tag
+    if TRACK {
+        // As long as `tags`, so a page in range of one needs no second bounds check.
+        let hot = &mut hot[..tags.len()];
+        for &entry in pages {
+            let page = entry.page();
+            // Checked by `first_unwritable`: in range. A page listed twice is written twice, alike.
+            let Some(tag) = tags.get_mut(page.0 as usize) else { continue };
+            listing.note(tag, page);
+            hot[page.0 as usize] = whole;
         }
-        tag.written = page_size; // a whole-page write: gap or not, every slot is written
-        hot[page.0 as usize] = whole;
+    } else {
+        // Hot words only (the word past the pool is never written).
+        let hot = &mut hot[..tags.len()];
+        for &entry in pages {
+            // Checked by `first_unwritable`: in range.
+            if let Some(word) = hot.get_mut(entry.page().0 as usize) {
+                *word = whole;
+            }
+        }
     }
     listing.finish()
 }
@@ -483,7 +490,7 @@ fn give_pages<const TRACK: bool>(
     for k in 0..n {
         let page = pages[n - 1 - k];
         let tag = &mut tags[page.0 as usize];
-        debug_assert!(tag.state == PageState::Free && tag.written == 0 && !tag.sparse);
+        debug_assert!(tag.state == PageState::Free && tag.watermark == 0 && !tag.sparse);
         let (generation, listed_already) = (tag.generation, tag.changed);
         out[k] = PageRef { page, generation: Generation(generation) };
         tag.set_owner(req);

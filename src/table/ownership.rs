@@ -669,7 +669,7 @@ fn page_info(state: &TableState, page: PageId, tag: &PageTag) -> PageInfo {
         },
         tenant: state.page_tenant(tag),
         prefix: prefix.and_then(|p| p.key),
-        written_prefix: tag.written,
+        written_prefix: state.written_prefix(page),
         written_slots: state.written_slots(page),
         shared_across_tenants: prefix.is_some_and(|p| p.cross_tenant),
     }

@@ -70,9 +70,12 @@ impl PrefixSlot {
 
 /// One page's tag: 24 bytes, plus `page_size` bits of coverage elsewhere.
 ///
-/// Coverage is a watermark plus a bitmap: slot `s` is written iff `s < written` or its bit is set.
-/// Writes in order (prefill chunks, decode appends) only move the watermark; the bitmap is touched
-/// only by writes that leave a gap (`sparse`), and cleared on release only if it was.
+/// Coverage is the page's [`HotWord`] FULL bit, a watermark and a bitmap: slot `s` is written iff
+/// the page is whole ([`HotWord::is_full`]), or `s < watermark`, or its bit is set. Writes in order
+/// (prefill chunks, decode appends) only move the watermark; a write of whole pages only sets
+/// their FULL bits (the watermark is left behind: a whole page's is never read); the bitmap is
+/// touched only by writes that leave a gap (`sparse`), and cleared on release only if it was.
+/// Read the written prefix through [`TableState::written_prefix`], never the field.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct PageTag {
     /// Owned: the owner's id. Shared: its prefix's handle ([`PrefixSlot`]; the publisher is in
@@ -81,8 +84,10 @@ pub(crate) struct PageTag {
     /// owner's (owned) or the prefix's (shared).
     pub holder: u64,
     pub generation: u32,
-    /// Slots `0..written` are all written by the current incarnation (the coverage watermark).
-    pub written: u32,
+    /// Slots `0..watermark` are all written by the current incarnation (the coverage watermark),
+    /// unless the page is whole: then every slot is, and this may lag behind (see
+    /// [`TableState::written_prefix`]).
+    pub watermark: u32,
     /// Owned: index in the owner's page list. Free: index in the free list. Shared: unused.
     pub link: u32,
     pub state: PageState,
@@ -422,7 +427,7 @@ impl TableState {
             tags.push(PageTag {
                 holder: 0,
                 generation: Generation::FIRST.0,
-                written: 0,
+                watermark: 0,
                 link: 0,
                 state,
                 changed: false,
@@ -482,7 +487,9 @@ impl TableState {
     #[cfg(test)]
     pub fn hot_word_of(&self, page: PageId) -> HotWord {
         let tag = &self.tags[page.0 as usize];
-        let full = tag.written >= self.page_size;
+        // A whole-page write sets FULL alone, so FULL is not derived from the watermark; but a
+        // watermark at the page's end must have it set.
+        let full = self.hot[page.0 as usize].is_full() || tag.watermark >= self.page_size;
         match tag.state {
             PageState::Owned => {
                 let slot = self.requests.get(&tag.owner()).expect("an owned page's owner is admitted").slot;
@@ -544,7 +551,7 @@ impl TableState {
     fn give_page(&mut self, page: PageId, req: RequestId) {
         let rec = self.requests.get_mut(&req).expect("callers check the request is admitted");
         let tag = &mut self.tags[page.0 as usize];
-        debug_assert!(tag.written == 0 && !tag.sparse, "free pages carry no coverage");
+        debug_assert!(tag.watermark == 0 && !tag.sparse, "free pages carry no coverage");
         tag.set_owner(req);
         tag.link = rec.pages.len() as u32;
         rec.pages.push(page);
@@ -613,7 +620,7 @@ impl TableState {
         for &page in pages {
             let tag = &mut self.tags[page.0 as usize];
             if matches!(tag.state, PageState::Owned | PageState::Shared) {
-                tag.written = 0;
+                tag.watermark = 0;
                 if std::mem::replace(&mut tag.sparse, false) {
                     let base = page.0 as usize * ps;
                     self.coverage[base..base + ps].fill(false);
@@ -659,16 +666,28 @@ impl TableState {
         base + a as usize..base + b as usize
     }
 
+    /// Slots `0..n` of `page` are all written by its current incarnation: `n` is the page size
+    /// for a whole page (its [`HotWord`] FULL bit), else the watermark. The one way to read the
+    /// watermark: a write of whole pages sets their FULL bits and leaves the field behind.
+    #[inline]
+    pub fn written_prefix(&self, page: PageId) -> u32 {
+        if self.hot[page.0 as usize].is_full() { self.page_size } else { self.tags[page.0 as usize].watermark }
+    }
+
     /// Records slots `a..b` of `page` as written and advances the watermark.
     #[inline]
     pub fn mark_written(&mut self, page: PageId, a: u32, b: u32) {
+        if self.hot[page.0 as usize].is_full() {
+            return; // every slot is written already
+        }
+        // Not whole: the watermark is current.
         let tag = &mut self.tags[page.0 as usize];
-        if b <= tag.written.max(a) {
+        if b <= tag.watermark.max(a) {
             return; // empty, or already written by this incarnation
         }
-        if a <= tag.written && !tag.sparse {
+        if a <= tag.watermark && !tag.sparse {
             // The common case: appending to the written prefix.
-            tag.written = b;
+            tag.watermark = b;
             let full = b >= self.page_size;
             let hot = &mut self.hot[page.0 as usize];
             *hot = hot.with_full(full);
@@ -680,43 +699,45 @@ impl TableState {
         self.mark_written_sparse(page, a, b);
     }
 
-    /// [`mark_written`](Self::mark_written) when the write leaves a gap or may close one.
+    /// [`mark_written`](Self::mark_written) when the write leaves a gap or may close one; the
+    /// page is not whole.
     #[cold]
     fn mark_written_sparse(&mut self, page: PageId, a: u32, b: u32) {
         let tag = self.tags[page.0 as usize];
-        let written = if a <= tag.written {
+        let written = if a <= tag.watermark {
             let rest = &self.coverage[self.slot_range(page, b, self.page_size)];
             b + rest.first_zero().unwrap_or(rest.len()) as u32
         } else {
             let range = self.slot_range(page, a, b);
             self.coverage[range].fill(true);
             self.tags[page.0 as usize].sparse = true;
-            tag.written
+            tag.watermark
         };
-        self.tags[page.0 as usize].written = written;
+        self.tags[page.0 as usize].watermark = written;
         let hot = &mut self.hot[page.0 as usize];
         *hot = hot.with_full(written >= self.page_size);
         self.mark_changed(page);
     }
 
-    /// The first run of unwritten slots in `0..need` of `page`, given `written < need`.
+    /// The first run of unwritten slots in `0..need` of `page`, given
+    /// [`written_prefix`](Self::written_prefix) `< need` (so the page is not whole).
     pub fn unwritten_run(&self, page: PageId, need: u32) -> (u32, u32) {
         let tag = &self.tags[page.0 as usize];
-        let start = tag.written;
+        let start = self.written_prefix(page);
         if !tag.sparse {
             return (start, need);
         }
-        let gap = &self.coverage[self.slot_range(page, start, need)];
+        let gap = &self.coverage[self.slot_range(page, start, need.max(start))];
         (start, start + gap.first_one().unwrap_or(gap.len()) as u32)
     }
 
     /// Slots of `page` its current incarnation wrote.
     pub fn written_slots(&self, page: PageId) -> u32 {
-        let tag = &self.tags[page.0 as usize];
+        let (tag, prefix) = (&self.tags[page.0 as usize], self.written_prefix(page));
         if !tag.sparse {
-            return tag.written;
+            return prefix;
         }
-        tag.written + self.coverage[self.slot_range(page, tag.written, self.page_size)].count_ones() as u32
+        prefix + self.coverage[self.slot_range(page, prefix, self.page_size)].count_ones() as u32
     }
 
     /// The tenant whose data a live page holds: its owner's, or its prefix's.
@@ -739,8 +760,11 @@ impl TableState {
         }
         // Disjoint borrows, and the tags as a slice (its pointer and length stay in registers);
         // `extend` over a slice's map knows its length, so no push checks the capacity per page.
-        let TableState { tags, changed, requests, prefixes, .. } = self;
+        let TableState { tags, hot, changed, requests, prefixes, page_size, .. } = self;
         let tags = tags.as_mut_slice();
+        // As long as `tags`, so a page in range of one needs no second bounds check.
+        let hot = &hot[..tags.len()];
+        let page_size = *page_size;
         // Changed pages come in runs of one owner: its tenant is looked up once per run.
         let mut last_owner: Option<(u64, u64)> = None;
         out.extend(changed.iter().map(|&page| {
@@ -775,7 +799,7 @@ impl TableState {
                 owner,
                 tenant,
                 generation: tag.generation,
-                written: tag.written,
+                written: if hot[page.0 as usize].is_full() { page_size } else { tag.watermark },
                 state: tag.state as u32,
                 flags,
             };
@@ -841,7 +865,7 @@ impl Ending {
             if old.sparse | old.pinned | (old.generation >= self.limit) {
                 rare += 1; // left in its old state for the general pass
             } else {
-                tag.written = 0;
+                tag.watermark = 0;
                 tag.generation = old.generation + 1;
                 tag.state = self.next_state;
                 tag.link = link;
@@ -893,7 +917,7 @@ mod tests {
         let mut tag = PageTag {
             holder: 0,
             generation: 1,
-            written: 0,
+            watermark: 0,
             link: 0,
             state: PageState::Shared,
             changed: false,

@@ -90,7 +90,7 @@ impl TableState {
                 _ => false,
             };
             let current = entry.generation().is_none_or(|g| g.0 == tag.generation);
-            if mine && current && tag.written >= need {
+            if mine && current && self.written_prefix(entry.page()) >= need {
                 return Ok(());
             }
         }
