@@ -758,53 +758,8 @@ impl TableState {
             self.changed.clear();
             self.changed.extend((0..self.tags.len() as u32).map(PageId));
         }
-        // Disjoint borrows, and the tags as a slice (its pointer and length stay in registers);
-        // `extend` over a slice's map knows its length, so no push checks the capacity per page.
         let TableState { tags, hot, changed, requests, prefixes, page_size, .. } = self;
-        let tags = tags.as_mut_slice();
-        // As long as `tags`, so a page in range of one needs no second bounds check.
-        let hot = &hot[..tags.len()];
-        let page_size = *page_size;
-        // Changed pages come in runs of one owner: its tenant is looked up once per run.
-        let mut last_owner: Option<(u64, u64)> = None;
-        out.extend(changed.iter().map(|&page| {
-            // Read whole before the flag is cleared: a byte loaded just after a neighbouring
-            // byte of the same tag was stored waits for that store to retire.
-            let slot = &mut tags[page.0 as usize];
-            let tag = *slot;
-            slot.changed = false;
-            let (owner, tenant, flags) = match tag.state {
-                PageState::Owned => {
-                    let tenant = match last_owner {
-                        Some((owner, tenant)) if owner == tag.holder => tenant,
-                        _ => {
-                            let tenant = requests.get(&tag.owner()).map_or(0, |r| r.tenant.0);
-                            last_owner = Some((tag.holder, tenant));
-                            tenant
-                        }
-                    };
-                    (tag.holder, tenant, 0)
-                }
-                PageState::Shared => match prefixes.get(tag.prefix()) {
-                    Some(p) => (
-                        p.publisher.0,
-                        p.tenant.0,
-                        if p.cross_tenant { DeviceTag::FLAG_SHARED_ACROSS_TENANTS } else { 0 },
-                    ),
-                    None => (0, 0, 0),
-                },
-                _ => (0, 0, 0),
-            };
-            let device = DeviceTag {
-                owner,
-                tenant,
-                generation: tag.generation,
-                written: if hot[page.0 as usize].is_full() { page_size } else { tag.watermark },
-                state: tag.state as u32,
-                flags,
-            };
-            (page.0, device)
-        }));
+        device_tags_into(tags, hot, changed, *page_size, requests, prefixes, out);
         let n = self.changed.len();
         // Cleared, not taken: the list keeps its pool-sized capacity.
         self.changed.clear();
@@ -827,6 +782,66 @@ impl TableState {
         }
         changed
     }
+}
+
+/// [`TableState::take_changed_tags_into`]'s loop: appends the device tag of each of `changed`
+/// to `out` and clears its [`PageTag::changed`].
+///
+/// The tags as a slice (its pointer and length stay in registers); `extend` over a slice's map
+/// knows its length, so no push checks the capacity per page.
+#[inline(never)] // apart, so only the loop's own values compete for registers
+fn device_tags_into(
+    tags: &mut [PageTag],
+    hot: &[HotWord],
+    changed: &[PageId],
+    page_size: u32,
+    requests: &IdMap<RequestId, RequestRecord>,
+    prefixes: &SlotMap<PrefixSlot, PrefixRecord>,
+    out: &mut Vec<(u32, DeviceTag)>,
+) {
+    // As long as `tags`, so a page in range of one needs no second bounds check.
+    let hot = &hot[..tags.len()];
+    // Changed pages come in runs of one owner: its tenant is looked up once per run.
+    let mut last_owner: Option<(u64, u64)> = None;
+    out.extend(changed.iter().map(|&page| {
+        // Read whole before the flag is cleared: a byte loaded just after a neighbouring
+        // byte of the same tag was stored waits for that store to retire.
+        let slot = &mut tags[page.0 as usize];
+        let tag = *slot;
+        slot.changed = false;
+        // A held page may be whole (its FULL bit); one nobody holds never is (the bit went with
+        // its last incarnation), so its watermark is its written prefix.
+        let whole = |page: PageId| hot[page.0 as usize].is_full();
+        let (owner, tenant, flags, written) = match tag.state {
+            PageState::Owned => {
+                let tenant = match last_owner {
+                    Some((owner, tenant)) if owner == tag.holder => tenant,
+                    _ => {
+                        let tenant = requests.get(&tag.owner()).map_or(0, |r| r.tenant.0);
+                        last_owner = Some((tag.holder, tenant));
+                        tenant
+                    }
+                };
+                (tag.holder, tenant, 0, if whole(page) { page_size } else { tag.watermark })
+            }
+            PageState::Shared => {
+                let written = if whole(page) { page_size } else { tag.watermark };
+                match prefixes.get(tag.prefix()) {
+                    Some(p) => (
+                        p.publisher.0,
+                        p.tenant.0,
+                        if p.cross_tenant { DeviceTag::FLAG_SHARED_ACROSS_TENANTS } else { 0 },
+                        written,
+                    ),
+                    None => (0, 0, 0, written),
+                }
+            }
+            _ => (0, 0, 0, tag.watermark),
+        };
+        let device =
+            DeviceTag { owner, tenant, generation: tag.generation, written, state: tag.state as u32, flags };
+        (page.0, device)
+    }));
 }
 
 /// The fast loop of [`TableState::end_incarnations`]: what an ordinary page becomes.
