@@ -236,7 +236,7 @@ mod tests {
                     if let Some(entry) = refs.get_mut(*at as usize) {
                         let swap = PageId(u32::from(*page));
                         let generation =
-                            state.tag(swap).map_or(entry.generation, |tag| crate::Generation(tag.generation));
+                            state.tag(swap).map_or(entry.generation, |tag| crate::Generation(tag.generation()));
                         *entry = PageRef { page: swap, generation };
                     }
                     let ids: Vec<PageId> = refs.iter().map(|r| r.page).collect();

@@ -598,7 +598,7 @@ impl OwnershipTable {
             in_flight: state
                 .pins
                 .keys()
-                .filter(|p| matches!(state.tags[p.0 as usize].state, PageState::Free | PageState::AwaitingScrub))
+                .filter(|p| matches!(state.tags[p.0 as usize].state(), PageState::Free | PageState::AwaitingScrub))
                 .count() as u64,
         }
     }
@@ -656,14 +656,14 @@ impl OwnershipTable {
 }
 
 fn page_info(state: &TableState, page: PageId, tag: &PageTag) -> PageInfo {
-    let prefix = match tag.state {
+    let prefix = match tag.state() {
         PageState::Shared => state.prefixes.get(tag.prefix()),
         _ => None,
     };
     PageInfo {
-        state: tag.state,
-        generation: Generation(tag.generation),
-        owner: match tag.state {
+        state: tag.state(),
+        generation: Generation(tag.generation()),
+        owner: match tag.state() {
             PageState::Owned => Some(tag.owner()),
             _ => prefix.map(|p| p.publisher),
         },
