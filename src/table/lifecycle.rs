@@ -486,7 +486,7 @@ fn give_pages<const TRACK: bool>(
     // link (counted up from the first's), owned, and no flag but CHANGED when tracked (a free
     // page in the free list is neither pinned nor sparse; untracked, the flag is meaningless).
     let changed = if TRACK { PageTag::CHANGED } else { 0 };
-    let first_place = PageTag::place_of(rec.pages.len() as u32, PageState::Owned) | changed;
+    let mut place = PageTag::place_of(rec.pages.len() as u32, PageState::Owned) | changed;
     // One count for both lists, each cut to it, so neither index needs a bounds check.
     let n = out.len().min(pages.len());
     let (out, pages) = (&mut out[..n], &pages[..n]);
@@ -497,7 +497,8 @@ fn give_pages<const TRACK: bool>(
         let (generation, listed_already) = (tag.generation(), tag.changed());
         out[k] = PageRef { page, generation: Generation(generation) };
         tag.set_owner(req);
-        tag.set_place(first_place + k as u64);
+        tag.set_place(place);
+        place += PageTag::NEXT_LINK;
         hot[page.0 as usize] = owned;
         if TRACK {
             listing.list_unless(page, listed_already);

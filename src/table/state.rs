@@ -87,18 +87,23 @@ pub(crate) struct PageTag {
     /// bits, the watermark above ([`generation`](Self::generation),
     /// [`watermark`](Self::watermark)).
     incarnation: u64,
-    /// Where the page is, in one word, so a page changes hands in one store: its link in the low
-    /// 32 bits, its state in the next 8, then the flags `CHANGED`, `SPARSE` and `PINNED`
+    /// Where the page is, in one word, so a page changes hands in one store: the flags
+    /// `CHANGED`, `SPARSE` and `PINNED` in the low bits, its state in bits 8 to 15, its link in
+    /// the high 32 bits
     /// ([`link`](Self::link), [`state`](Self::state), [`changed`](Self::changed),
     /// [`sparse`](Self::sparse), [`pinned`](Self::pinned)).
     place: u64,
 }
 
 impl PageTag {
-    const STATE_SHIFT: u32 = 32;
-    pub const CHANGED: u64 = 1 << 40;
-    pub const SPARSE: u64 = 1 << 41;
-    pub const PINNED: u64 = 1 << 42;
+    // The flags lowest, so a test or change of one is an instruction with a byte immediate.
+    pub const CHANGED: u64 = 1;
+    pub const SPARSE: u64 = 1 << 1;
+    pub const PINNED: u64 = 1 << 2;
+    const STATE_SHIFT: u32 = 8;
+    const LINK_SHIFT: u32 = 32;
+    /// Added to a place, the same place at the next link.
+    pub const NEXT_LINK: u64 = 1 << Self::LINK_SHIFT;
 
     /// A page in `state`, never written, linked at 0, in generation `generation`.
     pub fn new(state: PageState, generation: u32) -> PageTag {
@@ -112,7 +117,7 @@ impl PageTag {
     /// The `place` word of a page at `link` in `state`, no flag set.
     #[inline(always)]
     pub fn place_of(link: u32, state: PageState) -> u64 {
-        u64::from(link) | (state as u64) << Self::STATE_SHIFT
+        u64::from(link) << Self::LINK_SHIFT | (state as u64) << Self::STATE_SHIFT
     }
     /// Sets generation and watermark at once (see [`incarnation_of`](Self::incarnation_of)).
     #[inline(always)]
@@ -153,15 +158,20 @@ impl PageTag {
     /// Owned: index in the owner's page list. Free: index in the free list. Shared: unused.
     #[inline(always)]
     pub fn link(&self) -> u32 {
-        self.place as u32
+        (self.place >> Self::LINK_SHIFT) as u32
     }
     #[inline(always)]
     pub fn set_link(&mut self, link: u32) {
-        self.place = (self.place & !u64::from(u32::MAX)) | u64::from(link);
+        self.place = (self.place & u64::from(u32::MAX)) | u64::from(link) << Self::LINK_SHIFT;
     }
     #[inline(always)]
     pub fn state(&self) -> PageState {
-        PageState::from_bits((self.place >> Self::STATE_SHIFT) as u8)
+        PageState::from_bits(self.state_bits())
+    }
+    /// The state's discriminant (`state() as u8`, without decoding it).
+    #[inline(always)]
+    pub fn state_bits(&self) -> u8 {
+        (self.place >> Self::STATE_SHIFT) as u8
     }
     #[inline(always)]
     pub fn set_state(&mut self, state: PageState) {
@@ -901,7 +911,7 @@ fn device_tags_into(
         let slot = &mut tags[page.0 as usize];
         let tag = *slot;
         slot.set_place(tag.place() & !PageTag::CHANGED);
-        let state = tag.state();
+        let state = tag.state_bits();
         // A page nobody holds: no owner, no tenant, and never whole (its FULL bit went with its
         // last incarnation), so its watermark is its written prefix.
         let mut device = DeviceTag {
@@ -909,14 +919,14 @@ fn device_tags_into(
             tenant: 0,
             generation: tag.generation(),
             written: tag.watermark(),
-            state: state as u32,
+            state: u32::from(state),
             flags: 0,
         };
-        if matches!(state, PageState::Owned | PageState::Shared) {
+        if state == PageState::Owned as u8 || state == PageState::Shared as u8 {
             if hot[page.0 as usize].is_full() {
                 device.written = page_size;
             }
-            if state == PageState::Owned {
+            if state == PageState::Owned as u8 {
                 device.owner = tag.holder;
                 device.tenant = match last_owner {
                     Some((owner, tenant)) if owner == tag.holder => tenant,
@@ -963,10 +973,9 @@ impl Ending {
         // flag but CHANGED when tracked (pinned and sparse pages are rare; untracked, the flag
         // is meaningless).
         let changed = if TRACK { PageTag::CHANGED } else { 0 };
-        let first_place = PageTag::place_of(self.first_link, self.next_state) | changed;
+        let mut place = PageTag::place_of(self.first_link, self.next_state) | changed;
         let mut rare = 0usize;
-        // The next page's place is the next link's.
-        for (place, &page) in (first_place..).zip(pages) {
+        for &page in pages {
             // Read before anything is written: a word loaded just after part of it was stored
             // waits for that store to retire.
             let tag = &mut tags[page.0 as usize];
@@ -985,6 +994,7 @@ impl Ending {
                 tag.set_place(place);
                 hot[page.0 as usize] = self.next_hot;
             }
+            place += PageTag::NEXT_LINK;
         }
         (rare, listing.finish())
     }
