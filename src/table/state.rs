@@ -119,6 +119,26 @@ impl PageTag {
     pub fn place_of(link: u32, state: PageState) -> u64 {
         u64::from(link) << Self::LINK_SHIFT | (state as u64) << Self::STATE_SHIFT
     }
+    /// The incarnation word: generation and watermark, as one value.
+    #[inline(always)]
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation
+    }
+    /// The incarnation word with the watermark `watermark`.
+    #[inline(always)]
+    pub fn with_watermark(&self, watermark: u32) -> u64 {
+        u64::from(self.generation()) | u64::from(watermark) << 32
+    }
+    /// The generation of an incarnation word.
+    #[inline(always)]
+    pub fn generation_of(incarnation: u64) -> u32 {
+        incarnation as u32
+    }
+    /// The watermark of an incarnation word.
+    #[inline(always)]
+    pub fn watermark_of(incarnation: u64) -> u32 {
+        (incarnation >> 32) as u32
+    }
     /// Sets generation and watermark at once (see [`incarnation_of`](Self::incarnation_of)).
     #[inline(always)]
     pub fn set_incarnation(&mut self, incarnation: u64) {
@@ -138,7 +158,7 @@ impl PageTag {
     /// The page's incarnation.
     #[inline(always)]
     pub fn generation(&self) -> u32 {
-        self.incarnation as u32
+        Self::generation_of(self.incarnation)
     }
     #[inline(always)]
     pub fn set_generation(&mut self, generation: u32) {
@@ -149,11 +169,11 @@ impl PageTag {
     /// [`TableState::written_prefix`]).
     #[inline(always)]
     pub fn watermark(&self) -> u32 {
-        (self.incarnation >> 32) as u32
+        Self::watermark_of(self.incarnation)
     }
     #[inline(always)]
     pub fn set_watermark(&mut self, watermark: u32) {
-        self.incarnation = u64::from(self.generation()) | u64::from(watermark) << 32;
+        self.incarnation = self.with_watermark(watermark);
     }
     /// Owned: index in the owner's page list. Free: index in the free list. Shared: unused.
     #[inline(always)]
@@ -912,36 +932,40 @@ fn device_tags_into(
         let tag = *slot;
         slot.set_place(tag.place() & !PageTag::CHANGED);
         let state = tag.state_bits();
-        // A page nobody holds: no owner, no tenant, and never whole (its FULL bit went with its
-        // last incarnation), so its watermark is its written prefix.
-        let mut device = DeviceTag {
-            owner: 0,
-            tenant: 0,
-            generation: tag.generation(),
-            written: tag.watermark(),
-            state: u32::from(state),
-            flags: 0,
+        let held = state == PageState::Owned as u8 || state == PageState::Shared as u8;
+        // Generation and written prefix in one word (stored as one): a held page may be whole
+        // (its FULL bit); one nobody holds never is (the bit went with its last incarnation), so
+        // its watermark is its written prefix.
+        let incarnation =
+            if held && hot[page.0 as usize].is_full() { tag.with_watermark(page_size) } else { tag.incarnation() };
+        let (owner, tenant, flags) = if state == PageState::Owned as u8 {
+            let tenant = match last_owner {
+                Some((owner, tenant)) if owner == tag.holder => tenant,
+                _ => {
+                    let tenant = requests.get(&tag.owner()).map_or(0, |r| r.tenant.0);
+                    last_owner = Some((tag.holder, tenant));
+                    tenant
+                }
+            };
+            (tag.holder, tenant, 0)
+        } else if state == PageState::Shared as u8 {
+            match prefixes.get(tag.prefix()) {
+                Some(p) => {
+                    (p.publisher.0, p.tenant.0, if p.cross_tenant { DeviceTag::FLAG_SHARED_ACROSS_TENANTS } else { 0 })
+                }
+                None => (0, 0, 0),
+            }
+        } else {
+            (0, 0, 0)
         };
-        if state == PageState::Owned as u8 || state == PageState::Shared as u8 {
-            if hot[page.0 as usize].is_full() {
-                device.written = page_size;
-            }
-            if state == PageState::Owned as u8 {
-                device.owner = tag.holder;
-                device.tenant = match last_owner {
-                    Some((owner, tenant)) if owner == tag.holder => tenant,
-                    _ => {
-                        let tenant = requests.get(&tag.owner()).map_or(0, |r| r.tenant.0);
-                        last_owner = Some((tag.holder, tenant));
-                        tenant
-                    }
-                };
-            } else if let Some(p) = prefixes.get(tag.prefix()) {
-                device.owner = p.publisher.0;
-                device.tenant = p.tenant.0;
-                device.flags = if p.cross_tenant { DeviceTag::FLAG_SHARED_ACROSS_TENANTS } else { 0 };
-            }
-        }
+        let device = DeviceTag {
+            owner,
+            tenant,
+            generation: PageTag::generation_of(incarnation),
+            written: PageTag::watermark_of(incarnation),
+            state: u32::from(state),
+            flags,
+        };
         (page.0, device)
     }));
 }
