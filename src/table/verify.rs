@@ -90,7 +90,9 @@ impl TableState {
                 _ => false,
             };
             let current = entry.generation().is_none_or(|g| g.0 == tag.generation());
-            if mine && current && self.written_prefix(entry.page()) >= need {
+            // The watermark first: a page written in order has it current; a whole page's
+            // FULL bit answers where it lags.
+            if mine && current && (tag.watermark() >= need || self.written_prefix(entry.page()) >= need) {
                 return Ok(());
             }
         }
