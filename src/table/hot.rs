@@ -13,9 +13,14 @@ use super::info::PageState;
 /// owner (prefix) is always live, so two owned or shared pages whose words are equal have the
 /// same holder. A read that passed the full check on one whole page may therefore read any other
 /// page whose word equals that page's: `check_read` compares words and runs the full check only
-/// where one differs. Every change to a tag's state, holder or watermark updates the word with it
+/// where one differs. Every change to a tag's state or holder updates the word with it
 /// (`hot_word_of` derives it from scratch, for the tests). A page that is neither owned nor
 /// shared keeps holder 0.
+///
+/// The FULL bit is the one record that every slot is written: a write of whole pages sets it
+/// alone and leaves the tag's watermark behind (read the written prefix through
+/// `TableState::written_prefix`). A watermark that reaches the page's end sets it too, and only
+/// the end of an incarnation clears it.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) struct HotWord(u64);
 
