@@ -31,6 +31,12 @@ impl HotWord {
     pub fn differs(self, other: HotWord) -> u64 {
         self.0 ^ other.0
     }
+    /// A [`differs`](Self::differs) value (or several ORed together, or with other bits below
+    /// FULL) without the FULL bit: zero exactly when the words differ in nothing else.
+    #[inline(always)]
+    pub fn but_full(difference: u64) -> u64 {
+        difference & !Self::FULL
+    }
 }
 
 impl HotWord {

@@ -412,21 +412,22 @@ pub(crate) fn first_repeat<T: Copy + Eq + std::hash::Hash>(items: &[T]) -> Optio
 fn first_unwritable<E: BlockEntry>(tags: &[PageTag], hot: &[HotWord], pages: &[E], owned: HotWord) -> Option<usize> {
     // `hot` ends with the word past the pool; without it nothing is writable (fail closed).
     let Some(past) = hot.len().checked_sub(1) else { return (!pages.is_empty()).then_some(0) };
-    // Non-zero when `entry` may not be written.
-    let unwritable = |entry: E| {
+    // How `entry` differs from a writable page: a page may be written iff this is zero but for
+    // the FULL bit (any watermark), which is masked off once per chunk rather than per page.
+    let difference = |entry: E| {
         let page = entry.page().0 as usize;
         let stale = entry.generation().is_some_and(|g| tags.get(page).is_none_or(|tag| tag.generation() != g.0));
-        hot[page.min(past)].with_full(false).differs(owned) | u64::from(stale)
+        hot[page.min(past)].differs(owned) | u64::from(stale)
     };
     const CHUNK: usize = 8;
     let mut done = 0;
     for chunk in pages.as_chunks::<CHUNK>().0 {
-        if chunk.iter().fold(0, |any, &entry| any | unwritable(entry)) != 0 {
+        if HotWord::but_full(chunk.iter().fold(0, |any, &entry| any | difference(entry))) != 0 {
             break;
         }
         done += CHUNK;
     }
-    pages[done..].iter().position(|&entry| unwritable(entry) != 0).map(|k| done + k)
+    pages[done..].iter().position(|&entry| HotWord::but_full(difference(entry)) != 0).map(|k| done + k)
 }
 
 /// [`record_write_tokens`](TableState::record_write_tokens)' loop over the whole pages between
