@@ -932,31 +932,37 @@ fn device_tags_into(
         let tag = *slot;
         slot.set_place(tag.place() & !PageTag::CHANGED);
         let state = tag.state_bits();
-        let held = state == PageState::Owned as u8 || state == PageState::Shared as u8;
+        const OWNED: u8 = PageState::Owned as u8;
+        const SHARED: u8 = PageState::Shared as u8;
         // Generation and written prefix in one word (stored as one): a held page may be whole
         // (its FULL bit); one nobody holds never is (the bit went with its last incarnation), so
         // its watermark is its written prefix.
-        let incarnation =
-            if held && hot[page.0 as usize].is_full() { tag.with_watermark(page_size) } else { tag.incarnation() };
-        let (owner, tenant, flags) = if state == PageState::Owned as u8 {
-            let tenant = match last_owner {
-                Some((owner, tenant)) if owner == tag.holder => tenant,
-                _ => {
-                    let tenant = requests.get(&tag.owner()).map_or(0, |r| r.tenant.0);
-                    last_owner = Some((tag.holder, tenant));
-                    tenant
-                }
-            };
-            (tag.holder, tenant, 0)
-        } else if state == PageState::Shared as u8 {
-            match prefixes.get(tag.prefix()) {
-                Some(p) => {
-                    (p.publisher.0, p.tenant.0, if p.cross_tenant { DeviceTag::FLAG_SHARED_ACROSS_TENANTS } else { 0 })
-                }
-                None => (0, 0, 0),
+        let held_incarnation =
+            || if hot[page.0 as usize].is_full() { tag.with_watermark(page_size) } else { tag.incarnation() };
+        let (owner, tenant, flags, incarnation) = match state {
+            OWNED => {
+                let tenant = match last_owner {
+                    Some((owner, tenant)) if owner == tag.holder => tenant,
+                    _ => {
+                        let tenant = requests.get(&tag.owner()).map_or(0, |r| r.tenant.0);
+                        last_owner = Some((tag.holder, tenant));
+                        tenant
+                    }
+                };
+                (tag.holder, tenant, 0, held_incarnation())
             }
-        } else {
-            (0, 0, 0)
+            SHARED => {
+                let (owner, tenant, flags) = match prefixes.get(tag.prefix()) {
+                    Some(p) => (
+                        p.publisher.0,
+                        p.tenant.0,
+                        if p.cross_tenant { DeviceTag::FLAG_SHARED_ACROSS_TENANTS } else { 0 },
+                    ),
+                    None => (0, 0, 0),
+                };
+                (owner, tenant, flags, held_incarnation())
+            }
+            _ => (0, 0, 0, tag.incarnation()),
         };
         let device = DeviceTag {
             owner,
