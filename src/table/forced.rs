@@ -53,16 +53,16 @@ impl OwnershipTable {
         let mut moved = 0;
         for &page in pages {
             let Some(tag) = state.tag(page) else { continue };
-            if tag.pinned || tag.owned_by(req) {
+            if tag.pinned() || tag.owned_by(req) {
                 continue;
             }
-            match tag.state {
+            match tag.state() {
                 PageState::Owned | PageState::Shared => state.take_from_holder(page),
                 PageState::AwaitingScrub => state.push_free(page),
                 PageState::Free | PageState::Reserved | PageState::Retired => {}
             }
             let tag = &state.tags[page.0 as usize];
-            if tag.state == PageState::Free && !tag.pinned {
+            if tag.state() == PageState::Free && !tag.pinned() {
                 state.take_free_page(page, req);
                 moved += 1;
             }
@@ -77,7 +77,7 @@ impl OwnershipTable {
         let mut state = self.state.write();
         let mut released = 0;
         for &page in pages {
-            if state.tag(page).is_some_and(|t| matches!(t.state, PageState::Owned | PageState::Shared)) {
+            if state.tag(page).is_some_and(|t| matches!(t.state(), PageState::Owned | PageState::Shared)) {
                 state.take_from_holder(page);
                 released += 1;
             }
@@ -107,7 +107,7 @@ impl TableState {
     /// the free list, or awaits a scrub, or retires).
     fn take_from_holder(&mut self, page: PageId) {
         let tag = self.tags[page.0 as usize];
-        match tag.state {
+        match tag.state() {
             PageState::Owned => self.detach_from_owner(page),
             PageState::Shared => {
                 if let Some(prefix) = self.prefixes.get_mut(tag.prefix())
@@ -118,6 +118,6 @@ impl TableState {
             }
             _ => return,
         }
-        self.end_incarnations(&[page], tag.state, &mut Released::default());
+        self.end_incarnations(&[page], tag.state(), &mut Released::default());
     }
 }

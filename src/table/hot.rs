@@ -13,9 +13,14 @@ use super::info::PageState;
 /// owner (prefix) is always live, so two owned or shared pages whose words are equal have the
 /// same holder. A read that passed the full check on one whole page may therefore read any other
 /// page whose word equals that page's: `check_read` compares words and runs the full check only
-/// where one differs. Every change to a tag's state, holder or watermark updates the word with it
+/// where one differs. Every change to a tag's state or holder updates the word with it
 /// (`hot_word_of` derives it from scratch, for the tests). A page that is neither owned nor
 /// shared keeps holder 0.
+///
+/// The FULL bit is the one record that every slot is written: a write of whole pages sets it
+/// alone and leaves the tag's watermark behind (read the written prefix through
+/// `TableState::written_prefix`). A watermark that reaches the page's end sets it too, and only
+/// the end of an incarnation clears it.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) struct HotWord(u64);
 
@@ -25,6 +30,12 @@ impl HotWord {
     #[inline(always)]
     pub fn differs(self, other: HotWord) -> u64 {
         self.0 ^ other.0
+    }
+    /// A [`differs`](Self::differs) value (or several ORed together, or with other bits below
+    /// FULL) without the FULL bit: zero exactly when the words differ in nothing else.
+    #[inline(always)]
+    pub fn but_full(difference: u64) -> u64 {
+        difference & !Self::FULL
     }
 }
 
@@ -180,7 +191,23 @@ mod tests {
                 Step::WriteTokens(r, start, len) => {
                     let bt = own(&t, *r);
                     let start = u64::from(*start) % (bt.len() as u64 * u64::from(PS) + 1);
-                    let _ = t.record_write_tokens(req(*r), &bt, start..start + u64::from(*len % 24));
+                    let tokens = start..start + u64::from(*len % 24);
+                    let before = t.state.read().hot.clone();
+                    if t.record_write_tokens(req(*r), &bt, tokens.clone()).is_err() {
+                        // All or nothing: a refused write (whole pages' FULL bits included)
+                        // leaves every word as it was.
+                        prop_assert_eq!(&t.state.read().hot, &before);
+                    } else {
+                        // Every page the write covers whole reads whole, however its watermark
+                        // lags behind its FULL bit.
+                        let state = t.state.read();
+                        let whole = tokens.start.div_ceil(u64::from(PS))..tokens.end / u64::from(PS);
+                        for b in whole {
+                            let page = bt[b as usize];
+                            prop_assert_eq!(state.written_prefix(page), PS, "page {}", page.0);
+                            prop_assert_eq!(state.written_slots(page), PS, "page {}", page.0);
+                        }
+                    }
                 }
                 Step::WriteSlots(r, i, a, b) => {
                     if let Some(&page) = own(&t, *r).get(*i as usize) {
@@ -220,7 +247,7 @@ mod tests {
                     if let Some(entry) = refs.get_mut(*at as usize) {
                         let swap = PageId(u32::from(*page));
                         let generation =
-                            state.tag(swap).map_or(entry.generation, |tag| crate::Generation(tag.generation));
+                            state.tag(swap).map_or(entry.generation, |tag| crate::Generation(tag.generation()));
                         *entry = PageRef { page: swap, generation };
                     }
                     let ids: Vec<PageId> = refs.iter().map(|r| r.page).collect();

@@ -25,6 +25,22 @@ pub enum PageState {
 
 impl PageState {
     pub(crate) const COUNT: usize = 6;
+
+    /// The state whose discriminant is `bits`; any other value reads as [`Retired`](Self::Retired),
+    /// which nobody may use (fail closed). One load from a table, no branch.
+    #[inline(always)]
+    pub(crate) fn from_bits(bits: u8) -> PageState {
+        const STATES: [PageState; 256] = {
+            let mut states = [PageState::Retired; 256];
+            states[PageState::Free as usize] = PageState::Free;
+            states[PageState::Owned as usize] = PageState::Owned;
+            states[PageState::Shared as usize] = PageState::Shared;
+            states[PageState::Reserved as usize] = PageState::Reserved;
+            states[PageState::AwaitingScrub as usize] = PageState::AwaitingScrub;
+            states
+        };
+        STATES[bits as usize]
+    }
 }
 
 /// What a release handed back.

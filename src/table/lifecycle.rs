@@ -93,7 +93,7 @@ impl TableState {
         for &page in pages {
             let state = self.check_usable(Op::Claim, req, page)?;
             // A pinned free page still has a transfer landing in it.
-            if state != PageState::Free || self.tags[page.0 as usize].pinned || repeat == Some(page) {
+            if state != PageState::Free || self.tags[page.0 as usize].pinned() || repeat == Some(page) {
                 return Err(self.page_violation(ViolationKind::PageNotFree, Op::Claim, req, page).into());
             }
         }
@@ -174,7 +174,7 @@ impl TableState {
         let writable = |state: &TableState, entry: E| {
             state
                 .tag(entry.page())
-                .is_some_and(|t| t.owned_by(req) && entry.generation().is_none_or(|g| g.0 == t.generation))
+                .is_some_and(|t| t.owned_by(req) && entry.generation().is_none_or(|g| g.0 == t.generation()))
         };
         for b in [first, last] {
             if !writable(self, block_table[b]) {
@@ -191,13 +191,13 @@ impl TableState {
             if let Some(k) = first_unwritable(&self.tags, &self.hot, middle, owned) {
                 return Err(self.write_refusal(op, req, first + 1 + k, middle[k]));
             }
-            let TableState { tags, hot, changed, page_size, tracking_changes, .. } = self;
+            let TableState { tags, hot, changed, tracking_changes, .. } = self;
             let tracking = *tracking_changes;
             let listing = ChangeListing::new(changed, if tracking { middle.len() } else { 0 }, tags.len());
             let listed = if tracking {
-                write_whole::<true, E>(tags, hot, middle, *page_size, owned, listing)
+                write_whole::<true, E>(tags, hot, middle, owned, listing)
             } else {
-                write_whole::<false, E>(tags, hot, middle, *page_size, owned, listing)
+                write_whole::<false, E>(tags, hot, middle, owned, listing)
             };
             changed.truncate(listed);
         }
@@ -276,12 +276,12 @@ impl TableState {
     pub(crate) fn confirm_scrubbed(&mut self, refs: &[PageRef]) -> Result<(), Error> {
         for r in refs {
             let awaiting = self.tag(r.page).is_some_and(|t| {
-                t.state == PageState::AwaitingScrub && Some(t.generation) == r.generation.0.checked_add(1)
+                t.state() == PageState::AwaitingScrub && Some(t.generation()) == r.generation.0.checked_add(1)
             });
             if !awaiting {
                 return Err(Error::NotAwaitingScrub(*r));
             }
-            if self.tags[r.page.0 as usize].pinned {
+            if self.tags[r.page.0 as usize].pinned() {
                 // A scrub done while bytes may still land does not count: scrub again after.
                 return Err(Error::ScrubInFlight(*r));
             }
@@ -355,7 +355,7 @@ impl TableState {
         self.record(Op::Import, req)?;
         self.check_entries_owned(Op::Import, req, refs)?;
         for (b, r) in refs.iter().enumerate() {
-            if self.tags[r.page.0 as usize].pinned {
+            if self.tags[r.page.0 as usize].pinned() {
                 let v = self.page_violation(ViolationKind::ImportInFlight, Op::Import, req, r.page);
                 return Err(v.with_block_index(b as u32).into());
             }
@@ -366,7 +366,7 @@ impl TableState {
         let ticket = self.next_ticket;
         self.next_ticket += 1;
         for r in refs {
-            self.tags[r.page.0 as usize].pinned = true;
+            self.tags[r.page.0 as usize].set_pinned(true);
             self.pins.insert(r.page, ticket);
         }
         Ok(ticket)
@@ -381,9 +381,9 @@ impl TableState {
             }
             self.pins.remove(&r.page);
             let tag = &mut self.tags[r.page.0 as usize];
-            tag.pinned = false;
-            if tag.state == PageState::Free {
-                tag.link = self.free.len() as u32;
+            tag.set_pinned(false);
+            if tag.state() == PageState::Free {
+                tag.set_link(self.free.len() as u32);
                 self.free.push(r.page);
             }
         }
@@ -412,48 +412,56 @@ pub(crate) fn first_repeat<T: Copy + Eq + std::hash::Hash>(items: &[T]) -> Optio
 fn first_unwritable<E: BlockEntry>(tags: &[PageTag], hot: &[HotWord], pages: &[E], owned: HotWord) -> Option<usize> {
     // `hot` ends with the word past the pool; without it nothing is writable (fail closed).
     let Some(past) = hot.len().checked_sub(1) else { return (!pages.is_empty()).then_some(0) };
-    // Non-zero when `entry` may not be written.
-    let unwritable = |entry: E| {
+    // How `entry` differs from a writable page: a page may be written iff this is zero but for
+    // the FULL bit (any watermark), which is masked off once per chunk rather than per page.
+    let difference = |entry: E| {
         let page = entry.page().0 as usize;
-        let stale = entry.generation().is_some_and(|g| tags.get(page).is_none_or(|tag| tag.generation != g.0));
-        hot[page.min(past)].with_full(false).differs(owned) | u64::from(stale)
+        let stale = entry.generation().is_some_and(|g| tags.get(page).is_none_or(|tag| tag.generation() != g.0));
+        hot[page.min(past)].differs(owned) | u64::from(stale)
     };
     const CHUNK: usize = 8;
     let mut done = 0;
     for chunk in pages.as_chunks::<CHUNK>().0 {
-        if chunk.iter().fold(0, |any, &entry| any | unwritable(entry)) != 0 {
+        if HotWord::but_full(chunk.iter().fold(0, |any, &entry| any | difference(entry))) != 0 {
             break;
         }
         done += CHUNK;
     }
-    pages[done..].iter().position(|&entry| unwritable(entry) != 0).map(|k| done + k)
+    pages[done..].iter().position(|&entry| HotWord::but_full(difference(entry)) != 0).map(|k| done + k)
 }
 
 /// [`record_write_tokens`](TableState::record_write_tokens)' loop over the whole pages between
-/// the first and last, all checked writable ([`first_unwritable`]): each written up to
-/// `page_size` and made whole (its word becomes `owned`'s, whole), and listed as changed if
-/// `TRACK`. Returns the change list's new length.
+/// the first and last, all checked writable ([`first_unwritable`]): each made whole (its word
+/// becomes `owned`'s with the FULL bit, which says every slot is written: the tag's watermark is
+/// not touched), and listed as changed if `TRACK`. Returns the change list's new length.
 #[inline(never)] // apart, so only the loop's own values compete for registers
 fn write_whole<const TRACK: bool, E: BlockEntry>(
     tags: &mut [PageTag],
     hot: &mut [HotWord],
     pages: &[E],
-    page_size: u32,
     owned: HotWord,
     mut listing: ChangeListing<'_>,
 ) -> usize {
-    // As long as `tags`, so a page in range of one needs no second bounds check.
-    let hot = &mut hot[..tags.len()];
     let whole = owned.with_full(true);
-    for &entry in pages {
-        let page = entry.page();
-        // Checked by `first_unwritable`: in range. A page listed twice is written twice, alike.
-        let Some(tag) = tags.get_mut(page.0 as usize) else { continue };
-        if TRACK {
-            listing.note(tag, page); // first: it loads a byte of the tag
+    if TRACK {
+        // As long as `tags`, so a page in range of one needs no second bounds check.
+        let hot = &mut hot[..tags.len()];
+        for &entry in pages {
+            let page = entry.page();
+            // Checked by `first_unwritable`: in range. A page listed twice is written twice, alike.
+            let Some(tag) = tags.get_mut(page.0 as usize) else { continue };
+            listing.note(tag, page);
+            hot[page.0 as usize] = whole;
         }
-        tag.written = page_size; // a whole-page write: gap or not, every slot is written
-        hot[page.0 as usize] = whole;
+    } else {
+        // Hot words only (the word past the pool is never written).
+        let hot = &mut hot[..tags.len()];
+        for &entry in pages {
+            // Checked by `first_unwritable`: in range.
+            if let Some(word) = hot.get_mut(entry.page().0 as usize) {
+                *word = whole;
+            }
+        }
     }
     listing.finish()
 }
@@ -475,23 +483,23 @@ fn give_pages<const TRACK: bool>(
     // As long as `tags`, so a page in range of one needs no second bounds check.
     let hot = &mut hot[..tags.len()];
     let owned = HotWord::new(rec.slot, PageState::Owned, false);
-    // A page list never outgrows the pool, whose size is a `u32`.
-    let first_link = rec.pages.len() as u32;
+    // A page list never outgrows the pool, whose size is a `u32`. A given page's place: its
+    // link (counted up from the first's), owned, and no flag but CHANGED when tracked (a free
+    // page in the free list is neither pinned nor sparse; untracked, the flag is meaningless).
+    let changed = if TRACK { PageTag::CHANGED } else { 0 };
+    let mut place = PageTag::place_of(rec.pages.len() as u32, PageState::Owned) | changed;
     // One count for both lists, each cut to it, so neither index needs a bounds check.
     let n = out.len().min(pages.len());
     let (out, pages) = (&mut out[..n], &pages[..n]);
     for k in 0..n {
         let page = pages[n - 1 - k];
         let tag = &mut tags[page.0 as usize];
-        debug_assert!(tag.state == PageState::Free && tag.written == 0 && !tag.sparse);
-        let (generation, listed_already) = (tag.generation, tag.changed);
+        debug_assert!(tag.state() == PageState::Free && tag.watermark() == 0 && !tag.sparse() && !tag.pinned());
+        let (generation, listed_already) = (tag.generation(), tag.changed());
         out[k] = PageRef { page, generation: Generation(generation) };
         tag.set_owner(req);
-        tag.link = first_link + k as u32;
-        tag.state = PageState::Owned;
-        if TRACK {
-            tag.changed = true; // beside `state`: the two bytes stored at once
-        }
+        tag.set_place(place);
+        place += PageTag::NEXT_LINK;
         hot[page.0 as usize] = owned;
         if TRACK {
             listing.list_unless(page, listed_already);

@@ -598,7 +598,7 @@ impl OwnershipTable {
             in_flight: state
                 .pins
                 .keys()
-                .filter(|p| matches!(state.tags[p.0 as usize].state, PageState::Free | PageState::AwaitingScrub))
+                .filter(|p| matches!(state.tags[p.0 as usize].state(), PageState::Free | PageState::AwaitingScrub))
                 .count() as u64,
         }
     }
@@ -655,22 +655,30 @@ impl OwnershipTable {
     }
 }
 
+#[inline]
 fn page_info(state: &TableState, page: PageId, tag: &PageTag) -> PageInfo {
-    let prefix = match tag.state {
+    let page_state = tag.state();
+    let prefix = match page_state {
         PageState::Shared => state.prefixes.get(tag.prefix()),
         _ => None,
     };
+    let written_prefix = state.written_prefix(page);
     PageInfo {
-        state: tag.state,
-        generation: Generation(tag.generation),
-        owner: match tag.state {
+        state: page_state,
+        generation: Generation(tag.generation()),
+        owner: match page_state {
             PageState::Owned => Some(tag.owner()),
             _ => prefix.map(|p| p.publisher),
         },
-        tenant: state.page_tenant(tag),
+        // The owner's tenant (owned) or the prefix's (shared), as `TableState::page_tenant`.
+        tenant: match page_state {
+            PageState::Owned => state.requests.get(&tag.owner()).map(|r| r.tenant),
+            _ => prefix.map(|p| p.tenant),
+        },
         prefix: prefix.and_then(|p| p.key),
-        written_prefix: tag.written,
-        written_slots: state.written_slots(page),
+        written_prefix,
+        // Only a page with gaps has written slots past its written prefix.
+        written_slots: if tag.sparse() { state.written_slots(page) } else { written_prefix },
         shared_across_tenants: prefix.is_some_and(|p| p.cross_tenant),
     }
 }

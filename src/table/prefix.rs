@@ -67,7 +67,7 @@ impl TableState {
         // (the second time round it is already shared).
         let mut ordered = Vec::with_capacity(pages.len());
         for &page in pages {
-            if self.tags[page.0 as usize].state == PageState::Owned {
+            if self.tags[page.0 as usize].state() == PageState::Owned {
                 self.detach_from_owner(page);
                 self.share_page(page, slot);
                 ordered.push(page);

@@ -70,9 +70,12 @@ impl PrefixSlot {
 
 /// One page's tag: 24 bytes, plus `page_size` bits of coverage elsewhere.
 ///
-/// Coverage is a watermark plus a bitmap: slot `s` is written iff `s < written` or its bit is set.
-/// Writes in order (prefill chunks, decode appends) only move the watermark; the bitmap is touched
-/// only by writes that leave a gap (`sparse`), and cleared on release only if it was.
+/// Coverage is the page's [`HotWord`] FULL bit, a watermark and a bitmap: slot `s` is written iff
+/// the page is whole ([`HotWord::is_full`]), or `s < watermark`, or its bit is set. Writes in order
+/// (prefill chunks, decode appends) only move the watermark; a write of whole pages only sets
+/// their FULL bits (the watermark is left behind: a whole page's is never read); the bitmap is
+/// touched only by writes that leave a gap (`sparse`), and cleared on release only if it was.
+/// Read the written prefix through [`TableState::written_prefix`], never the field.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct PageTag {
     /// Owned: the owner's id. Shared: its prefix's handle ([`PrefixSlot`]; the publisher is in
@@ -80,22 +83,155 @@ pub(crate) struct PageTag {
     /// [`owner`](Self::owner) and [`prefix`](Self::prefix). The tenant is not stored: it is the
     /// owner's (owned) or the prefix's (shared).
     pub holder: u64,
-    pub generation: u32,
-    /// Slots `0..written` are all written by the current incarnation (the coverage watermark).
-    pub written: u32,
+    /// The incarnation in one word, so ending it is one store: the generation in the low 32
+    /// bits, the watermark above ([`generation`](Self::generation),
+    /// [`watermark`](Self::watermark)).
+    incarnation: u64,
+    /// Where the page is, in one word, so a page changes hands in one store: the flags
+    /// `CHANGED`, `SPARSE` and `PINNED` in the low bits, its state in bits 8 to 15, its link in
+    /// the high 32 bits
+    /// ([`link`](Self::link), [`state`](Self::state), [`changed`](Self::changed),
+    /// [`sparse`](Self::sparse), [`pinned`](Self::pinned)).
+    place: u64,
+}
+
+impl PageTag {
+    // The flags lowest, so a test or change of one is an instruction with a byte immediate.
+    pub const CHANGED: u64 = 1;
+    pub const SPARSE: u64 = 1 << 1;
+    pub const PINNED: u64 = 1 << 2;
+    const STATE_SHIFT: u32 = 8;
+    const LINK_SHIFT: u32 = 32;
+    /// Added to a place, the same place at the next link.
+    pub const NEXT_LINK: u64 = 1 << Self::LINK_SHIFT;
+
+    /// A page in `state`, never written, linked at 0, in generation `generation`.
+    pub fn new(state: PageState, generation: u32) -> PageTag {
+        PageTag { holder: 0, incarnation: Self::incarnation_of(generation), place: Self::place_of(0, state) }
+    }
+    /// The [`incarnation`](Self::incarnation) word of generation `generation`, nothing written.
+    #[inline(always)]
+    pub fn incarnation_of(generation: u32) -> u64 {
+        u64::from(generation)
+    }
+    /// The `place` word of a page at `link` in `state`, no flag set.
+    #[inline(always)]
+    pub fn place_of(link: u32, state: PageState) -> u64 {
+        u64::from(link) << Self::LINK_SHIFT | (state as u64) << Self::STATE_SHIFT
+    }
+    /// The incarnation word: generation and watermark, as one value.
+    #[inline(always)]
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation
+    }
+    /// The incarnation word with the watermark `watermark`.
+    #[inline(always)]
+    pub fn with_watermark(&self, watermark: u32) -> u64 {
+        u64::from(self.generation()) | u64::from(watermark) << 32
+    }
+    /// The generation of an incarnation word.
+    #[inline(always)]
+    pub fn generation_of(incarnation: u64) -> u32 {
+        incarnation as u32
+    }
+    /// The watermark of an incarnation word.
+    #[inline(always)]
+    pub fn watermark_of(incarnation: u64) -> u32 {
+        (incarnation >> 32) as u32
+    }
+    /// Sets generation and watermark at once (see [`incarnation_of`](Self::incarnation_of)).
+    #[inline(always)]
+    pub fn set_incarnation(&mut self, incarnation: u64) {
+        self.incarnation = incarnation;
+    }
+    /// The place word: link, state and flags, as one value.
+    #[inline(always)]
+    pub fn place(&self) -> u64 {
+        self.place
+    }
+    /// Sets link, state and flags at once (see [`place_of`](Self::place_of) and the flag
+    /// constants).
+    #[inline(always)]
+    pub fn set_place(&mut self, place: u64) {
+        self.place = place;
+    }
+    /// The page's incarnation.
+    #[inline(always)]
+    pub fn generation(&self) -> u32 {
+        Self::generation_of(self.incarnation)
+    }
+    #[inline(always)]
+    pub fn set_generation(&mut self, generation: u32) {
+        self.incarnation = (self.incarnation & !u64::from(u32::MAX)) | u64::from(generation);
+    }
+    /// Slots `0..watermark` are all written by the current incarnation (the coverage watermark),
+    /// unless the page is whole: then every slot is, and this may lag behind (see
+    /// [`TableState::written_prefix`]).
+    #[inline(always)]
+    pub fn watermark(&self) -> u32 {
+        Self::watermark_of(self.incarnation)
+    }
+    #[inline(always)]
+    pub fn set_watermark(&mut self, watermark: u32) {
+        self.incarnation = self.with_watermark(watermark);
+    }
     /// Owned: index in the owner's page list. Free: index in the free list. Shared: unused.
-    pub link: u32,
-    pub state: PageState,
+    #[inline(always)]
+    pub fn link(&self) -> u32 {
+        (self.place >> Self::LINK_SHIFT) as u32
+    }
+    #[inline(always)]
+    pub fn set_link(&mut self, link: u32) {
+        self.place = (self.place & u64::from(u32::MAX)) | u64::from(link) << Self::LINK_SHIFT;
+    }
+    #[inline(always)]
+    pub fn state(&self) -> PageState {
+        PageState::from_bits(self.state_bits())
+    }
+    /// The state's discriminant (`state() as u8`, without decoding it).
+    #[inline(always)]
+    pub fn state_bits(&self) -> u8 {
+        (self.place >> Self::STATE_SHIFT) as u8
+    }
+    #[inline(always)]
+    pub fn set_state(&mut self, state: PageState) {
+        self.place = (self.place & !(0xff << Self::STATE_SHIFT)) | (state as u64) << Self::STATE_SHIFT;
+    }
     /// Listed in `changed` since the last `take_changed`. Meaningless until the first call:
     /// changes are not tracked before a device mirror asks (`TableState::tracking_changes`),
     /// and the first `take_changed` hands back the whole pool.
-    pub changed: bool,
+    #[inline(always)]
+    pub fn changed(&self) -> bool {
+        self.place & Self::CHANGED != 0
+    }
+    #[inline(always)]
+    pub fn set_changed(&mut self, changed: bool) {
+        self.set_flag(Self::CHANGED, changed);
+    }
     /// Some coverage bit of this incarnation may be set.
-    pub sparse: bool,
+    #[inline(always)]
+    pub fn sparse(&self) -> bool {
+        self.place & Self::SPARSE != 0
+    }
+    #[inline(always)]
+    pub fn set_sparse(&mut self, sparse: bool) {
+        self.set_flag(Self::SPARSE, sparse);
+    }
     /// A KV transfer into this page is in flight ([`TableState::pin`]): if the page is released
     /// meanwhile it stays out of the free list until the transfer is finished or aborted, so the
     /// bytes still landing can never reach a next owner.
-    pub pinned: bool,
+    #[inline(always)]
+    pub fn pinned(&self) -> bool {
+        self.place & Self::PINNED != 0
+    }
+    #[inline(always)]
+    pub fn set_pinned(&mut self, pinned: bool) {
+        self.set_flag(Self::PINNED, pinned);
+    }
+    #[inline(always)]
+    fn set_flag(&mut self, flag: u64, on: bool) {
+        self.place = if on { self.place | flag } else { self.place & !flag };
+    }
 }
 
 impl PageTag {
@@ -107,7 +243,7 @@ impl PageTag {
     /// Owned by `req`.
     #[inline(always)]
     pub fn owned_by(&self, req: RequestId) -> bool {
-        self.state == PageState::Owned && self.holder == req.0
+        self.state() == PageState::Owned && self.holder == req.0
     }
     /// The prefix a shared page belongs to.
     #[inline(always)]
@@ -133,7 +269,7 @@ pub(crate) struct RequestRecord {
     pub tenant: TenantId,
     pub prompt_tokens: u64,
     pub max_new_tokens: u64,
-    /// Pages this request owns exclusively; `tags[p].link` is the index here.
+    /// Pages this request owns exclusively; `tags[p].link()` is the index here.
     pub pages: Vec<PageId>,
     /// Prefixes this request holds.
     pub prefixes: HeldPrefixes,
@@ -335,8 +471,8 @@ impl<'a> ChangeListing<'a> {
     /// Lists `page` (whose tag is `tag`) unless it is listed already.
     #[inline(always)]
     pub fn note(&mut self, tag: &mut PageTag, page: PageId) {
-        if !tag.changed {
-            tag.changed = true;
+        if !tag.changed() {
+            tag.set_changed(true);
             self.slots[self.listed] = page;
             self.listed += 1;
         }
@@ -419,22 +555,13 @@ impl TableState {
             let state = if reserved { PageState::Reserved } else { PageState::Free };
             state_counts[state as usize] += 1;
             hot.push(HotWord::unheld(state));
-            tags.push(PageTag {
-                holder: 0,
-                generation: Generation::FIRST.0,
-                written: 0,
-                link: 0,
-                state,
-                changed: false,
-                sparse: false,
-                pinned: false,
-            });
+            tags.push(PageTag::new(state, Generation::FIRST.0));
         }
         hot.push(HotWord::PAST_THE_POOL);
         // Lowest ids on top of the stack, so a fresh pool hands out pages in id order.
         for p in (0..config.num_pages).rev() {
-            if tags[p as usize].state == PageState::Free {
-                tags[p as usize].link = free.len() as u32;
+            if tags[p as usize].state() == PageState::Free {
+                tags[p as usize].set_link(free.len() as u32);
                 free.push(PageId(p));
             }
         }
@@ -482,8 +609,10 @@ impl TableState {
     #[cfg(test)]
     pub fn hot_word_of(&self, page: PageId) -> HotWord {
         let tag = &self.tags[page.0 as usize];
-        let full = tag.written >= self.page_size;
-        match tag.state {
+        // A whole-page write sets FULL alone, so FULL is not derived from the watermark; but a
+        // watermark at the page's end must have it set.
+        let full = self.hot[page.0 as usize].is_full() || tag.watermark() >= self.page_size;
+        match tag.state() {
             PageState::Owned => {
                 let slot = self.requests.get(&tag.owner()).expect("an owned page's owner is admitted").slot;
                 HotWord::new(slot, PageState::Owned, full)
@@ -506,14 +635,14 @@ impl TableState {
     }
 
     pub fn page_ref(&self, page: PageId) -> PageRef {
-        PageRef { page, generation: Generation(self.tags[page.0 as usize].generation) }
+        PageRef { page, generation: Generation(self.tags[page.0 as usize].generation()) }
     }
 
     #[inline]
     pub(super) fn mark_changed(&mut self, page: PageId) {
         let tag = &mut self.tags[page.0 as usize];
-        if self.tracking_changes && !tag.changed {
-            tag.changed = true;
+        if self.tracking_changes && !tag.changed() {
+            tag.set_changed(true);
             self.changed.push(page);
         }
     }
@@ -521,9 +650,9 @@ impl TableState {
     #[inline]
     pub fn set_state(&mut self, page: PageId, state: PageState) {
         let tag = &mut self.tags[page.0 as usize];
-        self.state_counts[tag.state as usize] -= 1;
+        self.state_counts[tag.state() as usize] -= 1;
         self.state_counts[state as usize] += 1;
-        tag.state = state;
+        tag.set_state(state);
         let hot = &mut self.hot[page.0 as usize];
         *hot = hot.with_state(state);
         self.mark_changed(page);
@@ -531,11 +660,11 @@ impl TableState {
 
     /// Takes a page off the free list (it must be free) and gives it to `req`'s page list.
     pub fn take_free_page(&mut self, page: PageId, req: RequestId) {
-        let idx = self.tags[page.0 as usize].link as usize;
+        let idx = self.tags[page.0 as usize].link() as usize;
         debug_assert_eq!(self.free[idx], page);
         self.free.swap_remove(idx);
         if let Some(&moved) = self.free.get(idx) {
-            self.tags[moved.0 as usize].link = idx as u32;
+            self.tags[moved.0 as usize].set_link(idx as u32);
         }
         self.give_page(page, req);
     }
@@ -544,9 +673,9 @@ impl TableState {
     fn give_page(&mut self, page: PageId, req: RequestId) {
         let rec = self.requests.get_mut(&req).expect("callers check the request is admitted");
         let tag = &mut self.tags[page.0 as usize];
-        debug_assert!(tag.written == 0 && !tag.sparse, "free pages carry no coverage");
+        debug_assert!(tag.watermark() == 0 && !tag.sparse(), "free pages carry no coverage");
         tag.set_owner(req);
-        tag.link = rec.pages.len() as u32;
+        tag.set_link(rec.pages.len() as u32);
         rec.pages.push(page);
         self.hot[page.0 as usize] = HotWord::new(rec.slot, PageState::Owned, false);
         self.set_state(page, PageState::Owned);
@@ -556,10 +685,10 @@ impl TableState {
     pub fn detach_from_owner(&mut self, page: PageId) {
         let tag = self.tags[page.0 as usize];
         let rec = self.requests.get_mut(&tag.owner()).expect("an owned page's owner is admitted");
-        let idx = tag.link as usize;
+        let idx = tag.link() as usize;
         rec.pages.swap_remove(idx);
         if let Some(&moved) = rec.pages.get(idx) {
-            self.tags[moved.0 as usize].link = idx as u32;
+            self.tags[moved.0 as usize].set_link(idx as u32);
         }
     }
 
@@ -585,7 +714,7 @@ impl TableState {
         let first_link = free.len() as u32;
         let ends = Ending { limit, next_state, next_hot: HotWord::unheld(next_state), first_link };
         debug_assert!(
-            pages.iter().all(|p| tags.get(p.0 as usize).is_some_and(|t| t.state == from)),
+            pages.iter().all(|p| tags.get(p.0 as usize).is_some_and(|t| t.state() == from)),
             "ending a page that is not {from:?}"
         );
         let (rare, listed) = if tracking {
@@ -612,30 +741,31 @@ impl TableState {
         let (limit, ps) = (self.generation_limit, self.page_size as usize);
         for &page in pages {
             let tag = &mut self.tags[page.0 as usize];
-            if matches!(tag.state, PageState::Owned | PageState::Shared) {
-                tag.written = 0;
-                if std::mem::replace(&mut tag.sparse, false) {
+            if matches!(tag.state(), PageState::Owned | PageState::Shared) {
+                tag.set_watermark(0);
+                if tag.sparse() {
+                    tag.set_sparse(false);
                     let base = page.0 as usize * ps;
                     self.coverage[base..base + ps].fill(false);
                 }
                 let tag = &mut self.tags[page.0 as usize];
-                if tag.generation >= limit {
-                    tag.state = PageState::Retired;
+                if tag.generation() >= limit {
+                    tag.set_state(PageState::Retired);
                 } else {
-                    tag.generation += 1;
-                    tag.state = if self.scrub_on_release { PageState::AwaitingScrub } else { PageState::Free };
+                    tag.set_generation(tag.generation() + 1);
+                    tag.set_state(if self.scrub_on_release { PageState::AwaitingScrub } else { PageState::Free });
                 }
-                self.hot[page.0 as usize] = HotWord::unheld(tag.state);
+                self.hot[page.0 as usize] = HotWord::unheld(tag.state());
             }
             let tag = &mut self.tags[page.0 as usize];
-            let state = tag.state;
+            let state = tag.state();
             match state {
                 PageState::AwaitingScrub => {
-                    released.scrub.push(PageRef { page, generation: Generation(tag.generation - 1) });
+                    released.scrub.push(PageRef { page, generation: Generation(tag.generation() - 1) });
                 }
                 // A pinned page waits outside the free list until its transfer is over.
-                PageState::Free if !tag.pinned => {
-                    tag.link = self.free.len() as u32;
+                PageState::Free if !tag.pinned() => {
+                    tag.set_link(self.free.len() as u32);
                     self.free.push(page);
                 }
                 _ => {}
@@ -647,8 +777,8 @@ impl TableState {
     /// Marks `page` free; it joins the free list unless a transfer still pins it.
     #[inline]
     pub fn push_free(&mut self, page: PageId) {
-        if !self.tags[page.0 as usize].pinned {
-            self.tags[page.0 as usize].link = self.free.len() as u32;
+        if !self.tags[page.0 as usize].pinned() {
+            self.tags[page.0 as usize].set_link(self.free.len() as u32);
             self.free.push(page);
         }
         self.set_state(page, PageState::Free);
@@ -659,20 +789,33 @@ impl TableState {
         base + a as usize..base + b as usize
     }
 
+    /// Slots `0..n` of `page` are all written by its current incarnation: `n` is the page size
+    /// for a whole page (its [`HotWord`] FULL bit), else the watermark. The one way to read the
+    /// watermark: a write of whole pages sets their FULL bits and leaves the field behind.
+    #[inline]
+    pub fn written_prefix(&self, page: PageId) -> u32 {
+        if self.hot[page.0 as usize].is_full() { self.page_size } else { self.tags[page.0 as usize].watermark() }
+    }
+
     /// Records slots `a..b` of `page` as written and advances the watermark.
     #[inline]
     pub fn mark_written(&mut self, page: PageId, a: u32, b: u32) {
+        if self.hot[page.0 as usize].is_full() {
+            return; // every slot is written already
+        }
+        // Not whole: the watermark is current.
         let tag = &mut self.tags[page.0 as usize];
-        if b <= tag.written.max(a) {
+        if b <= tag.watermark().max(a) {
             return; // empty, or already written by this incarnation
         }
-        if a <= tag.written && !tag.sparse {
+        if a <= tag.watermark() && !tag.sparse() {
             // The common case: appending to the written prefix.
-            tag.written = b;
+            tag.set_watermark(b);
             let full = b >= self.page_size;
             let hot = &mut self.hot[page.0 as usize];
             *hot = hot.with_full(full);
-            if self.tracking_changes && !std::mem::replace(&mut tag.changed, true) {
+            if self.tracking_changes && !tag.changed() {
+                tag.set_changed(true);
                 self.changed.push(page);
             }
             return;
@@ -680,48 +823,50 @@ impl TableState {
         self.mark_written_sparse(page, a, b);
     }
 
-    /// [`mark_written`](Self::mark_written) when the write leaves a gap or may close one.
+    /// [`mark_written`](Self::mark_written) when the write leaves a gap or may close one; the
+    /// page is not whole.
     #[cold]
     fn mark_written_sparse(&mut self, page: PageId, a: u32, b: u32) {
         let tag = self.tags[page.0 as usize];
-        let written = if a <= tag.written {
+        let written = if a <= tag.watermark() {
             let rest = &self.coverage[self.slot_range(page, b, self.page_size)];
             b + rest.first_zero().unwrap_or(rest.len()) as u32
         } else {
             let range = self.slot_range(page, a, b);
             self.coverage[range].fill(true);
-            self.tags[page.0 as usize].sparse = true;
-            tag.written
+            self.tags[page.0 as usize].set_sparse(true);
+            tag.watermark()
         };
-        self.tags[page.0 as usize].written = written;
+        self.tags[page.0 as usize].set_watermark(written);
         let hot = &mut self.hot[page.0 as usize];
         *hot = hot.with_full(written >= self.page_size);
         self.mark_changed(page);
     }
 
-    /// The first run of unwritten slots in `0..need` of `page`, given `written < need`.
+    /// The first run of unwritten slots in `0..need` of `page`, given
+    /// [`written_prefix`](Self::written_prefix) `< need` (so the page is not whole).
     pub fn unwritten_run(&self, page: PageId, need: u32) -> (u32, u32) {
         let tag = &self.tags[page.0 as usize];
-        let start = tag.written;
-        if !tag.sparse {
+        let start = self.written_prefix(page);
+        if !tag.sparse() {
             return (start, need);
         }
-        let gap = &self.coverage[self.slot_range(page, start, need)];
+        let gap = &self.coverage[self.slot_range(page, start, need.max(start))];
         (start, start + gap.first_one().unwrap_or(gap.len()) as u32)
     }
 
     /// Slots of `page` its current incarnation wrote.
     pub fn written_slots(&self, page: PageId) -> u32 {
-        let tag = &self.tags[page.0 as usize];
-        if !tag.sparse {
-            return tag.written;
+        let (tag, prefix) = (&self.tags[page.0 as usize], self.written_prefix(page));
+        if !tag.sparse() {
+            return prefix;
         }
-        tag.written + self.coverage[self.slot_range(page, tag.written, self.page_size)].count_ones() as u32
+        prefix + self.coverage[self.slot_range(page, prefix, self.page_size)].count_ones() as u32
     }
 
     /// The tenant whose data a live page holds: its owner's, or its prefix's.
     pub fn page_tenant(&self, tag: &PageTag) -> Option<TenantId> {
-        match tag.state {
+        match tag.state() {
             PageState::Owned => self.requests.get(&tag.owner()).map(|r| r.tenant),
             PageState::Shared => self.prefixes.get(tag.prefix()).map(|p| p.tenant),
             _ => None,
@@ -737,50 +882,8 @@ impl TableState {
             self.changed.clear();
             self.changed.extend((0..self.tags.len() as u32).map(PageId));
         }
-        // Disjoint borrows, and the tags as a slice (its pointer and length stay in registers);
-        // `extend` over a slice's map knows its length, so no push checks the capacity per page.
-        let TableState { tags, changed, requests, prefixes, .. } = self;
-        let tags = tags.as_mut_slice();
-        // Changed pages come in runs of one owner: its tenant is looked up once per run.
-        let mut last_owner: Option<(u64, u64)> = None;
-        out.extend(changed.iter().map(|&page| {
-            // Read whole before the flag is cleared: a byte loaded just after a neighbouring
-            // byte of the same tag was stored waits for that store to retire.
-            let slot = &mut tags[page.0 as usize];
-            let tag = *slot;
-            slot.changed = false;
-            let (owner, tenant, flags) = match tag.state {
-                PageState::Owned => {
-                    let tenant = match last_owner {
-                        Some((owner, tenant)) if owner == tag.holder => tenant,
-                        _ => {
-                            let tenant = requests.get(&tag.owner()).map_or(0, |r| r.tenant.0);
-                            last_owner = Some((tag.holder, tenant));
-                            tenant
-                        }
-                    };
-                    (tag.holder, tenant, 0)
-                }
-                PageState::Shared => match prefixes.get(tag.prefix()) {
-                    Some(p) => (
-                        p.publisher.0,
-                        p.tenant.0,
-                        if p.cross_tenant { DeviceTag::FLAG_SHARED_ACROSS_TENANTS } else { 0 },
-                    ),
-                    None => (0, 0, 0),
-                },
-                _ => (0, 0, 0),
-            };
-            let device = DeviceTag {
-                owner,
-                tenant,
-                generation: tag.generation,
-                written: tag.written,
-                state: tag.state as u32,
-                flags,
-            };
-            (page.0, device)
-        }));
+        let TableState { tags, hot, changed, requests, prefixes, page_size, .. } = self;
+        device_tags_into(tags, hot, changed, *page_size, requests, prefixes, out);
         let n = self.changed.len();
         // Cleared, not taken: the list keeps its pool-sized capacity.
         self.changed.clear();
@@ -792,17 +895,79 @@ impl TableState {
             // The first call: every page counts as changed, and tracking starts now.
             self.tracking_changes = true;
             for tag in &mut self.tags {
-                tag.changed = false;
+                tag.set_changed(false);
             }
             return (0..self.tags.len() as u32).map(PageId).collect();
         }
         // Drained, not taken: the list keeps its pool-sized capacity.
         let changed: Vec<PageId> = self.changed.drain(..).collect();
         for p in &changed {
-            self.tags[p.0 as usize].changed = false;
+            self.tags[p.0 as usize].set_changed(false);
         }
         changed
     }
+}
+
+/// [`TableState::take_changed_tags_into`]'s loop: appends the device tag of each of `changed`
+/// to `out` and clears its [`PageTag::changed`].
+///
+/// The tags as a slice (its pointer and length stay in registers); `extend` over a slice's map
+/// knows its length, so no push checks the capacity per page.
+#[inline(never)] // apart, so only the loop's own values compete for registers
+fn device_tags_into(
+    tags: &mut [PageTag],
+    hot: &[HotWord],
+    changed: &[PageId],
+    page_size: u32,
+    requests: &IdMap<RequestId, RequestRecord>,
+    prefixes: &SlotMap<PrefixSlot, PrefixRecord>,
+    out: &mut Vec<(u32, DeviceTag)>,
+) {
+    // As long as `tags`, so a page in range of one needs no second bounds check.
+    let hot = &hot[..tags.len()];
+    // Changed pages come in runs of one owner: its tenant is looked up once per run.
+    let mut last_owner: Option<(u64, u64)> = None;
+    out.extend(changed.iter().map(|&page| {
+        let slot = &mut tags[page.0 as usize];
+        let tag = *slot;
+        slot.set_place(tag.place() & !PageTag::CHANGED);
+        let state = tag.state_bits();
+        let held = state == PageState::Owned as u8 || state == PageState::Shared as u8;
+        // Generation and written prefix in one word (stored as one): a held page may be whole
+        // (its FULL bit); one nobody holds never is (the bit went with its last incarnation), so
+        // its watermark is its written prefix.
+        let incarnation =
+            if held && hot[page.0 as usize].is_full() { tag.with_watermark(page_size) } else { tag.incarnation() };
+        let (owner, tenant, flags) = if state == PageState::Owned as u8 {
+            let tenant = match last_owner {
+                Some((owner, tenant)) if owner == tag.holder => tenant,
+                _ => {
+                    let tenant = requests.get(&tag.owner()).map_or(0, |r| r.tenant.0);
+                    last_owner = Some((tag.holder, tenant));
+                    tenant
+                }
+            };
+            (tag.holder, tenant, 0)
+        } else if state == PageState::Shared as u8 {
+            match prefixes.get(tag.prefix()) {
+                Some(p) => {
+                    (p.publisher.0, p.tenant.0, if p.cross_tenant { DeviceTag::FLAG_SHARED_ACROSS_TENANTS } else { 0 })
+                }
+                None => (0, 0, 0),
+            }
+        } else {
+            (0, 0, 0)
+        };
+        let device = DeviceTag {
+            owner,
+            tenant,
+            generation: PageTag::generation_of(incarnation),
+            written: PageTag::watermark_of(incarnation),
+            state: u32::from(state),
+            flags,
+        };
+        (page.0, device)
+    }));
 }
 
 /// The fast loop of [`TableState::end_incarnations`]: what an ordinary page becomes.
@@ -828,26 +993,45 @@ impl Ending {
     ) -> (usize, usize) {
         // As long as `tags`, so a page in range of one needs no second bounds check.
         let hot = &mut hot[..tags.len()];
-        let (mut rare, mut link) = (0usize, self.first_link);
-        for &page in pages {
-            // Read before anything is written: a byte loaded just after a neighbouring byte of
-            // the same tag was stored waits for that store to retire.
+        // An ended page's place: its link (counted up from the first's), the next state, and no
+        // flag but CHANGED when tracked (pinned and sparse pages are rare; untracked, the flag
+        // is meaningless).
+        let changed = if TRACK { PageTag::CHANGED } else { 0 };
+        let first_place = PageTag::place_of(self.first_link, self.next_state) | changed;
+        let mut rare = 0usize;
+        let mut end = |page: PageId, place: u64| {
+            // Read before anything is written: a word loaded just after part of it was stored
+            // waits for that store to retire.
             let tag = &mut tags[page.0 as usize];
-            let old = *tag;
-            if TRACK && !old.changed {
-                tag.changed = true;
+            let (generation, old_place) = (tag.generation(), tag.place());
+            if TRACK && old_place & PageTag::CHANGED == 0 {
                 listing.list_unless(page, false);
             }
-            if old.sparse | old.pinned | (old.generation >= self.limit) {
+            if (old_place & (PageTag::SPARSE | PageTag::PINNED) != 0) | (generation >= self.limit) {
                 rare += 1; // left in its old state for the general pass
+                if TRACK {
+                    tag.set_place(old_place | PageTag::CHANGED);
+                }
             } else {
-                tag.written = 0;
-                tag.generation = old.generation + 1;
-                tag.state = self.next_state;
-                tag.link = link;
+                // The next generation, nothing written: one store; and one for the place.
+                tag.set_incarnation(PageTag::incarnation_of(generation + 1));
+                tag.set_place(place);
                 hot[page.0 as usize] = self.next_hot;
             }
-            link += 1;
+        };
+        // Four pages a round: one loop test per four.
+        const ROUND: usize = 4;
+        let (rounds, rest) = pages.as_chunks::<ROUND>();
+        let mut place = first_place;
+        for round in rounds {
+            for &page in round {
+                end(page, place);
+                place += PageTag::NEXT_LINK;
+            }
+        }
+        for &page in rest {
+            end(page, place);
+            place += PageTag::NEXT_LINK;
         }
         (rare, listing.finish())
     }
@@ -890,16 +1074,7 @@ mod tests {
         assert_ne!(old, new);
         assert!(store.get(old).is_none() && !held.contains(new));
         // A page tag carries the handle whole.
-        let mut tag = PageTag {
-            holder: 0,
-            generation: 1,
-            written: 0,
-            link: 0,
-            state: PageState::Shared,
-            changed: false,
-            sparse: false,
-            pinned: false,
-        };
+        let mut tag = PageTag::new(PageState::Shared, 1);
         tag.set_prefix(new);
         assert_eq!(tag.prefix(), new);
         assert!(!held.contains(tag.prefix()));

@@ -43,7 +43,7 @@ impl TableState {
             self.check_entry(rec, req, i, entry, self.page_size)?;
             let page = entry.page().0 as usize; // in range: it passed
             expected = self.hot[page];
-            if self.tags[page].state == PageState::Shared {
+            if self.tags[page].state() == PageState::Shared {
                 next = rec.prefixes.position(self.tags[page].prefix()).map_or(next, |at| at + 1);
             }
             i += 1;
@@ -84,13 +84,15 @@ impl TableState {
         need: u32,
     ) -> Result<(), Violation> {
         if let Some(tag) = self.tags.get(entry.page().0 as usize) {
-            let mine = match tag.state {
+            let mine = match tag.state() {
                 PageState::Owned => tag.owner() == req,
                 PageState::Shared => rec.prefixes.contains(tag.prefix()),
                 _ => false,
             };
-            let current = entry.generation().is_none_or(|g| g.0 == tag.generation);
-            if mine && current && tag.written >= need {
+            let current = entry.generation().is_none_or(|g| g.0 == tag.generation());
+            // The watermark first: a page written in order has it current; a whole page's
+            // FULL bit answers where it lags.
+            if mine && current && (tag.watermark() >= need || self.written_prefix(entry.page()) >= need) {
                 return Ok(());
             }
         }
@@ -113,7 +115,7 @@ fn hot_run<E: BlockEntry>(hot: &[HotWord], tags: &[PageTag], entries: &[E], expe
     // Non-zero when `entry` is not a page of the run.
     let mismatch = |entry: E| {
         let page = entry.page().0 as usize;
-        let stale = entry.generation().is_some_and(|g| tags.get(page).is_none_or(|tag| tag.generation != g.0));
+        let stale = entry.generation().is_some_and(|g| tags.get(page).is_none_or(|tag| tag.generation() != g.0));
         hot[page.min(past)].differs(expected) | u64::from(stale)
     };
     const CHUNK: usize = 8;
@@ -140,7 +142,7 @@ fn prefix_run<E: BlockEntry>(hot: &[HotWord], tags: &[PageTag], entries: &[E], h
         .take_while(|&(&entry, &slot)| {
             let page = entry.page().0 as usize;
             hot[page.min(past)] == HotWord::new(slot.index(), PageState::Shared, true)
-                && entry.generation().is_none_or(|g| tags.get(page).is_some_and(|tag| tag.generation == g.0))
+                && entry.generation().is_none_or(|g| tags.get(page).is_some_and(|tag| tag.generation() == g.0))
         })
         .count()
 }
@@ -184,13 +186,13 @@ impl TableState {
         let Some(tag) = self.tag(page) else {
             return at(ViolationKind::PageOutOfRange);
         };
-        let kind = match tag.state {
+        let kind = match tag.state() {
             PageState::Reserved => ViolationKind::ReservedPage,
             PageState::Free | PageState::AwaitingScrub | PageState::Retired => ViolationKind::FreedPage,
             PageState::Owned if tag.owner() != req => ViolationKind::ForeignPage,
             PageState::Shared if !rec.prefixes.contains(tag.prefix()) => ViolationKind::ForeignPage,
             _ => match entry.generation() {
-                Some(g) if g.0 != tag.generation => {
+                Some(g) if g.0 != tag.generation() => {
                     return at(ViolationKind::StalePage).with_expected_generation(g);
                 }
                 _ => {
@@ -201,7 +203,7 @@ impl TableState {
         };
         let v = at(kind);
         match entry.generation() {
-            Some(g) if g.0 != tag.generation => v.with_expected_generation(g),
+            Some(g) if g.0 != tag.generation() => v.with_expected_generation(g),
             _ => v,
         }
     }

@@ -20,8 +20,8 @@ impl TableState {
         match self.tag(page) {
             None => v = v.with_page(page, None),
             Some(tag) => {
-                v = v.with_page(page, Some(Generation(tag.generation)));
-                match tag.state {
+                v = v.with_page(page, Some(Generation(tag.generation())));
+                match tag.state() {
                     PageState::Owned => {
                         if let Some(tenant) = self.page_tenant(tag) {
                             v = v.with_owner(tag.owner(), tenant);
@@ -62,10 +62,10 @@ impl TableState {
     pub(crate) fn check_usable(&self, op: Op, req: RequestId, page: PageId) -> Result<PageState, Error> {
         match self.tag(page) {
             None => Err(self.page_violation(ViolationKind::PageOutOfRange, op, req, page).into()),
-            Some(t) if t.state == PageState::Reserved => {
+            Some(t) if t.state() == PageState::Reserved => {
                 Err(self.page_violation(ViolationKind::ReservedPage, op, req, page).into())
             }
-            Some(t) => Ok(t.state),
+            Some(t) => Ok(t.state()),
         }
     }
 
@@ -100,7 +100,7 @@ impl TableState {
         for (b, &entry) in entries.iter().enumerate() {
             let fine = self
                 .tag(entry.page())
-                .is_some_and(|t| t.owned_by(req) && entry.generation().is_none_or(|g| g.0 == t.generation));
+                .is_some_and(|t| t.owned_by(req) && entry.generation().is_none_or(|g| g.0 == t.generation()));
             if !fine {
                 return Err(self.write_refusal(op, req, b, entry));
             }
