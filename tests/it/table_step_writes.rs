@@ -144,3 +144,25 @@ fn claim_step_judges_as_claims_in_a_row() {
         assert_eq!(one.counters().nonzero(), batch.counters().nonzero());
     }
 }
+
+#[test]
+fn a_step_of_many_sequences_names_each_refused_one_by_its_index() {
+    // More sequences than one warmed batch: the refused ones keep their places in the step.
+    // (Report: a refused request is not quarantined, so its page reads as unwritten below.)
+    let t = OwnershipTable::new(PoolConfig::new(128, PS, 128).with_reserved([PageId(0)]).with_policy(Policy::Report))
+        .expect("the test pool passes its audit");
+    let n = 100u32;
+    for r in 0..n {
+        t.admit(RequestId(u64::from(r)), TenantId(1), 1, 0).unwrap();
+        t.claim(RequestId(u64::from(r)), &[PageId(r + 1)]).unwrap();
+    }
+    // Sequences 33 and 99 write the page of the one before them; the others their own.
+    let slots: Vec<Vec<i64>> = (0..n).map(|r| slots(&[if r == 33 || r == 99 { r } else { r + 1 }], 0..1)).collect();
+    let writes: Vec<SeqWrite<'_>> =
+        (0..n).map(|r| SeqWrite { request: RequestId(u64::from(r)), slots: &slots[r as usize] }).collect();
+    let v = t.record_step_writes(&writes);
+    let refused: Vec<(usize, RequestId)> = v.refused.iter().map(|(i, v)| (*i, v.request().unwrap())).collect();
+    assert_eq!(refused, [(33, RequestId(33)), (99, RequestId(99))]);
+    t.verify_read(RequestId(34), &[PageId(35)], 1).unwrap();
+    assert_eq!(t.check_read(RequestId(33), &[PageId(34)], 1).unwrap_err().kind(), ViolationKind::UnwrittenSlots);
+}
