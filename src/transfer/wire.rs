@@ -68,9 +68,9 @@ pub fn page_checksum(bytes: &[u8]) -> u32 {
     checksum_value(crc32fast::hash(bytes))
 }
 
-/// Bytes of pages per thread of [`page_checksums`], at least: a thread's start and join cost tens
-/// of microseconds (far more on a loaded host), the CRC of 4 MiB about 100 (one core, here).
-pub const BYTES_PER_CHECKSUM_THREAD: usize = 4 << 20;
+/// Bytes each thread of [`page_checksums`] is given at least: below this a thread's start costs
+/// more than the CRC it takes over (about 30 us a MiB on one core here).
+pub const BYTES_PER_CHECKSUM_THREAD: usize = 1 << 20;
 
 /// [`page_checksum`] of each of `pages`, in order, over at most `threads` threads: this one and
 /// scoped threads started for this call and joined before it returns, no more than one per
@@ -81,7 +81,7 @@ pub const BYTES_PER_CHECKSUM_THREAD: usize = 4 << 20;
 ///
 /// ```
 /// use kvguard::transfer::{page_checksum, page_checksums};
-/// let pages = vec![vec![7u8; 6 << 20], vec![9u8; 6 << 20], vec![1u8; 5]];
+/// let pages = vec![vec![7u8; 3 << 20], vec![9u8; 3 << 20], vec![1u8; 5]];
 /// let sums = page_checksums(&pages, 2);
 /// assert_eq!(sums, pages.iter().map(|p| page_checksum(p)).collect::<Vec<_>>());
 /// ```
@@ -515,15 +515,15 @@ mod tests {
 
     #[test]
     fn page_checksums_on_threads_match_one_thread_page_by_page() {
-        const UNIT: usize = BYTES_PER_CHECKSUM_THREAD;
+        const MIB: usize = BYTES_PER_CHECKSUM_THREAD;
         let page = |len: usize, seed: u8| -> Vec<u8> { (0..len).map(|i| (i as u8).wrapping_mul(31) ^ seed).collect() };
         let shapes: [&[usize]; 6] = [
             &[],
             &[0, 0],
             &[5],
-            &[3 * UNIT / 2, 3 * UNIT / 2, 5],
-            &[UNIT / 2, 2 * UNIT, 1, UNIT, UNIT, 0, UNIT + 7],
-            &[UNIT / 4 + 1; 20],
+            &[3 * MIB, 3 * MIB, 5],
+            &[MIB / 2, 4 * MIB, 1, MIB, MIB, 0, 2 * MIB + 7],
+            &[MIB + 1; 9],
         ];
         for sizes in shapes {
             let pages: Vec<Vec<u8>> = sizes.iter().enumerate().map(|(k, &len)| page(len, k as u8)).collect();

@@ -317,7 +317,7 @@ mod transfer {
 
         #[test]
         fn a_push_checked_in_series_on_several_threads_is_accepted_and_a_flipped_byte_refused() {
-            // Both sides checksum on up to three threads: two for these 8 MiB (4 MiB a thread).
+            // Both sides checksum on three threads (pages split 2 + 1 + 1 or so).
             push_into_engine_pool("threads", 4, 2 << 20, None, true, 3);
             // Decode's threads find the flipped byte of the last page, at its index.
             push_into_engine_pool("threads-flip", 4, 2 << 20, Some(3), false, 3);

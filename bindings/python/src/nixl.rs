@@ -495,7 +495,7 @@ impl<'a> RegionArg<'a> {
 /// part_bytes go in parts, the checksums overlapped with the transfer (None: one WRITE, checked in
 /// series); checksum_threads: how many threads may checksum the pages checked all at once (a
 /// push in one WRITE, decode's pages no part let it checksum early), started per transfer and
-/// joined before it goes on, each for at least 4 MiB.
+/// joined before it goes on, each for at least 1 MiB.
 /// Prefill: push (WRITE + the manifest as the notification), stage (pull: tell decode where the
 /// KV is, wait for its release) or decline. Decode: receive.
 /// Every wait releases the GIL; `timeout` is in seconds. One call at a time per link (and per
