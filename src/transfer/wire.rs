@@ -73,11 +73,10 @@ pub fn page_checksum(bytes: &[u8]) -> u32 {
 pub const BYTES_PER_CHECKSUM_THREAD: usize = 1 << 20;
 
 /// [`page_checksum`] of each of `pages`, in order, over at most `threads` threads: this one and
-/// scoped threads started for this call and joined before it returns, no more than one per
-/// [`BYTES_PER_CHECKSUM_THREAD`] of pages. The threads take pages one at a time from a shared
-/// count, this one too, so a thread the system starts late takes less (and one that cannot be
-/// started, none). For a sender or receiver with idle cores to give: a transfer checked in
-/// series, whose CRCs would otherwise run on one core while the others wait.
+/// scoped threads started for this call and joined before it returns, each given consecutive
+/// whole pages of at least [`BYTES_PER_CHECKSUM_THREAD`] bytes in all. A thread that cannot be
+/// started leaves its pages to this one. For a sender or receiver with idle cores to give: a
+/// transfer checked in series, whose CRCs would otherwise run on one core while the others wait.
 ///
 /// ```
 /// use kvguard::transfer::{page_checksum, page_checksums};
@@ -86,31 +85,41 @@ pub const BYTES_PER_CHECKSUM_THREAD: usize = 1 << 20;
 /// assert_eq!(sums, pages.iter().map(|p| page_checksum(p)).collect::<Vec<_>>());
 /// ```
 pub fn page_checksums<P: AsRef<[u8]> + Sync>(pages: &[P], threads: usize) -> Vec<u32> {
-    use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
     let total: usize = pages.iter().map(|p| p.as_ref().len()).sum();
     let threads = threads.min(pages.len()).min(total / BYTES_PER_CHECKSUM_THREAD).max(1);
     if threads == 1 {
         return pages.iter().map(|p| page_checksum(p.as_ref())).collect();
     }
-    // 0 is never a page's checksum (folded into 1): each place is filled exactly once.
-    let sums: Vec<AtomicU32> = pages.iter().map(|_| AtomicU32::new(0)).collect();
-    let next = AtomicUsize::new(0);
-    let work = || {
-        loop {
-            let i = next.fetch_add(1, Ordering::Relaxed);
-            let Some(page) = pages.get(i) else { break };
-            sums[i].store(page_checksum(page.as_ref()), Ordering::Relaxed);
+    // Consecutive pages, about `total / threads` bytes each.
+    let mut groups: Vec<&[P]> = Vec::with_capacity(threads);
+    let (mut start, mut bytes) = (0, 0u128);
+    for (i, p) in pages.iter().enumerate() {
+        bytes += p.as_ref().len() as u128;
+        let share = total as u128 * (groups.len() as u128 + 1);
+        if bytes * threads as u128 >= share && groups.len() + 1 < threads && i + 1 < pages.len() {
+            groups.push(&pages[start..=i]);
+            start = i + 1;
         }
-    };
+    }
+    groups.push(&pages[start..]);
+    let sums = |group: &[P]| group.iter().map(|p| page_checksum(p.as_ref())).collect::<Vec<u32>>();
     std::thread::scope(|s| {
-        for _ in 1..threads {
-            // One that cannot start leaves its pages to the others.
-            let _ = std::thread::Builder::new().name("kvguard-crc".into()).spawn_scoped(s, work);
+        let started: Vec<_> = groups[1..]
+            .iter()
+            .map(|&group| {
+                (group, std::thread::Builder::new().name("kvguard-crc".into()).spawn_scoped(s, move || sums(group)))
+            })
+            .collect();
+        let mut out = sums(groups[0]);
+        for (group, handle) in started {
+            // Not started, or (impossible for a CRC) panicked: this thread does its pages.
+            match handle.map(|h| h.join()) {
+                Ok(Ok(part)) => out.extend(part),
+                _ => out.extend(sums(group)),
+            }
         }
-        work();
-    });
-    // The scope joined every thread: each place was filled, and is read after its store.
-    sums.into_iter().map(AtomicU32::into_inner).collect()
+        out
+    })
 }
 
 /// A CRC32 as [`page_checksum`] reports it (0 folded into 1), for a CRC computed piecewise.
