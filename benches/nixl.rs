@@ -6,9 +6,7 @@
 //! WRITE; decode pins, decodes the manifest, checks it and every page's length and CRC32,
 //! records coverage, releases); `transfer_nixl/overlapped/SIZE` is the same with parts on
 //! ([`NixlLink::set_parts`], [`NixlLink::push_prompt`]: each side checksums a part's pages as
-//! the part is posted or lands, while the other parts fly); `transfer_nixl/checked_2_threads/SIZE`
-//! is checked in series again, each side checksumming on two threads
-//! ([`NixlLink::set_checksum_threads`]; [`NixlLink::push_prompt`] with parts off).
+//! the part is posted or lands, while the other parts fly).
 //! 64 KiB pages (32 per transfer) and 2 MiB pages (8 per transfer). Goal: checked ≥ 0.9 of
 //! unchecked.
 //!
@@ -43,7 +41,6 @@ fn main() {
         println!("transfer_nixl/unchecked/{label}  {:>8.1} MiB/s (median transfer)", m.unchecked);
         println!("transfer_nixl/checked/{label}    {:>8.1} MiB/s (median transfer)", m.checked);
         println!("transfer_nixl/overlapped/{label} {:>8.1} MiB/s (median transfer)", m.overlapped);
-        println!("transfer_nixl/checked_2_threads/{label} {:>8.1} MiB/s (median transfer)", m.threaded);
         let [pin, sums, write, landed, release] = m.pieces;
         println!(
             "transfer_nixl/pieces/{label} checked: pin {pin:.0} us, prefill CRCs + manifest {sums:.0} us, WRITE {write:.0} us, \
@@ -51,11 +48,9 @@ fn main() {
              unchecked transfer {:.0} us",
             m.unchecked_us
         );
-        for (row, ratio, [lo, mid, hi]) in [
-            ("ratio", m.ratio, m.round_ratios),
-            ("ratio_overlapped", m.ratio_overlapped, m.round_ratios_overlapped),
-            ("ratio_2_threads", m.ratio_threaded, m.round_ratios_threaded),
-        ] {
+        for (row, ratio, [lo, mid, hi]) in
+            [("ratio", m.ratio, m.round_ratios), ("ratio_overlapped", m.ratio_overlapped, m.round_ratios_overlapped)]
+        {
             println!(
                 "transfer_nixl/{row}/{label} {ratio:>8.3} (/ unchecked, median of pairs; rounds min {lo:.3} median {mid:.3} max {hi:.3}; goal >= 0.9)"
             );
@@ -79,12 +74,6 @@ struct Measured {
     ratio_overlapped: f64,
     /// As `round_ratios`, for the overlapped transfers.
     round_ratios_overlapped: [f64; 3],
-    /// Throughput (MiB/s) of the median transfer checked in series on two threads a side.
-    threaded: f64,
-    /// As `ratio`, for the transfers checked on two threads a side.
-    ratio_threaded: f64,
-    /// As `round_ratios`, for the transfers checked on two threads a side.
-    round_ratios_threaded: [f64; 3],
     /// Medians (µs) of the checked transfer's pieces: decode's admit and pin; prefill's CRCs
     /// and manifest; the WRITE; decode from the WRITE's completion to its verdict; the release
     /// and the hand-back to prefill.
@@ -104,8 +93,8 @@ fn median(values: &mut [f64]) -> f64 {
     values[values.len() / 2]
 }
 
-/// Unchecked, checked, overlapped and two-thread checked transfers interleaved one by one (so the
-/// load on a shared machine hits all alike), timed each; ratios taken over adjacent quadruples.
+/// Unchecked, checked and overlapped transfers interleaved one by one (so the load on a shared
+/// machine hits all alike), timed each; ratios taken over adjacent triples.
 fn measure(page_bytes: u32, pages: u32) -> Measured {
     let slot_bytes = page_bytes / TOKENS_PER_PAGE;
     let tokens = pages * TOKENS_PER_PAGE;
@@ -124,15 +113,14 @@ fn measure(page_bytes: u32, pages: u32) -> Measured {
     let per_transfer = f64::from(pages) * f64::from(page_bytes) / f64::from(1u32 << 20);
     let iters = (128.0 / per_transfer).ceil() as u64; // ~128 MiB per round and mode
 
-    // (mode, request): 0 unchecked, 1 checked, 2 overlapped, 3 checked on two threads a side.
-    let (go, jobs) = mpsc::channel::<Option<(usize, u64)>>();
+    let (go, jobs) = mpsc::channel::<Option<(bool, u64)>>();
     // Decode → prefill: the pinned pages (the pull), then "received".
     let (done, finished) = mpsc::channel::<Vec<PageRef>>();
     // Decode → prefill, checked transfers: when the pages were pinned and the verdict came.
     let (stamp, stamps) = mpsc::channel::<[Instant; 2]>();
     let mut pieces: [Vec<f64>; 5] = Default::default();
-    let mut times: [Vec<f64>; 4] = Default::default();
-    let (mut pair_ratios, mut round_ratios): ([Vec<f64>; 3], [Vec<f64>; 3]) = Default::default();
+    let mut times: [Vec<f64>; 3] = Default::default();
+    let (mut pair_ratios, mut round_ratios): ([Vec<f64>; 2], [Vec<f64>; 2]) = Default::default();
     std::thread::scope(|s| {
         let decode = &decode;
         let dst_region = &mut dst_region;
@@ -140,10 +128,7 @@ fn measure(page_bytes: u32, pages: u32) -> Measured {
         s.spawn(move || {
             let mut link = NixlLink::connect(decode, &prefill_md, src_layout).unwrap();
             let table = OwnershipTable::new(PoolConfig::new(pages, TOKENS_PER_PAGE, u64::from(tokens))).unwrap();
-            while let Ok(Some((mode, request))) = jobs.recv() {
-                let checked = mode > 0;
-                let threads = if mode == 3 { 2 } else { 1 };
-                link.set_checksum_threads(std::num::NonZeroUsize::new(threads).unwrap());
+            while let Ok(Some((checked, request))) = jobs.recv() {
                 let req = RequestId(request);
                 let deadline = Instant::now() + Duration::from_secs(30);
                 if checked {
@@ -169,14 +154,14 @@ fn measure(page_bytes: u32, pages: u32) -> Measured {
         let src: Vec<Extent> = (0..pages).map(|page| Extent { page, len: page_bytes }).collect();
         let mut request = 0u64;
         for _ in 0..ROUNDS {
-            let mut round: [Vec<f64>; 3] = Default::default();
+            let mut round: [Vec<f64>; 2] = Default::default();
             for _ in 0..iters {
-                let mut pair = [0.0f64; 4];
-                for mode in 0..4 {
+                let mut pair = [0.0f64; 3];
+                for mode in 0..3 {
                     let checked = mode > 0;
                     let start = Instant::now();
                     request += 1;
-                    go.send(Some((mode, request))).unwrap();
+                    go.send(Some((checked, request))).unwrap();
                     let dest_refs = finished.recv().unwrap();
                     let dest: Vec<PageId> = dest_refs.iter().map(|r| r.page).collect();
                     let deadline = Instant::now() + Duration::from_secs(30);
@@ -217,9 +202,7 @@ fn measure(page_bytes: u32, pages: u32) -> Measured {
                         link.push(&src_region, &src, &dest, RequestId(request), &manifest, deadline).unwrap();
                         sent[1] = Instant::now();
                     } else {
-                        let threaded = mode == 3;
-                        link.set_parts(if threaded { None } else { Some(PART_BYTES) });
-                        link.set_checksum_threads(std::num::NonZeroUsize::new(if threaded { 2 } else { 1 }).unwrap());
+                        link.set_parts(Some(PART_BYTES));
                         link.push_prompt(&src_region, &src, header, prompt, &dest_refs, deadline).unwrap();
                     }
                     finished.recv().unwrap();
@@ -236,18 +219,17 @@ fn measure(page_bytes: u32, pages: u32) -> Measured {
                 for (mode, t) in pair.iter().enumerate() {
                     times[mode].push(*t);
                 }
-                for k in 0..3 {
-                    round[k].push(pair[0] / pair[k + 1]);
-                }
+                round[0].push(pair[0] / pair[1]);
+                round[1].push(pair[0] / pair[2]);
             }
-            for k in 0..3 {
+            for k in 0..2 {
                 pair_ratios[k].extend_from_slice(&round[k]);
                 round_ratios[k].push(median(&mut round[k]));
             }
         }
         go.send(None).unwrap();
     });
-    let [t0, t1, t2, t3] = &mut times;
+    let [t0, t1, t2] = &mut times;
     Measured {
         unchecked: per_transfer / median(t0),
         checked: per_transfer / median(t1),
@@ -256,9 +238,6 @@ fn measure(page_bytes: u32, pages: u32) -> Measured {
         round_ratios: spread(std::mem::take(&mut round_ratios[0])),
         ratio_overlapped: median(&mut pair_ratios[1]),
         round_ratios_overlapped: spread(std::mem::take(&mut round_ratios[1])),
-        threaded: per_transfer / median(t3),
-        ratio_threaded: median(&mut pair_ratios[2]),
-        round_ratios_threaded: spread(std::mem::take(&mut round_ratios[2])),
         pieces: pieces.map(|mut p| median(&mut p)),
         unchecked_us: median(t0) * 1e6,
     }

@@ -43,7 +43,4 @@ pub mod wire;
 
 pub use digest::PromptDigest;
 pub use receive::{Accepted, ExpectedTransfer, PinnedImport, Receiver, TransferError, verify};
-pub use wire::{
-    BYTES_PER_CHECKSUM_THREAD, BuildError, DecodeError, Manifest, PageEntry, SenderId, TransferHeader, page_checksum,
-    page_checksums, tokens_in_page,
-};
+pub use wire::{BuildError, DecodeError, Manifest, PageEntry, SenderId, TransferHeader, page_checksum, tokens_in_page};

@@ -68,60 +68,6 @@ pub fn page_checksum(bytes: &[u8]) -> u32 {
     checksum_value(crc32fast::hash(bytes))
 }
 
-/// Bytes each thread of [`page_checksums`] is given at least: below this a thread's start costs
-/// more than the CRC it takes over (about 30 us a MiB on one core here).
-pub const BYTES_PER_CHECKSUM_THREAD: usize = 1 << 20;
-
-/// [`page_checksum`] of each of `pages`, in order, over at most `threads` threads: this one and
-/// scoped threads started for this call and joined before it returns, each given consecutive
-/// whole pages of at least [`BYTES_PER_CHECKSUM_THREAD`] bytes in all. A thread that cannot be
-/// started leaves its pages to this one. For a sender or receiver with idle cores to give: a
-/// transfer checked in series, whose CRCs would otherwise run on one core while the others wait.
-///
-/// ```
-/// use kvguard::transfer::{page_checksum, page_checksums};
-/// let pages = vec![vec![7u8; 3 << 20], vec![9u8; 3 << 20], vec![1u8; 5]];
-/// let sums = page_checksums(&pages, 2);
-/// assert_eq!(sums, pages.iter().map(|p| page_checksum(p)).collect::<Vec<_>>());
-/// ```
-pub fn page_checksums<P: AsRef<[u8]> + Sync>(pages: &[P], threads: usize) -> Vec<u32> {
-    let total: usize = pages.iter().map(|p| p.as_ref().len()).sum();
-    let threads = threads.min(pages.len()).min(total / BYTES_PER_CHECKSUM_THREAD).max(1);
-    if threads == 1 {
-        return pages.iter().map(|p| page_checksum(p.as_ref())).collect();
-    }
-    // Consecutive pages, about `total / threads` bytes each.
-    let mut groups: Vec<&[P]> = Vec::with_capacity(threads);
-    let (mut start, mut bytes) = (0, 0u128);
-    for (i, p) in pages.iter().enumerate() {
-        bytes += p.as_ref().len() as u128;
-        let share = total as u128 * (groups.len() as u128 + 1);
-        if bytes * threads as u128 >= share && groups.len() + 1 < threads && i + 1 < pages.len() {
-            groups.push(&pages[start..=i]);
-            start = i + 1;
-        }
-    }
-    groups.push(&pages[start..]);
-    let sums = |group: &[P]| group.iter().map(|p| page_checksum(p.as_ref())).collect::<Vec<u32>>();
-    std::thread::scope(|s| {
-        let started: Vec<_> = groups[1..]
-            .iter()
-            .map(|&group| {
-                (group, std::thread::Builder::new().name("kvguard-crc".into()).spawn_scoped(s, move || sums(group)))
-            })
-            .collect();
-        let mut out = sums(groups[0]);
-        for (group, handle) in started {
-            // Not started, or (impossible for a CRC) panicked: this thread does its pages.
-            match handle.map(|h| h.join()) {
-                Ok(Ok(part)) => out.extend(part),
-                _ => out.extend(sums(group)),
-            }
-        }
-        out
-    })
-}
-
 /// A CRC32 as [`page_checksum`] reports it (0 folded into 1), for a CRC computed piecewise.
 #[inline]
 pub(crate) fn checksum_value(crc: u32) -> u32 {
@@ -521,27 +467,6 @@ impl Manifest {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn page_checksums_on_threads_match_one_thread_page_by_page() {
-        const MIB: usize = BYTES_PER_CHECKSUM_THREAD;
-        let page = |len: usize, seed: u8| -> Vec<u8> { (0..len).map(|i| (i as u8).wrapping_mul(31) ^ seed).collect() };
-        let shapes: [&[usize]; 6] = [
-            &[],
-            &[0, 0],
-            &[5],
-            &[3 * MIB, 3 * MIB, 5],
-            &[MIB / 2, 4 * MIB, 1, MIB, MIB, 0, 2 * MIB + 7],
-            &[MIB + 1; 9],
-        ];
-        for sizes in shapes {
-            let pages: Vec<Vec<u8>> = sizes.iter().enumerate().map(|(k, &len)| page(len, k as u8)).collect();
-            let one: Vec<u32> = pages.iter().map(|p| page_checksum(p)).collect();
-            for threads in [0, 1, 2, 3, 4, 16] {
-                assert_eq!(page_checksums(&pages, threads), one, "{sizes:?} on {threads} threads");
-            }
-        }
-    }
 
     #[test]
     fn a_manifest_built_from_checksums_is_the_one_built_from_bytes() {

@@ -211,17 +211,14 @@ mod transfer {
         /// A push of `pages` pages of `page_bytes` (several parts past [`PART_BYTES`]) into an
         /// engine's own pool on decode; `flip` flips a byte of that page on prefill's side.
         /// `build_on_the_way`: prefill uses `push_prompt` (the manifest built while parts fly)
-        /// instead of `Manifest::build` then `push`. `threads` > 1: both sides checksum on that
-        /// many threads ([`NixlLink::set_checksum_threads`]) and prefill pushes in one WRITE.
+        /// instead of `Manifest::build` then `push`.
         fn push_into_engine_pool(
             test: &str,
             pages: u32,
             page_bytes: u32,
             flip: Option<u32>,
             build_on_the_way: bool,
-            threads: usize,
         ) -> Option<()> {
-            let threads = std::num::NonZeroUsize::new(threads).expect("at least one thread");
             let (decode, prefill) = agents(test)?;
             let slot_bytes = page_bytes / PAGE_SIZE;
             let prompt: Vec<u32> = (0..pages * PAGE_SIZE).collect();
@@ -241,7 +238,6 @@ mod transfer {
             }
             let mut decode_link =
                 NixlLink::connect(&decode, &prefill.metadata().unwrap(), prefill_region.layout()).unwrap();
-            decode_link.set_checksum_threads(threads);
             let (prefill_md, pool_layout) = (decode.metadata().unwrap(), pool.layout());
             let table =
                 OwnershipTable::new(PoolConfig::new(pages + 2, PAGE_SIZE, u64::from(pages * PAGE_SIZE))).unwrap();
@@ -256,8 +252,7 @@ mod transfer {
                 let (prefill_region, manifest, refs) = (&mut prefill_region, &manifest, &refs);
                 s.spawn(move || {
                     let mut link = NixlLink::connect(&prefill, &prefill_md, pool_layout).unwrap();
-                    link.set_parts(if threads.get() > 1 { None } else { Some(PART_BYTES) });
-                    link.set_checksum_threads(threads);
+                    link.set_parts(Some(PART_BYTES));
                     let src: Vec<Extent> = (0..pages).map(|page| Extent { page, len: page_bytes }).collect();
                     let dest: Vec<PageId> = refs.iter().map(|r| r.page).collect();
                     let deadline = Instant::now() + Duration::from_secs(20);
@@ -299,30 +294,20 @@ mod transfer {
 
         #[test]
         fn a_push_lands_in_place_in_an_engines_own_pool() {
-            push_into_engine_pool("engine", 4, 1024, None, false, 1);
+            push_into_engine_pool("engine", 4, 1024, None, false);
         }
 
         #[test]
         fn a_push_in_parts_is_checksummed_as_it_lands_and_accepted() {
             let page_bytes = 2 << 20;
             assert!(u64::from(page_bytes) * 4 > PART_BYTES, "several parts");
-            push_into_engine_pool("parts", 4, page_bytes, None, false, 1);
+            push_into_engine_pool("parts", 4, page_bytes, None, false);
         }
 
         #[test]
         fn a_push_that_builds_its_manifest_while_parts_fly_is_accepted() {
-            push_into_engine_pool("prompt-parts", 4, 2 << 20, None, true, 1);
-            push_into_engine_pool("prompt-one", 2, 1024, None, true, 1);
-        }
-
-        #[test]
-        fn a_push_checked_in_series_on_several_threads_is_accepted_and_a_flipped_byte_refused() {
-            // Both sides checksum on three threads (pages split 2 + 1 + 1 or so).
-            push_into_engine_pool("threads", 4, 2 << 20, None, true, 3);
-            // Decode's threads find the flipped byte of the last page, at its index.
-            push_into_engine_pool("threads-flip", 4, 2 << 20, Some(3), false, 3);
-            // Pages too small to be worth a thread: checksummed on this one, alike.
-            push_into_engine_pool("threads-small", 2, 1024, None, true, 3);
+            push_into_engine_pool("prompt-parts", 4, 2 << 20, None, true);
+            push_into_engine_pool("prompt-one", 2, 1024, None, true);
         }
 
         #[test]
@@ -348,7 +333,7 @@ mod transfer {
 
         #[test]
         fn a_flipped_byte_in_a_later_part_is_refused_and_the_pool_zeroed() {
-            push_into_engine_pool("parts-flip", 4, 2 << 20, Some(3), false, 1);
+            push_into_engine_pool("parts-flip", 4, 2 << 20, Some(3), false);
         }
 
         #[test]

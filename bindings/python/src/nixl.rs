@@ -490,12 +490,9 @@ impl<'a> RegionArg<'a> {
 
 /// One side's connection to its peer, over which the checked protocol runs (docs/transfer.md).
 ///
-/// NixlLink(agent, peer_metadata, peer_layout, *, part_bytes=2 MiB, checksum_threads=1): the
-/// peer's agent metadata and region layout, received out of band; this side's pushes past
-/// part_bytes go in parts, the checksums overlapped with the transfer (None: one WRITE, checked in
-/// series); checksum_threads: how many threads may checksum the pages checked all at once (a
-/// push in one WRITE, decode's pages no part let it checksum early), started per transfer and
-/// joined before it goes on, each for at least 1 MiB.
+/// NixlLink(agent, peer_metadata, peer_layout, *, part_bytes=2 MiB): the peer's agent metadata
+/// and region layout, received out of band; this side's pushes past part_bytes go in parts,
+/// the checksums overlapped with the transfer (None: one WRITE, checked in series).
 /// Prefill: push (WRITE + the manifest as the notification), stage (pull: tell decode where the
 /// KV is, wait for its release) or decline. Decode: receive.
 /// Every wait releases the GIL; `timeout` is in seconds. One call at a time per link (and per
@@ -510,19 +507,14 @@ pub struct NixlLink {
 #[pymethods]
 impl NixlLink {
     #[new]
-    #[pyo3(signature = (agent, peer_metadata, peer_layout, *, part_bytes = Some(core::PART_BYTES), checksum_threads = 1))]
+    #[pyo3(signature = (agent, peer_metadata, peer_layout, *, part_bytes = Some(core::PART_BYTES)))]
     fn new(
         py: Python<'_>,
         agent: Py<NixlAgent>,
         peer_metadata: &Bound<'_, PyAny>,
         peer_layout: &Bound<'_, PyAny>,
         part_bytes: Option<u64>,
-        checksum_threads: i64,
     ) -> PyResult<NixlLink> {
-        let threads =
-            usize::try_from(checksum_threads).ok().and_then(std::num::NonZeroUsize::new).ok_or_else(|| {
-                PyValueError::new_err(format!("checksum_threads must be at least 1, got {checksum_threads}"))
-            })?;
         let metadata = bytes_arg(peer_metadata, "peer_metadata")?;
         let layout =
             core::RegionLayout::decode(&bytes_arg(peer_layout, "peer_layout")?).map_err(|e| nixl_error(py, &e))?;
@@ -533,7 +525,6 @@ impl NixlLink {
         let mut link =
             py.detach(|| core::NixlLink::connect(core_agent, &metadata, layout)).map_err(|e| nixl_error(py, &e))?;
         link.set_parts(part_bytes);
-        link.set_checksum_threads(threads);
         Ok(NixlLink { link: Mutex::new(link), agent })
     }
 

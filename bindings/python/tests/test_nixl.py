@@ -441,9 +441,3 @@ def test_a_push_that_builds_its_manifest_on_the_way_is_checked_the_same(prefill,
     else:
         assert refused.value.kind == FAULTS[fault], str(refused.value)
     d.assert_nothing_leaked(refs)
-
-
-@pytest.mark.parametrize("threads", [0, -1])
-def test_checksum_threads_below_one_are_refused(prefill, threads):
-    with pytest.raises(ValueError, match="checksum_threads must be at least 1"):
-        kvguard.NixlLink(prefill.agent, b"", b"", checksum_threads=threads)

@@ -4,7 +4,6 @@
 use super::{Direction, Extent, NixlAgent, NixlError, Notice, NoticeKind, PageRegion, Posted, RegionLayout};
 use crate::ids::{PageId, PageRef, RequestId};
 use crate::transfer::{Accepted, ExpectedTransfer, Manifest, PinnedImport, TransferError, TransferHeader};
-use std::num::NonZeroUsize;
 use std::time::Instant;
 
 /// Notices kept for requests nobody waits for yet; past this, the oldest are dropped (a peer
@@ -49,7 +48,6 @@ pub struct NixlLink<'a> {
     inbox: Vec<Notice>,
     malformed: u64,
     part_bytes: Option<u64>,
-    checksum_threads: NonZeroUsize,
 }
 
 impl<'a> NixlLink<'a> {
@@ -57,15 +55,7 @@ impl<'a> NixlLink<'a> {
     pub fn connect(agent: &'a NixlAgent, peer_metadata: &[u8], peer_region: RegionLayout) -> Result<Self, NixlError> {
         let peer = agent.connect(peer_metadata)?;
         agent.make_connection(&peer)?;
-        Ok(NixlLink {
-            agent,
-            peer,
-            peer_region,
-            inbox: Vec::new(),
-            malformed: 0,
-            part_bytes: Some(PART_BYTES),
-            checksum_threads: NonZeroUsize::MIN,
-        })
+        Ok(NixlLink { agent, peer, peer_region, inbox: Vec::new(), malformed: 0, part_bytes: Some(PART_BYTES) })
     }
 
     /// The peer's agent name.
@@ -78,18 +68,6 @@ impl<'a> NixlLink<'a> {
     /// Decode needs no setting: it takes a push in parts or in one WRITE alike.
     pub fn set_parts(&mut self, part_bytes: Option<u64>) {
         self.part_bytes = part_bytes.map(|b| b.max(1));
-    }
-
-    /// Lets this side checksum a transfer's pages on up to `threads` threads where they are
-    /// checksummed all at once, not part by part while other parts fly: a push in one WRITE (parts
-    /// off, or a transfer no larger than a part) before it is posted, and on decode the pages no
-    /// part's notice let it checksum early. The threads are started for the transfer and joined
-    /// before it goes on ([`page_checksums`](crate::transfer::page_checksums): at least
-    /// [`BYTES_PER_CHECKSUM_THREAD`](crate::transfer::BYTES_PER_CHECKSUM_THREAD) each). By
-    /// default 1: kvguard starts no thread the engine did not give it. What it buys is measured
-    /// by benches/nixl.rs (`checked_2_threads`; figures in docs/transfer.md).
-    pub fn set_checksum_threads(&mut self, threads: NonZeroUsize) {
-        self.checksum_threads = threads;
     }
 
     /// The peer's pages.
@@ -209,12 +187,6 @@ impl<'a> NixlLink<'a> {
         self.push_parts(local, src, &pages, header.request, deadline, |part, last, in_flight| {
             // Before part k is posted: the parts posted so far, and the last part itself.
             let upto = if last { part.end } else { part.start };
-            if in_flight.is_empty() {
-                // Nothing flies yet to keep moving: all at once, on the threads given.
-                let todo = &bytes[sums.len()..upto];
-                let crcs = crate::transfer::page_checksums(todo, self.checksum_threads.get());
-                sums.extend(todo.iter().map(|page| page.len()).zip(crcs));
-            }
             for page in &bytes[sums.len()..upto] {
                 sums.push((page.len(), crc32fast::hash(page)));
                 for p in in_flight.iter_mut() {
@@ -422,21 +394,11 @@ impl<'a> NixlLink<'a> {
             }
         }
         // An early checksum counts only for the length it was taken over.
-        let mut checksums: Vec<Option<u32>> = landed
+        let checksums: Vec<Option<u32>> = landed
             .iter()
             .zip(&early)
             .map(|(e, early)| early.filter(|&(len, _)| len == e.len).map(|(_, crc)| crc))
             .collect();
-        if self.checksum_threads.get() > 1 {
-            // The rest at once, on the threads given (else `accept_checksummed` takes them).
-            let late: Vec<usize> = (0..bytes.len()).filter(|&i| checksums[i].is_none()).collect();
-            let late_bytes: Vec<&[u8]> = late.iter().map(|&i| &*bytes[i]).collect();
-            for (i, crc) in
-                late.into_iter().zip(crate::transfer::page_checksums(&late_bytes, self.checksum_threads.get()))
-            {
-                checksums[i] = Some(crc);
-            }
-        }
         pinned.accept_checksummed(expected, &notice.manifest, &bytes, &checksums, land).map_err(ImportError::Refused)
     }
 

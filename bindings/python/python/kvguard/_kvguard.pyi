@@ -425,13 +425,7 @@ class NixlLink:
     """One side's connection to its peer; the checked protocol of docs/transfer.md."""
 
     def __init__(
-        self,
-        agent: NixlAgent,
-        peer_metadata: Any,
-        peer_layout: Any,
-        *,
-        part_bytes: int | None = 2097152,
-        checksum_threads: int = 1,
+        self, agent: NixlAgent, peer_metadata: Any, peer_layout: Any, *, part_bytes: int | None = 2097152
     ) -> None: ...
     @property
     def peer(self) -> str: ...
