@@ -5,6 +5,7 @@ use super::info::{PageState, Released};
 use super::state::{
     BlockEntry, ChangeListing, PageTag, PrefixRecord, RequestRecord, SPARE_LIST_MAX_CAPACITY, SPARE_LISTS, TableState,
 };
+use super::verify::leading_matches;
 use crate::error::Error;
 use crate::ids::{Generation, PageId, PageRef, RequestId, TenantId};
 use crate::violation::{Op, Violation, ViolationKind};
@@ -402,32 +403,13 @@ pub(crate) fn first_repeat<T: Copy + Eq + std::hash::Hash>(items: &[T]) -> Optio
 
 /// The first of the whole pages [`record_write_tokens`](TableState::record_write_tokens) writes
 /// between the first and last that may not be written: not owned by the request whose word is
-/// `owned` (any watermark), or, for a ref, not in its incarnation. Reads only.
-///
-/// Like the read check's run of hot words: eight entries at a time, their mismatches ORed
-/// together (one branch per eight pages), a page id past the pool clamped onto the word after the
-/// last page's, which matches no page; the first chunk with a mismatch is then scanned page by
-/// page.
+/// `owned` (any watermark: the FULL bit masked off), or, for a ref, not in its incarnation.
+/// Reads only; the read check's loop ([`leading_matches`]), so a page id past the pool is never
+/// writable.
 #[inline(never)] // apart, so only the loop's own values compete for registers
 fn first_unwritable<E: BlockEntry>(tags: &[PageTag], hot: &[HotWord], pages: &[E], owned: HotWord) -> Option<usize> {
-    // `hot` ends with the word past the pool; without it nothing is writable (fail closed).
-    let Some(past) = hot.len().checked_sub(1) else { return (!pages.is_empty()).then_some(0) };
-    // How `entry` differs from a writable page: a page may be written iff this is zero but for
-    // the FULL bit (any watermark), which is masked off once per chunk rather than per page.
-    let difference = |entry: E| {
-        let page = entry.page().0 as usize;
-        let stale = entry.generation().is_some_and(|g| tags.get(page).is_none_or(|tag| tag.generation() != g.0));
-        hot[page.min(past)].differs(owned) | u64::from(stale)
-    };
-    const CHUNK: usize = 8;
-    let mut done = 0;
-    for chunk in pages.as_chunks::<CHUNK>().0 {
-        if HotWord::but_full(chunk.iter().fold(0, |any, &entry| any | difference(entry))) != 0 {
-            break;
-        }
-        done += CHUNK;
-    }
-    pages[done..].iter().position(|&entry| HotWord::but_full(difference(entry)) != 0).map(|k| done + k)
+    let writable = leading_matches(hot, tags, pages, owned, HotWord::but_full(u64::MAX));
+    (writable < pages.len()).then_some(writable)
 }
 
 /// [`record_write_tokens`](TableState::record_write_tokens)' loop over the whole pages between

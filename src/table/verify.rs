@@ -103,17 +103,32 @@ impl TableState {
 /// How many leading `entries` are pages whose hot word is `expected` — in the incarnation
 /// named, for page refs. With `expected` the word of a whole page the reader may read, those are
 /// whole pages it may read too: the same owner, or the same prefix (see [`HotWord`]).
+#[inline(never)]
+fn hot_run<E: BlockEntry>(hot: &[HotWord], tags: &[PageTag], entries: &[E], expected: HotWord) -> usize {
+    leading_matches(hot, tags, entries, expected, u64::MAX)
+}
+
+/// How many leading `entries` are pages whose hot word equals `expected` in every bit of `mask`
+/// (and, for page refs, whose tag is in the incarnation named): the loop under the read check's
+/// runs ([`hot_run`]) and the whole-page write's check (`first_unwritable`, which masks off the
+/// FULL bit).
 ///
 /// `hot` ends with [`HotWord::PAST_THE_POOL`], which no page's word equals: a page id past the
 /// pool is clamped onto it (a conditional move, not a branch). Eight entries are checked at a
-/// time, their mismatches ORed together, so a clean read costs one branch per eight pages and
-/// one eighth of a cache line per page; the first chunk with a mismatch is then scanned page by
-/// page for where the run ends. Page refs also compare the generation in the page's tag.
-#[inline(never)]
-fn hot_run<E: BlockEntry>(hot: &[HotWord], tags: &[PageTag], entries: &[E], expected: HotWord) -> usize {
+/// time, their differences ORed together and masked once, so a clean run costs one branch per
+/// eight pages and one eighth of a cache line per page; the first chunk with a mismatch is then
+/// scanned page by page for where the run ends. Without that last word nothing matches.
+#[inline(always)]
+pub(super) fn leading_matches<E: BlockEntry>(
+    hot: &[HotWord],
+    tags: &[PageTag],
+    entries: &[E],
+    expected: HotWord,
+    mask: u64,
+) -> usize {
     let Some(past) = hot.len().checked_sub(1) else { return 0 };
-    // Non-zero when `entry` is not a page of the run.
-    let mismatch = |entry: E| {
+    // Non-zero (before masking) where `entry` differs; the stale bit is below FULL.
+    let difference = |entry: E| {
         let page = entry.page().0 as usize;
         let stale = entry.generation().is_some_and(|g| tags.get(page).is_none_or(|tag| tag.generation() != g.0));
         hot[page.min(past)].differs(expected) | u64::from(stale)
@@ -121,12 +136,12 @@ fn hot_run<E: BlockEntry>(hot: &[HotWord], tags: &[PageTag], entries: &[E], expe
     const CHUNK: usize = 8;
     let mut done = 0;
     for chunk in entries.as_chunks::<CHUNK>().0 {
-        if chunk.iter().fold(0, |any, &entry| any | mismatch(entry)) != 0 {
+        if chunk.iter().fold(0, |any, &entry| any | difference(entry)) & mask != 0 {
             break;
         }
         done += CHUNK;
     }
-    done + entries[done..].iter().position(|&entry| mismatch(entry) != 0).unwrap_or(entries.len() - done)
+    done + entries[done..].iter().position(|&entry| difference(entry) & mask != 0).unwrap_or(entries.len() - done)
 }
 
 /// How many leading `entries` are whole pages of the prefixes `held`, one page each, in that

@@ -18,6 +18,33 @@ def tables(policy):
     return kvguard.OwnershipTable(config), kvguard.OwnershipTable(config)
 
 
+REQS = ["a", "b", "c", 9]
+
+
+def admitted_tables(policy, claims):
+    """Two like tables (one for the reference calls, one for the fused call), REQS admitted
+    ("c" of another tenant) and `claims` ({request: pages}) claimed in each."""
+    pair = tables(policy)
+    for t in pair:
+        for r in REQS:
+            t.admit(r, "acme" if r != "c" else "globex", 24, 24)
+        for r, pages in claims.items():
+            t.claim(r, pages)
+    return pair
+
+
+def random_rows(rng, n, dtype):
+    """n block-table rows plus two spare ones, of owned, foreign, free and bad page ids."""
+    bt = np.zeros((n + 2, 6), dtype=dtype)
+    for i in range(n + 2):
+        bt[i] = [rng.choice([1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 0, -1, PAGES + 1]) for _ in range(6)]
+    return bt
+
+
+def refusals_of(refused):
+    return [(i, v.kind, str(v)) for i, v in refused]
+
+
 def state(table):
     pages = [(i.state, i.owner, i.generation) for i in (table.page_info(p) for p in range(PAGES))]
     return pages, table.counters(), table.snapshot().requests
@@ -81,7 +108,7 @@ def test_apply_events_judges_as_single_calls_in_order(policy):
         for _ in range(4):
             events = random_events(rng, rng.randrange(0, 20))
             want = one_by_one(one, events)
-            got = [(i, v.kind, str(v)) for i, v in batch.apply_events(events)]
+            got = refusals_of(batch.apply_events(events))
             assert got == want
             assert state(batch) == state(one)
             refusals += len(got)
@@ -140,29 +167,19 @@ def test_record_and_verify_step_judges_as_the_calls_it_fuses(policy, dtype):
     rng = random.Random(5)
     refusals = 0
     for _ in range(30):
-        one, batch = tables(policy)
-        reqs = ["a", "b", "c", 9]
-        for t in (one, batch):
-            for r in reqs:
-                t.admit(r, "acme" if r != "c" else "globex", 24, 24)
-            t.claim("a", [1, 2, 3])
-            t.claim("b", [4, 5])
-            t.claim("c", [6, 7, 8])
-            t.claim(9, [10])
-        written = {r: 0 for r in reqs}
+        one, batch = admitted_tables(policy, {"a": [1, 2, 3], "b": [4, 5], "c": [6, 7, 8], 9: [10]})
+        written = {r: 0 for r in REQS}
         for _ in range(4):
             n = rng.randrange(0, 5)
-            ids = [rng.choice(reqs + ["ghost"]) for _ in range(n)]
-            bt = np.zeros((n + 2, 6), dtype=dtype)
-            for i in range(n + 2):
-                bt[i] = [rng.choice([1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 0, -1, PAGES + 1]) for _ in range(6)]
+            ids = [rng.choice(REQS + ["ghost"]) for _ in range(n)]
+            bt = random_rows(rng, n, dtype)
             computed = np.array([written.get(r, 0) + rng.choice([0, 0, 0, 2]) for r in ids] + [0, 0], np.int32)
             scheduled = np.array([rng.randrange(0, 6) for _ in ids] + [0, 0], np.int32)
             late = random_events(rng, rng.randrange(0, 4)) if rng.random() < 0.5 else None
             want = reference_step(one, ids, bt, computed, scheduled, late)
             got = batch.record_and_verify_step(ids, bt, computed, scheduled, late)
             assert verdict(got[0]) == verdict(want[0])
-            assert [(i, v.kind, str(v)) for i, v in got[1]] == want[1]
+            assert refusals_of(got[1]) == want[1]
             assert verdict(got[2]) == verdict(want[2])
             assert state(batch) == state(one)
             refusals += len(got[0].refused) + len(got[1]) + len(got[2].refused)
@@ -205,19 +222,11 @@ def test_apply_record_and_verify_step_judges_as_the_calls_it_fuses(policy, dtype
     rng = random.Random(11)
     refusals = 0
     for _ in range(30):
-        one, batch = tables(policy)
-        reqs = ["a", "b", "c", 9]
-        for t in (one, batch):
-            for r in reqs:
-                t.admit(r, "acme" if r != "c" else "globex", 24, 24)
-            t.claim("a", [1, 2, 3])
-            t.claim("b", [4, 5])
+        one, batch = admitted_tables(policy, {"a": [1, 2, 3], "b": [4, 5]})
         for _ in range(4):
             n = rng.randrange(0, 5)
-            ids = [rng.choice(reqs + ["ghost", "zz"]) for _ in range(n)]
-            bt = np.zeros((n + 2, 6), dtype=dtype)
-            for i in range(n + 2):
-                bt[i] = [rng.choice([1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 0, -1, PAGES + 1]) for _ in range(6)]
+            ids = [rng.choice(REQS + ["ghost", "zz"]) for _ in range(n)]
+            bt = random_rows(rng, n, dtype)
             computed = np.array([rng.choice([0, 0, 2, 5]) for _ in ids] + [0, 0], np.int32)
             scheduled = np.array([rng.randrange(0, 6) for _ in ids] + [0, 0], np.int32)
             early = random_events(rng, rng.randrange(0, 6)) if rng.random() < 0.7 else None
@@ -225,9 +234,9 @@ def test_apply_record_and_verify_step_judges_as_the_calls_it_fuses(policy, dtype
             want_early = one_by_one(one, early or [])
             want = reference_step(one, ids, bt, computed, scheduled, late)
             got = batch.apply_record_and_verify_step(early, ids, bt, computed, scheduled, late)
-            assert [(i, v.kind, str(v)) for i, v in got[0]] == want_early
+            assert refusals_of(got[0]) == want_early
             assert verdict(got[1]) == verdict(want[0])
-            assert [(i, v.kind, str(v)) for i, v in got[2]] == want[1]
+            assert refusals_of(got[2]) == want[1]
             assert verdict(got[3]) == verdict(want[2])
             assert state(batch) == state(one)
             refusals += len(got[0]) + len(got[1].refused) + len(got[2]) + len(got[3].refused)
