@@ -898,12 +898,13 @@ fn device_tags_into(
 ) {
     // As long as `tags`, so a page in range of one needs no second bounds check.
     let hot = &hot[..tags.len()];
-    let mut built = [(0u32, DeviceTag::default()); ChangedPages::WORD];
     for (first, word) in changed.words_mut() {
         let mut bits = std::mem::take(word);
-        // One place per page of the word (at most 64).
-        let built = &mut built[..bits.count_ones() as usize];
-        for place in built.iter_mut() {
+        let holders = &mut holders;
+        // `extend` over a range's map knows its length: room for the word's pages is made once,
+        // and each tag written in place. The word's bits moved into the closure, so they stay in
+        // a register.
+        out.extend((0..bits.count_ones()).map(move |_| {
             let page = first + bits.trailing_zeros();
             bits &= bits - 1;
             // A marked page is in the pool; past it, one would be listed retired (fail closed).
@@ -911,32 +912,31 @@ fn device_tags_into(
             // As a page nobody holds: no holder, its watermark its written prefix (the FULL bit
             // went with its last incarnation).
             let state = tag.state_bits();
-            let incarnation = tag.incarnation();
-            let mut device = DeviceTag {
-                owner: 0,
-                tenant: 0,
-                generation: PageTag::generation_of(incarnation),
-                written: PageTag::watermark_of(incarnation),
-                state: u32::from(state),
-                flags: 0,
-            };
+            let (mut owner, mut tenant, mut flags, mut incarnation) = (0, 0, 0, tag.incarnation());
             const OWNED: u8 = PageState::Owned as u8;
             const SHARED: u8 = PageState::Shared as u8;
             if state.wrapping_sub(OWNED) <= SHARED - OWNED {
                 // Held: its holder's, and whole if its FULL bit says so.
                 if state == OWNED {
-                    device.owner = tag.holder;
-                    device.tenant = holders.owner_tenant(tag.holder);
+                    (owner, tenant) = (tag.holder, holders.owner_tenant(tag.holder));
                 } else {
-                    (device.owner, device.tenant, device.flags) = holders.prefix(tag.holder);
+                    (owner, tenant, flags) = holders.prefix(tag.holder);
                 }
                 if hot[page as usize].is_full() {
-                    device.written = page_size;
+                    incarnation = tag.with_watermark(page_size);
                 }
             }
-            *place = (page, device);
-        }
-        out.extend_from_slice(built);
+            // Generation and written prefix from one word: stored as one.
+            let device = DeviceTag {
+                owner,
+                tenant,
+                generation: PageTag::generation_of(incarnation),
+                written: PageTag::watermark_of(incarnation),
+                state: u32::from(state),
+                flags,
+            };
+            (page, device)
+        }));
     }
 }
 
