@@ -661,11 +661,11 @@ impl TableState {
             pages.iter().all(|p| tags.get(p.0 as usize).is_some_and(|t| t.state() == from)),
             "ending a page that is not {from:?}"
         );
-        let rare = if *tracking_changes && !marked {
-            ends.run::<true>(tags, hot, pages, changed)
-        } else {
-            ends.run::<false>(tags, hot, pages, changed)
-        };
+        let rare = ends.run(tags, hot, pages);
+        if *tracking_changes && !marked {
+            // The rare pages too: the general pass changes them.
+            changed.mark_pages(pages, |p| p);
+        }
         debug_assert!(matches!(from, PageState::Owned | PageState::Shared));
         self.state_counts[from as usize] -= n as u64;
         released.ended += n as u64;
@@ -839,7 +839,7 @@ impl TableState {
     /// first call returns the whole pool and starts the tracking.
     pub fn take_changed(&mut self) -> Vec<PageId> {
         self.start_take();
-        let mut pages = Vec::with_capacity(self.changed.count());
+        let mut pages = Vec::new();
         self.changed.take_into(&mut pages);
         pages
     }
@@ -898,8 +898,7 @@ fn device_tags_into(
 ) {
     // As long as `tags`, so a page in range of one needs no second bounds check.
     let hot = &hot[..tags.len()];
-    for (first, word) in changed.words_mut() {
-        let mut bits = std::mem::take(word);
+    changed.take_words(|first, mut bits| {
         let holders = &mut holders;
         // `extend` over a range's map knows its length: room for the word's pages is made once,
         // and each tag written in place. The word's bits moved into the closure, so they stay in
@@ -937,7 +936,7 @@ fn device_tags_into(
             };
             (page, device)
         }));
-    }
+    });
 }
 
 /// The fast loop of [`TableState::end_incarnations`]: what an ordinary page becomes.
@@ -950,33 +949,21 @@ struct Ending {
 }
 
 impl Ending {
-    /// Ends the incarnation of every ordinary page of `pages` (marking each changed if `TRACK`,
-    /// the rare ones too: the general pass changes them) and leaves the rare ones (retiring,
-    /// pinned, or with gaps in their coverage) as they were; returns how many it left.
+    /// Ends the incarnation of every ordinary page of `pages` and leaves the rare ones
+    /// (retiring, pinned, or with gaps in their coverage) as they were; returns how many it left.
     #[inline(never)] // apart, so only the loop's own values compete for registers
-    fn run<const TRACK: bool>(
-        &self,
-        tags: &mut [PageTag],
-        hot: &mut [HotWord],
-        pages: &[PageId],
-        changed: &mut ChangedPages,
-    ) -> usize {
+    fn run(&self, tags: &mut [PageTag], hot: &mut [HotWord], pages: &[PageId]) -> usize {
         // As long as `tags`, so a page in range of one needs no second bounds check.
         let hot = &mut hot[..tags.len()];
         // An ended page's place: its link (counted up from the first's), the next state, and no
         // flag (pinned and sparse pages are rare).
         let first_place = PageTag::place_of(self.first_link, self.next_state);
         let mut rare = 0usize;
-        // Local, so its fields stay in registers.
-        let mut changed = changed.marking();
         let mut end = |page: PageId, place: u64| {
             // Read before anything is written: a word loaded just after part of it was stored
             // waits for that store to retire.
             let tag = &mut tags[page.0 as usize];
             let (generation, old_place) = (tag.generation(), tag.place());
-            if TRACK {
-                changed.mark(page);
-            }
             if (old_place & (PageTag::SPARSE | PageTag::PINNED) != 0) | (generation >= self.limit) {
                 rare += 1; // left in its old state for the general pass
             } else {
