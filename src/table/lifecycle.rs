@@ -2,6 +2,7 @@
 
 use super::hot::HotWord;
 use super::info::{PageState, Released};
+use super::mirror::ChangedPages;
 use super::state::{
     BlockEntry, PageTag, PrefixRecord, RequestRecord, SPARE_LIST_MAX_CAPACITY, SPARE_LISTS, TableState,
 };
@@ -68,9 +69,10 @@ impl TableState {
         let out_base = out.len();
         out.resize(out_base + handed.len(), PageRef { page: PageId(0), generation: Generation(0) });
         let out = &mut out[out_base..];
-        give_pages(tags, hot, handed, out, req, rec);
         if *tracking_changes {
-            changed.mark_pages(handed, |p| p);
+            give_pages::<true>(tags, hot, handed, out, req, rec, changed);
+        } else {
+            give_pages::<false>(tags, hot, handed, out, req, rec, changed);
         }
         rec.pages.extend(handed.iter().rev());
         state_counts[PageState::Free as usize] -= u64::from(n);
@@ -191,9 +193,10 @@ impl TableState {
                 return Err(self.write_refusal(op, req, first + 1 + k, middle[k]));
             }
             let TableState { tags, hot, changed, tracking_changes, .. } = self;
-            write_whole(tags, hot, middle, owned);
             if *tracking_changes && !marked {
-                changed.mark_pages(middle, E::page);
+                write_whole::<true, E>(tags, hot, middle, owned, changed);
+            } else {
+                write_whole::<false, E>(tags, hot, middle, owned, changed);
             }
         }
         let ps = u64::from(self.page_size);
@@ -412,31 +415,44 @@ fn first_unwritable<E: BlockEntry>(tags: &[PageTag], hot: &[HotWord], pages: &[E
 /// [`record_write_tokens`](TableState::record_write_tokens)' loop over the whole pages between
 /// the first and last, all checked writable ([`first_unwritable`]): each made whole (its word
 /// becomes `owned`'s with the FULL bit, which says every slot is written: the tag's watermark is
-/// not touched).
+/// not touched), and marked changed if `TRACK`.
 #[inline(never)] // apart, so only the loop's own values compete for registers
-fn write_whole<E: BlockEntry>(tags: &[PageTag], hot: &mut [HotWord], pages: &[E], owned: HotWord) {
+fn write_whole<const TRACK: bool, E: BlockEntry>(
+    tags: &[PageTag],
+    hot: &mut [HotWord],
+    pages: &[E],
+    owned: HotWord,
+    changed: &mut ChangedPages,
+) {
     let whole = owned.with_full(true);
     // Hot words only (the word past the pool is never written).
     let hot = &mut hot[..tags.len()];
+    // Local, so its fields stay in registers.
+    let mut changed = changed.marking();
     for &entry in pages {
+        let page = entry.page();
         // Checked by `first_unwritable`: in range. A page listed twice is written twice, alike.
-        if let Some(word) = hot.get_mut(entry.page().0 as usize) {
+        if let Some(word) = hot.get_mut(page.0 as usize) {
             *word = whole;
+            if TRACK {
+                changed.mark(page);
+            }
         }
     }
 }
 
 /// [`allocate_into`](TableState::allocate_into)'s loop: the free `pages`, top of the stack
 /// first, made `rec`'s (owned by `req`, linked after its current pages), their refs written to
-/// `out` (as long as `pages`).
+/// `out` (as long as `pages`), each marked changed if `TRACK`.
 #[inline(never)] // apart, so only the loop's own values compete for registers
-fn give_pages(
+fn give_pages<const TRACK: bool>(
     tags: &mut [PageTag],
     hot: &mut [HotWord],
     pages: &[PageId],
     out: &mut [PageRef],
     req: RequestId,
     rec: &RequestRecord,
+    changed: &mut ChangedPages,
 ) {
     // As long as `tags`, so a page in range of one needs no second bounds check.
     let hot = &mut hot[..tags.len()];
@@ -448,6 +464,8 @@ fn give_pages(
     // One count for both lists, each cut to it, so neither index needs a bounds check.
     let n = out.len().min(pages.len());
     let (out, pages) = (&mut out[..n], &pages[..n]);
+    // Local, so its fields stay in registers.
+    let mut changed = changed.marking();
     for k in 0..n {
         let page = pages[n - 1 - k];
         let tag = &mut tags[page.0 as usize];
@@ -457,6 +475,9 @@ fn give_pages(
         tag.set_place(place);
         place += PageTag::NEXT_LINK;
         hot[page.0 as usize] = owned;
+        if TRACK {
+            changed.mark(page);
+        }
     }
 }
 

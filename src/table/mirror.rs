@@ -78,22 +78,10 @@ impl ChangedPages {
         self.mark_word(page.0 as usize / Self::WORD, 1 << (page.0 as usize % Self::WORD));
     }
 
-    /// Marks the page of each of `entries` changed (`page` names it): a batch's pages, once
-    /// the batch loop is done (see [`Marking`]).
-    #[inline(never)] // apart, so only the loop's own values compete for registers
-    pub fn mark_pages<T: Copy>(&mut self, entries: &[T], page: impl Fn(T) -> PageId) {
-        let mut marking = self.marking();
-        // Four pages a round: one loop test per four.
-        let (rounds, rest) = entries.as_chunks::<4>();
-        for round in rounds {
-            round.iter().for_each(|&entry| marking.mark(page(entry)));
-        }
-        rest.iter().for_each(|&entry| marking.mark(page(entry)));
-    }
-
-    /// A [`Marking`] for a batch's pages.
+    /// A [`Marking`] for a batch loop's pages (create it inside the loop's function, so its
+    /// fields stay in registers).
     #[inline(always)]
-    fn marking(&mut self) -> Marking<'_> {
+    pub fn marking(&mut self) -> Marking<'_> {
         Marking { map: self, word: usize::MAX, bits: 0 }
     }
 
@@ -109,8 +97,8 @@ impl ChangedPages {
         }
     }
 
-    /// [`mark_word`](Self::mark_word) for a [`Marking`] moving to another word: out of its loop,
-    /// which stays small.
+    /// [`mark_word`](Self::mark_word) for a [`Marking`] moving to another word: out of the
+    /// marking loop, so the loop keeps its registers.
     #[inline(never)]
     fn store_word(&mut self, w: usize, bits: u64) {
         self.mark_word(w, bits);
@@ -164,12 +152,13 @@ impl ChangedPages {
     }
 }
 
-/// Marks the pages of one batch (allocate, write, release) in a [`ChangedPages`] map: consecutive
-/// pages of one word are gathered in a register and stored together (when the batch moves to
-/// another word, and when the marking is dropped), so a run of neighbouring pages costs a shift
-/// and an OR per page, not a load and a store each waiting for the last.
+/// Marks the pages of one batch loop (allocate, write, release) in a [`ChangedPages`] map, as the
+/// loop reaches them: consecutive pages of one word are gathered in a register and stored
+/// together (when the loop moves to another word, and when the marking is dropped), so a run of
+/// neighbouring pages costs a shift and an OR per page, not a load and a store each waiting for
+/// the last.
 #[derive(Debug)]
-struct Marking<'a> {
+pub(crate) struct Marking<'a> {
     map: &'a mut ChangedPages,
     /// The word `bits` belong to (`usize::MAX`: none yet).
     word: usize,
@@ -180,7 +169,7 @@ struct Marking<'a> {
 impl Marking<'_> {
     /// Marks `page` changed.
     #[inline(always)]
-    fn mark(&mut self, page: PageId) {
+    pub fn mark(&mut self, page: PageId) {
         let w = page.0 as usize / ChangedPages::WORD;
         if w != self.word {
             self.map.store_word(self.word, self.bits);
@@ -250,10 +239,14 @@ mod tests {
                 let start = next() % pool as u64;
                 let run: Vec<PageId> =
                     (start..(start + next() % 200).min(pool as u64)).map(|p| PageId(p as u32)).collect();
-                map.mark_pages(&run, |p| p);
+                let mut marking = map.marking();
+                run.iter().for_each(|&p| marking.mark(p));
+                drop(marking);
                 reference.extend(run.iter().map(|p| p.0));
                 let list: Vec<PageId> = (0..next() % 50).map(|_| PageId((next() % pool as u64) as u32)).collect();
-                map.mark_pages(&list, |p| p);
+                let mut marking = map.marking();
+                list.iter().for_each(|&p| marking.mark(p));
+                drop(marking);
                 reference.extend(list.iter().map(|p| p.0));
                 if round % 7 == 3 {
                     map.mark_all(pool);

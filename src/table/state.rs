@@ -661,11 +661,11 @@ impl TableState {
             pages.iter().all(|p| tags.get(p.0 as usize).is_some_and(|t| t.state() == from)),
             "ending a page that is not {from:?}"
         );
-        let rare = ends.run(tags, hot, pages);
-        if *tracking_changes && !marked {
-            // The rare pages too: the general pass changes them.
-            changed.mark_pages(pages, |p| p);
-        }
+        let rare = if *tracking_changes && !marked {
+            ends.run::<true>(tags, hot, pages, changed)
+        } else {
+            ends.run::<false>(tags, hot, pages, changed)
+        };
         debug_assert!(matches!(from, PageState::Owned | PageState::Shared));
         self.state_counts[from as usize] -= n as u64;
         released.ended += n as u64;
@@ -949,21 +949,34 @@ struct Ending {
 }
 
 impl Ending {
-    /// Ends the incarnation of every ordinary page of `pages` and leaves the rare ones
-    /// (retiring, pinned, or with gaps in their coverage) as they were; returns how many it left.
+    /// Ends the incarnation of every ordinary page of `pages` (marking each changed if `TRACK`,
+    /// the rare ones too: the general pass changes them) and leaves the rare ones (retiring,
+    /// pinned, or with gaps in their coverage) as they were; returns how many it left.
     #[inline(never)] // apart, so only the loop's own values compete for registers
-    fn run(&self, tags: &mut [PageTag], hot: &mut [HotWord], pages: &[PageId]) -> usize {
+    fn run<const TRACK: bool>(
+        &self,
+        tags: &mut [PageTag],
+        hot: &mut [HotWord],
+        pages: &[PageId],
+        changed: &mut ChangedPages,
+    ) -> usize {
         // As long as `tags`, so a page in range of one needs no second bounds check.
         let hot = &mut hot[..tags.len()];
         // An ended page's place: its link (counted up from the first's), the next state, and no
         // flag (pinned and sparse pages are rare).
         let first_place = PageTag::place_of(self.first_link, self.next_state);
         let mut rare = 0usize;
+        // Local, so its fields stay in registers; the page marked as the loop reaches it (a
+        // separate pass after the loop cost more time: its chain of ORs overlaps nothing).
+        let mut changed = changed.marking();
         let mut end = |page: PageId, place: u64| {
             // Read before anything is written: a word loaded just after part of it was stored
             // waits for that store to retire.
             let tag = &mut tags[page.0 as usize];
             let (generation, old_place) = (tag.generation(), tag.place());
+            if TRACK {
+                changed.mark(page);
+            }
             if (old_place & (PageTag::SPARSE | PageTag::PINNED) != 0) | (generation >= self.limit) {
                 rare += 1; // left in its old state for the general pass
             } else {
