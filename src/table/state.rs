@@ -855,6 +855,38 @@ struct Holders<'a> {
 }
 
 impl Holders<'_> {
+    /// The device tag of a page whose tag is `tag`; `full` tells whether a held page is whole
+    /// (its hot word's FULL bit, read only for a held page).
+    #[inline(always)]
+    fn device_tag(&mut self, tag: &PageTag, full: impl FnOnce() -> bool, page_size: u32) -> DeviceTag {
+        // As a page nobody holds: no holder, its watermark its written prefix (the FULL bit went
+        // with its last incarnation).
+        let state = tag.state_bits();
+        let (mut owner, mut tenant, mut flags, mut incarnation) = (0, 0, 0, tag.incarnation());
+        const OWNED: u8 = PageState::Owned as u8;
+        const SHARED: u8 = PageState::Shared as u8;
+        if state.wrapping_sub(OWNED) <= SHARED - OWNED {
+            // Held: its holder's, and whole if its FULL bit says so.
+            if state == OWNED {
+                (owner, tenant) = (tag.holder, self.owner_tenant(tag.holder));
+            } else {
+                (owner, tenant, flags) = self.prefix(tag.holder);
+            }
+            if full() {
+                incarnation = tag.with_watermark(page_size);
+            }
+        }
+        // Generation and written prefix from one word: stored as one.
+        DeviceTag {
+            owner,
+            tenant,
+            generation: PageTag::generation_of(incarnation),
+            written: PageTag::watermark_of(incarnation),
+            state: u32::from(state),
+            flags,
+        }
+    }
+
     /// The tenant of the owner `holder` of an owned page.
     #[inline(always)]
     fn owner_tenant(&mut self, holder: u64) -> u64 {
@@ -863,6 +895,7 @@ impl Holders<'_> {
             _ => self.look_up_owner(holder),
         }
     }
+    #[cold]
     #[inline(never)]
     fn look_up_owner(&mut self, holder: u64) -> u64 {
         let tenant = self.requests.get(&RequestId(holder)).map_or(0, |r| r.tenant.0);
@@ -870,6 +903,7 @@ impl Holders<'_> {
         tenant
     }
     /// A shared page's publisher, tenant and device flags, from its prefix handle `holder`.
+    #[cold]
     #[inline(never)]
     fn prefix(&self, holder: u64) -> (u64, u64, u32) {
         match self.prefixes.get(PrefixSlot::from_bits(holder)) {
@@ -900,6 +934,20 @@ fn device_tags_into(
     let hot = &hot[..tags.len()];
     changed.take_words(|first, mut bits| {
         let holders = &mut holders;
+        let (from, to) = (first as usize, first as usize + ChangedPages::WORD);
+        if bits == u64::MAX
+            && let (Some(run), Some(words)) = (tags.get(from..to), hot.get(from..to))
+        {
+            // All 64 pages of the word changed (a batch of neighbours): their tags as one slice,
+            // no bit scan and one bounds check. `extend` over zipped slices knows its length.
+            out.extend(
+                run.iter()
+                    .zip(words)
+                    .zip(first..)
+                    .map(|((tag, word), page)| (page, holders.device_tag(tag, || word.is_full(), page_size))),
+            );
+            return;
+        }
         // `extend` over a range's map knows its length: room for the word's pages is made once,
         // and each tag written in place. The word's bits moved into the closure, so they stay in
         // a register.
@@ -908,33 +956,7 @@ fn device_tags_into(
             bits &= bits - 1;
             // A marked page is in the pool; past it, one would be listed retired (fail closed).
             let tag = tags.get(page as usize).copied().unwrap_or(PageTag::new(PageState::Retired, 0));
-            // As a page nobody holds: no holder, its watermark its written prefix (the FULL bit
-            // went with its last incarnation).
-            let state = tag.state_bits();
-            let (mut owner, mut tenant, mut flags, mut incarnation) = (0, 0, 0, tag.incarnation());
-            const OWNED: u8 = PageState::Owned as u8;
-            const SHARED: u8 = PageState::Shared as u8;
-            if state.wrapping_sub(OWNED) <= SHARED - OWNED {
-                // Held: its holder's, and whole if its FULL bit says so.
-                if state == OWNED {
-                    (owner, tenant) = (tag.holder, holders.owner_tenant(tag.holder));
-                } else {
-                    (owner, tenant, flags) = holders.prefix(tag.holder);
-                }
-                if hot[page as usize].is_full() {
-                    incarnation = tag.with_watermark(page_size);
-                }
-            }
-            // Generation and written prefix from one word: stored as one.
-            let device = DeviceTag {
-                owner,
-                tenant,
-                generation: PageTag::generation_of(incarnation),
-                written: PageTag::watermark_of(incarnation),
-                state: u32::from(state),
-                flags,
-            };
-            (page, device)
+            (page, holders.device_tag(&tag, || hot[page as usize].is_full(), page_size))
         }));
     });
 }
