@@ -854,6 +854,25 @@ struct Holders<'a> {
     last_owner: Option<(u64, u64)>,
 }
 
+/// The device tag of a page nobody holds (its tag `tag`, its hot word `word`): no holder, and
+/// its watermark is its written prefix (the FULL bit went with its last incarnation).
+#[inline(always)]
+fn unheld_device_tag(tag: &PageTag, word: HotWord) -> DeviceTag {
+    let incarnation = tag.incarnation();
+    // The word's holder, 0 for a page nobody holds: a zero from memory, not a constant, so the
+    // compiler writes the fields one by one instead of copying a zeroed template through the
+    // stack (a 16-byte load of a just-stored, misaligned 16 bytes: a stall per page).
+    let nobody = u64::from(word.holder());
+    DeviceTag {
+        owner: nobody,
+        tenant: nobody,
+        generation: PageTag::generation_of(incarnation),
+        written: PageTag::watermark_of(incarnation),
+        state: u32::from(tag.state_bits()),
+        flags: 0,
+    }
+}
+
 impl Holders<'_> {
     /// The device tag of a page whose tag is `tag`; `full` tells whether a held page is whole
     /// (its hot word's FULL bit, read only for a held page).
@@ -938,6 +957,14 @@ fn device_tags_into(
         if bits == u64::MAX
             && let (Some(run), Some(words)) = (tags.get(from..to), hot.get(from..to))
         {
+            if words.iter().all(|w| !w.is_held()) {
+                // And nobody holds any (a batch released): no holder to look up, no call in
+                // the loop, so its values stay in registers.
+                out.extend(
+                    run.iter().zip(words).zip(first..).map(|((tag, &word), page)| (page, unheld_device_tag(tag, word))),
+                );
+                return;
+            }
             // All 64 pages of the word changed (a batch of neighbours): their tags as one slice,
             // no bit scan and one bounds check. `extend` over zipped slices knows its length.
             out.extend(
