@@ -937,9 +937,9 @@ impl Holders<'_> {
 /// [`TableState::take_changed_tags_into`]'s loop: appends the device tag of each page marked in
 /// `changed` to `out`, in page order, and unmarks them.
 ///
-/// A word's pages are built into a buffer on the stack (its index in a register, nothing to
-/// alias) and appended to `out` in one copy, so no push checks the capacity or stores the length
-/// per page; the holders of held pages are looked up off the loop.
+/// Word by word, each word's tags appended by an `extend` whose length is known (room made once
+/// per word, no capacity test or length in memory per page); the holders of held pages looked up
+/// off the loop.
 #[inline(never)] // apart, so only the loop's own values compete for registers
 fn device_tags_into(
     tags: &[PageTag],
