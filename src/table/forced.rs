@@ -23,6 +23,7 @@ impl OwnershipTable {
         state.ended.forget(req);
         let pages = state.spare_page_lists.pop().unwrap_or_default();
         let slot = state.take_request_slot();
+        let pages_marked = state.takes;
         state.requests.insert(
             req,
             RequestRecord {
@@ -33,6 +34,7 @@ impl OwnershipTable {
                 pages,
                 prefixes: Default::default(),
                 quarantined: AtomicBool::new(false),
+                pages_marked,
             },
         );
         true
@@ -118,6 +120,6 @@ impl TableState {
             }
             _ => return,
         }
-        self.end_incarnations(&[page], tag.state(), &mut Released::default());
+        self.end_incarnations(&[page], tag.state(), false, &mut Released::default());
     }
 }

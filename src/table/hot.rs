@@ -67,6 +67,18 @@ impl HotWord {
             _ => HotWord::new(0, state, self.is_full()),
         }
     }
+    /// The holder's dense index: 0 for a page nobody holds.
+    #[inline(always)]
+    pub fn holder(self) -> u32 {
+        self.0 as u32
+    }
+    /// The page is owned or shared (its holder is live).
+    #[inline(always)]
+    pub fn is_held(self) -> bool {
+        // Owned is 1 and Shared 2: one unsigned compare.
+        let state = (self.0 >> Self::STATE_SHIFT) as u8;
+        state.wrapping_sub(PageState::Owned as u8) <= PageState::Shared as u8 - PageState::Owned as u8
+    }
     /// Every slot of the page is written.
     #[inline(always)]
     pub fn is_full(self) -> bool {

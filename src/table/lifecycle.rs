@@ -2,8 +2,9 @@
 
 use super::hot::HotWord;
 use super::info::{PageState, Released};
+use super::mirror::ChangedPages;
 use super::state::{
-    BlockEntry, ChangeListing, PageTag, PrefixRecord, RequestRecord, SPARE_LIST_MAX_CAPACITY, SPARE_LISTS, TableState,
+    BlockEntry, PageTag, PrefixRecord, RequestRecord, SPARE_LIST_MAX_CAPACITY, SPARE_LISTS, TableState,
 };
 use super::verify::leading_matches;
 use crate::error::Error;
@@ -45,6 +46,7 @@ impl TableState {
                 pages,
                 prefixes: Default::default(),
                 quarantined: AtomicBool::new(false),
+                pages_marked: self.takes,
             },
         );
         Ok(())
@@ -62,19 +64,16 @@ impl TableState {
         let start = free.len() - n as usize;
         // The top of the free stack, most recently freed last: hand it out from the top down.
         let handed = &free[start..];
-        let tracking = *tracking_changes;
-        let listing = ChangeListing::new(changed, if tracking { handed.len() } else { 0 }, tags.len());
         // `out` grown first and filled in step with the pages: no length lives in memory
         // across pages, and no bounds check.
         let out_base = out.len();
         out.resize(out_base + handed.len(), PageRef { page: PageId(0), generation: Generation(0) });
         let out = &mut out[out_base..];
-        let listed = if tracking {
-            give_pages::<true>(tags, hot, handed, out, req, rec, listing)
+        if *tracking_changes {
+            give_pages::<true>(tags, hot, handed, out, req, rec, changed);
         } else {
-            give_pages::<false>(tags, hot, handed, out, req, rec, listing)
-        };
-        changed.truncate(listed);
+            give_pages::<false>(tags, hot, handed, out, req, rec, changed);
+        }
         rec.pages.extend(handed.iter().rev());
         state_counts[PageState::Free as usize] -= u64::from(n);
         state_counts[PageState::Owned as usize] += u64::from(n);
@@ -163,7 +162,8 @@ impl TableState {
         block_table: &[E],
         tokens: Range<u64>,
     ) -> Result<(), Error> {
-        let slot = self.record(op, req)?.slot;
+        let rec = self.record(op, req)?;
+        let (slot, marked) = (rec.slot, rec.pages_marked == self.takes);
         let blocks = self.token_blocks(op, req, block_table.len(), &tokens)?;
         if blocks.is_empty() {
             return Ok(());
@@ -193,14 +193,11 @@ impl TableState {
                 return Err(self.write_refusal(op, req, first + 1 + k, middle[k]));
             }
             let TableState { tags, hot, changed, tracking_changes, .. } = self;
-            let tracking = *tracking_changes;
-            let listing = ChangeListing::new(changed, if tracking { middle.len() } else { 0 }, tags.len());
-            let listed = if tracking {
-                write_whole::<true, E>(tags, hot, middle, owned, listing)
+            if *tracking_changes && !marked {
+                write_whole::<true, E>(tags, hot, middle, owned, changed);
             } else {
-                write_whole::<false, E>(tags, hot, middle, owned, listing)
-            };
-            changed.truncate(listed);
+                write_whole::<false, E>(tags, hot, middle, owned, changed);
+            }
         }
         let ps = u64::from(self.page_size);
         let slots = |b: usize| {
@@ -223,7 +220,8 @@ impl TableState {
             return Err(self.unknown_request(Op::Release, req));
         };
         let mut released = Released::default();
-        self.end_incarnations(&rec.pages, PageState::Owned, &mut released);
+        let marked = rec.pages_marked == self.takes;
+        self.end_incarnations(&rec.pages, PageState::Owned, marked, &mut released);
         for slot in rec.prefixes.iter() {
             self.drop_hold(slot, &mut released);
         }
@@ -250,8 +248,9 @@ impl TableState {
         let rec = self.requests.get_mut(&req).expect("checked above");
         let pages = std::mem::take(&mut rec.pages);
         let prefixes = std::mem::take(&mut rec.prefixes);
+        let marked = rec.pages_marked == self.takes;
         let mut released = Released::default();
-        self.end_incarnations(&pages, PageState::Owned, &mut released);
+        self.end_incarnations(&pages, PageState::Owned, marked, &mut released);
         for slot in prefixes.iter() {
             self.drop_hold(slot, &mut released);
         }
@@ -259,7 +258,7 @@ impl TableState {
     }
 
     pub(crate) fn release_pages(&mut self, req: RequestId, pages: &[PageId]) -> Result<Released, Error> {
-        self.record(Op::Release, req)?;
+        let marked = self.record(Op::Release, req)?.pages_marked == self.takes;
         for &page in pages {
             self.check_owned_by(Op::Release, req, page)?;
         }
@@ -270,7 +269,7 @@ impl TableState {
             self.detach_from_owner(page);
         }
         let mut released = Released::default();
-        self.end_incarnations(pages, PageState::Owned, &mut released);
+        self.end_incarnations(pages, PageState::Owned, marked, &mut released);
         Ok(released)
     }
 
@@ -345,6 +344,7 @@ impl TableState {
                 pages: Vec::new(),
                 prefixes: held,
                 quarantined: AtomicBool::new(false),
+                pages_marked: self.takes,
             },
         );
         Ok(())
@@ -415,43 +415,35 @@ fn first_unwritable<E: BlockEntry>(tags: &[PageTag], hot: &[HotWord], pages: &[E
 /// [`record_write_tokens`](TableState::record_write_tokens)' loop over the whole pages between
 /// the first and last, all checked writable ([`first_unwritable`]): each made whole (its word
 /// becomes `owned`'s with the FULL bit, which says every slot is written: the tag's watermark is
-/// not touched), and listed as changed if `TRACK`. Returns the change list's new length.
+/// not touched), and marked changed if `TRACK`.
 #[inline(never)] // apart, so only the loop's own values compete for registers
 fn write_whole<const TRACK: bool, E: BlockEntry>(
-    tags: &mut [PageTag],
+    tags: &[PageTag],
     hot: &mut [HotWord],
     pages: &[E],
     owned: HotWord,
-    mut listing: ChangeListing<'_>,
-) -> usize {
+    changed: &mut ChangedPages,
+) {
     let whole = owned.with_full(true);
-    if TRACK {
-        // As long as `tags`, so a page in range of one needs no second bounds check.
-        let hot = &mut hot[..tags.len()];
-        for &entry in pages {
-            let page = entry.page();
-            // Checked by `first_unwritable`: in range. A page listed twice is written twice, alike.
-            let Some(tag) = tags.get_mut(page.0 as usize) else { continue };
-            listing.note(tag, page);
-            hot[page.0 as usize] = whole;
-        }
-    } else {
-        // Hot words only (the word past the pool is never written).
-        let hot = &mut hot[..tags.len()];
-        for &entry in pages {
-            // Checked by `first_unwritable`: in range.
-            if let Some(word) = hot.get_mut(entry.page().0 as usize) {
-                *word = whole;
+    // Hot words only (the word past the pool is never written).
+    let hot = &mut hot[..tags.len()];
+    // Local, so its fields stay in registers.
+    let mut changed = changed.marking();
+    for &entry in pages {
+        let page = entry.page();
+        // Checked by `first_unwritable`: in range. A page listed twice is written twice, alike.
+        if let Some(word) = hot.get_mut(page.0 as usize) {
+            *word = whole;
+            if TRACK {
+                changed.mark(page);
             }
         }
     }
-    listing.finish()
 }
 
 /// [`allocate_into`](TableState::allocate_into)'s loop: the free `pages`, top of the stack
 /// first, made `rec`'s (owned by `req`, linked after its current pages), their refs written to
-/// `out` (as long as `pages`), each listed as changed if `TRACK`; returns the change list's new
-/// length.
+/// `out` (as long as `pages`), each marked changed if `TRACK`.
 #[inline(never)] // apart, so only the loop's own values compete for registers
 fn give_pages<const TRACK: bool>(
     tags: &mut [PageTag],
@@ -460,34 +452,33 @@ fn give_pages<const TRACK: bool>(
     out: &mut [PageRef],
     req: RequestId,
     rec: &RequestRecord,
-    mut listing: ChangeListing<'_>,
-) -> usize {
+    changed: &mut ChangedPages,
+) {
     // As long as `tags`, so a page in range of one needs no second bounds check.
     let hot = &mut hot[..tags.len()];
     let owned = HotWord::new(rec.slot, PageState::Owned, false);
     // A page list never outgrows the pool, whose size is a `u32`. A given page's place: its
-    // link (counted up from the first's), owned, and no flag but CHANGED when tracked (a free
-    // page in the free list is neither pinned nor sparse; untracked, the flag is meaningless).
-    let changed = if TRACK { PageTag::CHANGED } else { 0 };
-    let mut place = PageTag::place_of(rec.pages.len() as u32, PageState::Owned) | changed;
+    // link (counted up from the first's), owned, and no flag (a free page in the free list is
+    // neither pinned nor sparse).
+    let mut place = PageTag::place_of(rec.pages.len() as u32, PageState::Owned);
     // One count for both lists, each cut to it, so neither index needs a bounds check.
     let n = out.len().min(pages.len());
     let (out, pages) = (&mut out[..n], &pages[..n]);
+    // Local, so its fields stay in registers.
+    let mut changed = changed.marking();
     for k in 0..n {
         let page = pages[n - 1 - k];
         let tag = &mut tags[page.0 as usize];
         debug_assert!(tag.state() == PageState::Free && tag.watermark() == 0 && !tag.sparse() && !tag.pinned());
-        let (generation, listed_already) = (tag.generation(), tag.changed());
-        out[k] = PageRef { page, generation: Generation(generation) };
+        out[k] = PageRef { page, generation: Generation(tag.generation()) };
         tag.set_owner(req);
         tag.set_place(place);
         place += PageTag::NEXT_LINK;
         hot[page.0 as usize] = owned;
         if TRACK {
-            listing.list_unless(page, listed_already);
+            changed.mark(page);
         }
     }
-    listing.finish()
 }
 
 /// Calls `f` on every maximal run of consecutive slots of one page in a slot mapping, in order;

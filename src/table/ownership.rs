@@ -629,7 +629,7 @@ impl OwnershipTable {
     }
 
     /// The pages whose tags changed since the last call, with their tags now: what a device
-    /// mirror must copy (each page listed once however often it changed).
+    /// mirror must copy (each page listed once however often it changed, in page order).
     ///
     /// Changes are tracked only once a mirror asks: the first call returns every page of the
     /// pool (the mirror has none yet), and a table nobody mirrors never pays for the list.

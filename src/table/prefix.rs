@@ -19,7 +19,7 @@ impl TableState {
         if let Some(key) = record.key {
             self.prefix_keys.remove(&key);
         }
-        self.end_incarnations(&record.pages, PageState::Shared, released);
+        self.end_incarnations(&record.pages, PageState::Shared, false, released);
     }
 
     /// One holder lets go; an anonymous (fork) prefix goes with its last holder. A handle to a

@@ -4,7 +4,7 @@
 
 use super::hot::HotWord;
 use super::info::{PageState, Released};
-use super::mirror::DeviceTag;
+use super::mirror::{ChangedPages, DeviceTag};
 use crate::config::PoolConfig;
 use crate::error::Error;
 use crate::ids::{Generation, PageId, PageRef, PrefixKey, RequestId, TenantId};
@@ -87,19 +87,17 @@ pub(crate) struct PageTag {
     /// bits, the watermark above ([`generation`](Self::generation),
     /// [`watermark`](Self::watermark)).
     incarnation: u64,
-    /// Where the page is, in one word, so a page changes hands in one store: the flags
-    /// `CHANGED`, `SPARSE` and `PINNED` in the low bits, its state in bits 8 to 15, its link in
-    /// the high 32 bits
-    /// ([`link`](Self::link), [`state`](Self::state), [`changed`](Self::changed),
-    /// [`sparse`](Self::sparse), [`pinned`](Self::pinned)).
+    /// Where the page is, in one word, so a page changes hands in one store: the flags `SPARSE`
+    /// and `PINNED` in the low bits, its state in bits 8 to 15, its link in the high 32 bits
+    /// ([`link`](Self::link), [`state`](Self::state), [`sparse`](Self::sparse),
+    /// [`pinned`](Self::pinned)).
     place: u64,
 }
 
 impl PageTag {
     // The flags lowest, so a test or change of one is an instruction with a byte immediate.
-    pub const CHANGED: u64 = 1;
-    pub const SPARSE: u64 = 1 << 1;
-    pub const PINNED: u64 = 1 << 2;
+    pub const SPARSE: u64 = 1;
+    pub const PINNED: u64 = 1 << 1;
     const STATE_SHIFT: u32 = 8;
     const LINK_SHIFT: u32 = 32;
     /// Added to a place, the same place at the next link.
@@ -197,17 +195,6 @@ impl PageTag {
     pub fn set_state(&mut self, state: PageState) {
         self.place = (self.place & !(0xff << Self::STATE_SHIFT)) | (state as u64) << Self::STATE_SHIFT;
     }
-    /// Listed in `changed` since the last `take_changed`. Meaningless until the first call:
-    /// changes are not tracked before a device mirror asks (`TableState::tracking_changes`),
-    /// and the first `take_changed` hands back the whole pool.
-    #[inline(always)]
-    pub fn changed(&self) -> bool {
-        self.place & Self::CHANGED != 0
-    }
-    #[inline(always)]
-    pub fn set_changed(&mut self, changed: bool) {
-        self.set_flag(Self::CHANGED, changed);
-    }
     /// Some coverage bit of this incarnation may be set.
     #[inline(always)]
     pub fn sparse(&self) -> bool {
@@ -276,6 +263,11 @@ pub(crate) struct RequestRecord {
     /// Set by an enforced violation; checked by every read. Atomic so readers can set it under
     /// the shared lock.
     pub quarantined: AtomicBool,
+    /// Every page this request owns was marked changed (for a device mirror) since take number
+    /// `pages_marked` ([`TableState::takes`]): while that is the last take, a batch loop over its
+    /// pages (writing them whole, ending them) need not mark them again. Set at admission (no
+    /// pages yet) and kept, as every page that joins a request is marked as it joins.
+    pub pages_marked: u64,
 }
 
 /// The prefixes one request holds, in the order it took them: a short list scanned in place,
@@ -444,58 +436,6 @@ impl RecentlyEnded {
     }
 }
 
-/// The pages one batch loop lists as changed for a device mirror (allocate, write, release):
-/// the change list grown by the batch's size up front and filled by index, then cut to what was
-/// listed, so no length lives in memory across pages (a store-to-load chain per page). A page is
-/// listed at most once (its [`PageTag::changed`]), so the list never outgrows the pool and never
-/// reallocates.
-///
-/// The batch loops take a `TRACK` parameter and note pages only when it is set: a table nobody
-/// mirrors runs a loop with no listing in it at all.
-pub(crate) struct ChangeListing<'a> {
-    slots: &'a mut [PageId],
-    listed: usize,
-    base: usize,
-}
-
-impl<'a> ChangeListing<'a> {
-    /// Room in `changed` for `n` pages of a pool of `pool` pages (`n` = 0 while nobody tracks).
-    #[inline(always)]
-    pub fn new(changed: &'a mut Vec<PageId>, n: usize, pool: usize) -> ChangeListing<'a> {
-        let base = changed.len();
-        // Unlisted pages are distinct and outside `changed[..base]`: at most this many.
-        let room = n.min(pool - base);
-        changed.resize(base + room, PageId(0));
-        ChangeListing { slots: &mut changed[base..], listed: 0, base }
-    }
-    /// Lists `page` (whose tag is `tag`) unless it is listed already.
-    #[inline(always)]
-    pub fn note(&mut self, tag: &mut PageTag, page: PageId) {
-        if !tag.changed() {
-            tag.set_changed(true);
-            self.slots[self.listed] = page;
-            self.listed += 1;
-        }
-    }
-    /// Lists `page` unless `listed_already` (its tag's [`PageTag::changed`] before the caller
-    /// set it), without a branch: the page is stored at the next place either way, and the
-    /// place is kept only if the page was not listed. For loops that set the flag with the
-    /// tag's other fields, so the stores can merge.
-    #[inline(always)]
-    pub fn list_unless(&mut self, page: PageId, listed_already: bool) {
-        // An unlisted page always has a place (see `new`); a listed one may find none.
-        if let Some(place) = self.slots.get_mut(self.listed) {
-            *place = page;
-        }
-        self.listed += usize::from(!listed_already);
-    }
-    /// The change list's length now: truncate it to this.
-    #[inline(always)]
-    pub fn finish(self) -> usize {
-        self.base + self.listed
-    }
-}
-
 pub(crate) struct TableState {
     pub page_size: u32,
     pub max_context_tokens: u64,
@@ -514,13 +454,17 @@ pub(crate) struct TableState {
     pub prefix_keys: IdMap<PrefixKey, PrefixSlot>,
     pub sharing_tenants: HashSet<TenantId>,
     pub state_counts: [u64; PageState::COUNT],
-    pub changed: Vec<PageId>,
+    /// The pages whose device tags changed since a device mirror last took them; marked only
+    /// while `tracking_changes`.
+    pub changed: ChangedPages,
     /// Pinned page → the transfer ticket that pinned it (see `pin`).
     pub pins: IdMap<PageId, u64>,
     pub next_ticket: u64,
-    /// Set by the first `take_changed`; until then no page is listed as changed (see
-    /// [`PageTag::changed`]).
+    /// Set by the first `take_changed`; until then no page is marked changed (nobody mirrors
+    /// the table, so nobody pays for it) and the first take hands back the whole pool.
     pub tracking_changes: bool,
+    /// How many times the changed pages were taken ([`RequestRecord::pages_marked`]).
+    pub takes: u64,
     /// Page lists of released requests, emptied, for the next admissions (see `SPARE_LISTS`).
     pub spare_page_lists: Vec<Vec<PageId>>,
     /// Request slots ([`RequestRecord::slot`]) given back by released requests, for reuse.
@@ -544,8 +488,7 @@ impl TableState {
         coverage.truncate(slots);
         let mut free = Vec::new();
         free.try_reserve_exact(n).map_err(|_| oom())?;
-        let mut changed = Vec::new();
-        changed.try_reserve_exact(n).map_err(|_| oom())?;
+        let changed = ChangedPages::new(n).ok_or_else(oom)?;
         let mut hot = Vec::new();
         hot.try_reserve_exact(n + 1).map_err(|_| oom())?;
 
@@ -584,6 +527,7 @@ impl TableState {
             pins: IdMap::default(),
             next_ticket: 0,
             tracking_changes: false,
+            takes: 0,
             spare_page_lists: Vec::new(),
             spare_request_slots: Vec::new(),
             next_request_slot: 0,
@@ -638,12 +582,11 @@ impl TableState {
         PageRef { page, generation: Generation(self.tags[page.0 as usize].generation()) }
     }
 
+    /// Marks `page` changed for a device mirror, if one tracks the table.
     #[inline]
     pub(super) fn mark_changed(&mut self, page: PageId) {
-        let tag = &mut self.tags[page.0 as usize];
-        if self.tracking_changes && !tag.changed() {
-            tag.set_changed(true);
-            self.changed.push(page);
+        if self.tracking_changes {
+            self.changed.mark(page);
         }
     }
 
@@ -702,14 +645,15 @@ impl TableState {
     /// pass finishes the rare pages and rebuilds the free-list links. Pushing one page at a time,
     /// or bumping the shared counters per page, kept a length in memory: a store-to-load chain per
     /// page that cost more than all the rest.
-    pub fn end_incarnations(&mut self, pages: &[PageId], from: PageState, released: &mut Released) {
+    ///
+    /// `marked`: the pages are marked changed already (their owner's
+    /// [`pages_marked`](RequestRecord::pages_marked) is the last take), so the loop need not.
+    pub fn end_incarnations(&mut self, pages: &[PageId], from: PageState, marked: bool, released: &mut Released) {
         let n = pages.len();
         let (limit, scrub) = (self.generation_limit, self.scrub_on_release);
         let next_state = if scrub { PageState::AwaitingScrub } else { PageState::Free };
         // Disjoint borrows, so the loop keeps its counts in registers.
         let TableState { tags, hot, free, changed, tracking_changes, .. } = self;
-        let tracking = *tracking_changes;
-        let listing = ChangeListing::new(changed, if tracking { n } else { 0 }, tags.len());
         // The free list never outgrows the pool, whose size is a `u32`.
         let first_link = free.len() as u32;
         let ends = Ending { limit, next_state, next_hot: HotWord::unheld(next_state), first_link };
@@ -717,12 +661,11 @@ impl TableState {
             pages.iter().all(|p| tags.get(p.0 as usize).is_some_and(|t| t.state() == from)),
             "ending a page that is not {from:?}"
         );
-        let (rare, listed) = if tracking {
-            ends.run::<true>(tags, hot, pages, listing)
+        let rare = if *tracking_changes && !marked {
+            ends.run::<true>(tags, hot, pages, changed)
         } else {
-            ends.run::<false>(tags, hot, pages, listing)
+            ends.run::<false>(tags, hot, pages, changed)
         };
-        changed.truncate(listed);
         debug_assert!(matches!(from, PageState::Owned | PageState::Shared));
         self.state_counts[from as usize] -= n as u64;
         released.ended += n as u64;
@@ -814,10 +757,7 @@ impl TableState {
             let full = b >= self.page_size;
             let hot = &mut self.hot[page.0 as usize];
             *hot = hot.with_full(full);
-            if self.tracking_changes && !tag.changed() {
-                tag.set_changed(true);
-                self.changed.push(page);
-            }
+            self.mark_changed(page);
             return;
         }
         self.mark_written_sparse(page, a, b);
@@ -873,107 +813,179 @@ impl TableState {
         }
     }
 
-    /// Appends the device tag of every changed page to `out` (see
-    /// [`take_changed`](Self::take_changed), whose list it takes the same way).
-    pub fn take_changed_tags_into(&mut self, out: &mut Vec<(u32, DeviceTag)>) -> usize {
-        let first = !self.tracking_changes;
-        if first {
+    /// Starts tracking changes if nobody did yet: every page then counts as changed (a new
+    /// mirror has none of the tags).
+    /// Counts a take (so no request's pages count as marked any more).
+    fn start_take(&mut self) {
+        if !self.tracking_changes {
             self.tracking_changes = true;
-            self.changed.clear();
-            self.changed.extend((0..self.tags.len() as u32).map(PageId));
+            self.changed.mark_all(self.tags.len());
         }
-        let TableState { tags, hot, changed, requests, prefixes, page_size, .. } = self;
-        device_tags_into(tags, hot, changed, *page_size, requests, prefixes, out);
-        let n = self.changed.len();
-        // Cleared, not taken: the list keeps its pool-sized capacity.
-        self.changed.clear();
-        n
+        self.takes += 1;
     }
 
+    /// Appends the device tag of every changed page to `out`, in page order, and unmarks them
+    /// (see [`take_changed`](Self::take_changed)); returns how many it appended.
+    pub fn take_changed_tags_into(&mut self, out: &mut Vec<(u32, DeviceTag)>) -> usize {
+        self.start_take();
+        let before = out.len();
+        let TableState { tags, hot, changed, requests, prefixes, page_size, .. } = self;
+        let holders = Holders { requests, prefixes, last_owner: None };
+        device_tags_into(tags, hot, changed, *page_size, holders, out);
+        out.len() - before
+    }
+
+    /// The pages changed since the last call, in page order, each once, and unmarks them; the
+    /// first call returns the whole pool and starts the tracking.
     pub fn take_changed(&mut self) -> Vec<PageId> {
-        if !self.tracking_changes {
-            // The first call: every page counts as changed, and tracking starts now.
-            self.tracking_changes = true;
-            for tag in &mut self.tags {
-                tag.set_changed(false);
-            }
-            return (0..self.tags.len() as u32).map(PageId).collect();
-        }
-        // Drained, not taken: the list keeps its pool-sized capacity.
-        let changed: Vec<PageId> = self.changed.drain(..).collect();
-        for p in &changed {
-            self.tags[p.0 as usize].set_changed(false);
-        }
-        changed
+        self.start_take();
+        let mut pages = Vec::new();
+        self.changed.take_into(&mut pages);
+        pages
     }
 }
 
-/// [`TableState::take_changed_tags_into`]'s loop: appends the device tag of each of `changed`
-/// to `out` and clears its [`PageTag::changed`].
-///
-/// The tags as a slice (its pointer and length stay in registers); `extend` over a slice's map
-/// knows its length, so no push checks the capacity per page.
-#[inline(never)] // apart, so only the loop's own values compete for registers
-fn device_tags_into(
-    tags: &mut [PageTag],
-    hot: &[HotWord],
-    changed: &[PageId],
-    page_size: u32,
-    requests: &IdMap<RequestId, RequestRecord>,
-    prefixes: &SlotMap<PrefixSlot, PrefixRecord>,
-    out: &mut Vec<(u32, DeviceTag)>,
-) {
-    // As long as `tags`, so a page in range of one needs no second bounds check.
-    let hot = &hot[..tags.len()];
-    // Changed pages come in runs of one owner: its tenant is looked up once per run.
-    let mut last_owner: Option<(u64, u64)> = None;
-    out.extend(changed.iter().map(|&page| {
-        let slot = &mut tags[page.0 as usize];
-        let tag = *slot;
-        slot.set_place(tag.place() & !PageTag::CHANGED);
+/// What a device tag names of a held page's holder, looked up by
+/// [`device_tags_into`] off its loop.
+struct Holders<'a> {
+    requests: &'a IdMap<RequestId, RequestRecord>,
+    prefixes: &'a SlotMap<PrefixSlot, PrefixRecord>,
+    /// The last owner looked up and its tenant: changed pages come in runs of one owner.
+    last_owner: Option<(u64, u64)>,
+}
+
+/// The device tag of a page nobody holds (its tag `tag`, its hot word `word`): no holder, and
+/// its watermark is its written prefix (the FULL bit went with its last incarnation).
+#[inline(always)]
+fn unheld_device_tag(tag: &PageTag, word: HotWord) -> DeviceTag {
+    let incarnation = tag.incarnation();
+    // The word's holder, 0 for a page nobody holds: a zero from memory, not a constant, so the
+    // compiler writes the fields one by one instead of copying a zeroed template through the
+    // stack (a 16-byte load of a just-stored, misaligned 16 bytes: a stall per page).
+    let nobody = u64::from(word.holder());
+    DeviceTag {
+        owner: nobody,
+        tenant: nobody,
+        generation: PageTag::generation_of(incarnation),
+        written: PageTag::watermark_of(incarnation),
+        state: u32::from(tag.state_bits()),
+        flags: 0,
+    }
+}
+
+impl Holders<'_> {
+    /// The device tag of a page whose tag is `tag`; `full` tells whether a held page is whole
+    /// (its hot word's FULL bit, read only for a held page).
+    #[inline(always)]
+    fn device_tag(&mut self, tag: &PageTag, full: impl FnOnce() -> bool, page_size: u32) -> DeviceTag {
+        // As a page nobody holds: no holder, its watermark its written prefix (the FULL bit went
+        // with its last incarnation).
         let state = tag.state_bits();
+        let (mut owner, mut tenant, mut flags, mut incarnation) = (0, 0, 0, tag.incarnation());
         const OWNED: u8 = PageState::Owned as u8;
         const SHARED: u8 = PageState::Shared as u8;
-        // Generation and written prefix in one word (stored as one): a held page may be whole
-        // (its FULL bit); one nobody holds never is (the bit went with its last incarnation), so
-        // its watermark is its written prefix.
-        let held_incarnation =
-            || if hot[page.0 as usize].is_full() { tag.with_watermark(page_size) } else { tag.incarnation() };
-        let (owner, tenant, flags, incarnation) = match state {
-            OWNED => {
-                let tenant = match last_owner {
-                    Some((owner, tenant)) if owner == tag.holder => tenant,
-                    _ => {
-                        let tenant = requests.get(&tag.owner()).map_or(0, |r| r.tenant.0);
-                        last_owner = Some((tag.holder, tenant));
-                        tenant
-                    }
-                };
-                (tag.holder, tenant, 0, held_incarnation())
+        if state.wrapping_sub(OWNED) <= SHARED - OWNED {
+            // Held: its holder's, and whole if its FULL bit says so.
+            if state == OWNED {
+                (owner, tenant) = (tag.holder, self.owner_tenant(tag.holder));
+            } else {
+                (owner, tenant, flags) = self.prefix(tag.holder);
             }
-            SHARED => {
-                let (owner, tenant, flags) = match prefixes.get(tag.prefix()) {
-                    Some(p) => (
-                        p.publisher.0,
-                        p.tenant.0,
-                        if p.cross_tenant { DeviceTag::FLAG_SHARED_ACROSS_TENANTS } else { 0 },
-                    ),
-                    None => (0, 0, 0),
-                };
-                (owner, tenant, flags, held_incarnation())
+            if full() {
+                incarnation = tag.with_watermark(page_size);
             }
-            _ => (0, 0, 0, tag.incarnation()),
-        };
-        let device = DeviceTag {
+        }
+        // Generation and written prefix from one word: stored as one.
+        DeviceTag {
             owner,
             tenant,
             generation: PageTag::generation_of(incarnation),
             written: PageTag::watermark_of(incarnation),
             state: u32::from(state),
             flags,
-        };
-        (page.0, device)
-    }));
+        }
+    }
+
+    /// The tenant of the owner `holder` of an owned page.
+    #[inline(always)]
+    fn owner_tenant(&mut self, holder: u64) -> u64 {
+        match self.last_owner {
+            Some((owner, tenant)) if owner == holder => tenant,
+            _ => self.look_up_owner(holder),
+        }
+    }
+    #[cold]
+    #[inline(never)]
+    fn look_up_owner(&mut self, holder: u64) -> u64 {
+        let tenant = self.requests.get(&RequestId(holder)).map_or(0, |r| r.tenant.0);
+        self.last_owner = Some((holder, tenant));
+        tenant
+    }
+    /// A shared page's publisher, tenant and device flags, from its prefix handle `holder`.
+    #[cold]
+    #[inline(never)]
+    fn prefix(&self, holder: u64) -> (u64, u64, u32) {
+        match self.prefixes.get(PrefixSlot::from_bits(holder)) {
+            Some(p) => {
+                (p.publisher.0, p.tenant.0, if p.cross_tenant { DeviceTag::FLAG_SHARED_ACROSS_TENANTS } else { 0 })
+            }
+            None => (0, 0, 0),
+        }
+    }
+}
+
+/// [`TableState::take_changed_tags_into`]'s loop: appends the device tag of each page marked in
+/// `changed` to `out`, in page order, and unmarks them.
+///
+/// Word by word, each word's tags appended by an `extend` whose length is known (room made once
+/// per word, no capacity test or length in memory per page); the holders of held pages looked up
+/// off the loop.
+#[inline(never)] // apart, so only the loop's own values compete for registers
+fn device_tags_into(
+    tags: &[PageTag],
+    hot: &[HotWord],
+    changed: &mut ChangedPages,
+    page_size: u32,
+    mut holders: Holders<'_>,
+    out: &mut Vec<(u32, DeviceTag)>,
+) {
+    // As long as `tags`, so a page in range of one needs no second bounds check.
+    let hot = &hot[..tags.len()];
+    changed.take_words(|first, mut bits| {
+        let holders = &mut holders;
+        let (from, to) = (first as usize, first as usize + ChangedPages::WORD);
+        if bits == u64::MAX
+            && let (Some(run), Some(words)) = (tags.get(from..to), hot.get(from..to))
+        {
+            if words.iter().all(|w| !w.is_held()) {
+                // And nobody holds any (a batch released): no holder to look up, no call in
+                // the loop, so its values stay in registers.
+                out.extend(
+                    run.iter().zip(words).zip(first..).map(|((tag, &word), page)| (page, unheld_device_tag(tag, word))),
+                );
+                return;
+            }
+            // All 64 pages of the word changed (a batch of neighbours): their tags as one slice,
+            // no bit scan and one bounds check. `extend` over zipped slices knows its length.
+            out.extend(
+                run.iter()
+                    .zip(words)
+                    .zip(first..)
+                    .map(|((tag, word), page)| (page, holders.device_tag(tag, || word.is_full(), page_size))),
+            );
+            return;
+        }
+        // `extend` over a range's map knows its length: room for the word's pages is made once,
+        // and each tag written in place. The word's bits moved into the closure, so they stay in
+        // a register.
+        out.extend((0..bits.count_ones()).map(move |_| {
+            let page = first + bits.trailing_zeros();
+            bits &= bits - 1;
+            // A marked page is in the pool; past it, one would be listed retired (fail closed).
+            let tag = tags.get(page as usize).copied().unwrap_or(PageTag::new(PageState::Retired, 0));
+            (page, holders.device_tag(&tag, || hot[page as usize].is_full(), page_size))
+        }));
+    });
 }
 
 /// The fast loop of [`TableState::end_incarnations`]: what an ordinary page becomes.
@@ -986,38 +998,36 @@ struct Ending {
 }
 
 impl Ending {
-    /// Ends the incarnation of every ordinary page of `pages` (listing each as changed if
-    /// `TRACK`) and leaves the rare ones (retiring, pinned, or with gaps in their coverage) as
-    /// they were; returns how many it left, and the change list's new length.
+    /// Ends the incarnation of every ordinary page of `pages` (marking each changed if `TRACK`,
+    /// the rare ones too: the general pass changes them) and leaves the rare ones (retiring,
+    /// pinned, or with gaps in their coverage) as they were; returns how many it left.
     #[inline(never)] // apart, so only the loop's own values compete for registers
     fn run<const TRACK: bool>(
         &self,
         tags: &mut [PageTag],
         hot: &mut [HotWord],
         pages: &[PageId],
-        mut listing: ChangeListing<'_>,
-    ) -> (usize, usize) {
+        changed: &mut ChangedPages,
+    ) -> usize {
         // As long as `tags`, so a page in range of one needs no second bounds check.
         let hot = &mut hot[..tags.len()];
         // An ended page's place: its link (counted up from the first's), the next state, and no
-        // flag but CHANGED when tracked (pinned and sparse pages are rare; untracked, the flag
-        // is meaningless).
-        let changed = if TRACK { PageTag::CHANGED } else { 0 };
-        let first_place = PageTag::place_of(self.first_link, self.next_state) | changed;
+        // flag (pinned and sparse pages are rare).
+        let first_place = PageTag::place_of(self.first_link, self.next_state);
         let mut rare = 0usize;
+        // Local, so its fields stay in registers; the page marked as the loop reaches it (a
+        // separate pass after the loop cost more time: its chain of ORs overlaps nothing).
+        let mut changed = changed.marking();
         let mut end = |page: PageId, place: u64| {
             // Read before anything is written: a word loaded just after part of it was stored
             // waits for that store to retire.
             let tag = &mut tags[page.0 as usize];
             let (generation, old_place) = (tag.generation(), tag.place());
-            if TRACK && old_place & PageTag::CHANGED == 0 {
-                listing.list_unless(page, false);
+            if TRACK {
+                changed.mark(page);
             }
             if (old_place & (PageTag::SPARSE | PageTag::PINNED) != 0) | (generation >= self.limit) {
                 rare += 1; // left in its old state for the general pass
-                if TRACK {
-                    tag.set_place(old_place | PageTag::CHANGED);
-                }
             } else {
                 // The next generation, nothing written: one store; and one for the place.
                 tag.set_incarnation(PageTag::incarnation_of(generation + 1));
@@ -1039,7 +1049,7 @@ impl Ending {
             end(page, place);
             place += PageTag::NEXT_LINK;
         }
-        (rare, listing.finish())
+        rare
     }
 }
 

@@ -26,6 +26,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (small(), any::<u8>(), any::<u8>()).prop_map(|(req, start, len)| Op::WriteTokens { req, start, len }),
         2 => (small(), any::<u8>(), any::<u8>(), prop::bool::weighted(0.2))
             .prop_map(|(req, tokens, expected, release_midway)| Op::Import { req, tokens, expected, release_midway }),
+        1 => Just(Op::Sync),
     ]
 }
 
@@ -35,6 +36,14 @@ proptest! {
     #[test]
     fn the_table_agrees_with_the_reference_model(ops in prop::collection::vec(op(), 1..200)) {
         model::run(&ops);
+    }
+
+    /// The same with the device mirror syncing only now and then: between two takes pages change
+    /// several times (allocated, written, released), and must be taken once each, with their last
+    /// tags, none lost.
+    #[test]
+    fn a_mirror_syncing_now_and_then_matches_the_table(ops in prop::collection::vec(op(), 1..200)) {
+        model::run_syncing(&ops);
     }
 }
 

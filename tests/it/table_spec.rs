@@ -944,3 +944,81 @@ fn a_prefix_slot_reused_by_a_new_prefix_is_not_the_old_one() {
     assert_eq!((info.owner, info.prefix, info.tenant), (Some(C), Some(KEY), Some(T1)));
     assert_eq!(t.snapshot().prefixes, 1);
 }
+
+/// A mirror kept from the changed device tags alone, in a pool large enough for whole 64-page
+/// words (the take builds those from one slice of tags) beside partial ones (a bit scan), after
+/// several operations between two takes: every page's tag equals the one built from its info,
+/// each listed page once, in page order.
+#[test]
+fn a_large_pools_changed_tags_match_each_pages_info() {
+    use kvguard::cuda::layout::DeviceTag;
+    const N: u32 = 300;
+    let t = OwnershipTable::new(PoolConfig::new(N, PS, 64 * u64::from(PS)).with_reserved([PageId(0)])).unwrap();
+    t.allow_cross_tenant_sharing(T1, true);
+    let mut mirror = vec![DeviceTag::default(); N as usize];
+    let mut upload = Vec::new();
+    let mut sync = |mirror: &mut Vec<DeviceTag>, round: u32| {
+        upload.clear();
+        let n = t.take_changed_tags_into(&mut upload);
+        assert_eq!(n, upload.len());
+        assert!(upload.windows(2).all(|w| w[0].0 < w[1].0), "round {round}: listed twice or out of order");
+        for &(p, tag) in &upload {
+            mirror[p as usize] = tag;
+        }
+        for p in 0..N {
+            let reference = DeviceTag::from_page_info(&t.page_info(PageId(p)).unwrap());
+            assert_eq!(mirror[p as usize], reference, "round {round}: page {p}");
+        }
+    };
+    sync(&mut mirror, 0);
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n.max(1)
+    };
+    // Live requests, their pages, and how many of them they published (shared: not writable).
+    let mut live: Vec<(RequestId, Vec<PageId>, usize)> = Vec::new();
+    for round in 1..60u32 {
+        // Requests admitted before the last take write on (their pages are not all marked).
+        for (req, bt, published) in &live {
+            if next(2) == 0 {
+                let from = *published as u64 * u64::from(PS);
+                t.record_write_tokens(*req, bt, from..bt.len() as u64 * u64::from(PS)).unwrap();
+            }
+        }
+        for i in 0..3u64 {
+            let req = RequestId(u64::from(round) * 10 + i);
+            let tenant = if i == 2 { T2 } else { T1 };
+            if t.admit(req, tenant, 64 * u64::from(PS), 0).is_err() {
+                continue;
+            }
+            let Ok(refs) = t.allocate(req, 1 + next(64) as u32) else {
+                t.release(req).unwrap();
+                continue;
+            };
+            let bt = pages(&refs);
+            let tokens = next(bt.len() as u64 * u64::from(PS) + 1);
+            t.record_write_tokens(req, &bt, 0..tokens).unwrap();
+            let mut published = 0;
+            if next(4) == 0 && tokens >= 2 * u64::from(PS) {
+                let key = PrefixKey(u64::from(round) * 10 + i);
+                t.publish_prefix(req, key, &bt[..2]).unwrap();
+                published = 2;
+                if let Some((other, ..)) = live.last() {
+                    let _ = t.attach_prefix(*other, key); // across tenants too, where granted
+                }
+            }
+            live.push((req, bt, published));
+        }
+        while live.len() > 4 || (!live.is_empty() && next(3) == 0) {
+            let (req, ..) = live.remove(next(live.len() as u64) as usize);
+            t.release(req).unwrap();
+        }
+        if next(3) != 0 {
+            sync(&mut mirror, round);
+        }
+    }
+    sync(&mut mirror, 60);
+}

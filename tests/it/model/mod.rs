@@ -104,6 +104,9 @@ pub enum Op {
         expected: u8,
         release_midway: bool,
     },
+    /// The device mirror takes the changed tags ([`run_syncing`]: only here; [`run`]: after
+    /// every operation anyway).
+    Sync,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -480,6 +483,7 @@ impl Model {
                 }
                 (true, None)
             }
+            Op::Sync => (true, None),
         }
     }
 
@@ -524,9 +528,23 @@ pub fn run(ops: &[Op]) {
     run_with(config(), ops)
 }
 
+/// [`run`] with the device mirror taking the changed tags only at [`Op::Sync`] (and at the end),
+/// so several operations change pages between two takes, as between two engine steps: a page
+/// changed twice must be listed once with its last tag, and none may be lost. The mirror is
+/// compared with every page's info after each take.
+pub fn run_syncing(ops: &[Op]) {
+    run_checked(config(), ops, false)
+}
+
 /// [`run`] against a table built from `config` (which should be [`config()`]; anything else is a
 /// drift the model must catch).
 pub fn run_with(config: PoolConfig, ops: &[Op]) {
+    run_checked(config, ops, true)
+}
+
+/// [`run_with`], the mirror taking the changed tags after every operation (`sync_always`) or
+/// only at [`Op::Sync`] and after the last.
+fn run_checked(config: PoolConfig, ops: &[Op], sync_always: bool) {
     let table = OwnershipTable::new(config).expect("the model's pool passes its audit");
     let mut model = Model::new();
     let mut generations: Vec<u32> = vec![1; PAGES as usize];
@@ -560,7 +578,8 @@ pub fn run_with(config: PoolConfig, ops: &[Op]) {
             (Ok(_), false) => panic!("step {step}: {op:?} succeeded, the model refuses it"),
             (Err(e), true) => panic!("step {step}: {op:?} refused ({e}), the model allows it"),
         }
-        check_invariants(&table, &model, &mut generations, &mut mirror, step);
+        let sync = sync_always || matches!(op, Op::Sync) || step + 1 == ops.len();
+        check_invariants(&table, &model, &mut generations, sync.then_some(&mut mirror), step);
     }
     // Releasing every request and evicting every prefix returns every page.
     for r in 0..REQUESTS {
@@ -619,6 +638,7 @@ fn execute(table: &OwnershipTable, model: &Model, op: &Op) -> Result<Option<Vec<
             table.allow_cross_tenant_sharing(tenant_id(tenant), allow);
             Ok(None)
         }
+        Op::Sync => Ok(None), // the harness takes the changed tags
         Op::WriteTokens { req, start, len } => {
             let bt: Vec<PageId> = model.view(req % REQUESTS).into_iter().map(PageId).collect();
             let start = u64::from(start % 24);
@@ -652,11 +672,27 @@ struct Mirror {
     changed: Vec<(u32, DeviceTag)>,
 }
 
-fn check_invariants(table: &OwnershipTable, model: &Model, generations: &mut [u32], mirror: &mut Mirror, step: usize) {
-    mirror.changed.clear();
-    table.take_changed_tags_into(&mut mirror.changed);
-    for &(p, tag) in &mirror.changed {
-        mirror.tags[p as usize] = tag;
+/// Checks the table against the model; with `mirror`, the mirror first takes the changed tags
+/// and must then hold every page's.
+fn check_invariants(
+    table: &OwnershipTable,
+    model: &Model,
+    generations: &mut [u32],
+    mut mirror: Option<&mut Mirror>,
+    step: usize,
+) {
+    if let Some(mirror) = mirror.as_deref_mut() {
+        mirror.changed.clear();
+        table.take_changed_tags_into(&mut mirror.changed);
+        // Each page once (strictly ascending: the table hands them back in page order).
+        assert!(
+            mirror.changed.windows(2).all(|w| w[0].0 < w[1].0),
+            "step {step}: changed pages listed twice or out of order: {:?}",
+            mirror.changed.iter().map(|(p, _)| p).collect::<Vec<_>>()
+        );
+        for &(p, tag) in &mirror.changed {
+            mirror.tags[p as usize] = tag;
+        }
     }
     let s = table.snapshot();
     assert_eq!(
@@ -676,7 +712,9 @@ fn check_invariants(table: &OwnershipTable, model: &Model, generations: &mut [u3
         };
         assert_eq!(info.state, state, "step {step}: page {p} state");
         // The reference path: a device tag built from the page's info.
-        assert_eq!(mirror.tags[p as usize], DeviceTag::from_page_info(&info), "step {step}: page {p} device tag");
+        if let Some(mirror) = mirror.as_deref() {
+            assert_eq!(mirror.tags[p as usize], DeviceTag::from_page_info(&info), "step {step}: page {p} device tag");
+        }
         if let MState::Owned(r) = m.state {
             assert_eq!(info.owner, Some(req_id(r)), "step {step}: page {p} owner");
         }
