@@ -813,9 +813,9 @@ impl TableState {
         }
     }
 
-    /// Starts tracking changes if nobody did yet: every page then counts as changed (a new
-    /// mirror has none of the tags).
-    /// Counts a take (so no request's pages count as marked any more).
+    /// Counts a take (so no request's pages count as marked any more), first starting to track
+    /// changes if nobody did yet (every page then counts as changed: a new mirror has none of
+    /// the tags).
     fn start_take(&mut self) {
         if !self.tracking_changes {
             self.tracking_changes = true;
