@@ -75,9 +75,7 @@ impl HotWord {
     /// The page is owned or shared (its holder is live).
     #[inline(always)]
     pub fn is_held(self) -> bool {
-        // Owned is 1 and Shared 2: one unsigned compare.
-        let state = (self.0 >> Self::STATE_SHIFT) as u8;
-        state.wrapping_sub(PageState::Owned as u8) <= PageState::Shared as u8 - PageState::Owned as u8
+        PageState::held_bits((self.0 >> Self::STATE_SHIFT) as u8)
     }
     /// Every slot of the page is written.
     #[inline(always)]

@@ -26,6 +26,13 @@ pub enum PageState {
 impl PageState {
     pub(crate) const COUNT: usize = 6;
 
+    /// Whether the state whose discriminant is `bits` has a live holder (owned or shared): one
+    /// unsigned compare, as Owned is 1 and Shared 2.
+    #[inline(always)]
+    pub(crate) fn held_bits(bits: u8) -> bool {
+        bits.wrapping_sub(PageState::Owned as u8) <= PageState::Shared as u8 - PageState::Owned as u8
+    }
+
     /// The state whose discriminant is `bits`; any other value reads as [`Retired`](Self::Retired),
     /// which nobody may use (fail closed). One load from a table, no branch.
     #[inline(always)]

@@ -882,11 +882,9 @@ impl Holders<'_> {
         // with its last incarnation).
         let state = tag.state_bits();
         let (mut owner, mut tenant, mut flags, mut incarnation) = (0, 0, 0, tag.incarnation());
-        const OWNED: u8 = PageState::Owned as u8;
-        const SHARED: u8 = PageState::Shared as u8;
-        if state.wrapping_sub(OWNED) <= SHARED - OWNED {
+        if PageState::held_bits(state) {
             // Held: its holder's, and whole if its FULL bit says so.
-            if state == OWNED {
+            if state == PageState::Owned as u8 {
                 (owner, tenant) = (tag.holder, self.owner_tenant(tag.holder));
             } else {
                 (owner, tenant, flags) = self.prefix(tag.holder);
