@@ -11,7 +11,7 @@
 //! admitted, allocated, written through its slot mapping, read and released).
 
 use kvguard::cuda::layout::DeviceTag;
-use kvguard::{OwnershipTable, PageId, PageRef, PoolConfig, RequestId, SeqRead, TenantId};
+use kvguard::{OwnershipTable, PageId, PoolConfig, RequestId, SeqRead, TenantId};
 use std::hint::black_box;
 
 const PS: u32 = 16;
@@ -67,13 +67,12 @@ fn decode_step(guarded: bool) {
 
 /// One request's life: admitted, given its pages, written, read, released.
 #[inline(always)]
-fn one_request(table: &OwnershipTable, r: u64, refs: &mut Vec<PageRef>, bt: &mut Vec<PageId>, slots: &mut Vec<u64>) {
+fn one_request(table: &OwnershipTable, r: u64, bt: &mut Vec<PageId>, slots: &mut Vec<u64>) {
     let req = RequestId(r);
     table.admit(req, TenantId(r % 4), TOKENS, 0).expect("admit");
-    refs.clear();
-    table.allocate_into(req, PAGES, refs).expect("allocate");
+    // The engine's block table row, filled with the pages' ids (the engine keeps no refs).
     bt.clear();
-    bt.extend(refs.iter().map(|r| r.page));
+    table.allocate_pages_into(req, PAGES, bt).expect("allocate");
     slot_mapping(bt, TOKENS, slots);
     table.record_write_tokens(req, bt, 0..TOKENS).expect("write");
     table.verify_read(req, bt, TOKENS).expect("read");
@@ -82,14 +81,8 @@ fn one_request(table: &OwnershipTable, r: u64, refs: &mut Vec<PageRef>, bt: &mut
 }
 
 #[inline(never)]
-fn measured_lifecycle_guarded(
-    table: &OwnershipTable,
-    r: u64,
-    refs: &mut Vec<PageRef>,
-    bt: &mut Vec<PageId>,
-    slots: &mut Vec<u64>,
-) {
-    one_request(table, r, refs, bt, slots);
+fn measured_lifecycle_guarded(table: &OwnershipTable, r: u64, bt: &mut Vec<PageId>, slots: &mut Vec<u64>) {
+    one_request(table, r, bt, slots);
 }
 
 #[inline(never)]
@@ -108,26 +101,19 @@ fn measured_lifecycle_unguarded(free: &mut Vec<PageId>, bt: &mut Vec<PageId>, sl
 fn measured_lifecycle_guarded_tracked(
     table: &OwnershipTable,
     r: u64,
-    refs: &mut Vec<PageRef>,
     bt: &mut Vec<PageId>,
     slots: &mut Vec<u64>,
     upload: &mut Vec<(u32, DeviceTag)>,
 ) {
-    one_request(table, r, refs, bt, slots);
+    one_request(table, r, bt, slots);
     upload.clear();
     table.take_changed_tags_into(upload);
     black_box(upload);
 }
 
 #[inline(never)]
-fn measured_lifecycle_guarded_tracked_info(
-    table: &OwnershipTable,
-    r: u64,
-    refs: &mut Vec<PageRef>,
-    bt: &mut Vec<PageId>,
-    slots: &mut Vec<u64>,
-) {
-    one_request(table, r, refs, bt, slots);
+fn measured_lifecycle_guarded_tracked_info(table: &OwnershipTable, r: u64, bt: &mut Vec<PageId>, slots: &mut Vec<u64>) {
+    one_request(table, r, bt, slots);
     black_box(table.take_changed_pages());
 }
 
@@ -136,13 +122,13 @@ fn measured_lifecycle_guarded_tracked_info(
 fn lifecycle_tracked(info: bool) {
     let table =
         OwnershipTable::new(PoolConfig::new(2 * PAGES + 1, PS, TOKENS).with_reserved([PageId(0)])).expect("fits");
-    let (mut refs, mut bt, mut slots, mut upload) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut bt, mut slots, mut upload) = (Vec::new(), Vec::new(), Vec::new());
     table.take_changed_tags_into(&mut upload);
     for r in 0..5 {
         if info {
-            measured_lifecycle_guarded_tracked_info(&table, r, &mut refs, &mut bt, &mut slots);
+            measured_lifecycle_guarded_tracked_info(&table, r, &mut bt, &mut slots);
         } else {
-            measured_lifecycle_guarded_tracked(&table, r, &mut refs, &mut bt, &mut slots, &mut upload);
+            measured_lifecycle_guarded_tracked(&table, r, &mut bt, &mut slots, &mut upload);
         }
     }
 }
@@ -150,20 +136,19 @@ fn lifecycle_tracked(info: bool) {
 fn lifecycle(guarded: bool) {
     let table =
         OwnershipTable::new(PoolConfig::new(2 * PAGES + 1, PS, TOKENS).with_reserved([PageId(0)])).expect("fits");
-    let mut refs = Vec::with_capacity(PAGES as usize);
     let mut bt: Vec<PageId> = Vec::with_capacity(PAGES as usize);
     let mut slots = Vec::with_capacity(TOKENS as usize);
     let mut free: Vec<PageId> = (1..=2 * PAGES).rev().map(PageId).collect();
     // A few requests first, so the counted one finds warm spare lists, as in steady state.
     for r in 0..4 {
         if guarded {
-            measured_lifecycle_guarded(&table, r, &mut refs, &mut bt, &mut slots);
+            measured_lifecycle_guarded(&table, r, &mut bt, &mut slots);
         } else {
             measured_lifecycle_unguarded(&mut free, &mut bt, &mut slots);
         }
     }
     if guarded {
-        measured_lifecycle_guarded(&table, 4, &mut refs, &mut bt, &mut slots);
+        measured_lifecycle_guarded(&table, 4, &mut bt, &mut slots);
     } else {
         measured_lifecycle_unguarded(&mut free, &mut bt, &mut slots);
     }

@@ -14,7 +14,7 @@
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use kvguard::cuda::layout::DeviceTag;
-use kvguard::{OwnershipTable, PageId, PageRef, PoolConfig, RequestId, SeqRead, SeqWrite, TenantId};
+use kvguard::{OwnershipTable, PageId, PoolConfig, RequestId, SeqRead, SeqWrite, TenantId};
 use std::hint::black_box;
 
 const PS: u32 = 16;
@@ -119,13 +119,12 @@ const TOKENS: u64 = PAGES as u64 * PS as u64;
 
 /// One request's life in `lifecycle/guarded`: admitted, given its pages, written, read, released.
 #[inline(always)]
-fn one_request(table: &OwnershipTable, r: u64, refs: &mut Vec<PageRef>, bt: &mut Vec<PageId>, slots: &mut Vec<u64>) {
+fn one_request(table: &OwnershipTable, r: u64, bt: &mut Vec<PageId>, slots: &mut Vec<u64>) {
     let req = RequestId(r);
     table.admit(req, TenantId(r % 4), TOKENS, 0).expect("admit");
-    refs.clear();
-    table.allocate_into(req, PAGES, refs).expect("allocate");
+    // The engine's block table row, filled with the pages' ids (the engine keeps no refs).
     bt.clear();
-    bt.extend(refs.iter().map(|r| r.page));
+    table.allocate_pages_into(req, PAGES, bt).expect("allocate");
     slot_mapping(bt, TOKENS, slots);
     table.record_write_tokens(req, bt, 0..TOKENS).expect("write");
     table.verify_read(req, bt, TOKENS).expect("read");
@@ -139,13 +138,12 @@ fn lifecycle(c: &mut Criterion) {
     group.throughput(Throughput::Elements(REQUESTS));
     let table =
         OwnershipTable::new(PoolConfig::new(2 * PAGES + 1, PS, TOKENS).with_reserved([PageId(0)])).expect("fits");
-    let mut refs = Vec::with_capacity(PAGES as usize);
     let mut bt: Vec<PageId> = Vec::with_capacity(PAGES as usize);
     let mut slots = Vec::with_capacity(TOKENS as usize);
     group.bench_function("guarded", |b| {
         b.iter(|| {
             for r in 0..REQUESTS {
-                one_request(&table, r, &mut refs, &mut bt, &mut slots);
+                one_request(&table, r, &mut bt, &mut slots);
             }
         })
     });
@@ -158,7 +156,7 @@ fn lifecycle(c: &mut Criterion) {
     group.bench_function("guarded_tracked", |b| {
         b.iter(|| {
             for r in 0..REQUESTS {
-                one_request(&tracked, r, &mut refs, &mut bt, &mut slots);
+                one_request(&tracked, r, &mut bt, &mut slots);
                 upload.clear();
                 tracked.take_changed_tags_into(&mut upload);
                 black_box(&upload);

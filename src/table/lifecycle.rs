@@ -52,7 +52,12 @@ impl TableState {
         Ok(())
     }
 
-    pub(crate) fn allocate_into(&mut self, req: RequestId, n: u32, out: &mut Vec<PageRef>) -> Result<(), Error> {
+    pub(crate) fn allocate_into<E: BlockEntry>(
+        &mut self,
+        req: RequestId,
+        n: u32,
+        out: &mut Vec<E>,
+    ) -> Result<(), Error> {
         // Disjoint borrows, so the loop keeps its counts in registers.
         let TableState { tags, hot, free, changed, requests, state_counts, tracking_changes, .. } = self;
         let Some(rec) = requests.get_mut(&req) else {
@@ -67,12 +72,12 @@ impl TableState {
         // `out` grown first and filled in step with the pages: no length lives in memory
         // across pages, and no bounds check.
         let out_base = out.len();
-        out.resize(out_base + handed.len(), PageRef { page: PageId(0), generation: Generation(0) });
+        out.resize(out_base + handed.len(), E::entry(PageId(0), Generation(0)));
         let out = &mut out[out_base..];
         if *tracking_changes {
-            give_pages::<true>(tags, hot, handed, out, req, rec, changed);
+            give_pages::<true, E>(tags, hot, handed, out, req, rec, changed);
         } else {
-            give_pages::<false>(tags, hot, handed, out, req, rec, changed);
+            give_pages::<false, E>(tags, hot, handed, out, req, rec, changed);
         }
         rec.pages.extend(handed.iter().rev());
         state_counts[PageState::Free as usize] -= u64::from(n);
@@ -442,14 +447,14 @@ fn write_whole<const TRACK: bool, E: BlockEntry>(
 }
 
 /// [`allocate_into`](TableState::allocate_into)'s loop: the free `pages`, top of the stack
-/// first, made `rec`'s (owned by `req`, linked after its current pages), their refs written to
-/// `out` (as long as `pages`), each marked changed if `TRACK`.
+/// first, made `rec`'s (owned by `req`, linked after its current pages), their refs (or ids)
+/// written to `out` (as long as `pages`), each marked changed if `TRACK`.
 #[inline(never)] // apart, so only the loop's own values compete for registers
-fn give_pages<const TRACK: bool>(
+fn give_pages<const TRACK: bool, E: BlockEntry>(
     tags: &mut [PageTag],
     hot: &mut [HotWord],
     pages: &[PageId],
-    out: &mut [PageRef],
+    out: &mut [E],
     req: RequestId,
     rec: &RequestRecord,
     changed: &mut ChangedPages,
@@ -470,7 +475,7 @@ fn give_pages<const TRACK: bool>(
         let page = pages[n - 1 - k];
         let tag = &mut tags[page.0 as usize];
         debug_assert!(tag.state() == PageState::Free && tag.watermark() == 0 && !tag.sparse() && !tag.pinned());
-        out[k] = PageRef { page, generation: Generation(tag.generation()) };
+        out[k] = E::entry(page, Generation(tag.generation()));
         tag.set_owner(req);
         tag.set_place(place);
         place += PageTag::NEXT_LINK;

@@ -17,6 +17,8 @@ use std::sync::atomic::AtomicBool;
 pub(crate) trait BlockEntry: Copy {
     fn page(self) -> PageId;
     fn generation(self) -> Option<Generation>;
+    /// The entry naming `page` in its incarnation `generation` (a page id drops it).
+    fn entry(page: PageId, generation: Generation) -> Self;
 }
 
 impl BlockEntry for PageId {
@@ -28,6 +30,10 @@ impl BlockEntry for PageId {
     fn generation(self) -> Option<Generation> {
         None
     }
+    #[inline(always)]
+    fn entry(page: PageId, _: Generation) -> Self {
+        page
+    }
 }
 
 impl BlockEntry for PageRef {
@@ -38,6 +44,10 @@ impl BlockEntry for PageRef {
     #[inline(always)]
     fn generation(self) -> Option<Generation> {
         Some(self.generation)
+    }
+    #[inline(always)]
+    fn entry(page: PageId, generation: Generation) -> Self {
+        PageRef { page, generation }
     }
 }
 

@@ -15,7 +15,18 @@ impl TableState {
         block_table: &[E],
         tokens: u64,
     ) -> Result<(), Violation> {
-        let (rec, full) = self.read_start(req, block_table.len(), tokens)?;
+        self.check_read_of(self.requests.get(&req), req, block_table, tokens)
+    }
+
+    /// [`check_read`](Self::check_read) with `req`'s record already looked up (`None`: unknown).
+    pub(crate) fn check_read_of<E: BlockEntry>(
+        &self,
+        rec: Option<&RequestRecord>,
+        req: RequestId,
+        block_table: &[E],
+        tokens: u64,
+    ) -> Result<(), Violation> {
+        let (rec, full) = self.read_start(rec, req, block_table.len(), tokens)?;
         // Full pages come in runs of one holder: the request's own pages, a prefix's pages. A
         // run is checked by `hot_run`, which compares each page's hot word with the word of the
         // run's first page; the page that ends a run gets the full check, and if it passes, its
@@ -58,8 +69,14 @@ impl TableState {
     /// What every read checks first: `req` is live and not quarantined, and a block table of
     /// `entries` entries covers `tokens`. Its record, and how many of the entries are whole pages.
     #[inline(always)]
-    fn read_start(&self, req: RequestId, entries: usize, tokens: u64) -> Result<(&RequestRecord, usize), Violation> {
-        let Some(rec) = self.requests.get(&req) else {
+    fn read_start<'a>(
+        &self,
+        rec: Option<&'a RequestRecord>,
+        req: RequestId,
+        entries: usize,
+        tokens: u64,
+    ) -> Result<(&'a RequestRecord, usize), Violation> {
+        let Some(rec) = rec else {
             return Err(Violation::new(ViolationKind::UnknownRequest, Op::Read).with_request(req, None));
         };
         if rec.quarantined.load(Ordering::Relaxed) {
@@ -172,7 +189,7 @@ impl TableState {
         block_table: &[E],
         tokens: u64,
     ) -> Result<(), Violation> {
-        let (rec, full) = self.read_start(req, block_table.len(), tokens)?;
+        let (rec, full) = self.read_start(self.requests.get(&req), req, block_table.len(), tokens)?;
         for (i, &entry) in block_table[..full].iter().enumerate() {
             self.check_entry(rec, req, i, entry, self.page_size)?;
         }

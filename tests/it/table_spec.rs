@@ -104,6 +104,32 @@ fn allocation_never_hands_out_a_reserved_page_and_fails_whole_when_short() {
 }
 
 #[test]
+fn allocating_into_page_ids_gives_the_same_pages_and_errors_as_refs() {
+    // Two tables, the same requests: one handed refs, the other page ids appended to a row.
+    let (by_ref, by_id) = (table(), table());
+    for t in [&by_ref, &by_id] {
+        t.admit(A, T1, 128, 0).unwrap();
+        t.admit(B, T1, 128, 0).unwrap();
+    }
+    let refs = by_ref.allocate(A, 5).unwrap();
+    let mut row = vec![PageId(7)]; // appended after what the row holds
+    by_id.allocate_pages_into(A, 5, &mut row).unwrap();
+    assert_eq!(row[0], PageId(7));
+    assert_eq!(row[1..], pages(&refs)[..]);
+    for r in &refs {
+        let info = by_id.page_info(r.page).unwrap();
+        assert_eq!((info.state, info.owner, info.generation), (PageState::Owned, Some(A), r.generation));
+    }
+    // The pages are A's in both: written and read through the row alike.
+    by_id.record_write_tokens(A, &row[1..], 0..80).unwrap();
+    by_id.verify_read(A, &row[1..], 80).unwrap();
+    // Refused alike: an unknown request, and more pages than are free (nothing taken).
+    assert_eq!(kind(by_ref.allocate(C, 1)), kind(by_id.allocate_pages_into(C, 1, &mut row)));
+    assert!(matches!(by_id.allocate_pages_into(B, 11, &mut row), Err(Error::OutOfPages { requested: 11, free: 10 })));
+    assert_eq!((row.len(), by_id.snapshot().free), (6, 10), "a failed allocation appends and takes nothing");
+}
+
+#[test]
 fn shadow_claims_refuse_pages_that_are_not_free_all_or_nothing() {
     let t = table();
     t.admit(A, T1, 64, 0).unwrap();
