@@ -168,7 +168,7 @@ impl TableState {
         tokens: Range<u64>,
     ) -> Result<(), Error> {
         let rec = self.record(op, req)?;
-        let (slot, marked) = (rec.slot, rec.pages_marked == self.takes);
+        let (slot, marked) = (rec.slot, rec.pages_all_marked(self.takes));
         let blocks = self.token_blocks(op, req, block_table.len(), &tokens)?;
         if blocks.is_empty() {
             return Ok(());
@@ -225,7 +225,7 @@ impl TableState {
             return Err(self.unknown_request(Op::Release, req));
         };
         let mut released = Released::default();
-        let marked = rec.pages_marked == self.takes;
+        let marked = rec.pages_all_marked(self.takes);
         self.end_incarnations(&rec.pages, PageState::Owned, marked, &mut released);
         for slot in rec.prefixes.iter() {
             self.drop_hold(slot, &mut released);
@@ -253,7 +253,7 @@ impl TableState {
         let rec = self.requests.get_mut(&req).expect("checked above");
         let pages = std::mem::take(&mut rec.pages);
         let prefixes = std::mem::take(&mut rec.prefixes);
-        let marked = rec.pages_marked == self.takes;
+        let marked = rec.pages_all_marked(self.takes);
         let mut released = Released::default();
         self.end_incarnations(&pages, PageState::Owned, marked, &mut released);
         for slot in prefixes.iter() {
@@ -263,7 +263,7 @@ impl TableState {
     }
 
     pub(crate) fn release_pages(&mut self, req: RequestId, pages: &[PageId]) -> Result<Released, Error> {
-        let marked = self.record(Op::Release, req)?.pages_marked == self.takes;
+        let marked = self.record(Op::Release, req)?.pages_all_marked(self.takes);
         for &page in pages {
             self.check_owned_by(Op::Release, req, page)?;
         }

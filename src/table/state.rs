@@ -280,6 +280,15 @@ pub(crate) struct RequestRecord {
     pub pages_marked: u64,
 }
 
+impl RequestRecord {
+    /// Every page of this request is marked changed since the last take, whose number is
+    /// `takes` ([`TableState::takes`]): a batch loop over its pages need not mark them again.
+    #[inline(always)]
+    pub fn pages_all_marked(&self, takes: u64) -> bool {
+        self.pages_marked == takes
+    }
+}
+
 /// The prefixes one request holds, in the order it took them: a short list scanned in place,
 /// and past [`HeldPrefixes::INLINE`] a list with a hash index beside it, so the membership test,
 /// adding a hold and dropping one stay O(1) however many prefixes (one per cached block, in
