@@ -12,8 +12,14 @@
 
 kvguard_nixl_setup() {
   local venv site libs
-  if ! { [ -e /usr/lib/llvm-14/lib/libclang.so ] || ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 \
-      || ls /usr/lib/x86_64-linux-gnu/libclang*.so* >/dev/null 2>&1; }; then
+  # libclang itself (libclang.so*, libclang-N.so*), not libclang-cpp.so, which LLVM's own
+  # packages install and bindgen cannot use.
+  local lib found=""
+  for lib in /usr/lib/llvm-*/lib/libclang.so* /usr/lib/*-linux-gnu/libclang.so* \
+      /usr/lib/*-linux-gnu/libclang-[0-9]*.so*; do
+    if [ -e "$lib" ]; then found=$lib; break; fi
+  done
+  if [ -z "$found" ]; then
     echo "nixl.sh: installing libclang-dev (nixl-sys generates its bindings with bindgen)"
     local sudo=""
     [ "$(id -u)" -ne 0 ] && sudo="sudo"
