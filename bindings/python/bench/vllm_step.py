@@ -21,10 +21,21 @@ the same steps: the worker check (around ``worker_step``) and the scheduler-side
 (``time.perf_counter_ns`` around each of its calls: block-list appends, newly cacheable blocks,
 frees, the step's event hand-off; the wrapper frames around them, about 25 plain calls a step, are
 not in it). That in-process figure over the same process's vLLM step (its step minus the
-recorder) is the one to read; the two-process line is there to check it. Each round prints its
-figures; the last lines give min / median / max of both ratios over the rounds.
+recorder) is kvguard's own work; it does not see what the hooks cost vLLM's own code around
+them. Each round prints its figures; the last lines give min / median / max of both ratios over
+the rounds.
+
+``--same-process`` measures the whole cost directly: each round a fresh child builds a guarded
+and an unguarded engine side by side in one process, the hooks installed for both (the
+unguarded engine's manager gets no recorder and it runs no worker check, so it pays only the
+wrapper frames' early returns), nothing inside kvguard timed; their steps interleave, the order
+flipped every step, and each round reads the median over step pairs of (guarded step + check -
+unguarded step) / unguarded step. Which engine is built first alternates by round (the first
+one built runs slower here). ``--same-process --control`` puts a second unguarded engine in the
+guarded one's place: what the method reads when there is nothing to find.
 
     VLLM_TARGET_DEVICE=cpu python bindings/python/bench/vllm_step.py [--requests 256] [--steps 200] [--rounds 3] [--clock cpu|wall]
+    VLLM_TARGET_DEVICE=cpu python bindings/python/bench/vllm_step.py --same-process [--control] [--rounds 6]
 """
 
 from __future__ import annotations
@@ -54,7 +65,7 @@ def clock() -> float:
 CLOCK_GAPS: list[float] = []
 
 
-def make_engine(guarded: bool):  # noqa: ANN201 (the harness engine class is imported late)
+def make_engine(guarded: bool, time_calls: bool = True):  # noqa: ANN201 (the harness engine class is imported late)
     import numpy as np
     from engine import Engine, EngineConfig
 
@@ -105,7 +116,8 @@ def make_engine(guarded: bool):  # noqa: ANN201 (the harness engine class is imp
         from kvguard.vllm import hooks
 
         kvguard.vllm.install("enforce")
-        time_recorder()
+        if time_calls:
+            time_recorder()
     cfg = EngineConfig(num_blocks=256 * 8 + 64, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=2048)
     e = TimedEngine(cfg, guarded=guarded)
     rng = random.Random(0)
@@ -159,6 +171,80 @@ def time_recorder() -> None:
         whole.append((time.perf_counter_ns() - t) / 200)
         inside.append(RECORDER[0] / 200)
     TIMER_NS[:] = [statistics.median(inside), statistics.median(whole)]
+
+
+def serve_pair(guarded_first: bool) -> None:
+    """A child of ``--same-process``: a guarded and an unguarded engine in this one process, the
+    hooks installed for both (the unguarded engine's manager has no recorder, and it runs no
+    worker check), nothing timed inside kvguard; their decode steps interleaved, the order
+    flipped every step. Prints one line: medians of the plain engine's vLLM step, the guarded
+    engine's (recorder included), its worker check, and of each step pair's cost (guarded step +
+    check - plain step) over the plain step."""
+    global hooks
+    import kvguard.vllm
+    from kvguard.vllm import hooks as h
+
+    hooks = h
+    out = sys.__stdout__
+    sys.stdout = sys.stderr
+    kvguard.vllm.install("enforce")
+
+    def plain_engine():  # noqa: ANN202
+        e = make_engine(False)
+        e.scheduler.kv_cache_manager._kvguard_recorder = None  # the hooks pass it by
+        return e
+
+    def guarded_engine():  # noqa: ANN202
+        # --control: a second unguarded engine in its place (what the method reads for nothing)
+        return plain_engine() if args.control else make_engine(True, time_calls=False)
+
+    if guarded_first:
+        g = guarded_engine()
+        p = plain_engine()
+    else:
+        p = plain_engine()
+        g = guarded_engine()
+    while not (p.timed_step()[3] & g.timed_step()[3]):
+        pass
+    plain, guarded, check, ratio = [], [], [], []
+    for i in range(args.steps):
+        if i % 2:
+            a, b = p.timed_step(), g.timed_step()
+        else:
+            b, a = g.timed_step(), p.timed_step()
+        plain.append(a[0])
+        guarded.append(b[0])
+        check.append(b[1])
+        ratio.append((b[0] + b[1] - a[0]) / a[0])
+    med = statistics.median
+    out.write(f"{med(plain)!r} {med(guarded)!r} {med(check)!r} {100 * med(ratio)!r}\n")
+    out.flush()
+
+
+def same_process() -> None:
+    """``--same-process``: each round a fresh child holding both engines (which one is built
+    first alternates by round)."""
+    results = []
+    for r in range(args.rounds):
+        cmd = [sys.executable, __file__, "--serve", "pair", "--requests", str(args.requests), "--clock", args.clock]
+        cmd += ["--steps", str(args.steps), "--guarded-first" if r % 2 == 0 else "--plain-first"]
+        cmd += ["--control"] if args.control else []
+        env = {**os.environ, "PYTHONHASHSEED": "0"}
+        reply = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False).stdout.split()
+        if len(reply) != 4:
+            raise RuntimeError("the bench child died; run it with --serve pair to see why")
+        plain, guarded, check, ratio = (float(x) for x in reply)
+        results.append(ratio)
+        print(
+            f"round {r}: vLLM step {plain * 1e6:.1f} us unguarded, {guarded * 1e6:.1f} us guarded (recorder included),"
+            f" worker check {check * 1e6:.1f} us: kvguard costs {ratio:.2f} % of the unguarded step"
+            f" (median of {args.steps} step pairs; {'guarded' if r % 2 == 0 else 'unguarded'} engine built first)",
+            flush=True,
+        )
+    print(
+        f"kvguard cost / vLLM step over {args.rounds} rounds, same process: min {min(results):.2f} %, "
+        f"median {statistics.median(results):.2f} %, max {max(results):.2f} %"
+    )
 
 
 def serve(role: str) -> None:
@@ -282,7 +368,15 @@ parser.add_argument("--requests", type=int, default=256)
 parser.add_argument("--steps", type=int, default=200)
 parser.add_argument("--rounds", type=int, default=3)
 parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
-parser.add_argument("--serve", choices=["plain", "guarded"], help=argparse.SUPPRESS)
+parser.add_argument(
+    "--same-process", action="store_true", help="both engines in one process, the hooks installed for both (below)"
+)
+parser.add_argument(
+    "--control", action="store_true", help="with --same-process: two unguarded engines (the method's own reading)"
+)
+parser.add_argument("--serve", choices=["plain", "guarded", "pair"], help=argparse.SUPPRESS)
+parser.add_argument("--guarded-first", dest="guarded_first", action="store_true", help=argparse.SUPPRESS)
+parser.add_argument("--plain-first", dest="guarded_first", action="store_false", help=argparse.SUPPRESS)
 args = parser.parse_args()
 if args.requests < 1 or args.rounds < 1 or args.steps < 1:
     parser.error("--requests, --steps and --rounds must be at least 1")
@@ -290,7 +384,11 @@ _clock = time.thread_time if args.clock == "cpu" else time.perf_counter
 hooks = None
 
 if __name__ == "__main__":
-    if args.serve:
+    if args.serve == "pair":
+        serve_pair(args.guarded_first)
+    elif args.serve:
         serve(args.serve)
+    elif args.same_process:
+        same_process()
     else:
         main()
