@@ -173,6 +173,25 @@ def time_recorder() -> None:
     TIMER_NS[:] = [statistics.median(inside), statistics.median(whole)]
 
 
+def interleaved(plain_step, guarded_step):  # noqa: ANN001, ANN201
+    """Steps two engines through prefill untimed, then ``--steps`` decode steps with the order
+    flipped every step (both take the same steps: kvguard changes nothing in a clean run);
+    returns each decode step's pair of results (plain's, guarded's). A step's result says at
+    index 3 whether it was a full decode step."""
+    while not (plain_step()[3] & guarded_step()[3]):
+        pass
+    pairs = []
+    for i in range(args.steps):
+        if i % 2:
+            p = plain_step()
+            g = guarded_step()
+        else:
+            g = guarded_step()
+            p = plain_step()
+        pairs.append((p, g))
+    return pairs
+
+
 def serve_pair(guarded_first: bool) -> None:
     """A child of ``--same-process``: a guarded and an unguarded engine in this one process, the
     hooks installed for both (the unguarded engine's manager has no recorder, and it runs no
@@ -204,14 +223,8 @@ def serve_pair(guarded_first: bool) -> None:
     else:
         p = plain_engine()
         g = guarded_engine()
-    while not (p.timed_step()[3] & g.timed_step()[3]):
-        pass
     plain, guarded, check, ratio = [], [], [], []
-    for i in range(args.steps):
-        if i % 2:
-            a, b = p.timed_step(), g.timed_step()
-        else:
-            b, a = g.timed_step(), p.timed_step()
+    for a, b in interleaved(p.timed_step, g.timed_step):
         plain.append(a[0])
         guarded.append(b[0])
         check.append(b[1])
@@ -305,16 +318,8 @@ def one_round(plain: Child, guarded: Child) -> tuple[float, float]:
     in-process ratio and the two-process ratio (per cent of vLLM's step)."""
     plain.ask("new")
     timer_in, timer_all = (float(x) for x in guarded.ask("new").split())
-    # Prefill, then time decode steps only (both engines take the same steps: kvguard changes
-    # nothing in a clean run).
-    while not (plain.step()[3] & guarded.step()[3]):
-        pass
     t_plain, t_guarded, t_check, t_rec = [], [], [], []
-    for i in range(args.steps):
-        if i % 2:
-            p, g = plain.step(), guarded.step()
-        else:
-            g, p = guarded.step(), plain.step()
+    for p, g in interleaved(plain.step, guarded.step):
         t_plain.append(p[0])
         t_guarded.append(g[0])
         t_check.append(g[1])
