@@ -385,6 +385,8 @@ parser.add_argument("--plain-first", dest="guarded_first", action="store_false",
 args = parser.parse_args()
 if args.requests < 1 or args.rounds < 1 or args.steps < 1:
     parser.error("--requests, --steps and --rounds must be at least 1")
+if args.control and not args.same_process and args.serve != "pair":
+    parser.error("--control goes with --same-process")
 _clock = time.thread_time if args.clock == "cpu" else time.perf_counter
 hooks = None
 
