@@ -14,14 +14,11 @@ use kvguard::cuda::layout::DeviceTag;
 use kvguard::{OwnershipTable, PageId, PoolConfig, RequestId, SeqRead, TenantId};
 use std::hint::black_box;
 
-const PS: u32 = 16;
-const TOKENS: u64 = 4096;
-const PAGES: u32 = (TOKENS / PS as u64) as u32;
-const SEQS: u32 = 256;
+#[path = "common/lifecycle.rs"]
+mod common_lifecycle;
+use common_lifecycle::{PAGES, PS, TOKENS, walk};
 
-fn walk(block_table: &[PageId]) -> u64 {
-    block_table.iter().map(|p| u64::from(p.0) * u64::from(PS)).fold(0, u64::wrapping_add)
-}
+const SEQS: u32 = 256;
 
 /// Out of line, so guarded and unguarded run the same machine code for the engine's own work, as
 /// in `benches/ownership.rs`: inlined into the unguarded lifecycle, which has just pushed 256
@@ -68,16 +65,7 @@ fn decode_step(guarded: bool) {
 /// One request's life: admitted, given its pages, written, read, released.
 #[inline(always)]
 fn one_request(table: &OwnershipTable, r: u64, bt: &mut Vec<PageId>, slots: &mut Vec<u64>) {
-    let req = RequestId(r);
-    table.admit(req, TenantId(r % 4), TOKENS, 0).expect("admit");
-    // The engine's block table row, filled with the pages' ids (the engine keeps no refs).
-    bt.clear();
-    table.allocate_pages_into(req, PAGES, bt).expect("allocate");
-    slot_mapping(bt, TOKENS, slots);
-    table.record_write_tokens(req, bt, 0..TOKENS).expect("write");
-    table.verify_read(req, bt, TOKENS).expect("read");
-    black_box(walk(bt));
-    black_box(table.release(req).expect("release"));
+    common_lifecycle::one_request(table, r, bt, slots, slot_mapping);
 }
 
 #[inline(never)]

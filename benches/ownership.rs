@@ -17,12 +17,9 @@ use kvguard::cuda::layout::DeviceTag;
 use kvguard::{OwnershipTable, PageId, PoolConfig, RequestId, SeqRead, SeqWrite, TenantId};
 use std::hint::black_box;
 
-const PS: u32 = 16;
-
-/// What an engine does per page when reading without kvguard: address math over the block table.
-fn walk(block_table: &[PageId]) -> u64 {
-    block_table.iter().map(|p| u64::from(p.0) * u64::from(PS)).fold(0, u64::wrapping_add)
-}
+#[path = "common/lifecycle.rs"]
+mod common_lifecycle;
+use common_lifecycle::{PAGES, PS, TOKENS, walk};
 
 /// What an engine does to store a request's KV: a slot mapping from tokens to cache slots.
 fn slot_mapping(block_table: &[PageId], tokens: u64, out: &mut Vec<u64>) {
@@ -114,22 +111,10 @@ fn decode_step_writes(c: &mut Criterion) {
     group.finish();
 }
 
-const PAGES: u32 = 256;
-const TOKENS: u64 = PAGES as u64 * PS as u64;
-
 /// One request's life in `lifecycle/guarded`: admitted, given its pages, written, read, released.
 #[inline(always)]
 fn one_request(table: &OwnershipTable, r: u64, bt: &mut Vec<PageId>, slots: &mut Vec<u64>) {
-    let req = RequestId(r);
-    table.admit(req, TenantId(r % 4), TOKENS, 0).expect("admit");
-    // The engine's block table row, filled with the pages' ids (the engine keeps no refs).
-    bt.clear();
-    table.allocate_pages_into(req, PAGES, bt).expect("allocate");
-    slot_mapping(bt, TOKENS, slots);
-    table.record_write_tokens(req, bt, 0..TOKENS).expect("write");
-    table.verify_read(req, bt, TOKENS).expect("read");
-    black_box(walk(bt));
-    black_box(table.release(req).expect("release"));
+    common_lifecycle::one_request(table, r, bt, slots, slot_mapping);
 }
 
 fn lifecycle(c: &mut Criterion) {
