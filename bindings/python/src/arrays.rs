@@ -7,7 +7,7 @@
 //! during the check, as numpy does for its own loops).
 
 use kvguard::PageId;
-use pyo3::buffer::PyUntypedBuffer;
+use pyo3::buffer::{PyBuffer, PyUntypedBuffer};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
@@ -357,4 +357,63 @@ fn non_negative<T: Copy + Into<i64>>(values: &[T], name: &str) -> PyResult<Vec<u
         return Err(PyValueError::new_err(format!("{name}[{i}] is {v}: must be >= 0")));
     }
     Ok(values.iter().map(|&v| v.into() as u64).collect())
+}
+
+/// A 1-D int64 array the binding writes in place: an engine plugin's own bookkeeping
+/// (kvguard.sglang's page owners and checked row lengths), updated in the same call that judged
+/// the step instead of by numpy afterwards. It must be writable and C-contiguous.
+#[derive(Debug)]
+pub struct I64Mut {
+    /// Keeps the exported memory alive (released on drop, with the GIL).
+    buf: PyBuffer<i64>,
+    len: usize,
+}
+
+impl I64Mut {
+    /// Views `obj` for writing; `name` names the argument in errors.
+    pub fn open(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<I64Mut> {
+        let wrong = || {
+            PyTypeError::new_err(format!(
+                "{name} must be a writable, contiguous 1-D int64 array (numpy), got {}",
+                type_name(obj)
+            ))
+        };
+        let buf = PyBuffer::<i64>::get(obj).map_err(|_| wrong())?;
+        if buf.readonly() || !buf.is_c_contiguous() || buf.dimensions() != 1 {
+            return Err(wrong());
+        }
+        let len = buf.item_count();
+        Ok(I64Mut { buf, len })
+    }
+
+    /// Its length.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn at(&self, i: usize) -> *mut i64 {
+        assert!(i < self.len, "index within the array");
+        self.buf.buf_ptr().cast::<i64>().wrapping_add(i)
+    }
+
+    /// Entry `i` (`i < len()`, asserted: a violation is a bug of this crate, caught by PyO3).
+    pub fn get(&self, i: usize) -> i64 {
+        // SAFETY: `i < len` (asserted in `at`): an element of the exported buffer, C-contiguous
+        // int64 aligned for i64 (PyBuffer::<i64>::get checked format, size and alignment), alive
+        // while `buf` is. The binding reads and writes it only with the GIL held (never inside
+        // `py.detach`), so no Python code runs meanwhile, and no Rust reference to it exists
+        // (every access is one of these raw reads and writes).
+        unsafe { self.at(i).read() }
+    }
+
+    /// Sets entry `i` to `v` (`i < len()`, asserted).
+    pub fn set(&self, i: usize, v: i64) {
+        // SAFETY: as in `get`; the buffer is not read-only (checked in `open`).
+        unsafe { self.at(i).write(v) }
+    }
 }

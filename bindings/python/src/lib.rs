@@ -11,6 +11,7 @@
 //! | [`errors`] | the exception hierarchy, and violations sent to Python's `logging` |
 //! | [`values`] | the plain values: pool config, page refs, infos, snapshot, violations |
 //! | [`table`] | `OwnershipTable`, the one-call-per-step entry points and their verdict |
+//! | [`mirror`] | an engine plugin's mirror of its pool (kvguard.sglang's arrays) and a decode step judged against it |
 //! | [`import`] | `ImportTicket`: a KV transfer in flight, its pages pinned until it ends |
 //! | [`transfer`] | manifests and the receiver |
 //! | [`trace`] | the trace recorder and replayer |
@@ -29,6 +30,7 @@ pub mod device;
 pub mod errors;
 pub mod events;
 pub mod import;
+pub mod mirror;
 pub mod names;
 #[cfg(feature = "nixl")]
 pub mod nixl;

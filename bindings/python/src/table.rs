@@ -4,9 +4,10 @@
 //! names lock (request and tenant strings) is taken for the conversion only, never across the
 //! core call or while Python code may run.
 
-use crate::arrays::{IntArray, Ints};
+use crate::arrays::{I64Mut, IntArray, Ints};
 use crate::errors::{self, log_violation};
 use crate::import::ImportTicket;
+use crate::mirror;
 use crate::names::{self, Names, Resolved, StepIds};
 use crate::values::{PageInfo, PageRef, PoolConfig, PoolSnapshot, Released, RequestInfo, Violation};
 use kvguard::{PageId, PrefixKey, RequestId, SeqClaim, SeqRead, SeqWrite};
@@ -137,6 +138,41 @@ fn step_writes<'a, T: Copy + Into<i64>>(
         .collect())
 }
 
+/// The pages each row reads, converted into one buffer: row `rows[i]` of `t` for `lens[i]`
+/// tokens, from token `from[i]` on (its page; 0 without `from`), entries of token slots when
+/// `token_slots` (every `page_size`-th entry divided by it) or page ids. Returns the pages and
+/// each row's span of them; `lens[i]` becomes the tokens of the window read as its own block
+/// table (its tokens start at its first page). A negative or too-large entry becomes a page
+/// beyond any pool (refused as page_out_of_range).
+fn window_pages(
+    t: &IntArray<'_>,
+    rows: &[u64],
+    lens: &mut [u64],
+    from: Option<&[u64]>,
+    page_size: u32,
+    token_slots: bool,
+) -> (Vec<PageId>, Vec<std::ops::Range<usize>>) {
+    let ps = u64::from(page_size);
+    let stride = if token_slots { ps as usize } else { 1 };
+    let width = t.width().div_ceil(stride);
+    let mut converted = Vec::new();
+    let mut spans = Vec::with_capacity(rows.len());
+    for (i, &row) in rows.iter().enumerate() {
+        let seq = lens[i];
+        let first = from.map_or(0, |f| usize::try_from(f[i].min(seq) / ps).unwrap_or(usize::MAX));
+        let end = usize::try_from(seq.div_ceil(ps)).unwrap_or(usize::MAX).min(width).max(first);
+        let start = converted.len();
+        converted.extend((first..end).map(|j| {
+            let v = t.get(row as usize, j * stride);
+            let page = if v < 0 { -1 } else { v / stride as i64 };
+            PageId(u32::try_from(page).unwrap_or(u32::MAX))
+        }));
+        spans.push(start..converted.len());
+        lens[i] = seq - first as u64 * ps;
+    }
+    (converted, spans)
+}
+
 /// A prefix key: an int in `0..2**64` (the engine's block hash, radix node id, ...).
 fn prefix_key(key: u64) -> PrefixKey {
     PrefixKey(key)
@@ -229,6 +265,24 @@ impl OwnershipTable {
         Ok(a.counts(a.len(), "req_ids")?.into_iter().map(RequestId).collect())
     }
 
+    /// A decode step's claims in one claim_step (judged, the GIL released): the verdict, and
+    /// whether each claim was granted. No claims: a clean verdict, no call into the table.
+    fn decode_claims(&self, py: Python<'_>, claims: &[mirror::DecodeClaim]) -> (kvguard::StepVerdict, Vec<bool>) {
+        if claims.is_empty() {
+            return (kvguard::StepVerdict::default(), Vec::new());
+        }
+        let pages: Vec<PageId> = claims.iter().map(|c| c.page).collect();
+        let step: Vec<SeqClaim<'_>> =
+            claims.iter().enumerate().map(|(k, c)| SeqClaim { request: c.request, pages: &pages[k..=k] }).collect();
+        let table = &self.table;
+        let v = py.detach(|| table.claim_step(&step));
+        let mut ok = vec![true; claims.len()];
+        for (k, _) in &v.refused {
+            ok[*k] = false;
+        }
+        (v, ok)
+    }
+
     /// Converts a step verdict; `judged`: its violations are logged.
     fn verdict(&self, py: Python<'_>, v: kvguard::StepVerdict, rows: usize, judged: bool) -> PyResult<StepVerdict> {
         let resolved: Vec<(usize, kvguard::Violation, Resolved)> = {
@@ -305,30 +359,17 @@ impl OwnershipTable {
             Some(f) => Some(IntArray::open(f, "from_tokens", 1)?.counts(n, "from_tokens")?),
             None => None,
         };
-        let ps = u64::from(self.table.page_size());
-        let stride = if token_slots { ps as usize } else { 1 };
-        let width = t.width().div_ceil(stride);
         // int32 page rows are borrowed as they are; token-slot rows (page size > 1), int64 rows
         // and windows are converted, the entries each request reads only, into one buffer.
-        let direct = n > 0 && from.is_none() && stride == 1 && t.row_pages(rows[0] as usize).is_some();
-        let mut converted = Vec::new();
-        let mut spans = Vec::new();
-        if !direct {
-            for i in 0..n {
-                let (row, seq) = (rows[i] as usize, lens[i]);
-                let first = from.as_ref().map_or(0, |f| usize::try_from(f[i].min(seq) / ps).unwrap_or(usize::MAX));
-                let end = usize::try_from(seq.div_ceil(ps)).unwrap_or(usize::MAX).min(width).max(first);
-                let start = converted.len();
-                converted.extend((first..end).map(|j| {
-                    let v = t.get(row, j * stride);
-                    let page = if v < 0 { -1 } else { v / stride as i64 };
-                    PageId(u32::try_from(page).unwrap_or(u32::MAX))
-                }));
-                spans.push(start..converted.len());
-                // The window is read as its own block table: its tokens start at its first page.
-                lens[i] = seq - first as u64 * ps;
-            }
-        }
+        let direct = n > 0
+            && from.is_none()
+            && (!token_slots || self.table.page_size() == 1)
+            && t.row_pages(rows[0] as usize).is_some();
+        let (converted, spans) = if direct {
+            (Vec::new(), Vec::new())
+        } else {
+            window_pages(&t, &rows, &mut lens, from.as_deref(), self.table.page_size(), token_slots)
+        };
         let reads: Vec<SeqRead<'_>> = (0..n)
             .map(|i| SeqRead {
                 request: requests[i],
@@ -1179,73 +1220,156 @@ impl OwnershipTable {
     ) -> PyResult<(StepVerdict, Vec<usize>, Py<PyAny>)> {
         let keys = IntArray::open(row_keys, "row_keys", 1)?;
         let claimants = IntArray::open(row_claimants, "row_claimants", 1)?;
-        if claimants.len() != keys.len() {
-            return Err(PyValueError::new_err(format!(
-                "row_claimants has {} entries, row_keys {}",
-                claimants.len(),
-                keys.len()
-            )));
-        }
+        mirror::check_rows("row_claimants", claimants.len(), keys.len())?;
         let prefix = IntArray::open(page_prefix, "page_prefix", 1)?;
         let owner = IntArray::open(page_owner, "page_owner", 1)?;
-        if owner.is_empty() || prefix.len() != owner.len() {
-            return Err(PyValueError::new_err(format!(
-                "page_owner ({}) and page_prefix ({}) must have one entry per page and one more",
-                owner.len(),
-                prefix.len()
-            )));
-        }
-        let rows = IntArray::open(rows, "rows", 1)?;
-        let n = rows.len();
+        mirror::check_pages(owner.len(), prefix.len())?;
+        let rows = mirror::step_rows(&IntArray::open(rows, "rows", 1)?, keys.len())?;
         let slots = IntArray::open(slots, "slots", 1)?;
-        if slots.len() < n {
-            return Err(PyValueError::new_err(format!("slots has {} entries, {n} needed", slots.len())));
-        }
-        let rows = rows.counts(n, "rows")?;
-        if let Some((i, r)) = rows.iter().enumerate().find(|(_, r)| **r >= keys.len() as u64) {
-            return Err(PyValueError::new_err(format!("rows[{i}] is {r}: row_keys has {} rows", keys.len())));
-        }
-        let ps = i64::from(self.table.page_size());
-        let never = owner.len() - 1;
-        let mut claims: Vec<(RequestId, PageId, usize)> = Vec::new();
-        let mut left = Vec::new();
-        for (i, &row) in rows.iter().enumerate() {
-            let key = keys.get(row as usize, 0);
-            let page = slots.get(i, 0).div_euclid(ps);
-            let at = usize::try_from(page).ok().filter(|&p| p < never).unwrap_or(never);
-            if owner.get(at, 0) == key {
-                continue;
-            }
-            if claimants.get(row as usize, 0) == 0 || prefix.get(at, 0) != 0 {
-                left.push(i);
-                continue;
-            }
-            let id = PageId(u32::try_from(page).unwrap_or(u32::MAX));
-            claims.push((RequestId(key as u64), id, at));
-        }
-        let pages: Vec<PageId> = claims.iter().map(|c| c.1).collect();
-        let step: Vec<SeqClaim<'_>> =
-            claims.iter().enumerate().map(|(k, c)| SeqClaim { request: c.0, pages: &pages[k..=k] }).collect();
-        let table = &self.table;
-        let v = py.detach(|| table.claim_step(&step));
-        drop(step);
-        let mut ok = vec![true; claims.len()];
-        for (k, _) in &v.refused {
-            ok[*k] = false;
-        }
+        let page_size = self.table.page_size();
+        let writes =
+            mirror::decode_writes(&keys, &claimants, &prefix, |at| owner.get(at, 0), &rows, &slots, page_size)?;
+        let (v, ok) = self.decode_claims(py, &writes.claims);
         // (page, key) pairs as little-endian int64 bytes, numpy's view of them below.
-        let mut granted: Vec<u8> = Vec::with_capacity(claims.len() * 16);
-        for (c, _) in claims.iter().zip(ok).filter(|(c, ok)| *ok && c.2 < never) {
-            granted.extend_from_slice(&i64::from(c.1.0).to_le_bytes());
-            granted.extend_from_slice(&(c.0.0 as i64).to_le_bytes());
+        let never = owner.len() - 1;
+        let mut granted: Vec<u8> = Vec::with_capacity(writes.claims.len() * 16);
+        for (c, _) in writes.claims.iter().zip(ok).filter(|(c, ok)| *ok && c.at < never) {
+            granted.extend_from_slice(&i64::from(c.page.0).to_le_bytes());
+            granted.extend_from_slice(&(c.request.0 as i64).to_le_bytes());
         }
         let np = NUMPY.get_or_try_init(py, || -> PyResult<Py<PyModule>> { Ok(py.import("numpy")?.unbind()) })?;
         let granted = np
             .bind(py)
             .call_method1("frombuffer", (pyo3::types::PyBytes::new(py, &granted), "<i8"))?
             .call_method1("reshape", (-1, 2))?;
-        let m = claims.len();
-        Ok((self.verdict(py, v, m, true)?, left, granted.unbind()))
+        Ok((self.verdict(py, v, writes.claims.len(), true)?, writes.left, granted.unbind()))
+    }
+
+    /// claim_decode_slots with the mirror updated in place, for a decode step's req_to_token
+    /// write (rows[i], cols[i]) = slots[i], one slot per row: each row's checked length
+    /// row_checked[rows[i]] drops to cols[i] where that is lower (a negative column: to 0; one
+    /// column applies to every row), and each claim granted sets page_owner[page] to its key.
+    ///
+    /// row_keys, row_claimants, page_prefix, rows, slots: as claim_decode_slots.
+    /// page_owner: as claim_decode_slots, and writable int64 (numpy); row_checked: writable
+    ///   int64, one entry per row of row_keys (TypeError / ValueError otherwise, nothing changed).
+    /// Returns None when every row's page was its own or claimed cleanly (the common step:
+    /// nothing is built); otherwise (StepVerdict over the claims made, [positions left to the
+    /// engine]), as claim_decode_slots says them.
+    #[pyo3(signature = (row_keys, row_claimants, page_owner, page_prefix, row_checked, rows, cols, slots))]
+    #[allow(clippy::too_many_arguments)]
+    fn write_decode_rows(
+        &self,
+        py: Python<'_>,
+        row_keys: &Bound<'_, PyAny>,
+        row_claimants: &Bound<'_, PyAny>,
+        page_owner: &Bound<'_, PyAny>,
+        page_prefix: &Bound<'_, PyAny>,
+        row_checked: &Bound<'_, PyAny>,
+        rows: &Bound<'_, PyAny>,
+        cols: &Bound<'_, PyAny>,
+        slots: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<(StepVerdict, Vec<usize>)>> {
+        let keys = IntArray::open(row_keys, "row_keys", 1)?;
+        let claimants = IntArray::open(row_claimants, "row_claimants", 1)?;
+        mirror::check_rows("row_claimants", claimants.len(), keys.len())?;
+        let prefix = IntArray::open(page_prefix, "page_prefix", 1)?;
+        let owner = I64Mut::open(page_owner, "page_owner")?;
+        mirror::check_pages(owner.len(), prefix.len())?;
+        let checked = I64Mut::open(row_checked, "row_checked")?;
+        mirror::check_rows("row_checked", checked.len(), keys.len())?;
+        let rows = mirror::step_rows(&IntArray::open(rows, "rows", 1)?, keys.len())?;
+        let cols = IntArray::open(cols, "cols", 1)?;
+        let slots = IntArray::open(slots, "slots", 1)?;
+        let page_size = self.table.page_size();
+        let writes = mirror::decode_writes(&keys, &claimants, &prefix, |at| owner.get(at), &rows, &slots, page_size)?;
+        mirror::lower_checked(&checked, &rows, &cols)?;
+        if writes.claims.is_empty() && writes.left.is_empty() {
+            return Ok(None);
+        }
+        let (v, ok) = self.decode_claims(py, &writes.claims);
+        let never = owner.len() - 1;
+        for (c, _) in writes.claims.iter().zip(ok).filter(|(c, ok)| *ok && c.at < never) {
+            owner.set(c.at, c.request.0 as i64);
+        }
+        if v.is_clean() && writes.left.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some((self.verdict(py, v, writes.claims.len(), true)?, writes.left)))
+    }
+
+    /// A decode forward's first KV store against the mirror, in one call: request
+    /// row_keys[rows[i]] wrote slot out_cache_loc[i] (one token per row), recorded as
+    /// record_step_writes records it (judged); then each row's window, its tokens
+    /// row_checked[rows[i]]..seq_lens[i] of req_to_token's row rows[i] (token slots), checked
+    /// as check_step_window checks it (pure). When both are clean, row_checked[rows[i]] =
+    /// seq_lens[i] and None is returned.
+    ///
+    /// Otherwise a tuple says where it stopped, and what is left is the engine's:
+    /// ("full", None): a row of no live request (row_claimants[rows[i]] == 0), or not one slot
+    ///   per row: nothing was done (record and verify the step as a whole);
+    /// ("writes", StepVerdict): the writes' judged verdict refused some; only the clean rows'
+    ///   writes were recorded, nothing was read;
+    /// ("window", None): the writes were recorded and the window check found something (judge
+    ///   the rows with verify_step_rows).
+    ///
+    /// row_keys, row_claimants: 1-D int, one entry per row; row_checked: writable int64, one
+    /// entry per row; req_to_token: 2-D int (the engine's token slots per row); rows: 1-D int
+    /// within row_keys; seq_lens, out_cache_loc: 1-D int, one entry per row, non-negative
+    /// (TypeError / ValueError otherwise, nothing done).
+    #[pyo3(signature = (row_keys, row_claimants, row_checked, req_to_token, rows, seq_lens, out_cache_loc))]
+    #[allow(clippy::too_many_arguments)]
+    fn check_decode_forward(
+        &self,
+        py: Python<'_>,
+        row_keys: &Bound<'_, PyAny>,
+        row_claimants: &Bound<'_, PyAny>,
+        row_checked: &Bound<'_, PyAny>,
+        req_to_token: &Bound<'_, PyAny>,
+        rows: &Bound<'_, PyAny>,
+        seq_lens: &Bound<'_, PyAny>,
+        out_cache_loc: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<(&'static str, Option<StepVerdict>)>> {
+        let keys = IntArray::open(row_keys, "row_keys", 1)?;
+        let claimants = IntArray::open(row_claimants, "row_claimants", 1)?;
+        mirror::check_rows("row_claimants", claimants.len(), keys.len())?;
+        let checked = I64Mut::open(row_checked, "row_checked")?;
+        mirror::check_rows("row_checked", checked.len(), keys.len())?;
+        let t = IntArray::open(req_to_token, "req_to_token", 2)?;
+        let rows = mirror::step_rows(&IntArray::open(rows, "rows", 1)?, keys.len())?;
+        if let Some((i, r)) = rows.iter().enumerate().find(|(_, r)| **r >= t.len() as u64) {
+            return Err(PyValueError::new_err(format!("rows[{i}] is {r}: req_to_token has {} rows", t.len())));
+        }
+        let n = rows.len();
+        let mut lens = IntArray::open(seq_lens, "seq_lens", 1)?.counts(n, "seq_lens")?;
+        let loc = IntArray::open(out_cache_loc, "out_cache_loc", 1)?;
+        if loc.len() != n || rows.iter().any(|&r| claimants.get(r as usize, 0) == 0) {
+            return Ok(Some(("full", None)));
+        }
+        let slots: Vec<i64> = (0..n).map(|i| loc.get(i, 0)).collect();
+        let requests: Vec<RequestId> = rows.iter().map(|&r| RequestId(keys.get(r as usize, 0) as u64)).collect();
+        let writes: Vec<SeqWrite<'_>> =
+            requests.iter().zip(slots.chunks(1)).map(|(&request, slots)| SeqWrite { request, slots }).collect();
+        let core = &self.table;
+        let v = py.detach(|| core.record_step_writes(&writes));
+        drop(writes);
+        if !v.is_clean() {
+            return Ok(Some(("writes", Some(self.verdict(py, v, n, true)?))));
+        }
+        let from: Vec<u64> = rows.iter().map(|&r| checked.get(r as usize).max(0) as u64).collect();
+        let full_lens = lens.clone();
+        let (pages, spans) = window_pages(&t, &rows, &mut lens, Some(&from), self.table.page_size(), true);
+        let reads: Vec<SeqRead<'_>> = (0..n)
+            .map(|i| SeqRead { request: requests[i], block_table: &pages[spans[i].clone()], tokens: lens[i] })
+            .collect();
+        let v = py.detach(|| core.check_step(&reads));
+        if !v.is_clean() {
+            return Ok(Some(("window", None)));
+        }
+        for (&row, &len) in rows.iter().zip(&full_lens) {
+            checked.set(row as usize, len as i64);
+        }
+        Ok(None)
     }
 
     // -- one call per step for an engine plugin (kvguard.vllm) ---------------------------------

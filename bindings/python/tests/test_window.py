@@ -125,3 +125,164 @@ def test_claim_decode_slots_bad_input_is_a_typed_exception():
         t.claim_decode_slots(keys, claimants, owner.astype(np.float64), prefix, [0], [16])
     verdict, left, granted = t.claim_decode_slots(keys, claimants, owner, prefix, [], [])
     assert verdict.clean and left == [] and granted.shape == (0, 2)
+
+
+def test_write_decode_rows_is_claim_decode_slots_with_the_mirror_updated():
+    """The same claims, refusals and leftovers as claim_decode_slots on a twin table; the mirror
+    is updated in place: each granted page is its request's, each row's checked length drops to
+    the column written below it."""
+    twin, _, *twin_mirror = mirror()
+    t, rows, keys, claimants, owner, prefix = mirror()
+    free = [p for p in range(1, 128) if t.page_info(p).state == "free"]
+    for c in (claimants, twin_mirror[1]):
+        c[2] = 0
+    for p in (prefix, twin_mirror[3]):
+        p[free[3]] = 9
+    slot_rows = np.array([0, 1, 3, 2, 4, 1], dtype=np.int64)
+    own = rows[1]
+    slots = np.array([own[0] * PAGE + 1, free[0] * PAGE, own[1] * PAGE, free[1] * PAGE, free[3] * PAGE, 500 * PAGE], dtype=np.int32)
+    checked = np.array([20, 20, 20, 20, 20, 0, 0, 0], dtype=np.int64)
+    cols = np.array([20, 3, 20, 25, 20, 20], dtype=np.int64)
+    want_verdict, want_left, granted = twin.claim_decode_slots(*twin_mirror, slot_rows, slots)
+    verdict, left = t.write_decode_rows(keys, claimants, owner, prefix, checked, slot_rows, cols, slots)
+    assert left == want_left == [3, 4]
+    assert [(i, v.kind, v.request) for i, v in verdict.refused] == [
+        (i, v.kind, v.request) for i, v in want_verdict.refused
+    ]
+    assert granted.tolist() == [[free[0], 2]]
+    assert owner[free[0]] == 2 and t.page_info(free[0]).owner == 2
+    assert (owner == np.where(np.arange(129) == free[0], 2, twin_mirror[2])).all()
+    # Row 1 was rewritten at column 3: its window starts there next; the others kept theirs.
+    assert checked.tolist() == [20, 3, 20, 20, 20, 0, 0, 0]
+
+
+def test_write_decode_rows_of_a_clean_step_returns_none():
+    t, rows, keys, claimants, owner, prefix = mirror()
+    free = [p for p in range(1, 128) if t.page_info(p).state == "free"]
+    checked = np.full(8, 20, dtype=np.int64)
+    # Rows 0 and 1 write into their own last page, row 2 opens a fresh page.
+    slots = np.array([rows[1][1] * PAGE + 4, rows[2][1] * PAGE + 4, free[0] * PAGE], dtype=np.int64)
+    assert t.write_decode_rows(keys, claimants, owner, prefix, checked, [0, 1, 2], [20, 20, 20], slots) is None
+    assert owner[free[0]] == 3 and t.page_info(free[0]).owner == 3
+    assert checked.tolist() == [20] * 8
+    # Nothing to claim at all: still None, nothing changed.
+    before = owner.copy()
+    assert t.write_decode_rows(keys, claimants, owner, prefix, checked, [0], [21], [rows[1][1] * PAGE + 5]) is None
+    assert (owner == before).all()
+
+
+def test_write_decode_rows_bad_input_is_a_typed_exception_and_changes_nothing():
+    t, rows, keys, claimants, owner, prefix = mirror()
+    free = [p for p in range(1, 128) if t.page_info(p).state == "free"]
+    checked = np.full(8, 20, dtype=np.int64)
+    args = (keys, claimants, owner, prefix, checked)
+    fresh = [free[0] * PAGE]
+    frozen = owner.copy()
+    frozen.flags.writeable = False
+    with pytest.raises(TypeError, match="page_owner"):
+        t.write_decode_rows(keys, claimants, frozen, prefix, checked, [0], [20], fresh)
+    with pytest.raises(TypeError, match="row_checked"):
+        t.write_decode_rows(keys, claimants, owner, prefix, checked.astype(np.int32), [0], [20], fresh)
+    with pytest.raises(ValueError, match="row_checked"):
+        t.write_decode_rows(keys, claimants, owner, prefix, checked[:3], [0], [20], fresh)
+    with pytest.raises(ValueError, match="cols"):
+        t.write_decode_rows(*args, [0, 1], [20, 20, 20], [free[0] * PAGE, free[1] * PAGE])
+    with pytest.raises(ValueError, match="rows"):
+        t.write_decode_rows(*args, [8], [20], fresh)
+    with pytest.raises(ValueError, match="slots"):
+        t.write_decode_rows(*args, [0, 1], [20, 20], fresh)
+    assert t.page_info(free[0]).state == "free" and owner[free[0]] == -1
+    assert checked.tolist() == [20] * 8
+    # A negative column (torch counts it from the row's end): the whole row is checked next.
+    assert t.write_decode_rows(*args, [0], [-1], [rows[1][1] * PAGE + 5]) is None
+    assert checked[0] == 0
+
+
+def forward_mirror():
+    """mirror(), its rows laid out in an SGLang req_to_token (token slots), each request's 20
+    tokens written, and the mirror's checked lengths at 20 (a clean check of the whole row)."""
+    t, rows, keys, claimants, owner, prefix = mirror()
+    rt = np.zeros((8, 64), dtype=np.int32)
+    for r, pages in rows.items():
+        for tok in range(64):
+            rt[r - 1, tok] = pages[min(tok // PAGE, len(pages) - 1)] * PAGE + tok % PAGE
+    checked = np.zeros(8, dtype=np.int64)
+    checked[:5] = 20
+    return t, rows, keys, claimants, checked, rt
+
+
+def test_check_decode_forward_records_the_writes_and_checks_each_window():
+    t, rows, keys, claimants, checked, rt = forward_mirror()
+    twin, *_ = forward_mirror()
+    # Each of rows 0..4 writes its 21st token (slot 20 of its row) and reads 21 tokens.
+    step = np.arange(5, dtype=np.int64)
+    lens = np.full(5, 21, dtype=np.int64)
+    loc = rt[step, 20].astype(np.int64)
+    assert t.check_decode_forward(keys, claimants, checked, rt, step, lens, loc) is None
+    assert checked.tolist() == [21] * 5 + [0] * 3
+    # What record_step_writes and check_step_window say on the twin table.
+    qsl = np.arange(6, dtype=np.int64)
+    assert twin.record_step_writes(keys[step], loc, qsl).clean
+    assert twin.check_step_window(keys[step], rt, step, lens, np.full(5, 20), token_slots=True).clean
+    # The writes were recorded: the next token is readable now, in full, on both tables.
+    for table in (t, twin):
+        assert table.check_step_rows(keys[step], rt, step, lens, token_slots=True).clean
+
+
+def test_check_decode_forward_stops_where_the_step_is_not_clean():
+    t, rows, keys, claimants, checked, rt = forward_mirror()
+    step = np.arange(5, dtype=np.int64)
+    lens = np.full(5, 21, dtype=np.int64)
+    loc = rt[step, 20].astype(np.int64)
+    # A row of no live request: nothing done at all.
+    dead = claimants.copy()
+    dead[3] = 0
+    assert t.check_decode_forward(keys, dead, checked, rt, step, lens, loc) == ("full", None)
+    # Not one slot per row: nothing done.
+    assert t.check_decode_forward(keys, claimants, checked, rt, step, lens, loc[:4]) == ("full", None)
+    assert checked.tolist() == [20] * 5 + [0] * 3
+    assert not t.check_step_rows(keys[step], rt, step, lens, token_slots=True).clean  # token 21 unwritten
+    # Row 1 writes into request 1's page: the writes' judged verdict, nothing read.
+    bad = loc.copy()
+    bad[1] = rows[1][0] * PAGE + 3
+    stage, verdict = t.check_decode_forward(keys, claimants, checked, rt, step, lens, bad)
+    assert stage == "writes"
+    assert [(i, v.kind, v.request) for i, v in verdict.refused] == [(1, "foreign_page", 2)]
+    assert checked.tolist() == [20] * 5 + [0] * 3
+    # A row whose window names another request's page: the writes are recorded, the window
+    # check says so, and the mirror keeps the old checked lengths.
+    t, rows, keys, claimants, checked, rt = forward_mirror()
+    rt[4, 16:32] = rows[1][1] * PAGE + np.arange(16)
+    loc = rt[step, 20].astype(np.int64)
+    loc[4] = rows[5][1] * PAGE + 4
+    assert t.check_decode_forward(keys, claimants, checked, rt, step, lens, loc) == ("window", None)
+    assert checked.tolist() == [20] * 5 + [0] * 3
+    assert t.check_read(5, [rows[5][0], rows[5][1]], 21) is None  # 5's write was recorded
+    # A window that starts at 0 is the whole row (the mirror says nothing was checked).
+    t, rows, keys, claimants, checked, rt = forward_mirror()
+    rt[4, 0:16] = rows[1][0] * PAGE + np.arange(16)
+    loc = rt[step, 20].astype(np.int64)
+    assert t.check_decode_forward(keys, claimants, checked, rt, step, lens, loc) is None
+    checked[4] = 0
+    assert t.check_decode_forward(keys, claimants, checked, rt, step, lens, loc) == ("window", None)
+
+
+def test_check_decode_forward_bad_input_is_a_typed_exception():
+    t, rows, keys, claimants, checked, rt = forward_mirror()
+    step = np.arange(5, dtype=np.int64)
+    lens = np.full(5, 21, dtype=np.int64)
+    loc = rt[step, 20].astype(np.int64)
+    with pytest.raises(TypeError, match="row_checked"):
+        t.check_decode_forward(keys, claimants, checked.astype(np.int32), rt, step, lens, loc)
+    with pytest.raises(ValueError, match="row_claimants"):
+        t.check_decode_forward(keys, claimants[:3], checked, rt, step, lens, loc)
+    with pytest.raises(ValueError, match="rows"):
+        t.check_decode_forward(keys, claimants, checked, rt[:2], step, lens, loc)
+    with pytest.raises(ValueError, match="seq_lens"):
+        t.check_decode_forward(keys, claimants, checked, rt, step, lens[:2], loc)
+    with pytest.raises(ValueError, match="seq_lens"):
+        t.check_decode_forward(keys, claimants, checked, rt, step, -lens, loc)
+    with pytest.raises(TypeError, match="req_to_token"):
+        t.check_decode_forward(keys, claimants, checked, rt.astype(np.float32), step, lens, loc)
+    assert checked.tolist() == [20] * 5 + [0] * 3
+    assert t.check_decode_forward(keys, claimants, checked, rt, [], [], []) is None

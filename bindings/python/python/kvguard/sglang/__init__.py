@@ -23,7 +23,7 @@ What the :class:`Guard` hooks on the instances:
 - ``ReqToTokenPool.write``: slots written into a row, i.e. the pages attention will read for that
   request. A fresh page is claimed for the row's request; a radix-cache page is attached (held
   read-only, same tenant only); anything else is refused on that request. A decode step's write
-  (one slot per row) is judged in one ``claim_decode_slots`` call.
+  (one slot per row) is judged in one ``write_decode_rows`` call.
 - allocator ``_release_page_ids`` (paged) / ``free`` (page size 1): the page release every free
   ends in. Who frees is known from the caller hooked above it: ``free_kv_row`` (a request gives
   back its row's pages), ``evict`` (the radix cache drops a leaf), ``checkpoint`` (a request's
@@ -37,8 +37,8 @@ What the :class:`Guard` hooks on the instances:
   (``out_cache_loc``) recorded in one ``record_step_writes``, then the ``req_to_token`` rows and
   sequence lengths attention will read verified in one ``verify_step_rows`` (on the host) or by
   :class:`kvguard.DeviceGuard` on SGLang's stream (rows on a GPU). On the host a decode forward
-  checks each row's window only (``check_step_window``: the tokens written since the row's last
-  clean check); a release, eviction, violation or import anywhere, a row rewritten below its
+  records its writes and checks each row's window only in one ``check_decode_forward`` (the
+  tokens written since the row's last clean check); a release, eviction, violation or import anywhere, a row rewritten below its
   checked length, and every ``Guard.full_check_every``-th forward make it a full check. A refused
   row's writes go to the padding slot and the request is aborted.
 

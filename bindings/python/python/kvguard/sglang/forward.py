@@ -63,6 +63,8 @@ class HostRowCheck:
     """The forward batch checked on the host (see the module doc)."""
 
     where = "host"
+    windows_on_host = True
+    """A decode forward's windows are checked on the host, with its writes, in one call."""
 
     def __init__(self, guard: Guard) -> None:
         self.guard = guard
@@ -104,43 +106,80 @@ class HostRowCheck:
         """The first layer's KV store: the whole check; returns the slots to write (a refused
         request's go to the padding slot under enforce)."""
         g = self.guard
-        rows, qsl = self._rows, self._qsl
+        self._forwards += 1
+        full = g._rows_stale or not self._decode or self._forwards % g.full_check_every == 0
+        rows = self._rows
+        slots = _host(loc).reshape(-1)
+        if not full and self.windows_on_host:
+            # The common decode forward: the writes recorded and each row's window checked in
+            # one call, the mirror's checked lengths updated in it (see _verify_rows).
+            stop = g.table.check_decode_forward(
+                g._row_key, g._row_claimant, g._row_checked, self._host_rows(), rows, self._lens, slots
+            )
+            if stop is None:
+                return loc
+            stage, verdict = stop
+            if stage == "writes":
+                keys = g._row_key[rows]
+                return self._after_writes(loc, keys, np.zeros(len(rows), dtype=bool), verdict, None, full)
+            if stage == "window":
+                # The writes are recorded; the judged full check says what the window found.
+                keys = g._row_key[rows]
+                refused = np.zeros(len(rows), dtype=bool)
+                for i, v in self._verify_rows(None, keys, True):
+                    refused[i] = True
+                    g._refused(int(keys[i]), v)
+                return self._refuse(loc, refused)
+            # "full": a row of no live request, or not one slot per row: the general path.
+        qsl = self._qsl
         keys = g._row_key[rows]
         live = g._row_live[rows]
-        slots = _host(loc).reshape(-1)
         refused = ~live
         # count_nonzero: a C call (ndarray.all goes through numpy's Python wrapper), every step.
         if np.count_nonzero(refused) == 0:
             verdict = g.table.record_step_writes(keys, slots, qsl)
             if verdict.clean:
-                # The common step: every row live, every write recorded.
-                refusals = self._verify_rows(None, keys)
+                # Every row live, every write recorded.
+                refusals = self._verify_rows(None, keys, full)
                 if not refusals:
                     return loc
                 for i, v in refusals:
                     refused[i] = True
                     g._refused(int(keys[i]), v)
                 return self._refuse(loc, refused)
-            pos = None
-        else:
-            # Rows of requests kvguard never admitted (or already released): their writes are
-            # not the table's to record; they are masked below.
-            pos = np.flatnonzero(live)
-            counts = np.diff(qsl)[pos]
-            sub_qsl = np.zeros(len(pos) + 1, dtype=np.int64)
-            np.cumsum(counts, out=sub_qsl[1:])
-            take = np.concatenate([np.arange(qsl[i], qsl[i + 1]) for i in pos.tolist()]) if len(pos) else pos
-            verdict = g.table.record_step_writes(keys[pos], slots[take], sub_qsl)
+            return self._after_writes(loc, keys, refused, verdict, None, full)
+        # Rows of requests kvguard never admitted (or already released): their writes are not
+        # the table's to record; they are masked below.
+        pos = np.flatnonzero(live)
+        counts = np.diff(qsl)[pos]
+        sub_qsl = np.zeros(len(pos) + 1, dtype=np.int64)
+        np.cumsum(counts, out=sub_qsl[1:])
+        take = np.concatenate([np.arange(qsl[i], qsl[i + 1]) for i in pos.tolist()]) if len(pos) else pos
+        verdict = g.table.record_step_writes(keys[pos], slots[take], sub_qsl)
+        return self._after_writes(loc, keys, refused, verdict, pos, full)
+
+    def _after_writes(
+        self, loc: Any, keys: np.ndarray, refused: np.ndarray, verdict: Any, pos: np.ndarray | None, full: bool
+    ) -> Any:
+        """The writes' verdict (over the rows at batch positions ``pos``; None: every row) taken:
+        its refused rows marked, the rest verified."""
+        g = self.guard
         for i, v in verdict.refused:
             at = i if pos is None else int(pos[i])
             refused[at] = True
             g._refused(int(keys[at]), v)
         ok = np.flatnonzero(~refused)
         if len(ok):
-            for i, v in self._verify_rows(ok, keys[ok]):
+            for i, v in self._verify_rows(ok, keys[ok], full):
                 refused[ok[i]] = True
                 g._refused(int(keys[ok[i]]), v)
         return self._refuse(loc, refused)
+
+    def _host_rows(self) -> np.ndarray:
+        """SGLang's ``req_to_token`` as a host array (SGLang allocates it once)."""
+        if self._req_to_token is None:
+            self._req_to_token = _host(self.guard.req_to_token_pool.req_to_token)
+        return self._req_to_token
 
     def _refuse(self, loc: Any, refused: np.ndarray) -> Any:
         """Under enforce, the refused rows' writes go to the padding slot (this layer and the
@@ -160,27 +199,24 @@ class HostRowCheck:
         masked[self._refused_slots] = 0
         return masked
 
-    def _verify_rows(self, pos: np.ndarray | None, keys: np.ndarray) -> list[tuple[int, Any]]:
+    def _verify_rows(self, pos: np.ndarray | None, keys: np.ndarray, full: bool) -> list[tuple[int, Any]]:
         """Verifies the rows at batch positions ``pos`` (None: every row); returns (index into
         pos, violation).
 
-        A decode forward checks each row's window only: the pages holding the tokens written
-        since the row's last clean check (one page per row in decode), in one pure
-        ``check_step_window``. The rest of the row is as it was when found clean: its entries are
-        rewritten only through ``ReqToTokenPool.write`` (which lowers the row's checked length),
-        and a checked page becomes unreadable only by a release (its request's rows are checked
-        in full next), an eviction, a free nobody holds or a violation (each makes the next
-        forward a full check of every row, ``Guard._rows_stale``). Anything the
-        window check refuses, and every ``full_check_every``-th forward, goes to the full
-        ``verify_step_rows``, so verdicts are exactly the full check's."""
+        A decode forward checks each row's window only (``full`` False): the pages holding the
+        tokens written since the row's last clean check (one page per row in decode), in one
+        pure check (``check_step_window``, or ``check_decode_forward`` with the writes). The
+        rest of the row is as it was when found clean: its entries are rewritten only through
+        ``ReqToTokenPool.write`` (which lowers the row's checked length), and a checked page
+        becomes unreadable only by a release (its request's rows are checked in full next), an
+        eviction, a free nobody holds or a violation (each makes the next forward a full check
+        of every row, ``Guard._rows_stale``). Anything the window check refuses, and every
+        ``full_check_every``-th forward, goes to the full ``verify_step_rows``, so verdicts are
+        exactly the full check's."""
         g = self.guard
         lens = self._lens if pos is None or len(pos) == len(self._lens) else self._lens[pos]
         rows = self._rows if pos is None or len(pos) == len(self._rows) else self._rows[pos]
-        if self._req_to_token is None:
-            self._req_to_token = _host(g.req_to_token_pool.req_to_token)  # SGLang allocates it once
-        rt = self._req_to_token
-        self._forwards += 1
-        full = g._rows_stale or not self._decode or self._forwards % g.full_check_every == 0
+        rt = self._host_rows()
         if not full:
             checked = g._row_checked[rows]
             window = g.table.check_step_window(keys, rt, rows, lens, checked, token_slots=True)
@@ -208,6 +244,7 @@ class DeviceRowCheck(HostRowCheck):
     device's fail-closed status already marked its sequence)."""
 
     where = "device"
+    windows_on_host = False
 
     def __init__(self, guard: Guard) -> None:
         super().__init__(guard)
@@ -222,7 +259,7 @@ class DeviceRowCheck(HostRowCheck):
 
         return int(torch.cuda.current_stream(self.guard.req_to_token_pool.req_to_token.device).cuda_stream)
 
-    def _verify_rows(self, pos: np.ndarray | None, keys: np.ndarray) -> list[tuple[int, Any]]:
+    def _verify_rows(self, pos: np.ndarray | None, keys: np.ndarray, full: bool) -> list[tuple[int, Any]]:
         import torch
 
         g = self.guard

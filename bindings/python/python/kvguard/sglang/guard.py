@@ -196,7 +196,7 @@ class Guard:
         self._row_key = np.zeros(rows, dtype=np.int64)
         self._row_live = np.zeros(rows, dtype=bool)
         # req_to_token row -> its request's key while that request is admitted (0: none), for
-        # the decode step's claims in one call (OwnershipTable.claim_decode_slots).
+        # the decode step's claims in one call (OwnershipTable.write_decode_rows).
         self._row_claimant = np.zeros(rows, dtype=np.int64)
         # req_to_token row -> its tokens the last forward check found clean (0: check in full),
         # and whether anything since then may have made a page unreadable to a row other than
@@ -286,23 +286,12 @@ class Guard:
                     self._row_checked[row] = start
                 self._row_written(row, _host(values).reshape(-1))
             else:
-                rows = _host(rows).reshape(-1)
-                self._columns_written(rows, _host(cols).reshape(-1))
-                self._decode_rows_written(rows, _host(values).reshape(-1))
+                self._decode_rows_written(
+                    _host(rows).reshape(-1), _host(cols).reshape(-1), _host(values).reshape(-1)
+                )
             return inner(indices, values)
 
         return write
-
-    def _columns_written(self, rows: np.ndarray, cols: np.ndarray) -> None:
-        """Entries ``(rows[i], cols[i])`` of ``req_to_token`` are rewritten: a row's checked
-        length drops to the first column written below it (a decode step writes at the checked
-        length: nothing to do)."""
-        checked = self._row_checked
-        if len(cols) == len(rows) and not np.count_nonzero(cols < checked[rows]):
-            return
-        if len(cols) == 1 and len(rows) > 1:
-            cols = np.broadcast_to(cols, rows.shape)
-        np.minimum.at(checked, rows, cols.astype(np.int64, copy=False))
 
     def _wrap_release_page_ids(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         def release_page_ids(*page_ids: Any) -> Any:
@@ -452,17 +441,21 @@ class Guard:
 
     # ---- events ------------------------------------------------------------------------------
 
-    def _decode_rows_written(self, rows: np.ndarray, slots: np.ndarray) -> None:
-        """A decode step's ``req_to_token`` write: one slot per row, in one call
-        (``claim_decode_slots``). A page its row's request already owns is nothing new (every
-        step but one in page_size at page size > 1); every page a live row opens is claimed in
-        one ``claim_step`` (each request's claim judged as its own claim call would be, in row
-        order); a row that is not live or a prefix page goes through :meth:`_row_written`."""
-        verdict, left, granted = self.table.claim_decode_slots(
-            self._row_key, self._row_claimant, self._page_key, self._page_prefix, rows, slots
+    def _decode_rows_written(self, rows: np.ndarray, cols: np.ndarray, slots: np.ndarray) -> None:
+        """A decode step's ``req_to_token`` write, entries ``(rows[i], cols[i])`` set to
+        ``slots[i]``, in one call (``write_decode_rows``), which also updates the mirror: a row's
+        checked length drops to a column written below it (a decode step writes at the checked
+        length: nothing to do), and each page claimed becomes its request's in ``_page_key``.
+        A page its row's request already owns is nothing new (every step but one in page_size
+        at page size > 1); every page a live row opens is claimed in one ``claim_step`` (each
+        request's claim judged as its own claim call would be, in row order); a row that is not
+        live or a prefix page goes through :meth:`_row_written`."""
+        stop = self.table.write_decode_rows(
+            self._row_key, self._row_claimant, self._page_key, self._page_prefix, self._row_checked, rows, cols, slots
         )
-        if len(granted):
-            self._page_key[granted[:, 0]] = granted[:, 1]
+        if stop is None:
+            return
+        verdict, left = stop
         if not verdict.clean:
             for _, v in verdict.refused:
                 self._refused(int(v.request), v)

@@ -196,8 +196,8 @@ def test_device_check_gathers_pages_on_the_device_and_verifies_on_the_stream(eng
     kept = {}
     real = check._verify_rows
 
-    def spy(pos, keys):
-        out = real(pos, keys)
+    def spy(pos, keys, full):
+        out = real(pos, keys, full)
         kept["table"], kept["seq"] = check._inflight
         return out
 

@@ -1,0 +1,118 @@
+//! An engine plugin's mirror of its pool (kvguard.sglang's numpy arrays), and a decode step
+//! judged against it: the `req_to_token` write's new pages claimed, the forward's writes
+//! recorded and each row's window read, with the mirror updated in the same call.
+//!
+//! The mirror is the plugin's, not the table's: which request holds each row of the engine's
+//! block table (`row_keys`) and whether that request is live and claims pages (`row_claimants`,
+//! `row_live`), which request owns each page exclusively and which radix prefix holds it
+//! (`page_owner`, `page_prefix`: one entry per page and one more, which no key owns, that every
+//! page id out of range reads), and how many tokens of each row the last forward found clean
+//! (`row_checked`). The table stays the judge: the mirror only says which calls a step needs.
+
+use crate::arrays::{I64Mut, IntArray};
+use kvguard::{PageId, RequestId};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+/// One new page of a decode step's row write: the claim it needs.
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeClaim {
+    pub request: RequestId,
+    pub page: PageId,
+    /// The page's index in the mirror (the last entry for a page id out of range).
+    pub at: usize,
+}
+
+/// What a decode step's row write needs: the claims of new pages of live rows, and the
+/// positions the table cannot take from the mirror alone (a row of no live request, a page of
+/// a radix prefix), left to the plugin in order.
+#[derive(Debug, Default)]
+pub struct DecodeWrites {
+    pub claims: Vec<DecodeClaim>,
+    pub left: Vec<usize>,
+}
+
+/// The row arguments of a decode step: `rows`, 1-D int, one entry per position, each within
+/// `row_keys` (`ValueError` otherwise).
+pub fn step_rows(rows: &IntArray<'_>, row_keys: usize) -> PyResult<Vec<u64>> {
+    let n = rows.len();
+    let rows = rows.counts(n, "rows")?;
+    if let Some((i, r)) = rows.iter().enumerate().find(|(_, r)| **r >= row_keys as u64) {
+        return Err(PyValueError::new_err(format!("rows[{i}] is {r}: row_keys has {row_keys} rows")));
+    }
+    Ok(rows)
+}
+
+/// `page_owner` and `page_prefix` agree in length and have the extra entry (`ValueError`
+/// otherwise).
+pub fn check_pages(owner: usize, prefix: usize) -> PyResult<()> {
+    if owner == 0 || prefix != owner {
+        return Err(PyValueError::new_err(format!(
+            "page_owner ({owner}) and page_prefix ({prefix}) must have one entry per page and one more"
+        )));
+    }
+    Ok(())
+}
+
+/// `row_keys` and another per-row array agree in length (`ValueError` otherwise).
+pub fn check_rows(name: &str, len: usize, row_keys: usize) -> PyResult<()> {
+    if len != row_keys {
+        return Err(PyValueError::new_err(format!("{name} has {len} entries, row_keys {row_keys}")));
+    }
+    Ok(())
+}
+
+/// The claims and leftovers of a decode step's row write: position `i` wrote slot `slots[i]`
+/// (page `slots[i] // page_size`) into row `rows[i]`. A page the row's request already owns in
+/// the mirror is nothing new; a new page of a live row that is no prefix is a claim; anything
+/// else is left. `owner(at)` reads the mirror's page owner at index `at`.
+pub fn decode_writes(
+    keys: &IntArray<'_>,
+    claimants: &IntArray<'_>,
+    prefix: &IntArray<'_>,
+    owner: impl Fn(usize) -> i64,
+    rows: &[u64],
+    slots: &IntArray<'_>,
+    page_size: u32,
+) -> PyResult<DecodeWrites> {
+    if slots.len() < rows.len() {
+        return Err(PyValueError::new_err(format!("slots has {} entries, {} needed", slots.len(), rows.len())));
+    }
+    let ps = i64::from(page_size);
+    let never = prefix.len() - 1;
+    let mut out = DecodeWrites::default();
+    for (i, &row) in rows.iter().enumerate() {
+        let key = keys.get(row as usize, 0);
+        let page = slots.get(i, 0).div_euclid(ps);
+        let at = usize::try_from(page).ok().filter(|&p| p < never).unwrap_or(never);
+        if owner(at) == key {
+            continue;
+        }
+        if claimants.get(row as usize, 0) == 0 || prefix.get(at, 0) != 0 {
+            out.left.push(i);
+            continue;
+        }
+        let page = PageId(u32::try_from(page).unwrap_or(u32::MAX));
+        out.claims.push(DecodeClaim { request: RequestId(key as u64), page, at });
+    }
+    Ok(out)
+}
+
+/// A row's checked length drops to the first column a row write rewrote below it: entry
+/// `(rows[i], cols[i])` (`cols` of one entry applies to every row). A negative column (torch
+/// counts it from the row's end) checks the whole row next. `ValueError`, with nothing changed,
+/// for any other length of `cols`.
+pub fn lower_checked(checked: &I64Mut, rows: &[u64], cols: &IntArray<'_>) -> PyResult<()> {
+    let n = rows.len();
+    let one = cols.len() == 1;
+    if !one && cols.len() != n {
+        return Err(PyValueError::new_err(format!("cols has {} entries: 1 or one per row ({n}) needed", cols.len())));
+    }
+    for (i, &row) in rows.iter().enumerate() {
+        let col = cols.get(if one { 0 } else { i }, 0).max(0);
+        if col < checked.get(row as usize) {
+            checked.set(row as usize, col);
+        }
+    }
+    Ok(())
+}
