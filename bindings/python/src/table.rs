@@ -1350,21 +1350,24 @@ impl OwnershipTable {
         let requests: Vec<RequestId> = rows.iter().map(|&r| RequestId(keys.get(r as usize, 0) as u64)).collect();
         let writes: Vec<SeqWrite<'_>> =
             requests.iter().zip(slots.chunks(1)).map(|(&request, slots)| SeqWrite { request, slots }).collect();
-        let core = &self.table;
-        let v = py.detach(|| core.record_step_writes(&writes));
-        drop(writes);
-        if !v.is_clean() {
-            return Ok(Some(("writes", Some(self.verdict(py, v, n, true)?))));
-        }
+        // The windows' pages are read before anything is recorded (the arrays stay with the GIL).
         let from: Vec<u64> = rows.iter().map(|&r| checked.get(r as usize).max(0) as u64).collect();
         let full_lens = lens.clone();
         let (pages, spans) = window_pages(&t, &rows, &mut lens, Some(&from), self.table.page_size(), true);
         let reads: Vec<SeqRead<'_>> = (0..n)
             .map(|i| SeqRead { request: requests[i], block_table: &pages[spans[i].clone()], tokens: lens[i] })
             .collect();
-        let v = py.detach(|| core.check_step(&reads));
-        if !v.is_clean() {
-            return Ok(Some(("window", None)));
+        let core = &self.table;
+        // One release of the GIL for both: the reads only if every write was recorded.
+        let (written, read) = py.detach(|| {
+            let written = core.record_step_writes(&writes);
+            let read = written.is_clean().then(|| core.check_step(&reads).is_clean());
+            (written, read)
+        });
+        match read {
+            None => return Ok(Some(("writes", Some(self.verdict(py, written, n, true)?)))),
+            Some(false) => return Ok(Some(("window", None))),
+            Some(true) => {}
         }
         for (&row, &len) in rows.iter().zip(&full_lens) {
             checked.set(row as usize, len as i64);
