@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import ConfigError, DeviceError, DeviceGuard
-from .guard import _host
+from .guard import _flat, _host
 
 if TYPE_CHECKING:
     from .guard import Guard
@@ -84,15 +84,15 @@ class HostRowCheck:
         """A forward over ``rows`` of ``req_to_token`` is about to run."""
         g = self.guard
         self._rows_dev, self._lens_dev = rows, seq_lens
-        self._rows = _host(rows if rows_cpu is None else rows_cpu).reshape(-1)
-        self._lens = _host(seq_lens if seq_lens_cpu is None else seq_lens_cpu).reshape(-1)
+        self._rows = _flat(rows if rows_cpu is None else rows_cpu)
+        self._lens = _flat(seq_lens if seq_lens_cpu is None else seq_lens_cpu)
         n = len(self._rows)
         self._decode = extend_lens is None
         if extend_lens is None:
             self._qsl = g._qsl_decode[: n + 1]
         else:
             self._qsl = np.zeros(n + 1, dtype=np.int64)
-            np.cumsum(_host(extend_lens).reshape(-1), out=self._qsl[1:])
+            np.cumsum(_flat(extend_lens), out=self._qsl[1:])
         self._refused_slots = None
         self.pending = True
 
@@ -109,7 +109,7 @@ class HostRowCheck:
         self._forwards += 1
         full = g._rows_stale or not self._decode or self._forwards % g.full_check_every == 0
         rows = self._rows
-        slots = _host(loc).reshape(-1)
+        slots = _flat(loc)
         if not full and self.windows_on_host:
             # The common decode forward: the writes recorded and each row's window checked in
             # one call, the mirror's checked lengths updated in it (see _verify_rows).

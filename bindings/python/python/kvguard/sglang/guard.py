@@ -118,6 +118,13 @@ def _host(t: Any) -> np.ndarray:
         return t.detach().cpu().numpy()  # on a device, or requiring grad
 
 
+def _flat(t: Any) -> np.ndarray:
+    """:func:`_host`, as one dimension (a 1-D array as it is: ``reshape`` is a call of its own
+    on every step)."""
+    a = _host(t)
+    return a if a.ndim == 1 else a.reshape(-1)
+
+
 def _pages_of(slots: np.ndarray, page_size: int) -> np.ndarray:
     """The distinct pages of ``slots``, in first-seen order."""
     if page_size == 1:
@@ -284,18 +291,16 @@ class Guard:
                 start = cols.start or 0
                 if start < self._row_checked[row]:
                     self._row_checked[row] = start
-                self._row_written(row, _host(values).reshape(-1))
+                self._row_written(row, _flat(values))
             else:
-                self._decode_rows_written(
-                    _host(rows).reshape(-1), _host(cols).reshape(-1), _host(values).reshape(-1)
-                )
+                self._decode_rows_written(_flat(rows), _flat(cols), _flat(values))
             return inner(indices, values)
 
         return write
 
     def _wrap_release_page_ids(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         def release_page_ids(*page_ids: Any) -> Any:
-            kept = [self._released(_host(ids).reshape(-1)) for ids in page_ids]
+            kept = [self._released(_flat(ids)) for ids in page_ids]
             kept = [k for k in kept if len(k)]
             if kept:
                 import torch
@@ -310,7 +315,7 @@ class Guard:
         def free(free_index: Any) -> Any:
             if free_index.numel() == 0 or self.allocator.free_group is not None:
                 return inner(free_index)
-            kept = self._released(_host(free_index).reshape(-1))
+            kept = self._released(_flat(free_index))
             if len(kept) == free_index.numel():
                 return inner(free_index)
             if len(kept):
@@ -337,7 +342,7 @@ class Guard:
             result = inner(params)
             if params.value is not None:
                 key_len = len(params.key.page_aligned(self.page_size))
-                new = _host(params.value[result.prefix_len : key_len]).reshape(-1)
+                new = _flat(params.value[result.prefix_len : key_len])
                 self._published(_pages_of(new, self.page_size))
             return result
 
