@@ -1,4 +1,4 @@
-// kvguard.cu — kvguard's kernels: tag updates, block-table verification (vLLM and FlashInfer
+// kvguard.cu — kvguard's kernels: tag updates, block-table verification (vLLM, FlashInfer and SGLang
 // layouts), a reference KV store that stamps canaries, CRC32 of pages, scrubbing, and a reference
 // paged decode attention with and without the fused per-page check.
 //
@@ -186,6 +186,51 @@ extern "C" __global__ void __launch_bounds__(128)
             uint32_t gen = expected_generations ? expected_generations[at] : 0;
             kvg_verify_block(tags, num_pages, page_size, kv_indices[at], gen, need,
                              kvg_stamped_in_block(before, j, page_size), canaries, reader, s, j, seq_status, ring);
+        }
+    }
+}
+
+// SGLang layout, read in place: `req_to_token[num_rows][row_stride]` (int32, one token slot per
+// entry, `page * page_size + offset`); sequence `s` reads row `rows[s]` for `seq_lens[s]` tokens
+// (int64 both, as SGLang's forward batch has them). Page `j` of the sequence is the page of the
+// row's entry `j * page_size`, the first slot of that page (the entry the host check reads). A row
+// outside `num_rows` or a length below 0 is a malformed step (BAD_LAYOUT); a length beyond the
+// row's pages, BLOCK_TABLE_TOO_SHORT; a negative entry (a slot never assigned) names no page.
+// Launch: as `kvg_verify_block_table` (blocks (x, s) stride over sequence s's pages), 128 threads.
+extern "C" __global__ void __launch_bounds__(128)
+    kvg_verify_token_rows(const kvg_tag *__restrict__ tags, uint32_t num_pages, uint32_t page_size,
+                          const int32_t *__restrict__ req_to_token, uint32_t num_rows, uint32_t row_stride,
+                          const int64_t *__restrict__ rows, const int64_t *__restrict__ seq_lens, uint32_t num_seqs,
+                          const kvg_reader *__restrict__ readers, uint32_t *seq_status, kvg_ring *ring) {
+    // 32-bit divisions only (a 64-bit one is a subroutine that spills on sm_90); a row covers at
+    // most 2^32 - 1 tokens, so a longer read is too short for it.
+    const uint32_t row_pages = row_stride / page_size + (row_stride % page_size != 0 ? 1u : 0u);
+    const uint64_t whole = static_cast<uint64_t>(row_pages) * page_size;
+    const uint32_t covered = whole > 0xffffffffull ? 0xffffffffu : static_cast<uint32_t>(whole);
+    for (uint32_t s = blockIdx.y; s < num_seqs; s += gridDim.y) {
+        const kvg_reader reader = readers[s];
+        const int64_t row = rows[s], len = seq_lens[s];
+        const uint32_t first = blockIdx.x * blockDim.x + threadIdx.x;
+        const bool bad_row = row < 0 || row >= static_cast<int64_t>(num_rows);
+        if (bad_row || len < 0 || len > static_cast<int64_t>(covered)) {
+            if (first == 0) {
+                const uint32_t kind = bad_row || len < 0 ? KVG_KIND_BAD_LAYOUT : KVG_KIND_BLOCK_TABLE_TOO_SHORT;
+                // Step-level amounts: the row and the rows there are, or the tokens asked and covered.
+                const int64_t asked = bad_row ? row : len;
+                const uint32_t shown = asked < 0 ? 0u : asked > 0xffffffffll ? 0xffffffffu : static_cast<uint32_t>(asked);
+                kvg_report_step(kind, s, row_pages, shown, bad_row ? num_rows : covered, reader, seq_status, ring);
+            }
+            continue;
+        }
+        const uint32_t tokens = static_cast<uint32_t>(len);
+        const uint32_t blocks = tokens / page_size + (tokens % page_size != 0 ? 1u : 0u);
+        const int32_t *r = req_to_token + static_cast<uint64_t>(row) * row_stride;
+        for (uint32_t j = first; j < blocks; j += gridDim.x * blockDim.x) {
+            const int32_t slot = r[static_cast<uint64_t>(j) * page_size];
+            const int32_t page = slot < 0 ? -1 : static_cast<int32_t>(static_cast<uint32_t>(slot) / page_size);
+            const uint32_t rest = tokens - j * page_size;
+            const uint32_t need = rest < page_size ? rest : page_size;
+            kvg_verify_block(tags, num_pages, page_size, page, 0, need, 0, nullptr, reader, s, j, seq_status, ring);
         }
     }
 }

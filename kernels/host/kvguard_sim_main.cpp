@@ -190,6 +190,19 @@ void verify(bool flashinfer) {
         kvg_sim::launch(grid, dim3{32, 1, 1}, [=] {
             kvg_verify_paged_kv(t, num_pages, page_size, ip, ix, lp, num_seqs, ni, g, c, ql, r, st, rg);
         });
+    } else if (params.count("row_stride")) {
+        auto table = load<int32_t>("req_to_token");
+        auto rows = load<int64_t>("rows");
+        auto lens = load<int64_t>("seq_lens");
+        const uint32_t row_stride = static_cast<uint32_t>(param("row_stride"));
+        const uint32_t num_rows = static_cast<uint32_t>(param("num_rows"));
+        if (static_cast<uint64_t>(num_rows) * row_stride > table.size()) fail("req_to_token is smaller than its rows");
+        if (rows.size() < num_seqs || lens.size() < num_seqs) fail("rows or seq_lens shorter than the readers");
+        const int32_t *rt = or_null(table);
+        const int64_t *rw = rows.data(), *sl = lens.data();
+        kvg_sim::launch(grid, dim3{32, 1, 1}, [=] {
+            kvg_verify_token_rows(t, num_pages, page_size, rt, num_rows, row_stride, rw, sl, num_seqs, r, st, rg);
+        });
     } else {
         auto table = load<int32_t>("block_table");
         auto lens = load<int32_t>("seq_lens");
@@ -360,6 +373,7 @@ int main(int argc, char **argv) {
     else if (cmd == "tags") tags();
     else if (cmd == "verify_block_table") verify(false);
     else if (cmd == "verify_paged_kv") verify(true);
+    else if (cmd == "verify_token_rows") verify(false);
     else if (cmd == "store") store_kv();
     else if (cmd == "scrub") scrub();
     else if (cmd == "attention") attention();

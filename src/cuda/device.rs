@@ -37,7 +37,7 @@ use super::lent::{Borrowed, EngineStream};
 use super::source;
 use super::step::{
     AttentionCheck, AttentionElement, AttentionShape, BlockTableStep, DecodeAttention, KvElement, KvStore, PageRegion,
-    PagedKvStep, fits, need, need_opt, readers_cover,
+    PagedKvStep, TokenRowsStep, fits, need, need_opt, readers_cover,
 };
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg, result, sys};
 use std::sync::Arc;
@@ -123,6 +123,7 @@ struct Kernels {
     apply: CudaFunction,
     verify_block_table: CudaFunction,
     verify_paged_kv: CudaFunction,
+    verify_token_rows: CudaFunction,
     store_b32: CudaFunction,
     store_b16: CudaFunction,
     crc32: CudaFunction,
@@ -469,6 +470,7 @@ impl Device {
             apply: f("kvg_apply_tag_updates")?,
             verify_block_table: f("kvg_verify_block_table")?,
             verify_paged_kv: f("kvg_verify_paged_kv")?,
+            verify_token_rows: f("kvg_verify_token_rows")?,
             store_b32: f("kvg_store_kv_b32")?,
             store_b16: f("kvg_store_kv_b16")?,
             crc32: f("kvg_crc32_pages")?,
@@ -667,6 +669,35 @@ impl Device {
         // beyond num_indices (= the lent length) before reading kv_indices or the generations
         // (lent with at least as many entries); page ids are range-checked before tags are
         // read. Any grid is complete. Arguments match `kvg_verify_paged_kv`.
+        unsafe { b.launch(cfg(grid, VERIFY_THREADS)) }?;
+        Ok(())
+    }
+
+    /// `kvg_verify_token_rows` over the engine's SGLang-layout step (`req_to_token` read in
+    /// place).
+    pub fn verify_token_rows(&mut self, step: &TokenRowsStep, stream: &EngineStream) -> Result<(), DeviceError> {
+        let TokenRowsStep { req_to_token, num_rows, row_stride, rows, seq_lens, num_seqs, max_pages_per_seq } = *step;
+        fits("sequences", u64::from(num_seqs), u64::from(self.max_seqs))?;
+        readers_cover("verify_token_rows", num_seqs, self.readers_set)?;
+        need("req_to_token", &req_to_token, u64::from(num_rows) * u64::from(row_stride))?;
+        need("rows", &rows, u64::from(num_seqs))?;
+        need("seq_lens", &seq_lens, u64::from(num_seqs))?;
+        if num_seqs == 0 {
+            return Ok(());
+        }
+        let (rt, r, sl) = (req_to_token.ptr(), rows.ptr(), seq_lens.ptr());
+        let s = self.on(stream);
+        let mut b = s.launch_builder(&self.kernels.verify_token_rows);
+        b.arg(&self.raw.tags).arg(&self.num_pages).arg(&self.page_size).arg(&rt).arg(&num_rows).arg(&row_stride);
+        b.arg(&r).arg(&sl).arg(&num_seqs);
+        b.arg(&self.raw.readers).arg(&self.raw.status).arg(&self.raw.ring);
+        let grid = verify_grid(num_seqs, max_pages_per_seq, self.sm_count);
+        // SAFETY: rows[s], seq_lens[s], readers[s] and status[s] for s < num_seqs are in bounds
+        // (checked against the Borrowed lengths, the readers set and max_seqs above); the kernel
+        // refuses a row outside num_rows or a length beyond the row's pages before reading the
+        // row, and reads entries j * page_size < row_stride of it only (req_to_token lent with
+        // num_rows * row_stride entries); page ids are range-checked before tags are read. Any
+        // grid is complete. Arguments match `kvg_verify_token_rows`'s signature.
         unsafe { b.launch(cfg(grid, VERIFY_THREADS)) }?;
         Ok(())
     }

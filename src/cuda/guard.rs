@@ -9,6 +9,7 @@ use super::lent::{Borrowed, EngineStream};
 use super::source;
 use super::step::{
     AttentionCheck, AttentionElement, BlockTableStep, DecodeAttention, KvElement, KvStore, PageRegion, PagedKvStep,
+    TokenRowsStep,
 };
 use crate::config::PoolConfig;
 use crate::ids::{RequestId, TenantId};
@@ -240,6 +241,13 @@ impl DeviceGuard {
     /// [`verify_block_table`](Self::verify_block_table) is.
     pub fn verify_paged_kv(&mut self, step: &PagedKvStep, stream: &EngineStream) -> Result<(), DeviceError> {
         self.device.verify_paged_kv(step, stream)
+    }
+
+    /// Verifies a step in SGLang's layout, its `req_to_token` rows read in place on the device
+    /// (no gather into a block table first); otherwise as
+    /// [`verify_block_table`](Self::verify_block_table) is.
+    pub fn verify_token_rows(&mut self, step: &TokenRowsStep, stream: &EngineStream) -> Result<(), DeviceError> {
+        self.device.verify_token_rows(step, stream)
     }
 
     /// CRC32 (crc32fast-exact) of pages of `region` (all of `0..n_pages` when `pages` is None)

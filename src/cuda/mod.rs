@@ -13,7 +13,7 @@
 //! - `device.rs` (`unsafe`): the CUDA context, kernels, kvguard's own buffers and page-locked
 //!   staging, and every launch (each on the stream its caller passes), each with its `SAFETY` argument and the invariants it relies on;
 //!   [`UncheckedAttention`].
-//! - `step.rs`: the launches' arguments ([`BlockTableStep`], [`PagedKvStep`], [`KvStore`],
+//! - `step.rs`: the launches' arguments ([`BlockTableStep`], [`PagedKvStep`], [`TokenRowsStep`], [`KvStore`],
 //!   [`DecodeAttention`], [`PageRegion`], ...) and the checks that what they lend is long enough.
 //! - `lent.rs` (`unsafe`: two constructors): what the engine lends, [`Borrowed`] device memory
 //!   and the [`EngineStream`] each call queues its work on.
@@ -71,7 +71,7 @@ pub use lent::{Borrowed, EngineStream};
 #[cfg(feature = "cuda")]
 pub use step::{
     AttentionCheck, AttentionElement, AttentionShape, Bf16, BlockTableStep, DecodeAttention, KvElement, KvStore,
-    PageRegion, PagedKvStep,
+    PageRegion, PagedKvStep, TokenRowsStep,
 };
 
 #[cfg(feature = "cuda")]

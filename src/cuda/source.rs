@@ -18,6 +18,7 @@ pub const KERNELS: &[&str] = &[
     "kvg_apply_tag_updates",
     "kvg_verify_block_table",
     "kvg_verify_paged_kv",
+    "kvg_verify_token_rows",
     "kvg_store_kv_b32",
     "kvg_store_kv_b16",
     "kvg_crc32_pages",

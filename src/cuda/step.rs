@@ -56,6 +56,34 @@ impl BlockTableStep {
     }
 }
 
+/// A step in SGLang's layout, read in place: `req_to_token[num_rows][row_stride]` (int32, one
+/// token slot per entry, `page * page_size + offset`: SGLang's `ReqToTokenPool.req_to_token`),
+/// sequence `s` reading row `rows[s]` for `seq_lens[s]` tokens (int64 both: the forward batch's
+/// `req_pool_indices` and `seq_lens`), all the engine's device memory. Page `j` of a sequence is
+/// the page of its row's entry `j * page_size`, the entry the host check of token-slot rows reads
+/// (the Python binding's `verify_step_rows(..., token_slots=True)`): no gather of the rows into a
+/// block table first. A row outside `num_rows` or a negative length is
+/// a malformed step ([`BadLayout`](super::DeviceKind::BadLayout)); more tokens than the row has
+/// pages for, [`BlockTableTooShort`](crate::ViolationKind::BlockTableTooShort). No generations,
+/// no canaries: SGLang's own KV store stamps none.
+#[derive(Clone, Copy, Debug)]
+pub struct TokenRowsStep {
+    /// The engine's whole `req_to_token`, row-major, `row_stride` entries per row.
+    pub req_to_token: Borrowed<i32>,
+    /// Rows of `req_to_token`.
+    pub num_rows: u32,
+    /// Entries per row (the engine's max context length).
+    pub row_stride: u32,
+    /// Each sequence's row.
+    pub rows: Borrowed<i64>,
+    /// Tokens each sequence reads.
+    pub seq_lens: Borrowed<i64>,
+    /// Sequences in the step: at most the readers named for this step.
+    pub num_seqs: u32,
+    /// An upper bound on pages per sequence (caps the grid; any value is correct).
+    pub max_pages_per_seq: u32,
+}
+
 /// A decode step in FlashInfer's layout: `kv_indptr[num_seqs + 1]`, `kv_indices[..]` and
 /// `kv_last_page_len[num_seqs]` (int32, the engine's device memory). Canaries as for
 /// [`BlockTableStep`]: off by default ([`PagedKvStep::new`]).

@@ -1,5 +1,5 @@
 //! `DeviceGuard` on a real GPU: verification against the host table (captured into a CUDA graph
-//! and replayed), CRC32 against crc32fast, the KV store and the fused attention check.
+//! and replayed; SGLang's `req_to_token` read in place), CRC32 against crc32fast, the KV store and the fused attention check.
 //!
 //! Without a driver or device every GPU test prints a SKIPPED line and passes, unless
 //! `KVGUARD_REQUIRE_GPU=1` (set by `scripts/gpu-check`). The typed-error test runs everywhere.
@@ -14,7 +14,7 @@ mod cuda {
     use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, sys};
     use kvguard::cuda::{
         AttentionCheck, AttentionShape, BlockTableStep, Borrowed, DecodeAttention, DeviceError, DeviceGuard,
-        DeviceKind, DeviceOptions, EngineStream, KvStore, PageRegion, PagedKvStep,
+        DeviceKind, DeviceOptions, EngineStream, KvStore, PageRegion, PagedKvStep, TokenRowsStep,
     };
     use kvguard::{OwnershipTable, PageId, PoolConfig, RequestId, TenantId, ViolationKind};
     use std::sync::{Arc, OnceLock};
@@ -284,6 +284,68 @@ mod cuda {
         let v = g.drain(&table, &es).unwrap().violations;
         assert_eq!(v.len(), 1);
         assert_eq!((v[0].kind(), v[0].block_index()), (ViolationKind::StalePage, Some(1)));
+    }
+
+    #[test]
+    fn gpu_verify_token_rows_reads_sglangs_req_to_token_in_place() {
+        let (table, pa, pb) = two_requests();
+        let Some((mut g, s, es)) = guard(table.config(), 8) else { return };
+        g.upload_all_tags(&table, &es).unwrap();
+        let (alice, bob) = (RequestId(1), RequestId(2));
+        // SGLang's req_to_token: one token slot per entry (page * PS + offset), 64 entries a row,
+        // alice in row 3, bob in row 1, a stale copy of alice's row in row 0 that bob reads.
+        let (stride, num_rows) = (64usize, 5usize);
+        let mut rt = vec![-1i32; stride * num_rows];
+        let mut lay = |row: usize, pages: &[PageId]| {
+            for (j, p) in pages.iter().enumerate() {
+                for k in 0..PS as usize {
+                    rt[row * stride + j * PS as usize + k] = (p.0 * PS) as i32 + k as i32;
+                }
+            }
+        };
+        lay(3, &pa);
+        lay(1, &pb);
+        lay(0, &[pb[0], pa[1]]);
+        // seq 0 alice clean; seq 1 bob clean; seq 2 bob reads row 0 (alice's page 1: foreign,
+        // block 1); seq 3 alice reads 41 tokens (unwritten); seq 4 a row past the table.
+        let readers = [alice, bob, bob, alice, bob];
+        let rows = [3i64, 1, 0, 3, num_rows as i64];
+        let lens = [40i64, 40, 20, 41, 4];
+        let tenants: Vec<(RequestId, TenantId)> =
+            readers.iter().map(|&r| (r, table.request_info(r).unwrap().tenant)).collect();
+        g.set_readers(&tenants, &es).unwrap();
+        let d_rt = s.clone_htod(&rt).unwrap();
+        let d_rows = s.clone_htod(&rows).unwrap();
+        let d_lens = s.clone_htod(&lens).unwrap();
+        let step = TokenRowsStep {
+            req_to_token: lend(&s, &d_rt),
+            num_rows: num_rows as u32,
+            row_stride: stride as u32,
+            rows: lend(&s, &d_rows),
+            seq_lens: lend(&s, &d_lens),
+            num_seqs: readers.len() as u32,
+            max_pages_per_seq: (stride as u32).div_ceil(PS),
+        };
+        g.clear_status(&es).unwrap();
+        g.verify_token_rows(&step, &es).unwrap();
+        let status = g.read_status(readers.len() as u32, &es).unwrap();
+        let kinds: Vec<Vec<DeviceKind>> = status.iter().map(|&st| DeviceKind::from_status(st)).collect();
+        assert_eq!(
+            kinds,
+            vec![
+                vec![],
+                vec![],
+                vec![DeviceKind::ForeignPage],
+                vec![DeviceKind::UnwrittenSlots],
+                vec![DeviceKind::BadLayout]
+            ]
+        );
+        let v = g.drain(&table, &es).unwrap().violations;
+        let foreign = v.iter().find(|v| v.kind() == ViolationKind::ForeignPage).expect("the stale row is refused");
+        assert_eq!((foreign.request(), foreign.block_index()), (Some(bob), Some(1)));
+        // Lent too little of req_to_token for its rows: refused before launching.
+        let short = TokenRowsStep { num_rows: num_rows as u32 + 1, ..step };
+        assert!(matches!(g.verify_token_rows(&short, &es), Err(DeviceError::Argument(_))));
     }
 
     #[test]

@@ -285,6 +285,89 @@ mod cuda {
         assert_eq!(kinds, vec![ViolationKind::SlotOutOfRange; 4]);
     }
 
+    /// `seqs` laid out as SGLang's `req_to_token`: one token slot per entry (`page * PS +
+    /// offset`, -1 for a padding entry), each sequence's row at a scrambled place among rows
+    /// nobody reads (never assigned: -1).
+    fn token_rows(seqs: &[Seq]) -> (Vec<i32>, Vec<i64>, usize) {
+        let stride = MAX_BLOCKS * PS as usize;
+        let num_rows = 2 * seqs.len() + 1;
+        let mut rt = vec![-1i32; num_rows * stride];
+        let at: Vec<i64> = (0..seqs.len()).map(|i| (num_rows - 2 - 2 * i) as i64).collect();
+        for (s, &row) in seqs.iter().zip(&at) {
+            for (j, &page) in s.row.iter().enumerate() {
+                for k in 0..PS as usize {
+                    let slot = if page < 0 { -1 } else { page * PS as i32 + k as i32 };
+                    rt[row as usize * stride + j * PS as usize + k] = slot;
+                }
+            }
+        }
+        (rt, at, num_rows)
+    }
+
+    fn run_token_rows(exe: &Path, pool: &Pool, seqs: &[Seq], rows: &[i64], lens: &[i64]) -> (Vec<u32>, RingDrain) {
+        let (rt, _, num_rows) = token_rows(seqs);
+        let mut case = Case::new("verify-rows");
+        case.tags("tags", &pool.device_tags())
+            .readers("readers", &readers_of(pool, seqs))
+            .i32s("req_to_token", &rt)
+            .i64s("rows", rows)
+            .i64s("seq_lens", lens)
+            .param("page_size", PS)
+            .param("row_stride", MAX_BLOCKS * PS as usize)
+            .param("num_rows", num_rows)
+            .param("ring_capacity", 4096)
+            .param("grid_x", 1)
+            .param("grid_y", 5);
+        case.run(exe, "verify_token_rows");
+        (case.out_u32("status"), case.ring())
+    }
+
+    #[test]
+    fn verify_token_rows_agrees_with_the_table() {
+        let Some(exe) = driver() else { return };
+        let pool = pool();
+        let mut rng = Rng(13);
+        let seqs = sequences(&pool, &mut rng, 60);
+        let (_, rows, _) = token_rows(&seqs);
+        let lens: Vec<i64> = seqs.iter().map(|s| s.tokens as i64).collect();
+        let (status, ring) = run_token_rows(exe, &pool, &seqs, &rows, &lens);
+        // The rows read in place say what the same pages as a block table say, block by block.
+        assert_agrees(&pool, &seqs, &status, &ring, false, false);
+        for r in &ring.records {
+            assert_eq!(r.to_violation().unwrap().request(), Some(seqs[r.seq as usize].reader));
+        }
+    }
+
+    #[test]
+    fn verify_token_rows_refuses_malformed_steps() {
+        let Some(exe) = driver() else { return };
+        let pool = pool();
+        let mut rng = Rng(14);
+        let clean: Vec<Seq> = sequences(&pool, &mut rng, 0).into_iter().take(1).collect();
+        let seqs = vec![clean[0].clone(); 5];
+        let (_, rows, num_rows) = token_rows(&seqs);
+        let max = (MAX_BLOCKS * PS as usize) as i64;
+        // seq 0: clean; 1: a row past the table; 2: a negative row; 3: a negative length;
+        // 4: more tokens than the row has pages for.
+        let rows = [rows[0], num_rows as i64, -1, rows[3], rows[4]];
+        let lens = [clean[0].tokens as i64, 4, 4, -1, max + 1];
+        let (status, ring) = run_token_rows(exe, &pool, &seqs, &rows, &lens);
+        let bad = 1 << DeviceKind::BadLayout.code();
+        assert_eq!(&status[..4], &[0, bad, bad, bad]);
+        assert_eq!(status[4], 1 << DeviceKind::BlockTableTooShort.code());
+        let mut kinds: Vec<_> = ring.records.iter().map(|r| (r.seq, r.to_violation().unwrap().kind())).collect();
+        kinds.sort_by_key(|k| k.0);
+        assert_eq!(
+            kinds,
+            vec![
+                (1, ViolationKind::SlotOutOfRange),
+                (2, ViolationKind::SlotOutOfRange),
+                (3, ViolationKind::SlotOutOfRange),
+                (4, ViolationKind::BlockTableTooShort)
+            ]
+        );
+    }
+
     #[test]
     fn a_full_ring_drops_and_counts_instead_of_overwriting() {
         let Some(exe) = driver() else { return };

@@ -117,6 +117,7 @@ mod cuda {
             for k in [
                 "kvg_verify_block_table",
                 "kvg_verify_paged_kv",
+                "kvg_verify_token_rows",
                 "kvg_decode_attention_checked",
                 "kvg_apply_tag_updates",
             ] {

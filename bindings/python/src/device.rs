@@ -11,7 +11,7 @@
 use crate::errors::{DeviceError, log_violation};
 use crate::table::OwnershipTable;
 use crate::values::{PoolConfig, Violation};
-use kvguard::cuda::{self as core, BlockTableStep, Borrowed, DeviceOptions, EngineStream, PagedKvStep};
+use kvguard::cuda::{self as core, BlockTableStep, Borrowed, DeviceOptions, EngineStream, PagedKvStep, TokenRowsStep};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 
@@ -180,6 +180,42 @@ impl DeviceGuard {
             }
         };
         py.detach(|| self.guard.lock().verify_paged_kv(&step, &engine_stream(stream))).map_err(dev_err)
+    }
+
+    /// Verifies an SGLang-layout step on the device, its rows read in place (device pointers:
+    /// req_to_token int32 [num_rows, row_stride], one token slot per entry; rows and seq_lens
+    /// int64 [num_seqs], the forward batch's req_pool_indices and seq_lens). Page j of sequence s
+    /// is the page of req_to_token[rows[s], j * page_size]. No host sync.
+    #[pyo3(signature = (req_to_token, num_rows, row_stride, rows, seq_lens, num_seqs, max_pages_per_seq, *, stream))]
+    #[allow(clippy::too_many_arguments)]
+    fn verify_token_rows(
+        &self,
+        py: Python<'_>,
+        req_to_token: u64,
+        num_rows: u32,
+        row_stride: u32,
+        rows: u64,
+        seq_lens: u64,
+        num_seqs: u32,
+        max_pages_per_seq: u32,
+        stream: usize,
+    ) -> PyResult<()> {
+        let cells = num_rows as usize * row_stride as usize;
+        // SAFETY: the caller promises (documented above) live device tensors of this guard's
+        // device: req_to_token int32 of `cells` elements, rows and seq_lens int64 of `num_seqs`,
+        // untouched until the launch completes.
+        let step = unsafe {
+            TokenRowsStep {
+                req_to_token: Borrowed::from_raw(req_to_token, cells),
+                num_rows,
+                row_stride,
+                rows: Borrowed::from_raw(rows, num_seqs as usize),
+                seq_lens: Borrowed::from_raw(seq_lens, num_seqs as usize),
+                num_seqs,
+                max_pages_per_seq,
+            }
+        };
+        py.detach(|| self.guard.lock().verify_token_rows(&step, &engine_stream(stream))).map_err(dev_err)
     }
 
     /// The first `n` per-sequence status words (bit k set: a violation of kind k). Syncs.

@@ -9,10 +9,10 @@ one gather (``Guard._row_key[req_pool_indices]``). The rows are verified where t
   request's row in place by its row index (no gather): at page size 1 the row itself, otherwise
   the first slot of each page divided by the page size. A decode forward checks each row's
   window only (``check_step_window``, see :meth:`HostRowCheck._verify_rows`).
-- :class:`DeviceRowCheck`: ``req_to_token`` on a GPU. The same page table is gathered on the
-  device and checked by :class:`kvguard.DeviceGuard` on SGLang's current stream
-  (``sync_tags``, ``set_readers``, ``clear_status``, ``verify_block_table``: no host sync); its
-  verdicts are drained when the forward ends. The rows never come to the host.
+- :class:`DeviceRowCheck`: ``req_to_token`` on a GPU, read in place there by
+  :class:`kvguard.DeviceGuard` on SGLang's current stream (``sync_tags``, ``set_readers``,
+  ``clear_status``, ``verify_token_rows``: no gather, no host sync); its verdicts are drained
+  when the forward ends. The rows never come to the host.
 """
 
 from __future__ import annotations
@@ -267,26 +267,38 @@ class DeviceRowCheck(HostRowCheck):
         if pos is None:
             pos = np.arange(len(self._rows))
         lens = self._lens if len(pos) == len(self._lens) else self._lens[pos]
-        width = int(lens.max()) if len(lens) else 0
         rows_dev = torch.as_tensor(self._rows_dev, device=rt.device).reshape(-1)
         lens_dev = torch.as_tensor(self._lens_dev, device=rt.device).reshape(-1)
         if len(pos) != len(self._rows):
             at = torch.as_tensor(pos, device=rt.device)
             rows_dev, lens_dev = rows_dev[at], lens_dev[at]
         ps = g.page_size
-        table = rt[rows_dev, :width:ps] if ps > 1 else rt[rows_dev, :width]
-        if ps > 1:
-            table = torch.div(table, ps, rounding_mode="floor")
-        table = table.to(torch.int32).contiguous()
-        seq = lens_dev.to(torch.int32).contiguous()
         stream = self._current_stream()
         dg = self.device_guard
         dg.sync_tags(g.table, stream=stream)
         dg.set_readers(g.table, keys.tolist(), stream=stream)
         dg.clear_status(stream=stream)
-        dg.verify_block_table(table.data_ptr(), seq.data_ptr(), len(pos), int(table.shape[1]), stream=stream)
-        # The launch reads these until it completes: keep them until the drain.
-        self._inflight = (table, seq)
+        if rt.dtype == torch.int32 and rt.dim() == 2 and rt.is_contiguous():
+            # SGLang's req_to_token read in place: page j of a row is its entry j * page_size.
+            rows_dev = rows_dev.to(torch.int64).contiguous()
+            lens_dev = lens_dev.to(torch.int64).contiguous()
+            pages = -(-int(lens.max()) // ps) if len(lens) else 0
+            dg.verify_token_rows(
+                rt.data_ptr(), int(rt.shape[0]), int(rt.shape[1]), rows_dev.data_ptr(), lens_dev.data_ptr(),
+                len(pos), pages, stream=stream,
+            )
+            # The launch reads these until it completes: keep them until the drain.
+            self._inflight = (rows_dev, lens_dev)
+        else:
+            # Another layout: the page table gathered on the device first.
+            width = int(lens.max()) if len(lens) else 0
+            table = rt[rows_dev, :width:ps] if ps > 1 else rt[rows_dev, :width]
+            if ps > 1:
+                table = torch.div(table, ps, rounding_mode="floor")
+            table = table.to(torch.int32).contiguous()
+            seq = lens_dev.to(torch.int32).contiguous()
+            dg.verify_block_table(table.data_ptr(), seq.data_ptr(), len(pos), int(table.shape[1]), stream=stream)
+            self._inflight = (table, seq)
         self._stream = stream
         return []
 

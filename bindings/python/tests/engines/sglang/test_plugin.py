@@ -168,19 +168,28 @@ class RecordingDeviceGuard:
     def verify_block_table(self, block_table, seq_lens, num_seqs, max_blocks, *, stream):
         self.calls.append(("verify_block_table", block_table, seq_lens, num_seqs, max_blocks, stream))
 
+    def verify_token_rows(self, req_to_token, num_rows, row_stride, rows, seq_lens, num_seqs, max_pages, *, stream):
+        self.calls.append(("verify_token_rows", req_to_token, num_rows, row_stride, rows, seq_lens, num_seqs, max_pages, stream))
+
     def drain(self, table, *, stream):
         self.calls.append("drain")
         return []
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_device_check_gathers_pages_on_the_device_and_verifies_on_the_stream(engine_factory, monkeypatch, page_size):
-    """The device path's logic on CPU tensors: the page table handed to verify_block_table is the
-    rows' first slot of each page over the page size (int32, contiguous), the readers are the
-    batch's request keys, everything on SGLang's stream, drained when the forward ends."""
+@pytest.mark.parametrize("layout", ["int32", "strided"])
+def test_device_check_reads_the_rows_on_the_device_and_verifies_on_the_stream(engine_factory, monkeypatch, page_size, layout):
+    """The device path's logic on CPU tensors. SGLang's int32 req_to_token is read in place
+    (verify_token_rows: the whole table, the batch's rows and lengths as int64, contiguous); a
+    table in any other layout (here: not contiguous) is gathered first (verify_block_table: the rows' first slot of each page over the
+    page size, int32, contiguous). The readers are the batch's request keys, everything on
+    SGLang's stream, drained when the forward ends."""
     monkeypatch.setattr(fwd, "DeviceGuard", RecordingDeviceGuard)
     monkeypatch.setattr(fwd.DeviceRowCheck, "_current_stream", lambda self: 77)
     eng = engine_factory(page_size=page_size, policy=None)
+    if layout == "strided":
+        # The same int32 entries, not contiguous: the rows cannot be read in place.
+        eng.req_to_token_pool.req_to_token = eng.req_to_token_pool.req_to_token.t().contiguous().t()
     from kvguard.sglang import Guard
 
     eng.guard = Guard(eng.req_to_token_pool, eng.allocator, tree_cache=eng.tree, kv_pool=eng.kv_pool,
@@ -198,24 +207,34 @@ def test_device_check_gathers_pages_on_the_device_and_verifies_on_the_stream(eng
 
     def spy(pos, keys, full):
         out = real(pos, keys, full)
-        kept["table"], kept["seq"] = check._inflight
+        kept["inflight"] = check._inflight
         return out
 
     monkeypatch.setattr(check, "_verify_rows", spy)
     eng.decode()
     dg = check.device_guard
     names = [c if isinstance(c, str) else c[0] for c in dg.calls]
-    assert names[-5:] == ["sync_tags", "set_readers", "clear_status", "verify_block_table", "drain"]
+    launch = "verify_token_rows" if layout == "int32" else "verify_block_table"
+    assert names[-5:] == ["sync_tags", "set_readers", "clear_status", launch, "drain"]
     readers = next(c for c in reversed(dg.calls) if c[0] == "set_readers")[1]
     assert readers == [eng.guard.request_key(r.rid) for r in reqs]
-    _, bt, sl, n, width, stream = next(c for c in reversed(dg.calls) if c[0] == "verify_block_table")
-    table, seq = kept["table"], kept["seq"]
-    assert (bt, sl, n, width, stream) == (table.data_ptr(), seq.data_ptr(), 3, table.shape[1], 77)
-    assert table.dtype == torch.int32 and table.is_contiguous()
     rt = eng.req_to_token_pool.req_to_token
-    for i, r in enumerate(reqs):
-        length = r.kv.kv_committed_len
-        assert int(seq[i]) == length
-        want = rt[r.kv.req_pool_idx, :length:page_size] // page_size
-        assert torch.equal(table[i, : len(want)], want.to(torch.int32))
+    lengths = [r.kv.kv_committed_len for r in reqs]
+    if layout == "int32":
+        _, ptr, num_rows, stride, rows_ptr, lens_ptr, n, pages, stream = next(c for c in reversed(dg.calls) if c[0] == launch)
+        rows, seq = kept["inflight"]
+        assert (ptr, num_rows, stride) == (rt.data_ptr(), rt.shape[0], rt.shape[1])
+        assert (rows_ptr, lens_ptr, n, pages, stream) == (rows.data_ptr(), seq.data_ptr(), 3, -(-max(lengths) // page_size), 77)
+        assert rows.dtype == seq.dtype == torch.int64 and rows.is_contiguous() and seq.is_contiguous()
+        assert rows.tolist() == [r.kv.req_pool_idx for r in reqs] and seq.tolist() == lengths
+    else:
+        _, bt, sl, n, width, stream = next(c for c in reversed(dg.calls) if c[0] == launch)
+        table, seq = kept["inflight"]
+        assert (bt, sl, n, width, stream) == (table.data_ptr(), seq.data_ptr(), 3, table.shape[1], 77)
+        assert table.dtype == torch.int32 and table.is_contiguous()
+        for i, r in enumerate(reqs):
+            length = r.kv.kv_committed_len
+            assert int(seq[i]) == length
+            want = rt[r.kv.req_pool_idx, :length:page_size] // page_size
+            assert torch.equal(table[i, : len(want)], want.to(torch.int32))
     assert eng.guard.violations == []
