@@ -15,6 +15,68 @@ pub const MAX_PAGE_SIZE: u32 = 1 << 16;
 /// The most token slots a pool may have in all: 2^34, i.e. a 2 GiB coverage bitmap.
 pub const MAX_SLOTS: u64 = 1 << 34;
 
+/// Division by a page size, as a step's per-row loops make it: a shift when the size is a power
+/// of two (every engine's page size), a division otherwise. A 64-bit division takes tens of
+/// cycles, and a decode step makes a few per sequence.
+///
+/// ```
+/// use kvguard::config::PageDiv;
+/// let div = PageDiv::new(16);
+/// assert_eq!((div.floor(47), div.ceil(47), div.offset(47)), (2, 3, 15));
+/// assert_eq!(div.floor_i64(-1), -1); // floor, as i64::div_euclid
+/// let odd = PageDiv::new(12);
+/// assert_eq!((odd.floor(47), odd.ceil(47), odd.offset(47)), (3, 4, 11));
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PageDiv {
+    size: u64,
+    shift: Option<u32>,
+}
+
+impl PageDiv {
+    /// Division by `page_size` (0 is taken as 1: a pool's page size is audited to be at least 1).
+    pub fn new(page_size: u32) -> PageDiv {
+        let size = u64::from(page_size.max(1));
+        PageDiv { size, shift: size.is_power_of_two().then(|| size.trailing_zeros()) }
+    }
+
+    /// `x / page_size`.
+    #[inline]
+    pub fn floor(self, x: u64) -> u64 {
+        match self.shift {
+            Some(s) => x >> s,
+            None => x / self.size,
+        }
+    }
+
+    /// `x % page_size`: the offset of slot `x` in its page.
+    #[inline]
+    pub fn offset(self, x: u64) -> u64 {
+        match self.shift {
+            Some(_) => x & (self.size - 1),
+            None => x % self.size,
+        }
+    }
+
+    /// `x.div_ceil(page_size)`.
+    #[inline]
+    pub fn ceil(self, x: u64) -> u64 {
+        match self.shift {
+            Some(s) => (x >> s) + u64::from(x & (self.size - 1) != 0),
+            None => x.div_ceil(self.size),
+        }
+    }
+
+    /// `x.div_euclid(page_size)`: floor division, a negative `x` stays negative.
+    #[inline]
+    pub fn floor_i64(self, x: i64) -> i64 {
+        match self.shift {
+            Some(s) => x >> s,
+            None => x.div_euclid(self.size as i64),
+        }
+    }
+}
+
 /// The engine's KV pool: `num_pages` pages of `page_size` token slots, and the model's max context.
 ///
 /// ```
@@ -221,6 +283,22 @@ pub enum ConfigError {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn page_div_agrees_with_division_for_every_page_size() {
+        let values = [0u64, 1, 2, 15, 16, 17, 47, 48, 63, 64, 65, 1 << 20, (1 << 34) - 1, u64::MAX - 1, u64::MAX];
+        let signed = [i64::MIN, -65, -64, -17, -16, -1, 0, 1, 16, 17, 63, i64::MAX];
+        for ps in (1..=70).chain([128, 1000, 4096, 65_536]) {
+            let div = super::PageDiv::new(ps);
+            let p = u64::from(ps);
+            for &x in &values {
+                assert_eq!((div.floor(x), div.offset(x), div.ceil(x)), (x / p, x % p, x.div_ceil(p)), "{x} / {ps}");
+            }
+            for &x in &signed {
+                assert_eq!(div.floor_i64(x), x.div_euclid(i64::from(ps)), "{x} / {ps}");
+            }
+        }
+    }
+
     use super::*;
 
     #[test]

@@ -7,6 +7,7 @@ use super::state::{
     BlockEntry, PageTag, PrefixRecord, RequestRecord, SPARE_LIST_MAX_CAPACITY, SPARE_LISTS, TableState,
 };
 use super::verify::leading_matches;
+use crate::config::PageDiv;
 use crate::error::Error;
 use crate::ids::{Generation, PageId, PageRef, RequestId, TenantId};
 use crate::violation::{Op, Violation, ViolationKind};
@@ -130,12 +131,12 @@ impl TableState {
     /// Every page written must be `req`'s own; all or nothing.
     pub(crate) fn record_slot_writes(&mut self, req: RequestId, slots: &[i64]) -> Result<(), Error> {
         self.record(Op::Write, req)?;
-        let ps = self.page_size;
-        for_each_slot_run(slots, ps, |page, run| {
+        let div = self.page_div;
+        for_each_slot_run(slots, div, |page, run| {
             self.check_owned_by(Op::Write, req, page)?;
             self.check_slots(Op::Write, req, page, &run)
         })?;
-        for_each_slot_run(slots, ps, |page, run| {
+        for_each_slot_run(slots, div, |page, run| {
             self.mark_written(page, run.start, run.end);
             Ok(())
         })
@@ -151,13 +152,12 @@ impl TableState {
         if range.start == range.end {
             return Ok(0..0); // an empty write touches no page
         }
-        let ps = u64::from(self.page_size);
-        let covered = (blocks as u64).saturating_mul(ps);
+        let covered = (blocks as u64).saturating_mul(u64::from(self.page_size));
         if range.end > covered {
             let v = self.violation(ViolationKind::BlockTableTooShort, op, req).with_amounts(range.end, covered);
             return Err(v.into());
         }
-        Ok((range.start / ps) as usize..range.end.div_ceil(ps) as usize)
+        Ok(self.page_div.floor(range.start) as usize..self.page_div.ceil(range.end) as usize)
     }
 
     pub(crate) fn record_write_tokens<E: BlockEntry>(
@@ -492,15 +492,14 @@ fn give_pages<const TRACK: bool, E: BlockEntry>(
 /// (`page_out_of_range`): never truncated onto a real page.
 fn for_each_slot_run(
     slots: &[i64],
-    page_size: u32,
+    div: PageDiv,
     mut f: impl FnMut(PageId, Range<u32>) -> Result<(), Error>,
 ) -> Result<(), Error> {
     const NO_PAGE: PageId = PageId(u32::MAX);
-    let ps = u64::from(page_size);
     let mut run: Option<(PageId, u32, u32)> = None;
     for &slot in slots {
         let (page, offset) = match u64::try_from(slot) {
-            Ok(s) => (u32::try_from(s / ps).map_or(NO_PAGE, PageId), (s % ps) as u32),
+            Ok(s) => (u32::try_from(div.floor(s)).map_or(NO_PAGE, PageId), div.offset(s) as u32),
             Err(_) if slot == crate::table::PADDING_SLOT => continue,
             Err(_) => (NO_PAGE, 0),
         };

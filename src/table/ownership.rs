@@ -747,7 +747,7 @@ const WARM_BATCH: usize = 32;
 /// and hot word of the page its first slot is in, in one pass of loads that depend on nothing
 /// but the slots, so the misses of many rows overlap. Decides nothing.
 fn warm_writes(state: &TableState, writes: &[SeqWrite<'_>]) {
-    let ps = u64::from(state.page_size);
+    let div = state.page_div;
     let mut sum = 0u64;
     for w in writes {
         if let Some(rec) = state.requests.get(&w.request) {
@@ -756,7 +756,7 @@ fn warm_writes(state: &TableState, writes: &[SeqWrite<'_>]) {
         if let Some(&slot) = w.slots.first()
             && let Ok(slot) = u64::try_from(slot)
         {
-            let page = (slot / ps) as usize;
+            let page = div.floor(slot) as usize;
             sum ^= state.tags.get(page).map_or(0, |t| u64::from(t.watermark()));
             sum ^= state.hot.get(page).map_or(0, |h| h.differs(super::hot::HotWord::PAST_THE_POOL));
         }

@@ -5,7 +5,7 @@
 use super::hot::HotWord;
 use super::info::{PageState, Released};
 use super::mirror::{ChangedPages, DeviceTag};
-use crate::config::PoolConfig;
+use crate::config::{PageDiv, PoolConfig};
 use crate::error::Error;
 use crate::ids::{Generation, PageId, PageRef, PrefixKey, RequestId, TenantId};
 use bitvec::prelude::{BitVec, Lsb0};
@@ -457,6 +457,8 @@ impl RecentlyEnded {
 
 pub(crate) struct TableState {
     pub page_size: u32,
+    /// Division by `page_size` (a shift for a power of two), for the per-slot and per-read paths.
+    pub page_div: PageDiv,
     pub max_context_tokens: u64,
     pub generation_limit: u32,
     pub scrub_on_release: bool,
@@ -529,6 +531,7 @@ impl TableState {
         }
         Ok(TableState {
             page_size: config.page_size,
+            page_div: PageDiv::new(config.page_size),
             max_context_tokens: config.max_context_tokens,
             generation_limit: config.generation_limit,
             scrub_on_release: config.scrub_on_release,

@@ -59,7 +59,7 @@ impl TableState {
             }
             i += 1;
         }
-        let tail = (tokens % u64::from(self.page_size)) as u32;
+        let tail = self.page_div.offset(tokens) as u32;
         if tail > 0 {
             self.check_entry(rec, req, full, block_table[full], tail)?;
         }
@@ -87,7 +87,7 @@ impl TableState {
         if tokens > covered {
             return Err(self.violation(ViolationKind::BlockTableTooShort, Op::Read, req).with_amounts(tokens, covered));
         }
-        Ok((rec, (tokens / ps) as usize))
+        Ok((rec, self.page_div.floor(tokens) as usize))
     }
 
     /// One page of a read: slots `0..need` of `entry`'s page.
@@ -193,7 +193,7 @@ impl TableState {
         for (i, &entry) in block_table[..full].iter().enumerate() {
             self.check_entry(rec, req, i, entry, self.page_size)?;
         }
-        let tail = (tokens % u64::from(self.page_size)) as u32;
+        let tail = self.page_div.offset(tokens) as u32;
         if tail > 0 {
             self.check_entry(rec, req, full, block_table[full], tail)?;
         }

@@ -166,3 +166,37 @@ fn a_step_of_many_sequences_names_each_refused_one_by_its_index() {
     t.verify_read(RequestId(34), &[PageId(35)], 1).unwrap();
     assert_eq!(t.check_read(RequestId(33), &[PageId(34)], 1).unwrap_err().kind(), ViolationKind::UnwrittenSlots);
 }
+
+#[test]
+fn any_page_size_maps_slots_to_the_same_pages_and_offsets() {
+    // Powers of two take a shift inside the table, others a division: both must say the same.
+    for ps in [1u32, 3, 12, 16, 48, 64] {
+        let t = OwnershipTable::new(PoolConfig::new(16, ps, 15 * u64::from(ps)).with_reserved([PageId(0)]))
+            .expect("the test pool passes its audit");
+        let a = RequestId(1);
+        let tokens = 2 * u64::from(ps) + u64::from(ps).div_ceil(2); // two pages and part of a third
+        t.admit(a, TenantId(1), tokens, 0).unwrap();
+        let pages = [PageId(5), PageId(2), PageId(11), PageId(7)];
+        t.claim(a, &pages).unwrap();
+        let mapping: Vec<i64> = (0..tokens)
+            .map(|tok| i64::from(pages[(tok / u64::from(ps)) as usize].0 * ps) + (tok % u64::from(ps)) as i64)
+            .collect();
+        // Written in two steps, the second from the middle of a page on (a decode step's shape).
+        let half = (tokens / 2) as usize;
+        for part in [&mapping[..half], &mapping[half..]] {
+            assert!(t.record_step_writes(&[SeqWrite { request: a, slots: part }]).is_clean(), "ps {ps}");
+        }
+        t.verify_read(a, &pages, tokens).unwrap();
+        let v = t.check_read(a, &pages, tokens + 1).unwrap_err();
+        assert_eq!(v.kind(), ViolationKind::UnwrittenSlots, "ps {ps}");
+        let next = pages[(tokens / u64::from(ps)) as usize];
+        assert_eq!(v.page(), Some(next), "ps {ps}: the slot after the last written one");
+        let written = pages.iter().map(|p| t.page_info(*p).unwrap().written_slots).collect::<Vec<_>>();
+        let third = (tokens - 2 * u64::from(ps)) as u32;
+        assert_eq!(&written[..3], &[ps, ps, third], "ps {ps}");
+        // A slot one page past the pool is refused as such, never folded onto a real page.
+        let beyond = [i64::from(16 * ps)];
+        let v = t.record_step_writes(&[SeqWrite { request: a, slots: &beyond }]);
+        assert_eq!(v.refused[0].1.kind(), ViolationKind::PageOutOfRange, "ps {ps}");
+    }
+}

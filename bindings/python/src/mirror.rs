@@ -10,9 +10,32 @@
 //! (`row_checked`). The table stays the judge: the mirror only says which calls a step needs.
 
 use crate::arrays::{I64Mut, IntArray};
+use kvguard::config::PageDiv;
 use kvguard::{PageId, RequestId};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+
+/// A 1-D int array read by index in a per-row loop: as a slice when it is contiguous int64 (the
+/// mirror's own numpy arrays), else through [`IntArray::get`].
+pub struct Lookup<'a, 'py> {
+    array: &'a IntArray<'py>,
+    slice: Option<&'a [i64]>,
+}
+
+impl<'a, 'py> Lookup<'a, 'py> {
+    pub fn new(array: &'a IntArray<'py>) -> Self {
+        Lookup { array, slice: array.as_i64() }
+    }
+
+    /// Entry `i` (`i < len`: a bound the caller checked).
+    #[inline]
+    pub fn at(&self, i: usize) -> i64 {
+        match self.slice {
+            Some(s) => s[i],
+            None => self.array.get(i, 0),
+        }
+    }
+}
 
 /// One new page of a decode step's row write: the claim it needs.
 #[derive(Clone, Copy, Debug)]
@@ -78,17 +101,19 @@ pub fn decode_writes(
     if slots.len() < rows.len() {
         return Err(PyValueError::new_err(format!("slots has {} entries, {} needed", slots.len(), rows.len())));
     }
-    let ps = i64::from(page_size);
+    let div = PageDiv::new(page_size);
     let never = prefix.len() - 1;
     let mut out = DecodeWrites::default();
+    let (keys, claimants, prefix, slots) =
+        (Lookup::new(keys), Lookup::new(claimants), Lookup::new(prefix), Lookup::new(slots));
     for (i, &row) in rows.iter().enumerate() {
-        let key = keys.get(row as usize, 0);
-        let page = slots.get(i, 0).div_euclid(ps);
+        let key = keys.at(row as usize);
+        let page = div.floor_i64(slots.at(i));
         let at = usize::try_from(page).ok().filter(|&p| p < never).unwrap_or(never);
         if owner(at) == key {
             continue;
         }
-        if claimants.get(row as usize, 0) == 0 || prefix.get(at, 0) != 0 {
+        if claimants.at(row as usize) == 0 || prefix.at(at) != 0 {
             out.left.push(i);
             continue;
         }

@@ -153,20 +153,32 @@ fn window_pages(
     token_slots: bool,
 ) -> (Vec<PageId>, Vec<std::ops::Range<usize>>) {
     let ps = u64::from(page_size);
+    let div = kvguard::config::PageDiv::new(page_size);
     let stride = if token_slots { ps as usize } else { 1 };
     let width = t.width().div_ceil(stride);
     let mut converted = Vec::new();
     let mut spans = Vec::with_capacity(rows.len());
+    let page_of = |v: i64| {
+        let page = if v < 0 {
+            -1
+        } else if token_slots {
+            div.floor(v as u64) as i64
+        } else {
+            v
+        };
+        PageId(u32::try_from(page).unwrap_or(u32::MAX))
+    };
     for (i, &row) in rows.iter().enumerate() {
         let seq = lens[i];
-        let first = from.map_or(0, |f| usize::try_from(f[i].min(seq) / ps).unwrap_or(usize::MAX));
-        let end = usize::try_from(seq.div_ceil(ps)).unwrap_or(usize::MAX).min(width).max(first);
+        let first = from.map_or(0, |f| usize::try_from(div.floor(f[i].min(seq))).unwrap_or(usize::MAX));
+        let end = usize::try_from(div.ceil(seq)).unwrap_or(usize::MAX).min(width).max(first);
         let start = converted.len();
-        converted.extend((first..end).map(|j| {
-            let v = t.get(row as usize, j * stride);
-            let page = if v < 0 { -1 } else { v / stride as i64 };
-            PageId(u32::try_from(page).unwrap_or(u32::MAX))
-        }));
+        // An int32 contiguous row (SGLang's req_to_token) is read as a slice; its entries are
+        // the engine's int32s (`PageId` only borrows their bits).
+        match t.row_pages(row as usize) {
+            Some(r) => converted.extend((first..end).map(|j| page_of(i64::from(r[j * stride].0 as i32)))),
+            None => converted.extend((first..end).map(|j| page_of(t.get(row as usize, j * stride)))),
+        }
         spans.push(start..converted.len());
         lens[i] = seq - first as u64 * ps;
     }
@@ -1343,11 +1355,20 @@ impl OwnershipTable {
         let n = rows.len();
         let mut lens = IntArray::open(seq_lens, "seq_lens", 1)?.counts(n, "seq_lens")?;
         let loc = IntArray::open(out_cache_loc, "out_cache_loc", 1)?;
-        if loc.len() != n || rows.iter().any(|&r| claimants.get(r as usize, 0) == 0) {
+        // The mirror's int64 arrays read as slices (the per-row loops below are the call's cost).
+        let (key_of, live) = (mirror::Lookup::new(&keys), mirror::Lookup::new(&claimants));
+        if loc.len() != n || rows.iter().any(|&r| live.at(r as usize) == 0) {
             return Ok(Some(("full", None)));
         }
-        let slots: Vec<i64> = (0..n).map(|i| loc.get(i, 0)).collect();
-        let requests: Vec<RequestId> = rows.iter().map(|&r| RequestId(keys.get(r as usize, 0) as u64)).collect();
+        let copied: Vec<i64>;
+        let slots: &[i64] = match loc.as_i64() {
+            Some(s) => s,
+            None => {
+                copied = (0..n).map(|i| loc.get(i, 0)).collect();
+                &copied
+            }
+        };
+        let requests: Vec<RequestId> = rows.iter().map(|&r| RequestId(key_of.at(r as usize) as u64)).collect();
         let writes: Vec<SeqWrite<'_>> =
             requests.iter().zip(slots.chunks(1)).map(|(&request, slots)| SeqWrite { request, slots }).collect();
         // The windows' pages are read before anything is recorded (the arrays stay with the GIL).
@@ -1666,16 +1687,17 @@ fn row_slots(bt: &IntArray<'_>, computed: &[u64], scheduled: &[u64], ps: u64) ->
     }
     let last = width as u64 - 1;
     let ps_i = ps as i64;
+    let div = kvguard::config::PageDiv::new(ps as u32);
     for (i, (&c, &s)) in computed.iter().zip(scheduled).enumerate() {
         let row = bt.row_pages(i);
         for p in c..c + s {
-            let col = (p / ps).min(last) as usize;
+            let col = div.floor(p).min(last) as usize;
             let page = match row {
                 // An int32 entry as vLLM holds it (a negative one stays negative).
                 Some(r) => i64::from(r[col].0 as i32),
                 None => bt.get(i, col),
             };
-            slots.push(page.wrapping_mul(ps_i).wrapping_add((p % ps) as i64));
+            slots.push(page.wrapping_mul(ps_i).wrapping_add(div.offset(p) as i64));
         }
     }
     Ok((slots, qsl))
