@@ -85,6 +85,43 @@ pub fn check_rows(name: &str, len: usize, row_keys: usize) -> PyResult<()> {
     Ok(())
 }
 
+/// The arguments every decode-step call opens alike: the mirror's rows and radix prefixes, and
+/// the row write's positions (`rows[i]` wrote `slots[i]`).
+pub struct DecodeArgs<'py> {
+    pub keys: IntArray<'py>,
+    pub claimants: IntArray<'py>,
+    pub prefix: IntArray<'py>,
+    pub rows: Vec<u64>,
+    pub slots: IntArray<'py>,
+}
+
+impl<'py> DecodeArgs<'py> {
+    /// Opens and checks them against each other and `owner_len`, page_owner's length
+    /// (`TypeError` / `ValueError` naming the argument).
+    pub fn open(
+        row_keys: &Bound<'py, PyAny>,
+        row_claimants: &Bound<'py, PyAny>,
+        page_prefix: &Bound<'py, PyAny>,
+        owner_len: usize,
+        rows: &Bound<'py, PyAny>,
+        slots: &Bound<'py, PyAny>,
+    ) -> PyResult<Self> {
+        let keys = IntArray::open(row_keys, "row_keys", 1)?;
+        let claimants = IntArray::open(row_claimants, "row_claimants", 1)?;
+        check_rows("row_claimants", claimants.len(), keys.len())?;
+        let prefix = IntArray::open(page_prefix, "page_prefix", 1)?;
+        check_pages(owner_len, prefix.len())?;
+        let rows = step_rows(&IntArray::open(rows, "rows", 1)?, keys.len())?;
+        let slots = IntArray::open(slots, "slots", 1)?;
+        Ok(DecodeArgs { keys, claimants, prefix, rows, slots })
+    }
+
+    /// [`decode_writes`] over them.
+    pub fn writes(&self, owner: impl Fn(usize) -> i64, page_size: u32) -> PyResult<DecodeWrites> {
+        decode_writes(&self.keys, &self.claimants, &self.prefix, owner, &self.rows, &self.slots, page_size)
+    }
+}
+
 /// The claims and leftovers of a decode step's row write: position `i` wrote slot `slots[i]`
 /// (page `slots[i] // page_size`) into row `rows[i]`. A page the row's request already owns in
 /// the mirror is nothing new; a new page of a live row that is no prefix is a claim; anything

@@ -1230,17 +1230,9 @@ impl OwnershipTable {
         rows: &Bound<'_, PyAny>,
         slots: &Bound<'_, PyAny>,
     ) -> PyResult<(StepVerdict, Vec<usize>, Py<PyAny>)> {
-        let keys = IntArray::open(row_keys, "row_keys", 1)?;
-        let claimants = IntArray::open(row_claimants, "row_claimants", 1)?;
-        mirror::check_rows("row_claimants", claimants.len(), keys.len())?;
-        let prefix = IntArray::open(page_prefix, "page_prefix", 1)?;
         let owner = IntArray::open(page_owner, "page_owner", 1)?;
-        mirror::check_pages(owner.len(), prefix.len())?;
-        let rows = mirror::step_rows(&IntArray::open(rows, "rows", 1)?, keys.len())?;
-        let slots = IntArray::open(slots, "slots", 1)?;
-        let page_size = self.table.page_size();
-        let writes =
-            mirror::decode_writes(&keys, &claimants, &prefix, |at| owner.get(at, 0), &rows, &slots, page_size)?;
+        let args = mirror::DecodeArgs::open(row_keys, row_claimants, page_prefix, owner.len(), rows, slots)?;
+        let writes = args.writes(|at| owner.get(at, 0), self.table.page_size())?;
         let (v, ok) = self.decode_claims(py, &writes.claims);
         // (page, key) pairs as little-endian int64 bytes, numpy's view of them below.
         let never = owner.len() - 1;
@@ -1282,20 +1274,13 @@ impl OwnershipTable {
         cols: &Bound<'_, PyAny>,
         slots: &Bound<'_, PyAny>,
     ) -> PyResult<Option<(StepVerdict, Vec<usize>)>> {
-        let keys = IntArray::open(row_keys, "row_keys", 1)?;
-        let claimants = IntArray::open(row_claimants, "row_claimants", 1)?;
-        mirror::check_rows("row_claimants", claimants.len(), keys.len())?;
-        let prefix = IntArray::open(page_prefix, "page_prefix", 1)?;
         let owner = I64Mut::open(page_owner, "page_owner")?;
-        mirror::check_pages(owner.len(), prefix.len())?;
+        let args = mirror::DecodeArgs::open(row_keys, row_claimants, page_prefix, owner.len(), rows, slots)?;
         let checked = I64Mut::open(row_checked, "row_checked")?;
-        mirror::check_rows("row_checked", checked.len(), keys.len())?;
-        let rows = mirror::step_rows(&IntArray::open(rows, "rows", 1)?, keys.len())?;
+        mirror::check_rows("row_checked", checked.len(), args.keys.len())?;
         let cols = IntArray::open(cols, "cols", 1)?;
-        let slots = IntArray::open(slots, "slots", 1)?;
-        let page_size = self.table.page_size();
-        let writes = mirror::decode_writes(&keys, &claimants, &prefix, |at| owner.get(at), &rows, &slots, page_size)?;
-        mirror::lower_checked(&checked, &rows, &cols)?;
+        let writes = args.writes(|at| owner.get(at), self.table.page_size())?;
+        mirror::lower_checked(&checked, &args.rows, &cols)?;
         if writes.claims.is_empty() && writes.left.is_empty() {
             return Ok(None);
         }
