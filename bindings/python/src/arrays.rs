@@ -222,6 +222,22 @@ impl<'py> IntArray<'py> {
         self.shape[0] == 0
     }
 
+    /// The addresses its elements span, first byte to one past the last (empty when it has no
+    /// element): what [`I64Mut::apart`] compares.
+    pub fn span(&self) -> std::ops::Range<usize> {
+        let (rows, cols) = (self.shape[0], self.width());
+        if rows == 0 || cols == 0 {
+            return 0..0;
+        }
+        let base = self.ptr as usize;
+        let (mut lo, mut hi) = (base as isize, base as isize);
+        for (n, stride) in [(rows, self.strides[0]), (cols, if self.ndim == 2 { self.strides[1] } else { 0 })] {
+            let reach = (n as isize - 1).saturating_mul(stride);
+            if reach < 0 { lo = lo.saturating_add(reach) } else { hi = hi.saturating_add(reach) }
+        }
+        lo.max(0) as usize..(hi.max(0) as usize).saturating_add(self.elem.size())
+    }
+
     /// Length of the second dimension (1 for a 1-D array).
     pub fn width(&self) -> usize {
         if self.ndim == 2 { self.shape[1] } else { 1 }
@@ -391,6 +407,32 @@ impl I64Mut {
         self.len
     }
 
+    fn span(&self) -> std::ops::Range<usize> {
+        let base = self.buf.buf_ptr() as usize;
+        base..base + self.len * 8
+    }
+
+    /// `ValueError` when it shares memory with `other` (an argument named `other_name`), or with
+    /// the other writable array `also`: the binding writes it while it reads the others, so
+    /// they must not alias (the SAFETY of [`I64Mut::get`] and [`I64Mut::set`] relies on it).
+    pub fn apart(&self, name: &str, others: &[(&IntArray<'_>, &str)], also: Option<(&I64Mut, &str)>) -> PyResult<()> {
+        let mine = self.span();
+        let overlaps = |r: std::ops::Range<usize>| {
+            r.start < r.end && mine.start < mine.end && r.start < mine.end && mine.start < r.end
+        };
+        let hit = others
+            .iter()
+            .find(|(a, _)| overlaps(a.span()))
+            .map(|(_, n)| *n)
+            .or_else(|| also.filter(|(m, _)| overlaps(m.span())).map(|(_, n)| n));
+        match hit {
+            Some(other) => {
+                Err(PyValueError::new_err(format!("{name} shares memory with {other}: pass separate arrays")))
+            }
+            None => Ok(()),
+        }
+    }
+
     /// Whether it is empty.
     pub fn is_empty(&self) -> bool {
         self.len == 0
@@ -406,8 +448,9 @@ impl I64Mut {
         // SAFETY: `i < len` (asserted in `at`): an element of the exported buffer, C-contiguous
         // int64 aligned for i64 (PyBuffer::<i64>::get checked format, size and alignment), alive
         // while `buf` is. The binding reads and writes it only with the GIL held (never inside
-        // `py.detach`), so no Python code runs meanwhile, and no Rust reference to it exists
-        // (every access is one of these raw reads and writes).
+        // `py.detach`), so no Python code runs meanwhile, and no Rust reference to it exists:
+        // every access is one of these raw reads and writes, and the calls that write one check
+        // it `apart` from every array they borrow as a slice.
         unsafe { self.at(i).read() }
     }
 

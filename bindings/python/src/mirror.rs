@@ -44,6 +44,50 @@ pub struct DecodeClaim {
     pub page: PageId,
     /// The page's index in the mirror (the last entry for a page id out of range).
     pub at: usize,
+    /// The mirror's owner of the page before the claim marked it (restored if it is refused).
+    pub was: i64,
+}
+
+/// The mirror's page owners as [`decode_writes`] reads them and marks its claims: a position
+/// after a claim of the same page for the same request finds it owned, so one page is claimed
+/// once however many positions of the step write it.
+pub trait Owners {
+    /// The owner of page index `at` (`at < len`).
+    fn owner(&self, at: usize) -> i64;
+    /// Marks page index `at` (never the last entry) as owned by `key` for the rest of the step.
+    fn mark(&mut self, at: usize, key: i64);
+}
+
+/// The plugin's own `page_owner`, marked in place: the caller restores each refused claim's
+/// [`DecodeClaim::was`].
+impl Owners for &I64Mut {
+    fn owner(&self, at: usize) -> i64 {
+        self.get(at)
+    }
+    fn mark(&mut self, at: usize, key: i64) {
+        self.set(at, key);
+    }
+}
+
+/// A read-only `page_owner` with the step's claims marked beside it.
+pub struct Marked<'a, 'py> {
+    owners: Lookup<'a, 'py>,
+    marks: std::collections::HashMap<usize, i64>,
+}
+
+impl<'a, 'py> Marked<'a, 'py> {
+    pub fn new(owners: &'a IntArray<'py>) -> Self {
+        Marked { owners: Lookup::new(owners), marks: std::collections::HashMap::new() }
+    }
+}
+
+impl Owners for Marked<'_, '_> {
+    fn owner(&self, at: usize) -> i64 {
+        self.marks.get(&at).copied().unwrap_or_else(|| self.owners.at(at))
+    }
+    fn mark(&mut self, at: usize, key: i64) {
+        self.marks.insert(at, key);
+    }
 }
 
 /// What a decode step's row write needs: the claims of new pages of live rows, and the
@@ -66,13 +110,24 @@ pub fn step_rows(rows: &IntArray<'_>, row_keys: usize) -> PyResult<Vec<u64>> {
     Ok(rows)
 }
 
-/// `page_owner` and `page_prefix` agree in length and have the extra entry (`ValueError`
-/// otherwise).
-pub fn check_pages(owner: usize, prefix: usize) -> PyResult<()> {
-    if owner == 0 || prefix != owner {
+/// `page_owner` and `page_prefix` have one entry per page of the pool and one more
+/// (`ValueError` otherwise): a shorter mirror would read pages the table grants as out of
+/// range, and claim them again every step.
+pub fn check_pages(owner: usize, prefix: usize, pool_pages: u32) -> PyResult<()> {
+    let want = pool_pages as usize + 1;
+    if owner != want || prefix != want {
         return Err(PyValueError::new_err(format!(
-            "page_owner ({owner}) and page_prefix ({prefix}) must have one entry per page and one more"
+            "page_owner ({owner}) and page_prefix ({prefix}) must have one entry per page and one more ({want})"
         )));
+    }
+    Ok(())
+}
+
+/// `len`, a per-position argument's length, is `n`, the positions' (`ValueError` otherwise:
+/// an extra entry is not dropped unread).
+pub fn check_positions(name: &str, len: usize, n: usize) -> PyResult<()> {
+    if len != n {
+        return Err(PyValueError::new_err(format!("{name} has {len} entries, rows {n}")));
     }
     Ok(())
 }
@@ -96,13 +151,14 @@ pub struct DecodeArgs<'py> {
 }
 
 impl<'py> DecodeArgs<'py> {
-    /// Opens and checks them against each other and `owner_len`, page_owner's length
-    /// (`TypeError` / `ValueError` naming the argument).
+    /// Opens and checks them against each other, `owner_len` (page_owner's length) and the
+    /// pool's pages (`TypeError` / `ValueError` naming the argument).
     pub fn open(
         row_keys: &Bound<'py, PyAny>,
         row_claimants: &Bound<'py, PyAny>,
         page_prefix: &Bound<'py, PyAny>,
         owner_len: usize,
+        pool_pages: u32,
         rows: &Bound<'py, PyAny>,
         slots: &Bound<'py, PyAny>,
     ) -> PyResult<Self> {
@@ -110,34 +166,33 @@ impl<'py> DecodeArgs<'py> {
         let claimants = IntArray::open(row_claimants, "row_claimants", 1)?;
         check_rows("row_claimants", claimants.len(), keys.len())?;
         let prefix = IntArray::open(page_prefix, "page_prefix", 1)?;
-        check_pages(owner_len, prefix.len())?;
+        check_pages(owner_len, prefix.len(), pool_pages)?;
         let rows = step_rows(&IntArray::open(rows, "rows", 1)?, keys.len())?;
         let slots = IntArray::open(slots, "slots", 1)?;
+        check_positions("slots", slots.len(), rows.len())?;
         Ok(DecodeArgs { keys, claimants, prefix, rows, slots })
     }
 
     /// [`decode_writes`] over them.
-    pub fn writes(&self, owner: impl Fn(usize) -> i64, page_size: u32) -> PyResult<DecodeWrites> {
-        decode_writes(&self.keys, &self.claimants, &self.prefix, owner, &self.rows, &self.slots, page_size)
+    pub fn writes(&self, owners: impl Owners, page_size: u32) -> DecodeWrites {
+        decode_writes(&self.keys, &self.claimants, &self.prefix, owners, &self.rows, &self.slots, page_size)
     }
 }
 
 /// The claims and leftovers of a decode step's row write: position `i` wrote slot `slots[i]`
 /// (page `slots[i] // page_size`) into row `rows[i]`. A page the row's request already owns in
-/// the mirror is nothing new; a new page of a live row that is no prefix is a claim; anything
-/// else is left. `owner(at)` reads the mirror's page owner at index `at`.
+/// the mirror (or claimed at an earlier position) is nothing new; a new page of a live row that
+/// is no prefix is a claim, marked in `owners`; anything else is left. `slots` has an entry per
+/// position (checked by [`DecodeArgs::open`]).
 pub fn decode_writes(
     keys: &IntArray<'_>,
     claimants: &IntArray<'_>,
     prefix: &IntArray<'_>,
-    owner: impl Fn(usize) -> i64,
+    mut owners: impl Owners,
     rows: &[u64],
     slots: &IntArray<'_>,
     page_size: u32,
-) -> PyResult<DecodeWrites> {
-    if slots.len() < rows.len() {
-        return Err(PyValueError::new_err(format!("slots has {} entries, {} needed", slots.len(), rows.len())));
-    }
+) -> DecodeWrites {
     let div = PageDiv::new(page_size);
     let never = prefix.len() - 1;
     let mut out = DecodeWrites::default();
@@ -147,7 +202,9 @@ pub fn decode_writes(
         let key = keys.at(row as usize);
         let page = div.floor_i64(slots.at(i));
         let at = usize::try_from(page).ok().filter(|&p| p < never).unwrap_or(never);
-        if owner(at) == key {
+        // The last entry stands for every page out of range: no key owns it, whatever it holds.
+        let was = owners.owner(at);
+        if at < never && was == key {
             continue;
         }
         if claimants.at(row as usize) == 0 || prefix.at(at) != 0 {
@@ -155,26 +212,35 @@ pub fn decode_writes(
             continue;
         }
         let page = PageId(u32::try_from(page).unwrap_or(u32::MAX));
-        out.claims.push(DecodeClaim { request: RequestId(key as u64), page, at });
+        if at < never {
+            owners.mark(at, key);
+        }
+        out.claims.push(DecodeClaim { request: RequestId(key as u64), page, at, was });
     }
-    Ok(out)
+    out
 }
 
 /// A row's checked length drops to the first column a row write rewrote below it: entry
 /// `(rows[i], cols[i])` (`cols` of one entry applies to every row). A negative column (torch
-/// counts it from the row's end) checks the whole row next. `ValueError`, with nothing changed,
-/// for any other length of `cols`.
-pub fn lower_checked(checked: &I64Mut, rows: &[u64], cols: &IntArray<'_>) -> PyResult<()> {
-    let n = rows.len();
+/// counts it from the row's end) checks the whole row next. `cols` must have 1 or one entry per
+/// row: see [`check_cols`], called before anything changes.
+pub fn lower_checked(checked: &I64Mut, rows: &[u64], cols: &IntArray<'_>) {
     let one = cols.len() == 1;
-    if !one && cols.len() != n {
-        return Err(PyValueError::new_err(format!("cols has {} entries: 1 or one per row ({n}) needed", cols.len())));
-    }
     for (i, &row) in rows.iter().enumerate() {
         let col = cols.get(if one { 0 } else { i }, 0).max(0);
         if col < checked.get(row as usize) {
             checked.set(row as usize, col);
         }
+    }
+}
+
+/// `cols` has 1 entry or one per row (`ValueError` otherwise).
+pub fn check_cols(rows: usize, cols: &IntArray<'_>) -> PyResult<()> {
+    if cols.len() != 1 && cols.len() != rows {
+        return Err(PyValueError::new_err(format!(
+            "cols has {} entries: 1 or one per row ({rows}) needed",
+            cols.len()
+        )));
     }
     Ok(())
 }

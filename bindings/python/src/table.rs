@@ -143,19 +143,24 @@ fn step_writes<'a, T: Copy + Into<i64>>(
 /// `token_slots` (every `page_size`-th entry divided by it) or page ids. Returns the pages and
 /// each row's span of them; `lens[i]` becomes the tokens of the window read as its own block
 /// table (its tokens start at its first page). A negative or too-large entry becomes a page
-/// beyond any pool (refused as page_out_of_range).
+/// beyond any pool (refused as page_out_of_range). A row is read for at most `pool_pages + 1`
+/// pages from its window's start: a read that needs more than the pool holds is refused as
+/// block_table_too_short (so a huge length, or a stride-0 view's huge width, allocates nothing
+/// beyond that).
 fn window_pages(
     t: &IntArray<'_>,
     rows: &[u64],
     lens: &mut [u64],
     from: Option<&[u64]>,
-    page_size: u32,
+    config: &kvguard::PoolConfig,
     token_slots: bool,
 ) -> (Vec<PageId>, Vec<std::ops::Range<usize>>) {
+    let page_size = config.page_size;
     let ps = u64::from(page_size);
     let div = kvguard::config::PageDiv::new(page_size);
     let stride = if token_slots { ps as usize } else { 1 };
     let width = t.width().div_ceil(stride);
+    let most = config.num_pages as usize + 1;
     let mut converted = Vec::new();
     let mut spans = Vec::with_capacity(rows.len());
     let page_of = |v: i64| {
@@ -171,7 +176,7 @@ fn window_pages(
     for (i, &row) in rows.iter().enumerate() {
         let seq = lens[i];
         let first = from.map_or(0, |f| usize::try_from(div.floor(f[i].min(seq))).unwrap_or(usize::MAX));
-        let end = usize::try_from(div.ceil(seq)).unwrap_or(usize::MAX).min(width).max(first);
+        let end = usize::try_from(div.ceil(seq)).unwrap_or(usize::MAX).min(width).max(first).min(first + most);
         let start = converted.len();
         // An int32 contiguous row (SGLang's req_to_token) is read as a slice; its entries are
         // the engine's int32s (`PageId` only borrows their bits).
@@ -380,7 +385,7 @@ impl OwnershipTable {
         let (converted, spans) = if direct {
             (Vec::new(), Vec::new())
         } else {
-            window_pages(&t, &rows, &mut lens, from.as_deref(), self.table.page_size(), token_slots)
+            window_pages(&t, &rows, &mut lens, from.as_deref(), self.table.config(), token_slots)
         };
         let reads: Vec<SeqRead<'_>> = (0..n)
             .map(|i| SeqRead {
@@ -1213,9 +1218,11 @@ impl OwnershipTable {
     /// to the engine: its positions are returned, in order. Nothing is written to the arrays.
     ///
     /// row_keys, row_claimants: 1-D int, one entry per row of the engine's table.
-    /// page_owner, page_prefix: 1-D int, one entry per page and one more, the same length (a
-    ///   page outside 0..len - 1 reads as that last entry, which must be owned by no key).
-    /// rows, slots: 1-D int, n entries (rows within row_keys, ValueError otherwise).
+    /// page_owner, page_prefix: 1-D int, one entry per page of the pool and one more
+    ///   (num_pages + 1; a page outside the pool reads as that last entry, and is claimed, so
+    ///   the table refuses it, whatever the entry holds).
+    /// rows, slots: 1-D int, n entries each (rows within row_keys, ValueError otherwise).
+    /// Positions of one row in one new page claim it once.
     /// Returns (StepVerdict over the claims made, in order; [positions left to the engine];
     /// granted: numpy int64 array of shape (m, 2), the (page, key) of each claim granted: what
     /// the engine's page_owner must now say).
@@ -1231,8 +1238,10 @@ impl OwnershipTable {
         slots: &Bound<'_, PyAny>,
     ) -> PyResult<(StepVerdict, Vec<usize>, Py<PyAny>)> {
         let owner = IntArray::open(page_owner, "page_owner", 1)?;
-        let args = mirror::DecodeArgs::open(row_keys, row_claimants, page_prefix, owner.len(), rows, slots)?;
-        let writes = args.writes(|at| owner.get(at, 0), self.table.page_size())?;
+        let pool_pages = self.table.config().num_pages;
+        let args =
+            mirror::DecodeArgs::open(row_keys, row_claimants, page_prefix, owner.len(), pool_pages, rows, slots)?;
+        let writes = args.writes(mirror::Marked::new(&owner), self.table.page_size());
         let (v, ok) = self.decode_claims(py, &writes.claims);
         // (page, key) pairs as little-endian int64 bytes, numpy's view of them below.
         let never = owner.len() - 1;
@@ -1275,19 +1284,33 @@ impl OwnershipTable {
         slots: &Bound<'_, PyAny>,
     ) -> PyResult<Option<(StepVerdict, Vec<usize>)>> {
         let owner = I64Mut::open(page_owner, "page_owner")?;
-        let args = mirror::DecodeArgs::open(row_keys, row_claimants, page_prefix, owner.len(), rows, slots)?;
+        let pool_pages = self.table.config().num_pages;
+        let args =
+            mirror::DecodeArgs::open(row_keys, row_claimants, page_prefix, owner.len(), pool_pages, rows, slots)?;
         let checked = I64Mut::open(row_checked, "row_checked")?;
         mirror::check_rows("row_checked", checked.len(), args.keys.len())?;
         let cols = IntArray::open(cols, "cols", 1)?;
-        let writes = args.writes(|at| owner.get(at), self.table.page_size())?;
-        mirror::lower_checked(&checked, &args.rows, &cols)?;
+        mirror::check_cols(args.rows.len(), &cols)?;
+        let read = [
+            (&args.keys, "row_keys"),
+            (&args.claimants, "row_claimants"),
+            (&args.prefix, "page_prefix"),
+            (&args.slots, "slots"),
+            (&cols, "cols"),
+        ];
+        owner.apart("page_owner", &read, Some((&checked, "row_checked")))?;
+        checked.apart("row_checked", &read, None)?;
+        // Everything is checked: from here on the mirror changes, and nothing raises.
+        let writes = args.writes(&owner, self.table.page_size());
+        mirror::lower_checked(&checked, &args.rows, &cols);
         if writes.claims.is_empty() && writes.left.is_empty() {
             return Ok(None);
         }
         let (v, ok) = self.decode_claims(py, &writes.claims);
         let never = owner.len() - 1;
-        for (c, _) in writes.claims.iter().zip(ok).filter(|(c, ok)| *ok && c.at < never) {
-            owner.set(c.at, c.request.0 as i64);
+        // decode_writes marked every claim's page; a refused one goes back to its owner.
+        for (c, _) in writes.claims.iter().zip(ok).filter(|(c, ok)| !*ok && c.at < never) {
+            owner.set(c.at, c.was);
         }
         if v.is_clean() && writes.left.is_empty() {
             return Ok(None);
@@ -1338,8 +1361,15 @@ impl OwnershipTable {
             return Err(PyValueError::new_err(format!("rows[{i}] is {r}: req_to_token has {} rows", t.len())));
         }
         let n = rows.len();
-        let mut lens = IntArray::open(seq_lens, "seq_lens", 1)?.counts(n, "seq_lens")?;
+        let lens = IntArray::open(seq_lens, "seq_lens", 1)?;
+        mirror::check_positions("seq_lens", lens.len(), n)?;
+        let mut lens = lens.counts(n, "seq_lens")?;
         let loc = IntArray::open(out_cache_loc, "out_cache_loc", 1)?;
+        checked.apart(
+            "row_checked",
+            &[(&keys, "row_keys"), (&claimants, "row_claimants"), (&t, "req_to_token"), (&loc, "out_cache_loc")],
+            None,
+        )?;
         // The mirror's int64 arrays read as slices (the per-row loops below are the call's cost).
         let (key_of, live) = (mirror::Lookup::new(&keys), mirror::Lookup::new(&claimants));
         if loc.len() != n || rows.iter().any(|&r| live.at(r as usize) == 0) {
@@ -1357,9 +1387,10 @@ impl OwnershipTable {
         let writes: Vec<SeqWrite<'_>> =
             requests.iter().zip(slots.chunks(1)).map(|(&request, slots)| SeqWrite { request, slots }).collect();
         // The windows' pages are read before anything is recorded (the arrays stay with the GIL).
-        let from: Vec<u64> = rows.iter().map(|&r| checked.get(r as usize).max(0) as u64).collect();
+        let read_from: Vec<i64> = rows.iter().map(|&r| checked.get(r as usize)).collect();
+        let from: Vec<u64> = read_from.iter().map(|&c| c.max(0) as u64).collect();
         let full_lens = lens.clone();
-        let (pages, spans) = window_pages(&t, &rows, &mut lens, Some(&from), self.table.page_size(), true);
+        let (pages, spans) = window_pages(&t, &rows, &mut lens, Some(&from), self.table.config(), true);
         let reads: Vec<SeqRead<'_>> = (0..n)
             .map(|i| SeqRead { request: requests[i], block_table: &pages[spans[i].clone()], tokens: lens[i] })
             .collect();
@@ -1375,8 +1406,12 @@ impl OwnershipTable {
             Some(false) => return Ok(Some(("window", None))),
             Some(true) => {}
         }
-        for (&row, &len) in rows.iter().zip(&full_lens) {
-            checked.set(row as usize, len as i64);
+        // A row's checked length moves up only from the value its window was read from: one
+        // lowered meanwhile (another thread's row write, while the GIL was released) stands.
+        for ((&row, &len), &was) in rows.iter().zip(&full_lens).zip(&read_from) {
+            if checked.get(row as usize) == was {
+                checked.set(row as usize, len as i64);
+            }
         }
         Ok(None)
     }
@@ -1514,7 +1549,7 @@ impl OwnershipTable {
     ) -> PyResult<StepOutcome> {
         let n = step.n;
         let ps = u64::from(self.table.page_size());
-        let (slots, qsl) = row_slots(&step.bt, &step.computed, &step.scheduled, ps)?;
+        let (slots, qsl) = row_slots(&step.bt, &step.computed, &step.scheduled, self.table.config())?;
         let tokens: Vec<u64> = (0..n).map(|i| step.computed[i] + step.scheduled[i]).collect();
         let (table, names) = (&self.table, &self.names);
         let apply = |events: &[crate::events::Event]| {
@@ -1648,13 +1683,29 @@ fn block_table_row<'py>(py: Python<'py>, block_table: &Bound<'py, PyAny>) -> PyR
 /// computes it: request i writes positions computed[i] + 0..scheduled[i], position p to
 /// `row[min(p / page_size, width - 1)] * page_size + p % page_size`. Returns the slots and each
 /// request's range of them (n + 1 boundaries).
-fn row_slots(bt: &IntArray<'_>, computed: &[u64], scheduled: &[u64], ps: u64) -> PyResult<(Vec<i64>, Vec<usize>)> {
+fn row_slots(
+    bt: &IntArray<'_>,
+    computed: &[u64],
+    scheduled: &[u64],
+    config: &kvguard::PoolConfig,
+) -> PyResult<(Vec<i64>, Vec<usize>)> {
+    let ps = u64::from(config.page_size);
     let width = bt.width();
-    let most = width as u64 * ps;
+    let pool = u64::from(config.num_pages) * ps;
+    let most = (width as u64 * ps).min(pool);
     if let Some(i) = scheduled.iter().position(|&s| s > most) {
         return Err(PyValueError::new_err(format!(
-            "num_scheduled_tokens[{i}] is {}: a block table row addresses at most {most} tokens",
+            "num_scheduled_tokens[{i}] is {}: a block table row addresses at most {most} tokens \
+             (its width, or the pool's pages, times the page size)",
             scheduled[i]
+        )));
+    }
+    // Every scheduled token writes a slot of its own: a step writing more than the pool's
+    // slots is refused before its slot mapping is allocated.
+    let total = scheduled.iter().fold(0u64, |sum, &s| sum.saturating_add(s));
+    if total > pool {
+        return Err(PyValueError::new_err(format!(
+            "the step schedules {total} tokens: more than the pool's {pool} slots"
         )));
     }
     let mut qsl = Vec::with_capacity(scheduled.len() + 1);

@@ -286,3 +286,120 @@ def test_check_decode_forward_bad_input_is_a_typed_exception():
         t.check_decode_forward(keys, claimants, checked, rt.astype(np.float32), step, lens, loc)
     assert checked.tolist() == [20] * 5 + [0] * 3
     assert t.check_decode_forward(keys, claimants, checked, rt, [], [], []) is None
+
+
+def test_a_length_past_the_pool_allocates_nothing_and_is_refused():
+    """A stride-0 view has an enormous width and no memory behind it: a length that would read
+    or write more than the pool holds is refused (a read: block_table_too_short after the pool's
+    worth of pages; a write: ValueError), never sized into an allocation."""
+    t, rows, keys, claimants, checked, rt = forward_mirror()
+    page = rows[1][0]
+    wide = np.broadcast_to(np.int32(page * PAGE), (8, 2**40))
+    huge = np.array([2**44], dtype=np.int64)
+    # The forward's window: the write is recorded, the window refused; the judged full check
+    # names it.
+    assert t.check_decode_forward(keys, claimants, checked, wide, [0], huge, [page * PAGE + 5]) == ("window", None)
+    v = t.verify_step_rows([1], wide, [0], huge, token_slots=True)
+    assert [x.kind for x in v.violations] == ["block_table_too_short"]
+    assert t.check_step_window([1], wide, [0], huge, [0], token_slots=True).refused_rows == [0]
+    pages = np.broadcast_to(np.int32(page), (8, 2**40))
+    assert t.check_step_rows([1], pages, [0], huge).refused_rows == [0]
+    # vLLM's worker step: the slot mapping would be 2**44 entries.
+    with pytest.raises(ValueError, match="num_scheduled_tokens"):
+        t.record_and_verify_step([1], pages, [0], huge)
+    # Each request within its row, together more than the pool's slots.
+    per = np.full(5, 2048 // 4 * 3, dtype=np.int64)
+    with pytest.raises(ValueError, match="pool's 2048 slots"):
+        t.record_and_verify_step([1, 2, 3, 4, 5], pages, np.zeros(5, dtype=np.int64), per)
+
+
+def test_positions_of_one_row_in_one_new_page_claim_it_once():
+    t, rows, keys, claimants, owner, prefix = mirror()
+    free = [p for p in range(1, 128) if t.page_info(p).state == "free"]
+    checked = np.full(8, 20, dtype=np.int64)
+    # Row 1 (request 2) writes two tokens of a fresh page, apart, with row 0 between them.
+    slots = np.array([free[0] * PAGE, rows[1][1] * PAGE + 4, free[0] * PAGE + 1], dtype=np.int64)
+    assert t.write_decode_rows(keys, claimants, owner, prefix, checked, [1, 0, 1], [32, 20, 33], slots) is None
+    assert owner[free[0]] == 2 and t.page_info(free[0]).owner == 2
+    assert not t.request_info(2).quarantined
+    verdict, left, granted = t.claim_decode_slots(keys, claimants, owner, prefix, [2, 2], [free[1] * PAGE] * 2)
+    assert verdict.clean and verdict.rows == 1 and left == [] and granted.tolist() == [[free[1], 3]]
+    # A refused claim puts the mirror back: the page is nobody's in it, as in the table.
+    slots = np.array([rows[1][0] * PAGE, rows[1][0] * PAGE + 1], dtype=np.int64)
+    verdict, left = t.write_decode_rows(keys, claimants, owner, prefix, checked, [3, 3], [40, 41], slots)
+    assert [(v.kind, v.request) for _, v in verdict.refused] == [("page_not_free", 4)]
+    assert owner[rows[1][0]] == 1
+
+
+def test_the_mirror_must_cover_the_pool_and_its_spare_entry_owns_nothing():
+    t, rows, keys, claimants, owner, prefix = mirror()
+    checked = np.full(8, 20, dtype=np.int64)
+    free = [p for p in range(1, 128) if t.page_info(p).state == "free"]
+    short_owner, short_prefix = owner[:65].copy(), prefix[:65].copy()
+    with pytest.raises(ValueError, match=r"page_owner \(65\).*\(129\)"):
+        t.write_decode_rows(keys, claimants, short_owner, short_prefix, checked, [1], [32], [free[0] * PAGE])
+    with pytest.raises(ValueError, match="page_owner"):
+        t.claim_decode_slots(keys, claimants, short_owner, short_prefix, [1], [free[0] * PAGE])
+    assert t.page_info(free[0]).state == "free"
+    # The spare entry, which every page out of range reads, is claimed whatever it holds: a
+    # write beyond the pool, or to a negative slot, is refused, not passed as the row's own.
+    owner[128] = 2
+    for slot in (500 * PAGE, -5):
+        verdict, left = t.write_decode_rows(keys, claimants, owner, prefix, checked, [1], [32], [slot])
+        assert [(v.kind, v.request) for _, v in verdict.refused] == [("page_out_of_range", 2)]
+
+
+def test_per_position_arrays_have_one_entry_per_position():
+    t, rows, keys, claimants, owner, prefix = mirror()
+    checked = np.full(8, 20, dtype=np.int64)
+    own = rows[2][1] * PAGE + 4
+    with pytest.raises(ValueError, match="slots has 2 entries, rows 1"):
+        t.write_decode_rows(keys, claimants, owner, prefix, checked, [1], [20], [own, own])
+    t, rows, keys, claimants, checked, rt = forward_mirror()
+    step = np.arange(5, dtype=np.int64)
+    loc = rt[step, 20].astype(np.int64)
+    with pytest.raises(ValueError, match="seq_lens has 6 entries, rows 5"):
+        t.check_decode_forward(keys, claimants, checked, rt, step, np.full(6, 21, dtype=np.int64), loc)
+    assert checked.tolist() == [20] * 5 + [0] * 3
+
+
+def test_the_arrays_the_binding_writes_share_memory_with_nothing_it_reads():
+    t, rows, keys, claimants, owner, prefix = mirror()
+    checked = np.full(8, 20, dtype=np.int64)
+    fresh = [rows[2][1] * PAGE + 4]
+    with pytest.raises(ValueError, match="page_owner shares memory with page_prefix"):
+        t.write_decode_rows(keys, claimants, owner, owner, checked, [1], [20], fresh)
+    with pytest.raises(ValueError, match="page_owner shares memory with row_checked"):
+        t.write_decode_rows(keys, claimants, owner, prefix, owner[:8], [1], [20], fresh)
+    with pytest.raises(ValueError, match="row_checked shares memory with row_keys"):
+        t.write_decode_rows(keys, claimants, owner, prefix, keys, [1], [20], fresh)
+    t, rows, keys, claimants, checked, rt = forward_mirror()
+    step = np.arange(5, dtype=np.int64)
+    loc = rt[step, 20].astype(np.int64)
+    with pytest.raises(ValueError, match="row_checked shares memory with row_claimants"):
+        t.check_decode_forward(keys, claimants, claimants, rt, step, np.full(5, 21, dtype=np.int64), loc)
+    # Views of one buffer that do not overlap are separate arrays.
+    both = np.zeros(16, dtype=np.int64)
+    both[:8] = keys
+    both[8:] = 20
+    assert t.check_decode_forward(both[:8], claimants, both[8:], rt, step, np.full(5, 21, dtype=np.int64), loc) is None
+
+
+def test_a_slot_outside_any_pool_on_a_row_left_to_the_plugin_is_refused_not_raised():
+    """kvguard.sglang's row write takes the rows the binding leaves (a request refused at intake,
+    a radix prefix page) itself: a negative slot there is judged as the binding judges it on a
+    live row (page_out_of_range, on that request), not a ValueError out of SGLang's write."""
+    from kvguard.sglang.guard import Guard
+
+    t, rows, keys, claimants, owner, prefix = mirror()
+    g = Guard.__new__(Guard)  # the row-write state only: no SGLang objects behind it
+    g.table, g.page_size, g._page_limit, g.policy = t, PAGE, 128, "enforce"
+    g._row_key, g._row_claimant, g._page_key, g._page_prefix = keys, claimants, owner, prefix
+    g._row_checked = np.full(8, 20, dtype=np.int64)
+    g._admitted, g._holds = set(rows), {r: set() for r in rows}
+    refused = []
+    g._refused = lambda key, v: refused.append((key, v.kind))
+    claimants[1] = 0  # request 2's row is left to the plugin
+    for slot in (-1, 2**40):
+        g._decode_rows_written(np.array([1]), np.array([20]), np.array([slot], dtype=np.int64))
+    assert refused == [(2, "page_out_of_range")] * 2

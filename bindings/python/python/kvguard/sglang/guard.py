@@ -32,6 +32,10 @@ _TREE = object()
 _NO_OWNER = -1
 """``_page_key`` of a page no request owns exclusively (free, a prefix, or the padding page)."""
 
+_BEYOND_ANY_POOL = 2**32 - 1
+"""The page a slot outside any pool (negative, or past 32-bit page ids) is judged as: the table
+refuses it as page_out_of_range, as the binding's own row checks do, instead of raising."""
+
 
 def _pool_pages(allocator: Any) -> int:
     """Allocatable pages of an SGLang allocator (page 0 excluded)."""
@@ -471,7 +475,7 @@ class Guard:
         key = int(self._row_key[row])
         if key == 0:
             return
-        pages = _pages_of(slots, self.page_size).tolist()
+        pages = [p if 0 <= p < _BEYOND_ANY_POOL else _BEYOND_ANY_POOL for p in _pages_of(slots, self.page_size).tolist()]
         if key not in self._admitted:
             # A request the intake refused (or never saw) must not get pages: the table answers
             # unknown_request, on this request.
