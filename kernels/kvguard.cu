@@ -193,7 +193,9 @@ extern "C" __global__ void __launch_bounds__(128)
 // SGLang layout, read in place: `req_to_token[num_rows][row_stride]` (int32, one token slot per
 // entry, `page * page_size + offset`); sequence `s` reads row `rows[s]` for `seq_lens[s]` tokens
 // (int64 both, as SGLang's forward batch has them). Page `j` of the sequence is the page of the
-// row's entry `j * page_size`, the first slot of that page (the entry the host check reads). A row
+// row's entry `j * page_size`, the first slot of that page (the entry the host check reads), and
+// every other entry read must be that page's slot at its offset (one that is not is checked as
+// the page it names, up to its slot, as the host check does). A row
 // outside `num_rows` or a length below 0 is a malformed step (BAD_LAYOUT); a length beyond the
 // row's pages, BLOCK_TABLE_TOO_SHORT; a negative entry (a slot never assigned) names no page.
 // Launch: as `kvg_verify_block_table` (blocks (x, s) stride over sequence s's pages), 128 threads.
@@ -231,6 +233,20 @@ extern "C" __global__ void __launch_bounds__(128)
             const uint32_t rest = tokens - j * page_size;
             const uint32_t need = rest < page_size ? rest : page_size;
             kvg_verify_block(tags, num_pages, page_size, page, 0, need, 0, nullptr, reader, s, j, seq_status, ring);
+            if (page < 0) continue; // refused above: it names no page to compare with
+            // A per-token reader reads every entry: each must be its page's slot at its offset.
+            // One that is not is checked as what it names (its page, up to its slot), as the host
+            // check does. Entries stop at the row's end (a row need not hold whole pages).
+            const int32_t own = page * static_cast<int32_t>(page_size);
+            const uint64_t lo = static_cast<uint64_t>(j) * page_size;
+            const uint32_t avail = lo + need <= row_stride ? need : static_cast<uint32_t>(row_stride - lo);
+            for (uint32_t k = 0; k < avail; k++) {
+                const int32_t e = r[lo + k];
+                if (e == own + static_cast<int32_t>(k)) continue;
+                const int32_t other = e < 0 ? -1 : static_cast<int32_t>(static_cast<uint32_t>(e) / page_size);
+                const uint32_t upto = e < 0 ? 1u : static_cast<uint32_t>(e) % page_size + 1u;
+                kvg_verify_block(tags, num_pages, page_size, other, 0, upto, 0, nullptr, reader, s, j, seq_status, ring);
+            }
         }
     }
 }

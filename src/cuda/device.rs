@@ -695,7 +695,8 @@ impl Device {
         // SAFETY: rows[s], seq_lens[s], readers[s] and status[s] for s < num_seqs are in bounds
         // (checked against the Borrowed lengths, the readers set and max_seqs above); the kernel
         // refuses a row outside num_rows or a length beyond the row's pages before reading the
-        // row, and reads entries j * page_size < row_stride of it only (req_to_token lent with
+        // row, and reads entries j * page_size + k < row_stride of it only (k < page_size; every
+        // entry read is bounded by the row's end; req_to_token lent with
         // num_rows * row_stride entries); page ids are range-checked before tags are read. Any
         // grid is complete. Arguments match `kvg_verify_token_rows`'s signature.
         unsafe { b.launch(cfg(grid, VERIFY_THREADS)) }?;

@@ -61,8 +61,9 @@ impl BlockTableStep {
 /// sequence `s` reading row `rows[s]` for `seq_lens[s]` tokens (int64 both: the forward batch's
 /// `req_pool_indices` and `seq_lens`), all the engine's device memory. Page `j` of a sequence is
 /// the page of its row's entry `j * page_size`, the entry the host check of token-slot rows reads
-/// (the Python binding's `verify_step_rows(..., token_slots=True)`): no gather of the rows into a
-/// block table first. A row outside `num_rows` or a negative length is
+/// (the Python binding's `verify_step_rows(..., token_slots=True)`), and every other entry read
+/// must be that page's slot at its offset (one that is not is checked as the page it names, up
+/// to its slot, as the host check does): no gather of the rows into a block table first. A row outside `num_rows` or a negative length is
 /// a malformed step ([`BadLayout`](super::DeviceKind::BadLayout)); more tokens than the row has
 /// pages for, [`BlockTableTooShort`](crate::ViolationKind::BlockTableTooShort). No generations,
 /// no canaries: SGLang's own KV store stamps none.

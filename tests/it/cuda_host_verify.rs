@@ -306,10 +306,22 @@ mod cuda {
 
     fn run_token_rows(exe: &Path, pool: &Pool, seqs: &[Seq], rows: &[i64], lens: &[i64]) -> (Vec<u32>, RingDrain) {
         let (rt, _, num_rows) = token_rows(seqs);
+        run_token_rows_in(exe, pool, seqs, &rt, num_rows, rows, lens)
+    }
+
+    fn run_token_rows_in(
+        exe: &Path,
+        pool: &Pool,
+        seqs: &[Seq],
+        rt: &[i32],
+        num_rows: usize,
+        rows: &[i64],
+        lens: &[i64],
+    ) -> (Vec<u32>, RingDrain) {
         let mut case = Case::new("verify-rows");
         case.tags("tags", &pool.device_tags())
             .readers("readers", &readers_of(pool, seqs))
-            .i32s("req_to_token", &rt)
+            .i32s("req_to_token", rt)
             .i64s("rows", rows)
             .i64s("seq_lens", lens)
             .param("page_size", PS)
@@ -336,6 +348,28 @@ mod cuda {
         for r in &ring.records {
             assert_eq!(r.to_violation().unwrap().request(), Some(seqs[r.seq as usize].reader));
         }
+    }
+
+    #[test]
+    fn verify_token_rows_reads_every_entry_of_a_page_as_a_per_token_reader_would() {
+        let Some(exe) = driver() else { return };
+        let pool = pool();
+        let mut rng = Rng(15);
+        let clean: Vec<Seq> = sequences(&pool, &mut rng, 0).into_iter().take(1).collect();
+        let seqs = vec![clean[0].clone(); 3];
+        let (mut rt, rows, num_rows) = token_rows(&seqs);
+        let stride = MAX_BLOCKS * PS as usize;
+        let tokens = clean[0].tokens as usize;
+        let foreign = pool.requests[2].2[0].0 as i32 * PS as i32 + 1;
+        // seq 0: clean; 1: a token inside its first page names another request's slot; 2: the
+        // same entry past the tokens read (not read).
+        rt[rows[1] as usize * stride + 1] = foreign;
+        rt[rows[2] as usize * stride + tokens] = foreign;
+        let lens = vec![tokens as i64; 3];
+        let (status, ring) = run_token_rows_in(exe, &pool, &seqs, &rt, num_rows, &rows, &lens);
+        assert_eq!(status, vec![0, 1 << DeviceKind::ForeignPage.code(), 0]);
+        let kinds: Vec<_> = ring.records.iter().map(|r| (r.seq, r.to_violation().unwrap().kind())).collect();
+        assert_eq!(kinds, vec![(1, ViolationKind::ForeignPage)]);
     }
 
     #[test]

@@ -185,7 +185,9 @@ impl DeviceGuard {
     /// Verifies an SGLang-layout step on the device, its rows read in place (device pointers:
     /// req_to_token int32 [num_rows, row_stride], one token slot per entry; rows and seq_lens
     /// int64 [num_seqs], the forward batch's req_pool_indices and seq_lens). Page j of sequence s
-    /// is the page of req_to_token[rows[s], j * page_size]. No host sync.
+    /// is the page of req_to_token[rows[s], j * page_size], and every other entry read must be
+    /// that page's slot at its offset (one that is not is checked as the page it names). No host
+    /// sync.
     #[pyo3(signature = (req_to_token, num_rows, row_stride, rows, seq_lens, num_seqs, max_pages_per_seq, *, stream))]
     #[allow(clippy::too_many_arguments)]
     fn verify_token_rows(

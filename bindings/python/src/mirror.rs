@@ -44,50 +44,6 @@ pub struct DecodeClaim {
     pub page: PageId,
     /// The page's index in the mirror (the last entry for a page id out of range).
     pub at: usize,
-    /// The mirror's owner of the page before the claim marked it (restored if it is refused).
-    pub was: i64,
-}
-
-/// The mirror's page owners as [`decode_writes`] reads them and marks its claims: a position
-/// after a claim of the same page for the same request finds it owned, so one page is claimed
-/// once however many positions of the step write it.
-pub trait Owners {
-    /// The owner of page index `at` (`at < len`).
-    fn owner(&self, at: usize) -> i64;
-    /// Marks page index `at` (never the last entry) as owned by `key` for the rest of the step.
-    fn mark(&mut self, at: usize, key: i64);
-}
-
-/// The plugin's own `page_owner`, marked in place: the caller restores each refused claim's
-/// [`DecodeClaim::was`].
-impl Owners for &I64Mut {
-    fn owner(&self, at: usize) -> i64 {
-        self.get(at)
-    }
-    fn mark(&mut self, at: usize, key: i64) {
-        self.set(at, key);
-    }
-}
-
-/// A read-only `page_owner` with the step's claims marked beside it.
-pub struct Marked<'a, 'py> {
-    owners: Lookup<'a, 'py>,
-    marks: std::collections::HashMap<usize, i64>,
-}
-
-impl<'a, 'py> Marked<'a, 'py> {
-    pub fn new(owners: &'a IntArray<'py>) -> Self {
-        Marked { owners: Lookup::new(owners), marks: std::collections::HashMap::new() }
-    }
-}
-
-impl Owners for Marked<'_, '_> {
-    fn owner(&self, at: usize) -> i64 {
-        self.marks.get(&at).copied().unwrap_or_else(|| self.owners.at(at))
-    }
-    fn mark(&mut self, at: usize, key: i64) {
-        self.marks.insert(at, key);
-    }
 }
 
 /// What a decode step's row write needs: the claims of new pages of live rows, and the
@@ -174,21 +130,22 @@ impl<'py> DecodeArgs<'py> {
     }
 
     /// [`decode_writes`] over them.
-    pub fn writes(&self, owners: impl Owners, page_size: u32) -> DecodeWrites {
-        decode_writes(&self.keys, &self.claimants, &self.prefix, owners, &self.rows, &self.slots, page_size)
+    pub fn writes(&self, owner: impl Fn(usize) -> i64, page_size: u32) -> DecodeWrites {
+        decode_writes(&self.keys, &self.claimants, &self.prefix, owner, &self.rows, &self.slots, page_size)
     }
 }
 
 /// The claims and leftovers of a decode step's row write: position `i` wrote slot `slots[i]`
 /// (page `slots[i] // page_size`) into row `rows[i]`. A page the row's request already owns in
-/// the mirror (or claimed at an earlier position) is nothing new; a new page of a live row that
-/// is no prefix is a claim, marked in `owners`; anything else is left. `slots` has an entry per
-/// position (checked by [`DecodeArgs::open`]).
+/// the mirror is nothing new; a new page of a live row that is no prefix is a claim, once per
+/// request and page however many positions of the step write it; anything else is left.
+/// `owner(at)` reads the mirror's page owner at index `at`; `slots` has an entry per position
+/// (checked by [`DecodeArgs::open`]).
 pub fn decode_writes(
     keys: &IntArray<'_>,
     claimants: &IntArray<'_>,
     prefix: &IntArray<'_>,
-    mut owners: impl Owners,
+    owner: impl Fn(usize) -> i64,
     rows: &[u64],
     slots: &IntArray<'_>,
     page_size: u32,
@@ -196,6 +153,11 @@ pub fn decode_writes(
     let div = PageDiv::new(page_size);
     let never = prefix.len() - 1;
     let mut out = DecodeWrites::default();
+    // Two positions claim one page for one request only where a row comes twice (a request
+    // holds one row): then, and only then, claims are kept apart by (request, page).
+    let mut seen_row = vec![false; keys.len()];
+    let repeats = rows.iter().any(|&r| std::mem::replace(&mut seen_row[r as usize], true));
+    let mut claimed = std::collections::HashSet::new();
     let (keys, claimants, prefix, slots) =
         (Lookup::new(keys), Lookup::new(claimants), Lookup::new(prefix), Lookup::new(slots));
     for (i, &row) in rows.iter().enumerate() {
@@ -203,8 +165,7 @@ pub fn decode_writes(
         let page = div.floor_i64(slots.at(i));
         let at = usize::try_from(page).ok().filter(|&p| p < never).unwrap_or(never);
         // The last entry stands for every page out of range: no key owns it, whatever it holds.
-        let was = owners.owner(at);
-        if at < never && was == key {
+        if at < never && owner(at) == key {
             continue;
         }
         if claimants.at(row as usize) == 0 || prefix.at(at) != 0 {
@@ -212,10 +173,10 @@ pub fn decode_writes(
             continue;
         }
         let page = PageId(u32::try_from(page).unwrap_or(u32::MAX));
-        if at < never {
-            owners.mark(at, key);
+        if repeats && !claimed.insert((key, page)) {
+            continue;
         }
-        out.claims.push(DecodeClaim { request: RequestId(key as u64), page, at, was });
+        out.claims.push(DecodeClaim { request: RequestId(key as u64), page, at });
     }
     out
 }

@@ -140,13 +140,17 @@ fn step_writes<'a, T: Copy + Into<i64>>(
 
 /// The pages each row reads, converted into one buffer: row `rows[i]` of `t` for `lens[i]`
 /// tokens, from token `from[i]` on (its page; 0 without `from`), entries of token slots when
-/// `token_slots` (every `page_size`-th entry divided by it) or page ids. Returns the pages and
-/// each row's span of them; `lens[i]` becomes the tokens of the window read as its own block
-/// table (its tokens start at its first page). A negative or too-large entry becomes a page
-/// beyond any pool (refused as page_out_of_range). A row is read for at most `pool_pages + 1`
-/// pages from its window's start: a read that needs more than the pool holds is refused as
-/// block_table_too_short (so a huge length, or a stride-0 view's huge width, allocates nothing
-/// beyond that).
+/// `token_slots` (every `page_size`-th entry divided by it) or page ids. `lens[i]` becomes the
+/// tokens of the window read as its own block table (its tokens start at its first page). A
+/// negative or too-large entry becomes a page beyond any pool (refused as page_out_of_range). A
+/// row is read for at most `pool_pages + 1` pages from its window's start: a read that needs more
+/// than the pool holds is refused as block_table_too_short (so a huge length, or a stride-0
+/// view's huge width, allocates nothing beyond that).
+///
+/// Token slots with pages of more than one token: page `j` is taken from entry `j * page_size`,
+/// and every other entry the row reads must be that page's slot at its offset (a per-token
+/// reader reads each entry). One that is not is read as what it names: an extra read of its own
+/// page up to its slot ([`Windows::extra`]), refused if that page is not the reader's.
 fn window_pages(
     t: &IntArray<'_>,
     rows: &[u64],
@@ -154,15 +158,15 @@ fn window_pages(
     from: Option<&[u64]>,
     config: &kvguard::PoolConfig,
     token_slots: bool,
-) -> (Vec<PageId>, Vec<std::ops::Range<usize>>) {
+) -> Windows {
     let page_size = config.page_size;
     let ps = u64::from(page_size);
     let div = kvguard::config::PageDiv::new(page_size);
     let stride = if token_slots { ps as usize } else { 1 };
-    let width = t.width().div_ceil(stride);
+    let entries = t.width();
+    let width = entries.div_ceil(stride);
     let most = config.num_pages as usize + 1;
-    let mut converted = Vec::new();
-    let mut spans = Vec::with_capacity(rows.len());
+    let mut out = Windows { pages: Vec::new(), spans: Vec::with_capacity(rows.len()), extra: Vec::new() };
     let page_of = |v: i64| {
         let page = if v < 0 {
             -1
@@ -173,21 +177,97 @@ fn window_pages(
         };
         PageId(u32::try_from(page).unwrap_or(u32::MAX))
     };
+    let whole_pages = token_slots && ps > 1;
     for (i, &row) in rows.iter().enumerate() {
         let seq = lens[i];
         let first = from.map_or(0, |f| usize::try_from(div.floor(f[i].min(seq))).unwrap_or(usize::MAX));
         let end = usize::try_from(div.ceil(seq)).unwrap_or(usize::MAX).min(width).max(first).min(first + most);
-        let start = converted.len();
+        let start = out.pages.len();
         // An int32 contiguous row (SGLang's req_to_token) is read as a slice; its entries are
         // the engine's int32s (`PageId` only borrows their bits).
-        match t.row_pages(row as usize) {
-            Some(r) => converted.extend((first..end).map(|j| page_of(i64::from(r[j * stride].0 as i32)))),
-            None => converted.extend((first..end).map(|j| page_of(t.get(row as usize, j * stride)))),
+        let row_slice = t.row_pages(row as usize);
+        let entry = |e: usize| match row_slice {
+            Some(r) => i64::from(r[e].0 as i32),
+            None => t.get(row as usize, e),
+        };
+        out.pages.extend((first..end).map(|j| page_of(entry(j * stride))));
+        if whole_pages {
+            // Entries j * ps + 1 .. of each page read, up to the tokens read and the row's end.
+            let last = usize::try_from(seq).unwrap_or(usize::MAX).min(entries);
+            for j in first..end {
+                let lo = j * stride;
+                let base = entry(lo);
+                if base < 0 {
+                    continue; // refused as page_out_of_range already
+                }
+                let own = base - div.offset(base as u64) as i64;
+                let hi = (lo + stride).min(last);
+                let odd = |k: usize| entry(lo + k) != own + k as i64;
+                let any = match row_slice {
+                    // The common case, every entry in place: one pass the compiler vectorizes.
+                    Some(r) => r[lo..hi]
+                        .iter()
+                        .enumerate()
+                        .fold(false, |bad, (k, e)| bad | (i64::from(e.0 as i32) != own + k as i64)),
+                    None => (0..hi - lo).any(odd),
+                };
+                if any {
+                    for k in (0..hi - lo).filter(|&k| odd(k)) {
+                        let slot = entry(lo + k);
+                        let tokens = if slot < 0 { 1 } else { div.offset(slot as u64) + 1 };
+                        out.extra.push((i, page_of(slot), tokens));
+                    }
+                }
+            }
         }
-        spans.push(start..converted.len());
+        out.spans.push(start..out.pages.len());
         lens[i] = seq - first as u64 * ps;
     }
-    (converted, spans)
+    out
+}
+
+/// What [`window_pages`] read: each row's pages (`pages[spans[i]]`), and the extra reads of
+/// entries that are not their page's slot: `(row index, the page the entry names, tokens of it
+/// read: its slot's offset + 1)`.
+struct Windows {
+    pages: Vec<PageId>,
+    spans: Vec<std::ops::Range<usize>>,
+    extra: Vec<(usize, PageId, u64)>,
+}
+
+impl Windows {
+    /// The step's reads: row `i` as `requests[i]` reading `lens[i]` tokens of its pages, then
+    /// the extra reads (index `n + k` for extra `k`; see [`Windows::fold`]).
+    fn reads<'a>(&'a self, requests: &[RequestId], lens: &[u64]) -> Vec<SeqRead<'a>> {
+        let rows = (0..self.spans.len()).map(|i| SeqRead {
+            request: requests[i],
+            block_table: &self.pages[self.spans[i].clone()],
+            tokens: lens[i],
+        });
+        let extra = self.extra.iter().map(|(i, page, tokens)| SeqRead {
+            request: requests[*i],
+            block_table: std::slice::from_ref(page),
+            tokens: *tokens,
+        });
+        rows.chain(extra).collect()
+    }
+
+    /// A verdict over [`Windows::reads`] as one over the rows: an extra read's refusal is its
+    /// row's, and a row refused more than once keeps its first (its own pages' before an extra's).
+    fn fold(&self, mut v: kvguard::StepVerdict) -> kvguard::StepVerdict {
+        let n = self.spans.len();
+        if self.extra.is_empty() || v.refused.iter().all(|(i, _)| *i < n) {
+            return v;
+        }
+        for (i, _) in &mut v.refused {
+            if *i >= n {
+                *i = self.extra[*i - n].0;
+            }
+        }
+        v.refused.sort_by_key(|(i, _)| *i);
+        v.refused.dedup_by_key(|(i, _)| *i);
+        v
+    }
 }
 
 /// A prefix key: an int in `0..2**64` (the engine's block hash, radix node id, ...).
@@ -382,24 +462,26 @@ impl OwnershipTable {
             && from.is_none()
             && (!token_slots || self.table.page_size() == 1)
             && t.row_pages(rows[0] as usize).is_some();
-        let (converted, spans) = if direct {
-            (Vec::new(), Vec::new())
-        } else {
-            window_pages(&t, &rows, &mut lens, from.as_deref(), self.table.config(), token_slots)
+        let windows =
+            (!direct).then(|| window_pages(&t, &rows, &mut lens, from.as_deref(), self.table.config(), token_slots));
+        let reads: Vec<SeqRead<'_>> = match &windows {
+            Some(w) => w.reads(&requests, &lens),
+            None => (0..n)
+                .map(|i| SeqRead {
+                    request: requests[i],
+                    // direct: every row is a contiguous int32 row (row_pages of one is of all).
+                    block_table: t.row_pages(rows[i] as usize).unwrap_or(&[]),
+                    tokens: lens[i],
+                })
+                .collect(),
         };
-        let reads: Vec<SeqRead<'_>> = (0..n)
-            .map(|i| SeqRead {
-                request: requests[i],
-                block_table: match t.row_pages(rows[i] as usize) {
-                    Some(row) if direct => row,
-                    _ => &converted[spans[i].clone()],
-                },
-                tokens: lens[i],
-            })
-            .collect();
         let core = &self.table;
         let v = py.detach(|| if judged { core.verify_step(&reads) } else { core.check_step(&reads) });
         drop(reads);
+        let v = match &windows {
+            Some(w) => w.fold(v),
+            None => v,
+        };
         self.verdict(py, v, n, judged)
     }
 
@@ -845,8 +927,11 @@ impl OwnershipTable {
     /// seq_lens: 1-D int, n entries: tokens each request reads.
     /// token_slots: False: one page id per entry (vLLM's layout). True: one KV slot per token
     ///   (page * page_size + offset, SGLang's req_to_token); page j of a request is its entry
-    ///   j * page_size divided by page_size (what a paged attention kernel reads). A negative
-    ///   entry is refused as page_out_of_range.
+    ///   j * page_size divided by page_size (what a paged attention kernel reads), and every
+    ///   other entry read must be that page's slot at its offset (a per-token reader reads each
+    ///   entry): one that is not is read as the page it names, up to its slot (refused, e.g.
+    ///   foreign_page, when that page is not the reader's). A negative entry is refused as
+    ///   page_out_of_range.
     /// The verdict is the one verify_step gives on the gathered page table.
     #[pyo3(signature = (req_ids, table, rows, seq_lens, *, token_slots = false))]
     fn verify_step_rows(
@@ -1241,7 +1326,7 @@ impl OwnershipTable {
         let pool_pages = self.table.config().num_pages;
         let args =
             mirror::DecodeArgs::open(row_keys, row_claimants, page_prefix, owner.len(), pool_pages, rows, slots)?;
-        let writes = args.writes(mirror::Marked::new(&owner), self.table.page_size());
+        let writes = args.writes(|at| owner.get(at, 0), self.table.page_size());
         let (v, ok) = self.decode_claims(py, &writes.claims);
         // (page, key) pairs as little-endian int64 bytes, numpy's view of them below.
         let never = owner.len() - 1;
@@ -1301,16 +1386,15 @@ impl OwnershipTable {
         owner.apart("page_owner", &read, Some((&checked, "row_checked")))?;
         checked.apart("row_checked", &read, None)?;
         // Everything is checked: from here on the mirror changes, and nothing raises.
-        let writes = args.writes(&owner, self.table.page_size());
+        let writes = args.writes(|at| owner.get(at), self.table.page_size());
         mirror::lower_checked(&checked, &args.rows, &cols);
         if writes.claims.is_empty() && writes.left.is_empty() {
             return Ok(None);
         }
         let (v, ok) = self.decode_claims(py, &writes.claims);
         let never = owner.len() - 1;
-        // decode_writes marked every claim's page; a refused one goes back to its owner.
-        for (c, _) in writes.claims.iter().zip(ok).filter(|(c, ok)| !*ok && c.at < never) {
-            owner.set(c.at, c.was);
+        for (c, _) in writes.claims.iter().zip(ok).filter(|(c, ok)| *ok && c.at < never) {
+            owner.set(c.at, c.request.0 as i64);
         }
         if v.is_clean() && writes.left.is_empty() {
             return Ok(None);
@@ -1390,10 +1474,8 @@ impl OwnershipTable {
         let read_from: Vec<i64> = rows.iter().map(|&r| checked.get(r as usize)).collect();
         let from: Vec<u64> = read_from.iter().map(|&c| c.max(0) as u64).collect();
         let full_lens = lens.clone();
-        let (pages, spans) = window_pages(&t, &rows, &mut lens, Some(&from), self.table.config(), true);
-        let reads: Vec<SeqRead<'_>> = (0..n)
-            .map(|i| SeqRead { request: requests[i], block_table: &pages[spans[i].clone()], tokens: lens[i] })
-            .collect();
+        let windows = window_pages(&t, &rows, &mut lens, Some(&from), self.table.config(), true);
+        let reads = windows.reads(&requests, &lens);
         let core = &self.table;
         // One release of the GIL for both: the reads only if every write was recorded.
         let (written, read) = py.detach(|| {

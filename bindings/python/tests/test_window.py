@@ -329,6 +329,13 @@ def test_positions_of_one_row_in_one_new_page_claim_it_once():
     verdict, left = t.write_decode_rows(keys, claimants, owner, prefix, checked, [3, 3], [40, 41], slots)
     assert [(v.kind, v.request) for _, v in verdict.refused] == [("page_not_free", 4)]
     assert owner[rows[1][0]] == 1
+    # A stale row writing into another request's page beside that request's own write there:
+    # only the stale row's request is refused, and the page stays its owner's.
+    t, rows, keys, claimants, owner, prefix = mirror()
+    slots = np.array([rows[2][1] * PAGE + 5, rows[2][1] * PAGE + 4], dtype=np.int64)
+    verdict, left = t.write_decode_rows(keys, claimants, owner, prefix, checked, [0, 1], [21, 20], slots)
+    assert [(v.kind, v.request) for _, v in verdict.refused] == [("page_not_free", 1)]
+    assert owner[rows[2][1]] == 2 and not t.request_info(2).quarantined
 
 
 def test_the_mirror_must_cover_the_pool_and_its_spare_entry_owns_nothing():
@@ -403,3 +410,47 @@ def test_a_slot_outside_any_pool_on_a_row_left_to_the_plugin_is_refused_not_rais
     for slot in (-1, 2**40):
         g._decode_rows_written(np.array([1]), np.array([20]), np.array([slot], dtype=np.int64))
     assert refused == [(2, "page_out_of_range")] * 2
+
+
+def test_every_entry_read_inside_a_page_is_that_pages_slot():
+    """A per-token reader (SGLang's Triton backend) reads every entry of req_to_token, not only
+    each page's first: an entry inside a page that names another request's slot is refused on
+    its row, as is a row whose slots are shifted across a page boundary; entries past the tokens
+    read are not looked at."""
+    t, rows, keys, claimants, checked, rt = forward_mirror()
+    step = np.arange(5, dtype=np.int64)
+    lens = np.full(5, 20, dtype=np.int64)
+    assert t.check_step_rows(keys[step], rt, step, lens, token_slots=True).clean
+    bad = rt.copy()
+    bad[1, 5] = rows[1][0] * PAGE + 5  # request 2's token 5 names request 1's slot
+    v = t.check_step_rows(keys[step], bad, step, lens, token_slots=True)  # pure: nothing quarantined
+    assert [(i, x.kind, x.request, x.owner) for i, x in v.refused] == [(1, "foreign_page", 2, 1)]
+    assert t.check_step_window(keys[step], bad, step, lens, np.zeros(5, dtype=np.int64), token_slots=True).refused_rows == [1]
+    # Only the window's pages: token 5 is in page 0, outside a window from token 16.
+    assert t.check_step_window(keys[step], bad, step, lens, np.full(5, 16), token_slots=True).clean
+    # Past the tokens read: not read, not refused.
+    past = rt.copy()
+    past[1, 21] = rows[1][1] * PAGE + 5
+    assert t.check_step_rows(keys[step], past, step, lens, token_slots=True).clean
+    # Shifted by 5: the page's first entry names the row's own page, the last entries the page
+    # after it, which is not the reader's.
+    shifted = rt.copy()
+    shifted[2, :16] = rows[3][0] * PAGE + 5 + np.arange(16)
+    v = t.check_step_rows(keys[step], shifted, step, lens, token_slots=True)
+    assert v.refused_rows == [2]
+    # int64 rows take the general path: the same verdicts; judged, the row's request is
+    # quarantined and counted once.
+    v = t.verify_step_rows(keys[step], bad.astype(np.int64), step, lens, token_slots=True)
+    assert [(i, x.kind) for i, x in v.refused] == [(1, "foreign_page")]
+    assert t.request_info(2).quarantined and sum(t.counters().values()) == 1
+
+
+def test_a_decode_window_with_an_entry_off_its_page_goes_to_the_full_check():
+    t, rows, keys, claimants, checked, rt = forward_mirror()
+    step = np.arange(5, dtype=np.int64)
+    lens = np.full(5, 21, dtype=np.int64)
+    loc = rt[step, 20].astype(np.int64)
+    rt[3, 18] = rows[1][1] * PAGE + 2  # request 4's token 18 names request 1's slot
+    assert t.check_decode_forward(keys, claimants, checked, rt, step, lens, loc) == ("window", None)
+    v = t.verify_step_rows(keys[step], rt, step, lens, token_slots=True)
+    assert [(i, x.kind, x.request) for i, x in v.refused] == [(3, "foreign_page", 4)]

@@ -538,7 +538,8 @@ class DeviceGuard:
     def verify_token_rows(self, req_to_token: int, num_rows: int, row_stride: int, rows: int, seq_lens: int, num_seqs: int, max_pages_per_seq: int, *, stream: int) -> None:
         """SGLang's layout read in place: req_to_token int32 [num_rows, row_stride] (token slots), rows and
         seq_lens int64 [num_seqs] (device pointers); page j of sequence s is the page of
-        req_to_token[rows[s], j * page_size]. No host sync."""
+        req_to_token[rows[s], j * page_size], and every other entry read must be that page's slot at its
+        offset (one that is not is checked as the page it names). No host sync."""
     def read_status(self, n: int, *, stream: int) -> list[int]: ...
     def drain(self, table: OwnershipTable, *, stream: int) -> list[Violation]: ...
     @property
