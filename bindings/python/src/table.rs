@@ -178,6 +178,26 @@ fn window_pages(
         PageId(u32::try_from(page).unwrap_or(u32::MAX))
     };
     let whole_pages = token_slots && ps > 1;
+    let pow2 = page_size.is_power_of_two();
+    // Page-sized power of two: a row's entries `lo..hi` (`lo` a page's first) are all in place
+    // when each page's first is a page's slot 0 and every other entry is the one before it plus
+    // one: one pass over the row that the compiler vectorizes, the per-page pass only when not.
+    let mask = page_size.wrapping_sub(1) as i32;
+    // Per entry of a chunk that starts a page: -1 inside a page (the entry must be the one
+    // before it plus one), 0 at a page's first (it must be a page's slot 0).
+    let chunk = if pow2 { (page_size as usize).max(256) } else { 0 };
+    let inside: Vec<i32> = (0..chunk).map(|t| if t as i32 & mask == 0 { 0 } else { -1 }).collect();
+    let in_place = |r: &[PageId], lo: usize, hi: usize| {
+        let seg = &r[lo..hi.max(lo)];
+        let bad = seg.chunks(chunk.max(1)).fold(0i32, |bad, c| {
+            let head = c[0].0 as i32 & mask;
+            c[1..].iter().zip(c).zip(&inside[1..]).fold(bad | head, |bad, ((e, prev), &inside)| {
+                let (e, prev) = (e.0 as i32, prev.0 as i32);
+                bad | (e.wrapping_sub(prev).wrapping_sub(1) & inside) | (e & mask & !inside)
+            })
+        });
+        bad == 0
+    };
     for (i, &row) in rows.iter().enumerate() {
         let seq = lens[i];
         let first = from.map_or(0, |f| usize::try_from(div.floor(f[i].min(seq))).unwrap_or(usize::MAX));
@@ -191,9 +211,9 @@ fn window_pages(
             None => t.get(row as usize, e),
         };
         out.pages.extend((first..end).map(|j| page_of(entry(j * stride))));
-        if whole_pages {
-            // Entries j * ps + 1 .. of each page read, up to the tokens read and the row's end.
-            let last = usize::try_from(seq).unwrap_or(usize::MAX).min(entries);
+        // Entries of each page read, up to the tokens read and the row's end.
+        let last = usize::try_from(seq).unwrap_or(usize::MAX).min(entries);
+        if whole_pages && !(pow2 && row_slice.is_some_and(|r| in_place(r, first * stride, (end * stride).min(last)))) {
             for j in first..end {
                 let lo = j * stride;
                 let base = entry(lo);
@@ -204,11 +224,12 @@ fn window_pages(
                 let hi = (lo + stride).min(last);
                 let odd = |k: usize| entry(lo + k) != own + k as i64;
                 let any = match row_slice {
-                    // The common case, every entry in place: one pass the compiler vectorizes.
-                    Some(r) => r[lo..hi]
-                        .iter()
-                        .enumerate()
-                        .fold(false, |bad, (k, e)| bad | (i64::from(e.0 as i32) != own + k as i64)),
+                    // In int32, as the engine holds them: entry k minus k is the page's slot 0.
+                    Some(r) => {
+                        let own = own as i32;
+                        r[lo..hi].iter().zip(0i32..).fold(0, |bad, (e, k)| bad | ((e.0 as i32).wrapping_sub(k) ^ own))
+                            != 0
+                    }
                     None => (0..hi - lo).any(odd),
                 };
                 if any {
