@@ -331,24 +331,30 @@ impl EventKind {
 
     /// The event named `name`, if the format (v1 or v1.1) has one.
     pub fn from_name(name: &str) -> Option<EventKind> {
+        EventKind::from_bytes(name.as_bytes())
+    }
+
+    /// [`EventKind::from_name`] of a name's bytes (the parser's fast path has them before any
+    /// UTF-8 check).
+    pub(crate) fn from_bytes(name: &[u8]) -> Option<EventKind> {
         Some(match name {
-            "pool" => EventKind::Pool,
-            "admit" => EventKind::Admit,
-            "alloc" => EventKind::Alloc,
-            "write" => EventKind::Write,
-            "read" => EventKind::Read,
-            "free" => EventKind::Free,
-            "share" => EventKind::Share,
-            "attach" => EventKind::Attach,
-            "evict" => EventKind::Evict,
-            "import" => EventKind::Import,
-            "fork" => EventKind::Fork,
-            "detach" => EventKind::Detach,
-            "preempt" => EventKind::Preempt,
-            "scrub" => EventKind::Scrub,
-            "grant" => EventKind::Grant,
-            "revoke" => EventKind::Revoke,
-            "end" => EventKind::End,
+            b"pool" => EventKind::Pool,
+            b"admit" => EventKind::Admit,
+            b"alloc" => EventKind::Alloc,
+            b"write" => EventKind::Write,
+            b"read" => EventKind::Read,
+            b"free" => EventKind::Free,
+            b"share" => EventKind::Share,
+            b"attach" => EventKind::Attach,
+            b"evict" => EventKind::Evict,
+            b"import" => EventKind::Import,
+            b"fork" => EventKind::Fork,
+            b"detach" => EventKind::Detach,
+            b"preempt" => EventKind::Preempt,
+            b"scrub" => EventKind::Scrub,
+            b"grant" => EventKind::Grant,
+            b"revoke" => EventKind::Revoke,
+            b"end" => EventKind::End,
             _ => return None,
         })
     }

@@ -217,7 +217,16 @@ fn parse_plain<'de>(line: &'de [u8], raw: &mut RawEvent<'de>, bufs: &mut ListBuf
             }
             cur.space();
             let value = match cur.peek()? {
-                b'"' => Value::Text(Cow::Borrowed(std::str::from_utf8(cur.string()?).ok()?)),
+                b'"' => {
+                    let bytes = cur.string()?;
+                    // An event's name is taken as its own static spelling, the same text without
+                    // a UTF-8 pass over it.
+                    let known = if field == Field::Ev { EventKind::from_bytes(bytes) } else { None };
+                    match known {
+                        Some(kind) => Value::Text(Cow::Borrowed(kind.as_str())),
+                        None => Value::Text(Cow::Borrowed(std::str::from_utf8(bytes).ok()?)),
+                    }
+                }
                 b't' if line[cur.at..].starts_with(b"true") => {
                     cur.at += 4;
                     Value::Bool(true)
@@ -333,7 +342,19 @@ impl<'de> Cursor<'de> {
     fn uint(&mut self) -> Option<u64> {
         self.space();
         let start = self.at;
-        let rest = &self.line[start..];
+        let rest = self.line.get(start..)?;
+        // The usual number, at most seven digits with a byte after them, judged from one word:
+        // its digits, the byte after them and its first byte, without indexing the line again.
+        if let Some(word) = rest.first_chunk::<8>().map(|w| u64::from_le_bytes(*w)) {
+            if let Some((v, digits)) = short_digits(word) {
+                let next = (word >> (8 * digits)) as u8;
+                if digits == 0 || (digits > 1 && word as u8 == b'0') || matches!(next, b'.' | b'e' | b'E') {
+                    return None;
+                }
+                self.at = start + digits;
+                return Some(v);
+            }
+        }
         // Up to 19 digits cannot pass u64::MAX (20 digits); more are checked.
         let (mut v, digits) = leading_digits(rest);
         if digits > 19 {
@@ -347,33 +368,39 @@ impl<'de> Cursor<'de> {
     }
 }
 
+/// The digits eight bytes (the first in the low byte) start with, when fewer than eight: their
+/// value and count (0 digits: `(0, 0)`); `None` when all eight are digits.
+#[inline(always)]
+fn short_digits(word: u64) -> Option<(u64, usize)> {
+    const LOW: u64 = u64::from_le_bytes([0x0f; 8]);
+    const HIGH: u64 = u64::from_le_bytes([0xf0; 8]);
+    const ZEROS: u64 = u64::from_le_bytes([b'0'; 8]);
+    const SIXES: u64 = u64::from_le_bytes([0x06; 8]);
+    // Non-zero in each byte that is no digit: its high nibble, or that of the byte plus 6
+    // (which passes 0x39), is not 3. A carry out of a byte only reaches the bytes after it.
+    let other = ((word & HIGH) ^ ZEROS) | ((word.wrapping_add(SIXES) & HIGH) ^ ZEROS);
+    if other == 0 {
+        return None;
+    }
+    let digits = (other.trailing_zeros() / 8) as usize;
+    if digits == 0 {
+        return Some((0, 0));
+    }
+    // The digits moved to the top bytes, so the bytes before them read as leading zeros;
+    // then pairs, fours and eights of digits are combined.
+    let v = (word & LOW) << (8 * (8 - digits));
+    let v = (v.wrapping_mul(1 + (10 << 8))) >> 8;
+    let v = ((v & 0x00ff_00ff_00ff_00ff).wrapping_mul(1 + (100 << 16))) >> 16;
+    let v = ((v & 0x0000_ffff_0000_ffff).wrapping_mul(1 + (10_000 << 32))) >> 32;
+    Some((v, digits))
+}
+
 /// The decimal digits `text` starts with: their value (wrapped past `u64::MAX`) and count. A
 /// number of at most seven digits is read eight bytes at a time.
 #[inline(always)]
 fn leading_digits(text: &[u8]) -> (u64, usize) {
-    if let Some(&[b0, b1, b2, b3, b4, b5, b6, b7]) = text.get(..8) {
-        const LOW: u64 = u64::from_le_bytes([0x0f; 8]);
-        const HIGH: u64 = u64::from_le_bytes([0xf0; 8]);
-        const ZEROS: u64 = u64::from_le_bytes([b'0'; 8]);
-        const SIXES: u64 = u64::from_le_bytes([0x06; 8]);
-        // The string's first byte in the word's low byte.
-        let word = u64::from_le_bytes([b0, b1, b2, b3, b4, b5, b6, b7]);
-        // Non-zero in each byte that is no digit: its high nibble, or that of the byte plus 6
-        // (which passes 0x39), is not 3. A carry out of a byte only reaches the bytes after it.
-        let other = ((word & HIGH) ^ ZEROS) | ((word.wrapping_add(SIXES) & HIGH) ^ ZEROS);
-        if other != 0 {
-            let digits = (other.trailing_zeros() / 8) as usize;
-            if digits == 0 {
-                return (0, 0);
-            }
-            // The digits moved to the top bytes, so the bytes before them read as leading zeros;
-            // then pairs, fours and eights of digits are combined.
-            let v = (word & LOW) << (8 * (8 - digits));
-            let v = (v.wrapping_mul(1 + (10 << 8))) >> 8;
-            let v = ((v & 0x00ff_00ff_00ff_00ff).wrapping_mul(1 + (100 << 16))) >> 16;
-            let v = ((v & 0x0000_ffff_0000_ffff).wrapping_mul(1 + (10_000 << 32))) >> 32;
-            return (v, digits);
-        }
+    if let Some(found) = text.first_chunk::<8>().and_then(|w| short_digits(u64::from_le_bytes(*w))) {
+        return found;
     }
     let mut v = 0u64;
     let mut digits = 0;
@@ -851,6 +878,14 @@ mod tests {
             r#"{}"#,
             r#"[1]"#,
             r#"{"ev":"write","req":1,"page":2,"slots":[0,1,2,3]}"#,
+            r#"{"ev":"nope","req":1}"#,
+            r#"{"ev":"Read","req":1}"#,
+            r#"{"tenant":"read","ev":"admit","req":7}"#,
+            r#"{"ev":"free","req":1234567}"#,
+            r#"{"ev":"free","req":1234567.5}"#,
+            r#"{"ev":"free","req":0123456}"#,
+            r#"{"ev":"free","req":12345678}"#,
+            r#"{"ev":"free","req":7e}"#,
         ];
         for line in lines {
             let (mut fast, mut reference) = (ListBuffers::default(), ListBuffers::default());
