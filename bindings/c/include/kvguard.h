@@ -723,6 +723,43 @@ kvg_status kvg_check_step(const struct kvg_table *table,
                           const int32_t *seq_lens,
                           uint8_t *refused);
 
+// [`kvg_verify_step`] for a step's block tables in FlashInfer's paged-KV form (SGLang's and
+// FlashInfer's `kv_indptr` / `kv_indices` / `kv_last_page_len`, all `int32`): sequence `s` is
+// request `request_ids[s]` reading the pages `kv_indices[kv_indptr[s] .. kv_indptr[s + 1]]`, all
+// of them whole but the last, of which it reads `kv_last_page_len[s]` tokens (a sequence with no
+// pages reads nothing). The arrays are read in place. `kv_indptr` must hold `num_seqs + 1`
+// non-decreasing offsets from 0 on and `kv_last_page_len` no negative count
+// (`KVG_STATUS_INVALID_ARGUMENT`); a last-page count past the page size reads past the
+// sequence's pages and is refused as `block_table_too_short`.
+//
+// Returns and fills `refused` (NULL, or `num_seqs` bytes) as `kvg_verify_step` does.
+//
+// # Safety
+// `table` is a live handle; `request_ids` and `kv_last_page_len` hold `num_seqs` entries,
+// `kv_indptr` `num_seqs + 1`, `kv_indices` `kv_indptr[num_seqs]`; `refused` is NULL or has
+// `num_seqs` bytes.
+KVG_MUST_USE
+kvg_status kvg_verify_step_csr(struct kvg_table *table,
+                               size_t num_seqs,
+                               const uint64_t *request_ids,
+                               const int32_t *kv_indptr,
+                               const int32_t *kv_indices,
+                               const int32_t *kv_last_page_len,
+                               uint8_t *refused);
+
+// `kvg_verify_step_csr`, pure: the same verdict, and nothing counted, logged or quarantined.
+//
+// # Safety
+// As for `kvg_verify_step_csr`.
+KVG_MUST_USE
+kvg_status kvg_check_step_csr(const struct kvg_table *table,
+                              size_t num_seqs,
+                              const uint64_t *request_ids,
+                              const int32_t *kv_indptr,
+                              const int32_t *kv_indices,
+                              const int32_t *kv_last_page_len,
+                              uint8_t *refused);
+
 // Records a step's KV writes in one call, as the engine's slot mapping gives them: sequence `s`
 // is request `request_ids[s]` writing `slot_mapping[query_start_loc[s] .. query_start_loc[s+1]]`,
 // one entry per token, `page * page_size + offset`, -1 for padding (vLLM's `slot_mapping` and

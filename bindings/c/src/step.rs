@@ -127,6 +127,115 @@ pub unsafe extern "C" fn kvg_check_step(
     step(table, rows, request_ids, block_tables, row_stride, max_blocks, seq_lens, refused, false)
 }
 
+/// A step's reads in FlashInfer's paged-KV (CSR) form: sequence `s` reads the pages
+/// `kv_indices[kv_indptr[s] .. kv_indptr[s + 1]]`, the last of them up to `kv_last_page_len[s]`
+/// tokens.
+fn csr_reads<'a>(
+    num_seqs: usize,
+    request_ids: *const u64,
+    kv_indptr: *const i32,
+    kv_indices: *const i32,
+    kv_last_page_len: *const i32,
+    page_size: u32,
+) -> Result<Vec<SeqRead<'a>>, Failure> {
+    if num_seqs == 0 {
+        return Ok(Vec::new());
+    }
+    let requests = raw::slice(request_ids, num_seqs, "request_ids")?;
+    let bounds_len = num_seqs.checked_add(1).ok_or_else(|| Failure::invalid("num_seqs overflows".to_string()))?;
+    let indptr = raw::slice(kv_indptr, bounds_len, "kv_indptr")?;
+    let last = raw::slice(kv_last_page_len, num_seqs, "kv_last_page_len")?;
+    if let Some(s) = indptr.windows(2).position(|w| w[0] < 0 || w[1] < w[0]) {
+        return Err(Failure::invalid(format!(
+            "kv_indptr[{s}..={}] is {}..{}: not non-decreasing offsets from 0 on",
+            s + 1,
+            indptr[s],
+            indptr[s + 1]
+        )));
+    }
+    if let Some(s) = last.iter().position(|&n| n < 0) {
+        return Err(Failure::invalid(format!("kv_last_page_len[{s}] is {}: a token count is not negative", last[s])));
+    }
+    // Non-negative: every offset is at least the first, which is.
+    let indices = raw::pages(raw::slice(kv_indices, indptr[num_seqs] as usize, "kv_indices")?);
+    let ps = u64::from(page_size);
+    Ok((0..num_seqs)
+        .map(|s| {
+            let (a, b) = (indptr[s] as usize, indptr[s + 1] as usize);
+            let pages = (b - a) as u64;
+            let tokens = if pages == 0 { 0 } else { (pages - 1) * ps + last[s] as u64 };
+            SeqRead { request: RequestId(requests[s]), block_table: &indices[a..b], tokens }
+        })
+        .collect())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn step_csr(
+    table: *const kvg_table,
+    num_seqs: usize,
+    request_ids: *const u64,
+    kv_indptr: *const i32,
+    kv_indices: *const i32,
+    kv_last_page_len: *const i32,
+    refused: *mut u8,
+    judged: bool,
+) -> kvg_status {
+    with_table(table, |t| {
+        let ps = t.table.page_size();
+        let reads = csr_reads(num_seqs, request_ids, kv_indptr, kv_indices, kv_last_page_len, ps)?;
+        let refused = mask(refused, num_seqs)?;
+        let v = if judged { t.table.verify_step(&reads) } else { t.table.check_step(&reads) };
+        verdict(v, num_seqs, refused)
+    })
+}
+
+/// [`kvg_verify_step`] for a step's block tables in FlashInfer's paged-KV form (SGLang's and
+/// FlashInfer's `kv_indptr` / `kv_indices` / `kv_last_page_len`, all `int32`): sequence `s` is
+/// request `request_ids[s]` reading the pages `kv_indices[kv_indptr[s] .. kv_indptr[s + 1]]`, all
+/// of them whole but the last, of which it reads `kv_last_page_len[s]` tokens (a sequence with no
+/// pages reads nothing). The arrays are read in place. `kv_indptr` must hold `num_seqs + 1`
+/// non-decreasing offsets from 0 on and `kv_last_page_len` no negative count
+/// (`KVG_STATUS_INVALID_ARGUMENT`); a last-page count past the page size reads past the
+/// sequence's pages and is refused as `block_table_too_short`.
+///
+/// Returns and fills `refused` (NULL, or `num_seqs` bytes) as `kvg_verify_step` does.
+///
+/// # Safety
+/// `table` is a live handle; `request_ids` and `kv_last_page_len` hold `num_seqs` entries,
+/// `kv_indptr` `num_seqs + 1`, `kv_indices` `kv_indptr[num_seqs]`; `refused` is NULL or has
+/// `num_seqs` bytes.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvg_verify_step_csr(
+    table: *mut kvg_table,
+    num_seqs: usize,
+    request_ids: *const u64,
+    kv_indptr: *const i32,
+    kv_indices: *const i32,
+    kv_last_page_len: *const i32,
+    refused: *mut u8,
+) -> kvg_status {
+    step_csr(table, num_seqs, request_ids, kv_indptr, kv_indices, kv_last_page_len, refused, true)
+}
+
+/// `kvg_verify_step_csr`, pure: the same verdict, and nothing counted, logged or quarantined.
+///
+/// # Safety
+/// As for `kvg_verify_step_csr`.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvg_check_step_csr(
+    table: *const kvg_table,
+    num_seqs: usize,
+    request_ids: *const u64,
+    kv_indptr: *const i32,
+    kv_indices: *const i32,
+    kv_last_page_len: *const i32,
+    refused: *mut u8,
+) -> kvg_status {
+    step_csr(table, num_seqs, request_ids, kv_indptr, kv_indices, kv_last_page_len, refused, false)
+}
+
 /// Records a step's KV writes in one call, as the engine's slot mapping gives them: sequence `s`
 /// is request `request_ids[s]` writing `slot_mapping[query_start_loc[s] .. query_start_loc[s+1]]`,
 /// one entry per token, `page * page_size + offset`, -1 for padding (vLLM's `slot_mapping` and

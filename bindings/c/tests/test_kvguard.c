@@ -606,6 +606,52 @@ static void test_steps(void) {
     CHECK(refused[0] == 0 && refused[3] == 0);
     OK(kvg_check_step(t, ROWS, ids, matrix, STRIDE, BLOCKS, lens, NULL));
 
+    /* The same step in FlashInfer's paged-KV (CSR) form: 3 pages a row, 8 tokens of the last. */
+    {
+        int32_t indptr[ROWS + 1], indices[ROWS * 3], last[ROWS];
+        uint64_t before = 0, after = 0;
+        for (int r = 0; r < ROWS; r++) {
+            indptr[r] = r * 3;
+            last[r] = 40 - 2 * PS;
+            for (int b = 0; b < 3; b++) indices[r * 3 + b] = matrix[r * STRIDE + b];
+        }
+        indptr[ROWS] = ROWS * 3;
+        memset(refused, 0xff, sizeof refused);
+        OK(kvg_verify_step_csr(t, ROWS, ids, indptr, indices, last, refused));
+        CHECK(refused[0] == 0 && refused[1] == 0 && refused[2] == 0 && refused[3] == 0);
+        /* Sequence 1 reads sequence 0's first page: refused alone, and the pure form counts nothing. */
+        indices[1 * 3 + 1] = matrix[0];
+        OK(kvg_violation_count(t, 0, &before));
+        EXPECT(kvg_check_step_csr(t, ROWS, ids, indptr, indices, last, refused), KVG_STATUS_VIOLATION);
+        CHECK(refused[0] == 0 && refused[1] == 1 && refused[2] == 0 && refused[3] == 0);
+        CHECK(kvg_last_violation_count() == 1 && last_kind(0) == KVG_VIOLATION_KIND_FOREIGN_PAGE);
+        OK(kvg_violation_count(t, 0, &after));
+        CHECK(after == before);
+        indices[1 * 3 + 1] = matrix[1 * STRIDE + 1];
+        /* A last page read past the page size reads past the sequence's pages. */
+        last[2] = PS + 1;
+        EXPECT(kvg_check_step_csr(t, ROWS, ids, indptr, indices, last, refused), KVG_STATUS_VIOLATION);
+        CHECK(refused[2] == 1 && last_kind(0) == KVG_VIOLATION_KIND_BLOCK_TABLE_TOO_SHORT);
+        last[2] = 40 - 2 * PS;
+        /* Malformed: decreasing offsets, a negative first offset, a negative count. */
+        indptr[2] = indptr[1] - 1;
+        EXPECT(kvg_check_step_csr(t, ROWS, ids, indptr, indices, last, NULL), KVG_STATUS_INVALID_ARGUMENT);
+        CHECK(strstr(kvg_last_error_message(), "kv_indptr[1..=2]") != NULL);
+        indptr[2] = 2 * 3;
+        indptr[0] = -1;
+        EXPECT(kvg_check_step_csr(t, ROWS, ids, indptr, indices, last, NULL), KVG_STATUS_INVALID_ARGUMENT);
+        indptr[0] = 0;
+        last[3] = -1;
+        EXPECT(kvg_verify_step_csr(t, ROWS, ids, indptr, indices, last, NULL), KVG_STATUS_INVALID_ARGUMENT);
+        last[3] = 40 - 2 * PS;
+        /* A sequence with no pages reads nothing; no sequences at all is a clean step. */
+        indptr[1] = 0;
+        OK(kvg_check_step_csr(t, 1, ids, indptr, indices, last, NULL));
+        indptr[1] = 3;
+        OK(kvg_verify_step_csr(t, 0, NULL, indptr, NULL, NULL, NULL));
+        OK(kvg_verify_step_csr(t, ROWS, ids, indptr, indices, last, NULL));
+    }
+
     /* Row 1 points at row 0's page, row 2 at a negative page (never wrapped onto a real one). */
     {
         int32_t saved1 = matrix[1 * STRIDE + 1], saved2 = matrix[2 * STRIDE];
