@@ -760,6 +760,29 @@ kvg_status kvg_check_step_csr(const struct kvg_table *table,
                               const int32_t *kv_last_page_len,
                               uint8_t *refused);
 
+// Claims a step's newly opened pages in one call (shadow mode: the engine's allocator picked
+// them), as that many `kvg_claim` calls in a row would judge them, under one lock: sequence `s`
+// is request `request_ids[s]` claiming the pages `pages[indptr[s] .. indptr[s + 1]]`. Each
+// sequence is all or nothing; a refused claim (a page not free, reserved or out of range) is
+// judged, counted, logged and (enforce) its request quarantined, the others are claimed.
+// `indptr` must hold `num_seqs + 1` non-decreasing offsets from 0 on
+// (`KVG_STATUS_INVALID_ARGUMENT`, nothing claimed).
+//
+// Returns `KVG_STATUS_OK` when every claim held, `KVG_STATUS_VIOLATION` when some did not:
+// `refused` (NULL, or `num_seqs` bytes) gets 1 for each refused sequence, and
+// `kvg_last_violation(i, ...)` gives each one's violation (its `row` field set).
+//
+// # Safety
+// `table` is a live handle; `request_ids` holds `num_seqs` entries, `indptr` `num_seqs + 1`,
+// `pages` `indptr[num_seqs]`; `refused` is NULL or has `num_seqs` bytes.
+KVG_MUST_USE
+kvg_status kvg_claim_step(struct kvg_table *table,
+                          size_t num_seqs,
+                          const uint64_t *request_ids,
+                          const int32_t *pages,
+                          const int32_t *indptr,
+                          uint8_t *refused);
+
 // Records a step's KV writes in one call, as the engine's slot mapping gives them: sequence `s`
 // is request `request_ids[s]` writing `slot_mapping[query_start_loc[s] .. query_start_loc[s+1]]`,
 // one entry per token, `page * page_size + offset`, -1 for padding (vLLM's `slot_mapping` and

@@ -7,7 +7,7 @@ use crate::raw;
 use crate::status::{Failure, kvg_status};
 use crate::table::{kvg_table, with_table};
 use crate::types::kvg_page_ref;
-use kvguard::{PageRef, RequestId, SeqRead, SeqWrite, StepVerdict};
+use kvguard::{PageRef, RequestId, SeqClaim, SeqRead, SeqWrite, StepVerdict};
 
 /// The rows of a step's block-table matrix, each with its request and token count.
 fn step_reads<'a>(
@@ -127,6 +127,20 @@ pub unsafe extern "C" fn kvg_check_step(
     step(table, rows, request_ids, block_tables, row_stride, max_blocks, seq_lens, refused, false)
 }
 
+/// The entries that CSR offsets `indptr` span: they must not decrease, and start at 0 or above.
+fn csr_total(indptr: &[i32], name: &str) -> Result<usize, Failure> {
+    if let Some(s) = indptr.windows(2).position(|w| w[0] < 0 || w[1] < w[0]) {
+        return Err(Failure::invalid(format!(
+            "{name}[{s}..={}] is {}..{}: not non-decreasing offsets from 0 on",
+            s + 1,
+            indptr[s],
+            indptr[s + 1]
+        )));
+    }
+    // Non-negative: every offset is at least the first, which is.
+    Ok(indptr.last().map_or(0, |&n| n as usize))
+}
+
 /// A step's reads in FlashInfer's paged-KV (CSR) form: sequence `s` reads the pages
 /// `kv_indices[kv_indptr[s] .. kv_indptr[s + 1]]`, the last of them up to `kv_last_page_len[s]`
 /// tokens.
@@ -145,19 +159,11 @@ fn csr_reads<'a>(
     let bounds_len = num_seqs.checked_add(1).ok_or_else(|| Failure::invalid("num_seqs overflows".to_string()))?;
     let indptr = raw::slice(kv_indptr, bounds_len, "kv_indptr")?;
     let last = raw::slice(kv_last_page_len, num_seqs, "kv_last_page_len")?;
-    if let Some(s) = indptr.windows(2).position(|w| w[0] < 0 || w[1] < w[0]) {
-        return Err(Failure::invalid(format!(
-            "kv_indptr[{s}..={}] is {}..{}: not non-decreasing offsets from 0 on",
-            s + 1,
-            indptr[s],
-            indptr[s + 1]
-        )));
-    }
+    let total = csr_total(indptr, "kv_indptr")?;
     if let Some(s) = last.iter().position(|&n| n < 0) {
         return Err(Failure::invalid(format!("kv_last_page_len[{s}] is {}: a token count is not negative", last[s])));
     }
-    // Non-negative: every offset is at least the first, which is.
-    let indices = raw::pages(raw::slice(kv_indices, indptr[num_seqs] as usize, "kv_indices")?);
+    let indices = raw::pages(raw::slice(kv_indices, total, "kv_indices")?);
     let ps = u64::from(page_size);
     Ok((0..num_seqs)
         .map(|s| {
@@ -234,6 +240,50 @@ pub unsafe extern "C" fn kvg_check_step_csr(
     refused: *mut u8,
 ) -> kvg_status {
     step_csr(table, num_seqs, request_ids, kv_indptr, kv_indices, kv_last_page_len, refused, false)
+}
+
+/// Claims a step's newly opened pages in one call (shadow mode: the engine's allocator picked
+/// them), as that many `kvg_claim` calls in a row would judge them, under one lock: sequence `s`
+/// is request `request_ids[s]` claiming the pages `pages[indptr[s] .. indptr[s + 1]]`. Each
+/// sequence is all or nothing; a refused claim (a page not free, reserved or out of range) is
+/// judged, counted, logged and (enforce) its request quarantined, the others are claimed.
+/// `indptr` must hold `num_seqs + 1` non-decreasing offsets from 0 on
+/// (`KVG_STATUS_INVALID_ARGUMENT`, nothing claimed).
+///
+/// Returns `KVG_STATUS_OK` when every claim held, `KVG_STATUS_VIOLATION` when some did not:
+/// `refused` (NULL, or `num_seqs` bytes) gets 1 for each refused sequence, and
+/// `kvg_last_violation(i, ...)` gives each one's violation (its `row` field set).
+///
+/// # Safety
+/// `table` is a live handle; `request_ids` holds `num_seqs` entries, `indptr` `num_seqs + 1`,
+/// `pages` `indptr[num_seqs]`; `refused` is NULL or has `num_seqs` bytes.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvg_claim_step(
+    table: *mut kvg_table,
+    num_seqs: usize,
+    request_ids: *const u64,
+    pages: *const i32,
+    indptr: *const i32,
+    refused: *mut u8,
+) -> kvg_status {
+    with_table(table, |t| {
+        if num_seqs == 0 {
+            return Ok(());
+        }
+        let requests = raw::slice(request_ids, num_seqs, "request_ids")?;
+        let bounds_len = num_seqs.checked_add(1).ok_or_else(|| Failure::invalid("num_seqs overflows".to_string()))?;
+        let indptr = raw::slice(indptr, bounds_len, "indptr")?;
+        let total = csr_total(indptr, "indptr")?;
+        let pages = raw::pages(raw::slice(pages, total, "pages")?);
+        let refused = mask(refused, num_seqs)?;
+        let claims: Vec<SeqClaim<'_>> = requests
+            .iter()
+            .zip(indptr.windows(2))
+            .map(|(&r, w)| SeqClaim { request: RequestId(r), pages: &pages[w[0] as usize..w[1] as usize] })
+            .collect();
+        verdict(t.table.claim_step(&claims), num_seqs, refused)
+    })
 }
 
 /// Records a step's KV writes in one call, as the engine's slot mapping gives them: sequence `s`

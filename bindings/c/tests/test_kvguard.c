@@ -695,6 +695,45 @@ static void test_steps(void) {
     kvg_table_free(t);
 }
 
+/* A step's claims in one call: each sequence all or nothing, a refused one alone. */
+static void test_claim_step(void) {
+    kvg_table *t = new_table(KVG_POLICY_ENFORCE, 0);
+    uint64_t ids[3] = {1, 2, 3};
+    /* 1 takes pages 3 and 4; 2 takes 5 and 4 (1 just took 4); 3 takes 6. */
+    int32_t pages[5] = {3, 4, 5, 4, 6};
+    int32_t indptr[4] = {0, 2, 4, 5};
+    uint8_t refused[3];
+    kvg_page_info page;
+    for (int i = 0; i < 3; i++) OK(kvg_admit(t, ids[i], ids[i], 40, 0));
+    /* Malformed offsets are refused before anything is claimed. */
+    indptr[2] = 1;
+    EXPECT(kvg_claim_step(t, 3, ids, pages, indptr, refused), KVG_STATUS_INVALID_ARGUMENT);
+    CHECK(strstr(kvg_last_error_message(), "indptr[1..=2]") != NULL);
+    indptr[2] = 4;
+    page.struct_size = sizeof page;
+    OK(kvg_get_page_info(t, 3, &page));
+    CHECK(page.state == KVG_PAGE_STATE_FREE);
+    memset(refused, 0xff, sizeof refused);
+    VIOLATES(kvg_claim_step(t, 3, ids, pages, indptr, refused), KVG_VIOLATION_KIND_PAGE_NOT_FREE);
+    CHECK(refused[0] == 0 && refused[1] == 1 && refused[2] == 0);
+    {
+        kvg_violation_info info = last_info();
+        CHECK((info.fields & KVG_FIELD_ROW) && info.row == 1 && info.request == 2 && info.page == 4);
+    }
+    OK(kvg_get_page_info(t, 4, &page));
+    CHECK(page.state == KVG_PAGE_STATE_OWNED && page.owner == 1);
+    OK(kvg_get_page_info(t, 5, &page)); /* all or nothing: 2's first page was not kept */
+    CHECK(page.state == KVG_PAGE_STATE_FREE);
+    OK(kvg_get_page_info(t, 6, &page));
+    CHECK(page.state == KVG_PAGE_STATE_OWNED && page.owner == 3);
+    /* The claimed pages are the claimers' own: written and read. */
+    OK(kvg_record_write_tokens(t, 1, pages, 2, 0, 20));
+    OK(kvg_verify_read(t, 1, pages, 2, 20));
+    /* No sequences: nothing to do. */
+    OK(kvg_claim_step(t, 0, NULL, NULL, NULL, NULL));
+    kvg_table_free(t);
+}
+
 /* Report policy: reads that violate are counted and let through. */
 static void test_report_policy(void) {
     kvg_table *t = new_table(KVG_POLICY_REPORT, 0);
@@ -1069,6 +1108,7 @@ int main(void) {
     test_prefixes();
     test_every_violation_kind();
     test_steps();
+    test_claim_step();
     test_report_policy();
     test_refs_forms();
     test_import_tickets();
