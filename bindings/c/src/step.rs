@@ -75,10 +75,15 @@ fn step(
 ) -> kvg_status {
     with_table(table, |t| {
         let reads = step_reads(rows, request_ids, block_tables, row_stride, max_blocks, seq_lens)?;
-        let refused = mask(refused, rows)?;
-        let v = if judged { t.table.verify_step(&reads) } else { t.table.check_step(&reads) };
-        verdict(v, rows, refused)
+        judge_reads(t, &reads, refused, judged)
     })
+}
+
+/// A step's reads checked (`judged`: verified), the refusal mask filled, refused rows the failure.
+fn judge_reads(t: &kvg_table, reads: &[SeqRead<'_>], refused: *mut u8, judged: bool) -> Result<(), Failure> {
+    let refused = mask(refused, reads.len())?;
+    let v = if judged { t.table.verify_step(reads) } else { t.table.check_step(reads) };
+    verdict(v, reads.len(), refused)
 }
 
 /// Verifies a decode step's reads, judged: row `r` is request `request_ids[r]` reading its first
@@ -189,9 +194,7 @@ fn step_csr(
     with_table(table, |t| {
         let ps = t.table.page_size();
         let reads = csr_reads(num_seqs, request_ids, kv_indptr, kv_indices, kv_last_page_len, ps)?;
-        let refused = mask(refused, num_seqs)?;
-        let v = if judged { t.table.verify_step(&reads) } else { t.table.check_step(&reads) };
-        verdict(v, num_seqs, refused)
+        judge_reads(t, &reads, refused, judged)
     })
 }
 
