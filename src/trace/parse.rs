@@ -343,18 +343,6 @@ impl<'de> Cursor<'de> {
         self.space();
         let start = self.at;
         let rest = self.line.get(start..)?;
-        // The usual number, at most seven digits with a byte after them, judged from one word:
-        // its digits, the byte after them and its first byte, without indexing the line again.
-        if let Some(word) = rest.first_chunk::<8>().map(|w| u64::from_le_bytes(*w))
-            && let Some((v, digits)) = short_digits(word)
-        {
-            let next = (word >> (8 * digits)) as u8;
-            if digits == 0 || (digits > 1 && word as u8 == b'0') || matches!(next, b'.' | b'e' | b'E') {
-                return None;
-            }
-            self.at = start + digits;
-            return Some(v);
-        }
         // Up to 19 digits cannot pass u64::MAX (20 digits); more are checked.
         let (mut v, digits) = leading_digits(rest);
         if digits > 19 {
