@@ -4,9 +4,11 @@
 //! `transfer_nixl/checked/SIZE` adds everything kvguard does, in series, as a link does by
 //! default (prefill builds the manifest: a CRC32 per page, and [`NixlLink::push`]es it in one
 //! WRITE; decode pins, decodes the manifest, checks it and every page's length and CRC32,
-//! records coverage, releases); `transfer_nixl/overlapped/SIZE` is the same with parts on
-//! ([`NixlLink::set_parts`], [`NixlLink::push_prompt`]: each side checksums a part's pages as
-//! the part is posted or lands, while the other parts fly).
+//! records coverage, releases); `transfer_nixl/overlapped/SIZE` is the same with the sender's
+//! CRCs taken ahead and parts on: prefill checksums its pages one by one while decode pins and
+//! sends its offer, and stops at the offer ([`NixlLink::push_prompt_ahead`]); the rest go as
+//! [`NixlLink::push_prompt`] does with parts ([`NixlLink::set_parts`]: each side checksums a
+//! part's pages as the part is posted or lands, while the other parts fly).
 //! 64 KiB pages (32 per transfer) and 2 MiB pages (8 per transfer). Goal: checked ≥ 0.9 of
 //! unchecked.
 //!
@@ -20,7 +22,7 @@
 use kvguard::transfer::nixl::{
     Direction, Extent, HostRegion, NixlAgent, NixlLink, Notice, NoticeKind, PART_BYTES, library_available,
 };
-use kvguard::transfer::{ExpectedTransfer, Manifest, Receiver, SenderId, TransferHeader};
+use kvguard::transfer::{ExpectedTransfer, Manifest, Receiver, SenderId, TransferHeader, page_checksum};
 use kvguard::{Generation, OwnershipTable, PageId, PageRef, PoolConfig, RequestId, TenantId};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -162,7 +164,24 @@ fn measure(page_bytes: u32, pages: u32) -> Measured {
                     let start = Instant::now();
                     request += 1;
                     go.send(Some((checked, request))).unwrap();
-                    let dest_refs = finished.recv().unwrap();
+                    // Overlapped: prefill checksums its pages while decode pins and offers.
+                    let mut ahead: Vec<(usize, u32)> = Vec::new();
+                    let offer = if mode == 2 {
+                        loop {
+                            if let Ok(offer) = finished.try_recv() {
+                                break offer;
+                            }
+                            if ahead.len() < src.len() {
+                                let page = src_region.bytes(src[ahead.len()].page, page_bytes).unwrap();
+                                ahead.push((page.len(), page_checksum(page)));
+                            } else {
+                                break finished.recv().unwrap();
+                            }
+                        }
+                    } else {
+                        finished.recv().unwrap()
+                    };
+                    let dest_refs = offer;
                     let dest: Vec<PageId> = dest_refs.iter().map(|r| r.page).collect();
                     let deadline = Instant::now() + Duration::from_secs(30);
                     if !checked {
@@ -203,7 +222,8 @@ fn measure(page_bytes: u32, pages: u32) -> Measured {
                         sent[1] = Instant::now();
                     } else {
                         link.set_parts(Some(PART_BYTES));
-                        link.push_prompt(&src_region, &src, header, prompt, &dest_refs, deadline).unwrap();
+                        link.push_prompt_ahead(&src_region, &src, header, prompt, &dest_refs, &ahead, deadline)
+                            .unwrap();
                     }
                     finished.recv().unwrap();
                     let end = Instant::now();

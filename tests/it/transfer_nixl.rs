@@ -11,7 +11,9 @@ mod transfer {
             Direction, EnginePool, Extent, HostRegion, ImportError, NixlAgent, NixlError, NixlLink, PART_BYTES,
             PageRegion, RegionLayout, Segment, library_available,
         };
-        use kvguard::transfer::{ExpectedTransfer, Manifest, Receiver, SenderId, TransferError, TransferHeader};
+        use kvguard::transfer::{
+            ExpectedTransfer, Manifest, Receiver, SenderId, TransferError, TransferHeader, page_checksum,
+        };
         use kvguard::{OwnershipTable, PageId, PageRef, PoolConfig, RequestId, TenantId, ViolationKind};
         use std::sync::mpsc;
         use std::time::{Duration, Instant};
@@ -208,16 +210,28 @@ mod transfer {
             }
         }
 
+        /// How prefill makes the manifest in [`push_into_engine_pool`].
+        #[derive(Clone, Copy)]
+        enum Build {
+            /// `Manifest::build` over the pages, then `push`.
+            Before,
+            /// `push_prompt`: the manifest built while parts fly.
+            OnTheWay,
+            /// `push_prompt_ahead`: this many pages checksummed before the flip (while waiting
+            /// for the offer, in an engine), the rest on the way.
+            Ahead(usize),
+        }
+
         /// A push of `pages` pages of `page_bytes` (several parts past [`PART_BYTES`]) into an
-        /// engine's own pool on decode; `flip` flips a byte of that page on prefill's side.
-        /// `build_on_the_way`: prefill uses `push_prompt` (the manifest built while parts fly)
-        /// instead of `Manifest::build` then `push`.
+        /// engine's own pool on decode; `flip` flips a byte of that page on prefill's side (after
+        /// the manifest was built, for `Build::Before`; after the pages ahead were checksummed, for
+        /// `Build::Ahead`). A flip after its page's CRC was taken must be refused; none, accepted.
         fn push_into_engine_pool(
             test: &str,
             pages: u32,
             page_bytes: u32,
             flip: Option<u32>,
-            build_on_the_way: bool,
+            build: Build,
         ) -> Option<()> {
             let (decode, prefill) = agents(test)?;
             let slot_bytes = page_bytes / PAGE_SIZE;
@@ -233,6 +247,10 @@ mod transfer {
             for (p, bytes) in kv.iter().enumerate() {
                 prefill_region.bytes_mut(p as u32, page_bytes).unwrap().copy_from_slice(bytes);
             }
+            let ahead: Vec<(usize, u32)> = match build {
+                Build::Ahead(n) => kv[..n].iter().map(|b| (b.len(), page_checksum(b))).collect(),
+                _ => Vec::new(),
+            };
             if let Some(p) = flip {
                 prefill_region.bytes_mut(p, page_bytes).unwrap()[page_bytes as usize - 1] ^= 0x10;
             }
@@ -256,11 +274,15 @@ mod transfer {
                     let src: Vec<Extent> = (0..pages).map(|page| Extent { page, len: page_bytes }).collect();
                     let dest: Vec<PageId> = refs.iter().map(|r| r.page).collect();
                     let deadline = Instant::now() + Duration::from_secs(20);
-                    if build_on_the_way {
-                        let prompt = &prompt;
-                        link.push_prompt(&*prefill_region, &src, header, prompt, refs, deadline).unwrap();
-                    } else {
-                        link.push(&*prefill_region, &src, &dest, REQ, manifest, deadline).unwrap();
+                    let (prompt, ahead) = (&prompt, &ahead);
+                    match build {
+                        Build::Before => link.push(&*prefill_region, &src, &dest, REQ, manifest, deadline).unwrap(),
+                        Build::OnTheWay => {
+                            link.push_prompt(&*prefill_region, &src, header, prompt, refs, deadline).unwrap()
+                        }
+                        Build::Ahead(_) => link
+                            .push_prompt_ahead(&*prefill_region, &src, header, prompt, refs, ahead, deadline)
+                            .unwrap(),
                     }
                 });
                 let deadline = Instant::now() + Duration::from_secs(20);
@@ -294,20 +316,62 @@ mod transfer {
 
         #[test]
         fn a_push_lands_in_place_in_an_engines_own_pool() {
-            push_into_engine_pool("engine", 4, 1024, None, false);
+            push_into_engine_pool("engine", 4, 1024, None, Build::Before);
         }
 
         #[test]
         fn a_push_in_parts_is_checksummed_as_it_lands_and_accepted() {
             let page_bytes = 2 << 20;
             assert!(u64::from(page_bytes) * 4 > PART_BYTES, "several parts");
-            push_into_engine_pool("parts", 4, page_bytes, None, false);
+            push_into_engine_pool("parts", 4, page_bytes, None, Build::Before);
         }
 
         #[test]
         fn a_push_that_builds_its_manifest_while_parts_fly_is_accepted() {
-            push_into_engine_pool("prompt-parts", 4, 2 << 20, None, true);
-            push_into_engine_pool("prompt-one", 2, 1024, None, true);
+            push_into_engine_pool("prompt-parts", 4, 2 << 20, None, Build::OnTheWay);
+            push_into_engine_pool("prompt-one", 2, 1024, None, Build::OnTheWay);
+        }
+
+        #[test]
+        fn a_push_with_pages_checksummed_ahead_of_the_offer_is_accepted() {
+            // Fewer, all, and more than the first part's pages ahead; one part and several.
+            push_into_engine_pool("ahead-one", 4, 1024, None, Build::Ahead(2));
+            push_into_engine_pool("ahead-all", 4, 1024, None, Build::Ahead(4));
+            push_into_engine_pool("ahead-parts", 4, 2 << 20, None, Build::Ahead(2));
+            push_into_engine_pool("ahead-none", 3, 1024, None, Build::Ahead(0));
+        }
+
+        #[test]
+        fn a_page_changed_after_its_crc_was_taken_ahead_is_refused_and_the_pool_zeroed() {
+            push_into_engine_pool("ahead-stale", 4, 1024, Some(1), Build::Ahead(2));
+            push_into_engine_pool("ahead-stale-parts", 4, 2 << 20, Some(0), Build::Ahead(3));
+        }
+
+        #[test]
+        fn checksums_ahead_that_do_not_fit_the_push_send_nothing() {
+            let Some((decode, prefill)) = agents("ahead-bad") else { return };
+            let region = HostRegion::new(&decode, 2, PAGE_BYTES).unwrap();
+            let prefill_region = HostRegion::new(&prefill, 2, PAGE_BYTES).unwrap();
+            let link = NixlLink::connect(&prefill, &decode.metadata().unwrap(), region.layout()).unwrap();
+            let header = TransferHeader {
+                request: REQ,
+                tenant: TENANT,
+                sender: SenderId(1),
+                page_size: PAGE_SIZE,
+                slot_bytes: SLOT_BYTES,
+            };
+            let dest = [PageRef { page: PageId(0), generation: kvguard::Generation(1) }];
+            let prompt = &PROMPT[..PAGE_SIZE as usize];
+            let src = [Extent { page: 0, len: PAGE_BYTES }];
+            let deadline = Instant::now() + Duration::from_secs(5);
+            let sum = (PAGE_BYTES as usize, page_checksum(prefill_region.bytes(0, PAGE_BYTES).unwrap()));
+            for ahead in [vec![sum, sum], vec![(PAGE_BYTES as usize - 1, sum.1)]] {
+                let err =
+                    link.push_prompt_ahead(&prefill_region, &src, header, prompt, &dest, &ahead, deadline).unwrap_err();
+                assert!(matches!(err, NixlError::Extents { .. }), "{err}");
+            }
+            // Nothing was written: decode's page is as it was.
+            assert!(region.bytes(0, PAGE_BYTES).unwrap().iter().all(|&b| b == 0));
         }
 
         #[test]
@@ -333,7 +397,7 @@ mod transfer {
 
         #[test]
         fn a_flipped_byte_in_a_later_part_is_refused_and_the_pool_zeroed() {
-            push_into_engine_pool("parts-flip", 4, 2 << 20, Some(3), false);
+            push_into_engine_pool("parts-flip", 4, 2 << 20, Some(3), Build::Before);
         }
 
         #[test]

@@ -202,6 +202,16 @@ impl HostRegion {
         Ok(PyBytes::new(py, bytes))
     }
 
+    /// `(length, crc32)` of the first `length` bytes of `page` (the whole page by default), read
+    /// in place: what `NixlLink.push_prompt(..., ahead=...)` takes for a page checksummed while
+    /// prefill waits for decode's offer. The CRC is `kvguard.page_checksum`'s.
+    #[pyo3(signature = (page, length = None))]
+    fn checksum(&self, py: Python<'_>, page: u32, length: Option<u32>) -> PyResult<(usize, u32)> {
+        let region = self.region.try_lock().ok_or_else(|| busy("region"))?;
+        let bytes = region.bytes(page, length.unwrap_or(self.layout.page_bytes)).map_err(|e| nixl_error(py, &e))?;
+        Ok((bytes.len(), py.detach(|| kvguard::transfer::page_checksum(bytes))))
+    }
+
     /// Copies `data` (bytes-like, at most a page) to the start of `page`.
     fn write(&self, py: Python<'_>, page: u32, data: &Bound<'_, PyAny>) -> PyResult<()> {
         let data = bytes_arg(data, "data")?;
@@ -576,9 +586,12 @@ impl NixlLink {
     /// it offered) as the KV of `prompt` (ints) for decode's `request` of `tenant`, from
     /// `sender`, with pages of `page_size` slots of `slot_bytes`. With part_bytes set and more
     /// than one part, each part's page CRCs run right after it is posted, while it flies; the
-    /// last part's before it, and it carries the manifest. NixlError
-    /// (kind 'extents') when the extents do not fit the prompt, before anything is sent.
-    #[pyo3(signature = (region, src, dest, request, tenant, sender, page_size, slot_bytes, prompt, *, timeout = 20.0))]
+    /// last part's before it, and it carries the manifest. `ahead`: the (length, crc32) of the
+    /// first pages of `src`, taken while waiting for decode's offer (`HostRegion.checksum`,
+    /// `kvguard.page_checksum`); those pages are not checksummed again, and one changed since
+    /// is refused by decode. NixlError (kind 'extents') when the extents do not fit the prompt
+    /// or `ahead` does not fit `src`, before anything is sent.
+    #[pyo3(signature = (region, src, dest, request, tenant, sender, page_size, slot_bytes, prompt, *, ahead = None, timeout = 20.0))]
     #[allow(clippy::too_many_arguments)]
     fn push_prompt(
         &self,
@@ -592,11 +605,23 @@ impl NixlLink {
         page_size: u32,
         slot_bytes: u32,
         prompt: &Bound<'_, PyAny>,
+        ahead: Option<&Bound<'_, PyAny>>,
         timeout: f64,
     ) -> PyResult<()> {
         let src = extents(src, "src")?;
         let dest = crate::transfer::refs(dest, "dest")?;
         let prompt = crate::transfer::tokens(prompt, "prompt")?;
+        let ahead = match ahead {
+            None => Vec::new(),
+            Some(ahead) => ahead
+                .try_iter()?
+                .map(|item| {
+                    item?
+                        .extract::<(usize, u32)>()
+                        .map_err(|_| PyTypeError::new_err("ahead must hold (length, crc32) pairs of non-negative ints"))
+                })
+                .collect::<PyResult<Vec<_>>>()?,
+        };
         let header = kvguard::transfer::TransferHeader {
             request: RequestId(request),
             tenant: kvguard::TenantId(tenant),
@@ -608,7 +633,7 @@ impl NixlLink {
         let link = self.link.try_lock().ok_or_else(|| busy("link"))?;
         let mut region = RegionArg::lock(region)?;
         let (link, region) = (&*link, region.region());
-        py.detach(move || link.push_prompt(region, &src, header, &prompt, &dest, deadline))
+        py.detach(move || link.push_prompt_ahead(region, &src, header, &prompt, &dest, &ahead, deadline))
             .map_err(|e| nixl_error(py, &e))
     }
 

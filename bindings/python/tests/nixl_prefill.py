@@ -5,7 +5,8 @@ Out of band first: it prints {"metadata", "layout"} and reads decode's. Then, pe
 {"request", "tenant", "prompt", "dest": [[page, generation]], "direction", "fault"} it prefills
 the prompt's KV into its own pages, builds the manifest for decode's pages and pushes (direction
 "write") or stages (direction "read") it, injecting `fault`; it answers {"done": fault} when
-its side is over. {"quit": true} ends it.
+its side is over. Direction "write-building" lets kvguard build the manifest on the way,
+"write-ahead" too, with the pages checksummed before the faults. {"quit": true} ends it.
 """
 
 import json
@@ -90,6 +91,8 @@ def main():
             page = FIRST_SRC_PAGE + i
             region.write(page, data)
             src.append((page, len(data)))
+        # Checksummed ahead (as while waiting for decode's offer): before any fault below.
+        ahead = [region.checksum(page, length) for page, length in src]
         if fault == "flip-byte":
             first = bytearray(region.read(FIRST_SRC_PAGE))
             first[5] ^= 0x01
@@ -101,6 +104,14 @@ def main():
             # tamper with it or the bytes after it is made.
             try:
                 link.push_prompt(region, src, dest, request, tenant, SENDER, PAGE_SIZE, SLOT_BYTES, prompt)
+            except kvguard.NixlError:
+                pass  # refused before anything was sent: decode's wait times out
+        elif pull["direction"] == "write-ahead":
+            # The pages checksummed ahead, the manifest built by kvguard (push_prompt's `ahead`).
+            try:
+                link.push_prompt(
+                    region, src, dest, request, tenant, SENDER, PAGE_SIZE, SLOT_BYTES, prompt, ahead=ahead
+                )
             except kvguard.NixlError:
                 pass  # refused before anything was sent: decode's wait times out
         elif pull["direction"] == "write":

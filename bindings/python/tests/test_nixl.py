@@ -422,6 +422,39 @@ def test_pinned_pages_outside_the_engine_pool_abort_and_record_nothing(engine_pa
     assert small.tobytes() == bytes(PAGE_BYTES)
 
 
+@pytest.mark.parametrize("fault", ["none", "flip-byte", "dummy-prompt", "truncate-page"])
+def test_a_push_with_pages_checksummed_ahead_is_checked_the_same(prefill, fault):
+    """Prefill's push_prompt with `ahead`: its pages' CRCs taken before the offer (HostRegion.
+    checksum), the rest on the way. A page changed after its CRC was taken is refused; CRCs
+    ahead that do not fit the extents send nothing."""
+    d = Decode(prefill)
+    refs = d.pages()
+    if fault == "none":
+        accepted = d.pull(refs, "write-ahead", fault)
+        assert accepted.tokens == len(PROMPT)
+        assert d.table.check_read_refs(d.request, refs, len(PROMPT)) is None
+        return
+    with pytest.raises((kvguard.TransferError, kvguard.NixlError)) as refused:
+        d.pull(refs, "write-ahead", fault, timeout=3.0)
+    if fault == "truncate-page":
+        assert getattr(refused.value, "kind", None) == "timeout", str(refused.value)
+    else:
+        assert refused.value.kind == FAULTS[fault], str(refused.value)
+    d.assert_nothing_leaked(refs)
+
+
+def test_checksum_ahead_is_page_checksum_of_the_page_in_place():
+    agent = kvguard.NixlAgent("checksum-ahead")
+    region = kvguard.HostRegion(agent, 2, PAGE_BYTES)
+    region.write(1, bytes(range(PAGE_BYTES)))
+    assert region.checksum(1) == (PAGE_BYTES, kvguard.page_checksum(bytes(range(PAGE_BYTES))))
+    assert region.checksum(1, 10) == (10, kvguard.page_checksum(bytes(range(10))))
+    with pytest.raises(kvguard.NixlError):
+        region.checksum(2)
+    with pytest.raises(kvguard.NixlError):
+        region.checksum(0, PAGE_BYTES + 1)
+
+
 @pytest.mark.parametrize("fault", ["none", "dummy-prompt", "truncate-page"])
 def test_a_push_that_builds_its_manifest_on_the_way_is_checked_the_same(prefill, fault):
     """Prefill's push_prompt: kvguard builds the manifest while the parts fly; decode's checks

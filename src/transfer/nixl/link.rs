@@ -158,7 +158,8 @@ impl<'a> NixlLink<'a> {
     /// checksummed right after the part is posted, while it flies (polled between pages); the
     /// last part's before it is posted, with the manifest. Every check decode makes
     /// is the same as for [`Manifest::build`]: this only moves the sender's CRCs off the
-    /// critical path.
+    /// critical path. [`push_prompt_ahead`](Self::push_prompt_ahead) also takes the CRCs of
+    /// pages checksummed before the offer came.
     pub fn push_prompt<R: PageRegion + ?Sized>(
         &self,
         local: &R,
@@ -168,6 +169,45 @@ impl<'a> NixlLink<'a> {
         dest: &[PageRef],
         deadline: Instant,
     ) -> Result<(), NixlError> {
+        self.push_prompt_ahead(local, src, header, prompt, dest, &[], deadline)
+    }
+
+    /// [`push_prompt`](Self::push_prompt) with the first `ahead.len()` pages already
+    /// checksummed: `ahead[i]` is `src[i]`'s length and [`page_checksum`](crate::transfer::page_checksum),
+    /// taken while prefill waited for decode's offer (its pages' CRCs do not depend on where they
+    /// land, so prefill can take them as soon as its KV is written, page by page until the offer
+    /// comes; benches/nixl.rs: `overlapped`). The other pages are checksummed as `push_prompt`
+    /// does. A page changed after its CRC was taken lands with a CRC that does not match it:
+    /// decode refuses the transfer ([`TransferError::PageChecksum`]), as for any other change.
+    ///
+    /// # Errors
+    /// [`NixlError::Extents`], before anything is sent, when `ahead` holds more entries than
+    /// `src` or an entry's length is not its extent's, and when the manifest cannot be built;
+    /// otherwise as [`push`](Self::push).
+    #[allow(clippy::too_many_arguments)]
+    pub fn push_prompt_ahead<R: PageRegion + ?Sized>(
+        &self,
+        local: &R,
+        src: &[Extent],
+        header: TransferHeader,
+        prompt: &[u32],
+        dest: &[PageRef],
+        ahead: &[(usize, u32)],
+        deadline: Instant,
+    ) -> Result<(), NixlError> {
+        if ahead.len() > src.len() {
+            return Err(NixlError::Extents {
+                reason: format!("{} pages checksummed ahead of a push of {}", ahead.len(), src.len()),
+            });
+        }
+        if let Some(index) = ahead.iter().zip(src).position(|(&(len, _), e)| len != e.len as usize) {
+            return Err(NixlError::Extents {
+                reason: format!(
+                    "page {index} was checksummed ahead over {} bytes, its extent is {}",
+                    ahead[index].0, src[index].len
+                ),
+            });
+        }
         let build = |checksums: &[(usize, u32)]| {
             Manifest::build_checksummed(header, prompt, dest, checksums)
                 .map_err(|e| NixlError::Extents { reason: format!("manifest: {e}") })
@@ -184,10 +224,12 @@ impl<'a> NixlLink<'a> {
         // CRC that does not match what landed: refused either way.
         let bytes = src.iter().map(|e| local.page(e.page, e.len)).collect::<Result<Vec<_>, _>>()?;
         let mut sums: Vec<(usize, u32)> = Vec::with_capacity(src.len());
+        sums.extend_from_slice(ahead);
         self.push_parts(local, src, &pages, header.request, deadline, |part, last, in_flight| {
-            // Before part k is posted: the parts posted so far, and the last part itself.
+            // Before part k is posted: the parts posted so far, and the last part itself (less
+            // what was checksummed ahead).
             let upto = if last { part.end } else { part.start };
-            for page in &bytes[sums.len()..upto] {
+            for page in bytes.get(sums.len()..upto).unwrap_or_default() {
                 sums.push((page.len(), crc32fast::hash(page)));
                 for p in in_flight.iter_mut() {
                     self.agent.poll(p)?;
