@@ -348,34 +348,7 @@ mod transfer {
         }
 
         #[test]
-        fn checksums_ahead_that_do_not_fit_the_push_send_nothing() {
-            let Some((decode, prefill)) = agents("ahead-bad") else { return };
-            let region = HostRegion::new(&decode, 2, PAGE_BYTES).unwrap();
-            let prefill_region = HostRegion::new(&prefill, 2, PAGE_BYTES).unwrap();
-            let link = NixlLink::connect(&prefill, &decode.metadata().unwrap(), region.layout()).unwrap();
-            let header = TransferHeader {
-                request: REQ,
-                tenant: TENANT,
-                sender: SenderId(1),
-                page_size: PAGE_SIZE,
-                slot_bytes: SLOT_BYTES,
-            };
-            let dest = [PageRef { page: PageId(0), generation: kvguard::Generation(1) }];
-            let prompt = &PROMPT[..PAGE_SIZE as usize];
-            let src = [Extent { page: 0, len: PAGE_BYTES }];
-            let deadline = Instant::now() + Duration::from_secs(5);
-            let sum = (PAGE_BYTES as usize, page_checksum(prefill_region.bytes(0, PAGE_BYTES).unwrap()));
-            for ahead in [vec![sum, sum], vec![(PAGE_BYTES as usize - 1, sum.1)]] {
-                let err =
-                    link.push_prompt_ahead(&prefill_region, &src, header, prompt, &dest, &ahead, deadline).unwrap_err();
-                assert!(matches!(err, NixlError::Extents { .. }), "{err}");
-            }
-            // Nothing was written: decode's page is as it was.
-            assert!(region.bytes(0, PAGE_BYTES).unwrap().iter().all(|&b| b == 0));
-        }
-
-        #[test]
-        fn a_push_whose_manifest_cannot_be_built_sends_nothing() {
+        fn a_push_whose_manifest_or_crcs_ahead_do_not_fit_sends_nothing() {
             let Some((decode, prefill)) = agents("prompt-bad") else { return };
             let region = HostRegion::new(&decode, 2, PAGE_BYTES).unwrap();
             let prefill_region = HostRegion::new(&prefill, 2, PAGE_BYTES).unwrap();
@@ -388,11 +361,21 @@ mod transfer {
                 slot_bytes: SLOT_BYTES,
             };
             let dest = [PageRef { page: PageId(0), generation: kvguard::Generation(1) }];
-            // Six tokens need two pages: one extent, one receiving page.
             let src = [Extent { page: 0, len: PAGE_BYTES }];
             let deadline = Instant::now() + Duration::from_secs(5);
+            // Six tokens need two pages: one extent, one receiving page.
             let err = link.push_prompt(&prefill_region, &src, header, &PROMPT, &dest, deadline).unwrap_err();
             assert!(matches!(err, NixlError::Extents { .. }), "{err}");
+            // One page's prompt, with more CRCs ahead than pages, or one over another length.
+            let prompt = &PROMPT[..PAGE_SIZE as usize];
+            let sum = (PAGE_BYTES as usize, page_checksum(prefill_region.bytes(0, PAGE_BYTES).unwrap()));
+            for ahead in [vec![sum, sum], vec![(PAGE_BYTES as usize - 1, sum.1)]] {
+                let err =
+                    link.push_prompt_ahead(&prefill_region, &src, header, prompt, &dest, &ahead, deadline).unwrap_err();
+                assert!(matches!(err, NixlError::Extents { .. }), "{err}");
+            }
+            // Nothing was written: decode's page is as it was.
+            assert!(region.bytes(0, PAGE_BYTES).unwrap().iter().all(|&b| b == 0));
         }
 
         #[test]

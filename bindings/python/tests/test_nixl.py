@@ -422,27 +422,6 @@ def test_pinned_pages_outside_the_engine_pool_abort_and_record_nothing(engine_pa
     assert small.tobytes() == bytes(PAGE_BYTES)
 
 
-@pytest.mark.parametrize("fault", ["none", "flip-byte", "dummy-prompt", "truncate-page"])
-def test_a_push_with_pages_checksummed_ahead_is_checked_the_same(prefill, fault):
-    """Prefill's push_prompt with `ahead`: its pages' CRCs taken before the offer (HostRegion.
-    checksum), the rest on the way. A page changed after its CRC was taken is refused; CRCs
-    ahead that do not fit the extents send nothing."""
-    d = Decode(prefill)
-    refs = d.pages()
-    if fault == "none":
-        accepted = d.pull(refs, "write-ahead", fault)
-        assert accepted.tokens == len(PROMPT)
-        assert d.table.check_read_refs(d.request, refs, len(PROMPT)) is None
-        return
-    with pytest.raises((kvguard.TransferError, kvguard.NixlError)) as refused:
-        d.pull(refs, "write-ahead", fault, timeout=3.0)
-    if fault == "truncate-page":
-        assert getattr(refused.value, "kind", None) == "timeout", str(refused.value)
-    else:
-        assert refused.value.kind == FAULTS[fault], str(refused.value)
-    d.assert_nothing_leaked(refs)
-
-
 def test_checksum_ahead_is_page_checksum_of_the_page_in_place():
     agent = kvguard.NixlAgent("checksum-ahead")
     region = kvguard.HostRegion(agent, 2, PAGE_BYTES)
@@ -455,19 +434,29 @@ def test_checksum_ahead_is_page_checksum_of_the_page_in_place():
         region.checksum(0, PAGE_BYTES + 1)
 
 
-@pytest.mark.parametrize("fault", ["none", "dummy-prompt", "truncate-page"])
-def test_a_push_that_builds_its_manifest_on_the_way_is_checked_the_same(prefill, fault):
-    """Prefill's push_prompt: kvguard builds the manifest while the parts fly; decode's checks
-    are the same (a substituted prompt is refused; extents that do not fit send nothing)."""
+@pytest.mark.parametrize(
+    "direction, fault",
+    [
+        (direction, fault)
+        for direction in ("write-building", "write-ahead")
+        for fault in ("none", "dummy-prompt", "truncate-page")
+    ]
+    + [("write-ahead", "flip-byte")],
+)
+def test_a_push_that_builds_its_manifest_on_the_way_is_checked_the_same(prefill, direction, fault):
+    """Prefill's push_prompt: kvguard builds the manifest while the parts fly ("write-building"),
+    or with the pages' CRCs taken ahead, before the offer ("write-ahead": HostRegion.checksum,
+    push_prompt's `ahead`); decode's checks are the same (a substituted prompt is refused; extents
+    that do not fit send nothing; a page changed after its CRC was taken ahead is refused)."""
     d = Decode(prefill)
     refs = d.pages()
     if fault == "none":
-        accepted = d.pull(refs, "write-building", fault)
+        accepted = d.pull(refs, direction, fault)
         assert accepted.tokens == len(PROMPT)
         assert d.table.check_read_refs(d.request, refs, len(PROMPT)) is None
         return
     with pytest.raises((kvguard.TransferError, kvguard.NixlError)) as refused:
-        d.pull(refs, "write-building", fault, timeout=3.0)
+        d.pull(refs, direction, fault, timeout=3.0)
     if fault == "truncate-page":
         # The extents no longer fit the prompt: prefill sends nothing, decode times out.
         assert getattr(refused.value, "kind", None) == "timeout", str(refused.value)
