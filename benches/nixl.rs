@@ -141,7 +141,7 @@ fn measure(page_bytes: u32, pages: u32) -> Measured {
                     let pinned = Receiver::new(&table).pin(&expected).unwrap();
                     let pinned_at = Instant::now();
                     done.send(refs.clone()).unwrap(); // pinned: prefill may write
-                    link.receive(Direction::Write, pinned, &expected, dst_region, deadline, |_, _, _| {}).unwrap();
+                    link.receive(Direction::Write, pinned, &expected, dst_region, deadline, |_, _, _| Ok(())).unwrap();
                     stamp.send([pinned_at, Instant::now()]).unwrap();
                     table.release(req).unwrap();
                 } else {

@@ -108,6 +108,21 @@ violation_kinds! {
     ImportInFlight => "import_in_flight",
     /// A write of tokens `start..end` with `start` after `end` (its amounts are the two ends).
     TokenRangeReversed => "token_range_reversed",
+    /// A KV transfer whose bytes could not be landed in the pool (the caller's copy failed,
+    /// raised or panicked): the import was abandoned, its pages' coverage revoked, so they are
+    /// unreadable until the request writes them itself. Counted against the transfer, not the
+    /// request: it does not quarantine.
+    LandingFailed => "landing_failed",
+}
+
+impl ViolationKind {
+    /// Whether a violation of this kind quarantines the request it names under
+    /// [`Policy::Enforce`]: every kind does but [`LandingFailed`](ViolationKind::LandingFailed),
+    /// a failure of the receiver's own copy that the request did nothing to cause (its pages are
+    /// made unreadable instead).
+    pub fn quarantines(self) -> bool {
+        !matches!(self, ViolationKind::LandingFailed)
+    }
 }
 
 /// What the table does when it sees a violation.

@@ -301,7 +301,10 @@ impl Replay<'_> {
                     SLOT_BYTES,
                 )
                 .from_sender(PREFILL_SENDER);
-                match Receiver::new(t).accept(&expected, &manifest, &sent, |_, page, bytes| land(page, bytes)) {
+                match Receiver::new(t).accept(&expected, &manifest, &sent, |_, page, bytes| {
+                    land(page, bytes);
+                    Ok(())
+                }) {
                     Ok(_) => Ok(Ok(())),
                     Err(e) => Ok(Err(Refusal { kind: e.kind(), message: format!("{}: {e}", e.kind().as_str()) })),
                 }

@@ -5,7 +5,7 @@ use super::ownership::OwnershipTable;
 use super::state::{BlockEntry, TableState};
 use crate::error::Error;
 use crate::ids::{PageId, PageRef, RequestId};
-use crate::violation::{Op, ViolationKind};
+use crate::violation::{Op, Violation, ViolationKind};
 
 impl OwnershipTable {
     /// Records a KV transfer that wrote `tokens` tokens into `req`'s pages from the first slot of
@@ -96,6 +96,49 @@ impl ImportTicket<'_> {
             state.unpin(id, &refs);
             outcome
         })
+    }
+
+    /// Abandons the transfer because landing its bytes failed at entry `index` (the copy
+    /// returned an error, raised or panicked): bytes may have landed in any of its pages, so
+    /// every page still the request's in the pinned incarnation loses its coverage (reads of it
+    /// are refused as unwritten until the request writes it again), nothing is recorded as
+    /// written, the pages are unpinned, and a [`ViolationKind::LandingFailed`] naming the page at
+    /// `index` is recorded, all in one critical section. That kind does not quarantine the
+    /// request: the failure is the receiver's copy, not anything the request did. Returns the
+    /// violation.
+    ///
+    /// ```
+    /// use kvguard::{OwnershipTable, PoolConfig, RequestId, TenantId, ViolationKind};
+    /// let table = OwnershipTable::new(PoolConfig::new(8, 16, 64))?;
+    /// table.admit(RequestId(1), TenantId(1), 20, 0)?;
+    /// let refs = table.allocate(RequestId(1), 2)?;
+    /// let ticket = table.begin_import(RequestId(1), &refs)?;
+    /// // ... the copy of the second page fails ...
+    /// let v = ticket.fail(1);
+    /// assert_eq!((v.kind(), v.page()), (ViolationKind::LandingFailed, Some(refs[1].page)));
+    /// let pages: Vec<_> = refs.iter().map(|r| r.page).collect();
+    /// let refused = table.verify_read(RequestId(1), &pages, 20).unwrap_err();
+    /// assert_eq!(refused.violation_kind(), Some(ViolationKind::UnwrittenSlots));
+    /// # Ok::<(), kvguard::Error>(())
+    /// ```
+    pub fn fail(mut self, index: usize) -> Violation {
+        self.ended = true;
+        let (id, request, refs) = (self.id, self.request, std::mem::take(&mut self.refs));
+        let mut state = self.table.state.write();
+        for r in &refs {
+            if state.tag(r.page).is_some_and(|t| t.owned_by(request) && t.generation() == r.generation.0) {
+                state.revoke_coverage(r.page);
+            }
+        }
+        state.unpin(id, &refs);
+        let v = match refs.get(index) {
+            Some(r) => state
+                .page_violation(ViolationKind::LandingFailed, Op::Import, request, r.page)
+                .with_block_index(index as u32),
+            None => state.violation(ViolationKind::LandingFailed, Op::Import, request),
+        };
+        self.table.note(&state, &v);
+        v
     }
 
     /// Abandons the transfer (its manifest was refused, say): nothing is recorded, and the pages

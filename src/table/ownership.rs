@@ -87,13 +87,13 @@ impl OwnershipTable {
 
     /// Counts and logs a violation found outside the table (a transfer, a device check, a
     /// [`check_read`](Self::check_read) the caller acts on), and under [`Policy::Enforce`]
-    /// quarantines the request it names.
+    /// quarantines the request it names (if its kind [quarantines](crate::ViolationKind::quarantines)).
     pub fn record_violation(&self, violation: Violation) {
         let state = self.state.read();
         self.note(&state, &violation);
     }
 
-    fn note(&self, state: &TableState, v: &Violation) {
+    pub(super) fn note(&self, state: &TableState, v: &Violation) {
         self.counters.record(v.kind());
         {
             let mut log = self.log.lock();
@@ -104,6 +104,7 @@ impl OwnershipTable {
             log.push_back(v.clone());
         }
         if self.config.policy == Policy::Enforce
+            && v.kind().quarantines()
             && let Some(rec) = v.request().and_then(|r| state.requests.get(&r))
         {
             rec.quarantined.store(true, Ordering::Relaxed);

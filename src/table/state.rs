@@ -764,6 +764,21 @@ impl TableState {
         if self.hot[page.0 as usize].is_full() { self.page_size } else { self.tags[page.0 as usize].watermark() }
     }
 
+    /// Forgets every slot `page`'s current incarnation wrote (a transfer that failed part-way may
+    /// have overwritten them): reads of it are refused as unwritten until it is written again.
+    pub fn revoke_coverage(&mut self, page: PageId) {
+        let tag = &mut self.tags[page.0 as usize];
+        tag.set_watermark(0);
+        if tag.sparse() {
+            tag.set_sparse(false);
+            let range = self.slot_range(page, 0, self.page_size);
+            self.coverage[range].fill(false);
+        }
+        let hot = &mut self.hot[page.0 as usize];
+        *hot = hot.with_full(false);
+        self.mark_changed(page);
+    }
+
     /// Records slots `a..b` of `page` as written and advances the watermark.
     #[inline]
     pub fn mark_written(&mut self, page: PageId, a: u32, b: u32) {

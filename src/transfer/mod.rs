@@ -29,7 +29,7 @@
 //! let header = TransferHeader { request: req, tenant, sender: SenderId(1), page_size: 4, slot_bytes: 8 };
 //! let dummy = Manifest::build(header, &[1], &refs[..1], &[[0u8; 8]])?;
 //! let expected = ExpectedTransfer::for_prompt(req, tenant, &prompt, &refs, 4, 8);
-//! let err = Receiver::new(&decode).accept(&expected, &dummy.encode(), &[[0u8; 8]], |_, _, _| {}).unwrap_err();
+//! let err = Receiver::new(&decode).accept(&expected, &dummy.encode(), &[[0u8; 8]], |_, _, _| Ok(())).unwrap_err();
 //! assert!(matches!(err, TransferError::TokenCount { expected: 6, found: 1 }));
 //! assert_eq!(decode.counters().get(ViolationKind::TokenCountMismatch), 1);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
@@ -42,5 +42,5 @@ mod receive;
 pub mod wire;
 
 pub use digest::PromptDigest;
-pub use receive::{Accepted, ExpectedTransfer, PinnedImport, Receiver, TransferError, verify};
+pub use receive::{Accepted, ExpectedTransfer, LandError, PinnedImport, Receiver, TransferError, verify};
 pub use wire::{BuildError, DecodeError, Manifest, PageEntry, SenderId, TransferHeader, page_checksum, tokens_in_page};

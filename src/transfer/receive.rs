@@ -8,6 +8,10 @@ use crate::ids::{PageRef, RequestId, TenantId, grouped};
 use crate::table::{ImportTicket, OwnershipTable};
 use crate::violation::{Op, Violation, ViolationKind};
 
+/// Why a caller's `land` could not copy one page into its pool: the caller's own error, handed
+/// back in [`TransferError::Landing`] with the page it failed on.
+pub type LandError = Box<dyn std::error::Error + Send + Sync>;
+
 /// What the receiver expects of a transfer, from its own copy of the request.
 #[derive(Clone, Copy, Debug)]
 pub struct ExpectedTransfer<'a> {
@@ -62,7 +66,8 @@ impl<'a> ExpectedTransfer<'a> {
 }
 
 /// Why a transfer was refused. No coverage was recorded, and its pages were not written (but for
-/// [`TransferError::Table`]: the table changed while the bytes landed).
+/// [`TransferError::Table`]: the table changed while the bytes landed; and
+/// [`TransferError::Landing`]: some bytes may have landed, so the pages' coverage was revoked).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum TransferError {
@@ -204,6 +209,19 @@ pub enum TransferError {
     /// The ownership table refused to record the import.
     #[error("import refused: {0}")]
     Table(Error),
+    /// The caller's `land` failed to copy page `index` into its pool. The import was abandoned
+    /// ([`ImportTicket::fail`]): nothing recorded as written, the coverage of every receiving
+    /// page revoked (bytes may have landed in any), a [`ViolationKind::LandingFailed`] recorded.
+    #[error("landing page {index} ({page}) failed: {source}; the import was abandoned and its pages made unreadable")]
+    Landing {
+        /// Position in the transfer.
+        index: usize,
+        /// The receiving page it was landing in.
+        page: PageRef,
+        /// The caller's error.
+        #[source]
+        source: LandError,
+    },
 }
 
 impl TransferError {
@@ -229,7 +247,14 @@ impl TransferError {
             TransferError::PageLength { .. } => ViolationKind::PageLengthMismatch,
             TransferError::PageChecksum { .. } => ViolationKind::PageChecksumMismatch,
             TransferError::Table(e) => e.violation_kind().unwrap_or(ViolationKind::UnknownRequest),
+            TransferError::Landing { .. } => ViolationKind::LandingFailed,
         }
+    }
+
+    /// Whether the table counted this refusal itself (a refused pin is `NotHeld`, a failed
+    /// landing was recorded by [`ImportTicket::fail`]).
+    fn recorded_by_table(&self) -> bool {
+        matches!(self, TransferError::Table(_) | TransferError::NotHeld(_) | TransferError::Landing { .. })
     }
 
     /// The refusal as a violation by `expected.request`, for [`OwnershipTable::record_violation`].
@@ -251,6 +276,9 @@ impl TransferError {
                 .with_page(current.page, Some(current.generation))
                 .with_block_index(index as u32)
                 .with_expected_generation(found.generation),
+            TransferError::Landing { index, page, .. } => {
+                v.with_page(page.page, Some(page.generation)).with_block_index(index as u32)
+            }
             TransferError::PageLength { index, .. }
             | TransferError::PageChecksum { index, .. }
             | TransferError::MissingChecksum { index } => match expected.pages.get(index) {
@@ -385,21 +413,26 @@ impl<'t> Receiver<'t> {
     ///
     /// The receiving pages are pinned ([`OwnershipTable::begin_import`]) before anything is
     /// checked against the manifest, and stay pinned until the coverage is recorded
-    /// ([`ImportTicket::finish`](crate::ImportTicket::finish)) or the transfer is refused
-    /// (the ticket is dropped, which aborts, also when `land` panics). So if another thread releases
-    /// the request while `land` runs (no lock is held then), its pages leave the request but no
-    /// other request can get them before the transfer is over; the record is then refused and
-    /// records nothing, so a later owner of those pages starts a new incarnation with no slot
-    /// written and cannot read the bytes that landed.
+    /// ([`ImportTicket::finish`](crate::ImportTicket::finish)) or the transfer ends otherwise. So
+    /// if another thread releases the request while `land` runs (no lock is held then), its pages
+    /// leave the request but no other request can get them before the transfer is over; the
+    /// record is then refused and records nothing, so a later owner of those pages starts a new
+    /// incarnation with no slot written and cannot read the bytes that landed.
+    ///
+    /// A `land` that returns an error (or panics) fails the import at that page
+    /// ([`ImportTicket::fail`](crate::ImportTicket::fail)): nothing is recorded as written, the
+    /// coverage of every receiving page is revoked (bytes may have landed in any of them), a
+    /// [`ViolationKind::LandingFailed`] is recorded, and the error is handed back as
+    /// [`TransferError::Landing`] with the page (a panic goes on unwinding, the import failed).
     ///
     /// Every refusal records no coverage and is recorded in (or counted by) the table. Refusals
-    /// before `land` land nothing; only the final record can be refused after the bytes landed.
+    /// before `land` land nothing.
     pub fn accept<P: AsRef<[u8]>>(
         &self,
         expected: &ExpectedTransfer<'_>,
         manifest_bytes: &[u8],
         pages: &[P],
-        land: impl FnMut(usize, PageRef, &[u8]),
+        land: impl FnMut(usize, PageRef, &[u8]) -> Result<(), LandError>,
     ) -> Result<Accepted, TransferError> {
         let outcome = Manifest::decode(manifest_bytes)
             .map_err(TransferError::from)
@@ -413,7 +446,7 @@ impl<'t> Receiver<'t> {
         expected: &ExpectedTransfer<'_>,
         manifest: &Manifest,
         pages: &[P],
-        land: impl FnMut(usize, PageRef, &[u8]),
+        land: impl FnMut(usize, PageRef, &[u8]) -> Result<(), LandError>,
     ) -> Result<Accepted, TransferError> {
         let outcome = self.check_and_land(expected, manifest, pages, land);
         self.record_refusal(expected, outcome)
@@ -425,9 +458,8 @@ impl<'t> Receiver<'t> {
         expected: &ExpectedTransfer<'_>,
         outcome: Result<Accepted, TransferError>,
     ) -> Result<Accepted, TransferError> {
-        // The table counted its own refusals already (a refused pin is `NotHeld`).
         if let Err(e) = &outcome
-            && !matches!(e, TransferError::Table(_) | TransferError::NotHeld(_))
+            && !e.recorded_by_table()
         {
             self.table.record_violation(e.to_violation(expected));
         }
@@ -436,7 +468,7 @@ impl<'t> Receiver<'t> {
 
     /// Records the refusal `error` in the table (unless the table counted it itself) and returns it.
     fn refused(&self, expected: &ExpectedTransfer<'_>, error: TransferError) -> TransferError {
-        if !matches!(error, TransferError::Table(_) | TransferError::NotHeld(_)) {
+        if !error.recorded_by_table() {
             self.table.record_violation(error.to_violation(expected));
         }
         error
@@ -448,7 +480,7 @@ impl<'t> Receiver<'t> {
         expected: &ExpectedTransfer<'_>,
         manifest: &Manifest,
         pages: &[P],
-        land: impl FnMut(usize, PageRef, &[u8]),
+        land: impl FnMut(usize, PageRef, &[u8]) -> Result<(), LandError>,
     ) -> Result<Accepted, TransferError> {
         let ticket = self.pin_ticket(expected)?;
         self.land_pinned(ticket, expected, manifest, pages, land)
@@ -467,14 +499,15 @@ impl<'t> Receiver<'t> {
         }
     }
 
-    /// Checks and lands under `ticket`; every early return drops the ticket, which aborts.
+    /// Checks and lands under `ticket`; every early return before landing drops the ticket,
+    /// which aborts; a failed landing fails it.
     fn land_pinned<P: AsRef<[u8]>>(
         &self,
         ticket: ImportTicket<'t>,
         expected: &ExpectedTransfer<'_>,
         manifest: &Manifest,
         pages: &[P],
-        land: impl FnMut(usize, PageRef, &[u8]),
+        land: impl FnMut(usize, PageRef, &[u8]) -> Result<(), LandError>,
     ) -> Result<Accepted, TransferError> {
         self.land_checked(ticket, expected, manifest, pages, &[], land)
     }
@@ -487,14 +520,19 @@ impl<'t> Receiver<'t> {
         manifest: &Manifest,
         pages: &[P],
         checksums: &[Option<u32>],
-        mut land: impl FnMut(usize, PageRef, &[u8]),
+        mut land: impl FnMut(usize, PageRef, &[u8]) -> Result<(), LandError>,
     ) -> Result<Accepted, TransferError> {
         self.check_tenant(expected)?;
         verify_with(expected, manifest, pages, checksums)?;
+        let mut landing = Landing { ticket: Some(ticket), at: 0 };
         for (index, (&page, bytes)) in expected.pages.iter().zip(pages).enumerate() {
-            land(index, page, bytes.as_ref());
+            landing.at = index;
+            if let Err(source) = land(index, page, bytes.as_ref()) {
+                landing.fail();
+                return Err(TransferError::Landing { index, page, source });
+            }
         }
-        ticket.finish(manifest.prompt_tokens(), expected.prompt_tokens).map_err(TransferError::Table)?;
+        landing.landed().finish(manifest.prompt_tokens(), expected.prompt_tokens).map_err(TransferError::Table)?;
         Ok(Accepted { tokens: manifest.prompt_tokens(), pages: expected.pages.len() })
     }
 
@@ -533,6 +571,37 @@ impl<'t> Receiver<'t> {
     }
 }
 
+/// An import whose bytes are landing: if it is dropped before [`landed`](Landing::landed) or
+/// [`fail`](Landing::fail) (the caller's `land` panicked), the import fails at the page it was
+/// landing, as if `land` had returned an error.
+struct Landing<'t> {
+    ticket: Option<ImportTicket<'t>>,
+    /// The entry being landed.
+    at: usize,
+}
+
+impl<'t> Landing<'t> {
+    /// Every page landed: the ticket, to record what landed.
+    fn landed(mut self) -> ImportTicket<'t> {
+        self.ticket.take().expect("a landing ends once: landed or failed, consuming it")
+    }
+
+    /// The entry being landed failed: the import fails there.
+    fn fail(mut self) {
+        if let Some(ticket) = self.ticket.take() {
+            ticket.fail(self.at);
+        }
+    }
+}
+
+impl Drop for Landing<'_> {
+    fn drop(&mut self) {
+        if let Some(ticket) = self.ticket.take() {
+            ticket.fail(self.at);
+        }
+    }
+}
+
 /// A transfer whose receiving pages are pinned ([`Receiver::pin`]) while its bytes are on their
 /// way; it ends by [`accept`](Self::accept), [`refuse`](Self::refuse) or
 /// [`abort`](Self::abort) (also on drop): only an accepted transfer records coverage.
@@ -557,7 +626,7 @@ impl<'t> PinnedImport<'t> {
         expected: &ExpectedTransfer<'_>,
         manifest_bytes: &[u8],
         pages: &[P],
-        land: impl FnMut(usize, PageRef, &[u8]),
+        land: impl FnMut(usize, PageRef, &[u8]) -> Result<(), LandError>,
     ) -> Result<Accepted, TransferError> {
         self.accept_checksummed(expected, manifest_bytes, pages, &[], land)
     }
@@ -572,7 +641,7 @@ impl<'t> PinnedImport<'t> {
         manifest_bytes: &[u8],
         pages: &[P],
         checksums: &[Option<u32>],
-        land: impl FnMut(usize, PageRef, &[u8]),
+        land: impl FnMut(usize, PageRef, &[u8]) -> Result<(), LandError>,
     ) -> Result<Accepted, TransferError> {
         let PinnedImport { receiver, ticket } = self;
         let outcome = if ticket.pages() != expected.pages {

@@ -29,6 +29,7 @@ mod trace_follow;
 mod trace_record;
 mod trace_replay;
 mod trace_zoo;
+mod transfer_landing;
 mod transfer_manifest;
 #[cfg(feature = "nixl")]
 mod transfer_nixl;

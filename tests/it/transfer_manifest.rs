@@ -60,7 +60,10 @@ impl Fixture {
     fn land(&self, manifest_bytes: &[u8], pages: &[Vec<u8>]) -> (Result<u64, TransferError>, usize) {
         let mut landed = 0;
         let out = Receiver::new(&self.table)
-            .accept(&self.expected(), manifest_bytes, pages, |_, _, _| landed += 1)
+            .accept(&self.expected(), manifest_bytes, pages, |_, _, _| {
+                landed += 1;
+                Ok(())
+            })
             .map(|a| a.tokens());
         (out, landed)
     }
@@ -100,7 +103,10 @@ fn a_clean_transfer_lands_and_records_coverage() {
     let f = fixture(10);
     let mut landed = Vec::new();
     let accepted = Receiver::new(&f.table)
-        .accept(&f.expected(), &f.manifest().encode(), &f.pages, |i, r, b| landed.push((i, r, b.len())))
+        .accept(&f.expected(), &f.manifest().encode(), &f.pages, |i, r, b| {
+            landed.push((i, r, b.len()));
+            Ok(())
+        })
         .unwrap();
     assert_eq!(accepted.tokens(), 10);
     assert_eq!(accepted.pages(), 3);
@@ -200,7 +206,8 @@ fn a_transfer_for_another_request_or_tenant_is_refused() {
 
     let h = fixture(10);
     let expected = h.expected().from_sender(SenderId(6));
-    let err = Receiver::new(&h.table).accept(&expected, &h.manifest().encode(), &h.pages, |_, _, _| {}).unwrap_err();
+    let err =
+        Receiver::new(&h.table).accept(&expected, &h.manifest().encode(), &h.pages, |_, _, _| Ok(())).unwrap_err();
     assert!(matches!(err, TransferError::WrongSender { .. }));
 }
 
@@ -320,6 +327,7 @@ fn a_request_released_while_its_bytes_land_cannot_pass_its_pages_on() {
             b_page = Some(got);
         }
         pool[page.page.0 as usize][..data.len()].copy_from_slice(data);
+        Ok(())
     });
     let err = result.expect_err("a transfer for a released request was accepted");
     assert!(matches!(err, TransferError::Table(_)), "{err}");
@@ -351,6 +359,7 @@ fn a_second_transfer_into_pages_still_landing_is_refused() {
         if index == 0 {
             second = Some(f.land(&bytes, &f.pages));
         }
+        Ok(())
     });
     let (result, landed) = second.expect("land ran");
     let err = result.expect_err("two transfers landed in the same pages at once");
@@ -399,7 +408,12 @@ fn a_receiver_page_size_other_than_the_tables_is_refused() {
     let manifest = Manifest::build(header, &prompt, &refs, &pages).unwrap().encode();
     let expected = ExpectedTransfer::for_prompt(req, tenant, &prompt, &refs, 8, SLOT_BYTES);
     let mut landed = 0;
-    let err = Receiver::new(&table).accept(&expected, &manifest, &pages, |_, _, _| landed += 1).unwrap_err();
+    let err = Receiver::new(&table)
+        .accept(&expected, &manifest, &pages, |_, _, _| {
+            landed += 1;
+            Ok(())
+        })
+        .unwrap_err();
     assert!(matches!(err, TransferError::TablePageSize { expected: 8, table: 16 }), "{err}");
     assert_eq!(err.kind(), ViolationKind::TransferPagesMismatch);
     assert_eq!(landed, 0);
@@ -417,7 +431,12 @@ fn a_receiver_expecting_another_tenant_than_the_table_is_refused() {
     let manifest = Manifest::build(header, &f.prompt, &f.refs, &f.pages).unwrap().encode();
     let expected = ExpectedTransfer::for_prompt(f.req, TenantId(4), &f.prompt, &f.refs, PAGE_SIZE, SLOT_BYTES);
     let mut landed = 0;
-    let err = Receiver::new(&f.table).accept(&expected, &manifest, &f.pages, |_, _, _| landed += 1).unwrap_err();
+    let err = Receiver::new(&f.table)
+        .accept(&expected, &manifest, &f.pages, |_, _, _| {
+            landed += 1;
+            Ok(())
+        })
+        .unwrap_err();
     assert!(matches!(err, TransferError::TableTenant { expected: TenantId(4), table: TenantId(3), .. }), "{err}");
     assert_eq!(err.kind(), ViolationKind::TransferMisrouted);
     assert_eq!(landed, 0);

@@ -68,6 +68,16 @@ mod transfer {
 
         /// Decode pins and asks (a channel stands for the side channel); prefill answers as told.
         fn run(test: &str, direction: Direction, prefill_does: Prefill) -> Option<Outcome> {
+            run_landing(test, direction, prefill_does, None)
+        }
+
+        /// [`run`], decode's `land` failing at entry `fail_landing_at` if given.
+        fn run_landing(
+            test: &str,
+            direction: Direction,
+            prefill_does: Prefill,
+            fail_landing_at: Option<usize>,
+        ) -> Option<Outcome> {
             let (decode, prefill) = agents(test)?;
             let mut decode_region = HostRegion::new(&decode, PAGES, PAGE_BYTES).unwrap();
             let mut prefill_region = HostRegion::new(&prefill, PAGES, PAGE_BYTES).unwrap();
@@ -126,8 +136,12 @@ mod transfer {
                 ask.send(refs.clone()).unwrap();
                 let wait = if prefill_does == Prefill::Silent { 300 } else { 20_000 };
                 let deadline = Instant::now() + Duration::from_millis(wait);
-                decode_link.receive(direction, pinned, &expected, &mut decode_region, deadline, |_, _, b| {
-                    landed.push(b.to_vec())
+                decode_link.receive(direction, pinned, &expected, &mut decode_region, deadline, |i, _, b| {
+                    if fail_landing_at == Some(i) {
+                        return Err("the engine's copy into its KV cache failed".into());
+                    }
+                    landed.push(b.to_vec());
+                    Ok(())
                 })
             });
             let landed_now =
@@ -181,6 +195,25 @@ mod transfer {
             assert_eq!(o.table.counters().total(), 0);
             assert!(o.table.verify_read(REQ, &pages_of(&o.refs), 1).is_err());
             o.table.release(REQ).unwrap();
+        }
+
+        #[test]
+        fn a_landing_that_fails_abandons_the_import_and_scrubs_its_pages() {
+            for (test, direction, prefill) in
+                [("land-push", Direction::Write, Prefill::Push), ("land-pull", Direction::Read, Prefill::Stage)]
+            {
+                let Some(o) = run_landing(test, direction, prefill, Some(1)) else { return };
+                let err = o.verdict.unwrap_err();
+                assert!(matches!(err, ImportError::Refused(TransferError::Landing { index: 1, .. })), "{test}: {err}");
+                // Its own kind, once; the request is not quarantined for the receiver's failure.
+                assert_eq!(o.table.counters().get(ViolationKind::LandingFailed), 1, "{test}");
+                assert_eq!(o.table.counters().total(), 1, "{test}");
+                assert!(!o.table.request_info(REQ).unwrap().quarantined, "{test}");
+                // Nothing readable (the pages were scrubbed by `run`'s check), nothing pinned.
+                let read = o.table.check_read(REQ, &pages_of(&o.refs), 1).unwrap_err();
+                assert_eq!(read.kind(), ViolationKind::UnwrittenSlots, "{test}");
+                o.table.begin_import(REQ, &o.refs).unwrap().abort();
+            }
         }
 
         #[test]
@@ -286,7 +319,7 @@ mod transfer {
                     }
                 });
                 let deadline = Instant::now() + Duration::from_secs(20);
-                decode_link.receive(Direction::Write, pinned, &expected, &mut pool, deadline, |_, _, _| {})
+                decode_link.receive(Direction::Write, pinned, &expected, &mut pool, deadline, |_, _, _| Ok(()))
             });
             match flip {
                 None => {

@@ -19,6 +19,11 @@
 #define KVG_MUST_USE
 #endif
 
+// The version of the C ABI the header describes: bumped on every incompatible change (a
+// callback's signature, a struct's layout). Version 2: `kvg_land_fn` returns an `int` status.
+// Compare it with [`kvg_abi_version`] at start-up to catch a header and a library that differ.
+#define KVG_ABI_VERSION 2
+
 // Bytes of `kvg_violation_info.message`, its NUL included; a longer line is cut at a character
 // boundary.
 #define KVG_MESSAGE_CAPACITY 256
@@ -198,6 +203,9 @@ enum kvg_violation_kind
   KVG_VIOLATION_KIND_IMPORT_IN_FLIGHT,
   // A write of tokens `start..end` with `start` after `end`.
   KVG_VIOLATION_KIND_TOKEN_RANGE_REVERSED,
+  // A transfer whose bytes could not be landed (the land callback failed): the import was
+  // abandoned and its pages made unreadable; it does not quarantine the request.
+  KVG_VIOLATION_KIND_LANDING_FAILED,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -542,12 +550,17 @@ typedef struct kvg_expected_transfer {
 
 // Copies one accepted page into the engine's pool: called by `kvg_accept_transfer` for page
 // `index` (landing in `page`) with its `len` bytes, only once every check passed. `user` is the
-// pointer given to `kvg_accept_transfer`. It must not unwind (no C++ exception may leave it).
-typedef void (*kvg_land_fn)(void *user,
-                            size_t index,
-                            struct kvg_page_ref page,
-                            const uint8_t *bytes,
-                            size_t len);
+// pointer given to `kvg_accept_transfer`. Returns 0 when the bytes landed; any other value (a
+// `cudaError_t`, an errno) says the copy failed, which fails the import at that page: nothing
+// recorded as written, the receiving pages' coverage revoked, `landing_failed` recorded, and
+// `kvg_accept_transfer` returns `KVG_STATUS_VIOLATION` with the value in its message. It must not
+// unwind (no C++ exception may leave it). Since ABI version 2 (`KVG_ABI_VERSION`); in version 1
+// it returned `void` and could not report a failed copy.
+typedef int (*kvg_land_fn)(void *user,
+                           size_t index,
+                           struct kvg_page_ref page,
+                           const uint8_t *bytes,
+                           size_t len);
 
 // What an accepted transfer recorded, filled by `kvg_accept_transfer`.
 typedef struct kvg_accepted {
@@ -850,6 +863,9 @@ kvg_status kvg_check_read_refs(const struct kvg_table *table,
                                const struct kvg_page_ref *block_table,
                                size_t num_blocks,
                                uint64_t tokens);
+
+// The ABI version this library was built with ([`KVG_ABI_VERSION`] of its header).
+uint32_t kvg_abi_version(void);
 
 // The library's version (`"0.1.0"`), static and NUL-terminated.
 const char *kvg_version(void);
@@ -1221,7 +1237,10 @@ void kvg_manifest_free(struct kvg_manifest *manifest);
 // message says which check failed, `kvg_last_violation` gives the kind (`transfer_misrouted`,
 // `prompt_digest_mismatch`, `page_checksum_mismatch`, `stale_page`, ...), and the table counted
 // and logged it. A refusal records no coverage; only the final record can be refused after
-// `land` ran (the request released its pages meanwhile).
+// `land` ran (the request released its pages meanwhile). A `land` that returns nonzero fails
+// the import at that page: `KVG_STATUS_VIOLATION` of kind `landing_failed` (the message names
+// the page and the value returned), nothing recorded as written, the coverage of every
+// receiving page revoked (bytes may have landed in any), the request not quarantined.
 //
 // # Safety
 // `table` is a live handle; `expected` a `kvg_expected_transfer` of its `struct_size` whose

@@ -39,11 +39,12 @@ pub use step::{
     kvg_verify_step,
 };
 pub use table::{
-    kvg_admit, kvg_allocate, kvg_allow_cross_tenant_sharing, kvg_claim, kvg_confirm_scrubbed, kvg_drain_violation,
-    kvg_fork, kvg_get_page_info, kvg_get_request_info, kvg_get_request_pages, kvg_pool_config_audit,
-    kvg_pool_config_init, kvg_preempt, kvg_record_import, kvg_record_import_refs, kvg_record_write,
-    kvg_record_write_tokens, kvg_record_write_tokens_refs, kvg_release, kvg_release_pages, kvg_release_pages_refs,
-    kvg_snapshot, kvg_table, kvg_table_free, kvg_table_new, kvg_table_new_unaudited, kvg_version, kvg_violation_count,
+    KVG_ABI_VERSION, kvg_abi_version, kvg_admit, kvg_allocate, kvg_allow_cross_tenant_sharing, kvg_claim,
+    kvg_confirm_scrubbed, kvg_drain_violation, kvg_fork, kvg_get_page_info, kvg_get_request_info,
+    kvg_get_request_pages, kvg_pool_config_audit, kvg_pool_config_init, kvg_preempt, kvg_record_import,
+    kvg_record_import_refs, kvg_record_write, kvg_record_write_tokens, kvg_record_write_tokens_refs, kvg_release,
+    kvg_release_pages, kvg_release_pages_refs, kvg_snapshot, kvg_table, kvg_table_free, kvg_table_new,
+    kvg_table_new_unaudited, kvg_version, kvg_violation_count,
 };
 pub use transfer::{
     kvg_accept_transfer, kvg_manifest, kvg_manifest_build, kvg_manifest_decode, kvg_manifest_encode, kvg_manifest_free,

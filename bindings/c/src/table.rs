@@ -108,6 +108,17 @@ pub(crate) fn put_released(out: *mut kvg_released, released: Released) -> Result
     Ok(())
 }
 
+/// The version of the C ABI the header describes: bumped on every incompatible change (a
+/// callback's signature, a struct's layout). Version 2: `kvg_land_fn` returns an `int` status.
+/// Compare it with [`kvg_abi_version`] at start-up to catch a header and a library that differ.
+pub const KVG_ABI_VERSION: u32 = 2;
+
+/// The ABI version this library was built with ([`KVG_ABI_VERSION`] of its header).
+#[unsafe(no_mangle)]
+pub extern "C" fn kvg_abi_version() -> u32 {
+    KVG_ABI_VERSION
+}
+
 /// The library's version (`"0.1.0"`), static and NUL-terminated.
 #[unsafe(no_mangle)]
 pub extern "C" fn kvg_version() -> *const c_char {

@@ -260,7 +260,10 @@ pub unsafe extern "C" fn kvg_manifest_free(manifest: *mut kvg_manifest) {
 /// message says which check failed, `kvg_last_violation` gives the kind (`transfer_misrouted`,
 /// `prompt_digest_mismatch`, `page_checksum_mismatch`, `stale_page`, ...), and the table counted
 /// and logged it. A refusal records no coverage; only the final record can be refused after
-/// `land` ran (the request released its pages meanwhile).
+/// `land` ran (the request released its pages meanwhile). A `land` that returns nonzero fails
+/// the import at that page: `KVG_STATUS_VIOLATION` of kind `landing_failed` (the message names
+/// the page and the value returned), nothing recorded as written, the coverage of every
+/// receiving page revoked (bytes may have landed in any), the request not quarantined.
 ///
 /// # Safety
 /// `table` is a live handle; `expected` a `kvg_expected_transfer` of its `struct_size` whose
@@ -304,10 +307,13 @@ pub unsafe extern "C" fn kvg_accept_transfer(
             expect = expect.from_sender(SenderId(e.sender));
         }
         let landed = Receiver::new(&t.table).accept(&expect, bytes, &buffers, |index, page, bytes| {
-            if let Some(land) = land {
-                // SAFETY: the caller's callback, called as its contract says: `bytes` is alive
-                // for the call, `len` long.
-                unsafe { land(user, index, kvg_page_ref::from_core(page), bytes.as_ptr(), bytes.len()) }
+            let Some(land) = land else { return Ok(()) };
+            // SAFETY: the caller's callback, called as its contract says: `bytes` is alive for
+            // the call, `len` long.
+            let status = unsafe { land(user, index, kvg_page_ref::from_core(page), bytes.as_ptr(), bytes.len()) };
+            match status {
+                0 => Ok(()),
+                status => Err(format!("the land callback returned {status}").into()),
             }
         });
         let outcome = match landed {

@@ -118,6 +118,9 @@ pub enum kvg_violation_kind {
     ImportInFlight,
     /// A write of tokens `start..end` with `start` after `end`.
     TokenRangeReversed,
+    /// A transfer whose bytes could not be landed (the land callback failed): the import was
+    /// abandoned and its pages made unreadable; it does not quarantine the request.
+    LandingFailed,
 }
 
 impl kvg_violation_kind {
@@ -627,9 +630,20 @@ pub struct kvg_accepted {
 
 /// Copies one accepted page into the engine's pool: called by `kvg_accept_transfer` for page
 /// `index` (landing in `page`) with its `len` bytes, only once every check passed. `user` is the
-/// pointer given to `kvg_accept_transfer`. It must not unwind (no C++ exception may leave it).
+/// pointer given to `kvg_accept_transfer`. Returns 0 when the bytes landed; any other value (a
+/// `cudaError_t`, an errno) says the copy failed, which fails the import at that page: nothing
+/// recorded as written, the receiving pages' coverage revoked, `landing_failed` recorded, and
+/// `kvg_accept_transfer` returns `KVG_STATUS_VIOLATION` with the value in its message. It must not
+/// unwind (no C++ exception may leave it). Since ABI version 2 (`KVG_ABI_VERSION`); in version 1
+/// it returned `void` and could not report a failed copy.
 pub type kvg_land_fn = Option<
-    unsafe extern "C" fn(user: *mut std::ffi::c_void, index: usize, page: kvg_page_ref, bytes: *const u8, len: usize),
+    unsafe extern "C" fn(
+        user: *mut std::ffi::c_void,
+        index: usize,
+        page: kvg_page_ref,
+        bytes: *const u8,
+        len: usize,
+    ) -> std::ffi::c_int,
 >;
 
 // SAFETY (each impl): `#[repr(C)]`, the first field is `struct_size: usize`, and every field is an
@@ -727,6 +741,7 @@ mod tests {
             K::CanaryMismatch,
             K::ImportInFlight,
             K::TokenRangeReversed,
+            K::LandingFailed,
         ];
         assert_eq!(c_kinds.len(), ViolationKind::ALL.len(), "a core kind is missing from kvg_violation_kind");
         for (c, &core) in c_kinds.iter().zip(ViolationKind::ALL) {

@@ -77,6 +77,7 @@ static kvg_violation_info last_info(void) {
 
 static void test_names_and_version(void) {
     CHECK(strcmp(kvg_version(), "0.1.0") == 0);
+    CHECK(kvg_abi_version() == KVG_ABI_VERSION && KVG_ABI_VERSION == 2);
     CHECK(strcmp(kvg_status_name(KVG_STATUS_OK), "ok") == 0);
     CHECK(strcmp(kvg_status_name(KVG_STATUS_BAD_STRUCT_SIZE), "bad_struct_size") == 0);
     CHECK(strcmp(kvg_status_name(KVG_STATUS_OTHER), "other") == 0);
@@ -116,12 +117,13 @@ static void test_names_and_version(void) {
         {KVG_VIOLATION_KIND_CANARY_MISMATCH, "canary_mismatch"},
         {KVG_VIOLATION_KIND_IMPORT_IN_FLIGHT, "import_in_flight"},
         {KVG_VIOLATION_KIND_TOKEN_RANGE_REVERSED, "token_range_reversed"},
+        {KVG_VIOLATION_KIND_LANDING_FAILED, "landing_failed"},
     };
     for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++) {
         CHECK(strcmp(kvg_violation_kind_name(kinds[i].kind), kinds[i].name) == 0);
     }
     CHECK(strcmp(kvg_violation_kind_name(0), "unknown") == 0);
-    CHECK(strcmp(kvg_violation_kind_name(KVG_VIOLATION_KIND_TOKEN_RANGE_REVERSED + 1), "unknown") == 0);
+    CHECK(strcmp(kvg_violation_kind_name(KVG_VIOLATION_KIND_LANDING_FAILED + 1), "unknown") == 0);
 }
 
 static void test_config_and_sizes(void) {
@@ -887,12 +889,23 @@ struct landing {
     int32_t pages[4];
 };
 
-static void land(void *user, size_t index, kvg_page_ref page, const uint8_t *bytes, size_t len) {
+static int land(void *user, size_t index, kvg_page_ref page, const uint8_t *bytes, size_t len) {
     struct landing *l = user;
     (void)bytes;
     if (index < 4) l->pages[index] = page.page;
     l->calls++;
     l->bytes += len;
+    return 0;
+}
+
+/* A copy into the pool that fails on its second page (a cudaError_t, say). */
+static int land_fails_on_page_1(void *user, size_t index, kvg_page_ref page, const uint8_t *bytes, size_t len) {
+    struct landing *l = user;
+    (void)page;
+    (void)bytes;
+    (void)len;
+    l->calls++;
+    return index == 1 ? 700 : 0;
 }
 
 /* Manifests (build, encode, decode, inspect) and the receiver's accept. */
@@ -1022,6 +1035,21 @@ static void test_transfers(void) {
         CHECK(landed.calls == 0); /* nothing landed from a refused transfer */
         OK(kvg_violation_count(decode, 0, &after));
         CHECK(after == before + 3); /* the table counted each refusal */
+        /* The copy of the second page fails: the import is abandoned, nothing is readable, and
+           the failure is its own kind, naming the page. */
+        VIOLATES(kvg_accept_transfer(decode, &expected, wire, wire_len, pages, lens, 2, land_fails_on_page_1, &landed,
+                                     &accepted),
+                 KVG_VIOLATION_KIND_LANDING_FAILED);
+        CHECK(landed.calls == 2);
+        CHECK(strstr(kvg_last_error_message(), "landing page 1") != NULL);
+        CHECK(strstr(kvg_last_error_message(), "returned 700") != NULL);
+        {
+            kvg_page_info info;
+            info.struct_size = sizeof info;
+            OK(kvg_get_page_info(decode, dest[0].page, &info));
+            CHECK(info.written_slots == 0);
+        }
+        landed.calls = 0;
         /* Requests 7 is quarantined by the enforced refusals; accepting still lands and records. */
         OK(kvg_accept_transfer(decode, &expected, wire, wire_len, pages, lens, 2, land, &landed, &accepted));
         CHECK(accepted.tokens == TOKENS && accepted.pages == 2);

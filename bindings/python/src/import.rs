@@ -6,7 +6,7 @@
 
 use crate::errors;
 use crate::table::OwnershipTable;
-use crate::values::PageRef;
+use crate::values::{PageRef, Violation};
 use kvguard::RequestId;
 use parking_lot::Mutex;
 use pyo3::prelude::*;
@@ -15,12 +15,15 @@ use pyo3::prelude::*;
 /// its pages are pinned (a release takes them from the request, but they stay out of the free
 /// list until the ticket ends, so bytes still landing never reach a next owner).
 ///
-/// End it with finish(tokens, expected) once the bytes landed and the manifest was accepted, or
-/// abort(). As a context manager it aborts on leaving the block unless finished; a ticket
-/// garbage-collected while open aborts too.
+/// End it with finish(tokens, expected) once the bytes landed and were checked, fail(index) when
+/// landing them failed (bytes may have landed: the pages' coverage is revoked, landing_failed
+/// recorded), or abort() when nothing landed. As a context manager, leaving the block by an
+/// exception fails the ticket (the exception propagates), leaving it otherwise unfinished
+/// aborts; a ticket garbage-collected while open aborts too.
 ///
 ///   with table.begin_import("cmpl-7", refs) as ticket:
-///       ...  # the bytes land, receiver.accept(...) checks the manifest
+///       copy_into_pool(refs, kv)   # raising here fails the import: nothing readable
+///       check(kv)                  # e.g. kvguard.Manifest.decode(...) and the page CRCs
 ///       ticket.finish(tokens, expected)
 #[pyclass(frozen, module = "kvguard")]
 pub struct ImportTicket {
@@ -73,6 +76,22 @@ impl ImportTicket {
         outcome.map_err(|e| self.table.get().err(py, e))
     }
 
+    /// Abandons the transfer because landing its bytes failed at entry `index` (None: at no
+    /// page in particular): every page still the request's loses its coverage (reads of it are
+    /// refused as unwritten until the request writes it again), nothing is recorded as written,
+    /// the pages are unpinned, and a landing_failed violation is recorded, logged and returned
+    /// (it does not quarantine the request). An ended ticket raises kvguard.Error.
+    #[pyo3(signature = (index = None))]
+    fn fail(&self, py: Python<'_>, index: Option<usize>) -> PyResult<Py<Violation>> {
+        let ticket = self.take()?;
+        let v = py.detach(|| ticket.fail(index.unwrap_or(usize::MAX)));
+        let table = self.table.get();
+        let resolved = table.names().lock().resolve(&v);
+        let v = Violation::wrap(py, v, resolved)?;
+        errors::log_violation(py, &v);
+        Ok(v)
+    }
+
     /// Abandons the transfer (its manifest was refused, say): nothing is recorded, the pages are
     /// unpinned. Doing it again does nothing.
     fn abort(&self, py: Python<'_>) {
@@ -104,16 +123,21 @@ impl ImportTicket {
         slf
     }
 
-    /// Leaving the `with` block aborts a ticket not finished; exceptions propagate.
+    /// Leaving the `with` block by an exception fails a ticket not finished (bytes may have
+    /// landed), leaving it otherwise aborts one; exceptions propagate.
     fn __exit__(
         &self,
         py: Python<'_>,
-        _exc_type: &Bound<'_, PyAny>,
+        exc_type: &Bound<'_, PyAny>,
         _exc: &Bound<'_, PyAny>,
         _tb: &Bound<'_, PyAny>,
-    ) -> bool {
-        self.abort(py);
-        false
+    ) -> PyResult<bool> {
+        if exc_type.is_none() || !self.open() {
+            self.abort(py);
+        } else {
+            self.fail(py, None)?;
+        }
+        Ok(false)
     }
 
     fn __repr__(&self, py: Python<'_>) -> String {

@@ -19,7 +19,7 @@
 //! recorded. Either way the pinned pages get no coverage and are scrubbed.
 
 use crate::errors::Error;
-use crate::transfer::{Accepted, Bytes, PinnedImport, land_page, refusal};
+use crate::transfer::{Accepted, Bytes, PinnedImport, land_page, refused};
 use crate::values::PageRef;
 use kvguard::PageId;
 use kvguard::RequestId;
@@ -698,18 +698,14 @@ impl NixlLink {
         let mut region = RegionArg::lock(region)?;
         let (pin, expected, table) = pinned.get().take()?;
         let (link, region) = (&mut *link, region.region());
-        let mut land_err: Option<PyErr> = None;
         let outcome = py.detach(|| {
             link.receive(direction, pin, &expected.as_expected(), region, deadline, |i, r, b| {
-                land_page(land.as_ref(), &mut land_err, i, r, b)
+                land_page(land.as_ref(), i, r, b)
             })
         });
-        if let Some(e) = land_err {
-            return Err(e);
-        }
         match outcome {
             Ok(a) => Ok(Accepted::from(a)),
-            Err(core::ImportError::Refused(e)) => Err(refusal(py, table.get(), &e, &expected.as_expected())),
+            Err(core::ImportError::Refused(e)) => Err(refused(py, table.get(), e, &expected.as_expected())),
             Err(core::ImportError::Aborted(e)) => Err(nixl_error(py, &e)),
             Err(core::ImportError::Declined) => Err(with_kind(py, "declined by the sender".to_owned(), "declined")),
             Err(e) => Err(with_kind(py, e.to_string(), "transport")),

@@ -221,7 +221,11 @@ impl Accepted {
 /// Only when the manifest is for exactly this request, tenant, prompt and pages, and every
 /// page's bytes match their CRC32, land(index, PageRef, bytes) is called for each page
 /// (copy the bytes into your pool there) and the coverage recorded. Otherwise TransferError
-/// (with .kind and .violation) and nothing is recorded.
+/// (with .kind and .violation) and nothing is recorded. If `land` raises (any exception,
+/// KeyboardInterrupt included), the import fails at that page: nothing is recorded as written,
+/// every receiving page's coverage is revoked (unreadable until the request writes it), a
+/// landing_failed violation is recorded (it does not quarantine), and the exception `land`
+/// raised propagates with a note naming the page.
 #[pyclass(frozen, module = "kvguard")]
 pub struct Receiver {
     table: Py<OwnershipTable>,
@@ -272,26 +276,11 @@ impl Receiver {
             expected = expected.from_sender(SenderId(s));
         }
         let receiver = core::Receiver::new(table.core());
-        let mut land_err: Option<PyErr> = None;
-        let outcome = receiver.accept(&expected, manifest.as_ref(), &pages, |i, r, bytes| {
-            if land_err.is_some() {
-                return;
-            }
-            if let Some(f) = &land {
-                // No kvguard lock is held while `land` runs (the receiver's contract).
-                let view = PyBytes::new(py, bytes);
-                if let Err(e) = f.call1((i, PageRef::from(r), view)) {
-                    land_err = Some(e);
-                }
-            }
-        });
-        if let Some(e) = land_err {
-            return Err(e);
-        }
-        match outcome {
-            Ok(a) => Ok(Accepted::from(a)),
-            Err(e) => Err(refusal(py, table, &e, &expected)),
-        }
+        let land = land.map(Bound::unbind);
+        // No kvguard lock is held while `land` runs (the receiver's contract).
+        let outcome =
+            receiver.accept(&expected, manifest.as_ref(), &pages, |i, r, bytes| land_page(land.as_ref(), i, r, bytes));
+        outcome.map(Accepted::from).map_err(|e| refused(py, table, e, &expected))
     }
 
     /// Pins the receiving pages *before* any byte is asked for (a transport that lands bytes in
@@ -347,6 +336,29 @@ impl From<core::Accepted> for Accepted {
     fn from(a: core::Accepted) -> Accepted {
         Accepted { tokens: a.tokens(), pages: a.pages() }
     }
+}
+
+/// A refused transfer as the exception to raise, its violation logged: `TransferError` (.kind,
+/// .violation), but for a landing that raised (the import failed: its pages made unreadable,
+/// `landing_failed` recorded), where the exception `land` raised is raised again, with a note
+/// naming the page it failed on.
+pub(crate) fn refused(
+    py: Python<'_>,
+    table: &OwnershipTable,
+    e: core::TransferError,
+    expected: &core::ExpectedTransfer<'_>,
+) -> PyErr {
+    let error = refusal(py, table, &e, expected);
+    let core::TransferError::Landing { index, page, source } = e else { return error };
+    let Ok(raised) = source.downcast::<PyErr>() else { return error };
+    let note = format!(
+        "kvguard: landing entry {index} of the transfer (page {}, generation {}) failed; the import was \
+         abandoned (landing_failed): its pages are unreadable until the request writes them",
+        page.page.0, page.generation.0
+    );
+    // A note that cannot be added leaves the exception as it was.
+    let _ = raised.value(py).call_method1("add_note", (note,));
+    *raised
 }
 
 /// A refused transfer as a `TransferError` (.kind, .violation), the violation logged.
@@ -444,7 +456,8 @@ impl PinnedImport {
 
     /// Checks `manifest` and `pages` (the bytes that landed; one bytes-like per page) as
     /// Receiver.accept does, under the pin; `land(index, PageRef, bytes)` is called per page
-    /// only when everything holds, then the coverage is recorded. The CRCs run without the GIL.
+    /// only when everything holds, then the coverage is recorded (a `land` that raises fails the
+    /// import as in Receiver.accept). The CRCs run without the GIL.
     #[pyo3(signature = (manifest, pages, land = None))]
     fn accept(
         &self,
@@ -460,17 +473,11 @@ impl PinnedImport {
             .map(|(i, p)| Bytes::open(&p?, &format!("pages[{i}]")))
             .collect::<PyResult<_>>()?;
         let (pin, expected, table) = self.take()?;
-        let mut land_err: Option<PyErr> = None;
         let outcome = py.detach(|| {
             let expected = expected.as_expected();
-            pin.accept(&expected, manifest.as_ref(), &pages, |i, r, bytes| {
-                land_page(land.as_ref(), &mut land_err, i, r, bytes)
-            })
+            pin.accept(&expected, manifest.as_ref(), &pages, |i, r, bytes| land_page(land.as_ref(), i, r, bytes))
         });
-        if let Some(e) = land_err {
-            return Err(e);
-        }
-        outcome.map(Accepted::from).map_err(|e| refusal(py, table.get(), &e, &expected.as_expected()))
+        outcome.map(Accepted::from).map_err(|e| refused(py, table.get(), e, &expected.as_expected()))
     }
 
     /// Gives up with no verdict on content: nothing recorded, the pages unpinned. A no-op once
@@ -501,24 +508,19 @@ impl PinnedImport {
     }
 }
 
-/// Calls the caller's `land` for one accepted page (taking the GIL), keeping the first error.
+/// Calls the caller's `land` for one accepted page (taking the GIL). Whatever it raises
+/// (KeyboardInterrupt included) fails the import at that page; [`refused`] raises it again.
 pub(crate) fn land_page(
     land: Option<&Py<PyAny>>,
-    error: &mut Option<PyErr>,
     index: usize,
     page: kvguard::PageRef,
     bytes: &[u8],
-) {
-    let Some(f) = land else { return };
-    if error.is_some() {
-        return;
-    }
+) -> Result<(), core::LandError> {
+    let Some(f) = land else { return Ok(()) };
     Python::attach(|py| {
         let view = PyBytes::new(py, bytes);
-        if let Err(e) = f.call1(py, (index, PageRef::from(page), view)) {
-            *error = Some(e);
-        }
-    });
+        f.call1(py, (index, PageRef::from(page), view)).map(drop).map_err(|e| Box::new(e) as core::LandError)
+    })
 }
 
 /// The checksum a manifest carries for `data`: CRC32 (crc32fast), 0 folded into 1.

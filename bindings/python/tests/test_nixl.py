@@ -219,6 +219,26 @@ def test_each_fault_is_refused_with_its_named_error_and_nothing_leaks(prefill, d
 
 
 @pytest.mark.parametrize("direction", DIRECTIONS)
+def test_a_land_that_raises_fails_the_import_and_nothing_leaks(prefill, direction):
+    """The bytes arrived and checked, but the engine's own copy of them failed: the import is
+    abandoned (landing_failed, the request not quarantined), the copy's exception propagates
+    with the page named, and nothing is readable or left in the pages."""
+    d = Decode(prefill)
+    refs = d.pages()
+
+    def land(index, ref, data):
+        if index == 1:
+            raise MemoryError("the engine's copy into its KV cache failed")
+
+    with pytest.raises(MemoryError) as raised:
+        d.pull(refs, direction, "none", land=land)
+    assert any(f"landing entry 1 " in n for n in raised.value.__notes__)
+    assert d.table.counters() == {"landing_failed": 1}
+    assert not d.table.request_info(d.request).quarantined
+    d.assert_nothing_leaked(refs)
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
 def test_a_late_transfer_after_the_pages_were_reused_is_stale(prefill, direction):
     d = Decode(prefill)
     first = d.pages()

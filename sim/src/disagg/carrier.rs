@@ -81,7 +81,7 @@ impl DecodeCarrier<'_> {
         timeout: Duration,
         pinned: PinnedImport<'_>,
         expected: &ExpectedTransfer<'_>,
-        land: impl FnMut(usize, PageRef, &[u8]),
+        land: impl FnMut(usize, PageRef, &[u8]) -> Result<(), kvguard::transfer::LandError>,
     ) -> Result<Fetched, DisaggError> {
         match self {
             DecodeCarrier::Tcp => {
@@ -197,7 +197,7 @@ pub(super) mod nixl {
             timeout: Duration,
             pinned: PinnedImport<'_>,
             expected: &ExpectedTransfer<'_>,
-            land: impl FnMut(usize, PageRef, &[u8]),
+            land: impl FnMut(usize, PageRef, &[u8]) -> Result<(), kvguard::transfer::LandError>,
         ) -> Result<Fetched, DisaggError> {
             let deadline = Instant::now() + timeout;
             match self.link.receive(self.direction, pinned, expected, self.region, deadline, land) {

@@ -345,6 +345,7 @@ pub fn run_decode(
             let fetched = carrier.fetch(&stream, timeout, pinned, &expected, |_, page, b| {
                 pool.land(page.page, b);
                 pool.stamp(spec.id, page, (b.len() / SLOT_BYTES as usize) as u32);
+                Ok(())
             })?;
             let verdict = match fetched {
                 Fetched::NotReady if attempt < 2 => {

@@ -343,7 +343,7 @@ impl<'a> NixlLink<'a> {
         expected: &ExpectedTransfer<'_>,
         region: &mut R,
         deadline: Instant,
-        land: impl FnMut(usize, crate::PageRef, &[u8]),
+        land: impl FnMut(usize, crate::PageRef, &[u8]) -> Result<(), crate::transfer::LandError>,
     ) -> Result<Accepted, ImportError> {
         let pages: Vec<u32> = pinned.pages().iter().map(|r| r.page.0).collect();
         let outcome = self.receive_pinned(direction, pinned, expected, region, deadline, land);
@@ -366,7 +366,7 @@ impl<'a> NixlLink<'a> {
         expected: &ExpectedTransfer<'_>,
         region: &mut R,
         deadline: Instant,
-        land: impl FnMut(usize, crate::PageRef, &[u8]),
+        land: impl FnMut(usize, crate::PageRef, &[u8]) -> Result<(), crate::transfer::LandError>,
     ) -> Result<Accepted, ImportError> {
         let request = expected.request;
         let layout = region.layout();
