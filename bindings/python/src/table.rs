@@ -1207,8 +1207,19 @@ impl OwnershipTable {
         py.detach(|| self.table.snapshot()).into()
     }
 
-    /// What the table knows about `page`, or None beyond the pool.
-    fn page_info(&self, py: Python<'_>, page: u32) -> PyResult<Option<PageInfo>> {
+    /// What the table knows about `page`, or None for an int that names no page of the pool
+    /// (past its end, or negative).
+    fn page_info(&self, py: Python<'_>, page: &Bound<'_, PyAny>) -> PyResult<Option<PageInfo>> {
+        // Any int names a page or no page: one outside 0..2**32 (-1, say) is no page, like one
+        // past the pool; what is not an int is a TypeError.
+        let page = match page.extract::<u32>() {
+            Ok(p) => p,
+            Err(_) if page.is_instance_of::<pyo3::types::PyInt>() => return Ok(None),
+            Err(_) => {
+                let ty = page.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
+                return Err(pyo3::exceptions::PyTypeError::new_err(format!("page must be an int, got {ty}")));
+            }
+        };
         let Some(info) = self.table.page_info(PageId(page)) else { return Ok(None) };
         let (owner, tenant) = {
             let names = self.names.lock();

@@ -186,9 +186,10 @@ pub struct Violation {
 }
 
 impl Violation {
-    /// Wraps a core violation, its requests and tenants named as the caller names them.
+    /// Wraps a core violation, its requests and tenants named as the caller names them: a str
+    /// id reads as the engine's own (`req "cmpl-7" (tenant "acme")`), never as its internal key.
     pub fn wrap(py: Python<'_>, v: kvguard::Violation, ids: Resolved) -> PyResult<Py<Violation>> {
-        let mut named = Vec::new();
+        let mut message = v.to_string();
         for (id, word, n) in [
             (&ids.request, "req", v.request().map(|r| r.0)),
             (&ids.owner, "req", v.owner().map(|r| r.0)),
@@ -196,21 +197,33 @@ impl Violation {
             (&ids.owner_tenant, "tenant", v.owner_tenant().map(|t| t.0)),
         ] {
             if let (Some(PyId::Name(s)), Some(n)) = (id, n) {
-                let line = format!("{word} {n} is {s:?}");
-                if !named.contains(&line) {
-                    named.push(line);
-                }
+                message = named(&message, word, n, s);
             }
-        }
-        let mut message = v.to_string();
-        if !named.is_empty() {
-            message = format!("{message} [{}]", named.join(", "));
         }
         let obj = |id: &Option<PyId>| id.as_ref().map(|i| i.to_py(py)).transpose();
         let (request, tenant, owner, owner_tenant) =
             (obj(&ids.request)?, obj(&ids.tenant)?, obj(&ids.owner)?, obj(&ids.owner_tenant)?);
         Py::new(py, Violation { inner: v, message, request, tenant, owner, owner_tenant })
     }
+}
+
+/// `message` with every `{word} {n}` (not followed by another digit) written `{word} "{name}"`.
+fn named(message: &str, word: &str, n: u64, name: &str) -> String {
+    let key = format!("{word} {n}");
+    let mut out = String::with_capacity(message.len() + name.len());
+    let mut rest = message;
+    while let Some(at) = rest.find(&key) {
+        let after = &rest[at + key.len()..];
+        out.push_str(&rest[..at]);
+        if after.starts_with(|c: char| c.is_ascii_digit()) {
+            out.push_str(&key);
+        } else {
+            out.push_str(&format!("{word} {name:?}"));
+        }
+        rest = after;
+    }
+    out.push_str(rest);
+    out
 }
 
 fn opt(py: Python<'_>, o: &Option<Py<PyAny>>) -> Option<Py<PyAny>> {
@@ -510,4 +523,23 @@ snapshot_fields!(
 /// A str for Python from a Rust str (used by the other modules).
 pub fn py_str<'py>(py: Python<'py>, s: &str) -> Bound<'py, PyString> {
     PyString::new(py, s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::named;
+
+    #[test]
+    fn a_named_id_replaces_its_key_and_no_longer_key() {
+        let m = "foreign_page: req 12 (tenant 3) read page 4, owned by req 123 (tenant 3)";
+        assert_eq!(
+            named(m, "req", 12, "cmpl-7"),
+            r#"foreign_page: req "cmpl-7" (tenant 3) read page 4, owned by req 123 (tenant 3)"#
+        );
+        assert_eq!(
+            named(m, "tenant", 3, "acme"),
+            r#"foreign_page: req 12 (tenant "acme") read page 4, owned by req 123 (tenant "acme")"#
+        );
+        assert_eq!(named(m, "req", 7, "x"), m);
+    }
 }

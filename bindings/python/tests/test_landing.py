@@ -127,3 +127,12 @@ def test_an_import_ticket_fails_at_a_page_and_ends_once():
     with t.begin_import("req-7", dest):
         pass
     assert t.counters() == {"landing_failed": 1}
+
+
+def test_a_violation_message_names_str_ids_as_the_engine_gave_them():
+    t, dest, pages, wire, bystander = decode_pool()
+    v = t.check_read("req-7", bystander, 1)
+    assert v.kind == "foreign_page"
+    assert str(v).startswith('foreign_page: req "req-7" (tenant "acme") read page')
+    assert 'owned by req "bystander" (tenant "beta")' in str(v)
+    assert str(t.request_key("req-7")) not in str(v), "no internal key in the message"

@@ -203,3 +203,11 @@ def test_device_guard_without_gpu_is_a_typed_error(config):
         pytest.skip("a CUDA driver is present")
     with pytest.raises(kvguard.DeviceError):
         kvguard.DeviceGuard(config)
+
+
+def test_page_info_of_any_int_that_names_no_page_is_none(table, config):
+    assert table.page_info(1).state == "free"
+    for page in (-1, config.num_pages, 2**32, 2**70, -(2**70)):
+        assert table.page_info(page) is None
+    with pytest.raises(TypeError, match="page must be an int, got str"):
+        table.page_info("1")
