@@ -1,6 +1,7 @@
 //! KV transfers landing in the table: what a transfer wrote ([`OwnershipTable::record_import`])
 //! and the transfer in flight, its pages pinned until its ticket ends ([`ImportTicket`]).
 
+use super::info::PageState;
 use super::ownership::OwnershipTable;
 use super::state::{BlockEntry, TableState};
 use crate::error::Error;
@@ -32,6 +33,34 @@ impl OwnershipTable {
         expected: u64,
     ) -> Result<(), Error> {
         self.mutate(|state| import(state, req, block_table, tokens, expected))
+    }
+
+    /// Records that a transfer into `req`'s offered pages also wrote `pages`, which it did not offer
+    /// (a push whose notice named more pages than were pinned: a one-sided WRITE can land
+    /// anywhere in the registered pool). Each such page that is held (owned, or shared in a
+    /// prefix) loses the coverage of its current incarnation, so its holders' reads of the
+    /// overwritten slots are refused as unwritten until they are written again, and every page
+    /// named is recorded as a [`ViolationKind::TransferPagesMismatch`] by `req` naming the page
+    /// and its owner: never silent. The owners are not quarantined (they did nothing); `req`
+    /// is, under enforce (its transfer is refused anyway). Page ids past the pool are skipped, a
+    /// page named twice counts once. Returns the violations recorded.
+    pub fn record_overwritten(&self, req: RequestId, pages: &[PageId]) -> Vec<Violation> {
+        let mut state = self.state.write();
+        let mut found = Vec::new();
+        let mut seen = std::collections::HashSet::with_capacity(pages.len());
+        for &page in pages {
+            let Some(tag) = state.tag(page) else { continue };
+            if !seen.insert(page) {
+                continue;
+            }
+            let v = state.page_violation(ViolationKind::TransferPagesMismatch, Op::Import, req, page);
+            if matches!(tag.state(), PageState::Owned | PageState::Shared) {
+                state.revoke_coverage(page);
+            }
+            self.note(&state, &v);
+            found.push(v);
+        }
+        found
     }
 
     /// Starts a KV transfer into `refs`: each must be `req`'s own page in exactly that

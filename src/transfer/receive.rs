@@ -663,6 +663,14 @@ impl<'t> PinnedImport<'t> {
         receiver.refused(expected, error)
     }
 
+    /// Records that the transfer's WRITEs named `pages` outside the pinned ones (a hostile or
+    /// buggy push): each is treated as overwritten ([`OwnershipTable::record_overwritten`]: its
+    /// holders' coverage of it revoked, a violation by the receiving request naming it). The
+    /// import itself is untouched: refuse or abort it next.
+    pub fn overwritten(&self, pages: &[crate::PageId]) -> Vec<crate::Violation> {
+        self.receiver.table.record_overwritten(self.ticket.request(), pages)
+    }
+
     /// Abandons the transfer with no verdict on its content (it timed out, or the transport
     /// failed): nothing is recorded, the pages are unpinned.
     pub fn abort(self) {

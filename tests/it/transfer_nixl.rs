@@ -23,6 +23,8 @@ mod transfer {
         const SLOT_BYTES: u32 = 16;
         const PAGE_BYTES: u32 = PAGE_SIZE * SLOT_BYTES;
         const REQ: RequestId = RequestId(1);
+        /// Another tenant's request in decode's pool, with one written page.
+        const VICTIM: RequestId = RequestId(2);
         const TENANT: TenantId = TenantId(5);
         const PROMPT: [u32; 6] = [11, 12, 13, 14, 15, 16];
 
@@ -49,6 +51,10 @@ mod transfer {
             PushFlipped,
             Decline,
             Silent,
+            /// Pushes the offered pages and one more, the victim's, naming it in the notice.
+            PushExtra,
+            /// Pushes in parts, one page a part, the first into the victim's page.
+            PushStrayPart,
         }
 
         /// The KV of the prompt: each slot's bytes derived from its token.
@@ -64,6 +70,7 @@ mod transfer {
             table: OwnershipTable,
             refs: Vec<PageRef>,
             landed: Vec<Vec<u8>>,
+            victim: PageRef,
         }
 
         /// Decode pins and asks (a channel stands for the side channel); prefill answers as told.
@@ -93,6 +100,9 @@ mod transfer {
             let table = OwnershipTable::new(PoolConfig::new(PAGES, PAGE_SIZE, 24)).unwrap();
             table.admit(REQ, TENANT, PROMPT.len() as u64, 2).unwrap();
             let refs = table.allocate(REQ, 2).unwrap();
+            table.admit(VICTIM, TenantId(6), 4, 0).unwrap();
+            let victim = table.allocate(VICTIM, 1).unwrap()[0];
+            table.record_write_tokens(VICTIM, &[victim.page], 0..4).unwrap();
             let expected = ExpectedTransfer::for_prompt(REQ, TENANT, &PROMPT, &refs, PAGE_SIZE, SLOT_BYTES);
             let (ask, asked) = mpsc::channel::<Vec<PageRef>>();
             let mut landed = Vec::new();
@@ -120,9 +130,18 @@ mod transfer {
                     if prefill_does == Prefill::PushFlipped {
                         prefill_region.bytes_mut(3, 8).unwrap()[5] ^= 1;
                     }
-                    let dest_pages: Vec<PageId> = dest.iter().map(|r| r.page).collect();
+                    let mut dest_pages: Vec<PageId> = dest.iter().map(|r| r.page).collect();
                     let deadline = Instant::now() + Duration::from_secs(20);
                     match prefill_does {
+                        Prefill::PushExtra | Prefill::PushStrayPart => {
+                            let at = if prefill_does == Prefill::PushExtra { dest_pages.len() } else { 0 };
+                            dest_pages.insert(at, victim.page);
+                            src.insert(at, Extent { page: 6, len: PAGE_BYTES });
+                            if prefill_does == Prefill::PushStrayPart {
+                                link.set_parts(Some(1));
+                            }
+                            link.push(prefill_region, &src, &dest_pages, REQ, &manifest, deadline).unwrap()
+                        }
                         Prefill::Push | Prefill::PushFlipped => {
                             link.push(prefill_region, &src, &dest_pages, REQ, &manifest, deadline).unwrap()
                         }
@@ -152,7 +171,7 @@ mod transfer {
                     assert!(bytes.iter().all(|&b| b == 0), "{test}: a refused transfer's pages are scrubbed");
                 }
             }
-            Some(Outcome { verdict, table, refs, landed })
+            Some(Outcome { verdict, table, refs, landed, victim })
         }
 
         fn pages_of(refs: &[PageRef]) -> Vec<PageId> {
@@ -213,6 +232,33 @@ mod transfer {
                 let read = o.table.check_read(REQ, &pages_of(&o.refs), 1).unwrap_err();
                 assert_eq!(read.kind(), ViolationKind::UnwrittenSlots, "{test}");
                 o.table.begin_import(REQ, &o.refs).unwrap().abort();
+            }
+        }
+
+        #[test]
+        fn a_push_writing_beyond_the_offer_is_refused_and_the_page_it_overwrote_is_unreadable() {
+            for (test, prefill) in [("extra", Prefill::PushExtra), ("stray-part", Prefill::PushStrayPart)] {
+                let Some(o) = run(test, Direction::Write, prefill) else { return };
+                let err = o.verdict.unwrap_err();
+                assert!(matches!(err, ImportError::Refused(TransferError::Pages { .. })), "{test}: {err}");
+                // The victim's page holds the attacker's bytes: its coverage is revoked, so its
+                // owner's reads are refused until it writes the page again; the victim is not
+                // quarantined, and the overwrite is recorded once, naming the page and its owner.
+                let info = o.table.page_info(o.victim.page).unwrap();
+                assert_eq!((info.owner, info.generation, info.written_slots), (Some(VICTIM), o.victim.generation, 0));
+                let read = o.table.check_read(VICTIM, &[o.victim.page], 1).unwrap_err();
+                assert_eq!(read.kind(), ViolationKind::UnwrittenSlots, "{test}");
+                assert!(!o.table.request_info(VICTIM).unwrap().quarantined, "{test}");
+                let overwrites: Vec<_> =
+                    o.table.drain_violations().into_iter().filter(|v| v.page() == Some(o.victim.page)).collect();
+                assert_eq!(overwrites.len(), 1, "{test}: {overwrites:?}");
+                let v = &overwrites[0];
+                assert_eq!(
+                    (v.kind(), v.request(), v.owner()),
+                    (ViolationKind::TransferPagesMismatch, Some(REQ), Some(VICTIM))
+                );
+                // Nothing of the refused transfer is readable either.
+                assert!(o.table.check_read(REQ, &pages_of(&o.refs), 1).is_err(), "{test}");
             }
         }
 

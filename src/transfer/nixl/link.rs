@@ -373,8 +373,16 @@ impl<'a> NixlLink<'a> {
         // Parts of an earlier, abandoned transfer of this request name bytes since overwritten.
         self.inbox.retain(|n| !(n.request == request && n.kind == NoticeKind::Part));
         let pinned_pages: Vec<u32> = pinned.pages().iter().map(|r| r.page.0).collect();
-        let (notice, early) = match self.wait_carrying(direction, request, &pinned_pages, &layout, &*region, deadline) {
+        let mut strays = Vec::new();
+        let waited = self.wait_carrying(direction, request, &pinned_pages, &layout, &*region, deadline, &mut strays);
+        let (notice, early) = match waited {
             Ok(found) => found,
+            Err(_) if !strays.is_empty() => {
+                // A part's WRITE landed outside the offer: those pages hold bytes nobody asked for.
+                pinned.overwritten(&strays);
+                let e = TransferError::Pages { expected: pinned_pages.len(), found: pinned_pages.len(), index: None };
+                return Err(ImportError::Refused(pinned.refuse(expected, e)));
+            }
             Err(Waited::Declined) => {
                 pinned.abort();
                 // The decline taken; if this cannot be sent, prefill's own wait times out.
@@ -386,17 +394,25 @@ impl<'a> NixlLink<'a> {
                 return Err(ImportError::Aborted(e));
             }
         };
+        if direction == Direction::Write {
+            // A push's WRITEs land where its notices say: exactly the offered pages, in order.
+            // Any other page named was written without being offered: treated as overwritten.
+            let mut outside = strays.clone();
+            outside.extend(notice.extents.iter().map(|e| e.page).filter(|p| !pinned_pages.contains(p)).map(PageId));
+            if !outside.is_empty() {
+                pinned.overwritten(&outside);
+            }
+            let differs = notice.extents.iter().zip(&pinned_pages).position(|(e, &p)| e.page != p);
+            if differs.is_some() || notice.extents.len() != pinned_pages.len() || !strays.is_empty() {
+                let index = differs.or((notice.extents.len() != pinned_pages.len())
+                    .then_some(notice.extents.len().min(pinned_pages.len())));
+                let e = TransferError::Pages { expected: pinned_pages.len(), found: notice.extents.len(), index };
+                return Err(ImportError::Refused(pinned.refuse(expected, e)));
+            }
+        }
         // Where each extent landed (push) or is to land (pull): the pinned page at its position.
         let mut landed = Vec::with_capacity(notice.extents.len().min(pinned_pages.len()));
         for (index, (extent, &page)) in notice.extents.iter().zip(&pinned_pages).enumerate() {
-            if direction == Direction::Write && extent.page != page {
-                let e = TransferError::Pages {
-                    expected: pinned_pages.len(),
-                    found: notice.extents.len(),
-                    index: Some(index),
-                };
-                return Err(ImportError::Refused(pinned.refuse(expected, e)));
-            }
             if extent.len > layout.page_bytes {
                 let e = TransferError::PageLength {
                     index,
@@ -450,6 +466,10 @@ impl<'a> NixlLink<'a> {
     /// thread, while the later parts wait in the socket's buffers. Returns the notice and each
     /// pinned page's early (length, CRC32): none for a page named twice, not pinned, longer than
     /// a page, or unreadable (checked after the transfer like any other).
+    ///
+    /// A push's `Part` extents that name no pinned page are appended to `strays` (their WRITE
+    /// landed outside the offer), also when the wait then fails.
+    #[allow(clippy::too_many_arguments)]
     fn wait_carrying<R: PageRegion + ?Sized>(
         &mut self,
         direction: Direction,
@@ -458,6 +478,7 @@ impl<'a> NixlLink<'a> {
         layout: &RegionLayout,
         region: &R,
         deadline: Instant,
+        strays: &mut Vec<PageId>,
     ) -> Result<(Notice, Vec<EarlySum>), Waited> {
         let carrying = match direction {
             Direction::Write => NoticeKind::Written,
@@ -486,7 +507,10 @@ impl<'a> NixlLink<'a> {
                         continue;
                     }
                     for extent in &n.extents {
-                        let Some(at) = pinned_pages.iter().position(|&p| p == extent.page) else { continue };
+                        let Some(at) = pinned_pages.iter().position(|&p| p == extent.page) else {
+                            strays.push(PageId(extent.page));
+                            continue;
+                        };
                         named[at] = named[at].saturating_add(1);
                         if named[at] > 1 {
                             // Named twice: its bytes may have changed since; checked afterwards.
