@@ -305,7 +305,8 @@ typedef struct kvg_page_ref {
 
 // What a release handed back (`kvg_release`, `kvg_release_pages`, `kvg_preempt`,
 // `kvg_detach_prefix`, `kvg_evict_prefix`). The caller sets `struct_size`, and `scrub` and
-// `scrub_capacity` when the pool scrubs on release; kvguard fills `ended` and `scrub_len`.
+// `scrub_capacity` when the pool scrubs on release; kvguard fills `ended` and `scrub_len` and
+// leaves `struct_size` as the caller set it (the struct may be passed again).
 typedef struct kvg_released {
   // `sizeof(kvg_released)` as the caller compiled it.
   size_t struct_size;
@@ -855,8 +856,14 @@ kvg_status kvg_check_read_refs(const struct kvg_table *table,
 const char *kvg_version(void);
 
 // Fills `*config` with the defaults (enforce, no reserved pages, no scrubbing, the default
-// generation limit, zero pages) and sets its `struct_size` to `struct_size`, which the caller
-// passes as `sizeof(kvg_pool_config)`.
+// generation limit, zero pages), zeroes the rest of its `struct_size` bytes, and sets its
+// `struct_size` to `struct_size`, which the caller passes as `sizeof(kvg_pool_config)`.
+//
+// The caller's size is kept, not this library's: a caller built against a newer header that
+// sets a newer field after this call has that field refused by `kvg_table_new`
+// (`KVG_STATUS_BAD_STRUCT_SIZE`) when this library does not know it, never silently ignored.
+// A `struct_size` below the first version's `sizeof(kvg_pool_config)`, or above 4,096, is
+// `KVG_STATUS_BAD_STRUCT_SIZE` and nothing is written.
 //
 // # Safety
 // `config` is NULL or points to `struct_size` writable bytes.

@@ -94,7 +94,8 @@ pub(crate) fn put_released(out: *mut kvg_released, released: Released) -> Result
     }
     c.ended = released.ended;
     c.scrub_len = released.scrub.len();
-    raw::write_sized(out, c, "released")?;
+    // In-out: the caller's `struct_size` stays, so its in-fields are checked again next time.
+    raw::fill_sized(out, c.struct_size, c, "released")?;
     if released.scrub.len() > c.scrub_capacity {
         return Err(Failure::status(
             kvg_status::BufferTooSmall,
@@ -115,8 +116,14 @@ pub extern "C" fn kvg_version() -> *const c_char {
 }
 
 /// Fills `*config` with the defaults (enforce, no reserved pages, no scrubbing, the default
-/// generation limit, zero pages) and sets its `struct_size` to `struct_size`, which the caller
-/// passes as `sizeof(kvg_pool_config)`.
+/// generation limit, zero pages), zeroes the rest of its `struct_size` bytes, and sets its
+/// `struct_size` to `struct_size`, which the caller passes as `sizeof(kvg_pool_config)`.
+///
+/// The caller's size is kept, not this library's: a caller built against a newer header that
+/// sets a newer field after this call has that field refused by `kvg_table_new`
+/// (`KVG_STATUS_BAD_STRUCT_SIZE`) when this library does not know it, never silently ignored.
+/// A `struct_size` below the first version's `sizeof(kvg_pool_config)`, or above 4,096, is
+/// `KVG_STATUS_BAD_STRUCT_SIZE` and nothing is written.
 ///
 /// # Safety
 /// `config` is NULL or points to `struct_size` writable bytes.
@@ -124,9 +131,8 @@ pub extern "C" fn kvg_version() -> *const c_char {
 #[must_use]
 pub unsafe extern "C" fn kvg_pool_config_init(config: *mut kvg_pool_config, struct_size: usize) -> kvg_status {
     guard_free(|| {
-        raw::put_required(config.cast::<usize>(), struct_size, "config")?;
         let defaults = kvg_pool_config {
-            struct_size: size_of::<kvg_pool_config>(),
+            struct_size,
             num_pages: 0,
             page_size: 0,
             max_context_tokens: 0,
@@ -136,7 +142,7 @@ pub unsafe extern "C" fn kvg_pool_config_init(config: *mut kvg_pool_config, stru
             scrub_on_release: 0,
             generation_limit: 0,
         };
-        raw::write_sized(config, defaults, "config")
+        raw::fill_sized(config, struct_size, defaults, "config")
     })
 }
 

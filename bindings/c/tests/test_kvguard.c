@@ -207,6 +207,68 @@ static void test_config_and_sizes(void) {
     }
 }
 
+/* A caller built against a newer header: its structs are larger, and a newer field it sets is
+   refused by this library, never silently ignored. `kvg_pool_config_init` keeps the caller's
+   `struct_size` (it used to write this library's, which hid the newer fields). */
+static void test_newer_callers(void) {
+    struct {
+        kvg_pool_config config;
+        uint64_t newer_field;
+    } grown;
+    kvg_table *table = NULL;
+
+    memset(&grown, 0xab, sizeof grown);
+    OK(kvg_pool_config_init(&grown.config, sizeof grown));
+    CHECK(grown.config.struct_size == sizeof grown);
+    CHECK(grown.newer_field == 0); /* zeroed: the newer field's default */
+    CHECK(grown.config.policy == KVG_POLICY_ENFORCE && grown.config.reserved == NULL);
+    grown.config.num_pages = PAGES;
+    grown.config.page_size = PS;
+    grown.config.max_context_tokens = MAX_CONTEXT;
+    /* Zero trailing bytes: the newer field left at its default, accepted. */
+    OK(kvg_table_new(&grown.config, &table));
+    CHECK(table != NULL);
+    kvg_table_free(table);
+    /* A newer field set: refused, with a message, and no table. */
+    grown.newer_field = 7;
+    table = NULL;
+    EXPECT(kvg_table_new(&grown.config, &table), KVG_STATUS_BAD_STRUCT_SIZE);
+    CHECK(table == NULL);
+    CHECK(strstr(kvg_last_error_message(), "does not know") != NULL);
+    EXPECT(kvg_pool_config_audit(&grown.config), KVG_STATUS_BAD_STRUCT_SIZE);
+
+    /* Too small for the first version: refused, and nothing written (not even struct_size). */
+    memset(&grown, 0xab, sizeof grown);
+    EXPECT(kvg_pool_config_init(&grown.config, sizeof grown.config - 8), KVG_STATUS_BAD_STRUCT_SIZE);
+    CHECK(strstr(kvg_last_error_message(), "struct_size") != NULL);
+    EXPECT(kvg_pool_config_init(&grown.config, 4), KVG_STATUS_BAD_STRUCT_SIZE);
+    CHECK(grown.config.num_pages == 0xabababab);
+    EXPECT(kvg_pool_config_init(&grown.config, 1u << 20), KVG_STATUS_BAD_STRUCT_SIZE);
+
+    /* An in-out struct passed again keeps the caller's struct_size, so a newer in-field set
+       between calls is still refused. */
+    {
+        struct {
+            kvg_released released;
+            uint64_t newer_field;
+        } rel;
+        kvg_table *t = new_table(KVG_POLICY_ENFORCE, 0);
+        kvg_page_ref refs[2];
+        memset(&rel, 0, sizeof rel);
+        rel.released.struct_size = sizeof rel;
+        OK(kvg_admit(t, 1, 1, PS, 0));
+        OK(kvg_allocate(t, 1, 2, refs, 2));
+        OK(kvg_release_pages(t, 1, &refs[0].page, 1, &rel.released));
+        CHECK(rel.released.ended == 1 && rel.released.struct_size == sizeof rel);
+        rel.newer_field = 1;
+        EXPECT(kvg_release(t, 1, &rel.released), KVG_STATUS_BAD_STRUCT_SIZE);
+        rel.newer_field = 0;
+        OK(kvg_release(t, 1, &rel.released));
+        CHECK(rel.released.ended == 1);
+        kvg_table_free(t);
+    }
+}
+
 static void test_null_table_and_pointers(void) {
     kvg_pool_snapshot snap;
     uint64_t n = 0;
@@ -1102,6 +1164,7 @@ static void test_threads(void) {
 int main(void) {
     test_names_and_version();
     test_config_and_sizes();
+    test_newer_callers();
     test_null_table_and_pointers();
     test_allocator_mode();
     test_shadow_mode_and_scrub();
