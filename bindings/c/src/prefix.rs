@@ -8,7 +8,7 @@
 
 use crate::raw;
 use crate::status::{Failure, kvg_status};
-use crate::table::{check_released, kvg_table, put_released, with_table};
+use crate::table::{Table, check_released, kvg_table, put_released, with_table};
 use crate::types::{kvg_page_ref, kvg_released};
 use kvguard::{PrefixKey, RequestId};
 use std::collections::HashMap;
@@ -86,7 +86,7 @@ pub unsafe extern "C" fn kvg_publish_prefix_refs(
 /// Publishes under `key` with `publish(id)`: a key already published keeps its id (the core
 /// refuses it as `duplicate_prefix`); a new one gets the next id if the publish succeeds.
 fn publish(
-    t: &kvg_table,
+    t: &Table,
     key: &[u8],
     publish: impl FnOnce(PrefixKey) -> Result<(), kvguard::Error>,
 ) -> Result<(), Failure> {

@@ -1,8 +1,8 @@
 //! The raw-pointer edge: caller memory turned into slices and sized structs, every pointer, length
 //! and `struct_size` checked before it is used, and the reinterpretation of `int32` page and
-//! token ids. The only other `unsafe` of the crate is in the handles: the table's box
-//! (`table.rs`), the manifest's box and the caller's `land` callback (`transfer.rs`), and the
-//! import ticket's box and its borrow of the table (`import.rs`).
+//! token ids. The only other `unsafe` of the crate is in the handles' registry (`handle.rs`:
+//! the slots and their holders), the caller's `land` callback (`transfer.rs`), and the import
+//! ticket's borrow of its table (`import.rs`). Handles themselves are ids, never dereferenced.
 
 use crate::status::{Failure, kvg_status};
 use kvguard::PageId;

@@ -5,7 +5,7 @@
 
 use crate::raw;
 use crate::status::{Failure, kvg_status};
-use crate::table::{kvg_table, with_table};
+use crate::table::{Table, kvg_table, with_table};
 use crate::types::kvg_page_ref;
 use kvguard::{PageRef, RequestId, SeqClaim, SeqRead, SeqWrite, StepVerdict};
 
@@ -80,7 +80,7 @@ fn step(
 }
 
 /// A step's reads checked (`judged`: verified), the refusal mask filled, refused rows the failure.
-fn judge_reads(t: &kvg_table, reads: &[SeqRead<'_>], refused: *mut u8, judged: bool) -> Result<(), Failure> {
+fn judge_reads(t: &Table, reads: &[SeqRead<'_>], refused: *mut u8, judged: bool) -> Result<(), Failure> {
     let refused = mask(refused, reads.len())?;
     let v = if judged { t.table.verify_step(reads) } else { t.table.check_step(reads) };
     verdict(v, reads.len(), refused)

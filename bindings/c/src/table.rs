@@ -1,45 +1,120 @@
 //! The table handle and the lifecycle calls: create and free, admit, allocate or claim, writes,
 //! releases, scrubs, forks, sharing, and what the table tells about itself.
 
+use crate::handle::{Held, Kind, Registry};
 use crate::prefix::PrefixKeys;
 use crate::raw::{self, SizedStruct};
-use crate::status::{Failure, guard, guard_free, kvg_status};
+use crate::status::{Failure, guard, guard_free, guard_release, kvg_status};
 use crate::types::{
     kvg_page_info, kvg_page_ref, kvg_policy, kvg_pool_config, kvg_pool_snapshot, kvg_released, kvg_request_info,
     kvg_violation_info,
 };
 use kvguard::{OwnershipTable, Policy, PoolConfig, Released, RequestId, TenantId, Violation, ViolationKind};
 use parking_lot::Mutex;
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::ffi::c_char;
 use std::mem::size_of;
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// An ownership table behind an opaque handle (`kvg_table_new`, `kvg_table_free`). Safe to share
-/// between threads: every call may run on any thread, concurrently with any other except
-/// `kvg_table_free`.
+/// between threads: every call may run on any thread, concurrently with any other, `kvg_table_free`
+/// included (a call already running finishes on the table; one that starts after the free is
+/// `KVG_STATUS_INVALID_HANDLE`).
+///
+/// The pointer is a handle, never dereferenced: a freed handle (a use after free, a second
+/// free), a handle of another type, or a value kvguard never handed out is refused with
+/// `KVG_STATUS_INVALID_HANDLE`, even after the memory was reused.
 pub struct kvg_table {
+    _handle_only: [u8; 0],
+}
+
+/// The live tables, by handle.
+static TABLES: Registry<Table> = Registry::new(Kind::Table);
+
+/// What a table handle names: the core's table and what the binding keeps beside it. Held by
+/// every call in flight on it and by its open import tickets ([`Held`]), so it lives until the
+/// last of them ends, even after `kvg_table_free`.
+pub(crate) struct Table {
     pub(crate) table: OwnershipTable,
     pub(crate) prefixes: Mutex<PrefixKeys>,
     /// Violations taken from the table's log and not yet handed out one by one.
     drained: Mutex<VecDeque<Violation>>,
     /// A call on this table panicked: its state may be half-changed, so every later call is refused.
     poisoned: AtomicBool,
+    /// The import tickets still open, aborted by `kvg_table_free`.
+    tickets: Mutex<OpenTickets>,
 }
 
-/// Runs `body` on the table behind `t`, inside [`guard`]; a NULL or poisoned table is refused.
-pub(crate) fn with_table(t: *const kvg_table, body: impl FnOnce(&kvg_table) -> Result<(), Failure>) -> kvg_status {
-    if t.is_null() {
-        return guard_free(|| Err(Failure::status(kvg_status::NullPointer, "table is NULL".to_string())));
+#[derive(Default)]
+struct OpenTickets {
+    handles: HashSet<usize>,
+    /// `kvg_table_free` ran: no ticket may open any more.
+    closed: bool,
+}
+
+/// Holds the live table behind `handle` (for a ticket, which keeps its table alive).
+pub(crate) fn hold(handle: *const kvg_table) -> Result<Held<Table>, Failure> {
+    TABLES.get(handle.addr(), "table")
+}
+
+impl Table {
+    /// Marks the table refused from now on: a call on it panicked.
+    pub(crate) fn poison(&self) {
+        self.poisoned.store(true, Ordering::Relaxed);
     }
-    // SAFETY: non-null; the caller promises `t` came from `kvg_table_new` and is not freed yet.
-    let handle = unsafe { &*t };
-    if handle.poisoned.load(Ordering::Relaxed) {
-        return guard_free(|| {
-            Err(Failure::status(kvg_status::Panic, "an earlier call on this table panicked: free it".to_string()))
-        });
+
+    /// Refuses a call on a table an earlier call panicked in.
+    pub(crate) fn refuse_if_poisoned(&self) -> Result<(), Failure> {
+        if self.poisoned.load(Ordering::Relaxed) {
+            return Err(Failure::status(
+                kvg_status::Panic,
+                "an earlier call on this table panicked: free it".to_string(),
+            ));
+        }
+        Ok(())
     }
-    guard(|| handle.poisoned.store(true, Ordering::Relaxed), || body(handle))
+
+    /// Registers an import ticket as open on this table, unless the table was freed meanwhile
+    /// (then the ticket is dropped, which aborts it). Its handle.
+    pub(crate) fn open_ticket<T: Send + Sync>(
+        &self,
+        registry: &'static Registry<T>,
+        ticket: T,
+    ) -> Result<usize, Failure> {
+        let mut open = self.tickets.lock();
+        if open.closed {
+            return Err(Failure::status(
+                kvg_status::InvalidHandle,
+                "table was freed by kvg_table_free during this call: no ticket opened".to_string(),
+            ));
+        }
+        let handle = registry.insert(ticket)?;
+        open.handles.insert(handle);
+        Ok(handle)
+    }
+
+    /// A ticket of this table ended (finished or aborted).
+    pub(crate) fn forget_ticket(&self, handle: usize) {
+        self.tickets.lock().handles.remove(&handle);
+    }
+}
+
+/// Runs `body` on the table behind `t`, inside [`guard`]: a NULL, dead or foreign handle is
+/// refused, and so is a poisoned table; a panic in `body` poisons it. The call holds the table
+/// until it returns, so a `kvg_table_free` racing with it never frees it under it.
+pub(crate) fn with_table(t: *const kvg_table, body: impl FnOnce(&Held<Table>) -> Result<(), Failure>) -> kvg_status {
+    guard(
+        || {},
+        || {
+            let table = TABLES.get(t.addr(), "table")?;
+            table.refuse_if_poisoned()?;
+            catch_unwind(AssertUnwindSafe(|| body(&table))).unwrap_or_else(|panic| {
+                table.poison();
+                resume_unwind(panic)
+            })
+        },
+    )
 }
 
 fn policy(value: u32) -> Result<Policy, Failure> {
@@ -166,13 +241,14 @@ fn new_table(
     guard_free(|| {
         raw::put_required(out, std::ptr::null_mut(), "out")?;
         let table = make(pool_config(config)?)?;
-        let handle = Box::new(kvg_table {
+        let handle = TABLES.insert(Table {
             table,
             prefixes: Mutex::new(PrefixKeys::default()),
             drained: Mutex::new(VecDeque::new()),
             poisoned: AtomicBool::new(false),
-        });
-        raw::put(out, Box::into_raw(handle))
+            tickets: Mutex::new(OpenTickets::default()),
+        })?;
+        raw::put(out, std::ptr::without_provenance_mut(handle))
     })
 }
 
@@ -200,19 +276,41 @@ pub unsafe extern "C" fn kvg_table_new_unaudited(
     new_table(config, out, OwnershipTable::new_unaudited)
 }
 
-/// Frees a table. NULL is a no-op. No other call on it may run concurrently or follow.
+/// Frees a table. NULL is a no-op (`KVG_STATUS_OK`). Import tickets still open on it are
+/// aborted (their pages unpinned, nothing recorded) and freed: their handles are dead from then
+/// on, and finishing or aborting one is `KVG_STATUS_INVALID_HANDLE`. A call running on the table
+/// in another thread meanwhile finishes on it, and the memory goes when it returns.
+///
+/// Returns `KVG_STATUS_INVALID_HANDLE` (and frees nothing) for a table freed already, or a handle
+/// that is not a table. The status may be ignored (the header does not insist on it); a free
+/// that succeeds leaves the thread's last error as it was, so a failure can still be read after
+/// freeing the table it happened on.
 ///
 /// # Safety
-/// `table` is NULL or a handle from `kvg_table_new` not freed yet.
+/// None beyond the type: `table` is never dereferenced.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn kvg_table_free(table: *mut kvg_table) {
+pub unsafe extern "C" fn kvg_table_free(table: *mut kvg_table) -> kvg_status {
     if table.is_null() {
-        return;
+        return kvg_status::Ok;
     }
-    // SAFETY: the caller hands back a handle made by `Box::into_raw` in `new_table`, once.
-    let handle = unsafe { Box::from_raw(table) };
-    // Dropping frees memory only; a panic there (none is known) must still not reach C.
-    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(handle)));
+    guard_release(
+        || {},
+        || {
+            // Held while its tickets are aborted; dropped here, or by the last call in flight.
+            let t = TABLES.get(table.addr(), "table")?;
+            TABLES.remove(table.addr(), "table")?;
+            let open = {
+                let mut open = t.tickets.lock();
+                open.closed = true;
+                std::mem::take(&mut open.handles)
+            };
+            for ticket in open {
+                // Not found: ended meanwhile by its own finish or abort. Found: dropped, aborted.
+                drop(crate::import::take_ticket(ticket));
+            }
+            Ok(())
+        },
+    )
 }
 
 /// Admits request `request` of tenant `tenant`: `prompt_tokens` now, up to `max_new_tokens`

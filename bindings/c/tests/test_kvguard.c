@@ -1119,6 +1119,114 @@ static void test_transfers(void) {
     kvg_table_free(decode);
 }
 
+/* Misused handles. A handle is an id kvguard looks up on every call, never an address it
+   dereferences, and ids are never reused: a freed handle, one freed twice, one of another type
+   or one kvguard never made is refused with KVG_STATUS_INVALID_HANDLE and a message, also after
+   the allocator reused the memory. Run under AddressSanitizer by scripts/ci/c.sh: a crash, a
+   read of freed memory or a leak fails it. */
+static void test_handle_misuse(void) {
+    kvg_table *t = new_table(KVG_POLICY_ENFORCE, 0), *other;
+    kvg_import_ticket *ticket = NULL, *aborted_by_free = NULL, *never_ended = NULL;
+    kvg_manifest *m = NULL;
+    kvg_page_ref refs[2], more[2], last[2];
+    kvg_pool_snapshot snap;
+    size_t live = kvg_live_handles();
+    snap.struct_size = sizeof snap;
+    CHECK(live == 1);
+
+    /* Double free, use after free: a status, the thread's message says which. */
+    OK(kvg_admit(t, 1, 1, 32, 0));
+    OK(kvg_table_free(t));
+    EXPECT(kvg_table_free(t), KVG_STATUS_INVALID_HANDLE);
+    CHECK(strstr(kvg_last_error_message(), "already freed by kvg_table_free") != NULL);
+    CHECK(kvg_last_status() == KVG_STATUS_INVALID_HANDLE);
+    CHECK(strcmp(kvg_status_name(KVG_STATUS_INVALID_HANDLE), "invalid_handle") == 0);
+    EXPECT(kvg_admit(t, 2, 1, 32, 0), KVG_STATUS_INVALID_HANDLE);
+    EXPECT(kvg_snapshot(t, &snap), KVG_STATUS_INVALID_HANDLE);
+    EXPECT(kvg_release(t, 1, NULL), KVG_STATUS_INVALID_HANDLE);
+    /* Still refused once a new table exists (its memory may be the freed one's): the new
+       handle is a new id, and the old one never names it. */
+    other = new_table(KVG_POLICY_ENFORCE, 0);
+    CHECK(other != t);
+    EXPECT(kvg_admit(t, 1, 1, 32, 0), KVG_STATUS_INVALID_HANDLE);
+    OK(kvg_admit(other, 1, 1, 32, 0));
+    OK(kvg_table_free(NULL)); /* NULL stays a no-op */
+
+    /* A ticket ended twice, either way. */
+    OK(kvg_allocate(other, 1, 2, refs, 2));
+    OK(kvg_begin_import(other, 1, refs, 2, &ticket));
+    OK(kvg_import_finish(ticket, 32, 32));
+    EXPECT(kvg_import_finish(ticket, 32, 32), KVG_STATUS_INVALID_HANDLE);
+    CHECK(strstr(kvg_last_error_message(), "already ended") != NULL);
+    EXPECT(kvg_import_abort(ticket), KVG_STATUS_INVALID_HANDLE);
+    OK(kvg_begin_import(other, 1, refs, 2, &ticket));
+    OK(kvg_import_abort(ticket));
+    EXPECT(kvg_import_abort(ticket), KVG_STATUS_INVALID_HANDLE);
+    EXPECT(kvg_import_finish(ticket, 32, 32), KVG_STATUS_INVALID_HANDLE);
+    OK(kvg_import_abort(NULL));
+
+    /* A handle of another type, and values kvguard never made. */
+    OK(kvg_begin_import(other, 1, refs, 2, &ticket));
+    EXPECT(kvg_admit((kvg_table *)(void *)ticket, 9, 1, 16, 0), KVG_STATUS_INVALID_HANDLE);
+    CHECK(strstr(kvg_last_error_message(), "kvg_import_ticket handle, not a kvg_table") != NULL);
+    EXPECT(kvg_table_free((kvg_table *)(void *)ticket), KVG_STATUS_INVALID_HANDLE);
+    EXPECT(kvg_import_finish((kvg_import_ticket *)(void *)other, 1, 1), KVG_STATUS_INVALID_HANDLE);
+    EXPECT(kvg_admit((kvg_table *)(void *)&snap, 9, 1, 16, 0), KVG_STATUS_INVALID_HANDLE);
+    CHECK(strstr(kvg_last_error_message(), "never made by kvguard") != NULL);
+    EXPECT(kvg_import_abort((kvg_import_ticket *)(void *)&snap), KVG_STATUS_INVALID_HANDLE);
+    OK(kvg_import_abort(ticket));
+
+    /* A manifest freed twice, or read after its free. */
+    {
+        kvg_transfer_header header;
+        int32_t prompt[PS];
+        uint8_t page[PS];
+        const uint8_t *pages[1] = {page};
+        size_t lens[1] = {sizeof page}, len = 0;
+        for (int i = 0; i < PS; i++) prompt[i] = i;
+        memset(page, 7, sizeof page);
+        memset(&header, 0, sizeof header);
+        header.struct_size = sizeof header;
+        header.request = 1;
+        header.tenant = 1;
+        header.page_size = PS;
+        header.slot_bytes = 1;
+        OK(kvg_manifest_build(&header, prompt, PS, refs, 1, pages, lens, 1, &m));
+        OK(kvg_manifest_encode(m, NULL, 0, &len));
+        OK(kvg_manifest_free(m));
+        EXPECT(kvg_manifest_free(m), KVG_STATUS_INVALID_HANDLE);
+        CHECK(strstr(kvg_last_error_message(), "already freed by kvg_manifest_free") != NULL);
+        EXPECT(kvg_manifest_encode(m, NULL, 0, &len), KVG_STATUS_INVALID_HANDLE);
+        EXPECT(kvg_manifest_free((kvg_manifest *)(void *)other), KVG_STATUS_INVALID_HANDLE);
+        OK(kvg_manifest_free(NULL));
+    }
+
+    /* Tickets still open when their table is freed: kvg_table_free aborts and frees them (no
+       leak, nothing read after its free); ending one afterwards is a status. One is never
+       touched again: the sanitizer's leak check says it went with its table. */
+    OK(kvg_admit(other, 2, 1, 32, 0));
+    OK(kvg_allocate(other, 2, 2, more, 2));
+    OK(kvg_admit(other, 3, 1, 32, 0));
+    OK(kvg_allocate(other, 3, 2, last, 2));
+    OK(kvg_begin_import(other, 1, refs, 2, &ticket));
+    OK(kvg_begin_import(other, 2, more, 2, &aborted_by_free));
+    OK(kvg_begin_import(other, 3, last, 2, &never_ended));
+    OK(kvg_import_finish(ticket, 32, 32)); /* ended before the free: unaffected */
+    OK(kvg_table_free(other));
+    EXPECT(kvg_import_finish(aborted_by_free, 32, 32), KVG_STATUS_INVALID_HANDLE);
+    CHECK(strstr(kvg_last_error_message(), "aborted by kvg_table_free of its table") != NULL);
+    EXPECT(kvg_import_abort(aborted_by_free), KVG_STATUS_INVALID_HANDLE);
+    EXPECT(kvg_begin_import(other, 3, last, 2, &ticket), KVG_STATUS_INVALID_HANDLE);
+    CHECK(kvg_live_handles() == 0); /* the never-ended ticket went with its table */
+
+    /* A free that succeeds leaves the thread's last error readable. */
+    t = new_table(KVG_POLICY_ENFORCE, 0);
+    EXPECT(kvg_admit(t, 1, 1, 1u << 30, 0), KVG_STATUS_VIOLATION);
+    OK(kvg_table_free(t));
+    CHECK(kvg_last_status() == KVG_STATUS_VIOLATION);
+    CHECK(strstr(kvg_last_error_message(), "exceeds_max_context") != NULL);
+}
+
 /* Several threads on one table: each its own requests, allocating, writing, reading a step and
    releasing, while the others do the same; nothing may be refused and nothing lost. */
 enum { THREADS = 4, ROUNDS = 200, SEQS = 3 };
@@ -1176,7 +1284,9 @@ int main(void) {
     test_refs_forms();
     test_import_tickets();
     test_transfers();
+    test_handle_misuse();
     test_threads();
+    CHECK(kvg_live_handles() == 0); /* every test freed what it made */
     printf("%d passed, %d failed\n", atomic_load(&passed), atomic_load(&failed));
     return atomic_load(&failed) == 0 ? 0 : 1;
 }
