@@ -636,7 +636,8 @@ kvg_status kvg_import_abort(struct kvg_import_ticket *ticket);
 // `duplicate_prefix`.
 //
 // # Safety
-// `table` is a live handle; `key` holds `key_len` bytes; `pages` holds `num_pages` entries.
+// `table` is any value (never dereferenced);
+// `key` holds `key_len` bytes; `pages` holds `num_pages` entries.
 KVG_MUST_USE
 kvg_status kvg_publish_prefix(struct kvg_table *table,
                               uint64_t request,
@@ -649,7 +650,8 @@ kvg_status kvg_publish_prefix(struct kvg_table *table,
 // ref names (`stale_page`).
 //
 // # Safety
-// `table` is a live handle; `key` holds `key_len` bytes; `pages` holds `num_pages` refs.
+// `table` is any value (never dereferenced);
+// `key` holds `key_len` bytes; `pages` holds `num_pages` refs.
 KVG_MUST_USE
 kvg_status kvg_publish_prefix_refs(struct kvg_table *table,
                                    uint64_t request,
@@ -664,7 +666,8 @@ kvg_status kvg_publish_prefix_refs(struct kvg_table *table,
 // is too small the attach stays done and `KVG_STATUS_BUFFER_TOO_SMALL` says so.
 //
 // # Safety
-// `table` is a live handle; `key` holds `key_len` bytes; `out` is NULL or has room for
+// `table` is any value (never dereferenced);
+// `key` holds `key_len` bytes; `out` is NULL or has room for
 // `capacity`; `num_out` is NULL or writable.
 KVG_MUST_USE
 kvg_status kvg_attach_prefix(struct kvg_table *table,
@@ -678,7 +681,8 @@ kvg_status kvg_attach_prefix(struct kvg_table *table,
 // `request` lets go of the prefix under `key`.
 //
 // # Safety
-// `table` is a live handle; `key` holds `key_len` bytes; `released` as for `kvg_release`.
+// `table` is any value (never dereferenced);
+// `key` holds `key_len` bytes; `released` as for `kvg_release`.
 KVG_MUST_USE
 kvg_status kvg_detach_prefix(struct kvg_table *table,
                              uint64_t request,
@@ -690,7 +694,8 @@ kvg_status kvg_detach_prefix(struct kvg_table *table,
 // while any request holds it.
 //
 // # Safety
-// `table` is a live handle; `key` holds `key_len` bytes; `released` as for `kvg_release`.
+// `table` is any value (never dereferenced);
+// `key` holds `key_len` bytes; `released` as for `kvg_release`.
 KVG_MUST_USE
 kvg_status kvg_evict_prefix(struct kvg_table *table,
                             const uint8_t *key,
@@ -731,7 +736,8 @@ const char *kvg_status_name(uint32_t status);
 // `kvg_last_violation(i, ...)` gives each refused row's violation (its `row` field set).
 //
 // # Safety
-// `table` is a live handle; `request_ids` and `seq_lens` hold `rows` entries; `block_tables`
+// `table` is any value (never dereferenced);
+// `request_ids` and `seq_lens` hold `rows` entries; `block_tables`
 // holds `(rows - 1) * row_stride + max_blocks` entries; `refused` is NULL or has `rows` bytes.
 KVG_MUST_USE
 kvg_status kvg_verify_step(struct kvg_table *table,
@@ -769,7 +775,8 @@ kvg_status kvg_check_step(const struct kvg_table *table,
 // Returns and fills `refused` (NULL, or `num_seqs` bytes) as `kvg_verify_step` does.
 //
 // # Safety
-// `table` is a live handle; `request_ids` and `kv_last_page_len` hold `num_seqs` entries,
+// `table` is any value (never dereferenced);
+// `request_ids` and `kv_last_page_len` hold `num_seqs` entries,
 // `kv_indptr` `num_seqs + 1`, `kv_indices` `kv_indptr[num_seqs]`; `refused` is NULL or has
 // `num_seqs` bytes.
 KVG_MUST_USE
@@ -807,7 +814,8 @@ kvg_status kvg_check_step_csr(const struct kvg_table *table,
 // `kvg_last_violation(i, ...)` gives each one's violation (its `row` field set).
 //
 // # Safety
-// `table` is a live handle; `request_ids` holds `num_seqs` entries, `indptr` `num_seqs + 1`,
+// `table` is any value (never dereferenced);
+// `request_ids` holds `num_seqs` entries, `indptr` `num_seqs + 1`,
 // `pages` `indptr[num_seqs]`; `refused` is NULL or has `num_seqs` bytes.
 KVG_MUST_USE
 kvg_status kvg_claim_step(struct kvg_table *table,
@@ -827,7 +835,8 @@ kvg_status kvg_claim_step(struct kvg_table *table,
 // `query_start_loc` must hold `num_seqs + 1` non-decreasing offsets within `num_slots`.
 //
 // # Safety
-// `table` is a live handle; `request_ids` holds `num_seqs` entries, `query_start_loc`
+// `table` is any value (never dereferenced);
+// `request_ids` holds `num_seqs` entries, `query_start_loc`
 // `num_seqs + 1`, `slot_mapping` `num_slots`; `refused` is NULL or has `num_seqs` bytes.
 KVG_MUST_USE
 kvg_status kvg_record_step_writes(struct kvg_table *table,
@@ -843,7 +852,7 @@ kvg_status kvg_record_step_writes(struct kvg_table *table,
 // violation is counted, logged and (enforce) refused with the request quarantined.
 //
 // # Safety
-// `table` is a live handle; `block_table` holds `num_blocks` entries.
+// `table` is any value (never dereferenced); `block_table` holds `num_blocks` entries.
 KVG_MUST_USE
 kvg_status kvg_verify_read(struct kvg_table *table,
                            uint64_t request,
@@ -866,7 +875,7 @@ kvg_status kvg_check_read(const struct kvg_table *table,
 // refused (`stale_page`).
 //
 // # Safety
-// `table` is a live handle; `block_table` holds `num_blocks` refs.
+// `table` is any value (never dereferenced); `block_table` holds `num_blocks` refs.
 KVG_MUST_USE
 kvg_status kvg_verify_read_refs(struct kvg_table *table,
                                 uint64_t request,
@@ -944,7 +953,7 @@ kvg_status kvg_table_free(struct kvg_table *table);
 // `exceeds_pool`) or the id is live (`duplicate_request`).
 //
 // # Safety
-// `table` is a live handle (or NULL).
+// `table` is any value (never dereferenced).
 KVG_MUST_USE
 kvg_status kvg_admit(struct kvg_table *table,
                      uint64_t request,
@@ -956,7 +965,7 @@ kvg_status kvg_admit(struct kvg_table *table,
 // `out`, which has room for `capacity` (at least `count`, checked before anything happens).
 //
 // # Safety
-// `table` is a live handle; `out` has room for `capacity` entries (NULL if 0).
+// `table` is any value (never dereferenced); `out` has room for `capacity` entries (NULL if 0).
 KVG_MUST_USE
 kvg_status kvg_allocate(struct kvg_table *table,
                         uint64_t request,
@@ -970,7 +979,8 @@ kvg_status kvg_allocate(struct kvg_table *table,
 // `capacity`, at least `num_pages`).
 //
 // # Safety
-// `table` is a live handle; `pages` holds `num_pages` entries; `out` is NULL or has room for
+// `table` is any value (never dereferenced);
+// `pages` holds `num_pages` entries; `out` is NULL or has room for
 // `capacity`.
 KVG_MUST_USE
 kvg_status kvg_claim(struct kvg_table *table,
@@ -984,7 +994,7 @@ kvg_status kvg_claim(struct kvg_table *table,
 // exclusively.
 //
 // # Safety
-// `table` is a live handle.
+// `table` is any value (never dereferenced).
 KVG_MUST_USE
 kvg_status kvg_record_write(struct kvg_table *table,
                             uint64_t request,
@@ -996,7 +1006,7 @@ kvg_status kvg_record_write(struct kvg_table *table,
 // table (token `n` lives in block `n / page_size`, slot `n % page_size`); all or nothing.
 //
 // # Safety
-// `table` is a live handle; `block_table` holds `num_blocks` entries.
+// `table` is any value (never dereferenced); `block_table` holds `num_blocks` entries.
 KVG_MUST_USE
 kvg_status kvg_record_write_tokens(struct kvg_table *table,
                                    uint64_t request,
@@ -1009,7 +1019,7 @@ kvg_status kvg_record_write_tokens(struct kvg_table *table,
 // its ref names (`stale_page`), so a write landing after its page changed hands is refused.
 //
 // # Safety
-// `table` is a live handle; `block_table` holds `num_blocks` refs.
+// `table` is any value (never dereferenced); `block_table` holds `num_blocks` refs.
 KVG_MUST_USE
 kvg_status kvg_record_write_tokens_refs(struct kvg_table *table,
                                         uint64_t request,
@@ -1022,7 +1032,7 @@ kvg_status kvg_record_write_tokens_refs(struct kvg_table *table,
 // maybe reused) is `stale_page` or `foreign_page`, and nothing is recorded.
 //
 // # Safety
-// `table` is a live handle; `block_table` holds `num_blocks` refs.
+// `table` is any value (never dereferenced); `block_table` holds `num_blocks` refs.
 KVG_MUST_USE
 kvg_status kvg_record_import_refs(struct kvg_table *table,
                                   uint64_t request,
@@ -1035,7 +1045,7 @@ kvg_status kvg_record_import_refs(struct kvg_table *table,
 // when it expected `expected`: a count that differs is `token_count_mismatch`, nothing recorded.
 //
 // # Safety
-// `table` is a live handle; `block_table` holds `num_blocks` entries.
+// `table` is any value (never dereferenced); `block_table` holds `num_blocks` entries.
 KVG_MUST_USE
 kvg_status kvg_record_import(struct kvg_table *table,
                              uint64_t request,
@@ -1048,7 +1058,8 @@ kvg_status kvg_record_import(struct kvg_table *table,
 // Releasing it again is `double_free`. `released` (NULL if not wanted) gets what was handed back.
 //
 // # Safety
-// `table` is a live handle; `released` is NULL or a `kvg_released` of its `struct_size` whose
+// `table` is any value (never dereferenced);
+// `released` is NULL or a `kvg_released` of its `struct_size` whose
 // `scrub` has room for `scrub_capacity`.
 KVG_MUST_USE
 kvg_status kvg_release(struct kvg_table *table,
@@ -1091,7 +1102,7 @@ kvg_status kvg_preempt(struct kvg_table *table,
 // the incarnation released); they return to the free list. All or none.
 //
 // # Safety
-// `table` is a live handle; `pages` holds `num_pages` entries.
+// `table` is any value (never dereferenced); `pages` holds `num_pages` entries.
 KVG_MUST_USE
 kvg_status kvg_confirm_scrubbed(struct kvg_table *table,
                                 const struct kvg_page_ref *pages,
@@ -1101,13 +1112,13 @@ kvg_status kvg_confirm_scrubbed(struct kvg_table *table,
 // read-only (they become shared).
 //
 // # Safety
-// `table` is a live handle.
+// `table` is any value (never dereferenced).
 KVG_MUST_USE kvg_status kvg_fork(struct kvg_table *table, uint64_t parent, uint64_t child);
 
 // Lets other tenants attach to `tenant`'s prefixes (`allow` non-zero), or stops it (0).
 //
 // # Safety
-// `table` is a live handle.
+// `table` is any value (never dereferenced).
 KVG_MUST_USE
 kvg_status kvg_allow_cross_tenant_sharing(struct kvg_table *table,
                                           uint64_t tenant,
@@ -1116,14 +1127,16 @@ kvg_status kvg_allow_cross_tenant_sharing(struct kvg_table *table,
 // Page counts by state and other totals, into `*out` (whose `struct_size` the caller sets).
 //
 // # Safety
-// `table` is a live handle; `out` is NULL or a `kvg_pool_snapshot` of its `struct_size` bytes.
+// `table` is any value (never dereferenced);
+// `out` is NULL or a `kvg_pool_snapshot` of its `struct_size` bytes.
 KVG_MUST_USE kvg_status kvg_snapshot(const struct kvg_table *table, struct kvg_pool_snapshot *out);
 
 // What the table knows of `page`, into `*out`; a page beyond the pool (or negative) is
 // `KVG_STATUS_INVALID_ARGUMENT`.
 //
 // # Safety
-// `table` is a live handle; `out` is NULL or a `kvg_page_info` of its `struct_size` bytes.
+// `table` is any value (never dereferenced);
+// `out` is NULL or a `kvg_page_info` of its `struct_size` bytes.
 KVG_MUST_USE
 kvg_status kvg_get_page_info(const struct kvg_table *table,
                              int32_t page,
@@ -1133,7 +1146,8 @@ kvg_status kvg_get_page_info(const struct kvg_table *table,
 // `KVG_STATUS_INVALID_ARGUMENT`.
 //
 // # Safety
-// `table` is a live handle; `out` is NULL or a `kvg_request_info` of its `struct_size` bytes.
+// `table` is any value (never dereferenced);
+// `out` is NULL or a `kvg_request_info` of its `struct_size` bytes.
 KVG_MUST_USE
 kvg_status kvg_get_request_info(const struct kvg_table *table,
                                 uint64_t request,
@@ -1145,7 +1159,8 @@ kvg_status kvg_get_request_info(const struct kvg_table *table,
 // written. One not admitted is `KVG_STATUS_INVALID_ARGUMENT`.
 //
 // # Safety
-// `table` is a live handle; `out` is NULL or has room for `capacity`; `num_out` is writable.
+// `table` is any value (never dereferenced);
+// `out` is NULL or has room for `capacity`; `num_out` is writable.
 KVG_MUST_USE
 kvg_status kvg_get_request_pages(const struct kvg_table *table,
                                  uint64_t request,
@@ -1157,7 +1172,7 @@ kvg_status kvg_get_request_pages(const struct kvg_table *table,
 // counted, into `*out`.
 //
 // # Safety
-// `table` is a live handle; `out` is writable.
+// `table` is any value (never dereferenced); `out` is writable.
 KVG_MUST_USE
 kvg_status kvg_violation_count(const struct kvg_table *table,
                                uint32_t kind,
@@ -1167,7 +1182,8 @@ kvg_status kvg_violation_count(const struct kvg_table *table,
 // when none is left (the log keeps the last 1,024; `violations_dropped` counts the rest).
 //
 // # Safety
-// `table` is a live handle; `out` is NULL or a `kvg_violation_info` of its `struct_size` bytes;
+// `table` is any value (never dereferenced);
+// `out` is NULL or a `kvg_violation_info` of its `struct_size` bytes;
 // `found` is writable.
 KVG_MUST_USE
 kvg_status kvg_drain_violation(struct kvg_table *table,
@@ -1224,7 +1240,8 @@ kvg_status kvg_manifest_decode(const uint8_t *bytes,
 // (`KVG_STATUS_BUFFER_TOO_SMALL`, nothing written, when it is shorter).
 //
 // # Safety
-// `manifest` is a live handle; `buf` is NULL or has room for `capacity` bytes; `len` is writable.
+// `manifest` is any value (never dereferenced);
+// `buf` is NULL or has room for `capacity` bytes; `len` is writable.
 KVG_MUST_USE
 kvg_status kvg_manifest_encode(const struct kvg_manifest *manifest,
                                uint8_t *buf,
@@ -1234,7 +1251,8 @@ kvg_status kvg_manifest_encode(const struct kvg_manifest *manifest,
 // What the manifest says (whose KV, which prompt, the page shape, how many pages), into `*out`.
 //
 // # Safety
-// `manifest` is a live handle; `out` is a `kvg_manifest_info` of its `struct_size` bytes.
+// `manifest` is any value (never dereferenced);
+// `out` is a `kvg_manifest_info` of its `struct_size` bytes.
 KVG_MUST_USE
 kvg_status kvg_manifest_get_info(const struct kvg_manifest *manifest,
                                  struct kvg_manifest_info *out);
@@ -1244,7 +1262,8 @@ kvg_status kvg_manifest_get_info(const struct kvg_manifest *manifest,
 // nothing written, when `out` is shorter; `out` NULL asks the count only.
 //
 // # Safety
-// `manifest` is a live handle; `out` is NULL or has room for `capacity`; `num_out` is writable.
+// `manifest` is any value (never dereferenced);
+// `out` is NULL or has room for `capacity`; `num_out` is writable.
 KVG_MUST_USE
 kvg_status kvg_manifest_get_pages(const struct kvg_manifest *manifest,
                                   struct kvg_manifest_page *out,
@@ -1275,7 +1294,8 @@ kvg_status kvg_manifest_free(struct kvg_manifest *manifest);
 // `land` ran (the request released its pages meanwhile).
 //
 // # Safety
-// `table` is a live handle; `expected` a `kvg_expected_transfer` of its `struct_size` whose
+// `table` is any value (never dereferenced);
+// `expected` a `kvg_expected_transfer` of its `struct_size` whose
 // arrays hold what it says; `manifest` holds `manifest_len` bytes; `pages` and `page_lens` hold
 // `num_pages` entries, each `pages[i]` `page_lens[i]` bytes; `land` must not unwind; `accepted`
 // is NULL or a `kvg_accepted` of its `struct_size` bytes.

@@ -362,6 +362,39 @@ mod tests {
     }
 
     #[test]
+    fn racing_calls_and_frees_free_once_and_drop_once() {
+        use std::sync::Arc;
+        use std::sync::atomic::AtomicUsize;
+        let r: &'static Registry<Arc<()>> = Box::leak(Box::new(Registry::new(Kind::Table)));
+        let object = Arc::new(());
+        for _ in 0..200 {
+            let h = r.insert(object.clone()).unwrap();
+            let frees = AtomicUsize::new(0);
+            std::thread::scope(|s| {
+                for _ in 0..3 {
+                    s.spawn(|| {
+                        for _ in 0..100 {
+                            if let Ok(held) = r.get(h, "t") {
+                                assert!(Arc::strong_count(&held) >= 2, "held, so not dropped");
+                            }
+                        }
+                    });
+                }
+                for _ in 0..2 {
+                    s.spawn(|| {
+                        if r.remove(h, "t").is_ok() {
+                            frees.fetch_add(1, Ordering::Relaxed);
+                        }
+                    });
+                }
+            });
+            assert_eq!(frees.load(Ordering::Relaxed), 1, "of two racing frees, one wins");
+            assert_eq!(Arc::strong_count(&object), 1, "dropped once its last holder let go");
+            assert_eq!(status(r.get(h, "t")), kvg_status::InvalidHandle);
+        }
+    }
+
+    #[test]
     fn null_foreign_and_invented_handles_are_refused() {
         let tables = registry(Kind::Table);
         let manifests = registry(Kind::Manifest);

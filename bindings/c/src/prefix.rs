@@ -43,7 +43,8 @@ fn key<'a>(ptr: *const u8, len: usize) -> Result<&'a [u8], Failure> {
 /// `duplicate_prefix`.
 ///
 /// # Safety
-/// `table` is a live handle; `key` holds `key_len` bytes; `pages` holds `num_pages` entries.
+/// `table` is any value (never dereferenced);
+/// `key` holds `key_len` bytes; `pages` holds `num_pages` entries.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_publish_prefix(
@@ -65,7 +66,8 @@ pub unsafe extern "C" fn kvg_publish_prefix(
 /// ref names (`stale_page`).
 ///
 /// # Safety
-/// `table` is a live handle; `key` holds `key_len` bytes; `pages` holds `num_pages` refs.
+/// `table` is any value (never dereferenced);
+/// `key` holds `key_len` bytes; `pages` holds `num_pages` refs.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_publish_prefix_refs(
@@ -109,7 +111,8 @@ fn publish(
 /// is too small the attach stays done and `KVG_STATUS_BUFFER_TOO_SMALL` says so.
 ///
 /// # Safety
-/// `table` is a live handle; `key` holds `key_len` bytes; `out` is NULL or has room for
+/// `table` is any value (never dereferenced);
+/// `key` holds `key_len` bytes; `out` is NULL or has room for
 /// `capacity`; `num_out` is NULL or writable.
 #[unsafe(no_mangle)]
 #[must_use]
@@ -145,7 +148,8 @@ pub unsafe extern "C" fn kvg_attach_prefix(
 /// `request` lets go of the prefix under `key`.
 ///
 /// # Safety
-/// `table` is a live handle; `key` holds `key_len` bytes; `released` as for `kvg_release`.
+/// `table` is any value (never dereferenced);
+/// `key` holds `key_len` bytes; `released` as for `kvg_release`.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_detach_prefix(
@@ -167,7 +171,8 @@ pub unsafe extern "C" fn kvg_detach_prefix(
 /// while any request holds it.
 ///
 /// # Safety
-/// `table` is a live handle; `key` holds `key_len` bytes; `released` as for `kvg_release`.
+/// `table` is any value (never dereferenced);
+/// `key` holds `key_len` bytes; `released` as for `kvg_release`.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_evict_prefix(

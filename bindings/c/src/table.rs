@@ -318,7 +318,7 @@ pub unsafe extern "C" fn kvg_table_free(table: *mut kvg_table) -> kvg_status {
 /// `exceeds_pool`) or the id is live (`duplicate_request`).
 ///
 /// # Safety
-/// `table` is a live handle (or NULL).
+/// `table` is any value (never dereferenced).
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_admit(
@@ -335,7 +335,7 @@ pub unsafe extern "C" fn kvg_admit(
 /// `out`, which has room for `capacity` (at least `count`, checked before anything happens).
 ///
 /// # Safety
-/// `table` is a live handle; `out` has room for `capacity` entries (NULL if 0).
+/// `table` is any value (never dereferenced); `out` has room for `capacity` entries (NULL if 0).
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_allocate(
@@ -367,7 +367,8 @@ pub unsafe extern "C" fn kvg_allocate(
 /// `capacity`, at least `num_pages`).
 ///
 /// # Safety
-/// `table` is a live handle; `pages` holds `num_pages` entries; `out` is NULL or has room for
+/// `table` is any value (never dereferenced);
+/// `pages` holds `num_pages` entries; `out` is NULL or has room for
 /// `capacity`.
 #[unsafe(no_mangle)]
 #[must_use]
@@ -403,7 +404,7 @@ pub unsafe extern "C" fn kvg_claim(
 /// exclusively.
 ///
 /// # Safety
-/// `table` is a live handle.
+/// `table` is any value (never dereferenced).
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_record_write(
@@ -420,7 +421,7 @@ pub unsafe extern "C" fn kvg_record_write(
 /// table (token `n` lives in block `n / page_size`, slot `n % page_size`); all or nothing.
 ///
 /// # Safety
-/// `table` is a live handle; `block_table` holds `num_blocks` entries.
+/// `table` is any value (never dereferenced); `block_table` holds `num_blocks` entries.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_record_write_tokens(
@@ -446,7 +447,7 @@ pub(crate) fn refs(ptr: *const kvg_page_ref, len: usize, what: &str) -> Result<V
 /// its ref names (`stale_page`), so a write landing after its page changed hands is refused.
 ///
 /// # Safety
-/// `table` is a live handle; `block_table` holds `num_blocks` refs.
+/// `table` is any value (never dereferenced); `block_table` holds `num_blocks` refs.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_record_write_tokens_refs(
@@ -467,7 +468,7 @@ pub unsafe extern "C" fn kvg_record_write_tokens_refs(
 /// maybe reused) is `stale_page` or `foreign_page`, and nothing is recorded.
 ///
 /// # Safety
-/// `table` is a live handle; `block_table` holds `num_blocks` refs.
+/// `table` is any value (never dereferenced); `block_table` holds `num_blocks` refs.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_record_import_refs(
@@ -488,7 +489,7 @@ pub unsafe extern "C" fn kvg_record_import_refs(
 /// when it expected `expected`: a count that differs is `token_count_mismatch`, nothing recorded.
 ///
 /// # Safety
-/// `table` is a live handle; `block_table` holds `num_blocks` entries.
+/// `table` is any value (never dereferenced); `block_table` holds `num_blocks` entries.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_record_import(
@@ -509,7 +510,8 @@ pub unsafe extern "C" fn kvg_record_import(
 /// Releasing it again is `double_free`. `released` (NULL if not wanted) gets what was handed back.
 ///
 /// # Safety
-/// `table` is a live handle; `released` is NULL or a `kvg_released` of its `struct_size` whose
+/// `table` is any value (never dereferenced);
+/// `released` is NULL or a `kvg_released` of its `struct_size` whose
 /// `scrub` has room for `scrub_capacity`.
 #[unsafe(no_mangle)]
 #[must_use]
@@ -578,7 +580,7 @@ pub unsafe extern "C" fn kvg_preempt(table: *mut kvg_table, request: u64, releas
 /// the incarnation released); they return to the free list. All or none.
 ///
 /// # Safety
-/// `table` is a live handle; `pages` holds `num_pages` entries.
+/// `table` is any value (never dereferenced); `pages` holds `num_pages` entries.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_confirm_scrubbed(
@@ -596,7 +598,7 @@ pub unsafe extern "C" fn kvg_confirm_scrubbed(
 /// read-only (they become shared).
 ///
 /// # Safety
-/// `table` is a live handle.
+/// `table` is any value (never dereferenced).
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_fork(table: *mut kvg_table, parent: u64, child: u64) -> kvg_status {
@@ -606,7 +608,7 @@ pub unsafe extern "C" fn kvg_fork(table: *mut kvg_table, parent: u64, child: u64
 /// Lets other tenants attach to `tenant`'s prefixes (`allow` non-zero), or stops it (0).
 ///
 /// # Safety
-/// `table` is a live handle.
+/// `table` is any value (never dereferenced).
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_allow_cross_tenant_sharing(table: *mut kvg_table, tenant: u64, allow: u32) -> kvg_status {
@@ -619,7 +621,8 @@ pub unsafe extern "C" fn kvg_allow_cross_tenant_sharing(table: *mut kvg_table, t
 /// Page counts by state and other totals, into `*out` (whose `struct_size` the caller sets).
 ///
 /// # Safety
-/// `table` is a live handle; `out` is NULL or a `kvg_pool_snapshot` of its `struct_size` bytes.
+/// `table` is any value (never dereferenced);
+/// `out` is NULL or a `kvg_pool_snapshot` of its `struct_size` bytes.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_snapshot(table: *const kvg_table, out: *mut kvg_pool_snapshot) -> kvg_status {
@@ -630,7 +633,8 @@ pub unsafe extern "C" fn kvg_snapshot(table: *const kvg_table, out: *mut kvg_poo
 /// `KVG_STATUS_INVALID_ARGUMENT`.
 ///
 /// # Safety
-/// `table` is a live handle; `out` is NULL or a `kvg_page_info` of its `struct_size` bytes.
+/// `table` is any value (never dereferenced);
+/// `out` is NULL or a `kvg_page_info` of its `struct_size` bytes.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_get_page_info(table: *const kvg_table, page: i32, out: *mut kvg_page_info) -> kvg_status {
@@ -648,7 +652,8 @@ pub unsafe extern "C" fn kvg_get_page_info(table: *const kvg_table, page: i32, o
 /// `KVG_STATUS_INVALID_ARGUMENT`.
 ///
 /// # Safety
-/// `table` is a live handle; `out` is NULL or a `kvg_request_info` of its `struct_size` bytes.
+/// `table` is any value (never dereferenced);
+/// `out` is NULL or a `kvg_request_info` of its `struct_size` bytes.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_get_request_info(
@@ -681,7 +686,8 @@ pub unsafe extern "C" fn kvg_get_request_info(
 /// written. One not admitted is `KVG_STATUS_INVALID_ARGUMENT`.
 ///
 /// # Safety
-/// `table` is a live handle; `out` is NULL or has room for `capacity`; `num_out` is writable.
+/// `table` is any value (never dereferenced);
+/// `out` is NULL or has room for `capacity`; `num_out` is writable.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_get_request_pages(
@@ -719,7 +725,7 @@ pub unsafe extern "C" fn kvg_get_request_pages(
 /// counted, into `*out`.
 ///
 /// # Safety
-/// `table` is a live handle; `out` is writable.
+/// `table` is any value (never dereferenced); `out` is writable.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_violation_count(table: *const kvg_table, kind: u32, out: *mut u64) -> kvg_status {
@@ -740,7 +746,8 @@ pub unsafe extern "C" fn kvg_violation_count(table: *const kvg_table, kind: u32,
 /// when none is left (the log keeps the last 1,024; `violations_dropped` counts the rest).
 ///
 /// # Safety
-/// `table` is a live handle; `out` is NULL or a `kvg_violation_info` of its `struct_size` bytes;
+/// `table` is any value (never dereferenced);
+/// `out` is NULL or a `kvg_violation_info` of its `struct_size` bytes;
 /// `found` is writable.
 #[unsafe(no_mangle)]
 #[must_use]

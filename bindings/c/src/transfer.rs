@@ -150,7 +150,8 @@ pub unsafe extern "C" fn kvg_manifest_decode(bytes: *const u8, len: usize, out: 
 /// (`KVG_STATUS_BUFFER_TOO_SMALL`, nothing written, when it is shorter).
 ///
 /// # Safety
-/// `manifest` is a live handle; `buf` is NULL or has room for `capacity` bytes; `len` is writable.
+/// `manifest` is any value (never dereferenced);
+/// `buf` is NULL or has room for `capacity` bytes; `len` is writable.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_manifest_encode(
@@ -179,7 +180,8 @@ pub unsafe extern "C" fn kvg_manifest_encode(
 /// What the manifest says (whose KV, which prompt, the page shape, how many pages), into `*out`.
 ///
 /// # Safety
-/// `manifest` is a live handle; `out` is a `kvg_manifest_info` of its `struct_size` bytes.
+/// `manifest` is any value (never dereferenced);
+/// `out` is a `kvg_manifest_info` of its `struct_size` bytes.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_manifest_get_info(
@@ -207,7 +209,8 @@ pub unsafe extern "C" fn kvg_manifest_get_info(
 /// nothing written, when `out` is shorter; `out` NULL asks the count only.
 ///
 /// # Safety
-/// `manifest` is a live handle; `out` is NULL or has room for `capacity`; `num_out` is writable.
+/// `manifest` is any value (never dereferenced);
+/// `out` is NULL or has room for `capacity`; `num_out` is writable.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_manifest_get_pages(
@@ -266,7 +269,8 @@ pub unsafe extern "C" fn kvg_manifest_free(manifest: *mut kvg_manifest) -> kvg_s
 /// `land` ran (the request released its pages meanwhile).
 ///
 /// # Safety
-/// `table` is a live handle; `expected` a `kvg_expected_transfer` of its `struct_size` whose
+/// `table` is any value (never dereferenced);
+/// `expected` a `kvg_expected_transfer` of its `struct_size` whose
 /// arrays hold what it says; `manifest` holds `manifest_len` bytes; `pages` and `page_lens` hold
 /// `num_pages` entries, each `pages[i]` `page_lens[i]` bytes; `land` must not unwind; `accepted`
 /// is NULL or a `kvg_accepted` of its `struct_size` bytes.

@@ -1227,6 +1227,68 @@ static void test_handle_misuse(void) {
     CHECK(strstr(kvg_last_error_message(), "exceeds_max_context") != NULL);
 }
 
+/* A table freed while a call runs on it (here, by the call's own `land` callback, as another
+   thread could): the call finishes on the table, which goes when the call returns; the next
+   call is refused. */
+struct freeing {
+    kvg_table *table;
+    kvg_status freed;
+};
+
+static void land_and_free(void *user, size_t index, kvg_page_ref page, const uint8_t *bytes, size_t len) {
+    struct freeing *f = user;
+    (void)index;
+    (void)page;
+    (void)bytes;
+    (void)len;
+    f->freed = kvg_table_free(f->table);
+}
+
+static void test_free_during_a_call(void) {
+    kvg_table *t = new_table(KVG_POLICY_ENFORCE, 0);
+    kvg_page_ref dest[1];
+    int32_t prompt[PS];
+    uint8_t page[PS], wire[512];
+    const uint8_t *pages[1] = {page};
+    size_t lens[1] = {sizeof page}, wire_len = 0;
+    kvg_transfer_header header;
+    kvg_expected_transfer expected;
+    kvg_accepted accepted;
+    kvg_manifest *m = NULL;
+    struct freeing f = {t, KVG_STATUS_OTHER};
+
+    for (int i = 0; i < PS; i++) prompt[i] = 100 + i;
+    memset(page, 3, sizeof page);
+    OK(kvg_admit(t, 1, 1, PS, 0));
+    OK(kvg_allocate(t, 1, 1, dest, 1));
+    memset(&header, 0, sizeof header);
+    header.struct_size = sizeof header;
+    header.request = 1;
+    header.tenant = 1;
+    header.page_size = PS;
+    header.slot_bytes = 1;
+    OK(kvg_manifest_build(&header, prompt, PS, dest, 1, pages, lens, 1, &m));
+    OK(kvg_manifest_encode(m, wire, sizeof wire, &wire_len));
+    OK(kvg_manifest_free(m));
+    memset(&expected, 0, sizeof expected);
+    expected.struct_size = sizeof expected;
+    expected.request = 1;
+    expected.tenant = 1;
+    expected.page_size = PS;
+    expected.slot_bytes = 1;
+    expected.prompt = prompt;
+    expected.prompt_len = PS;
+    expected.pages = dest;
+    expected.num_pages = 1;
+    accepted.struct_size = sizeof accepted;
+
+    OK(kvg_accept_transfer(t, &expected, wire, wire_len, pages, lens, 1, land_and_free, &f, &accepted));
+    CHECK(f.freed == KVG_STATUS_OK);
+    CHECK(accepted.tokens == PS && accepted.pages == 1);
+    EXPECT(kvg_admit(t, 2, 1, PS, 0), KVG_STATUS_INVALID_HANDLE);
+    CHECK(kvg_live_handles() == 0); /* gone when the call returned */
+}
+
 /* Several threads on one table: each its own requests, allocating, writing, reading a step and
    releasing, while the others do the same; nothing may be refused and nothing lost. */
 enum { THREADS = 4, ROUNDS = 200, SEQS = 3 };
@@ -1285,6 +1347,7 @@ int main(void) {
     test_import_tickets();
     test_transfers();
     test_handle_misuse();
+    test_free_during_a_call();
     test_threads();
     CHECK(kvg_live_handles() == 0); /* every test freed what it made */
     printf("%d passed, %d failed\n", atomic_load(&passed), atomic_load(&failed));
