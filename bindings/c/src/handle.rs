@@ -78,9 +78,11 @@ const INDEX_MASK: usize = (1 << (HALF - KIND_BITS)) - 1;
 /// The last generation a slot may hold; a slot freed at it retires.
 const MAX_GENERATION: u64 = (1 << HALF) - 1;
 /// Slots per chunk; chunks are allocated as handles are made, and never move or go.
-const CHUNK: usize = 256;
+/// (64 slots: a table is under 1 KiB, so the first one costs about 57 KiB of slots.)
+const CHUNK: usize = 64;
 const CHUNKS: usize = 4096;
-/// Live handles per type: 2^20 on 64-bit targets (what the index bits allow on smaller ones).
+/// Live handles per type: 2^18 (262,144) on 64-bit targets; what the index bits allow on
+/// smaller ones. One more is refused with `KVG_STATUS_OUT_OF_MEMORY`.
 const CAPACITY: usize = if CHUNK * CHUNKS <= INDEX_MASK { CHUNK * CHUNKS } else { INDEX_MASK + 1 };
 
 // A slot's word: generation in the high 32 bits, `LIVE`, then the holders.
