@@ -7,6 +7,8 @@
 //! done; done
 //! ```
 //! (refs at 20 calls - refs at 0 calls) / 20 = instructions per call; setup is the same for both.
+//! Two more arguments set the step's shape (default `256 256`: rows, blocks per row); `1 16` is
+//! one sequence of 16 pages, where the call's fixed cost (handle lookup, guard) shows.
 
 #[path = "../benches/fixture/mod.rs"]
 mod fixture;
@@ -17,7 +19,9 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let via = args.next().unwrap_or_else(|| "rust".to_string());
     let calls: usize = args.next().and_then(|n| n.parse().ok()).unwrap_or(20);
-    let f = Fixture::new(256, 256);
+    let rows: usize = args.next().and_then(|n| n.parse().ok()).unwrap_or(256);
+    let blocks: usize = args.next().and_then(|n| n.parse().ok()).unwrap_or(256);
+    let f = Fixture::new(rows, blocks);
     let reads = f.reads();
     for _ in 0..calls {
         let clean = match via.as_str() {

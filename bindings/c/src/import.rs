@@ -1,20 +1,58 @@
 //! Import tickets: a KV transfer in flight, its pages pinned until the ticket ends
 //! (`kvg_begin_import`, then `kvg_import_finish` or `kvg_import_abort`).
 
+use crate::handle::{Held, Kind, Registry};
 use crate::raw;
-use crate::status::{Failure, kvg_status};
-use crate::table::{kvg_table, with_table};
+use crate::status::{Failure, guard, guard_release, kvg_status};
+use crate::table::{Table, hold, kvg_table, with_table};
 use crate::types::kvg_page_ref;
 use kvguard::{ImportTicket, PageRef, RequestId};
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 
 /// A KV transfer in flight behind an opaque handle: while it lives, its pages are pinned (a
 /// release takes them from the request, but they stay out of the free list until the ticket
 /// ends, so bytes still landing never reach a next owner). Ended, and freed, by exactly one
-/// `kvg_import_finish` or `kvg_import_abort`, before its table is freed. It may move between
-/// threads, but not be used by two at once.
+/// `kvg_import_finish` or `kvg_import_abort`; `kvg_table_free` aborts and frees the tickets still
+/// open on its table. Ending it again, or after its table was freed, is
+/// `KVG_STATUS_INVALID_HANDLE`. It may move between threads; two threads ending it at once end
+/// it once (the other gets `KVG_STATUS_INVALID_HANDLE`).
 pub struct kvg_import_ticket {
-    ticket: ImportTicket<'static>,
-    table: *const kvg_table,
+    _handle_only: [u8; 0],
+}
+
+/// The open tickets, by handle.
+static TICKETS: Registry<Ticket> = Registry::new(Kind::ImportTicket);
+
+/// What a ticket handle names: the core's ticket, and the table it borrows, held by the ticket
+/// itself. Fields drop in order: the ticket (which aborts if still open) before the table.
+pub(crate) struct Ticket {
+    pinned: ImportTicket<'static>,
+    table: Held<Table>,
+}
+
+impl Ticket {
+    /// Ends the transfer (`kvg_import_finish`); a panic in it poisons the table.
+    fn finish(self, tokens: u64, expected: u64) -> Result<(), Failure> {
+        // On a refused (poisoned) table the ticket is dropped unfinished, which aborts it.
+        self.table.refuse_if_poisoned()?;
+        let pinned = self.pinned;
+        let outcome = catch_unwind(AssertUnwindSafe(|| pinned.finish(tokens, expected))).unwrap_or_else(|panic| {
+            self.table.poison();
+            resume_unwind(panic)
+        });
+        Ok(outcome?)
+    }
+}
+
+/// Takes an open ticket out of the registry (its handle dead from then on) and off its table's
+/// open list: the caller now ends it, or drops it (which aborts it).
+pub(crate) fn take_ticket(handle: usize) -> Result<Ticket, Failure> {
+    // A ticket is never held by a lookup, so taking its handle always gives the ticket back.
+    let ticket = TICKETS.remove(handle, "ticket")?.ok_or_else(|| {
+        Failure::status(kvg_status::InvalidHandle, "ticket is being ended by another call".to_string())
+    })?;
+    ticket.table.forget_ticket(handle);
+    Ok(ticket)
 }
 
 /// Starts a KV transfer into `refs` (`num_refs` refs of `request`'s own pages, in exactly those
@@ -23,7 +61,7 @@ pub struct kvg_import_ticket {
 /// request's in that incarnation is `stale_page`, `foreign_page` or `freed_page`.
 ///
 /// # Safety
-/// `table` is a live handle that outlives the ticket; `refs` holds `num_refs` entries; `out` is
+/// `table` is a table handle (a dead one is refused); `refs` holds `num_refs` entries; `out` is
 /// writable.
 #[unsafe(no_mangle)]
 #[must_use]
@@ -37,22 +75,17 @@ pub unsafe extern "C" fn kvg_begin_import(
     with_table(table, |t| {
         raw::put_required(out, std::ptr::null_mut(), "out")?;
         let refs: Vec<PageRef> = raw::slice(refs, num_refs, "refs")?.iter().map(|r| r.to_core()).collect();
-        let ticket = t.table.begin_import(RequestId(request), &refs)?;
-        // SAFETY: the ticket borrows `t.table`, inside the `kvg_table` box behind `table`, which
-        // never moves; the caller promises the table outlives the ticket (the ticket ends before
-        // `kvg_table_free`), so the borrow never dangles.
-        let ticket = unsafe { std::mem::transmute::<ImportTicket<'_>, ImportTicket<'static>>(ticket) };
-        raw::put(out, Box::into_raw(Box::new(kvg_import_ticket { ticket, table: table.cast_const() })))
+        let pinned = t.table.begin_import(RequestId(request), &refs)?;
+        // The ticket holds its table too: freed meanwhile, it is refused here.
+        let held = hold(table)?;
+        // SAFETY: the ticket borrows `t.table`, inside the registry's slot for this table, which
+        // never moves and keeps the table until its last holder lets go; the `Ticket` holds the
+        // table and drops that hold only after the ticket (field order; `Ticket::finish` ends
+        // the ticket before its hold goes), so the borrow never dangles.
+        let pinned = unsafe { std::mem::transmute::<ImportTicket<'_>, ImportTicket<'static>>(pinned) };
+        let handle = t.open_ticket(&TICKETS, Ticket { pinned, table: held })?;
+        raw::put(out, std::ptr::without_provenance_mut(handle))
     })
-}
-
-/// Takes back the ticket's box (once).
-///
-/// # Safety
-/// `ticket` is a non-null handle from `kvg_begin_import` not ended yet.
-unsafe fn take(ticket: *mut kvg_import_ticket) -> Box<kvg_import_ticket> {
-    // SAFETY: made by `Box::into_raw` in `kvg_begin_import`; the caller hands it back once.
-    unsafe { Box::from_raw(ticket) }
 }
 
 /// Ends the transfer: records `tokens` tokens as landed from the first slot of the first page,
@@ -60,34 +93,29 @@ unsafe fn take(ticket: *mut kvg_import_ticket) -> Box<kvg_import_ticket> {
 /// (`token_count_mismatch`), or pages that changed hands meanwhile (`stale_page`,
 /// `foreign_page`), record nothing. The ticket is freed whatever the outcome.
 ///
+/// A ticket ended already (finished, aborted, or aborted by `kvg_table_free` of its table) is
+/// `KVG_STATUS_INVALID_HANDLE`, and nothing is recorded.
+///
 /// # Safety
-/// `ticket` is NULL or a handle from `kvg_begin_import` not ended yet; its table is live.
+/// None beyond the type: `ticket` is never dereferenced.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_import_finish(ticket: *mut kvg_import_ticket, tokens: u64, expected: u64) -> kvg_status {
-    if ticket.is_null() {
-        return crate::status::guard_free(|| {
-            Err(Failure::status(kvg_status::NullPointer, "ticket is NULL".to_string()))
-        });
-    }
-    // SAFETY: non-null, and the caller's contract.
-    let handle = unsafe { take(ticket) };
-    let kvg_import_ticket { ticket, table } = *handle;
-    // On a refused (poisoned) table the ticket is dropped unfinished, which aborts it.
-    with_table(table, move |_| Ok(ticket.finish(tokens, expected)?))
+    guard(|| {}, || take_ticket(ticket.addr())?.finish(tokens, expected))
 }
 
 /// Abandons the transfer (its manifest was refused, say): nothing is recorded, the pages are
-/// unpinned, the ticket freed. NULL is a no-op.
+/// unpinned, the ticket freed. NULL is a no-op (`KVG_STATUS_OK`); a ticket ended already is
+/// `KVG_STATUS_INVALID_HANDLE`. The status may be ignored; an abort that succeeds leaves the
+/// thread's last error as it was (a refused manifest's, say).
 ///
 /// # Safety
-/// `ticket` is NULL or a handle from `kvg_begin_import` not ended yet; its table is live.
+/// None beyond the type: `ticket` is never dereferenced.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn kvg_import_abort(ticket: *mut kvg_import_ticket) {
+pub unsafe extern "C" fn kvg_import_abort(ticket: *mut kvg_import_ticket) -> kvg_status {
     if ticket.is_null() {
-        return;
+        return kvg_status::Ok;
     }
-    // SAFETY: non-null, and the caller's contract.
-    let handle = unsafe { take(ticket) };
-    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handle.ticket.abort()));
+    // Dropped, the ticket aborts: its pages unpinned, nothing recorded.
+    guard_release(|| {}, || take_ticket(ticket.addr()).map(drop))
 }

@@ -2,6 +2,8 @@
 //! ownership table behind an opaque handle, every call returning a `kvg_status`.
 //!
 //! - **Handles**: `kvg_table_new` / `kvg_table_free`; a handle may be shared between threads.
+//!   A handle is an id looked up on every call, never dereferenced, and never reused: a freed,
+//!   ended or foreign handle is `KVG_STATUS_INVALID_HANDLE`, not undefined behaviour.
 //! - **Status codes**: every call returns one, and none can be ignored silently
 //!   (`warn_unused_result` / `[[nodiscard]]`). A panic is caught at the boundary, reported as
 //!   `KVG_STATUS_PANIC`, and the table refuses every later call.
@@ -20,6 +22,7 @@
 #![allow(non_camel_case_types)]
 #![warn(missing_docs)]
 
+mod handle;
 mod import;
 mod prefix;
 mod raw;
@@ -29,6 +32,7 @@ mod table;
 mod transfer;
 mod types;
 
+pub use handle::kvg_live_handles;
 pub use import::{kvg_begin_import, kvg_import_abort, kvg_import_finish, kvg_import_ticket};
 pub use prefix::{kvg_attach_prefix, kvg_detach_prefix, kvg_evict_prefix, kvg_publish_prefix, kvg_publish_prefix_refs};
 pub use status::{

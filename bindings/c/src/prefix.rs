@@ -8,7 +8,7 @@
 
 use crate::raw;
 use crate::status::{Failure, kvg_status};
-use crate::table::{check_released, kvg_table, put_released, with_table};
+use crate::table::{Table, check_released, kvg_table, put_released, with_table};
 use crate::types::{kvg_page_ref, kvg_released};
 use kvguard::{PrefixKey, RequestId};
 use std::collections::HashMap;
@@ -43,7 +43,8 @@ fn key<'a>(ptr: *const u8, len: usize) -> Result<&'a [u8], Failure> {
 /// `duplicate_prefix`.
 ///
 /// # Safety
-/// `table` is a live handle; `key` holds `key_len` bytes; `pages` holds `num_pages` entries.
+/// `table` is any value (never dereferenced);
+/// `key` holds `key_len` bytes; `pages` holds `num_pages` entries.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_publish_prefix(
@@ -65,7 +66,8 @@ pub unsafe extern "C" fn kvg_publish_prefix(
 /// ref names (`stale_page`).
 ///
 /// # Safety
-/// `table` is a live handle; `key` holds `key_len` bytes; `pages` holds `num_pages` refs.
+/// `table` is any value (never dereferenced);
+/// `key` holds `key_len` bytes; `pages` holds `num_pages` refs.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_publish_prefix_refs(
@@ -86,7 +88,7 @@ pub unsafe extern "C" fn kvg_publish_prefix_refs(
 /// Publishes under `key` with `publish(id)`: a key already published keeps its id (the core
 /// refuses it as `duplicate_prefix`); a new one gets the next id if the publish succeeds.
 fn publish(
-    t: &kvg_table,
+    t: &Table,
     key: &[u8],
     publish: impl FnOnce(PrefixKey) -> Result<(), kvguard::Error>,
 ) -> Result<(), Failure> {
@@ -109,7 +111,8 @@ fn publish(
 /// is too small the attach stays done and `KVG_STATUS_BUFFER_TOO_SMALL` says so.
 ///
 /// # Safety
-/// `table` is a live handle; `key` holds `key_len` bytes; `out` is NULL or has room for
+/// `table` is any value (never dereferenced);
+/// `key` holds `key_len` bytes; `out` is NULL or has room for
 /// `capacity`; `num_out` is NULL or writable.
 #[unsafe(no_mangle)]
 #[must_use]
@@ -145,7 +148,8 @@ pub unsafe extern "C" fn kvg_attach_prefix(
 /// `request` lets go of the prefix under `key`.
 ///
 /// # Safety
-/// `table` is a live handle; `key` holds `key_len` bytes; `released` as for `kvg_release`.
+/// `table` is any value (never dereferenced);
+/// `key` holds `key_len` bytes; `released` as for `kvg_release`.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_detach_prefix(
@@ -167,7 +171,8 @@ pub unsafe extern "C" fn kvg_detach_prefix(
 /// while any request holds it.
 ///
 /// # Safety
-/// `table` is a live handle; `key` holds `key_len` bytes; `released` as for `kvg_release`.
+/// `table` is any value (never dereferenced);
+/// `key` holds `key_len` bytes; `released` as for `kvg_release`.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_evict_prefix(

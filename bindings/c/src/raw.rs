@@ -1,8 +1,8 @@
 //! The raw-pointer edge: caller memory turned into slices and sized structs, every pointer, length
 //! and `struct_size` checked before it is used, and the reinterpretation of `int32` page and
-//! token ids. The only other `unsafe` of the crate is in the handles: the table's box
-//! (`table.rs`), the manifest's box and the caller's `land` callback (`transfer.rs`), and the
-//! import ticket's box and its borrow of the table (`import.rs`).
+//! token ids. The only other `unsafe` of the crate is in the handles' registry (`handle.rs`:
+//! the slots and their holders), the caller's `land` callback (`transfer.rs`), and the import
+//! ticket's borrow of its table (`import.rs`). Handles themselves are ids, never dereferenced.
 
 use crate::status::{Failure, kvg_status};
 use kvguard::PageId;
@@ -79,21 +79,44 @@ pub(crate) fn read_sized<T: SizedStruct>(ptr: *const T, what: &str) -> Result<T,
 /// Writes an output struct into the caller's: at most its `struct_size` bytes (the caller's
 /// `struct_size` must be at least [`SizedStruct::MIN_SIZE`]); bytes past `sizeof(T)` are zeroed,
 /// and the written `struct_size` says how many bytes this library filled.
-pub(crate) fn write_sized<T: SizedStruct>(ptr: *mut T, mut value: T, what: &str) -> Result<(), Failure> {
+pub(crate) fn write_sized<T: SizedStruct>(ptr: *mut T, value: T, what: &str) -> Result<(), Failure> {
     check_pointer(ptr.cast_const(), what)?;
     // SAFETY: non-null and aligned (checked above); the caller set `struct_size` first.
     let size = unsafe { ptr.cast::<usize>().read() };
     check_size(size, T::MIN_SIZE)?;
+    // SAFETY: `size` is the caller's own `struct_size`, checked above.
+    unsafe { fill(ptr, size, value, size.min(size_of::<T>())) };
+    Ok(())
+}
+
+/// Fills a caller's struct of `size` bytes (`size` checked here) with `value` and leaves its
+/// `struct_size` at `size`: for a struct whose `struct_size` is read again, an input
+/// (`kvg_pool_config_init`) or an in-out struct (`kvg_released`). Were it lowered to what this
+/// library knows, a newer field the caller sets afterwards would be outside the struct on the
+/// next call, and ignored instead of refused.
+pub(crate) fn fill_sized<T: SizedStruct>(ptr: *mut T, size: usize, value: T, what: &str) -> Result<(), Failure> {
+    check_pointer(ptr.cast_const(), what)?;
+    check_size(size, T::MIN_SIZE)?;
+    // SAFETY: the caller says it owns `size` writable bytes at `ptr` (checked in range above).
+    unsafe { fill(ptr, size, value, size) };
+    Ok(())
+}
+
+/// Copies the first `min(size, sizeof(T))` bytes of `value`, with `struct_size` set to
+/// `struct_size`, to `ptr`, and zeroes the rest of its `size` bytes.
+///
+/// # Safety
+/// `ptr` is non-null, aligned, and `size` bytes at it are writable; `size >= T::MIN_SIZE`.
+unsafe fn fill<T: SizedStruct>(ptr: *mut T, size: usize, mut value: T, struct_size: usize) {
     let filled = size.min(size_of::<T>());
     // SAFETY: `struct_size` is the first field of `T` (the trait's contract).
-    unsafe { std::ptr::addr_of_mut!(value).cast::<usize>().write(filled) };
+    unsafe { std::ptr::addr_of_mut!(value).cast::<usize>().write(struct_size) };
     // SAFETY: the caller owns `size >= filled` writable bytes at `ptr`; `value` is a local `T` of
     // `size_of::<T>() >= filled` bytes; the two do not overlap.
     unsafe {
         std::ptr::copy_nonoverlapping(std::ptr::addr_of!(value).cast::<u8>(), ptr.cast::<u8>(), filled);
         std::ptr::write_bytes(ptr.cast::<u8>().add(filled), 0, size - filled);
     }
-    Ok(())
 }
 
 /// A caller's array of `len` elements: NULL is fine only when `len` is 0.

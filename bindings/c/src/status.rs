@@ -45,6 +45,10 @@ pub enum kvg_status {
     Panic = 11,
     /// Another error of the core, newer than this binding; the message says what.
     Other = 12,
+    /// A handle that is not live: freed or ended already (a use after free, a second free, a
+    /// ticket ended twice), a handle of another type, or a value kvguard never handed out. The
+    /// message says which. Nothing was done.
+    InvalidHandle = 13,
 }
 
 impl kvg_status {
@@ -64,10 +68,11 @@ impl kvg_status {
             kvg_status::BufferTooSmall => c"buffer_too_small",
             kvg_status::Panic => c"panic",
             kvg_status::Other => c"other",
+            kvg_status::InvalidHandle => c"invalid_handle",
         }
     }
 
-    const ALL: [kvg_status; 13] = [
+    const ALL: [kvg_status; 14] = [
         kvg_status::Ok,
         kvg_status::Violation,
         kvg_status::OutOfPages,
@@ -81,6 +86,7 @@ impl kvg_status {
         kvg_status::BufferTooSmall,
         kvg_status::Panic,
         kvg_status::Other,
+        kvg_status::InvalidHandle,
     ];
 }
 
@@ -203,6 +209,13 @@ pub(crate) fn guard(on_panic: impl FnOnce(), body: impl FnOnce() -> Result<(), F
             *last = LastError::default();
         }
     });
+    guard_release(on_panic, body)
+}
+
+/// [`guard`] for a call that frees a handle (`kvg_table_free`, `kvg_manifest_free`,
+/// `kvg_import_abort`): the thread's last error is replaced only when the free fails, so a
+/// caller can free what failed before reading why.
+pub(crate) fn guard_release(on_panic: impl FnOnce(), body: impl FnOnce() -> Result<(), Failure>) -> kvg_status {
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(())) => kvg_status::Ok,
         Ok(Err(failure)) => catch_unwind(AssertUnwindSafe(|| record(failure))).unwrap_or(kvg_status::Panic),

@@ -5,7 +5,7 @@
 
 use crate::raw;
 use crate::status::{Failure, kvg_status};
-use crate::table::{kvg_table, with_table};
+use crate::table::{Table, kvg_table, with_table};
 use crate::types::kvg_page_ref;
 use kvguard::{PageRef, RequestId, SeqClaim, SeqRead, SeqWrite, StepVerdict};
 
@@ -80,7 +80,7 @@ fn step(
 }
 
 /// A step's reads checked (`judged`: verified), the refusal mask filled, refused rows the failure.
-fn judge_reads(t: &kvg_table, reads: &[SeqRead<'_>], refused: *mut u8, judged: bool) -> Result<(), Failure> {
+fn judge_reads(t: &Table, reads: &[SeqRead<'_>], refused: *mut u8, judged: bool) -> Result<(), Failure> {
     let refused = mask(refused, reads.len())?;
     let v = if judged { t.table.verify_step(reads) } else { t.table.check_step(reads) };
     verdict(v, reads.len(), refused)
@@ -96,7 +96,8 @@ fn judge_reads(t: &kvg_table, reads: &[SeqRead<'_>], refused: *mut u8, judged: b
 /// `kvg_last_violation(i, ...)` gives each refused row's violation (its `row` field set).
 ///
 /// # Safety
-/// `table` is a live handle; `request_ids` and `seq_lens` hold `rows` entries; `block_tables`
+/// `table` is any value (never dereferenced);
+/// `request_ids` and `seq_lens` hold `rows` entries; `block_tables`
 /// holds `(rows - 1) * row_stride + max_blocks` entries; `refused` is NULL or has `rows` bytes.
 #[unsafe(no_mangle)]
 #[must_use]
@@ -210,7 +211,8 @@ fn step_csr(
 /// Returns and fills `refused` (NULL, or `num_seqs` bytes) as `kvg_verify_step` does.
 ///
 /// # Safety
-/// `table` is a live handle; `request_ids` and `kv_last_page_len` hold `num_seqs` entries,
+/// `table` is any value (never dereferenced);
+/// `request_ids` and `kv_last_page_len` hold `num_seqs` entries,
 /// `kv_indptr` `num_seqs + 1`, `kv_indices` `kv_indptr[num_seqs]`; `refused` is NULL or has
 /// `num_seqs` bytes.
 #[unsafe(no_mangle)]
@@ -258,7 +260,8 @@ pub unsafe extern "C" fn kvg_check_step_csr(
 /// `kvg_last_violation(i, ...)` gives each one's violation (its `row` field set).
 ///
 /// # Safety
-/// `table` is a live handle; `request_ids` holds `num_seqs` entries, `indptr` `num_seqs + 1`,
+/// `table` is any value (never dereferenced);
+/// `request_ids` holds `num_seqs` entries, `indptr` `num_seqs + 1`,
 /// `pages` `indptr[num_seqs]`; `refused` is NULL or has `num_seqs` bytes.
 #[unsafe(no_mangle)]
 #[must_use]
@@ -299,7 +302,8 @@ pub unsafe extern "C" fn kvg_claim_step(
 /// `query_start_loc` must hold `num_seqs + 1` non-decreasing offsets within `num_slots`.
 ///
 /// # Safety
-/// `table` is a live handle; `request_ids` holds `num_seqs` entries, `query_start_loc`
+/// `table` is any value (never dereferenced);
+/// `request_ids` holds `num_seqs` entries, `query_start_loc`
 /// `num_seqs + 1`, `slot_mapping` `num_slots`; `refused` is NULL or has `num_seqs` bytes.
 #[unsafe(no_mangle)]
 #[must_use]
@@ -376,7 +380,7 @@ fn read_refs(
 /// violation is counted, logged and (enforce) refused with the request quarantined.
 ///
 /// # Safety
-/// `table` is a live handle; `block_table` holds `num_blocks` entries.
+/// `table` is any value (never dereferenced); `block_table` holds `num_blocks` entries.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_verify_read(
@@ -409,7 +413,7 @@ pub unsafe extern "C" fn kvg_check_read(
 /// refused (`stale_page`).
 ///
 /// # Safety
-/// `table` is a live handle; `block_table` holds `num_blocks` refs.
+/// `table` is any value (never dereferenced); `block_table` holds `num_blocks` refs.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_verify_read_refs(

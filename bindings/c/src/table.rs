@@ -1,45 +1,120 @@
 //! The table handle and the lifecycle calls: create and free, admit, allocate or claim, writes,
 //! releases, scrubs, forks, sharing, and what the table tells about itself.
 
+use crate::handle::{Held, Kind, Registry};
 use crate::prefix::PrefixKeys;
 use crate::raw::{self, SizedStruct};
-use crate::status::{Failure, guard, guard_free, kvg_status};
+use crate::status::{Failure, guard, guard_free, guard_release, kvg_status};
 use crate::types::{
     kvg_page_info, kvg_page_ref, kvg_policy, kvg_pool_config, kvg_pool_snapshot, kvg_released, kvg_request_info,
     kvg_violation_info,
 };
 use kvguard::{OwnershipTable, Policy, PoolConfig, Released, RequestId, TenantId, Violation, ViolationKind};
 use parking_lot::Mutex;
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::ffi::c_char;
 use std::mem::size_of;
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// An ownership table behind an opaque handle (`kvg_table_new`, `kvg_table_free`). Safe to share
-/// between threads: every call may run on any thread, concurrently with any other except
-/// `kvg_table_free`.
+/// between threads: every call may run on any thread, concurrently with any other, `kvg_table_free`
+/// included (a call already running finishes on the table; one that starts after the free is
+/// `KVG_STATUS_INVALID_HANDLE`).
+///
+/// The pointer is a handle, never dereferenced: a freed handle (a use after free, a second
+/// free), a handle of another type, or a value kvguard never handed out is refused with
+/// `KVG_STATUS_INVALID_HANDLE`, even after the memory was reused.
 pub struct kvg_table {
+    _handle_only: [u8; 0],
+}
+
+/// The live tables, by handle.
+static TABLES: Registry<Table> = Registry::new(Kind::Table);
+
+/// What a table handle names: the core's table and what the binding keeps beside it. Held by
+/// every call in flight on it and by its open import tickets ([`Held`]), so it lives until the
+/// last of them ends, even after `kvg_table_free`.
+pub(crate) struct Table {
     pub(crate) table: OwnershipTable,
     pub(crate) prefixes: Mutex<PrefixKeys>,
     /// Violations taken from the table's log and not yet handed out one by one.
     drained: Mutex<VecDeque<Violation>>,
     /// A call on this table panicked: its state may be half-changed, so every later call is refused.
     poisoned: AtomicBool,
+    /// The import tickets still open, aborted by `kvg_table_free`.
+    tickets: Mutex<OpenTickets>,
 }
 
-/// Runs `body` on the table behind `t`, inside [`guard`]; a NULL or poisoned table is refused.
-pub(crate) fn with_table(t: *const kvg_table, body: impl FnOnce(&kvg_table) -> Result<(), Failure>) -> kvg_status {
-    if t.is_null() {
-        return guard_free(|| Err(Failure::status(kvg_status::NullPointer, "table is NULL".to_string())));
+#[derive(Default)]
+struct OpenTickets {
+    handles: HashSet<usize>,
+    /// `kvg_table_free` ran: no ticket may open any more.
+    closed: bool,
+}
+
+/// Holds the live table behind `handle` (for a ticket, which keeps its table alive).
+pub(crate) fn hold(handle: *const kvg_table) -> Result<Held<Table>, Failure> {
+    TABLES.get(handle.addr(), "table")
+}
+
+impl Table {
+    /// Marks the table refused from now on: a call on it panicked.
+    pub(crate) fn poison(&self) {
+        self.poisoned.store(true, Ordering::Relaxed);
     }
-    // SAFETY: non-null; the caller promises `t` came from `kvg_table_new` and is not freed yet.
-    let handle = unsafe { &*t };
-    if handle.poisoned.load(Ordering::Relaxed) {
-        return guard_free(|| {
-            Err(Failure::status(kvg_status::Panic, "an earlier call on this table panicked: free it".to_string()))
-        });
+
+    /// Refuses a call on a table an earlier call panicked in.
+    pub(crate) fn refuse_if_poisoned(&self) -> Result<(), Failure> {
+        if self.poisoned.load(Ordering::Relaxed) {
+            return Err(Failure::status(
+                kvg_status::Panic,
+                "an earlier call on this table panicked: free it".to_string(),
+            ));
+        }
+        Ok(())
     }
-    guard(|| handle.poisoned.store(true, Ordering::Relaxed), || body(handle))
+
+    /// Registers an import ticket as open on this table, unless the table was freed meanwhile
+    /// (then the ticket is dropped, which aborts it). Its handle.
+    pub(crate) fn open_ticket<T: Send + Sync>(
+        &self,
+        registry: &'static Registry<T>,
+        ticket: T,
+    ) -> Result<usize, Failure> {
+        let mut open = self.tickets.lock();
+        if open.closed {
+            return Err(Failure::status(
+                kvg_status::InvalidHandle,
+                "table was freed by kvg_table_free during this call: no ticket opened".to_string(),
+            ));
+        }
+        let handle = registry.insert(ticket)?;
+        open.handles.insert(handle);
+        Ok(handle)
+    }
+
+    /// A ticket of this table ended (finished or aborted).
+    pub(crate) fn forget_ticket(&self, handle: usize) {
+        self.tickets.lock().handles.remove(&handle);
+    }
+}
+
+/// Runs `body` on the table behind `t`, inside [`guard`]: a NULL, dead or foreign handle is
+/// refused, and so is a poisoned table; a panic in `body` poisons it. The call holds the table
+/// until it returns, so a `kvg_table_free` racing with it never frees it under it.
+pub(crate) fn with_table(t: *const kvg_table, body: impl FnOnce(&Held<Table>) -> Result<(), Failure>) -> kvg_status {
+    guard(
+        || {},
+        || {
+            let table = TABLES.get(t.addr(), "table")?;
+            table.refuse_if_poisoned()?;
+            catch_unwind(AssertUnwindSafe(|| body(&table))).unwrap_or_else(|panic| {
+                table.poison();
+                resume_unwind(panic)
+            })
+        },
+    )
 }
 
 fn policy(value: u32) -> Result<Policy, Failure> {
@@ -94,7 +169,8 @@ pub(crate) fn put_released(out: *mut kvg_released, released: Released) -> Result
     }
     c.ended = released.ended;
     c.scrub_len = released.scrub.len();
-    raw::write_sized(out, c, "released")?;
+    // In-out: the caller's `struct_size` stays, so its in-fields are checked again next time.
+    raw::fill_sized(out, c.struct_size, c, "released")?;
     if released.scrub.len() > c.scrub_capacity {
         return Err(Failure::status(
             kvg_status::BufferTooSmall,
@@ -126,8 +202,14 @@ pub extern "C" fn kvg_version() -> *const c_char {
 }
 
 /// Fills `*config` with the defaults (enforce, no reserved pages, no scrubbing, the default
-/// generation limit, zero pages) and sets its `struct_size` to `struct_size`, which the caller
-/// passes as `sizeof(kvg_pool_config)`.
+/// generation limit, zero pages), zeroes the rest of its `struct_size` bytes, and sets its
+/// `struct_size` to `struct_size`, which the caller passes as `sizeof(kvg_pool_config)`.
+///
+/// The caller's size is kept, not this library's: a caller built against a newer header that
+/// sets a newer field after this call has that field refused by `kvg_table_new`
+/// (`KVG_STATUS_BAD_STRUCT_SIZE`) when this library does not know it, never silently ignored.
+/// A `struct_size` below the first version's `sizeof(kvg_pool_config)`, or above 4,096, is
+/// `KVG_STATUS_BAD_STRUCT_SIZE` and nothing is written.
 ///
 /// # Safety
 /// `config` is NULL or points to `struct_size` writable bytes.
@@ -135,9 +217,8 @@ pub extern "C" fn kvg_version() -> *const c_char {
 #[must_use]
 pub unsafe extern "C" fn kvg_pool_config_init(config: *mut kvg_pool_config, struct_size: usize) -> kvg_status {
     guard_free(|| {
-        raw::put_required(config.cast::<usize>(), struct_size, "config")?;
         let defaults = kvg_pool_config {
-            struct_size: size_of::<kvg_pool_config>(),
+            struct_size,
             num_pages: 0,
             page_size: 0,
             max_context_tokens: 0,
@@ -147,7 +228,7 @@ pub unsafe extern "C" fn kvg_pool_config_init(config: *mut kvg_pool_config, stru
             scrub_on_release: 0,
             generation_limit: 0,
         };
-        raw::write_sized(config, defaults, "config")
+        raw::fill_sized(config, struct_size, defaults, "config")
     })
 }
 
@@ -171,13 +252,14 @@ fn new_table(
     guard_free(|| {
         raw::put_required(out, std::ptr::null_mut(), "out")?;
         let table = make(pool_config(config)?)?;
-        let handle = Box::new(kvg_table {
+        let handle = TABLES.insert(Table {
             table,
             prefixes: Mutex::new(PrefixKeys::default()),
             drained: Mutex::new(VecDeque::new()),
             poisoned: AtomicBool::new(false),
-        });
-        raw::put(out, Box::into_raw(handle))
+            tickets: Mutex::new(OpenTickets::default()),
+        })?;
+        raw::put(out, std::ptr::without_provenance_mut(handle))
     })
 }
 
@@ -205,19 +287,41 @@ pub unsafe extern "C" fn kvg_table_new_unaudited(
     new_table(config, out, OwnershipTable::new_unaudited)
 }
 
-/// Frees a table. NULL is a no-op. No other call on it may run concurrently or follow.
+/// Frees a table. NULL is a no-op (`KVG_STATUS_OK`). Import tickets still open on it are
+/// aborted (their pages unpinned, nothing recorded) and freed: their handles are dead from then
+/// on, and finishing or aborting one is `KVG_STATUS_INVALID_HANDLE`. A call running on the table
+/// in another thread meanwhile finishes on it, and the memory goes when it returns.
+///
+/// Returns `KVG_STATUS_INVALID_HANDLE` (and frees nothing) for a table freed already, or a handle
+/// that is not a table. The status may be ignored (the header does not insist on it); a free
+/// that succeeds leaves the thread's last error as it was, so a failure can still be read after
+/// freeing the table it happened on.
 ///
 /// # Safety
-/// `table` is NULL or a handle from `kvg_table_new` not freed yet.
+/// None beyond the type: `table` is never dereferenced.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn kvg_table_free(table: *mut kvg_table) {
+pub unsafe extern "C" fn kvg_table_free(table: *mut kvg_table) -> kvg_status {
     if table.is_null() {
-        return;
+        return kvg_status::Ok;
     }
-    // SAFETY: the caller hands back a handle made by `Box::into_raw` in `new_table`, once.
-    let handle = unsafe { Box::from_raw(table) };
-    // Dropping frees memory only; a panic there (none is known) must still not reach C.
-    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(handle)));
+    guard_release(
+        || {},
+        || {
+            // Held while its tickets are aborted; dropped here, or by the last call in flight.
+            let t = TABLES.get(table.addr(), "table")?;
+            TABLES.remove(table.addr(), "table")?;
+            let open = {
+                let mut open = t.tickets.lock();
+                open.closed = true;
+                std::mem::take(&mut open.handles)
+            };
+            for ticket in open {
+                // Not found: ended meanwhile by its own finish or abort. Found: dropped, aborted.
+                drop(crate::import::take_ticket(ticket));
+            }
+            Ok(())
+        },
+    )
 }
 
 /// Admits request `request` of tenant `tenant`: `prompt_tokens` now, up to `max_new_tokens`
@@ -225,7 +329,7 @@ pub unsafe extern "C" fn kvg_table_free(table: *mut kvg_table) {
 /// `exceeds_pool`) or the id is live (`duplicate_request`).
 ///
 /// # Safety
-/// `table` is a live handle (or NULL).
+/// `table` is any value (never dereferenced).
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_admit(
@@ -242,7 +346,7 @@ pub unsafe extern "C" fn kvg_admit(
 /// `out`, which has room for `capacity` (at least `count`, checked before anything happens).
 ///
 /// # Safety
-/// `table` is a live handle; `out` has room for `capacity` entries (NULL if 0).
+/// `table` is any value (never dereferenced); `out` has room for `capacity` entries (NULL if 0).
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_allocate(
@@ -274,7 +378,8 @@ pub unsafe extern "C" fn kvg_allocate(
 /// `capacity`, at least `num_pages`).
 ///
 /// # Safety
-/// `table` is a live handle; `pages` holds `num_pages` entries; `out` is NULL or has room for
+/// `table` is any value (never dereferenced);
+/// `pages` holds `num_pages` entries; `out` is NULL or has room for
 /// `capacity`.
 #[unsafe(no_mangle)]
 #[must_use]
@@ -310,7 +415,7 @@ pub unsafe extern "C" fn kvg_claim(
 /// exclusively.
 ///
 /// # Safety
-/// `table` is a live handle.
+/// `table` is any value (never dereferenced).
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_record_write(
@@ -327,7 +432,7 @@ pub unsafe extern "C" fn kvg_record_write(
 /// table (token `n` lives in block `n / page_size`, slot `n % page_size`); all or nothing.
 ///
 /// # Safety
-/// `table` is a live handle; `block_table` holds `num_blocks` entries.
+/// `table` is any value (never dereferenced); `block_table` holds `num_blocks` entries.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_record_write_tokens(
@@ -353,7 +458,7 @@ pub(crate) fn refs(ptr: *const kvg_page_ref, len: usize, what: &str) -> Result<V
 /// its ref names (`stale_page`), so a write landing after its page changed hands is refused.
 ///
 /// # Safety
-/// `table` is a live handle; `block_table` holds `num_blocks` refs.
+/// `table` is any value (never dereferenced); `block_table` holds `num_blocks` refs.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_record_write_tokens_refs(
@@ -374,7 +479,7 @@ pub unsafe extern "C" fn kvg_record_write_tokens_refs(
 /// maybe reused) is `stale_page` or `foreign_page`, and nothing is recorded.
 ///
 /// # Safety
-/// `table` is a live handle; `block_table` holds `num_blocks` refs.
+/// `table` is any value (never dereferenced); `block_table` holds `num_blocks` refs.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_record_import_refs(
@@ -395,7 +500,7 @@ pub unsafe extern "C" fn kvg_record_import_refs(
 /// when it expected `expected`: a count that differs is `token_count_mismatch`, nothing recorded.
 ///
 /// # Safety
-/// `table` is a live handle; `block_table` holds `num_blocks` entries.
+/// `table` is any value (never dereferenced); `block_table` holds `num_blocks` entries.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_record_import(
@@ -416,7 +521,8 @@ pub unsafe extern "C" fn kvg_record_import(
 /// Releasing it again is `double_free`. `released` (NULL if not wanted) gets what was handed back.
 ///
 /// # Safety
-/// `table` is a live handle; `released` is NULL or a `kvg_released` of its `struct_size` whose
+/// `table` is any value (never dereferenced);
+/// `released` is NULL or a `kvg_released` of its `struct_size` whose
 /// `scrub` has room for `scrub_capacity`.
 #[unsafe(no_mangle)]
 #[must_use]
@@ -485,7 +591,7 @@ pub unsafe extern "C" fn kvg_preempt(table: *mut kvg_table, request: u64, releas
 /// the incarnation released); they return to the free list. All or none.
 ///
 /// # Safety
-/// `table` is a live handle; `pages` holds `num_pages` entries.
+/// `table` is any value (never dereferenced); `pages` holds `num_pages` entries.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_confirm_scrubbed(
@@ -503,7 +609,7 @@ pub unsafe extern "C" fn kvg_confirm_scrubbed(
 /// read-only (they become shared).
 ///
 /// # Safety
-/// `table` is a live handle.
+/// `table` is any value (never dereferenced).
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_fork(table: *mut kvg_table, parent: u64, child: u64) -> kvg_status {
@@ -513,7 +619,7 @@ pub unsafe extern "C" fn kvg_fork(table: *mut kvg_table, parent: u64, child: u64
 /// Lets other tenants attach to `tenant`'s prefixes (`allow` non-zero), or stops it (0).
 ///
 /// # Safety
-/// `table` is a live handle.
+/// `table` is any value (never dereferenced).
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_allow_cross_tenant_sharing(table: *mut kvg_table, tenant: u64, allow: u32) -> kvg_status {
@@ -526,7 +632,8 @@ pub unsafe extern "C" fn kvg_allow_cross_tenant_sharing(table: *mut kvg_table, t
 /// Page counts by state and other totals, into `*out` (whose `struct_size` the caller sets).
 ///
 /// # Safety
-/// `table` is a live handle; `out` is NULL or a `kvg_pool_snapshot` of its `struct_size` bytes.
+/// `table` is any value (never dereferenced);
+/// `out` is NULL or a `kvg_pool_snapshot` of its `struct_size` bytes.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_snapshot(table: *const kvg_table, out: *mut kvg_pool_snapshot) -> kvg_status {
@@ -537,7 +644,8 @@ pub unsafe extern "C" fn kvg_snapshot(table: *const kvg_table, out: *mut kvg_poo
 /// `KVG_STATUS_INVALID_ARGUMENT`.
 ///
 /// # Safety
-/// `table` is a live handle; `out` is NULL or a `kvg_page_info` of its `struct_size` bytes.
+/// `table` is any value (never dereferenced);
+/// `out` is NULL or a `kvg_page_info` of its `struct_size` bytes.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_get_page_info(table: *const kvg_table, page: i32, out: *mut kvg_page_info) -> kvg_status {
@@ -555,7 +663,8 @@ pub unsafe extern "C" fn kvg_get_page_info(table: *const kvg_table, page: i32, o
 /// `KVG_STATUS_INVALID_ARGUMENT`.
 ///
 /// # Safety
-/// `table` is a live handle; `out` is NULL or a `kvg_request_info` of its `struct_size` bytes.
+/// `table` is any value (never dereferenced);
+/// `out` is NULL or a `kvg_request_info` of its `struct_size` bytes.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_get_request_info(
@@ -588,7 +697,8 @@ pub unsafe extern "C" fn kvg_get_request_info(
 /// written. One not admitted is `KVG_STATUS_INVALID_ARGUMENT`.
 ///
 /// # Safety
-/// `table` is a live handle; `out` is NULL or has room for `capacity`; `num_out` is writable.
+/// `table` is any value (never dereferenced);
+/// `out` is NULL or has room for `capacity`; `num_out` is writable.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_get_request_pages(
@@ -626,7 +736,7 @@ pub unsafe extern "C" fn kvg_get_request_pages(
 /// counted, into `*out`.
 ///
 /// # Safety
-/// `table` is a live handle; `out` is writable.
+/// `table` is any value (never dereferenced); `out` is writable.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_violation_count(table: *const kvg_table, kind: u32, out: *mut u64) -> kvg_status {
@@ -647,7 +757,8 @@ pub unsafe extern "C" fn kvg_violation_count(table: *const kvg_table, kind: u32,
 /// when none is left (the log keeps the last 1,024; `violations_dropped` counts the rest).
 ///
 /// # Safety
-/// `table` is a live handle; `out` is NULL or a `kvg_violation_info` of its `struct_size` bytes;
+/// `table` is any value (never dereferenced);
+/// `out` is NULL or a `kvg_violation_info` of its `struct_size` bytes;
 /// `found` is writable.
 #[unsafe(no_mangle)]
 #[must_use]

@@ -6,8 +6,9 @@
 //! A manifest carries the receiving table's ids: the decode side tells the prefill side its
 //! request and tenant ids and the page refs it offers when it asks for the transfer.
 
+use crate::handle::{Kind, Registry};
 use crate::raw::{self, SizedStruct};
-use crate::status::{Failure, guard_free, kvg_status};
+use crate::status::{Failure, guard_free, guard_release, kvg_status};
 use crate::table::{kvg_table, with_table};
 use crate::types::{
     kvg_accepted, kvg_expected_transfer, kvg_land_fn, kvg_manifest_info, kvg_manifest_page, kvg_page_ref,
@@ -22,20 +23,20 @@ use std::ffi::c_void;
 use std::mem::size_of;
 
 /// A transfer manifest behind an opaque handle (`kvg_manifest_build`, `kvg_manifest_decode`;
-/// `kvg_manifest_free`). Immutable: any number of threads may read one at once.
+/// `kvg_manifest_free`). Immutable: any number of threads may read one at once. The pointer is a
+/// handle, never dereferenced: a freed one is `KVG_STATUS_INVALID_HANDLE`.
 pub struct kvg_manifest {
-    manifest: Manifest,
+    _handle_only: [u8; 0],
 }
 
-/// Runs `body` on the manifest behind `m`; NULL is refused.
+/// The live manifests, by handle.
+static MANIFESTS: Registry<Manifest> = Registry::new(Kind::Manifest);
+
+/// Runs `body` on the manifest behind `m`; a NULL, dead or foreign handle is refused.
 fn with_manifest(m: *const kvg_manifest, body: impl FnOnce(&Manifest) -> Result<(), Failure>) -> kvg_status {
     guard_free(|| {
-        if m.is_null() {
-            return Err(Failure::status(kvg_status::NullPointer, "manifest is NULL".to_string()));
-        }
-        // SAFETY: non-null; the caller promises a handle from `kvg_manifest_build` or
-        // `kvg_manifest_decode` not freed yet.
-        body(unsafe { &(*m).manifest })
+        let manifest = MANIFESTS.get(m.addr(), "manifest")?;
+        body(&manifest)
     })
 }
 
@@ -58,7 +59,8 @@ fn decode_refused(e: DecodeError) -> Failure {
 }
 
 fn put_manifest(out: *mut *mut kvg_manifest, manifest: Manifest) -> Result<(), Failure> {
-    raw::put(out, Box::into_raw(Box::new(kvg_manifest { manifest })))
+    let handle = MANIFESTS.insert(manifest)?;
+    raw::put(out, std::ptr::without_provenance_mut(handle))
 }
 
 /// The checksum a manifest carries for `len` bytes at `bytes` (CRC32, 0 folded into 1), into
@@ -148,7 +150,8 @@ pub unsafe extern "C" fn kvg_manifest_decode(bytes: *const u8, len: usize, out: 
 /// (`KVG_STATUS_BUFFER_TOO_SMALL`, nothing written, when it is shorter).
 ///
 /// # Safety
-/// `manifest` is a live handle; `buf` is NULL or has room for `capacity` bytes; `len` is writable.
+/// `manifest` is any value (never dereferenced);
+/// `buf` is NULL or has room for `capacity` bytes; `len` is writable.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_manifest_encode(
@@ -177,7 +180,8 @@ pub unsafe extern "C" fn kvg_manifest_encode(
 /// What the manifest says (whose KV, which prompt, the page shape, how many pages), into `*out`.
 ///
 /// # Safety
-/// `manifest` is a live handle; `out` is a `kvg_manifest_info` of its `struct_size` bytes.
+/// `manifest` is any value (never dereferenced);
+/// `out` is a `kvg_manifest_info` of its `struct_size` bytes.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_manifest_get_info(
@@ -205,7 +209,8 @@ pub unsafe extern "C" fn kvg_manifest_get_info(
 /// nothing written, when `out` is shorter; `out` NULL asks the count only.
 ///
 /// # Safety
-/// `manifest` is a live handle; `out` is NULL or has room for `capacity`; `num_out` is writable.
+/// `manifest` is any value (never dereferenced);
+/// `out` is NULL or has room for `capacity`; `num_out` is writable.
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_manifest_get_pages(
@@ -234,18 +239,19 @@ pub unsafe extern "C" fn kvg_manifest_get_pages(
     })
 }
 
-/// Frees a manifest. NULL is a no-op.
+/// Frees a manifest. NULL is a no-op (`KVG_STATUS_OK`); a manifest freed already, or a handle
+/// that is not a manifest, is `KVG_STATUS_INVALID_HANDLE`. A call reading the manifest in
+/// another thread meanwhile finishes on it. The status may be ignored; a free that succeeds
+/// leaves the thread's last error as it was.
 ///
 /// # Safety
-/// `manifest` is NULL or a handle not freed yet, which no other thread is using.
+/// None beyond the type: `manifest` is never dereferenced.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn kvg_manifest_free(manifest: *mut kvg_manifest) {
+pub unsafe extern "C" fn kvg_manifest_free(manifest: *mut kvg_manifest) -> kvg_status {
     if manifest.is_null() {
-        return;
+        return kvg_status::Ok;
     }
-    // SAFETY: the caller hands back a handle made by `Box::into_raw` in `put_manifest`, once.
-    let handle = unsafe { Box::from_raw(manifest) };
-    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(handle)));
+    guard_release(|| {}, || MANIFESTS.remove(manifest.addr(), "manifest").map(drop))
 }
 
 /// The receiver's side: accepts a transfer only if its manifest (`manifest_len` bytes) is for
@@ -266,7 +272,8 @@ pub unsafe extern "C" fn kvg_manifest_free(manifest: *mut kvg_manifest) {
 /// receiving page revoked (bytes may have landed in any), the request not quarantined.
 ///
 /// # Safety
-/// `table` is a live handle; `expected` a `kvg_expected_transfer` of its `struct_size` whose
+/// `table` is any value (never dereferenced);
+/// `expected` a `kvg_expected_transfer` of its `struct_size` whose
 /// arrays hold what it says; `manifest` holds `manifest_len` bytes; `pages` and `page_lens` hold
 /// `num_pages` entries, each `pages[i]` `page_lens[i]` bytes; `land` must not unwind; `accepted`
 /// is NULL or a `kvg_accepted` of its `struct_size` bytes.

@@ -406,7 +406,8 @@ pub struct kvg_request_info {
 
 /// What a release handed back (`kvg_release`, `kvg_release_pages`, `kvg_preempt`,
 /// `kvg_detach_prefix`, `kvg_evict_prefix`). The caller sets `struct_size`, and `scrub` and
-/// `scrub_capacity` when the pool scrubs on release; kvguard fills `ended` and `scrub_len`.
+/// `scrub_capacity` when the pool scrubs on release; kvguard fills `ended` and `scrub_len` and
+/// leaves `struct_size` as the caller set it (the struct may be passed again).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct kvg_released {

@@ -209,6 +209,68 @@ static void test_config_and_sizes(void) {
     }
 }
 
+/* A caller built against a newer header: its structs are larger, and a newer field it sets is
+   refused by this library, never silently ignored. `kvg_pool_config_init` keeps the caller's
+   `struct_size` (it used to write this library's, which hid the newer fields). */
+static void test_newer_callers(void) {
+    struct {
+        kvg_pool_config config;
+        uint64_t newer_field;
+    } grown;
+    kvg_table *table = NULL;
+
+    memset(&grown, 0xab, sizeof grown);
+    OK(kvg_pool_config_init(&grown.config, sizeof grown));
+    CHECK(grown.config.struct_size == sizeof grown);
+    CHECK(grown.newer_field == 0); /* zeroed: the newer field's default */
+    CHECK(grown.config.policy == KVG_POLICY_ENFORCE && grown.config.reserved == NULL);
+    grown.config.num_pages = PAGES;
+    grown.config.page_size = PS;
+    grown.config.max_context_tokens = MAX_CONTEXT;
+    /* Zero trailing bytes: the newer field left at its default, accepted. */
+    OK(kvg_table_new(&grown.config, &table));
+    CHECK(table != NULL);
+    kvg_table_free(table);
+    /* A newer field set: refused, with a message, and no table. */
+    grown.newer_field = 7;
+    table = NULL;
+    EXPECT(kvg_table_new(&grown.config, &table), KVG_STATUS_BAD_STRUCT_SIZE);
+    CHECK(table == NULL);
+    CHECK(strstr(kvg_last_error_message(), "does not know") != NULL);
+    EXPECT(kvg_pool_config_audit(&grown.config), KVG_STATUS_BAD_STRUCT_SIZE);
+
+    /* Too small for the first version: refused, and nothing written (not even struct_size). */
+    memset(&grown, 0xab, sizeof grown);
+    EXPECT(kvg_pool_config_init(&grown.config, sizeof grown.config - 8), KVG_STATUS_BAD_STRUCT_SIZE);
+    CHECK(strstr(kvg_last_error_message(), "struct_size") != NULL);
+    EXPECT(kvg_pool_config_init(&grown.config, 4), KVG_STATUS_BAD_STRUCT_SIZE);
+    CHECK(grown.config.num_pages == 0xabababab);
+    EXPECT(kvg_pool_config_init(&grown.config, 1u << 20), KVG_STATUS_BAD_STRUCT_SIZE);
+
+    /* An in-out struct passed again keeps the caller's struct_size, so a newer in-field set
+       between calls is still refused. */
+    {
+        struct {
+            kvg_released released;
+            uint64_t newer_field;
+        } rel;
+        kvg_table *t = new_table(KVG_POLICY_ENFORCE, 0);
+        kvg_page_ref refs[2];
+        memset(&rel, 0, sizeof rel);
+        rel.released.struct_size = sizeof rel;
+        OK(kvg_admit(t, 1, 1, PS, 0));
+        OK(kvg_allocate(t, 1, 2, refs, 2));
+        OK(kvg_release_pages(t, 1, &refs[0].page, 1, &rel.released));
+        CHECK(rel.released.ended == 1 && rel.released.struct_size == sizeof rel);
+        rel.newer_field = 1;
+        EXPECT(kvg_release(t, 1, &rel.released), KVG_STATUS_BAD_STRUCT_SIZE);
+        rel.newer_field = 0;
+        OK(kvg_release(t, 1, &rel.released));
+        CHECK(rel.released.ended == 1);
+        kvg_table_free(t);
+    }
+}
+
 static void test_null_table_and_pointers(void) {
     kvg_pool_snapshot snap;
     uint64_t n = 0;
@@ -1085,6 +1147,176 @@ static void test_transfers(void) {
     kvg_table_free(decode);
 }
 
+/* Misused handles. A handle is an id kvguard looks up on every call, never an address it
+   dereferences, and ids are never reused: a freed handle, one freed twice, one of another type
+   or one kvguard never made is refused with KVG_STATUS_INVALID_HANDLE and a message, also after
+   the allocator reused the memory. Run under AddressSanitizer by scripts/ci/c.sh: a crash, a
+   read of freed memory or a leak fails it. */
+static void test_handle_misuse(void) {
+    kvg_table *t = new_table(KVG_POLICY_ENFORCE, 0), *other;
+    kvg_import_ticket *ticket = NULL, *aborted_by_free = NULL, *never_ended = NULL;
+    kvg_manifest *m = NULL;
+    kvg_page_ref refs[2], more[2], last[2];
+    kvg_pool_snapshot snap;
+    size_t live = kvg_live_handles();
+    snap.struct_size = sizeof snap;
+    CHECK(live == 1);
+
+    /* Double free, use after free: a status, the thread's message says which. */
+    OK(kvg_admit(t, 1, 1, 32, 0));
+    OK(kvg_table_free(t));
+    EXPECT(kvg_table_free(t), KVG_STATUS_INVALID_HANDLE);
+    CHECK(strstr(kvg_last_error_message(), "already freed by kvg_table_free") != NULL);
+    CHECK(kvg_last_status() == KVG_STATUS_INVALID_HANDLE);
+    CHECK(strcmp(kvg_status_name(KVG_STATUS_INVALID_HANDLE), "invalid_handle") == 0);
+    EXPECT(kvg_admit(t, 2, 1, 32, 0), KVG_STATUS_INVALID_HANDLE);
+    EXPECT(kvg_snapshot(t, &snap), KVG_STATUS_INVALID_HANDLE);
+    EXPECT(kvg_release(t, 1, NULL), KVG_STATUS_INVALID_HANDLE);
+    /* Still refused once a new table exists (its memory may be the freed one's): the new
+       handle is a new id, and the old one never names it. */
+    other = new_table(KVG_POLICY_ENFORCE, 0);
+    CHECK(other != t);
+    EXPECT(kvg_admit(t, 1, 1, 32, 0), KVG_STATUS_INVALID_HANDLE);
+    OK(kvg_admit(other, 1, 1, 32, 0));
+    OK(kvg_table_free(NULL)); /* NULL stays a no-op */
+
+    /* A ticket ended twice, either way. */
+    OK(kvg_allocate(other, 1, 2, refs, 2));
+    OK(kvg_begin_import(other, 1, refs, 2, &ticket));
+    OK(kvg_import_finish(ticket, 32, 32));
+    EXPECT(kvg_import_finish(ticket, 32, 32), KVG_STATUS_INVALID_HANDLE);
+    CHECK(strstr(kvg_last_error_message(), "already ended") != NULL);
+    EXPECT(kvg_import_abort(ticket), KVG_STATUS_INVALID_HANDLE);
+    OK(kvg_begin_import(other, 1, refs, 2, &ticket));
+    OK(kvg_import_abort(ticket));
+    EXPECT(kvg_import_abort(ticket), KVG_STATUS_INVALID_HANDLE);
+    EXPECT(kvg_import_finish(ticket, 32, 32), KVG_STATUS_INVALID_HANDLE);
+    OK(kvg_import_abort(NULL));
+
+    /* A handle of another type, and values kvguard never made. */
+    OK(kvg_begin_import(other, 1, refs, 2, &ticket));
+    EXPECT(kvg_admit((kvg_table *)(void *)ticket, 9, 1, 16, 0), KVG_STATUS_INVALID_HANDLE);
+    CHECK(strstr(kvg_last_error_message(), "kvg_import_ticket handle, not a kvg_table") != NULL);
+    EXPECT(kvg_table_free((kvg_table *)(void *)ticket), KVG_STATUS_INVALID_HANDLE);
+    EXPECT(kvg_import_finish((kvg_import_ticket *)(void *)other, 1, 1), KVG_STATUS_INVALID_HANDLE);
+    EXPECT(kvg_admit((kvg_table *)(void *)&snap, 9, 1, 16, 0), KVG_STATUS_INVALID_HANDLE);
+    CHECK(strstr(kvg_last_error_message(), "never made by kvguard") != NULL);
+    EXPECT(kvg_import_abort((kvg_import_ticket *)(void *)&snap), KVG_STATUS_INVALID_HANDLE);
+    OK(kvg_import_abort(ticket));
+
+    /* A manifest freed twice, or read after its free. */
+    {
+        kvg_transfer_header header;
+        int32_t prompt[PS];
+        uint8_t page[PS];
+        const uint8_t *pages[1] = {page};
+        size_t lens[1] = {sizeof page}, len = 0;
+        for (int i = 0; i < PS; i++) prompt[i] = i;
+        memset(page, 7, sizeof page);
+        memset(&header, 0, sizeof header);
+        header.struct_size = sizeof header;
+        header.request = 1;
+        header.tenant = 1;
+        header.page_size = PS;
+        header.slot_bytes = 1;
+        OK(kvg_manifest_build(&header, prompt, PS, refs, 1, pages, lens, 1, &m));
+        OK(kvg_manifest_encode(m, NULL, 0, &len));
+        OK(kvg_manifest_free(m));
+        EXPECT(kvg_manifest_free(m), KVG_STATUS_INVALID_HANDLE);
+        CHECK(strstr(kvg_last_error_message(), "already freed by kvg_manifest_free") != NULL);
+        EXPECT(kvg_manifest_encode(m, NULL, 0, &len), KVG_STATUS_INVALID_HANDLE);
+        EXPECT(kvg_manifest_free((kvg_manifest *)(void *)other), KVG_STATUS_INVALID_HANDLE);
+        OK(kvg_manifest_free(NULL));
+    }
+
+    /* Tickets still open when their table is freed: kvg_table_free aborts and frees them (no
+       leak, nothing read after its free); ending one afterwards is a status. One is never
+       touched again: the sanitizer's leak check says it went with its table. */
+    OK(kvg_admit(other, 2, 1, 32, 0));
+    OK(kvg_allocate(other, 2, 2, more, 2));
+    OK(kvg_admit(other, 3, 1, 32, 0));
+    OK(kvg_allocate(other, 3, 2, last, 2));
+    OK(kvg_begin_import(other, 1, refs, 2, &ticket));
+    OK(kvg_begin_import(other, 2, more, 2, &aborted_by_free));
+    OK(kvg_begin_import(other, 3, last, 2, &never_ended));
+    OK(kvg_import_finish(ticket, 32, 32)); /* ended before the free: unaffected */
+    OK(kvg_table_free(other));
+    EXPECT(kvg_import_finish(aborted_by_free, 32, 32), KVG_STATUS_INVALID_HANDLE);
+    CHECK(strstr(kvg_last_error_message(), "aborted by kvg_table_free of its table") != NULL);
+    EXPECT(kvg_import_abort(aborted_by_free), KVG_STATUS_INVALID_HANDLE);
+    EXPECT(kvg_begin_import(other, 3, last, 2, &ticket), KVG_STATUS_INVALID_HANDLE);
+    CHECK(kvg_live_handles() == 0); /* the never-ended ticket went with its table */
+
+    /* A free that succeeds leaves the thread's last error readable. */
+    t = new_table(KVG_POLICY_ENFORCE, 0);
+    EXPECT(kvg_admit(t, 1, 1, 1u << 30, 0), KVG_STATUS_VIOLATION);
+    OK(kvg_table_free(t));
+    CHECK(kvg_last_status() == KVG_STATUS_VIOLATION);
+    CHECK(strstr(kvg_last_error_message(), "exceeds_max_context") != NULL);
+}
+
+/* A table freed while a call runs on it (here, by the call's own `land` callback, as another
+   thread could): the call finishes on the table, which goes when the call returns; the next
+   call is refused. */
+struct freeing {
+    kvg_table *table;
+    kvg_status freed;
+};
+
+static void land_and_free(void *user, size_t index, kvg_page_ref page, const uint8_t *bytes, size_t len) {
+    struct freeing *f = user;
+    (void)index;
+    (void)page;
+    (void)bytes;
+    (void)len;
+    f->freed = kvg_table_free(f->table);
+}
+
+static void test_free_during_a_call(void) {
+    kvg_table *t = new_table(KVG_POLICY_ENFORCE, 0);
+    kvg_page_ref dest[1];
+    int32_t prompt[PS];
+    uint8_t page[PS], wire[512];
+    const uint8_t *pages[1] = {page};
+    size_t lens[1] = {sizeof page}, wire_len = 0;
+    kvg_transfer_header header;
+    kvg_expected_transfer expected;
+    kvg_accepted accepted;
+    kvg_manifest *m = NULL;
+    struct freeing f = {t, KVG_STATUS_OTHER};
+
+    for (int i = 0; i < PS; i++) prompt[i] = 100 + i;
+    memset(page, 3, sizeof page);
+    OK(kvg_admit(t, 1, 1, PS, 0));
+    OK(kvg_allocate(t, 1, 1, dest, 1));
+    memset(&header, 0, sizeof header);
+    header.struct_size = sizeof header;
+    header.request = 1;
+    header.tenant = 1;
+    header.page_size = PS;
+    header.slot_bytes = 1;
+    OK(kvg_manifest_build(&header, prompt, PS, dest, 1, pages, lens, 1, &m));
+    OK(kvg_manifest_encode(m, wire, sizeof wire, &wire_len));
+    OK(kvg_manifest_free(m));
+    memset(&expected, 0, sizeof expected);
+    expected.struct_size = sizeof expected;
+    expected.request = 1;
+    expected.tenant = 1;
+    expected.page_size = PS;
+    expected.slot_bytes = 1;
+    expected.prompt = prompt;
+    expected.prompt_len = PS;
+    expected.pages = dest;
+    expected.num_pages = 1;
+    accepted.struct_size = sizeof accepted;
+
+    OK(kvg_accept_transfer(t, &expected, wire, wire_len, pages, lens, 1, land_and_free, &f, &accepted));
+    CHECK(f.freed == KVG_STATUS_OK);
+    CHECK(accepted.tokens == PS && accepted.pages == 1);
+    EXPECT(kvg_admit(t, 2, 1, PS, 0), KVG_STATUS_INVALID_HANDLE);
+    CHECK(kvg_live_handles() == 0); /* gone when the call returned */
+}
+
 /* Several threads on one table: each its own requests, allocating, writing, reading a step and
    releasing, while the others do the same; nothing may be refused and nothing lost. */
 enum { THREADS = 4, ROUNDS = 200, SEQS = 3 };
@@ -1130,6 +1362,7 @@ static void test_threads(void) {
 int main(void) {
     test_names_and_version();
     test_config_and_sizes();
+    test_newer_callers();
     test_null_table_and_pointers();
     test_allocator_mode();
     test_shadow_mode_and_scrub();
@@ -1141,7 +1374,10 @@ int main(void) {
     test_refs_forms();
     test_import_tickets();
     test_transfers();
+    test_handle_misuse();
+    test_free_during_a_call();
     test_threads();
+    CHECK(kvg_live_handles() == 0); /* every test freed what it made */
     printf("%d passed, %d failed\n", atomic_load(&passed), atomic_load(&failed));
     return atomic_load(&failed) == 0 ? 0 : 1;
 }
