@@ -29,7 +29,9 @@
 #endif
 
 // The version of the C ABI the header describes: bumped on every incompatible change (a
-// callback's signature, a struct's layout). Version 2: `kvg_land_fn` returns an `int` status.
+// callback's signature, a struct's layout). Version 2: `kvg_land_fn` returns an `int` status;
+// `kvg_table_free`, `kvg_manifest_free` and `kvg_import_abort` return a `kvg_status` (a freed or
+// invalid handle is `KVG_STATUS_INVALID_HANDLE`).
 // Compare it with [`kvg_abi_version`] at start-up to catch a header and a library that differ.
 #define KVG_ABI_VERSION 2
 
@@ -634,6 +636,18 @@ KVG_MUST_USE
 kvg_status kvg_import_finish(struct kvg_import_ticket *ticket,
                              uint64_t tokens,
                              uint64_t expected);
+
+// Ends the transfer because landing its bytes failed at entry `index` (the copy into the pool
+// returned an error; `SIZE_MAX`: at no page in particular): bytes may have landed in any of its
+// pages, so every page still the request's loses its coverage (reads refused as
+// `unwritten_slots` until the request writes it again), nothing is recorded as written, the
+// pages are unpinned, and a `landing_failed` violation naming the page is recorded (counted,
+// logged; it does not quarantine the request). The ticket is freed. `KVG_STATUS_OK` once done;
+// a ticket ended already is `KVG_STATUS_INVALID_HANDLE`.
+//
+// # Safety
+// None beyond the type: `ticket` is never dereferenced.
+KVG_MUST_USE kvg_status kvg_import_fail(struct kvg_import_ticket *ticket, size_t index);
 
 // Abandons the transfer (its manifest was refused, say): nothing is recorded, the pages are
 // unpinned, the ticket freed. NULL is a no-op (`KVG_STATUS_OK`); a ticket ended already is

@@ -42,6 +42,19 @@ impl Ticket {
         });
         Ok(outcome?)
     }
+
+    /// Fails the transfer at entry `index` (`kvg_import_fail`); a panic in it poisons the table.
+    fn fail(self, index: usize) -> Result<(), Failure> {
+        // On a refused (poisoned) table the ticket is dropped unfinished, which aborts it; the
+        // table refuses every call from then on.
+        self.table.refuse_if_poisoned()?;
+        let pinned = self.pinned;
+        catch_unwind(AssertUnwindSafe(|| pinned.fail(index))).unwrap_or_else(|panic| {
+            self.table.poison();
+            resume_unwind(panic)
+        });
+        Ok(())
+    }
 }
 
 /// Takes an open ticket out of the registry (its handle dead from then on) and off its table's
@@ -102,6 +115,22 @@ pub unsafe extern "C" fn kvg_begin_import(
 #[must_use]
 pub unsafe extern "C" fn kvg_import_finish(ticket: *mut kvg_import_ticket, tokens: u64, expected: u64) -> kvg_status {
     guard(|| {}, || take_ticket(ticket.addr())?.finish(tokens, expected))
+}
+
+/// Ends the transfer because landing its bytes failed at entry `index` (the copy into the pool
+/// returned an error; `SIZE_MAX`: at no page in particular): bytes may have landed in any of its
+/// pages, so every page still the request's loses its coverage (reads refused as
+/// `unwritten_slots` until the request writes it again), nothing is recorded as written, the
+/// pages are unpinned, and a `landing_failed` violation naming the page is recorded (counted,
+/// logged; it does not quarantine the request). The ticket is freed. `KVG_STATUS_OK` once done;
+/// a ticket ended already is `KVG_STATUS_INVALID_HANDLE`.
+///
+/// # Safety
+/// None beyond the type: `ticket` is never dereferenced.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvg_import_fail(ticket: *mut kvg_import_ticket, index: usize) -> kvg_status {
+    guard(|| {}, || take_ticket(ticket.addr())?.fail(index))
 }
 
 /// Abandons the transfer (its manifest was refused, say): nothing is recorded, the pages are

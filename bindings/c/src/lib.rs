@@ -33,7 +33,7 @@ mod transfer;
 mod types;
 
 pub use handle::kvg_live_handles;
-pub use import::{kvg_begin_import, kvg_import_abort, kvg_import_finish, kvg_import_ticket};
+pub use import::{kvg_begin_import, kvg_import_abort, kvg_import_fail, kvg_import_finish, kvg_import_ticket};
 pub use prefix::{kvg_attach_prefix, kvg_detach_prefix, kvg_evict_prefix, kvg_publish_prefix, kvg_publish_prefix_refs};
 pub use status::{
     kvg_last_error_message, kvg_last_status, kvg_last_violation, kvg_last_violation_count, kvg_status, kvg_status_name,

@@ -185,7 +185,9 @@ pub(crate) fn put_released(out: *mut kvg_released, released: Released) -> Result
 }
 
 /// The version of the C ABI the header describes: bumped on every incompatible change (a
-/// callback's signature, a struct's layout). Version 2: `kvg_land_fn` returns an `int` status.
+/// callback's signature, a struct's layout). Version 2: `kvg_land_fn` returns an `int` status;
+/// `kvg_table_free`, `kvg_manifest_free` and `kvg_import_abort` return a `kvg_status` (a freed or
+/// invalid handle is `KVG_STATUS_INVALID_HANDLE`).
 /// Compare it with [`kvg_abi_version`] at start-up to catch a header and a library that differ.
 pub const KVG_ABI_VERSION: u32 = 2;
 

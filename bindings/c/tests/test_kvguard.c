@@ -934,6 +934,37 @@ static void test_import_tickets(void) {
     OK(kvg_begin_import(t, 3, refs, 2, &ticket)); /* unpinned by the abort */
     kvg_import_abort(ticket);
 
+    /* The connector's own copy failed at page 1: coverage revoked (the request had written its
+       first page itself), landing_failed recorded, the request not quarantined, the ticket
+       ended once. */
+    {
+        kvg_page_info info;
+        kvg_request_info rinfo;
+        uint64_t failed = 0;
+        int32_t pages[2] = {refs[0].page, refs[1].page};
+        info.struct_size = sizeof info;
+        rinfo.struct_size = sizeof rinfo;
+        OK(kvg_admit(t, 4, 1, 32, 0));
+        OK(kvg_allocate(t, 4, 2, refs, 2));
+        pages[0] = refs[0].page;
+        pages[1] = refs[1].page;
+        OK(kvg_record_write_tokens(t, 4, pages, 2, 0, PS));
+        OK(kvg_begin_import(t, 4, refs, 2, &ticket));
+        OK(kvg_import_fail(ticket, 1));
+        EXPECT(kvg_import_fail(ticket, 1), KVG_STATUS_INVALID_HANDLE);
+        OK(kvg_get_page_info(t, refs[0].page, &info));
+        CHECK(info.written_slots == 0);
+        OK(kvg_violation_count(t, KVG_VIOLATION_KIND_LANDING_FAILED, &failed));
+        CHECK(failed == 1);
+        OK(kvg_get_request_info(t, 4, &rinfo));
+        CHECK(!rinfo.quarantined);
+        OK(kvg_snapshot(t, &snap));
+        CHECK(snap.in_flight == 0);
+        EXPECT(kvg_check_read(t, 4, pages, 2, 1), KVG_STATUS_VIOLATION);
+        OK(kvg_record_write_tokens(t, 4, pages, 2, 0, 2 * PS)); /* recomputed: readable again */
+        OK(kvg_check_read(t, 4, pages, 2, 2 * PS));
+    }
+
     /* Refusals: another request's pages, NULLs. */
     VIOLATES(kvg_begin_import(t, 1, refs, 2, &ticket), KVG_VIOLATION_KIND_FOREIGN_PAGE);
     CHECK(ticket == NULL);
@@ -949,6 +980,7 @@ struct landing {
     int calls;
     size_t bytes;
     int32_t pages[4];
+    size_t fail_at; /* land_failing: the entry whose copy fails */
 };
 
 static int land(void *user, size_t index, kvg_page_ref page, const uint8_t *bytes, size_t len) {
@@ -960,14 +992,14 @@ static int land(void *user, size_t index, kvg_page_ref page, const uint8_t *byte
     return 0;
 }
 
-/* A copy into the pool that fails on its second page (a cudaError_t, say). */
-static int land_fails_on_page_1(void *user, size_t index, kvg_page_ref page, const uint8_t *bytes, size_t len) {
+/* A copy into the pool that fails on entry `fail_at` (a cudaError_t, say). */
+static int land_failing(void *user, size_t index, kvg_page_ref page, const uint8_t *bytes, size_t len) {
     struct landing *l = user;
     (void)page;
     (void)bytes;
     (void)len;
     l->calls++;
-    return index == 1 ? 700 : 0;
+    return index == l->fail_at ? 700 : 0;
 }
 
 /* Manifests (build, encode, decode, inspect) and the receiver's accept. */
@@ -1097,19 +1129,29 @@ static void test_transfers(void) {
         CHECK(landed.calls == 0); /* nothing landed from a refused transfer */
         OK(kvg_violation_count(decode, 0, &after));
         CHECK(after == before + 3); /* the table counted each refusal */
-        /* The copy of the second page fails: the import is abandoned, nothing is readable, and
-           the failure is its own kind, naming the page. */
-        VIOLATES(kvg_accept_transfer(decode, &expected, wire, wire_len, pages, lens, 2, land_fails_on_page_1, &landed,
-                                     &accepted),
-                 KVG_VIOLATION_KIND_LANDING_FAILED);
-        CHECK(landed.calls == 2);
-        CHECK(strstr(kvg_last_error_message(), "landing page 1") != NULL);
-        CHECK(strstr(kvg_last_error_message(), "returned 700") != NULL);
-        {
-            kvg_page_info info;
-            info.struct_size = sizeof info;
-            OK(kvg_get_page_info(decode, dest[0].page, &info));
-            CHECK(info.written_slots == 0);
+        /* The copy of either page fails: the import is abandoned, nothing is readable, and the
+           failure is its own kind, naming the page; landing stopped there. */
+        for (size_t fail_at = 0; fail_at < 2; fail_at++) {
+            char want[32];
+            kvg_violation_info v;
+            landed.calls = 0;
+            landed.fail_at = fail_at;
+            VIOLATES(kvg_accept_transfer(decode, &expected, wire, wire_len, pages, lens, 2, land_failing, &landed,
+                                         &accepted),
+                     KVG_VIOLATION_KIND_LANDING_FAILED);
+            CHECK(landed.calls == (int)fail_at + 1);
+            snprintf(want, sizeof want, "landing page %zu", fail_at);
+            CHECK(strstr(kvg_last_error_message(), want) != NULL);
+            CHECK(strstr(kvg_last_error_message(), "returned 700") != NULL);
+            v.struct_size = sizeof v;
+            OK(kvg_last_violation(0, &v));
+            CHECK(v.page == (uint32_t)dest[fail_at].page && v.block_index == fail_at);
+            for (int i = 0; i < 2; i++) {
+                kvg_page_info info;
+                info.struct_size = sizeof info;
+                OK(kvg_get_page_info(decode, dest[i].page, &info));
+                CHECK(info.written_slots == 0);
+            }
         }
         landed.calls = 0;
         /* Requests 7 is quarantined by the enforced refusals; accepting still lands and records. */
@@ -1263,13 +1305,14 @@ struct freeing {
     kvg_status freed;
 };
 
-static void land_and_free(void *user, size_t index, kvg_page_ref page, const uint8_t *bytes, size_t len) {
+static int land_and_free(void *user, size_t index, kvg_page_ref page, const uint8_t *bytes, size_t len) {
     struct freeing *f = user;
     (void)index;
     (void)page;
     (void)bytes;
     (void)len;
     f->freed = kvg_table_free(f->table);
+    return 0;
 }
 
 static void test_free_during_a_call(void) {

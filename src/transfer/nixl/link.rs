@@ -402,10 +402,12 @@ impl<'a> NixlLink<'a> {
             if !outside.is_empty() {
                 pinned.overwritten(&outside);
             }
-            let differs = notice.extents.iter().zip(&pinned_pages).position(|(e, &p)| e.page != p);
-            if differs.is_some() || notice.extents.len() != pinned_pages.len() || !strays.is_empty() {
-                let index = differs.or((notice.extents.len() != pinned_pages.len())
-                    .then_some(notice.extents.len().min(pinned_pages.len())));
+            // Refused here when a WRITE landed outside the offer; a notice naming fewer of the
+            // offered pages (or another order) wrote nowhere else, and is refused below, with
+            // the manifest's own verdict where it has one (a misrouted prompt, say).
+            if !outside.is_empty() || notice.extents.len() > pinned_pages.len() {
+                let index = notice.extents.iter().zip(&pinned_pages).position(|(e, &p)| e.page != p);
+                let index = index.or(Some(pinned_pages.len()));
                 let e = TransferError::Pages { expected: pinned_pages.len(), found: notice.extents.len(), index };
                 return Err(ImportError::Refused(pinned.refuse(expected, e)));
             }
@@ -413,6 +415,14 @@ impl<'a> NixlLink<'a> {
         // Where each extent landed (push) or is to land (pull): the pinned page at its position.
         let mut landed = Vec::with_capacity(notice.extents.len().min(pinned_pages.len()));
         for (index, (extent, &page)) in notice.extents.iter().zip(&pinned_pages).enumerate() {
+            if direction == Direction::Write && extent.page != page {
+                let e = TransferError::Pages {
+                    expected: pinned_pages.len(),
+                    found: notice.extents.len(),
+                    index: Some(index),
+                };
+                return Err(ImportError::Refused(pinned.refuse(expected, e)));
+            }
             if extent.len > layout.page_bytes {
                 let e = TransferError::PageLength {
                     index,
