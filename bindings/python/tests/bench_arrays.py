@@ -37,8 +37,21 @@ def per_call_ns(f, n):
     return best
 
 
+class DLPackOnly:
+    """A host tensor seen only through DLPack (what a torch CPU tensor offers), over numpy."""
+
+    def __init__(self, arr):
+        self.arr = arr
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+    def __dlpack__(self, **kw):
+        return self.arr.__dlpack__(**kw)
+
+
 def main():
-    forms = {"numpy (owner)": lambda a: a, "numpy view (a[:])": lambda a: a[:]}
+    forms = {"numpy (owner)": lambda a: a, "numpy view (a[:])": lambda a: a[:], "DLPack over numpy": DLPackOnly}
     try:
         import torch
 
