@@ -468,29 +468,50 @@ fn non_negative<T: Copy + Into<i64>>(values: &[T], name: &str) -> PyResult<Vec<u
 
 /// A 1-D int64 array the binding writes in place: an engine plugin's own bookkeeping
 /// (kvguard.sglang's page owners and checked row lengths), updated in the same call that judged
-/// the step instead of by numpy afterwards. It must be writable and C-contiguous.
+/// the step instead of by numpy afterwards. It must be writable and C-contiguous, and inside its
+/// owner's memory as [`IntArray`]'s views are (a write past it would corrupt the process).
 #[derive(Debug)]
-pub struct I64Mut {
+pub struct I64Mut<'py> {
     /// Keeps the exported memory alive (released on drop, with the GIL).
     buf: PyBuffer<i64>,
     len: usize,
+    /// The owner's export, when the owner is not the exported object itself.
+    _owner: Option<Extent<'py>>,
 }
 
-impl I64Mut {
+impl<'py> I64Mut<'py> {
     /// Views `obj` for writing; `name` names the argument in errors.
-    pub fn open(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<I64Mut> {
+    pub fn open(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<I64Mut<'py>> {
         let wrong = || {
             PyTypeError::new_err(format!(
                 "{name} must be a writable, contiguous 1-D int64 array (numpy), got {}",
                 type_name(obj)
             ))
         };
+        let py = obj.py();
+        let known = Known::get(py)?;
+        let exact = known.is_exact_ndarray(obj);
+        if !exact && exports_buffer(obj) {
+            known.vet_exporter(obj, name)?;
+        }
         let buf = PyBuffer::<i64>::get(obj).map_err(|_| wrong())?;
         if buf.readonly() || !buf.is_c_contiguous() || buf.dimensions() != 1 {
             return Err(wrong());
         }
         let len = buf.item_count();
-        Ok(I64Mut { buf, len })
+        let base = buf.buf_ptr() as usize;
+        let bytes = span(base, [(len, 8)], 8)
+            .map_err(|()| PyValueError::new_err(format!("{name}: its shape reaches beyond the address space")))?;
+        let owner = if exact {
+            let b = obj.getattr(intern!(py, "base"))?;
+            if b.is_none() { None } else { Some(owner::owner_of(&b, name)?) }
+        } else {
+            Some(owner::owner_of(obj, name)?)
+        };
+        if let Some(owner) = &owner {
+            owner.contains(bytes.as_ref(), name)?;
+        }
+        Ok(I64Mut { buf, len, _owner: owner })
     }
 
     /// Its length.
@@ -506,7 +527,12 @@ impl I64Mut {
     /// `ValueError` when it shares memory with `other` (an argument named `other_name`), or with
     /// the other writable array `also`: the binding writes it while it reads the others, so
     /// they must not alias (the SAFETY of [`I64Mut::get`] and [`I64Mut::set`] relies on it).
-    pub fn apart(&self, name: &str, others: &[(&IntArray<'_>, &str)], also: Option<(&I64Mut, &str)>) -> PyResult<()> {
+    pub fn apart(
+        &self,
+        name: &str,
+        others: &[(&IntArray<'_>, &str)],
+        also: Option<(&I64Mut<'_>, &str)>,
+    ) -> PyResult<()> {
         let mine = self.span();
         let overlaps = |r: std::ops::Range<usize>| {
             r.start < r.end && mine.start < mine.end && r.start < mine.end && mine.start < r.end

@@ -182,6 +182,21 @@ def test_a_buffer_exported_by_python_code_is_refused(table):
         table.verify_step(["a", "b"], Exporter(), [40, 20])
 
 
+def test_a_writable_array_past_its_allocation_is_refused_before_anything_is_written():
+    """kvguard.sglang's mirror arrays are written in place: a contiguous view that claims more
+    than its buffer (as_strided with the element's own stride) is refused, not written past."""
+    kind, message = refusal_in_child(
+        """
+        from test_window import mirror
+        t, rows, keys, claimants, owner, prefix = mirror()
+        free = [p for p in range(1, 128) if t.page_info(p).state == "free"]
+        huge = as_strided(owner, shape=(2**24,), strides=(8,))
+        t.write_decode_rows(keys, claimants, huge, prefix, np.full(8, 20, np.int64), [0], [20], [free[0] * 16])
+        """
+    )
+    assert kind == "ValueError" and "page_owner" in message and "outside the memory" in message
+
+
 # --- DLPack -----------------------------------------------------------------------------------
 
 
