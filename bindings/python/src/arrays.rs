@@ -151,9 +151,7 @@ impl<'py> IntArray<'py> {
             }
             return Ok(a);
         }
-        if obj.hasattr(intern!(py, "__dlpack_device__"))? {
-            owner::host_device(obj, name)?;
-            let (capsule, tensor) = owner::capsule_of(obj, name)?;
+        if let Some((capsule, tensor)) = owner::dlpack_export(obj, name)? {
             let owner = if known.numpy_exported(&tensor) {
                 Some(owner::owner_of(&owner::numpy_array(known, &capsule, &tensor, name)?, name)?)
             } else {

@@ -251,3 +251,10 @@ def test_torch_cpu_tensors_and_their_numpy_views_are_read(table):
     assert table.verify_step(["a", "b"], t, torch.tensor([40, 20])).clean
     assert table.verify_step(["a", "b"], t.numpy(), torch.tensor([40, 20]).numpy()).clean
     assert table.verify_step(["a"], t[:1].numpy()[:, :4], [40]).clean
+    # A subclass goes through __dlpack_device__ / __dlpack__ (only exact tensors take torch's C++
+    # export directly); a tensor on a device the host cannot read is refused as a type.
+    assert table.verify_step(["a", "b"], torch.nn.Buffer(t) if hasattr(torch.nn, "Buffer") else t, [40, 20]).clean
+    with pytest.raises(TypeError, match="DeviceGuard"):
+        table.verify_step(["a", "b"], torch.empty((2, 8), dtype=torch.int32, device="meta"), [40, 20])
+    with pytest.raises(TypeError, match="dtype int32 or int64"):
+        table.verify_step(["a", "b"], t.float(), [40, 20])
