@@ -1,16 +1,29 @@
-//! Zero-copy views of the engine's integer arrays: numpy arrays, anything exposing the buffer
-//! protocol, or anything with `__array_interface__`; int32 and int64; any strides (a row stride
-//! that is not the row's width is honoured). Plain Python sequences of ints are accepted for 1-D
-//! arguments and copied.
+//! Zero-copy views of the engine's integer arrays: numpy arrays, buffer-protocol objects and
+//! host (CPU or pinned) DLPack tensors such as torch CPU tensors; int32 and int64; any strides (a
+//! row stride that is not the row's width is honoured). Plain Python sequences of ints are
+//! accepted for 1-D arguments and copied.
 //!
-//! The arrays must not be written by another thread while a call reads them (the GIL is released
-//! during the check, as numpy does for its own loops).
+//! Nothing is read on an object's word alone: a view's elements must lie inside the memory of the
+//! object that owns them ([`owner`]), so a lying `__array_interface__`, an `as_strided` view past
+//! its buffer or a tensor on a device is refused with a Python exception, never read. A device
+//! tensor is refused before its data is touched (`__dlpack_device__`).
+//!
+//! The arrays must not be written, resized or freed by another thread while a call reads them
+//! (the GIL is released during the check, as numpy does for its own loops).
+
+mod dlpack;
+mod owner;
+
+use std::ops::Range;
 
 use kvguard::PageId;
 use pyo3::buffer::{PyBuffer, PyUntypedBuffer};
 use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple};
+use pyo3::types::{PyCapsule, PyList, PyTuple};
+
+use owner::{Extent, Known};
 
 /// The element type of an array kvguard reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -35,8 +48,8 @@ impl Elem {
 enum Keep<'py> {
     /// A buffer-protocol export (released on drop, with the GIL).
     Buffer(#[allow(dead_code)] PyUntypedBuffer),
-    /// An object exposing `__array_interface__`.
-    Object(#[allow(dead_code)] Bound<'py, PyAny>),
+    /// A DLPack tensor's capsule, unconsumed: freeing it calls the producer's deleter.
+    Capsule(#[allow(dead_code)] Bound<'py, PyCapsule>),
     /// A copy of a Python sequence.
     Owned(#[allow(dead_code)] Vec<i64>),
 }
@@ -50,52 +63,166 @@ pub struct IntArray<'py> {
     /// In bytes.
     strides: [isize; 2],
     ndim: usize,
+    /// The bytes its elements span (`None`: it has none), inside its owner's memory.
+    bytes: Option<Range<usize>>,
     _keep: Keep<'py>,
+    /// The owner's export, when the owner is not the viewed object itself.
+    _owner: Option<Extent<'py>>,
 }
 
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
 }
 
+/// Whether `obj`'s type implements the buffer protocol (no export is made).
+fn exports_buffer(obj: &Bound<'_, PyAny>) -> bool {
+    // SAFETY: `obj` is a live object (we hold a reference); PyObject_CheckBuffer only reads its
+    // type's slots and sets no error.
+    unsafe { pyo3::ffi::PyObject_CheckBuffer(obj.as_ptr()) == 1 }
+}
+
+/// The bytes `[first, last + item)` that the elements at `ptr + sum(i_k * stride_k)`, `i_k <
+/// extent_k`, touch, negative strides included; `None` when there is no element; `Err` when the
+/// offsets leave the address space. What every view is checked with against its owner.
+fn span(ptr: usize, dims: impl IntoIterator<Item = (usize, isize)>, item: usize) -> Result<Option<Range<usize>>, ()> {
+    let (mut lo, mut hi) = (0i128, 0i128);
+    let mut empty = false;
+    for (extent, stride) in dims {
+        if extent == 0 {
+            empty = true;
+            continue;
+        }
+        let reach = (extent as i128 - 1).checked_mul(stride as i128).ok_or(())?;
+        if reach < 0 {
+            lo = lo.checked_add(reach).ok_or(())?;
+        } else {
+            hi = hi.checked_add(reach).ok_or(())?;
+        }
+    }
+    if empty {
+        return Ok(None);
+    }
+    let start = ptr as i128 + lo;
+    let end = ptr as i128 + hi + item as i128;
+    if start < 0 || end > usize::MAX as i128 {
+        return Err(());
+    }
+    Ok(Some(start as usize..end as usize))
+}
+
+/// What an argument may be, for the `TypeError` that refuses anything else.
+fn accepted(ndim: usize) -> String {
+    format!(
+        "a {ndim}-D int32 or int64 array (a numpy array, a buffer-protocol object or a host DLPack tensor such as a \
+         torch CPU tensor){}",
+        if ndim == 1 { ", or a sequence of ints" } else { "" }
+    )
+}
+
 impl<'py> IntArray<'py> {
     /// Views `obj` as an int32 or int64 array of `ndim` dimensions; `name` names the argument
-    /// in errors.
+    /// in errors. `TypeError` for an object it cannot read (an `__array_interface__` alone, a
+    /// device tensor, a wrong dtype), `ValueError` for a wrong shape or a view outside its owner's
+    /// memory.
     pub fn open(obj: &Bound<'py, PyAny>, name: &str, ndim: usize) -> PyResult<IntArray<'py>> {
-        if let Ok(buf) = PyUntypedBuffer::get(obj) {
-            return Self::from_buffer(buf, name, ndim);
+        let py = obj.py();
+        if ndim == 1 && (obj.is_exact_instance_of::<PyList>() || obj.is_exact_instance_of::<PyTuple>()) {
+            return Self::from_sequence(obj, name);
         }
-        if let Ok(iface) = obj.getattr("__array_interface__") {
-            return Self::from_interface(obj, &iface, name, ndim);
-        }
-        if ndim == 1
-            && !obj.is_instance_of::<pyo3::types::PyString>()
-            && let Ok(items) = obj.try_iter()
-        {
-            let mut v = Vec::new();
-            for item in items {
-                let item = item?;
-                v.push(
-                    item.extract::<i64>().map_err(|_| {
-                        PyTypeError::new_err(format!("{name} must hold ints, got a {}", type_name(&item)))
-                    })?,
-                );
+        let known = Known::get(py)?;
+        // Exact numpy arrays: the engines' arrays, the hot path (one export, one attribute).
+        if known.is_exact_ndarray(obj) {
+            let buf = Self::export(obj, name)?;
+            let mut a = Self::from_buffer(buf, name, ndim)?;
+            let base = obj.getattr(intern!(py, "base"))?;
+            if !base.is_none() {
+                a.owned_by(owner::owner_of(&base, name)?, name)?;
             }
-            let ptr = v.as_ptr().cast::<u8>();
-            let len = v.len();
-            return Ok(IntArray {
-                ptr,
-                elem: Elem::I64,
-                shape: [len, 1],
-                strides: [8, 8],
-                ndim: 1,
-                _keep: Keep::Owned(v),
-            });
+            return Ok(a);
         }
-        Err(PyTypeError::new_err(format!(
-            "{name} must be a {ndim}-D int32 or int64 array (numpy, buffer protocol or __array_interface__){}, got {}",
-            if ndim == 1 { " or a sequence of ints" } else { "" },
-            type_name(obj)
-        )))
+        if exports_buffer(obj) {
+            known.vet_exporter(obj, name)?;
+            let buf = Self::export(obj, name)?;
+            let mut a = Self::from_buffer(buf, name, ndim)?;
+            let is_owner = obj.is_exact_instance_of::<pyo3::types::PyBytes>()
+                || obj.is_exact_instance_of::<pyo3::types::PyByteArray>();
+            if !is_owner {
+                a.owned_by(owner::owner_of(obj, name)?, name)?;
+            }
+            return Ok(a);
+        }
+        if let Some((capsule, tensor)) = owner::dlpack_export(obj, name)? {
+            let owner = if known.numpy_exported(&tensor) {
+                Some(owner::owner_of(&owner::numpy_array(known, &capsule, &tensor, name)?, name)?)
+            } else {
+                None // The producer's own description of its tensor (torch checks its strides).
+            };
+            let mut a = Self::from_tensor(capsule, &tensor, name, ndim)?;
+            if let Some(owner) = owner {
+                a.owned_by(owner, name)?;
+            }
+            return Ok(a);
+        }
+        if obj.hasattr(intern!(py, "__cuda_array_interface__"))? {
+            return Err(PyTypeError::new_err(format!(
+                "{name} is in device memory (__cuda_array_interface__): kvguard reads host arrays only; check \
+                 device block tables with kvguard.DeviceGuard (verify_block_table)"
+            )));
+        }
+        if obj.hasattr(intern!(py, "__array_interface__"))? {
+            return Err(PyTypeError::new_err(format!(
+                "{name} must be {}, got a {} exposing only __array_interface__, whose pointer and shape cannot \
+                 be checked against the memory they claim",
+                accepted(ndim),
+                type_name(obj)
+            )));
+        }
+        if ndim == 1 && !obj.is_instance_of::<pyo3::types::PyString>() && obj.try_iter().is_ok() {
+            return Self::from_sequence(obj, name);
+        }
+        Err(PyTypeError::new_err(format!("{name} must be {}, got {}", accepted(ndim), type_name(obj))))
+    }
+
+    /// `obj`'s buffer export for reading; `ValueError` when the exporter refuses (a released
+    /// memoryview).
+    fn export(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<PyUntypedBuffer> {
+        PyUntypedBuffer::get(obj).map_err(|e| {
+            let err = PyValueError::new_err(format!("{name}: its buffer export failed ({e})"));
+            err.set_cause(obj.py(), Some(e));
+            err
+        })
+    }
+
+    /// Checks that its elements lie in `owner`'s memory, and holds that memory while viewed.
+    fn owned_by(&mut self, owner: Extent<'py>, name: &str) -> PyResult<()> {
+        owner.contains(self.bytes.as_ref(), name)?;
+        self._owner = Some(owner);
+        Ok(())
+    }
+
+    /// A copy of the ints of a 1-D sequence.
+    fn from_sequence(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<IntArray<'py>> {
+        let mut v = Vec::new();
+        for item in obj.try_iter()? {
+            let item = item?;
+            v.push(
+                item.extract::<i64>()
+                    .map_err(|_| PyTypeError::new_err(format!("{name} must hold ints, got a {}", type_name(&item))))?,
+            );
+        }
+        let ptr = v.as_ptr().cast::<u8>();
+        let len = v.len();
+        let bytes = (len > 0).then(|| ptr as usize..ptr as usize + len * 8);
+        Ok(IntArray {
+            ptr,
+            elem: Elem::I64,
+            shape: [len, 1],
+            strides: [8, 8],
+            ndim: 1,
+            bytes,
+            _keep: Keep::Owned(v),
+            _owner: None,
+        })
     }
 
     /// The element type of a buffer's struct-module format: a signed integer of 4 or 8 bytes,
@@ -128,83 +255,55 @@ impl<'py> IntArray<'py> {
         }
     }
 
+    fn wrong_ndim(name: &str, ndim: usize, shape: &[usize]) -> PyErr {
+        PyValueError::new_err(format!("{name} must be {ndim}-D, got {} dimensions (shape {shape:?})", shape.len()))
+    }
+
     fn from_buffer(buf: PyUntypedBuffer, name: &str, ndim: usize) -> PyResult<IntArray<'py>> {
         let elem = Self::elem_of(buf.format().to_bytes(), buf.item_size(), name)?;
         if buf.dimensions() != ndim {
-            return Err(PyValueError::new_err(format!(
-                "{name} must be {ndim}-D, got {} dimensions (shape {:?})",
-                buf.dimensions(),
-                buf.shape()
-            )));
+            return Err(Self::wrong_ndim(name, ndim, buf.shape()));
         }
-        if buf.suboffsets().is_some_and(|s| s.iter().any(|&o| o >= 0)) {
-            return Err(PyValueError::new_err(format!("{name}: indirect (suboffset) buffers are not supported")));
-        }
+        let bytes = owner::export_span(&buf, name)?;
         let mut shape = [0, 1];
         let mut strides = [elem.size() as isize; 2];
         shape[..ndim].copy_from_slice(&buf.shape()[..ndim]);
         strides[..ndim].copy_from_slice(&buf.strides()[..ndim]);
         let ptr = buf.buf_ptr() as *const u8;
-        Ok(IntArray { ptr, elem, shape, strides, ndim, _keep: Keep::Buffer(buf) })
+        Ok(IntArray { ptr, elem, shape, strides, ndim, bytes, _keep: Keep::Buffer(buf), _owner: None })
     }
 
-    fn from_interface(
-        obj: &Bound<'py, PyAny>,
-        iface: &Bound<'py, PyAny>,
+    fn from_tensor(
+        capsule: Bound<'py, PyCapsule>,
+        t: &dlpack::Tensor,
         name: &str,
         ndim: usize,
     ) -> PyResult<IntArray<'py>> {
-        let bad = |what: &str| PyValueError::new_err(format!("{name}: __array_interface__ {what}"));
-        let iface = iface.cast::<PyDict>().map_err(|_| bad("is not a dict"))?;
-        let typestr: String = iface.get_item("typestr")?.ok_or_else(|| bad("has no typestr"))?.extract()?;
-        let elem = match typestr.as_str() {
-            "<i4" | "=i4" => Elem::I32,
-            "<i8" | "=i8" => Elem::I64,
-            other => {
-                return Err(PyTypeError::new_err(format!(
-                    "{name} must have dtype int32 or int64, got typestr {other:?}"
-                )));
-            }
-        };
-        let shape_v: Vec<usize> = iface.get_item("shape")?.ok_or_else(|| bad("has no shape"))?.extract()?;
-        if shape_v.len() != ndim {
-            return Err(PyValueError::new_err(format!(
-                "{name} must be {ndim}-D, got {} dimensions (shape {shape_v:?})",
-                shape_v.len()
+        let elem = if t.is_int(32) {
+            Elem::I32
+        } else if t.is_int(64) {
+            Elem::I64
+        } else {
+            let (code, bits, lanes) = t.dtype;
+            return Err(PyTypeError::new_err(format!(
+                "{name} must have dtype int32 or int64, got DLPack dtype (code {code}, bits {bits}, lanes {lanes})"
             )));
+        };
+        if t.dims.len() != ndim {
+            let shape: Vec<usize> = t.dims.iter().map(|d| d.0).collect();
+            return Err(Self::wrong_ndim(name, ndim, &shape));
         }
-        let data = iface.get_item("data")?.ok_or_else(|| bad("has no data"))?;
-        let data = data.cast::<PyTuple>().map_err(|_| bad("data is not a (pointer, read_only) tuple"))?;
-        let addr: usize = data.get_item(0)?.extract()?;
-        if iface.get_item("mask")?.is_some_and(|m| !m.is_none()) {
-            return Err(bad("has a mask (masked arrays are not supported)"));
-        }
+        let bytes = span(t.ptr, t.dims.iter().copied(), elem.size()).map_err(|()| {
+            PyValueError::new_err(format!("{name}: its shape and strides reach beyond the address space"))
+        })?;
         let mut shape = [0, 1];
-        shape[..ndim].copy_from_slice(&shape_v);
-        let strides_v: Option<Vec<isize>> = match iface.get_item("strides")? {
-            Some(s) if !s.is_none() => Some(s.extract()?),
-            _ => None,
-        };
-        let size = elem.size() as isize;
-        let strides = match strides_v {
-            Some(s) if s.len() == ndim => {
-                let mut st = [size; 2];
-                st[..ndim].copy_from_slice(&s);
-                st
-            }
-            Some(_) => return Err(bad("strides do not match its shape")),
-            // C-contiguous.
-            None => [if ndim == 2 { size * shape[1] as isize } else { size }, size],
-        };
-        let offset: isize = match iface.get_item("offset")? {
-            Some(o) if !o.is_none() => o.extract()?,
-            _ => 0,
-        };
-        let ptr = (addr as *const u8).wrapping_offset(offset);
-        if addr == 0 && shape[0] * shape[1] > 0 {
-            return Err(bad("data pointer is null"));
+        let mut strides = [elem.size() as isize; 2];
+        for (i, &(extent, stride)) in t.dims.iter().enumerate() {
+            shape[i] = extent;
+            strides[i] = stride;
         }
-        Ok(IntArray { ptr, elem, shape, strides, ndim, _keep: Keep::Object(obj.clone()) })
+        let ptr = t.ptr as *const u8;
+        Ok(IntArray { ptr, elem, shape, strides, ndim, bytes, _keep: Keep::Capsule(capsule), _owner: None })
     }
 
     /// The element type.
@@ -224,18 +323,8 @@ impl<'py> IntArray<'py> {
 
     /// The addresses its elements span, first byte to one past the last (empty when it has no
     /// element): what [`I64Mut::apart`] compares.
-    pub fn span(&self) -> std::ops::Range<usize> {
-        let (rows, cols) = (self.shape[0], self.width());
-        if rows == 0 || cols == 0 {
-            return 0..0;
-        }
-        let base = self.ptr as usize;
-        let (mut lo, mut hi) = (base as isize, base as isize);
-        for (n, stride) in [(rows, self.strides[0]), (cols, if self.ndim == 2 { self.strides[1] } else { 0 })] {
-            let reach = (n as isize - 1).saturating_mul(stride);
-            if reach < 0 { lo = lo.saturating_add(reach) } else { hi = hi.saturating_add(reach) }
-        }
-        lo.max(0) as usize..(hi.max(0) as usize).saturating_add(self.elem.size())
+    pub fn span(&self) -> Range<usize> {
+        self.bytes.clone().unwrap_or(0..0)
     }
 
     /// Length of the second dimension (1 for a 1-D array).
@@ -377,29 +466,50 @@ fn non_negative<T: Copy + Into<i64>>(values: &[T], name: &str) -> PyResult<Vec<u
 
 /// A 1-D int64 array the binding writes in place: an engine plugin's own bookkeeping
 /// (kvguard.sglang's page owners and checked row lengths), updated in the same call that judged
-/// the step instead of by numpy afterwards. It must be writable and C-contiguous.
+/// the step instead of by numpy afterwards. It must be writable and C-contiguous, and inside its
+/// owner's memory as [`IntArray`]'s views are (a write past it would corrupt the process).
 #[derive(Debug)]
-pub struct I64Mut {
+pub struct I64Mut<'py> {
     /// Keeps the exported memory alive (released on drop, with the GIL).
     buf: PyBuffer<i64>,
     len: usize,
+    /// The owner's export, when the owner is not the exported object itself.
+    _owner: Option<Extent<'py>>,
 }
 
-impl I64Mut {
+impl<'py> I64Mut<'py> {
     /// Views `obj` for writing; `name` names the argument in errors.
-    pub fn open(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<I64Mut> {
+    pub fn open(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<I64Mut<'py>> {
         let wrong = || {
             PyTypeError::new_err(format!(
                 "{name} must be a writable, contiguous 1-D int64 array (numpy), got {}",
                 type_name(obj)
             ))
         };
+        let py = obj.py();
+        let known = Known::get(py)?;
+        let exact = known.is_exact_ndarray(obj);
+        if !exact && exports_buffer(obj) {
+            known.vet_exporter(obj, name)?;
+        }
         let buf = PyBuffer::<i64>::get(obj).map_err(|_| wrong())?;
         if buf.readonly() || !buf.is_c_contiguous() || buf.dimensions() != 1 {
             return Err(wrong());
         }
         let len = buf.item_count();
-        Ok(I64Mut { buf, len })
+        let base = buf.buf_ptr() as usize;
+        let bytes = span(base, [(len, 8)], 8)
+            .map_err(|()| PyValueError::new_err(format!("{name}: its shape reaches beyond the address space")))?;
+        let owner = if exact {
+            let b = obj.getattr(intern!(py, "base"))?;
+            if b.is_none() { None } else { Some(owner::owner_of(&b, name)?) }
+        } else {
+            Some(owner::owner_of(obj, name)?)
+        };
+        if let Some(owner) = &owner {
+            owner.contains(bytes.as_ref(), name)?;
+        }
+        Ok(I64Mut { buf, len, _owner: owner })
     }
 
     /// Its length.
@@ -415,7 +525,12 @@ impl I64Mut {
     /// `ValueError` when it shares memory with `other` (an argument named `other_name`), or with
     /// the other writable array `also`: the binding writes it while it reads the others, so
     /// they must not alias (the SAFETY of [`I64Mut::get`] and [`I64Mut::set`] relies on it).
-    pub fn apart(&self, name: &str, others: &[(&IntArray<'_>, &str)], also: Option<(&I64Mut, &str)>) -> PyResult<()> {
+    pub fn apart(
+        &self,
+        name: &str,
+        others: &[(&IntArray<'_>, &str)],
+        also: Option<(&I64Mut<'_>, &str)>,
+    ) -> PyResult<()> {
         let mine = self.span();
         let overlaps = |r: std::ops::Range<usize>| {
             r.start < r.end && mine.start < mine.end && r.start < mine.end && mine.start < r.end

@@ -7,7 +7,7 @@
 //! | module | what it holds |
 //! |---|---|
 //! | [`names`] | request and tenant ids as engines have them (`int` or `str`); strings interned, released with the request; a step's ids remembered by object |
-//! | [`arrays`] | zero-copy views of the engine's arrays (buffer protocol, `__array_interface__`), int32 and int64 |
+//! | [`arrays`] | zero-copy views of the engine's arrays (numpy, buffer protocol, host DLPack), int32 and int64, each checked against its owner's memory |
 //! | [`errors`] | the exception hierarchy, and violations sent to Python's `logging` |
 //! | [`values`] | the plain values: pool config, page refs, infos, snapshot, violations |
 //! | [`table`] | `OwnershipTable`, the one-call-per-step entry points and their verdict |

@@ -13,7 +13,13 @@ VIOLATION_KINDS: list[str]
 Id = int | str
 """A request or tenant id: an int in 0..2**63, or a str (interned, released with the request)."""
 IntArray = Any
-"""A numpy int32/int64 array, anything with the buffer protocol or __array_interface__."""
+"""An int32/int64 array read in place: a numpy array (views included), a buffer-protocol object
+(memoryview, array.array, bytes, mmap, C exporters) or a host DLPack tensor (torch CPU or pinned
+tensors, their .numpy() views). Every view must lie inside the memory of the object that owns it
+(numpy's base chain, a buffer export, a DLPack capsule), else ValueError. Refused with TypeError:
+objects exposing only __array_interface__ (their pointer cannot be checked), device tensors (use
+kvguard.DeviceGuard), owners that cannot be established. Where a 1-D argument also accepts
+Sequence[int], a sequence is copied. See docs/bindings.md, Arrays."""
 StepEvent = tuple[Any, ...]
 """An ownership event for apply_events: ("admit", request, tenant, prompt_tokens, max_new_tokens),
 ("claim", request, pages), ("release", request), ("preempt", request), ("publish", request, key,
