@@ -32,6 +32,9 @@ kvguard_sglang_after() {
   # From the tests' directory, so `import kvguard` is the installed wheel, not the source tree.
   (cd "$root/bindings/python/tests/engines/sglang" && \
     "$venv/bin/python" -m pytest -q -p no:cacheprovider -W ignore .) || status=$?
+  # The binding's tests that need torch (torch tensors and their numpy views as arrays).
+  (cd "$root/bindings/python/tests" && \
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider -W ignore -k torch test_hostile_arrays.py) || status=$?
   return "$status"
 }
 

@@ -203,12 +203,18 @@ impl<'py> IntArray<'py> {
     /// A copy of the ints of a 1-D sequence.
     fn from_sequence(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<IntArray<'py>> {
         let mut v = Vec::new();
-        for item in obj.try_iter()? {
+        for (i, item) in obj.try_iter()?.enumerate() {
             let item = item?;
-            v.push(
-                item.extract::<i64>()
-                    .map_err(|_| PyTypeError::new_err(format!("{name} must hold ints, got a {}", type_name(&item))))?,
-            );
+            let value = item.extract::<i64>().map_err(|_| {
+                if item.is_instance_of::<pyo3::types::PyInt>() {
+                    // An int, out of the 64-bit range: a value error, not a wrong type.
+                    let shown = item.str().map(|s| s.to_string()).unwrap_or_default();
+                    PyValueError::new_err(format!("{name}[{i}] is {shown}: out of the int64 range"))
+                } else {
+                    PyTypeError::new_err(format!("{name} must hold ints, got a {}", type_name(&item)))
+                }
+            })?;
+            v.push(value);
         }
         let ptr = v.as_ptr().cast::<u8>();
         let len = v.len();
