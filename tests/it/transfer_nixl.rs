@@ -8,8 +8,8 @@
 mod transfer {
     mod nixl {
         use kvguard::transfer::nixl::{
-            Direction, EnginePool, Extent, HostRegion, ImportError, NixlAgent, NixlError, NixlLink, PART_BYTES,
-            PageRegion, RegionLayout, Segment, library_available,
+            Direction, EnginePool, Extent, HostRegion, INBOX_BYTES, ImportError, NixlAgent, NixlError, NixlLink,
+            Notice, NoticeKind, PART_BYTES, PageRegion, RegionLayout, Segment, library_available,
         };
         use kvguard::transfer::{
             ExpectedTransfer, Manifest, Receiver, SenderId, TransferError, TransferHeader, page_checksum,
@@ -260,6 +260,117 @@ mod transfer {
                 // Nothing of the refused transfer is readable either.
                 assert!(o.table.check_read(REQ, &pages_of(&o.refs), 1).is_err(), "{test}");
             }
+        }
+
+        #[test]
+        fn a_pull_retried_after_a_timeout_is_accepted_and_releases_only_its_own_staging() {
+            // Decode's first pull times out; the request gets new pages and pulls again. Prefill's
+            // late answer to the first pull must neither be taken for the retry's (stale_page)
+            // nor end the retry's staging on prefill: decode answers it on its own.
+            let Some((decode, prefill)) = agents("retry") else { return };
+            let mut decode_region = HostRegion::new(&decode, PAGES, PAGE_BYTES).unwrap();
+            let mut prefill_region = HostRegion::new(&prefill, PAGES, PAGE_BYTES).unwrap();
+            let mut decode_link =
+                NixlLink::connect(&decode, &prefill.metadata().unwrap(), prefill_region.layout()).unwrap();
+            let prefill_md = decode.metadata().unwrap();
+            let decode_layout = decode_region.layout();
+            let table = OwnershipTable::new(PoolConfig::new(PAGES, PAGE_SIZE, 24)).unwrap();
+            table.admit(REQ, TENANT, PROMPT.len() as u64, 2).unwrap();
+            let first = table.allocate(REQ, 2).unwrap();
+            let (ask, asked) = mpsc::channel::<Vec<PageRef>>();
+            let (go, late) = mpsc::channel::<()>();
+            let prefill_region = &mut prefill_region;
+            let (second, verdict) = std::thread::scope(|s| {
+                s.spawn(move || {
+                    let mut link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
+                    let pages = kv_pages();
+                    let header = TransferHeader {
+                        request: REQ,
+                        tenant: TENANT,
+                        sender: SenderId(1),
+                        page_size: PAGE_SIZE,
+                        slot_bytes: SLOT_BYTES,
+                    };
+                    // Each attempt staged in pages of its own: 3.. and 5.. of prefill's pool.
+                    for (attempt, base) in [(0, 3u32), (1, 5u32)] {
+                        let dest = asked.recv().unwrap();
+                        if attempt == 0 {
+                            late.recv().unwrap(); // after decode gave up on it
+                        }
+                        let manifest = Manifest::build(header, &PROMPT, &dest, &pages).unwrap().encode();
+                        let mut src = Vec::new();
+                        for (i, bytes) in pages.iter().enumerate() {
+                            let page = base + i as u32;
+                            prefill_region.bytes_mut(page, bytes.len() as u32).unwrap().copy_from_slice(bytes);
+                            src.push(Extent { page, len: bytes.len() as u32 });
+                        }
+                        link.stage(&src, REQ, &manifest, Instant::now() + Duration::from_secs(20)).unwrap();
+                    }
+                });
+                let expected = ExpectedTransfer::for_prompt(REQ, TENANT, &PROMPT, &first, PAGE_SIZE, SLOT_BYTES);
+                let pinned = Receiver::new(&table).pin(&expected).unwrap();
+                ask.send(first.clone()).unwrap();
+                let deadline = Instant::now() + Duration::from_millis(200);
+                let timed_out =
+                    decode_link
+                        .receive(Direction::Read, pinned, &expected, &mut decode_region, deadline, |_, _, _| Ok(()));
+                assert!(matches!(timed_out, Err(ImportError::Aborted(NixlError::Timeout { .. }))));
+                // The engine retries with new pages (new incarnations), and prefill answers late.
+                table.release(REQ).unwrap();
+                table.admit(REQ, TENANT, PROMPT.len() as u64, 2).unwrap();
+                let second = table.allocate(REQ, 2).unwrap();
+                go.send(()).unwrap();
+                let expected = ExpectedTransfer::for_prompt(REQ, TENANT, &PROMPT, &second, PAGE_SIZE, SLOT_BYTES);
+                let pinned = Receiver::new(&table).pin(&expected).unwrap();
+                ask.send(second.clone()).unwrap();
+                let deadline = Instant::now() + Duration::from_secs(20);
+                let verdict =
+                    decode_link
+                        .receive(Direction::Read, pinned, &expected, &mut decode_region, deadline, |_, _, _| Ok(()));
+                (second, verdict)
+            });
+            let accepted = verdict.expect("the retry is accepted");
+            assert_eq!((accepted.tokens(), accepted.pages()), (6, 2));
+            assert_eq!(table.counters().total(), 0, "nothing refused: the late answer was set aside");
+            table.verify_read_refs(REQ, &second, 6).unwrap();
+        }
+
+        #[test]
+        fn notices_for_requests_nobody_asked_for_hold_at_most_inbox_bytes() {
+            let Some((decode, prefill)) = agents("flood") else { return };
+            let decode_region = HostRegion::new(&decode, PAGES, PAGE_BYTES).unwrap();
+            let prefill_region = HostRegion::new(&prefill, PAGES, PAGE_BYTES).unwrap();
+            let mut decode_link =
+                NixlLink::connect(&decode, &prefill.metadata().unwrap(), prefill_region.layout()).unwrap();
+            let mut prefill_link =
+                NixlLink::connect(&prefill, &decode.metadata().unwrap(), decode_region.layout()).unwrap();
+            // 24 notices of 1 MiB each for requests decode never asked for: 24 MiB sent.
+            for i in 0..24u64 {
+                let notice = Notice {
+                    kind: NoticeKind::Staged,
+                    request: RequestId(1_000 + i),
+                    extents: Vec::new(),
+                    manifest: vec![0x5a; 1 << 20],
+                    parts: 0,
+                };
+                prefill_link.send(&notice).unwrap();
+            }
+            let mut kept = 0;
+            let until = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < until {
+                // Both agents move UCX along (no progress thread): prefill's sends leave, decode's
+                // wait takes them into its inbox.
+                let short = || Instant::now() + Duration::from_millis(20);
+                assert!(prefill_link.wait(REQ, &[NoticeKind::Released], short()).is_err());
+                let waited = decode_link.wait(REQ, &[NoticeKind::Released], short());
+                assert!(matches!(waited, Err(NixlError::Timeout { .. })));
+                kept = kept.max(decode_link.inbox_bytes());
+                assert!(decode_link.inbox_bytes() <= INBOX_BYTES, "{} bytes kept", decode_link.inbox_bytes());
+                if kept > INBOX_BYTES / 2 {
+                    break;
+                }
+            }
+            assert!(kept > INBOX_BYTES / 2, "the notices arrived and were kept up to the bound ({kept} bytes)");
         }
 
         #[test]

@@ -7,6 +7,11 @@ the prompt's KV into its own pages, builds the manifest for decode's pages and p
 "write") or stages (direction "read") it, injecting `fault`; it answers {"done": fault} when
 its side is over. Direction "write-building" lets kvguard build the manifest on the way,
 "write-ahead" too, with the pages checksummed before the faults. {"quit": true} ends it.
+
+Faults beyond the demo's: "extra-page" pushes one more page into decode's page `victim` (a page
+decode did not offer) and names it in the notice; "retry-late" holds the first pull of a request
+back unanswered ({"done": "held"}) and, when decode pulls it again, stages the held attempt
+first (late, in pages of its own), then the retry.
 """
 
 import json
@@ -86,6 +91,19 @@ def main():
         if fault == "silent":
             send({"done": fault})  # no transfer, no notification
             continue
+        if fault == "retry-late":
+            if request not in held_back:
+                held_back[request] = (manifest, pages, dest)
+                send({"done": "held"})
+                continue
+            late_manifest, late_pages, _ = held_back.pop(request)
+            late_src = []
+            for i, data in enumerate(late_pages):
+                page = FIRST_SRC_PAGE + 6 + i
+                region.write(page, data)
+                late_src.append((page, len(data)))
+            # Returns once decode released these pages: its answer to the abandoned pull.
+            link.stage(late_src, request, late_manifest)
         src = []
         for i, data in enumerate(pages):
             page = FIRST_SRC_PAGE + i
@@ -115,7 +133,12 @@ def main():
             except kvguard.NixlError:
                 pass  # refused before anything was sent: decode's wait times out
         elif pull["direction"] == "write":
-            link.push(region, src, [r.page for r in dest], request, manifest)
+            dest_pages = [r.page for r in dest]
+            if fault == "extra-page":
+                # One more WRITE target than decode offered: another request's page.
+                src.append((FIRST_SRC_PAGE + len(src), PAGE_BYTES))
+                dest_pages.append(pull["victim"])
+            link.push(region, src, dest_pages, request, manifest)
         else:
             link.stage(src, request, manifest)
         send({"done": fault})

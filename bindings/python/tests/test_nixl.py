@@ -259,6 +259,51 @@ def test_a_late_transfer_after_the_pages_were_reused_is_stale(prefill, direction
     d.assert_nothing_leaked(again)
 
 
+def test_a_push_into_a_page_decode_did_not_offer_is_refused_and_that_page_revoked(prefill):
+    """Prefill WRITEs the offered pages and one more, another tenant's, naming it in its notice:
+    refused, and the victim's page (which holds prefill's bytes now) is unreadable by its owner
+    until rewritten, the overwrite recorded against the transfer; the victim is not quarantined."""
+    d = Decode(prefill)
+    refs = d.pages()
+    d.table.admit("victim", "other-tenant", PAGE_SIZE, 0)
+    [victim] = d.table.allocate("victim", 1)
+    d.table.record_write_tokens("victim", [victim.page], 0, PAGE_SIZE)
+    pinned = d.receiver.pin(d.request, TENANT, PROMPT, refs, slot_bytes=SLOT_BYTES)
+    prefill.write({"request": d.request, "tenant": TENANT, "prompt": PROMPT, "victim": victim.page,
+                   "dest": [[r.page, r.generation] for r in refs], "direction": "write", "fault": "extra-page"})
+    with pytest.raises(kvguard.TransferError) as refused:
+        prefill.link.receive(pinned, prefill.region, direction="write", timeout=20.0)
+    assert prefill.read()["done"] == "extra-page"
+    assert refused.value.kind == "transfer_pages_mismatch"
+    assert d.table.check_read("victim", [victim.page], 1).kind == "unwritten_slots"
+    assert not d.table.request_info("victim").quarantined
+    overwrites = [v for v in d.table.drain_violations() if v.page == victim.page]
+    assert [(v.kind, v.request, v.owner) for v in overwrites] == [("transfer_pages_mismatch", d.request, "victim")]
+    d.assert_nothing_leaked(refs)
+
+
+def test_a_pull_retried_after_a_timeout_is_accepted(prefill):
+    """Decode's first pull times out; prefill answers it only when decode pulls again, into new
+    pages. The late answer is set aside (decode releases it on prefill) and the retry is
+    accepted: not refused as stale, and prefill's staging of the retry not ended by the release
+    of the first."""
+    d = Decode(prefill)
+    first = d.pages()
+    pinned = d.receiver.pin(d.request, TENANT, PROMPT, first, slot_bytes=SLOT_BYTES)
+    prefill.write({"request": d.request, "tenant": TENANT, "prompt": PROMPT,
+                   "dest": [[r.page, r.generation] for r in first], "direction": "read", "fault": "retry-late"})
+    assert prefill.read()["done"] == "held"
+    with pytest.raises(kvguard.NixlError) as timed_out:
+        prefill.link.receive(pinned, prefill.region, direction="read", timeout=0.3)
+    assert timed_out.value.kind == "timeout"
+    d.table.release(d.request)
+    again = d.pages()
+    accepted = d.pull(again, "read", "retry-late")
+    assert (accepted.tokens, accepted.pages) == (len(PROMPT), 2)
+    assert sum(d.table.counters().values()) == 0
+    assert d.table.check_read_refs(d.request, again, len(PROMPT)) is None
+
+
 def test_a_notification_that_never_comes_times_out_and_records_nothing(prefill):
     d = Decode(prefill)
     refs = d.pages()

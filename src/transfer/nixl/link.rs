@@ -10,6 +10,15 @@ use std::time::Instant;
 /// cannot make decode hold unbounded memory).
 pub const INBOX_CAP: usize = 4_096;
 
+/// Bytes of notices kept for requests nobody waits for yet (their manifests and extents); past
+/// this, the oldest are dropped, so a peer sending large notices for requests never asked for
+/// holds at most this much of decode's memory.
+pub const INBOX_BYTES: usize = 16 << 20;
+
+/// Pulls that timed out, remembered so that their late `Staged` notice is answered and set
+/// aside rather than taken for a retry's; past this, the oldest are forgotten.
+const ABANDONED_CAP: usize = 256;
+
 /// A link's part size unless [`NixlLink::set_parts`] says otherwise: a push of more bytes than
 /// this goes as several WRITEs of about this many bytes each (whole pages: a part holds at least
 /// one), each with a `Part` notification, so that each side checksums a part's pages on its own
@@ -46,8 +55,17 @@ pub struct NixlLink<'a> {
     peer: String,
     peer_region: RegionLayout,
     inbox: Vec<Notice>,
+    /// Bytes the inbox holds ([`footprint`] of each notice).
+    inbox_bytes: usize,
+    /// Pulls whose wait timed out: the request and the page incarnations it had pinned.
+    abandoned: std::collections::VecDeque<(RequestId, Vec<PageRef>)>,
     malformed: u64,
     part_bytes: Option<u64>,
+}
+
+/// What a notice kept in the inbox costs in memory, roughly.
+fn footprint(n: &Notice) -> usize {
+    std::mem::size_of::<Notice>() + n.manifest.len() + n.extents.len() * std::mem::size_of::<Extent>()
 }
 
 impl<'a> NixlLink<'a> {
@@ -55,7 +73,16 @@ impl<'a> NixlLink<'a> {
     pub fn connect(agent: &'a NixlAgent, peer_metadata: &[u8], peer_region: RegionLayout) -> Result<Self, NixlError> {
         let peer = agent.connect(peer_metadata)?;
         agent.make_connection(&peer)?;
-        Ok(NixlLink { agent, peer, peer_region, inbox: Vec::new(), malformed: 0, part_bytes: Some(PART_BYTES) })
+        Ok(NixlLink {
+            agent,
+            peer,
+            peer_region,
+            inbox: Vec::new(),
+            inbox_bytes: 0,
+            abandoned: std::collections::VecDeque::new(),
+            malformed: 0,
+            part_bytes: Some(PART_BYTES),
+        })
     }
 
     /// The peer's agent name.
@@ -93,6 +120,24 @@ impl<'a> NixlLink<'a> {
         Ok(())
     }
 
+    /// Drops the `Part` notices of `request` from the inbox.
+    fn drop_parts(&mut self, request: RequestId) {
+        let mut freed = 0;
+        self.inbox.retain(|n| {
+            let keep = !(n.request == request && n.kind == NoticeKind::Part);
+            if !keep {
+                freed += footprint(n);
+            }
+            keep
+        });
+        self.inbox_bytes -= freed;
+    }
+
+    /// Bytes the notices kept for later waits hold (at most [`INBOX_BYTES`]).
+    pub fn inbox_bytes(&self) -> usize {
+        self.inbox_bytes
+    }
+
     /// Takes the agent's notifications into the inbox.
     fn collect(&mut self) -> Result<(), NixlError> {
         for (from, bytes) in self.agent.take_notifications()? {
@@ -101,9 +146,14 @@ impl<'a> NixlLink<'a> {
             }
             match Notice::decode(&bytes) {
                 Ok(n) => {
-                    if self.inbox.len() == INBOX_CAP {
-                        self.inbox.remove(0);
+                    let size = footprint(&n);
+                    while !self.inbox.is_empty()
+                        && (self.inbox.len() >= INBOX_CAP || self.inbox_bytes + size > INBOX_BYTES)
+                    {
+                        let oldest = self.inbox.remove(0);
+                        self.inbox_bytes -= footprint(&oldest);
                     }
+                    self.inbox_bytes += size;
                     self.inbox.push(n);
                 }
                 Err(_) => self.malformed += 1,
@@ -116,11 +166,24 @@ impl<'a> NixlLink<'a> {
     /// `deadline`. Notices for other requests are kept for their own wait (at most
     /// [`INBOX_CAP`]); notices from other agents and malformed ones are dropped.
     pub fn wait(&mut self, request: RequestId, kinds: &[NoticeKind], deadline: Instant) -> Result<Notice, NixlError> {
-        let wanted = |n: &Notice| n.request == request && kinds.contains(&n.kind);
+        self.wait_where(request, kinds, |_| true, deadline)
+    }
+
+    /// [`wait`](Self::wait) for a notice that also satisfies `also`.
+    fn wait_where(
+        &mut self,
+        request: RequestId,
+        kinds: &[NoticeKind],
+        also: impl Fn(&Notice) -> bool,
+        deadline: Instant,
+    ) -> Result<Notice, NixlError> {
+        let wanted = |n: &Notice| n.request == request && kinds.contains(&n.kind) && also(n);
         let mut spins = 0u32;
         loop {
             if let Some(i) = self.inbox.iter().position(wanted) {
-                return Ok(self.inbox.remove(i));
+                let n = self.inbox.remove(i);
+                self.inbox_bytes -= footprint(&n);
+                return Ok(n);
             }
             self.collect()?;
             if self.inbox.iter().any(wanted) {
@@ -296,7 +359,9 @@ impl<'a> NixlLink<'a> {
     }
 
     /// Prefill, pull: tells decode that `request`'s KV is staged in `local`'s extents `src`,
-    /// with its manifest; then waits until decode has [released](NoticeKind::Released) them.
+    /// with its manifest; then waits until decode has [released](NoticeKind::Released) them
+    /// (a `Released` naming these extents, or none: decode's answer to another attempt of the
+    /// same request names that attempt's, and does not end this one).
     pub fn stage(
         &mut self,
         src: &[Extent],
@@ -311,7 +376,8 @@ impl<'a> NixlLink<'a> {
             manifest: manifest.to_vec(),
             parts: 0,
         })?;
-        self.wait(request, &[NoticeKind::Released], deadline).map(|_| ())
+        let ours = |n: &Notice| n.extents.is_empty() || n.extents == src;
+        self.wait_where(request, &[NoticeKind::Released], ours, deadline).map(|_| ())
     }
 
     /// Prefill: declines `request` for now, and waits until decode has taken the decline (its
@@ -355,7 +421,7 @@ impl<'a> NixlLink<'a> {
         }
         // Parts of this transfer that came after its end are no use to a later one.
         let request = expected.request;
-        self.inbox.retain(|n| !(n.request == request && n.kind == NoticeKind::Part));
+        self.drop_parts(request);
         outcome
     }
 
@@ -371,7 +437,7 @@ impl<'a> NixlLink<'a> {
         let request = expected.request;
         let layout = region.layout();
         // Parts of an earlier, abandoned transfer of this request name bytes since overwritten.
-        self.inbox.retain(|n| !(n.request == request && n.kind == NoticeKind::Part));
+        self.drop_parts(request);
         let pinned_pages: Vec<u32> = pinned.pages().iter().map(|r| r.page.0).collect();
         let mut strays = Vec::new();
         let waited = self.wait_carrying(direction, request, &pinned_pages, &layout, &*region, deadline, &mut strays);
@@ -390,6 +456,14 @@ impl<'a> NixlLink<'a> {
                 return Err(ImportError::Declined);
             }
             Err(Waited::Failed(e)) => {
+                if direction == Direction::Read && matches!(e, NixlError::Timeout { .. }) {
+                    // Prefill may still stage this attempt: its late `Staged` is answered and set
+                    // aside when it comes, not taken for a retry's.
+                    if self.abandoned.len() == ABANDONED_CAP {
+                        self.abandoned.pop_front();
+                    }
+                    self.abandoned.push_back((request, pinned.pages().to_vec()));
+                }
                 pinned.abort();
                 return Err(ImportError::Aborted(e));
             }
@@ -445,7 +519,9 @@ impl<'a> NixlLink<'a> {
                 None,
                 deadline,
             );
-            let released = self.send(&Notice::bare(NoticeKind::Released, request));
+            // Naming what it read: prefill's wait for this attempt ends, no other's.
+            let released =
+                self.send(&Notice { extents: notice.extents.clone(), ..Notice::bare(NoticeKind::Released, request) });
             if let Err(e) = read.and(released) {
                 pinned.abort();
                 return Err(ImportError::Aborted(e));
@@ -511,6 +587,7 @@ impl<'a> NixlLink<'a> {
             let n = self.wait(request, kinds, deadline).map_err(Waited::Failed)?;
             match n.kind {
                 NoticeKind::Declined => return Err(Waited::Declined),
+                NoticeKind::Staged if self.answer_abandoned(&n).map_err(Waited::Failed)? => continue,
                 NoticeKind::Part => {
                     parts += 1;
                     if direction != Direction::Write {
@@ -540,6 +617,25 @@ impl<'a> NixlLink<'a> {
         }
         // The loop leaves only once the carrying notice came.
         notice.map(|n| (n, early)).ok_or(Waited::Failed(NixlError::Notice { reason: "no carrying notice".to_owned() }))
+    }
+}
+
+impl NixlLink<'_> {
+    /// Whether `staged` is the late answer to a pull of its request that timed out (its
+    /// manifest names exactly the page incarnations that pull had pinned): then prefill is told
+    /// it may reuse those staged pages (`Released` naming them) and the notice is set aside. A
+    /// retry's own `Staged` names the retry's incarnations, and a stale one for any other
+    /// attempt is still refused by the checks.
+    fn answer_abandoned(&mut self, staged: &Notice) -> Result<bool, NixlError> {
+        let Ok(manifest) = Manifest::decode(&staged.manifest) else { return Ok(false) };
+        let named: Vec<PageRef> = manifest.pages().iter().map(|e| e.dest).collect();
+        let Some(at) = self.abandoned.iter().position(|(r, refs)| *r == staged.request && *refs == named) else {
+            return Ok(false);
+        };
+        self.abandoned.remove(at);
+        let released = Notice { extents: staged.extents.clone(), ..Notice::bare(NoticeKind::Released, staged.request) };
+        self.send(&released)?;
+        Ok(true)
     }
 }
 

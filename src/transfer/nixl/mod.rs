@@ -34,7 +34,7 @@ pub use agent::{
     Direction, EnginePool, Extent, HostRegion, NIXL_LIBRARY, NixlAgent, PageRegion, Posted, Registration,
     library_available,
 };
-pub use link::{FLUSH, INBOX_CAP, ImportError, NixlLink, PART_BYTES};
+pub use link::{FLUSH, INBOX_BYTES, INBOX_CAP, ImportError, NixlLink, PART_BYTES};
 pub use notice::{LAYOUT_LEN, Notice, NoticeKind, RegionLayout, Segment};
 
 /// What went wrong in the transport (not a verdict on a transfer's content: that is a
