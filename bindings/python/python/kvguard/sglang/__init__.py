@@ -108,7 +108,18 @@ def register() -> None:
     ``HookRegistry`` when ``KVGUARD_SGLANG`` is ``enforce`` or ``report`` (SGLang applies them
     right after its plugins ran). Inert when the setting is unset; a second call is a no-op."""
     global _MODE
-    mode = _mode_from_env()
+    try:
+        mode = _mode_from_env()
+    except ValueError as e:
+        # SGLang's loader logs a plugin's exception and serves on: an operator who asked for the
+        # guard and mistyped it would get an unguarded server. So the scheduler is stopped at
+        # start-up instead (its __init__ raises, which ends the server), and the error is raised
+        # here as well, for SGLang's log and any caller of register().
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        HookRegistry.register(f"{_SCHEDULER}.__init__", _refuse_to_start, HookType.AFTER)
+        logger.error("kvguard: %s; every SGLang scheduler will refuse to start", e)
+        raise
     if mode is None or _MODE is not None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -118,6 +129,16 @@ def register() -> None:
     HookRegistry.register(f"{_MODEL_RUNNER}.forward", _forward, HookType.AROUND)
     _MODE = mode
     logger.info("kvguard: %s mode in every SGLang scheduler (%s)", mode, ENV_POLICY)
+
+
+def _refuse_to_start(_result: Any, _scheduler: Any, *_args: Any, **_kwargs: Any) -> None:
+    """After ``Scheduler.__init__`` when ``KVGUARD_SGLANG`` holds no valid setting: the scheduler
+    raises, so the server does not start unguarded (fail closed)."""
+    try:
+        _mode_from_env()
+    except ValueError as e:
+        raise RuntimeError(f"kvguard: {e}; refusing to serve without the guard that was asked for") from e
+    raise RuntimeError(f"kvguard: {ENV_POLICY} was invalid when the plugins loaded; restart with a valid setting")
 
 
 def _scheduler_started(_result: Any, scheduler: Any, *_args: Any, **_kwargs: Any) -> None:

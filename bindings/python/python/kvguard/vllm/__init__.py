@@ -64,6 +64,8 @@ def _mode_from_env() -> str | None:
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: installs the hooks when ``KVGUARD_VLLM`` is
     ``enforce`` or ``report`` (vLLM calls this once per process; calling it again is a no-op)."""
+    # Both settings are read here, not at import: vLLM logs and skips a plugin whose import
+    # fails (serving unguarded), but an error raised by register() stops the engine.
     mode = _mode_from_env()
     if mode is not None:
         install(mode)
@@ -74,8 +76,9 @@ def install(mode: str = "enforce") -> None:
     when the setting is on). ``mode`` is ``enforce`` or ``report``."""
     if mode not in _MODES:
         raise ValueError(f"mode {mode!r}: expected 'enforce' or 'report'")
-    from . import hooks
+    from . import hooks, recorder
 
+    recorder.check_settings()
     hooks.install(mode)
 
 

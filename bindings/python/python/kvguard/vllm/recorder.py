@@ -87,7 +87,11 @@ TENANT_ENV = "KVGUARD_VLLM_TENANT"
 _PUBLIC = "public"
 
 
-def _fields_from_env() -> tuple[bool, bool]:
+def tenant_fields() -> tuple[bool, bool]:
+    """Whether ``cache_salt`` and the LoRA adapter make up the tenant, from ``KVGUARD_VLLM_TENANT``;
+    ValueError for a value it cannot read. Read when the plugin is registered (vLLM's loader lets
+    that error stop the engine; an error at import it would only log, serving unguarded), and
+    read again on each call (the setting is a few string operations)."""
     raw = os.environ.get(TENANT_ENV, "cache_salt,lora").replace(" ", "").lower()
     fields = {f for f in raw.split(",") if f}
     unknown = fields - {"cache_salt", "lora", "none"}
@@ -99,7 +103,7 @@ def _fields_from_env() -> tuple[bool, bool]:
 def default_tenant_of(request: Any) -> str:
     """The tenant of a vLLM ``Request``: its ``cache_salt`` and LoRA adapter name (the fields
     ``KVGUARD_VLLM_TENANT`` names); requests with neither share the tenant ``public``."""
-    use_salt, use_lora = _TENANT_FIELDS
+    use_salt, use_lora = _TENANT_FIELDS if _TENANT_FIELDS is not None else tenant_fields()
     parts = []
     if use_salt:
         salt = getattr(request, "cache_salt", None)
@@ -112,7 +116,14 @@ def default_tenant_of(request: Any) -> str:
     return ";".join(parts) if parts else _PUBLIC
 
 
-_TENANT_FIELDS = _fields_from_env()
+#: The fields in force, set by :func:`check_settings` at registration (None: read on each call).
+_TENANT_FIELDS: tuple[bool, bool] | None = None
+
+
+def check_settings() -> None:
+    """Reads ``KVGUARD_VLLM_TENANT`` once and keeps it; ValueError for a bad value."""
+    global _TENANT_FIELDS
+    _TENANT_FIELDS = tenant_fields()
 _tenant_of: Callable[[Any], str] = default_tenant_of
 
 

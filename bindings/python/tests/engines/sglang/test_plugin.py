@@ -47,10 +47,27 @@ def test_sglang_loads_the_plugin_with_the_setting(mode):
     assert last == ("None" if mode == "off" else f"{mode} {','.join(sorted(HOOKED))}")
 
 
-def test_bad_setting_is_an_error(monkeypatch):
-    monkeypatch.setenv("KVGUARD_SGLANG", "enforse")
-    with pytest.raises(ValueError, match="KVGUARD_SGLANG"):
-        kvguard.sglang.register()
+def test_a_mistyped_setting_stops_every_scheduler_at_start_up():
+    """SGLang's loader catches a plugin's exception and serves on ("Failed to execute general
+    plugin"): with KVGUARD_SGLANG mistyped, kvguard must not leave the server unguarded. Loaded by
+    SGLang's own load_plugins, it hooks Scheduler.__init__ with a refusal: the scheduler raises at
+    start-up (which ends the server) naming the setting."""
+    code = (
+        "from sglang.srt.plugins import load_plugins; load_plugins();"
+        "from sglang.srt.plugins.hook_registry import HookRegistry;"
+        "import kvguard.sglang as k;"
+        "hooks = [h for t, hs in HookRegistry._hooks.items() if t.endswith('Scheduler.__init__')"
+        " for _, h, src in hs if src is not None and src.plugin_name == 'kvguard'];"
+        "assert k.installed_mode() is None and len(hooks) == 1, hooks;"
+        "\ntry:\n    hooks[0](None, object())\nexcept RuntimeError as e:\n    print('REFUSED', e)"
+    )
+    env = dict(os.environ, KVGUARD_SGLANG="enforse")
+    env.pop("SGLANG_PLUGINS", None)
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    last = out.stdout.splitlines()[-1]
+    assert last.startswith("REFUSED kvguard: KVGUARD_SGLANG must be enforce, report or off, not 'enforse'"), last
+    assert "Failed to execute general plugin: kvguard" in out.stderr
 
 
 def scheduler_of(eng, context_len=1024):

@@ -31,10 +31,21 @@ def test_vllm_loads_the_plugin_with_the_setting(mode):
     assert out.stdout.strip().splitlines()[-1] == expect
 
 
-def test_bad_setting_is_an_error(monkeypatch):
-    monkeypatch.setenv("KVGUARD_VLLM", "enforse")
-    with pytest.raises(ValueError, match="KVGUARD_VLLM"):
-        kvguard.vllm.register()
+@pytest.mark.parametrize(
+    "setting, named",
+    [({"KVGUARD_VLLM": "enforse"}, "KVGUARD_VLLM"), ({"KVGUARD_VLLM": "enforce", "KVGUARD_VLLM_TENANT": "salt"}, "KVGUARD_VLLM_TENANT")],
+    ids=["mode", "tenant"],
+)
+def test_a_mistyped_setting_stops_vllm_at_start_up(setting, named):
+    """vLLM's own loader logs and skips a plugin whose import fails (the engine would then run
+    unguarded) but lets an error of the plugin's function through: both settings are read there,
+    so a mistyped one stops the engine, naming the setting."""
+    code = "from vllm.plugins import load_general_plugins; load_general_plugins(); print('SERVING')"
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", **setting)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "SERVING" not in out.stdout, out.stdout[-2000:]
+    assert f"ValueError: {named}=" in out.stderr, out.stderr[-2000:]
+    assert "Failed to load plugin" not in out.stderr
 
 
 def test_metrics_are_registered(enforce):
