@@ -4,7 +4,7 @@
 //! accepted for 1-D arguments and copied.
 //!
 //! Nothing is read on an object's word alone: a view's elements must lie inside the memory of the
-//! object that owns them ([`owner`]), so a lying `__array_interface__`, an `as_strided` view past
+//! object that owns them (module `owner`), so a lying `__array_interface__`, an `as_strided` view past
 //! its buffer or a tensor on a device is refused with a Python exception, never read. A device
 //! tensor is refused before its data is touched (`__dlpack_device__`).
 //!
