@@ -218,12 +218,19 @@ mod transfer {
 
         #[test]
         fn a_landing_that_fails_abandons_the_import_and_scrubs_its_pages() {
-            for (test, direction, prefill) in
-                [("land-push", Direction::Write, Prefill::Push), ("land-pull", Direction::Read, Prefill::Stage)]
-            {
-                let Some(o) = run_landing(test, direction, prefill, Some(1)) else { return };
+            for (test, direction, prefill, fail_at) in [
+                ("land-push-0", Direction::Write, Prefill::Push, 0),
+                ("land-push-1", Direction::Write, Prefill::Push, 1),
+                ("land-pull-0", Direction::Read, Prefill::Stage, 0),
+                ("land-pull-1", Direction::Read, Prefill::Stage, 1),
+            ] {
+                let Some(o) = run_landing(test, direction, prefill, Some(fail_at)) else { return };
                 let err = o.verdict.unwrap_err();
-                assert!(matches!(err, ImportError::Refused(TransferError::Landing { index: 1, .. })), "{test}: {err}");
+                assert!(
+                    matches!(err, ImportError::Refused(TransferError::Landing { index, .. }) if index == fail_at),
+                    "{test}: {err}"
+                );
+                assert_eq!(o.landed.len(), fail_at, "{test}: landing stopped at the failing page");
                 // Its own kind, once; the request is not quarantined for the receiver's failure.
                 assert_eq!(o.table.counters().get(ViolationKind::LandingFailed), 1, "{test}");
                 assert_eq!(o.table.counters().total(), 1, "{test}");

@@ -218,8 +218,9 @@ def test_each_fault_is_refused_with_its_named_error_and_nothing_leaks(prefill, d
     d.assert_nothing_leaked(refs)
 
 
+@pytest.mark.parametrize("fail_at", [0, 1])
 @pytest.mark.parametrize("direction", DIRECTIONS)
-def test_a_land_that_raises_fails_the_import_and_nothing_leaks(prefill, direction):
+def test_a_land_that_raises_fails_the_import_and_nothing_leaks(prefill, direction, fail_at):
     """The bytes arrived and checked, but the engine's own copy of them failed: the import is
     abandoned (landing_failed, the request not quarantined), the copy's exception propagates
     with the page named, and nothing is readable or left in the pages."""
@@ -227,12 +228,12 @@ def test_a_land_that_raises_fails_the_import_and_nothing_leaks(prefill, directio
     refs = d.pages()
 
     def land(index, ref, data):
-        if index == 1:
+        if index == fail_at:
             raise MemoryError("the engine's copy into its KV cache failed")
 
     with pytest.raises(MemoryError) as raised:
         d.pull(refs, direction, "none", land=land)
-    assert any(f"landing entry 1 " in n for n in raised.value.__notes__)
+    assert any(f"landing entry {fail_at} " in n for n in raised.value.__notes__)
     assert d.table.counters() == {"landing_failed": 1}
     assert not d.table.request_info(d.request).quarantined
     d.assert_nothing_leaked(refs)
