@@ -64,8 +64,10 @@ class Refusal:
     message: str
 
     def client_message(self, request_id: str) -> str:
-        """What the client is told."""
-        return f"kvguard refused request {request_id}: {self.kind} ({self.stage}): {self.message}"
+        """What the client is told: its own request id, the kind and the stage, nothing else. The
+        violation's message names pages, their owners and other tenants (``salt=...``), so it goes
+        to the operator's log (``vllm.kvguard``), never to a client."""
+        return f"kvguard refused request {request_id}: {self.kind} ({self.stage})"
 
 
 @dataclass

@@ -9,6 +9,8 @@ shows the bug is real (a request reads KV that is not its own, or never written)
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from conftest import run_unguarded
 from engine import Engine, EngineConfig
@@ -29,6 +31,11 @@ def check_contained(guarded: Engine, clean: Engine, victim: str, kinds: set[str]
     assert refusal.kind in kinds, refusal
     fin = guarded.finished[victim]
     assert fin.reason == "error" and fin.error is not None and refusal.kind in fin.error
+    # The client learns its own request id, the kind and the stage: no other request, tenant
+    # (cache_salt) or page, which go to the operator's log only.
+    assert fin.error == f"kvguard refused request {victim}: {refusal.kind} ({refusal.stage})", fin.error
+    assert not any(other in fin.error for other in guarded.finished if other != victim)
+    assert "salt=" not in fin.error and not re.search(r"page \d", fin.error)
     others = {k: v for k, v in outputs(guarded).items() if k != victim}
     assert others == {k: v for k, v in outputs(clean).items() if k != victim}
     # The stand-in attention read nothing wrong except the refused row (nulled) at that step.
