@@ -110,18 +110,34 @@ class StepGuard:
         self.refused_ever: set[str] = set()
         self.steps = 0
         self.refusals_total = 0
-        self._metrics = metrics.pool_metrics()
+        self._metrics_failed = False
         #: Steps between metric writes (multiprocess mode), else 0: read when scraped.
         self._flush_every = 0
-        if self._metrics is not None:
-            self._metrics.track(self)
-            self._flush_every = self._metrics.flush_every or 0
+        try:
+            self._metrics = metrics.pool_metrics()
+            if self._metrics is not None:
+                self._metrics.track(self)
+                self._flush_every = self._metrics.flush_every or 0
+        except Exception:
+            # The checks do not depend on the metrics: without them the guard runs as strict.
+            logger.exception("kvguard: the metrics could not be set up; the checks run without them")
+            self._metrics = None
+            self._flush_every = 0
 
     # -- the step ------------------------------------------------------------------------------
 
+    def _metric(self, call: Any, *args: Any) -> None:
+        """Calls a metrics method; its failure is logged (once) and never reaches the step."""
+        try:
+            call(*args)
+        except Exception:
+            if not self._metrics_failed:
+                self._metrics_failed = True
+                logger.exception("kvguard: a metrics update failed; the checks go on (logged once)")
+
     def _refuse(self, report: StepReport, rid: str | None, kind: str, stage: str, message: str) -> None:
         if self._metrics is not None:
-            self._metrics.violation(kind)
+            self._metric(self._metrics.violation, kind)
         if rid is None:
             logger.warning("kvguard: %s (%s): %s", kind, stage, message)
             return
@@ -172,7 +188,7 @@ class StepGuard:
                 if ev[0] is EventKind.RELEASE:
                     self.refused_ever.discard(ev[1])
         if self._flush_every and self.steps % self._flush_every == 0:
-            self._metrics.flush(self)
+            self._metric(self._metrics.flush, self)
         if report is None and not refused_late and (writes is None or writes.clean and reads.clean):
             return CLEAN_STEP
         return self._refused_step(
@@ -219,7 +235,7 @@ class StepGuard:
             self.refused_ever.update(report.refused)
             self.refusals_total += len(report.refused)
             if self._metrics is not None:
-                self._metrics.refused(len(report.refused))
+                self._metric(self._metrics.refused, len(report.refused))
             if self.mode == "enforce":
                 for row in report.refused_rows:
                     block_table[row, : max(int(num_blocks_per_row[row]), 1)] = NULL_BLOCK

@@ -15,10 +15,15 @@ multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``), which reads only the values pr
 to their files, never a collector's: there the step count and page gauges are written every
 :data:`FLUSH_EVERY` steps instead (so they lag by at most that many steps; the gauges use
 ``livemostrecent``). Without ``prometheus_client`` there are no metrics.
+
+``kvguard_steps_total`` never goes down: a guard that is dropped (its engine shut down) keeps
+counting with the steps it had at the last scrape or write; steps it checked after that are not
+counted. A metrics failure never reaches the step: the guard logs it once and checks on.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import weakref
 from collections.abc import Iterator
@@ -47,6 +52,14 @@ class PoolMetrics:
         self.refused_requests = Counter("kvguard_refused_requests", "requests kvguard refused")
         #: The guards of this process (each has ``steps`` and ``table``).
         self.guards: weakref.WeakSet[Any] = weakref.WeakSet()
+        #: A token per guard ever tracked, its steps when last read, and the dropped guards' sum:
+        #: what keeps ``kvguard_steps_total`` from going down when a guard goes.
+        self._token_of: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self._tokens = itertools.count()
+        self._steps_seen: dict[int, int] = {}
+        self._steps_retired = 0
+        #: Multiprocess mode: the steps of each live guard already written.
+        self._flushed: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self.flush_every: int | None = None
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             from prometheus_client import Gauge
@@ -56,15 +69,30 @@ class PoolMetrics:
             self._pages = Gauge(
                 "kvguard_pages", "KV pages by ownership state", ["state"], multiprocess_mode="livemostrecent"
             )
-            self._flushed: dict[int, int] = {}
         else:
             from prometheus_client import REGISTRY
 
             REGISTRY.register(_ScrapeCollector(self))
 
     def track(self, guard: Any) -> None:
-        """Counts ``guard``'s steps and pool in the metrics (while it lives)."""
+        """Counts ``guard``'s steps and pool in the metrics (while it lives; its steps after)."""
         self.guards.add(guard)
+        token = next(self._tokens)
+        self._token_of[guard] = token
+        self._steps_seen[token] = 0
+        weakref.finalize(guard, self._retire, token)
+
+    def _retire(self, token: int) -> None:
+        self._steps_retired += self._steps_seen.pop(token, 0)
+
+    def steps_total(self) -> int:
+        """Steps checked by every guard this process tracked, live or dropped; never less than
+        the last answer."""
+        for guard in list(self.guards):
+            token = self._token_of.get(guard)
+            if token is not None:
+                self._steps_seen[token] = max(self._steps_seen.get(token, 0), guard.steps)
+        return self._steps_retired + sum(self._steps_seen.values())
 
     def violation(self, kind: str) -> None:
         """One violation of ``kind``."""
@@ -77,9 +105,11 @@ class PoolMetrics:
     def flush(self, guard: Any) -> None:
         """Multiprocess mode: writes the steps ``guard`` checked since its last flush and its
         pool's page counts."""
-        done = self._flushed.get(id(guard), 0)
-        self._steps.inc(guard.steps - done)
-        self._flushed[id(guard)] = guard.steps
+        # Keyed by the guard itself (weakly): a new guard never inherits a dropped one's count.
+        done = self._flushed.get(guard, 0)
+        if guard.steps > done:
+            self._steps.inc(guard.steps - done)
+            self._flushed[guard] = guard.steps
         s = guard.table.snapshot()
         self._pages.labels(state="free").set(s.free)
         self._pages.labels(state="owned").set(s.owned)
@@ -106,7 +136,7 @@ class _ScrapeCollector:
 
         guards = list(self._metrics.guards)
         steps = CounterMetricFamily("kvguard_steps", "scheduler steps kvguard checked")
-        steps.add_metric([], sum(g.steps for g in guards))
+        steps.add_metric([], self._metrics.steps_total())
         pages = GaugeMetricFamily("kvguard_pages", "KV pages by ownership state", labels=["state"])
         free = owned = shared = 0
         for g in guards:

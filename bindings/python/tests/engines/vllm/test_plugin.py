@@ -61,6 +61,53 @@ def test_metrics_are_registered(enforce):
     assert REGISTRY.get_sample_value("kvguard_pages", {"state": "free"}) is not None
 
 
+def test_the_step_count_never_goes_down_when_an_engine_is_dropped(enforce):
+    import gc
+
+    from conftest import workload
+    from engine import Engine, EngineConfig
+    from prometheus_client import REGISTRY
+
+    e = Engine(EngineConfig(num_blocks=64, max_num_seqs=4, max_model_len=512), guarded=True)
+    workload(e, 3, 6)
+    e.run()
+    before = REGISTRY.get_sample_value("kvguard_steps_total")
+    assert before >= e.steps
+    del e
+    gc.collect()
+    assert REGISTRY.get_sample_value("kvguard_steps_total") >= before, "a counter never goes down"
+
+
+def test_a_failing_metric_never_reaches_the_step(enforce, monkeypatch, caplog):
+    """A metrics error (a broken registry, a full disk in multiprocess mode) is logged once; the
+    step is still checked, and refused requests are still refused."""
+    from conftest import workload
+    from engine import Engine, EngineConfig
+    from kvguard.vllm import metrics
+
+    def broken(*_args, **_kwargs):
+        raise ValueError("Counters can only be incremented by non-negative amounts.")
+
+    m = metrics.pool_metrics()
+    monkeypatch.setattr(m, "violation", broken)
+    monkeypatch.setattr(m, "refused", broken)
+    e = Engine(EngineConfig(num_blocks=64, max_num_seqs=4, max_model_len=512), guarded=True)
+    workload(e, 2, 4)
+    guard_of = lambda: e._kvguard  # noqa: E731
+    e.step()
+    # A refusal whose metrics fail: the table still refuses, the step goes on.
+    guard = guard_of()
+    from kvguard.vllm.guard import StepReport
+
+    report = StepReport()
+    guard._refuse(report, "nobody", "foreign_page", "read", "a test refusal")
+    guard._metric(m.refused, 1)
+    assert report.refused["nobody"].kind == "foreign_page"
+    assert sum("a metrics update failed" in r.getMessage() for r in caplog.records) == 1
+    e.run()
+    assert all(f.reason == "length" for f in e.finished.values())
+
+
 def test_metrics_in_multiprocess_mode(tmp_path):
     """With ``PROMETHEUS_MULTIPROC_DIR`` (how vLLM's API server collects other processes'
     metrics) the step count and page gauges are written to the process's files every
@@ -81,6 +128,17 @@ def test_metrics_in_multiprocess_mode(tmp_path):
         "steps = r.get_sample_value('kvguard_steps_total')\n"
         "assert steps == e.steps - e.steps % metrics.FLUSH_EVERY, (steps, e.steps)\n"
         "assert r.get_sample_value('kvguard_pages', {'state': 'free'}) is not None\n"
+        # A second engine after the first is dropped: its guard may land at the first one's
+        # address; its count starts at 0 (a reused id made the increment negative, raising
+        # inside the step), and the total only grows.
+        "import gc; first = e.steps; del e; gc.collect()\n"
+        "e2 = Engine(EngineConfig(num_blocks=64, max_num_seqs=4, max_model_len=512), guarded=True)\n"
+        "workload(e2, 3, 12)\n"
+        "e2.run()\n"
+        "r = CollectorRegistry(); MultiProcessCollector(r)\n"
+        "flushed = lambda n: n - n % metrics.FLUSH_EVERY\n"
+        "total = r.get_sample_value('kvguard_steps_total')\n"
+        "assert total == flushed(first) + flushed(e2.steps), (total, first, e2.steps)\n"
         "print('ok')\n"
     )
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path), VLLM_TARGET_DEVICE="cpu")
