@@ -170,6 +170,16 @@ impl ImportTicket<'_> {
         v
     }
 
+    /// Ends the transfer with its pages still pinned, because bytes may still land in them (a
+    /// one-sided WRITE decode gave up waiting for): nothing is recorded as written, and the pages
+    /// stay out of circulation, released or not (never handed to another request, never
+    /// confirmed scrubbed), until [`OwnershipTable::lift_fence`] says the sender is done. Pages a
+    /// fence holds cannot take another transfer either ([`ViolationKind::ImportInFlight`]).
+    pub fn fence(mut self) -> Fence {
+        self.ended = true;
+        Fence { table: self.table.id(), id: self.id, request: self.request, refs: std::mem::take(&mut self.refs) }
+    }
+
     /// Abandons the transfer (its manifest was refused, say): nothing is recorded, and the pages
     /// are unpinned.
     pub fn abort(mut self) {
@@ -180,6 +190,57 @@ impl ImportTicket<'_> {
         if !std::mem::replace(&mut self.ended, true) {
             self.table.state.write().unpin(self.id, &self.refs);
         }
+    }
+}
+
+/// Pages kept pinned after their transfer ended ([`ImportTicket::fence`]) until the sender is
+/// known to be done with them; [`OwnershipTable::lift_fence`] ends it. Dropping a fence keeps
+/// the pages out of circulation for good (fail closed: capacity lost, never data).
+#[derive(Debug, PartialEq, Eq)]
+#[must_use = "a fence dropped keeps its pages out of circulation for good: lift it"]
+pub struct Fence {
+    /// The table its pins are in ([`OwnershipTable::id`]).
+    table: u64,
+    id: u64,
+    request: RequestId,
+    refs: Vec<PageRef>,
+}
+
+impl Fence {
+    /// The request whose transfer it was.
+    pub fn request(&self) -> RequestId {
+        self.request
+    }
+
+    /// The pages it holds, in the incarnations pinned.
+    pub fn pages(&self) -> &[PageRef] {
+        &self.refs
+    }
+
+    /// Whether its pins are in `table`.
+    pub fn is_in(&self, table: &OwnershipTable) -> bool {
+        self.table == table.id()
+    }
+}
+
+impl OwnershipTable {
+    /// Lifts `fence`: the sender is done with its pages (its late notice came, or it is known
+    /// dead), and the caller has zeroed them. Each page still the request's in the pinned
+    /// incarnation loses its coverage (bytes landed there after the request's own writes), and
+    /// the pages are unpinned: a released one joins the free list (or awaits its scrub). A fence
+    /// of another table is handed back untouched.
+    pub fn lift_fence(&self, fence: Fence) -> Result<(), Fence> {
+        if !fence.is_in(self) {
+            return Err(fence);
+        }
+        let mut state = self.state.write();
+        for r in &fence.refs {
+            if state.tag(r.page).is_some_and(|t| t.owned_by(fence.request) && t.generation() == r.generation.0) {
+                state.revoke_coverage(r.page);
+            }
+        }
+        state.unpin(fence.id, &fence.refs);
+        Ok(())
     }
 }
 

@@ -65,7 +65,7 @@ mod step;
 mod verify;
 mod violation;
 
-pub use import::ImportTicket;
+pub use import::{Fence, ImportTicket};
 pub use info::{PageInfo, PageState, PoolSnapshot, Released, RequestInfo};
 pub use mirror::DeviceTag;
 pub use ownership::{OwnershipTable, VIOLATION_LOG_CAPACITY};

@@ -49,7 +49,12 @@ pub struct OwnershipTable {
     counters: ViolationCounters,
     log: Mutex<VecDeque<Violation>>,
     log_dropped: AtomicU64,
+    /// Unique in the process: what a [`Fence`](crate::Fence) names its table by.
+    id: u64,
 }
+
+/// The next table's id.
+static NEXT_TABLE_ID: AtomicU64 = AtomicU64::new(1);
 
 impl OwnershipTable {
     /// A table for `config`, after the start-up [audit](PoolConfig::audit): a pool that cannot
@@ -72,7 +77,13 @@ impl OwnershipTable {
             counters: ViolationCounters::default(),
             log: Mutex::new(VecDeque::new()),
             log_dropped: AtomicU64::new(0),
+            id: NEXT_TABLE_ID.fetch_add(1, Ordering::Relaxed),
         })
+    }
+
+    /// This table's id, unique in the process (fences name their table by it).
+    pub(crate) fn id(&self) -> u64 {
+        self.id
     }
 
     /// The pool configuration.

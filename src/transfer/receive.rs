@@ -671,6 +671,18 @@ impl<'t> PinnedImport<'t> {
         self.receiver.table.record_overwritten(self.ticket.request(), pages)
     }
 
+    /// Ends the transfer with no verdict on its content and its pages still pinned, because
+    /// bytes may still land in them ([`ImportTicket::fence`]): see
+    /// [`OwnershipTable::lift_fence`].
+    pub fn fence(self) -> crate::Fence {
+        self.ticket.fence()
+    }
+
+    /// The table the pages are pinned in.
+    pub fn table(&self) -> &'t OwnershipTable {
+        self.receiver.table
+    }
+
     /// Abandons the transfer with no verdict on its content (it timed out, or the transport
     /// failed): nothing is recorded, the pages are unpinned.
     pub fn abort(self) {

@@ -343,6 +343,95 @@ mod transfer {
         }
 
         #[test]
+        fn a_timed_out_push_keeps_its_pages_fenced_until_its_late_write_is_done() {
+            // Decode gives up on a push; prefill WRITEs anyway, later. The pages must not reach
+            // another request before that late WRITE is over: they stay pinned (out of the free
+            // list once the request is released), and come back zeroed when its notice arrives.
+            let Some((decode, prefill)) = agents("fence") else { return };
+            let mut decode_region = HostRegion::new(&decode, PAGES, PAGE_BYTES).unwrap();
+            let mut prefill_region = HostRegion::new(&prefill, PAGES, PAGE_BYTES).unwrap();
+            let mut decode_link =
+                NixlLink::connect(&decode, &prefill.metadata().unwrap(), prefill_region.layout()).unwrap();
+            let prefill_md = decode.metadata().unwrap();
+            let decode_layout = decode_region.layout();
+            let table = OwnershipTable::new(PoolConfig::new(PAGES, PAGE_SIZE, 24)).unwrap();
+            table.admit(REQ, TENANT, PROMPT.len() as u64, 2).unwrap();
+            let refs = table.allocate(REQ, 2).unwrap();
+            let fenced: Vec<PageId> = pages_of(&refs);
+            let expected = ExpectedTransfer::for_prompt(REQ, TENANT, &PROMPT, &refs, PAGE_SIZE, SLOT_BYTES);
+            let (go, late) = mpsc::channel::<()>();
+            let prefill_region = &mut prefill_region;
+            std::thread::scope(|s| {
+                let dest = refs.clone();
+                s.spawn(move || {
+                    let link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
+                    let pages = kv_pages();
+                    let header = TransferHeader {
+                        request: REQ,
+                        tenant: TENANT,
+                        sender: SenderId(1),
+                        page_size: PAGE_SIZE,
+                        slot_bytes: SLOT_BYTES,
+                    };
+                    let manifest = Manifest::build(header, &PROMPT, &dest, &pages).unwrap().encode();
+                    let mut src = Vec::new();
+                    for (i, bytes) in pages.iter().enumerate() {
+                        let page = 3 + i as u32;
+                        prefill_region.bytes_mut(page, bytes.len() as u32).unwrap().copy_from_slice(bytes);
+                        src.push(Extent { page, len: bytes.len() as u32 });
+                    }
+                    late.recv().unwrap();
+                    let dest_pages: Vec<PageId> = dest.iter().map(|r| r.page).collect();
+                    link.push(
+                        prefill_region,
+                        &src,
+                        &dest_pages,
+                        REQ,
+                        &manifest,
+                        Instant::now() + Duration::from_secs(20),
+                    )
+                    .unwrap();
+                });
+                let pinned = Receiver::new(&table).pin(&expected).unwrap();
+                let deadline = Instant::now() + Duration::from_millis(200);
+                let timed_out = decode_link.receive(
+                    Direction::Write,
+                    pinned,
+                    &expected,
+                    &mut decode_region,
+                    deadline,
+                    |_, _, _| Ok(()),
+                );
+                assert!(matches!(timed_out, Err(ImportError::Aborted(NixlError::Timeout { .. }))));
+                assert_eq!(decode_link.fenced(), 1);
+                // The engine aborts the request: its pages leave it but are not handed out.
+                table.release(REQ).unwrap();
+                assert_eq!(table.snapshot().in_flight, 2);
+                table.admit(RequestId(9), TenantId(9), 4 * (PAGES as u64 - 2), 0).unwrap();
+                let others = table.allocate(RequestId(9), PAGES - 2).unwrap();
+                assert!(others.iter().all(|r| !fenced.contains(&r.page)), "fenced pages were handed out");
+                // Prefill's late WRITE lands; its notice lifts the fence, the pages zeroed first.
+                go.send(()).unwrap();
+                let until = Instant::now() + Duration::from_secs(20);
+                let mut lifted = 0;
+                while lifted == 0 && Instant::now() < until {
+                    lifted = decode_link.settle_fences(&table, &mut decode_region).unwrap();
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                assert_eq!((lifted, decode_link.fenced()), (1, 0));
+            });
+            assert_eq!(table.snapshot().in_flight, 0);
+            for &page in &fenced {
+                assert!(decode_region.bytes(page.0, PAGE_BYTES).unwrap().iter().all(|&b| b == 0), "zeroed");
+            }
+            // The pages go to the next request with nothing written.
+            table.admit(RequestId(10), TenantId(10), 8, 0).unwrap();
+            let next = table.claim(RequestId(10), &fenced).unwrap();
+            assert!(next.iter().zip(&refs).all(|(n, old)| n.generation > old.generation));
+            assert_eq!(table.check_read(RequestId(10), &fenced, 1).unwrap_err().kind(), ViolationKind::UnwrittenSlots);
+        }
+
+        #[test]
         fn notices_for_requests_nobody_asked_for_hold_at_most_inbox_bytes() {
             let Some((decode, prefill)) = agents("flood") else { return };
             let decode_region = HostRegion::new(&decode, PAGES, PAGE_BYTES).unwrap();

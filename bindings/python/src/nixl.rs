@@ -550,6 +550,45 @@ impl NixlLink {
         Ok(self.link.try_lock().ok_or_else(|| busy("link"))?.malformed())
     }
 
+    /// Pushes that timed out whose pages are still fenced: pinned in their table, out of every
+    /// other request's reach even once released, until the sender is known done with them.
+    #[getter]
+    fn fenced(&self) -> PyResult<usize> {
+        Ok(self.link.try_lock().ok_or_else(|| busy("link"))?.fenced())
+    }
+
+    /// Lifts the fences of timed-out pushes of `table` whose late notice has come (nothing more
+    /// of them will land): their pages are zeroed in `region` (a HostRegion or an EnginePool)
+    /// and unpinned. receive does it at its start and end; call it when idle too. Returns how
+    /// many were lifted.
+    fn settle_fences(
+        &self,
+        py: Python<'_>,
+        table: &Bound<'_, crate::table::OwnershipTable>,
+        region: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let mut link = self.link.try_lock().ok_or_else(|| busy("link"))?;
+        let mut region = RegionArg::lock(region)?;
+        let table = table.get().core();
+        let (link, region) = (&mut *link, region.region());
+        py.detach(|| link.settle_fences(table, region)).map_err(|e| nixl_error(py, &e))
+    }
+
+    /// Lifts every fence of `table`: the engine knows the peer is done (disconnected,
+    /// restarted), so no late WRITE can come. The pages are zeroed in `region` first.
+    fn release_fences(
+        &self,
+        py: Python<'_>,
+        table: &Bound<'_, crate::table::OwnershipTable>,
+        region: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let mut link = self.link.try_lock().ok_or_else(|| busy("link"))?;
+        let mut region = RegionArg::lock(region)?;
+        let table = table.get().core();
+        let (link, region) = (&mut *link, region.region());
+        Ok(py.detach(|| link.release_fences(table, region)))
+    }
+
     /// Prefill, push: WRITEs `region`'s (a HostRegion or an EnginePool) extents `src`
     /// ([(page, length)]) into the peer's pages `dest` (ints or PageRefs, position by position)
     /// with the manifest (bytes) as the transfer's notification, delivered after the data;

@@ -314,8 +314,14 @@ def test_a_notification_that_never_comes_times_out_and_records_nothing(prefill):
     assert isinstance(aborted.value, kvguard.Error)
     assert sum(d.table.counters().values()) == 0, "a timeout is no verdict on content"
     d.assert_nothing_leaked(refs)
-    # No verdict on content, and the pages are unpinned: the request can let them go.
+    # A push decode gave up on may still WRITE: its pages stay fenced. The request can let them
+    # go, but they are not handed out until the engine says prefill is done with them.
+    assert prefill.link.fenced >= 1
     d.table.release(d.request)
+    assert d.table.snapshot().in_flight == len(refs)
+    assert prefill.link.settle_fences(d.table, prefill.region) == 0, "no late notice came"
+    assert prefill.link.release_fences(d.table, prefill.region) == 1
+    assert d.table.snapshot().in_flight == 0
 
 
 def test_a_pinned_import_ends_once(prefill):

@@ -4,6 +4,7 @@
 use super::{Direction, Extent, NixlAgent, NixlError, Notice, NoticeKind, PageRegion, Posted, RegionLayout};
 use crate::ids::{PageId, PageRef, RequestId};
 use crate::transfer::{Accepted, ExpectedTransfer, Manifest, PinnedImport, TransferError, TransferHeader};
+use crate::{Fence, OwnershipTable};
 use std::time::Instant;
 
 /// Notices kept for requests nobody waits for yet; past this, the oldest are dropped (a peer
@@ -59,6 +60,8 @@ pub struct NixlLink<'a> {
     inbox_bytes: usize,
     /// Pulls whose wait timed out: the request and the page incarnations it had pinned.
     abandoned: std::collections::VecDeque<(RequestId, Vec<PageRef>)>,
+    /// Pushes that timed out: their pages stay pinned until the sender is done with them.
+    fenced: Vec<Fence>,
     malformed: u64,
     part_bytes: Option<u64>,
 }
@@ -80,6 +83,7 @@ impl<'a> NixlLink<'a> {
             inbox: Vec::new(),
             inbox_bytes: 0,
             abandoned: std::collections::VecDeque::new(),
+            fenced: Vec::new(),
             malformed: 0,
             part_bytes: Some(PART_BYTES),
         })
@@ -131,6 +135,96 @@ impl<'a> NixlLink<'a> {
             keep
         });
         self.inbox_bytes -= freed;
+    }
+
+    /// Pushes that timed out whose pages are still fenced (see [`settle_fences`](Self::settle_fences)).
+    pub fn fenced(&self) -> usize {
+        self.fenced.len()
+    }
+
+    /// Lifts the fences of timed-out pushes whose sender is done: a push decode gave up on may
+    /// still WRITE its pages, so [`receive`](Self::receive) keeps them pinned
+    /// ([`Fence`]: out of circulation even once the request releases them) rather than let a
+    /// late WRITE land in a next owner's KV. When that push's `Written` notice arrives (NIXL
+    /// delivers it after the data: nothing more of it will land), its pages are zeroed in
+    /// `region` and the fence lifted in `table` (the table the pages were pinned in). Runs at the
+    /// start of every `receive`; call it also when idle. Returns how many fences were lifted.
+    pub fn settle_fences<R: PageRegion + ?Sized>(
+        &mut self,
+        table: &OwnershipTable,
+        region: &mut R,
+    ) -> Result<usize, NixlError> {
+        if self.fenced.is_empty() {
+            return Ok(0);
+        }
+        self.collect()?;
+        let mut lifted = 0;
+        for fence in std::mem::take(&mut self.fenced) {
+            if !fence.is_in(table) {
+                // Another table's (a link shared by several decode tables): settled with it.
+                self.fenced.push(fence);
+                continue;
+            }
+            let pages: Vec<u32> = fence.pages().iter().map(|r| r.page.0).collect();
+            let theirs = |n: &Notice| {
+                n.request == fence.request()
+                    && match Manifest::decode(&n.manifest) {
+                        Ok(m) => m.pages().iter().map(|e| e.dest).eq(fence.pages().iter().copied()),
+                        Err(_) => n.extents.iter().map(|e| e.page).eq(pages.iter().copied()),
+                    }
+            };
+            let Some(at) = self.inbox.iter().position(|n| n.kind == NoticeKind::Written && theirs(n)) else {
+                self.fenced.push(fence);
+                continue;
+            };
+            let done = self.inbox.remove(at);
+            self.inbox_bytes -= footprint(&done);
+            self.retire_fence(fence, &pages, table, region);
+            lifted += 1;
+        }
+        Ok(lifted)
+    }
+
+    /// Lifts every fence of `table`: the engine knows the peer is done (it disconnected, it
+    /// was restarted, its descriptors were invalidated), so no late WRITE can come. Zeroes the
+    /// pages first. Returns how many were lifted.
+    pub fn release_fences<R: PageRegion + ?Sized>(&mut self, table: &OwnershipTable, region: &mut R) -> usize {
+        let (mine, others): (Vec<Fence>, Vec<Fence>) =
+            std::mem::take(&mut self.fenced).into_iter().partition(|f| f.is_in(table));
+        self.fenced = others;
+        let n = mine.len();
+        for fence in mine {
+            let pages: Vec<u32> = fence.pages().iter().map(|r| r.page.0).collect();
+            self.retire_fence(fence, &pages, table, region);
+        }
+        n
+    }
+
+    /// Zeroes a fence's pages, drops the `Part` notices that named them, and lifts it.
+    fn retire_fence<R: PageRegion + ?Sized>(
+        &mut self,
+        fence: Fence,
+        pages: &[u32],
+        table: &OwnershipTable,
+        region: &mut R,
+    ) {
+        let request = fence.request();
+        let mut freed = 0;
+        self.inbox.retain(|n| {
+            let keep = !(n.request == request
+                && n.kind == NoticeKind::Part
+                && n.extents.iter().all(|e| pages.contains(&e.page)));
+            if !keep {
+                freed += footprint(n);
+            }
+            keep
+        });
+        self.inbox_bytes -= freed;
+        let in_region: Vec<u32> = pages.iter().copied().filter(|&p| p < region.layout().pages).collect();
+        // Best effort, like a refusal's scrub: the pages carry no coverage either way.
+        let _ = region.scrub(&in_region);
+        // Callers pass only this table's fences.
+        let _ = table.lift_fence(fence);
     }
 
     /// Bytes the notices kept for later waits hold (at most [`INBOX_BYTES`]).
@@ -412,6 +506,9 @@ impl<'a> NixlLink<'a> {
         land: impl FnMut(usize, crate::PageRef, &[u8]) -> Result<(), crate::transfer::LandError>,
     ) -> Result<Accepted, ImportError> {
         let pages: Vec<u32> = pinned.pages().iter().map(|r| r.page.0).collect();
+        let table = pinned.table();
+        // Best effort: a transport error here shows again in the wait below.
+        let _ = self.settle_fences(table, region);
         let outcome = self.receive_pinned(direction, pinned, expected, region, deadline, land);
         if outcome.is_err() {
             // Best effort: the pages are still the request's; zero whatever landed. Pages
@@ -419,6 +516,8 @@ impl<'a> NixlLink<'a> {
             let in_region: Vec<u32> = pages.into_iter().filter(|&p| p < region.layout().pages).collect();
             let _ = region.scrub(&in_region);
         }
+        // A fenced push's late notice may have come meanwhile.
+        let _ = self.settle_fences(table, region);
         // Parts of this transfer that came after its end are no use to a later one.
         let request = expected.request;
         self.drop_parts(request);
@@ -440,7 +539,9 @@ impl<'a> NixlLink<'a> {
         self.drop_parts(request);
         let pinned_pages: Vec<u32> = pinned.pages().iter().map(|r| r.page.0).collect();
         let mut strays = Vec::new();
-        let waited = self.wait_carrying(direction, request, &pinned_pages, &layout, &*region, deadline, &mut strays);
+        let table = pinned.table();
+        let waited =
+            self.wait_carrying(direction, request, &pinned_pages, &layout, &*region, deadline, &mut strays, table);
         let (notice, early) = match waited {
             Ok(found) => found,
             Err(_) if !strays.is_empty() => {
@@ -463,6 +564,12 @@ impl<'a> NixlLink<'a> {
                         self.abandoned.pop_front();
                     }
                     self.abandoned.push_back((request, pinned.pages().to_vec()));
+                }
+                if direction == Direction::Write && matches!(e, NixlError::Timeout { .. }) {
+                    // Prefill may still WRITE these pages: they stay pinned (out of every other
+                    // request's reach, released or not) until its late notice says it is done.
+                    self.fenced.push(pinned.fence());
+                    return Err(ImportError::Aborted(e));
                 }
                 pinned.abort();
                 return Err(ImportError::Aborted(e));
@@ -565,6 +672,7 @@ impl<'a> NixlLink<'a> {
         region: &R,
         deadline: Instant,
         strays: &mut Vec<PageId>,
+        table: &OwnershipTable,
     ) -> Result<(Notice, Vec<EarlySum>), Waited> {
         let carrying = match direction {
             Direction::Write => NoticeKind::Written,
@@ -584,7 +692,21 @@ impl<'a> NixlLink<'a> {
                 Some(_) => &[NoticeKind::Part],
                 None => &[carrying, NoticeKind::Part, NoticeKind::Declined],
             };
-            let n = self.wait(request, kinds, deadline).map_err(Waited::Failed)?;
+            // A late `Written` of a push of this request that timed out (its pages fenced) is not
+            // this transfer's: it stays in the inbox for `settle_fences`.
+            let fenced: Vec<Vec<PageRef>> = self
+                .fenced
+                .iter()
+                .filter(|f| f.request() == request && f.is_in(table))
+                .map(|f| f.pages().to_vec())
+                .collect();
+            let not_fenced = |n: &Notice| {
+                fenced.is_empty()
+                    || n.kind != NoticeKind::Written
+                    || !Manifest::decode(&n.manifest)
+                        .is_ok_and(|m| fenced.iter().any(|f| m.pages().iter().map(|e| e.dest).eq(f.iter().copied())))
+            };
+            let n = self.wait_where(request, kinds, not_fenced, deadline).map_err(Waited::Failed)?;
             match n.kind {
                 NoticeKind::Declined => return Err(Waited::Declined),
                 NoticeKind::Staged if self.answer_abandoned(&n).map_err(Waited::Failed)? => continue,
