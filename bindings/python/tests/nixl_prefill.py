@@ -11,7 +11,8 @@ its side is over. Direction "write-building" lets kvguard build the manifest on 
 Faults beyond the demo's: "extra-page" pushes one more page into decode's page `victim` (a page
 decode did not offer) and names it in the notice; "retry-late" holds the first pull of a request
 back unanswered ({"done": "held"}) and, when decode pulls it again, stages the held attempt
-first (late, in pages of its own), then the retry.
+first (late, in pages of its own), then the retry. "push-late" holds a push back ({"done":
+"held"}) until decode sends {"late": request}, then pushes it (after decode gave up on it).
 """
 
 import json
@@ -67,10 +68,16 @@ def main():
         agent, bytes.fromhex(peer["metadata"]), bytes.fromhex(peer["layout"]), part_bytes=PAGE_BYTES
     )
     held_back = {}  # request -> (manifest, pages): the `late` fault's transfer
+    late_pushes = {}  # request -> (src, dest pages, manifest): the `push-late` fault's push
     for line in sys.stdin:
         pull = json.loads(line)
         if pull.get("quit"):
             return
+        if "late" in pull:
+            src, dest_pages, manifest = late_pushes.pop(pull["late"])
+            link.push(region, src, dest_pages, pull["late"], manifest)
+            send({"done": "pushed-late"})
+            continue
         request, tenant, fault = pull["request"], pull["tenant"], pull["fault"]
         prompt = [DUMMY_TOKEN] if fault == "dummy-prompt" else pull["prompt"]
         dest = [kvguard.PageRef(p, g) for p, g in pull["dest"]]
@@ -132,6 +139,10 @@ def main():
                 )
             except kvguard.NixlError:
                 pass  # refused before anything was sent: decode's wait times out
+        elif pull["direction"] == "write" and fault == "push-late":
+            late_pushes[request] = (src, [r.page for r in dest], manifest)
+            send({"done": "held"})
+            continue
         elif pull["direction"] == "write":
             dest_pages = [r.page for r in dest]
             if fault == "extra-page":

@@ -22,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -322,6 +323,41 @@ def test_a_notification_that_never_comes_times_out_and_records_nothing(prefill):
     assert prefill.link.settle_fences(d.table, prefill.region) == 0, "no late notice came"
     assert prefill.link.release_fences(d.table, prefill.region) == 1
     assert d.table.snapshot().in_flight == 0
+
+
+def test_a_push_decode_gave_up_on_stays_fenced_until_its_late_write_is_done(prefill):
+    """Prefill pushes only after decode's wait timed out. Until that late WRITE is over, its pages
+    are not handed out (released, they stay in flight); its notice lifts the fence, the pages
+    zeroed, and the next owner reads nothing of them."""
+    d = Decode(prefill)
+    refs = d.pages()
+    before = prefill.link.fenced
+    pinned = d.receiver.pin(d.request, TENANT, PROMPT, refs, slot_bytes=SLOT_BYTES)
+    prefill.write({"request": d.request, "tenant": TENANT, "prompt": PROMPT,
+                   "dest": [[r.page, r.generation] for r in refs], "direction": "write", "fault": "push-late"})
+    assert prefill.read()["done"] == "held"
+    with pytest.raises(kvguard.NixlError) as timed_out:
+        prefill.link.receive(pinned, prefill.region, direction="write", timeout=0.3)
+    assert timed_out.value.kind == "timeout"
+    assert prefill.link.fenced == before + 1
+    d.table.release(d.request)
+    assert d.table.snapshot().in_flight == len(refs), "released, but not handed out"
+    # Now prefill's WRITE lands, late, with its notice.
+    prefill.write({"late": d.request})
+    lifted, deadline = 0, time.monotonic() + 20
+    while not lifted and time.monotonic() < deadline:
+        lifted = prefill.link.settle_fences(d.table, prefill.region)
+        time.sleep(0.005)
+    assert prefill.read()["done"] == "pushed-late"
+    assert lifted == 1 and prefill.link.fenced == before
+    assert d.table.snapshot().in_flight == 0
+    for r in refs:
+        assert prefill.pages.read(r.page) == bytes(PAGE_BYTES), "the late bytes are zeroed"
+    # The pages go to the next request with nothing written.
+    d.table.admit("next", TENANT, 8, 0)
+    again = d.table.claim("next", [r.page for r in refs])
+    assert all(a.generation > r.generation for a, r in zip(again, refs))
+    assert d.table.check_read("next", [r.page for r in refs], 1).kind == "unwritten_slots"
 
 
 def test_a_pinned_import_ends_once(prefill):
