@@ -65,6 +65,45 @@ mod transfer {
                 .collect()
         }
 
+        /// Both sides' host pages and decode's link to prefill; prefill connects back with
+        /// `prefill_md` and `decode_layout` on its own thread.
+        struct Pair<'a> {
+            decode_region: HostRegion,
+            prefill_region: HostRegion,
+            decode_link: NixlLink<'a>,
+            prefill_md: Vec<u8>,
+            decode_layout: RegionLayout,
+        }
+
+        fn pair<'a>(decode: &'a NixlAgent, prefill: &NixlAgent) -> Pair<'a> {
+            let decode_region = HostRegion::new(decode, PAGES, PAGE_BYTES).unwrap();
+            let prefill_region = HostRegion::new(prefill, PAGES, PAGE_BYTES).unwrap();
+            let decode_link = NixlLink::connect(decode, &prefill.metadata().unwrap(), prefill_region.layout()).unwrap();
+            let (prefill_md, decode_layout) = (decode.metadata().unwrap(), decode_region.layout());
+            Pair { decode_region, prefill_region, decode_link, prefill_md, decode_layout }
+        }
+
+        /// Prefill's side of one attempt: the prompt's KV written into its pages `base..`, and the
+        /// extents and manifest of a transfer of it into decode's `dest`.
+        fn prefilled(region: &mut HostRegion, base: u32, dest: &[PageRef]) -> (Vec<Extent>, Vec<u8>) {
+            let pages = kv_pages();
+            let header = TransferHeader {
+                request: REQ,
+                tenant: TENANT,
+                sender: SenderId(1),
+                page_size: PAGE_SIZE,
+                slot_bytes: SLOT_BYTES,
+            };
+            let manifest = Manifest::build(header, &PROMPT, dest, &pages).unwrap().encode();
+            let mut src = Vec::new();
+            for (i, bytes) in pages.iter().enumerate() {
+                let page = base + i as u32;
+                region.bytes_mut(page, bytes.len() as u32).unwrap().copy_from_slice(bytes);
+                src.push(Extent { page, len: bytes.len() as u32 });
+            }
+            (src, manifest)
+        }
+
         struct Outcome {
             verdict: Result<kvguard::transfer::Accepted, ImportError>,
             table: OwnershipTable,
@@ -86,16 +125,12 @@ mod transfer {
             fail_landing_at: Option<usize>,
         ) -> Option<Outcome> {
             let (decode, prefill) = agents(test)?;
-            let mut decode_region = HostRegion::new(&decode, PAGES, PAGE_BYTES).unwrap();
-            let mut prefill_region = HostRegion::new(&prefill, PAGES, PAGE_BYTES).unwrap();
+            let Pair { mut decode_region, mut prefill_region, mut decode_link, prefill_md, decode_layout } =
+                pair(&decode, &prefill);
             // Stale bytes of an earlier owner in decode's pages.
             for p in 0..PAGES {
                 decode_region.bytes_mut(p, PAGE_BYTES).unwrap().fill(0xEE);
             }
-            let mut decode_link =
-                NixlLink::connect(&decode, &prefill.metadata().unwrap(), prefill_region.layout()).unwrap();
-            let prefill_md = decode.metadata().unwrap();
-            let decode_layout = decode_region.layout();
 
             let table = OwnershipTable::new(PoolConfig::new(PAGES, PAGE_SIZE, 24)).unwrap();
             table.admit(REQ, TENANT, PROMPT.len() as u64, 2).unwrap();
@@ -112,21 +147,8 @@ mod transfer {
                     let mut link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
                     let prefill_region = prefill_region;
                     let dest = asked.recv().unwrap();
-                    let pages = kv_pages();
-                    let header = TransferHeader {
-                        request: REQ,
-                        tenant: TENANT,
-                        sender: SenderId(1),
-                        page_size: PAGE_SIZE,
-                        slot_bytes: SLOT_BYTES,
-                    };
-                    let manifest = Manifest::build(header, &PROMPT, &dest, &pages).unwrap().encode();
-                    let mut src = Vec::new();
-                    for (i, bytes) in pages.iter().enumerate() {
-                        let page = i as u32 + 3; // prefill's own pages, elsewhere in its pool
-                        prefill_region.bytes_mut(page, bytes.len() as u32).unwrap().copy_from_slice(bytes);
-                        src.push(Extent { page, len: bytes.len() as u32 });
-                    }
+                    // Prefill's own pages, elsewhere in its pool.
+                    let (mut src, manifest) = prefilled(prefill_region, 3, &dest);
                     if prefill_does == Prefill::PushFlipped {
                         prefill_region.bytes_mut(3, 8).unwrap()[5] ^= 1;
                     }
@@ -275,12 +297,8 @@ mod transfer {
             // late answer to the first pull must neither be taken for the retry's (stale_page)
             // nor end the retry's staging on prefill: decode answers it on its own.
             let Some((decode, prefill)) = agents("retry") else { return };
-            let mut decode_region = HostRegion::new(&decode, PAGES, PAGE_BYTES).unwrap();
-            let mut prefill_region = HostRegion::new(&prefill, PAGES, PAGE_BYTES).unwrap();
-            let mut decode_link =
-                NixlLink::connect(&decode, &prefill.metadata().unwrap(), prefill_region.layout()).unwrap();
-            let prefill_md = decode.metadata().unwrap();
-            let decode_layout = decode_region.layout();
+            let Pair { mut decode_region, mut prefill_region, mut decode_link, prefill_md, decode_layout } =
+                pair(&decode, &prefill);
             let table = OwnershipTable::new(PoolConfig::new(PAGES, PAGE_SIZE, 24)).unwrap();
             table.admit(REQ, TENANT, PROMPT.len() as u64, 2).unwrap();
             let first = table.allocate(REQ, 2).unwrap();
@@ -290,27 +308,13 @@ mod transfer {
             let (second, verdict) = std::thread::scope(|s| {
                 s.spawn(move || {
                     let mut link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
-                    let pages = kv_pages();
-                    let header = TransferHeader {
-                        request: REQ,
-                        tenant: TENANT,
-                        sender: SenderId(1),
-                        page_size: PAGE_SIZE,
-                        slot_bytes: SLOT_BYTES,
-                    };
                     // Each attempt staged in pages of its own: 3.. and 5.. of prefill's pool.
                     for (attempt, base) in [(0, 3u32), (1, 5u32)] {
                         let dest = asked.recv().unwrap();
                         if attempt == 0 {
                             late.recv().unwrap(); // after decode gave up on it
                         }
-                        let manifest = Manifest::build(header, &PROMPT, &dest, &pages).unwrap().encode();
-                        let mut src = Vec::new();
-                        for (i, bytes) in pages.iter().enumerate() {
-                            let page = base + i as u32;
-                            prefill_region.bytes_mut(page, bytes.len() as u32).unwrap().copy_from_slice(bytes);
-                            src.push(Extent { page, len: bytes.len() as u32 });
-                        }
+                        let (src, manifest) = prefilled(prefill_region, base, &dest);
                         link.stage(&src, REQ, &manifest, Instant::now() + Duration::from_secs(20)).unwrap();
                     }
                 });
@@ -348,12 +352,8 @@ mod transfer {
             // another request before that late WRITE is over: they stay pinned (out of the free
             // list once the request is released), and come back zeroed when its notice arrives.
             let Some((decode, prefill)) = agents("fence") else { return };
-            let mut decode_region = HostRegion::new(&decode, PAGES, PAGE_BYTES).unwrap();
-            let mut prefill_region = HostRegion::new(&prefill, PAGES, PAGE_BYTES).unwrap();
-            let mut decode_link =
-                NixlLink::connect(&decode, &prefill.metadata().unwrap(), prefill_region.layout()).unwrap();
-            let prefill_md = decode.metadata().unwrap();
-            let decode_layout = decode_region.layout();
+            let Pair { mut decode_region, mut prefill_region, mut decode_link, prefill_md, decode_layout } =
+                pair(&decode, &prefill);
             let table = OwnershipTable::new(PoolConfig::new(PAGES, PAGE_SIZE, 24)).unwrap();
             table.admit(REQ, TENANT, PROMPT.len() as u64, 2).unwrap();
             let refs = table.allocate(REQ, 2).unwrap();
@@ -365,21 +365,7 @@ mod transfer {
                 let dest = refs.clone();
                 s.spawn(move || {
                     let link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
-                    let pages = kv_pages();
-                    let header = TransferHeader {
-                        request: REQ,
-                        tenant: TENANT,
-                        sender: SenderId(1),
-                        page_size: PAGE_SIZE,
-                        slot_bytes: SLOT_BYTES,
-                    };
-                    let manifest = Manifest::build(header, &PROMPT, &dest, &pages).unwrap().encode();
-                    let mut src = Vec::new();
-                    for (i, bytes) in pages.iter().enumerate() {
-                        let page = 3 + i as u32;
-                        prefill_region.bytes_mut(page, bytes.len() as u32).unwrap().copy_from_slice(bytes);
-                        src.push(Extent { page, len: bytes.len() as u32 });
-                    }
+                    let (src, manifest) = prefilled(prefill_region, 3, &dest);
                     late.recv().unwrap();
                     let dest_pages: Vec<PageId> = dest.iter().map(|r| r.page).collect();
                     link.push(
@@ -434,12 +420,8 @@ mod transfer {
         #[test]
         fn notices_for_requests_nobody_asked_for_hold_at_most_inbox_bytes() {
             let Some((decode, prefill)) = agents("flood") else { return };
-            let decode_region = HostRegion::new(&decode, PAGES, PAGE_BYTES).unwrap();
-            let prefill_region = HostRegion::new(&prefill, PAGES, PAGE_BYTES).unwrap();
-            let mut decode_link =
-                NixlLink::connect(&decode, &prefill.metadata().unwrap(), prefill_region.layout()).unwrap();
-            let mut prefill_link =
-                NixlLink::connect(&prefill, &decode.metadata().unwrap(), decode_region.layout()).unwrap();
+            let Pair { mut decode_link, prefill_md, decode_layout, .. } = pair(&decode, &prefill);
+            let mut prefill_link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
             // 24 notices of 1 MiB each for requests decode never asked for: 24 MiB sent.
             for i in 0..24u64 {
                 let notice = Notice {

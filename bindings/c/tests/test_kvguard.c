@@ -1194,6 +1194,23 @@ static void test_transfers(void) {
    or one kvguard never made is refused with KVG_STATUS_INVALID_HANDLE and a message, also after
    the allocator reused the memory. Run under AddressSanitizer by scripts/ci/c.sh: a crash, a
    read of freed memory or a leak fails it. */
+
+/* The manifest of a one-page transfer of request 1 (tenant 1, one byte a slot) into `dest`. */
+static kvg_manifest *one_page_manifest(kvg_page_ref dest, const int32_t *prompt, const uint8_t *page) {
+    kvg_transfer_header header;
+    const uint8_t *pages[1] = {page};
+    size_t lens[1] = {PS};
+    kvg_manifest *m = NULL;
+    memset(&header, 0, sizeof header);
+    header.struct_size = sizeof header;
+    header.request = 1;
+    header.tenant = 1;
+    header.page_size = PS;
+    header.slot_bytes = 1;
+    OK(kvg_manifest_build(&header, prompt, PS, &dest, 1, pages, lens, 1, &m));
+    return m;
+}
+
 static void test_handle_misuse(void) {
     kvg_table *t = new_table(KVG_POLICY_ENFORCE, 0), *other;
     kvg_import_ticket *ticket = NULL, *aborted_by_free = NULL, *never_ended = NULL;
@@ -1248,20 +1265,12 @@ static void test_handle_misuse(void) {
 
     /* A manifest freed twice, or read after its free. */
     {
-        kvg_transfer_header header;
         int32_t prompt[PS];
         uint8_t page[PS];
-        const uint8_t *pages[1] = {page};
-        size_t lens[1] = {sizeof page}, len = 0;
+        size_t len = 0;
         for (int i = 0; i < PS; i++) prompt[i] = i;
         memset(page, 7, sizeof page);
-        memset(&header, 0, sizeof header);
-        header.struct_size = sizeof header;
-        header.request = 1;
-        header.tenant = 1;
-        header.page_size = PS;
-        header.slot_bytes = 1;
-        OK(kvg_manifest_build(&header, prompt, PS, refs, 1, pages, lens, 1, &m));
+        m = one_page_manifest(refs[0], prompt, page);
         OK(kvg_manifest_encode(m, NULL, 0, &len));
         OK(kvg_manifest_free(m));
         EXPECT(kvg_manifest_free(m), KVG_STATUS_INVALID_HANDLE);
@@ -1322,7 +1331,6 @@ static void test_free_during_a_call(void) {
     uint8_t page[PS], wire[512];
     const uint8_t *pages[1] = {page};
     size_t lens[1] = {sizeof page}, wire_len = 0;
-    kvg_transfer_header header;
     kvg_expected_transfer expected;
     kvg_accepted accepted;
     kvg_manifest *m = NULL;
@@ -1332,13 +1340,7 @@ static void test_free_during_a_call(void) {
     memset(page, 3, sizeof page);
     OK(kvg_admit(t, 1, 1, PS, 0));
     OK(kvg_allocate(t, 1, 1, dest, 1));
-    memset(&header, 0, sizeof header);
-    header.struct_size = sizeof header;
-    header.request = 1;
-    header.tenant = 1;
-    header.page_size = PS;
-    header.slot_bytes = 1;
-    OK(kvg_manifest_build(&header, prompt, PS, dest, 1, pages, lens, 1, &m));
+    m = one_page_manifest(dest[0], prompt, page);
     OK(kvg_manifest_encode(m, wire, sizeof wire, &wire_len));
     OK(kvg_manifest_free(m));
     memset(&expected, 0, sizeof expected);

@@ -514,6 +514,24 @@ pub struct NixlLink {
     agent: Py<NixlAgent>,
 }
 
+impl NixlLink {
+    /// Runs `body` on the link, `table`'s core and `region` (locked), the GIL released: the
+    /// fence calls' shared shape.
+    fn with_fences<T: Send>(
+        &self,
+        py: Python<'_>,
+        table: &Bound<'_, crate::table::OwnershipTable>,
+        region: &Bound<'_, PyAny>,
+        body: impl FnOnce(&mut core::NixlLink<'static>, &kvguard::OwnershipTable, &mut (dyn PageRegion + Send)) -> T + Send,
+    ) -> PyResult<T> {
+        let mut link = self.link.try_lock().ok_or_else(|| busy("link"))?;
+        let mut region = RegionArg::lock(region)?;
+        let table = table.get().core();
+        let (link, region) = (&mut *link, region.region());
+        Ok(py.detach(|| body(link, table, region)))
+    }
+}
+
 #[pymethods]
 impl NixlLink {
     #[new]
@@ -567,11 +585,8 @@ impl NixlLink {
         table: &Bound<'_, crate::table::OwnershipTable>,
         region: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
-        let mut link = self.link.try_lock().ok_or_else(|| busy("link"))?;
-        let mut region = RegionArg::lock(region)?;
-        let table = table.get().core();
-        let (link, region) = (&mut *link, region.region());
-        py.detach(|| link.settle_fences(table, region)).map_err(|e| nixl_error(py, &e))
+        self.with_fences(py, table, region, |link, table, region| link.settle_fences(table, region))
+            .and_then(|lifted| lifted.map_err(|e| nixl_error(py, &e)))
     }
 
     /// Lifts every fence of `table`: the engine knows the peer is done (disconnected,
@@ -582,11 +597,7 @@ impl NixlLink {
         table: &Bound<'_, crate::table::OwnershipTable>,
         region: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
-        let mut link = self.link.try_lock().ok_or_else(|| busy("link"))?;
-        let mut region = RegionArg::lock(region)?;
-        let table = table.get().core();
-        let (link, region) = (&mut *link, region.region());
-        Ok(py.detach(|| link.release_fences(table, region)))
+        self.with_fences(py, table, region, |link, table, region| link.release_fences(table, region))
     }
 
     /// Prefill, push: WRITEs `region`'s (a HostRegion or an EnginePool) extents `src`

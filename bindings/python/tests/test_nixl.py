@@ -160,6 +160,17 @@ class Decode:
         Accepted, or raises."""
         pinned = self.receiver.pin(self.request, TENANT, PROMPT, refs, slot_bytes=SLOT_BYTES)
         assert pinned.pinned
+        self.ask(refs, direction, fault)
+        try:
+            into = self.pair.region if region is None else region
+            receive = "write" if direction.startswith("write") else direction
+            return self.pair.link.receive(pinned, into, direction=receive, timeout=timeout, land=land)
+        finally:
+            assert not pinned.pinned, "receive ends the pinned import, whatever its outcome"
+            assert self.pair.read()["done"] in (fault, "declined")
+
+    def ask(self, refs, direction, fault, **more):
+        """Asks prefill for this request's KV into `refs` (the pull), injecting `fault`."""
         self.pair.write(
             {
                 "request": self.request,
@@ -168,15 +179,9 @@ class Decode:
                 "dest": [[r.page, r.generation] for r in refs],
                 "direction": direction,
                 "fault": fault,
+                **more,
             }
         )
-        try:
-            into = self.pair.region if region is None else region
-            receive = "write" if direction.startswith("write") else direction
-            return self.pair.link.receive(pinned, into, direction=receive, timeout=timeout, land=land)
-        finally:
-            assert not pinned.pinned, "receive ends the pinned import, whatever its outcome"
-            assert self.pair.read()["done"] in (fault, "declined")
 
     def assert_nothing_leaked(self, refs):
         v = self.table.check_read_refs(self.request, refs, 1)
@@ -271,8 +276,7 @@ def test_a_push_into_a_page_decode_did_not_offer_is_refused_and_that_page_revoke
     [victim] = d.table.allocate("victim", 1)
     d.table.record_write_tokens("victim", [victim.page], 0, PAGE_SIZE)
     pinned = d.receiver.pin(d.request, TENANT, PROMPT, refs, slot_bytes=SLOT_BYTES)
-    prefill.write({"request": d.request, "tenant": TENANT, "prompt": PROMPT, "victim": victim.page,
-                   "dest": [[r.page, r.generation] for r in refs], "direction": "write", "fault": "extra-page"})
+    d.ask(refs, "write", "extra-page", victim=victim.page)
     with pytest.raises(kvguard.TransferError) as refused:
         prefill.link.receive(pinned, prefill.region, direction="write", timeout=20.0)
     assert prefill.read()["done"] == "extra-page"
@@ -292,8 +296,7 @@ def test_a_pull_retried_after_a_timeout_is_accepted(prefill):
     d = Decode(prefill)
     first = d.pages()
     pinned = d.receiver.pin(d.request, TENANT, PROMPT, first, slot_bytes=SLOT_BYTES)
-    prefill.write({"request": d.request, "tenant": TENANT, "prompt": PROMPT,
-                   "dest": [[r.page, r.generation] for r in first], "direction": "read", "fault": "retry-late"})
+    d.ask(first, "read", "retry-late")
     assert prefill.read()["done"] == "held"
     with pytest.raises(kvguard.NixlError) as timed_out:
         prefill.link.receive(pinned, prefill.region, direction="read", timeout=0.3)
@@ -333,8 +336,7 @@ def test_a_push_decode_gave_up_on_stays_fenced_until_its_late_write_is_done(pref
     refs = d.pages()
     before = prefill.link.fenced
     pinned = d.receiver.pin(d.request, TENANT, PROMPT, refs, slot_bytes=SLOT_BYTES)
-    prefill.write({"request": d.request, "tenant": TENANT, "prompt": PROMPT,
-                   "dest": [[r.page, r.generation] for r in refs], "direction": "write", "fault": "push-late"})
+    d.ask(refs, "write", "push-late")
     assert prefill.read()["done"] == "held"
     with pytest.raises(kvguard.NixlError) as timed_out:
         prefill.link.receive(pinned, prefill.region, direction="write", timeout=0.3)
