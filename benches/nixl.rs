@@ -9,8 +9,12 @@
 //! sends its offer, and stops at the offer ([`NixlLink::push_prompt_ahead`]); the rest go as
 //! [`NixlLink::push_prompt`] does with parts ([`NixlLink::set_parts`]: each side checksums a
 //! part's pages as the part is posted or lands, while the other parts fly).
+//! The pull direction the same way: `transfer_nixl/pull_unchecked/SIZE` is NIXL alone with the
+//! protocol's two notifications (prefill says the pages are staged, decode READs them and says
+//! it released them); `transfer_nixl/pull_checked/SIZE` is [`NixlLink::stage`] with the manifest
+//! and decode's [`NixlLink::receive`] of a READ (pin, READ, checks, coverage, release).
 //! 64 KiB pages (32 per transfer) and 2 MiB pages (8 per transfer). Goal: checked ≥ 0.9 of
-//! unchecked.
+//! unchecked, both directions.
 //!
 //! `cargo bench --features nixl --bench nixl` with `libnixl_capi.so` on `LD_LIBRARY_PATH`
 //! (`source scripts/ci/nixl.sh setup`). Prints one line per row, the ratio per size, and where
@@ -43,6 +47,8 @@ fn main() {
         println!("transfer_nixl/unchecked/{label}  {:>8.1} MiB/s (median transfer)", m.unchecked);
         println!("transfer_nixl/checked/{label}    {:>8.1} MiB/s (median transfer)", m.checked);
         println!("transfer_nixl/overlapped/{label} {:>8.1} MiB/s (median transfer)", m.overlapped);
+        println!("transfer_nixl/pull_unchecked/{label} {:>8.1} MiB/s (median transfer)", m.pull_unchecked);
+        println!("transfer_nixl/pull_checked/{label}   {:>8.1} MiB/s (median transfer)", m.pull_checked);
         let [pin, sums, write, landed, release] = m.pieces;
         println!(
             "transfer_nixl/pieces/{label} checked: pin {pin:.0} us, prefill CRCs + manifest {sums:.0} us, WRITE {write:.0} us, \
@@ -50,9 +56,11 @@ fn main() {
              unchecked transfer {:.0} us",
             m.unchecked_us
         );
-        for (row, ratio, [lo, mid, hi]) in
-            [("ratio", m.ratio, m.round_ratios), ("ratio_overlapped", m.ratio_overlapped, m.round_ratios_overlapped)]
-        {
+        for (row, ratio, [lo, mid, hi]) in [
+            ("ratio", m.ratio, m.round_ratios),
+            ("ratio_overlapped", m.ratio_overlapped, m.round_ratios_overlapped),
+            ("ratio_pull", m.ratio_pull, m.round_ratios_pull),
+        ] {
             println!(
                 "transfer_nixl/{row}/{label} {ratio:>8.3} (/ unchecked, median of pairs; rounds min {lo:.3} median {mid:.3} max {hi:.3}; goal >= 0.9)"
             );
@@ -76,6 +84,14 @@ struct Measured {
     ratio_overlapped: f64,
     /// As `round_ratios`, for the overlapped transfers.
     round_ratios_overlapped: [f64; 3],
+    /// Throughput (MiB/s) of the median unchecked pull.
+    pull_unchecked: f64,
+    /// Throughput (MiB/s) of the median checked pull.
+    pull_checked: f64,
+    /// As `ratio`, for the (unchecked, checked) pulls.
+    ratio_pull: f64,
+    /// As `round_ratios`, for the pulls.
+    round_ratios_pull: [f64; 3],
     /// Medians (µs) of the checked transfer's pieces: decode's admit and pin; prefill's CRCs
     /// and manifest; the WRITE; decode from the WRITE's completion to its verdict; the release
     /// and the hand-back to prefill.
@@ -95,8 +111,17 @@ fn median(values: &mut [f64]) -> f64 {
     values[values.len() / 2]
 }
 
-/// Unchecked, checked and overlapped transfers interleaved one by one (so the load on a shared
-/// machine hits all alike), timed each; ratios taken over adjacent triples.
+/// The modes of one round, in the order they run: pushes unchecked, checked and overlapped,
+/// then pulls unchecked and checked.
+const MODES: usize = 5;
+const PUSH_UNCHECKED: usize = 0;
+const PUSH_CHECKED: usize = 1;
+const PULL_UNCHECKED: usize = 3;
+const PULL_CHECKED: usize = 4;
+
+/// Pushes unchecked, checked and overlapped, then pulls unchecked and checked, interleaved one
+/// by one (so the load on a shared machine hits all alike), timed each; ratios taken over
+/// adjacent runs.
 fn measure(page_bytes: u32, pages: u32) -> Measured {
     let slot_bytes = page_bytes / TOKENS_PER_PAGE;
     let tokens = pages * TOKENS_PER_PAGE;
@@ -115,14 +140,14 @@ fn measure(page_bytes: u32, pages: u32) -> Measured {
     let per_transfer = f64::from(pages) * f64::from(page_bytes) / f64::from(1u32 << 20);
     let iters = (128.0 / per_transfer).ceil() as u64; // ~128 MiB per round and mode
 
-    let (go, jobs) = mpsc::channel::<Option<(bool, u64)>>();
+    let (go, jobs) = mpsc::channel::<Option<(usize, u64)>>();
     // Decode → prefill: the pinned pages (the pull), then "received".
     let (done, finished) = mpsc::channel::<Vec<PageRef>>();
     // Decode → prefill, checked transfers: when the pages were pinned and the verdict came.
     let (stamp, stamps) = mpsc::channel::<[Instant; 2]>();
     let mut pieces: [Vec<f64>; 5] = Default::default();
-    let mut times: [Vec<f64>; 3] = Default::default();
-    let (mut pair_ratios, mut round_ratios): ([Vec<f64>; 2], [Vec<f64>; 2]) = Default::default();
+    let mut times: [Vec<f64>; MODES] = Default::default();
+    let (mut pair_ratios, mut round_ratios): ([Vec<f64>; 3], [Vec<f64>; 3]) = Default::default();
     std::thread::scope(|s| {
         let decode = &decode;
         let dst_region = &mut dst_region;
@@ -130,18 +155,41 @@ fn measure(page_bytes: u32, pages: u32) -> Measured {
         s.spawn(move || {
             let mut link = NixlLink::connect(decode, &prefill_md, src_layout).unwrap();
             let table = OwnershipTable::new(PoolConfig::new(pages, TOKENS_PER_PAGE, u64::from(tokens))).unwrap();
-            while let Ok(Some((checked, request))) = jobs.recv() {
+            while let Ok(Some((mode, request))) = jobs.recv() {
                 let req = RequestId(request);
                 let deadline = Instant::now() + Duration::from_secs(30);
-                if checked {
+                if mode == PULL_UNCHECKED {
+                    // NIXL alone: prefill's word that the pages are staged, one READ, decode's word
+                    // that it is done with them.
+                    let refs: Vec<PageRef> =
+                        (0..pages).map(|p| PageRef { page: PageId(p), generation: Generation(0) }).collect();
+                    done.send(refs).unwrap();
+                    let staged = link.wait(req, &[NoticeKind::Staged], deadline).unwrap();
+                    let into: Vec<Extent> = (0..pages).map(|page| Extent { page, len: page_bytes }).collect();
+                    decode
+                        .transfer(
+                            Direction::Read,
+                            &dst_region.layout(),
+                            &into,
+                            link.peer(),
+                            &link.peer_region(),
+                            &staged.extents,
+                            None,
+                            deadline,
+                        )
+                        .unwrap();
+                    link.send(&Notice::bare(NoticeKind::Released, req)).unwrap();
+                } else if mode != PUSH_UNCHECKED {
                     table.admit(req, TenantId(1), u64::from(tokens), 0).unwrap();
                     let refs = table.allocate(req, pages).unwrap();
                     let expected =
                         ExpectedTransfer::for_prompt(req, TenantId(1), prompt, &refs, TOKENS_PER_PAGE, slot_bytes);
                     let pinned = Receiver::new(&table).pin(&expected).unwrap();
                     let pinned_at = Instant::now();
-                    done.send(refs.clone()).unwrap(); // pinned: prefill may write
-                    link.receive(Direction::Write, pinned, &expected, dst_region, deadline, |_, _, _| Ok(())).unwrap();
+                    link.expect(req); // decode's link is selective: before the peer may send
+                    done.send(refs.clone()).unwrap(); // pinned: prefill may write (or stage)
+                    let direction = if mode == PULL_CHECKED { Direction::Read } else { Direction::Write };
+                    link.receive(direction, pinned, &expected, dst_region, deadline, |_, _, _| Ok(())).unwrap();
                     stamp.send([pinned_at, Instant::now()]).unwrap();
                     table.release(req).unwrap();
                 } else {
@@ -156,14 +204,13 @@ fn measure(page_bytes: u32, pages: u32) -> Measured {
         let src: Vec<Extent> = (0..pages).map(|page| Extent { page, len: page_bytes }).collect();
         let mut request = 0u64;
         for _ in 0..ROUNDS {
-            let mut round: [Vec<f64>; 2] = Default::default();
+            let mut round: [Vec<f64>; 3] = Default::default();
             for _ in 0..iters {
-                let mut pair = [0.0f64; 3];
-                for mode in 0..3 {
-                    let checked = mode > 0;
+                let mut pair = [0.0f64; MODES];
+                for mode in 0..MODES {
                     let start = Instant::now();
                     request += 1;
-                    go.send(Some((checked, request))).unwrap();
+                    go.send(Some((mode, request))).unwrap();
                     // Overlapped: prefill checksums its pages while decode pins and offers.
                     let mut ahead: Vec<(usize, u32)> = Vec::new();
                     let offer = if mode == 2 {
@@ -184,7 +231,18 @@ fn measure(page_bytes: u32, pages: u32) -> Measured {
                     let dest_refs = offer;
                     let dest: Vec<PageId> = dest_refs.iter().map(|r| r.page).collect();
                     let deadline = Instant::now() + Duration::from_secs(30);
-                    if !checked {
+                    if mode == PULL_UNCHECKED {
+                        link.send(&Notice {
+                            extents: src.clone(),
+                            ..Notice::bare(NoticeKind::Staged, RequestId(request))
+                        })
+                        .unwrap();
+                        link.wait(RequestId(request), &[NoticeKind::Released], deadline).unwrap();
+                        finished.recv().unwrap();
+                        pair[mode] = start.elapsed().as_secs_f64();
+                        continue;
+                    }
+                    if mode == PUSH_UNCHECKED {
                         // NIXL alone: one WRITE of every page, one notification.
                         let written: Vec<Extent> = dest.iter().map(|d| Extent { page: d.0, len: page_bytes }).collect();
                         let notice = Notice::bare(NoticeKind::Written, RequestId(request)).encode();
@@ -213,7 +271,11 @@ fn measure(page_bytes: u32, pages: u32) -> Measured {
                     };
                     let refs_at = Instant::now();
                     let mut sent = [refs_at; 2];
-                    if mode == 1 {
+                    if mode == PULL_CHECKED {
+                        let bytes: Vec<&[u8]> = (0..pages).map(|p| src_region.bytes(p, page_bytes).unwrap()).collect();
+                        let manifest = Manifest::build(header, prompt, &dest_refs, &bytes).unwrap().encode();
+                        link.stage(&src, RequestId(request), &manifest, deadline).unwrap();
+                    } else if mode == PUSH_CHECKED {
                         link.set_parts(None);
                         let bytes: Vec<&[u8]> = (0..pages).map(|p| src_region.bytes(p, page_bytes).unwrap()).collect();
                         let manifest = Manifest::build(header, prompt, &dest_refs, &bytes).unwrap().encode();
@@ -229,7 +291,7 @@ fn measure(page_bytes: u32, pages: u32) -> Measured {
                     let end = Instant::now();
                     pair[mode] = (end - start).as_secs_f64();
                     let [pinned_at, verdict_at] = stamps.recv().unwrap();
-                    if mode == 1 {
+                    if mode == PUSH_CHECKED {
                         let marks = [start, pinned_at.max(start), sent[0], sent[1], verdict_at.max(sent[1]), end];
                         for (k, piece) in pieces.iter_mut().enumerate() {
                             piece.push(marks[k + 1].saturating_duration_since(marks[k]).as_secs_f64() * 1e6);
@@ -241,15 +303,16 @@ fn measure(page_bytes: u32, pages: u32) -> Measured {
                 }
                 round[0].push(pair[0] / pair[1]);
                 round[1].push(pair[0] / pair[2]);
+                round[2].push(pair[PULL_UNCHECKED] / pair[PULL_CHECKED]);
             }
-            for k in 0..2 {
+            for k in 0..3 {
                 pair_ratios[k].extend_from_slice(&round[k]);
                 round_ratios[k].push(median(&mut round[k]));
             }
         }
         go.send(None).unwrap();
     });
-    let [t0, t1, t2] = &mut times;
+    let [t0, t1, t2, t3, t4] = &mut times;
     Measured {
         unchecked: per_transfer / median(t0),
         checked: per_transfer / median(t1),
@@ -258,6 +321,10 @@ fn measure(page_bytes: u32, pages: u32) -> Measured {
         round_ratios: spread(std::mem::take(&mut round_ratios[0])),
         ratio_overlapped: median(&mut pair_ratios[1]),
         round_ratios_overlapped: spread(std::mem::take(&mut round_ratios[1])),
+        pull_unchecked: per_transfer / median(t3),
+        pull_checked: per_transfer / median(t4),
+        ratio_pull: median(&mut pair_ratios[2]),
+        round_ratios_pull: spread(std::mem::take(&mut round_ratios[2])),
         pieces: pieces.map(|mut p| median(&mut p)),
         unchecked_us: median(t0) * 1e6,
     }

@@ -452,6 +452,48 @@ mod transfer {
         }
 
         #[test]
+        fn a_selective_link_drops_notices_for_requests_it_does_not_expect_on_arrival() {
+            let Some((decode, prefill)) = agents("selective") else { return };
+            let Pair { mut decode_link, prefill_md, decode_layout, .. } = pair(&decode, &prefill);
+            let mut prefill_link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
+            let (asked, later) = (RequestId(7), RequestId(8));
+            decode_link.expect(asked);
+            decode_link.expect(later);
+            let big = |request| Notice {
+                kind: NoticeKind::Staged,
+                request,
+                extents: Vec::new(),
+                manifest: vec![0x5a; 1 << 20],
+                parts: 0,
+            };
+            // 24 notices of 1 MiB for requests decode never asked for, then one for a request it
+            // expects but is not waiting for yet, then the one it waits for.
+            for i in 0..24u64 {
+                prefill_link.send(&big(RequestId(1_000 + i))).unwrap();
+            }
+            prefill_link.send(&big(later)).unwrap();
+            prefill_link.send(&Notice::bare(NoticeKind::Declined, asked)).unwrap();
+            let until = Instant::now() + Duration::from_secs(10);
+            let got = loop {
+                let short = Instant::now() + Duration::from_millis(20);
+                assert!(prefill_link.wait(REQ, &[NoticeKind::Released], short).is_err());
+                match decode_link.wait(asked, &[NoticeKind::Declined], short) {
+                    Ok(n) => break n,
+                    Err(e) => assert!(Instant::now() < until, "the expected notice never came: {e}"),
+                }
+            };
+            assert_eq!((got.kind, got.request), (NoticeKind::Declined, asked));
+            // NIXL delivers a peer's notifications in order: every flood notice came before it.
+            assert_eq!(decode_link.unasked(), 24, "each unasked notice dropped on arrival");
+            let kept = decode_link.inbox_bytes();
+            assert!((1 << 20..2 << 20).contains(&kept), "only the expected request's notice kept: {kept} bytes");
+            // Forgotten: its notice goes, and later ones for it are dropped on arrival too.
+            assert!(decode_link.forget(later));
+            assert_eq!(decode_link.inbox_bytes(), 0);
+            assert!(!decode_link.forget(later));
+        }
+
+        #[test]
         fn a_declined_pull_aborts() {
             let Some(o) = run("decline", Direction::Read, Prefill::Decline) else { return };
             assert!(matches!(o.verdict, Err(ImportError::Declined)));

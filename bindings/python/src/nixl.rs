@@ -568,6 +568,34 @@ impl NixlLink {
         Ok(self.link.try_lock().ok_or_else(|| busy("link"))?.malformed())
     }
 
+    /// Notices a selective link (see expect) dropped on arrival: for requests it did not expect.
+    #[getter]
+    fn unasked(&self) -> PyResult<u64> {
+        Ok(self.link.try_lock().ok_or_else(|| busy("link"))?.unasked())
+    }
+
+    /// Bytes of notices kept for requests nobody waits for yet (at most 16 MiB).
+    #[getter]
+    fn inbox_bytes(&self) -> PyResult<usize> {
+        Ok(self.link.try_lock().ok_or_else(|| busy("link"))?.inbox_bytes())
+    }
+
+    /// Decode: `request`'s (int) transfer is coming over this link; call it before asking the
+    /// peer for it. The first call makes the link selective: from then on a notice for a request
+    /// it does not expect (and with no fenced push or abandoned pull here) is dropped as it
+    /// arrives (counted by unasked). receive forgets the request when it ends: expect it again
+    /// before a retry. A link never told (prefill's) keeps every notice, within its bounds.
+    fn expect(&self, request: u64) -> PyResult<()> {
+        self.link.try_lock().ok_or_else(|| busy("link"))?.expect(RequestId(request));
+        Ok(())
+    }
+
+    /// Decode: no longer expects `request` (given up on without a receive); its notices kept so
+    /// far are dropped. Returns whether it was expected.
+    fn forget(&self, request: u64) -> PyResult<bool> {
+        Ok(self.link.try_lock().ok_or_else(|| busy("link"))?.forget(RequestId(request)))
+    }
+
     /// Pushes that timed out whose pages are still fenced: pinned in their table, out of every
     /// other request's reach even once released, until the sender is known done with them.
     #[getter]

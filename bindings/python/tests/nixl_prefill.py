@@ -13,6 +13,8 @@ decode did not offer) and names it in the notice; "retry-late" holds the first p
 back unanswered ({"done": "held"}) and, when decode pulls it again, stages the held attempt
 first (late, in pages of its own), then the retry. "push-late" holds a push back ({"done":
 "held"}) until decode sends {"late": request}, then pushes it (after decode gave up on it).
+"flood" first sends FLOOD notices carrying 64 KiB each for requests decode never asked for
+(`stage`s that time out), then transfers as asked.
 """
 
 import json
@@ -27,6 +29,7 @@ SLOT_BYTES = 16
 PAGE_BYTES = PAGE_SIZE * SLOT_BYTES
 SENDER = 1
 DUMMY_TOKEN = 0
+FLOOD = 8
 FIRST_SRC_PAGE = 3  # prefill's own pages are elsewhere in its pool than decode's
 # The manifest wire format (src/transfer/wire.rs): a 64-byte header, 16 bytes a page (the
 # page's CRC32 at 12), a CRC32 of everything before as the trailer.
@@ -95,6 +98,12 @@ def main():
                 send({"done": "declined"})
                 continue
             manifest, pages, _ = held_back.pop(request)
+        if fault == "flood":
+            for i in range(FLOOD):
+                try:
+                    link.stage([], request + 10_000 + i, bytes(64 << 10), timeout=0.05)
+                except kvguard.NixlError:
+                    pass  # decode never answers a request it did not ask for
         if fault == "silent":
             send({"done": fault})  # no transfer, no notification
             continue

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 import kvguard
+import nixl_prefill
 
 PAGES = 16
 PAGE_SIZE = 4
@@ -170,7 +171,9 @@ class Decode:
             assert self.pair.read()["done"] in (fault, "declined")
 
     def ask(self, refs, direction, fault, **more):
-        """Asks prefill for this request's KV into `refs` (the pull), injecting `fault`."""
+        """Asks prefill for this request's KV into `refs` (the pull), injecting `fault`; the
+        link expects the request first (decode's link is selective)."""
+        self.pair.link.expect(self.request)
         self.pair.write(
             {
                 "request": self.request,
@@ -307,6 +310,20 @@ def test_a_pull_retried_after_a_timeout_is_accepted(prefill):
     assert (accepted.tokens, accepted.pages) == (len(PROMPT), 2)
     assert sum(d.table.counters().values()) == 0
     assert d.table.check_read_refs(d.request, again, len(PROMPT)) is None
+
+
+@pytest.mark.parametrize("direction", ["write", "read"])
+def test_notices_for_requests_decode_never_asked_for_are_dropped_on_arrival(prefill, direction):
+    """A hostile prefill floods decode with large notices for requests it never asked for:
+    decode's selective link drops each as it arrives (none kept), and the transfer it did ask
+    for is accepted."""
+    d = Decode(prefill)
+    refs = d.pages()
+    before = prefill.link.unasked
+    accepted = d.pull(refs, direction, "flood")
+    assert (accepted.tokens, accepted.pages) == (len(PROMPT), 2)
+    assert prefill.link.unasked - before == nixl_prefill.FLOOD
+    assert prefill.link.inbox_bytes == 0
 
 
 def test_a_notification_that_never_comes_times_out_and_records_nothing(prefill):

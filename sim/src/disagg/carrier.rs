@@ -66,13 +66,23 @@ pub(super) enum Fetched {
 pub(super) enum DecodeCarrier<'a> {
     Tcp,
     #[cfg(feature = "nixl")]
-    Nixl(nixl::DecodeNixl<'a>),
+    Nixl(Box<nixl::DecodeNixl<'a>>),
     #[cfg(not(feature = "nixl"))]
     #[allow(dead_code)]
     Never(std::marker::PhantomData<&'a ()>),
 }
 
 impl DecodeCarrier<'_> {
+    /// Says `request`'s transfer is coming (before the pull is sent): over NIXL, the link drops
+    /// notices for requests it does not expect as they arrive.
+    pub(super) fn expect(&mut self, request: kvguard::RequestId) {
+        #[cfg(feature = "nixl")]
+        if let DecodeCarrier::Nixl(n) = self {
+            n.link.expect(request);
+        }
+        let _ = request;
+    }
+
     /// Fetches the transfer `pinned` was pinned for (the pull was sent), checks it, and lands it
     /// through `land`.
     pub(super) fn fetch(
@@ -108,7 +118,7 @@ impl DecodeCarrier<'_> {
 pub(super) enum PrefillCarrier<'a> {
     Tcp,
     #[cfg(feature = "nixl")]
-    Nixl(nixl::PrefillNixl<'a>),
+    Nixl(Box<nixl::PrefillNixl<'a>>),
     #[cfg(not(feature = "nixl"))]
     #[allow(dead_code)]
     Never(std::marker::PhantomData<&'a ()>),

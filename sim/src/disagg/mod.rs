@@ -315,7 +315,7 @@ pub fn run_decode(
             ))?;
             let link = carrier::nixl::connect(&side.agent, &stream, timeout)?;
             let direction = if t == Transport::NixlRead { Direction::Read } else { Direction::Write };
-            DecodeCarrier::Nixl(carrier::nixl::DecodeNixl { link, region: &mut side.region, direction })
+            DecodeCarrier::Nixl(Box::new(carrier::nixl::DecodeNixl { link, region: &mut side.region, direction }))
         }
         #[cfg(not(feature = "nixl"))]
         t => return Err(DisaggError::Unsupported(t)),
@@ -337,6 +337,7 @@ pub fn run_decode(
             // Pinned before prefill is asked for anything: no byte can land in a page another
             // request holds.
             let pinned = Receiver::new(&table).pin(&expected).map_err(|e| DisaggError::Protocol(e.to_string()))?;
+            carrier.expect(spec.id);
             Frame::Pull { request: spec.id, dest: refs.clone() }.write_to(&mut Deadline::new(
                 &stream,
                 timeout,
@@ -419,7 +420,7 @@ pub fn run_prefill(port: u16, fault: Fault, config: DisaggConfig, out: &mut dyn 
                 "the decode node to take our metadata",
             ))?;
             let direction = if t == Transport::NixlRead { Direction::Read } else { Direction::Write };
-            PrefillCarrier::Nixl(carrier::nixl::PrefillNixl { link, region: &mut side.region, direction })
+            PrefillCarrier::Nixl(Box::new(carrier::nixl::PrefillNixl { link, region: &mut side.region, direction }))
         }
         #[cfg(not(feature = "nixl"))]
         t => return Err(DisaggError::Unsupported(t)),

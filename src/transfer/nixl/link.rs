@@ -62,7 +62,11 @@ pub struct NixlLink<'a> {
     abandoned: std::collections::VecDeque<(RequestId, Vec<PageRef>)>,
     /// Pushes that timed out: their pages stay pinned until the sender is done with them.
     fenced: Vec<Fence>,
+    /// Decode, once [`expect`](NixlLink::expect) was called: the requests it asked a peer
+    /// for; notices for any other (with no fence and no abandoned pull) are dropped on arrival.
+    expected: Option<std::collections::HashSet<RequestId>>,
     malformed: u64,
+    unasked: u64,
     part_bytes: Option<u64>,
 }
 
@@ -84,7 +88,9 @@ impl<'a> NixlLink<'a> {
             inbox_bytes: 0,
             abandoned: std::collections::VecDeque::new(),
             fenced: Vec::new(),
+            expected: None,
             malformed: 0,
+            unasked: 0,
             part_bytes: Some(PART_BYTES),
         })
     }
@@ -111,6 +117,66 @@ impl<'a> NixlLink<'a> {
         self.malformed
     }
 
+    /// Decode: `request`'s transfer is coming over this link; call it before asking the peer
+    /// for it (before the offer of a push, or the request for a pull). The first call makes the
+    /// link *selective*: from then on a notice for a request it does not expect, and that has no
+    /// fenced push or abandoned pull here, is dropped as it arrives ([`unasked`](Self::unasked)
+    /// counts them) and takes none of the inbox. [`receive`](Self::receive) forgets the request
+    /// when it ends (expect it again before a retry); a link never told stays permissive (the
+    /// prefill side, which waits for decode's answers), its inbox bounded by [`INBOX_CAP`] and
+    /// [`INBOX_BYTES`] alone.
+    ///
+    /// ```no_run
+    /// # use kvguard::transfer::nixl::NixlLink;
+    /// # use kvguard::RequestId;
+    /// # fn ask_prefill(_: RequestId) {}
+    /// # fn f(link: &mut NixlLink<'_>) {
+    /// let request = RequestId(7);
+    /// link.expect(request); // before prefill can send anything about it
+    /// ask_prefill(request);
+    /// // ... link.receive(...) takes its notices; any other request's are dropped on arrival.
+    /// # }
+    /// ```
+    pub fn expect(&mut self, request: RequestId) {
+        self.expected.get_or_insert_with(Default::default).insert(request);
+    }
+
+    /// Decode: no longer expects `request` (the engine gave up on it without a
+    /// [`receive`](Self::receive)); its notices still in the inbox are dropped. Returns whether
+    /// it was expected.
+    pub fn forget(&mut self, request: RequestId) -> bool {
+        let Some(expected) = &mut self.expected else { return false };
+        let was = expected.remove(&request);
+        if !self.keeps(request, None) {
+            let mut freed = 0;
+            self.inbox.retain(|n| {
+                let keep = n.request != request;
+                if !keep {
+                    freed += footprint(n);
+                }
+                keep
+            });
+            self.inbox_bytes -= freed;
+        }
+        was
+    }
+
+    /// Notices a selective link dropped on arrival: for requests it was not
+    /// [expecting](Self::expect).
+    pub fn unasked(&self) -> u64 {
+        self.unasked
+    }
+
+    /// Whether a notice about `request` is kept: the link is not selective, or it expects the
+    /// request, waits for it, or has a fenced push or an abandoned pull of it.
+    fn keeps(&self, request: RequestId, waiting: Option<RequestId>) -> bool {
+        let Some(expected) = &self.expected else { return true };
+        expected.contains(&request)
+            || waiting == Some(request)
+            || self.fenced.iter().any(|f| f.request() == request)
+            || self.abandoned.iter().any(|(r, _)| *r == request)
+    }
+
     /// Sends `notice` to the peer, then moves UCX along for a moment ([`FLUSH`]): with no
     /// progress thread a notification leaves only while the agent is called, and NIXL has no
     /// completion for it. Notices that arrive meanwhile are kept.
@@ -118,7 +184,7 @@ impl<'a> NixlLink<'a> {
         self.agent.notify(&self.peer, &notice.encode())?;
         let until = Instant::now() + FLUSH;
         while Instant::now() < until {
-            self.collect()?;
+            self.collect(None)?;
             std::thread::yield_now();
         }
         Ok(())
@@ -157,7 +223,7 @@ impl<'a> NixlLink<'a> {
         if self.fenced.is_empty() {
             return Ok(0);
         }
-        self.collect()?;
+        self.collect(None)?;
         let mut lifted = 0;
         for fence in std::mem::take(&mut self.fenced) {
             if !fence.is_in(table) {
@@ -232,13 +298,15 @@ impl<'a> NixlLink<'a> {
         self.inbox_bytes
     }
 
-    /// Takes the agent's notifications into the inbox.
-    fn collect(&mut self) -> Result<(), NixlError> {
+    /// Takes the agent's notifications into the inbox (on a selective link, those it
+    /// [keeps](Self::keeps) while waiting for `waiting`).
+    fn collect(&mut self, waiting: Option<RequestId>) -> Result<(), NixlError> {
         for (from, bytes) in self.agent.take_notifications()? {
             if from != self.peer {
                 continue;
             }
             match Notice::decode(&bytes) {
+                Ok(n) if !self.keeps(n.request, waiting) => self.unasked += 1,
                 Ok(n) => {
                     let size = footprint(&n);
                     while !self.inbox.is_empty()
@@ -279,7 +347,7 @@ impl<'a> NixlLink<'a> {
                 self.inbox_bytes -= footprint(&n);
                 return Ok(n);
             }
-            self.collect()?;
+            self.collect(Some(request))?;
             if self.inbox.iter().any(wanted) {
                 continue;
             }
@@ -521,6 +589,9 @@ impl<'a> NixlLink<'a> {
         // Parts of this transfer that came after its end are no use to a later one.
         let request = expected.request;
         self.drop_parts(request);
+        if let Some(expected) = &mut self.expected {
+            expected.remove(&request);
+        }
         outcome
     }
 

@@ -451,6 +451,15 @@ class NixlLink:
     @property
     def malformed(self) -> int: ...
     @property
+    def unasked(self) -> int:
+        """Notices a selective link dropped on arrival: for requests it did not expect."""
+    @property
+    def inbox_bytes(self) -> int:
+        """Bytes of notices kept for requests nobody waits for yet (at most 16 MiB)."""
+    def expect(self, request: int) -> None:
+        """Decode: request's transfer is coming; the first call makes the link selective."""
+    def forget(self, request: int) -> bool: ...
+    @property
     def fenced(self) -> int:
         """Timed-out pushes whose pages stay pinned until the sender is known done."""
     def settle_fences(self, table: OwnershipTable, region: HostRegion | EnginePool) -> int: ...
