@@ -9,7 +9,8 @@ its side is over. Direction "write-building" lets kvguard build the manifest on 
 "write-ahead" too, with the pages checksummed before the faults. {"quit": true} ends it.
 
 Faults beyond the demo's: "extra-page" pushes one more page into decode's page `victim` (a page
-decode did not offer) and names it in the notice; "retry-late" holds the first pull of a request
+decode did not offer) and names it in the notice; "swap-page" pushes its first page into
+`victim` instead of the first offered page, and names it so; "retry-late" holds the first pull of a request
 back unanswered ({"done": "held"}) and, when decode pulls it again, stages the held attempt
 first (late, in pages of its own), then the retry. "push-late" holds a push back ({"done":
 "held"}) until decode sends {"late": request}, then pushes it (after decode gave up on it).
@@ -158,6 +159,8 @@ def main():
                 # One more WRITE target than decode offered: another request's page.
                 src.append((FIRST_SRC_PAGE + len(src), PAGE_BYTES))
                 dest_pages.append(pull["victim"])
+            if fault == "swap-page":
+                dest_pages[0] = pull["victim"]
             link.push(region, src, dest_pages, request, manifest)
         else:
             link.stage(src, request, manifest)

@@ -144,11 +144,15 @@ class Decode:
     """One request at decode: a table of its own over the pair's region, with stale bytes of an
     earlier owner in every page."""
 
-    def __init__(self, pair):
+    def __init__(self, pair, table=None):
+        """A table of its own, or another Decode's `table` (a second request beside it)."""
         self.pair = pair
+        self.request = next(_requests)
+        if table is not None:
+            self.table, self.receiver = table, kvguard.Receiver(table)
+            return
         self.table = kvguard.OwnershipTable(kvguard.PoolConfig(PAGES, PAGE_SIZE, 64))
         self.receiver = kvguard.Receiver(self.table)
-        self.request = next(_requests)
         for page in range(PAGES):
             pair.pages.write(page, bytes([STALE]) * PAGE_BYTES)
 
@@ -269,25 +273,37 @@ def test_a_late_transfer_after_the_pages_were_reused_is_stale(prefill, direction
     d.assert_nothing_leaked(again)
 
 
-def test_a_push_into_a_page_decode_did_not_offer_is_refused_and_that_page_revoked(prefill):
-    """Prefill WRITEs the offered pages and one more, another tenant's, naming it in its notice:
-    refused, and the victim's page (which holds prefill's bytes now) is unreadable by its owner
-    until rewritten, the overwrite recorded against the transfer; the victim is not quarantined."""
+@pytest.mark.parametrize("fault", ["extra-page", "swap-page"])
+@pytest.mark.parametrize("victim_is", ["bystander", "accepted"])
+def test_a_push_into_a_page_decode_did_not_offer_is_refused_and_that_page_revoked(prefill, fault, victim_is):
+    """Prefill WRITEs into a page decode did not offer and names it in its notice: one page more
+    than the offer (extra-page) or in place of an offered one (swap-page); the victim is another
+    tenant's written page, or the page of a transfer decode accepted just before. Refused, and
+    the victim's page (which holds prefill's bytes now) is unreadable by its owner until
+    rewritten, the overwrite recorded against the transfer; the victim is not quarantined."""
     d = Decode(prefill)
+    if victim_is == "accepted":
+        first = Decode(prefill, table=d.table)
+        first_refs = first.pages()
+        first.pull(first_refs, "write", "none")
+        owner, victim = first.request, first_refs[0]
+        assert d.table.check_read_refs(owner, first_refs, len(PROMPT)) is None
+    else:
+        owner = "victim"
+        d.table.admit(owner, "other-tenant", PAGE_SIZE, 0)
+        [victim] = d.table.allocate(owner, 1)
+        d.table.record_write_tokens(owner, [victim.page], 0, PAGE_SIZE)
     refs = d.pages()
-    d.table.admit("victim", "other-tenant", PAGE_SIZE, 0)
-    [victim] = d.table.allocate("victim", 1)
-    d.table.record_write_tokens("victim", [victim.page], 0, PAGE_SIZE)
     pinned = d.receiver.pin(d.request, TENANT, PROMPT, refs, slot_bytes=SLOT_BYTES)
-    d.ask(refs, "write", "extra-page", victim=victim.page)
+    d.ask(refs, "write", fault, victim=victim.page)
     with pytest.raises(kvguard.TransferError) as refused:
         prefill.link.receive(pinned, prefill.region, direction="write", timeout=20.0)
-    assert prefill.read()["done"] == "extra-page"
+    assert prefill.read()["done"] == fault
     assert refused.value.kind == "transfer_pages_mismatch"
-    assert d.table.check_read("victim", [victim.page], 1).kind == "unwritten_slots"
-    assert not d.table.request_info("victim").quarantined
+    assert d.table.check_read(owner, [victim.page], 1).kind == "unwritten_slots"
+    assert not d.table.request_info(owner).quarantined
     overwrites = [v for v in d.table.drain_violations() if v.page == victim.page]
-    assert [(v.kind, v.request, v.owner) for v in overwrites] == [("transfer_pages_mismatch", d.request, "victim")]
+    assert [(v.kind, v.request, v.owner) for v in overwrites] == [("transfer_pages_mismatch", d.request, owner)]
     d.assert_nothing_leaked(refs)
 
 
