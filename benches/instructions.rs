@@ -8,10 +8,13 @@
 //! `lifecycle/guarded_tracked` (change tracking on, the changed device tags taken after each
 //! request; `lifecycle/guarded_tracked_info`: taken as `PageInfo`s) (the shapes of
 //! `benches/ownership.rs`: 256 sequences x 4,096 tokens at page size 16; one request of 256 pages
-//! admitted, allocated, written through its slot mapping, read and released).
+//! admitted, allocated, written through its slot mapping, read and released), and
+//! `decode_grew/incremental` beside `decode_grew/full`: a decode step in which each of the 256
+//! rows gained one token (4,095 to 4,096), read through the engine's block table (256 x 256
+//! int32) by `verify_rows` with the rows' cache of the step before, and by a full `verify_step`.
 
 use kvguard::cuda::layout::DeviceTag;
-use kvguard::{OwnershipTable, PageId, PoolConfig, RequestId, SeqRead, TenantId};
+use kvguard::{BlockRows, OwnershipTable, PageId, PoolConfig, RequestId, RowCache, RowRead, SeqRead, TenantId};
 use std::hint::black_box;
 
 #[path = "common/lifecycle.rs"]
@@ -59,6 +62,51 @@ fn decode_step(guarded: bool) {
         assert!(measured_decode_step_guarded(&table, &reads), "a clean step");
     } else {
         black_box(measured_decode_step_unguarded(&reads));
+    }
+}
+
+#[inline(never)]
+fn measured_decode_grew_incremental(
+    table: &OwnershipTable,
+    cache: &mut RowCache,
+    rows: BlockRows<'_>,
+    reads: &[RowRead],
+) -> bool {
+    table.verify_rows(cache, black_box(rows), black_box(reads)).expect("rows in range").is_clean()
+}
+
+/// 256 rows of 256 pages, 4,095 tokens written and checked (the step before, through the rows'
+/// cache), then each row's 4,096th token written; the step reads 4,096 tokens a row,
+/// incrementally or in full.
+fn decode_grew(incremental: bool) {
+    let table = OwnershipTable::new(PoolConfig::new(SEQS * PAGES + 1, PS, TOKENS).with_reserved([PageId(0)]))
+        .expect("pool fits");
+    let mut entries: Vec<i32> = Vec::with_capacity((SEQS * PAGES) as usize);
+    let mut tables = Vec::new();
+    for s in 0..SEQS {
+        let req = RequestId(u64::from(s));
+        table.admit(req, TenantId(u64::from(s % 8)), TOKENS, 0).expect("admit");
+        let bt: Vec<PageId> = table.allocate(req, PAGES).expect("allocate").iter().map(|r| r.page).collect();
+        table.record_write_tokens(req, &bt, 0..TOKENS - 1).expect("write");
+        entries.extend(bt.iter().map(|p| p.0 as i32));
+        tables.push((req, bt));
+    }
+    let rows = BlockRows::new(&entries, PAGES as usize).expect("whole rows");
+    let at = |tokens| -> Vec<RowRead> {
+        (0..SEQS).map(|s| RowRead { request: RequestId(u64::from(s)), row: s, tokens }).collect()
+    };
+    let mut cache = RowCache::new();
+    assert!(table.verify_rows(&mut cache, rows, &at(TOKENS - 1)).expect("rows").is_clean());
+    for (req, bt) in &tables {
+        table.record_write_tokens(*req, bt, TOKENS - 1..TOKENS).expect("write");
+    }
+    if incremental {
+        assert!(measured_decode_grew_incremental(&table, &mut cache, rows, &at(TOKENS)), "a clean step");
+        assert_eq!(cache.incremental(), u64::from(SEQS), "every row judged from its last page");
+    } else {
+        let reads: Vec<SeqRead<'_>> =
+            tables.iter().map(|(req, bt)| SeqRead { request: *req, block_table: bt, tokens: TOKENS }).collect();
+        assert!(measured_decode_step_guarded(&table, &reads), "a clean step");
     }
 }
 
@@ -162,6 +210,8 @@ fn main() {
     match workload.as_str() {
         "decode_step/guarded" => decode_step(true),
         "decode_step/unguarded" => decode_step(false),
+        "decode_grew/incremental" => decode_grew(true),
+        "decode_grew/full" => decode_grew(false),
         "lifecycle/guarded" => lifecycle(true),
         "lifecycle/unguarded" => lifecycle(false),
         "lifecycle/guarded_tracked" => lifecycle_tracked(false),
@@ -169,7 +219,7 @@ fn main() {
         "replay/events" => replay(),
         _ => {
             eprintln!(
-                "usage: instructions decode_step/guarded|decode_step/unguarded|lifecycle/guarded|lifecycle/unguarded|lifecycle/guarded_tracked[_info]|replay/events"
+                "usage: instructions decode_step/guarded|decode_step/unguarded|decode_grew/incremental|decode_grew/full|lifecycle/guarded|lifecycle/unguarded|lifecycle/guarded_tracked[_info]|replay/events"
             );
             std::process::exit(2);
         }

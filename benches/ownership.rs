@@ -4,7 +4,9 @@
 //!   table computing each page's slot base (what attention's address math does); guarded runs
 //!   `verify_read` first. Throughput is per page.
 //! - `decode_step/guarded`: `verify_step` over 256 sequences x 4,096 tokens at page size 16;
-//!   `decode_step/guarded_2_threads`: the same step through `verify_step_parallel` on 2 threads.
+//!   `decode_step/guarded_2_threads`: the same step through `verify_step_parallel` on 2 threads;
+//!   `decode_step/rows_incremental`: the same reads through the engine's block table (256 x 256
+//!   int32) by `verify_rows`, each row unchanged since the step before (its rows' cache warm).
 //! - `decode_step/writes`: `record_step_writes` of one decode step, 256 sequences of one token.
 //! - `lifecycle/{guarded,unguarded}`: 1,000 requests each admitted, given 256 pages, written
 //!   (slot mapping for 4,096 tokens), read and released. Unguarded is a plain free list.
@@ -14,7 +16,9 @@
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use kvguard::cuda::layout::DeviceTag;
-use kvguard::{OwnershipTable, PageId, PoolConfig, RequestId, SeqRead, SeqWrite, TenantId};
+use kvguard::{
+    BlockRows, OwnershipTable, PageId, PoolConfig, RequestId, RowCache, RowRead, SeqRead, SeqWrite, TenantId,
+};
 use std::hint::black_box;
 
 #[path = "common/lifecycle.rs"]
@@ -86,6 +90,18 @@ fn decode_step(c: &mut Criterion) {
             assert!(verdict.is_clean());
         })
     });
+    let entries: Vec<i32> = tables.iter().flat_map(|(_, bt)| bt.iter().map(|p| p.0 as i32)).collect();
+    let rows = BlockRows::new(&entries, per_seq as usize).expect("whole rows");
+    let row_reads: Vec<RowRead> =
+        (0..SEQS).map(|s| RowRead { request: RequestId(u64::from(s)), row: s, tokens: TOKENS }).collect();
+    let mut cache = RowCache::new();
+    group.bench_function("rows_incremental", |b| {
+        b.iter(|| {
+            let verdict = table.verify_rows(&mut cache, rows, black_box(&row_reads)).expect("rows in range");
+            assert!(verdict.is_clean());
+        })
+    });
+    assert!(cache.incremental() > cache.full(), "the rows were judged from their last page");
     group.bench_function("unguarded", |b| b.iter(|| black_box(reads.iter().map(|r| walk(r.block_table)).sum::<u64>())));
     group.finish();
 }

@@ -74,8 +74,8 @@ pub use config::{ConfigError, PoolConfig};
 pub use error::Error;
 pub use ids::{Generation, PageId, PageRef, PrefixKey, RequestId, TenantId};
 pub use table::{
-    Fence, ImportTicket, OwnershipTable, PADDING_SLOT, PageInfo, PageState, PoolSnapshot, Released, RequestInfo,
-    SeqClaim, SeqRead, SeqWrite, StepVerdict,
+    BlockRows, Fence, ImportTicket, OwnershipTable, PADDING_SLOT, PageInfo, PageState, PoolSnapshot, Released,
+    RequestInfo, RowCache, RowRead, RowsError, SeqClaim, SeqRead, SeqWrite, StepVerdict,
 };
 pub use violation::{Op, Policy, Violation, ViolationCounters, ViolationKind};
 

@@ -24,6 +24,7 @@ impl OwnershipTable {
         let pages = state.spare_page_lists.pop().unwrap_or_default();
         let slot = state.take_request_slot();
         let pages_marked = state.takes;
+        let epoch = state.tick();
         state.requests.insert(
             req,
             RequestRecord {
@@ -35,6 +36,7 @@ impl OwnershipTable {
                 prefixes: Default::default(),
                 quarantined: AtomicBool::new(false),
                 pages_marked,
+                epoch,
             },
         );
         true
@@ -98,6 +100,8 @@ impl OwnershipTable {
         for rec in state.requests.values_mut() {
             rec.prefixes.remove(slot);
         }
+        // Its holders lose it: every reader of shared pages checks afresh.
+        state.shared_epoch = state.tick();
         state.prefixes[slot].holders = 0;
         state.drop_prefix(slot, &mut Released::default());
         true

@@ -37,6 +37,7 @@ impl TableState {
         self.ended.forget(req);
         let pages = self.spare_page_lists.pop().unwrap_or_default();
         let slot = self.take_request_slot();
+        let epoch = self.tick();
         self.requests.insert(
             req,
             RequestRecord {
@@ -48,6 +49,7 @@ impl TableState {
                 prefixes: Default::default(),
                 quarantined: AtomicBool::new(false),
                 pages_marked: self.takes,
+                epoch,
             },
         );
         Ok(())
@@ -250,6 +252,7 @@ impl TableState {
         if !self.requests.contains_key(&req) {
             return Err(self.unknown_request(Op::Release, req));
         }
+        self.taking_from(req);
         let rec = self.requests.get_mut(&req).expect("checked above");
         let pages = std::mem::take(&mut rec.pages);
         let prefixes = std::mem::take(&mut rec.prefixes);
@@ -339,6 +342,7 @@ impl TableState {
         }
         self.ended.forget(child);
         let slot = self.take_request_slot();
+        let epoch = self.tick();
         self.requests.insert(
             child,
             RequestRecord {
@@ -350,6 +354,7 @@ impl TableState {
                 prefixes: held,
                 quarantined: AtomicBool::new(false),
                 pages_marked: self.takes,
+                epoch,
             },
         );
         Ok(())

@@ -113,6 +113,7 @@ impl TableState {
         if !rec.prefixes.remove(slot) {
             return Err(self.violation(ViolationKind::UnknownPrefix, Op::Detach, req).with_prefix(key).into());
         }
+        self.taking_from(req);
         let mut released = Released::default();
         self.drop_hold(slot, &mut released);
         Ok(released)

@@ -278,6 +278,13 @@ pub(crate) struct RequestRecord {
     /// pages (writing them whole, ending them) need not mark them again. Set at admission (no
     /// pages yet) and kept, as every page that joins a request is marked as it joins.
     pub pages_marked: u64,
+    /// When this request last lost a right to read something: a tick of
+    /// [`TableState::clock`], taken at admission and whenever one of its pages left it, lost
+    /// coverage or became shared, or it let go of a prefix (see [`TableState::taking`]). A row
+    /// checked clean at one epoch reads the same pages as clean while the epoch holds
+    /// ([`RowCache`](super::RowCache)). Ticks are unique across requests, so a request released
+    /// and admitted again under the same id never finds its old epoch.
+    pub epoch: u64,
 }
 
 impl RequestRecord {
@@ -494,6 +501,12 @@ pub(crate) struct TableState {
     pub spare_request_slots: Vec<u32>,
     /// The next request slot never handed out.
     pub next_request_slot: u32,
+    /// Ticks of read rights taken ([`TableState::tick`]): the source of every
+    /// [`RequestRecord::epoch`] and of `shared_epoch`.
+    pub clock: u64,
+    /// When a page of a prefix that requests still held last lost a right (its coverage, its
+    /// place in the prefix): every reader of shared pages is affected alike.
+    pub shared_epoch: u64,
 }
 
 impl TableState {
@@ -555,6 +568,8 @@ impl TableState {
             spare_page_lists: Vec::new(),
             spare_request_slots: Vec::new(),
             next_request_slot: 0,
+            clock: 0,
+            shared_epoch: 0,
         })
     }
 
@@ -566,6 +581,44 @@ impl TableState {
             self.next_request_slot += 1;
             slot
         })
+    }
+
+    /// The next tick of [`clock`](Self::clock): later than every epoch handed out.
+    #[inline]
+    pub fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    /// `req` loses a right to read (a page, a page's coverage, a prefix): its epoch moves on,
+    /// so no row checked clean before is taken as clean without a full check.
+    #[inline]
+    pub fn taking_from(&mut self, req: RequestId) {
+        let now = self.tick();
+        if let Some(rec) = self.requests.get_mut(&req) {
+            rec.epoch = now;
+        }
+    }
+
+    /// `page`'s holder is about to lose a right to it (the page's incarnation ends, or it loses
+    /// coverage): the owner's epoch moves on, or for a page of a prefix that requests still hold,
+    /// the shared epoch (a prefix nobody holds is read by no clean row). Every change that can
+    /// turn a clean read unclean goes through here or through
+    /// [`taking_from`](Self::taking_from): the rows' incremental check depends on it
+    /// (`table::rows`' tests take each way). A page that becomes shared takes nothing: its
+    /// owner holds the prefix it joins (publish, fork). Nor does leaving the owner's page list
+    /// ([`detach_from_owner`](Self::detach_from_owner)): the page is then shared, or its
+    /// incarnation ends (which ticks).
+    #[inline]
+    pub fn taking(&mut self, page: PageId) {
+        let Some(&tag) = self.tags.get(page.0 as usize) else { return };
+        match tag.state() {
+            PageState::Owned => self.taking_from(tag.owner()),
+            PageState::Shared if self.prefixes.get(tag.prefix()).is_some_and(|p| p.holders > 0) => {
+                self.shared_epoch = self.tick();
+            }
+            _ => {}
+        }
     }
 
     /// Gives back the slot of a released request; none of its pages is owned any more.
@@ -674,6 +727,12 @@ impl TableState {
     /// [`pages_marked`](RequestRecord::pages_marked) is the last take), so the loop need not.
     pub fn end_incarnations(&mut self, pages: &[PageId], from: PageState, marked: bool, released: &mut Released) {
         let n = pages.len();
+        if let Some(&first) = pages.first() {
+            // Owned pages end with their owner's release (its record gone), its preemption or a
+            // release of some of them (which detached them first): one owner, one tick. Shared
+            // pages end with a prefix nobody holds, or by force (`force_evict_prefix` ticks).
+            self.taking(first);
+        }
         let (limit, scrub) = (self.generation_limit, self.scrub_on_release);
         let next_state = if scrub { PageState::AwaitingScrub } else { PageState::Free };
         // Disjoint borrows, so the loop keeps its counts in registers.
@@ -744,6 +803,7 @@ impl TableState {
     /// Marks `page` free; it joins the free list unless a transfer still pins it.
     #[inline]
     pub fn push_free(&mut self, page: PageId) {
+        self.taking(page);
         if !self.tags[page.0 as usize].pinned() {
             self.tags[page.0 as usize].set_link(self.free.len() as u32);
             self.free.push(page);
@@ -767,6 +827,7 @@ impl TableState {
     /// Forgets every slot `page`'s current incarnation wrote (a transfer that failed part-way may
     /// have overwritten them): reads of it are refused as unwritten until it is written again.
     pub fn revoke_coverage(&mut self, page: PageId) {
+        self.taking(page);
         let tag = &mut self.tags[page.0 as usize];
         tag.set_watermark(0);
         if tag.sparse() {

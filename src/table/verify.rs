@@ -92,7 +92,7 @@ impl TableState {
 
     /// One page of a read: slots `0..need` of `entry`'s page.
     #[inline(always)]
-    fn check_entry<E: BlockEntry>(
+    pub(super) fn check_entry<E: BlockEntry>(
         &self,
         rec: &RequestRecord,
         req: RequestId,

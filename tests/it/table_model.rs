@@ -41,10 +41,34 @@ proptest! {
     /// The same with the device mirror syncing only now and then: between two takes pages change
     /// several times (allocated, written, released), and must be taken once each, with their last
     /// tags, none lost.
+    /// An engine's block table read through one `RowCache` across the whole sequence: every
+    /// step's incremental verdict is the full check's (`model::run_rows`).
+    #[test]
+    fn rows_checked_incrementally_get_the_full_checks_verdicts(ops in prop::collection::vec(op(), 1..200)) {
+        model::run_rows(&ops);
+    }
+
     #[test]
     fn a_mirror_syncing_now_and_then_matches_the_table(ops in prop::collection::vec(op(), 1..200)) {
         model::run_syncing(&ops);
     }
+}
+
+/// The rows' incremental path is taken, not only the full one: a request that writes a token a
+/// step and reads it back is judged from its last page after its first check.
+#[test]
+fn a_row_growing_a_token_a_step_is_judged_incrementally() {
+    // Each operation reads one token more: 3 tokens after the first write (checked in full),
+    // then 4 after the second write and 5 to 16 over twelve mirror syncs (nothing changes):
+    // thirteen reads, each from its last page.
+    let mut ops = vec![
+        Op::Admit { req: 1, tenant: 0, prompt: 20, max_new: 0 },
+        Op::Allocate { req: 1, n: 4 },
+        Op::WriteTokens { req: 1, start: 0, len: 8 },
+        Op::WriteTokens { req: 1, start: 8, len: 8 },
+    ];
+    ops.extend(std::iter::repeat_n(Op::Sync, 12));
+    assert_eq!(model::run_rows(&ops), 13, "every step after the first clean one is incremental");
 }
 
 #[test]

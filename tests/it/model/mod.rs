@@ -9,7 +9,10 @@
 #![allow(dead_code)]
 
 use kvguard::cuda::layout::DeviceTag;
-use kvguard::{Error, OwnershipTable, PageId, PageState, PoolConfig, PrefixKey, RequestId, TenantId};
+use kvguard::{
+    BlockRows, Error, OwnershipTable, PageId, PageState, PoolConfig, PrefixKey, RequestId, RowCache, RowRead, SeqRead,
+    TenantId,
+};
 use std::collections::{BTreeMap, BTreeSet};
 
 pub const PAGES: u32 = 10;
@@ -533,18 +536,93 @@ pub fn run(ops: &[Op]) {
 /// changed twice must be listed once with its last tag, and none may be lost. The mirror is
 /// compared with every page's info after each take.
 pub fn run_syncing(ops: &[Op]) {
-    run_checked(config(), ops, false)
+    run_checked(config(), ops, false, |_, _, _, _| {})
+}
+
+/// [`run`], and after every operation every request's row of an engine's block table is read
+/// through one [`RowCache`] kept across the whole run and through
+/// [`OwnershipTable::check_step`]: the incremental verdict must be the full check's, row for row
+/// (same rows refused, same kind, block index and page).
+///
+/// A request's row is what an engine's block table would hold: refreshed to the request's view
+/// by the operations that give it pages or tokens (admit, allocate, claim, attach, writes), and
+/// left as it was by those that take something away (release, preempt, detach, evict, publish,
+/// fork, imports), so a row still lists what was taken, as an engine's stale row would. A
+/// [`Op::Read`] reads that request's view with an entry swapped behind the engine's calls, at
+/// its own token count; the other requests read one token more each operation (wrapping past
+/// their row), as decode steps do. Returns how many rows were judged incrementally.
+pub fn run_rows(ops: &[Op]) -> u64 {
+    let mut cache = RowCache::new();
+    let mut tokens = [0u64; REQUESTS as usize];
+    let stride = PAGES as usize + 1;
+    let mut entries = vec![-1i32; REQUESTS as usize * stride];
+    run_checked(config(), ops, true, |table, model, op, step| {
+        let mut reads = Vec::new();
+        for r in 0..REQUESTS {
+            let mine = |req: u8| req % REQUESTS == r;
+            let read = match *op {
+                Op::Read { req, tokens, swap_at, swap } if mine(req) => Some((tokens, swap_at, swap)),
+                _ => None,
+            };
+            let refresh = read.is_some()
+                || match *op {
+                    Op::Admit { req, .. }
+                    | Op::Allocate { req, .. }
+                    | Op::Claim { req, .. }
+                    | Op::Attach { req, .. }
+                    | Op::Write { req, .. }
+                    | Op::WriteTokens { req, .. } => mine(req),
+                    _ => false,
+                };
+            let row = &mut entries[usize::from(r) * stride..(usize::from(r) + 1) * stride];
+            if refresh {
+                let (swap_at, swap) = read.map_or((u8::MAX, 0), |(_, at, page)| (at, page));
+                row.fill(-1);
+                for (e, p) in row.iter_mut().zip(model.read_table(r, swap_at, swap)) {
+                    *e = p as i32;
+                }
+            }
+            let listed = row.iter().take_while(|&&e| e >= 0).count() as u64;
+            let cap = listed * u64::from(PAGE_SIZE) + 2;
+            let t = &mut tokens[usize::from(r)];
+            *t = match read {
+                Some((n, _, _)) => u64::from(n) % cap,
+                None => (*t + 1) % cap,
+            };
+            reads.push(RowRead { request: req_id(r), row: u32::from(r), tokens: *t });
+        }
+        let rows = BlockRows::new(&entries, stride).expect("whole rows");
+        let incremental = table.check_rows(&mut cache, rows, &reads).expect("rows in range");
+        let pages: Vec<Vec<PageId>> =
+            entries.chunks(stride).map(|row| row.iter().map(|&e| PageId(e as u32)).collect()).collect();
+        let seqs: Vec<SeqRead<'_>> = reads
+            .iter()
+            .map(|r| SeqRead { request: r.request, block_table: &pages[r.row as usize], tokens: r.tokens })
+            .collect();
+        let full = table.check_step(&seqs);
+        let said = |v: &kvguard::StepVerdict| -> Vec<_> {
+            v.refused.iter().map(|(i, v)| (*i, v.kind(), v.block_index(), v.page(), v.request())).collect()
+        };
+        assert_eq!(said(&incremental), said(&full), "step {step}: after {op:?}, the rows' verdicts differ");
+    });
+    cache.incremental()
 }
 
 /// [`run`] against a table built from `config` (which should be [`config()`]; anything else is a
 /// drift the model must catch).
 pub fn run_with(config: PoolConfig, ops: &[Op]) {
-    run_checked(config, ops, true)
+    run_checked(config, ops, true, |_, _, _, _| {})
 }
 
 /// [`run_with`], the mirror taking the changed tags after every operation (`sync_always`) or
-/// only at [`Op::Sync`] and after the last.
-fn run_checked(config: PoolConfig, ops: &[Op], sync_always: bool) {
+/// only at [`Op::Sync`] and after the last; `after` runs after each operation's checks (table,
+/// model, operation, its index).
+fn run_checked(
+    config: PoolConfig,
+    ops: &[Op],
+    sync_always: bool,
+    mut after: impl FnMut(&OwnershipTable, &Model, &Op, usize),
+) {
     let table = OwnershipTable::new(config).expect("the model's pool passes its audit");
     let mut model = Model::new();
     let mut generations: Vec<u32> = vec![1; PAGES as usize];
@@ -580,6 +658,7 @@ fn run_checked(config: PoolConfig, ops: &[Op], sync_always: bool) {
         }
         let sync = sync_always || matches!(op, Op::Sync) || step + 1 == ops.len();
         check_invariants(&table, &model, &mut generations, sync.then_some(&mut mirror), step);
+        after(&table, &model, op, step);
     }
     // Releasing every request and evicting every prefix returns every page.
     for r in 0..REQUESTS {
