@@ -2,7 +2,7 @@
 //! regions and the transfers between them. Everything above this file is safe Rust over these
 //! types.
 
-use super::{NixlError, RegionLayout, Segment};
+use super::{Extent, NixlError, RegionLayout, Segment};
 use nixl_sys::{
     Agent, AgentConfig, MemType, MemoryRegion, NixlDescriptor, NotificationMap, OptArgs, RegistrationHandle,
     ThreadSync, XferDescList, XferOp, XferRequest, XferStatus,
@@ -247,15 +247,6 @@ pub enum Direction {
     Write,
     /// The peer's pages into local ones (decode pulls).
     Read,
-}
-
-/// `len` bytes at the start of page `page` of a region.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Extent {
-    /// The page index in its region.
-    pub page: u32,
-    /// Bytes from the page's start (at most the region's page size).
-    pub len: u32,
 }
 
 /// Spin a little, then yield, then sleep: a waiting side keeps calling into NIXL (which is what

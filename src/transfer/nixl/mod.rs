@@ -31,11 +31,10 @@ mod link;
 mod notice;
 
 pub use agent::{
-    Direction, EnginePool, Extent, HostRegion, NIXL_LIBRARY, NixlAgent, PageRegion, Posted, Registration,
-    library_available,
+    Direction, EnginePool, HostRegion, NIXL_LIBRARY, NixlAgent, PageRegion, Posted, Registration, library_available,
 };
 pub use link::{FLUSH, INBOX_BYTES, INBOX_CAP, ImportError, NixlLink, PART_BYTES};
-pub use notice::{LAYOUT_LEN, Notice, NoticeKind, RegionLayout, Segment};
+pub use notice::{Extent, LAYOUT_LEN, Notice, NoticeKind, RegionLayout, Segment};
 
 /// What went wrong in the transport (not a verdict on a transfer's content: that is a
 /// [`TransferError`](crate::transfer::TransferError)).

@@ -1,9 +1,18 @@
 //! The notifications of the checked protocol and the region layout exchanged out of band: small
 //! binary messages, each sealed by a CRC32 and decoded as untrusted input.
 
-use super::{Extent, NixlError};
+use super::NixlError;
 use crate::ids::RequestId;
 use crate::transfer::wire::MAX_MANIFEST_PAGES;
+
+/// `len` bytes at the start of page `page` of a region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Extent {
+    /// The page index in its region.
+    pub page: u32,
+    /// Bytes from the page's start (at most the region's page size).
+    pub len: u32,
+}
 
 const MAGIC: &[u8; 4] = b"KVGN";
 const VERSION: u8 = 1;
