@@ -6,7 +6,8 @@
 
 use crate::errors;
 use crate::table::OwnershipTable;
-use crate::values::{PageRef, Violation};
+use crate::values::PageRef;
+use crate::violation::Violation;
 use kvguard::RequestId;
 use parking_lot::Mutex;
 use pyo3::prelude::*;

@@ -9,7 +9,8 @@
 //! | [`names`] | request and tenant ids as engines have them (`int` or `str`); strings interned, released with the request; a step's ids remembered by object |
 //! | [`arrays`] | zero-copy views of the engine's arrays (numpy, buffer protocol, host DLPack), int32 and int64, each checked against its owner's memory |
 //! | [`errors`] | the exception hierarchy, and violations sent to Python's `logging` |
-//! | [`values`] | the plain values: pool config, page refs, infos, snapshot, violations |
+//! | [`values`] | the plain values: pool config, page refs, infos, snapshot |
+//! | [`violation`] | `Violation`: a core violation, its ids named as the caller names them |
 //! | [`table`] | `OwnershipTable`, the one-call-per-step entry points and their verdict |
 //! | [`mirror`] | an engine plugin's mirror of its pool (kvguard.sglang's arrays) and a decode step judged against it |
 //! | [`import`] | `ImportTicket`: a KV transfer in flight, its pages pinned until it ends |
@@ -38,6 +39,7 @@ pub mod table;
 pub mod trace;
 pub mod transfer;
 pub mod values;
+pub mod violation;
 
 /// The extension module: classes, exceptions and functions, re-exported by `kvguard`.
 #[pymodule]
@@ -55,7 +57,7 @@ fn _kvguard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DeviceError", py.get_type::<errors::DeviceError>())?;
     m.add_class::<values::PoolConfig>()?;
     m.add_class::<values::PageRef>()?;
-    m.add_class::<values::Violation>()?;
+    m.add_class::<violation::Violation>()?;
     m.add_class::<values::Released>()?;
     m.add_class::<values::PageInfo>()?;
     m.add_class::<values::RequestInfo>()?;
