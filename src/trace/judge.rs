@@ -6,7 +6,7 @@ use super::error::ReplayErrorKind;
 use super::event::Event;
 use super::leaks::Leaks;
 use super::names::{KeyEntry, Keys, Live, Tenants};
-use super::replay::ReplayOptions;
+use super::options::ReplayOptions;
 use super::verdict::ReplayViolation;
 use super::writers::{NO_TENANT, PageWriters, TenantRefs};
 use crate::config::{ConfigError, PoolConfig};

@@ -326,34 +326,6 @@ typedef struct kvg_manifest kvg_manifest;
 // `KVG_STATUS_INVALID_HANDLE`, even after the memory was reused.
 typedef struct kvg_table kvg_table;
 
-// One incarnation of a page: the page and the generation it had when handed out.
-typedef struct kvg_page_ref {
-  // The page (an `int32` like a block table entry; a negative one names no page).
-  int32_t page;
-  // Its incarnation.
-  uint32_t generation;
-} kvg_page_ref;
-
-// What a release handed back (`kvg_release`, `kvg_release_pages`, `kvg_preempt`,
-// `kvg_detach_prefix`, `kvg_evict_prefix`). The caller sets `struct_size`, and `scrub` and
-// `scrub_capacity` when the pool scrubs on release; kvguard fills `ended` and `scrub_len` and
-// leaves `struct_size` as the caller set it (the struct may be passed again).
-typedef struct kvg_released {
-  // `sizeof(kvg_released)` as the caller compiled it.
-  size_t struct_size;
-  // Out: how many page incarnations ended.
-  uint64_t ended;
-  // In: room for the pages to scrub (pool with `scrub_on_release`), or NULL.
-  struct kvg_page_ref *scrub;
-  // In: entries `scrub` has room for.
-  size_t scrub_capacity;
-  // Out: pages the engine must scrub then pass to `kvg_confirm_scrubbed`. More than
-  // `scrub_capacity` means the list was cut (`KVG_STATUS_BUFFER_TOO_SMALL`; the release is
-  // done, and the pages missing from the list read `KVG_PAGE_STATE_AWAITING_SCRUB` in
-  // `kvg_get_page_info`, their ref's generation one below the page's).
-  size_t scrub_len;
-} kvg_released;
-
 // A violation, field by field; `fields` says which are known. Filled by `kvg_last_violation`
 // and `kvg_drain_violation`.
 typedef struct kvg_violation_info {
@@ -398,6 +370,34 @@ typedef struct kvg_violation_info {
   // The violation in one line, NUL-terminated (cut at a character boundary if longer).
   char message[KVG_MESSAGE_CAPACITY];
 } kvg_violation_info;
+
+// One incarnation of a page: the page and the generation it had when handed out.
+typedef struct kvg_page_ref {
+  // The page (an `int32` like a block table entry; a negative one names no page).
+  int32_t page;
+  // Its incarnation.
+  uint32_t generation;
+} kvg_page_ref;
+
+// What a release handed back (`kvg_release`, `kvg_release_pages`, `kvg_preempt`,
+// `kvg_detach_prefix`, `kvg_evict_prefix`). The caller sets `struct_size`, and `scrub` and
+// `scrub_capacity` when the pool scrubs on release; kvguard fills `ended` and `scrub_len` and
+// leaves `struct_size` as the caller set it (the struct may be passed again).
+typedef struct kvg_released {
+  // `sizeof(kvg_released)` as the caller compiled it.
+  size_t struct_size;
+  // Out: how many page incarnations ended.
+  uint64_t ended;
+  // In: room for the pages to scrub (pool with `scrub_on_release`), or NULL.
+  struct kvg_page_ref *scrub;
+  // In: entries `scrub` has room for.
+  size_t scrub_capacity;
+  // Out: pages the engine must scrub then pass to `kvg_confirm_scrubbed`. More than
+  // `scrub_capacity` means the list was cut (`KVG_STATUS_BUFFER_TOO_SMALL`; the release is
+  // done, and the pages missing from the list read `KVG_PAGE_STATE_AWAITING_SCRUB` in
+  // `kvg_get_page_info`, their ref's generation one below the page's).
+  size_t scrub_len;
+} kvg_released;
 
 // The engine's KV pool, for `kvg_table_new` and `kvg_pool_config_audit`. Start from
 // `kvg_pool_config_init`, which sets `struct_size` and the defaults.
@@ -600,6 +600,27 @@ typedef struct kvg_accepted {
 extern "C" {
 #endif // __cplusplus
 
+// The thread's last error message: one line, NUL-terminated, `""` when the thread's last kvguard
+// call succeeded. Valid until the thread's next kvguard call; never NULL.
+const char *kvg_last_error_message(void);
+
+// The status of the thread's last kvguard call that returned one (`KVG_STATUS_OK` after a
+// success).
+kvg_status kvg_last_status(void);
+
+// How many violations the thread's last failed call left: 1 for a refused operation, one per
+// refused row for a step call, 0 otherwise.
+size_t kvg_last_violation_count(void);
+
+// Copies violation `index` (`0..kvg_last_violation_count()`) of the thread's last failed call
+// into `*out` (whose `struct_size` the caller sets). Reading it does not clear it.
+//
+// Returns `KVG_STATUS_INVALID_ARGUMENT` when there is no such violation.
+//
+// # Safety
+// `out` is NULL or points to a writable `kvg_violation_info` of its `struct_size` bytes.
+KVG_MUST_USE kvg_status kvg_last_violation(size_t index, struct kvg_violation_info *out);
+
 // How many kvguard objects (tables, import tickets, manifests) are alive in the process: made
 // and not yet freed or ended (a table freed while a call in another thread still runs on it
 // counts until that call returns). An engine that frees what it made reads 0 at shutdown: a
@@ -728,27 +749,6 @@ kvg_status kvg_evict_prefix(struct kvg_table *table,
                             const uint8_t *key,
                             size_t key_len,
                             struct kvg_released *released);
-
-// The thread's last error message: one line, NUL-terminated, `""` when the thread's last kvguard
-// call succeeded. Valid until the thread's next kvguard call; never NULL.
-const char *kvg_last_error_message(void);
-
-// The status of the thread's last kvguard call that returned one (`KVG_STATUS_OK` after a
-// success).
-kvg_status kvg_last_status(void);
-
-// How many violations the thread's last failed call left: 1 for a refused operation, one per
-// refused row for a step call, 0 otherwise.
-size_t kvg_last_violation_count(void);
-
-// Copies violation `index` (`0..kvg_last_violation_count()`) of the thread's last failed call
-// into `*out` (whose `struct_size` the caller sets). Reading it does not clear it.
-//
-// Returns `KVG_STATUS_INVALID_ARGUMENT` when there is no such violation.
-//
-// # Safety
-// `out` is NULL or points to a writable `kvg_violation_info` of its `struct_size` bytes.
-KVG_MUST_USE kvg_status kvg_last_violation(size_t index, struct kvg_violation_info *out);
 
 // The status's name without its prefix (`"ok"`, `"violation"`, ...), or `"unknown"`. Static.
 const char *kvg_status_name(uint32_t status);

@@ -1,9 +1,10 @@
 //! Import tickets: a KV transfer in flight, its pages pinned until the ticket ends
 //! (`kvg_begin_import`, then `kvg_import_finish` or `kvg_import_abort`).
 
+use crate::guard::{guard, guard_release};
 use crate::handle::{Held, Kind, Registry};
 use crate::raw;
-use crate::status::{Failure, guard, guard_release, kvg_status};
+use crate::status::{Failure, kvg_status};
 use crate::table::{Table, hold, kvg_table, with_table};
 use crate::types::kvg_page_ref;
 use kvguard::{ImportTicket, PageRef, RequestId};
@@ -59,13 +60,20 @@ impl Ticket {
 
 /// Takes an open ticket out of the registry (its handle dead from then on) and off its table's
 /// open list: the caller now ends it, or drops it (which aborts it).
-pub(crate) fn take_ticket(handle: usize) -> Result<Ticket, Failure> {
+fn take_ticket(handle: usize) -> Result<Ticket, Failure> {
     // A ticket is never held by a lookup, so taking its handle always gives the ticket back.
     let ticket = TICKETS.remove(handle, "ticket")?.ok_or_else(|| {
         Failure::status(kvg_status::InvalidHandle, "ticket is being ended by another call".to_string())
     })?;
     ticket.table.forget_ticket(handle);
     Ok(ticket)
+}
+
+/// Aborts the ticket behind `handle` if it is still open (`kvg_table_free` of its table ends its
+/// open tickets so). Not found: ended meanwhile by its own finish or abort. Found: dropped, which
+/// aborts it.
+fn abort_open(handle: usize) {
+    drop(take_ticket(handle));
 }
 
 /// Starts a KV transfer into `refs` (`num_refs` refs of `request`'s own pages, in exactly those
@@ -96,7 +104,7 @@ pub unsafe extern "C" fn kvg_begin_import(
         // table and drops that hold only after the ticket (field order; `Ticket::finish` ends
         // the ticket before its hold goes), so the borrow never dangles.
         let pinned = unsafe { std::mem::transmute::<ImportTicket<'_>, ImportTicket<'static>>(pinned) };
-        let handle = t.open_ticket(&TICKETS, Ticket { pinned, table: held })?;
+        let handle = t.open_ticket(&TICKETS, Ticket { pinned, table: held }, abort_open)?;
         raw::put(out, std::ptr::without_provenance_mut(handle))
     })
 }

@@ -22,9 +22,11 @@
 #![allow(non_camel_case_types)]
 #![warn(missing_docs)]
 
+mod guard;
 mod handle;
 mod import;
 mod prefix;
+mod prefix_keys;
 mod raw;
 mod status;
 mod step;
@@ -32,12 +34,11 @@ mod table;
 mod transfer;
 mod types;
 
+pub use guard::{kvg_last_error_message, kvg_last_status, kvg_last_violation, kvg_last_violation_count};
 pub use handle::kvg_live_handles;
 pub use import::{kvg_begin_import, kvg_import_abort, kvg_import_fail, kvg_import_finish, kvg_import_ticket};
 pub use prefix::{kvg_attach_prefix, kvg_detach_prefix, kvg_evict_prefix, kvg_publish_prefix, kvg_publish_prefix_refs};
-pub use status::{
-    kvg_last_error_message, kvg_last_status, kvg_last_violation, kvg_last_violation_count, kvg_status, kvg_status_name,
-};
+pub use status::{kvg_status, kvg_status_name};
 pub use step::{
     kvg_check_read, kvg_check_read_refs, kvg_check_step, kvg_record_step_writes, kvg_verify_read, kvg_verify_read_refs,
     kvg_verify_step,

@@ -1,34 +1,11 @@
-//! Prefixes under byte-string keys (an engine's block hash, a radix node's token run): each key
-//! is interned to a table-wide id when it is published, and forgotten when it is evicted.
-//!
-//! Keys are interned, never hashed: two keys that collide in a hash would otherwise share a
-//! prefix, which is exactly the cross-request read kvguard exists to refuse. Ids count up from 1
-//! and are never reused, so an id looked up before a concurrent evict names nothing afterwards
-//! (the core then says `unknown_prefix`). Memory stays bounded by the live prefixes.
+//! Prefixes under byte-string keys (an engine's block hash, a radix node's token run): the
+//! `kvg_*_prefix` calls, each key turned into its table-wide id by `PrefixKeys` (prefix_keys.rs).
 
 use crate::raw;
 use crate::status::{Failure, kvg_status};
 use crate::table::{Table, check_released, kvg_table, put_released, with_table};
 use crate::types::{kvg_page_ref, kvg_released};
 use kvguard::{PrefixKey, RequestId};
-use std::collections::HashMap;
-
-/// The id no key is ever interned to: attaching, detaching or evicting an unpublished key asks
-/// the core about it, which refuses it as `unknown_prefix` (counted and logged like any other).
-const UNPUBLISHED: PrefixKey = PrefixKey(0);
-
-/// The live prefixes' byte-string keys and their ids.
-#[derive(Debug, Default)]
-pub(crate) struct PrefixKeys {
-    ids: HashMap<Box<[u8]>, PrefixKey>,
-    last: u64,
-}
-
-impl PrefixKeys {
-    fn get(&self, key: &[u8]) -> PrefixKey {
-        self.ids.get(key).copied().unwrap_or(UNPUBLISHED)
-    }
-}
 
 /// The caller's key bytes (at least one byte).
 fn key<'a>(ptr: *const u8, len: usize) -> Result<&'a [u8], Failure> {
@@ -94,14 +71,13 @@ fn publish(
 ) -> Result<(), Failure> {
     // Held across the core's call: two publishes of one key must not both get fresh ids.
     let mut keys = t.prefixes.lock();
-    if let Some(&id) = keys.ids.get(key) {
+    if let Some(id) = keys.published(key) {
         // The core refuses it (`duplicate_prefix`) and counts it.
         return Ok(publish(id)?);
     }
-    let id = PrefixKey(keys.last + 1);
+    let id = keys.next();
     publish(id)?;
-    keys.last = id.0;
-    keys.ids.insert(key.into(), id);
+    keys.insert(key, id);
     Ok(())
 }
 
@@ -188,7 +164,7 @@ pub unsafe extern "C" fn kvg_evict_prefix(
         let mut keys = t.prefixes.lock();
         let id = keys.get(key);
         let outcome = t.table.evict_prefix(id)?;
-        keys.ids.remove(key);
+        keys.remove(key);
         drop(keys);
         put_released(released, outcome)
     })

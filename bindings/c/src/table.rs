@@ -1,17 +1,18 @@
 //! The table handle and the lifecycle calls: create and free, admit, allocate or claim, writes,
 //! releases, scrubs, forks, sharing, and what the table tells about itself.
 
+use crate::guard::{guard, guard_free, guard_release};
 use crate::handle::{Held, Kind, Registry};
-use crate::prefix::PrefixKeys;
+use crate::prefix_keys::PrefixKeys;
 use crate::raw::{self, SizedStruct};
-use crate::status::{Failure, guard, guard_free, guard_release, kvg_status};
+use crate::status::{Failure, kvg_status};
 use crate::types::{
     kvg_page_info, kvg_page_ref, kvg_policy, kvg_pool_config, kvg_pool_snapshot, kvg_released, kvg_request_info,
     kvg_violation_info,
 };
 use kvguard::{OwnershipTable, Policy, PoolConfig, Released, RequestId, TenantId, Violation, ViolationKind};
 use parking_lot::Mutex;
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::ffi::c_char;
 use std::mem::size_of;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
@@ -48,7 +49,9 @@ pub(crate) struct Table {
 
 #[derive(Default)]
 struct OpenTickets {
-    handles: HashSet<usize>,
+    /// Each open ticket's handle, and the function that aborts it by handle (given by the module
+    /// that opened it, so the table names no kind of ticket).
+    handles: HashMap<usize, fn(usize)>,
     /// `kvg_table_free` ran: no ticket may open any more.
     closed: bool,
 }
@@ -76,11 +79,13 @@ impl Table {
     }
 
     /// Registers an import ticket as open on this table, unless the table was freed meanwhile
-    /// (then the ticket is dropped, which aborts it). Its handle.
+    /// (then the ticket is dropped, which aborts it). Its handle; `abort` ends it by that handle
+    /// when `kvg_table_free` finds it still open.
     pub(crate) fn open_ticket<T: Send + Sync>(
         &self,
         registry: &'static Registry<T>,
         ticket: T,
+        abort: fn(usize),
     ) -> Result<usize, Failure> {
         let mut open = self.tickets.lock();
         if open.closed {
@@ -90,7 +95,7 @@ impl Table {
             ));
         }
         let handle = registry.insert(ticket)?;
-        open.handles.insert(handle);
+        open.handles.insert(handle, abort);
         Ok(handle)
     }
 
@@ -317,9 +322,8 @@ pub unsafe extern "C" fn kvg_table_free(table: *mut kvg_table) -> kvg_status {
                 open.closed = true;
                 std::mem::take(&mut open.handles)
             };
-            for ticket in open {
-                // Not found: ended meanwhile by its own finish or abort. Found: dropped, aborted.
-                drop(crate::import::take_ticket(ticket));
+            for (ticket, abort) in open {
+                abort(ticket);
             }
             Ok(())
         },
@@ -813,7 +817,7 @@ mod tests {
         let t = table();
         let status = with_table(t, |_| panic!("a bug"));
         assert_eq!(status, kvg_status::Panic);
-        assert_eq!(crate::status::kvg_last_status(), kvg_status::Panic);
+        assert_eq!(crate::guard::kvg_last_status(), kvg_status::Panic);
         // SAFETY: `t` is live until freed below.
         assert_eq!(unsafe { kvg_admit(t, 1, 1, 16, 0) }, kvg_status::Panic);
         // SAFETY: made by `kvg_table_new`, freed once.

@@ -6,9 +6,10 @@
 //! A manifest carries the receiving table's ids: the decode side tells the prefill side its
 //! request and tenant ids and the page refs it offers when it asks for the transfer.
 
+use crate::guard::{guard_free, guard_release};
 use crate::handle::{Kind, Registry};
 use crate::raw::{self, SizedStruct};
-use crate::status::{Failure, guard_free, guard_release, kvg_status};
+use crate::status::{Failure, kvg_status};
 use crate::table::{kvg_table, with_table};
 use crate::types::{
     kvg_accepted, kvg_expected_transfer, kvg_land_fn, kvg_manifest_info, kvg_manifest_page, kvg_page_ref,

@@ -10,7 +10,8 @@
 
 use crate::errors::{DeviceError, log_violation};
 use crate::table::OwnershipTable;
-use crate::values::{PoolConfig, Violation};
+use crate::values::PoolConfig;
+use crate::violation::Violation;
 use kvguard::cuda::{self as core, BlockTableStep, Borrowed, DeviceOptions, EngineStream, PagedKvStep, TokenRowsStep};
 use parking_lot::Mutex;
 use pyo3::prelude::*;

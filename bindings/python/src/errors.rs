@@ -14,7 +14,7 @@
 //! Wrong argument types and shapes are `TypeError` / `ValueError`, naming what was expected.
 
 use crate::names::Resolved;
-use crate::values::Violation;
+use crate::violation::Violation;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyDict;

@@ -20,6 +20,7 @@
 //! ```
 
 use crate::names::{self, Key, Names, Resolved};
+use crate::violation::Violation;
 use kvguard::{PageId, PrefixKey, RequestId, SeqClaim};
 use parking_lot::Mutex;
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -75,7 +76,7 @@ pub struct Event {
 pub type RefusedEvent = (usize, kvguard::Violation, Resolved);
 
 /// The refused events as Python sees them: `[(index, Violation)]`.
-pub type RefusedForPython = Vec<(usize, Py<crate::values::Violation>)>;
+pub type RefusedForPython = Vec<(usize, Py<Violation>)>;
 
 /// An event that failed with an error that is not a violation: its index and the error, after
 /// the events refused before it.

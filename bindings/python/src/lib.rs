@@ -9,17 +9,18 @@
 //! | [`names`] | request and tenant ids as engines have them (`int` or `str`); strings interned, released with the request; a step's ids remembered by object |
 //! | [`arrays`] | zero-copy views of the engine's arrays (numpy, buffer protocol, host DLPack), int32 and int64, each checked against its owner's memory |
 //! | [`errors`] | the exception hierarchy, and violations sent to Python's `logging` |
-//! | [`values`] | the plain values: pool config, page refs, infos, snapshot, violations |
+//! | [`values`] | the plain values: pool config, page refs, infos, snapshot |
+//! | [`violation`] | `Violation`: a core violation, its ids named as the caller names them |
 //! | [`table`] | `OwnershipTable`, the one-call-per-step entry points and their verdict |
 //! | [`mirror`] | an engine plugin's mirror of its pool (kvguard.sglang's arrays) and a decode step judged against it |
-//! | [`import`] | `ImportTicket`: a KV transfer in flight, its pages pinned until it ends |
+//! | [`table::import`] | `ImportTicket`: a KV transfer in flight, its pages pinned until it ends (the table's, as in the core: only `OwnershipTable.begin_import` makes one) |
 //! | [`transfer`] | manifests and the receiver |
 //! | [`trace`] | the trace recorder and replayer |
 //! | [`device`] | the CUDA device guard (a typed error without a GPU) |
 //! | `nixl` | checked transfers over NIXL (feature `nixl`): agent, host region, link |
 //!
 //! All `unsafe` of the Python binding lives in [`arrays`], [`names`] (a step's id list read with
-//! borrowed items), [`import`] and [`transfer`] (a ticket's or pin's borrow of its table, kept
+//! borrowed items), [`table::import`] and [`transfer`] (a ticket's or pin's borrow of its table, kept
 //! alive by the Python object), [`device`] and `nixl` (buffers borrowed from Python; a link's
 //! borrow of its agent), each block with its `// SAFETY:` argument.
 
@@ -29,7 +30,6 @@ pub mod arrays;
 pub mod device;
 pub mod errors;
 pub mod events;
-pub mod import;
 pub mod mirror;
 pub mod names;
 #[cfg(feature = "nixl")]
@@ -38,6 +38,7 @@ pub mod table;
 pub mod trace;
 pub mod transfer;
 pub mod values;
+pub mod violation;
 
 /// The extension module: classes, exceptions and functions, re-exported by `kvguard`.
 #[pymodule]
@@ -55,14 +56,14 @@ fn _kvguard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DeviceError", py.get_type::<errors::DeviceError>())?;
     m.add_class::<values::PoolConfig>()?;
     m.add_class::<values::PageRef>()?;
-    m.add_class::<values::Violation>()?;
+    m.add_class::<violation::Violation>()?;
     m.add_class::<values::Released>()?;
     m.add_class::<values::PageInfo>()?;
     m.add_class::<values::RequestInfo>()?;
     m.add_class::<values::PoolSnapshot>()?;
     m.add_class::<table::OwnershipTable>()?;
     m.add_class::<table::StepVerdict>()?;
-    m.add_class::<import::ImportTicket>()?;
+    m.add_class::<table::ImportTicket>()?;
     m.add_class::<transfer::Manifest>()?;
     m.add_class::<transfer::Receiver>()?;
     m.add_class::<transfer::Accepted>()?;

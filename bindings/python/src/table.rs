@@ -6,16 +6,19 @@
 
 use crate::arrays::{I64Mut, IntArray, Ints};
 use crate::errors::{self, log_violation};
-use crate::import::ImportTicket;
 use crate::mirror;
 use crate::names::{self, Names, Resolved, StepIds};
-use crate::values::{PageInfo, PageRef, PoolConfig, PoolSnapshot, Released, RequestInfo, Violation};
+use crate::values::{PageInfo, PageRef, PoolConfig, PoolSnapshot, Released, RequestInfo};
+use crate::violation::Violation;
 use kvguard::{PageId, PrefixKey, RequestId, SeqClaim, SeqRead, SeqWrite};
 use parking_lot::Mutex;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList};
+
+pub mod import;
+pub use import::ImportTicket;
 
 /// The ownership table of one KV pool: every page's owner request, tenant, generation and
 /// written slots; every attention read checked against it.

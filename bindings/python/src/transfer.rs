@@ -7,7 +7,8 @@
 
 use crate::errors::{TransferError, log_violation};
 use crate::table::OwnershipTable;
-use crate::values::{PageRef, Violation};
+use crate::values::PageRef;
+use crate::violation::Violation;
 use kvguard::transfer::{self as core, SenderId, TransferHeader};
 use kvguard::{RequestId, TenantId};
 use parking_lot::Mutex;

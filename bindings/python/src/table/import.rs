@@ -1,12 +1,14 @@
-//! `ImportTicket` for Python: a KV transfer in flight, its pages pinned until it ends.
+//! `ImportTicket` for Python: a KV transfer in flight, its pages pinned until it ends. Part of
+//! the table, as in the core (`kvguard::table`): only `OwnershipTable.begin_import` makes one.
 //!
 //! The core ticket borrows its table. Here it lives in a Python object that also holds a strong
 //! reference to the table's Python object, so the table outlives it; the one `unsafe` block of
 //! this module widens the borrow's lifetime on that ground.
 
+use super::OwnershipTable;
 use crate::errors;
-use crate::table::OwnershipTable;
-use crate::values::{PageRef, Violation};
+use crate::values::PageRef;
+use crate::violation::Violation;
 use kvguard::RequestId;
 use parking_lot::Mutex;
 use pyo3::prelude::*;
