@@ -566,6 +566,7 @@ def test_pinned_pages_outside_the_engine_pool_abort_and_record_nothing(engine_pa
 
 
 def test_checksum_ahead_is_page_checksum_of_the_page_in_place():
+    _nixl_or_skip()
     agent = kvguard.NixlAgent("checksum-ahead")
     region = kvguard.HostRegion(agent, 2, PAGE_BYTES)
     region.write(1, bytes(range(PAGE_BYTES)))
