@@ -382,6 +382,27 @@ impl<'py> IntArray<'py> {
         Some(unsafe { std::slice::from_raw_parts(at.cast::<PageId>(), len) })
     }
 
+    /// The whole 2-D array as its int32 entries, row after row, and the row length, without
+    /// copying: when it is int32, C-contiguous (each row right after the one before) and aligned.
+    /// A negative entry reads as a page past any pool where it is read as a page id.
+    pub fn as_i32_rows(&self) -> Option<(&[i32], usize)> {
+        let width = self.shape[1];
+        if self.ndim != 2 || self.elem != Elem::I32 || !self.rows_contiguous() {
+            return None;
+        }
+        let n = self.shape[0].checked_mul(width)?;
+        if n == 0 {
+            return Some((&[], width));
+        }
+        if self.shape[0] > 1 && self.strides[0] != (width * 4) as isize {
+            return None; // rows with a gap between them, or in another order
+        }
+        // SAFETY: `n` int32s at `ptr`: row after row with no gap (the row stride is the row's
+        // bytes, the inner stride 4, both checked), aligned to 4 (checked), kept alive by `_keep`
+        // for the borrow of `self`.
+        Some((unsafe { std::slice::from_raw_parts(self.ptr.cast::<i32>(), n) }, width))
+    }
+
     /// The whole 1-D array as `&[i64]` without copying, when it is int64, contiguous and aligned.
     pub fn as_i64(&self) -> Option<&[i64]> {
         if self.ndim != 1 || self.elem != Elem::I64 || !self.rows_contiguous() {

@@ -34,6 +34,7 @@ pub mod mirror;
 pub mod names;
 #[cfg(feature = "nixl")]
 pub mod nixl;
+pub mod rows;
 pub mod table;
 pub mod trace;
 pub mod transfer;
@@ -63,6 +64,7 @@ fn _kvguard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<values::PoolSnapshot>()?;
     m.add_class::<table::OwnershipTable>()?;
     m.add_class::<table::StepVerdict>()?;
+    m.add_class::<rows::RowCache>()?;
     m.add_class::<table::ImportTicket>()?;
     m.add_class::<transfer::Manifest>()?;
     m.add_class::<transfer::Receiver>()?;

@@ -926,6 +926,47 @@ impl OwnershipTable {
         self.step(py, req_ids, block_tables, seq_lens, true)
     }
 
+    /// Pure check of a step through the engine's block table, incrementally (see verify_rows).
+    fn check_rows(
+        &self,
+        py: Python<'_>,
+        cache: &Bound<'_, crate::rows::RowCache>,
+        req_ids: &Bound<'_, PyAny>,
+        table: &Bound<'_, PyAny>,
+        rows: &Bound<'_, PyAny>,
+        seq_lens: &Bound<'_, PyAny>,
+    ) -> PyResult<StepVerdict> {
+        let requests = self.step_requests(req_ids)?;
+        let v = crate::rows::step(py, &self.table, cache.get(), &requests, table, rows, seq_lens, false)?;
+        self.verdict(py, v, requests.len(), false)
+    }
+
+    /// verify_step_rows across steps, incrementally: request i reads its first seq_lens[i]
+    /// tokens through row rows[i] of `table`, and a row unchanged since `cache` last saw it
+    /// clean, whose request lost nothing since, is judged from its last page only
+    /// (docs/engine-step.md). The verdict is verify_step's on the same rows, row for row.
+    ///
+    /// cache: a kvguard.RowCache kept for this block table across steps.
+    /// req_ids: the step's n requests (list of int/str, or an int array).
+    /// table: C-contiguous 2-D int32 array of page ids, read in place (vLLM's block_table.np;
+    ///   SGLang's req_to_token at page size 1); ValueError otherwise. A negative entry is
+    ///   refused as page_out_of_range.
+    /// rows: 1-D int, n entries, each a row of `table` (ValueError otherwise).
+    /// seq_lens: 1-D int, n entries: tokens each request reads.
+    fn verify_rows(
+        &self,
+        py: Python<'_>,
+        cache: &Bound<'_, crate::rows::RowCache>,
+        req_ids: &Bound<'_, PyAny>,
+        table: &Bound<'_, PyAny>,
+        rows: &Bound<'_, PyAny>,
+        seq_lens: &Bound<'_, PyAny>,
+    ) -> PyResult<StepVerdict> {
+        let requests = self.step_requests(req_ids)?;
+        let v = crate::rows::step(py, &self.table, cache.get(), &requests, table, rows, seq_lens, true)?;
+        self.verdict(py, v, requests.len(), true)
+    }
+
     /// Pure check of a step read from a table's rows by index (see verify_step_rows).
     #[pyo3(signature = (req_ids, table, rows, seq_lens, *, token_slots = false))]
     fn check_step_rows(
