@@ -9,10 +9,14 @@
 //! (refs at 20 calls - refs at 0 calls) / 20 = instructions per call; setup is the same for both.
 //! Two more arguments set the step's shape (default `256 256`: rows, blocks per row); `1 16` is
 //! one sequence of 16 pages, where the call's fixed cost (handle lookup, guard) shows.
+//! `rows_rust` and `rows_c` run `verify_rows` / `kvg_verify_rows` with a row cache kept across
+//! the calls: the first checks every row in full, the rest from each row's last page, so take
+//! (refs at 21 calls - refs at 1 call) / 20 there.
 
 #[path = "../benches/fixture/mod.rs"]
 mod fixture;
 use fixture::Fixture;
+use kvguard::{BlockRows, RowCache};
 use std::hint::black_box;
 
 fn main() {
@@ -23,9 +27,16 @@ fn main() {
     let blocks: usize = args.next().and_then(|n| n.parse().ok()).unwrap_or(256);
     let f = Fixture::new(rows, blocks);
     let reads = f.reads();
+    let row_reads = f.row_reads();
+    let mut cache = RowCache::new();
     for _ in 0..calls {
         let clean = match via.as_str() {
             "c_abi" => f.verify_step_c(black_box(&f.matrix)),
+            "rows_c" => f.verify_rows_c(black_box(&f.matrix)),
+            "rows_rust" => {
+                let rows = BlockRows::new(black_box(&f.matrix), f.blocks()).expect("whole rows");
+                f.table.verify_rows(&mut cache, rows, &row_reads).expect("rows in range").is_clean()
+            }
             _ => f.table.verify_step(black_box(&reads)).is_clean(),
         };
         assert!(clean, "the fixture's step is clean");

@@ -316,6 +316,12 @@ typedef struct kvg_import_ticket kvg_import_ticket;
 // handle, never dereferenced: a freed one is `KVG_STATUS_INVALID_HANDLE`.
 typedef struct kvg_manifest kvg_manifest;
 
+// What an engine's block-table rows were last checked clean as (`kvg_row_cache_new`;
+// `kvg_row_cache_free`): what makes `kvg_verify_rows` incremental. One per block table, kept
+// across steps; one call at a time (a second thread's call meanwhile is refused with
+// `KVG_STATUS_INVALID_ARGUMENT`, never waits). The pointer is a handle, never dereferenced.
+typedef struct kvg_row_cache kvg_row_cache;
+
 // An ownership table behind an opaque handle (`kvg_table_new`, `kvg_table_free`). Safe to share
 // between threads: every call may run on any thread, concurrently with any other, `kvg_table_free`
 // included (a call already running finishes on the table; one that starts after the free is
@@ -749,6 +755,72 @@ kvg_status kvg_evict_prefix(struct kvg_table *table,
                             const uint8_t *key,
                             size_t key_len,
                             struct kvg_released *released);
+
+// Makes an empty row cache at `*out` (NULL on failure): the first step checks every row in full.
+//
+// # Safety
+// `out` is writable.
+KVG_MUST_USE kvg_status kvg_row_cache_new(struct kvg_row_cache **out);
+
+// Frees a row cache. NULL is a no-op (`KVG_STATUS_OK`); one freed already, or a handle that is
+// not a row cache, is `KVG_STATUS_INVALID_HANDLE`. The status may be ignored.
+//
+// # Safety
+// None beyond the type: `cache` is never dereferenced.
+kvg_status kvg_row_cache_free(struct kvg_row_cache *cache);
+
+// How many rows the cache saw judged from their last clean page (`incremental`) and in full
+// (`full`) since it was made; either pointer may be NULL.
+//
+// # Safety
+// `incremental` and `full` are NULL or writable.
+KVG_MUST_USE
+kvg_status kvg_row_cache_counts(const struct kvg_row_cache *cache,
+                                uint64_t *incremental,
+                                uint64_t *full);
+
+// Verifies a decode step's reads through the engine's own block table, incrementally and
+// judged: `block_table` is `table_rows` rows of `width` page ids (row after row, no gap; a
+// negative entry names no page and is refused as `page_out_of_range`), and read `i` is request
+// `request_ids[i]` reading its first `seq_lens[i]` tokens through row `rows[i]`. A row
+// unchanged since `cache` last saw it clean, whose request lost nothing since, is judged from
+// its last page only (docs/engine-step.md); the verdict is `kvg_verify_step`'s on the same rows,
+// row for row: `KVG_STATUS_OK`, or `KVG_STATUS_VIOLATION` with `refused` (NULL, or `reads`
+// bytes) marking the refused reads and `kvg_last_violation(i, ...)` giving each. A row past the
+// table is `KVG_STATUS_INVALID_ARGUMENT`, nothing checked.
+//
+// # Safety
+// `table` and `cache` are any values (never dereferenced); `block_table` holds
+// `table_rows * width` entries; `request_ids`, `rows` and `seq_lens` hold `reads` entries;
+// `refused` is NULL or has `reads` bytes.
+KVG_MUST_USE
+kvg_status kvg_verify_rows(struct kvg_table *table,
+                           struct kvg_row_cache *cache,
+                           const int32_t *block_table,
+                           size_t table_rows,
+                           size_t width,
+                           size_t reads,
+                           const uint64_t *request_ids,
+                           const uint32_t *rows,
+                           const int32_t *seq_lens,
+                           uint8_t *refused);
+
+// `kvg_verify_rows`, pure: the same verdict, and nothing counted, logged or quarantined (the
+// cache learns what was clean).
+//
+// # Safety
+// As for `kvg_verify_rows`.
+KVG_MUST_USE
+kvg_status kvg_check_rows(const struct kvg_table *table,
+                          struct kvg_row_cache *cache,
+                          const int32_t *block_table,
+                          size_t table_rows,
+                          size_t width,
+                          size_t reads,
+                          const uint64_t *request_ids,
+                          const uint32_t *rows,
+                          const int32_t *seq_lens,
+                          uint8_t *refused);
 
 // The status's name without its prefix (`"ok"`, `"violation"`, ...), or `"unknown"`. Static.
 const char *kvg_status_name(uint32_t status);

@@ -38,6 +38,7 @@ pub(crate) enum Kind {
     Table = 1,
     ImportTicket = 2,
     Manifest = 3,
+    RowCache = 4,
 }
 
 impl Kind {
@@ -46,6 +47,7 @@ impl Kind {
             1 => Some(Kind::Table),
             2 => Some(Kind::ImportTicket),
             3 => Some(Kind::Manifest),
+            4 => Some(Kind::RowCache),
             _ => None,
         }
     }
@@ -56,6 +58,7 @@ impl Kind {
             Kind::Table => "kvg_table",
             Kind::ImportTicket => "kvg_import_ticket",
             Kind::Manifest => "kvg_manifest",
+            Kind::RowCache => "kvg_row_cache",
         }
     }
 
@@ -67,11 +70,12 @@ impl Kind {
                 "ended by kvg_import_finish or kvg_import_abort, or aborted by kvg_table_free of its table"
             }
             Kind::Manifest => "freed by kvg_manifest_free",
+            Kind::RowCache => "freed by kvg_row_cache_free",
         }
     }
 }
 
-const KIND_BITS: u32 = 2;
+const KIND_BITS: u32 = 3;
 const KIND_MASK: usize = (1 << KIND_BITS) - 1;
 const HALF: u32 = usize::BITS / 2;
 const INDEX_MASK: usize = (1 << (HALF - KIND_BITS)) - 1;

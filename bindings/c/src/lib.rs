@@ -28,6 +28,7 @@ mod import;
 mod prefix;
 mod prefix_keys;
 mod raw;
+mod rows;
 mod status;
 mod step;
 mod table;
@@ -38,6 +39,9 @@ pub use guard::{kvg_last_error_message, kvg_last_status, kvg_last_violation, kvg
 pub use handle::kvg_live_handles;
 pub use import::{kvg_begin_import, kvg_import_abort, kvg_import_fail, kvg_import_finish, kvg_import_ticket};
 pub use prefix::{kvg_attach_prefix, kvg_detach_prefix, kvg_evict_prefix, kvg_publish_prefix, kvg_publish_prefix_refs};
+pub use rows::{
+    kvg_check_rows, kvg_row_cache, kvg_row_cache_counts, kvg_row_cache_free, kvg_row_cache_new, kvg_verify_rows,
+};
 pub use status::{kvg_status, kvg_status_name};
 pub use step::{
     kvg_check_read, kvg_check_read_refs, kvg_check_step, kvg_record_step_writes, kvg_verify_read, kvg_verify_read_refs,

@@ -46,7 +46,7 @@ fn step_reads<'a>(
 }
 
 /// Writes the per-row refusal mask (when wanted) and turns refused rows into the call's failure.
-fn verdict(verdict: StepVerdict, rows: usize, refused: &mut [u8]) -> Result<(), Failure> {
+pub(crate) fn verdict(verdict: StepVerdict, rows: usize, refused: &mut [u8]) -> Result<(), Failure> {
     if !refused.is_empty() {
         refused.fill(0);
         for (row, _) in &verdict.refused {
@@ -57,7 +57,7 @@ fn verdict(verdict: StepVerdict, rows: usize, refused: &mut [u8]) -> Result<(), 
 }
 
 /// The optional refusal mask: NULL, or `rows` writable bytes.
-fn mask<'a>(refused: *mut u8, rows: usize) -> Result<&'a mut [u8], Failure> {
+pub(crate) fn mask<'a>(refused: *mut u8, rows: usize) -> Result<&'a mut [u8], Failure> {
     if refused.is_null() { Ok(&mut []) } else { raw::slice_mut(refused, rows, "refused") }
 }
 

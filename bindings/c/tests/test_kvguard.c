@@ -760,6 +760,73 @@ static void test_steps(void) {
 }
 
 /* A step's claims in one call: each sequence all or nothing, a refused one alone. */
+/* kvg_verify_rows: the engine's block table read in place across steps through a row cache;
+   unchanged rows judged from their last page, the verdict kvg_verify_step's. */
+static void test_rows(void) {
+    enum { ROWS = 4, W = 6, READS = 3 };
+    kvg_table *t = new_table(KVG_POLICY_ENFORCE, 0);
+    kvg_row_cache *cache = NULL;
+    uint64_t ids[READS] = {1, 2, 3}, incremental = 99, full = 99;
+    uint32_t rows[READS] = {0, 1, 2};
+    int32_t matrix[ROWS * W];
+    int32_t lens[READS] = {40, 40, 40};
+    uint8_t refused[READS];
+    kvg_page_ref refs[3];
+
+    for (int i = 0; i < ROWS * W; i++) matrix[i] = -1;
+    for (int r = 0; r < READS; r++) {
+        OK(kvg_admit(t, ids[r], ids[r], 48, 0));
+        OK(kvg_allocate(t, ids[r], 3, refs, 3));
+        for (int b = 0; b < 3; b++) matrix[r * W + b] = refs[b].page;
+        OK(kvg_record_write_tokens(t, ids[r], &matrix[r * W], 3, 0, 40));
+    }
+    EXPECT(kvg_row_cache_new(NULL), KVG_STATUS_NULL_POINTER);
+    OK(kvg_row_cache_new(&cache));
+    CHECK(cache != NULL);
+    OK(kvg_verify_rows(t, cache, matrix, ROWS, W, READS, ids, rows, lens, refused));
+    OK(kvg_row_cache_counts(cache, &incremental, &full));
+    CHECK(incremental == 0 && full == 3);
+    /* Each request writes its 41st token and reads it: every row from its last page. */
+    for (int r = 0; r < READS; r++) {
+        OK(kvg_record_write_tokens(t, ids[r], &matrix[r * W], 3, 40, 41));
+        lens[r] = 41;
+    }
+    OK(kvg_check_rows(t, cache, matrix, ROWS, W, READS, ids, rows, lens, NULL));
+    OK(kvg_row_cache_counts(cache, &incremental, NULL));
+    CHECK(incremental == 3);
+    /* Row 1 changed behind kvguard's back (request 3's page in it): refused, judged, alone. */
+    matrix[1 * W] = matrix[2 * W];
+    memset(refused, 0xff, sizeof refused);
+    VIOLATES(kvg_verify_rows(t, cache, matrix, ROWS, W, READS, ids, rows, lens, refused),
+             KVG_VIOLATION_KIND_FOREIGN_PAGE);
+    CHECK(refused[0] == 0 && refused[1] == 1 && refused[2] == 0);
+    {
+        kvg_violation_info info = last_info();
+        CHECK((info.fields & KVG_FIELD_ROW) && info.row == 1 && info.request == 2);
+    }
+    /* A row past the table, a negative count, rows that are not whole: refused, nothing checked. */
+    rows[2] = ROWS;
+    EXPECT(kvg_verify_rows(t, cache, matrix, ROWS, W, READS, ids, rows, lens, NULL), KVG_STATUS_INVALID_ARGUMENT);
+    rows[2] = 2;
+    lens[0] = -1;
+    EXPECT(kvg_verify_rows(t, cache, matrix, ROWS, W, READS, ids, rows, lens, NULL), KVG_STATUS_INVALID_ARGUMENT);
+    lens[0] = 41;
+    EXPECT(kvg_verify_rows(t, cache, NULL, ROWS, W, READS, ids, rows, lens, NULL), KVG_STATUS_NULL_POINTER);
+    OK(kvg_verify_rows(t, cache, matrix, 0, W, 0, NULL, NULL, NULL, NULL));
+    /* Handles: NULL, a table given as a cache, a cache given as a table, a cache freed twice. */
+    EXPECT(kvg_verify_rows(t, NULL, matrix, ROWS, W, READS, ids, rows, lens, NULL), KVG_STATUS_NULL_POINTER);
+    EXPECT(kvg_verify_rows(t, (kvg_row_cache *)t, matrix, ROWS, W, READS, ids, rows, lens, NULL),
+           KVG_STATUS_INVALID_HANDLE);
+    EXPECT(kvg_verify_rows((kvg_table *)cache, cache, matrix, ROWS, W, READS, ids, rows, lens, NULL),
+           KVG_STATUS_INVALID_HANDLE);
+    EXPECT(kvg_row_cache_counts(NULL, &incremental, &full), KVG_STATUS_NULL_POINTER);
+    OK(kvg_row_cache_free(NULL));
+    OK(kvg_row_cache_free(cache));
+    EXPECT(kvg_row_cache_free(cache), KVG_STATUS_INVALID_HANDLE);
+    EXPECT(kvg_row_cache_counts(cache, &incremental, &full), KVG_STATUS_INVALID_HANDLE);
+    kvg_table_free(t);
+}
+
 static void test_claim_step(void) {
     kvg_table *t = new_table(KVG_POLICY_ENFORCE, 0);
     uint64_t ids[3] = {1, 2, 3};
@@ -1414,6 +1481,7 @@ int main(void) {
     test_prefixes();
     test_every_violation_kind();
     test_steps();
+    test_rows();
     test_claim_step();
     test_report_policy();
     test_refs_forms();
