@@ -3,12 +3,16 @@
 //!   16 (256 x 256 int32 block table, 65,536 pages, all clean), as `decode_step/guarded` in the
 //!   core's benches; the C call takes the engine's int32 matrix with its row stride.
 //! - `verify_step/{rust,c_abi}/16`: one sequence of 16 pages: the call's fixed cost.
+//! - `verify_rows/{rust,c_abi}/65536`: the same step read through the block table by
+//!   `verify_rows` / `kvg_verify_rows`, each with its row cache warm (rows unchanged since the
+//!   step before: judged from their last page).
 //!
 //! `examples/overhead_count.rs` gives the same comparison in instructions (callgrind).
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 mod fixture;
 use fixture::Fixture;
+use kvguard::{BlockRows, RowCache};
 use std::hint::black_box;
 
 fn verify_step(c: &mut Criterion) {
@@ -28,5 +32,23 @@ fn verify_step(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, verify_step);
+fn verify_rows(c: &mut Criterion) {
+    let mut group = c.benchmark_group("verify_rows");
+    let f = Fixture::new(256, 256);
+    group.throughput(Throughput::Elements(256 * 256));
+    group.bench_function(BenchmarkId::new("rust", 256 * 256), |b| {
+        let reads = f.row_reads();
+        let mut cache = RowCache::new();
+        b.iter(|| {
+            let rows = BlockRows::new(black_box(&f.matrix), f.blocks()).expect("whole rows");
+            assert!(f.table.verify_rows(&mut cache, rows, &reads).expect("rows in range").is_clean())
+        })
+    });
+    group.bench_function(BenchmarkId::new("c_abi", 256 * 256), |b| {
+        b.iter(|| assert!(f.verify_rows_c(black_box(&f.matrix))))
+    });
+    group.finish();
+}
+
+criterion_group!(benches, verify_step, verify_rows);
 criterion_main!(benches);
