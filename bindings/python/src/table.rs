@@ -509,6 +509,23 @@ impl OwnershipTable {
         self.verdict(py, v, n, judged)
     }
 
+    /// verify_rows / check_rows: the requests resolved here, the rows read by the core.
+    #[allow(clippy::too_many_arguments)]
+    fn rows_step(
+        &self,
+        py: Python<'_>,
+        cache: &Bound<'_, crate::rows::RowCache>,
+        req_ids: &Bound<'_, PyAny>,
+        table: &Bound<'_, PyAny>,
+        rows: &Bound<'_, PyAny>,
+        seq_lens: &Bound<'_, PyAny>,
+        judged: bool,
+    ) -> PyResult<StepVerdict> {
+        let requests = self.step_requests(req_ids)?;
+        let v = crate::rows::step(py, &self.table, cache.get(), &requests, table, rows, seq_lens, judged)?;
+        self.verdict(py, v, requests.len(), judged)
+    }
+
     /// Checks a step in FlashInfer's layout.
     fn step_csr(
         &self,
@@ -936,9 +953,7 @@ impl OwnershipTable {
         rows: &Bound<'_, PyAny>,
         seq_lens: &Bound<'_, PyAny>,
     ) -> PyResult<StepVerdict> {
-        let requests = self.step_requests(req_ids)?;
-        let v = crate::rows::step(py, &self.table, cache.get(), &requests, table, rows, seq_lens, false)?;
-        self.verdict(py, v, requests.len(), false)
+        self.rows_step(py, cache, req_ids, table, rows, seq_lens, false)
     }
 
     /// verify_step_rows across steps, incrementally: request i reads its first seq_lens[i]
@@ -962,9 +977,7 @@ impl OwnershipTable {
         rows: &Bound<'_, PyAny>,
         seq_lens: &Bound<'_, PyAny>,
     ) -> PyResult<StepVerdict> {
-        let requests = self.step_requests(req_ids)?;
-        let v = crate::rows::step(py, &self.table, cache.get(), &requests, table, rows, seq_lens, true)?;
-        self.verdict(py, v, requests.len(), true)
+        self.rows_step(py, cache, req_ids, table, rows, seq_lens, true)
     }
 
     /// Pure check of a step read from a table's rows by index (see verify_step_rows).
