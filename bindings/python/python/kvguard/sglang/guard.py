@@ -110,6 +110,64 @@ class NamedViolation:
         return f"<kvguard.sglang.NamedViolation {self}>"
 
 
+class LocalViolation:
+    """A violation the binding finds itself, on SGLang's calls the core table does not see (a
+    free that names no freer): the same fields as :class:`~kvguard.Violation`, one line of text."""
+
+    __slots__ = ("kind", "op", "page", "request", "owner", "tenant", "owner_tenant", "generation", "slots",
+                 "prefix", "block_index", "text")
+
+    def __init__(self, kind: str, op: str, *, text: str, page: int | None = None, request: Any = None,
+                 owner: Any = None, tenant: Any = None, owner_tenant: Any = None) -> None:
+        self.kind, self.op, self.page, self.request, self.owner = kind, op, page, request, owner
+        self.tenant, self.owner_tenant, self.text = tenant, owner_tenant, text
+        self.generation = self.slots = self.prefix = self.block_index = None
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.text}"
+
+
+_WRITER_HOOKED = False
+
+
+def _hook_cache_index_writer() -> None:
+    """SGLang's extend row write, ``mem_cache.allocation.write_cache_indices``: on a GPU whose
+    attention backend supports Triton it writes ``req_to_token`` with
+    ``write_req_to_token_pool_triton``, never calling ``ReqToTokenPool.write``. Wrapped once per
+    process; the guard whose ``ReqToTokenPool`` it writes judges the same claims the two
+    ``ReqToTokenPool.write`` calls of its other branch would, from its arguments (the
+    allocator's ``out_cache_loc`` and the radix cache's prefix), never from the rows."""
+    global _WRITER_HOOKED
+    if _WRITER_HOOKED:
+        return
+    try:
+        from sglang.srt.mem_cache import allocation
+    except ImportError:  # an SGLang without this writer: its row writes all go through write
+        return
+    inner = allocation.write_cache_indices
+
+    def write_cache_indices(out_cache_loc: Any, req_pool_indices_tensor: Any, req_pool_indices_cpu: Any,
+                            prefix_lens_tensor: Any, prefix_lens_cpu: Any, seq_lens_tensor: Any, seq_lens_cpu: Any,
+                            extend_lens_tensor: Any, extend_lens_cpu: Any, prefix_tensors: Any,
+                            req_to_token_pool: Any, *args: Any, **kwargs: Any) -> Any:
+        guard = getattr(req_to_token_pool, "kvguard_guard", None)
+        if guard is None:
+            return inner(out_cache_loc, req_pool_indices_tensor, req_pool_indices_cpu, prefix_lens_tensor,
+                         prefix_lens_cpu, seq_lens_tensor, seq_lens_cpu, extend_lens_tensor, extend_lens_cpu,
+                         prefix_tensors, req_to_token_pool, *args, **kwargs)
+        guard._cache_indices_written(out_cache_loc, req_pool_indices_cpu, prefix_lens_cpu, extend_lens_cpu, prefix_tensors)
+        guard._writing_cache_indices = True
+        try:
+            return inner(out_cache_loc, req_pool_indices_tensor, req_pool_indices_cpu, prefix_lens_tensor,
+                         prefix_lens_cpu, seq_lens_tensor, seq_lens_cpu, extend_lens_tensor, extend_lens_cpu,
+                         prefix_tensors, req_to_token_pool, *args, **kwargs)
+        finally:
+            guard._writing_cache_indices = False
+
+    allocation.write_cache_indices = write_cache_indices
+    _WRITER_HOOKED = True
+
+
 def _host(t: Any) -> np.ndarray:
     """A tensor or array as a host numpy array (no copy for CPU tensors and arrays)."""
     if type(t) is np.ndarray:
@@ -228,6 +286,12 @@ class Guard:
         self._next_request = 1
         self._next_prefix = 1
         self._freer: Any = None
+        # page -> SGLang's allocator handed it out and it was not released since.
+        self._handed = np.zeros(num_pages + 1, dtype=bool)
+        # Pages freed inside the current free group, judged when freed (freer known).
+        self._group_judged: Counter[int] = Counter()
+        self._group_ending = False
+        self._writing_cache_indices = False
         self._qsl_decode = np.arange(rows + 1, dtype=np.int32)
         self.row_check = row_check_for(self, device_rows)
         """How the forward batch's rows are verified: on the host or on the device."""
@@ -241,10 +305,26 @@ class Guard:
         pool.free = self._wrap_free_row(pool.free)
         pool.write = self._wrap_row_write(pool.write)
         alloc = self.allocator
+        # Every page SGLang's allocator hands out (its decision, not a row) is marked until it is
+        # released; a free of a page no request holds and the allocator never handed out is a
+        # double free.
+        for name in ("alloc", "alloc_extend", "alloc_decode"):
+            if hasattr(alloc, name):
+                setattr(alloc, name, self._wrap_alloc_pages(getattr(alloc, name)))
+        # Frees: judged where they are made, with their freer known, even inside a free group
+        # (SGLang defers the release to free_group_end, where the freer is gone).
         if hasattr(alloc, "_release_page_ids"):
+            self._release_inner = alloc._release_page_ids
             alloc._release_page_ids = self._wrap_release_page_ids(alloc._release_page_ids)
+            alloc.free = self._wrap_group_free(alloc.free, tokens=True)
+            if hasattr(alloc, "free_page_ids"):
+                alloc.free_page_ids = self._wrap_group_free(alloc.free_page_ids, tokens=False)
         else:
+            self._release_inner = alloc.free
             alloc.free = self._wrap_token_free(alloc.free)
+        alloc.free_group_end = self._wrap_group_end(alloc.free_group_end)
+        pool.kvguard_guard = self
+        _hook_cache_index_writer()
         tree = self.tree_cache
         if tree is not None:
             tree.insert = self._wrap_insert(tree.insert)
@@ -289,6 +369,8 @@ class Guard:
 
     def _wrap_row_write(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         def write(indices: Any, values: Any) -> Any:
+            if self._writing_cache_indices:
+                return inner(indices, values)  # judged from write_cache_indices' arguments
             rows, cols = indices
             if isinstance(cols, slice):
                 row = int(rows)
@@ -302,9 +384,80 @@ class Guard:
 
         return write
 
+    def _wrap_alloc_pages(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        ps = self.page_size
+
+        def alloc(*args: Any, **kwargs: Any) -> Any:
+            out = inner(*args, **kwargs)
+            if out is not None:
+                slots = _flat(out)
+                if len(slots):
+                    pages = slots // ps if ps > 1 else slots
+                    self._handed[pages[(pages >= 0) & (pages < self._page_limit)]] = True
+            return out
+
+        return alloc
+
+    def _judged_now(self, pages: np.ndarray) -> list[int]:
+        """A free inside a free group, judged now (its freer is known here, not at the group's
+        end); the pages kept go on to SGLang's group and pass its end unjudged."""
+        kept = self._released(pages)
+        for p in kept:
+            self._group_judged[p] += 1
+        return kept
+
+    def _wrap_group_free(self, inner: Callable[..., Any], *, tokens: bool) -> Callable[..., Any]:
+        """Paged ``free`` (token slots) / ``free_page_ids`` (pages): outside a free group they end
+        in ``_release_page_ids`` (judged there); inside one, judged here."""
+        ps = self.page_size
+
+        def free(ids: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.allocator.free_group is None or self._group_ending or ids.numel() == 0:
+                return inner(ids, *args, **kwargs)
+            slots = _flat(ids)
+            pages = np.unique(slots // ps) if tokens else slots
+            kept = self._judged_now(pages)
+            if len(kept) == len(slots) and not tokens:
+                return inner(ids, *args, **kwargs)
+            if not kept:
+                return None
+            import torch
+
+            back = np.asarray(kept, dtype=np.int64) * (ps if tokens else 1)
+            return inner(torch.as_tensor(back, dtype=ids.dtype, device=ids.device), *args, **kwargs)
+
+        return free
+
+    def _wrap_group_end(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        def free_group_end(*args: Any, **kwargs: Any) -> Any:
+            self._group_ending = True
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self._group_ending = False
+                self._group_judged.clear()
+
+        return free_group_end
+
+    def _at_release(self, pages: np.ndarray) -> list[int]:
+        """The page release SGLang makes now: pages judged when their free group was made pass;
+        any other is judged here."""
+        if not self._group_ending or not self._group_judged:
+            return self._released(pages)
+        kept, rest = [], []
+        for p in pages.tolist():
+            if self._group_judged[p] > 0:
+                self._group_judged[p] -= 1
+                kept.append(p)
+            else:
+                rest.append(p)
+        if rest:
+            kept.extend(self._released(np.asarray(rest, dtype=np.int64)))
+        return kept
+
     def _wrap_release_page_ids(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         def release_page_ids(*page_ids: Any) -> Any:
-            kept = [self._released(_flat(ids)) for ids in page_ids]
+            kept = [self._at_release(_flat(ids)) for ids in page_ids]
             kept = [k for k in kept if len(k)]
             if kept:
                 import torch
@@ -316,10 +469,16 @@ class Guard:
         return release_page_ids
 
     def _wrap_token_free(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        """Page size 1: ``free`` is both where a free is made and where the release happens."""
+
         def free(free_index: Any) -> Any:
-            if free_index.numel() == 0 or self.allocator.free_group is not None:
+            if free_index.numel() == 0:
                 return inner(free_index)
-            kept = self._released(_flat(free_index))
+            slots = _flat(free_index)
+            if self.allocator.free_group is not None and not self._group_ending:
+                kept = self._judged_now(slots)
+            else:
+                kept = self._at_release(slots)
             if len(kept) == free_index.numel():
                 return inner(free_index)
             if len(kept):
@@ -471,7 +630,28 @@ class Guard:
         for i in left:
             self._row_written(int(rows[i]), slots[i : i + 1])
 
-    def _row_written(self, row: int, slots: np.ndarray) -> None:
+    def _cache_indices_written(
+        self, out_cache_loc: Any, rows: Any, prefix_lens: Any, extend_lens: Any, prefix_tensors: Any
+    ) -> None:
+        """``write_cache_indices``: each request's row gets its prefix (the radix cache's match, or
+        its own row for a later chunk) at ``[0, prefix_len)`` and its slice of the allocator's
+        ``out_cache_loc`` after it. The prefix pages must already be the request's or a cached
+        prefix of its tenant (attached here); only the allocator's new slots are claimed."""
+        rows = _flat(rows).tolist()
+        extend = _flat(extend_lens).tolist()
+        out = _flat(out_cache_loc)
+        pt = 0
+        for i, row in enumerate(rows):
+            self._row_checked[row] = 0
+            prefix = prefix_tensors[i]
+            if prefix is not None and prefix.numel():
+                self._row_written(row, _flat(prefix), claim=False)
+            n = int(extend[i])
+            if n:
+                self._row_written(row, out[pt : pt + n])
+            pt += n
+
+    def _row_written(self, row: int, slots: np.ndarray, *, claim: bool = True) -> None:
         key = int(self._row_key[row])
         if key == 0:
             return
@@ -501,7 +681,7 @@ class Guard:
                 continue
             if page not in fresh:
                 fresh.append(page)
-        if fresh:
+        if fresh and claim:
             try:
                 self.table.claim(key, fresh)
             except ViolationError as e:
@@ -537,7 +717,8 @@ class Guard:
         kept: list[int] = []
         by_owner: dict[Any, list[int]] = {}
         for page in pages.tolist():
-            prefix = int(self._page_prefix[page]) if 0 <= page < self._page_limit else 0
+            inside = 0 <= page < self._page_limit
+            prefix = int(self._page_prefix[page]) if inside else 0
             if prefix and (freer is _TREE or freer is None):
                 self._rows_stale = True
                 try:
@@ -549,27 +730,49 @@ class Guard:
                         self.metrics["withheld_pages"] += 1
                         continue
                 self._page_prefix[page] = 0
+                self._handed[page] = False
                 kept.append(page)
                 continue
             if freer is not None and freer is not _TREE:
-                key = freer
-            else:
-                owner = int(self._page_key[page]) if 0 <= page < self._page_limit else _NO_OWNER
-                key = None if owner == _NO_OWNER else owner
-            by_owner.setdefault(key, []).append(page)
+                by_owner.setdefault(freer, []).append(page)
+            elif self._stray_free_ok(page, freer):
+                kept.append(page)
         for key, own in by_owner.items():
             kept.extend(self._release_owned(key, own))
         return kept
 
-    def _release_owned(self, key: Any, pages: list[int]) -> list[int]:
-        if key is None or key not in self._admitted:
-            # Nobody in kvguard holds these pages: a release no request can make.
-            self._rows_stale = True
-            self.metrics["unattributed_frees"] += sum(
-                1 for p in pages if not (0 <= p < self._page_limit) or self._page_key[p] == _NO_OWNER
+    def _stray_free_ok(self, page: int, freer: Any) -> bool:
+        """A free that came through none of the calls that name a freer (``free_kv_row``,
+        ``checkpoint``, ``evict``): SGLang's own error paths free pages it handed out and no
+        request claimed, which go back. A page a live request still holds, or one the allocator
+        never handed out (already free: a double free), is refused: under enforce it stays out of
+        SGLang's free list, so it is never handed to two requests."""
+        inside = 0 <= page < self._page_limit
+        owner = int(self._page_key[page]) if inside else _NO_OWNER
+        if owner == _NO_OWNER and inside and self._handed[page]:
+            self._handed[page] = False
+            return True
+        self._rows_stale = True
+        if owner != _NO_OWNER:
+            v = LocalViolation(
+                "foreign_page", "release", page=page, owner=owner, tenant=None,
+                owner_tenant=self._tenants.get(owner),
+                text=f"a free by no request of page {page}, which request {self._rids.get(owner, owner)!r} still holds",
             )
-            logger.warning("kvguard: free of pages %s that no live request holds", pages[:8])
-            return pages if self.policy == "report" else []
+        else:
+            what = "that the allocator never handed out (already free)" if inside else "outside the pool"
+            v = LocalViolation("double_free", "release", page=page, text=f"a second free of page {page}, {what}")
+        self._violation(None, v)
+        if self.policy == "enforce":
+            self.metrics["withheld_pages"] += 1
+            return False
+        return True
+
+    def _release_owned(self, key: Any, pages: list[int]) -> list[int]:
+        if key not in self._admitted:
+            # A freer kvguard does not know (released already, or never admitted): judged as a
+            # free by no request.
+            return [p for p in pages if self._stray_free_ok(p, None)]
         self._forget_checks(key)
         try:
             self.table.release_pages(key, pages)
@@ -588,6 +791,8 @@ class Guard:
                 ok = pages
         mine = [p for p in ok if 0 <= p < self._page_limit and self._page_key[p] == key]
         self._page_key[mine] = _NO_OWNER
+        back = [p for p in ok if 0 <= p < self._page_limit]
+        self._handed[back] = False
         return ok
 
     def _return_withheld(self) -> None:
@@ -606,15 +811,8 @@ class Guard:
         if back:
             import torch
 
-            ids = torch.as_tensor(back, dtype=torch.int64, device=self.allocator.device)
-            freer, self._freer = self._freer, _TREE
-            try:
-                if hasattr(self.allocator, "_release_page_ids"):
-                    self.allocator._release_page_ids(ids)
-                else:
-                    self.allocator.free(ids)
-            finally:
-                self._freer = freer
+            self._handed[back] = False
+            self._release_inner(torch.as_tensor(back, dtype=torch.int64, device=self.allocator.device))
 
     # ---- the forward batch ---------------------------------------------------------------------
 

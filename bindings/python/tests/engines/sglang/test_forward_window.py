@@ -54,13 +54,14 @@ def test_clean_decode_checks_the_window_only(engine_factory, page_size, monkeypa
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_stale_row_outside_the_window_is_caught(engine_factory, page_size):
-    """Decoding in window mode, a's early pages are freed behind its row (the stale-row bug) and
-    go to c: the release makes the next forward a full check, which refuses a's read of c's page."""
+    """Decoding in window mode, a's early pages are freed (through SGLang's own free_kv_row, so
+    the free is a's) while its row still names them (the stale-row bug) and go to c: the release
+    makes the next forward a full check, which refuses a's read of c's page."""
     eng, a, b = two_decoding(engine_factory, page_size)
     for _ in range(3):
         eng.decode()
     row = eng.req_to_token_pool.req_to_token[a.kv.req_pool_idx, : 2 * page_size].to("cpu").long()
-    eng.allocator.free(row)  # the bug: a's first pages go back, its row still names them
+    eng.tree.free_kv_row(a.kv, [(0, 2 * page_size)])  # the bug: a's first pages go back, its row still names them
     eng.allocator.merge_and_sort_free()
     c = eng.request("c", [7] * 40)
     assert eng.submit(c)

@@ -1,0 +1,107 @@
+"""Clean workloads through SGLang's own Scheduler (scheduler_rig.py): under enforce every request
+is served with the outputs of an unguarded run, no page is lost, nothing is refused. The guarded
+runs take SGLang's GPU branch of the extend row write (write_req_to_token_pool_triton, run by
+Triton's interpreter on CPU tensors); the unguarded reference takes its CPU branch (the same rows,
+written by ReqToTokenPool.write, much faster here)."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+from scheduler_rig import allocation, attach_kvguard, build_scheduler, generate_req, pool_pages, run
+
+POOL = {1: 640, 16: 2560}
+"""Tokens in the pool by page size: a few requests' worth, so the radix cache is evicted all the
+time and requests wait for pages."""
+
+
+def workload(seed: int, n: int, tenants=("acme", "zeta", "kilo")):
+    """Multi-tenant traffic: shared system prompts per tenant (radix hits), random tails and
+    output lengths."""
+    rng = random.Random(seed)
+    systems = {t: [rng.randrange(2, 30000) for _ in range(rng.randrange(20, 70))] for t in tenants}
+    reqs = []
+    for i in range(n):
+        t = rng.choice(tenants)
+        prompt = systems[t] + [rng.randrange(2, 30000) for _ in range(rng.randrange(1, 40))]
+        reqs.append(generate_req(f"{t}-{i}", prompt, max_new=rng.randrange(1, 10), salt=t))
+    return reqs
+
+
+def scheduler(page_size: int, *, triton: bool, monkeypatch=None):
+    return build_scheduler(page_size=page_size, tokens=POOL[page_size], rows=24, context_len=256)
+
+
+@functools.lru_cache(maxsize=None)
+def unguarded(page_size: int, n: int):
+    """The reference: the same workload without kvguard (outputs, pages at start and end)."""
+    s = scheduler(page_size, triton=False)
+    start = pool_pages(s)
+    out = run(s, workload(1, n))
+    return out, start, pool_pages(s)
+
+
+class Spy:
+    """Counts frees SGLang makes inside a free group (deferred to free_group_end), and the radix
+    cache's evictions."""
+
+    def __init__(self, s):
+        self.grouped = self.evicted = 0
+        alloc, tree = s.token_to_kv_pool_allocator, s.tree_cache
+        for name in ("free", "free_page_ids"):
+            setattr(alloc, name, self._counting(alloc, getattr(alloc, name)))
+        evict = tree.evict
+
+        def counting_evict(params):
+            result = evict(params)
+            self.evicted += result.num_tokens_evicted
+            return result
+
+        tree.evict = counting_evict
+
+    def _counting(self, alloc, inner):
+        def free(ids, *args, **kwargs):
+            self.grouped += alloc.free_group is not None and ids.numel() > 0
+            return inner(ids, *args, **kwargs)
+
+        return free
+
+
+@pytest.fixture
+def triton_rows(monkeypatch):
+    """SGLang's GPU branch of the extend row write: write_req_to_token_pool_triton (CPU tensors,
+    TRITON_INTERPRET=1) instead of ReqToTokenPool.write."""
+    monkeypatch.setattr(allocation, "support_triton", lambda backend: True)
+    calls = []
+    real = allocation.write_req_to_token_pool_triton
+
+    class Launch:
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(allocation, "write_req_to_token_pool_triton", Launch())
+    return calls
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("policy,n", [("enforce", 1000), ("report", 200)])
+def test_clean_workload_on_a_small_pool(triton_rows, page_size, policy, n):
+    want, start, end = unguarded(page_size, n)
+    assert len(want) == n and end == start
+    assert all(reason["type"] == "length" for _, reason in want.values())
+
+    s = scheduler(page_size, triton=True)
+    spy = Spy(s)
+    guard = attach_kvguard(s, policy)
+    got = run(s, workload(1, n))
+    assert guard.violations == [] and guard.aborted == {}
+    assert got == want  # every request served, token for token as without kvguard
+    assert pool_pages(s) == start  # no page lost
+    snap = guard.table.snapshot()
+    assert snap.requests == 0 and snap.owned == 0
+    assert len(triton_rows) > 0 and spy.grouped > 0 and spy.evicted > 0
+    print(f"page_size={page_size} {policy}: {len(got)} requests served, pages {start} -> {pool_pages(s)}, "
+          f"{len(triton_rows)} Triton row writes, {spy.grouped} frees in free groups, {spy.evicted} tokens evicted")
