@@ -168,6 +168,41 @@ def _hook_cache_index_writer() -> None:
     _WRITER_HOOKED = True
 
 
+_BATCH_HOOKED = False
+
+
+def _hook_batch_allocs() -> None:
+    """``ScheduleBatch.prepare_for_extend`` / ``prepare_for_decode`` allocate through
+    ``alloc_for_extend`` / ``alloc_for_decode`` (names in ``managers.schedule_batch``): wrapped
+    once per process, they tell the pool's guard which requests the batch holds, in order."""
+    global _BATCH_HOOKED
+    if _BATCH_HOOKED:
+        return
+    try:
+        from sglang.srt.managers import schedule_batch
+    except ImportError:
+        return
+    for name in ("alloc_for_extend", "alloc_for_decode"):
+        inner = getattr(schedule_batch, name, None)
+        if inner is not None:
+            setattr(schedule_batch, name, _batch_alloc(inner))
+    _BATCH_HOOKED = True
+
+
+def _batch_alloc(inner: Callable[..., Any]) -> Callable[..., Any]:
+    def alloc(batch: Any, *args: Any, **kwargs: Any) -> Any:
+        guard = getattr(getattr(batch, "req_to_token_pool", None), "kvguard_guard", None)
+        if guard is not None:
+            guard._batch_reqs(batch.reqs)
+        try:
+            return inner(batch, *args, **kwargs)
+        finally:
+            if guard is not None:
+                guard._writers = None
+
+    return alloc
+
+
 def _host(t: Any) -> np.ndarray:
     """A tensor or array as a host numpy array (no copy for CPU tensors and arrays)."""
     if type(t) is np.ndarray:
@@ -292,6 +327,15 @@ class Guard:
         self._group_judged: Counter[int] = Counter()
         self._group_ending = False
         self._writing_cache_indices = False
+        # The request keys of the batch being prepared (see _batch_reqs), for its row write and
+        # its forward; each taken once.
+        self._writers: np.ndarray | None = None
+        self._readers: np.ndarray | None = None
+        self._batch: Any = None
+        # id(Req.kv) -> (the record, the pages its request held alone when its row was freed).
+        self._orphans: dict[int, tuple[Any, np.ndarray]] = {}
+        # req_to_token row -> the KV record (Req.kv) of the request holding it.
+        self._row_kv: list[Any] = [None] * rows
         self._qsl_decode = np.arange(rows + 1, dtype=np.int32)
         self.row_check = row_check_for(self, device_rows)
         """How the forward batch's rows are verified: on the host or on the device."""
@@ -325,11 +369,16 @@ class Guard:
         alloc.free_group_end = self._wrap_group_end(alloc.free_group_end)
         pool.kvguard_guard = self
         _hook_cache_index_writer()
+        _hook_batch_allocs()
         tree = self.tree_cache
         if tree is not None:
             tree.insert = self._wrap_insert(tree.insert)
-            tree.checkpoint = self._wrap_freer(tree.checkpoint, lambda req, **_: self.request_key(req.rid))
-            tree.free_kv_row = self._wrap_freer(tree.free_kv_row, lambda kv, *_a, **_k: self._row_of(kv))
+            tree.checkpoint = self._wrap_request_release(
+                tree.checkpoint, lambda req, *_a, **_k: req.kv, lambda req, *_a, **_k: self.request_key(req.rid)
+            )
+            tree.free_kv_row = self._wrap_request_release(
+                tree.free_kv_row, lambda kv, *_a, **_k: kv, lambda kv, *_a, **_k: self._row_of(kv)
+            )
             tree.evict = self._wrap_freer(tree.evict, lambda *_a, **_k: _TREE)
         if self.kv_pool is not None:
             self.kv_pool.set_kv_buffer = self._wrap_set_kv_buffer(self.kv_pool.set_kv_buffer)
@@ -350,6 +399,9 @@ class Guard:
                     self._row_live[row] = key in self._admitted
                     self._row_claimant[row] = key if key in self._admitted else 0
                     self._row_checked[row] = 0
+                    # The row's KV record: a call through this row with another record is a
+                    # stale req_pool_idx (its own row was freed and handed on).
+                    self._row_kv[row] = req.kv
             return rows
 
         return alloc
@@ -357,8 +409,26 @@ class Guard:
     def _wrap_free_row(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         def free(req: Any) -> Any:
             row = req.kv.req_pool_idx
+            if row is not None and self._row_kv[int(row)] is not None and self._row_kv[int(row)] is not req.kv:
+                # The row was freed already and handed to another request: a second free of the
+                # new owner's row by a request that no longer holds it. Refused; under enforce the
+                # row stays with its owner.
+                holder = int(self._row_key[int(row)])
+                mine = self._keys.get(req.rid, 0)
+                self._refused_req(req, mine, LocalViolation(
+                    "double_free", "release", request=mine or None, owner=holder or None,
+                    tenant=self._tenants.get(mine), owner_tenant=self._tenants.get(holder),
+                    text=f"request {req.rid!r} frees req_to_token row {int(row)}, which is "
+                    f"request {self._rids.get(holder, holder)!r}'s now",
+                ))
+                self.release(req)
+                if self.policy == "enforce":
+                    self._return_orphans(req.kv)
+                    return None
+                return inner(req)
             self.release(req)
             if row is not None:
+                self._row_kv[int(row)] = None
                 self._row_key[int(row)] = 0
                 self._row_live[int(row)] = False
                 self._row_claimant[int(row)] = 0
@@ -379,10 +449,78 @@ class Guard:
                     self._row_checked[row] = start
                 self._row_written(row, _flat(values))
             else:
-                self._decode_rows_written(_flat(rows), _flat(cols), _flat(values))
+                rows_a, cols_a, slots = _flat(rows), _flat(cols), _flat(values)
+                writers, self._writers = self._writers, None
+                if writers is not None and len(writers) == len(rows_a):
+                    stale = self._stale_rows(rows_a, writers, "write")
+                    if stale is not None and self.policy == "enforce":
+                        # The stale writer's entry is not written: the row is another request's;
+                        # the slot the allocator gave it goes back (no row names it).
+                        ps = self.page_size
+                        dropped = slots[stale] // ps if ps > 1 else slots[stale]
+                        fresh = dropped[(self._page_key[dropped] == _NO_OWNER) & (self._page_prefix[dropped] == 0)
+                                        & self._handed[dropped]]
+                        if ps > 1:
+                            # Only a page that opened for the dropped slot (its first slot).
+                            fresh = fresh[(slots[stale][np.isin(dropped, fresh)] % ps) == 0]
+                        self._give_back(np.unique(fresh))
+                        ok = np.flatnonzero(~stale)
+                        self._decode_rows_written(rows_a[ok], cols_a[ok], slots[ok])
+                        if not len(ok):
+                            return None
+                        import torch
+
+                        at = torch.as_tensor(ok)
+                        return inner((rows[at], cols[at]), values[at])
+                self._decode_rows_written(rows_a, cols_a, slots)
             return inner(indices, values)
 
         return write
+
+    def _batch_reqs(self, reqs: Any) -> None:
+        """The requests of the batch SGLang is preparing (``alloc_for_extend`` /
+        ``alloc_for_decode``), in batch order: the writers of its row write and the readers of its
+        forward, each judged against the row it uses (a request whose row was freed and handed to
+        another is the one refused, never the row's new owner)."""
+        get = self._keys.get
+        keys = np.fromiter((get(r.rid, 0) for r in reqs), dtype=np.int64, count=len(reqs))
+        self._writers = self._readers = keys
+        self._batch = reqs
+
+    def _stale_rows(self, rows: np.ndarray, users: np.ndarray, op: str) -> np.ndarray | None:
+        """Batch positions whose request uses a ``req_to_token`` row it does not hold (its row
+        freed, maybe handed to another request): each refused on that request; None when none."""
+        holders = self._row_key[rows]
+        stale = holders != users
+        if not stale.any():
+            return None
+        for i in np.flatnonzero(stale).tolist():
+            user, holder, row = int(users[i]), int(holders[i]), int(rows[i])
+            reqs = self._batch
+            name = reqs[i].rid if reqs is not None and i < len(reqs) else self._rids.get(user, user)
+            whose = f"request {self._rids.get(holder, holder)!r}'s" if holder else "no request's"
+            v = LocalViolation(
+                "foreign_page", op, request=user or None, owner=holder or None,
+                tenant=self._tenants.get(user), owner_tenant=self._tenants.get(holder),
+                text=f"request {name!r} {'reads' if op == 'read' else 'writes'} through "
+                f"req_to_token row {row}, which is {whose} (its own row was freed)",
+            )
+            self._refused_req(reqs[i] if reqs is not None and i < len(reqs) else None, user, v)
+        return stale
+
+    def _refused_req(self, req: Any, key: int, violation: Any) -> None:
+        """:meth:`_refused` for a request kvguard may have released already (a stale row's user):
+        its ``Req`` is aborted directly when its key no longer names it."""
+        self._refused(key, violation)
+        if req is None or self._rids.get(key) is not None or self.policy != "enforce" or req.rid in self.aborted:
+            return
+        named = self._name(violation)
+        self.aborted[req.rid] = named
+        self.metrics["aborted_requests"] += 1
+        if self.prometheus is not None:
+            self.prometheus.refused()
+        if not req.finished():
+            req.to_finish = _finish_abort(f"kvguard refused this request: {named}", HTTPStatus.INTERNAL_SERVER_ERROR)
 
     def _wrap_alloc_pages(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         ps = self.page_size
@@ -500,6 +638,35 @@ class Guard:
 
         return call
 
+    def _wrap_request_release(
+        self, inner: Callable[..., Any], kv_of: Callable[..., Any], who: Callable[..., Any]
+    ) -> Callable[..., Any]:
+        """``checkpoint`` / ``free_kv_row``: a request caches or frees what its row names. Through
+        a row that is another request's now (its own was freed and handed on: a stale
+        ``req_pool_idx``) it would cache or free the new owner's pages: refused on the stale
+        request, and under enforce not done."""
+        freer_call = self._wrap_freer(inner, who)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            kv = kv_of(*args, **kwargs)
+            row = getattr(kv, "req_pool_idx", None)
+            if row is not None and self._row_kv[int(row)] is not None and self._row_kv[int(row)] is not kv:
+                holder = int(self._row_key[int(row)])
+                req = args[0] if args and hasattr(args[0], "rid") else None
+                mine = self._keys.get(req.rid, 0) if req is not None else 0
+                self._refused_req(req, mine, LocalViolation(
+                    "foreign_page", "release", request=mine or None, owner=holder or None,
+                    tenant=self._tenants.get(mine), owner_tenant=self._tenants.get(holder),
+                    text=f"a request caches or frees through req_to_token row {int(row)}, which is "
+                    f"request {self._rids.get(holder, holder)!r}'s now (its own row was freed)",
+                ))
+                if self.policy == "enforce":
+                    self._return_orphans(kv)
+                    return None
+            return freer_call(*args, **kwargs)
+
+        return call
+
     def _wrap_insert(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         def insert(params: Any) -> Any:
             result = inner(params)
@@ -540,6 +707,8 @@ class Guard:
         return key
 
     def _row_of(self, kv: Any) -> int | None:
+        """Who frees through ``kv`` (``free_kv_row``): the row's holder (a record that is not the
+        row's is refused before, in ``_wrap_request_release``)."""
         key = int(self._row_key[int(kv.req_pool_idx)])
         return key or None
 
@@ -586,7 +755,13 @@ class Guard:
             return
         self._forget_checks(key)
         self._admitted.discard(key)
-        self._page_key[self._page_key == key] = _NO_OWNER
+        mine = self._page_key == key
+        if mine.any():
+            # Pages the request still held alone when its row went back (SGLang frees them through
+            # the row first): if it later releases through a row that is not its own any more,
+            # they are returned from here, not from that row.
+            self._orphans[id(req.kv)] = (req.kv, np.flatnonzero(mine))
+        self._page_key[mine] = _NO_OWNER
         self._holds.pop(key, None)
         try:
             self.table.release(key)
@@ -719,7 +894,12 @@ class Guard:
         for page in pages.tolist():
             inside = 0 <= page < self._page_limit
             prefix = int(self._page_prefix[page]) if inside else 0
-            if prefix and (freer is _TREE or freer is None):
+            if prefix and freer is None:
+                # A page the radix cache holds, freed by no request and not by the cache's own
+                # eviction: the tree still names it, so it must not be handed out.
+                kept.extend(p for p in [page] if self._stray_free_ok(page, None))
+                continue
+            if prefix and freer is _TREE:
                 self._rows_stale = True
                 try:
                     self.table.evict_prefix(prefix)
@@ -749,11 +929,16 @@ class Guard:
         SGLang's free list, so it is never handed to two requests."""
         inside = 0 <= page < self._page_limit
         owner = int(self._page_key[page]) if inside else _NO_OWNER
-        if owner == _NO_OWNER and inside and self._handed[page]:
+        prefix = int(self._page_prefix[page]) if inside else 0
+        if owner == _NO_OWNER and not prefix and inside and self._handed[page]:
             self._handed[page] = False
             return True
         self._rows_stale = True
-        if owner != _NO_OWNER:
+        if prefix:
+            v = LocalViolation(
+                "foreign_page", "release", page=page, text=f"a free by no request of page {page}, which the radix cache holds"
+            )
+        elif owner != _NO_OWNER:
             v = LocalViolation(
                 "foreign_page", "release", page=page, owner=owner, tenant=None,
                 owner_tenant=self._tenants.get(owner),
@@ -795,6 +980,29 @@ class Guard:
         self._handed[back] = False
         return ok
 
+    def _return_orphans(self, kv: Any) -> None:
+        """The pages a stale request held alone go back to SGLang (no other request maps them:
+        nobody claimed them since, as the allocator never handed them out again)."""
+        entry = self._orphans.pop(id(kv), None)
+        if entry is None or entry[0] is not kv:
+            return
+        pages = entry[1]
+        back = pages[(self._page_key[pages] == _NO_OWNER) & (self._page_prefix[pages] == 0) & self._handed[pages]]
+        self._give_back(back)
+
+    def _give_back(self, pages: Any) -> None:
+        """Pages kvguard itself returns to SGLang's free list (already judged), through the
+        allocator's own release; inside a free group they pass its end unjudged."""
+        if not len(pages):
+            return
+        import torch
+
+        self._handed[pages] = False
+        if self.page_size == 1 and self.allocator.free_group is not None and not self._group_ending:
+            for p in np.asarray(pages).tolist():
+                self._group_judged[p] += 1
+        self._release_inner(torch.as_tensor(pages, dtype=torch.int64, device=self.allocator.device))
+
     def _return_withheld(self) -> None:
         """Pages whose eviction was refused go back to SGLang once their last holder let go."""
         if not self._withheld:
@@ -808,11 +1016,7 @@ class Guard:
             del self._withheld[page]
             self._page_prefix[page] = 0
             back.append(page)
-        if back:
-            import torch
-
-            self._handed[back] = False
-            self._release_inner(torch.as_tensor(back, dtype=torch.int64, device=self.allocator.device))
+        self._give_back(back)
 
     # ---- the forward batch ---------------------------------------------------------------------
 
