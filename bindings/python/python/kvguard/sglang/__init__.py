@@ -86,6 +86,7 @@ _MODE: str | None = None
 
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 _MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
+_OUTPUT_STREAMER = "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
 
 
 def _mode_from_env() -> str | None:
@@ -127,6 +128,7 @@ def register() -> None:
     HookRegistry.register(f"{_SCHEDULER}.__init__", _scheduler_started, HookType.AFTER)
     HookRegistry.register(f"{_SCHEDULER}._add_request_to_queue", _add_request_to_queue, HookType.AROUND)
     HookRegistry.register(f"{_MODEL_RUNNER}.forward", _forward, HookType.AROUND)
+    HookRegistry.register(f"{_OUTPUT_STREAMER}.stream_output", _stream_output, HookType.AROUND)
     _MODE = mode
     logger.info("kvguard: %s mode in every SGLang scheduler (%s)", mode, ENV_POLICY)
 
@@ -161,6 +163,21 @@ def _scheduler_started(_result: Any, scheduler: Any, *_args: Any, **_kwargs: Any
     runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
     if runner is not None:
         runner.kvguard = guard
+
+
+def _stream_output(original: Any, streamer: Any, reqs: Any, *args: Any, **kwargs: Any) -> Any:
+    """``SchedulerOutputStreamer.stream_output`` (around): the rows of the requests whose output
+    is about to leave (those still holding a row: streamed, or finishing this step) are checked
+    in full first; a refused request still running leaves nothing now (its abort follows at the
+    next step). The guard is the one on the streamer's radix cache's ``ReqToTokenPool``."""
+    pool = getattr(getattr(streamer, "tree_cache", None), "req_to_token_pool", None)
+    guard = getattr(pool, "kvguard_guard", None)
+    if guard is not None and reqs:
+        refused = guard.check_rows_before_output(reqs)
+        if refused and guard.policy == "enforce":
+            gone = {id(r) for r in refused if not r.finished()}
+            reqs = [r for r in reqs if id(r) not in gone]
+    return original(streamer, reqs, *args, **kwargs)
 
 
 def _add_request_to_queue(original: Any, scheduler: Any, req: Any, *args: Any, **kwargs: Any) -> Any:

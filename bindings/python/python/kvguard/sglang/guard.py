@@ -332,6 +332,9 @@ class Guard:
         self._writers: np.ndarray | None = None
         self._readers: np.ndarray | None = None
         self._batch: Any = None
+        # Requests whose row was checked in full before their output left (see
+        # check_rows_before_output), until they are released.
+        self._output_checked: set[int] = set()
         # id(Req.kv) -> (the record, the pages its request held alone when its row was freed).
         self._orphans: dict[int, tuple[Any, np.ndarray]] = {}
         # req_to_token row -> the KV record (Req.kv) of the request holding it.
@@ -663,9 +666,56 @@ class Guard:
                 if self.policy == "enforce":
                     self._return_orphans(kv)
                     return None
+            elif row is not None:
+                key = int(self._row_key[int(row)])
+                req = self._reqs.get(key)
+                if req is not None and key not in self._output_checked and req.finished():
+                    # A finished request's output leaves the scheduler at the end of this step:
+                    # its whole row is checked first, while its pages are still its own.
+                    self._output_checked.add(key)
+                    if self.check_rows_before_output([req]) and self.policy == "enforce" and args and args[0] is req:
+                        return None  # a refused row is never cached (checkpoint)
             return freer_call(*args, **kwargs)
 
         return call
+
+    def check_rows_before_output(self, reqs: Any) -> list[Any]:
+        """Each request's whole ``req_to_token`` row, every entry up to its committed length,
+        checked before any of its output leaves the scheduler: a decode forward checks only the
+        window of new tokens, so an entry changed behind SGLang's calls below it would otherwise
+        be found only at the next full check, after the request may have finished. Returns the
+        requests refused (under enforce aborted: a finished one's finish reason becomes the
+        abort, so its output never leaves; one still running gets ``to_finish``)."""
+        keys, rows, lens, held = [], [], [], []
+        for req in reqs:
+            kv = req.kv
+            row = kv.req_pool_idx
+            if row is None or self._row_kv[int(row)] is not kv:
+                continue
+            key = int(self._row_key[int(row)])
+            if key not in self._admitted:
+                continue
+            keys.append(key)
+            rows.append(int(row))
+            lens.append(int(kv.kv_committed_len))
+            held.append(req)
+        if not keys:
+            return []
+        verdict = self.table.verify_step_rows(
+            np.asarray(keys, dtype=np.int64), self.row_check._host_rows(), np.asarray(rows, dtype=np.int64),
+            np.asarray(lens, dtype=np.int64), token_slots=True,
+        )
+        if verdict.clean:
+            return []
+        refused = []
+        for i, v in verdict.refused:
+            req = held[i]
+            self._row_checked[rows[i]] = 0
+            self._refused(keys[i], v)
+            refused.append(req)
+            if self.policy == "enforce" and req.finished() and req.rid in self.aborted:
+                req.finished_reason = _finish_abort(f"kvguard refused this request: {self.aborted[req.rid]}")
+        return refused
 
     def _wrap_insert(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         def insert(params: Any) -> Any:
@@ -755,6 +805,7 @@ class Guard:
             return
         self._forget_checks(key)
         self._admitted.discard(key)
+        self._output_checked.discard(key)
         mine = self._page_key == key
         if mine.any():
             # Pages the request still held alone when its row went back (SGLang frees them through

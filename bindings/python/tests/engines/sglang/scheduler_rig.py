@@ -342,7 +342,8 @@ def step(s: Scheduler):
 def attach_kvguard(s: Scheduler, policy: str = "enforce"):
     """kvguard's plugin hooks on this scheduler, as SGLang's HookRegistry applies them on the
     classes: ``Scheduler.__init__`` (after), ``Scheduler._add_request_to_queue`` (around) and
-    ``ModelRunner.forward`` (around), here bound to this instance only."""
+    ``ModelRunner.forward`` (around), here bound to this instance only;
+    ``SchedulerOutputStreamer.stream_output`` (around) on its class."""
     import functools
 
     import kvguard.sglang as plugin
@@ -355,17 +356,37 @@ def attach_kvguard(s: Scheduler, policy: str = "enforce"):
     s._add_request_to_queue = functools.partial(plugin._add_request_to_queue, Scheduler._add_request_to_queue, s)
     runner = s.tp_worker.model_runner
     runner.forward = functools.partial(plugin._forward, CpuModelRunner.forward, runner)
+    _hook_output_streamer(plugin)
     return s.kvguard
+
+
+def _hook_output_streamer(plugin) -> None:
+    """``SchedulerOutputStreamer.stream_output`` (a slots class: hooked on the class, as
+    HookRegistry does, once; a scheduler without a guard passes straight through)."""
+    from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
+
+    inner = SchedulerOutputStreamer.stream_output
+    if getattr(inner, "kvguard_hooked", False):
+        return
+
+    def stream_output(self, reqs, *args, **kwargs):
+        return plugin._stream_output(inner, self, reqs, *args, **kwargs)
+
+    stream_output.kvguard_hooked = True
+    SchedulerOutputStreamer.stream_output = stream_output
 
 
 def finished(s: Scheduler) -> dict:
     """Every finished request the scheduler sent out: rid -> (output ids, finish reason)."""
+    ids: dict = {}
     done = {}
     for payload in s.outputs.sent:
         for i, rid in enumerate(payload.rids):
+            # A streamed request's ids come a piece per send; the others' all at the end.
+            ids.setdefault(rid, []).extend(payload.output_ids[i] if payload.output_ids else [])
             reason = payload.finished_reasons[i]
             if reason is not None:
-                done[rid] = (list(payload.output_ids[i]) if payload.output_ids else [], reason)
+                done[rid] = (ids[rid], reason)
     return done
 
 

@@ -158,3 +158,39 @@ def test_stale_req_pool_idx_refuses_the_reader_not_the_new_owner(triton_rows, un
     assert pool_pages(s) == start
     allp = s.token_to_kv_pool_allocator.get_all_free_pages()
     assert len(torch.unique(allp)) == len(allp)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("stream", [False, True])
+def test_entry_changed_below_the_window_is_never_served(triton_rows, unguarded, page_size, stream):
+    """An entry of r1's row below its decode window is changed behind SGLang's calls (a direct
+    write into req_to_token naming r0's KV); r1 finishes before the next full check
+    (full_check_every=64). Its whole row is checked before any of its output leaves the
+    scheduler: r1 ends with kvguard's abort instead of the output it read from r0's KV; r0 and
+    the others are untouched."""
+    s, guard = scheduler(page_size)
+    for r in reqs(max_new=6):
+        r.stream = stream
+        s.handle_generate_request(r)
+    step(s)
+    step(s)  # a decode step: rows found clean, windows from here
+    live = {r.rid: r for r in s.running_batch.reqs}
+    r0, r1 = live["r0"], live["r1"]
+    rt = s.req_to_token_pool.req_to_token
+    sent_before = len(s.outputs.sent)
+    rt[r1.kv.req_pool_idx, 2] = rt[r0.kv.req_pool_idx, 2]  # the bug
+    out = finish(s)
+    assert set(guard.aborted) == {"r1"}
+    v = guard.aborted["r1"]
+    assert v.kind == "foreign_page" and v.request == "r1" and v.owner in ("r0", None)
+    assert out["r1"][1]["type"] == "abort"
+    # Nothing of r1 left the scheduler after the bug but the abort.
+    for payload in s.outputs.sent[sent_before:]:
+        for i, rid in enumerate(payload.rids):
+            if rid == "r1":
+                assert payload.finished_reasons[i] is not None and payload.finished_reasons[i]["type"] == "abort"
+    ref = {rid: o for rid, o in unguarded[page_size].items()}
+    s2, _ = scheduler(page_size, policy=None)
+    want = run(s2, reqs(max_new=6))
+    for rid in ("r0", "r2", "r3"):
+        assert out[rid] == want[rid]
