@@ -332,6 +332,8 @@ class Guard:
         self._writers: np.ndarray | None = None
         self._readers: np.ndarray | None = None
         self._batch: Any = None
+        # Requests report mode refused at intake and could not follow (never admitted again).
+        self._intake_refused: set[int] = set()
         # Requests whose row was checked in full before their output left (see
         # check_rows_before_output), until they are released.
         self._output_checked: set[int] = set()
@@ -391,7 +393,7 @@ class Guard:
             fresh = [r for r in reqs if not r.kv.holds_kv]
             for req in fresh:
                 key = self.request_key(req.rid)
-                if key not in self._admitted and req.rid not in self.aborted:
+                if key not in self._admitted and key not in self._intake_refused and req.rid not in self.aborted:
                     self.admit(req)
             rows = inner(reqs)
             if rows is not None:
@@ -765,17 +767,23 @@ class Guard:
     def admit(self, req: Any, *, prompt_tokens: int | None = None) -> bool:
         """Intake check (the scheduler's ``_add_request_to_queue``): a request whose prompt plus
         ``max_new_tokens`` can never fit the pool or the context length is refused before any page
-        or row is touched. ``prompt_tokens`` defaults to the longer of ``origin_input_ids`` and
-        ``origin_input_ids_unpadded``, so SGLang's one-token abort stub is judged at the length the
-        client sent. Returns whether it was admitted;
-        a refused request is aborted (its ``to_finish`` names the two numbers)."""
+        or row is touched. ``prompt_tokens`` defaults to the length prefill will run: the prompt
+        as SGLang holds it (cut by ``--allow-auto-truncate``), except for SGLang's one-token abort
+        stub (``set_finish_with_abort``: an abort pending), which is judged at the longer of
+        ``origin_input_ids`` and ``origin_input_ids_unpadded``, the length the client sent.
+        Returns whether it was admitted; a refused request is aborted under enforce (its
+        ``to_finish`` names the two numbers). Under report the refusal is counted once and the
+        request is followed at the length it runs, so its later events add no violation."""
         key = self.request_key(req.rid)
         self._reqs[key] = req
+        run_tokens = len(req.origin_input_ids)
         if prompt_tokens is None:
-            # set_finish_with_abort swaps origin_input_ids for a one-token stub; the unpadded copy
-            # keeps what the client sent.
-            unpadded = getattr(req, "origin_input_ids_unpadded", None) or ()
-            prompt_tokens = max(len(req.origin_input_ids), len(unpadded))
+            prompt_tokens = run_tokens
+            if getattr(req, "to_finish", None) is not None or req.finished():
+                # set_finish_with_abort swaps origin_input_ids for a one-token stub; the unpadded
+                # copy keeps what the client sent.
+                unpadded = getattr(req, "origin_input_ids_unpadded", None) or ()
+                prompt_tokens = max(run_tokens, len(unpadded))
         max_new = int(getattr(req.sampling_params, "max_new_tokens", None) or 0)
         tenant = self._tenant_key(self.tenant_of(req))
         self._tenants[key] = tenant
@@ -783,6 +791,17 @@ class Guard:
             self.table.admit(key, tenant, int(prompt_tokens), max_new)
         except ViolationError as e:
             self._refused(key, e.violation, HTTPStatus.BAD_REQUEST)
+            if self.policy == "report":
+                # Followed at the length it will run (SGLang's stub, or what fits), so one
+                # over-long request is one violation, not one per event of its life.
+                run_new = max(0, min(max_new, self.context_len - run_tokens))
+                try:
+                    self.table.admit(key, tenant, min(run_tokens, self.context_len), run_new)
+                except ViolationError:
+                    self._intake_refused.add(key)
+                    return False
+                self._admitted.add(key)
+                self._holds[key] = set()
             return False
         self._admitted.add(key)
         self._holds[key] = set()
@@ -828,6 +847,7 @@ class Guard:
         self._row_checked[self._row_key == key] = 0
 
     def _forget(self, key: int) -> None:
+        self._intake_refused.discard(key)
         rid = self._rids.pop(key, None)
         if rid is not None and self._keys.get(rid) == key:
             del self._keys[rid]
