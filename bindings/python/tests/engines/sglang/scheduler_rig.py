@@ -169,6 +169,7 @@ def build_scheduler(*, page_size: int, tokens: int, rows: int, context_len: int,
     s.swa_tokens_per_layer = None
     s.kv_shard_widening = 1
     s.min_free_slots_delayer = None
+    s._war_barrier_enabled = False  # as run_event_loop sets it off CUDA
     s.require_mlp_sync = False
     s.load_snapshot_writer = s.recv_from_tokenizer = s.idle_sleeper = None
     from sglang.srt.runtime_context import get_context, get_parallel
@@ -176,7 +177,7 @@ def build_scheduler(*, page_size: int, tokens: int, rows: int, context_len: int,
     if not get_parallel().pp_max_micro_batch_size:
         # As init_model_worker states it from the worker's max_running_requests.
         get_context().override("scheduler.pp_max_micro_batch_size_default", pp_max_micro_batch_size=max(rows, 1))
-    s.forward_stream = s.schedule_stream = None
+    s.forward_stream, s.schedule_stream = torch.cpu.Stream(), torch.cpu.Stream()
     runner.attn_backend = SimpleNamespace()
     runner.ngram_embedding_manager = SimpleNamespace(prepare_for_forward=lambda batch, chunked_req=None: batch)
     s.tp_worker.model_config = SimpleNamespace(use_ngram_embedding=False)
@@ -395,15 +396,57 @@ def pool_pages(s: Scheduler) -> int:
     return (s.token_to_kv_pool_allocator.available_size() + s.tree_cache.evictable_size()) // s.page_size
 
 
+def overlap_step(s: Scheduler):
+    """One iteration of ``Scheduler.event_loop_overlap`` without the socket read: the next
+    batch launched before the last one's result is processed (SGLang's own methods, its order)."""
+    from collections import deque
+
+    if not hasattr(s, "result_queue") or not isinstance(s.result_queue, deque):
+        s.result_queue = deque()
+    s.enable_skip_finishing_decode = True
+
+    def pop_and_process():
+        done_batch, done_result = s.result_queue.popleft()
+        s.process_batch_result(done_batch, done_result)
+
+    plan = s.get_next_batch_to_run(running_batch=s.running_batch, last_batch=s.last_batch)
+    s.running_batch = plan.running_batch
+    batch = plan.batch_to_run
+    s.cur_batch_for_debug = batch
+    disable_overlap = s.is_disable_overlap_for_batch(batch, last_batch=s.last_batch)
+    if disable_overlap and s.result_queue:
+        pop_and_process()
+    if batch:
+        result = s.run_batch(batch)
+        s._apply_war_barrier()
+        s.result_queue.append((batch.copy(), result))
+    else:
+        result = None
+        s._sched_idled = True
+    if s.last_batch:
+        if not disable_overlap and s.result_queue:
+            # The last batch's result, processed after this batch was launched.
+            s.overlapped = getattr(s, "overlapped", 0) + bool(batch)
+            pop_and_process()
+    elif batch is None:
+        s.on_idle()
+    s.launch_batch_sample_if_needed(result, batch)
+    s.last_batch = batch
+    return batch
+
+
 def run(s: Scheduler, reqs, *, per_step: int = 4, max_steps: int = 100_000) -> dict:
     """``reqs`` arrive ``per_step`` at a time (``handle_generate_request``), the scheduler steps
-    until every request finished; returns :func:`finished`."""
+    (:func:`overlap_step` when SGLang's overlap schedule is on, else :func:`step`) until every
+    request finished; returns :func:`finished`."""
     pending = list(reqs)
+    one = overlap_step if s.enable_overlap else step
     for _ in range(max_steps):
         for r in pending[:per_step]:
             s.handle_generate_request(r)
         del pending[:per_step]
-        batch = step(s)
-        if not pending and batch is None and not s.waiting_queue and s.running_batch.is_empty():
+        batch = one(s)
+        if (not pending and batch is None and not s.waiting_queue and s.running_batch.is_empty()
+                and not getattr(s, "result_queue", None)):
             return finished(s)
     raise AssertionError("the scheduler did not finish the workload")

@@ -30,8 +30,10 @@ def workload(seed: int, n: int, tenants=("acme", "zeta", "kilo")):
     return reqs
 
 
-def scheduler(page_size: int, *, triton: bool, monkeypatch=None):
-    return build_scheduler(page_size=page_size, tokens=POOL[page_size], rows=24, context_len=256)
+def scheduler(page_size: int, *, triton: bool, overlap: bool = False):
+    return build_scheduler(
+        page_size=page_size, tokens=POOL[page_size], rows=24, context_len=256, disable_overlap_schedule=not overlap
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -105,3 +107,20 @@ def test_clean_workload_on_a_small_pool(triton_rows, page_size, policy, n):
     assert len(triton_rows) > 0 and spy.grouped > 0 and spy.evicted > 0
     print(f"page_size={page_size} {policy}: {len(got)} requests served, pages {start} -> {pool_pages(s)}, "
           f"{len(triton_rows)} Triton row writes, {spy.grouped} frees in free groups, {spy.evicted} tokens evicted")
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_clean_workload_in_the_overlap_event_loop(triton_rows, page_size):
+    """SGLang's overlap schedule (event_loop_overlap): each batch launched before the previous
+    one's result is processed. Under enforce: every request served with the outputs of the
+    unguarded normal loop, no page lost, no violation."""
+    n = 300
+    want, start, _ = unguarded(page_size, n)
+    s = scheduler(page_size, triton=True, overlap=True)
+    assert s.enable_overlap
+    guard = attach_kvguard(s, "enforce")
+    got = run(s, workload(1, n))
+    assert s.overlapped > 0  # results processed after the next batch was launched
+    assert guard.violations == [] and guard.aborted == {}
+    assert got == want
+    assert pool_pages(s) == start
