@@ -96,7 +96,11 @@ class HostRowCheck:
             np.cumsum(_flat(extend_lens), out=self._qsl[1:])
         self._refused_slots = None
         readers, g._readers = g._readers, None
-        self._readers = readers if readers is not None and len(readers) == n else None
+        reader_rows, g._reader_rows = g._reader_rows, None
+        # The batch's requests, from its allocation, for this forward only: the same rows in the
+        # same order (a forward no alloc_for_extend / alloc_for_decode prepared is not judged so).
+        same = reader_rows is not None and len(reader_rows) == n and np.array_equal(reader_rows, self._rows)
+        self._readers = readers if readers is not None and same else None
         self.pending = True
 
     def end(self) -> None:

@@ -195,10 +195,20 @@ def _batch_alloc(inner: Callable[..., Any]) -> Callable[..., Any]:
         if guard is not None:
             guard._batch_reqs(batch.reqs)
         try:
-            return inner(batch, *args, **kwargs)
+            out = inner(batch, *args, **kwargs)
+        except BaseException:
+            if guard is not None:
+                guard._readers = guard._reader_rows = None
+            raise
         finally:
             if guard is not None:
                 guard._writers = None
+        if guard is not None and guard._readers is not None:
+            # The rows the batch's forward will read, so the readers are used for that forward
+            # only (alloc_for_extend returns them; a decode batch has them already).
+            rows = out[2] if isinstance(out, tuple) and len(out) == 3 else batch.req_pool_indices
+            guard._reader_rows = _flat(rows).astype(np.int64, copy=True)
+        return out
 
     return alloc
 
@@ -331,6 +341,10 @@ class Guard:
         # its forward; each taken once.
         self._writers: np.ndarray | None = None
         self._readers: np.ndarray | None = None
+        self._reader_rows: np.ndarray | None = None
+        # id(Req.kv) -> the record, for requests whose row went back while unfinished and that
+        # have no new row yet (see _batch_reqs).
+        self._suspects: dict[int, Any] = {}
         self._batch: Any = None
         # Requests report mode refused at intake and could not follow (never admitted again).
         self._intake_refused: set[int] = set()
@@ -407,6 +421,7 @@ class Guard:
                     # The row's KV record: a call through this row with another record is a
                     # stale req_pool_idx (its own row was freed and handed on).
                     self._row_kv[row] = req.kv
+                    self._suspects.pop(id(req.kv), None)
             return rows
 
         return alloc
@@ -427,10 +442,15 @@ class Guard:
                     f"request {self._rids.get(holder, holder)!r}'s now",
                 ))
                 self.release(req)
+                self._suspects.pop(id(req.kv), None)
                 if self.policy == "enforce":
                     self._return_orphans(req.kv)
                     return None
                 return inner(req)
+            if not req.finished():
+                # Its row goes back while it runs (retracted, or a bug): until it gets a new row,
+                # each batch is checked for a request using a row it no longer holds.
+                self._suspects[id(req.kv)] = req.kv
             self.release(req)
             if row is not None:
                 self._row_kv[int(row)] = None
@@ -486,7 +506,12 @@ class Guard:
         """The requests of the batch SGLang is preparing (``alloc_for_extend`` /
         ``alloc_for_decode``), in batch order: the writers of its row write and the readers of its
         forward, each judged against the row it uses (a request whose row was freed and handed to
-        another is the one refused, never the row's new owner)."""
+        another is the one refused, never the row's new owner). Gathered only while a request
+        whose row went back unfinished has not been given a new one (``_suspects``): only such a
+        request can use a row it no longer holds, and the gather is one lookup per request."""
+        if not self._suspects:
+            # No request lost its row while unfinished: every batch request uses its own row.
+            return
         get = self._keys.get
         keys = np.fromiter((get(r.rid, 0) for r in reqs), dtype=np.int64, count=len(reqs))
         self._writers = self._readers = keys
@@ -535,8 +560,11 @@ class Guard:
             if out is not None:
                 slots = _flat(out)
                 if len(slots):
-                    pages = slots // ps if ps > 1 else slots
-                    self._handed[pages[(pages >= 0) & (pages < self._page_limit)]] = True
+                    try:
+                        self._handed[slots // ps if ps > 1 else slots] = True
+                    except IndexError:  # a slot outside the pool: judged where it is used
+                        pages = slots // ps
+                        self._handed[pages[(pages >= 0) & (pages < self._page_limit)]] = True
             return out
 
         return alloc
