@@ -3,7 +3,7 @@
 Turned on with one setting: ``KVGUARD_SGLANG=enforce`` (or ``report``) in the environment of
 ``python -m sglang.launch_server``. The kvguard wheel declares an entry point in SGLang's general
 plugin group ``sglang.srt.plugins``; SGLang's ``load_plugins()`` runs it first thing in every
-scheduler process (``run_scheduler_process``), and :func:`register` registers three hooks with
+scheduler process (``run_scheduler_process``), and :func:`register` registers four hooks with
 SGLang's own ``HookRegistry`` (no SGLang source changed, nothing imported at start-up when the
 setting is unset):
 
@@ -13,7 +13,9 @@ setting is unset):
 - ``Scheduler._add_request_to_queue`` (around): the intake check; a refused request is answered
   with an abort (HTTP 400, ``KVGuardViolation``) and never queued;
 - ``ModelRunner.forward`` (around): the forward batch's rows and sequence lengths, checked at the
-  first layer's KV store.
+  first layer's KV store;
+- ``SchedulerOutputStreamer.stream_output`` (around): the whole row of each request whose output
+  is about to leave, checked first.
 
 SGLang's ``SGLANG_PLUGINS`` whitelist, when set, must name ``kvguard``.
 
@@ -24,11 +26,22 @@ What the :class:`Guard` hooks on the instances:
   request. A fresh page is claimed for the row's request; a radix-cache page is attached (held
   read-only, same tenant only); anything else is refused on that request. A decode step's write
   (one slot per row) is judged in one ``write_decode_rows`` call.
-- allocator ``_release_page_ids`` (paged) / ``free`` (page size 1): the page release every free
-  ends in. Who frees is known from the caller hooked above it: ``free_kv_row`` (a request gives
-  back its row's pages), ``evict`` (the radix cache drops a leaf), ``checkpoint`` (a request's
-  duplicates of cached pages). A page its freer does not hold is refused and kept out of
-  SGLang's free list (a double free never hands one page to two requests).
+- ``mem_cache.allocation.write_cache_indices``: an extend batch's row write on both of SGLang's
+  branches (on a GPU it writes with ``write_req_to_token_pool_triton``, not
+  ``ReqToTokenPool.write``): the allocator's ``out_cache_loc`` claimed, the radix cache's prefix
+  attached, never taken from the rows.
+- ``managers.schedule_batch.alloc_for_extend`` / ``alloc_for_decode``: the batch's requests, so a
+  request using a row it no longer holds (a stale ``req_pool_idx``) is refused, never the row's
+  new owner.
+- allocator ``alloc`` / ``alloc_extend`` / ``alloc_decode``: the pages handed out (the allocator's
+  decision). ``free`` / ``free_page_ids`` inside a free group: judged where the free is made,
+  with its freer, not at ``free_group_end``. ``_release_page_ids`` (paged) / ``free`` (page size
+  1): the release every free ends in. Who frees is known from the caller hooked above it:
+  ``free_kv_row`` (a request gives back its row's pages), ``evict`` (the radix cache drops a
+  leaf), ``checkpoint`` (a request's duplicates of cached pages). A page its freer does not
+  hold, a free by no request of a page a live request or the radix cache holds, and a page
+  never handed out (already free) are refused and kept out of SGLang's free list (one page is
+  never handed to two requests); a page handed out and held by nobody goes back.
 - ``RadixCache.insert`` / ``checkpoint`` / ``evict``: pages entering the tree are published as
   read-only prefixes (one key per page, so node splits change nothing); an evicted page whose
   prefix a running request still holds is refused (``evict_in_use``) and withheld until its last
