@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
-from scheduler_rig import attach_kvguard, build_scheduler, finished, generate_req, pool_pages, run, step
+from scheduler_rig import attach_kvguard, build_scheduler, finished, generate_req, overlap_step, pool_pages, run
+from scheduler_rig import step as normal_step
 
 PROMPTS = {f"r{i}": [1000 * (i + 1) + j for j in range(40)] for i in range(4)}
 
@@ -23,8 +24,11 @@ def triton_rows(monkeypatch):
     monkeypatch.setattr(allocation, "support_triton", lambda backend: True)
 
 
-def scheduler(page_size, policy="enforce", **kw):
-    s = build_scheduler(page_size=page_size, tokens=1024 if page_size == 16 else 512, rows=8, context_len=256)
+def scheduler(page_size, policy="enforce", *, overlap=False):
+    s = build_scheduler(
+        page_size=page_size, tokens=1024 if page_size == 16 else 512, rows=8, context_len=256,
+        disable_overlap_schedule=not overlap,
+    )
     guard = attach_kvguard(s, policy) if policy else None
     return s, guard
 
@@ -47,9 +51,15 @@ def started(s, n=3):
     return {r.rid: r for r in s.running_batch.reqs}
 
 
+def step(s):
+    """One step of the scheduler's event loop: overlap or normal, as it is configured."""
+    return overlap_step(s) if s.enable_overlap else normal_step(s)
+
+
 def finish(s):
     for _ in range(200):
-        if step(s) is None and s.running_batch.is_empty() and not s.waiting_queue:
+        if (step(s) is None and s.running_batch.is_empty() and not s.waiting_queue
+                and not getattr(s, "result_queue", None)):
             return finished(s)
     raise AssertionError("the scheduler did not finish")
 
@@ -62,13 +72,14 @@ def free_pages(s):
     return set(s.token_to_kv_pool_allocator.get_all_free_pages().tolist())
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_stray_free_of_a_live_requests_pages(triton_rows, unguarded, page_size):
+def test_stray_free_of_a_live_requests_pages(triton_rows, unguarded, page_size, overlap):
     """A free that names no freer (not free_kv_row, evict or checkpoint) of pages r1 still maps:
     refused on the free (foreign_page: r1's own pages, and the cached prompt pages the radix
     cache holds), the pages stay out of SGLang's free list, so no other request is handed them;
     nobody is aborted and every output is the unguarded run's."""
-    s, guard = scheduler(page_size)
+    s, guard = scheduler(page_size, overlap=overlap)
     live = started(s)
     slots = row(s, live["r1"])
     pages = set((slots // page_size).tolist())
@@ -127,13 +138,14 @@ def test_double_free_inside_a_free_group(triton_rows, unguarded):
     assert out == unguarded[16]
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_stale_req_pool_idx_refuses_the_reader_not_the_new_owner(triton_rows, unguarded, page_size):
+def test_stale_req_pool_idx_refuses_the_reader_not_the_new_owner(triton_rows, unguarded, page_size, overlap):
     """r3's row is freed while r3 keeps running (a stale req_pool_idx); the row goes to a new
     request c. At the next step r3 writes and reads through c's row: r3 is refused (its write
     into c's row dropped, its read refused, its release through c's row refused), c and the
     others run on untouched, and no page is lost."""
-    s, guard = scheduler(page_size)
+    s, guard = scheduler(page_size, overlap=overlap)
     start = pool_pages(s)
     live = started(s)
     r3 = live["r3"]
@@ -160,15 +172,16 @@ def test_stale_req_pool_idx_refuses_the_reader_not_the_new_owner(triton_rows, un
     assert len(torch.unique(allp)) == len(allp)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("stream", [False, True])
-def test_entry_changed_below_the_window_is_never_served(triton_rows, unguarded, page_size, stream):
+def test_entry_changed_below_the_window_is_never_served(triton_rows, unguarded, page_size, stream, overlap):
     """An entry of r1's row below its decode window is changed behind SGLang's calls (a direct
     write into req_to_token naming r0's KV); r1 finishes before the next full check
     (full_check_every=64). Its whole row is checked before any of its output leaves the
     scheduler: r1 ends with kvguard's abort instead of the output it read from r0's KV; r0 and
     the others are untouched."""
-    s, guard = scheduler(page_size)
+    s, guard = scheduler(page_size, overlap=overlap)
     for r in reqs(max_new=6):
         r.stream = stream
         s.handle_generate_request(r)
