@@ -452,6 +452,10 @@ class Guard:
                 # each batch is checked for a request using a row it no longer holds.
                 self._suspects[id(req.kv)] = req.kv
             self.release(req)
+            if self.policy == "enforce" and req.rid in self.aborted:
+                # A request kvguard refused may hold pages no row names any more (its row was
+                # written wrong): SGLang cannot free them, they go back from here.
+                self._return_orphans(req.kv)
             if row is not None:
                 self._row_kv[int(row)] = None
                 self._row_key[int(row)] = 0

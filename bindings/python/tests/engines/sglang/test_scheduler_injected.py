@@ -207,3 +207,44 @@ def test_entry_changed_below_the_window_is_never_served(triton_rows, unguarded, 
     want = run(s2, reqs(max_new=6))
     for rid in ("r0", "r2", "r3"):
         assert out[rid] == want[rid]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_misrouted_triton_row_write_is_refused_on_the_reader(monkeypatch, unguarded, page_size):
+    """SGLang's GPU row write (write_req_to_token_pool_triton) goes wrong: r1's row gets r0's
+    slots. kvguard's claims come from write_cache_indices' arguments (the allocator's
+    out_cache_loc), never from the rows, so r1's new pages stay r1's and r0's stay r0's: r1's
+    read of r0's pages is refused on the forward, r1 alone is aborted, r0 and the others are
+    served as without kvguard, and r1's own pages (named by no row) go back to SGLang."""
+    from scheduler_rig import allocation
+
+    monkeypatch.setattr(allocation, "support_triton", lambda backend: True)
+    real = allocation.write_req_to_token_pool_triton
+    state = {"done": False}
+
+    class Misrouted:
+        def __getitem__(self, grid):
+            def launch(req_to_token, rows, *args):
+                real[grid](req_to_token, rows, *args)
+                if not state["done"] and len(rows) >= 2:
+                    state["done"] = True
+                    r0, r1 = int(rows[0]), int(rows[1])
+                    req_to_token[r1, :40] = req_to_token[r0, :40]  # the bug
+
+            return launch
+
+    monkeypatch.setattr(allocation, "write_req_to_token_pool_triton", Misrouted())
+    s, guard = scheduler(page_size)
+    start = pool_pages(s)
+    out = run(s, reqs())
+    assert state["done"]
+    # r1's own pages, which no row names after the bug, came back from kvguard; none twice.
+    assert pool_pages(s) == start
+    allp = s.token_to_kv_pool_allocator.get_all_free_pages()
+    assert len(torch.unique(allp)) == len(allp)
+    assert set(guard.aborted) == {"r1"}
+    v = guard.aborted["r1"]
+    assert v.kind == "foreign_page" and v.op == "read" and v.request == "r1" and v.owner == "r0"
+    assert out["r1"][1]["type"] == "abort"
+    for rid in ("r0", "r2", "r3"):
+        assert out[rid] == unguarded[page_size][rid]
