@@ -735,9 +735,19 @@ class Guard:
             held.append(req)
         if not keys:
             return []
+        rt = self.req_to_token_pool.req_to_token
+        if getattr(rt, "is_cuda", False):
+            # Rows on a GPU: these requests' rows only, copied to the host now (a request
+            # finishing or streaming; one small copy), never a cached snapshot of the table.
+            import torch
+
+            width = max(lens) if lens else 0
+            table = rt[torch.as_tensor(rows, device=rt.device), :width].cpu().numpy()
+            at = np.arange(len(rows), dtype=np.int64)
+        else:
+            table, at = self.row_check._host_rows(), np.asarray(rows, dtype=np.int64)
         verdict = self.table.verify_step_rows(
-            np.asarray(keys, dtype=np.int64), self.row_check._host_rows(), np.asarray(rows, dtype=np.int64),
-            np.asarray(lens, dtype=np.int64), token_slots=True,
+            np.asarray(keys, dtype=np.int64), table, at, np.asarray(lens, dtype=np.int64), token_slots=True,
         )
         if verdict.clean:
             return []

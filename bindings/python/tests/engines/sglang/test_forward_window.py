@@ -140,3 +140,37 @@ def test_a_request_finishing_does_not_make_the_others_check_in_full(engine_facto
     # release); nobody else's.
     assert [c.tolist() for c in calls] == [[row0]]
     assert eng.guard.violations == []
+
+
+class OnDevice(torch.Tensor):
+    """SGLang's req_to_token as if it lived on a GPU: is_cuda true, no numpy view, and cpu()
+    a copy (as a device-to-host copy is)."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+    def numpy(self, *args, **kwargs):
+        raise TypeError("can't convert cuda:0 device type tensor to numpy")
+
+    def cpu(self, *args, **kwargs):
+        return torch.Tensor.clone(self).as_subclass(torch.Tensor)
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_the_check_before_output_reads_the_rows_as_they_are_now(engine_factory, on_device):
+    """Guard.check_rows_before_output checks every entry of each request's row as it is now:
+    on a GPU it copies those rows only (never a cached snapshot of the table), so an entry
+    changed after an earlier check is seen, and a clean row passes."""
+    eng, a, b = two_decoding(engine_factory, 16)
+    guard = eng.guard
+    rt = eng.req_to_token_pool.req_to_token
+    if on_device:
+        eng.req_to_token_pool.req_to_token = rt.as_subclass(OnDevice)
+        guard.row_check._req_to_token = None  # no host view of a device table
+    assert guard.check_rows_before_output([a, b]) == []
+    rt[a.kv.req_pool_idx, 3] = rt[b.kv.req_pool_idx, 3]  # behind SGLang's calls
+    assert guard.check_rows_before_output([a, b]) == [a]
+    v = guard.aborted["a"]
+    assert v.kind == "foreign_page" and v.request == "a" and v.owner == "b"
+    assert not aborted_by_kvguard(b)
