@@ -182,18 +182,24 @@ def _hook_batch_allocs() -> None:
         from sglang.srt.managers import schedule_batch
     except ImportError:
         return
-    for name in ("alloc_for_extend", "alloc_for_decode"):
+    for name, before in (("alloc_for_extend", False), ("alloc_for_decode", True)):
         inner = getattr(schedule_batch, name, None)
         if inner is not None:
-            setattr(schedule_batch, name, _batch_alloc(inner))
+            setattr(schedule_batch, name, _batch_alloc(inner, before=before))
     _BATCH_HOOKED = True
 
 
-def _batch_alloc(inner: Callable[..., Any]) -> Callable[..., Any]:
+def _batch_alloc(inner: Callable[..., Any], *, before: bool) -> Callable[..., Any]:
+    """``before``: the batch's requests are gathered before the allocation (a decode batch: its
+    row write happens inside, judged against them); else after it (an extend batch: its new
+    requests get their rows, and a retracted one its new key, inside)."""
+
     def alloc(batch: Any, *args: Any, **kwargs: Any) -> Any:
         guard = getattr(getattr(batch, "req_to_token_pool", None), "kvguard_guard", None)
         if guard is not None:
-            guard._batch_reqs(batch.reqs)
+            guard._readers = guard._reader_rows = None
+            if before:
+                guard._batch_reqs(batch.reqs)
         try:
             out = inner(batch, *args, **kwargs)
         except BaseException:
@@ -203,6 +209,9 @@ def _batch_alloc(inner: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             if guard is not None:
                 guard._writers = None
+        if guard is not None and not before:
+            guard._batch_reqs(batch.reqs)
+            guard._writers = None
         if guard is not None and guard._readers is not None:
             # The rows the batch's forward will read, so the readers are used for that forward
             # only (alloc_for_extend returns them; a decode batch has them already).

@@ -153,3 +153,38 @@ def test_clean_workload_with_chunked_prefill(triton_rows, page_size):
     assert guard.violations == [] and guard.aborted == {}
     assert got == want
     assert pool_pages(s) == start
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_clean_workload_with_retraction(triton_rows, monkeypatch, page_size):
+    """SGLang's own retraction test mode (TEST_RETRACT: every 5th forward, update_running_batch
+    retracts decoding requests through retract_decode, releasing their rows and pages while
+    they are unfinished, and requeues them). Under enforce: no request refused, outputs as
+    without kvguard, no page lost; the retracted requests get new rows, so none stays suspect."""
+    import sglang.srt.managers.scheduler as scheduler_module
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    monkeypatch.setattr(scheduler_module, "TEST_RETRACT", True)
+    monkeypatch.setattr(scheduler_module, "TEST_RETRACT_INTERVAL", 5)
+    retracted = []
+    real = ScheduleBatch.retract_decode
+
+    def counting(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        retracted.extend(r.rid for r in out[0])
+        return out
+
+    monkeypatch.setattr(ScheduleBatch, "retract_decode", counting)
+    n = 200
+    plain = scheduler(page_size, triton=True)
+    start = pool_pages(plain)
+    want = run(plain, workload(3, n))
+    plain_retracted = len(retracted)
+    s = scheduler(page_size, triton=True)
+    guard = attach_kvguard(s, "enforce")
+    got = run(s, workload(3, n))
+    assert plain_retracted > 0 and len(retracted) > plain_retracted
+    assert guard.violations == [] and guard.aborted == {}
+    assert got == want and len(got) == n
+    assert pool_pages(s) == start
+    assert guard._suspects == {}
