@@ -3,7 +3,7 @@
 Turned on with one setting: ``KVGUARD_SGLANG=enforce`` (or ``report``) in the environment of
 ``python -m sglang.launch_server``. The kvguard wheel declares an entry point in SGLang's general
 plugin group ``sglang.srt.plugins``; SGLang's ``load_plugins()`` runs it first thing in every
-scheduler process (``run_scheduler_process``), and :func:`register` registers four hooks with
+scheduler process (``run_scheduler_process``), and :func:`register` registers five hooks with
 SGLang's own ``HookRegistry`` (no SGLang source changed, nothing imported at start-up when the
 setting is unset):
 
@@ -15,7 +15,9 @@ setting is unset):
 - ``ModelRunner.forward`` (around): the forward batch's rows and sequence lengths, checked at the
   first layer's KV store;
 - ``SchedulerOutputStreamer.stream_output`` (around): the whole row of each request whose output
-  is about to leave, checked first.
+  is about to leave, checked first;
+- ``Scheduler._release_aborted_request`` (after): a request aborted while queued (no row) ends in
+  kvguard too.
 
 SGLang's ``SGLANG_PLUGINS`` whitelist, when set, must name ``kvguard``.
 
@@ -142,6 +144,7 @@ def register() -> None:
     HookRegistry.register(f"{_SCHEDULER}._add_request_to_queue", _add_request_to_queue, HookType.AROUND)
     HookRegistry.register(f"{_MODEL_RUNNER}.forward", _forward, HookType.AROUND)
     HookRegistry.register(f"{_OUTPUT_STREAMER}.stream_output", _stream_output, HookType.AROUND)
+    HookRegistry.register(f"{_SCHEDULER}._release_aborted_request", _release_aborted_request, HookType.AFTER)
     _MODE = mode
     logger.info("kvguard: %s mode in every SGLang scheduler (%s)", mode, ENV_POLICY)
 
@@ -193,6 +196,14 @@ def _stream_output(original: Any, streamer: Any, reqs: Any, *args: Any, **kwargs
     return original(streamer, reqs, *args, **kwargs)
 
 
+def _release_aborted_request(_result: Any, scheduler: Any, req: Any, *_args: Any, **_kwargs: Any) -> None:
+    """After ``Scheduler._release_aborted_request``: a request aborted before it got a row
+    (while queued) ends in kvguard too."""
+    guard = getattr(scheduler, "kvguard", None)
+    if guard is not None:
+        guard.drop_unscheduled(req)
+
+
 def _add_request_to_queue(original: Any, scheduler: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
     """The intake check before SGLang queues ``req``: refused under enforce, it is answered with
     its abort at once and never queued (no row, no page)."""
@@ -205,6 +216,7 @@ def _add_request_to_queue(original: Any, scheduler: Any, req: Any, *args: Any, *
     reason = guard.aborted.get(req.rid, "refused at intake")
     prepare_abort(req, f"kvguard refused this request: {reason}", status_code=HTTPStatus.BAD_REQUEST)
     scheduler.output_streamer.stream_output([req], req.return_logprob)
+    guard.drop_unscheduled(req)
     return None
 
 

@@ -892,6 +892,20 @@ class Guard:
         self._forget(key)
         self._return_withheld()
 
+    def drop_unscheduled(self, req: Any) -> None:
+        """A request that ends without a row (aborted while queued: SGLang's
+        ``_release_aborted_request``): kvguard forgets it, so the table does not keep it."""
+        if getattr(req.kv, "holds_kv", False):
+            return  # its row's release ends it in kvguard
+        key = self._keys.get(req.rid)
+        if key is None:
+            return
+        if key in self._admitted:
+            self.release(req)
+        else:
+            self._reqs.pop(key, None)
+            self._forget(key)
+
     def _forget_checks(self, key: int) -> None:
         """``key`` releases pages: its rows are checked in full at their next forward (no other
         row found clean reads a page ``key`` owns or alone holds)."""

@@ -181,7 +181,9 @@ def build_scheduler(*, page_size: int, tokens: int, rows: int, context_len: int,
     runner.attn_backend = SimpleNamespace()
     runner.ngram_embedding_manager = SimpleNamespace(prepare_for_forward=lambda batch, chunked_req=None: batch)
     s.tp_worker.model_config = SimpleNamespace(use_ngram_embedding=False)
-    s.ipc_channels = SimpleNamespace(send_to_detokenizer=OutputCapture(), send_metrics_from_scheduler=OutputCapture())
+    s.ipc_channels = SimpleNamespace(
+        send_to_detokenizer=OutputCapture(), send_metrics_from_scheduler=OutputCapture(), send_to_tokenizer=OutputCapture()
+    )
     s.outputs = s.ipc_channels.send_to_detokenizer
     _init(s)
     return s
@@ -342,8 +344,9 @@ def step(s: Scheduler):
 
 def attach_kvguard(s: Scheduler, policy: str = "enforce"):
     """kvguard's plugin hooks on this scheduler, as SGLang's HookRegistry applies them on the
-    classes: ``Scheduler.__init__`` (after), ``Scheduler._add_request_to_queue`` (around) and
-    ``ModelRunner.forward`` (around), here bound to this instance only;
+    classes: ``Scheduler.__init__`` (after), ``Scheduler._add_request_to_queue`` (around),
+    ``Scheduler._release_aborted_request`` (after) and ``ModelRunner.forward`` (around), here
+    bound to this instance only;
     ``SchedulerOutputStreamer.stream_output`` (around) on its class."""
     import functools
 
@@ -357,6 +360,14 @@ def attach_kvguard(s: Scheduler, policy: str = "enforce"):
     s._add_request_to_queue = functools.partial(plugin._add_request_to_queue, Scheduler._add_request_to_queue, s)
     runner = s.tp_worker.model_runner
     runner.forward = functools.partial(plugin._forward, CpuModelRunner.forward, runner)
+    release_aborted = s._release_aborted_request
+
+    def _release_aborted_request(req, *args, **kwargs):
+        result = release_aborted(req, *args, **kwargs)
+        plugin._release_aborted_request(result, s, req, *args, **kwargs)
+        return result
+
+    s._release_aborted_request = _release_aborted_request
     _hook_output_streamer(plugin)
     return s.kvguard
 

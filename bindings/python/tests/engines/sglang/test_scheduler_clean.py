@@ -10,7 +10,7 @@ import functools
 import random
 
 import pytest
-from scheduler_rig import allocation, attach_kvguard, build_scheduler, generate_req, pool_pages, run
+from scheduler_rig import allocation, attach_kvguard, build_scheduler, generate_req, pool_pages, run, step
 
 POOL = {1: 640, 16: 2560}
 """Tokens in the pool by page size: a few requests' worth, so the radix cache is evicted all the
@@ -188,3 +188,45 @@ def test_clean_workload_with_retraction(triton_rows, monkeypatch, page_size):
     assert got == want and len(got) == n
     assert pool_pages(s) == start
     assert guard._suspects == {}
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_clean_workload_with_client_aborts(triton_rows, page_size):
+    """Clients abort requests mid-flight (SGLang's own abort_request: waiting ones popped,
+    running ones finished with an abort and released by process_batch_result). Under enforce:
+    kvguard refuses nothing, every request ends as without kvguard, no page lost."""
+    from sglang.srt.managers.io_struct import AbortReq
+
+    n = 200
+
+    def aborting(guarded):
+        s = scheduler(page_size, triton=True)
+        guard = attach_kvguard(s, "enforce") if guarded else None
+        start = pool_pages(s)
+        pending = workload(4, n)
+        ends = {}
+        for k in range(100_000):
+            for r in pending[:4]:
+                s.handle_generate_request(r)
+            del pending[:4]
+            if k % 3 == 1:
+                victims = [r.rid for r in s.running_batch.reqs[:1]] + [r.rid for r in s.waiting_queue[:1]]
+                for rid in victims:
+                    s.abort_request(AbortReq(rid=rid))
+            batch = step(s)
+            if not pending and batch is None and not s.waiting_queue and s.running_batch.is_empty():
+                break
+        for payload in s.outputs.sent:
+            for i, rid in enumerate(payload.rids):
+                if payload.finished_reasons[i] is not None:
+                    ends[rid] = payload.finished_reasons[i]["type"]
+        return s, guard, start, ends
+
+    _, _, start, want = aborting(False)
+    s, guard, _, got = aborting(True)
+    assert sum(t == "abort" for t in want.values()) > 0
+    assert guard.violations == [] and guard.aborted == {}
+    assert got == want
+    assert pool_pages(s) == start
+    snap = guard.table.snapshot()
+    assert snap.requests == 0 and snap.owned == 0, "a request aborted while queued is forgotten"
