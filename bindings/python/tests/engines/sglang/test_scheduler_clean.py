@@ -124,6 +124,7 @@ def test_clean_workload_in_the_overlap_event_loop(triton_rows, page_size):
     assert guard.violations == [] and guard.aborted == {}
     assert got == want
     assert pool_pages(s) == start
+    assert guard.table.snapshot().requests == 0
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -153,6 +154,7 @@ def test_clean_workload_with_chunked_prefill(triton_rows, page_size):
     assert guard.violations == [] and guard.aborted == {}
     assert got == want
     assert pool_pages(s) == start
+    assert guard.table.snapshot().requests == 0
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -188,6 +190,7 @@ def test_clean_workload_with_retraction(triton_rows, monkeypatch, page_size):
     assert got == want and len(got) == n
     assert pool_pages(s) == start
     assert guard._suspects == {}
+    assert guard.table.snapshot().requests == 0
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -228,5 +231,6 @@ def test_clean_workload_with_client_aborts(triton_rows, page_size):
     assert guard.violations == [] and guard.aborted == {}
     assert got == want
     assert pool_pages(s) == start
+    assert guard.table.snapshot().requests == 0
     snap = guard.table.snapshot()
     assert snap.requests == 0 and snap.owned == 0, "a request aborted while queued is forgotten"
