@@ -234,3 +234,28 @@ def test_clean_workload_with_client_aborts(triton_rows, page_size):
     assert guard.table.snapshot().requests == 0
     snap = guard.table.snapshot()
     assert snap.requests == 0 and snap.owned == 0, "a request aborted while queued is forgotten"
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_clean_streamed_workload(triton_rows, page_size):
+    """Every request streamed (its output leaves a piece per step, each after its whole row is
+    checked): under enforce nothing refused, the pieces add up to the unguarded run's outputs."""
+    n = 200
+
+    def streamed():
+        reqs = workload(5, n)
+        for r in reqs:
+            r.stream = True
+        return reqs
+
+    plain = scheduler(page_size, triton=True)
+    start = pool_pages(plain)
+    want = run(plain, streamed())
+    s = scheduler(page_size, triton=True)
+    guard = attach_kvguard(s, "enforce")
+    got = run(s, streamed())
+    assert len(want) == n and sum(len(p.rids) for p in s.outputs.sent) > n  # streamed in pieces
+    assert guard.violations == [] and guard.aborted == {}
+    assert got == want
+    assert pool_pages(s) == start
+    assert guard.table.snapshot().requests == 0
