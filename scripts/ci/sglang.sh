@@ -2,7 +2,8 @@
 # $HOME/.cache/kvguard/sglang-venv with SGLang (--no-deps), torch 2.14.1 and what its mem_cache and
 # schedule_batch modules import (about 6 GB, created once, reused), the kvguard wheel that
 # scripts/ci/python.sh built into target/wheels (built here if missing), then pytest against
-# SGLang's real allocator, ReqToTokenPool, MHATokenToKVPool and RadixCache on CPU. Never skipped.
+# SGLang's real allocator, ReqToTokenPool, MHATokenToKVPool and RadixCache on CPU, and its own Scheduler
+# (whose module imports setproctitle, uvicorn and fastapi). Never skipped.
 
 kvguard_sglang_after() {
   local root venv wheel status
@@ -19,7 +20,7 @@ kvguard_sglang_after() {
     "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps sglang==0.5.23 || return 1
   fi
   "$venv/bin/pip" install --quiet --disable-pip-version-check "maturin==1.9.6" "pytest==8.3.5" \
-    "prometheus_client==0.26.0" || return 1
+    "prometheus_client==0.26.0" "setproctitle==1.3.8" "uvicorn==0.55.0" "fastapi==0.165.0" || return 1
   wheel=$(ls "$root"/target/wheels/kvguard-*.whl 2>/dev/null | head -n 1)
   if [ -z "$wheel" ]; then
     echo "sglang.sh: building the kvguard wheel (maturin, release)"

@@ -3,7 +3,7 @@
 Turned on with one setting: ``KVGUARD_SGLANG=enforce`` (or ``report``) in the environment of
 ``python -m sglang.launch_server``. The kvguard wheel declares an entry point in SGLang's general
 plugin group ``sglang.srt.plugins``; SGLang's ``load_plugins()`` runs it first thing in every
-scheduler process (``run_scheduler_process``), and :func:`register` registers three hooks with
+scheduler process (``run_scheduler_process``), and :func:`register` registers five hooks with
 SGLang's own ``HookRegistry`` (no SGLang source changed, nothing imported at start-up when the
 setting is unset):
 
@@ -13,7 +13,11 @@ setting is unset):
 - ``Scheduler._add_request_to_queue`` (around): the intake check; a refused request is answered
   with an abort (HTTP 400, ``KVGuardViolation``) and never queued;
 - ``ModelRunner.forward`` (around): the forward batch's rows and sequence lengths, checked at the
-  first layer's KV store.
+  first layer's KV store;
+- ``SchedulerOutputStreamer.stream_output`` (around): the whole row of each request whose output
+  is about to leave, checked first;
+- ``Scheduler._release_aborted_request`` (after): a request aborted while queued (no row) ends in
+  kvguard too.
 
 SGLang's ``SGLANG_PLUGINS`` whitelist, when set, must name ``kvguard``.
 
@@ -24,11 +28,22 @@ What the :class:`Guard` hooks on the instances:
   request. A fresh page is claimed for the row's request; a radix-cache page is attached (held
   read-only, same tenant only); anything else is refused on that request. A decode step's write
   (one slot per row) is judged in one ``write_decode_rows`` call.
-- allocator ``_release_page_ids`` (paged) / ``free`` (page size 1): the page release every free
-  ends in. Who frees is known from the caller hooked above it: ``free_kv_row`` (a request gives
-  back its row's pages), ``evict`` (the radix cache drops a leaf), ``checkpoint`` (a request's
-  duplicates of cached pages). A page its freer does not hold is refused and kept out of
-  SGLang's free list (a double free never hands one page to two requests).
+- ``mem_cache.allocation.write_cache_indices``: an extend batch's row write on both of SGLang's
+  branches (on a GPU it writes with ``write_req_to_token_pool_triton``, not
+  ``ReqToTokenPool.write``): the allocator's ``out_cache_loc`` claimed, the radix cache's prefix
+  attached, never taken from the rows.
+- ``managers.schedule_batch.alloc_for_extend`` / ``alloc_for_decode``: the batch's requests, so a
+  request using a row it no longer holds (a stale ``req_pool_idx``) is refused, never the row's
+  new owner.
+- allocator ``alloc`` / ``alloc_extend`` / ``alloc_decode``: the pages handed out (the allocator's
+  decision). ``free`` / ``free_page_ids`` inside a free group: judged where the free is made,
+  with its freer, not at ``free_group_end``. ``_release_page_ids`` (paged) / ``free`` (page size
+  1): the release every free ends in. Who frees is known from the caller hooked above it:
+  ``free_kv_row`` (a request gives back its row's pages), ``evict`` (the radix cache drops a
+  leaf), ``checkpoint`` (a request's duplicates of cached pages). A page its freer does not
+  hold, a free by no request of a page a live request or the radix cache holds, and a page
+  never handed out (already free) are refused and kept out of SGLang's free list (one page is
+  never handed to two requests); a page handed out and held by nobody goes back.
 - ``RadixCache.insert`` / ``checkpoint`` / ``evict``: pages entering the tree are published as
   read-only prefixes (one key per page, so node splits change nothing); an evicted page whose
   prefix a running request still holds is refused (``evict_in_use``) and withheld until its last
@@ -86,6 +101,7 @@ _MODE: str | None = None
 
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 _MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
+_OUTPUT_STREAMER = "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
 
 
 def _mode_from_env() -> str | None:
@@ -127,6 +143,8 @@ def register() -> None:
     HookRegistry.register(f"{_SCHEDULER}.__init__", _scheduler_started, HookType.AFTER)
     HookRegistry.register(f"{_SCHEDULER}._add_request_to_queue", _add_request_to_queue, HookType.AROUND)
     HookRegistry.register(f"{_MODEL_RUNNER}.forward", _forward, HookType.AROUND)
+    HookRegistry.register(f"{_OUTPUT_STREAMER}.stream_output", _stream_output, HookType.AROUND)
+    HookRegistry.register(f"{_SCHEDULER}._release_aborted_request", _release_aborted_request, HookType.AFTER)
     _MODE = mode
     logger.info("kvguard: %s mode in every SGLang scheduler (%s)", mode, ENV_POLICY)
 
@@ -163,6 +181,29 @@ def _scheduler_started(_result: Any, scheduler: Any, *_args: Any, **_kwargs: Any
         runner.kvguard = guard
 
 
+def _stream_output(original: Any, streamer: Any, reqs: Any, *args: Any, **kwargs: Any) -> Any:
+    """``SchedulerOutputStreamer.stream_output`` (around): the rows of the requests whose output
+    is about to leave (those still holding a row: streamed, or finishing this step) are checked
+    in full first; a refused request still running leaves nothing now (its abort follows at the
+    next step). The guard is the one on the streamer's radix cache's ``ReqToTokenPool``."""
+    pool = getattr(getattr(streamer, "tree_cache", None), "req_to_token_pool", None)
+    guard = getattr(pool, "kvguard_guard", None)
+    if guard is not None and reqs:
+        refused = guard.check_rows_before_output(reqs)
+        if refused and guard.policy == "enforce":
+            gone = {id(r) for r in refused if not r.finished()}
+            reqs = [r for r in reqs if id(r) not in gone]
+    return original(streamer, reqs, *args, **kwargs)
+
+
+def _release_aborted_request(_result: Any, scheduler: Any, req: Any, *_args: Any, **_kwargs: Any) -> None:
+    """After ``Scheduler._release_aborted_request``: a request aborted before it got a row
+    (while queued) ends in kvguard too."""
+    guard = getattr(scheduler, "kvguard", None)
+    if guard is not None:
+        guard.drop_unscheduled(req)
+
+
 def _add_request_to_queue(original: Any, scheduler: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
     """The intake check before SGLang queues ``req``: refused under enforce, it is answered with
     its abort at once and never queued (no row, no page)."""
@@ -175,6 +216,7 @@ def _add_request_to_queue(original: Any, scheduler: Any, req: Any, *args: Any, *
     reason = guard.aborted.get(req.rid, "refused at intake")
     prepare_abort(req, f"kvguard refused this request: {reason}", status_code=HTTPStatus.BAD_REQUEST)
     scheduler.output_streamer.stream_output([req], req.return_logprob)
+    guard.drop_unscheduled(req)
     return None
 
 

@@ -79,6 +79,7 @@ class HostRowCheck:
         self._req_to_token: np.ndarray | None = None
         self._decode = False
         self._forwards = 0
+        self._readers: np.ndarray | None = None
 
     def begin(self, rows: Any, seq_lens: Any, extend_lens: Any, rows_cpu: Any, seq_lens_cpu: Any) -> None:
         """A forward over ``rows`` of ``req_to_token`` is about to run."""
@@ -94,6 +95,12 @@ class HostRowCheck:
             self._qsl = np.zeros(n + 1, dtype=np.int64)
             np.cumsum(_flat(extend_lens), out=self._qsl[1:])
         self._refused_slots = None
+        readers, g._readers = g._readers, None
+        reader_rows, g._reader_rows = g._reader_rows, None
+        # The batch's requests, from its allocation, for this forward only: the same rows in the
+        # same order (a forward no alloc_for_extend / alloc_for_decode prepared is not judged so).
+        same = reader_rows is not None and len(reader_rows) == n and np.array_equal(reader_rows, self._rows)
+        self._readers = readers if readers is not None and same else None
         self.pending = True
 
     def end(self) -> None:
@@ -110,6 +117,9 @@ class HostRowCheck:
         full = g._rows_stale or not self._decode or self._forwards % g.full_check_every == 0
         rows = self._rows
         slots = _flat(loc)
+        stale = None if self._readers is None else g._stale_rows(rows, self._readers, "read")
+        if stale is not None:
+            full = True
         if not full and self.windows_on_host:
             # The common decode forward: the writes recorded and each row's window checked in
             # one call, the mirror's checked lengths updated in it (see _verify_rows).
@@ -134,7 +144,7 @@ class HostRowCheck:
         qsl = self._qsl
         keys = g._row_key[rows]
         live = g._row_live[rows]
-        refused = ~live
+        refused = ~live if stale is None else ~live | stale
         # count_nonzero: a C call (ndarray.all goes through numpy's Python wrapper), every step.
         if np.count_nonzero(refused) == 0:
             verdict = g.table.record_step_writes(keys, slots, qsl)
@@ -148,9 +158,9 @@ class HostRowCheck:
                     g._refused(int(keys[i]), v)
                 return self._refuse(loc, refused)
             return self._after_writes(loc, keys, refused, verdict, None, full)
-        # Rows of requests kvguard never admitted (or already released): their writes are not
-        # the table's to record; they are masked below.
-        pos = np.flatnonzero(live)
+        # Rows of requests kvguard never admitted (or already released), and rows their reader
+        # does not hold: their writes are not the table's to record; they are masked below.
+        pos = np.flatnonzero(~refused)
         counts = np.diff(qsl)[pos]
         sub_qsl = np.zeros(len(pos) + 1, dtype=np.int64)
         np.cumsum(counts, out=sub_qsl[1:])

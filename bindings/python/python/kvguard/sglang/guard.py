@@ -23,14 +23,12 @@ import numpy as np
 
 from .. import ConfigError, OwnershipTable, PoolConfig, Violation, ViolationError
 from . import metrics as _metrics
+from .arrays import _flat, _host, _pages_of
+from .process_hooks import _hook_batch_allocs, _hook_cache_index_writer
+from .releases import _NO_OWNER, _TREE, LocalViolation, PageReleases
 
 logger = logging.getLogger("sglang.srt.kvguard")
 
-_TREE = object()
-"""Freer marker: the radix cache itself drops pages (eviction)."""
-
-_NO_OWNER = -1
-"""``_page_key`` of a page no request owns exclusively (free, a prefix, or the padding page)."""
 
 _BEYOND_ANY_POOL = 2**32 - 1
 """The page a slot outside any pool (negative, or past 32-bit page ids) is judged as: the table
@@ -110,35 +108,7 @@ class NamedViolation:
         return f"<kvguard.sglang.NamedViolation {self}>"
 
 
-def _host(t: Any) -> np.ndarray:
-    """A tensor or array as a host numpy array (no copy for CPU tensors and arrays)."""
-    if type(t) is np.ndarray:
-        return t
-    try:
-        return t.numpy()  # a CPU tensor: its memory, no copy (the common case, fastest)
-    except AttributeError:
-        return np.asarray(t)  # a sequence, or an ndarray subclass
-    except (TypeError, RuntimeError):
-        return t.detach().cpu().numpy()  # on a device, or requiring grad
-
-
-def _flat(t: Any) -> np.ndarray:
-    """:func:`_host`, as one dimension (a 1-D array as it is: ``reshape`` is a call of its own
-    on every step)."""
-    a = _host(t)
-    return a if a.ndim == 1 else a.reshape(-1)
-
-
-def _pages_of(slots: np.ndarray, page_size: int) -> np.ndarray:
-    """The distinct pages of ``slots``, in first-seen order."""
-    if page_size == 1:
-        return slots
-    pages = slots // page_size
-    _, first = np.unique(pages, return_index=True)
-    return pages[np.sort(first)]
-
-
-class Guard:
+class Guard(PageReleases):
     """kvguard for one SGLang scheduler: its ``ReqToTokenPool``, token allocator, radix cache and
     KV pool, hooked on the instances (see the package doc).
 
@@ -228,6 +198,30 @@ class Guard:
         self._next_request = 1
         self._next_prefix = 1
         self._freer: Any = None
+        # page -> SGLang's allocator handed it out and it was not released since.
+        self._handed = np.zeros(num_pages + 1, dtype=bool)
+        # Pages freed inside the current free group, judged when freed (freer known).
+        self._group_judged: Counter[int] = Counter()
+        self._group_ending = False
+        self._writing_cache_indices = False
+        # The request keys of the batch being prepared (see _batch_reqs), for its row write and
+        # its forward; each taken once.
+        self._writers: np.ndarray | None = None
+        self._readers: np.ndarray | None = None
+        self._reader_rows: np.ndarray | None = None
+        # id(Req.kv) -> the record, for requests whose row went back while unfinished and that
+        # have no new row yet (see _batch_reqs).
+        self._suspects: dict[int, Any] = {}
+        self._batch: Any = None
+        # Requests report mode refused at intake and could not follow (never admitted again).
+        self._intake_refused: set[int] = set()
+        # Requests whose row was checked in full before their output left (see
+        # check_rows_before_output), until they are released.
+        self._output_checked: set[int] = set()
+        # id(Req.kv) -> (the record, the pages its request held alone when its row was freed).
+        self._orphans: dict[int, tuple[Any, np.ndarray]] = {}
+        # req_to_token row -> the KV record (Req.kv) of the request holding it.
+        self._row_kv: list[Any] = [None] * rows
         self._qsl_decode = np.arange(rows + 1, dtype=np.int32)
         self.row_check = row_check_for(self, device_rows)
         """How the forward batch's rows are verified: on the host or on the device."""
@@ -241,15 +235,36 @@ class Guard:
         pool.free = self._wrap_free_row(pool.free)
         pool.write = self._wrap_row_write(pool.write)
         alloc = self.allocator
+        # Every page SGLang's allocator hands out (its decision, not a row) is marked until it is
+        # released; a free of a page no request holds and the allocator never handed out is a
+        # double free.
+        for name in ("alloc", "alloc_extend", "alloc_decode"):
+            if hasattr(alloc, name):
+                setattr(alloc, name, self._wrap_alloc_pages(getattr(alloc, name)))
+        # Frees: judged where they are made, with their freer known, even inside a free group
+        # (SGLang defers the release to free_group_end, where the freer is gone).
         if hasattr(alloc, "_release_page_ids"):
+            self._release_inner = alloc._release_page_ids
             alloc._release_page_ids = self._wrap_release_page_ids(alloc._release_page_ids)
+            alloc.free = self._wrap_group_free(alloc.free, tokens=True)
+            if hasattr(alloc, "free_page_ids"):
+                alloc.free_page_ids = self._wrap_group_free(alloc.free_page_ids, tokens=False)
         else:
+            self._release_inner = alloc.free
             alloc.free = self._wrap_token_free(alloc.free)
+        alloc.free_group_end = self._wrap_group_end(alloc.free_group_end)
+        pool.kvguard_guard = self
+        _hook_cache_index_writer()
+        _hook_batch_allocs()
         tree = self.tree_cache
         if tree is not None:
             tree.insert = self._wrap_insert(tree.insert)
-            tree.checkpoint = self._wrap_freer(tree.checkpoint, lambda req, **_: self.request_key(req.rid))
-            tree.free_kv_row = self._wrap_freer(tree.free_kv_row, lambda kv, *_a, **_k: self._row_of(kv))
+            tree.checkpoint = self._wrap_request_release(
+                tree.checkpoint, lambda req, *_a, **_k: req.kv, lambda req, *_a, **_k: self.request_key(req.rid)
+            )
+            tree.free_kv_row = self._wrap_request_release(
+                tree.free_kv_row, lambda kv, *_a, **_k: kv, lambda kv, *_a, **_k: self._row_of(kv)
+            )
             tree.evict = self._wrap_freer(tree.evict, lambda *_a, **_k: _TREE)
         if self.kv_pool is not None:
             self.kv_pool.set_kv_buffer = self._wrap_set_kv_buffer(self.kv_pool.set_kv_buffer)
@@ -259,7 +274,7 @@ class Guard:
             fresh = [r for r in reqs if not r.kv.holds_kv]
             for req in fresh:
                 key = self.request_key(req.rid)
-                if key not in self._admitted and req.rid not in self.aborted:
+                if key not in self._admitted and key not in self._intake_refused and req.rid not in self.aborted:
                     self.admit(req)
             rows = inner(reqs)
             if rows is not None:
@@ -270,6 +285,10 @@ class Guard:
                     self._row_live[row] = key in self._admitted
                     self._row_claimant[row] = key if key in self._admitted else 0
                     self._row_checked[row] = 0
+                    # The row's KV record: a call through this row with another record is a
+                    # stale req_pool_idx (its own row was freed and handed on).
+                    self._row_kv[row] = req.kv
+                    self._suspects.pop(id(req.kv), None)
             return rows
 
         return alloc
@@ -277,8 +296,35 @@ class Guard:
     def _wrap_free_row(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         def free(req: Any) -> Any:
             row = req.kv.req_pool_idx
+            if row is not None and self._row_kv[int(row)] is not None and self._row_kv[int(row)] is not req.kv:
+                # The row was freed already and handed to another request: a second free of the
+                # new owner's row by a request that no longer holds it. Refused; under enforce the
+                # row stays with its owner.
+                holder = int(self._row_key[int(row)])
+                mine = self._keys.get(req.rid, 0)
+                self._refused_req(req, mine, LocalViolation(
+                    "double_free", "release", request=mine or None, owner=holder or None,
+                    tenant=self._tenants.get(mine), owner_tenant=self._tenants.get(holder),
+                    text=f"request {req.rid!r} frees req_to_token row {int(row)}, which is "
+                    f"request {self._rids.get(holder, holder)!r}'s now",
+                ))
+                self.release(req)
+                self._suspects.pop(id(req.kv), None)
+                if self.policy == "enforce":
+                    self._return_orphans(req.kv)
+                    return None
+                return inner(req)
+            if not req.finished():
+                # Its row goes back while it runs (retracted, or a bug): until it gets a new row,
+                # each batch is checked for a request using a row it no longer holds.
+                self._suspects[id(req.kv)] = req.kv
             self.release(req)
+            if self.policy == "enforce" and req.rid in self.aborted:
+                # A request kvguard refused may hold pages no row names any more (its row was
+                # written wrong): SGLang cannot free them, they go back from here.
+                self._return_orphans(req.kv)
             if row is not None:
+                self._row_kv[int(row)] = None
                 self._row_key[int(row)] = 0
                 self._row_live[int(row)] = False
                 self._row_claimant[int(row)] = 0
@@ -289,6 +335,8 @@ class Guard:
 
     def _wrap_row_write(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         def write(indices: Any, values: Any) -> Any:
+            if self._writing_cache_indices:
+                return inner(indices, values)  # judged from write_cache_indices' arguments
             rows, cols = indices
             if isinstance(cols, slice):
                 row = int(rows)
@@ -297,38 +345,83 @@ class Guard:
                     self._row_checked[row] = start
                 self._row_written(row, _flat(values))
             else:
-                self._decode_rows_written(_flat(rows), _flat(cols), _flat(values))
+                rows_a, cols_a, slots = _flat(rows), _flat(cols), _flat(values)
+                writers, self._writers = self._writers, None
+                if writers is not None and len(writers) == len(rows_a):
+                    stale = self._stale_rows(rows_a, writers, "write")
+                    if stale is not None and self.policy == "enforce":
+                        # The stale writer's entry is not written: the row is another request's;
+                        # the slot the allocator gave it goes back (no row names it).
+                        ps = self.page_size
+                        dropped = slots[stale] // ps if ps > 1 else slots[stale]
+                        fresh = dropped[(self._page_key[dropped] == _NO_OWNER) & (self._page_prefix[dropped] == 0)
+                                        & self._handed[dropped]]
+                        if ps > 1:
+                            # Only a page that opened for the dropped slot (its first slot).
+                            fresh = fresh[(slots[stale][np.isin(dropped, fresh)] % ps) == 0]
+                        self._give_back(np.unique(fresh))
+                        ok = np.flatnonzero(~stale)
+                        self._decode_rows_written(rows_a[ok], cols_a[ok], slots[ok])
+                        if not len(ok):
+                            return None
+                        import torch
+
+                        at = torch.as_tensor(ok)
+                        return inner((rows[at], cols[at]), values[at])
+                self._decode_rows_written(rows_a, cols_a, slots)
             return inner(indices, values)
 
         return write
 
-    def _wrap_release_page_ids(self, inner: Callable[..., Any]) -> Callable[..., Any]:
-        def release_page_ids(*page_ids: Any) -> Any:
-            kept = [self._released(_flat(ids)) for ids in page_ids]
-            kept = [k for k in kept if len(k)]
-            if kept:
-                import torch
+    def _batch_reqs(self, reqs: Any) -> None:
+        """The requests of the batch SGLang is preparing (``alloc_for_extend`` /
+        ``alloc_for_decode``), in batch order: the writers of its row write and the readers of its
+        forward, each judged against the row it uses (a request whose row was freed and handed to
+        another is the one refused, never the row's new owner). Gathered only while a request
+        whose row went back unfinished has not been given a new one (``_suspects``): only such a
+        request can use a row it no longer holds, and the gather is one lookup per request."""
+        if not self._suspects:
+            # No request lost its row while unfinished: every batch request uses its own row.
+            return
+        get = self._keys.get
+        keys = np.fromiter((get(r.rid, 0) for r in reqs), dtype=np.int64, count=len(reqs))
+        self._writers = self._readers = keys
+        self._batch = reqs
 
-                dev = self.allocator.device
-                return inner(*(torch.as_tensor(k, dtype=torch.int64, device=dev) for k in kept))
+    def _stale_rows(self, rows: np.ndarray, users: np.ndarray, op: str) -> np.ndarray | None:
+        """Batch positions whose request uses a ``req_to_token`` row it does not hold (its row
+        freed, maybe handed to another request): each refused on that request; None when none."""
+        holders = self._row_key[rows]
+        stale = holders != users
+        if not stale.any():
             return None
+        for i in np.flatnonzero(stale).tolist():
+            user, holder, row = int(users[i]), int(holders[i]), int(rows[i])
+            reqs = self._batch
+            name = reqs[i].rid if reqs is not None and i < len(reqs) else self._rids.get(user, user)
+            whose = f"request {self._rids.get(holder, holder)!r}'s" if holder else "no request's"
+            v = LocalViolation(
+                "foreign_page", op, request=user or None, owner=holder or None,
+                tenant=self._tenants.get(user), owner_tenant=self._tenants.get(holder),
+                text=f"request {name!r} {'reads' if op == 'read' else 'writes'} through "
+                f"req_to_token row {row}, which is {whose} (its own row was freed)",
+            )
+            self._refused_req(reqs[i] if reqs is not None and i < len(reqs) else None, user, v)
+        return stale
 
-        return release_page_ids
-
-    def _wrap_token_free(self, inner: Callable[..., Any]) -> Callable[..., Any]:
-        def free(free_index: Any) -> Any:
-            if free_index.numel() == 0 or self.allocator.free_group is not None:
-                return inner(free_index)
-            kept = self._released(_flat(free_index))
-            if len(kept) == free_index.numel():
-                return inner(free_index)
-            if len(kept):
-                import torch
-
-                return inner(torch.as_tensor(kept, dtype=free_index.dtype, device=free_index.device))
-            return None
-
-        return free
+    def _refused_req(self, req: Any, key: int, violation: Any) -> None:
+        """:meth:`_refused` for a request kvguard may have released already (a stale row's user):
+        its ``Req`` is aborted directly when its key no longer names it."""
+        self._refused(key, violation)
+        if req is None or self._rids.get(key) is not None or self.policy != "enforce" or req.rid in self.aborted:
+            return
+        named = self._name(violation)
+        self.aborted[req.rid] = named
+        self.metrics["aborted_requests"] += 1
+        if self.prometheus is not None:
+            self.prometheus.refused()
+        if not req.finished():
+            req.to_finish = _finish_abort(f"kvguard refused this request: {named}", HTTPStatus.INTERNAL_SERVER_ERROR)
 
     def _wrap_freer(self, inner: Callable[..., Any], who: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -340,6 +433,92 @@ class Guard:
                 self._freer = outer
 
         return call
+
+    def _wrap_request_release(
+        self, inner: Callable[..., Any], kv_of: Callable[..., Any], who: Callable[..., Any]
+    ) -> Callable[..., Any]:
+        """``checkpoint`` / ``free_kv_row``: a request caches or frees what its row names. Through
+        a row that is another request's now (its own was freed and handed on: a stale
+        ``req_pool_idx``) it would cache or free the new owner's pages: refused on the stale
+        request, and under enforce not done."""
+        freer_call = self._wrap_freer(inner, who)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            kv = kv_of(*args, **kwargs)
+            row = getattr(kv, "req_pool_idx", None)
+            if row is not None and self._row_kv[int(row)] is not None and self._row_kv[int(row)] is not kv:
+                holder = int(self._row_key[int(row)])
+                req = args[0] if args and hasattr(args[0], "rid") else None
+                mine = self._keys.get(req.rid, 0) if req is not None else 0
+                self._refused_req(req, mine, LocalViolation(
+                    "foreign_page", "release", request=mine or None, owner=holder or None,
+                    tenant=self._tenants.get(mine), owner_tenant=self._tenants.get(holder),
+                    text=f"a request caches or frees through req_to_token row {int(row)}, which is "
+                    f"request {self._rids.get(holder, holder)!r}'s now (its own row was freed)",
+                ))
+                if self.policy == "enforce":
+                    self._return_orphans(kv)
+                    return None
+            elif row is not None:
+                key = int(self._row_key[int(row)])
+                req = self._reqs.get(key)
+                if req is not None and key not in self._output_checked and req.finished():
+                    # A finished request's output leaves the scheduler at the end of this step:
+                    # its whole row is checked first, while its pages are still its own.
+                    self._output_checked.add(key)
+                    if self.check_rows_before_output([req]) and self.policy == "enforce" and args and args[0] is req:
+                        return None  # a refused row is never cached (checkpoint)
+            return freer_call(*args, **kwargs)
+
+        return call
+
+    def check_rows_before_output(self, reqs: Any) -> list[Any]:
+        """Each request's whole ``req_to_token`` row, every entry up to its committed length,
+        checked before any of its output leaves the scheduler: a decode forward checks only the
+        window of new tokens, so an entry changed behind SGLang's calls below it would otherwise
+        be found only at the next full check, after the request may have finished. Returns the
+        requests refused (under enforce aborted: a finished one's finish reason becomes the
+        abort, so its output never leaves; one still running gets ``to_finish``)."""
+        keys, rows, lens, held = [], [], [], []
+        for req in reqs:
+            kv = req.kv
+            row = kv.req_pool_idx
+            if row is None or self._row_kv[int(row)] is not kv:
+                continue
+            key = int(self._row_key[int(row)])
+            if key not in self._admitted:
+                continue
+            keys.append(key)
+            rows.append(int(row))
+            lens.append(int(kv.kv_committed_len))
+            held.append(req)
+        if not keys:
+            return []
+        rt = self.req_to_token_pool.req_to_token
+        if getattr(rt, "is_cuda", False):
+            # Rows on a GPU: these requests' rows only, copied to the host now (a request
+            # finishing or streaming; one small copy), never a cached snapshot of the table.
+            import torch
+
+            width = max(lens) if lens else 0
+            table = rt[torch.as_tensor(rows, device=rt.device), :width].cpu().numpy()
+            at = np.arange(len(rows), dtype=np.int64)
+        else:
+            table, at = self.row_check._host_rows(), np.asarray(rows, dtype=np.int64)
+        verdict = self.table.verify_step_rows(
+            np.asarray(keys, dtype=np.int64), table, at, np.asarray(lens, dtype=np.int64), token_slots=True,
+        )
+        if verdict.clean:
+            return []
+        refused = []
+        for i, v in verdict.refused:
+            req = held[i]
+            self._row_checked[rows[i]] = 0
+            self._refused(keys[i], v)
+            refused.append(req)
+            if self.policy == "enforce" and req.finished() and req.rid in self.aborted:
+                req.finished_reason = _finish_abort(f"kvguard refused this request: {self.aborted[req.rid]}")
+        return refused
 
     def _wrap_insert(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         def insert(params: Any) -> Any:
@@ -381,23 +560,31 @@ class Guard:
         return key
 
     def _row_of(self, kv: Any) -> int | None:
+        """Who frees through ``kv`` (``free_kv_row``): the row's holder (a record that is not the
+        row's is refused before, in ``_wrap_request_release``)."""
         key = int(self._row_key[int(kv.req_pool_idx)])
         return key or None
 
     def admit(self, req: Any, *, prompt_tokens: int | None = None) -> bool:
         """Intake check (the scheduler's ``_add_request_to_queue``): a request whose prompt plus
         ``max_new_tokens`` can never fit the pool or the context length is refused before any page
-        or row is touched. ``prompt_tokens`` defaults to the longer of ``origin_input_ids`` and
-        ``origin_input_ids_unpadded``, so SGLang's one-token abort stub is judged at the length the
-        client sent. Returns whether it was admitted;
-        a refused request is aborted (its ``to_finish`` names the two numbers)."""
+        or row is touched. ``prompt_tokens`` defaults to the length prefill will run: the prompt
+        as SGLang holds it (cut by ``--allow-auto-truncate``), except for SGLang's one-token abort
+        stub (``set_finish_with_abort``: an abort pending), which is judged at the longer of
+        ``origin_input_ids`` and ``origin_input_ids_unpadded``, the length the client sent.
+        Returns whether it was admitted; a refused request is aborted under enforce (its
+        ``to_finish`` names the two numbers). Under report the refusal is counted once and the
+        request is followed at the length it runs, so its later events add no violation."""
         key = self.request_key(req.rid)
         self._reqs[key] = req
+        run_tokens = len(req.origin_input_ids)
         if prompt_tokens is None:
-            # set_finish_with_abort swaps origin_input_ids for a one-token stub; the unpadded copy
-            # keeps what the client sent.
-            unpadded = getattr(req, "origin_input_ids_unpadded", None) or ()
-            prompt_tokens = max(len(req.origin_input_ids), len(unpadded))
+            prompt_tokens = run_tokens
+            if getattr(req, "to_finish", None) is not None or req.finished():
+                # set_finish_with_abort swaps origin_input_ids for a one-token stub; the unpadded
+                # copy keeps what the client sent.
+                unpadded = getattr(req, "origin_input_ids_unpadded", None) or ()
+                prompt_tokens = max(run_tokens, len(unpadded))
         max_new = int(getattr(req.sampling_params, "max_new_tokens", None) or 0)
         tenant = self._tenant_key(self.tenant_of(req))
         self._tenants[key] = tenant
@@ -405,6 +592,17 @@ class Guard:
             self.table.admit(key, tenant, int(prompt_tokens), max_new)
         except ViolationError as e:
             self._refused(key, e.violation, HTTPStatus.BAD_REQUEST)
+            if self.policy == "report":
+                # Followed at the length it will run (SGLang's stub, or what fits), so one
+                # over-long request is one violation, not one per event of its life.
+                run_new = max(0, min(max_new, self.context_len - run_tokens))
+                try:
+                    self.table.admit(key, tenant, min(run_tokens, self.context_len), run_new)
+                except ViolationError:
+                    self._intake_refused.add(key)
+                    return False
+                self._admitted.add(key)
+                self._holds[key] = set()
             return False
         self._admitted.add(key)
         self._holds[key] = set()
@@ -427,7 +625,14 @@ class Guard:
             return
         self._forget_checks(key)
         self._admitted.discard(key)
-        self._page_key[self._page_key == key] = _NO_OWNER
+        self._output_checked.discard(key)
+        mine = self._page_key == key
+        if mine.any():
+            # Pages the request still held alone when its row went back (SGLang frees them through
+            # the row first): if it later releases through a row that is not its own any more,
+            # they are returned from here, not from that row.
+            self._orphans[id(req.kv)] = (req.kv, np.flatnonzero(mine))
+        self._page_key[mine] = _NO_OWNER
         self._holds.pop(key, None)
         try:
             self.table.release(key)
@@ -437,12 +642,27 @@ class Guard:
         self._forget(key)
         self._return_withheld()
 
+    def drop_unscheduled(self, req: Any) -> None:
+        """A request that ends without a row (aborted while queued: SGLang's
+        ``_release_aborted_request``): kvguard forgets it, so the table does not keep it."""
+        if getattr(req.kv, "holds_kv", False):
+            return  # its row's release ends it in kvguard
+        key = self._keys.get(req.rid)
+        if key is None:
+            return
+        if key in self._admitted:
+            self.release(req)
+        else:
+            self._reqs.pop(key, None)
+            self._forget(key)
+
     def _forget_checks(self, key: int) -> None:
         """``key`` releases pages: its rows are checked in full at their next forward (no other
         row found clean reads a page ``key`` owns or alone holds)."""
         self._row_checked[self._row_key == key] = 0
 
     def _forget(self, key: int) -> None:
+        self._intake_refused.discard(key)
         rid = self._rids.pop(key, None)
         if rid is not None and self._keys.get(rid) == key:
             del self._keys[rid]
@@ -471,7 +691,28 @@ class Guard:
         for i in left:
             self._row_written(int(rows[i]), slots[i : i + 1])
 
-    def _row_written(self, row: int, slots: np.ndarray) -> None:
+    def _cache_indices_written(
+        self, out_cache_loc: Any, rows: Any, prefix_lens: Any, extend_lens: Any, prefix_tensors: Any
+    ) -> None:
+        """``write_cache_indices``: each request's row gets its prefix (the radix cache's match, or
+        its own row for a later chunk) at ``[0, prefix_len)`` and its slice of the allocator's
+        ``out_cache_loc`` after it. The prefix pages must already be the request's or a cached
+        prefix of its tenant (attached here); only the allocator's new slots are claimed."""
+        rows = _flat(rows).tolist()
+        extend = _flat(extend_lens).tolist()
+        out = _flat(out_cache_loc)
+        pt = 0
+        for i, row in enumerate(rows):
+            self._row_checked[row] = 0
+            prefix = prefix_tensors[i]
+            if prefix is not None and prefix.numel():
+                self._row_written(row, _flat(prefix), claim=False)
+            n = int(extend[i])
+            if n:
+                self._row_written(row, out[pt : pt + n])
+            pt += n
+
+    def _row_written(self, row: int, slots: np.ndarray, *, claim: bool = True) -> None:
         key = int(self._row_key[row])
         if key == 0:
             return
@@ -501,7 +742,7 @@ class Guard:
                 continue
             if page not in fresh:
                 fresh.append(page)
-        if fresh:
+        if fresh and claim:
             try:
                 self.table.claim(key, fresh)
             except ViolationError as e:
@@ -530,91 +771,6 @@ class Guard:
             self._page_prefix[page] = prefix
             self._holds[owner].add(prefix)
             self._page_key[page] = _NO_OWNER
-
-    def _released(self, pages: np.ndarray) -> list[int]:
-        """Judges one release of ``pages``; returns those SGLang may put back in its free list."""
-        freer = self._freer
-        kept: list[int] = []
-        by_owner: dict[Any, list[int]] = {}
-        for page in pages.tolist():
-            prefix = int(self._page_prefix[page]) if 0 <= page < self._page_limit else 0
-            if prefix and (freer is _TREE or freer is None):
-                self._rows_stale = True
-                try:
-                    self.table.evict_prefix(prefix)
-                except ViolationError as e:
-                    self._violation(None, e.violation)
-                    if self.policy == "enforce":
-                        self._withheld[page] = prefix
-                        self.metrics["withheld_pages"] += 1
-                        continue
-                self._page_prefix[page] = 0
-                kept.append(page)
-                continue
-            if freer is not None and freer is not _TREE:
-                key = freer
-            else:
-                owner = int(self._page_key[page]) if 0 <= page < self._page_limit else _NO_OWNER
-                key = None if owner == _NO_OWNER else owner
-            by_owner.setdefault(key, []).append(page)
-        for key, own in by_owner.items():
-            kept.extend(self._release_owned(key, own))
-        return kept
-
-    def _release_owned(self, key: Any, pages: list[int]) -> list[int]:
-        if key is None or key not in self._admitted:
-            # Nobody in kvguard holds these pages: a release no request can make.
-            self._rows_stale = True
-            self.metrics["unattributed_frees"] += sum(
-                1 for p in pages if not (0 <= p < self._page_limit) or self._page_key[p] == _NO_OWNER
-            )
-            logger.warning("kvguard: free of pages %s that no live request holds", pages[:8])
-            return pages if self.policy == "report" else []
-        self._forget_checks(key)
-        try:
-            self.table.release_pages(key, pages)
-            ok = pages
-        except ViolationError as e:
-            self._refused(key, e.violation)
-            ok = []
-            for page in pages:
-                if 0 <= page < self._page_limit and self._page_key[page] == key:
-                    try:
-                        self.table.release_pages(key, [page])
-                        ok.append(page)
-                    except ViolationError:
-                        pass
-            if self.policy == "report":
-                ok = pages
-        mine = [p for p in ok if 0 <= p < self._page_limit and self._page_key[p] == key]
-        self._page_key[mine] = _NO_OWNER
-        return ok
-
-    def _return_withheld(self) -> None:
-        """Pages whose eviction was refused go back to SGLang once their last holder let go."""
-        if not self._withheld:
-            return
-        back = []
-        for page, prefix in list(self._withheld.items()):
-            try:
-                self.table.evict_prefix(prefix)
-            except ViolationError:
-                continue
-            del self._withheld[page]
-            self._page_prefix[page] = 0
-            back.append(page)
-        if back:
-            import torch
-
-            ids = torch.as_tensor(back, dtype=torch.int64, device=self.allocator.device)
-            freer, self._freer = self._freer, _TREE
-            try:
-                if hasattr(self.allocator, "_release_page_ids"):
-                    self.allocator._release_page_ids(ids)
-                else:
-                    self.allocator.free(ids)
-            finally:
-                self._freer = freer
 
     # ---- the forward batch ---------------------------------------------------------------------
 

@@ -73,28 +73,59 @@ class GuardedKVSender:
         self.channel = channel
         self.sender = sender
         self.room = int(getattr(inner, "bootstrap_room", 0) or 0)
+        self._pages: list[bytes] = []
+        """Every page sent so far, as bytes (a prompt goes in chunks: ``send_kv_chunk``)."""
+        self._tokens = 0
+        self.failure: Exception | None = None
+        """Why no manifest went with the last send (the decode side then refuses the transfer)."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def send(self, kv_indices: Any, state_indices: Any = None, num_kv_tokens: int | None = None) -> Any:
-        """Sends ``kv_indices`` (prefill pages) with their manifest."""
+    def send(self, kv_indices: Any, state_indices: Any = None, num_kv_tokens: int | None = None, **kwargs: Any) -> Any:
+        """Sends ``kv_indices`` (prefill pages; one chunk of the prompt, as SGLang's
+        ``send_kv_chunk`` sends them) with the manifest of every page sent so far. Never raises
+        into SGLang's loop: a manifest that cannot be built is left out, and the decode side
+        refuses the transfer (a missing manifest) under enforce. Keywords SGLang adds
+        (``indices_event=``) go to the backend as given."""
+        try:
+            self._record(kv_indices, num_kv_tokens)
+        except Exception as e:  # noqa: BLE001 - never into SGLang's loop; the decode side refuses
+            self.failure = e
+            self.guard.metrics["manifests_not_built"] += 1
+            self.channel.put(self.room, "manifest", None)
+            import logging
+
+            logging.getLogger("sglang.srt.kvguard").warning(
+                "kvguard: no manifest for room %s (%s); the decode side will refuse the transfer", self.room, e
+            )
+        if num_kv_tokens is None and not kwargs:
+            return self.inner.send(kv_indices, state_indices)
+        if not kwargs:
+            return self.inner.send(kv_indices, state_indices, num_kv_tokens)
+        return self.inner.send(kv_indices, state_indices, num_kv_tokens, **kwargs)
+
+    def _record(self, kv_indices: Any, num_kv_tokens: int | None) -> None:
+        ps = self.guard.page_size
+        pool = self.guard.kv_pool
+        total = len(self.req.origin_input_ids)
+        pages = np.asarray(kv_indices.cpu() if hasattr(kv_indices, "cpu") else kv_indices).reshape(-1).tolist()
+        tokens = int(num_kv_tokens) if num_kv_tokens is not None else min(len(pages) * ps, max(0, total - self._tokens))
+        for i, p in enumerate(pages):
+            self._pages.append(_page_bytes(pool, int(p), ps, max(0, min(ps, tokens - i * ps))))
+        self._tokens += tokens
+        self.failure = None
         dest = self.channel.get(self.room, "dest")
         ids = self.channel.get(self.room, "ids")
         if dest is None or ids is None:
             raise TransferError(f"kvguard: no destination for room {self.room}; the decode side sent no metadata")
-        ps = self.guard.page_size
-        pool = self.guard.kv_pool
-        total = len(self.req.origin_input_ids)
-        pages = [
-            _page_bytes(pool, int(p), ps, min(ps, total - i * ps))
-            for i, p in enumerate(np.asarray(kv_indices).reshape(-1).tolist())
-        ]
+        if len(self._pages) < len(dest):
+            return  # more chunks to come; the manifest goes with the last
         manifest = Manifest.build(
-            ids[0], ids[1], self.sender, ps, _slot_bytes(pool, ps), np.asarray(self.req.origin_input_ids, dtype=np.int64), dest, pages
+            ids[0], ids[1], self.sender, ps, _slot_bytes(pool, ps),
+            np.asarray(self.req.origin_input_ids, dtype=np.int64), dest, self._pages,
         )
         self.channel.put(self.room, "manifest", manifest.encode())
-        return self.inner.send(kv_indices, state_indices, num_kv_tokens)
 
 
 class GuardedKVReceiver:
@@ -141,7 +172,9 @@ class GuardedKVReceiver:
         state = self.inner.poll()
         if state != KVPoll.Success:
             return state
-        self._verdict = KVPoll.Success if self._accept() else KVPoll.Failed
+        accepted = self._accept()
+        # Report mode records the refusal and lets the transfer through.
+        self._verdict = KVPoll.Success if accepted or self.guard.policy == "report" else KVPoll.Failed
         return self._verdict
 
     def _accept(self) -> bool:

@@ -54,13 +54,14 @@ def test_clean_decode_checks_the_window_only(engine_factory, page_size, monkeypa
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_stale_row_outside_the_window_is_caught(engine_factory, page_size):
-    """Decoding in window mode, a's early pages are freed behind its row (the stale-row bug) and
-    go to c: the release makes the next forward a full check, which refuses a's read of c's page."""
+    """Decoding in window mode, a's early pages are freed (through SGLang's own free_kv_row, so
+    the free is a's) while its row still names them (the stale-row bug) and go to c: the release
+    makes the next forward a full check, which refuses a's read of c's page."""
     eng, a, b = two_decoding(engine_factory, page_size)
     for _ in range(3):
         eng.decode()
     row = eng.req_to_token_pool.req_to_token[a.kv.req_pool_idx, : 2 * page_size].to("cpu").long()
-    eng.allocator.free(row)  # the bug: a's first pages go back, its row still names them
+    eng.tree.free_kv_row(a.kv, [(0, 2 * page_size)])  # the bug: a's first pages go back, its row still names them
     eng.allocator.merge_and_sort_free()
     c = eng.request("c", [7] * 40)
     assert eng.submit(c)
@@ -121,7 +122,7 @@ def test_full_check_every_is_validated(engine_factory):
 
 def test_a_request_finishing_does_not_make_the_others_check_in_full(engine_factory, monkeypatch):
     """A request's release resets its own rows only: the next decode of the others stays in the
-    window (no full verify_step_rows)."""
+    window (no full verify_step_rows but the finishing request's own final check)."""
     eng = engine_factory(page_size=16, tokens=4096, context_len=512, policy=None)
     eng.install("enforce", full_check_every=1000)
     reqs = [eng.request(f"r{i}", [5 + i] * 40, max_new=64) for i in range(3)]
@@ -131,8 +132,45 @@ def test_a_request_finishing_does_not_make_the_others_check_in_full(engine_facto
     eng.decode()
     eng.decode()
     calls = full_checks(eng, monkeypatch)
+    row0 = reqs[0].kv.req_pool_idx
     eng.finish(reqs[0])
     for _ in range(3):
         eng.decode()
-    assert calls == []
+    # The finishing request's own row is checked in full once, before its output leaves (at its
+    # release); nobody else's.
+    assert [c.tolist() for c in calls] == [[row0]]
     assert eng.guard.violations == []
+
+
+class OnDevice(torch.Tensor):
+    """SGLang's req_to_token as if it lived on a GPU: is_cuda true, no numpy view, and cpu()
+    a copy (as a device-to-host copy is)."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+    def numpy(self, *args, **kwargs):
+        raise TypeError("can't convert cuda:0 device type tensor to numpy")
+
+    def cpu(self, *args, **kwargs):
+        return torch.Tensor.clone(self).as_subclass(torch.Tensor)
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_the_check_before_output_reads_the_rows_as_they_are_now(engine_factory, on_device):
+    """Guard.check_rows_before_output checks every entry of each request's row as it is now:
+    on a GPU it copies those rows only (never a cached snapshot of the table), so an entry
+    changed after an earlier check is seen, and a clean row passes."""
+    eng, a, b = two_decoding(engine_factory, 16)
+    guard = eng.guard
+    rt = eng.req_to_token_pool.req_to_token
+    if on_device:
+        eng.req_to_token_pool.req_to_token = rt.as_subclass(OnDevice)
+        guard.row_check._req_to_token = None  # no host view of a device table
+    assert guard.check_rows_before_output([a, b]) == []
+    rt[a.kv.req_pool_idx, 3] = rt[b.kv.req_pool_idx, 3]  # behind SGLang's calls
+    assert guard.check_rows_before_output([a, b]) == [a]
+    v = guard.aborted["a"]
+    assert v.kind == "foreign_page" and v.request == "a" and v.owner == "b"
+    assert not aborted_by_kvguard(b)

@@ -131,8 +131,8 @@ def test_double_free(engine_factory, page_size):
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_stale_row_after_free_and_reuse(engine_factory, page_size):
-    """A request's pages are freed but its req_to_token row is left as it was; the pages go to
-    another request. Its next forward reads the stale row: refused on the forward batch, on that
+    """A request's pages are freed (through free_kv_row: the free is its own) but its
+    req_to_token row is left as it was; the pages go to another request. Its next forward reads the stale row: refused on the forward batch, on that
     request, and its KV write goes to the padding slot; the new owner is untouched."""
     eng = engine_factory(page_size=page_size, tokens=2048, context_len=512)
     a = eng.request("a", [5] * 40)
@@ -142,7 +142,7 @@ def test_stale_row_after_free_and_reuse(engine_factory, page_size):
     eng.prefill([a])
     n = a.kv.kv_committed_len
     row = eng.req_to_token_pool.req_to_token[a.kv.req_pool_idx, :n].to("cpu").long()
-    eng.allocator.free(row)  # the bug: the pages go back, the row stays
+    eng.tree.free_kv_row(a.kv, [(0, n)])  # the bug: the pages go back, the row stays
     eng.allocator.merge_and_sort_free()
     eng.prefill([b])
     b_row = eng.req_to_token_pool.req_to_token[b.kv.req_pool_idx, :n].clone()

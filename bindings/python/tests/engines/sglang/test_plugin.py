@@ -19,6 +19,8 @@ HOOKED = [
     "sglang.srt.managers.scheduler.Scheduler.__init__",
     "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue",
     "sglang.srt.model_executor.model_runner.ModelRunner.forward",
+    "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer.stream_output",
+    "sglang.srt.managers.scheduler.Scheduler._release_aborted_request",
 ]
 
 

@@ -1,0 +1,112 @@
+"""kvguard's hooks on SGLang's module functions, installed once per process.
+
+``mem_cache.allocation.write_cache_indices`` (an extend batch's row write, on SGLang's GPU
+branch done by ``write_req_to_token_pool_triton``) and ``managers.schedule_batch``'s
+``alloc_for_extend`` / ``alloc_for_decode`` (a batch's requests, in order). Each finds the guard of
+the ``ReqToTokenPool`` it works on (``pool.kvguard_guard``); a pool without one passes through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .arrays import _flat
+
+
+_WRITER_HOOKED = False
+
+
+def _hook_cache_index_writer() -> None:
+    """SGLang's extend row write, ``mem_cache.allocation.write_cache_indices``: on a GPU whose
+    attention backend supports Triton it writes ``req_to_token`` with
+    ``write_req_to_token_pool_triton``, never calling ``ReqToTokenPool.write``. Wrapped once per
+    process; the guard whose ``ReqToTokenPool`` it writes judges the same claims the two
+    ``ReqToTokenPool.write`` calls of its other branch would, from its arguments (the
+    allocator's ``out_cache_loc`` and the radix cache's prefix), never from the rows."""
+    global _WRITER_HOOKED
+    if _WRITER_HOOKED:
+        return
+    try:
+        from sglang.srt.mem_cache import allocation
+    except ImportError:  # an SGLang without this writer: its row writes all go through write
+        return
+    inner = allocation.write_cache_indices
+
+    def write_cache_indices(out_cache_loc: Any, req_pool_indices_tensor: Any, req_pool_indices_cpu: Any,
+                            prefix_lens_tensor: Any, prefix_lens_cpu: Any, seq_lens_tensor: Any, seq_lens_cpu: Any,
+                            extend_lens_tensor: Any, extend_lens_cpu: Any, prefix_tensors: Any,
+                            req_to_token_pool: Any, *args: Any, **kwargs: Any) -> Any:
+        guard = getattr(req_to_token_pool, "kvguard_guard", None)
+        if guard is None:
+            return inner(out_cache_loc, req_pool_indices_tensor, req_pool_indices_cpu, prefix_lens_tensor,
+                         prefix_lens_cpu, seq_lens_tensor, seq_lens_cpu, extend_lens_tensor, extend_lens_cpu,
+                         prefix_tensors, req_to_token_pool, *args, **kwargs)
+        guard._cache_indices_written(out_cache_loc, req_pool_indices_cpu, prefix_lens_cpu, extend_lens_cpu, prefix_tensors)
+        guard._writing_cache_indices = True
+        try:
+            return inner(out_cache_loc, req_pool_indices_tensor, req_pool_indices_cpu, prefix_lens_tensor,
+                         prefix_lens_cpu, seq_lens_tensor, seq_lens_cpu, extend_lens_tensor, extend_lens_cpu,
+                         prefix_tensors, req_to_token_pool, *args, **kwargs)
+        finally:
+            guard._writing_cache_indices = False
+
+    allocation.write_cache_indices = write_cache_indices
+    _WRITER_HOOKED = True
+
+
+_BATCH_HOOKED = False
+
+
+def _hook_batch_allocs() -> None:
+    """``ScheduleBatch.prepare_for_extend`` / ``prepare_for_decode`` allocate through
+    ``alloc_for_extend`` / ``alloc_for_decode`` (names in ``managers.schedule_batch``): wrapped
+    once per process, they tell the pool's guard which requests the batch holds, in order."""
+    global _BATCH_HOOKED
+    if _BATCH_HOOKED:
+        return
+    try:
+        from sglang.srt.managers import schedule_batch
+    except ImportError:
+        return
+    for name, before in (("alloc_for_extend", False), ("alloc_for_decode", True)):
+        inner = getattr(schedule_batch, name, None)
+        if inner is not None:
+            setattr(schedule_batch, name, _batch_alloc(inner, before=before))
+    _BATCH_HOOKED = True
+
+
+def _batch_alloc(inner: Callable[..., Any], *, before: bool) -> Callable[..., Any]:
+    """``before``: the batch's requests are gathered before the allocation (a decode batch: its
+    row write happens inside, judged against them); else after it (an extend batch: its new
+    requests get their rows, and a retracted one its new key, inside)."""
+
+    def alloc(batch: Any, *args: Any, **kwargs: Any) -> Any:
+        guard = getattr(getattr(batch, "req_to_token_pool", None), "kvguard_guard", None)
+        if guard is not None:
+            guard._readers = guard._reader_rows = None
+            if before:
+                guard._batch_reqs(batch.reqs)
+        try:
+            out = inner(batch, *args, **kwargs)
+        except BaseException:
+            if guard is not None:
+                guard._readers = guard._reader_rows = None
+            raise
+        finally:
+            if guard is not None:
+                guard._writers = None
+        if guard is not None and not before:
+            guard._batch_reqs(batch.reqs)
+            guard._writers = None
+        if guard is not None and guard._readers is not None:
+            # The rows the batch's forward will read, so the readers are used for that forward
+            # only (alloc_for_extend returns them; a decode batch has them already).
+            rows = out[2] if isinstance(out, tuple) and len(out) == 3 else batch.req_pool_indices
+            guard._reader_rows = _flat(rows).astype(np.int64, copy=True)
+        return out
+
+    return alloc
+

@@ -1,0 +1,287 @@
+"""Where SGLang's pages go back: every free judged where it is made, with its freer known.
+
+``PageReleases`` is the part of :class:`kvguard.sglang.Guard` that follows SGLang's allocator:
+the pages it hands out (``alloc`` / ``alloc_extend`` / ``alloc_decode``), the frees made inside a
+free group (judged when made, not at ``free_group_end``), the release every free ends in
+(``_release_page_ids`` paged, ``free`` at page size 1), frees that name no freer (SGLang's own
+error paths, or a bug), and the pages kvguard itself gives back (withheld after a refused
+eviction, or held alone by a request whose row no longer names them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .. import ViolationError
+from .arrays import _flat
+
+_TREE = object()
+"""Freer marker: the radix cache itself drops pages (eviction)."""
+
+_NO_OWNER = -1
+"""``_page_key`` of a page no request owns exclusively (free, a prefix, or the padding page)."""
+
+
+class LocalViolation:
+    """A violation the binding finds itself, on SGLang's calls the core table does not see (a
+    free that names no freer): the same fields as :class:`~kvguard.Violation`, one line of text."""
+
+    __slots__ = ("kind", "op", "page", "request", "owner", "tenant", "owner_tenant", "generation", "slots",
+                 "prefix", "block_index", "text")
+
+    def __init__(self, kind: str, op: str, *, text: str, page: int | None = None, request: Any = None,
+                 owner: Any = None, tenant: Any = None, owner_tenant: Any = None) -> None:
+        self.kind, self.op, self.page, self.request, self.owner = kind, op, page, request, owner
+        self.tenant, self.owner_tenant, self.text = tenant, owner_tenant, text
+        self.generation = self.slots = self.prefix = self.block_index = None
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.text}"
+
+
+
+class PageReleases:
+    """The release side of :class:`~kvguard.sglang.Guard` (its state is the guard's)."""
+
+    def _wrap_alloc_pages(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        ps = self.page_size
+
+        def alloc(*args: Any, **kwargs: Any) -> Any:
+            out = inner(*args, **kwargs)
+            if out is not None:
+                slots = _flat(out)
+                if len(slots):
+                    try:
+                        self._handed[slots // ps if ps > 1 else slots] = True
+                    except IndexError:  # a slot outside the pool: judged where it is used
+                        pages = slots // ps
+                        self._handed[pages[(pages >= 0) & (pages < self._page_limit)]] = True
+            return out
+
+        return alloc
+
+    def _judged_now(self, pages: np.ndarray) -> list[int]:
+        """A free inside a free group, judged now (its freer is known here, not at the group's
+        end); the pages kept go on to SGLang's group and pass its end unjudged."""
+        kept = self._released(pages)
+        for p in kept:
+            self._group_judged[p] += 1
+        return kept
+
+    def _wrap_group_free(self, inner: Callable[..., Any], *, tokens: bool) -> Callable[..., Any]:
+        """Paged ``free`` (token slots) / ``free_page_ids`` (pages): outside a free group they end
+        in ``_release_page_ids`` (judged there); inside one, judged here."""
+        ps = self.page_size
+
+        def free(ids: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.allocator.free_group is None or self._group_ending or ids.numel() == 0:
+                return inner(ids, *args, **kwargs)
+            slots = _flat(ids)
+            pages = np.unique(slots // ps) if tokens else slots
+            kept = self._judged_now(pages)
+            if len(kept) == len(slots) and not tokens:
+                return inner(ids, *args, **kwargs)
+            if not kept:
+                return None
+            import torch
+
+            back = np.asarray(kept, dtype=np.int64) * (ps if tokens else 1)
+            return inner(torch.as_tensor(back, dtype=ids.dtype, device=ids.device), *args, **kwargs)
+
+        return free
+
+    def _wrap_group_end(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        def free_group_end(*args: Any, **kwargs: Any) -> Any:
+            self._group_ending = True
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self._group_ending = False
+                self._group_judged.clear()
+
+        return free_group_end
+
+    def _at_release(self, pages: np.ndarray) -> list[int]:
+        """The page release SGLang makes now: pages judged when their free group was made pass;
+        any other is judged here."""
+        if not self._group_ending or not self._group_judged:
+            return self._released(pages)
+        kept, rest = [], []
+        for p in pages.tolist():
+            if self._group_judged[p] > 0:
+                self._group_judged[p] -= 1
+                kept.append(p)
+            else:
+                rest.append(p)
+        if rest:
+            kept.extend(self._released(np.asarray(rest, dtype=np.int64)))
+        return kept
+
+    def _wrap_release_page_ids(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        def release_page_ids(*page_ids: Any) -> Any:
+            kept = [self._at_release(_flat(ids)) for ids in page_ids]
+            kept = [k for k in kept if len(k)]
+            if kept:
+                import torch
+
+                dev = self.allocator.device
+                return inner(*(torch.as_tensor(k, dtype=torch.int64, device=dev) for k in kept))
+            return None
+
+        return release_page_ids
+
+    def _wrap_token_free(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        """Page size 1: ``free`` is both where a free is made and where the release happens."""
+
+        def free(free_index: Any) -> Any:
+            if free_index.numel() == 0:
+                return inner(free_index)
+            slots = _flat(free_index)
+            if self.allocator.free_group is not None and not self._group_ending:
+                kept = self._judged_now(slots)
+            else:
+                kept = self._at_release(slots)
+            if len(kept) == free_index.numel():
+                return inner(free_index)
+            if len(kept):
+                import torch
+
+                return inner(torch.as_tensor(kept, dtype=free_index.dtype, device=free_index.device))
+            return None
+
+        return free
+
+    def _released(self, pages: np.ndarray) -> list[int]:
+        """Judges one release of ``pages``; returns those SGLang may put back in its free list."""
+        freer = self._freer
+        kept: list[int] = []
+        by_owner: dict[Any, list[int]] = {}
+        for page in pages.tolist():
+            inside = 0 <= page < self._page_limit
+            prefix = int(self._page_prefix[page]) if inside else 0
+            if prefix and freer is None:
+                # A page the radix cache holds, freed by no request and not by the cache's own
+                # eviction: the tree still names it, so it must not be handed out.
+                kept.extend(p for p in [page] if self._stray_free_ok(page, None))
+                continue
+            if prefix and freer is _TREE:
+                self._rows_stale = True
+                try:
+                    self.table.evict_prefix(prefix)
+                except ViolationError as e:
+                    self._violation(None, e.violation)
+                    if self.policy == "enforce":
+                        self._withheld[page] = prefix
+                        self.metrics["withheld_pages"] += 1
+                        continue
+                self._page_prefix[page] = 0
+                self._handed[page] = False
+                kept.append(page)
+                continue
+            if freer is not None and freer is not _TREE:
+                by_owner.setdefault(freer, []).append(page)
+            elif self._stray_free_ok(page, freer):
+                kept.append(page)
+        for key, own in by_owner.items():
+            kept.extend(self._release_owned(key, own))
+        return kept
+
+    def _stray_free_ok(self, page: int, freer: Any) -> bool:
+        """A free that came through none of the calls that name a freer (``free_kv_row``,
+        ``checkpoint``, ``evict``): SGLang's own error paths free pages it handed out and no
+        request claimed, which go back. A page a live request still holds, or one the allocator
+        never handed out (already free: a double free), is refused: under enforce it stays out of
+        SGLang's free list, so it is never handed to two requests."""
+        inside = 0 <= page < self._page_limit
+        owner = int(self._page_key[page]) if inside else _NO_OWNER
+        prefix = int(self._page_prefix[page]) if inside else 0
+        if owner == _NO_OWNER and not prefix and inside and self._handed[page]:
+            self._handed[page] = False
+            return True
+        self._rows_stale = True
+        if prefix:
+            v = LocalViolation(
+                "foreign_page", "release", page=page, text=f"a free by no request of page {page}, which the radix cache holds"
+            )
+        elif owner != _NO_OWNER:
+            v = LocalViolation(
+                "foreign_page", "release", page=page, owner=owner, tenant=None,
+                owner_tenant=self._tenants.get(owner),
+                text=f"a free by no request of page {page}, which request {self._rids.get(owner, owner)!r} still holds",
+            )
+        else:
+            what = "that the allocator never handed out (already free)" if inside else "outside the pool"
+            v = LocalViolation("double_free", "release", page=page, text=f"a second free of page {page}, {what}")
+        self._violation(None, v)
+        if self.policy == "enforce":
+            self.metrics["withheld_pages"] += 1
+            return False
+        return True
+
+    def _release_owned(self, key: Any, pages: list[int]) -> list[int]:
+        if key not in self._admitted:
+            # A freer kvguard does not know (released already, or never admitted): judged as a
+            # free by no request.
+            return [p for p in pages if self._stray_free_ok(p, None)]
+        self._forget_checks(key)
+        try:
+            self.table.release_pages(key, pages)
+            ok = pages
+        except ViolationError as e:
+            self._refused(key, e.violation)
+            ok = []
+            for page in pages:
+                if 0 <= page < self._page_limit and self._page_key[page] == key:
+                    try:
+                        self.table.release_pages(key, [page])
+                        ok.append(page)
+                    except ViolationError:
+                        pass
+            if self.policy == "report":
+                ok = pages
+        mine = [p for p in ok if 0 <= p < self._page_limit and self._page_key[p] == key]
+        self._page_key[mine] = _NO_OWNER
+        back = [p for p in ok if 0 <= p < self._page_limit]
+        self._handed[back] = False
+        return ok
+
+    def _return_orphans(self, kv: Any) -> None:
+        """The pages a stale request held alone go back to SGLang (no other request maps them:
+        nobody claimed them since, as the allocator never handed them out again)."""
+        entry = self._orphans.pop(id(kv), None)
+        if entry is None or entry[0] is not kv:
+            return
+        pages = entry[1]
+        back = pages[(self._page_key[pages] == _NO_OWNER) & (self._page_prefix[pages] == 0) & self._handed[pages]]
+        self._give_back(back)
+
+    def _give_back(self, pages: Any) -> None:
+        """Pages kvguard itself returns to SGLang's free list (already judged), through the
+        allocator's own release; inside a free group they pass its end unjudged."""
+        if not len(pages):
+            return
+        import torch
+
+        self._handed[pages] = False
+        if self.page_size == 1 and self.allocator.free_group is not None and not self._group_ending:
+            for p in np.asarray(pages).tolist():
+                self._group_judged[p] += 1
+        self._release_inner(torch.as_tensor(pages, dtype=torch.int64, device=self.allocator.device))
+
+    def _return_withheld(self) -> None:
+        """Pages whose eviction was refused go back to SGLang once their last holder let go."""
+        if not self._withheld:
+            return
+        back = []
+        for page, prefix in list(self._withheld.items()):
+            try:
+                self.table.evict_prefix(prefix)
+            except ViolationError:
+                continue
+            del self._withheld[page]
+            self._page_prefix[page] = 0
+            back.append(page)
+        self._give_back(back)

@@ -1,0 +1,250 @@
+"""Bugs injected into SGLang's own Scheduler as it runs (scheduler_rig.py, the Triton row write):
+each caught on the step where it happens, on the right request; under enforce only that request
+is aborted, and every other request's output is the unguarded run's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sglang.srt.managers.schedule_batch import FINISH_ABORT
+from scheduler_rig import attach_kvguard, build_scheduler, finished, generate_req, overlap_step, pool_pages, run
+from scheduler_rig import step as normal_step
+
+PROMPTS = {f"r{i}": [1000 * (i + 1) + j for j in range(40)] for i in range(4)}
+
+
+def reqs(max_new=24):
+    return [generate_req(rid, p, max_new=max_new, salt="acme") for rid, p in PROMPTS.items()]
+
+
+@pytest.fixture
+def triton_rows(monkeypatch):
+    from scheduler_rig import allocation
+
+    monkeypatch.setattr(allocation, "support_triton", lambda backend: True)
+
+
+def scheduler(page_size, policy="enforce", *, overlap=False):
+    s = build_scheduler(
+        page_size=page_size, tokens=1024 if page_size == 16 else 512, rows=8, context_len=256,
+        disable_overlap_schedule=not overlap,
+    )
+    guard = attach_kvguard(s, policy) if policy else None
+    return s, guard
+
+
+@pytest.fixture(scope="module")
+def unguarded():
+    out = {}
+    for ps in (1, 16):
+        s, _ = scheduler(ps, policy=None)
+        out[ps] = run(s, reqs())
+    return out
+
+
+def started(s, n=3):
+    """The requests in, a prefill and ``n`` decode steps run."""
+    for r in reqs():
+        s.handle_generate_request(r)
+    for _ in range(1 + n):
+        step(s)
+    return {r.rid: r for r in s.running_batch.reqs}
+
+
+def step(s):
+    """One step of the scheduler's event loop: overlap or normal, as it is configured."""
+    return overlap_step(s) if s.enable_overlap else normal_step(s)
+
+
+def finish(s):
+    for _ in range(200):
+        if (step(s) is None and s.running_batch.is_empty() and not s.waiting_queue
+                and not getattr(s, "result_queue", None)):
+            return finished(s)
+    raise AssertionError("the scheduler did not finish")
+
+
+def row(s, req):
+    return s.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : req.kv.kv_committed_len].to(torch.int64)
+
+
+def free_pages(s):
+    return set(s.token_to_kv_pool_allocator.get_all_free_pages().tolist())
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_stray_free_of_a_live_requests_pages(triton_rows, unguarded, page_size, overlap):
+    """A free that names no freer (not free_kv_row, evict or checkpoint) of pages r1 still maps:
+    refused on the free (foreign_page: r1's own pages, and the cached prompt pages the radix
+    cache holds), the pages stay out of SGLang's free list, so no other request is handed them;
+    nobody is aborted and every output is the unguarded run's."""
+    s, guard = scheduler(page_size, overlap=overlap)
+    live = started(s)
+    slots = row(s, live["r1"])
+    pages = set((slots // page_size).tolist())
+    s.token_to_kv_pool_allocator.free(slots.clone())  # the bug
+    assert guard.violations and {(v.kind, v.op, v.request) for v in guard.violations} == {("foreign_page", "release", None)}
+    assert {v.owner for v in guard.violations} <= {"r1", None} and "r1" in {v.owner for v in guard.violations}
+    assert len(guard.violations) == len(pages)
+    assert not pages & free_pages(s)
+    out = finish(s)
+    assert guard.aborted == {}
+    assert out == unguarded[page_size]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_double_free_of_a_page_already_free(triton_rows, unguarded, page_size):
+    """A stray second free of a page already in SGLang's free list: refused (double_free), the
+    free list keeps one copy."""
+    s, guard = scheduler(page_size)
+    started(s)
+    page = min(free_pages(s))
+    s.token_to_kv_pool_allocator.free(torch.tensor([page * page_size], dtype=torch.int64))
+    assert [v.kind for v in guard.violations] == ["double_free"] and guard.violations[0].page == page
+    allp = s.token_to_kv_pool_allocator.get_all_free_pages()
+    assert len(torch.unique(allp)) == len(allp)
+    assert finish(s) == unguarded[page_size] and guard.aborted == {}
+
+
+def test_double_free_inside_a_free_group(triton_rows, unguarded):
+    """SGLang's result processing releases finished requests inside a free group
+    (free_group_begin/end). A release path that frees r2's tail twice in the group is refused on
+    r2 when it is made (the freer is known there, not at the group's end); SGLang's free list
+    gets each page once and no page is lost."""
+    s, guard = scheduler(16)
+    start = pool_pages(s)
+    live = started(s)
+    victim = live["r2"].kv
+    tree = s.tree_cache
+    inner = tree.free_kv_row
+    seen = []
+
+    def twice(kv, segments, *a, **k):
+        inner(kv, segments, *a, **k)
+        if kv is victim and s.token_to_kv_pool_allocator.free_group is not None and any(e > b for b, e in segments):
+            seen.append(segments)
+            inner(kv, segments, *a, **k)  # the bug
+
+    tree.free_kv_row = twice
+    out = finish(s)
+    assert seen, "r2's tail was released inside a free group"
+    assert {rid for rid, _ in guard.refusals} == {"r2"}
+    assert {v.kind for v in guard.violations} <= {"double_free", "foreign_page"} and guard.violations
+    assert all(v.op == "release" for v in guard.violations)
+    allp = s.token_to_kv_pool_allocator.get_all_free_pages()
+    assert len(torch.unique(allp)) == len(allp)
+    assert pool_pages(s) == start
+    assert out == unguarded[16]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_stale_req_pool_idx_refuses_the_reader_not_the_new_owner(triton_rows, unguarded, page_size, overlap):
+    """r3's row is freed while r3 keeps running (a stale req_pool_idx); the row goes to a new
+    request c. At the next step r3 writes and reads through c's row: r3 is refused (its write
+    into c's row dropped, its read refused, its release through c's row refused), c and the
+    others run on untouched, and no page is lost."""
+    s, guard = scheduler(page_size, overlap=overlap)
+    start = pool_pages(s)
+    live = started(s)
+    r3 = live["r3"]
+    idx = r3.kv.req_pool_idx
+    s.req_to_token_pool.free(r3)  # the bug: the row goes back, r3 keeps it
+    r3.kv.req_pool_idx = idx
+    c_prompt = [7] * 30
+    s.handle_generate_request(generate_req("c", c_prompt, max_new=6, salt="zeta"))
+    step(s)  # c's prefill takes the free row
+    c = next(r for r in s.last_batch.reqs if r.rid == "c")
+    assert c.kv.req_pool_idx == idx, "c got r3's row"
+    out = finish(s)
+    assert set(guard.aborted) == {"r3"}
+    assert {rid for rid, _ in guard.refusals if rid is not None} <= {"r3"}
+    assert isinstance(out["r3"][1], dict) and out["r3"][1]["type"] == "abort"
+    for rid in ("r0", "r1", "r2"):
+        assert out[rid] == unguarded[page_size][rid]
+    ref, _ = scheduler(page_size, policy=None)
+    want_c = run(ref, [generate_req("c", c_prompt, max_new=6, salt="zeta")])["c"]
+    assert out["c"] == want_c
+    # r3's own pages came back (no row names them any more), and c's were never freed twice.
+    assert pool_pages(s) == start
+    allp = s.token_to_kv_pool_allocator.get_all_free_pages()
+    assert len(torch.unique(allp)) == len(allp)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("stream", [False, True])
+def test_entry_changed_below_the_window_is_never_served(triton_rows, unguarded, page_size, stream, overlap):
+    """An entry of r1's row below its decode window is changed behind SGLang's calls (a direct
+    write into req_to_token naming r0's KV); r1 finishes before the next full check
+    (full_check_every=64). Its whole row is checked before any of its output leaves the
+    scheduler: r1 ends with kvguard's abort instead of the output it read from r0's KV; r0 and
+    the others are untouched."""
+    s, guard = scheduler(page_size, overlap=overlap)
+    for r in reqs(max_new=6):
+        r.stream = stream
+        s.handle_generate_request(r)
+    step(s)
+    step(s)  # a decode step: rows found clean, windows from here
+    live = {r.rid: r for r in s.running_batch.reqs}
+    r0, r1 = live["r0"], live["r1"]
+    rt = s.req_to_token_pool.req_to_token
+    sent_before = len(s.outputs.sent)
+    rt[r1.kv.req_pool_idx, 2] = rt[r0.kv.req_pool_idx, 2]  # the bug
+    out = finish(s)
+    assert set(guard.aborted) == {"r1"}
+    v = guard.aborted["r1"]
+    assert v.kind == "foreign_page" and v.request == "r1" and v.owner in ("r0", None)
+    assert out["r1"][1]["type"] == "abort"
+    # Nothing of r1 left the scheduler after the bug but the abort.
+    for payload in s.outputs.sent[sent_before:]:
+        for i, rid in enumerate(payload.rids):
+            if rid == "r1":
+                assert payload.finished_reasons[i] is not None and payload.finished_reasons[i]["type"] == "abort"
+    ref = {rid: o for rid, o in unguarded[page_size].items()}
+    s2, _ = scheduler(page_size, policy=None)
+    want = run(s2, reqs(max_new=6))
+    for rid in ("r0", "r2", "r3"):
+        assert out[rid] == want[rid]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_misrouted_triton_row_write_is_refused_on_the_reader(monkeypatch, unguarded, page_size):
+    """SGLang's GPU row write (write_req_to_token_pool_triton) goes wrong: r1's row gets r0's
+    slots. kvguard's claims come from write_cache_indices' arguments (the allocator's
+    out_cache_loc), never from the rows, so r1's new pages stay r1's and r0's stay r0's: r1's
+    read of r0's pages is refused on the forward, r1 alone is aborted, r0 and the others are
+    served as without kvguard, and r1's own pages (named by no row) go back to SGLang."""
+    from scheduler_rig import allocation
+
+    monkeypatch.setattr(allocation, "support_triton", lambda backend: True)
+    real = allocation.write_req_to_token_pool_triton
+    state = {"done": False}
+
+    class Misrouted:
+        def __getitem__(self, grid):
+            def launch(req_to_token, rows, *args):
+                real[grid](req_to_token, rows, *args)
+                if not state["done"] and len(rows) >= 2:
+                    state["done"] = True
+                    r0, r1 = int(rows[0]), int(rows[1])
+                    req_to_token[r1, :40] = req_to_token[r0, :40]  # the bug
+
+            return launch
+
+    monkeypatch.setattr(allocation, "write_req_to_token_pool_triton", Misrouted())
+    s, guard = scheduler(page_size)
+    start = pool_pages(s)
+    out = run(s, reqs())
+    assert state["done"]
+    # r1's own pages, which no row names after the bug, came back from kvguard; none twice.
+    assert pool_pages(s) == start
+    allp = s.token_to_kv_pool_allocator.get_all_free_pages()
+    assert len(torch.unique(allp)) == len(allp)
+    assert set(guard.aborted) == {"r1"}
+    v = guard.aborted["r1"]
+    assert v.kind == "foreign_page" and v.op == "read" and v.request == "r1" and v.owner == "r0"
+    assert out["r1"][1]["type"] == "abort"
+    for rid in ("r0", "r2", "r3"):
+        assert out[rid] == unguarded[page_size][rid]

@@ -1,0 +1,59 @@
+"""Intake through SGLang's own handle_generate_request (validate_input_length included): the
+one-token stub of an over-long prompt refused at the length the client sent, a prompt SGLang
+truncates (--allow-auto-truncate) judged at the length prefill runs, and report mode counting
+an over-long request once."""
+
+from __future__ import annotations
+
+import pytest
+from scheduler_rig import attach_kvguard, build_scheduler, generate_req, run
+
+CONTEXT = 256
+
+
+def scheduler(policy, **server_args):
+    s = build_scheduler(page_size=16, tokens=2048, rows=8, context_len=CONTEXT, **server_args)
+    return s, (attach_kvguard(s, policy) if policy else None)
+
+
+def short(i):
+    return generate_req(f"ok{i}", [100 + i] * 30, max_new=4)
+
+
+def test_over_long_prompt_is_refused_at_intake_and_never_runs():
+    """SGLang's validate_input_length turns the 400-token prompt into a one-token stub that would
+    still be scheduled; kvguard judges the 400 tokens the client sent: answered at once with
+    kvguard's 400, never queued, no row, no page; the others are served."""
+    s, guard = scheduler("enforce")
+    rows_before = len(s.req_to_token_pool.free_slots)
+    s.handle_generate_request(generate_req("long", list(range(1, 401)), max_new=4))
+    assert not s.waiting_queue and len(s.req_to_token_pool.free_slots) == rows_before
+    v = guard.aborted["long"]
+    assert v.kind == "exceeds_max_context" and v.op == "admit"
+    out = run(s, [short(i) for i in range(3)])
+    assert out["long"][1]["type"] == "abort" and "kvguard refused" in out["long"][1]["message"]
+    assert out["long"][1]["status_code"] == 400
+    assert all(out[f"ok{i}"][1]["type"] == "length" for i in range(3))
+    assert set(guard.aborted) == {"long"}
+
+
+def test_auto_truncated_prompt_is_judged_at_the_length_prefill_runs():
+    """With --allow-auto-truncate SGLang cuts the 400-token prompt to its max input length and
+    runs it: kvguard admits it at that length (not the client's), and it is served as it is
+    without kvguard."""
+    want = run(scheduler(None, allow_auto_truncate=True)[0], [generate_req("long", list(range(1, 401)), max_new=4)])
+    s, guard = scheduler("enforce", allow_auto_truncate=True)
+    out = run(s, [generate_req("long", list(range(1, 401)), max_new=4)])
+    assert guard.violations == [] and guard.aborted == {}
+    assert out == want and out["long"][1]["type"] == "length"
+
+
+def test_report_mode_counts_an_over_long_request_once():
+    s, guard = scheduler("report")
+    out = run(s, [generate_req("long", list(range(1, 401)), max_new=4)] + [short(i) for i in range(2)])
+    assert [v.kind for v in guard.violations] == ["exceeds_max_context"]
+    assert guard.metrics["violations_total"] == 1
+    assert guard.aborted == {}
+    # Report changes nothing: SGLang itself aborts the stub, the others are served.
+    assert out["long"][1]["type"] == "abort" and "kvguard" not in out["long"][1]["message"]
+    assert all(out[f"ok{i}"][1]["type"] == "length" for i in range(2))
