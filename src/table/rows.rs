@@ -180,7 +180,7 @@ impl TableState {
             // window `from..read` is what this step reads anew: usually one page, two where a
             // page filled.
             let from = self.page_div.floor(c.tokens) as usize;
-            let read = tokens.div_ceil(ps) as usize;
+            let read = self.page_div.ceil(tokens) as usize;
             if read <= row.len()
                 && row[..from] == c.entries[..from]
                 && !rec.quarantined.load(Ordering::Relaxed)
@@ -197,7 +197,7 @@ impl TableState {
         match self.check_read_of(rec, req, row, tokens) {
             Ok(()) => {
                 let rec = rec.expect("a clean read has a record");
-                let read = tokens.div_ceil(ps) as usize;
+                let read = self.page_div.ceil(tokens) as usize;
                 let c = cached.get_or_insert_with(|| Checked {
                     request: req,
                     epoch: 0,
