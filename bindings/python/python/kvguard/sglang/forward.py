@@ -18,15 +18,37 @@ one gather (``Guard._row_key[req_pool_indices]``). The rows are verified where t
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from .. import ConfigError, DeviceError, DeviceGuard
-from .guard import _flat, _host
+from .. import ConfigError, DeviceError, DeviceGuard, OwnershipTable, PoolConfig
+from .arrays import _flat, _host
 
-if TYPE_CHECKING:
-    from .guard import Guard
+
+class Guard(Protocol):
+    """What the row checks read of the plugin's :class:`kvguard.sglang.Guard` (which they are
+    handed, never import: the guard builds its check, the arrow goes one way)."""
+
+    req_to_token_pool: Any
+    table: OwnershipTable
+    config: PoolConfig
+    policy: str
+    page_size: int
+    full_check_every: int
+    metrics: Any
+    _row_key: Any
+    _row_checked: Any
+    _row_claimant: Any
+    _row_live: Any
+    _rows_stale: Any
+    _readers: Any
+    _reader_rows: Any
+    _refused: Any
+    _qsl_decode: Any
+
+    def _stale_rows(self, *args: Any) -> Any: ...
+    def _violation(self, *args: Any) -> Any: ...
 
 logger = logging.getLogger("sglang.srt.kvguard")
 
