@@ -22,6 +22,8 @@ scheduler process (engine core)
                                          ``RequestError`` the client sees (vLLM's per-request
                                          error path, the one grammar errors take)
 worker process
+  ``GPUModelRunner._update_states``      a step that schedules no tokens (the runner returns
+                                         before ``_prepare_inputs``): its events applied
   ``GPUModelRunner._prepare_inputs``     *acts*: the check, after ``_update_states`` built the
                                          persistent batch and before ``commit_block_table`` copies
                                          it; under enforce refused rows are nulled
@@ -186,8 +188,16 @@ def _install_scheduler() -> None:
                 if getattr(self, "use_v2_model_runner", False):
                     _unsupported("vLLM's V2 model runner (its workers are not hooked)")
             rec = recorder_of(self.kv_cache_manager, self.requests)
-            out = original(self, *args, **kwargs)
-            out.kvguard_events = rec.take() if rec is not None else None
+            if rec is None:
+                out = original(self, *args, **kwargs)
+                out.kvguard_events = None
+                return out
+            rec.in_schedule = True
+            try:
+                out = original(self, *args, **kwargs)
+            finally:
+                rec.in_schedule = False
+            out.kvguard_events = rec.take()
             return out
 
         return wrapper
@@ -236,15 +246,7 @@ def worker_step(
     """The worker's check of one step (what the ``_prepare_inputs`` wrapper runs; a harness
     driving ``InputBatch`` itself calls it at the same point). ``owner`` keeps the guard
     (``owner._kvguard``) and the refusals awaiting the step's output."""
-    guard = owner.__dict__.get("_kvguard", False)
-    if guard is False:
-        tables = input_batch.block_table.block_tables
-        guard = None
-        if len(tables) != 1:
-            _unsupported(f"{len(tables)} block tables (one KV cache group only)")
-        else:
-            guard = StepGuard(num_blocks, tables[0].block_size, max_model_len, _MODE or "enforce")
-        owner._kvguard = guard
+    guard = _guard_of(owner, input_batch, num_blocks, max_model_len)
     if guard is None:
         return None
     table = input_batch.block_table.block_tables[0]
@@ -261,6 +263,41 @@ def worker_step(
         for rid, refusal in report.refused.items():
             pending[rid] = refusal.client_message(rid)
     return report
+
+
+def _guard_of(owner: Any, input_batch: Any, num_blocks: int, max_model_len: int) -> StepGuard | None:
+    """``owner``'s guard, made on first use (None when the configuration is unsupported)."""
+    guard = owner.__dict__.get("_kvguard", False)
+    if guard is False:
+        tables = input_batch.block_table.block_tables
+        guard = None
+        if len(tables) != 1:
+            _unsupported(f"{len(tables)} block tables (one KV cache group only)")
+        else:
+            guard = StepGuard(num_blocks, tables[0].block_size, max_model_len, _MODE or "enforce")
+        owner._kvguard = guard
+    return guard
+
+
+def idle_step(owner: Any, input_batch: Any, scheduler_output: Any, *, num_blocks: int, max_model_len: int) -> None:
+    """A step that schedules no tokens (vLLM sends one to tell the worker what finished; its
+    runner returns before ``_prepare_inputs``): its events (the releases) are applied all the
+    same, so the table frees what vLLM freed."""
+    events = getattr(scheduler_output, "kvguard_events", None)
+    if not events:
+        return
+    guard = _guard_of(owner, input_batch, num_blocks, max_model_len)
+    if guard is None:
+        return
+    table = input_batch.block_table.block_tables[0]
+    report = guard.check_step(
+        [], table.block_table.np, table.num_blocks_per_row, input_batch.num_computed_tokens_cpu, None, events
+    )
+    if report.refused and guard.mode == "enforce":
+        pending = owner.__dict__.setdefault("_kvguard_refused", {})
+        for rid, refusal in report.refused.items():
+            pending[rid] = refusal.client_message(rid)
+
 
 
 def annotate_output(owner: Any, output: Any) -> Any:
@@ -289,13 +326,32 @@ def annotate_output(owner: Any, output: Any) -> Any:
 def _install_worker() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    def check_config(runner: Any) -> None:
+        if runner.kv_cache_config is not None and not runner.__dict__.get("_kvguard_checked_config"):
+            runner._kvguard_checked_config = True
+            if getattr(runner.vllm_config, "kv_transfer_config", None) is not None:
+                _unsupported("a KV connector (kv_transfer_config): its imports are not recorded")
+                runner._kvguard = None
+
+    def update_states(original: Any) -> Any:
+        def wrapper(self: Any, scheduler_output: Any, *args: Any, **kw: Any) -> Any:
+            out = original(self, scheduler_output, *args, **kw)
+            if not scheduler_output.total_num_scheduled_tokens and self.kv_cache_config is not None:
+                check_config(self)
+                idle_step(
+                    self,
+                    self.input_batch,
+                    scheduler_output,
+                    num_blocks=self.kv_cache_config.num_blocks,
+                    max_model_len=self.max_model_len,
+                )
+            return out
+
+        return wrapper
+
     def prepare_inputs(original: Any) -> Any:
         def wrapper(self: Any, scheduler_output: Any, num_scheduled_tokens: Any, *args: Any, **kw: Any) -> Any:
-            if self.kv_cache_config is not None and not self.__dict__.get("_kvguard_checked_config"):
-                self._kvguard_checked_config = True
-                if getattr(self.vllm_config, "kv_transfer_config", None) is not None:
-                    _unsupported("a KV connector (kv_transfer_config): its imports are not recorded")
-                    self._kvguard = None
+            check_config(self)
             worker_step(
                 self,
                 self.input_batch,
@@ -314,6 +370,7 @@ def _install_worker() -> None:
 
         return wrapper
 
+    _wrap(GPUModelRunner, "_update_states", update_states)
     _wrap(GPUModelRunner, "_prepare_inputs", prepare_inputs)
     _wrap(GPUModelRunner, "execute_model", annotating)
     _wrap(GPUModelRunner, "sample_tokens", annotating)

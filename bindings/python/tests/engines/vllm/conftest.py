@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest
