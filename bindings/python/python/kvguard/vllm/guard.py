@@ -113,6 +113,10 @@ class StepGuard:
         #: The report of the last step something was refused in (None once read by a test or
         #: tool that clears it); clean steps leave it alone.
         self.last_report: StepReport | None = None
+        #: Blocks vLLM evicted from its prefix cache that the table could not evict yet (a
+        #: request still held them here: after a refusal, the table and vLLM can disagree on
+        #: who holds what). Each is evicted before vLLM's next claim of it.
+        self.pending_evict: set[int] = set()
         #: Requests refused so far (their later release errors are expected, not news).
         self.refused_ever: set[str] = set()
         self.steps = 0
@@ -161,7 +165,32 @@ class StepGuard:
     def _refuse_events(self, report: StepReport, events: list[tuple], refused: list) -> None:
         for i, v in refused:
             ev = events[i]
+            if ev[0] == EventKind.EVICT:
+                # vLLM dropped the block's hash whatever the table said; the table follows it.
+                if v.kind == "evict_in_use":
+                    # Still held here: evicted once nothing holds it, before vLLM hands the
+                    # block out again (a claim of it is then judged against the truth).
+                    self.pending_evict.add(ev[2])
+                if ev[1] is None or v.kind == "unknown_prefix":
+                    # A cache entry the table never had (its publish was refused), or kvguard's
+                    # own clean-up after a refusal: nobody reads through it, nobody is charged.
+                    logger.debug("kvguard: %s (evict, not charged): %s", v.kind, v)
+                    continue
             self._refuse(report, ev[1], v.kind, STAGES[ev[0]], str(v))
+
+    def _evict_before_claims(self, early: list[tuple]) -> list[tuple]:
+        """The step's early events with the evictions the table still owes vLLM (see
+        ``pending_evict``) put right before the claim of their block."""
+        pending = self.pending_evict
+        out: list[tuple] = []
+        for ev in early:
+            if ev[0] == EventKind.CLAIM and not pending.isdisjoint(ev[2]):
+                for block in ev[2]:
+                    if block in pending:
+                        pending.discard(block)
+                        out.append((EventKind.EVICT, None, block))
+            out.append(ev)
+        return out
 
     def check_step(
         self,
@@ -180,6 +209,8 @@ class StepGuard:
         # Python work; everything else happens only when something was refused.
         self.steps += 1
         early, late = events if events else (None, None)
+        if early and self.pending_evict:
+            early = self._evict_before_claims(early)
         writes = reads = refused_late = None
         if req_ids:
             # Early events, writes, late events (publishes, prefix hits), reads: one call, one

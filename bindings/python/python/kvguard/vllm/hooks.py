@@ -125,6 +125,24 @@ def recorder_of(kv_cache_manager: Any, requests: dict[str, Any] | None = None) -
     return rec
 
 
+def forget_refused_writes(scheduler: Any, refused: Any) -> None:
+    """Takes the blocks refused requests published out of vLLM's prefix cache. A refused row is
+    nulled before the copy, so the blocks vLLM hashed for that step (and any later one, under
+    async scheduling) were never written: left cached, every later request of the tenant that
+    hits them would read what nobody wrote (and be refused for it). Blocks they published before
+    and others already read are dropped too (a few cache hits lost after a refusal, never a wrong
+    read); their holders keep them. The recorder hears of it as evictions, as it does of a KV
+    connector's."""
+    rec = scheduler.kv_cache_manager.__dict__.get("_kvguard_recorder")
+    if rec is None:
+        return
+    blocks: set[int] = set()
+    for rid in refused:
+        blocks.update(rec.published_by(rid))
+    if blocks:
+        scheduler.kv_cache_manager.block_pool.evict_blocks(blocks)
+
+
 def _install_scheduler() -> None:
     from vllm.outputs import RequestError
     from vllm.v1.core.block_pool import BlockPool
@@ -206,6 +224,7 @@ def _install_scheduler() -> None:
         def wrapper(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
             refused = getattr(model_runner_output, "kvguard_refused", None)
             if refused:
+                forget_refused_writes(self, refused)
                 model_runner_output = copy.copy(model_runner_output)
                 sampled = list(model_runner_output.sampled_token_ids)
                 for rid, message in refused.items():

@@ -212,9 +212,9 @@ class SchedulerRecorder:
         self.max_model_len = max_model_len
         self.requests: dict[str, Any] = requests if requests is not None else {}
         self.admitted: set[str] = set()
-        #: Block id -> the tenant key of its publisher, for each block published (a live prefix
-        #: in the worker's table once applied).
-        self.published: dict[int, int] = {}
+        #: Block id -> (the tenant key, the request id) of its publisher, for each block
+        #: published (a live prefix in the worker's table once applied).
+        self.published: dict[int, tuple[int, str]] = {}
         #: True while vLLM's ``schedule`` runs (a block hashed then is written by that step).
         self.in_schedule = False
         #: Tenant string -> the int key the table knows it by, and each key's holds (admitted
@@ -283,13 +283,13 @@ class SchedulerRecorder:
         """The blocks are no longer published: their tenants' holds are dropped."""
         published = self.published
         for b in block_ids:
-            key = published.pop(b, None)
-            if key is not None:
-                self._drop_tenant(key)
+            publisher = published.pop(b, None)
+            if publisher is not None:
+                self._drop_tenant(publisher[0])
 
     def _publish_one(self, rid: str, block_id: int) -> None:
         key = self._request_tenant.get(rid, 0)
-        self.published[block_id] = key
+        self.published[block_id] = (key, rid)
         self._hold_tenant(key)
         event = (_PUBLISH, rid, block_id, (block_id,))
         # Hashed inside schedule: written by this step, published after its writes. Hashed in
@@ -361,6 +361,10 @@ class SchedulerRecorder:
             self._events.append((_RELEASE, rid))
         else:
             self._events.append((_PREEMPT, rid))
+
+    def published_by(self, rid: str) -> list[int]:
+        """The blocks ``rid`` published that are still published (run after a refusal only)."""
+        return [b for b, (_, publisher) in self.published.items() if publisher == rid]
 
     def cache_reset(self) -> None:
         """``reset_prefix_cache`` succeeded: every cached block lost its hash."""

@@ -326,3 +326,55 @@ def test_injected_cross_tenant_cached_block(async_scheduling, monkeypatch):
     guarded = run_real(rc, fill, guarded=True)
     assert guarded.events.get("attach", 0) > 0
     check_contained(guarded, clean, victim, {"cross_tenant_share"})
+
+
+# -- after a refusal: only the offender pays (issue 34 items 1 and 2) -------------------------
+
+
+def _more_work(e: RealEngine, prefix: list[int], n: int = 30) -> None:
+    """Bystanders after a refusal: requests of the same tenant, half of them with ``prefix``
+    (vLLM would serve them the refused request's cached blocks), all through a small pool (so
+    the blocks the refusal left behind are evicted and handed out again)."""
+    for i in range(n):
+        head = prefix if i % 2 == 0 else []
+        e.add(f"after-{i}", head + [(i * 37 + k) % 400 + 1 for k in range(10 + i % 23)], 3 + i % 9)
+    e.run()
+
+
+@SCHEDULING
+def test_after_a_refused_write_its_cached_blocks_serve_nobody(async_scheduling, monkeypatch):
+    """Issue 34 items 1 and 2: a request refused mid-prefill had its row nulled, so the blocks
+    vLLM hashed for that step were never written. Left in vLLM's prefix cache, later requests of
+    the tenant with that prompt hit them and were refused (15 bystanders here). They now leave
+    vLLM's cache with the refusal; the table cannot evict those the refused request still holds
+    there, and evicts them before vLLM hands them out again (without that, 17-25 bystanders were
+    refused page_not_free): every bystander is served as in the run without the bug."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    rc = RealConfig(num_blocks=40, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=512, async_scheduling=async_scheduling)
+    victim = "long-prompt"
+    prompt = list(range(100, 190))
+
+    def fill(e: RealEngine) -> None:
+        e.add("other", list(range(1, 20)), 20)
+        e.add(victim, prompt, 5)
+        e.run()
+        _more_work(e, prompt)
+
+    clean = run_real(rc, fill, guarded=False)
+    assert clean.events == {} and max(clean.scheduler_hits.get(f"after-{i}", 0) for i in range(0, 30, 2)) >= 64
+    original = Scheduler._update_after_schedule
+    armed = {"once": True}
+
+    def racy(self, scheduler_output):
+        original(self, scheduler_output)
+        req = self.requests.get(victim)
+        if armed.get("once") and req is not None and 0 < req.num_computed_tokens < req.num_prompt_tokens - 8:
+            armed.clear()
+            req.num_computed_tokens += 3
+
+    monkeypatch.setattr(Scheduler, "_update_after_schedule", racy)
+    guarded = run_real(rc, fill, guarded=True)
+    assert guarded.events.get("evict", 0) > 0, "the refused request's blocks leave vLLM's cache"
+    check_contained(guarded, clean, victim, {"unwritten_slots"})
+    assert len(guarded.finished) == 32
