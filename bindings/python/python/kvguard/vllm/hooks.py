@@ -35,7 +35,8 @@ The scheduler's truth reaches the worker on the ``SchedulerOutput`` it already s
 refusals come back on the ``ModelRunnerOutput`` the same way: no extra channel, no extra round
 trip. Supported: one full-attention KV cache group, block size equal to the hash block size,
 no KV connector, vLLM's V1 model runner (``CPUModelRunner`` is a subclass); anything else is
-refused at start under enforce and left unchecked (with a warning) under report.
+found when vLLM builds its scheduler (a wrapper on ``Scheduler.__init__``): refused there under
+enforce, so the engine never starts, and left unchecked (with a warning) under report.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-import os
 from typing import Any
 
 from .guard import StepGuard, StepReport
@@ -143,6 +143,25 @@ def forget_refused_writes(scheduler: Any, refused: Any) -> None:
         scheduler.kv_cache_manager.block_pool.evict_blocks(blocks)
 
 
+def check_scheduler(scheduler: Any) -> None:
+    """What kvguard cannot check in this engine, found when its scheduler is built: under
+    enforce an UnsupportedConfig stops the engine there; under report a warning, and the engine
+    runs unchecked. Then the recorder is made (it checks the KV cache groups)."""
+    scheduler._kvguard_checked_config = True
+    if getattr(scheduler, "use_v2_model_runner", False):
+        _unsupported(
+            "vLLM's V2 model runner (its block tables are built on the device; set "
+            "VLLM_USE_V2_MODEL_RUNNER=0 for the V1 runner, which kvguard checks)"
+        )
+        scheduler.kv_cache_manager._kvguard_recorder = None
+        return
+    if getattr(scheduler, "connector", None) is not None:
+        _unsupported("a KV connector (kv_transfer_config): its imports are not recorded")
+        scheduler.kv_cache_manager._kvguard_recorder = None
+        return
+    recorder_of(scheduler.kv_cache_manager, scheduler.requests)
+
+
 def _install_scheduler() -> None:
     from vllm.outputs import RequestError
     from vllm.v1.core.block_pool import BlockPool
@@ -199,12 +218,19 @@ def _install_scheduler() -> None:
 
         return wrapper
 
+    def init(original: Any) -> Any:
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            original(self, *args, **kwargs)
+            # At start-up, not at the first step: under enforce an engine kvguard cannot check
+            # never serves.
+            check_scheduler(self)
+
+        return wrapper
+
     def schedule(original: Any) -> Any:
         def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
             if not self.__dict__.get("_kvguard_checked_config"):
-                self._kvguard_checked_config = True
-                if getattr(self, "use_v2_model_runner", False):
-                    _unsupported("vLLM's V2 model runner (its workers are not hooked)")
+                check_scheduler(self)
             rec = recorder_of(self.kv_cache_manager, self.requests)
             if rec is None:
                 out = original(self, *args, **kwargs)
@@ -246,6 +272,7 @@ def _install_scheduler() -> None:
     _default(BlockPool, "_kvguard_recorder", None)
     _wrap(BlockPool, "evict_blocks", evict_blocks)
     _wrap(BlockPool, "cache_full_blocks", cache_full_blocks)
+    _wrap(Scheduler, "__init__", init)
     _wrap(Scheduler, "schedule", schedule)
     _wrap(Scheduler, "update_from_output", update_from_output)
 
@@ -404,12 +431,10 @@ def install(mode: str) -> None:
     import vllm.envs as envs
 
     _MODE = mode
-    if "VLLM_USE_V2_MODEL_RUNNER" not in os.environ:
-        # vLLM picks its V2 model runner by default where Triton exists; kvguard hooks the V1
-        # runner's persistent batch, so it asks for that one (inherited by the workers).
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-        logger.info("kvguard: VLLM_USE_V2_MODEL_RUNNER=0 (kvguard checks the V1 model runner)")
-    elif envs.VLLM_USE_V2_MODEL_RUNNER:
+    # The user's runner is theirs to pick: kvguard checks the V1 runner, and an engine that
+    # runs V2 (vLLM's default where Triton runs) is refused when its scheduler is built
+    # (enforce) or runs unchecked with a warning (report).
+    if envs.VLLM_USE_V2_MODEL_RUNNER:
         _unsupported("vLLM's V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1)")
     _install_scheduler()
     try:

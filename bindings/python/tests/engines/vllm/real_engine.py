@@ -192,6 +192,9 @@ class StandInWorker:
         # the stand-in model needs none).
         self.runner.kv_cache_config = config
         self.runner.may_reinitialize_input_batch(config)
+        # A new InputBatch (several groups): its device buffers are the host ones on CPU, as
+        # CPUModelRunner makes them at construction.
+        self.runner._postprocess_tensors()
         self.kv = [np.full((config.num_blocks, self.rc.block_size), -1, dtype=np.int64) for _ in config.kv_cache_groups]
         self.windows = [
             g.kv_cache_spec.sliding_window if isinstance(g.kv_cache_spec, SlidingWindowSpec) else None

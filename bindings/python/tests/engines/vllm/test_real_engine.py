@@ -296,9 +296,11 @@ def test_injected_computed_tokens_past_what_was_written(async_scheduling, monkey
 
 
 @SCHEDULING
-def test_injected_cross_tenant_cached_block(async_scheduling, monkeypatch):
+@pytest.mark.parametrize("mode", ["enforce", "report"])
+def test_injected_cross_tenant_cached_block(async_scheduling, mode, monkeypatch):
     """The block hasher forgets cache_salt: a second tenant's identical prompt hits the first
-    tenant's cached blocks; refused at the hit (cross_tenant_share)."""
+    tenant's cached blocks; refused at the hit (cross_tenant_share). Under report the refusal is
+    logged and counted and every request is served as vLLM serves it."""
     import vllm.v1.core.kv_cache_utils as kcu
 
     rc = RealConfig(num_blocks=64, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512, async_scheduling=async_scheduling)
@@ -323,9 +325,16 @@ def test_injected_cross_tenant_cached_block(async_scheduling, monkeypatch):
             request.cache_salt = salt
 
     monkeypatch.setattr(kcu, "generate_block_hash_extra_keys", saltless)
-    guarded = run_real(rc, fill, guarded=True)
+    guarded = run_real(rc, fill, guarded=True, mode=mode)
     assert guarded.events.get("attach", 0) > 0
-    check_contained(guarded, clean, victim, {"cross_tenant_share"})
+    if mode == "enforce":
+        check_contained(guarded, clean, victim, {"cross_tenant_share"})
+        return
+    buggy = run_real(rc, fill, guarded=False)
+    first = guarded.refusals()[0]
+    assert first[1] == victim and first[2].kind == "cross_tenant_share"
+    assert outputs(guarded) == outputs(buggy) and all(f.reason == "length" for f in guarded.finished.values())
+    assert guarded.guard.table.counters().get("cross_tenant_share", 0) >= 1
 
 
 # -- after a refusal: only the offender pays (issue 34 items 1 and 2) -------------------------
@@ -378,3 +387,53 @@ def test_after_a_refused_write_its_cached_blocks_serve_nobody(async_scheduling, 
     assert guarded.events.get("evict", 0) > 0, "the refused request's blocks leave vLLM's cache"
     check_contained(guarded, clean, victim, {"unwritten_slots"})
     assert len(guarded.finished) == 32
+
+
+# -- what kvguard cannot check fails at start-up (enforce) or runs unchecked (report) ---------
+
+
+def test_a_hybrid_model_is_refused_when_the_engine_starts_under_enforce():
+    """Several KV cache groups (full attention beside a sliding window): refused as vLLM builds
+    its scheduler, before any request, not at the first step."""
+    from kvguard.vllm.hooks import UnsupportedConfig
+
+    rc = RealConfig(num_blocks=128, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, sliding_window=48)
+    with pytest.raises(UnsupportedConfig, match="KV cache groups.*SlidingWindowManager"):
+        run_real(rc, lambda e: pytest.fail("the engine started"), guarded=True)
+
+
+def test_a_hybrid_model_runs_unchecked_under_report():
+    import logging
+
+    class Seen(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.WARNING)
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    seen = Seen()
+    logging.getLogger("vllm.kvguard").addHandler(seen)
+    try:
+        rc = RealConfig(num_blocks=128, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, sliding_window=48)
+        fill = lambda e: workload(e, 3, 40, salts=2)  # noqa: E731
+        g = run_real(rc, fill, guarded=True, mode="report")
+        p = run_real(rc, fill, guarded=False)
+    finally:
+        logging.getLogger("vllm.kvguard").removeHandler(seen)
+    assert len(p.worker.kv) == 2 and p.oracle_errors == []
+    assert g.guard is None and outputs(g) == outputs(p) and len(g.finished) == 40
+    assert any("cannot check KV cache groups" in m and "runs unchecked" in m for m in seen.messages), seen.messages
+
+
+def test_the_v2_model_runner_is_refused_when_the_engine_starts_under_enforce(monkeypatch):
+    """kvguard no longer switches the user's runner to V1; an engine that runs V2 (vLLM's
+    default where Triton runs) is refused as its scheduler is built."""
+    from vllm.config import VllmConfig
+
+    from kvguard.vllm.hooks import UnsupportedConfig
+
+    monkeypatch.setattr(VllmConfig, "use_v2_model_runner", property(lambda self: True))
+    with pytest.raises(UnsupportedConfig, match="V2 model runner"):
+        run_real(RealConfig(num_blocks=64, max_model_len=512), lambda e: pytest.fail("the engine started"), guarded=True)
