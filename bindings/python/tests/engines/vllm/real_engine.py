@@ -38,6 +38,8 @@ import os
 import tempfile
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -45,10 +47,38 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 import numpy as np
 import torch
 
-from engine import EOS, VOCAB, Finished, model_dir
+
+VOCAB = 512
+EOS = VOCAB - 1
 
 FULL_LAYER = "model.layers.0.self_attn.attn"
 WINDOW_LAYER = "model.layers.1.self_attn.attn"
+
+
+@cache
+def model_dir() -> str:
+    """A local folder holding only a tiny Llama config.json (no hub, no weights)."""
+    from transformers import LlamaConfig
+
+    d = Path(os.environ.get("KVGUARD_VLLM_MODEL_DIR", "/tmp/kvguard-vllm-tiny-llama"))
+    if not (d / "config.json").exists():
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+        ).save_pretrained(d)
+    return str(d)
+
+
+@dataclass
+class Finished:
+    tokens: list[int]
+    reason: str
+    error: str | None
 
 
 @dataclass(frozen=True)
