@@ -16,11 +16,14 @@ scheduler process (engine core)
   ``KVCacheManager.pop_blocks_for_free`` the same, for vLLM's deferred frees
   ``KVCacheManager.reset_prefix_cache``  every cached block dropped
   ``BlockPool.evict_blocks``             a KV connector's evictions (unsupported; recorded)
+  ``Scheduler.__init__``                 what kvguard cannot check, found at start-up (enforce:
+                                         ``UnsupportedConfig`` stops the engine)
   ``Scheduler.schedule``                 the step's events put on ``SchedulerOutput.kvguard_events``
   ``Scheduler.update_from_output``       *acts*: the refused requests' tokens of the step are
                                          dropped and those requests end with FINISHED_ERROR and a
                                          ``RequestError`` the client sees (vLLM's per-request
-                                         error path, the one grammar errors take)
+                                         error path, the one grammar errors take); the blocks they
+                                         published leave the prefix cache
 worker process
   ``GPUModelRunner._update_states``      a step that schedules no tokens (the runner returns
                                          before ``_prepare_inputs``): its events applied
