@@ -115,33 +115,42 @@ def recorder_of(kv_cache_manager: Any, requests: dict[str, Any] | None = None) -
         if rec is not None and requests is not None and rec.requests is not requests:
             rec.requests = requests
         return rec
-    managers = kv_cache_manager.coordinator.single_type_managers
     rec = None
-    if len(managers) != 1 or type(managers[0]).__name__ != "FullAttentionManager":
-        _unsupported(f"KV cache groups {[type(m).__name__ for m in managers]} (one full-attention group only)")
-    elif managers[0].block_size != kv_cache_manager.block_pool.hash_block_size:
-        _unsupported("a block size different from the hash block size (partial-block prefix caching)")
-    else:
-        rec = SchedulerRecorder(managers[0], kv_cache_manager.max_model_len, requests)
+    if groups_supported(kv_cache_manager):
+        manager = kv_cache_manager.coordinator.single_type_managers[0]
+        rec = SchedulerRecorder(manager, kv_cache_manager.max_model_len, requests)
         kv_cache_manager.block_pool._kvguard_recorder = rec
     kv_cache_manager._kvguard_recorder = rec
     return rec
 
 
+def groups_supported(kv_cache_manager: Any) -> bool:
+    """Whether kvguard can check this manager's KV cache groups (else ``_unsupported``: raises
+    under enforce, warns under report)."""
+    managers = kv_cache_manager.coordinator.single_type_managers
+    if len(managers) != 1 or type(managers[0]).__name__ != "FullAttentionManager":
+        _unsupported(f"KV cache groups {[type(m).__name__ for m in managers]} (one full-attention group only)")
+        return False
+    if managers[0].block_size != kv_cache_manager.block_pool.hash_block_size:
+        _unsupported("a block size different from the hash block size (partial-block prefix caching)")
+        return False
+    return True
+
+
 def forget_refused_writes(scheduler: Any, refused: Any) -> None:
-    """Takes the blocks refused requests published out of vLLM's prefix cache. A refused row is
+    """Takes the cached blocks refused requests hold out of vLLM's prefix cache. A refused row is
     nulled before the copy, so the blocks vLLM hashed for that step (and any later one, under
     async scheduling) were never written: left cached, every later request of the tenant that
-    hits them would read what nobody wrote (and be refused for it). Blocks they published before
-    and others already read are dropped too (a few cache hits lost after a refusal, never a wrong
-    read); their holders keep them. The recorder hears of it as evictions, as it does of a KV
-    connector's."""
+    hits them would read what nobody wrote (and be refused for it). Blocks they published before,
+    or took as prefix-cache hits, are dropped too (a few cache hits lost after a refusal, never a
+    wrong read); their other holders keep them. The recorder hears of it as evictions, as it does
+    of a KV connector's."""
     rec = scheduler.kv_cache_manager.__dict__.get("_kvguard_recorder")
     if rec is None:
         return
     blocks: set[int] = set()
     for rid in refused:
-        blocks.update(rec.published_by(rid))
+        blocks.update(rec.published_of(rid))
     if blocks:
         scheduler.kv_cache_manager.block_pool.evict_blocks(blocks)
 
@@ -149,7 +158,7 @@ def forget_refused_writes(scheduler: Any, refused: Any) -> None:
 def check_scheduler(scheduler: Any) -> None:
     """What kvguard cannot check in this engine, found when its scheduler is built: under
     enforce an UnsupportedConfig stops the engine there; under report a warning, and the engine
-    runs unchecked. Then the recorder is made (it checks the KV cache groups)."""
+    runs unchecked. (The recorder itself is made at the first ``schedule``.)"""
     scheduler._kvguard_checked_config = True
     if getattr(scheduler, "use_v2_model_runner", False):
         _unsupported(
@@ -162,7 +171,8 @@ def check_scheduler(scheduler: Any) -> None:
         _unsupported("a KV connector (kv_transfer_config): its imports are not recorded")
         scheduler.kv_cache_manager._kvguard_recorder = None
         return
-    recorder_of(scheduler.kv_cache_manager, scheduler.requests)
+    if not groups_supported(scheduler.kv_cache_manager):
+        scheduler.kv_cache_manager._kvguard_recorder = None
 
 
 def _install_scheduler() -> None:

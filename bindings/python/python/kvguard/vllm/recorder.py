@@ -36,7 +36,10 @@ lands before that request's ``RELEASE``.
 Tenants reach the table as ints the recorder hands out (one per tenant string, kept while a
 live request or a published block of that tenant holds it), not as strings: the table forgets a
 str tenant when its last request ends, and a later request of the same tenant hitting the
-blocks its predecessors published would then read as another tenant's.
+blocks its predecessors published would then read as another tenant's. A tenant with no live
+request is forgotten by a sweep that runs when such tenants pile up (doubling its threshold each
+time, so the sweeps cost O(1) a release over time), if no published block is of that tenant:
+nothing is counted per block on the step's hot paths.
 """
 
 from __future__ import annotations
@@ -186,6 +189,8 @@ class RequestBlockMap(dict):
 #: global load is cheaper than an attribute load on the enum class.
 _ADMIT, _CLAIM, _ATTACH, _PUBLISH = EventKind.ADMIT, EventKind.CLAIM, EventKind.ATTACH, EventKind.PUBLISH
 _RELEASE, _PREEMPT, _EVICT = EventKind.RELEASE, EventKind.PREEMPT, EventKind.EVICT
+#: Tenants with no live request that trigger the first sweep (see the module doc).
+_SWEEP_AT = 256
 #: A block's id, read in C (a comprehension is a Python function call of its own in 3.11).
 _block_id = attrgetter("block_id")
 #: ``StepEvents(early, late)`` without the Python frame of the named tuple's ``__new__``.
@@ -212,17 +217,19 @@ class SchedulerRecorder:
         self.max_model_len = max_model_len
         self.requests: dict[str, Any] = requests if requests is not None else {}
         self.admitted: set[str] = set()
-        #: Block id -> (the tenant key, the request id) of its publisher, for each block
-        #: published (a live prefix in the worker's table once applied).
-        self.published: dict[int, tuple[int, str]] = {}
+        #: Block id -> the tenant key of its publisher, for each block published (a live prefix
+        #: in the worker's table once applied).
+        self.published: dict[int, int] = {}
         #: True while vLLM's ``schedule`` runs (a block hashed then is written by that step).
         self.in_schedule = False
-        #: Tenant string -> the int key the table knows it by, and each key's holds (admitted
-        #: requests and published blocks of that tenant).
+        #: Tenant string <-> the int key the table knows it by; each key's admitted requests;
+        #: keys whose last request ended (forgotten by the next sweep if no block holds them).
         self._tenant_keys: dict[str, int] = {}
         self._tenant_names: dict[int, str] = {}
-        self._tenant_holds: dict[int, int] = {}
+        self._tenant_live: dict[int, int] = {}
         self._request_tenant: dict[str, int] = {}
+        self._idle_tenants: set[int] = set()
+        self._sweep_at = _SWEEP_AT
         self._next_tenant_key = 1
         #: The step's early events, its publishes and its prefix hits, in the order heard.
         self._events: list[tuple] = []
@@ -245,21 +252,35 @@ class SchedulerRecorder:
             self._next_tenant_key += 1
             self._tenant_keys[tenant] = key
             self._tenant_names[key] = tenant
-            self._tenant_holds[key] = 0
         return key
 
-    def _hold_tenant(self, key: int) -> None:
-        self._tenant_holds[key] = self._tenant_holds.get(key, 0) + 1
-
-    def _drop_tenant(self, key: int) -> None:
-        holds = self._tenant_holds.get(key, 0) - 1
-        if holds > 0:
-            self._tenant_holds[key] = holds
+    def _tenant_ended(self, key: int) -> None:
+        """A request of tenant ``key`` was released."""
+        live = self._tenant_live.get(key, 0) - 1
+        if live > 0:
+            self._tenant_live[key] = live
             return
-        self._tenant_holds.pop(key, None)
-        name = self._tenant_names.pop(key, None)
-        if name is not None:
-            del self._tenant_keys[name]
+        self._tenant_live.pop(key, None)
+        self._idle_tenants.add(key)
+        if len(self._idle_tenants) >= self._sweep_at:
+            self.sweep_tenants()
+
+    def sweep_tenants(self) -> None:
+        """Forgets the tenants with no live request and no published block (their keys are
+        never handed out again: a later request of the tenant gets a new one)."""
+        held = set(self.published.values())
+        kept = set()
+        for key in self._idle_tenants:
+            if key in self._tenant_live:
+                continue
+            if key in held:
+                kept.add(key)
+                continue
+            name = self._tenant_names.pop(key, None)
+            if name is not None:
+                del self._tenant_keys[name]
+        self._idle_tenants = kept
+        self._sweep_at = max(_SWEEP_AT, 2 * len(kept))
 
     def tenant_name(self, key: int) -> str | None:
         """The tenant string behind a key, while it is held (for the operator's log)."""
@@ -274,23 +295,19 @@ class SchedulerRecorder:
         prompt = int(request.num_prompt_tokens)
         max_new = max(0, min(int(request.max_tokens or 0), self.max_model_len - prompt))
         key = self.tenant_key(tenant_of(request))
-        self._hold_tenant(key)
+        self._tenant_live[key] = self._tenant_live.get(key, 0) + 1
         self._request_tenant[rid] = key
         self._events.append((_ADMIT, rid, key, prompt, max_new))
         self.admitted.add(rid)
 
     def _unpublish(self, block_ids: Any) -> None:
-        """The blocks are no longer published: their tenants' holds are dropped."""
-        published = self.published
+        """The blocks are no longer published."""
+        pop = self.published.pop
         for b in block_ids:
-            publisher = published.pop(b, None)
-            if publisher is not None:
-                self._drop_tenant(publisher[0])
+            pop(b, None)
 
     def _publish_one(self, rid: str, block_id: int) -> None:
-        key = self._request_tenant.get(rid, 0)
-        self.published[block_id] = (key, rid)
-        self._hold_tenant(key)
+        self.published[block_id] = self._request_tenant.get(rid, 0)
         event = (_PUBLISH, rid, block_id, (block_id,))
         # Hashed inside schedule: written by this step, published after its writes. Hashed in
         # update_from_output (async): written already, published in order (before a release).
@@ -309,7 +326,8 @@ class SchedulerRecorder:
             published = self.published
             if published and not published.keys().isdisjoint(ids):
                 evicted = [b for b in ids if b in published]
-                self._unpublish(evicted)
+                for b in evicted:
+                    del published[b]
                 self._events.extend([(_EVICT, rid, b) for b in evicted])
             self._events.append((_CLAIM, rid, ids))
             return
@@ -320,11 +338,12 @@ class SchedulerRecorder:
         (those that got a hash are published after the step's writes)."""
         published = self.published
         if end - start == 1 and start < len(blocks):
-            # A decode step filled one block: the common case, without a loop.
+            # A decode step filled one block: the common case, without a loop or a call.
             b = blocks[start]
             block_id = b.block_id
             if b.block_hash is not None and not b.is_null and block_id not in published:
-                self._publish_one(rid, block_id)
+                published[block_id] = self._request_tenant.get(rid, 0)
+                (self._publish if self.in_schedule else self._events).append((_PUBLISH, rid, block_id, (block_id,)))
             return
         for b in blocks[start:end]:
             block_id = b.block_id
@@ -357,14 +376,16 @@ class SchedulerRecorder:
             self.admitted.discard(rid)
             key = self._request_tenant.pop(rid, None)
             if key is not None:
-                self._drop_tenant(key)
+                self._tenant_ended(key)
             self._events.append((_RELEASE, rid))
         else:
             self._events.append((_PREEMPT, rid))
 
-    def published_by(self, rid: str) -> list[int]:
-        """The blocks ``rid`` published that are still published (run after a refusal only)."""
-        return [b for b, (_, publisher) in self.published.items() if publisher == rid]
+    def published_of(self, rid: str) -> list[int]:
+        """The published blocks ``rid`` holds: those it published and the prefix-cache hits it
+        took (run after a refusal only)."""
+        published = self.published
+        return [b.block_id for b in self.manager.req_to_blocks.get(rid, ()) if b.block_id in published]
 
     def cache_reset(self) -> None:
         """``reset_prefix_cache`` succeeded: every cached block lost its hash."""

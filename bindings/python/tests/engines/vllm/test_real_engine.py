@@ -115,6 +115,31 @@ def test_a_tenant_whose_last_request_ended_keeps_its_cached_blocks(async_schedul
     assert_clean(g, p, 2)
 
 
+def test_tenants_without_requests_or_cached_blocks_are_forgotten():
+    """300 tenants one after another through a pool that keeps only the last ones' blocks: the
+    recorder forgets the tenants whose blocks were evicted (memory stays flat over tenants),
+    keeps those whose blocks are cached (their next request's hit is theirs), and both kinds of
+    returning tenant are served as vLLM alone serves them."""
+    rc = RealConfig(num_blocks=96, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512)
+
+    def prompt(i: int) -> list[int]:
+        return [(i * 7 + k) % 480 + 1 for k in range(40)]
+
+    def fill(e: RealEngine) -> None:
+        for i in range(300):
+            e.add(f"t{i}-a", prompt(i), 2, cache_salt=f"t{i}")
+        e.run()
+        e.add("t0-b", prompt(0) + [3], 2, cache_salt="t0")
+        e.add("t299-b", prompt(299) + [3], 2, cache_salt="t299")
+
+    g = run_real(rc, fill, guarded=True)
+    p = run_real(rc, fill, guarded=False)
+    assert_clean(g, p, 302)
+    rec = g.scheduler.kv_cache_manager._kvguard_recorder
+    assert len(rec._tenant_keys) < 150, "tenants without requests or cached blocks are forgotten"
+    assert g.scheduler_hits["t299-b"] == 32 and g.scheduler_hits["t0-b"] == 0
+
+
 @SCHEDULING
 def test_the_idle_step_releases_reach_the_table(async_scheduling):
     """Issue 34 item 8: when the last request finishes, vLLM's next step schedules nothing and
@@ -179,7 +204,8 @@ def check_contained(guarded: RealEngine, clean: RealEngine, victim: str, kinds: 
 
 
 @SCHEDULING
-def test_injected_stale_row_tail(async_scheduling, monkeypatch):
+@pytest.mark.parametrize("then", ["alone", "more-work"])
+def test_injected_stale_row_tail(async_scheduling, then, monkeypatch):
     """A row keeps a stale tail (clear_row leaves the entries, one append moves the count without
     writing them): the victim's row ends with whatever the row held there, its predecessor's
     block (freed by then) or the null block vLLM's condense leaves in a vacated row."""
@@ -192,6 +218,9 @@ def test_injected_stale_row_tail(async_scheduling, monkeypatch):
         e.add("long-a", list(range(1, 100)), 4)
         e.add("c", list(range(200, 240)), 60)
         e.add(victim, list(range(300, 310)), 40)
+        if then == "more-work":
+            e.run()
+            _more_work(e, list(range(300, 310)) + list(range(1, 40)))
 
     clean = run_real(rc, fill, guarded=False)
     original = BlockTable.append_row
