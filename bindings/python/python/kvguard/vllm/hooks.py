@@ -137,20 +137,25 @@ def groups_supported(kv_cache_manager: Any) -> bool:
     return True
 
 
-def forget_refused_writes(scheduler: Any, refused: Any) -> None:
+def refused_cached_blocks(scheduler: Any, refused: Any) -> set[int]:
+    """The cached blocks the refused requests hold (read before vLLM frees them)."""
+    rec = scheduler.kv_cache_manager.__dict__.get("_kvguard_recorder")
+    blocks: set[int] = set()
+    if rec is not None:
+        for rid in refused:
+            blocks.update(rec.published_of(rid))
+    return blocks
+
+
+def forget_refused_writes(scheduler: Any, blocks: set[int]) -> None:
     """Takes the cached blocks refused requests hold out of vLLM's prefix cache. A refused row is
     nulled before the copy, so the blocks vLLM hashed for that step (and any later one, under
     async scheduling) were never written: left cached, every later request of the tenant that
     hits them would read what nobody wrote (and be refused for it). Blocks they published before,
     or took as prefix-cache hits, are dropped too (a few cache hits lost after a refusal, never a
     wrong read); their other holders keep them. The recorder hears of it as evictions, as it does
-    of a KV connector's."""
-    rec = scheduler.kv_cache_manager.__dict__.get("_kvguard_recorder")
-    if rec is None:
-        return
-    blocks: set[int] = set()
-    for rid in refused:
-        blocks.update(rec.published_of(rid))
+    of a KV connector's, after the refused requests' releases (so the table, where the refused
+    request held them, evicts them then, before anything claims them again)."""
     if blocks:
         scheduler.kv_cache_manager.block_pool.evict_blocks(blocks)
 
@@ -262,20 +267,21 @@ def _install_scheduler() -> None:
     def update_from_output(original: Any) -> Any:
         def wrapper(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
             refused = getattr(model_runner_output, "kvguard_refused", None)
-            if refused:
-                forget_refused_writes(self, refused)
-                model_runner_output = copy.copy(model_runner_output)
-                sampled = list(model_runner_output.sampled_token_ids)
-                for rid, message in refused.items():
-                    row = model_runner_output.req_id_to_index.get(rid)
-                    if row is not None and row < len(sampled):
-                        sampled[row] = []
-                    if rid in self.requests:
-                        self.grammar_compile_error_reqs[rid] = RequestError(
-                            code="kvguard_violation", message=message
-                        )
-                model_runner_output.sampled_token_ids = sampled
-            return original(self, scheduler_output, model_runner_output)
+            if not refused:
+                return original(self, scheduler_output, model_runner_output)
+            blocks = refused_cached_blocks(self, refused)
+            model_runner_output = copy.copy(model_runner_output)
+            sampled = list(model_runner_output.sampled_token_ids)
+            for rid, message in refused.items():
+                row = model_runner_output.req_id_to_index.get(rid)
+                if row is not None and row < len(sampled):
+                    sampled[row] = []
+                if rid in self.requests:
+                    self.grammar_compile_error_reqs[rid] = RequestError(code="kvguard_violation", message=message)
+            model_runner_output.sampled_token_ids = sampled
+            out = original(self, scheduler_output, model_runner_output)
+            forget_refused_writes(self, blocks)
+            return out
 
         return wrapper
 

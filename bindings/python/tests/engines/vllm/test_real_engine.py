@@ -451,3 +451,38 @@ def test_the_v2_model_runner_is_refused_when_the_engine_starts_under_enforce(mon
     monkeypatch.setattr(VllmConfig, "use_v2_model_runner", property(lambda self: True))
     with pytest.raises(UnsupportedConfig, match="V2 model runner"):
         run_real(RealConfig(num_blocks=64, max_model_len=512), lambda e: pytest.fail("the engine started"), guarded=True)
+
+
+@SCHEDULING
+@pytest.mark.parametrize("at", [3, 41])
+def test_a_stale_row_tail_in_a_busy_run_costs_only_its_request(async_scheduling, at, monkeypatch):
+    """The at-th append to a row that already had blocks moves the count without writing the
+    entries, in a 60-request, two-tenant run through a small pool: its request alone is refused
+    (it wrote through the null block), and every other request is served as in the run without
+    the bug. (Before the refused request's cached blocks were evicted after its release, the
+    next request handed those blocks was refused page_not_free, in every one of 16 such runs.)"""
+    from vllm.v1.worker.block_table import BlockTable
+
+    rc = RealConfig(num_blocks=48, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, async_scheduling=async_scheduling)
+    fill = lambda e: workload(e, 9, 60, salts=2, max_prompt=100)  # noqa: E731
+    clean = run_real(rc, fill, guarded=False)
+    original = BlockTable.append_row
+    armed: dict = {"at": at, "n": 0}
+
+    def stale_append_row(self, block_ids, row_idx):
+        if self is armed.get("table") and self.num_blocks_per_row[row_idx] >= 1:
+            armed["n"] += 1
+            if armed["n"] == armed["at"]:
+                armed["victim"] = armed["batch"].req_ids[row_idx]
+                self.num_blocks_per_row[row_idx] += len(block_ids)
+                return
+        original(self, block_ids, row_idx)
+
+    def arm(worker, so):
+        armed["batch"] = worker.runner.input_batch
+        armed["table"] = worker.runner.input_batch.block_table.block_tables[0]
+
+    monkeypatch.setattr(BlockTable, "append_row", stale_append_row)
+    guarded = run_real(rc, fill, guarded=True, before_prepare=arm)
+    check_contained(guarded, clean, armed["victim"], {"reserved_page", "foreign_page", "freed_page"})
+    assert len(guarded.finished) == 60
