@@ -486,3 +486,35 @@ def test_a_stale_row_tail_in_a_busy_run_costs_only_its_request(async_scheduling,
     guarded = run_real(rc, fill, guarded=True, before_prepare=arm)
     check_contained(guarded, clean, armed["victim"], {"reserved_page", "foreign_page", "freed_page"})
     assert len(guarded.finished) == 60
+
+
+@SCHEDULING
+@pytest.mark.parametrize("at", [2, 90])
+def test_a_computed_token_race_in_a_busy_run_costs_only_its_request(async_scheduling, at, monkeypatch):
+    """From the at-th scheduler step, the first prefilling request's computed-token count jumps
+    3 tokens past its writes, in a 60-request, two-tenant run with chunked prefill: that request
+    alone is refused (unwritten_slots), every other request served as without the bug."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    rc = RealConfig(num_blocks=48, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=512, async_scheduling=async_scheduling)
+    fill = lambda e: workload(e, 4, 60, salts=2, max_prompt=120)  # noqa: E731
+    clean = run_real(rc, fill, guarded=False)
+    original = Scheduler._update_after_schedule
+    armed: dict = {"n": 0}
+
+    def racy(self, scheduler_output):
+        original(self, scheduler_output)
+        armed["n"] += 1
+        if armed["n"] < at or "victim" in armed:
+            return
+        for rid in scheduler_output.num_scheduled_tokens:
+            req = self.requests.get(rid)
+            if req is not None and 0 < req.num_computed_tokens < req.num_prompt_tokens - 8:
+                armed["victim"] = rid
+                req.num_computed_tokens += 3
+                return
+
+    monkeypatch.setattr(Scheduler, "_update_after_schedule", racy)
+    guarded = run_real(rc, fill, guarded=True)
+    check_contained(guarded, clean, armed["victim"], {"unwritten_slots"})
+    assert len(guarded.finished) == 60
