@@ -11,7 +11,7 @@ kvguard is installed the way its plugin installs it, on those classes.
 
 Stood in:
 
-- the **executor**: :class:`StandInExecutor` runs the worker in-process and returns completed
+- the **executor** (:func:`executor_class`) runs the worker in-process and returns completed
   futures (what ``UniProcExecutor`` does on one device); it reports a KV cache spec of one
   full-attention layer (and one sliding-window layer for a hybrid model) instead of profiling a
   model;
@@ -358,11 +358,9 @@ def _done(value: Any) -> Future:
     return f
 
 
-class StandInExecutor:
-    """Built by :func:`executor_class` (a subclass of vLLM's ``Executor`` bound to a config)."""
-
-
 def executor_class(rc: RealConfig) -> type:
+    """The stand-in executor: a subclass of vLLM's ``Executor`` whose one worker is a
+    :class:`StandInWorker` for ``rc``, run in-process (completed futures)."""
     from vllm.v1.executor.abstract import Executor
 
     class Bound(Executor):
