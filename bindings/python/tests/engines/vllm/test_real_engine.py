@@ -518,3 +518,59 @@ def test_a_computed_token_race_in_a_busy_run_costs_only_its_request(async_schedu
     guarded = run_real(rc, fill, guarded=True)
     check_contained(guarded, clean, armed["victim"], {"unwritten_slots"})
     assert len(guarded.finished) == 60
+
+
+@SCHEDULING
+def test_a_saltless_hasher_in_a_busy_run_refuses_exactly_the_cross_tenant_hits(async_scheduling, monkeypatch):
+    """The block hasher forgets cache_salt in a 60-request, three-tenant run whose prompts share
+    prefixes across tenants. The truth, from vLLM's own decisions and independent of kvguard:
+    the requests whose prefix-cache hit took a block another tenant's request had cached.
+    kvguard refuses exactly those (cross_tenant_share), and every other request is served as in
+    the run without the bug."""
+    import vllm.v1.core.kv_cache_utils as kcu
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    rc = RealConfig(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, async_scheduling=async_scheduling)
+    fill = lambda e: workload(e, 12, 60, salts=3, max_prompt=60)  # noqa: E731
+    clean = run_real(rc, fill, guarded=False)
+    salt_of_block: dict[int, str | None] = {}
+    cross: set[str] = set()
+    original_keys = kcu.generate_block_hash_extra_keys
+    original_cache = BlockPool.cache_full_blocks
+    original_hit = KVCacheManager.get_computed_blocks
+
+    def saltless(request, *args, **kwargs):
+        salt, request.cache_salt = request.cache_salt, None
+        try:
+            return original_keys(request, *args, **kwargs)
+        finally:
+            request.cache_salt = salt
+
+    def cache_full_blocks(self, request, blocks, num_cached, num_full, *args, **kwargs):
+        for b in blocks[num_cached:num_full]:
+            if not b.is_null:
+                salt_of_block[b.block_id] = request.cache_salt
+        return original_cache(self, request, blocks, num_cached, num_full, *args, **kwargs)
+
+    def get_computed_blocks(self, request, *args, **kwargs):
+        out = original_hit(self, request, *args, **kwargs)
+        for b in out[0].blocks[0]:
+            if not b.is_null and salt_of_block.get(b.block_id, request.cache_salt) != request.cache_salt:
+                cross.add(request.request_id)
+        return out
+
+    monkeypatch.setattr(kcu, "generate_block_hash_extra_keys", saltless)
+    monkeypatch.setattr(BlockPool, "cache_full_blocks", cache_full_blocks)
+    monkeypatch.setattr(KVCacheManager, "get_computed_blocks", get_computed_blocks)
+    guarded = run_real(rc, fill, guarded=True)
+    refused = {rid for _, rid, _ in guarded.refusals()}
+    assert len(cross) >= 10, "the prompts are meant to share prefixes across tenants"
+    assert refused == cross
+    assert {r.kind for _, _, r in guarded.refusals()} == {"cross_tenant_share"}
+    assert guarded.guard.refusals_total == len(cross), "each refused once"
+    for rid in refused:
+        assert guarded.finished[rid].reason == "error"
+    others = {k: v for k, v in outputs(guarded).items() if k not in refused}
+    assert others == {k: v for k, v in outputs(clean).items() if k not in refused}
+    assert len(guarded.finished) == 60
