@@ -34,6 +34,7 @@ through blocks the scheduler gave it (``oracle_errors``).
 
 from __future__ import annotations
 
+import atexit
 import os
 import tempfile
 from concurrent.futures import Future
@@ -142,11 +143,13 @@ def _init_distributed(vllm_config: Any) -> None:
 
     if parallel_state._PP is not None:
         return
+    store = tempfile.mktemp(prefix="kvguard-vllm-dist-")
+    atexit.register(lambda: os.path.exists(store) and os.unlink(store))
     with set_current_vllm_config(vllm_config):
         parallel_state.init_distributed_environment(
             world_size=1,
             rank=0,
-            distributed_init_method="file://" + tempfile.mktemp(prefix="kvguard-vllm-dist-"),
+            distributed_init_method="file://" + store,
             local_rank=0,
             backend="gloo",
         )
