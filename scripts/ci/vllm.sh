@@ -1,12 +1,14 @@
 # Sourced by scripts/test (argument: setup | after). kvguard.vllm against vLLM 0.33 itself, on
-# CPU: vLLM's real v1 Scheduler, KVCacheManager, BlockPool, InputBatch and BlockTable driven
-# without a model (bindings/python/tests/engines/vllm). Never skipped.
+# CPU: vLLM's own EngineCore step loop (async scheduling's batch queue and the synchronous one),
+# its schedulers, KV cache manager and the V1 model runner's input preparation, only the model
+# forward and the Triton slot-mapping kernel stood in (bindings/python/tests/engines/vllm/
+# real_engine.py says what is real). Never skipped.
 #
 # The vLLM venv lives in $KVGUARD_VLLM_VENV (default $HOME/.cache/kvguard/vllm-venv): created
 # and `pip install vllm==0.33.0` once (about 3 minutes and 9 GB: torch's CUDA wheels come with
 # it even on CPU), reused afterwards. The kvguard wheel scripts/ci/python.sh built into
 # target/wheels is installed into it (--force-reinstall --no-deps); built here with maturin if
-# that part did not run first. The tests take about two minutes on two cores.
+# that part did not run first. The 54 tests take 1.5-3 minutes on two cores (as loaded).
 
 kvguard_vllm_after() {
   local root venv wheel_dir wheel status

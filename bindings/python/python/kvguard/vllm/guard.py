@@ -78,6 +78,10 @@ class StepReport:
     refused: dict[str, Refusal] = field(default_factory=dict)
     #: Batch rows refused (row order), for requests in the batch.
     refused_rows: list[int] = field(default_factory=list)
+    #: Requests refused in an earlier step and refused again now (under async scheduling vLLM
+    #: has scheduled the next step before it hears of a refusal): their rows are nulled again,
+    #: nothing is reported or counted twice.
+    again: set[str] = field(default_factory=set)
 
     @property
     def clean(self) -> bool:
@@ -106,6 +110,13 @@ class StepGuard:
             # vLLM sizes its own pool against max_model_len; the table follows what vLLM runs.
             logger.warning("kvguard: %s; checking the pool vLLM runs anyway", e)
             self.table = kvguard.OwnershipTable(config, audit=False)
+        #: The report of the last step something was refused in (None once read by a test or
+        #: tool that clears it); clean steps leave it alone.
+        self.last_report: StepReport | None = None
+        #: Blocks vLLM evicted from its prefix cache that the table could not evict yet (a
+        #: request still held them here: after a refusal, the table and vLLM can disagree on
+        #: who holds what). Each is evicted before vLLM's next claim of it.
+        self.pending_evict: set[int] = set()
         #: Requests refused so far (their later release errors are expected, not news).
         self.refused_ever: set[str] = set()
         self.steps = 0
@@ -136,19 +147,50 @@ class StepGuard:
                 logger.exception("kvguard: a metrics update failed; the checks go on (logged once)")
 
     def _refuse(self, report: StepReport, rid: str | None, kind: str, stage: str, message: str) -> None:
-        if self._metrics is not None:
+        if self._metrics is not None and (rid is None or self.mode != "enforce" or rid not in self.refused_ever):
             self._metric(self._metrics.violation, kind)
         if rid is None:
             logger.warning("kvguard: %s (%s): %s", kind, stage, message)
             return
-        if rid in report.refused or rid in self.refused_ever and stage == "preempt":
+        if rid in report.refused:
             return
+        if rid in self.refused_ever:
+            if self.mode == "enforce":
+                report.again.add(rid)
+                return
+            if stage == "preempt":
+                return
         report.refused[rid] = Refusal(kind, stage, message)
 
     def _refuse_events(self, report: StepReport, events: list[tuple], refused: list) -> None:
         for i, v in refused:
             ev = events[i]
+            if ev[0] == EventKind.EVICT:
+                # vLLM dropped the block's hash whatever the table said; the table follows it.
+                if v.kind == "evict_in_use":
+                    # Still held here: evicted once nothing holds it, before vLLM hands the
+                    # block out again (a claim of it is then judged against the truth).
+                    self.pending_evict.add(ev[2])
+                if ev[1] is None or v.kind == "unknown_prefix":
+                    # A cache entry the table never had (its publish was refused), or kvguard's
+                    # own clean-up after a refusal: nobody reads through it, nobody is charged.
+                    logger.debug("kvguard: %s (evict, not charged): %s", v.kind, v)
+                    continue
             self._refuse(report, ev[1], v.kind, STAGES[ev[0]], str(v))
+
+    def _evict_before_claims(self, early: list[tuple]) -> list[tuple]:
+        """The step's early events with the evictions the table still owes vLLM (see
+        ``pending_evict``) put right before the claim of their block."""
+        pending = self.pending_evict
+        out: list[tuple] = []
+        for ev in early:
+            if ev[0] == EventKind.CLAIM and not pending.isdisjoint(ev[2]):
+                for block in ev[2]:
+                    if block in pending:
+                        pending.discard(block)
+                        out.append((EventKind.EVICT, None, block))
+            out.append(ev)
+        return out
 
     def check_step(
         self,
@@ -167,6 +209,8 @@ class StepGuard:
         # Python work; everything else happens only when something was refused.
         self.steps += 1
         early, late = events if events else (None, None)
+        if early and self.pending_evict:
+            early = self._evict_before_claims(early)
         writes = reads = refused_late = None
         if req_ids:
             # Early events, writes, late events (publishes, prefix hits), reads: one call, one
@@ -217,6 +261,10 @@ class StepGuard:
         if reads is not None and not reads.clean:
             for row, v in reads.refused:
                 self._refuse(report, req_ids[row], v.kind, "read", str(v))
+        if report.again and self.mode == "enforce":
+            for row, rid in enumerate(req_ids):
+                if rid in report.again:
+                    block_table[row, : max(int(num_blocks_per_row[row]), 1)] = NULL_BLOCK
         if report.refused:
             index = {rid: i for i, rid in enumerate(req_ids)}
             for rid, refusal in report.refused.items():
@@ -232,6 +280,7 @@ class StepGuard:
                     refusal.message,
                 )
             report.refused_rows.sort()
+            self.last_report = report
             self.refused_ever.update(report.refused)
             self.refusals_total += len(report.refused)
             if self._metrics is not None:

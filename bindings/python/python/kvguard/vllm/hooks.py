@@ -16,12 +16,17 @@ scheduler process (engine core)
   ``KVCacheManager.pop_blocks_for_free`` the same, for vLLM's deferred frees
   ``KVCacheManager.reset_prefix_cache``  every cached block dropped
   ``BlockPool.evict_blocks``             a KV connector's evictions (unsupported; recorded)
+  ``Scheduler.__init__``                 what kvguard cannot check, found at start-up (enforce:
+                                         ``UnsupportedConfig`` stops the engine)
   ``Scheduler.schedule``                 the step's events put on ``SchedulerOutput.kvguard_events``
   ``Scheduler.update_from_output``       *acts*: the refused requests' tokens of the step are
                                          dropped and those requests end with FINISHED_ERROR and a
                                          ``RequestError`` the client sees (vLLM's per-request
-                                         error path, the one grammar errors take)
+                                         error path, the one grammar errors take); the blocks they
+                                         published leave the prefix cache
 worker process
+  ``GPUModelRunner._update_states``      a step that schedules no tokens (the runner returns
+                                         before ``_prepare_inputs``): its events applied
   ``GPUModelRunner._prepare_inputs``     *acts*: the check, after ``_update_states`` built the
                                          persistent batch and before ``commit_block_table`` copies
                                          it; under enforce refused rows are nulled
@@ -33,7 +38,8 @@ The scheduler's truth reaches the worker on the ``SchedulerOutput`` it already s
 refusals come back on the ``ModelRunnerOutput`` the same way: no extra channel, no extra round
 trip. Supported: one full-attention KV cache group, block size equal to the hash block size,
 no KV connector, vLLM's V1 model runner (``CPUModelRunner`` is a subclass); anything else is
-refused at start under enforce and left unchecked (with a warning) under report.
+found when vLLM builds its scheduler (a wrapper on ``Scheduler.__init__``): refused there under
+enforce, so the engine never starts, and left unchecked (with a warning) under report.
 """
 
 from __future__ import annotations
@@ -41,7 +47,6 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-import os
 from typing import Any
 
 from .guard import StepGuard, StepReport
@@ -110,17 +115,69 @@ def recorder_of(kv_cache_manager: Any, requests: dict[str, Any] | None = None) -
         if rec is not None and requests is not None and rec.requests is not requests:
             rec.requests = requests
         return rec
-    managers = kv_cache_manager.coordinator.single_type_managers
     rec = None
-    if len(managers) != 1 or type(managers[0]).__name__ != "FullAttentionManager":
-        _unsupported(f"KV cache groups {[type(m).__name__ for m in managers]} (one full-attention group only)")
-    elif managers[0].block_size != kv_cache_manager.block_pool.hash_block_size:
-        _unsupported("a block size different from the hash block size (partial-block prefix caching)")
-    else:
-        rec = SchedulerRecorder(managers[0], kv_cache_manager.max_model_len, requests)
+    if groups_supported(kv_cache_manager):
+        manager = kv_cache_manager.coordinator.single_type_managers[0]
+        rec = SchedulerRecorder(manager, kv_cache_manager.max_model_len, requests)
         kv_cache_manager.block_pool._kvguard_recorder = rec
     kv_cache_manager._kvguard_recorder = rec
     return rec
+
+
+def groups_supported(kv_cache_manager: Any) -> bool:
+    """Whether kvguard can check this manager's KV cache groups (else ``_unsupported``: raises
+    under enforce, warns under report)."""
+    managers = kv_cache_manager.coordinator.single_type_managers
+    if len(managers) != 1 or type(managers[0]).__name__ != "FullAttentionManager":
+        _unsupported(f"KV cache groups {[type(m).__name__ for m in managers]} (one full-attention group only)")
+        return False
+    if managers[0].block_size != kv_cache_manager.block_pool.hash_block_size:
+        _unsupported("a block size different from the hash block size (partial-block prefix caching)")
+        return False
+    return True
+
+
+def refused_cached_blocks(scheduler: Any, refused: Any) -> set[int]:
+    """The cached blocks the refused requests hold (read before vLLM frees them)."""
+    rec = scheduler.kv_cache_manager.__dict__.get("_kvguard_recorder")
+    blocks: set[int] = set()
+    if rec is not None:
+        for rid in refused:
+            blocks.update(rec.published_of(rid))
+    return blocks
+
+
+def forget_refused_writes(scheduler: Any, blocks: set[int]) -> None:
+    """Takes the cached blocks refused requests hold out of vLLM's prefix cache. A refused row is
+    nulled before the copy, so the blocks vLLM hashed for that step (and any later one, under
+    async scheduling) were never written: left cached, every later request of the tenant that
+    hits them would read what nobody wrote (and be refused for it). Blocks they published before,
+    or took as prefix-cache hits, are dropped too (a few cache hits lost after a refusal, never a
+    wrong read); their other holders keep them. The recorder hears of it as evictions, as it does
+    of a KV connector's, after the refused requests' releases (so the table, where the refused
+    request held them, evicts them then, before anything claims them again)."""
+    if blocks:
+        scheduler.kv_cache_manager.block_pool.evict_blocks(blocks)
+
+
+def check_scheduler(scheduler: Any) -> None:
+    """What kvguard cannot check in this engine, found when its scheduler is built: under
+    enforce an UnsupportedConfig stops the engine there; under report a warning, and the engine
+    runs unchecked. (The recorder itself is made at the first ``schedule``.)"""
+    scheduler._kvguard_checked_config = True
+    if getattr(scheduler, "use_v2_model_runner", False):
+        _unsupported(
+            "vLLM's V2 model runner (its block tables are built on the device; set "
+            "VLLM_USE_V2_MODEL_RUNNER=0 for the V1 runner, which kvguard checks)"
+        )
+        scheduler.kv_cache_manager._kvguard_recorder = None
+        return
+    if getattr(scheduler, "connector", None) is not None:
+        _unsupported("a KV connector (kv_transfer_config): its imports are not recorded")
+        scheduler.kv_cache_manager._kvguard_recorder = None
+        return
+    if not groups_supported(scheduler.kv_cache_manager):
+        scheduler.kv_cache_manager._kvguard_recorder = None
 
 
 def _install_scheduler() -> None:
@@ -179,15 +236,30 @@ def _install_scheduler() -> None:
 
         return wrapper
 
+    def init(original: Any) -> Any:
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            original(self, *args, **kwargs)
+            # At start-up, not at the first step: under enforce an engine kvguard cannot check
+            # never serves.
+            check_scheduler(self)
+
+        return wrapper
+
     def schedule(original: Any) -> Any:
         def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
             if not self.__dict__.get("_kvguard_checked_config"):
-                self._kvguard_checked_config = True
-                if getattr(self, "use_v2_model_runner", False):
-                    _unsupported("vLLM's V2 model runner (its workers are not hooked)")
+                check_scheduler(self)
             rec = recorder_of(self.kv_cache_manager, self.requests)
-            out = original(self, *args, **kwargs)
-            out.kvguard_events = rec.take() if rec is not None else None
+            if rec is None:
+                out = original(self, *args, **kwargs)
+                out.kvguard_events = None
+                return out
+            rec.in_schedule = True
+            try:
+                out = original(self, *args, **kwargs)
+            finally:
+                rec.in_schedule = False
+            out.kvguard_events = rec.take()
             return out
 
         return wrapper
@@ -195,19 +267,21 @@ def _install_scheduler() -> None:
     def update_from_output(original: Any) -> Any:
         def wrapper(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
             refused = getattr(model_runner_output, "kvguard_refused", None)
-            if refused:
-                model_runner_output = copy.copy(model_runner_output)
-                sampled = list(model_runner_output.sampled_token_ids)
-                for rid, message in refused.items():
-                    row = model_runner_output.req_id_to_index.get(rid)
-                    if row is not None and row < len(sampled):
-                        sampled[row] = []
-                    if rid in self.requests:
-                        self.grammar_compile_error_reqs[rid] = RequestError(
-                            code="kvguard_violation", message=message
-                        )
-                model_runner_output.sampled_token_ids = sampled
-            return original(self, scheduler_output, model_runner_output)
+            if not refused:
+                return original(self, scheduler_output, model_runner_output)
+            blocks = refused_cached_blocks(self, refused)
+            model_runner_output = copy.copy(model_runner_output)
+            sampled = list(model_runner_output.sampled_token_ids)
+            for rid, message in refused.items():
+                row = model_runner_output.req_id_to_index.get(rid)
+                if row is not None and row < len(sampled):
+                    sampled[row] = []
+                if rid in self.requests:
+                    self.grammar_compile_error_reqs[rid] = RequestError(code="kvguard_violation", message=message)
+            model_runner_output.sampled_token_ids = sampled
+            out = original(self, scheduler_output, model_runner_output)
+            forget_refused_writes(self, blocks)
+            return out
 
         return wrapper
 
@@ -217,6 +291,7 @@ def _install_scheduler() -> None:
     _default(BlockPool, "_kvguard_recorder", None)
     _wrap(BlockPool, "evict_blocks", evict_blocks)
     _wrap(BlockPool, "cache_full_blocks", cache_full_blocks)
+    _wrap(Scheduler, "__init__", init)
     _wrap(Scheduler, "schedule", schedule)
     _wrap(Scheduler, "update_from_output", update_from_output)
 
@@ -236,15 +311,7 @@ def worker_step(
     """The worker's check of one step (what the ``_prepare_inputs`` wrapper runs; a harness
     driving ``InputBatch`` itself calls it at the same point). ``owner`` keeps the guard
     (``owner._kvguard``) and the refusals awaiting the step's output."""
-    guard = owner.__dict__.get("_kvguard", False)
-    if guard is False:
-        tables = input_batch.block_table.block_tables
-        guard = None
-        if len(tables) != 1:
-            _unsupported(f"{len(tables)} block tables (one KV cache group only)")
-        else:
-            guard = StepGuard(num_blocks, tables[0].block_size, max_model_len, _MODE or "enforce")
-        owner._kvguard = guard
+    guard = _guard_of(owner, input_batch, num_blocks, max_model_len)
     if guard is None:
         return None
     table = input_batch.block_table.block_tables[0]
@@ -261,6 +328,41 @@ def worker_step(
         for rid, refusal in report.refused.items():
             pending[rid] = refusal.client_message(rid)
     return report
+
+
+def _guard_of(owner: Any, input_batch: Any, num_blocks: int, max_model_len: int) -> StepGuard | None:
+    """``owner``'s guard, made on first use (None when the configuration is unsupported)."""
+    guard = owner.__dict__.get("_kvguard", False)
+    if guard is False:
+        tables = input_batch.block_table.block_tables
+        guard = None
+        if len(tables) != 1:
+            _unsupported(f"{len(tables)} block tables (one KV cache group only)")
+        else:
+            guard = StepGuard(num_blocks, tables[0].block_size, max_model_len, _MODE or "enforce")
+        owner._kvguard = guard
+    return guard
+
+
+def idle_step(owner: Any, input_batch: Any, scheduler_output: Any, *, num_blocks: int, max_model_len: int) -> None:
+    """A step that schedules no tokens (vLLM sends one to tell the worker what finished; its
+    runner returns before ``_prepare_inputs``): its events (the releases) are applied all the
+    same, so the table frees what vLLM freed."""
+    events = getattr(scheduler_output, "kvguard_events", None)
+    if not events:
+        return
+    guard = _guard_of(owner, input_batch, num_blocks, max_model_len)
+    if guard is None:
+        return
+    table = input_batch.block_table.block_tables[0]
+    report = guard.check_step(
+        [], table.block_table.np, table.num_blocks_per_row, input_batch.num_computed_tokens_cpu, None, events
+    )
+    if report.refused and guard.mode == "enforce":
+        pending = owner.__dict__.setdefault("_kvguard_refused", {})
+        for rid, refusal in report.refused.items():
+            pending[rid] = refusal.client_message(rid)
+
 
 
 def annotate_output(owner: Any, output: Any) -> Any:
@@ -289,13 +391,32 @@ def annotate_output(owner: Any, output: Any) -> Any:
 def _install_worker() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    def check_config(runner: Any) -> None:
+        if runner.kv_cache_config is not None and not runner.__dict__.get("_kvguard_checked_config"):
+            runner._kvguard_checked_config = True
+            if getattr(runner.vllm_config, "kv_transfer_config", None) is not None:
+                _unsupported("a KV connector (kv_transfer_config): its imports are not recorded")
+                runner._kvguard = None
+
+    def update_states(original: Any) -> Any:
+        def wrapper(self: Any, scheduler_output: Any, *args: Any, **kw: Any) -> Any:
+            out = original(self, scheduler_output, *args, **kw)
+            if not scheduler_output.total_num_scheduled_tokens and self.kv_cache_config is not None:
+                check_config(self)
+                idle_step(
+                    self,
+                    self.input_batch,
+                    scheduler_output,
+                    num_blocks=self.kv_cache_config.num_blocks,
+                    max_model_len=self.max_model_len,
+                )
+            return out
+
+        return wrapper
+
     def prepare_inputs(original: Any) -> Any:
         def wrapper(self: Any, scheduler_output: Any, num_scheduled_tokens: Any, *args: Any, **kw: Any) -> Any:
-            if self.kv_cache_config is not None and not self.__dict__.get("_kvguard_checked_config"):
-                self._kvguard_checked_config = True
-                if getattr(self.vllm_config, "kv_transfer_config", None) is not None:
-                    _unsupported("a KV connector (kv_transfer_config): its imports are not recorded")
-                    self._kvguard = None
+            check_config(self)
             worker_step(
                 self,
                 self.input_batch,
@@ -314,6 +435,7 @@ def _install_worker() -> None:
 
         return wrapper
 
+    _wrap(GPUModelRunner, "_update_states", update_states)
     _wrap(GPUModelRunner, "_prepare_inputs", prepare_inputs)
     _wrap(GPUModelRunner, "execute_model", annotating)
     _wrap(GPUModelRunner, "sample_tokens", annotating)
@@ -328,12 +450,10 @@ def install(mode: str) -> None:
     import vllm.envs as envs
 
     _MODE = mode
-    if "VLLM_USE_V2_MODEL_RUNNER" not in os.environ:
-        # vLLM picks its V2 model runner by default where Triton exists; kvguard hooks the V1
-        # runner's persistent batch, so it asks for that one (inherited by the workers).
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-        logger.info("kvguard: VLLM_USE_V2_MODEL_RUNNER=0 (kvguard checks the V1 model runner)")
-    elif envs.VLLM_USE_V2_MODEL_RUNNER:
+    # The user's runner is theirs to pick: kvguard checks the V1 runner, and an engine that
+    # runs V2 (vLLM's default where Triton runs) is refused when its scheduler is built
+    # (enforce) or runs unchecked with a warning (report).
+    if envs.VLLM_USE_V2_MODEL_RUNNER:
         _unsupported("vLLM's V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1)")
     _install_scheduler()
     try:

@@ -24,10 +24,22 @@ decode step that stays inside its last block.
 
 Order: vLLM hashes a block when it schedules the tokens that fill it, before the step writes
 them, and a second request may hit that block in the same step (its attention reads the KV the
-first writes earlier in the same forward pass). The worker therefore applies ``PUBLISH`` after
-recording the step's writes and ``ATTACH`` after that; a request preempted in the same step as
-it published (priority scheduling) never wrote those blocks, so its pending publishes are
-dropped: a later hit on them is refused (``unknown_prefix``), which is the truth.
+first writes earlier in the same forward pass). The worker therefore applies a ``PUBLISH`` made
+inside ``schedule`` after recording the step's writes and ``ATTACH`` after that; a request
+preempted in the same step as it published (priority scheduling) never wrote those blocks, so
+its pending publishes are dropped: a later hit on them is refused (``unknown_prefix``), which is
+the truth. Under async scheduling vLLM also hashes blocks in ``update_from_output`` (the tokens
+that fill them are known only then, and were written by steps already run) and may free the
+request in the same call: such a ``PUBLISH`` is an early event, in the order vLLM made it, so it
+lands before that request's ``RELEASE``.
+
+Tenants reach the table as ints the recorder hands out (one per tenant string, kept while a
+live request or a published block of that tenant holds it), not as strings: the table forgets a
+str tenant when its last request ends, and a later request of the same tenant hitting the
+blocks its predecessors published would then read as another tenant's. A tenant with no live
+request is forgotten by a sweep that runs when such tenants pile up (doubling its threshold each
+time, so the sweeps cost O(1) a release over time), if no published block is of that tenant:
+nothing is counted per block on the step's hot paths.
 """
 
 from __future__ import annotations
@@ -54,7 +66,7 @@ class EventKind(enum.StrEnum):
     ones ``OwnershipTable.apply_events`` takes, so the worker applies a step's events in one
     call."""
 
-    #: (ADMIT, request, tenant, prompt_tokens, max_new_tokens)
+    #: (ADMIT, request, tenant key (int), prompt_tokens, max_new_tokens)
     ADMIT = "admit"
     #: (CLAIM, request, [block ids]) freshly allocated blocks
     CLAIM = "claim"
@@ -177,6 +189,8 @@ class RequestBlockMap(dict):
 #: global load is cheaper than an attribute load on the enum class.
 _ADMIT, _CLAIM, _ATTACH, _PUBLISH = EventKind.ADMIT, EventKind.CLAIM, EventKind.ATTACH, EventKind.PUBLISH
 _RELEASE, _PREEMPT, _EVICT = EventKind.RELEASE, EventKind.PREEMPT, EventKind.EVICT
+#: Tenants with no live request that trigger the first sweep (see the module doc).
+_SWEEP_AT = 256
 #: A block's id, read in C (a comprehension is a Python function call of its own in 3.11).
 _block_id = attrgetter("block_id")
 #: ``StepEvents(early, late)`` without the Python frame of the named tuple's ``__new__``.
@@ -203,8 +217,20 @@ class SchedulerRecorder:
         self.max_model_len = max_model_len
         self.requests: dict[str, Any] = requests if requests is not None else {}
         self.admitted: set[str] = set()
-        #: Block ids published (a live prefix in the worker's table once applied).
-        self.published: set[int] = set()
+        #: Block id -> the tenant key of its publisher, for each block published (a live prefix
+        #: in the worker's table once applied).
+        self.published: dict[int, int] = {}
+        #: True while vLLM's ``schedule`` runs (a block hashed then is written by that step).
+        self.in_schedule = False
+        #: Tenant string <-> the int key the table knows it by; each key's admitted requests;
+        #: keys whose last request ended (forgotten by the next sweep if no block holds them).
+        self._tenant_keys: dict[str, int] = {}
+        self._tenant_names: dict[int, str] = {}
+        self._tenant_live: dict[int, int] = {}
+        self._request_tenant: dict[str, int] = {}
+        self._idle_tenants: set[int] = set()
+        self._sweep_at = _SWEEP_AT
+        self._next_tenant_key = 1
         #: The step's early events, its publishes and its prefix hits, in the order heard.
         self._events: list[tuple] = []
         self._publish: list[tuple] = []
@@ -218,6 +244,48 @@ class SchedulerRecorder:
 
     # -- hooks, called by the wrappers in kvguard.vllm.hooks and by RequestBlocks --------------
 
+    def tenant_key(self, tenant: str) -> int:
+        """The int the table knows ``tenant`` by (made on first use; see the module doc)."""
+        key = self._tenant_keys.get(tenant)
+        if key is None:
+            key = self._next_tenant_key
+            self._next_tenant_key += 1
+            self._tenant_keys[tenant] = key
+            self._tenant_names[key] = tenant
+        return key
+
+    def _tenant_ended(self, key: int) -> None:
+        """A request of tenant ``key`` was released."""
+        live = self._tenant_live.get(key, 0) - 1
+        if live > 0:
+            self._tenant_live[key] = live
+            return
+        self._tenant_live.pop(key, None)
+        self._idle_tenants.add(key)
+        if len(self._idle_tenants) >= self._sweep_at:
+            self.sweep_tenants()
+
+    def sweep_tenants(self) -> None:
+        """Forgets the tenants with no live request and no published block (their keys are
+        never handed out again: a later request of the tenant gets a new one)."""
+        held = set(self.published.values())
+        kept = set()
+        for key in self._idle_tenants:
+            if key in self._tenant_live:
+                continue
+            if key in held:
+                kept.add(key)
+                continue
+            name = self._tenant_names.pop(key, None)
+            if name is not None:
+                del self._tenant_keys[name]
+        self._idle_tenants = kept
+        self._sweep_at = max(_SWEEP_AT, 2 * len(kept))
+
+    def tenant_name(self, key: int) -> str | None:
+        """The tenant string behind a key, while it is held (for the operator's log)."""
+        return self._tenant_names.get(key)
+
     def _admit(self, rid: str) -> None:
         request = self.requests.get(rid)
         if request is None:
@@ -226,8 +294,24 @@ class SchedulerRecorder:
             return
         prompt = int(request.num_prompt_tokens)
         max_new = max(0, min(int(request.max_tokens or 0), self.max_model_len - prompt))
-        self._events.append((_ADMIT, rid, tenant_of(request), prompt, max_new))
+        key = self.tenant_key(tenant_of(request))
+        self._tenant_live[key] = self._tenant_live.get(key, 0) + 1
+        self._request_tenant[rid] = key
+        self._events.append((_ADMIT, rid, key, prompt, max_new))
         self.admitted.add(rid)
+
+    def _unpublish(self, block_ids: Any) -> None:
+        """The blocks are no longer published."""
+        pop = self.published.pop
+        for b in block_ids:
+            pop(b, None)
+
+    def _publish_one(self, rid: str, block_id: int) -> None:
+        self.published[block_id] = self._request_tenant.get(rid, 0)
+        event = (_PUBLISH, rid, block_id, (block_id,))
+        # Hashed inside schedule: written by this step, published after its writes. Hashed in
+        # update_from_output (async): written already, published in order (before a release).
+        (self._publish if self.in_schedule else self._events).append(event)
 
     def added(self, rid: str, blocks: list[Any]) -> None:
         """The manager appended ``blocks`` to request ``rid``'s list: fresh ones from
@@ -240,9 +324,10 @@ class SchedulerRecorder:
         if blocks[0].block_hash is None:
             ids = list(map(_block_id, blocks))
             published = self.published
-            if published and not published.isdisjoint(ids):
+            if published and not published.keys().isdisjoint(ids):
                 evicted = [b for b in ids if b in published]
-                published.difference_update(evicted)
+                for b in evicted:
+                    del published[b]
                 self._events.extend([(_EVICT, rid, b) for b in evicted])
             self._events.append((_CLAIM, rid, ids))
             return
@@ -253,25 +338,24 @@ class SchedulerRecorder:
         (those that got a hash are published after the step's writes)."""
         published = self.published
         if end - start == 1 and start < len(blocks):
-            # A decode step filled one block: the common case, without a loop.
+            # A decode step filled one block: the common case, without a loop or a call.
             b = blocks[start]
             block_id = b.block_id
             if b.block_hash is not None and not b.is_null and block_id not in published:
-                published.add(block_id)
-                self._publish.append((_PUBLISH, rid, block_id, (block_id,)))
+                published[block_id] = self._request_tenant.get(rid, 0)
+                (self._publish if self.in_schedule else self._events).append((_PUBLISH, rid, block_id, (block_id,)))
             return
         for b in blocks[start:end]:
             block_id = b.block_id
             if b.block_hash is not None and not b.is_null and block_id not in published:
-                published.add(block_id)
-                self._publish.append((_PUBLISH, rid, block_id, (block_id,)))
+                self._publish_one(rid, block_id)
 
     def evicted(self, block_ids: Any) -> None:
         """``BlockPool.evict_blocks`` dropped the hashes of ``block_ids`` outside an
         allocation (a KV connector's evictions)."""
         for block_id in block_ids:
             if block_id in self.published:
-                self.published.discard(block_id)
+                self._unpublish((block_id,))
                 self._events.append((_EVICT, None, block_id))
 
     def freed(self, request: Any) -> None:
@@ -284,21 +368,31 @@ class SchedulerRecorder:
         if self._publish:
             kept = [e for e in self._publish if e[1] != rid]
             if len(kept) != len(self._publish):
-                self.published.difference_update([e[2] for e in self._publish if e[1] == rid])
+                self._unpublish([e[2] for e in self._publish if e[1] == rid])
                 self._publish = kept
         if self._attach:
             self._attach = [e for e in self._attach if e[1] != rid]
         if request.is_finished():
             self.admitted.discard(rid)
+            key = self._request_tenant.pop(rid, None)
+            if key is not None:
+                self._tenant_ended(key)
             self._events.append((_RELEASE, rid))
         else:
             self._events.append((_PREEMPT, rid))
 
+    def published_of(self, rid: str) -> list[int]:
+        """The published blocks ``rid`` holds: those it published and the prefix-cache hits it
+        took (run after a refusal only)."""
+        published = self.published
+        return [b.block_id for b in self.manager.req_to_blocks.get(rid, ()) if b.block_id in published]
+
     def cache_reset(self) -> None:
         """``reset_prefix_cache`` succeeded: every cached block lost its hash."""
         if self.published:
-            self._events.extend([(_EVICT, None, b) for b in sorted(self.published)])
-            self.published.clear()
+            blocks = sorted(self.published)
+            self._events.extend([(_EVICT, None, b) for b in blocks])
+            self._unpublish(blocks)
 
     def take(self) -> StepEvents | None:
         """The step's events in the order the worker applies them (None when there are none)."""

@@ -1,4 +1,4 @@
-"""kvguard.vllm against vLLM 0.33 itself, on CPU (no GPU, no model, no hub).
+"""kvguard.vllm against vLLM 0.33 itself, on CPU (no GPU, no model weights, no hub).
 
 Needs vLLM 0.33.0 and the kvguard wheel in the running interpreter (scripts/ci/vllm.sh builds
 that venv); never skipped.
@@ -6,18 +6,20 @@ that venv); never skipped.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import sys
 from pathlib import Path
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest
 
 import kvguard.vllm
-from engine import Engine, EngineConfig
+from real_engine import RealEngine
 
 
 @pytest.fixture
@@ -35,7 +37,7 @@ def report_mode():
     kvguard.vllm.uninstall()
 
 
-def workload(engine: Engine, seed: int, n: int, *, shared: int = 3, salts: int = 1, max_prompt: int = 80) -> None:
+def workload(engine: RealEngine, seed: int, n: int, *, shared: int = 3, salts: int = 1, max_prompt: int = 80) -> None:
     """n requests, some sharing one of ``shared`` prefixes, spread over ``salts`` tenants."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(500) for _ in range(rng.randrange(16, 70))] for _ in range(shared)]
@@ -46,15 +48,21 @@ def workload(engine: Engine, seed: int, n: int, *, shared: int = 3, salts: int =
         engine.add(f"req-{i}", prompt, rng.randrange(1, 40), cache_salt=salt)
 
 
-def run_unguarded(cfg: EngineConfig, fill) -> Engine:
-    """The same workload without kvguard (hooks removed for the run, then restored)."""
-    mode = kvguard.vllm.installed_mode()
-    kvguard.vllm.uninstall()
-    try:
-        e = Engine(cfg, guarded=False)
-        fill(e)
-        e.run()
-        return e
-    finally:
-        if mode is not None:
-            kvguard.vllm.install(mode)
+class _Seen(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def kvguard_log():
+    """The messages of the ``vllm.kvguard`` logger during one test (vLLM's logging setup stops
+    its loggers from propagating, so pytest's caplog does not see them once an engine is built)."""
+    seen = _Seen()
+    logger = logging.getLogger("vllm.kvguard")
+    logger.addHandler(seen)
+    yield seen.messages
+    logger.removeHandler(seen)

@@ -2,6 +2,10 @@
 BlockPool, InputBatch and BlockTable, driven the way EngineCore and the GPU model runner drive
 them, with a token-id "KV cache" standing in for the model.
 
+Only bindings/python/bench/vllm_step.py uses it (its steps are timed part by part, which needs a
+loop of its own): it re-implements EngineCore's synchronous step and the runner's
+``_update_states``. The tests drive vLLM's own EngineCore and runner (real_engine.py).
+
 The stand-in model writes each scheduled token's id into its slot (through the step's slot
 mapping) and "attends" by reading every position below the sequence length back through the
 block-table row; the next token is a hash of what it read. So a wrong block table changes the

@@ -27,7 +27,7 @@ def test_vllm_loads_the_plugin_with_the_setting(mode):
     env.pop("VLLM_USE_V2_MODEL_RUNNER", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    expect = "None None" if mode == "off" else f"{mode} 0"
+    expect = f"{None if mode == 'off' else mode} None"
     assert out.stdout.strip().splitlines()[-1] == expect
 
 
@@ -50,14 +50,14 @@ def test_a_mistyped_setting_stops_vllm_at_start_up(setting, named):
 
 def test_metrics_are_registered(enforce):
     from conftest import workload
-    from engine import Engine, EngineConfig
+    from real_engine import RealConfig, RealEngine
     from prometheus_client import REGISTRY
 
-    e = Engine(EngineConfig(num_blocks=64, max_num_seqs=4, max_model_len=512), guarded=True)
+    e = RealEngine(RealConfig(num_blocks=64, max_num_seqs=4, max_model_len=512))
     workload(e, 3, 6)
     e.run()
     steps = REGISTRY.get_sample_value("kvguard_steps_total")
-    assert steps is not None and steps >= e.steps
+    assert e.guard.steps > 0 and steps is not None and steps >= e.guard.steps
     assert REGISTRY.get_sample_value("kvguard_pages", {"state": "free"}) is not None
 
 
@@ -65,24 +65,24 @@ def test_the_step_count_never_goes_down_when_an_engine_is_dropped(enforce):
     import gc
 
     from conftest import workload
-    from engine import Engine, EngineConfig
+    from real_engine import RealConfig, RealEngine
     from prometheus_client import REGISTRY
 
-    e = Engine(EngineConfig(num_blocks=64, max_num_seqs=4, max_model_len=512), guarded=True)
+    e = RealEngine(RealConfig(num_blocks=64, max_num_seqs=4, max_model_len=512))
     workload(e, 3, 6)
     e.run()
     before = REGISTRY.get_sample_value("kvguard_steps_total")
-    assert before >= e.steps
+    assert before >= e.guard.steps > 0
     del e
     gc.collect()
     assert REGISTRY.get_sample_value("kvguard_steps_total") >= before, "a counter never goes down"
 
 
-def test_a_failing_metric_never_reaches_the_step(enforce, monkeypatch, caplog):
+def test_a_failing_metric_never_reaches_the_step(enforce, monkeypatch, kvguard_log):
     """A metrics error (a broken registry, a full disk in multiprocess mode) is logged once; the
     step is still checked, and refused requests are still refused."""
     from conftest import workload
-    from engine import Engine, EngineConfig
+    from real_engine import RealConfig, RealEngine
     from kvguard.vllm import metrics
 
     def broken(*_args, **_kwargs):
@@ -91,9 +91,9 @@ def test_a_failing_metric_never_reaches_the_step(enforce, monkeypatch, caplog):
     m = metrics.pool_metrics()
     monkeypatch.setattr(m, "violation", broken)
     monkeypatch.setattr(m, "refused", broken)
-    e = Engine(EngineConfig(num_blocks=64, max_num_seqs=4, max_model_len=512), guarded=True)
+    e = RealEngine(RealConfig(num_blocks=64, max_num_seqs=4, max_model_len=512))
     workload(e, 2, 4)
-    guard_of = lambda: e._kvguard  # noqa: E731
+    guard_of = lambda: e.guard  # noqa: E731
     e.step()
     # A refusal whose metrics fail: the table still refuses, the step goes on.
     guard = guard_of()
@@ -103,7 +103,7 @@ def test_a_failing_metric_never_reaches_the_step(enforce, monkeypatch, caplog):
     guard._refuse(report, "nobody", "foreign_page", "read", "a test refusal")
     guard._metric(m.refused, 1)
     assert report.refused["nobody"].kind == "foreign_page"
-    assert sum("a metrics update failed" in r.getMessage() for r in caplog.records) == 1
+    assert sum("a metrics update failed" in m for m in kvguard_log) == 1
     e.run()
     assert all(f.reason == "length" for f in e.finished.values())
 
@@ -115,30 +115,31 @@ def test_metrics_in_multiprocess_mode(tmp_path):
     code = (
         "import kvguard.vllm\n"
         "from kvguard.vllm import metrics\n"
-        "from engine import Engine, EngineConfig\n"
+        "from real_engine import RealConfig, RealEngine\n"
         "from conftest import workload\n"
         "from prometheus_client import CollectorRegistry\n"
         "from prometheus_client.multiprocess import MultiProcessCollector\n"
         "kvguard.vllm.install('enforce')\n"
-        "e = Engine(EngineConfig(num_blocks=64, max_num_seqs=4, max_model_len=512), guarded=True)\n"
+        "e = RealEngine(RealConfig(num_blocks=64, max_num_seqs=4, max_model_len=512))\n"
         "workload(e, 3, 12)\n"
         "e.run()\n"
-        "assert e.steps >= metrics.FLUSH_EVERY, e.steps\n"
+        "n = e.guard.steps\n"
+        "assert n >= metrics.FLUSH_EVERY, n\n"
         "r = CollectorRegistry(); MultiProcessCollector(r)\n"
         "steps = r.get_sample_value('kvguard_steps_total')\n"
-        "assert steps == e.steps - e.steps % metrics.FLUSH_EVERY, (steps, e.steps)\n"
+        "assert steps == n - n % metrics.FLUSH_EVERY, (steps, n)\n"
         "assert r.get_sample_value('kvguard_pages', {'state': 'free'}) is not None\n"
         # A second engine after the first is dropped: its guard may land at the first one's
         # address; its count starts at 0 (a reused id made the increment negative, raising
         # inside the step), and the total only grows.
-        "import gc; first = e.steps; del e; gc.collect()\n"
-        "e2 = Engine(EngineConfig(num_blocks=64, max_num_seqs=4, max_model_len=512), guarded=True)\n"
+        "import gc; first = n; del e; gc.collect()\n"
+        "e2 = RealEngine(RealConfig(num_blocks=64, max_num_seqs=4, max_model_len=512))\n"
         "workload(e2, 3, 12)\n"
         "e2.run()\n"
         "r = CollectorRegistry(); MultiProcessCollector(r)\n"
         "flushed = lambda n: n - n % metrics.FLUSH_EVERY\n"
         "total = r.get_sample_value('kvguard_steps_total')\n"
-        "assert total == flushed(first) + flushed(e2.steps), (total, first, e2.steps)\n"
+        "assert total == flushed(first) + flushed(e2.guard.steps), (total, first, e2.guard.steps)\n"
         "print('ok')\n"
     )
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path), VLLM_TARGET_DEVICE="cpu")
