@@ -49,6 +49,8 @@ pub struct OwnershipTable {
     names: Mutex<Names>,
     /// The last step's id objects (see [`names::StepIds`]).
     step_ids: Mutex<StepIds>,
+    /// The worker step's block-table rows as last checked clean (see [`worker_reads`]).
+    worker_rows: Mutex<kvguard::RowCache>,
 }
 
 /// The verdict on a step: which rows may not run attention (reads), or whose writes were
@@ -660,7 +662,12 @@ impl OwnershipTable {
             kvguard::Error::Config(c) => errors::ConfigError::new_err(c.to_string()),
             other => errors::Error::new_err(other.to_string()),
         })?;
-        Ok(OwnershipTable { table, names: Mutex::new(Names::default()), step_ids: Mutex::default() })
+        Ok(OwnershipTable {
+            table,
+            names: Mutex::new(Names::default()),
+            step_ids: Mutex::default(),
+            worker_rows: Mutex::default(),
+        })
     }
 
     /// The pool configuration.
@@ -941,6 +948,15 @@ impl OwnershipTable {
         seq_lens: &Bound<'_, PyAny>,
     ) -> PyResult<StepVerdict> {
         self.step(py, req_ids, block_tables, seq_lens, true)
+    }
+
+    /// How the worker steps' reads were judged since the table was made: (rows judged from their
+    /// last clean page, rows judged in full). record_and_verify_step and
+    /// apply_record_and_verify_step read a C-contiguous int32 block table (vLLM's) through the
+    /// core's incremental rows; other arrays are checked in full and counted in neither.
+    fn worker_row_counts(&self) -> (u64, u64) {
+        let cache = self.worker_rows.lock();
+        (cache.incremental(), cache.full())
     }
 
     /// Pure check of a step through the engine's block table, incrementally (see verify_rows).
@@ -1734,6 +1750,7 @@ impl OwnershipTable {
             let writes: Vec<SeqWrite<'_>> =
                 (0..n).map(|i| SeqWrite { request: requests[i], slots: &slots[qsl[i]..qsl[i + 1]] }).collect();
             let reads = rows_as_reads(&step.bt, &requests, &tokens, ps, &mut converted);
+            let (in_place, worker_rows) = (step.bt.as_i32_rows(), &self.worker_rows);
             let (applied_early, written, applied_late, read) = py.detach(|| {
                 let applied_early = apply(&early);
                 if applied_early.is_err() {
@@ -1742,7 +1759,11 @@ impl OwnershipTable {
                 }
                 let written = resolved(names, table.record_step_writes(&writes));
                 let applied_late = apply(&late);
-                let read = if applied_late.is_ok() { resolved(names, table.verify_step(&reads)) } else { Vec::new() };
+                let read = if applied_late.is_ok() {
+                    resolved(names, worker_reads(table, worker_rows, in_place, &requests, &tokens, &reads))
+                } else {
+                    Vec::new()
+                };
                 (applied_early, written, applied_late, read)
             });
             drop((writes, reads));
@@ -1771,11 +1792,43 @@ impl OwnershipTable {
         let requests = if crate::events::renames(&late) { self.step_requests(step.req_ids)? } else { requests };
         check_request_count(&requests, n)?;
         let reads = rows_as_reads(&step.bt, &requests, &tokens, ps, &mut converted);
-        let read = py.detach(|| resolved(names, table.verify_step(&reads)));
+        let (in_place, worker_rows) = (step.bt.as_i32_rows(), &self.worker_rows);
+        let read =
+            py.detach(|| resolved(names, worker_reads(table, worker_rows, in_place, &requests, &tokens, &reads)));
         drop(reads);
         let read = judged_verdict(py, read, n)?;
         Ok((refused_early, written, refused_late, read))
     }
+}
+
+/// A worker step's reads, verified. Through the core's incremental rows
+/// (`OwnershipTable::verify_rows`, one cache per table: rows unchanged since their last clean
+/// check are judged from their last page) when the block table is a C-contiguous int32 array
+/// (`in_place`: vLLM's `block_table.np`), row `i` read by `requests[i]`; otherwise, or while
+/// another thread's step holds the cache, `verify_step` over `reads`. The same verdict either
+/// way (`tests/it/table_model.rs`, `tests/test_rows.py`).
+fn worker_reads(
+    table: &kvguard::OwnershipTable,
+    worker_rows: &Mutex<kvguard::RowCache>,
+    in_place: Option<(&[i32], usize)>,
+    requests: &[RequestId],
+    tokens: &[u64],
+    reads: &[SeqRead<'_>],
+) -> kvguard::StepVerdict {
+    let rows = in_place.and_then(|(entries, width)| kvguard::BlockRows::new(entries, width).ok());
+    if let (Some(rows), Some(mut cache)) = (rows, worker_rows.try_lock()) {
+        let step: Vec<kvguard::RowRead> = requests
+            .iter()
+            .zip(tokens)
+            .enumerate()
+            .map(|(i, (&request, &tokens))| kvguard::RowRead { request, row: i as u32, tokens })
+            .collect();
+        // Rows past the table cannot be: the step's arrays were checked against its rows.
+        if let Ok(v) = table.verify_rows(&mut cache, rows, &step) {
+            return v;
+        }
+    }
+    table.verify_step(reads)
 }
 
 /// req_ids read as many requests as it had when the step's arrays were checked.

@@ -91,6 +91,10 @@ def test_clean_a_thousand_requests_async():
     p = run_real(rc, fill, guarded=False)
     assert_clean(g, p, 1000)
     assert g.events.get("attach", 0) > 100
+    # The worker check reads vLLM's block table in place through the core's incremental rows:
+    # most rows, unchanged since the step before, are judged from their last page.
+    incremental, full = g.guard.table.worker_row_counts()
+    assert incremental > full > 0, (incremental, full)
 
 
 # -- the cases issue 34 found, each its own minimal run ---------------------------------------
