@@ -190,6 +190,16 @@ class Decode:
             }
         )
 
+    def held_until_timeout(self, refs, direction, fault):
+        """Pins `refs` and asks prefill, which holds its answer back (`fault`); the receive
+        gives up after 0.3 s with NixlError of kind timeout."""
+        pinned = self.receiver.pin(self.request, TENANT, PROMPT, refs, slot_bytes=SLOT_BYTES)
+        self.ask(refs, direction, fault)
+        assert self.pair.read()["done"] == "held"
+        with pytest.raises(kvguard.NixlError) as timed_out:
+            self.pair.link.receive(pinned, self.pair.region, direction=direction, timeout=0.3)
+        assert timed_out.value.kind == "timeout"
+
     def assert_nothing_leaked(self, refs):
         v = self.table.check_read_refs(self.request, refs, 1)
         assert v is not None, "a refused transfer's pages must not be readable"
@@ -314,12 +324,7 @@ def test_a_pull_retried_after_a_timeout_is_accepted(prefill):
     of the first."""
     d = Decode(prefill)
     first = d.pages()
-    pinned = d.receiver.pin(d.request, TENANT, PROMPT, first, slot_bytes=SLOT_BYTES)
-    d.ask(first, "read", "retry-late")
-    assert prefill.read()["done"] == "held"
-    with pytest.raises(kvguard.NixlError) as timed_out:
-        prefill.link.receive(pinned, prefill.region, direction="read", timeout=0.3)
-    assert timed_out.value.kind == "timeout"
+    d.held_until_timeout(first, "read", "retry-late")
     d.table.release(d.request)
     again = d.pages()
     accepted = d.pull(again, "read", "retry-late")
@@ -368,12 +373,7 @@ def test_a_push_decode_gave_up_on_stays_fenced_until_its_late_write_is_done(pref
     d = Decode(prefill)
     refs = d.pages()
     before = prefill.link.fenced
-    pinned = d.receiver.pin(d.request, TENANT, PROMPT, refs, slot_bytes=SLOT_BYTES)
-    d.ask(refs, "write", "push-late")
-    assert prefill.read()["done"] == "held"
-    with pytest.raises(kvguard.NixlError) as timed_out:
-        prefill.link.receive(pinned, prefill.region, direction="write", timeout=0.3)
-    assert timed_out.value.kind == "timeout"
+    d.held_until_timeout(refs, "write", "push-late")
     assert prefill.link.fenced == before + 1
     d.table.release(d.request)
     assert d.table.snapshot().in_flight == len(refs), "released, but not handed out"

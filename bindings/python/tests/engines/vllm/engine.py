@@ -18,34 +18,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from functools import cache
-from pathlib import Path
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import numpy as np
 import torch
 
-VOCAB = 512
-EOS = VOCAB - 1
-
-
-@cache
-def model_dir() -> str:
-    """A local folder holding only a tiny Llama config.json (no hub, no weights)."""
-    from transformers import LlamaConfig
-
-    d = Path(os.environ.get("KVGUARD_VLLM_MODEL_DIR", "/tmp/kvguard-vllm-tiny-llama"))
-    if not (d / "config.json").exists():
-        LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
-        ).save_pretrained(d)
-    return str(d)
+# The tiny model and its vocabulary: the real-engine harness's, one definition for both.
+from real_engine import EOS, VOCAB, model_dir  # noqa: E402
 
 
 @dataclass(frozen=True)

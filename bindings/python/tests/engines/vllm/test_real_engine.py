@@ -296,19 +296,12 @@ def test_injected_block_freed_while_still_read_then_reallocated(async_scheduling
     assert step <= min(s for s, rid in buggy.oracle_errors if rid == "reader-b")
 
 
-@SCHEDULING
-def test_injected_computed_tokens_past_what_was_written(async_scheduling, monkeypatch):
-    """A race advances a prefilling request's computed-token count past what its chunk wrote."""
+def computed_token_race(monkeypatch, victim: str) -> dict:
+    """Makes vLLM's scheduler advance `victim`'s computed-token count 3 past what its prefill
+    chunk wrote, once, mid-prompt. Returns the trigger: set ``armed["once"] = True`` to fire it
+    again in the next run."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    rc = RealConfig(num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=512, async_scheduling=async_scheduling)
-    victim = "long-prompt"
-
-    def fill(e: RealEngine) -> None:
-        e.add("other", list(range(1, 20)), 20)
-        e.add(victim, list(range(100, 190)), 5)
-
-    clean = run_real(rc, fill, guarded=False)
     original = Scheduler._update_after_schedule
     armed = {"once": True}
 
@@ -320,6 +313,21 @@ def test_injected_computed_tokens_past_what_was_written(async_scheduling, monkey
             req.num_computed_tokens += 3
 
     monkeypatch.setattr(Scheduler, "_update_after_schedule", racy)
+    return armed
+
+
+@SCHEDULING
+def test_injected_computed_tokens_past_what_was_written(async_scheduling, monkeypatch):
+    """A race advances a prefilling request's computed-token count past what its chunk wrote."""
+    rc = RealConfig(num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=512, async_scheduling=async_scheduling)
+    victim = "long-prompt"
+
+    def fill(e: RealEngine) -> None:
+        e.add("other", list(range(1, 20)), 20)
+        e.add(victim, list(range(100, 190)), 5)
+
+    clean = run_real(rc, fill, guarded=False)
+    armed = computed_token_race(monkeypatch, victim)
     buggy = run_real(rc, fill, guarded=False)
     assert buggy.oracle_errors and buggy.oracle_errors[0][1] == victim
     armed["once"] = True
@@ -391,8 +399,6 @@ def test_after_a_refused_write_its_cached_blocks_serve_nobody(async_scheduling, 
     vLLM's cache with the refusal; the table cannot evict those the refused request still holds
     there, and evicts them before vLLM hands them out again (without that, 17-25 bystanders were
     refused page_not_free): every bystander is served as in the run without the bug."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-
     rc = RealConfig(num_blocks=40, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=512, async_scheduling=async_scheduling)
     victim = "long-prompt"
     prompt = list(range(100, 190))
@@ -405,17 +411,7 @@ def test_after_a_refused_write_its_cached_blocks_serve_nobody(async_scheduling, 
 
     clean = run_real(rc, fill, guarded=False)
     assert clean.events == {} and max(clean.scheduler_hits.get(f"after-{i}", 0) for i in range(0, 30, 2)) >= 64
-    original = Scheduler._update_after_schedule
-    armed = {"once": True}
-
-    def racy(self, scheduler_output):
-        original(self, scheduler_output)
-        req = self.requests.get(victim)
-        if armed.get("once") and req is not None and 0 < req.num_computed_tokens < req.num_prompt_tokens - 8:
-            armed.clear()
-            req.num_computed_tokens += 3
-
-    monkeypatch.setattr(Scheduler, "_update_after_schedule", racy)
+    armed = computed_token_race(monkeypatch, victim)
     guarded = run_real(rc, fill, guarded=True)
     assert guarded.events.get("evict", 0) > 0, "the refused request's blocks leave vLLM's cache"
     check_contained(guarded, clean, victim, {"unwritten_slots"})
