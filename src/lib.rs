@@ -13,6 +13,7 @@
 //! | [`ids`] | the words: [`RequestId`], [`TenantId`], [`PageId`], [`Generation`], [`PageRef`] (one incarnation of a page), [`PrefixKey`] |
 //! | [`config`] | [`PoolConfig`]: the pool's shape, and the start-up audit that refuses a pool which cannot hold one max-context request |
 //! | [`table`] | [`OwnershipTable`]: every page's owner, tenant, generation and coverage; admission, allocation, writes, block-table verification, prefixes, forks, transfer pins |
+//! | [`step`] | an engine's step in one call: typed event batches ([`step::Events`]), the writes its slot mapping makes ([`step::StepSlots`]), the rows attention reads, judged incrementally ([`OwnershipTable::engine_step`]) |
 //! | [`violation`] | [`Violation`] and [`ViolationKind`]: what was refused, in one line; [`Policy`] (enforce or report) and the counters |
 //! | [`error`] | [`Error`]: every fallible call's error type |
 //! | [`transfer`] | the manifest that travels with a prefill→decode KV transfer, its wire format, and the [`Receiver`](transfer::Receiver) that fails closed; with feature `nixl`, the transport over NIXL |
@@ -20,8 +21,8 @@
 //! | [`cuda`] | the device tag layout and the kernel-exact canary; with feature `cuda`, the device guard (tag mirror, verify, CRC32, scrub kernels) |
 //!
 //! Data flows one way: engine event → [`OwnershipTable`] (→ device mirror) → verdict. The table
-//! knows nothing of CUDA, files, JSON or transports; [`cuda`], [`trace`] and [`transfer`] depend
-//! on it, never the reverse.
+//! knows nothing of CUDA, files, JSON or transports; [`cuda`], [`step`], [`trace`] and
+//! [`transfer`] depend on it, never the reverse.
 //!
 //! # Allocator mode or shadow mode?
 //!
@@ -65,6 +66,7 @@ pub mod cuda;
 pub mod error;
 pub mod ids;
 mod le;
+pub mod step;
 pub mod table;
 pub mod trace;
 pub mod transfer;

@@ -94,8 +94,13 @@ impl<'a> BlockRows<'a> {
         self.entries.len().checked_div(self.stride).unwrap_or(0)
     }
 
+    /// Entries per row.
+    pub fn width(&self) -> usize {
+        self.stride
+    }
+
     /// Row `row` (in range: the caller checked).
-    fn row(&self, row: usize) -> &'a [i32] {
+    pub(crate) fn row(&self, row: usize) -> &'a [i32] {
         &self.entries[row * self.stride..(row + 1) * self.stride]
     }
 }

@@ -20,6 +20,7 @@ mod cuda_host_sim;
 mod cuda_host_verify;
 #[cfg(feature = "cuda")]
 mod cuda_nvrtc;
+mod step_engine;
 mod table_concurrency;
 mod table_model;
 mod table_spec;

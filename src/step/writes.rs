@@ -1,0 +1,80 @@
+//! A step's KV writes as an engine's slot-mapping kernel computes them from its block table rows
+//! (vLLM's `_compute_slot_mapping`): request `i` writes positions `computed[i]..computed[i] +
+//! scheduled[i]`, position `p` to slot `row[min(p / page_size, width - 1)] * page_size + p %
+//! page_size`.
+
+use super::StepError;
+use crate::config::{PageDiv, PoolConfig};
+use crate::ids::RequestId;
+use crate::table::{BlockRows, SeqWrite};
+
+/// A step's slot mapping: request `i` wrote `slots[bounds[i]..bounds[i + 1]]`.
+#[derive(Clone, Debug, Default)]
+pub struct StepSlots {
+    slots: Vec<i64>,
+    bounds: Vec<usize>,
+}
+
+impl StepSlots {
+    /// The slots row `i` of `rows` writes for `scheduled[i]` tokens from position `computed[i]`
+    /// (both as long as each other, at most the rows there are). A request may write at most a
+    /// row's width of pages (or the pool's pages, if fewer), and the step at most the pool's
+    /// slots: more is [`StepError::TooManyTokens`] / [`StepError::PoolSlots`], checked before
+    /// anything is allocated. A negative entry gives a negative slot (refused as out of range
+    /// when recorded); a table of width 0 gives slots past any pool.
+    pub fn from_rows(
+        rows: BlockRows<'_>,
+        computed: &[u64],
+        scheduled: &[u64],
+        config: &PoolConfig,
+    ) -> Result<StepSlots, StepError> {
+        let ps = u64::from(config.page_size);
+        let width = rows.width();
+        let pool = u64::from(config.num_pages) * ps;
+        let most = (width as u64 * ps).min(pool);
+        if let Some(index) = scheduled.iter().position(|&s| s > most) {
+            return Err(StepError::TooManyTokens { index, tokens: scheduled[index], most });
+        }
+        let total = scheduled.iter().fold(0u64, |sum, &s| sum.saturating_add(s));
+        if total > pool {
+            return Err(StepError::PoolSlots { tokens: total, slots: pool });
+        }
+        let mut bounds = Vec::with_capacity(scheduled.len() + 1);
+        bounds.push(0usize);
+        let mut sum = 0usize;
+        for &s in scheduled {
+            sum += s as usize;
+            bounds.push(sum);
+        }
+        let mut slots = Vec::with_capacity(sum);
+        if width == 0 {
+            slots.resize(sum, i64::MAX);
+            return Ok(StepSlots { slots, bounds });
+        }
+        let last = width as u64 - 1;
+        let div = PageDiv::new(config.page_size);
+        let ps = ps as i64;
+        for (i, (&c, &s)) in computed.iter().zip(scheduled).enumerate() {
+            let row = rows.row(i);
+            slots.extend((c..c + s).map(|p| {
+                let page = i64::from(row[div.floor(p).min(last) as usize]);
+                page.wrapping_mul(ps).wrapping_add(div.offset(p) as i64)
+            }));
+        }
+        Ok(StepSlots { slots, bounds })
+    }
+
+    /// The writes of `requests` (request `i` the slots of row `i`; as many as the rows given).
+    pub fn writes<'a>(&'a self, requests: &[RequestId]) -> Vec<SeqWrite<'a>> {
+        requests
+            .iter()
+            .zip(self.bounds.windows(2))
+            .map(|(&request, w)| SeqWrite { request, slots: &self.slots[w[0]..w[1]] })
+            .collect()
+    }
+
+    /// Every slot, in request order.
+    pub fn slots(&self) -> &[i64] {
+        &self.slots
+    }
+}

@@ -1,0 +1,319 @@
+//! An engine's step in one call (`OwnershipTable::engine_step`): it judges exactly as the calls
+//! it stands for, made one by one (each event through its own call, the writes through
+//! `record_step_writes`, the reads through a full `verify_step`), for any step; and a step whose
+//! shape is wrong applies nothing.
+
+use kvguard::step::{EngineStep, Event, EventBatch, Events, EventsError, StepError};
+use kvguard::{
+    BlockRows, OwnershipTable, PageId, Policy, PoolConfig, PrefixKey, RequestId, RowCache, SeqRead, SeqWrite,
+    StepVerdict, TenantId,
+};
+use proptest::prelude::*;
+
+const PS: u32 = 4;
+const PAGES: u32 = 24;
+const WIDTH: usize = 6;
+
+fn table(policy: Policy) -> OwnershipTable {
+    OwnershipTable::new(PoolConfig::new(PAGES, PS, 64).with_reserved([PageId(0)]).with_policy(policy))
+        .expect("the test pool passes its audit")
+}
+
+/// A step as the proptest draws it.
+#[derive(Clone, Debug)]
+struct Drawn {
+    early: Vec<Ev>,
+    /// Per request slot 0..4: its row's entries and (computed, scheduled).
+    rows: Vec<([i32; WIDTH], u8, u8)>,
+    late: Vec<Ev>,
+}
+
+#[derive(Clone, Debug)]
+enum Ev {
+    Admit(u8, u8, u8),
+    Claim(u8, Vec<u32>),
+    Release(u8),
+    Preempt(u8),
+    Publish(u8, u8, Vec<u32>),
+    Attach(u8, u8),
+    Detach(u8, u8),
+    Evict(u8),
+    ReleasePages(u8, Vec<u32>),
+}
+
+fn req(r: u8) -> RequestId {
+    RequestId(u64::from(r % 4) + 1)
+}
+
+fn pages(p: &[u32]) -> Vec<PageId> {
+    p.iter().map(|&p| PageId(p)).collect()
+}
+
+fn ev() -> impl Strategy<Value = Ev> {
+    let page_list = || prop::collection::vec(0u32..PAGES + 1, 0..3);
+    prop_oneof![
+        3 => (any::<u8>(), 0u8..3, 0u8..24).prop_map(|(r, t, p)| Ev::Admit(r, t, p)),
+        4 => (any::<u8>(), page_list()).prop_map(|(r, p)| Ev::Claim(r, p)),
+        1 => any::<u8>().prop_map(Ev::Release),
+        1 => any::<u8>().prop_map(Ev::Preempt),
+        1 => (any::<u8>(), 0u8..3, page_list()).prop_map(|(r, k, p)| Ev::Publish(r, k, p)),
+        1 => (any::<u8>(), 0u8..3).prop_map(|(r, k)| Ev::Attach(r, k)),
+        1 => (any::<u8>(), 0u8..3).prop_map(|(r, k)| Ev::Detach(r, k)),
+        1 => (0u8..3).prop_map(Ev::Evict),
+        1 => (any::<u8>(), page_list()).prop_map(|(r, p)| Ev::ReleasePages(r, p)),
+    ]
+}
+
+fn drawn() -> impl Strategy<Value = Drawn> {
+    let entry = prop_oneof![8 => 1i32..PAGES as i32, 1 => Just(-1i32), 1 => Just(PAGES as i32 + 3)];
+    let row = (prop::array::uniform6(entry), 0u8..12, 0u8..6);
+    (prop::collection::vec(ev(), 0..6), prop::collection::vec(row, 4), prop::collection::vec(ev(), 0..3))
+        .prop_map(|(early, rows, late)| Drawn { early, rows, late })
+}
+
+fn batch(events: &[Ev]) -> EventBatch {
+    let mut b = EventBatch::new();
+    for e in events {
+        match e {
+            Ev::Admit(r, t, p) => b.admit(req(*r), TenantId(u64::from(*t)), u64::from(*p), 8),
+            Ev::Claim(r, p) => b.claim(req(*r), &pages(p)),
+            Ev::Release(r) => b.release(req(*r)),
+            Ev::Preempt(r) => b.preempt(req(*r)),
+            Ev::Publish(r, k, p) => b.publish(req(*r), PrefixKey(u64::from(*k)), &pages(p)),
+            Ev::Attach(r, k) => b.attach(req(*r), PrefixKey(u64::from(*k))),
+            Ev::Detach(r, k) => b.detach(req(*r), PrefixKey(u64::from(*k))),
+            Ev::Evict(k) => b.evict(PrefixKey(u64::from(*k))),
+            Ev::ReleasePages(r, p) => b.release_pages(req(*r), &pages(p)),
+        };
+    }
+    b
+}
+
+/// Each event through its own call: `(index, kind)` of the refused ones.
+fn one_by_one(t: &OwnershipTable, events: &[Ev]) -> Vec<(usize, kvguard::ViolationKind)> {
+    let mut refused = Vec::new();
+    for (i, e) in events.iter().enumerate() {
+        let out = match e {
+            Ev::Admit(r, tn, p) => t.admit(req(*r), TenantId(u64::from(*tn)), u64::from(*p), 8),
+            Ev::Claim(r, p) => t.claim(req(*r), &pages(p)).map(drop),
+            Ev::Release(r) => t.release(req(*r)).map(drop),
+            Ev::Preempt(r) => t.preempt(req(*r)).map(drop),
+            Ev::Publish(r, k, p) => t.publish_prefix(req(*r), PrefixKey(u64::from(*k)), &pages(p)),
+            Ev::Attach(r, k) => t.attach_prefix(req(*r), PrefixKey(u64::from(*k))).map(drop),
+            Ev::Detach(r, k) => t.detach_prefix(req(*r), PrefixKey(u64::from(*k))).map(drop),
+            Ev::Evict(k) => t.evict_prefix(PrefixKey(u64::from(*k))).map(drop),
+            Ev::ReleasePages(r, p) => t.release_pages(req(*r), &pages(p)).map(drop),
+        };
+        if let Err(e) = out {
+            refused.push((i, e.violation_kind().expect("these events fail only with violations")));
+        }
+    }
+    refused
+}
+
+fn said(v: &StepVerdict) -> Vec<(usize, kvguard::ViolationKind, Option<u32>, Option<PageId>)> {
+    v.refused.iter().map(|(i, v)| (*i, v.kind(), v.block_index(), v.page())).collect()
+}
+
+fn kinds(r: &[(usize, kvguard::Violation)]) -> Vec<(usize, kvguard::ViolationKind)> {
+    r.iter().map(|(i, v)| (*i, v.kind())).collect()
+}
+
+/// Runs `steps` through `engine_step` on one table and one call at a time on another, and
+/// requires the same verdict at every stage and the same pages after every step.
+fn same_as_one_by_one(steps: &[Drawn], policy: Policy) {
+    let (stepped, single) = (table(policy), table(policy));
+    let mut cache = RowCache::new();
+    let requests: Vec<RequestId> = (0..4).map(req).collect();
+    for (n, s) in steps.iter().enumerate() {
+        let entries: Vec<i32> = s.rows.iter().flat_map(|(row, _, _)| *row).collect();
+        let computed: Vec<u64> = s.rows.iter().map(|r| u64::from(r.1)).collect();
+        let scheduled: Vec<u64> = s.rows.iter().map(|r| u64::from(r.2)).collect();
+        let (early, late) = (batch(&s.early), batch(&s.late));
+        let step = EngineStep {
+            early: early.events(),
+            requests: &requests,
+            rows: BlockRows::new(&entries, WIDTH).expect("whole rows"),
+            computed: &computed,
+            scheduled: &scheduled,
+            late: late.events(),
+        };
+        let outcome = stepped.engine_step(&mut cache, &step).expect("the step's shape is right");
+        assert!(outcome.early.completed() && outcome.late.completed());
+
+        // The same, one call at a time.
+        assert_eq!(kinds(&outcome.early.refused), one_by_one(&single, &s.early), "step {n}: early events");
+        let slots: Vec<Vec<i64>> = s
+            .rows
+            .iter()
+            .map(|(row, c, k)| {
+                (u64::from(*c)..u64::from(*c) + u64::from(*k))
+                    .map(|p| {
+                        let col = ((p / u64::from(PS)) as usize).min(WIDTH - 1);
+                        i64::from(row[col]) * i64::from(PS) + (p % u64::from(PS)) as i64
+                    })
+                    .collect()
+            })
+            .collect();
+        let writes: Vec<SeqWrite<'_>> =
+            requests.iter().zip(&slots).map(|(&request, s)| SeqWrite { request, slots: s }).collect();
+        let written = single.record_step_writes(&writes);
+        assert_eq!(said(outcome.writes.as_ref().unwrap()), said(&written), "step {n}: writes");
+        assert_eq!(kinds(&outcome.late.refused), one_by_one(&single, &s.late), "step {n}: late events");
+        let tables: Vec<Vec<PageId>> =
+            s.rows.iter().map(|(row, _, _)| row.map(|e| PageId(e as u32)).to_vec()).collect();
+        let reads: Vec<SeqRead<'_>> = (0..4)
+            .map(|i| SeqRead { request: requests[i], block_table: &tables[i], tokens: computed[i] + scheduled[i] })
+            .collect();
+        assert_eq!(said(outcome.reads.as_ref().unwrap()), said(&single.verify_step(&reads)), "step {n}: reads");
+        for p in 0..PAGES {
+            assert_eq!(stepped.page_info(PageId(p)), single.page_info(PageId(p)), "step {n}: page {p}");
+        }
+        assert_eq!(stepped.snapshot(), single.snapshot(), "step {n}");
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 600, ..ProptestConfig::default() })]
+
+    /// Any sequence of steps (garbage rows, foreign pages, refused events included) is judged by
+    /// `engine_step` exactly as by the calls it stands for, one by one, and leaves the same table.
+    #[test]
+    fn an_engine_step_judges_as_its_calls_one_by_one(steps in prop::collection::vec(drawn(), 1..12)) {
+        same_as_one_by_one(&steps, Policy::Enforce);
+        same_as_one_by_one(&steps, Policy::Report);
+    }
+}
+
+/// A decode step of a request that wrote its prompt: clean, and the row is then judged from its
+/// last page.
+#[test]
+fn a_clean_prefill_then_decode_is_clean_and_the_second_step_is_incremental() {
+    let t = table(Policy::Enforce);
+    let mut cache = RowCache::new();
+    let a = RequestId(1);
+    let mut early = EventBatch::new();
+    early.admit(a, TenantId(1), 6, 4).claim(a, &[PageId(3), PageId(4)]);
+    let entries = [3, 4, -1, -1, -1, -1];
+    let step = EngineStep {
+        early: early.events(),
+        requests: &[a],
+        rows: BlockRows::new(&entries, WIDTH).unwrap(),
+        computed: &[0],
+        scheduled: &[6],
+        late: Events::none(),
+    };
+    assert!(t.engine_step(&mut cache, &step).unwrap().is_clean());
+    let step = EngineStep { early: Events::none(), computed: &[6], scheduled: &[1], ..step };
+    assert!(t.engine_step(&mut cache, &step).unwrap().is_clean());
+    assert_eq!((cache.full(), cache.incremental()), (1, 1));
+}
+
+/// Every wrong shape is found before anything is applied: the early events' admission did not
+/// happen.
+#[test]
+fn a_step_whose_shape_is_wrong_applies_nothing() {
+    let t = table(Policy::Enforce);
+    let mut cache = RowCache::new();
+    let mut early = EventBatch::new();
+    early.admit(RequestId(9), TenantId(1), 4, 4);
+    let entries = [3i32; WIDTH * 2];
+    let rows = BlockRows::new(&entries, WIDTH).unwrap();
+    let base = EngineStep {
+        early: early.events(),
+        requests: &[RequestId(1), RequestId(2)],
+        rows,
+        computed: &[0, 0],
+        scheduled: &[1, 1],
+        late: Events::none(),
+    };
+    let three = [RequestId(1), RequestId(2), RequestId(3)];
+    let too_many = [1, WIDTH as u64 * u64::from(PS) + 1];
+    type Expected = fn(&StepError) -> bool;
+    let cases: Vec<(EngineStep<'_>, Expected)> = vec![
+        (EngineStep { computed: &[0], ..base }, |e| matches!(e, StepError::Shape { computed: 1, .. })),
+        (EngineStep { scheduled: &[0, 0, 0], ..base }, |e| matches!(e, StepError::Shape { scheduled: 3, .. })),
+        (EngineStep { requests: &three, computed: &[0; 3], scheduled: &[0; 3], ..base }, |e| {
+            matches!(e, StepError::Shape { rows: 2, requests: 3, .. })
+        }),
+        (EngineStep { scheduled: &too_many, ..base }, |e| {
+            matches!(e, StepError::TooManyTokens { index: 1, most: 24, .. })
+        }),
+        (EngineStep { computed: &[u64::MAX, 0], ..base }, |e| matches!(e, StepError::Overflow { index: 0, .. })),
+    ];
+    for (step, expected) in cases {
+        let e = t.engine_step(&mut cache, &step).expect_err("a wrong shape");
+        assert!(expected(&e), "{e}");
+        assert!(!e.to_string().is_empty());
+        assert!(t.request_info(RequestId(9)).is_none(), "{e}: the early admission was applied");
+    }
+    // More slots than the pool has: 8 requests of one row each writing a full row.
+    let wide = [1i32; 24 * 8];
+    let reqs: Vec<RequestId> = (1..=8).map(RequestId).collect();
+    let step = EngineStep {
+        requests: &reqs,
+        rows: BlockRows::new(&wide, 24).unwrap(),
+        computed: &[0; 8],
+        scheduled: &[20; 8],
+        ..base
+    };
+    assert!(matches!(t.engine_step(&mut cache, &step), Err(StepError::PoolSlots { tokens: 160, slots: 96 })));
+    assert!(t.request_info(RequestId(9)).is_none());
+}
+
+/// Event columns are checked whole: a wrong length, an unknown kind or pages outside the page
+/// column is an error naming it, and no `Events` is made.
+#[test]
+fn event_columns_are_checked_before_use() {
+    let pages = [PageId(3)];
+    assert_eq!(
+        Events::new(&[1, 3], &[1], &[0, 0], &[[0, 0]; 2], &pages).unwrap_err(),
+        EventsError::Columns { kinds: 2, requests: 1, keys: 2, args: 2 }
+    );
+    assert_eq!(Events::new(&[0], &[1], &[0], &[[0, 0]], &pages).unwrap_err(), EventsError::Kind { index: 0, kind: 0 });
+    assert_eq!(
+        Events::new(&[10], &[1], &[0], &[[0, 0]], &pages).unwrap_err(),
+        EventsError::Kind { index: 0, kind: 10 }
+    );
+    assert_eq!(
+        Events::new(&[5], &[1], &[0], &[[1, 0]], &pages).unwrap_err(),
+        EventsError::Pages { index: 0, start: 1, end: 0, len: 1 }
+    );
+    assert_eq!(
+        Events::new(&[9], &[1], &[0], &[[0, 2]], &pages).unwrap_err(),
+        EventsError::Pages { index: 0, start: 0, end: 2, len: 1 }
+    );
+    // Kinds without pages do not read args as a range.
+    let e = Events::new(&[1, 3], &[1, 1], &[7, 0], &[[u64::MAX, 3], [9, 1]], &pages).unwrap();
+    assert_eq!(
+        e.get(0),
+        Event::Admit { request: RequestId(1), tenant: TenantId(7), prompt_tokens: u64::MAX, max_new_tokens: 3 }
+    );
+    assert_eq!(e.get(1), Event::Release { request: RequestId(1) });
+}
+
+/// What `EventBatch` builds reads back event for event.
+#[test]
+fn a_batch_reads_back_what_was_pushed() {
+    let (p, q) = ([PageId(1), PageId(2)], [PageId(5)]);
+    let events = [
+        Event::Admit { request: RequestId(1), tenant: TenantId(2), prompt_tokens: 3, max_new_tokens: 4 },
+        Event::Claim { request: RequestId(1), pages: &p },
+        Event::Publish { request: RequestId(1), key: PrefixKey(8), pages: &q },
+        Event::Attach { request: RequestId(2), key: PrefixKey(8) },
+        Event::Detach { request: RequestId(2), key: PrefixKey(8) },
+        Event::ReleasePages { request: RequestId(1), pages: &q },
+        Event::Evict { key: PrefixKey(8) },
+        Event::Preempt { request: RequestId(1) },
+        Event::Release { request: RequestId(1) },
+        Event::Claim { request: RequestId(3), pages: &[] },
+    ];
+    let mut b = EventBatch::new();
+    for e in events {
+        b.push(e);
+    }
+    let got: Vec<Event<'_>> = (0..b.len()).map(|i| b.events().get(i)).collect();
+    assert_eq!(got, events);
+    b.clear();
+    assert!(b.is_empty() && b.events().is_empty());
+}
