@@ -232,6 +232,11 @@ impl<'a> Events<'a> {
         EventKind::from_byte(self.kinds[i]).unwrap_or(EventKind::Evict)
     }
 
+    /// Event `i`'s `requests` entry (`i < len()`).
+    pub fn request(&self, i: usize) -> RequestId {
+        RequestId(self.requests[i])
+    }
+
     /// Event `i` (`i < len()`).
     pub fn get(&self, i: usize) -> Event<'a> {
         let request = RequestId(self.requests[i]);

@@ -17,11 +17,13 @@ pub struct StepSlots {
 
 impl StepSlots {
     /// The slots row `i` of `rows` writes for `scheduled[i]` tokens from position `computed[i]`
-    /// (both as long as each other, at most the rows there are). A request may write at most a
+    /// (both as long as each other, at most the rows there are; a position past `u64` is
+    /// [`StepError::Overflow`]). A request may write at most a
     /// row's width of pages (or the pool's pages, if fewer), and the step at most the pool's
     /// slots: more is [`StepError::TooManyTokens`] / [`StepError::PoolSlots`], checked before
-    /// anything is allocated. A negative entry gives a negative slot (refused as out of range
-    /// when recorded); a table of width 0 gives slots past any pool.
+    /// anything is allocated. A negative entry gives a slot no pool has (`i64::MIN`: refused
+    /// when recorded, never taken for [`PADDING_SLOT`](crate::table::PADDING_SLOT)); a table of
+    /// width 0 gives slots past any pool.
     pub fn from_rows(
         rows: BlockRows<'_>,
         computed: &[u64],
@@ -34,6 +36,9 @@ impl StepSlots {
         let most = (width as u64 * ps).min(pool);
         if let Some(index) = scheduled.iter().position(|&s| s > most) {
             return Err(StepError::TooManyTokens { index, tokens: scheduled[index], most });
+        }
+        if let Some(index) = computed.iter().zip(scheduled).position(|(c, s)| c.checked_add(*s).is_none()) {
+            return Err(StepError::Overflow { index, computed: computed[index], scheduled: scheduled[index] });
         }
         let total = scheduled.iter().fold(0u64, |sum, &s| sum.saturating_add(s));
         if total > pool {
@@ -57,8 +62,8 @@ impl StepSlots {
         for (i, (&c, &s)) in computed.iter().zip(scheduled).enumerate() {
             let row = rows.row(i);
             slots.extend((c..c + s).map(|p| {
-                let page = i64::from(row[div.floor(p).min(last) as usize]);
-                page.wrapping_mul(ps).wrapping_add(div.offset(p) as i64)
+                let page = row[div.floor(p).min(last) as usize];
+                if page < 0 { i64::MIN } else { i64::from(page) * ps + div.offset(p) as i64 }
             }));
         }
         Ok(StepSlots { slots, bounds })

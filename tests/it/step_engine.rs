@@ -150,7 +150,12 @@ fn same_as_one_by_one(steps: &[Drawn], policy: Policy) {
                 (u64::from(*c)..u64::from(*c) + u64::from(*k))
                     .map(|p| {
                         let col = ((p / u64::from(PS)) as usize).min(WIDTH - 1);
-                        i64::from(row[col]) * i64::from(PS) + (p % u64::from(PS)) as i64
+                        // A negative entry names no page: its slot is none a pool has.
+                        if row[col] < 0 {
+                            i64::MIN
+                        } else {
+                            i64::from(row[col]) * i64::from(PS) + (p % u64::from(PS)) as i64
+                        }
                     })
                     .collect()
             })

@@ -3,9 +3,10 @@
 //! A scheduler step makes a handful of ownership decisions (admissions, claims, frees, prefix
 //! publishes, hits and evictions); one Python→Rust call per decision costs more than the
 //! decision itself. The events are read from a list of tuples under the GIL (every one checked
-//! before any is applied, so malformed input changes nothing), then applied in order with the
-//! GIL released, each through the core call its single-event method makes, judged the same way;
-//! a run of consecutive claims goes to the core as one `claim_step` (one lock).
+//! before any is applied, so malformed input changes nothing), turned into the core's typed
+//! batch (`kvguard::step::EventBatch`, request and tenant strings interned) and applied by the
+//! core (`OwnershipTable::apply_events`) with the GIL released, judged as the single-event
+//! methods judge them.
 //!
 //! ```text
 //! ("admit",   request, tenant, prompt_tokens, max_new_tokens)
@@ -16,12 +17,14 @@
 //! ("attach",  request, key)
 //! ("detach",  request, key)
 //! ("evict",   request or None, key)   request: whose allocation made the cache drop `key`
-//!                                      (reported with a refusal; the table evicts either way)
+//!                                      (not read: the table evicts either way)
+//! ("release_pages", request, pages)    the request lets go of these pages and keeps the rest
 //! ```
 
 use crate::names::{self, Key, Names, Resolved};
 use crate::violation::Violation;
-use kvguard::{PageId, PrefixKey, RequestId, SeqClaim};
+use kvguard::step::EventBatch;
+use kvguard::{PageId, PrefixKey};
 use parking_lot::Mutex;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -61,6 +64,7 @@ enum Op {
     Attach(PrefixKey),
     Detach(PrefixKey),
     Evict(PrefixKey),
+    ReleasePages(Vec<PageId>),
 }
 
 /// One ownership event of a step.
@@ -181,6 +185,10 @@ pub fn parse(events: &Bound<'_, PyAny>) -> PyResult<Vec<Event>> {
                 let k = key(2)?;
                 (Some(request("request")?), if name == "attach" { Op::Attach(k) } else { Op::Detach(k) })
             }
+            "release_pages" => {
+                arity(tuple, i, name, 3, "(\"release_pages\", request, pages)")?;
+                (Some(request("request")?), Op::ReleasePages(page_ids(&at(2)?, "pages")?))
+            }
             "evict" => {
                 arity(tuple, i, name, 3, "(\"evict\", request or None, key)")?;
                 let r = at(1)?;
@@ -189,7 +197,7 @@ pub fn parse(events: &Bound<'_, PyAny>) -> PyResult<Vec<Event>> {
             }
             other => {
                 return Err(PyValueError::new_err(format!(
-                    "events[{i}]: unknown event {other:?} (admit, claim, release, preempt, publish, attach, detach, evict)"
+                    "events[{i}]: unknown event {other:?} (admit, claim, release, preempt, publish, attach, detach, evict, release_pages)"
                 )));
             }
         };
@@ -212,102 +220,162 @@ pub fn renames(events: &[Event]) -> bool {
     events.iter().any(|e| matches!(e.op, Op::Admit { .. } | Op::Release))
 }
 
-/// Applies `events` in order (no Python code runs: call it with the GIL released). Returns the
-/// refused events, or the first error that is not a violation (the events after it are not
+/// The request and tenant strings a segment's events name, interned as they will read when the
+/// core applies them: a segment ends before an event whose ids an earlier event of the segment
+/// changes (a request it admits or releases, or after a release, a string tenant an admission
+/// names, which the release may forget).
+struct Segment {
+    /// Events `start..end` of the list.
+    end: usize,
+    /// The admissions' interned ids, in order (index into the list, admission).
+    admissions: Vec<(usize, names::Admission)>,
+}
+
+/// Builds the core's batch of `events[start..]` up to the segment's end (see [`Segment`]),
+/// interning as [`apply`]'s single calls would.
+fn segment(names: &mut Names, events: &[Event], start: usize, batch: &mut EventBatch) -> Segment {
+    batch.clear();
+    let mut touched: Vec<&str> = Vec::new();
+    let mut released = false;
+    let mut admissions = Vec::new();
+    let mut end = start;
+    for event in &events[start..] {
+        let name = match &event.request {
+            Some(OwnedKey::Name(s)) => Some(&**s),
+            _ => None,
+        };
+        let cuts = name.is_some_and(|n| touched.contains(&n))
+            || (released && matches!(&event.op, Op::Admit { tenant: OwnedKey::Name(_), .. }));
+        if cuts && end > start {
+            break;
+        }
+        let request = event.request.as_ref().map_or(names::UNKNOWN_REQUEST, |k| names.request(k.key()));
+        match &event.op {
+            Op::Admit { tenant, prompt_tokens, max_new_tokens } => {
+                let key = event.request.as_ref().map_or(Key::Int(names::UNKNOWN_REQUEST.0), OwnedKey::key);
+                let a = names.admit(key, tenant.key());
+                batch.admit(a.request, a.tenant, *prompt_tokens, *max_new_tokens);
+                admissions.push((end, a));
+                touched.extend(name);
+            }
+            Op::Claim(pages) => {
+                batch.claim(request, pages);
+            }
+            Op::Release => {
+                batch.release(request);
+                touched.extend(name);
+                released |= name.is_some();
+            }
+            Op::Preempt => {
+                batch.preempt(request);
+            }
+            Op::Publish(key, pages) => {
+                batch.publish(request, *key, pages);
+            }
+            Op::Attach(key) => {
+                batch.attach(request, *key);
+            }
+            Op::Detach(key) => {
+                batch.detach(request, *key);
+            }
+            Op::Evict(key) => {
+                batch.evict(*key);
+            }
+            Op::ReleasePages(pages) => {
+                batch.release_pages(request, pages);
+            }
+        }
+        end += 1;
+    }
+    Segment { end, admissions }
+}
+
+/// Applies `events` in order through the core's [`OwnershipTable::apply_events`] (no Python
+/// code runs: call it with the GIL released), in as few batches as their names allow. Returns
+/// the refused events, or the first error that is not a violation (the events after it are not
 /// applied).
+///
+/// [`OwnershipTable::apply_events`]: kvguard::OwnershipTable::apply_events
 pub fn apply(
     table: &kvguard::OwnershipTable,
     names: &Mutex<Names>,
     events: &[Event],
 ) -> Result<Vec<RefusedEvent>, Box<EventError>> {
     let mut refused: Vec<RefusedEvent> = Vec::new();
-    let request_of = |e: &Event| -> RequestId {
-        e.request.as_ref().map_or(names::UNKNOWN_REQUEST, |k| names.lock().request(k.key()))
-    };
-    let mut i = 0;
-    while i < events.len() {
-        let event = &events[i];
-        let outcome: Result<(), kvguard::Error> = match &event.op {
-            Op::Claim(_) => {
-                // The run of claims starting here, under one lock.
-                let end =
-                    events[i..].iter().position(|e| !matches!(e.op, Op::Claim(_))).map_or(events.len(), |n| i + n);
-                let claims: Vec<SeqClaim<'_>> = {
-                    let n = names.lock();
-                    events[i..end]
-                        .iter()
-                        .map(|e| SeqClaim {
-                            request: e.request.as_ref().map_or(names::UNKNOWN_REQUEST, |k| n.request(k.key())),
-                            pages: match &e.op {
-                                Op::Claim(p) => p,
-                                _ => &[],
-                            },
-                        })
-                        .collect()
-                };
-                let verdict = table.claim_step(&claims);
-                if !verdict.refused.is_empty() {
-                    let n = names.lock();
-                    refused.extend(verdict.refused.into_iter().map(|(k, v)| {
-                        let r = n.resolve(&v);
-                        (i + k, v, r)
-                    }));
-                }
-                i = end;
-                continue;
+    let mut batch = EventBatch::new();
+    let mut start = 0;
+    while start < events.len() {
+        let seg = segment(&mut names.lock(), events, start, &mut batch);
+        let applied = table.apply_events(batch.events());
+        // The names follow what the table did, event by event: each refusal resolved as the ids
+        // read when it was refused, then the event's own effect on the names.
+        let stop = applied.failed.as_ref().map_or(seg.end - start, |(k, _)| *k);
+        let mut n = names.lock();
+        let mut violations = applied.refused.into_iter().peekable();
+        let mut admissions = seg.admissions.into_iter().peekable();
+        for k in 0..(seg.end - start).min(stop + 1) {
+            let mut was_refused = false;
+            while let Some((_, v)) = violations.next_if(|(j, _)| *j == k) {
+                let r = n.resolve(&v);
+                refused.push((start + k, v, r));
+                was_refused = true;
             }
-            Op::Admit { tenant, prompt_tokens, max_new_tokens } => {
-                let key = event.request.as_ref().map_or(Key::Int(names::UNKNOWN_REQUEST.0), OwnedKey::key);
-                let a = names.lock().admit(key, tenant.key());
-                match table.admit(a.request, a.tenant, *prompt_tokens, *max_new_tokens) {
-                    Ok(()) => {
-                        names.lock().admitted(a);
-                        Ok(())
-                    }
-                    Err(e) => {
-                        let mut n = names.lock();
-                        if let kvguard::Error::Violation(v) = &e {
-                            let r = n.resolve(v);
-                            refused.push((i, v.clone(), r));
-                        }
-                        n.refused(a);
-                        match e {
-                            kvguard::Error::Violation(_) => Ok(()),
-                            other => Err(other),
-                        }
-                    }
-                }
+            if let Some((_, a)) = admissions.next_if(|(j, _)| *j == start + k) {
+                if was_refused || k == stop { n.refused(a) } else { n.admitted(a) }
             }
-            Op::Release => {
-                let req = request_of(event);
-                let out = table.release(req);
-                let mut n = names.lock();
-                let out = match out {
-                    Err(kvguard::Error::Violation(v)) => {
-                        let r = n.resolve(&v);
-                        refused.push((i, v, r));
-                        Ok(())
-                    }
-                    other => other.map(drop),
-                };
-                n.forget(req);
-                out
+            if matches!(events[start + k].op, Op::Release) {
+                n.forget(batch.events().request(k));
             }
-            Op::Preempt => table.preempt(request_of(event)).map(drop),
-            Op::Publish(key, pages) => table.publish_prefix(request_of(event), *key, pages),
-            Op::Attach(key) => table.attach_prefix(request_of(event), *key).map(drop),
-            Op::Detach(key) => table.detach_prefix(request_of(event), *key).map(drop),
-            Op::Evict(key) => table.evict_prefix(*key).map(drop),
-        };
-        match outcome {
-            Ok(()) => {}
-            Err(kvguard::Error::Violation(v)) => {
-                let r = names.lock().resolve(&v);
-                refused.push((i, v, r));
-            }
-            Err(error) => return Err(Box::new(EventError { index: i, error, refused })),
         }
-        i += 1;
+        // Admissions past a failure were interned and never applied.
+        for (_, a) in admissions {
+            n.refused(a);
+        }
+        drop(n);
+        if let Some((k, error)) = applied.failed {
+            return Err(Box::new(EventError { index: start + k, error, refused }));
+        }
+        start = seg.end;
     }
     Ok(refused)
+}
+
+/// The core's batch of `events` whose ids no event among them changes (no admission or
+/// release: [`renames`] is false), every request read as it reads now.
+pub fn batch(names: &Names, events: &[Event]) -> EventBatch {
+    let mut b = EventBatch::new();
+    for event in events {
+        let request = event.request.as_ref().map_or(names::UNKNOWN_REQUEST, |k| names.request(k.key()));
+        match &event.op {
+            Op::Admit { .. } | Op::Release => unreachable!("batch() is for events that rename nothing"),
+            Op::Claim(pages) => b.claim(request, pages),
+            Op::Preempt => b.preempt(request),
+            Op::Publish(key, pages) => b.publish(request, *key, pages),
+            Op::Attach(key) => b.attach(request, *key),
+            Op::Detach(key) => b.detach(request, *key),
+            Op::Evict(key) => b.evict(*key),
+            Op::ReleasePages(pages) => b.release_pages(request, pages),
+        };
+    }
+    b
+}
+
+/// The refused events of a batch that renamed nothing, resolved now; its failure, if any.
+pub fn resolve_applied(
+    names: &Mutex<Names>,
+    applied: kvguard::step::AppliedEvents,
+) -> Result<Vec<RefusedEvent>, Box<EventError>> {
+    let n = names.lock();
+    let refused: Vec<RefusedEvent> = applied
+        .refused
+        .into_iter()
+        .map(|(i, v)| {
+            let r = n.resolve(&v);
+            (i, v, r)
+        })
+        .collect();
+    match applied.failed {
+        Some((index, error)) => Err(Box::new(EventError { index, error, refused })),
+        None => Ok(refused),
+    }
 }

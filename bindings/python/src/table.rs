@@ -1614,7 +1614,8 @@ impl OwnershipTable {
     ///   ("claim", request, pages)            (a run of claims goes to the table as one claim_step)
     ///   ("release", request)  ("preempt", request)
     ///   ("publish", request, key, pages)  ("attach", request, key)  ("detach", request, key)
-    ///   ("evict", request or None, key)      (request: whom the eviction is charged to; reported only)
+    ///   ("evict", request or None, key)      (request: whom the eviction is charged to; not read)
+    ///   ("release_pages", request, pages)    (the request lets go of these pages, keeps the rest)
     /// Every event is checked first: a malformed one raises TypeError/ValueError and nothing is
     /// applied. Returns [(index, Violation)] of the refused events, in order. An error that is not
     /// a violation (e.g. OutOfPagesError) is raised at the event that hit it; the events before
@@ -1725,8 +1726,11 @@ impl<'a, 'py> StepArrays<'a, 'py> {
 
 impl OwnershipTable {
     /// The early events, the writes, the late events and the reads of a worker step, in that
-    /// order. The GIL is released once when no event admits or releases a request (a decode
-    /// step), else around each stage, the requests re-read after the events that rename them.
+    /// order, through the core's `OwnershipTable::engine_step` (the rows judged incrementally,
+    /// with this table's row cache). A decode step (no event admits or releases a request) is
+    /// one core call with the GIL released once; otherwise the early events are applied first
+    /// and the requests read after them (as they read then), and late events that rename go
+    /// through the core's parts one by one. Every array is checked before any event is applied.
     fn worker_step(
         &self,
         py: Python<'_>,
@@ -1735,100 +1739,169 @@ impl OwnershipTable {
         late: Vec<crate::events::Event>,
     ) -> PyResult<StepOutcome> {
         let n = step.n;
-        let ps = u64::from(self.table.page_size());
-        let (slots, qsl) = row_slots(&step.bt, &step.computed, &step.scheduled, self.table.config())?;
-        let tokens: Vec<u64> = (0..n).map(|i| step.computed[i] + step.scheduled[i]).collect();
         let (table, names) = (&self.table, &self.names);
-        let apply = |events: &[crate::events::Event]| {
-            if events.is_empty() { Ok(Vec::new()) } else { crate::events::apply(table, names, events) }
-        };
         let mut converted = Vec::new();
-        if !crate::events::renames(&early) && !crate::events::renames(&late) {
-            // A decode step: the requests read the same throughout; one release of the GIL.
-            let requests = self.step_requests(step.req_ids)?;
-            check_request_count(&requests, n)?;
-            let writes: Vec<SeqWrite<'_>> =
-                (0..n).map(|i| SeqWrite { request: requests[i], slots: &slots[qsl[i]..qsl[i + 1]] }).collect();
-            let reads = rows_as_reads(&step.bt, &requests, &tokens, ps, &mut converted);
-            let (in_place, worker_rows) = (step.bt.as_i32_rows(), &self.worker_rows);
-            let (applied_early, written, applied_late, read) = py.detach(|| {
-                let applied_early = apply(&early);
-                if applied_early.is_err() {
-                    // Raised below before anything else is read; nothing after it runs.
-                    return (applied_early, Vec::new(), Ok(Vec::new()), Vec::new());
-                }
-                let written = resolved(names, table.record_step_writes(&writes));
-                let applied_late = apply(&late);
-                let read = if applied_late.is_ok() {
-                    resolved(names, worker_reads(table, worker_rows, in_place, &requests, &tokens, &reads))
-                } else {
-                    Vec::new()
-                };
-                (applied_early, written, applied_late, read)
-            });
-            drop((writes, reads));
-            let refused_early = self.refused_events(py, applied_early)?;
-            let written = judged_verdict(py, written, n)?;
-            let refused_late = self.refused_events(py, applied_late)?;
-            let read = judged_verdict(py, read, n)?;
-            return Ok((refused_early, written, refused_late, read));
-        }
-        let applied_early = py.detach(|| apply(&early));
-        let refused_early = self.refused_events(py, applied_early)?;
-        // Each verdict's ids are resolved as they read at its stage (a released request's str
-        // is forgotten by the events that follow).
+        let rows = step_rows(&step.bt, n, &step.computed, &step.scheduled, table.config(), &mut converted)?;
+        // The step's shape, checked before anything is applied.
+        kvguard::step::StepSlots::from_rows(rows, &step.computed, &step.scheduled, table.config())
+            .map_err(step_error)?;
+        let renaming_early = crate::events::renames(&early);
+        let refused_early = if renaming_early {
+            let applied = py.detach(|| crate::events::apply(table, names, &early));
+            Some(self.refused_events(py, applied)?)
+        } else {
+            None
+        };
         let requests = self.step_requests(step.req_ids)?;
         check_request_count(&requests, n)?;
-        let writes: Vec<SeqWrite<'_>> =
-            (0..n).map(|i| SeqWrite { request: requests[i], slots: &slots[qsl[i]..qsl[i + 1]] }).collect();
-        let (written, applied_late) = py.detach(|| {
-            let written = resolved(names, table.record_step_writes(&writes));
-            (written, apply(&late))
+        if crate::events::renames(&late) {
+            let refused_early = match refused_early {
+                Some(r) => r,
+                None => {
+                    let applied = py.detach(|| crate::events::apply(table, names, &early));
+                    self.refused_events(py, applied)?
+                }
+            };
+            return self.worker_step_renaming_late(py, step, rows, &requests, late, refused_early);
+        }
+        let (early_batch, late_batch) = {
+            let n = names.lock();
+            let early =
+                if renaming_early { kvguard::step::EventBatch::new() } else { crate::events::batch(&n, &early) };
+            (early, crate::events::batch(&n, &late))
+        };
+        let core_step = kvguard::step::EngineStep {
+            early: early_batch.events(),
+            requests: &requests,
+            rows,
+            computed: &step.computed,
+            scheduled: &step.scheduled,
+            late: late_batch.events(),
+        };
+        let worker_rows = &self.worker_rows;
+        let (outcome, early, written, late, read) = py.detach(|| {
+            // Another thread's step holds the cache: a fresh one checks every row in full, with
+            // the same verdict.
+            let mut spare = kvguard::RowCache::new();
+            let mut held = worker_rows.try_lock();
+            let cache = held.as_deref_mut().unwrap_or(&mut spare);
+            match table.engine_step(cache, &core_step) {
+                Err(e) => (Err(e), Ok(Vec::new()), Vec::new(), Ok(Vec::new()), Vec::new()),
+                Ok(o) => {
+                    let early = crate::events::resolve_applied(names, o.early);
+                    let written = resolved(names, o.writes.unwrap_or_default());
+                    let late = crate::events::resolve_applied(names, o.late);
+                    let read = resolved(names, o.reads.unwrap_or_default());
+                    (Ok(()), early, written, late, read)
+                }
+            }
         });
-        drop(writes);
+        outcome.map_err(step_error)?;
+        let refused_early = match refused_early {
+            Some(r) => r,
+            None => self.refused_events(py, early)?,
+        };
+        let written = judged_verdict(py, written, n)?;
+        let refused_late = self.refused_events(py, late)?;
+        let read = judged_verdict(py, read, n)?;
+        Ok((refused_early, written, refused_late, read))
+    }
+
+    /// The rest of a worker step whose late events admit or release requests: the writes, the
+    /// late events, then the reads by the requests as they read after them, each through its
+    /// core call.
+    fn worker_step_renaming_late(
+        &self,
+        py: Python<'_>,
+        step: &StepArrays<'_, '_>,
+        rows: kvguard::BlockRows<'_>,
+        requests: &[RequestId],
+        late: Vec<crate::events::Event>,
+        refused_early: crate::events::RefusedForPython,
+    ) -> PyResult<StepOutcome> {
+        let (table, names, n) = (&self.table, &self.names, step.n);
+        let slots = kvguard::step::StepSlots::from_rows(rows, &step.computed, &step.scheduled, table.config())
+            .map_err(step_error)?;
+        let (written, applied_late) = py.detach(|| {
+            let written = resolved(names, table.record_step_writes(&slots.writes(requests)));
+            (written, crate::events::apply(table, names, &late))
+        });
         let written = judged_verdict(py, written, n)?;
         let refused_late = self.refused_events(py, applied_late)?;
-        // The reads name the requests as they read after the events (as verify_step would).
-        let requests = if crate::events::renames(&late) { self.step_requests(step.req_ids)? } else { requests };
+        let requests = self.step_requests(step.req_ids)?;
         check_request_count(&requests, n)?;
-        let reads = rows_as_reads(&step.bt, &requests, &tokens, ps, &mut converted);
-        let (in_place, worker_rows) = (step.bt.as_i32_rows(), &self.worker_rows);
-        let read =
-            py.detach(|| resolved(names, worker_reads(table, worker_rows, in_place, &requests, &tokens, &reads)));
-        drop(reads);
-        let read = judged_verdict(py, read, n)?;
+        let reads: Vec<kvguard::RowRead> = requests
+            .iter()
+            .enumerate()
+            .map(|(i, &request)| kvguard::RowRead {
+                request,
+                row: i as u32,
+                tokens: step.computed[i] + step.scheduled[i],
+            })
+            .collect();
+        let worker_rows = &self.worker_rows;
+        let read = py.detach(|| {
+            let mut spare = kvguard::RowCache::new();
+            let mut held = worker_rows.try_lock();
+            let cache = held.as_deref_mut().unwrap_or(&mut spare);
+            table.verify_rows(cache, rows, &reads).map(|v| resolved(names, v))
+        });
+        let read = judged_verdict(py, read.map_err(|e| PyValueError::new_err(e.to_string()))?, n)?;
         Ok((refused_early, written, refused_late, read))
     }
 }
 
-/// A worker step's reads, verified. Through the core's incremental rows
-/// (`OwnershipTable::verify_rows`, one cache per table: rows unchanged since their last clean
-/// check are judged from their last page) when the block table is a C-contiguous int32 array
-/// (`in_place`: vLLM's `block_table.np`), row `i` read by `requests[i]`; otherwise, or while
-/// another thread's step holds the cache, `verify_step` over `reads`. The same verdict either
-/// way (`tests/it/table_model.rs`, `tests/test_rows.py`).
-fn worker_reads(
-    table: &kvguard::OwnershipTable,
-    worker_rows: &Mutex<kvguard::RowCache>,
-    in_place: Option<(&[i32], usize)>,
-    requests: &[RequestId],
-    tokens: &[u64],
-    reads: &[SeqRead<'_>],
-) -> kvguard::StepVerdict {
-    let rows = in_place.and_then(|(entries, width)| kvguard::BlockRows::new(entries, width).ok());
-    if let (Some(rows), Some(mut cache)) = (rows, worker_rows.try_lock()) {
-        let step: Vec<kvguard::RowRead> = requests
-            .iter()
-            .zip(tokens)
-            .enumerate()
-            .map(|(i, (&request, &tokens))| kvguard::RowRead { request, row: i as u32, tokens })
-            .collect();
-        // Rows past the table cannot be: the step's arrays were checked against its rows.
-        if let Ok(v) = table.verify_rows(&mut cache, rows, &step) {
-            return v;
+/// A worker step's block table as the core reads it: a C-contiguous int32 table in place
+/// (vLLM's `block_table.np`); any other, its first `n` rows converted into `converted`, only the
+/// columns the step writes or reads (an entry outside `0..2**31` becomes -1, a page past any
+/// pool; a table of width 0, one column of -1). At most the pool's pages and one more are
+/// converted a row: a row whose step reaches
+/// past them (its tokens could never be the pool's) is converted as -1 throughout, so each of
+/// its writes and its read is refused as out of range, never recorded on a page it did not name.
+fn step_rows<'a>(
+    bt: &'a IntArray<'_>,
+    n: usize,
+    computed: &[u64],
+    scheduled: &[u64],
+    config: &kvguard::PoolConfig,
+    converted: &'a mut Vec<i32>,
+) -> PyResult<kvguard::BlockRows<'a>> {
+    if let Some((entries, width)) = bt.as_i32_rows().filter(|(_, width)| *width > 0) {
+        return kvguard::BlockRows::new(entries, width).map_err(|e| PyValueError::new_err(e.to_string()));
+    }
+    let div = kvguard::config::PageDiv::new(config.page_size);
+    let needs: Vec<u64> = (0..n).map(|i| div.ceil(computed[i].saturating_add(scheduled[i]))).collect();
+    let cap = u64::from(config.num_pages) + 1;
+    let most = needs.iter().copied().max().unwrap_or(0);
+    // A table of width 0 names no page: one column of -1 stands for it.
+    let width = ((bt.width() as u64).min(cap).min(most) as usize).max(1);
+    converted.reserve(n.saturating_mul(width));
+    for (i, &need) in needs.iter().enumerate() {
+        if bt.width() == 0 || (need > width as u64 && width < bt.width()) {
+            converted.extend(std::iter::repeat_n(-1, width));
+        } else {
+            converted.extend((0..width).map(|j| i32::try_from(bt.get(i, j)).unwrap_or(-1)));
         }
     }
-    table.verify_step(reads)
+    kvguard::BlockRows::new(converted, width).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// A step the core could not judge, as the worker step's arguments name it (nothing applied).
+fn step_error(e: kvguard::step::StepError) -> PyErr {
+    use kvguard::step::StepError;
+    PyValueError::new_err(match e {
+        StepError::TooManyTokens { index, tokens, most } => format!(
+            "num_scheduled_tokens[{index}] is {tokens}: a block table row addresses at most {most} tokens \
+             (its width, or the pool's pages, times the page size)"
+        ),
+        StepError::PoolSlots { tokens, slots } => {
+            format!("the step schedules {tokens} tokens: more than the pool's {slots} slots")
+        }
+        StepError::Overflow { index, computed, scheduled } => {
+            format!("num_computed_tokens[{index}] + num_scheduled_tokens[{index}] = {computed} + {scheduled} overflows")
+        }
+        other => other.to_string(),
+    })
 }
 
 /// req_ids read as many requests as it had when the step's arrays were checked.
@@ -1901,66 +1974,6 @@ fn block_table_row<'py>(py: Python<'py>, block_table: &Bound<'py, PyAny>) -> PyR
         return np.call_method1("zeros", ((1, 0), np.getattr("int32")?));
     }
     arr.call_method1("reshape", ((1, -1),))
-}
-
-/// The slot mapping of a step computed from its block table rows, as vLLM's slot-mapping kernel
-/// computes it: request i writes positions computed[i] + 0..scheduled[i], position p to
-/// `row[min(p / page_size, width - 1)] * page_size + p % page_size`. Returns the slots and each
-/// request's range of them (n + 1 boundaries).
-fn row_slots(
-    bt: &IntArray<'_>,
-    computed: &[u64],
-    scheduled: &[u64],
-    config: &kvguard::PoolConfig,
-) -> PyResult<(Vec<i64>, Vec<usize>)> {
-    let ps = u64::from(config.page_size);
-    let width = bt.width();
-    let pool = u64::from(config.num_pages) * ps;
-    let most = (width as u64 * ps).min(pool);
-    if let Some(i) = scheduled.iter().position(|&s| s > most) {
-        return Err(PyValueError::new_err(format!(
-            "num_scheduled_tokens[{i}] is {}: a block table row addresses at most {most} tokens \
-             (its width, or the pool's pages, times the page size)",
-            scheduled[i]
-        )));
-    }
-    // Every scheduled token writes a slot of its own: a step writing more than the pool's
-    // slots is refused before its slot mapping is allocated.
-    let total = scheduled.iter().fold(0u64, |sum, &s| sum.saturating_add(s));
-    if total > pool {
-        return Err(PyValueError::new_err(format!(
-            "the step schedules {total} tokens: more than the pool's {pool} slots"
-        )));
-    }
-    let mut qsl = Vec::with_capacity(scheduled.len() + 1);
-    qsl.push(0usize);
-    let mut total = 0usize;
-    for &s in scheduled {
-        total += s as usize;
-        qsl.push(total);
-    }
-    let mut slots = Vec::with_capacity(total);
-    if width == 0 {
-        // No entry to write through: every position is refused as a page beyond any pool.
-        slots.resize(total, i64::MAX);
-        return Ok((slots, qsl));
-    }
-    let last = width as u64 - 1;
-    let ps_i = ps as i64;
-    let div = kvguard::config::PageDiv::new(ps as u32);
-    for (i, (&c, &s)) in computed.iter().zip(scheduled).enumerate() {
-        let row = bt.row_pages(i);
-        for p in c..c + s {
-            let col = div.floor(p).min(last) as usize;
-            let page = match row {
-                // An int32 entry as vLLM holds it (a negative one stays negative).
-                Some(r) => i64::from(r[col].0 as i32),
-                None => bt.get(i, col),
-            };
-            slots.push(page.wrapping_mul(ps_i).wrapping_add(div.offset(p) as i64));
-        }
-    }
-    Ok((slots, qsl))
 }
 
 /// A step verdict's violations with their ids resolved now (the names lock only; no Python).

@@ -47,7 +47,7 @@ def refusals_of(refused):
 
 def state(table):
     pages = [(i.state, i.owner, i.generation) for i in (table.page_info(p) for p in range(PAGES))]
-    return pages, table.counters(), table.snapshot().requests
+    return pages, table.counters(), table.snapshot().requests, table.interned()
 
 
 def one_by_one(table, events):
@@ -72,6 +72,8 @@ def one_by_one(table, events):
                 table.detach_prefix(req, ev[2])
             elif op == "evict":
                 table.evict_prefix(ev[2])
+            elif op == "release_pages":
+                table.release_pages(req, ev[2])
         except kvguard.ViolationError as e:
             refused.append((i, e.kind, str(e)))
     return refused
@@ -82,10 +84,12 @@ def random_events(rng, n):
     events = []
     for _ in range(n):
         r = rng.choice(reqs)
-        op = rng.choice(["admit", "claim", "claim", "claim", "release", "preempt", "publish", "attach", "detach", "evict"])
+        op = rng.choice(
+            ["admit", "claim", "claim", "claim", "release", "preempt", "publish", "attach", "detach", "evict", "release_pages"]
+        )
         if op == "admit":
             events.append((op, r, rng.choice(["acme", "globex", 3]), rng.randrange(1, 64), rng.randrange(0, 64)))
-        elif op == "claim":
+        elif op in ("claim", "release_pages"):
             events.append((op, r, [rng.randrange(0, PAGES + 2) for _ in range(rng.randrange(0, 3))]))
         elif op in ("release", "preempt"):
             events.append((op, r))

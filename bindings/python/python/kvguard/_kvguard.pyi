@@ -23,7 +23,8 @@ Sequence[int], a sequence is copied. See docs/bindings.md, Arrays."""
 StepEvent = tuple[Any, ...]
 """An ownership event for apply_events: ("admit", request, tenant, prompt_tokens, max_new_tokens),
 ("claim", request, pages), ("release", request), ("preempt", request), ("publish", request, key,
-pages), ("attach", request, key), ("detach", request, key) or ("evict", request | None, key)."""
+pages), ("attach", request, key), ("detach", request, key), ("evict", request | None, key) or
+("release_pages", request, pages)."""
 
 class Error(Exception): ...
 
