@@ -11,12 +11,15 @@
 //! one sequence of 16 pages, where the call's fixed cost (handle lookup, guard) shows.
 //! `rows_rust` and `rows_c` run `verify_rows` / `kvg_verify_rows` with a row cache kept across
 //! the calls: the first checks every row in full, the rest from each row's last page, so take
-//! (refs at 21 calls - refs at 1 call) / 20 there.
+//! (refs at 21 calls - refs at 1 call) / 20 there. `step_rust` and `step_c` do the same through
+//! the one-call engine step (`engine_step` / `kvg_engine_step`: no events, no tokens written,
+//! every row read), with the same subtraction.
 
 #[path = "../benches/fixture/mod.rs"]
 mod fixture;
 use fixture::Fixture;
-use kvguard::{BlockRows, RowCache};
+use kvguard::step::{EngineStep, Events};
+use kvguard::{BlockRows, RequestId, RowCache};
 use std::hint::black_box;
 
 fn main() {
@@ -29,10 +32,25 @@ fn main() {
     let reads = f.reads();
     let row_reads = f.row_reads();
     let mut cache = RowCache::new();
+    let computed = f.tokens();
+    let scheduled = vec![0u64; computed.len()];
+    let requests: Vec<RequestId> = row_reads.iter().map(|r| r.request).collect();
     for _ in 0..calls {
         let clean = match via.as_str() {
             "c_abi" => f.verify_step_c(black_box(&f.matrix)),
             "rows_c" => f.verify_rows_c(black_box(&f.matrix)),
+            "step_c" => f.engine_step_c(black_box(&f.matrix), &computed, &scheduled),
+            "step_rust" => {
+                let step = EngineStep {
+                    early: Events::none(),
+                    requests: &requests,
+                    rows: BlockRows::new(black_box(&f.matrix), f.blocks()).expect("whole rows"),
+                    computed: &computed,
+                    scheduled: &scheduled,
+                    late: Events::none(),
+                };
+                f.table.engine_step(&mut cache, &step).expect("the step's shape").is_clean()
+            }
             "rows_rust" => {
                 let rows = BlockRows::new(black_box(&f.matrix), f.blocks()).expect("whole rows");
                 f.table.verify_rows(&mut cache, rows, &row_reads).expect("rows in range").is_clean()

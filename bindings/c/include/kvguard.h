@@ -302,6 +302,40 @@ typedef uint32_t kvg_page_state;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// `kvg_events.kinds` entries: what an event does (the core's `kvguard::step::EventKind`).
+enum kvg_event_kind
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint8_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // `kvg_admit`: `requests[i]`, tenant `keys[i]`, `args[2i]` prompt tokens, `args[2i+1]` max
+  // new tokens.
+  KVG_EVENT_KIND_ADMIT = 1,
+  // `kvg_claim` (shadow mode): `requests[i]` claims `pages[args[2i]..args[2i+1]]`.
+  KVG_EVENT_KIND_CLAIM = 2,
+  // `kvg_release`: `requests[i]`.
+  KVG_EVENT_KIND_RELEASE = 3,
+  // `kvg_preempt`: `requests[i]`.
+  KVG_EVENT_KIND_PREEMPT = 4,
+  // Not in a batch: a publish goes through `kvg_publish_prefix` (byte-string keys).
+  KVG_EVENT_KIND_PUBLISH = 5,
+  // Not in a batch: `kvg_attach_prefix`.
+  KVG_EVENT_KIND_ATTACH = 6,
+  // Not in a batch: `kvg_detach_prefix`.
+  KVG_EVENT_KIND_DETACH = 7,
+  // Not in a batch: `kvg_evict_prefix`.
+  KVG_EVENT_KIND_EVICT = 8,
+  // `kvg_release_pages`: `requests[i]` lets go of `pages[args[2i]..args[2i+1]]`, keeps the rest.
+  KVG_EVENT_KIND_RELEASE_PAGES = 9,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum kvg_event_kind kvg_event_kind;
+#else
+typedef uint8_t kvg_event_kind;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
 // A KV transfer in flight behind an opaque handle: while it lives, its pages are pinned (a
 // release takes them from the request, but they stay out of the free list until the ticket
 // ends, so bytes still landing never reach a next owner). Ended, and freed, by exactly one
@@ -331,6 +365,68 @@ typedef struct kvg_row_cache kvg_row_cache;
 // free), a handle of another type, or a value kvguard never handed out is refused with
 // `KVG_STATUS_INVALID_HANDLE`, even after the memory was reused.
 typedef struct kvg_table kvg_table;
+
+// A step's ownership events as columns: event `i` is `kinds[i]` (a `kvg_event_kind`) with
+// `requests[i]`, `keys[i]` (an admission's tenant; 0 otherwise) and `args[2i]`, `args[2i+1]`
+// (an admission's token counts; otherwise the event's range of `pages`). Admissions, claims,
+// releases, preemptions and partial releases: prefix events name their prefixes by byte
+// strings, which the `kvg_*_prefix` calls intern, and are refused here
+// (`KVG_STATUS_INVALID_ARGUMENT`, nothing applied). `len` 0 needs no pointer.
+typedef struct kvg_events {
+  // Events.
+  size_t len;
+  // `len` bytes: each a `kvg_event_kind`.
+  const uint8_t *kinds;
+  // `len` request ids.
+  const uint64_t *requests;
+  // `len` keys.
+  const uint64_t *keys;
+  // `2 * len` arguments.
+  const uint64_t *args;
+  // The pages the events' ranges index, as engines keep them (`int32_t`; negative: no page).
+  const int32_t *pages;
+  // Entries of `pages`.
+  size_t pages_len;
+} kvg_events;
+
+// One engine step for `kvg_engine_step`: the `early` events, then the writes of
+// `num_scheduled_tokens[i]` tokens from position `num_computed_tokens[i]` by `request_ids[i]`
+// through row `i` of `block_table` (its slot mapping: `row[min(p / page_size, width - 1)] *
+// page_size + p % page_size`), then the `late` events, then the reads: `request_ids[i]` reads
+// its first `num_computed_tokens[i] + num_scheduled_tokens[i]` tokens through row `i`.
+// `block_table` is `table_rows` rows of `width` page ids, row after row (at least `requests`
+// rows). The `refused_*` masks are NULL or as long as their stage (`early.len`, `requests`,
+// `late.len`, `requests`): 1 where that event, write or read was refused.
+typedef struct kvg_step_input {
+  // `sizeof(kvg_step_input)` as the caller compiled it.
+  size_t struct_size;
+  // Events before the forward.
+  struct kvg_events early;
+  // Events after the writes, before the reads.
+  struct kvg_events late;
+  // Requests in the step.
+  size_t requests;
+  // `requests` ids, in row order.
+  const uint64_t *request_ids;
+  // The block table attention reads, in place.
+  const int32_t *block_table;
+  // Its rows.
+  size_t table_rows;
+  // Entries per row.
+  size_t width;
+  // `requests` counts: tokens each request had before the step.
+  const uint64_t *num_computed_tokens;
+  // `requests` counts: tokens each request writes this step.
+  const uint64_t *num_scheduled_tokens;
+  // NULL or `early.len` bytes.
+  uint8_t *refused_early;
+  // NULL or `requests` bytes.
+  uint8_t *refused_writes;
+  // NULL or `late.len` bytes.
+  uint8_t *refused_late;
+  // NULL or `requests` bytes.
+  uint8_t *refused_reads;
+} kvg_step_input;
 
 // A violation, field by field; `fields` says which are known. Filled by `kvg_last_violation`
 // and `kvg_drain_violation`.
@@ -605,6 +701,40 @@ typedef struct kvg_accepted {
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+// Applies a step's ownership events in order, each judged as its single call (`kvg_admit`,
+// `kvg_claim`, ...) judges it; a run of claims under one lock. `KVG_STATUS_OK` if none was
+// refused; `KVG_STATUS_VIOLATION` with `refused` (NULL, or `events->len` bytes) marking the
+// refused ones and `kvg_last_violation(i, ...)` giving each (`row`: the event's index); the
+// status of an error that is not a violation (say `KVG_STATUS_OUT_OF_PAGES`) at the event that
+// hit it, the events before it applied. Malformed columns (a length, an unknown kind, pages out
+// of range) are `KVG_STATUS_INVALID_ARGUMENT` with nothing applied.
+//
+// # Safety
+// `table` is any value (never dereferenced); `events` points to a `kvg_events` whose pointers
+// hold the lengths it gives; `refused` is NULL or has `events->len` bytes.
+KVG_MUST_USE
+kvg_status kvg_apply_events(const struct kvg_table *table,
+                            const struct kvg_events *events,
+                            uint8_t *refused);
+
+// One engine step (`kvg_step_input`): the early events, the writes, the late events and
+// the reads, each judged as its own call judges it (`kvg_apply_events`, `kvg_record_step_writes`,
+// `kvg_verify_rows` with `cache`), in one call. `KVG_STATUS_OK` when nothing was refused;
+// `KVG_STATUS_VIOLATION` with the masks marking what was (rows refused in `refused_reads` may
+// not run attention) and `kvg_last_violation(i, ...)` giving each, early events first, then
+// writes, late events, reads (`row`: the index within its stage). An event's error that is not a
+// violation is returned as its status, the stages after it not run (the step's attention must
+// not run). A wrong shape (lengths, rows, a request writing more than its row or the pool can
+// hold, malformed events) is `KVG_STATUS_INVALID_ARGUMENT` with nothing applied.
+//
+// # Safety
+// `table` and `cache` are any values (never dereferenced); `step` points to a
+// `kvg_step_input` whose pointers hold the lengths it gives.
+KVG_MUST_USE
+kvg_status kvg_engine_step(const struct kvg_table *table,
+                           const struct kvg_row_cache *cache,
+                           const struct kvg_step_input *step);
 
 // The thread's last error message: one line, NUL-terminated, `""` when the thread's last kvguard
 // call succeeded. Valid until the thread's next kvguard call; never NULL.

@@ -51,6 +51,9 @@ fn record(failure: Failure) -> kvg_status {
             let violations = refused.into_iter().map(|(row, v)| (Some(row), v)).collect();
             (kvg_status::Violation, text, violations)
         }
+        Failure::Refusals { text, refused } => {
+            (kvg_status::Violation, text, refused.into_iter().map(|(i, v)| (Some(i), v)).collect())
+        }
         Failure::Status(status, text) => (status, text, Vec::new()),
         Failure::Refused { message, violation } => {
             (kvg_status::Violation, format!("{}: {message}", violation.kind().as_str()), vec![(None, violation)])

@@ -22,6 +22,7 @@
 #![allow(non_camel_case_types)]
 #![warn(missing_docs)]
 
+mod engine_step;
 mod guard;
 mod handle;
 mod import;
@@ -35,6 +36,7 @@ mod table;
 mod transfer;
 mod types;
 
+pub use engine_step::{kvg_apply_events, kvg_engine_step, kvg_event_kind, kvg_events, kvg_step_input};
 pub use guard::{kvg_last_error_message, kvg_last_status, kvg_last_violation, kvg_last_violation_count};
 pub use handle::kvg_live_handles;
 pub use import::{kvg_begin_import, kvg_import_abort, kvg_import_fail, kvg_import_finish, kvg_import_ticket};

@@ -24,7 +24,10 @@ static CACHES: Registry<Mutex<RowCache>> = Registry::new(Kind::RowCache);
 
 /// Runs `body` on the cache behind `c`, locked; a NULL, dead or foreign handle is refused, and
 /// so is a cache another thread's call holds.
-fn with_cache(c: *const kvg_row_cache, body: impl FnOnce(&mut RowCache) -> Result<(), Failure>) -> Result<(), Failure> {
+pub(crate) fn with_cache(
+    c: *const kvg_row_cache,
+    body: impl FnOnce(&mut RowCache) -> Result<(), Failure>,
+) -> Result<(), Failure> {
     let cache = CACHES.get(c.addr(), "row cache")?;
     let mut cache = cache.try_lock().ok_or_else(|| {
         Failure::invalid("the row cache is in use by another thread's call: one call at a time per cache".to_owned())

@@ -94,6 +94,9 @@ pub(crate) enum Failure {
     Core(Error),
     /// Rows of a step were refused: `(row, violation)`, in row order, of `rows`.
     Step { refused: Vec<(usize, Violation)>, rows: usize },
+    /// Things of a batch or an engine step were refused: `(index within its stage, violation)`,
+    /// in stage order, described by `text`.
+    Refusals { text: String, refused: Vec<(usize, Violation)> },
     /// A status of the binding's own, with its message.
     Status(kvg_status, String),
     /// Refused as `violation`, described by `message` (more precise than the violation's own

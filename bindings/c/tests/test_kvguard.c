@@ -827,6 +827,102 @@ static void test_rows(void) {
     kvg_table_free(t);
 }
 
+/* kvg_engine_step: a step's early events, its writes from the rows, its late events and its
+   reads in one call, as the calls it stands for judge them; kvg_apply_events alone. */
+static void test_engine_step(void) {
+    enum { N = 2, W = 4 };
+    kvg_table *t = new_table(KVG_POLICY_ENFORCE, 0);
+    kvg_row_cache *cache = NULL;
+    uint64_t ids[N] = {11, 12}, computed[N] = {0, 0}, scheduled[N] = {20, 20};
+    uint8_t kinds[4] = {KVG_EVENT_KIND_ADMIT, KVG_EVENT_KIND_ADMIT, KVG_EVENT_KIND_CLAIM, KVG_EVENT_KIND_CLAIM};
+    uint64_t reqs[4] = {11, 12, 11, 12}, keys[4] = {1, 2, 0, 0};
+    uint64_t args[8] = {20, 8, 20, 8, 0, 2, 2, 4};
+    int32_t pages[4] = {3, 4, 5, 6};
+    int32_t matrix[N * W] = {3, 4, -1, -1, 5, 6, -1, -1};
+    uint8_t r_early[4], r_writes[N], r_late[1], r_reads[N];
+    uint64_t incremental = 0, full = 0;
+    kvg_step_input step;
+
+    OK(kvg_row_cache_new(&cache));
+    memset(&step, 0, sizeof step);
+    step.struct_size = sizeof step;
+    step.early = (kvg_events){4, kinds, reqs, keys, args, pages, 4};
+    step.requests = N;
+    step.request_ids = ids;
+    step.block_table = matrix;
+    step.table_rows = N;
+    step.width = W;
+    step.num_computed_tokens = computed;
+    step.num_scheduled_tokens = scheduled;
+    step.refused_early = r_early;
+    step.refused_writes = r_writes;
+    step.refused_late = r_late;
+    step.refused_reads = r_reads;
+    memset(r_early, 0xff, sizeof r_early);
+    OK(kvg_engine_step(t, cache, &step));
+    CHECK(r_early[0] == 0 && r_early[3] == 0 && r_reads[0] == 0 && r_reads[1] == 0);
+    /* A decode token each; request 12's row now names 11's page: its read is refused, alone. */
+    step.early.len = 0;
+    computed[0] = computed[1] = 20;
+    scheduled[0] = scheduled[1] = 1;
+    matrix[W + 1] = 4;
+    VIOLATES(kvg_engine_step(t, cache, &step), KVG_VIOLATION_KIND_FOREIGN_PAGE);
+    CHECK(r_reads[0] == 0 && r_reads[1] == 1 && r_writes[0] == 0 && r_writes[1] == 1);
+    {
+        kvg_violation_info info = last_info();
+        CHECK((info.fields & KVG_FIELD_ROW) && info.row == 1 && info.request == 12);
+    }
+    matrix[W + 1] = 6;
+    /* Request 11 decodes again: its row judged from its last page. */
+    step.requests = 1;
+    computed[0] = 21;
+    OK(kvg_engine_step(t, cache, &step));
+    OK(kvg_row_cache_counts(cache, &incremental, &full));
+    CHECK(incremental >= 2 && full >= 2);
+    /* Wrong shapes apply nothing: an unknown kind, a prefix event, pages out of range, too many
+       tokens for a row, a bad struct_size. Request 13's admission is never applied. */
+    {
+        uint8_t k[1] = {KVG_EVENT_KIND_ADMIT};
+        uint64_t rq[1] = {13}, ky[1] = {1}, ag[2] = {4, 4};
+        kvg_request_info info;
+        step.early = (kvg_events){1, k, rq, ky, ag, NULL, 0};
+        k[0] = 0;
+        EXPECT(kvg_engine_step(t, cache, &step), KVG_STATUS_INVALID_ARGUMENT);
+        k[0] = KVG_EVENT_KIND_PUBLISH;
+        EXPECT(kvg_engine_step(t, cache, &step), KVG_STATUS_INVALID_ARGUMENT);
+        k[0] = KVG_EVENT_KIND_CLAIM;
+        EXPECT(kvg_engine_step(t, cache, &step), KVG_STATUS_INVALID_ARGUMENT); /* pages 4..4 of 0 */
+        k[0] = KVG_EVENT_KIND_ADMIT;
+        scheduled[0] = W * PS + 1;
+        EXPECT(kvg_engine_step(t, cache, &step), KVG_STATUS_INVALID_ARGUMENT);
+        scheduled[0] = 1;
+        step.struct_size = 8;
+        EXPECT(kvg_engine_step(t, cache, &step), KVG_STATUS_BAD_STRUCT_SIZE);
+        step.struct_size = sizeof step;
+        EXPECT(kvg_engine_step(t, NULL, &step), KVG_STATUS_NULL_POINTER);
+        EXPECT(kvg_engine_step(t, cache, NULL), KVG_STATUS_NULL_POINTER);
+        memset(&info, 0, sizeof info);
+        info.struct_size = sizeof info;
+        EXPECT(kvg_get_request_info(t, 13, &info), KVG_STATUS_INVALID_ARGUMENT);
+    }
+    /* kvg_apply_events: 13 and 14 admitted, then both claim page 7: the second refused alone. */
+    {
+        uint8_t k[4] = {KVG_EVENT_KIND_ADMIT, KVG_EVENT_KIND_ADMIT, KVG_EVENT_KIND_CLAIM, KVG_EVENT_KIND_CLAIM};
+        uint64_t rq[4] = {13, 14, 13, 14}, ky[4] = {1, 1, 0, 0}, ag[8] = {4, 4, 4, 4, 0, 1, 0, 1};
+        int32_t pg[1] = {7};
+        uint8_t refused[4];
+        kvg_events ev = {4, k, rq, ky, ag, pg, 1};
+        VIOLATES(kvg_apply_events(t, &ev, refused), KVG_VIOLATION_KIND_PAGE_NOT_FREE);
+        CHECK(refused[0] == 0 && refused[1] == 0 && refused[2] == 0 && refused[3] == 1);
+        CHECK(last_info().row == 3);
+        EXPECT(kvg_apply_events(t, NULL, refused), KVG_STATUS_NULL_POINTER);
+        ev.kinds = NULL;
+        EXPECT(kvg_apply_events(t, &ev, refused), KVG_STATUS_NULL_POINTER);
+    }
+    OK(kvg_row_cache_free(cache));
+    kvg_table_free(t);
+}
+
 static void test_claim_step(void) {
     kvg_table *t = new_table(KVG_POLICY_ENFORCE, 0);
     uint64_t ids[3] = {1, 2, 3};
@@ -1482,6 +1578,7 @@ int main(void) {
     test_every_violation_kind();
     test_steps();
     test_rows();
+    test_engine_step();
     test_claim_step();
     test_report_policy();
     test_refs_forms();
