@@ -6,13 +6,16 @@
 //! - `verify_rows/{rust,c_abi}/65536`: the same step read through the block table by
 //!   `verify_rows` / `kvg_verify_rows`, each with its row cache warm (rows unchanged since the
 //!   step before: judged from their last page).
+//! - `engine_step/{rust,c_abi}/65536`: the same step through the one-call engine step
+//!   (`engine_step` / `kvg_engine_step`: no events, no tokens written, every row read).
 //!
 //! `examples/overhead_count.rs` gives the same comparison in instructions (callgrind).
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 mod fixture;
 use fixture::Fixture;
-use kvguard::{BlockRows, RowCache};
+use kvguard::step::{EngineStep, Events};
+use kvguard::{BlockRows, RequestId, RowCache};
 use std::hint::black_box;
 
 fn verify_step(c: &mut Criterion) {
@@ -50,5 +53,32 @@ fn verify_rows(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, verify_step, verify_rows);
+fn engine_step(c: &mut Criterion) {
+    let mut group = c.benchmark_group("engine_step");
+    let f = Fixture::new(256, 256);
+    let computed = f.tokens();
+    let scheduled = vec![0u64; computed.len()];
+    group.throughput(Throughput::Elements(256 * 256));
+    group.bench_function(BenchmarkId::new("rust", 256 * 256), |b| {
+        let requests: Vec<RequestId> = f.row_reads().iter().map(|r| r.request).collect();
+        let mut cache = RowCache::new();
+        b.iter(|| {
+            let step = EngineStep {
+                early: Events::none(),
+                requests: &requests,
+                rows: BlockRows::new(black_box(&f.matrix), f.blocks()).expect("whole rows"),
+                computed: &computed,
+                scheduled: &scheduled,
+                late: Events::none(),
+            };
+            assert!(f.table.engine_step(&mut cache, &step).expect("the step's shape").is_clean())
+        })
+    });
+    group.bench_function(BenchmarkId::new("c_abi", 256 * 256), |b| {
+        b.iter(|| assert!(f.engine_step_c(black_box(&f.matrix), &computed, &scheduled)))
+    });
+    group.finish();
+}
+
+criterion_group!(benches, verify_step, verify_rows, engine_step);
 criterion_main!(benches);
