@@ -46,6 +46,7 @@ case "${1:-}" in
   after)
     (cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz build 2>&1 | tail -n 1)
     kvguard_fuzz_target table_ops "${KVGUARD_FUZZ_SECONDS:-60}"
+    kvguard_fuzz_target engine_step 30
     kvguard_fuzz_target manifest_decode 30
     kvguard_fuzz_target trace_parse 30 tests/zoo/*.jsonl
     ;;

@@ -8,6 +8,8 @@
 
 #![allow(dead_code)]
 
+pub mod step;
+
 use kvguard::cuda::layout::DeviceTag;
 use kvguard::{
     BlockRows, Error, OwnershipTable, PageId, PageState, PoolConfig, PrefixKey, RequestId, RowCache, RowRead, SeqRead,
