@@ -30,20 +30,8 @@ impl StepSlots {
         scheduled: &[u64],
         config: &PoolConfig,
     ) -> Result<StepSlots, StepError> {
-        let ps = u64::from(config.page_size);
+        StepSlots::check(rows, computed, scheduled, config)?;
         let width = rows.width();
-        let pool = u64::from(config.num_pages) * ps;
-        let most = (width as u64 * ps).min(pool);
-        if let Some(index) = scheduled.iter().position(|&s| s > most) {
-            return Err(StepError::TooManyTokens { index, tokens: scheduled[index], most });
-        }
-        if let Some(index) = computed.iter().zip(scheduled).position(|(c, s)| c.checked_add(*s).is_none()) {
-            return Err(StepError::Overflow { index, computed: computed[index], scheduled: scheduled[index] });
-        }
-        let total = scheduled.iter().fold(0u64, |sum, &s| sum.saturating_add(s));
-        if total > pool {
-            return Err(StepError::PoolSlots { tokens: total, slots: pool });
-        }
         let mut bounds = Vec::with_capacity(scheduled.len() + 1);
         bounds.push(0usize);
         let mut sum = 0usize;
@@ -58,7 +46,7 @@ impl StepSlots {
         }
         let last = width as u64 - 1;
         let div = PageDiv::new(config.page_size);
-        let ps = ps as i64;
+        let ps = i64::from(config.page_size);
         for (i, (&c, &s)) in computed.iter().zip(scheduled).enumerate() {
             let row = rows.row(i);
             slots.extend((c..c + s).map(|p| {
@@ -67,6 +55,31 @@ impl StepSlots {
             }));
         }
         Ok(StepSlots { slots, bounds })
+    }
+
+    /// What [`from_rows`](Self::from_rows) refuses, found without building anything: a request
+    /// writing more than a row (or the pool) addresses, a position past `u64`, a step writing
+    /// more than the pool's slots.
+    pub fn check(
+        rows: BlockRows<'_>,
+        computed: &[u64],
+        scheduled: &[u64],
+        config: &PoolConfig,
+    ) -> Result<(), StepError> {
+        let ps = u64::from(config.page_size);
+        let pool = u64::from(config.num_pages) * ps;
+        let most = (rows.width() as u64 * ps).min(pool);
+        if let Some(index) = scheduled.iter().position(|&s| s > most) {
+            return Err(StepError::TooManyTokens { index, tokens: scheduled[index], most });
+        }
+        if let Some(index) = computed.iter().zip(scheduled).position(|(c, s)| c.checked_add(*s).is_none()) {
+            return Err(StepError::Overflow { index, computed: computed[index], scheduled: scheduled[index] });
+        }
+        let total = scheduled.iter().fold(0u64, |sum, &s| sum.saturating_add(s));
+        if total > pool {
+            return Err(StepError::PoolSlots { tokens: total, slots: pool });
+        }
+        Ok(())
     }
 
     /// The writes of `requests` (request `i` the slots of row `i`; as many as the rows given).
