@@ -383,7 +383,7 @@ class StepGuard:
                     continue
                 first = np.maximum(computed - (window - 1), 0)
                 v = self.table.check_step_window(req_ids, block_table, rows, lens, first)
-                reads.append(v if v.clean else self._judge_window(req_ids, block_table, v.refused_rows, lens, first))
+                reads.append(v if v.clean else self._judge_window(req_ids, block_table, v, lens, first))
         if self._flush_every and self.steps % self._flush_every == 0:
             self._metric(self._metrics.flush, self)
         clean = all(v.clean for v in writes) and all(v.clean for v in reads)
@@ -392,10 +392,12 @@ class StepGuard:
         return self._refused_step(report or StepReport(), req_ids, tables, late, refused_late, writes, reads)
 
     def _judge_window(
-        self, req_ids: list[str], block_table: np.ndarray, rows: list[int], lens: np.ndarray, first: np.ndarray
+        self, req_ids: list[str], block_table: np.ndarray, checked: Any, lens: np.ndarray, first: np.ndarray
     ) -> _Refused:
-        """The sliding-window rows ``check_step_window`` refused, judged (counted, logged): each
-        read as its window alone, the blocks from the one holding token ``first`` on."""
+        """The sliding-window rows ``check_step_window`` refused (``checked``), judged (counted,
+        logged): each read as its window alone, the blocks from the one holding token ``first``
+        on. A row the pure check refused stays refused whatever the judged one says."""
+        rows = checked.refused_rows
         bs = self.block_size
         width = block_table.shape[1]
         windows = np.zeros((len(rows), width), dtype=block_table.dtype)
@@ -405,7 +407,10 @@ class StepGuard:
             windows[k, : width - page] = block_table[row, page:]
             seq[k] = int(lens[row]) - page * bs
         v = self.table.verify_step_rows([req_ids[r] for r in rows], windows, np.arange(len(rows)), seq)
-        return _Refused([(rows[k], violation) for k, violation in v.refused])
+        judged = {rows[k]: violation for k, violation in v.refused}
+        for row, violation in checked.refused:
+            judged.setdefault(row, violation)
+        return _Refused(sorted(judged.items()))
 
 
 @dataclass(frozen=True)
