@@ -7,9 +7,10 @@ core and worker processes)::
     KVGUARD_VLLM=enforce VLLM_USE_V2_MODEL_RUNNER=0 vllm serve ...   # refuse: abort exactly the refused requests
     KVGUARD_VLLM=report  vllm serve ...      # shadow roll-out: log and count, change nothing
 
-kvguard checks vLLM's V1 model runner: an engine that runs the V2 runner (vLLM 0.33's default
-where Triton runs), a hybrid model or a KV connector does not start under ``enforce`` and runs
-unchecked, with a warning, under ``report``.
+kvguard checks vLLM's V1 model runner, with full-attention and sliding-window KV cache groups
+(hybrid models too): an engine that runs the V2 runner (vLLM 0.33's default where Triton runs),
+speculative decoding, another kind of KV cache group or a KV connector does not start under
+``enforce`` and runs unchecked, with a warning, under ``report``.
 
 vLLM loads this module through its ``vllm.general_plugins`` entry point (``kvguard``) in every
 process it starts; without ``KVGUARD_VLLM`` the plugin does nothing.

@@ -49,6 +49,8 @@ STAGES = {
     EventKind.RELEASE: "release",
     EventKind.PREEMPT: "preempt",
     EventKind.EVICT: "evict",
+    EventKind.DETACH: "window",
+    EventKind.RELEASE_PAGES: "window",
 }
 
 logger = logging.getLogger("vllm.kvguard")
@@ -100,9 +102,17 @@ class StepGuard:
     size); ``max_model_len`` bounds admission; ``mode``: ``enforce`` or ``report``.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, max_model_len: int, mode: str) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, max_model_len: int, mode: str, *, windows: list[int | None] | None = None
+    ) -> None:
         self.mode = mode
         self.block_size = block_size
+        #: A hybrid model's KV cache groups, one entry per group (its sliding window in tokens, None
+        #: for full attention; one block pool for all), checked by :meth:`check_groups_step`; None
+        #: for one full-attention group, checked by :meth:`check_step`.
+        self.windows = windows
+        #: One row cache per full-attention group (its reads judged incrementally).
+        self._row_caches = [kvguard.RowCache() if w is None else None for w in windows] if windows else []
         config = kvguard.PoolConfig(num_blocks, block_size, max_model_len, reserved=[NULL_BLOCK], policy=mode)
         try:
             self.table = kvguard.OwnershipTable(config)
@@ -236,35 +246,36 @@ class StepGuard:
         if report is None and not refused_late and (writes is None or writes.clean and reads.clean):
             return CLEAN_STEP
         return self._refused_step(
-            report or StepReport(), req_ids, block_table, num_blocks_per_row, late, refused_late, writes, reads
+            report or StepReport(), req_ids, [(block_table, num_blocks_per_row)], late, refused_late, [writes], [reads]
         )
 
     def _refused_step(
         self,
         report: StepReport,
         req_ids: list[str],
-        block_table: np.ndarray,
-        num_blocks_per_row: np.ndarray,
+        tables: list[tuple[np.ndarray, np.ndarray]],
         late: list[tuple] | None,
         refused_late: list | None,
-        writes: Any,
-        reads: Any,
+        writes: list[Any],
+        reads: list[Any],
     ) -> StepReport:
         """Completes the report of a step something was refused in (``report`` holds the early
         events' refusals; then writes, late events, reads: a request's first refusal is the one
         it is told) and acts on it."""
-        if writes is not None and not writes.clean:
-            for row, v in writes.refused:
-                self._refuse(report, req_ids[row], v.kind, "write", str(v))
+        for verdict in writes:
+            if verdict is not None and not verdict.clean:
+                for row, v in verdict.refused:
+                    self._refuse(report, req_ids[row], v.kind, "write", str(v))
         if refused_late:
             self._refuse_events(report, late, refused_late)
-        if reads is not None and not reads.clean:
-            for row, v in reads.refused:
-                self._refuse(report, req_ids[row], v.kind, "read", str(v))
+        for verdict in reads:
+            if verdict is not None and not verdict.clean:
+                for row, v in verdict.refused:
+                    self._refuse(report, req_ids[row], v.kind, "read", str(v))
         if report.again and self.mode == "enforce":
             for row, rid in enumerate(req_ids):
                 if rid in report.again:
-                    block_table[row, : max(int(num_blocks_per_row[row]), 1)] = NULL_BLOCK
+                    _null_row(tables, row)
         if report.refused:
             index = {rid: i for i, rid in enumerate(req_ids)}
             for rid, refusal in report.refused.items():
@@ -287,5 +298,134 @@ class StepGuard:
                 self._metric(self._metrics.refused, len(report.refused))
             if self.mode == "enforce":
                 for row in report.refused_rows:
-                    block_table[row, : max(int(num_blocks_per_row[row]), 1)] = NULL_BLOCK
+                    _null_row(tables, row)
         return report
+
+    # -- a hybrid model's step ---------------------------------------------------------------
+
+    def _apply_early(self, early: list[tuple]) -> list[tuple[int, Any]]:
+        """Applies a hybrid step's early events in order: runs of them through ``apply_events``,
+        each sliding window's partial release (``RELEASE_PAGES``) through ``release_pages``.
+        Returns the refused events as ``apply_events`` does: [(index in early, Violation)]."""
+        refused: list[tuple[int, Any]] = []
+        start = 0
+        for i, ev in enumerate(early):
+            if ev[0] != EventKind.RELEASE_PAGES:
+                continue
+            if start < i:
+                refused.extend((start + j, v) for j, v in self.table.apply_events(early[start:i]))
+            try:
+                self.table.release_pages(ev[1], ev[2])
+            except kvguard.ViolationError as e:
+                refused.append((i, e.violation))
+            start = i + 1
+        if start == 0:
+            return self.table.apply_events(early)
+        if start < len(early):
+            refused.extend((start + j, v) for j, v in self.table.apply_events(early[start:]))
+        return refused
+
+    def check_groups_step(
+        self,
+        req_ids: list[str],
+        tables: list[tuple[np.ndarray, np.ndarray]],
+        num_computed_tokens: np.ndarray,
+        num_scheduled_tokens: np.ndarray | None,
+        events: StepEvents | None,
+    ) -> StepReport:
+        """Checks one step of a hybrid model: ``tables`` holds each KV cache group's block table
+        and row lengths (``MultiGroupBlockTable``: the groups' rows name blocks of one pool), in
+        the order of ``windows``. The early events (a sliding window's dropped blocks among them,
+        partial releases of their request), then each group's writes (the slot mapping of its
+        rows), then the late events, then each group's reads: a full-attention row for
+        ``num_computed_tokens + num_scheduled_tokens`` tokens, a sliding-window row only for the
+        tokens its window covers (from ``num_computed_tokens - window + 1``: what attention of
+        the step's first token reads; the entries before it name blocks vLLM dropped and are
+        never read). Under enforce, a refused request's rows are nulled in every group."""
+        self.steps += 1
+        early, late = events if events else (None, None)
+        if early and self.pending_evict:
+            early = self._evict_before_claims(early)
+        refused_early = self._apply_early(early) if early else None
+        report = None
+        if refused_early:
+            report = StepReport()
+            self._refuse_events(report, early, refused_early)
+        if early and self.refused_ever:
+            for ev in early:
+                if ev[0] is EventKind.RELEASE:
+                    self.refused_ever.discard(ev[1])
+        n = len(req_ids)
+        writes: list[Any] = []
+        reads: list[Any] = []
+        bs = self.block_size
+        if n:
+            computed = np.asarray(num_computed_tokens[:n], dtype=np.int64)
+            scheduled = np.asarray(num_scheduled_tokens[:n], dtype=np.int64)
+            qsl = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(scheduled, out=qsl[1:])
+            row_of = np.repeat(np.arange(n), scheduled)
+            pos = np.arange(int(qsl[-1]), dtype=np.int64) - np.repeat(qsl[:-1] - computed, scheduled)
+            for block_table, _ in tables:
+                # vLLM's slot-mapping formula over this group's rows (a position past the row's
+                # width takes its last entry, as the single-group step does).
+                col = np.minimum(pos // bs, block_table.shape[1] - 1)
+                slots = block_table[row_of, col].astype(np.int64) * bs + pos % bs
+                writes.append(self.table.record_step_writes(req_ids, slots, qsl))
+        refused_late = self.table.apply_events(late) if late else None
+        if n:
+            lens = computed + scheduled
+            rows = np.arange(n, dtype=np.int64)
+            for g, (block_table, _) in enumerate(tables):
+                window = self.windows[g]
+                if window is None:
+                    reads.append(self.table.verify_rows(self._row_caches[g], req_ids, block_table, rows, lens))
+                    continue
+                first = np.maximum(computed - (window - 1), 0)
+                v = self.table.check_step_window(req_ids, block_table, rows, lens, first)
+                reads.append(v if v.clean else self._judge_window(req_ids, block_table, v, lens, first))
+        if self._flush_every and self.steps % self._flush_every == 0:
+            self._metric(self._metrics.flush, self)
+        clean = all(v.clean for v in writes) and all(v.clean for v in reads)
+        if report is None and not refused_late and clean:
+            return CLEAN_STEP
+        return self._refused_step(report or StepReport(), req_ids, tables, late, refused_late, writes, reads)
+
+    def _judge_window(
+        self, req_ids: list[str], block_table: np.ndarray, checked: Any, lens: np.ndarray, first: np.ndarray
+    ) -> _Refused:
+        """The sliding-window rows ``check_step_window`` refused (``checked``), judged (counted,
+        logged): each read as its window alone, the blocks from the one holding token ``first``
+        on. A row the pure check refused stays refused whatever the judged one says."""
+        rows = checked.refused_rows
+        bs = self.block_size
+        width = block_table.shape[1]
+        windows = np.zeros((len(rows), width), dtype=block_table.dtype)
+        seq = np.zeros(len(rows), dtype=np.int64)
+        for k, row in enumerate(rows):
+            page = int(first[row]) // bs
+            windows[k, : width - page] = block_table[row, page:]
+            seq[k] = int(lens[row]) - page * bs
+        v = self.table.verify_step_rows([req_ids[r] for r in rows], windows, np.arange(len(rows)), seq)
+        judged = {rows[k]: violation for k, violation in v.refused}
+        for row, violation in checked.refused:
+            judged.setdefault(row, violation)
+        return _Refused(sorted(judged.items()))
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """A verdict's refused rows, as (row of the step, Violation)."""
+
+    refused: list[tuple[int, Any]]
+
+    @property
+    def clean(self) -> bool:
+        return not self.refused
+
+
+def _null_row(tables: list[tuple[np.ndarray, np.ndarray]], row: int) -> None:
+    """Rewrites ``row`` of each group's block table to the null block (its request's reads and
+    writes reach no one's KV)."""
+    for block_table, num_blocks_per_row in tables:
+        block_table[row, : max(int(num_blocks_per_row[row]), 1)] = NULL_BLOCK

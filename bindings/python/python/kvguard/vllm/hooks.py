@@ -15,6 +15,8 @@ scheduler process (engine core)
   ``KVCacheManager.free``                free on finish (release) and on preemption
   ``KVCacheManager.pop_blocks_for_free`` the same, for vLLM's deferred frees
   ``KVCacheManager.reset_prefix_cache``  every cached block dropped
+  ``SingleTypeKVCacheManager._remove_blocks_in_range``  a sliding window dropped blocks that left
+                                         it (partial releases of the request)
   ``BlockPool.evict_blocks``             a KV connector's evictions (unsupported; recorded)
   ``Scheduler.__init__``                 what kvguard cannot check, found at start-up (enforce:
                                          ``UnsupportedConfig`` stops the engine)
@@ -36,8 +38,9 @@ worker process
 The scheduler's truth reaches the worker on the ``SchedulerOutput`` it already sends each step
 (by reference in-process, pickled through vLLM's shared-memory broadcast otherwise), and the
 refusals come back on the ``ModelRunnerOutput`` the same way: no extra channel, no extra round
-trip. Supported: one full-attention KV cache group, block size equal to the hash block size,
-no KV connector, vLLM's V1 model runner (``CPUModelRunner`` is a subclass); anything else is
+trip. Supported: full-attention and sliding-window KV cache groups (hybrid models too), block
+size equal to the hash block size, no KV connector, no speculative decoding, vLLM's V1 model
+runner (``CPUModelRunner`` is a subclass); anything else is
 found when vLLM builds its scheduler (a wrapper on ``Scheduler.__init__``): refused there under
 enforce, so the engine never starts, and left unchecked (with a warning) under report.
 """
@@ -117,8 +120,8 @@ def recorder_of(kv_cache_manager: Any, requests: dict[str, Any] | None = None) -
         return rec
     rec = None
     if groups_supported(kv_cache_manager):
-        manager = kv_cache_manager.coordinator.single_type_managers[0]
-        rec = SchedulerRecorder(manager, kv_cache_manager.max_model_len, requests)
+        managers = list(kv_cache_manager.coordinator.single_type_managers)
+        rec = SchedulerRecorder(managers, kv_cache_manager.max_model_len, requests)
         kv_cache_manager.block_pool._kvguard_recorder = rec
     kv_cache_manager._kvguard_recorder = rec
     return rec
@@ -126,12 +129,18 @@ def recorder_of(kv_cache_manager: Any, requests: dict[str, Any] | None = None) -
 
 def groups_supported(kv_cache_manager: Any) -> bool:
     """Whether kvguard can check this manager's KV cache groups (else ``_unsupported``: raises
-    under enforce, warns under report)."""
+    under enforce, warns under report): full-attention groups and sliding-window groups (a
+    hybrid model: one block pool, one table), each with the hash block size as its block size."""
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, SlidingWindowManager
+
     managers = kv_cache_manager.coordinator.single_type_managers
-    if len(managers) != 1 or type(managers[0]).__name__ != "FullAttentionManager":
-        _unsupported(f"KV cache groups {[type(m).__name__ for m in managers]} (one full-attention group only)")
+    kinds = [type(m) for m in managers]
+    if not managers or any(k not in (FullAttentionManager, SlidingWindowManager) for k in kinds):
+        _unsupported(
+            f"KV cache groups {[k.__name__ for k in kinds]} (full-attention and sliding-window groups only)"
+        )
         return False
-    if managers[0].block_size != kv_cache_manager.block_pool.hash_block_size:
+    if any(m.block_size != kv_cache_manager.block_pool.hash_block_size for m in managers):
         _unsupported("a block size different from the hash block size (partial-block prefix caching)")
         return False
     return True
@@ -172,6 +181,13 @@ def check_scheduler(scheduler: Any) -> None:
         )
         scheduler.kv_cache_manager._kvguard_recorder = None
         return
+    if getattr(scheduler.vllm_config, "speculative_config", None) is not None:
+        _unsupported(
+            "speculative decoding (speculative_config): the worker writes draft tokens whose "
+            "rejection rolls the computed-token count back, which the table does not record"
+        )
+        scheduler.kv_cache_manager._kvguard_recorder = None
+        return
     if getattr(scheduler, "connector", None) is not None:
         _unsupported("a KV connector (kv_transfer_config): its imports are not recorded")
         scheduler.kv_cache_manager._kvguard_recorder = None
@@ -185,6 +201,7 @@ def _install_scheduler() -> None:
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 
     # Nothing wraps allocate_slots (once per running request per step), get_new_blocks nor
     # anything per block: the recorder hears of new blocks and prefix hits through the
@@ -285,6 +302,25 @@ def _install_scheduler() -> None:
 
         return wrapper
 
+    def remove_blocks_in_range(original: Any) -> Any:
+        # A sliding window dropping the blocks that left it (the null block put in their
+        # place, then freed): runs only when a request's window moves past a block.
+        def wrapper(self: Any, request_id: str, first_block: int, last_block: int) -> Any:
+            blocks = self.req_to_blocks.get(request_id)
+            rec = getattr(blocks, "_recorder", None)
+            if rec is None:
+                return original(self, request_id, first_block, last_block)
+            before = list.__getitem__(blocks, slice(first_block, last_block))
+            out = original(self, request_id, first_block, last_block)
+            after = list.__getitem__(blocks, slice(first_block, first_block + len(before)))
+            gone = [b for b, now in zip(before, after) if b is not now]
+            if gone:
+                rec.dropped(request_id, gone)
+            return out
+
+        return wrapper
+
+    _wrap(SingleTypeKVCacheManager, "_remove_blocks_in_range", remove_blocks_in_range)
     _wrap(KVCacheManager, "free", freeing)
     _wrap(KVCacheManager, "pop_blocks_for_free", freeing)
     _wrap(KVCacheManager, "reset_prefix_cache", reset_prefix_cache)
@@ -314,20 +350,58 @@ def worker_step(
     guard = _guard_of(owner, input_batch, num_blocks, max_model_len)
     if guard is None:
         return None
-    table = input_batch.block_table.block_tables[0]
-    report = guard.check_step(
-        input_batch.req_ids,
-        table.block_table.np,
-        table.num_blocks_per_row,
-        input_batch.num_computed_tokens_cpu,
-        num_scheduled_tokens,
-        getattr(scheduler_output, "kvguard_events", None),
-    )
+    events = getattr(scheduler_output, "kvguard_events", None)
+    tables = input_batch.block_table.block_tables
+    if guard.windows is None:
+        table = tables[0]
+        report = guard.check_step(
+            input_batch.req_ids,
+            table.block_table.np,
+            table.num_blocks_per_row,
+            input_batch.num_computed_tokens_cpu,
+            num_scheduled_tokens,
+            events,
+        )
+    else:
+        report = guard.check_groups_step(
+            input_batch.req_ids,
+            [(t.block_table.np, t.num_blocks_per_row) for t in tables],
+            input_batch.num_computed_tokens_cpu,
+            num_scheduled_tokens,
+            events,
+        )
+    _pend(owner, guard, report)
+    return report
+
+
+def _pend(owner: Any, guard: StepGuard, report: StepReport) -> None:
+    """Keeps a step's refusals (enforce) for the step's output (``annotate_output``)."""
     if report.refused and guard.mode == "enforce":
         pending = owner.__dict__.setdefault("_kvguard_refused", {})
         for rid, refusal in report.refused.items():
             pending[rid] = refusal.client_message(rid)
-    return report
+
+
+def group_windows(kv_cache_config: Any) -> list[int | None] | None:
+    """Per KV cache group of ``kv_cache_config``: its sliding window (tokens), None for full
+    attention; None (after ``_unsupported``) when a group is neither: the worker runs the same
+    test the scheduler does (the manager class vLLM picks for the group's spec), so under report
+    a worker of an engine kvguard cannot check judges nothing."""
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, SlidingWindowManager
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    out: list[int | None] = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        manager = KVCacheSpecRegistry.get_manager_class(spec, getattr(group, "role", None))
+        if manager is FullAttentionManager:
+            out.append(None)
+        elif manager is SlidingWindowManager:
+            out.append(int(spec.sliding_window))
+        else:
+            _unsupported(f"a KV cache group of {type(spec).__name__} (full-attention and sliding-window groups only)")
+            return None
+    return out
 
 
 def _guard_of(owner: Any, input_batch: Any, num_blocks: int, max_model_len: int) -> StepGuard | None:
@@ -336,10 +410,25 @@ def _guard_of(owner: Any, input_batch: Any, num_blocks: int, max_model_len: int)
     if guard is False:
         tables = input_batch.block_table.block_tables
         guard = None
-        if len(tables) != 1:
-            _unsupported(f"{len(tables)} block tables (one KV cache group only)")
+        config = getattr(owner, "kv_cache_config", None)
+        windows = group_windows(config) if config is not None else [None] * len(tables)
+        sizes = {t.block_size for t in tables}
+        if windows is None:
+            pass
+        elif getattr(getattr(owner, "vllm_config", None), "speculative_config", None) is not None:
+            _unsupported("speculative decoding (speculative_config)")
+        elif len(windows) != len(tables):
+            _unsupported(f"{len(tables)} block tables for {len(windows)} KV cache groups")
+        elif len(sizes) != 1:
+            _unsupported(f"KV cache groups of different block sizes {sorted(sizes)}")
         else:
-            guard = StepGuard(num_blocks, tables[0].block_size, max_model_len, _MODE or "enforce")
+            guard = StepGuard(
+                num_blocks,
+                tables[0].block_size,
+                max_model_len,
+                _MODE or "enforce",
+                windows=windows if len(windows) > 1 or windows[0] is not None else None,
+            )
         owner._kvguard = guard
     return guard
 
@@ -354,15 +443,21 @@ def idle_step(owner: Any, input_batch: Any, scheduler_output: Any, *, num_blocks
     guard = _guard_of(owner, input_batch, num_blocks, max_model_len)
     if guard is None:
         return
-    table = input_batch.block_table.block_tables[0]
-    report = guard.check_step(
-        [], table.block_table.np, table.num_blocks_per_row, input_batch.num_computed_tokens_cpu, None, events
-    )
-    if report.refused and guard.mode == "enforce":
-        pending = owner.__dict__.setdefault("_kvguard_refused", {})
-        for rid, refusal in report.refused.items():
-            pending[rid] = refusal.client_message(rid)
-
+    tables = input_batch.block_table.block_tables
+    if guard.windows is None:
+        table = tables[0]
+        report = guard.check_step(
+            [], table.block_table.np, table.num_blocks_per_row, input_batch.num_computed_tokens_cpu, None, events
+        )
+    else:
+        report = guard.check_groups_step(
+            [],
+            [(t.block_table.np, t.num_blocks_per_row) for t in tables],
+            input_batch.num_computed_tokens_cpu,
+            None,
+            events,
+        )
+    _pend(owner, guard, report)
 
 
 def annotate_output(owner: Any, output: Any) -> Any:

@@ -12,9 +12,19 @@ event              vLLM decision                              ownership table ca
 ``ATTACH``         a prefix-cache hit really reused blocks    ``attach_prefix(request, block)``
 ``PUBLISH``        blocks became cacheable (got a hash)       ``publish_prefix(request, block, [block])``
 ``EVICT``          a cached block lost its hash (reuse/reset) ``evict_prefix(block)``
+``DETACH``         a sliding window dropped a cached block    ``detach_prefix(request, block)``
+``RELEASE_PAGES``  a sliding window dropped private blocks    ``release_pages(request, blocks)``
 ``RELEASE``        ``free`` of a finished request             ``release(request)``
 ``PREEMPT``        ``free`` of a preempted request            ``preempt(request)``
 =================  =========================================  ======================================
+
+A hybrid model's KV cache groups (full attention beside sliding window) share one block pool
+and its ids, so one recorder hears every group's manager and one table holds them all: a
+request owns the blocks of each of its groups. A sliding window's manager drops the blocks that
+fell out of the window while the request runs (``remove_skipped_blocks``: each replaced by the
+null block in the request's list and freed): a partial release of that request, not a free
+that ends its ownership of the rest (``DETACH`` for a cached block, which stays in vLLM's cache
+for others to hit; ``RELEASE_PAGES`` for the others).
 
 Every cached block is its own prefix, keyed by its block id (a block holds at most one cached
 incarnation at a time; the table's generation tells incarnations apart). The events of one
@@ -81,6 +91,12 @@ class EventKind(enum.StrEnum):
     #: (EVICT, request or None, block id) a cached block dropped; request: whose allocation
     #: reused it (charged if the eviction is refused), None for a cache reset
     EVICT = "evict"
+    #: (DETACH, request, block id) a sliding window dropped a cached block the request held
+    DETACH = "detach"
+    #: (RELEASE_PAGES, request, [block ids]) a sliding window dropped blocks of the request's
+    #: own (not cached). Not an ``apply_events`` kind: the worker's guard applies it in order
+    #: through ``OwnershipTable.release_pages``.
+    RELEASE_PAGES = "release_pages"
 
 
 class StepEvents(NamedTuple):
@@ -189,6 +205,7 @@ class RequestBlockMap(dict):
 #: global load is cheaper than an attribute load on the enum class.
 _ADMIT, _CLAIM, _ATTACH, _PUBLISH = EventKind.ADMIT, EventKind.CLAIM, EventKind.ATTACH, EventKind.PUBLISH
 _RELEASE, _PREEMPT, _EVICT = EventKind.RELEASE, EventKind.PREEMPT, EventKind.EVICT
+_DETACH, _RELEASE_PAGES = EventKind.DETACH, EventKind.RELEASE_PAGES
 #: Tenants with no live request that trigger the first sweep (see the module doc).
 _SWEEP_AT = 256
 #: A block's id, read in C (a comprehension is a Python function call of its own in 3.11).
@@ -198,11 +215,12 @@ _tuple_new = tuple.__new__
 
 
 class SchedulerRecorder:
-    """Ownership events of one ``KVCacheManager`` (single full-attention KV cache group).
+    """Ownership events of one ``KVCacheManager`` (all its KV cache groups).
 
-    ``manager`` is the group's single-type manager: its ``req_to_blocks`` becomes a
+    ``manager`` is a group's single-type manager, or a list of them (one per KV cache group of a
+    hybrid model, sharing one block pool): each one's ``req_to_blocks`` becomes a
     :class:`RequestBlockMap` (same contents, same behaviour), so the recorder hears of each block
-    the manager hands a request the moment it does; nothing else of it is written.
+    a manager hands a request the moment it does; nothing else of them is written.
     ``max_model_len`` bounds admission as vLLM bounds generation. ``requests``: the scheduler's
     ``requests`` dict (request id -> vLLM ``Request``), read at admission.
 
@@ -213,7 +231,10 @@ class SchedulerRecorder:
     """
 
     def __init__(self, manager: Any, max_model_len: int, requests: dict[str, Any] | None = None) -> None:
-        self.manager = manager
+        managers = list(manager) if isinstance(manager, (list, tuple)) else [manager]
+        #: The single-type managers, one per KV cache group (``manager``: the first).
+        self.managers = managers
+        self.manager = managers[0]
         self.max_model_len = max_model_len
         self.requests: dict[str, Any] = requests if requests is not None else {}
         self.admitted: set[str] = set()
@@ -235,12 +256,13 @@ class SchedulerRecorder:
         self._events: list[tuple] = []
         self._publish: list[tuple] = []
         self._attach: list[tuple] = []
-        blocks = RequestBlockMap()
-        blocks._recorder = self
-        for rid, old in manager.req_to_blocks.items():
-            mine = blocks[rid]
-            list.extend(mine, old)
-        manager.req_to_blocks = blocks
+        for m in managers:
+            blocks = RequestBlockMap()
+            blocks._recorder = self
+            for rid, old in m.req_to_blocks.items():
+                mine = blocks[rid]
+                list.extend(mine, old)
+            m.req_to_blocks = blocks
 
     # -- hooks, called by the wrappers in kvguard.vllm.hooks and by RequestBlocks --------------
 
@@ -321,6 +343,12 @@ class SchedulerRecorder:
         kinds in separate calls."""
         if rid not in self.admitted:
             self._admit(rid)
+        if blocks[0].is_null:
+            # A sliding window's prefix hit starts with null blocks for the tokens before its
+            # window (vLLM pads with them): nothing is held there.
+            blocks = [b for b in blocks if not b.is_null]
+            if not blocks:
+                return
         if blocks[0].block_hash is None:
             ids = list(map(_block_id, blocks))
             published = self.published
@@ -349,6 +377,25 @@ class SchedulerRecorder:
             block_id = b.block_id
             if b.block_hash is not None and not b.is_null and block_id not in published:
                 self._publish_one(rid, block_id)
+
+    def dropped(self, rid: str, blocks: list[Any]) -> None:
+        """A sliding window's manager dropped ``blocks`` of request ``rid`` (they fell out of its
+        window: vLLM put the null block in their place and freed them). A partial release: the
+        cached ones are detached (they stay in vLLM's cache, for others to hit), the others
+        released; the request keeps the rest."""
+        if rid not in self.admitted:
+            return
+        published = self.published
+        own = []
+        for b in blocks:
+            if b.is_null:
+                continue
+            if b.block_id in published:
+                self._events.append((_DETACH, rid, b.block_id))
+            else:
+                own.append(b.block_id)
+        if own:
+            self._events.append((_RELEASE_PAGES, rid, own))
 
     def evicted(self, block_ids: Any) -> None:
         """``BlockPool.evict_blocks`` dropped the hashes of ``block_ids`` outside an
@@ -385,7 +432,7 @@ class SchedulerRecorder:
         """The published blocks ``rid`` holds: those it published and the prefix-cache hits it
         took (run after a refusal only)."""
         published = self.published
-        return [b.block_id for b in self.manager.req_to_blocks.get(rid, ()) if b.block_id in published]
+        return [b.block_id for m in self.managers for b in m.req_to_blocks.get(rid, ()) if b.block_id in published]
 
     def cache_reset(self) -> None:
         """``reset_prefix_cache`` succeeded: every cached block lost its hash."""

@@ -93,6 +93,10 @@ class RealConfig:
     async_scheduling: bool = True
     #: A hybrid model: a sliding-window layer (this many tokens) beside the full-attention one.
     sliding_window: int | None = None
+    #: A chunked-local-attention layer (chunks of this many tokens) beside the full-attention one.
+    attention_chunk: int | None = None
+    #: vLLM's ``speculative_config`` (e.g. ngram), or None.
+    speculative: Any = None
 
 
 # -- the slot-mapping kernel, in torch --------------------------------------------------------
@@ -186,7 +190,7 @@ class StandInWorker:
     # The calls EngineCore makes through the executor at start-up.
 
     def specs(self) -> dict[str, Any]:
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+        from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
         rc = self.rc
         out = {FULL_LAYER: FullAttentionSpec(block_size=rc.block_size, num_kv_heads=2, head_size=32, dtype=torch.float32)}
@@ -197,6 +201,14 @@ class StandInWorker:
                 head_size=32,
                 dtype=torch.float32,
                 sliding_window=rc.sliding_window,
+            )
+        if rc.attention_chunk is not None:
+            out[WINDOW_LAYER] = ChunkedLocalAttentionSpec(
+                block_size=rc.block_size,
+                num_kv_heads=2,
+                head_size=32,
+                dtype=torch.float32,
+                attention_chunk_size=rc.attention_chunk,
             )
         return out
 
@@ -306,14 +318,18 @@ class StandInWorker:
             for g, table in enumerate(tables):
                 row = table.block_table.cpu[i].numpy()
                 window = self.windows[g]
-                start = 0 if window is None else max(0, seq_len - window)
+                # A sliding window: what attention of the step's first token reads on (the
+                # later tokens read less).
+                start = 0 if window is None else max(0, int(computed[i]) - window + 1)
                 p = np.arange(start, seq_len)
                 blocks = row[p // bs]
                 read = self.kv[g][blocks, p % bs]
                 if not np.array_equal(read, truth[start:]):
                     wrong = True
                 if owned_by is not None and rid in self.scheduler.requests:
-                    if not set(np.unique(blocks).tolist()) <= set(owned_by(rid)[g]):
+                    # Through blocks the scheduler gave the request, never the null block (a
+                    # sliding window's list holds it where it dropped blocks, before the window).
+                    if not set(np.unique(blocks).tolist()) <= set(owned_by(rid)[g]) - {0}:
                         wrong = True
                 if window is None:
                     full_read = read
@@ -426,6 +442,7 @@ class RealEngine:
             num_gpu_blocks_override=rc.num_blocks,
             distributed_executor_backend=executor,
             seed=0,
+            speculative_config=rc.speculative,
         )
         config = args.create_engine_config()
         # vLLM's CPU platform turns async scheduling off; on GPUs it is the default.

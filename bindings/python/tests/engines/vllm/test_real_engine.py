@@ -421,24 +421,39 @@ def test_after_a_refused_write_its_cached_blocks_serve_nobody(async_scheduling, 
 # -- what kvguard cannot check fails at start-up (enforce) or runs unchecked (report) ---------
 
 
-def test_a_hybrid_model_is_refused_when_the_engine_starts_under_enforce():
-    """Several KV cache groups (full attention beside a sliding window): refused as vLLM builds
-    its scheduler, before any request, not at the first step."""
+def test_an_unsupported_kv_cache_group_is_refused_when_the_engine_starts_under_enforce():
+    """A KV cache group kvguard does not check (chunked local attention beside full attention;
+    hybrid full + sliding-window models are checked, test_hybrid.py): refused as vLLM builds its
+    scheduler, before any request, not at the first step."""
     from kvguard.vllm.hooks import UnsupportedConfig
 
-    rc = RealConfig(num_blocks=128, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, sliding_window=48)
-    with pytest.raises(UnsupportedConfig, match="KV cache groups.*SlidingWindowManager"):
+    rc = RealConfig(num_blocks=128, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, attention_chunk=64)
+    with pytest.raises(UnsupportedConfig, match="KV cache groups.*ChunkedLocalAttentionManager"):
         run_real(rc, lambda e: pytest.fail("the engine started"), guarded=True)
 
 
-def test_a_hybrid_model_runs_unchecked_under_report(kvguard_log):
-    rc = RealConfig(num_blocks=128, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, sliding_window=48)
+def test_an_unsupported_kv_cache_group_runs_unchecked_under_report(kvguard_log):
+    """Under report the same engine serves, unchecked, with a warning; its worker judges
+    nothing (no guard)."""
+    rc = RealConfig(num_blocks=128, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, attention_chunk=64)
     fill = lambda e: workload(e, 3, 40, salts=2)  # noqa: E731
     g = run_real(rc, fill, guarded=True, mode="report")
     p = run_real(rc, fill, guarded=False)
-    assert len(p.worker.kv) == 2 and p.oracle_errors == []
+    assert len(p.worker.kv) == 2
     assert g.guard is None and outputs(g) == outputs(p) and len(g.finished) == 40
     assert any("cannot check KV cache groups" in m and "runs unchecked" in m for m in kvguard_log), kvguard_log
+
+
+def test_speculative_decoding_is_refused_when_the_engine_starts_under_enforce():
+    """Speculative decoding (here vLLM's ngram proposer): the worker writes draft tokens whose
+    rejection rolls the computed-token count back, which the table does not record; refused as
+    vLLM builds its scheduler."""
+    from kvguard.vllm.hooks import UnsupportedConfig
+
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    rc = RealConfig(num_blocks=128, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, speculative=spec)
+    with pytest.raises(UnsupportedConfig, match="speculative decoding"):
+        run_real(rc, lambda e: pytest.fail("the engine started"), guarded=True)
 
 
 def test_the_v2_model_runner_is_refused_when_the_engine_starts_under_enforce(monkeypatch):
