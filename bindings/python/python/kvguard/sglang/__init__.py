@@ -77,10 +77,13 @@ from http import HTTPStatus
 from typing import Any
 
 from .guard import Guard, NamedViolation, audit_pd, audit_pool
-from .pd import GuardedKVReceiver, GuardedKVSender, ManifestChannel
+from .. import ConfigError
+from .pd import ENV_CHANNEL, DirectoryChannel, GuardedKVReceiver, GuardedKVSender, ManifestChannel, channel_from_env, install_pd
 
 __all__ = [
+    "ENV_CHANNEL",
     "ENV_POLICY",
+    "DirectoryChannel",
     "Guard",
     "GuardedKVReceiver",
     "GuardedKVSender",
@@ -179,6 +182,31 @@ def _scheduler_started(_result: Any, scheduler: Any, *_args: Any, **_kwargs: Any
     runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
     if runner is not None:
         runner.kvguard = guard
+    if side in ("prefill", "decode"):
+        _guard_transfers(scheduler, guard, side)
+
+
+def _guard_transfers(scheduler: Any, guard: Guard, side: str) -> None:
+    """A PD scheduler: every KV sender / receiver SGLang creates is wrapped
+    (:func:`kvguard.sglang.pd.install_pd`), its manifests on the channel ``KVGUARD_SGLANG_PD_CHANNEL``
+    names. Under enforce a scheduler that cannot be wrapped (no channel named, a directory it
+    cannot write, an SGLang whose creation sites moved) does not start: never an unchecked
+    transfer. Under report it starts, and says so."""
+    try:
+        channel = channel_from_env()
+        if channel is None:
+            raise ConfigError(
+                f"kvguard: a PD {side} scheduler needs {ENV_CHANNEL} (process: prefill and decode in this "
+                "process; or a directory both sides see) to carry the transfer manifests"
+            )
+        install_pd(scheduler, guard, channel)
+    except Exception as e:
+        if guard.policy == "enforce":
+            raise RuntimeError(f"kvguard: {e}; refusing to serve PD transfers unchecked") from e
+        logger.error("kvguard: %s; this %s scheduler's transfers are not checked (report mode)", e, side)
+        return
+    logger.info("kvguard: %s scheduler's KV %s wrapped (manifests on %s)", side,
+                "senders" if side == "prefill" else "receivers", type(channel).__name__)
 
 
 def _stream_output(original: Any, streamer: Any, reqs: Any, *args: Any, **kwargs: Any) -> Any:

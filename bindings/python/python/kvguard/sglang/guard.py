@@ -75,6 +75,13 @@ def _default_tenant(req: Any) -> str:
     return getattr(req, "kvguard_tenant", None) or getattr(req, "cache_salt", None) or "default"
 
 
+def _aborted(req: Any) -> bool:
+    """SGLang aborts ``req`` (``FINISH_ABORT`` as its finish reason or its pending one)."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    return isinstance(req.finished_reason, FINISH_ABORT) or isinstance(getattr(req, "to_finish", None), FINISH_ABORT)
+
+
 def _finish_abort(message: str, status: HTTPStatus = HTTPStatus.INTERNAL_SERVER_ERROR) -> Any:
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
@@ -480,10 +487,22 @@ class Guard(PageReleases):
         requests refused (under enforce aborted: a finished one's finish reason becomes the
         abort, so its output never leaves; one still running gets ``to_finish``)."""
         keys, rows, lens, held = [], [], [], []
+        refused: list[Any] = []
         for req in reqs:
             kv = req.kv
             row = kv.req_pool_idx
             if row is None or self._row_kv[int(row)] is not kv:
+                continue
+            if req.rid in self.aborted and self.policy == "enforce":
+                # Refused already (checked again it would only add violations): its output is
+                # kvguard's abort.
+                refused.append(req)
+                if req.finished() and not _aborted(req):
+                    req.finished_reason = _finish_abort(f"kvguard refused this request: {self.aborted[req.rid]}")
+                continue
+            if not req.output_ids and _aborted(req):
+                # Aborted before it produced a token (a PD transfer that failed: its pages were
+                # never written, and nothing read them): only the abort leaves.
                 continue
             key = int(self._row_key[int(row)])
             if key not in self._admitted:
@@ -493,7 +512,7 @@ class Guard(PageReleases):
             lens.append(int(kv.kv_committed_len))
             held.append(req)
         if not keys:
-            return []
+            return refused
         rt = self.req_to_token_pool.req_to_token
         if getattr(rt, "is_cuda", False):
             # Rows on a GPU: these requests' rows only, copied to the host now (a request
@@ -509,8 +528,7 @@ class Guard(PageReleases):
             np.asarray(keys, dtype=np.int64), table, at, np.asarray(lens, dtype=np.int64), token_slots=True,
         )
         if verdict.clean:
-            return []
-        refused = []
+            return refused
         for i, v in verdict.refused:
             req = held[i]
             self._row_checked[rows[i]] = 0
