@@ -24,7 +24,7 @@ import numpy as np
 from .. import ConfigError, OwnershipTable, PoolConfig, Violation, ViolationError
 from . import metrics as _metrics
 from .arrays import _flat, _host, _pages_of
-from .process_hooks import _hook_batch_allocs, _hook_cache_index_writer
+from .process_hooks import _hook_batch_allocs, _hook_cache_index_writer, _hook_decode_prealloc
 from .releases import _NO_OWNER, _TREE, LocalViolation, PageReleases
 
 logger = logging.getLogger("sglang.srt.kvguard")
@@ -263,6 +263,7 @@ class Guard(PageReleases):
         pool.kvguard_guard = self
         _hook_cache_index_writer()
         _hook_batch_allocs()
+        _hook_decode_prealloc()
         tree = self.tree_cache
         if tree is not None:
             tree.insert = self._wrap_insert(tree.insert)
@@ -729,6 +730,16 @@ class Guard(PageReleases):
             if n:
                 self._row_written(row, out[pt : pt + n])
             pt += n
+
+    def _preallocated(self, req: Any, kv_loc: Any) -> None:
+        """A PD decode scheduler allocated ``kv_loc`` for ``req`` before its transfer
+        (``alloc_for_decode_prealloc``): claimed for it now, from the allocator's decision; the
+        row write that follows is judged against them."""
+        row = req.kv.req_pool_idx
+        if row is None or self._row_kv[int(row)] is not req.kv:
+            return
+        self._row_checked[int(row)] = 0
+        self._row_written(int(row), _flat(kv_loc))
 
     def _row_written(self, row: int, slots: np.ndarray, *, claim: bool = True) -> None:
         key = int(self._row_key[row])

@@ -262,7 +262,20 @@ class GuardedKVReceiver:
         return self.inner.failure_exception()
 
     def send_metadata(self, kv_indices: Any, aux_index: Any = None, state_indices: Any = None, **kwargs: Any) -> Any:
-        """Offers ``kv_indices`` (decode pages, already in this request's row) to the prefill side."""
+        """Offers ``kv_indices`` (decode pages, already in this request's row) to the prefill side.
+        A request kvguard refused already (under enforce; its preallocation wrote pages into its
+        row that are not its own) offers no page: none it names is written by the transfer, and
+        the transfer fails on both sides."""
+        if self.guard.policy == "enforce" and self.req.rid in self.guard.aborted:
+            from sglang.srt.disaggregation.base.conn import KVPoll
+
+            self.refusal = TransferError(
+                f"kvguard: request {self.req.rid!r} was refused before its transfer: {self.guard.aborted[self.req.rid]}"
+            )
+            self._verdict = KVPoll.Failed
+            # The backend still answers the prefill side (which would otherwise wait for this
+            # request until its bootstrap times out), with no page to write.
+            return self.inner.send_metadata(kv_indices[:0], aux_index, state_indices, **kwargs)
         table = self.guard.table
         self._pages = [int(p) for p in np.asarray(kv_indices).reshape(-1).tolist()]
         dest = []

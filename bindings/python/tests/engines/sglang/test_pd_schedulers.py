@@ -232,3 +232,63 @@ def test_the_manifests_travel_through_a_directory_between_processes(monkeypatch,
     assert out == ref
     assert decode.kvguard.metrics["transfers_accepted"] == n and decode.kvguard.violations == []
     assert list(tmp_path.iterdir()) == []
+
+
+# ---- the decode side's preallocation writes rows: ownership follows them -----------------------------
+
+
+def misrouted_prealloc(*, guard: str | None, inject: bool = True):
+    """The decode side preallocates request ``late`` (``DecodePreallocQueue._pre_alloc`` writes
+    its row with ``ReqToTokenPool.write``) while ``early`` decodes; ``inject``: the allocation
+    goes wrong and ``late``'s row gets ``early``'s slots (the allocator's own pages for ``late``
+    are named by no row). Returns the decode side's outputs, the decode scheduler, and whether
+    the bug happened."""
+    rng = random.Random(5)
+    early = [rng.randrange(2, 30000) for _ in range(90)]
+    late = [rng.randrange(2, 30000) for _ in range(40)]
+    pairs = [(pd_rig.pd_req("early", early, room=1, max_new=30), pd_rig.pd_req("early", early, room=1, max_new=30))]
+    pairs += workload(2, 6)
+    pairs.append((pd_rig.pd_req("late", late, room=2, max_new=4), pd_rig.pd_req("late", late, room=2, max_new=4)))
+    prefill, decode = sides(16, guard=guard)
+    start = pool_pages(prefill), pool_pages(decode)
+    queue = decode.disagg_decode_prealloc_queue
+    real = queue._alloc_for_decode_prealloc
+    done = []
+
+    def alloc(allocator, *, req, **kwargs):
+        kv_loc = real(allocator, req=req, **kwargs)
+        running = {r.rid: r for r in decode.running_batch.reqs}
+        if inject and req.rid == "late" and "early" in running:
+            done.append(True)
+            row = running["early"].kv.req_pool_idx
+            return decode.req_to_token_pool.req_to_token[row, : len(kv_loc)].to(kv_loc.dtype).clone()  # the bug
+        return kv_loc
+
+    queue._alloc_for_decode_prealloc = alloc
+    out = pd_rig.run_pd(prefill, decode, pairs, per_step=1)
+    if guard is not None:
+        assert (pool_pages(prefill), pool_pages(decode)) == start, "both pools whole at the end"
+    return out, decode, bool(done)
+
+
+def test_without_kvguard_a_misrouted_preallocation_overwrites_a_running_requests_kv():
+    """The transfer writes ``late``'s prompt into the pages ``early`` is decoding from: ``early``
+    is served an output that is not its own."""
+    truth, _, _ = misrouted_prealloc(guard=None, inject=False)
+    out, _, done = misrouted_prealloc(guard=None)
+    assert done and out["early"] != truth["early"]
+
+
+def test_under_enforce_the_misrouted_preallocation_is_refused_at_its_row_write():
+    """kvguard follows the preallocation's row write as every other row write: ``early``'s pages
+    in ``late``'s row are refused on ``late`` when written (page_not_free: ``early`` holds them); ``late``
+    offers the prefill side no page, its transfer fails, it alone is aborted; ``early`` and the
+    others are served as if nothing happened; the pages the allocator gave ``late`` come back."""
+    truth, _, _ = misrouted_prealloc(guard=None, inject=False)
+    out, decode, done = misrouted_prealloc(guard="enforce")
+    assert done
+    assert list(decode.kvguard.aborted) == ["late"]
+    v = decode.kvguard.aborted["late"]
+    assert v.kind == "page_not_free" and v.request == "late" and v.owner == "early"
+    assert out["late"][0] == [] and out["late"][1]["type"] == "abort"
+    assert {rid: o for rid, o in out.items() if rid != "late"} == {rid: o for rid, o in truth.items() if rid != "late"}
