@@ -65,8 +65,14 @@ in ``Guard.metrics`` and on Prometheus (``kvguard_violations_total{kind,policy}`
 
 PD disaggregation: :func:`audit_pd` refuses a deployment whose prefill or decode pool cannot hold
 one max-context request; :class:`GuardedKVSender` / :class:`GuardedKVReceiver` wrap SGLang's
-``BaseKVSender`` / ``BaseKVReceiver`` (mooncake, nixl, fake) so that every transfer carries a
-kvguard manifest and the decode side refuses one that is missing or does not match.
+``BaseKVSender`` / ``BaseKVReceiver`` (mooncake, nixl, mori, ascend, fake) so that every transfer
+carries a kvguard manifest and the decode side refuses one that is missing or does not match. In
+a PD scheduler the plugin wraps every sender / receiver SGLang creates
+(``PrefillBootstrapQueue.create_sender``, ``DecodePreallocQueue._create_receiver_and_enqueue``),
+the manifests on the channel ``KVGUARD_SGLANG_PD_CHANNEL`` names (a directory both sides see, or
+``process``); under enforce a PD scheduler it cannot wrap does not start. The decode side's
+preallocation (``disaggregation.decode.alloc_for_decode_prealloc``) claims its pages from the
+allocator's decision.
 """
 
 from __future__ import annotations

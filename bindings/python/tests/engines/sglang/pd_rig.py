@@ -195,11 +195,12 @@ def build_prefill(*, page_size: int, tokens: int, rows: int, context_len: int, *
 
 def build_decode(*, page_size: int, tokens: int, rows: int, context_len: int, **server_args):
     """A decode-mode Scheduler on SGLang's ``DecodeReqToTokenPool`` (rows for running and for
-    preallocated requests), with its prealloc and transfer queues (``init_disaggregation``)."""
+    preallocated requests), with its prealloc and transfer queues (``init_disaggregation``) and
+    its radix cache disabled, as SGLang builds a decode server's by default."""
     s = rig.build_scheduler(
         page_size=page_size, tokens=tokens, rows=rows, context_len=context_len,
         disaggregation_mode="decode", disaggregation_transfer_backend="fake",
-        req_to_token_pool_factory=lambda: _decode_rows(rows, context_len), **server_args,
+        req_to_token_pool_factory=lambda: _decode_rows(rows, context_len), radix_cache=False, **server_args,
     )
     _pd_ready(s, tokens)
     s.init_disaggregation()

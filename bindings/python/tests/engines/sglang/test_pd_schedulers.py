@@ -76,6 +76,7 @@ def test_a_clean_pd_workload_is_served_as_without_kvguard(page_size):
     ref, ref_start, ref_end = unguarded(page_size, n)
     prefill, decode = sides(page_size, guard="enforce")
     start = pool_pages(prefill), pool_pages(decode)
+    assert start == (2560 // page_size, 2560 // page_size)
     out = pd_rig.run_pd(prefill, decode, workload(7, n))
     assert len(out) == n and all(reason["type"] == "length" for _, reason in out.values())
     assert out == ref
