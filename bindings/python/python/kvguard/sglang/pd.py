@@ -63,25 +63,41 @@ class DirectoryChannel:
         return os.path.join(self.path, f"{int(room)}.{field}")
 
     def put(self, room: int, field: str, value: Any) -> None:
-        """Sets one field of a room's record (a file renamed into place)."""
+        """Sets one field of a room's record (a file renamed into place): an encoded manifest as
+        its bytes, None, or JSON (page/generation pairs, ids). Never pickle: the directory may be
+        shared, and what is read from it is data, not code."""
+        import json
         import os
-        import pickle
 
+        if isinstance(value, (bytes, bytearray)):
+            data = b"B" + bytes(value)
+        elif value is None:
+            data = b"N"
+        else:
+            data = b"J" + json.dumps(value).encode()
         target = self._file(room, field)
         tmp = f"{target}.{os.getpid()}.tmp"
         with open(tmp, "wb") as f:
-            pickle.dump(value, f)
+            f.write(data)
         os.replace(tmp, target)
 
     def get(self, room: int, field: str) -> Any:
-        """One field of a room's record, or None."""
-        import pickle
+        """One field of a room's record, or None (missing, or not one this channel wrote)."""
+        import json
 
         try:
             with open(self._file(room, field), "rb") as f:
-                return pickle.load(f)
+                data = f.read()
         except FileNotFoundError:
             return None
+        if data[:1] == b"B":
+            return data[1:]
+        if data[:1] == b"J":
+            try:
+                return json.loads(data[1:])
+            except ValueError:
+                return None
+        return None
 
     def drop(self, room: int) -> None:
         """Forgets a room (its transfer was judged)."""

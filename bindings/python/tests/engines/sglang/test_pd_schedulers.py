@@ -293,3 +293,21 @@ def test_under_enforce_the_misrouted_preallocation_is_refused_at_its_row_write()
     assert v.kind == "page_not_free" and v.request == "late" and v.owner == "early"
     assert out["late"][0] == [] and out["late"][1]["type"] == "abort"
     assert {rid: o for rid, o in out.items() if rid != "late"} == {rid: o for rid, o in truth.items() if rid != "late"}
+
+
+def test_the_directory_channel_reads_data_only(tmp_path):
+    """What the directory holds is read as data (a manifest's bytes, JSON pairs), never run:
+    a file this channel did not write reads as nothing, which the decode side refuses as a
+    missing manifest."""
+    import pickle
+
+    from kvguard.sglang import DirectoryChannel
+
+    channel = DirectoryChannel(str(tmp_path))
+    channel.put(3, "dest", [(5, 1), (6, 2)])
+    channel.put(3, "manifest", b"\x00bytes")
+    assert channel.get(3, "dest") == [[5, 1], [6, 2]] and channel.get(3, "manifest") == b"\x00bytes"
+    (tmp_path / "4.manifest").write_bytes(pickle.dumps(object()))
+    assert channel.get(4, "manifest") is None and channel.get(5, "ids") is None
+    channel.drop(3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["4.manifest"]
