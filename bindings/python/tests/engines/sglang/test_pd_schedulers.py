@@ -311,3 +311,33 @@ def test_the_directory_channel_reads_data_only(tmp_path):
     assert channel.get(4, "manifest") is None and channel.get(5, "ids") is None
     channel.drop(3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["4.manifest"]
+
+
+def test_a_decode_only_probe_reads_no_kv_unchecked(monkeypatch):
+    """SGLang's own probes of a decode server (``/health_generate``, the PD warm-up) carry its
+    fake bootstrap host and run on the decode side alone: SGLang's real fake receiver reports the
+    transfer done at once, and the request decodes over pages no transfer wrote (which may hold
+    other requests' KV). Without kvguard it is served; under enforce there is no manifest, so
+    it is refused before any batch reads it (a client can send that host too)."""
+    import sglang.srt.disaggregation.fake as fake
+    from sglang.srt.disaggregation.fake.conn import FakeKVReceiver
+
+    monkeypatch.setattr(fake, "FakeKVReceiver", FakeKVReceiver)  # SGLang's own, no wire
+    served = {}
+    for guard in (None, "enforce"):
+        decode = pd_rig.build_decode(page_size=16, tokens=2560, rows=24, context_len=CONTEXT, num_reserved_decode_tokens=32)
+        if guard:
+            attach_kvguard(decode, guard)
+        monkeypatch.setattr(fake, "FakeKVReceiver", FakeKVReceiver)
+        batches = []
+        run_batch = decode.run_batch
+        decode.run_batch = lambda batch, *a, **k: (batches.append([r.rid for r in batch.reqs]), run_batch(batch, *a, **k))[1]
+        decode.published.restore()
+        decode.handle_generate_request(pd_rig.pd_req("probe", [10, 11, 12, 13], room=0, max_new=8))
+        for _ in range(50):
+            pd_rig.decode_step(decode)
+        served[guard] = (pd_rig.rig.finished(decode)["probe"], batches)
+    (ids, reason), batches = served[None]
+    assert reason["type"] == "length" and len(ids) == 8 and batches
+    (ids, reason), batches = served["enforce"]
+    assert ids == [] and reason["type"] == "abort" and "kvguard" in reason["message"] and not batches
