@@ -318,17 +318,17 @@ def test_a_decode_only_probe_reads_no_kv_unchecked(monkeypatch):
     fake bootstrap host and run on the decode side alone: SGLang's real fake receiver reports the
     transfer done at once, and the request decodes over pages no transfer wrote (which may hold
     other requests' KV). Without kvguard it is served; under enforce there is no manifest, so
-    it is refused before any batch reads it (a client can send that host too)."""
+    it is refused before any batch reads it (a client can send that host too); under report it
+    is counted and served."""
     import sglang.srt.disaggregation.fake as fake
     from sglang.srt.disaggregation.fake.conn import FakeKVReceiver
 
     monkeypatch.setattr(fake, "FakeKVReceiver", FakeKVReceiver)  # SGLang's own, no wire
-    served = {}
-    for guard in (None, "enforce"):
+    served, guards = {}, {}
+    for guard in (None, "enforce", "report"):
         decode = pd_rig.build_decode(page_size=16, tokens=2560, rows=24, context_len=CONTEXT, num_reserved_decode_tokens=32)
         if guard:
-            attach_kvguard(decode, guard)
-        monkeypatch.setattr(fake, "FakeKVReceiver", FakeKVReceiver)
+            guards[guard] = attach_kvguard(decode, guard)
         batches = []
         run_batch = decode.run_batch
         decode.run_batch = lambda batch, *a, **k: (batches.append([r.rid for r in batch.reqs]), run_batch(batch, *a, **k))[1]
@@ -341,3 +341,5 @@ def test_a_decode_only_probe_reads_no_kv_unchecked(monkeypatch):
     assert reason["type"] == "length" and len(ids) == 8 and batches
     (ids, reason), batches = served["enforce"]
     assert ids == [] and reason["type"] == "abort" and "kvguard" in reason["message"] and not batches
+    # Report mode: counted, served as without kvguard.
+    assert served["report"][0] == served[None][0] and guards["report"].metrics["transfers_refused"] == 1
