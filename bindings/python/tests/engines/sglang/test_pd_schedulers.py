@@ -343,3 +343,29 @@ def test_a_decode_only_probe_reads_no_kv_unchecked(monkeypatch):
     assert ids == [] and reason["type"] == "abort" and "kvguard" in reason["message"] and not batches
     # Report mode: counted, served as without kvguard.
     assert served["report"][0] == served[None][0] and guards["report"].metrics["transfers_refused"] == 1
+
+
+def test_a_transfer_the_backend_fails_is_no_violation(monkeypatch):
+    """The backend fails one transfer (its receiver says ``KVPoll.Failed``): SGLang aborts that
+    request with its own error and releases its pages, which were never written. kvguard adds
+    nothing: no violation on either side (its unwritten row is not checked when SGLang streams
+    the abort), the others served as without kvguard, both pools whole."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    poll = pd_rig.WireKVReceiver.poll
+
+    def failing(self):
+        # After the handshake (the prefill side sends as usual), the transfer fails.
+        return KVPoll.Failed if int(self.bootstrap_room) == 1003 and self.has_sent_metadata else poll(self)
+
+    monkeypatch.setattr(pd_rig.WireKVReceiver, "poll", failing)
+    outs = {}
+    for guard in (None, "enforce"):
+        prefill, decode = sides(16, guard=guard)
+        start = pool_pages(prefill), pool_pages(decode)
+        outs[guard] = pd_rig.run_pd(prefill, decode, workload(7, 12))
+        assert (pool_pages(prefill), pool_pages(decode)) == start
+    failed = [rid for rid, (_, reason) in outs["enforce"].items() if reason["type"] == "abort"]
+    assert len(failed) == 1 and "kvguard" not in outs["enforce"][failed[0]][1]["message"]
+    assert outs["enforce"] == outs[None]
+    assert prefill.kvguard.violations == [] and decode.kvguard.violations == []
