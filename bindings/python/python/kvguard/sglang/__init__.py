@@ -65,8 +65,14 @@ in ``Guard.metrics`` and on Prometheus (``kvguard_violations_total{kind,policy}`
 
 PD disaggregation: :func:`audit_pd` refuses a deployment whose prefill or decode pool cannot hold
 one max-context request; :class:`GuardedKVSender` / :class:`GuardedKVReceiver` wrap SGLang's
-``BaseKVSender`` / ``BaseKVReceiver`` (mooncake, nixl, fake) so that every transfer carries a
-kvguard manifest and the decode side refuses one that is missing or does not match.
+``BaseKVSender`` / ``BaseKVReceiver`` (mooncake, nixl, mori, ascend, fake) so that every transfer
+carries a kvguard manifest and the decode side refuses one that is missing or does not match. In
+a PD scheduler the plugin wraps every sender / receiver SGLang creates
+(``PrefillBootstrapQueue.create_sender``, ``DecodePreallocQueue._create_receiver_and_enqueue``),
+the manifests on the channel ``KVGUARD_SGLANG_PD_CHANNEL`` names (a directory both sides see, or
+``process``); under enforce a PD scheduler it cannot wrap does not start. The decode side's
+preallocation (``disaggregation.decode.alloc_for_decode_prealloc``) claims its pages from the
+allocator's decision.
 """
 
 from __future__ import annotations
@@ -77,10 +83,13 @@ from http import HTTPStatus
 from typing import Any
 
 from .guard import Guard, NamedViolation, audit_pd, audit_pool
-from .pd import GuardedKVReceiver, GuardedKVSender, ManifestChannel
+from .. import ConfigError
+from .pd import ENV_CHANNEL, DirectoryChannel, GuardedKVReceiver, GuardedKVSender, ManifestChannel, channel_from_env, install_pd
 
 __all__ = [
+    "ENV_CHANNEL",
     "ENV_POLICY",
+    "DirectoryChannel",
     "Guard",
     "GuardedKVReceiver",
     "GuardedKVSender",
@@ -179,6 +188,31 @@ def _scheduler_started(_result: Any, scheduler: Any, *_args: Any, **_kwargs: Any
     runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
     if runner is not None:
         runner.kvguard = guard
+    if side in ("prefill", "decode"):
+        _guard_transfers(scheduler, guard, side)
+
+
+def _guard_transfers(scheduler: Any, guard: Guard, side: str) -> None:
+    """A PD scheduler: every KV sender / receiver SGLang creates is wrapped
+    (:func:`kvguard.sglang.pd.install_pd`), its manifests on the channel ``KVGUARD_SGLANG_PD_CHANNEL``
+    names. Under enforce a scheduler that cannot be wrapped (no channel named, a directory it
+    cannot write, an SGLang whose creation sites moved) does not start: never an unchecked
+    transfer. Under report it starts, and says so."""
+    try:
+        channel = channel_from_env()
+        if channel is None:
+            raise ConfigError(
+                f"kvguard: a PD {side} scheduler needs {ENV_CHANNEL} (process: prefill and decode in this "
+                "process; or a directory both sides see) to carry the transfer manifests"
+            )
+        install_pd(scheduler, guard, channel)
+    except Exception as e:
+        if guard.policy == "enforce":
+            raise RuntimeError(f"kvguard: {e}; refusing to serve PD transfers unchecked") from e
+        logger.error("kvguard: %s; this %s scheduler's transfers are not checked (report mode)", e, side)
+        return
+    logger.info("kvguard: %s scheduler's KV %s wrapped (manifests on %s)", side,
+                "senders" if side == "prefill" else "receivers", type(channel).__name__)
 
 
 def _stream_output(original: Any, streamer: Any, reqs: Any, *args: Any, **kwargs: Any) -> Any:

@@ -24,7 +24,7 @@ import numpy as np
 from .. import ConfigError, OwnershipTable, PoolConfig, Violation, ViolationError
 from . import metrics as _metrics
 from .arrays import _flat, _host, _pages_of
-from .process_hooks import _hook_batch_allocs, _hook_cache_index_writer
+from .process_hooks import _hook_batch_allocs, _hook_cache_index_writer, _hook_decode_prealloc
 from .releases import _NO_OWNER, _TREE, LocalViolation, PageReleases
 
 logger = logging.getLogger("sglang.srt.kvguard")
@@ -73,6 +73,13 @@ def _default_tenant(req: Any) -> str:
     """A request's tenant: an explicit ``kvguard_tenant``, else its cache salt (SGLang's own
     isolation key), else ``default``. Read once, at admission."""
     return getattr(req, "kvguard_tenant", None) or getattr(req, "cache_salt", None) or "default"
+
+
+def _aborted(req: Any) -> bool:
+    """SGLang aborts ``req`` (``FINISH_ABORT`` as its finish reason or its pending one)."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    return isinstance(req.finished_reason, FINISH_ABORT) or isinstance(getattr(req, "to_finish", None), FINISH_ABORT)
 
 
 def _finish_abort(message: str, status: HTTPStatus = HTTPStatus.INTERNAL_SERVER_ERROR) -> Any:
@@ -256,6 +263,7 @@ class Guard(PageReleases):
         pool.kvguard_guard = self
         _hook_cache_index_writer()
         _hook_batch_allocs()
+        _hook_decode_prealloc()
         tree = self.tree_cache
         if tree is not None:
             tree.insert = self._wrap_insert(tree.insert)
@@ -480,10 +488,22 @@ class Guard(PageReleases):
         requests refused (under enforce aborted: a finished one's finish reason becomes the
         abort, so its output never leaves; one still running gets ``to_finish``)."""
         keys, rows, lens, held = [], [], [], []
+        refused: list[Any] = []
         for req in reqs:
             kv = req.kv
             row = kv.req_pool_idx
             if row is None or self._row_kv[int(row)] is not kv:
+                continue
+            if req.rid in self.aborted and self.policy == "enforce":
+                # Refused already (checked again it would only add violations): its output is
+                # kvguard's abort.
+                refused.append(req)
+                if req.finished() and not _aborted(req):
+                    req.finished_reason = _finish_abort(f"kvguard refused this request: {self.aborted[req.rid]}")
+                continue
+            if not req.output_ids and _aborted(req):
+                # Aborted before it produced a token (a PD transfer that failed: its pages were
+                # never written, and nothing read them): only the abort leaves.
                 continue
             key = int(self._row_key[int(row)])
             if key not in self._admitted:
@@ -493,7 +513,7 @@ class Guard(PageReleases):
             lens.append(int(kv.kv_committed_len))
             held.append(req)
         if not keys:
-            return []
+            return refused
         rt = self.req_to_token_pool.req_to_token
         if getattr(rt, "is_cuda", False):
             # Rows on a GPU: these requests' rows only, copied to the host now (a request
@@ -509,8 +529,7 @@ class Guard(PageReleases):
             np.asarray(keys, dtype=np.int64), table, at, np.asarray(lens, dtype=np.int64), token_slots=True,
         )
         if verdict.clean:
-            return []
-        refused = []
+            return refused
         for i, v in verdict.refused:
             req = held[i]
             self._row_checked[rows[i]] = 0
@@ -711,6 +730,16 @@ class Guard(PageReleases):
             if n:
                 self._row_written(row, out[pt : pt + n])
             pt += n
+
+    def _preallocated(self, req: Any, kv_loc: Any) -> None:
+        """A PD decode scheduler allocated ``kv_loc`` for ``req`` before its transfer
+        (``alloc_for_decode_prealloc``): claimed for it now, from the allocator's decision; the
+        row write that follows is judged against them."""
+        row = req.kv.req_pool_idx
+        if row is None or self._row_kv[int(row)] is not req.kv:
+            return
+        self._row_checked[int(row)] = 0
+        self._row_written(int(row), _flat(kv_loc))
 
     def _row_written(self, row: int, slots: np.ndarray, *, claim: bool = True) -> None:
         key = int(self._row_key[row])

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import Error, Manifest, PageRef, Receiver, TransferError, ViolationError
+from .. import ConfigError, Error, Manifest, PageRef, Receiver, TransferError, ViolationError
 
 if TYPE_CHECKING:
     from .guard import Guard
@@ -23,9 +23,9 @@ if TYPE_CHECKING:
 
 class ManifestChannel:
     """What travels beside a transfer, keyed by SGLang's ``bootstrap_room``: the decode side's
-    destination page refs and ids (with ``send_metadata``) and the prefill side's encoded manifest
-    (with ``send``). A backend carries it on its own side channel (mooncake/nixl bootstrap
-    messages); in one process, a dict."""
+    destination pages (``(page, generation)`` pairs) and ids (with ``send_metadata``) and the
+    prefill side's encoded manifest (with ``send``). In one process (both schedulers in it), a
+    dict; across processes, :class:`DirectoryChannel`."""
 
     def __init__(self) -> None:
         self.rooms: dict[int, dict[str, Any]] = {}
@@ -37,6 +37,97 @@ class ManifestChannel:
     def get(self, room: int, field: str) -> Any:
         """One field of a room's record, or None."""
         return self.rooms.get(int(room), {}).get(field)
+
+    def drop(self, room: int) -> None:
+        """Forgets a room (its transfer was judged)."""
+        self.rooms.pop(int(room), None)
+
+
+class DirectoryChannel:
+    """:class:`ManifestChannel` across processes: one file per room and field in a directory both
+    sides see (``KVGUARD_SGLANG_PD_CHANNEL=/path``; the same host, or a shared file system).
+    Each file is written whole and renamed into place, so a reader sees a field whole or not
+    at all."""
+
+    def __init__(self, path: str) -> None:
+        import os
+
+        self.path = path
+        os.makedirs(path, exist_ok=True)
+        if not os.access(path, os.W_OK):
+            raise ConfigError(f"kvguard: PD manifest channel {path!r} is not writable")
+
+    def _file(self, room: int, field: str) -> str:
+        import os
+
+        return os.path.join(self.path, f"{int(room)}.{field}")
+
+    def put(self, room: int, field: str, value: Any) -> None:
+        """Sets one field of a room's record (a file renamed into place): an encoded manifest as
+        its bytes, None, or JSON (page/generation pairs, ids). Never pickle: the directory may be
+        shared, and what is read from it is data, not code."""
+        import json
+        import os
+
+        if isinstance(value, (bytes, bytearray)):
+            data = b"B" + bytes(value)
+        elif value is None:
+            data = b"N"
+        else:
+            data = b"J" + json.dumps(value).encode()
+        target = self._file(room, field)
+        tmp = f"{target}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, target)
+
+    def get(self, room: int, field: str) -> Any:
+        """One field of a room's record, or None (missing, or not one this channel wrote)."""
+        import json
+
+        try:
+            with open(self._file(room, field), "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return None
+        if data[:1] == b"B":
+            return data[1:]
+        if data[:1] == b"J":
+            try:
+                return json.loads(data[1:])
+            except ValueError:
+                return None
+        return None
+
+    def drop(self, room: int) -> None:
+        """Forgets a room (its transfer was judged)."""
+        import os
+
+        for field in ("dest", "ids", "manifest"):
+            try:
+                os.remove(self._file(room, field))
+            except FileNotFoundError:
+                pass
+
+
+ENV_CHANNEL = "KVGUARD_SGLANG_PD_CHANNEL"
+"""Where the manifests travel between a PD deployment's prefill and decode schedulers: ``process``
+(both in this process) or a directory both sides see."""
+
+_PROCESS_CHANNEL = ManifestChannel()
+
+
+def channel_from_env() -> ManifestChannel | DirectoryChannel | None:
+    """The channel ``KVGUARD_SGLANG_PD_CHANNEL`` names: ``process`` (this process's one
+    :class:`ManifestChannel`), a directory (:class:`DirectoryChannel`), None when unset."""
+    import os
+
+    value = os.environ.get(ENV_CHANNEL, "").strip()
+    if not value:
+        return None
+    if value == "process":
+        return _PROCESS_CHANNEL
+    return DirectoryChannel(value)
 
 
 def _page_bytes(kv_pool: Any, page: int, page_size: int, tokens: int | None = None) -> bytes:
@@ -66,7 +157,9 @@ class GuardedKVSender:
     kvguard manifest of the pages it sends (request and tenant as the decode side named them,
     the prompt's digest, each page's CRC32) and puts it on the channel before the bytes go."""
 
-    def __init__(self, inner: Any, guard: Guard, req: Any, channel: ManifestChannel, *, sender: int = 0) -> None:
+    _OWN = frozenset(("inner", "guard", "req", "channel", "sender", "room", "_pages", "_tokens", "failure", "_total"))
+
+    def __init__(self, inner: Any, guard: Guard, req: Any, channel: Any, *, sender: int = 0) -> None:
         self.inner = inner
         self.guard = guard
         self.req = req
@@ -76,11 +169,28 @@ class GuardedKVSender:
         self._pages: list[bytes] = []
         """Every page sent so far, as bytes (a prompt goes in chunks: ``send_kv_chunk``)."""
         self._tokens = 0
+        self._total: int | None = None
+        """The pages this transfer sends (SGLang's ``init(num_pages)``), when SGLang said."""
         self.failure: Exception | None = None
         """Why no manifest went with the last send (the decode side then refuses the transfer)."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # SGLang sets backend state on the sender it holds (mooncake's _early_send_wait_event):
+        # it goes to the backend's object.
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.inner, name, value)
+
+    def init(self, num_kv_indices: int, *args: Any, **kwargs: Any) -> Any:
+        """SGLang's ``finalize_bootstrap`` says how many pages this transfer sends: the manifest
+        goes with the send that completes them (fewer than the decode side offered, when the
+        prefill side runs a shorter prompt than the decode side holds: the decode side refuses)."""
+        self._total = int(num_kv_indices)
+        return self.inner.init(num_kv_indices, *args, **kwargs)
 
     def send(self, kv_indices: Any, state_indices: Any = None, num_kv_tokens: int | None = None, **kwargs: Any) -> Any:
         """Sends ``kv_indices`` (prefill pages; one chunk of the prompt, as SGLang's
@@ -119,11 +229,12 @@ class GuardedKVSender:
         ids = self.channel.get(self.room, "ids")
         if dest is None or ids is None:
             raise TransferError(f"kvguard: no destination for room {self.room}; the decode side sent no metadata")
-        if len(self._pages) < len(dest):
+        if len(self._pages) < min(len(dest), self._total if self._total is not None else len(dest)):
             return  # more chunks to come; the manifest goes with the last
         manifest = Manifest.build(
             ids[0], ids[1], self.sender, ps, _slot_bytes(pool, ps),
-            np.asarray(self.req.origin_input_ids, dtype=np.int64), dest, self._pages,
+            np.asarray(self.req.origin_input_ids, dtype=np.int64),
+            [PageRef(p, g) for p, g in dest[: len(self._pages)]], self._pages,
         )
         self.channel.put(self.room, "manifest", manifest.encode())
 
@@ -136,7 +247,9 @@ class GuardedKVReceiver:
     turns the poll into ``KVPoll.Failed``, aborts the request, and its pages stay unwritten, so
     attention can never read them."""
 
-    def __init__(self, inner: Any, guard: Guard, req: Any, channel: ManifestChannel) -> None:
+    _OWN = frozenset(("inner", "guard", "req", "channel", "room", "_pages", "_verdict", "refusal"))
+
+    def __init__(self, inner: Any, guard: Guard, req: Any, channel: Any) -> None:
         self.inner = inner
         self.guard = guard
         self.req = req
@@ -149,14 +262,42 @@ class GuardedKVReceiver:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.inner, name, value)
+
+    def failure_exception(self) -> Any:
+        """Why the transfer failed: kvguard's refusal when it refused it (SGLang puts this in the
+        request's abort), else the backend's."""
+        if self.refusal is not None:
+            error = TransferError(f"kvguard refused the KV transfer: {self.refusal}")
+            error.failure_reason = "kvguard refused the KV transfer"  # type: ignore[attr-defined]
+            raise error
+        return self.inner.failure_exception()
+
     def send_metadata(self, kv_indices: Any, aux_index: Any = None, state_indices: Any = None, **kwargs: Any) -> Any:
-        """Offers ``kv_indices`` (decode pages, already in this request's row) to the prefill side."""
+        """Offers ``kv_indices`` (decode pages, already in this request's row) to the prefill side.
+        A request kvguard refused already (under enforce; its preallocation wrote pages into its
+        row that are not its own) offers no page: none it names is written by the transfer, and
+        the transfer fails on both sides."""
+        if self.guard.policy == "enforce" and self.req.rid in self.guard.aborted:
+            from sglang.srt.disaggregation.base.conn import KVPoll
+
+            self.refusal = TransferError(
+                f"kvguard: request {self.req.rid!r} was refused before its transfer: {self.guard.aborted[self.req.rid]}"
+            )
+            self._verdict = KVPoll.Failed
+            # The backend still answers the prefill side (which would otherwise wait for this
+            # request until its bootstrap times out), with no page to write.
+            return self.inner.send_metadata(kv_indices[:0], aux_index, state_indices, **kwargs)
         table = self.guard.table
         self._pages = [int(p) for p in np.asarray(kv_indices).reshape(-1).tolist()]
         dest = []
         for page in self._pages:
             info = table.page_info(page)
-            dest.append(PageRef(page, info.generation if info is not None else 0))
+            dest.append((page, info.generation if info is not None else 0))
         self.channel.put(self.room, "dest", dest)
         self.channel.put(
             self.room, "ids", (self.guard.request_key(self.req.rid), self.guard._tenant_key(self.guard.tenant_of(self.req)))
@@ -172,7 +313,10 @@ class GuardedKVReceiver:
         state = self.inner.poll()
         if state != KVPoll.Success:
             return state
-        accepted = self._accept()
+        try:
+            accepted = self._accept()
+        finally:
+            self.channel.drop(self.room)
         # Report mode records the refusal and lets the transfer through.
         self._verdict = KVPoll.Success if accepted or self.guard.policy == "report" else KVPoll.Failed
         return self._verdict
@@ -181,7 +325,7 @@ class GuardedKVReceiver:
         guard = self.guard
         key = guard.request_key(self.req.rid)
         manifest = self.channel.get(self.room, "manifest")
-        dest = self.channel.get(self.room, "dest") or []
+        dest = [PageRef(p, g) for p, g in self.channel.get(self.room, "dest") or []]
         ps = guard.page_size
         total = len(self.req.origin_input_ids)
         landed = [
@@ -200,7 +344,9 @@ class GuardedKVReceiver:
                 slot_bytes=_slot_bytes(guard.kv_pool, ps),
                 page_size=ps,
             )
-        except (TransferError, ViolationError) as e:
+        except Exception as e:  # noqa: BLE001 - any failure to check refuses (fail closed), never raises
+            if not isinstance(e, (TransferError, ViolationError)):
+                e = TransferError(f"kvguard: the manifest check for room {self.room} failed: {e!r}")
             self.refusal = e
             violation = getattr(e, "violation", None)
             guard.metrics["transfers_refused"] += 1
@@ -212,3 +358,50 @@ class GuardedKVReceiver:
         guard.metrics["transfers_accepted"] += 1
         guard._imported(key, accepted.tokens)
         return True
+
+
+# ---- the plugin: SGLang's senders and receivers wrapped where SGLang creates them ----------------
+
+
+def install_pd(scheduler: Any, guard: Guard, channel: Any) -> str | None:
+    """Wraps every KV sender (a prefill scheduler) or receiver (a decode scheduler) SGLang
+    creates from now on, whichever class its transfer backend picked (``get_kv_class``: mooncake,
+    nixl, mori, ascend, fake): ``PrefillBootstrapQueue.create_sender`` and
+    ``DecodePreallocQueue._create_receiver_and_enqueue`` are SGLang's only creation sites. Returns
+    the side wrapped (``prefill``/``decode``), None for a scheduler not in PD mode. Raises
+    ``kvguard.ConfigError`` when the scheduler is in PD mode and its queue cannot be hooked (an
+    SGLang whose creation sites moved): the caller fails the scheduler's start under enforce."""
+    mode = str(getattr(getattr(scheduler, "disaggregation_mode", None), "value", "null"))
+    if mode == "prefill":
+        queue = getattr(scheduler, "disagg_prefill_bootstrap_queue", None)
+        inner = getattr(queue, "create_sender", None)
+        if inner is None:
+            raise ConfigError("kvguard: this SGLang's prefill scheduler has no PrefillBootstrapQueue.create_sender to wrap")
+
+        def create_sender(req: Any, *args: Any, **kwargs: Any) -> Any:
+            created = inner(req, *args, **kwargs)
+            sender = getattr(req, "disagg_kv_sender", None)
+            if created and sender is not None and not isinstance(sender, GuardedKVSender):
+                req.disagg_kv_sender = GuardedKVSender(sender, guard, req, channel)
+            return created
+
+        queue.create_sender = create_sender
+        return mode
+    if mode == "decode":
+        queue = getattr(scheduler, "disagg_decode_prealloc_queue", None)
+        inner = getattr(queue, "_create_receiver_and_enqueue", None)
+        if inner is None:
+            raise ConfigError(
+                "kvguard: this SGLang's decode scheduler has no DecodePreallocQueue._create_receiver_and_enqueue to wrap"
+            )
+
+        def create_receiver(req: Any, *args: Any, **kwargs: Any) -> Any:
+            decode_req = inner(req, *args, **kwargs)
+            receiver = decode_req.kv_receiver
+            if not isinstance(receiver, GuardedKVReceiver):
+                decode_req.kv_receiver = GuardedKVReceiver(receiver, guard, req, channel)
+            return decode_req
+
+        queue._create_receiver_and_enqueue = create_receiver
+        return mode
+    return None

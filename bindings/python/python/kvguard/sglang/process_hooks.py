@@ -110,3 +110,38 @@ def _batch_alloc(inner: Callable[..., Any], *, before: bool) -> Callable[..., An
 
     return alloc
 
+
+
+_PREALLOC_HOOKED = False
+
+
+def _hook_decode_prealloc() -> None:
+    """A PD decode scheduler preallocates a request's pages before its transfer
+    (``DecodePreallocQueue._pre_alloc``): ``disaggregation.decode.alloc_for_decode_prealloc``
+    allocates them (the allocator's decision) and ``_pre_alloc`` then writes them into the
+    request's row. Wrapped once per process: the guard of the ``ReqToTokenPool`` it is given
+    claims the allocated pages for the request as they are allocated, so the row write that
+    follows is judged against them (a row write that names other pages is refused on the
+    request, and the pages it was given are its own, returned when it is released)."""
+    global _PREALLOC_HOOKED
+    if _PREALLOC_HOOKED:
+        return
+    try:
+        from sglang.srt.disaggregation import decode
+    except ImportError:  # an SGLang without PD
+        return
+    inner = getattr(decode, "alloc_for_decode_prealloc", None)
+    if inner is None:
+        return
+
+    def alloc_for_decode_prealloc(allocator: Any, *args: Any, **kwargs: Any) -> Any:
+        kv_loc = inner(allocator, *args, **kwargs)
+        pool = kwargs.get("req_to_token_pool")
+        guard = getattr(pool, "kvguard_guard", None)
+        req = kwargs.get("req")
+        if guard is not None and req is not None and kv_loc is not None:
+            guard._preallocated(req, kv_loc)
+        return kv_loc
+
+    decode.alloc_for_decode_prealloc = alloc_for_decode_prealloc
+    _PREALLOC_HOOKED = True

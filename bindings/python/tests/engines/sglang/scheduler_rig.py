@@ -129,8 +129,14 @@ def publish_server_args(**overrides) -> ServerArgs:
     return server_args
 
 
-def build_scheduler(*, page_size: int, tokens: int, rows: int, context_len: int, **server_args) -> Scheduler:
-    """A Scheduler on SGLang's own pools (see the module doc)."""
+def build_scheduler(
+    *, page_size: int, tokens: int, rows: int, context_len: int, req_to_token_pool_factory=None,
+    radix_cache: bool = True, **server_args
+) -> Scheduler:
+    """A Scheduler on SGLang's own pools (see the module doc); ``req_to_token_pool_factory``
+    builds another of SGLang's row pools (the decode side's ``DecodeReqToTokenPool``);
+    ``radix_cache=False`` builds the radix cache disabled (``CacheInitParams(disable=True)``, as
+    SGLang builds a PD decode server's without ``--disaggregation-decode-enable-radix-cache``)."""
     sa = publish_server_args(page_size=page_size, context_length=context_len, **server_args)
     s = object.__new__(Scheduler)
     _preamble(s, sa)
@@ -142,9 +148,12 @@ def build_scheduler(*, page_size: int, tokens: int, rows: int, context_len: int,
         allocator = TokenToKVPoolAllocator(tokens, torch.float32, "cpu", kv_pool, need_sort=True)
     else:
         allocator = PagedTokenToKVPoolAllocator(tokens, page_size, torch.float32, "cpu", kv_pool, need_sort=True)
-    req_to_token_pool = ReqToTokenPool(size=rows, max_context_len=context_len + 4, device="cpu", enable_memory_saver=False)
+    if req_to_token_pool_factory is not None:
+        req_to_token_pool = req_to_token_pool_factory()
+    else:
+        req_to_token_pool = ReqToTokenPool(size=rows, max_context_len=context_len + 4, device="cpu", enable_memory_saver=False)
     tree = RadixCache(CacheInitParams(
-        disable=False, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=allocator, page_size=page_size,
+        disable=not radix_cache, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=allocator, page_size=page_size,
     ))
     runner = CpuModelRunner(kv_pool, req_to_token_pool)
     runner.token_to_kv_pool_allocator = allocator

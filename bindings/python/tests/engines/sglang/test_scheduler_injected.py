@@ -248,3 +248,54 @@ def test_a_misrouted_triton_row_write_is_refused_on_the_reader(monkeypatch, ungu
     assert out["r1"][1]["type"] == "abort"
     for rid in ("r0", "r2", "r3"):
         assert out[rid] == unguarded[page_size][rid]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_corrupted_row_never_reaches_the_radix_cache(triton_rows, page_size):
+    """SGLang's radix cache takes the values it inserts from the finishing request's row
+    (``RadixCache.checkpoint`` -> ``_insert_cache`` reads ``req_to_token``): an entry of r1's row
+    past its prompt (position 43, an output token's KV) changed behind SGLang's calls to name
+    r0's KV is published with r1's tokens, and a later request whose prompt is r1's prompt and
+    output matches it and reads r0's KV. Without kvguard it does (its output changes); under
+    enforce r1's row is refused before checkpoint inserts it (at page size 1 by the check of its
+    whole row at its release, the output check; at page size 16 position 43 is in the page its
+    next decode window reads): nothing of r1's row enters the tree past what was cached clean,
+    and the later request is served as in a run without the bug."""
+    def run_with(policy, *, bug, later_prompt=None):
+        s, guard = scheduler(page_size, policy)
+        inserted = []
+        insert_cache = s.tree_cache._insert_cache
+
+        def spy(req, token_ids, **kwargs):
+            key, values, matched = insert_cache(req, token_ids, **kwargs)
+            inserted.append((req.rid, values.clone()))
+            return key, values, matched
+
+        s.tree_cache._insert_cache = spy
+        for r in reqs(max_new=12):
+            s.handle_generate_request(r)
+        for _ in range(6):
+            step(s)  # the prefill and five decode steps: r1's KV up to position 44 written
+        live = {r.rid: r for r in s.running_batch.reqs}
+        r0, r1 = live["r0"], live["r1"]
+        rt = s.req_to_token_pool.req_to_token
+        foreign = int(rt[r0.kv.req_pool_idx, 43])
+        if bug:
+            rt[r1.kv.req_pool_idx, 43] = foreign  # the bug
+        out = finish(s)
+        if later_prompt is not None:
+            s.handle_generate_request(generate_req("r1-again", later_prompt, max_new=6, salt="acme"))
+            out = finish(s)
+        return out, guard, inserted, foreign
+
+    bugged, _, inserted, foreign = run_with(None, bug=True)
+    assert any(rid == "r1" and foreign in values.tolist() for rid, values in inserted)
+    later = PROMPTS["r1"] + bugged["r1"][0][:8]  # what the tree holds for r1: 48 tokens
+    truth, *_ = run_with(None, bug=False, later_prompt=later)
+    out, *_ = run_with(None, bug=True, later_prompt=later)
+    assert out["r1-again"] != truth["r1-again"]
+
+    out, guard, inserted, foreign = run_with("enforce", bug=True, later_prompt=later)
+    assert set(guard.aborted) == {"r1"} and out["r1"][1]["type"] == "abort"
+    assert not any(rid == "r1" and foreign in values.tolist() for rid, values in inserted)
+    assert out["r1-again"] == truth["r1-again"]

@@ -1,0 +1,296 @@
+"""SGLang 0.5.23's own PD (prefill/decode disaggregation) schedulers on CPU, in one process.
+
+Two schedulers are built as :mod:`scheduler_rig` builds one, one in SGLang's ``prefill`` mode and
+one in its ``decode`` mode, each with its PD queues set up by SGLang's own
+``Scheduler.init_disaggregation`` (the prefill side's ``PrefillBootstrapQueue`` and inflight
+queue; the decode side's ``DecodeReqToTokenPool``, ``DecodePreallocQueue`` and
+``DecodeTransferQueue``). Every step is the body of SGLang's ``event_loop_normal_disagg_prefill``
+/ ``event_loop_normal_disagg_decode`` (without the socket read). Requests carry SGLang's fake
+bootstrap host, so both sides take SGLang's fake transfer backend (``disaggregation/fake``:
+``FakeKVSender`` / ``FakeKVReceiver``, chosen by SGLang's ``get_kv_class``).
+
+What is replaced: the model (as in :mod:`scheduler_rig`) and the wire. SGLang's fake backend moves
+no KV (it is there for warm-up requests: its receiver reports success as soon as the decode side
+sent its metadata). :class:`WireKVSender` / :class:`WireKVReceiver` are that backend with a wire:
+the sender copies the pages SGLang's ``send_kv_chunk`` gives it into the destination pages the
+decode side's ``send_metadata`` named, through the two pools' buffer pointers and page item
+lengths (``KVArgs.kv_data_ptrs`` / ``kv_item_lens``, what an RDMA backend such as mooncake
+writes with), and the receiver reports ``KVPoll.Success`` once the pages the sender was told to
+send (``init(num_kv_indices)``) have all been sent, as a real backend does. Like a real wire, it moves what it was given: it does not know the
+prompt.
+
+The two schedulers share the process: SGLang's published config (``runtime_context``) is
+process-wide, so each side's is saved when it is built and put back before each of its steps.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from types import SimpleNamespace
+
+import scheduler_rig as rig
+import torch
+from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.fake.conn import FakeKVReceiver, FakeKVSender
+from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+
+# ---- the wire -----------------------------------------------------------------------------------
+
+
+class Wire:
+    """The network between the two sides, in one process: per ``bootstrap_room``, the decode
+    side's destination (its KV buffers' pointers, item lengths and the pages it offered) and
+    whether the prefill side sent its last chunk."""
+
+    rooms: dict = {}
+    offered: list = []
+    """Every (room, decode pages offered), in order."""
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.rooms = {}
+        cls.offered = []
+
+
+class WireKVSender(FakeKVSender):
+    """SGLang's fake sender, with a wire: ``send`` copies the given prefill pages to the decode
+    side's pages for this room, in order (a prompt comes in chunks)."""
+
+    def __init__(self, mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank=False):
+        super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
+        self.pages_sent = 0
+        self.pages_total = None
+
+    def init(self, num_kv_indices, aux_index=None):
+        """The number of pages this transfer will send (SGLang's ``finalize_bootstrap``)."""
+        self.pages_total = int(num_kv_indices)
+        super().init(num_kv_indices, aux_index)
+
+    def poll(self) -> KVPoll:
+        if self.conclude_state is None and not self.has_sent and int(self.bootstrap_room) not in Wire.rooms:
+            return KVPoll.Bootstrapping  # the decode side has not sent its metadata yet
+        return super().poll()
+
+    def send(self, kv_indices, state_indices=None, num_kv_tokens=None):
+        room = Wire.rooms.get(int(self.bootstrap_room))
+        pages = [int(p) for p in torch.as_tensor(kv_indices).reshape(-1).tolist()]
+        if room is None or self.pages_sent + len(pages) > len(room["pages"]):
+            self.conclude_state = KVPoll.Failed  # nowhere to write: the transfer fails
+            return
+        src = self.kv_mgr.kv_args
+        dst = room["args"]
+        for s_page, d_page in zip(pages, room["pages"][self.pages_sent : self.pages_sent + len(pages)]):
+            for s_ptr, d_ptr, s_len, d_len in zip(src.kv_data_ptrs, dst.kv_data_ptrs, src.kv_item_lens, dst.kv_item_lens):
+                assert s_len == d_len, "both sides' pages are the same size"
+                ctypes.memmove(d_ptr + d_page * d_len, s_ptr + s_page * s_len, s_len)
+        self.pages_sent += len(pages)
+        super().send(kv_indices, state_indices, num_kv_tokens)
+        if self.pages_total is not None and self.pages_sent >= self.pages_total:
+            room["sent"] = True  # the last page is on the decode side
+
+
+class WireKVReceiver(FakeKVReceiver):
+    """SGLang's fake receiver, with a wire: ``send_metadata`` offers its pages for the room;
+    ``poll`` says ``Success`` once the prefill side sent its last chunk."""
+
+    def __init__(self, mgr, bootstrap_addr, bootstrap_room=None):
+        super().__init__(mgr, bootstrap_addr, bootstrap_room)
+        self.bootstrap_room = bootstrap_room
+
+    def send_metadata(self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None):
+        Wire.rooms[int(self.bootstrap_room)] = {
+            "args": self.kv_mgr.kv_args,
+            "pages": [int(p) for p in torch.as_tensor(kv_indices).reshape(-1).tolist()],
+            "sent": False,
+        }
+        Wire.offered.append((int(self.bootstrap_room), Wire.rooms[int(self.bootstrap_room)]["pages"]))
+        super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len)
+
+    def poll(self) -> KVPoll:
+        state = super().poll()
+        if state == KVPoll.Success and not Wire.rooms.get(int(self.bootstrap_room), {}).get("sent"):
+            self.conclude_state = None
+            return KVPoll.WaitingForInput
+        return state
+
+
+def install_wire() -> None:
+    """SGLang's fake backend with the wire: ``get_kv_class(FAKE, SENDER / RECEIVER)`` imports
+    its classes from ``sglang.srt.disaggregation.fake`` when called, so they are set there."""
+    import sglang.srt.disaggregation.fake as fake
+
+    Wire.reset()
+    fake.FakeKVSender = WireKVSender
+    fake.FakeKVReceiver = WireKVReceiver
+
+
+# ---- the process-wide config, per side -----------------------------------------------------------
+
+
+class Published:
+    """One side's published SGLang config (``runtime_context``), saved and put back."""
+
+    _SLOTS = ("_server_args", "_config_bags", "_overrides_log", "_publish_role", "flags", "resources", "forward")
+
+    def __init__(self) -> None:
+        from sglang.srt.runtime_context import get_context
+
+        ctx = get_context()
+        self.values = {name: getattr(ctx, name) for name in self._SLOTS}
+        self.parallel = ctx.parallel._config
+        self.stamp = dict(ctx.parallel._stamp)
+
+    def restore(self) -> None:
+        from sglang.srt.runtime_context import get_context
+
+        ctx = get_context()
+        for name, value in self.values.items():
+            setattr(ctx, name, value)
+        ctx.parallel._config = self.parallel
+        ctx.parallel._stamp = dict(self.stamp)
+
+
+# ---- the two schedulers ----------------------------------------------------------------------------
+
+
+def _pd_ready(s, tokens: int) -> None:
+    """What SGLang's PD queues read of the model runner and model config beyond what the
+    NULL-mode rig sets (a one-layer-group MHA model, one KV head)."""
+    runner = s.tp_worker.model_runner
+    runner.effective_logical_max_total_num_tokens = tokens
+    runner.kv_cache_dtype_str = "float32"
+    s.tp_worker.is_hybrid_swa = False
+    mc = s.model_config
+    mc.num_hidden_layers = rig.LAYERS
+    mc.get_total_num_kv_heads = lambda: 1
+    mc.hf_config = SimpleNamespace(architectures=["LlamaForCausalLM"])
+    s.attn_cp_cpu_group = s.attn_tp_cpu_group = None
+    _one_rank_process_group()
+    from sglang.srt.runtime_context import get_parallel
+
+    # A one-rank attention group (DecodeTransferQueue reads its gloo group; one rank never uses it).
+    get_parallel().override_permanently(attn_tp_group=SimpleNamespace(cpu_group=None, world_size=1))
+
+
+def _one_rank_process_group() -> None:
+    """SGLang's PD queues all-reduce their polls over the attention group (``dist.get_world_size``
+    of it, one rank here): a one-rank gloo group in this process, as a one-GPU server has."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def build_prefill(*, page_size: int, tokens: int, rows: int, context_len: int, **server_args):
+    """A prefill-mode Scheduler (SGLang's ``init_disaggregation``: bootstrap and inflight queues)."""
+    s = rig.build_scheduler(
+        page_size=page_size, tokens=tokens, rows=rows, context_len=context_len,
+        disaggregation_mode="prefill", disaggregation_transfer_backend="fake", **server_args,
+    )
+    _pd_ready(s, tokens)
+    s.init_disaggregation()
+    s.published = Published()
+    return s
+
+
+def build_decode(*, page_size: int, tokens: int, rows: int, context_len: int, **server_args):
+    """A decode-mode Scheduler on SGLang's ``DecodeReqToTokenPool`` (rows for running and for
+    preallocated requests), with its prealloc and transfer queues (``init_disaggregation``) and
+    its radix cache disabled, as SGLang builds a decode server's by default."""
+    s = rig.build_scheduler(
+        page_size=page_size, tokens=tokens, rows=rows, context_len=context_len,
+        disaggregation_mode="decode", disaggregation_transfer_backend="fake",
+        req_to_token_pool_factory=lambda: _decode_rows(rows, context_len), radix_cache=False, **server_args,
+    )
+    _pd_ready(s, tokens)
+    s.init_disaggregation()
+    s.published = Published()
+    return s
+
+
+def _decode_rows(rows: int, context_len: int):
+    from sglang.srt.disaggregation.decode import DecodeReqToTokenPool
+
+    return DecodeReqToTokenPool(
+        size=rows, max_context_len=context_len + 4, device="cpu", enable_memory_saver=False, pre_alloc_size=rows,
+    )
+
+
+def pd_req(rid: str, prompt, *, room: int, max_new: int = 8, salt: str | None = None):
+    """A request as the router sends it to both sides: same rid, prompt and bootstrap room,
+    SGLang's fake bootstrap host (its fake transfer backend)."""
+    r = rig.generate_req(rid, prompt, max_new=max_new, salt=salt)
+    r.bootstrap_host = FAKE_BOOTSTRAP_HOST
+    r.bootstrap_port = 0
+    r.bootstrap_room = room
+    return r
+
+
+def prefill_step(s):
+    """One iteration of ``event_loop_normal_disagg_prefill`` without the socket read."""
+    s.published.restore()
+    s.waiting_queue.extend(s.disagg_prefill_bootstrap_queue.pop_bootstrapped())
+    plan = s.get_next_disagg_prefill_batch_to_run(running_batch=s.running_batch, last_batch=s.last_batch)
+    s.running_batch = plan.running_batch
+    batch = plan.batch_to_run
+    s.cur_batch_for_debug = batch
+    if batch:
+        result = s.run_batch(batch)
+        s.process_batch_result(batch, result)
+    else:
+        s._sched_idled = True
+        s.on_idle()
+    s.process_disagg_prefill_inflight_queue()
+    s.last_batch = batch
+    return batch
+
+
+def decode_step(s):
+    """One iteration of ``event_loop_normal_disagg_decode`` without the socket read."""
+    s.published.restore()
+    s.disagg_decode_prealloc_queue.prefetch_prefill_dp_rank_queries()
+    s.process_decode_queue()
+    plan = s.get_next_disagg_decode_batch_to_run(running_batch=s.running_batch)
+    s.running_batch = plan.running_batch
+    batch = plan.batch_to_run
+    s.cur_batch_for_debug = batch
+    if batch:
+        result = s.run_batch(batch)
+        s.process_batch_result(batch, result)
+    else:
+        s._sched_idled = True
+        s.on_idle()
+    s.last_batch = batch
+    return batch
+
+
+def idle(s) -> bool:
+    """Nothing queued, running or in flight on this side."""
+    queues = [s.waiting_queue]
+    if s.disagg_prefill_bootstrap_queue is not None:
+        queues += [s.disagg_prefill_bootstrap_queue.queue, s.disagg_prefill_inflight_queue]
+    if s.disagg_decode_prealloc_queue is not None:
+        queues += [s.disagg_decode_prealloc_queue.queue, s.disagg_decode_prealloc_queue.pending_reqs,
+                   s.disagg_decode_transfer_queue.queue]
+    return all(len(q) == 0 for q in queues) and s.running_batch.is_empty() and s.chunked_req is None
+
+
+def run_pd(prefill, decode, pairs, *, per_step: int = 4, max_steps: int = 100_000) -> dict:
+    """``pairs`` (prefill request, decode request) arrive ``per_step`` at a time, the decode side
+    first (the router's order does not matter to SGLang; here the decode side's metadata is on the
+    wire before prefill sends); both sides step until both are idle; returns what the decode side
+    finished (:func:`scheduler_rig.finished`)."""
+    pending = list(pairs)
+    for _ in range(max_steps):
+        for p_req, d_req in pending[:per_step]:
+            decode.published.restore()
+            decode.handle_generate_request(d_req)
+            prefill.published.restore()
+            prefill.handle_generate_request(p_req)
+        del pending[:per_step]
+        decode_step(decode)
+        prefill_step(prefill)
+        decode_step(decode)
+        if not pending and idle(prefill) and idle(decode):
+            return rig.finished(decode)
+    raise AssertionError("the PD schedulers did not finish the workload")
