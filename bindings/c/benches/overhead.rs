@@ -14,8 +14,7 @@
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 mod fixture;
 use fixture::Fixture;
-use kvguard::step::{EngineStep, Events};
-use kvguard::{BlockRows, RequestId, RowCache};
+use kvguard::{BlockRows, RowCache};
 use std::hint::black_box;
 
 fn verify_step(c: &mut Criterion) {
@@ -60,19 +59,8 @@ fn engine_step(c: &mut Criterion) {
     let scheduled = vec![0u64; computed.len()];
     group.throughput(Throughput::Elements(256 * 256));
     group.bench_function(BenchmarkId::new("rust", 256 * 256), |b| {
-        let requests: Vec<RequestId> = f.row_reads().iter().map(|r| r.request).collect();
         let mut cache = RowCache::new();
-        b.iter(|| {
-            let step = EngineStep {
-                early: Events::none(),
-                requests: &requests,
-                rows: BlockRows::new(black_box(&f.matrix), f.blocks()).expect("whole rows"),
-                computed: &computed,
-                scheduled: &scheduled,
-                late: Events::none(),
-            };
-            assert!(f.table.engine_step(&mut cache, &step).expect("the step's shape").is_clean())
-        })
+        b.iter(|| assert!(f.engine_step_rust(&mut cache, black_box(&f.matrix), &computed, &scheduled)))
     });
     group.bench_function(BenchmarkId::new("c_abi", 256 * 256), |b| {
         b.iter(|| assert!(f.engine_step_c(black_box(&f.matrix), &computed, &scheduled)))

@@ -18,8 +18,7 @@
 #[path = "../benches/fixture/mod.rs"]
 mod fixture;
 use fixture::Fixture;
-use kvguard::step::{EngineStep, Events};
-use kvguard::{BlockRows, RequestId, RowCache};
+use kvguard::{BlockRows, RowCache};
 use std::hint::black_box;
 
 fn main() {
@@ -34,23 +33,12 @@ fn main() {
     let mut cache = RowCache::new();
     let computed = f.tokens();
     let scheduled = vec![0u64; computed.len()];
-    let requests: Vec<RequestId> = row_reads.iter().map(|r| r.request).collect();
     for _ in 0..calls {
         let clean = match via.as_str() {
             "c_abi" => f.verify_step_c(black_box(&f.matrix)),
             "rows_c" => f.verify_rows_c(black_box(&f.matrix)),
             "step_c" => f.engine_step_c(black_box(&f.matrix), &computed, &scheduled),
-            "step_rust" => {
-                let step = EngineStep {
-                    early: Events::none(),
-                    requests: &requests,
-                    rows: BlockRows::new(black_box(&f.matrix), f.blocks()).expect("whole rows"),
-                    computed: &computed,
-                    scheduled: &scheduled,
-                    late: Events::none(),
-                };
-                f.table.engine_step(&mut cache, &step).expect("the step's shape").is_clean()
-            }
+            "step_rust" => f.engine_step_rust(&mut cache, black_box(&f.matrix), &computed, &scheduled),
             "rows_rust" => {
                 let rows = BlockRows::new(black_box(&f.matrix), f.blocks()).expect("whole rows");
                 f.table.verify_rows(&mut cache, rows, &row_reads).expect("rows in range").is_clean()
