@@ -340,14 +340,14 @@ pub fn apply(
     Ok(refused)
 }
 
-/// The core's batch of `events` whose ids no event among them changes (no admission or
-/// release: [`renames`] is false), every request read as it reads now.
-pub fn batch(names: &Names, events: &[Event]) -> EventBatch {
+/// The core's batch of `events`, every request read as it reads now; `None` if an event
+/// admits or releases a request ([`renames`]: those go through [`apply`]).
+pub fn batch(names: &Names, events: &[Event]) -> Option<EventBatch> {
     let mut b = EventBatch::new();
     for event in events {
         let request = event.request.as_ref().map_or(names::UNKNOWN_REQUEST, |k| names.request(k.key()));
         match &event.op {
-            Op::Admit { .. } | Op::Release => unreachable!("batch() is for events that rename nothing"),
+            Op::Admit { .. } | Op::Release => return None,
             Op::Claim(pages) => b.claim(request, pages),
             Op::Preempt => b.preempt(request),
             Op::Publish(key, pages) => b.publish(request, *key, pages),
@@ -357,7 +357,7 @@ pub fn batch(names: &Names, events: &[Event]) -> EventBatch {
             Op::ReleasePages(pages) => b.release_pages(request, pages),
         };
     }
-    b
+    Some(b)
 }
 
 /// The refused events of a batch that renamed nothing, resolved now; its failure, if any.

@@ -1767,8 +1767,14 @@ impl OwnershipTable {
         let (early_batch, late_batch) = {
             let n = names.lock();
             let early =
-                if renaming_early { kvguard::step::EventBatch::new() } else { crate::events::batch(&n, &early) };
+                if renaming_early { Some(kvguard::step::EventBatch::new()) } else { crate::events::batch(&n, &early) };
             (early, crate::events::batch(&n, &late))
+        };
+        // Neither renames here (checked above): each is a batch.
+        let (Some(early_batch), Some(late_batch)) = (early_batch, late_batch) else {
+            return Err(pyo3::exceptions::PyRuntimeError::new_err(
+                "kvguard: a renaming event reached the one-call step",
+            ));
         };
         let core_step = kvguard::step::EngineStep {
             early: early_batch.events(),
