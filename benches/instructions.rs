@@ -11,10 +11,16 @@
 //! admitted, allocated, written through its slot mapping, read and released), and
 //! `decode_grew/incremental` beside `decode_grew/full`: a decode step in which each of the 256
 //! rows gained one token (4,095 to 4,096), read through the engine's block table (256 x 256
-//! int32) by `verify_rows` with the rows' cache of the step before, and by a full `verify_step`.
+//! int32) by `verify_rows` with the rows' cache of the step before, and by a full `verify_step`;
+//! `decode_grew/engine_step` beside `decode_grew/separate`: the same step with its 4,096th token
+//! written in it, through one `engine_step` (cache warm), and through `record_step_writes` of its
+//! slot mapping and a full `verify_step`.
 
 use kvguard::cuda::layout::DeviceTag;
-use kvguard::{BlockRows, OwnershipTable, PageId, PoolConfig, RequestId, RowCache, RowRead, SeqRead, TenantId};
+use kvguard::step::{EngineStep, Events};
+use kvguard::{
+    BlockRows, OwnershipTable, PageId, PoolConfig, RequestId, RowCache, RowRead, SeqRead, SeqWrite, TenantId,
+};
 use std::hint::black_box;
 
 #[path = "common/lifecycle.rs"]
@@ -75,10 +81,36 @@ fn measured_decode_grew_incremental(
     table.verify_rows(cache, black_box(rows), black_box(reads)).expect("rows in range").is_clean()
 }
 
+#[inline(never)]
+fn measured_decode_engine_step(table: &OwnershipTable, cache: &mut RowCache, step: &EngineStep<'_>) -> bool {
+    table.engine_step(cache, black_box(step)).expect("the step's shape").is_clean()
+}
+
+#[inline(never)]
+fn measured_decode_separate(table: &OwnershipTable, writes: &[SeqWrite<'_>], reads: &[SeqRead<'_>]) -> bool {
+    let written = table.record_step_writes(black_box(writes));
+    let read = table.verify_step(black_box(reads));
+    written.is_clean() && read.is_clean()
+}
+
+/// How a decode step is judged in `decode_grew`.
+#[derive(Clone, Copy, PartialEq)]
+enum Grew {
+    /// The 4,096th token written beforehand (not counted); `verify_rows` with the warm cache.
+    Incremental,
+    /// The same, a full `verify_step`.
+    Full,
+    /// The write and the read in one `engine_step`, the cache warm (`decode_grew/engine_step`).
+    EngineStep,
+    /// The write as `record_step_writes` of the step's slot mapping and a full `verify_step`
+    /// (`decode_grew/separate`): what `engine_step` stands for without its row cache.
+    Separate,
+}
+
 /// 256 rows of 256 pages, 4,095 tokens written and checked (the step before, through the rows'
 /// cache), then each row's 4,096th token written; the step reads 4,096 tokens a row,
-/// incrementally or in full.
-fn decode_grew(incremental: bool) {
+/// incrementally or in full (or writes and reads it in one engine step, or in two full calls).
+fn decode_grew(mode: Grew) {
     let table = OwnershipTable::new(PoolConfig::new(SEQS * PAGES + 1, PS, TOKENS).with_reserved([PageId(0)]))
         .expect("pool fits");
     let mut entries: Vec<i32> = Vec::with_capacity((SEQS * PAGES) as usize);
@@ -97,10 +129,37 @@ fn decode_grew(incremental: bool) {
     };
     let mut cache = RowCache::new();
     assert!(table.verify_rows(&mut cache, rows, &at(TOKENS - 1)).expect("rows").is_clean());
+    if mode == Grew::EngineStep {
+        let requests: Vec<RequestId> = tables.iter().map(|(req, _)| *req).collect();
+        let (computed, scheduled) = (vec![TOKENS - 1; SEQS as usize], vec![1; SEQS as usize]);
+        let step = EngineStep {
+            early: Events::none(),
+            requests: &requests,
+            rows,
+            computed: &computed,
+            scheduled: &scheduled,
+            late: Events::none(),
+        };
+        assert!(measured_decode_engine_step(&table, &mut cache, &step), "a clean step");
+        assert_eq!(cache.incremental(), u64::from(SEQS), "every row judged from its last page");
+        return;
+    }
+    if mode == Grew::Separate {
+        let slots: Vec<[i64; 1]> = tables
+            .iter()
+            .map(|(_, bt)| [i64::from(bt[PAGES as usize - 1].0) * i64::from(PS) + i64::from(PS) - 1])
+            .collect();
+        let writes: Vec<SeqWrite<'_>> =
+            tables.iter().zip(&slots).map(|((req, _), s)| SeqWrite { request: *req, slots: s }).collect();
+        let reads: Vec<SeqRead<'_>> =
+            tables.iter().map(|(req, bt)| SeqRead { request: *req, block_table: bt, tokens: TOKENS }).collect();
+        assert!(measured_decode_separate(&table, &writes, &reads), "a clean step");
+        return;
+    }
     for (req, bt) in &tables {
         table.record_write_tokens(*req, bt, TOKENS - 1..TOKENS).expect("write");
     }
-    if incremental {
+    if mode == Grew::Incremental {
         assert!(measured_decode_grew_incremental(&table, &mut cache, rows, &at(TOKENS)), "a clean step");
         assert_eq!(cache.incremental(), u64::from(SEQS), "every row judged from its last page");
     } else {
@@ -210,8 +269,10 @@ fn main() {
     match workload.as_str() {
         "decode_step/guarded" => decode_step(true),
         "decode_step/unguarded" => decode_step(false),
-        "decode_grew/incremental" => decode_grew(true),
-        "decode_grew/full" => decode_grew(false),
+        "decode_grew/incremental" => decode_grew(Grew::Incremental),
+        "decode_grew/full" => decode_grew(Grew::Full),
+        "decode_grew/engine_step" => decode_grew(Grew::EngineStep),
+        "decode_grew/separate" => decode_grew(Grew::Separate),
         "lifecycle/guarded" => lifecycle(true),
         "lifecycle/unguarded" => lifecycle(false),
         "lifecycle/guarded_tracked" => lifecycle_tracked(false),
@@ -219,7 +280,7 @@ fn main() {
         "replay/events" => replay(),
         _ => {
             eprintln!(
-                "usage: instructions decode_step/guarded|decode_step/unguarded|decode_grew/incremental|decode_grew/full|lifecycle/guarded|lifecycle/unguarded|lifecycle/guarded_tracked[_info]|replay/events"
+                "usage: instructions decode_step/guarded|decode_step/unguarded|decode_grew/incremental|decode_grew/full|decode_grew/engine_step|decode_grew/separate|lifecycle/guarded|lifecycle/unguarded|lifecycle/guarded_tracked[_info]|replay/events"
             );
             std::process::exit(2);
         }
