@@ -44,6 +44,9 @@ What the :class:`Guard` hooks on the instances:
   hold, a free by no request of a page a live request or the radix cache holds, and a page
   never handed out (already free) are refused and kept out of SGLang's free list (one page is
   never handed to two requests); a page handed out and held by nobody goes back.
+- ``output_streamer._GenerationStreamAccumulator.to_payload`` (wrapped once per process): while
+  a guarded scheduler's ``stream_output`` runs, the rows of exactly the requests SGLang is about
+  to send are checked in full first (a refused running request is taken out of the payload).
 - ``RadixCache.insert`` / ``checkpoint`` / ``evict``: pages entering the tree are published as
   read-only prefixes (one key per page, so node splits change nothing); an evicted page whose
   prefix a running request still holds is refused (``evict_in_use``) and withheld until its last
