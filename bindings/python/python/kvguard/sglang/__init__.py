@@ -44,6 +44,9 @@ What the :class:`Guard` hooks on the instances:
   hold, a free by no request of a page a live request or the radix cache holds, and a page
   never handed out (already free) are refused and kept out of SGLang's free list (one page is
   never handed to two requests); a page handed out and held by nobody goes back.
+- ``output_streamer._GenerationStreamAccumulator.to_payload`` (wrapped once per process): while
+  a guarded scheduler's ``stream_output`` runs, the rows of exactly the requests SGLang is about
+  to send are checked in full first (a refused running request is taken out of the payload).
 - ``RadixCache.insert`` / ``checkpoint`` / ``evict``: pages entering the tree are published as
   read-only prefixes (one key per page, so node splits change nothing); an evicted page whose
   prefix a running request still holds is refused (``evict_in_use``) and withheld until its last
@@ -84,6 +87,7 @@ from typing import Any
 
 from .guard import Guard, NamedViolation, audit_pd, audit_pool
 from .. import ConfigError
+from .process_hooks import STREAMING
 from .pd import ENV_CHANNEL, DirectoryChannel, GuardedKVReceiver, GuardedKVSender, ManifestChannel, channel_from_env, install_pd
 
 __all__ = [
@@ -217,11 +221,21 @@ def _guard_transfers(scheduler: Any, guard: Guard, side: str) -> None:
 
 def _stream_output(original: Any, streamer: Any, reqs: Any, *args: Any, **kwargs: Any) -> Any:
     """``SchedulerOutputStreamer.stream_output`` (around): the rows of the requests whose output
-    is about to leave (those still holding a row: streamed, or finishing this step) are checked
-    in full first; a refused request still running leaves nothing now (its abort follows at the
-    next step). The guard is the one on the streamer's radix cache's ``ReqToTokenPool``."""
+    is about to leave are checked in full first; a refused request still running leaves nothing
+    now (its abort follows at the next step). The guard is the one on the streamer's radix
+    cache's ``ReqToTokenPool``. Which requests leave is SGLang's decision, taken where it is made:
+    the accumulator's ``to_payload`` (hooked once per process) checks exactly the requests it
+    is about to send. Without that hook, every request given that still holds a row is checked."""
     pool = getattr(getattr(streamer, "tree_cache", None), "req_to_token_pool", None)
     guard = getattr(pool, "kvguard_guard", None)
+    if guard is not None and reqs and guard._payload_hooked and getattr(streamer, "is_generation", False):
+        # The requests SGLang sends are judged when its accumulator builds the payload: only
+        # those rows, not every request of the batch (see process_hooks._hook_output_payload).
+        STREAMING.append(guard)
+        try:
+            return original(streamer, reqs, *args, **kwargs)
+        finally:
+            STREAMING.pop()
     if guard is not None and reqs:
         refused = guard.check_rows_before_output(reqs)
         if refused and guard.policy == "enforce":

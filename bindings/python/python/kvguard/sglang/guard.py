@@ -24,7 +24,7 @@ import numpy as np
 from .. import ConfigError, OwnershipTable, PoolConfig, Violation, ViolationError
 from . import metrics as _metrics
 from .arrays import _flat, _host, _pages_of
-from .process_hooks import _hook_batch_allocs, _hook_cache_index_writer, _hook_decode_prealloc
+from .process_hooks import _hook_batch_allocs, _hook_cache_index_writer, _hook_decode_prealloc, _hook_output_payload
 from .releases import _NO_OWNER, _TREE, LocalViolation, PageReleases
 
 logger = logging.getLogger("sglang.srt.kvguard")
@@ -33,6 +33,12 @@ logger = logging.getLogger("sglang.srt.kvguard")
 _BEYOND_ANY_POOL = 2**32 - 1
 """The page a slot outside any pool (negative, or past 32-bit page ids) is judged as: the table
 refuses it as page_out_of_range, as the binding's own row checks do, instead of raising."""
+
+
+_GONE_NAMES = 4096
+"""Released requests whose ``rid`` is kept to name them in a violation found after they ended."""
+
+_UNNAMED = object()
 
 
 def _pool_pages(allocator: Any) -> int:
@@ -195,6 +201,7 @@ class Guard(PageReleases):
         self._rows_stale = True
         self._keys: dict[Any, int] = {}
         self._rids: dict[int, Any] = {}
+        self._gone_rids: dict[int, Any] = {}
         self._reqs: dict[int, Any] = {}
         self._tenants: dict[int, Any] = {}
         self._admitted: set[int] = set()
@@ -264,6 +271,7 @@ class Guard(PageReleases):
         _hook_cache_index_writer()
         _hook_batch_allocs()
         _hook_decode_prealloc()
+        self._payload_hooked = _hook_output_payload()
         tree = self.tree_cache
         if tree is not None:
             tree.insert = self._wrap_insert(tree.insert)
@@ -539,6 +547,45 @@ class Guard(PageReleases):
                 req.finished_reason = _finish_abort(f"kvguard refused this request: {self.aborted[req.rid]}")
         return refused
 
+    def _before_payload(self, acc: Any) -> None:
+        """SGLang's output accumulator is about to build the payload of this step's outputs
+        (``acc.output_reqs``, the requests SGLang decided to send): their rows are checked in
+        full (:meth:`check_rows_before_output`). Under enforce a refused request still running
+        is taken out of the payload (every per-request list of the accumulator, index-aligned
+        with ``acc.rids``): none of its output leaves, its abort follows at the next step; a
+        refused finished one leaves as kvguard's abort."""
+        reqs = acc.output_reqs
+        refused = self.check_rows_before_output(reqs)
+        if not refused or self.policy != "enforce":
+            return
+        bad = {id(r) for r in refused}
+        drop = []
+        for i, r in enumerate(reqs):
+            if id(r) not in bad:
+                continue
+            if r.finished():
+                acc.finished_reasons[i] = r.finished_reason.to_json() if r.finished_reason else None
+            else:
+                drop.append(i)
+        if not drop:
+            return
+        n, gone = len(acc.rids), set(drop)
+
+        def kept(values: list[Any]) -> list[Any]:
+            return [v for i, v in enumerate(values) if i not in gone]
+
+        for name in type(acc).__dataclass_fields__:
+            value = getattr(acc, name)
+            if isinstance(value, list) and len(value) == n:
+                setattr(acc, name, kept(value))
+            elif isinstance(value, dict) and name == "customized_info":
+                for k, v in value.items():
+                    if isinstance(v, list) and len(v) == n:
+                        value[k] = kept(v)
+            elif isinstance(value, dict) and name == "decode_latencies":
+                left = [i for i in range(n) if i not in gone]
+                acc.decode_latencies = {left.index(i): v for i, v in value.items() if i not in gone}
+
     def _wrap_insert(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         def insert(params: Any) -> Any:
             result = inner(params)
@@ -685,6 +732,12 @@ class Guard(PageReleases):
         rid = self._rids.pop(key, None)
         if rid is not None and self._keys.get(rid) == key:
             del self._keys[rid]
+        if rid is not None:
+            # Kept to name it in a later violation (the publisher of a cached page, a request
+            # released in the same free group before the one refused): the newest few only.
+            self._gone_rids[key] = rid
+            if len(self._gone_rids) > _GONE_NAMES:
+                del self._gone_rids[next(iter(self._gone_rids))]
         self._tenants.pop(key, None)
 
     # ---- events ------------------------------------------------------------------------------
@@ -826,7 +879,10 @@ class Guard(PageReleases):
 
     def _name(self, violation: Violation) -> NamedViolation:
         def rid(k: Any) -> Any:
-            return self._rids.get(k, k) if isinstance(k, int) else k
+            if not isinstance(k, int):
+                return k
+            name = self._rids.get(k, _UNNAMED)
+            return self._gone_rids.get(k, k) if name is _UNNAMED else name
 
         def tenant(k: Any) -> Any:
             return self._tenant_names.get(k, k) if isinstance(k, int) else k

@@ -4,6 +4,8 @@
 branch done by ``write_req_to_token_pool_triton``) and ``managers.schedule_batch``'s
 ``alloc_for_extend`` / ``alloc_for_decode`` (a batch's requests, in order). Each finds the guard of
 the ``ReqToTokenPool`` it works on (``pool.kvguard_guard``); a pool without one passes through.
+``_GenerationStreamAccumulator.to_payload`` (the outputs SGLang decided to send this step) is
+judged by the guard whose ``stream_output`` is running (:data:`STREAMING`); none: it passes through.
 """
 
 from __future__ import annotations
@@ -145,3 +147,43 @@ def _hook_decode_prealloc() -> None:
 
     decode.alloc_for_decode_prealloc = alloc_for_decode_prealloc
     _PREALLOC_HOOKED = True
+
+
+STREAMING: list[Any] = []
+"""The guard whose scheduler's ``stream_output`` is running (kvguard's hook pushes it, innermost
+last): the accumulator's ``to_payload`` is judged by it."""
+
+_PAYLOAD_HOOKED = False
+
+
+def _hook_output_payload() -> bool:
+    """SGLang's ``stream_output`` passes a decode batch's every request to its accumulator, which
+    takes (``accept``) only those whose output leaves now: finished, streamed at their interval,
+    or a non-streamed one every ``SGLANG_FORCE_STREAM_INTERVAL`` tokens. Its ``to_payload``, once
+    per ``stream_output``, is wrapped once per process: the guard in :data:`STREAMING` checks
+    the rows of exactly the requests SGLang is sending (``acc.output_reqs``), before the payload
+    is built (:meth:`kvguard.sglang.Guard._before_payload`), instead of every request's row each
+    step. Returns whether it is hooked (False: an SGLang without this accumulator; the
+    ``stream_output`` hook then checks every request it is given, as before)."""
+    global _PAYLOAD_HOOKED
+    if _PAYLOAD_HOOKED:
+        return True
+    try:
+        from sglang.srt.managers.scheduler_components import output_streamer
+
+        cls = output_streamer._GenerationStreamAccumulator
+        inner = cls.to_payload
+        fields = cls.__dataclass_fields__
+    except (ImportError, AttributeError):
+        return False
+    if "output_reqs" not in fields or "rids" not in fields:
+        return False
+
+    def to_payload(acc: Any, *args: Any, **kwargs: Any) -> Any:
+        if STREAMING and acc.output_reqs:
+            STREAMING[-1]._before_payload(acc)
+        return inner(acc, *args, **kwargs)
+
+    cls.to_payload = to_payload
+    _PAYLOAD_HOOKED = True
+    return True

@@ -1,0 +1,390 @@
+"""kvguard's share of SGLang 0.5.23's own scheduler step, 256 running requests in steady decode, on CPU.
+
+The step is one iteration of SGLang's ``Scheduler.event_loop_normal`` without the socket read
+(``scheduler_rig.step``: ``get_next_batch_to_run``, ``run_batch``, ``process_batch_result``, its
+free group and ``stream_output`` included), on SGLang's own ``Scheduler``, pools and radix cache
+(on), built by ``scheduler_rig.build_scheduler``. The one stand-in is the model forward: each
+layer's KV store through SGLang's real ``MHATokenToKVPool.set_kv_buffer`` (kvguard's forward
+check hooks the first), the next token a vectorised function of the input token and position
+(no attention read: the read loop of the test rig's model costs milliseconds per step and
+would drown the scheduler). Its share of the step is measured and printed.
+
+Two schedulers in one process, the same workload: one guarded (kvguard attached as its plugin
+attaches it, under enforce) and one unguarded. Their steps are interleaved, the order flipped
+every step; each round takes the median over its step pairs of (guarded - unguarded) /
+unguarded, and the result is the median over the rounds (min and max printed too).
+``--control`` puts a second unguarded scheduler in the guarded one's place: what the bench
+reads when there is nothing to read (it should be within +-1.5 %). ``--first unguarded`` builds
+the unguarded scheduler first (default: the other one first): on this project's shared 2-core
+machines the scheduler built second reads faster, so a reading is taken in both orders.
+
+Steps are timed on this thread's CPU time by default (``--clock cpu``; torch kept to one
+thread): on a shared machine the time the process spends descheduled is not the step's. What
+other processes do to the caches still shows; ``--clock wall`` times with ``perf_counter``.
+
+``--hooks`` (a separate pass, after the measured rounds: the timers cost time themselves):
+each kvguard hook's own time per step (the hook's wrapper minus the SGLang call it wraps, so a
+hook nested inside another SGLang call counts once), the stand-in forward's time, and the gc
+collections of each scheduler's steps.
+
+Usage: python bench_scheduler_step.py [--rounds N] [--pairs N] [--control] [--hooks] [--clock cpu|wall] [page_size ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+import types
+from collections import defaultdict
+
+import torch
+from scheduler_rig import LAYERS, VOCAB, attach_kvguard, build_scheduler, generate_req, step
+
+RUNNING = 256
+PROMPT_SHARED = 64
+"""Tokens of each group's shared system prompt (radix cache hits for its later requests)."""
+GROUPS = 8
+CONTEXT = 1024
+MAX_NEW = 880
+
+
+def _lean_model(self, fb):
+    """The stand-in forward: each layer's KV store through SGLang's pool, the next token a
+    function of the input token and its position (vectorised)."""
+    ids = fb.input_ids.to(torch.int64)
+    k = ((ids * 131 + fb.positions * 7) % 1009).to(torch.float32)[:, None, None].expand(-1, 1, 4).contiguous()
+    for layer in self.layers:
+        self.kv_pool.set_kv_buffer(layer, fb.out_cache_loc, k, k)
+    nxt = (ids * 31 + fb.positions) % (VOCAB - 2) + 2
+    if fb.extend_seq_lens is not None:
+        nxt = nxt[torch.cumsum(fb.extend_seq_lens, 0) - 1]  # each request's last token
+    return nxt.tolist()
+
+
+def workload(n: int) -> list:
+    """``n`` requests in ``GROUPS`` groups sharing a system prompt, each with its own tail of 1 to
+    64 tokens (so pages open on different steps), none finishing within the bench."""
+    reqs = []
+    for i in range(n):
+        g = i % GROUPS
+        system = [2 + (g * 977 + j * 13) % 30000 for j in range(PROMPT_SHARED)]
+        tail = [2 + (i * 7919 + j * 31) % 30000 for j in range(1 + (i * 37) % 64)]
+        reqs.append(generate_req(f"r{i}", system + tail, max_new=MAX_NEW))
+    return reqs
+
+
+class _Streamer:
+    """A subclass of SGLang's ``SchedulerOutputStreamer`` whose ``stream_output`` is kvguard's
+    hook, given to the guarded scheduler only (SGLang's ``HookRegistry`` hooks the class in a
+    guarded process; here the unguarded scheduler in the same process must not pay even its
+    pass-through)."""
+
+    cls = None
+
+    @classmethod
+    def make(cls, plugin):
+        if cls.cls is None:
+            from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
+
+            inner = SchedulerOutputStreamer.stream_output
+
+            def stream_output(self, reqs, *args, **kwargs):
+                return plugin._stream_output(inner, self, reqs, *args, **kwargs)
+
+            cls.cls = type("GuardedOutputStreamer", (SchedulerOutputStreamer,), {"__slots__": (), "stream_output": stream_output})
+        return cls.cls
+
+
+def scheduler(page_size: int, guarded: bool):
+    """A scheduler at steady decode: every request admitted and prefilled, ``RUNNING`` decoding."""
+    import kvguard.sglang as plugin
+    from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
+
+    s = build_scheduler(
+        page_size=page_size, tokens=RUNNING * CONTEXT, rows=RUNNING + 8, context_len=CONTEXT, radix_cache=True,
+        disable_overlap_schedule=True,
+    )
+    runner = s.tp_worker.model_runner
+    runner._model = types.MethodType(_lean_model, runner)
+    if guarded:
+        plain = SchedulerOutputStreamer.stream_output
+        attach_kvguard(s, "enforce")
+        # attach_kvguard hooks the class (as HookRegistry does): move the hook to this
+        # scheduler's streamer alone.
+        SchedulerOutputStreamer.stream_output = plain
+        s.output_streamer.__class__ = _Streamer.make(plugin)
+    for r in workload(RUNNING):
+        s.handle_generate_request(r)
+    for _ in range(200):
+        step(s)
+        if not s.waiting_queue and len(s.running_batch.reqs) == RUNNING and s.last_batch.forward_mode.is_decode():
+            break
+    else:
+        raise AssertionError("the workload did not reach steady decode")
+    for _ in range(5):
+        step(s)
+    assert len(s.running_batch.reqs) == RUNNING and s.last_batch.forward_mode.is_decode()
+    return s
+
+
+def _check_same(a, b) -> None:
+    """Both schedulers ran the same steps (the comparison is of the same work)."""
+    ra, rb = a.running_batch.reqs, b.running_batch.reqs
+    assert len(ra) == len(rb) == RUNNING, (len(ra), len(rb))
+    assert [len(r.output_ids) for r in ra] == [len(r.output_ids) for r in rb]
+
+
+CLOCK = time.thread_time
+"""The step clock: this thread's CPU time (``--clock cpu``, the default: time the process spends
+descheduled on a shared machine is not counted) or the wall clock (``--clock wall``)."""
+
+
+def measure(page_size: int, rounds: int, pairs: int, control: bool, first: str = "other") -> dict:
+    gc.collect()
+    # Which scheduler is built first matters: on this project's 2-core machines the one built
+    # second steps up to ~10 % faster (cause not found). --first says which; run both.
+    if first == "other":
+        other = scheduler(page_size, guarded=not control)
+        base = scheduler(page_size, guarded=False)
+    else:
+        base = scheduler(page_size, guarded=False)
+        other = scheduler(page_size, guarded=not control)
+    for _ in range(10):
+        step(base)
+        step(other)
+    _check_same(base, other)
+    per_round, tb_all, to_all, fast = [], [], [], []
+    clock = CLOCK
+    for _ in range(rounds):
+        ratios = []
+        for i in range(pairs):
+            if i % 2 == 0:
+                t0 = clock(); step(base); t1 = clock(); step(other); t2 = clock()
+                tb, to = t1 - t0, t2 - t1
+            else:
+                t0 = clock(); step(other); t1 = clock(); step(base); t2 = clock()
+                to, tb = t1 - t0, t2 - t1
+            ratios.append((to - tb) / tb)
+            tb_all.append(tb)
+            to_all.append(to)
+        per_round.append(statistics.median(ratios))
+        fast.append((min(to_all[-pairs:]) - min(tb_all[-pairs:])) / min(tb_all[-pairs:]))
+    _check_same(base, other)
+    if not control:
+        assert other.kvguard.violations == [], other.kvguard.violations[:2]
+    return dict(rounds=per_round, fastest=fast, base=tb_all, other=to_all, schedulers=(base, other))
+
+
+# ---- --hooks: each hook's own time ---------------------------------------------------------------
+
+OWN: dict[str, float] = defaultdict(float)
+"""Hook label -> seconds inside the hook's wrapper minus seconds inside the SGLang call it wraps."""
+CALLS: dict[str, int] = defaultdict(int)
+UNDO: list = []
+"""(closure cell, its SGLang call) for every hook instrumented, put back after the pass."""
+
+
+def _timed_pair(label: str, outer, inner):
+    """(outer', inner'): ``outer`` timed as +own and ``inner`` timed as -own under ``label``
+    (``perf_counter``, whatever ``--clock`` says: a thread-CPU-time read is a system call that
+    would weigh more than the hooks it times)."""
+    clock = time.perf_counter
+
+    def timed_inner(*args, **kwargs):
+        t = clock()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            OWN[label] -= clock() - t
+
+    def timed_outer(*args, **kwargs):
+        t = clock()
+        CALLS[label] += 1
+        try:
+            return outer(*args, **kwargs)
+        finally:
+            OWN[label] += clock() - t
+
+    return timed_outer, timed_inner
+
+
+def _cell(fn, name: str):
+    names = fn.__code__.co_freevars
+    return fn.__closure__[names.index(name)] if name in names else None
+
+
+def _instrument(obj, attr: str, label: str) -> None:
+    """The guard's wrapper ``obj.attr``: its closure's ``inner`` (the SGLang call; or, for the
+    request releases, ``freer_call``'s) timed apart from it."""
+    outer = getattr(obj, attr)
+    cell = _cell(outer, "inner")
+    if cell is None:
+        fc = _cell(outer, "freer_call")
+        cell = _cell(fc.cell_contents, "inner")
+    timed_outer, timed_inner = _timed_pair(label, outer, cell.cell_contents)
+    UNDO.append((cell, cell.cell_contents))
+    cell.cell_contents = timed_inner
+    setattr(obj, attr, timed_outer)
+
+
+def instrument_hooks(s) -> None:
+    """Every kvguard hook on the guarded scheduler ``s`` (instances, SGLang's module functions,
+    the forward and the output streamer)."""
+    import kvguard.sglang as plugin
+    from scheduler_rig import CpuModelRunner
+    from sglang.srt.managers import schedule_batch
+    from sglang.srt.mem_cache import allocation
+
+    import functools
+
+    g = s.kvguard
+    pool, alloc, tree = s.req_to_token_pool, s.token_to_kv_pool_allocator, s.tree_cache
+    for name in ("alloc", "free", "write"):
+        _instrument(pool, name, f"ReqToTokenPool.{name}")
+    for name in ("alloc", "alloc_extend", "alloc_decode", "free", "free_page_ids", "_release_page_ids", "free_group_end"):
+        if name in vars(alloc):
+            _instrument(alloc, name, f"allocator.{name}")
+    for name in ("insert", "checkpoint", "free_kv_row", "evict"):
+        _instrument(tree, name, f"RadixCache.{name}")
+    _instrument(g.kv_pool, "set_kv_buffer", "set_kv_buffer (forward check at the first layer)")
+    for mod, name in ((schedule_batch, "alloc_for_decode"), (schedule_batch, "alloc_for_extend"),
+                      (allocation, "write_cache_indices")):
+        # Process-wide: the unguarded scheduler's calls pass through it too, and count here.
+        _instrument(mod, name, f"{mod.__name__.rsplit('.', 1)[1]}.{name} (process-wide: both schedulers' calls)")
+    # attach_kvguard's forward is functools.partial(plugin._forward, CpuModelRunner.forward, runner):
+    # rebuilt around a timed CpuModelRunner.forward.
+    runner = s.tp_worker.model_runner
+    label = "ModelRunner.forward (begin/end_forward)"
+    fwd_outer, fwd_inner = _timed_pair(label, None, CpuModelRunner.forward)
+    runner.forward = _timed_pair(label, functools.partial(plugin._forward, fwd_inner, runner), None)[0]
+    streamer_cls = type(s.output_streamer)
+    outer_so = streamer_cls.stream_output
+    inner_so = _cell(outer_so, "inner")
+    so_outer, so_inner = _timed_pair("SchedulerOutputStreamer.stream_output (rows before output)", outer_so,
+                                     inner_so.cell_contents)
+    inner_so.cell_contents = so_inner
+    streamer_cls.stream_output = so_outer
+
+
+def hook_pass(page_size: int, steps: int) -> None:
+    """Each hook's own time per step, the stand-in forward's time, gc collections per step."""
+    base = scheduler(page_size, guarded=False)
+    guarded = scheduler(page_size, guarded=True)
+    model_time = {"unguarded": 0.0, "guarded": 0.0}
+    for name, s in (("unguarded", base), ("guarded", guarded)):
+        runner = s.tp_worker.model_runner
+        lean = runner._model
+
+        def timed(fb, _lean=lean, _name=name):
+            t = CLOCK()
+            try:
+                return _lean(fb)
+            finally:
+                model_time[_name] += CLOCK() - t
+
+        runner._model = timed
+    from sglang.srt.managers import schedule_batch
+    from sglang.srt.mem_cache import allocation
+
+    shared = [(schedule_batch, "alloc_for_decode"), (schedule_batch, "alloc_for_extend"),
+              (allocation, "write_cache_indices"), (type(guarded.output_streamer), "stream_output")]
+    saved = [(obj, name, getattr(obj, name)) for obj, name in shared]
+    inner_so = _cell(type(guarded.output_streamer).stream_output, "inner")
+    saved_inner = inner_so.cell_contents
+    instrument_hooks(guarded)
+    OWN.clear()
+    CALLS.clear()
+    collections = {"unguarded": [0, 0, 0], "guarded": [0, 0, 0]}
+    current = ["unguarded"]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            collections[current[0]][info["generation"]] += 1
+
+    gc.callbacks.append(on_gc)
+    step_time = {"unguarded": 0.0, "guarded": 0.0}
+    try:
+        for i in range(steps):
+            for name, s in ((("unguarded", base), ("guarded", guarded)) if i % 2 == 0 else
+                            (("guarded", guarded), ("unguarded", base))):
+                current[0] = name
+                t = CLOCK()
+                step(s)
+                step_time[name] += CLOCK() - t
+    finally:
+        gc.callbacks.remove(on_gc)
+        # The process-wide hooks back as they were (the next page size's pass instruments anew).
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+        inner_so.cell_contents = saved_inner
+        for cell, value in UNDO:
+            cell.cell_contents = value
+        UNDO.clear()
+    assert guarded.kvguard.violations == []
+    us = 1e6 / steps
+    print(f"  hooks ({steps} steps each, timed: the timers add to both): mean step unguarded "
+          f"{step_time['unguarded'] * us:.0f} us, guarded {step_time['guarded'] * us:.0f} us")
+    print(f"    stand-in forward (KV stores + next token): unguarded {model_time['unguarded'] * us:.0f} us a step "
+          f"({100 * model_time['unguarded'] / step_time['unguarded']:.1f} % of its step); guarded "
+          f"{model_time['guarded'] * us:.0f} us (with the forward check inside its first KV store)")
+    total = 0.0
+    for label in sorted(OWN, key=lambda k: -OWN[k]):
+        if CALLS[label]:
+            total += OWN[label]
+            print(f"    {label}: {OWN[label] * us:.1f} us own time a step ({CALLS[label] / steps:.2f} calls a step)")
+    print(f"    all hooks: {total * us:.1f} us a step ({100 * total / step_time['unguarded']:.1f} % of the unguarded step)")
+    for name in ("unguarded", "guarded"):
+        c = collections[name]
+        print(f"    gc collections in {name} steps: gen0 {c[0]}, gen1 {c[1]}, gen2 {c[2]} ({steps} steps)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="kvguard's share of SGLang's own scheduler step (256 running, CPU)")
+    parser.add_argument("page_sizes", nargs="*", type=int, default=[16, 1], help="page sizes (default: 16 1)")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds (default 6; at least 6 for a reading)")
+    parser.add_argument("--pairs", type=int, default=20, help="step pairs per round (default 20)")
+    parser.add_argument("--control", action="store_true", help="two unguarded schedulers (the bench's own noise)")
+    parser.add_argument("--hooks", action="store_true", help="also each hook's own time, the forward's, gc")
+    parser.add_argument("--first", choices=("other", "unguarded"), default="other",
+                        help="which scheduler is built first: the guarded one (or the control's second; default) "
+                        "or the unguarded one")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                        help="cpu: this thread's CPU time (default; steady on a shared machine); wall: perf_counter")
+    opts = parser.parse_args()
+    if opts.rounds < 1 or opts.pairs < 1 or any(ps < 1 for ps in opts.page_sizes):
+        parser.error("--rounds, --pairs and page sizes must be at least 1")
+    import os
+
+    global CLOCK
+    CLOCK = time.thread_time if opts.clock == "cpu" else time.perf_counter
+    # One thread does the work (torch's intra-op pool would put CPU time on other threads).
+    torch.set_num_threads(1)
+    print(f"clock {opts.clock}; load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} on {os.cpu_count()} cpus; "
+          f"{'control: two unguarded schedulers' if opts.control else 'guarded (enforce) beside unguarded'}; "
+          f"{opts.rounds} rounds x {opts.pairs} step pairs; built first: "
+          f"{'the unguarded' if opts.first == 'unguarded' else 'the second unguarded' if opts.control else 'the guarded'}")
+    for ps in opts.page_sizes:
+        m = measure(ps, opts.rounds, opts.pairs, opts.control, opts.first)
+        r = sorted(m["rounds"])
+        med_b, med_o = statistics.median(m["base"]), statistics.median(m["other"])
+        what = "second unguarded" if opts.control else "guarded"
+        print(f"page_size {ps}: step unguarded {med_b * 1e3:.2f} ms, {what} {med_o * 1e3:.2f} ms (medians); "
+              f"mean {statistics.fmean(m['base']) * 1e3:.2f} / {statistics.fmean(m['other']) * 1e3:.2f} ms; "
+              f"share median of rounds {100 * statistics.median(r):+.2f} % "
+              f"(rounds min {100 * r[0]:+.2f} / max {100 * r[-1]:+.2f} %)")
+        print("    rounds: " + " ".join(f"{100 * x:+.2f}" for x in m["rounds"]))
+        f = sorted(m["fastest"])
+        print(f"    fastest step of each round, {what} against unguarded: median {100 * statistics.median(f):+.2f} % "
+              f"(min {100 * f[0]:+.2f} / max {100 * f[-1]:+.2f} %)")
+        del m
+        gc.collect()
+        if opts.hooks and not opts.control:
+            hook_pass(ps, opts.rounds * opts.pairs)
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
