@@ -700,9 +700,10 @@ def install(mode: str) -> None:
     import vllm.envs as envs
 
     _MODE = mode
-    # The user's runner is theirs to pick: kvguard checks the V1 runner, and an engine that
-    # runs V2 (vLLM's default where Triton runs) is refused when its scheduler is built
-    # (enforce) or runs unchecked with a warning (report).
+    # The user's runner is theirs to pick: kvguard checks the V1 runner, and V2 where vLLM runs
+    # it on host memory (its CPU platform); an engine that runs V2 on a GPU (vLLM's default
+    # where Triton runs) is refused here when asked for by name, else when its scheduler is
+    # built (enforce), or runs unchecked with a warning (report).
     if envs.VLLM_USE_V2_MODEL_RUNNER and not _host_platform():
         _unsupported(_V2_ON_DEVICE)
     _install_scheduler()

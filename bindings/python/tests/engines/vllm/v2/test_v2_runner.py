@@ -3,7 +3,8 @@ vLLM's own EngineCore on CPU: V2's own input preparation, block tables and slot 
 the model, its sampling and one compiled attention op stood in (v2_engine.py says what is real).
 
 Its own pytest process (scripts/ci/vllm.sh): V2's Triton kernels run under ``TRITON_INTERPRET=1``,
-set before vLLM is imported.
+set before vLLM is imported. In Triton's interpreter a V2 step costs ~0.05-0.2 s, so the
+workloads ask for few tokens.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import pytest
 import kvguard.vllm
 
 SCHEDULING = pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
-
 
 def workload(engine: RealEngine, seed: int, n: int, *, shared: int = 3, salts: int = 3, max_prompt: int = 150) -> None:
     """n requests over ``salts`` tenants, most sharing one of ``shared`` prefixes; most ask for a
@@ -85,6 +85,8 @@ def test_clean_v2_async_prefix_caching_and_preemption():
 
 
 def test_clean_v2_sync():
+    """Synchronous scheduling (EngineCore's ``step``), two tenants: nothing refused, outputs as
+    the unguarded V2 run's."""
     rc = RealConfig(num_blocks=64, block_size=32, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, async_scheduling=False)
     fill = lambda e: workload(e, 8, 60, salts=2, max_prompt=100)  # noqa: E731
     g = run_v2(rc, fill, guarded=True)
