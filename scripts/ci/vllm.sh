@@ -2,7 +2,8 @@
 # CPU: vLLM's own EngineCore step loop (async scheduling's batch queue and the synchronous one),
 # its schedulers, KV cache manager and the V1 model runner's input preparation, only the model
 # forward and the Triton slot-mapping kernel stood in (bindings/python/tests/engines/vllm/
-# real_engine.py says what is real). Never skipped.
+# real_engine.py says what is real); then vLLM's Model Runner V2 on CPU (v2/, its own process:
+# V2's Triton kernels under TRITON_INTERPRET=1; v2/v2_engine.py says what is real). Never skipped.
 #
 # The vLLM venv lives in $KVGUARD_VLLM_VENV (default $HOME/.cache/kvguard/vllm-venv): created
 # and `pip install vllm==0.33.0` once (about 3 minutes and 9 GB: torch's CUDA wheels come with
@@ -34,6 +35,10 @@ kvguard_vllm_after() {
   status=0
   # From the tests' directory, so `import kvguard` is the installed wheel, not the source tree.
   (cd "$root/bindings/python/tests/engines/vllm" && VLLM_TARGET_DEVICE=cpu \
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider .) || status=$?
+  # Model Runner V2 in a process of its own: its Triton kernels run under TRITON_INTERPRET=1,
+  # set (by v2/v2_engine.py) before vLLM is imported.
+  (cd "$root/bindings/python/tests/engines/vllm/v2" && VLLM_TARGET_DEVICE=cpu \
     "$venv/bin/python" -m pytest -q -p no:cacheprovider .) || status=$?
   return "$status"
 }

@@ -8,7 +8,9 @@ core and worker processes)::
     KVGUARD_VLLM=report  vllm serve ...      # shadow roll-out: log and count, change nothing
 
 kvguard checks vLLM's V1 model runner, with full-attention and sliding-window KV cache groups
-(hybrid models too): an engine that runs the V2 runner (vLLM 0.33's default where Triton runs),
+(hybrid models too), and Model Runner V2 where vLLM runs it on host memory (its CPU platform;
+full-attention groups): an engine that runs V2 on a GPU (vLLM 0.33's default where Triton runs:
+its block tables are device tensors, which need the device check, not wired into V2 yet),
 speculative decoding, another kind of KV cache group or a KV connector does not start under
 ``enforce`` and runs unchecked, with a warning, under ``report``.
 

@@ -40,6 +40,10 @@ __all__ = ["CLEAN_STEP", "Refusal", "StepGuard", "StepReport"]
 #: vLLM's null block: page 0 is never allocated and pads every row.
 NULL_BLOCK = 0
 
+#: vLLM's padding slot (``PAD_SLOT_ID``): a slot-mapping entry the attention backends write nothing
+#: through.
+PAD_SLOT = -1
+
 #: The step stage each event kind is refused at (what a refusal and the client's error name).
 STAGES = {
     EventKind.ADMIT: "admit",
@@ -390,6 +394,90 @@ class StepGuard:
         if report is None and not refused_late and clean:
             return CLEAN_STEP
         return self._refused_step(report or StepReport(), req_ids, tables, late, refused_late, writes, reads)
+
+    # -- Model Runner V2: what prepare_attn hands attention ------------------------------------
+
+    def check_attn_step(
+        self,
+        req_ids: list[str],
+        tables: list[np.ndarray],
+        slot_mappings: np.ndarray,
+        query_start_loc: np.ndarray,
+        num_computed_tokens: np.ndarray,
+        num_scheduled_tokens: np.ndarray,
+        events: StepEvents | None,
+    ) -> StepReport:
+        """Checks one step of vLLM's Model Runner V2 on what its ``prepare_attn`` hands attention:
+        ``tables``, each KV cache group's gathered block table (``BlockTables.gather_block_tables``:
+        int32 ``[num_reqs_padded, width]``, row ``i`` for ``req_ids[i]``; a sliding-window group's
+        entries wholly below the first token's window already nulled by V2), and
+        ``slot_mappings``, V2's ``[groups, num_tokens_padded]`` int64 slot mappings
+        (``compute_slot_mappings``), request ``i`` writing tokens ``query_start_loc[i] ..
+        query_start_loc[i + 1]``. Both read in place, as numpy views of V2's own buffers.
+
+        The early events, then each group's writes (V2's own slot mapping, not one rebuilt here),
+        then the late events, then each group's reads (a full-attention row for
+        ``num_computed_tokens + num_scheduled_tokens`` tokens, incrementally; a sliding-window row
+        over the window of the step's first token, as :meth:`check_groups_step`). Under enforce a
+        refused request's rows are nulled in every group's gathered table and its tokens' slots set
+        to ``-1`` (vLLM's padding slot: the attention backends write nothing there), so neither its
+        reads nor its writes reach anyone's KV."""
+        self.steps += 1
+        early, late = events if events else (None, None)
+        if early and self.pending_evict:
+            early = self._evict_before_claims(early)
+        refused_early = self._apply_early(early) if early else None
+        report = None
+        if refused_early:
+            report = StepReport()
+            self._refuse_events(report, early, refused_early)
+        if early and self.refused_ever:
+            for ev in early:
+                if ev[0] is EventKind.RELEASE:
+                    self.refused_ever.discard(ev[1])
+        n = len(req_ids)
+        windows = self.windows or [None]
+        writes: list[Any] = []
+        reads: list[Any] = []
+        if n:
+            qsl = query_start_loc[: n + 1]
+            for g in range(len(tables)):
+                writes.append(self.table.record_step_writes(req_ids, slot_mappings[g], qsl))
+        refused_late = self.table.apply_events(late) if late else None
+        if n:
+            computed = np.asarray(num_computed_tokens[:n], dtype=np.int64)
+            lens = computed + np.asarray(num_scheduled_tokens[:n], dtype=np.int64)
+            rows = np.arange(n, dtype=np.int64)
+            for g, block_table in enumerate(tables):
+                window = windows[g]
+                if window is None:
+                    reads.append(self.table.verify_rows(self._attn_row_cache(g), req_ids, block_table, rows, lens))
+                    continue
+                first = np.maximum(computed - (window - 1), 0)
+                v = self.table.check_step_window(req_ids, block_table, rows, lens, first)
+                reads.append(v if v.clean else self._judge_window(req_ids, block_table, v, lens, first))
+        if self._flush_every and self.steps % self._flush_every == 0:
+            self._metric(self._metrics.flush, self)
+        clean = all(v.clean for v in writes) and all(v.clean for v in reads)
+        if report is None and not refused_late and clean:
+            return CLEAN_STEP
+        # Whole rows: V2's gathered rows are rebuilt every step, nothing past them is kept.
+        whole = [(t, np.full(t.shape[0], t.shape[1], dtype=np.int64)) for t in tables]
+        report = self._refused_step(report or StepReport(), req_ids, whole, late, refused_late, writes, reads)
+        if self.mode == "enforce" and n:
+            again = [row for row, rid in enumerate(req_ids) if rid in report.again]
+            for row in (*report.refused_rows, *again):
+                slot_mappings[:, int(query_start_loc[row]) : int(query_start_loc[row + 1])] = PAD_SLOT
+        return report
+
+    def _attn_row_cache(self, group: int) -> Any:
+        """The row cache of a full-attention group (one per group, made on first use)."""
+        caches = self._row_caches
+        while len(caches) <= group:
+            caches.append(None)
+        if caches[group] is None:
+            caches[group] = kvguard.RowCache()
+        return caches[group]
 
     def _judge_window(
         self, req_ids: list[str], block_table: np.ndarray, checked: Any, lens: np.ndarray, first: np.ndarray

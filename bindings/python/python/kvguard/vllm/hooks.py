@@ -34,13 +34,24 @@ worker process
                                          it; under enforce refused rows are nulled
   ``GPUModelRunner.execute_model`` / ``sample_tokens``  refusals put on the ModelRunnerOutput
                                          (``kvguard_refused``) that goes back to the scheduler
+worker process, Model Runner V2 (``vllm.v1.worker.gpu.model_runner.GPUModelRunner``; vLLM's CPU
+platform runs it as ``vllm.v1.worker.cpu.model_runner.CPUModelRunner``)
+  ``GPUModelRunner.prepare_attn``        *acts*: the check of what V2 hands attention, the gathered
+                                         block tables and slot mappings its kernels just built
+                                         (host tensors on the CPU platform, read in place); under
+                                         enforce a refused request's rows and slots are nulled
+  ``GPUModelRunner.execute_model``       a step with no tokens (returns before ``prepare_attn``):
+                                         its events applied; refusals put on the output
+  ``GPUModelRunner.sample_tokens``       refusals put on the (async) output
 
 The scheduler's truth reaches the worker on the ``SchedulerOutput`` it already sends each step
 (by reference in-process, pickled through vLLM's shared-memory broadcast otherwise), and the
 refusals come back on the ``ModelRunnerOutput`` the same way: no extra channel, no extra round
 trip. Supported: full-attention and sliding-window KV cache groups (hybrid models too), block
 size equal to the hash block size, no KV connector, no speculative decoding, vLLM's V1 model
-runner (``CPUModelRunner`` is a subclass); anything else is
+runner (``CPUModelRunner`` is a subclass), and Model Runner V2 where vLLM runs it on host memory
+(its CPU platform; full-attention groups only); V2 on a GPU (device tensors: kvguard's device
+check, not wired into V2 yet) and anything else is
 found when vLLM builds its scheduler (a wrapper on ``Scheduler.__init__``): refused there under
 enforce, so the engine never starts, and left unchecked (with a warning) under report.
 """
@@ -169,16 +180,34 @@ def forget_refused_writes(scheduler: Any, blocks: set[int]) -> None:
         scheduler.kv_cache_manager.block_pool.evict_blocks(blocks)
 
 
+_V2_ON_DEVICE = (
+    "vLLM's V2 model runner on a GPU: it builds each step's block tables and slot mappings on the "
+    "device, which needs kvguard's device check on vLLM's stream (kvguard.DeviceGuard), not wired "
+    "into V2 yet; set VLLM_USE_V2_MODEL_RUNNER=0 for the V1 runner, which kvguard checks"
+)
+
+
+_V2_WINDOWS = (
+    "sliding-window KV cache groups under vLLM's V2 model runner (checked on V1; V2's gathered "
+    "tables of such groups are not tested yet); set VLLM_USE_V2_MODEL_RUNNER=0"
+)
+
+
+def _host_platform() -> bool:
+    """Whether vLLM runs its model runner on host memory here (its CPU platform), where kvguard
+    reads V2's block tables and slot mappings in place."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
 def check_scheduler(scheduler: Any) -> None:
     """What kvguard cannot check in this engine, found when its scheduler is built: under
     enforce an UnsupportedConfig stops the engine there; under report a warning, and the engine
     runs unchecked. (The recorder itself is made at the first ``schedule``.)"""
     scheduler._kvguard_checked_config = True
-    if getattr(scheduler, "use_v2_model_runner", False):
-        _unsupported(
-            "vLLM's V2 model runner (its block tables are built on the device; set "
-            "VLLM_USE_V2_MODEL_RUNNER=0 for the V1 runner, which kvguard checks)"
-        )
+    if getattr(scheduler, "use_v2_model_runner", False) and not _host_platform():
+        _unsupported(_V2_ON_DEVICE)
         scheduler.kv_cache_manager._kvguard_recorder = None
         return
     if getattr(scheduler.vllm_config, "speculative_config", None) is not None:
@@ -193,6 +222,12 @@ def check_scheduler(scheduler: Any) -> None:
         scheduler.kv_cache_manager._kvguard_recorder = None
         return
     if not groups_supported(scheduler.kv_cache_manager):
+        scheduler.kv_cache_manager._kvguard_recorder = None
+        return
+    if getattr(scheduler, "use_v2_model_runner", False) and any(
+        type(m).__name__ != "FullAttentionManager" for m in scheduler.kv_cache_manager.coordinator.single_type_managers
+    ):
+        _unsupported(_V2_WINDOWS)
         scheduler.kv_cache_manager._kvguard_recorder = None
 
 
@@ -536,6 +571,126 @@ def _install_worker() -> None:
     _wrap(GPUModelRunner, "sample_tokens", annotating)
 
 
+# -- worker side, Model Runner V2 ---------------------------------------------------------------
+
+
+def v2_attn_step(runner: Any, input_batch: Any, block_tables: Any, slot_mappings: Any, scheduler_output: Any) -> None:
+    """The check of one V2 step (what the ``prepare_attn`` wrapper runs), on what V2's
+    ``prepare_attn`` returned: the gathered block tables and slot mappings attention gets, read in
+    place as numpy views (CPU tensors: vLLM's CPU worker runs V2 on host memory). Under enforce a
+    refused request's rows and slots are nulled in those same tensors."""
+    guard = _v2_guard_of(runner)
+    if guard is None:
+        return
+    n = input_batch.num_reqs
+    report = guard.check_attn_step(
+        input_batch.req_ids[:n],
+        [t.numpy() for t in block_tables],
+        slot_mappings.numpy(),
+        input_batch.query_start_loc_np,
+        input_batch.num_computed_tokens_np,
+        input_batch.num_scheduled_tokens,
+        getattr(scheduler_output, "kvguard_events", None),
+    )
+    _pend(runner, guard, report)
+
+
+def v2_idle_step(runner: Any, scheduler_output: Any) -> None:
+    """A V2 step that schedules no tokens (``execute_model`` returns before ``prepare_attn``):
+    its events (the releases) are applied all the same."""
+    events = getattr(scheduler_output, "kvguard_events", None)
+    if not events:
+        return
+    guard = _v2_guard_of(runner)
+    if guard is not None:
+        _pend(runner, guard, guard.check_attn_step([], [], None, None, None, None, events))
+
+
+def _v2_guard_of(runner: Any) -> StepGuard | None:
+    """A V2 runner's guard, made on first use (None when kvguard cannot check it: ``_unsupported``
+    said so, under report the runner goes unchecked)."""
+    guard = runner.__dict__.get("_kvguard", False)
+    if guard is not False:
+        return guard
+    guard = None
+    config = runner.kv_cache_config
+    windows = group_windows(config)
+    sizes = set(runner.block_tables.block_sizes)
+    if windows is None:
+        pass
+    elif any(w is not None for w in windows):
+        _unsupported(_V2_WINDOWS)
+    elif runner.device.type != "cpu":
+        _unsupported(
+            f"vLLM's V2 model runner on {runner.device.type}: its block tables and slot mappings are "
+            "device tensors, which need kvguard's device check on vLLM's stream (kvguard.DeviceGuard), "
+            "not wired into V2 yet"
+        )
+    elif runner.speculative_config is not None:
+        _unsupported("speculative decoding (speculative_config)")
+    elif runner.pcp_manager is not None or runner.dcp_size > 1:
+        _unsupported("context parallelism under V2 (its block tables are partitioned across ranks)")
+    elif getattr(runner.vllm_config, "kv_transfer_config", None) is not None:
+        _unsupported("a KV connector (kv_transfer_config): its imports are not recorded")
+    elif len(sizes) != 1:
+        _unsupported(f"KV cache groups of different block sizes {sorted(sizes)}")
+    else:
+        guard = StepGuard(
+            config.num_blocks,
+            sizes.pop(),
+            runner.max_model_len,
+            _MODE or "enforce",
+            windows=windows if len(windows) > 1 or windows[0] is not None else None,
+        )
+    runner._kvguard = guard
+    return guard
+
+
+def _install_worker_v2() -> None:
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    def prepare_attn(original: Any) -> Any:
+        def wrapper(self: Any, input_batch: Any) -> Any:
+            block_tables, slot_mappings = original(self, input_batch)
+            v2_attn_step(self, input_batch, block_tables, slot_mappings, self._kvguard_step)
+            return block_tables, slot_mappings
+
+        return wrapper
+
+    def execute_model(original: Any) -> Any:
+        def wrapper(self: Any, scheduler_output: Any, *args: Any, **kw: Any) -> Any:
+            if kw.get("dummy_run") or args[1:2] == (True,):
+                return original(self, scheduler_output, *args, **kw)
+            if not hasattr(scheduler_output, "kvguard_events") and not self.__dict__.get("_kvguard_served"):
+                # vLLM's kernel warm-up (warmup_kernels) before the first scheduled step: made-up
+                # requests the scheduler never saw, no tenant's KV yet. Every step after the
+                # first from vLLM's scheduler is checked, carrying events or not.
+                return original(self, scheduler_output, *args, **kw)
+            self._kvguard_served = True
+            # prepare_attn reads the step's events from here (V2 hands it the batch only).
+            self._kvguard_step = scheduler_output
+            try:
+                out = original(self, scheduler_output, *args, **kw)
+            finally:
+                self._kvguard_step = None
+            if not scheduler_output.total_num_scheduled_tokens:
+                v2_idle_step(self, scheduler_output)
+            return annotate_output(self, out)
+
+        return wrapper
+
+    def annotating(original: Any) -> Any:
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return annotate_output(self, original(self, *args, **kwargs))
+
+        return wrapper
+
+    _default(GPUModelRunner, "_kvguard_step", None)
+    _wrap(GPUModelRunner, "prepare_attn", prepare_attn)
+    _wrap(GPUModelRunner, "execute_model", execute_model)
+    _wrap(GPUModelRunner, "sample_tokens", annotating)
+
+
 def install(mode: str) -> None:
     """Wraps vLLM's methods in this process (idempotent; a second mode replaces the first)."""
     global _MODE
@@ -545,14 +700,19 @@ def install(mode: str) -> None:
     import vllm.envs as envs
 
     _MODE = mode
-    # The user's runner is theirs to pick: kvguard checks the V1 runner, and an engine that
-    # runs V2 (vLLM's default where Triton runs) is refused when its scheduler is built
-    # (enforce) or runs unchecked with a warning (report).
-    if envs.VLLM_USE_V2_MODEL_RUNNER:
-        _unsupported("vLLM's V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1)")
+    # The user's runner is theirs to pick: kvguard checks the V1 runner, and V2 where vLLM runs
+    # it on host memory (its CPU platform); an engine that runs V2 on a GPU (vLLM's default
+    # where Triton runs) is refused here when asked for by name, else when its scheduler is
+    # built (enforce), or runs unchecked with a warning (report).
+    if envs.VLLM_USE_V2_MODEL_RUNNER and not _host_platform():
+        _unsupported(_V2_ON_DEVICE)
     _install_scheduler()
     try:
         _install_worker()
     except ImportError as e:  # a platform without the GPU model runner module
         _unsupported(f"this worker ({e})")
+    try:
+        _install_worker_v2()
+    except ImportError as e:  # a vLLM without Model Runner V2's module
+        logger.debug("kvguard: no V2 model runner to hook here (%s)", e)
     logger.info("kvguard: checking every step's block table (%s)", mode)
