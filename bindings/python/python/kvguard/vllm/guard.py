@@ -308,26 +308,10 @@ class StepGuard:
     # -- a hybrid model's step ---------------------------------------------------------------
 
     def _apply_early(self, early: list[tuple]) -> list[tuple[int, Any]]:
-        """Applies a hybrid step's early events in order: runs of them through ``apply_events``,
-        each sliding window's partial release (``RELEASE_PAGES``) through ``release_pages``.
-        Returns the refused events as ``apply_events`` does: [(index in early, Violation)]."""
-        refused: list[tuple[int, Any]] = []
-        start = 0
-        for i, ev in enumerate(early):
-            if ev[0] != EventKind.RELEASE_PAGES:
-                continue
-            if start < i:
-                refused.extend((start + j, v) for j, v in self.table.apply_events(early[start:i]))
-            try:
-                self.table.release_pages(ev[1], ev[2])
-            except kvguard.ViolationError as e:
-                refused.append((i, e.violation))
-            start = i + 1
-        if start == 0:
-            return self.table.apply_events(early)
-        if start < len(early):
-            refused.extend((start + j, v) for j, v in self.table.apply_events(early[start:]))
-        return refused
+        """Applies a hybrid step's early events in order, each sliding window's partial release
+        (``RELEASE_PAGES``) among them, in one ``apply_events`` call. Returns the refused events:
+        [(index in early, Violation)]."""
+        return self.table.apply_events(early)
 
     def check_groups_step(
         self,
