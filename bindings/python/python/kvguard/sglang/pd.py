@@ -198,6 +198,13 @@ class GuardedKVSender:
         else:
             setattr(self.inner, name, value)
 
+    def clear(self) -> Any:
+        """SGLang is done with the sender: a network channel forgets the room's unused offer."""
+        forget = getattr(self.channel, "forget_offer", None)
+        if forget is not None:
+            forget(self.room)
+        return self.inner.clear()
+
     def init(self, num_kv_indices: int, *args: Any, **kwargs: Any) -> Any:
         """SGLang's ``finalize_bootstrap`` says how many pages this transfer sends: the manifest
         goes with the send that completes them (fewer than the decode side offered, when the
@@ -306,6 +313,12 @@ class GuardedKVReceiver:
             error.failure_reason = "kvguard refused the KV transfer"  # type: ignore[attr-defined]
             raise error
         return self.inner.failure_exception()
+
+    def clear(self) -> Any:
+        """SGLang is done with the receiver (judged, failed or aborted): the channel forgets the
+        room."""
+        self.channel.drop(self.room)
+        return self.inner.clear()
 
     def send_metadata(self, kv_indices: Any, aux_index: Any = None, state_indices: Any = None, **kwargs: Any) -> Any:
         """Offers ``kv_indices`` (decode pages, already in this request's row) to the prefill side.

@@ -120,6 +120,7 @@ class _Conn:
         s2c = hmac.new(key, b"kvguard-pd s2c" + nonces, hashlib.sha256).digest()
         self._send_key, self._recv_key = (c2s, s2c) if self.client else (s2c, c2s)
         self.sock.settimeout(None)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
 
     # ---- frames -----------------------------------------------------------------------------
 
@@ -180,7 +181,9 @@ class _Conn:
                 return
             kind, body = item
             try:
-                self.sock.settimeout(self.channel.timeout)
+                # Blocking: a peer that stops reading fills the queue, and the rooms that cannot
+                # be queued are refused (the scheduler never waits on it). No socket timeout after
+                # the hello: it would also end the reader's wait on a quiet connection.
                 self._write_raw(kind, body, self._send_key, self._send_seq)
                 self._send_seq += 1
             except OSError as e:
@@ -278,6 +281,9 @@ class TcpChannel:
         self.key = key
         self.max_pending = max_pending
         self.max_pending_bytes = max_pending_bytes
+        self.ttl = 3600.0
+        """Seconds after which a room neither side finished is forgotten (a leak's bound; a room
+        forgotten on the decode side is refused)."""
         self.side: str | None = None
         self.metrics: collections.Counter = collections.Counter()
         self._lock = threading.Lock()
@@ -412,10 +418,10 @@ class TcpChannel:
             self._count("manifests_undelivered")
 
     def _expire(self, now: float) -> None:
-        """Drops offers and deferred builds older than a few waits (the decode side refused them)."""
-        ttl = max(60.0, 6 * self.timeout)
+        """Drops offers and deferred builds older than :attr:`ttl` (a request that ended on one
+        side without its transfer); the caps bound what is held meanwhile."""
         for table in (self._offers, self._deferred):
-            for room in [r for r, entry in table.items() if now - entry[-2] > ttl]:
+            for room in [r for r, entry in table.items() if now - entry[-2] > self.ttl]:
                 del table[room]
                 self._count("rooms_expired")
 
@@ -463,6 +469,10 @@ class TcpChannel:
             return
         if field == "dest":
             with self._lock:
+                now = time.monotonic()
+                for stale in [r for r, st in self._rooms.items() if now - st.at > self.ttl]:
+                    self._bytes -= len(self._rooms.pop(stale).manifest or b"")
+                    self._count("rooms_expired")
                 old = self._rooms.pop(room, None)
                 if old is not None:
                     self._bytes -= len(old.manifest or b"")
@@ -511,8 +521,14 @@ class TcpChannel:
                 return "the room was never offered"
             return state.failure
 
+    def forget_offer(self, room: int) -> None:
+        """Prefill: SGLang is done with the room's sender; an offer it left unused is forgotten (a
+        build still waiting for the offer is kept: the manifest goes when the offer comes)."""
+        with self._lock:
+            self._offers.pop(int(room), None)
+
     def drop(self, room: int) -> None:
-        """Forgets a room (its transfer was judged)."""
+        """Forgets a room (its transfer was judged, or SGLang is done with its receiver)."""
         room = int(room)
         with self._lock:
             state = self._rooms.pop(room, None)
