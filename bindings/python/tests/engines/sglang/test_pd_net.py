@@ -339,3 +339,69 @@ def test_a_short_key_stops_the_start(net, monkeypatch):
     s = pd_rig.build_prefill(page_size=16, tokens=2560, rows=24, context_len=CONTEXT)
     with pytest.raises(RuntimeError, match="at least 16 bytes"):
         attach_kvguard(s, "enforce")
+
+
+# ---- two processes: nothing shared but the channel's TCP connection (and the test's KV wire) -------
+
+
+@pytest.mark.parametrize("secret", ["same", "other"])
+def test_two_processes_prefill_and_decode_over_tcp(net, monkeypatch, tmp_path, secret):
+    """The prefill scheduler runs in another process (pd_prefill_proc.py) and listens; this
+    process's decode scheduler connects. The KV moves through the wire directory (the test's
+    stand-in for the backend: files of page bytes the decode side lands); the manifests only
+    over the TCP channel, with the shared secret. Every transfer accepted, the outputs of the
+    unguarded in-process run, no violation on either side, both pools whole, nothing left
+    pending on either side. With another secret in the prefill process, every transfer is
+    refused (none served unchecked), the pools whole."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    n = 40
+    ref, *_ = unguarded(16, n)
+    monkeypatch.setenv("KVGUARD_SGLANG_PD_KEY", KEY)
+    env = dict(os.environ, KVGUARD_SGLANG_PD_KEY=KEY if secret == "same" else KEY.upper())
+    child = subprocess.Popen(
+        [sys.executable, "pd_prefill_proc.py", str(tmp_path), str(n)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    try:
+        first = child.stdout.readline()
+        assert first, child.stderr.read()[-3000:]
+        pd_rig.install_wire(str(tmp_path))
+        decode = pd_rig.build_decode(
+            page_size=16, tokens=2560, rows=24, context_len=CONTEXT, num_reserved_decode_tokens=32,
+        )
+        attach_kvguard(decode, "enforce")
+        start = pool_pages(decode)
+        pending = [d for _, d in workload(7, n)]
+        deadline = time.monotonic() + 300
+        while len(pd_rig.rig.finished(decode)) < n or not pd_rig.idle(decode):
+            assert time.monotonic() < deadline, "the two processes did not finish the workload"
+            for req in pending[:4]:
+                decode.published.restore()
+                decode.handle_generate_request(req)
+            del pending[:4]
+            pd_rig.decode_step(decode)
+        metrics, rooms = dict(decode.kvguard_pd_channel.metrics), dict(decode.kvguard_pd_channel._rooms)
+        (tmp_path / "stop").write_text("")
+        out_text, err = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 0, err[-3000:]
+    seen = json.loads(out_text.strip().splitlines()[-1])
+    out = pd_rig.rig.finished(decode)
+    assert pool_pages(decode) == start and seen["pages"][0] == seen["pages"][1]
+    if secret == "other":
+        assert aborted(out) == set(out) and len(out) == n
+        assert decode.kvguard.metrics["transfers_accepted"] == 0 and seen["channel"]["handshakes_failed"] >= 1
+        return
+    assert out == ref
+    assert decode.kvguard.violations == [] and seen["violations"] == []
+    assert decode.kvguard.metrics["transfers_accepted"] == n
+    assert pool_pages(decode) == start and seen["pages"][0] == seen["pages"][1]
+    assert metrics == {} and rooms == {} and seen["channel"] == {} and seen["offers_left"] == 0
