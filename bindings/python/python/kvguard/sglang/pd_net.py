@@ -255,7 +255,7 @@ class TcpChannel:
             port = parts.port
         except ValueError as e:
             raise ConfigError(f"kvguard: PD channel {url!r}: {e}") from e
-        if parts.scheme != "tcp" or not parts.hostname or port is None or parts.path not in ("", "/"):
+        if parts.scheme != "tcp" or not parts.hostname or not port or parts.path not in ("", "/"):
             raise ConfigError(f"kvguard: PD channel {url!r} is not tcp://HOST:PORT[?timeout=SECONDS]")
         query = parse_qs(parts.query, strict_parsing=False)
         if set(query) - {"timeout"}:

@@ -115,6 +115,30 @@ def test_a_clean_workload_over_tcp_is_served_as_without_kvguard(net, page_size):
     assert d_chan._rooms == {} and p_chan._offers == {} and p_chan._deferred == {}, "nothing left pending"
 
 
+def test_a_quiet_connection_outlives_the_timeout(net):
+    """After a first transfer, the decode side offers the next, then nothing moves for longer than
+    the channel's timeout (a long prefill queue): the connection stays, the transfer is accepted when it comes and served as
+    without kvguard. The timeout bounds only the wait after the backend reported the transfer."""
+    import time
+
+    ref, *_ = unguarded(16, N)
+    prefill, decode = sides(16, guard="enforce")
+    first, (p_req, d_req), *rest = workload(7, N)
+    pd_rig.run_pd(prefill, decode, [first])  # frames have gone both ways
+    decode.published.restore()
+    decode.handle_generate_request(d_req)
+    deadline = time.monotonic() + 10
+    while d_req.bootstrap_room not in prefill.kvguard_pd_channel._offers:
+        assert time.monotonic() < deadline, "the offer reached the prefill side"
+        pd_rig.decode_step(decode)
+    time.sleep(2 * WAIT)
+    prefill.published.restore()
+    prefill.handle_generate_request(p_req)
+    out = pd_rig.run_pd(prefill, decode, rest)
+    assert out == ref and decode.kvguard.metrics["transfers_accepted"] == N
+    assert dict(decode.kvguard_pd_channel.metrics) == {}
+
+
 def test_the_one_token_stub_is_refused_over_tcp(net):
     """The incident over the network channel: the prefill side runs the one-token stub and its
     manifest says so; decode refuses the transfer before any batch reads it; only it."""
@@ -317,6 +341,7 @@ def test_enforce_refuses_a_channel_off_loopback_without_a_key(net, monkeypatch):
     "value,match",
     [
         ("tcp://127.0.0.1", "is not tcp://HOST:PORT"),
+        ("tcp://127.0.0.1:0", "is not tcp://HOST:PORT"),
         ("tcp://127.0.0.1:99999", "Port out of range"),
         ("tcp://127.0.0.1:7000?timeout=soon", "not a number"),
         ("tcp://127.0.0.1:7000?key=x", "unknown option"),
