@@ -190,7 +190,7 @@ def test_the_prefill_side_going_down_refuses_what_waits_on_it(net, monkeypatch):
     out, _, decode = run()
     served = set(out) - aborted(out)
     assert len(served) == 4 and all(out[rid] == ref[rid] for rid in served)
-    assert all("kvguard" in out[rid][1]["message"] for rid in aborted(out))
+    assert all("kvguard refused the KV transfer" in out[rid][1]["message"] for rid in aborted(out))
     assert decode.kvguard.metrics["transfers_accepted"] == 4
 
 
@@ -290,6 +290,7 @@ def test_a_wrong_key_refuses_every_transfer(net, monkeypatch):
     attach_kvguard(decode, "enforce")
     out = pd_rig.run_pd(prefill, decode, workload(7, 8))
     assert aborted(out) == set(out) and len(out) == 8
+    assert all("kvguard refused the KV transfer" in reason["message"] for _, reason in out.values())
     assert decode.kvguard.metrics["transfers_accepted"] == 0
     assert prefill.kvguard_pd_channel.metrics["handshakes_failed"] >= 1
 
@@ -423,6 +424,7 @@ def test_two_processes_prefill_and_decode_over_tcp(net, monkeypatch, tmp_path, s
     assert pool_pages(decode) == start and seen["pages"][0] == seen["pages"][1]
     if secret == "other":
         assert aborted(out) == set(out) and len(out) == n
+        assert all("kvguard refused the KV transfer" in reason["message"] for _, reason in out.values())
         assert decode.kvguard.metrics["transfers_accepted"] == 0 and seen["channel"]["handshakes_failed"] >= 1
         return
     assert out == ref
