@@ -110,7 +110,7 @@ class _Conn:
         key = self.channel.key
         hello = hmac.new(key, b"kvguard-pd hello", hashlib.sha256).digest()
         mine = secrets.token_bytes(_NONCE)
-        self.sock.settimeout(self.channel.timeout)
+        self.sock.settimeout(self.channel.connect_timeout)
         self._write_raw(HELLO, mine, hello, 0)
         kind, theirs = self._read_frame(hello, 0)
         if kind != HELLO or theirs is None or len(theirs) != _NONCE:
@@ -273,6 +273,9 @@ class TcpChannel:
         self.timeout = float(timeout)
         self.wait = self.timeout
         """Seconds a transfer the backend reports done waits for its manifest (then refused)."""
+        self.connect_timeout = max(10.0, self.timeout)
+        """Seconds a connection and its hello may take (a loaded host must not refuse the rooms
+        waiting on a new connection)."""
         if key is None:
             secret = os.environ.get(ENV_KEY, "")
             if secret and len(secret.encode()) < 16:
@@ -562,7 +565,7 @@ class TcpChannel:
         conn = None
         error = ""
         try:
-            sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+            sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _Conn(self, sock, client=True)
             conn.handshake()
