@@ -8,6 +8,7 @@ decode side refuses one that is missing or does not match. The start-up audit of
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -112,14 +113,18 @@ class DirectoryChannel:
 
 ENV_CHANNEL = "KVGUARD_SGLANG_PD_CHANNEL"
 """Where the manifests travel between a PD deployment's prefill and decode schedulers: ``process``
-(both in this process) or a directory both sides see."""
+(both in this process), ``tcp://HOST:PORT`` (the prefill side listens there, the decode side
+connects: :class:`kvguard.sglang.pd_net.TcpChannel`), or a directory both sides see."""
 
 _PROCESS_CHANNEL = ManifestChannel()
 
 
-def channel_from_env() -> ManifestChannel | DirectoryChannel | None:
+def channel_from_env() -> Any:
     """The channel ``KVGUARD_SGLANG_PD_CHANNEL`` names: ``process`` (this process's one
-    :class:`ManifestChannel`), a directory (:class:`DirectoryChannel`), None when unset."""
+    :class:`ManifestChannel`), ``tcp://HOST:PORT[?timeout=SECONDS]`` (a new
+    :class:`~kvguard.sglang.pd_net.TcpChannel`, its side taken by :func:`install_pd`), an absolute
+    directory (:class:`DirectoryChannel`), None when unset. Anything else raises
+    :class:`kvguard.ConfigError`."""
     import os
 
     value = os.environ.get(ENV_CHANNEL, "").strip()
@@ -127,6 +132,14 @@ def channel_from_env() -> ManifestChannel | DirectoryChannel | None:
         return None
     if value == "process":
         return _PROCESS_CHANNEL
+    if value.startswith("tcp://"):
+        from .pd_net import TcpChannel
+
+        return TcpChannel(value)
+    if "://" in value or not os.path.isabs(value):
+        raise ConfigError(
+            f"kvguard: {ENV_CHANNEL}={value!r} is not process, tcp://HOST:PORT or an absolute directory"
+        )
     return DirectoryChannel(value)
 
 
@@ -185,6 +198,13 @@ class GuardedKVSender:
         else:
             setattr(self.inner, name, value)
 
+    def clear(self) -> Any:
+        """SGLang is done with the sender: a network channel forgets the room's unused offer."""
+        forget = getattr(self.channel, "forget_offer", None)
+        if forget is not None:
+            forget(self.room)
+        return self.inner.clear()
+
     def init(self, num_kv_indices: int, *args: Any, **kwargs: Any) -> Any:
         """SGLang's ``finalize_bootstrap`` says how many pages this transfer sends: the manifest
         goes with the send that completes them (fewer than the decode side offered, when the
@@ -228,15 +248,30 @@ class GuardedKVSender:
         dest = self.channel.get(self.room, "dest")
         ids = self.channel.get(self.room, "ids")
         if dest is None or ids is None:
-            raise TransferError(f"kvguard: no destination for room {self.room}; the decode side sent no metadata")
+            defer = getattr(self.channel, "defer", None)
+            if defer is None:
+                raise TransferError(f"kvguard: no destination for room {self.room}; the decode side sent no metadata")
+            # Across hosts the decode side's offer may come after SGLang's own metadata: the
+            # manifest is built when it comes (from the pages as sent so far).
+            pages = list(self._pages)
+            defer(self.room, lambda dest, ids: self._build(dest, ids, pages), sum(map(len, pages)))
+            return
         if len(self._pages) < min(len(dest), self._total if self._total is not None else len(dest)):
             return  # more chunks to come; the manifest goes with the last
+        self.channel.put(self.room, "manifest", self._build(dest, ids, self._pages))
+
+    def _build(self, dest: Any, ids: Any, pages: list[bytes]) -> bytes | None:
+        """The encoded manifest of ``pages`` for the decode side's offer (``dest``, ``ids``); None
+        while pages are still to come."""
+        if len(pages) < min(len(dest), self._total if self._total is not None else len(dest)):
+            return None
+        ps = self.guard.page_size
         manifest = Manifest.build(
-            ids[0], ids[1], self.sender, ps, _slot_bytes(pool, ps),
+            ids[0], ids[1], self.sender, ps, _slot_bytes(self.guard.kv_pool, ps),
             np.asarray(self.req.origin_input_ids, dtype=np.int64),
-            [PageRef(p, g) for p, g in dest[: len(self._pages)]], self._pages,
+            [PageRef(p, g) for p, g in dest[: len(pages)]], pages,
         )
-        self.channel.put(self.room, "manifest", manifest.encode())
+        return manifest.encode()
 
 
 class GuardedKVReceiver:
@@ -247,7 +282,7 @@ class GuardedKVReceiver:
     turns the poll into ``KVPoll.Failed``, aborts the request, and its pages stay unwritten, so
     attention can never read them."""
 
-    _OWN = frozenset(("inner", "guard", "req", "channel", "room", "_pages", "_verdict", "refusal"))
+    _OWN = frozenset(("inner", "guard", "req", "channel", "room", "_pages", "_verdict", "refusal", "_landed"))
 
     def __init__(self, inner: Any, guard: Guard, req: Any, channel: Any) -> None:
         self.inner = inner
@@ -257,6 +292,8 @@ class GuardedKVReceiver:
         self.room = int(getattr(inner, "bootstrap_room", None) or getattr(req, "bootstrap_room", 0) or 0)
         self._pages: list[int] = []
         self._verdict: int | None = None
+        self._landed: float | None = None
+        """When the backend reported the transfer done (its manifest may still be on the way)."""
         self.refusal: Error | None = None
 
     def __getattr__(self, name: str) -> Any:
@@ -276,6 +313,12 @@ class GuardedKVReceiver:
             error.failure_reason = "kvguard refused the KV transfer"  # type: ignore[attr-defined]
             raise error
         return self.inner.failure_exception()
+
+    def clear(self) -> Any:
+        """SGLang is done with the receiver (judged, failed or aborted): the channel forgets the
+        room."""
+        self.channel.drop(self.room)
+        return self.inner.clear()
 
     def send_metadata(self, kv_indices: Any, aux_index: Any = None, state_indices: Any = None, **kwargs: Any) -> Any:
         """Offers ``kv_indices`` (decode pages, already in this request's row) to the prefill side.
@@ -310,9 +353,21 @@ class GuardedKVReceiver:
 
         if self._verdict is not None:
             return self._verdict
-        state = self.inner.poll()
-        if state != KVPoll.Success:
-            return state
+        if self._landed is None:
+            state = self.inner.poll()
+            if state != KVPoll.Success:
+                return state
+            self._landed = time.monotonic()
+        # Across hosts the manifest may come a little after the backend's own completion: the
+        # transfer waits for it (no longer than the channel's wait), unless it will not come.
+        wait = float(getattr(self.channel, "wait", 0.0) or 0.0)
+        if (
+            wait > 0
+            and self.channel.get(self.room, "manifest") is None
+            and self.channel.failure(self.room) is None
+            and time.monotonic() - self._landed < wait
+        ):
+            return KVPoll.Transferring
         try:
             accepted = self._accept()
         finally:
@@ -333,7 +388,15 @@ class GuardedKVReceiver:
         ]
         try:
             if manifest is None:
-                raise TransferError(f"kvguard: transfer for room {self.room} arrived without a manifest")
+                why = getattr(self.channel, "failure", None)
+                why = why(self.room) if why is not None else None
+                wait = float(getattr(self.channel, "wait", 0.0) or 0.0)
+                if why is None and wait > 0:
+                    why = f"none came within {wait:g} s of the backend's completion"
+                raise TransferError(
+                    f"kvguard: transfer for room {self.room} arrived without a manifest"
+                    + (f" ({why})" if why else "")
+                )
             accepted = Receiver(guard.table).accept(
                 key,
                 guard._tenant_key(guard.tenant_of(self.req)),
@@ -372,6 +435,12 @@ def install_pd(scheduler: Any, guard: Guard, channel: Any) -> str | None:
     ``kvguard.ConfigError`` when the scheduler is in PD mode and its queue cannot be hooked (an
     SGLang whose creation sites moved): the caller fails the scheduler's start under enforce."""
     mode = str(getattr(getattr(scheduler, "disaggregation_mode", None), "value", "null"))
+    if mode in ("prefill", "decode") and hasattr(channel, "open"):
+        # A network channel takes its side now: the prefill side listens (an address it cannot
+        # bind, or one off loopback without the shared secret under enforce, stops the start).
+        channel.open(mode, policy=guard.policy)
+    if mode in ("prefill", "decode"):
+        scheduler.kvguard_pd_channel = channel
     if mode == "prefill":
         queue = getattr(scheduler, "disagg_prefill_bootstrap_queue", None)
         inner = getattr(queue, "create_sender", None)

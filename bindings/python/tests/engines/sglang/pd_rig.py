@@ -40,16 +40,46 @@ from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 class Wire:
     """The network between the two sides, in one process: per ``bootstrap_room``, the decode
     side's destination (its KV buffers' pointers, item lengths and the pages it offered) and
-    whether the prefill side sent its last chunk."""
+    whether the prefill side sent its last chunk.
+
+    Across two processes (``dir`` set: :func:`install_wire` with a directory), the wire is that
+    directory: the decode side's offer (its pages) is a file, each chunk the prefill side sends is
+    a file of the pages' bytes, which the decode side's receiver lands in its own pool (as a
+    backend's receiving end does) before it reports the transfer done."""
 
     rooms: dict = {}
     offered: list = []
     """Every (room, decode pages offered), in order."""
+    dir: str | None = None
 
     @classmethod
-    def reset(cls) -> None:
+    def reset(cls, directory: str | None = None) -> None:
         cls.rooms = {}
         cls.offered = []
+        cls.dir = directory
+
+    @classmethod
+    def path(cls, room, name: str) -> str:
+        import os
+
+        return os.path.join(cls.dir, f"{int(room)}.{name}")
+
+    @classmethod
+    def write(cls, room, name: str, data: bytes) -> None:
+        import os
+
+        tmp = cls.path(room, name) + f".{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, cls.path(room, name))
+
+    @classmethod
+    def read(cls, room, name: str) -> bytes | None:
+        try:
+            with open(cls.path(room, name), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
 
 
 class WireKVSender(FakeKVSender):
@@ -67,11 +97,18 @@ class WireKVSender(FakeKVSender):
         super().init(num_kv_indices, aux_index)
 
     def poll(self) -> KVPoll:
-        if self.conclude_state is None and not self.has_sent and int(self.bootstrap_room) not in Wire.rooms:
+        if self.conclude_state is None and not self.has_sent and not self._offered():
             return KVPoll.Bootstrapping  # the decode side has not sent its metadata yet
         return super().poll()
 
+    def _offered(self) -> bool:
+        if Wire.dir is None:
+            return int(self.bootstrap_room) in Wire.rooms
+        return Wire.read(self.bootstrap_room, "offer") is not None
+
     def send(self, kv_indices, state_indices=None, num_kv_tokens=None):
+        if Wire.dir is not None:
+            return self._send_across(kv_indices, state_indices, num_kv_tokens)
         room = Wire.rooms.get(int(self.bootstrap_room))
         pages = [int(p) for p in torch.as_tensor(kv_indices).reshape(-1).tolist()]
         if room is None or self.pages_sent + len(pages) > len(room["pages"]):
@@ -89,6 +126,27 @@ class WireKVSender(FakeKVSender):
             room["sent"] = True  # the last page is on the decode side
 
 
+    def _send_across(self, kv_indices, state_indices, num_kv_tokens):
+        """The chunk's pages, as bytes, into the wire directory (the decode side lands them)."""
+        import json
+
+        offer = Wire.read(self.bootstrap_room, "offer")
+        pages = [int(p) for p in torch.as_tensor(kv_indices).reshape(-1).tolist()]
+        if offer is None or self.pages_sent + len(pages) > len(json.loads(offer)):
+            self.conclude_state = KVPoll.Failed
+            return
+        src = self.kv_mgr.kv_args
+        data = b"".join(
+            ctypes.string_at(ptr + page * size, size)
+            for page in pages for ptr, size in zip(src.kv_data_ptrs, src.kv_item_lens)
+        )
+        Wire.write(self.bootstrap_room, f"chunk.{self.pages_sent}", data)
+        self.pages_sent += len(pages)
+        super().send(kv_indices, state_indices, num_kv_tokens)
+        if self.pages_total is not None and self.pages_sent >= self.pages_total:
+            Wire.write(self.bootstrap_room, "sent", str(self.pages_sent).encode())
+
+
 class WireKVReceiver(FakeKVReceiver):
     """SGLang's fake receiver, with a wire: ``send_metadata`` offers its pages for the room;
     ``poll`` says ``Success`` once the prefill side sent its last chunk."""
@@ -104,9 +162,16 @@ class WireKVReceiver(FakeKVReceiver):
             "sent": False,
         }
         Wire.offered.append((int(self.bootstrap_room), Wire.rooms[int(self.bootstrap_room)]["pages"]))
+        if Wire.dir is not None:
+            import json
+
+            self.landed = 0
+            Wire.write(self.bootstrap_room, "offer", json.dumps(Wire.rooms[int(self.bootstrap_room)]["pages"]).encode())
         super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len)
 
     def poll(self) -> KVPoll:
+        if Wire.dir is not None and self.conclude_state is None and self.has_sent_metadata:
+            self._land()
         state = super().poll()
         if state == KVPoll.Success and not Wire.rooms.get(int(self.bootstrap_room), {}).get("sent"):
             self.conclude_state = None
@@ -114,12 +179,37 @@ class WireKVReceiver(FakeKVReceiver):
         return state
 
 
-def install_wire() -> None:
+    def _land(self) -> None:
+        """Across processes: the chunks that came, landed in this side's pages in order; the
+        transfer is done once the prefill side's last chunk is landed."""
+        import os
+
+        room = Wire.rooms[int(self.bootstrap_room)]
+        dst = self.kv_mgr.kv_args
+        page_bytes = sum(dst.kv_item_lens)
+        while True:
+            name = f"chunk.{self.landed}"
+            data = Wire.read(self.bootstrap_room, name)
+            if data is None:
+                break
+            for i in range(len(data) // page_bytes):
+                page, at = room["pages"][self.landed + i], i * page_bytes
+                for ptr, size in zip(dst.kv_data_ptrs, dst.kv_item_lens):
+                    ctypes.memmove(ptr + page * size, data[at : at + size], size)
+                    at += size
+            os.remove(Wire.path(self.bootstrap_room, name))
+            self.landed += len(data) // page_bytes
+        sent = Wire.read(self.bootstrap_room, "sent")
+        room["sent"] = sent is not None and int(sent) == self.landed
+
+
+def install_wire(directory: str | None = None) -> None:
     """SGLang's fake backend with the wire: ``get_kv_class(FAKE, SENDER / RECEIVER)`` imports
-    its classes from ``sglang.srt.disaggregation.fake`` when called, so they are set there."""
+    its classes from ``sglang.srt.disaggregation.fake`` when called, so they are set there.
+    ``directory``: the two sides run in two processes, the wire is that directory."""
     import sglang.srt.disaggregation.fake as fake
 
-    Wire.reset()
+    Wire.reset(directory)
     fake.FakeKVSender = WireKVSender
     fake.FakeKVReceiver = WireKVReceiver
 
