@@ -72,8 +72,9 @@ one max-context request; :class:`GuardedKVSender` / :class:`GuardedKVReceiver` w
 carries a kvguard manifest and the decode side refuses one that is missing or does not match. In
 a PD scheduler the plugin wraps every sender / receiver SGLang creates
 (``PrefillBootstrapQueue.create_sender``, ``DecodePreallocQueue._create_receiver_and_enqueue``),
-the manifests on the channel ``KVGUARD_SGLANG_PD_CHANNEL`` names (a directory both sides see, or
-``process``); under enforce a PD scheduler it cannot wrap does not start. The decode side's
+the manifests on the channel ``KVGUARD_SGLANG_PD_CHANNEL`` names (``tcp://HOST:PORT``, prefill
+listening and decode connecting, frames authenticated with ``KVGUARD_SGLANG_PD_KEY``; a directory
+both sides see; or ``process``); under enforce a PD scheduler it cannot wrap does not start. The decode side's
 preallocation (``disaggregation.decode.alloc_for_decode_prealloc``) claims its pages from the
 allocator's decision.
 """
@@ -89,6 +90,7 @@ from .guard import Guard, NamedViolation, audit_pd, audit_pool
 from .. import ConfigError
 from .process_hooks import STREAMING
 from .pd import ENV_CHANNEL, DirectoryChannel, GuardedKVReceiver, GuardedKVSender, ManifestChannel, channel_from_env, install_pd
+from .pd_net import TcpChannel
 
 __all__ = [
     "ENV_CHANNEL",
@@ -99,6 +101,7 @@ __all__ = [
     "GuardedKVSender",
     "ManifestChannel",
     "NamedViolation",
+    "TcpChannel",
     "audit_pd",
     "audit_pool",
     "installed_mode",
@@ -206,8 +209,9 @@ def _guard_transfers(scheduler: Any, guard: Guard, side: str) -> None:
         channel = channel_from_env()
         if channel is None:
             raise ConfigError(
-                f"kvguard: a PD {side} scheduler needs {ENV_CHANNEL} (process: prefill and decode in this "
-                "process; or a directory both sides see) to carry the transfer manifests"
+                f"kvguard: a PD {side} scheduler needs {ENV_CHANNEL} (tcp://HOST:PORT: prefill listens, decode "
+                "connects; an absolute directory both sides see; or process: prefill and decode in this process) "
+                "to carry the transfer manifests"
             )
         install_pd(scheduler, guard, channel)
     except Exception as e:
