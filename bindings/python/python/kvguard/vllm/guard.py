@@ -313,6 +313,29 @@ class StepGuard:
         [(index in early, Violation)]."""
         return self.table.apply_events(early)
 
+    def _begin_groups_step(
+        self, events: StepEvents | None
+    ) -> tuple[StepReport | None, list[tuple] | None, list[tuple] | None]:
+        """A multi-group step's start (``check_groups_step``, ``check_attn_step``): counts it and
+        applies its early events (the evictions the table owes vLLM put before their claims).
+        Returns (the report of the refused early events, or None; the early events as applied;
+        the late events)."""
+        self.steps += 1
+        early, late = events if events else (None, None)
+        if early and self.pending_evict:
+            early = self._evict_before_claims(early)
+        refused_early = self._apply_early(early) if early else None
+        report = None
+        if refused_early:
+            report = StepReport()
+            self._refuse_events(report, early, refused_early)
+        if early and self.refused_ever:
+            # A released request's id may be reused by the scheduler: its old refusal is done.
+            for ev in early:
+                if ev[0] is EventKind.RELEASE:
+                    self.refused_ever.discard(ev[1])
+        return report, early, late
+
     def check_groups_step(
         self,
         req_ids: list[str],
@@ -330,19 +353,7 @@ class StepGuard:
         tokens its window covers (from ``num_computed_tokens - window + 1``: what attention of
         the step's first token reads; the entries before it name blocks vLLM dropped and are
         never read). Under enforce, a refused request's rows are nulled in every group."""
-        self.steps += 1
-        early, late = events if events else (None, None)
-        if early and self.pending_evict:
-            early = self._evict_before_claims(early)
-        refused_early = self._apply_early(early) if early else None
-        report = None
-        if refused_early:
-            report = StepReport()
-            self._refuse_events(report, early, refused_early)
-        if early and self.refused_ever:
-            for ev in early:
-                if ev[0] is EventKind.RELEASE:
-                    self.refused_ever.discard(ev[1])
+        report, early, late = self._begin_groups_step(events)
         n = len(req_ids)
         writes: list[Any] = []
         reads: list[Any] = []
@@ -406,19 +417,7 @@ class StepGuard:
         refused request's rows are nulled in every group's gathered table and its tokens' slots set
         to ``-1`` (vLLM's padding slot: the attention backends write nothing there), so neither its
         reads nor its writes reach anyone's KV."""
-        self.steps += 1
-        early, late = events if events else (None, None)
-        if early and self.pending_evict:
-            early = self._evict_before_claims(early)
-        refused_early = self._apply_early(early) if early else None
-        report = None
-        if refused_early:
-            report = StepReport()
-            self._refuse_events(report, early, refused_early)
-        if early and self.refused_ever:
-            for ev in early:
-                if ev[0] is EventKind.RELEASE:
-                    self.refused_ever.discard(ev[1])
+        report, early, late = self._begin_groups_step(events)
         n = len(req_ids)
         windows = self.windows or [None]
         writes: list[Any] = []
