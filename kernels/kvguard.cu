@@ -336,6 +336,94 @@ extern "C" __global__ void __launch_bounds__(128)
 }
 
 // ---------------------------------------------------------------------------------------------
+// 3b. A step the engine built on the device (vLLM's Model Runner V2 gathers its block tables and
+// computes its slot mappings there): its writes checked in place, then every refused sequence
+// fenced in place, so attention neither reads nor writes for it. No host synchronisation.
+// ---------------------------------------------------------------------------------------------
+
+// Whether token `t` lies in sequence `s`'s tokens `query_start_loc[s] .. [s + 1]` (a sequence
+// found by `kvg_seq_of_token`; false when `query_start_loc` is not ordered there).
+KVG_FN bool kvg_token_in_seq(const int32_t *__restrict__ query_start_loc, uint32_t s, uint32_t t) {
+    const int32_t lo = query_start_loc[s], hi = query_start_loc[s + 1];
+    return lo >= 0 && lo <= hi && static_cast<uint32_t>(lo) <= t && t < static_cast<uint32_t>(hi);
+}
+
+// Checks the step's KV writes without storing anything: token `t` (t < num_tokens) writes slot
+// `slot_mapping[t]` (-1 or any negative slot: padding, nothing written), which must lie in a page
+// the writer of its sequence owns exclusively (`kvg_check_store`, as the reference store). The
+// sequences' tokens are `query_start_loc[s] .. [s + 1]` (int32, `[num_seqs + 1]`). A sequence
+// whose range is malformed (negative, decreasing, past num_tokens) is flagged BAD_LAYOUT; a
+// token that writes a slot but lies in no sequence's range is reported BAD_LAYOUT (as sequence
+// `num_seqs`, no status word) and fenced by `kvg_fence_refused` all the same.
+// Launch: any grid, 128 threads (grid-stride over tokens, then over sequences).
+extern "C" __global__ void __launch_bounds__(128)
+    kvg_verify_slot_mapping(const kvg_tag *__restrict__ tags, uint32_t num_pages, uint32_t page_size,
+                            const int64_t *__restrict__ slot_mapping, uint32_t num_tokens,
+                            const int32_t *__restrict__ query_start_loc, uint32_t num_seqs,
+                            const kvg_reader *__restrict__ writers, uint32_t *seq_status, kvg_ring *ring) {
+    const uint32_t first = blockIdx.x * blockDim.x + threadIdx.x, stride = gridDim.x * blockDim.x;
+    for (uint32_t s = first; s < num_seqs; s += stride) {
+        const int32_t lo = query_start_loc[s], hi = query_start_loc[s + 1];
+        if (lo < 0 || hi < lo || static_cast<uint32_t>(hi) > num_tokens) {
+            const uint32_t shown = hi < 0 ? 0u : static_cast<uint32_t>(hi);
+            kvg_report_step(KVG_KIND_BAD_LAYOUT, s, 0, shown, num_tokens, writers[s], seq_status, ring);
+        }
+    }
+    for (uint32_t t = first; t < num_tokens; t += stride) {
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        const uint32_t s = num_seqs == 0 ? 0u : kvg_seq_of_token(query_start_loc, num_seqs, t);
+        const int64_t page = slot <= 0xffffffffll ? static_cast<uint32_t>(slot) / page_size : slot / page_size;
+        const uint32_t in_page = static_cast<uint32_t>(slot - page * page_size);
+        const int32_t shown = page > 0x7fffffffll ? 0x7fffffff : static_cast<int32_t>(page);
+        if (num_seqs == 0 || !kvg_token_in_seq(query_start_loc, s, t)) {
+            const kvg_reader nobody = {0, 0};
+            const kvg_tag none = {0, 0, 0, 0, 0, 0};
+            kvg_report(ring, KVG_KIND_BAD_LAYOUT, KVG_OP_WRITE, num_seqs, t, shown, in_page, in_page + 1, 0, nobody,
+                       none);
+            continue;
+        }
+        const kvg_reader writer = writers[s];
+        kvg_tag found;
+        const uint32_t kind = kvg_check_store(tags, num_pages, page, writer, &found);
+        if (kind != KVG_OK) {
+            kvg_flag(seq_status, s, kind);
+            kvg_report(ring, kind, KVG_OP_WRITE, s, t, shown, in_page, in_page + 1, 0, writer, found);
+        }
+    }
+}
+
+// Fences every sequence a check of this step flagged (`seq_status[s] != 0`, the verify kernels'
+// status words, complete before this launch on the same stream): its row of `block_table`
+// (`[num_seqs][max_blocks]` int32, may be null) is set to page 0, the pool's reserved null page,
+// and its tokens' slots in `slot_mapping` (`[num_tokens]` int64, may be null) to -1, padding, so
+// attention reads no one's KV for it and its KV store writes nothing. A token in no sequence's
+// range (after the last sequence, or under a malformed `query_start_loc`) is set to -1 too.
+// Launch: any grid, 128 threads.
+extern "C" __global__ void __launch_bounds__(128)
+    kvg_fence_refused(const uint32_t *__restrict__ seq_status, uint32_t num_seqs,
+                      const int32_t *__restrict__ query_start_loc, int32_t *__restrict__ block_table,
+                      uint32_t max_blocks, int64_t *__restrict__ slot_mapping, uint32_t num_tokens) {
+    if (block_table != nullptr) {
+        for (uint32_t s = blockIdx.y; s < num_seqs; s += gridDim.y) {
+            if (seq_status[s] == 0) continue;
+            int32_t *row = block_table + static_cast<uint64_t>(s) * max_blocks;
+            for (uint32_t j = blockIdx.x * blockDim.x + threadIdx.x; j < max_blocks; j += gridDim.x * blockDim.x)
+                row[j] = 0;
+        }
+    }
+    if (slot_mapping != nullptr) {
+        const uint32_t threads = gridDim.x * gridDim.y * blockDim.x;
+        const uint32_t me = (blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
+        for (uint32_t t = me; t < num_tokens; t += threads) {
+            if (slot_mapping[t] < 0) continue;
+            const uint32_t s = num_seqs == 0 ? 0u : kvg_seq_of_token(query_start_loc, num_seqs, t);
+            if (num_seqs == 0 || !kvg_token_in_seq(query_start_loc, s, t) || seq_status[s] != 0) slot_mapping[t] = -1;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // 4. CRC32 of pages, bit-exact with crc32fast. Thread t hashes bytes [t E, (t+1) E) of a page, E a
 // power of two; the chunk CRCs are combined by a tree in shared memory, where joining two spans
 // of s chunks shifts the left one by x^(8 s E) mod P, a table entry since s E is a power of two

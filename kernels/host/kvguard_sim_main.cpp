@@ -354,6 +354,47 @@ void attention() {
     ring.save();
 }
 
+// The step's writes checked in place, then the flagged sequences fenced (both on the same
+// status words, as one stream runs them): `slot_mapping`, `query_start_loc`, `writers`, `tags`,
+// optional `block_table` (`max_blocks` a row), optional `status` (words set before the check, as
+// an earlier verify of the same step leaves them). Outputs: the fenced `block_table` and
+// `slot_mapping`, `status`, the ring.
+void slots_and_fence() {
+    auto slots = load<int64_t>("slot_mapping");
+    auto qsl = load<int32_t>("query_start_loc");
+    auto writers = load<kvg_reader>("writers");
+    auto tags = load<kvg_tag>("tags");
+    auto table = load<int32_t>("block_table", false);
+    auto before = load<uint32_t>("status", false);
+    const uint32_t page_size = static_cast<uint32_t>(param("page_size"));
+    const uint32_t num_seqs = static_cast<uint32_t>(writers.size());
+    const uint32_t num_tokens = static_cast<uint32_t>(slots.size());
+    const uint32_t num_pages = static_cast<uint32_t>(tags.size());
+    const uint32_t max_blocks = table.empty() ? 0u : static_cast<uint32_t>(param("max_blocks"));
+    if (qsl.size() < num_seqs + 1) fail("query_start_loc shorter than the writers + 1");
+    if (static_cast<uint64_t>(num_seqs) * max_blocks > table.size()) fail("block_table smaller than its rows");
+    std::vector<uint32_t> status(num_seqs, 0);
+    for (size_t i = 0; i < before.size() && i < status.size(); i++) status[i] = before[i];
+    Ring ring(static_cast<uint32_t>(param("ring_capacity")));
+    int64_t *sm = slots.data();
+    const int32_t *q = qsl.data();
+    const kvg_reader *w = writers.data();
+    const kvg_tag *t = tags.data();
+    int32_t *bt = or_null(table);
+    uint32_t *st = status.data();
+    kvg_ring *rg = ring.get();
+    const dim3 grid{static_cast<uint32_t>(param("grid_x")), static_cast<uint32_t>(param("grid_y")), 1};
+    kvg_sim::launch(dim3{grid.x, 1, 1}, dim3{32, 1, 1},
+                    [=] { kvg_verify_slot_mapping(t, num_pages, page_size, sm, num_tokens, q, num_seqs, w, st, rg); });
+    store("checked_status", status);
+    kvg_sim::launch(grid, dim3{32, 1, 1},
+                    [=] { kvg_fence_refused(st, num_seqs, q, bt, max_blocks, sm, num_tokens); });
+    store("slot_mapping", slots);
+    store("block_table", table);
+    store("status", status);
+    ring.save();
+}
+
 } // namespace
 
 int main(int argc, char **argv) {
@@ -375,6 +416,7 @@ int main(int argc, char **argv) {
     else if (cmd == "verify_paged_kv") verify(true);
     else if (cmd == "verify_token_rows") verify(false);
     else if (cmd == "store") store_kv();
+    else if (cmd == "slots_and_fence") slots_and_fence();
     else if (cmd == "scrub") scrub();
     else if (cmd == "attention") attention();
     else fail("unknown command " + cmd);

@@ -36,8 +36,8 @@ use super::layout::{DeviceReader, DeviceTag, RingHeader};
 use super::lent::{Borrowed, EngineStream};
 use super::source;
 use super::step::{
-    AttentionCheck, AttentionElement, AttentionShape, BlockTableStep, DecodeAttention, KvElement, KvStore, PageRegion,
-    PagedKvStep, TokenRowsStep, fits, need, need_opt, readers_cover,
+    AttentionCheck, AttentionElement, AttentionShape, BlockTableStep, DecodeAttention, FenceStep, KvElement, KvStore,
+    PageRegion, PagedKvStep, SlotMappingStep, TokenRowsStep, fits, need, need_opt, readers_cover,
 };
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg, result, sys};
 use std::sync::Arc;
@@ -126,6 +126,8 @@ struct Kernels {
     verify_token_rows: CudaFunction,
     store_b32: CudaFunction,
     store_b16: CudaFunction,
+    verify_slot_mapping: CudaFunction,
+    fence_refused: CudaFunction,
     crc32: CudaFunction,
     scrub: CudaFunction,
     attention_unchecked: CudaFunction,
@@ -473,6 +475,8 @@ impl Device {
             verify_token_rows: f("kvg_verify_token_rows")?,
             store_b32: f("kvg_store_kv_b32")?,
             store_b16: f("kvg_store_kv_b16")?,
+            verify_slot_mapping: f("kvg_verify_slot_mapping")?,
+            fence_refused: f("kvg_fence_refused")?,
             crc32: f("kvg_crc32_pages")?,
             scrub: f("kvg_scrub_pages")?,
             attention_unchecked: f("kvg_decode_attention_unchecked")?,
@@ -700,6 +704,59 @@ impl Device {
         // num_rows * row_stride entries); page ids are range-checked before tags are read. Any
         // grid is complete. Arguments match `kvg_verify_token_rows`'s signature.
         unsafe { b.launch(cfg(grid, VERIFY_THREADS)) }?;
+        Ok(())
+    }
+
+    /// `kvg_verify_slot_mapping` over a step's writes (the engine's slot mapping read in place).
+    pub fn verify_slot_mapping(&mut self, step: &SlotMappingStep, stream: &EngineStream) -> Result<(), DeviceError> {
+        let SlotMappingStep { slot_mapping, num_tokens, query_start_loc, num_seqs } = *step;
+        fits("sequences", u64::from(num_seqs), u64::from(self.max_seqs))?;
+        readers_cover("verify_slot_mapping", num_seqs, self.readers_set)?;
+        need("slot_mapping", &slot_mapping, u64::from(num_tokens))?;
+        need("query_start_loc", &query_start_loc, u64::from(num_seqs) + 1)?;
+        if num_tokens == 0 && num_seqs == 0 {
+            return Ok(());
+        }
+        let (sm, qsl) = (slot_mapping.ptr(), query_start_loc.ptr());
+        let s = self.on(stream);
+        let mut b = s.launch_builder(&self.kernels.verify_slot_mapping);
+        b.arg(&self.raw.tags).arg(&self.num_pages).arg(&self.page_size).arg(&sm).arg(&num_tokens);
+        b.arg(&qsl).arg(&num_seqs).arg(&self.raw.readers).arg(&self.raw.status).arg(&self.raw.ring);
+        let target = self.sm_count.max(1).saturating_mul(VERIFY_BLOCKS_PER_SM);
+        let blocks = blocks_for(u64::from(num_tokens.max(num_seqs)), VERIFY_THREADS).min(target.max(1));
+        // SAFETY: the kernel reads slot_mapping[t] for t < num_tokens, query_start_loc[s] and
+        // [s + 1] for s < num_seqs (lent with num_seqs + 1 entries), readers[s] and status[s]
+        // for s < num_seqs (the readers set and max_seqs cover them, checked above); a sequence
+        // found for a token is below num_seqs; page ids are range-checked before tags are read;
+        // the ring is written within its capacity. Any grid is complete (grid-stride loops).
+        // Arguments match `kvg_verify_slot_mapping`'s signature.
+        unsafe { b.launch(cfg((blocks, 1, 1), VERIFY_THREADS)) }?;
+        Ok(())
+    }
+
+    /// `kvg_fence_refused`: the flagged sequences' rows set to the null page and their slots to
+    /// -1, in place, on `stream` after the step's checks.
+    pub fn fence_refused(&mut self, step: &FenceStep, stream: &EngineStream) -> Result<(), DeviceError> {
+        let FenceStep { query_start_loc, num_seqs, block_table, max_blocks, slot_mapping, num_tokens } = *step;
+        fits("sequences", u64::from(num_seqs), u64::from(self.max_seqs))?;
+        need("query_start_loc", &query_start_loc, u64::from(num_seqs) + 1)?;
+        need_opt("block_table", &block_table, u64::from(num_seqs) * u64::from(max_blocks))?;
+        need_opt("slot_mapping", &slot_mapping, u64::from(num_tokens))?;
+        if block_table.is_none() && slot_mapping.is_none() {
+            return Ok(());
+        }
+        let (qsl, bt, sm) = (query_start_loc.ptr(), ptr_or_null(&block_table), ptr_or_null(&slot_mapping));
+        let s = self.on(stream);
+        let mut b = s.launch_builder(&self.kernels.fence_refused);
+        b.arg(&self.raw.status).arg(&num_seqs).arg(&qsl).arg(&bt).arg(&max_blocks).arg(&sm).arg(&num_tokens);
+        let (x, y, _) = verify_grid(num_seqs, max_blocks, self.sm_count);
+        let x = x.max(blocks_for(u64::from(num_tokens), VERIFY_THREADS * y).min(MAX_GRID_X));
+        // SAFETY: the kernel reads status[s] (s < num_seqs <= max_seqs, checked) and
+        // query_start_loc[0..=num_seqs] (lent with num_seqs + 1 entries), writes block_table
+        // rows s < num_seqs of max_blocks entries and slot_mapping[t] for t < num_tokens (both
+        // checked against their Borrowed lengths; null when absent, and the kernel then skips
+        // them). Any grid is complete. Arguments match `kvg_fence_refused`'s signature.
+        unsafe { b.launch(cfg((x, y, 1), VERIFY_THREADS)) }?;
         Ok(())
     }
 

@@ -8,8 +8,8 @@ use super::layout::{DeviceReader, DeviceTag, RingDrain};
 use super::lent::{Borrowed, EngineStream};
 use super::source;
 use super::step::{
-    AttentionCheck, AttentionElement, BlockTableStep, DecodeAttention, KvElement, KvStore, PageRegion, PagedKvStep,
-    TokenRowsStep,
+    AttentionCheck, AttentionElement, BlockTableStep, DecodeAttention, FenceStep, KvElement, KvStore, PageRegion,
+    PagedKvStep, SlotMappingStep, TokenRowsStep,
 };
 use crate::config::PoolConfig;
 use crate::ids::{RequestId, TenantId};
@@ -248,6 +248,29 @@ impl DeviceGuard {
     /// [`verify_block_table`](Self::verify_block_table) is.
     pub fn verify_token_rows(&mut self, step: &TokenRowsStep, stream: &EngineStream) -> Result<(), DeviceError> {
         self.device.verify_token_rows(step, stream)
+    }
+
+    /// Checks a step's KV writes in place before the forward pass stores them (the engine's own
+    /// slot mapping, e.g. what vLLM's Model Runner V2 computed on the device): each written slot
+    /// must lie in a page its sequence's writer owns exclusively. Violations go to the ring and
+    /// the status words, as [`verify_block_table`](Self::verify_block_table)'s do; no host
+    /// synchronisation, capturable. Sync the tags as the writes must be judged (after the
+    /// step's allocations, before its publishes: a page published in the step it was written is
+    /// read-only only from then on).
+    pub fn verify_slot_mapping(&mut self, step: &SlotMappingStep, stream: &EngineStream) -> Result<(), DeviceError> {
+        self.device.verify_slot_mapping(step, stream)
+    }
+
+    /// Fences the sequences this step's checks flagged, in place, after them on the same stream:
+    /// each one's row of the block table becomes page 0 (the pool's reserved null page) and its
+    /// tokens' slots -1 (padding), so attention neither reads nor writes anyone's KV for it,
+    /// while every other sequence runs untouched. The enforce half of a device check: the host
+    /// learns which sequences were fenced when it drains the ring ([`drain`](Self::drain),
+    /// [`try_finish_drain`](Self::try_finish_drain)), and aborts their requests before any of
+    /// their output leaves. No host synchronisation; capturable. One launch per block table
+    /// (KV cache group).
+    pub fn fence_refused(&mut self, step: &FenceStep, stream: &EngineStream) -> Result<(), DeviceError> {
+        self.device.fence_refused(step, stream)
     }
 
     /// CRC32 (crc32fast-exact) of pages of `region` (all of `0..n_pages` when `pages` is None)

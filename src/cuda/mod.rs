@@ -70,8 +70,8 @@ pub use layout::{DeviceKind, DeviceReader, DeviceTag, DeviceViolation, RingHeade
 pub use lent::{Borrowed, EngineStream};
 #[cfg(feature = "cuda")]
 pub use step::{
-    AttentionCheck, AttentionElement, AttentionShape, Bf16, BlockTableStep, DecodeAttention, KvElement, KvStore,
-    PageRegion, PagedKvStep, TokenRowsStep,
+    AttentionCheck, AttentionElement, AttentionShape, Bf16, BlockTableStep, DecodeAttention, FenceStep, KvElement,
+    KvStore, PageRegion, PagedKvStep, SlotMappingStep, TokenRowsStep,
 };
 
 #[cfg(feature = "cuda")]

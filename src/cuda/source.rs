@@ -21,6 +21,8 @@ pub const KERNELS: &[&str] = &[
     "kvg_verify_token_rows",
     "kvg_store_kv_b32",
     "kvg_store_kv_b16",
+    "kvg_verify_slot_mapping",
+    "kvg_fence_refused",
     "kvg_crc32_pages",
     "kvg_scrub_pages",
     "kvg_decode_attention_unchecked",

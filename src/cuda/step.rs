@@ -85,6 +85,50 @@ pub struct TokenRowsStep {
     pub max_pages_per_seq: u32,
 }
 
+/// A step's KV writes, checked in place before the forward pass stores them: token `t` writes slot
+/// `slot_mapping[t]` (`page * page_size + offset`, int64; negative: padding, nothing written),
+/// sequence `s` writing tokens `query_start_loc[s] .. query_start_loc[s + 1]` (int32,
+/// `[num_seqs + 1]`), all the engine's device memory (vLLM's Model Runner V2 computes both on the
+/// device). Each written slot must lie in a page the sequence's writer (named by
+/// [`DeviceGuard::set_readers`](super::DeviceGuard::set_readers)) owns exclusively, as for the
+/// reference store; a sequence whose token range is malformed is flagged
+/// [`BadLayout`](super::DeviceKind::BadLayout), and a slot written by a token of no sequence is
+/// reported as one.
+#[derive(Clone, Copy, Debug)]
+pub struct SlotMappingStep {
+    /// Each token's slot, `[num_tokens]`.
+    pub slot_mapping: Borrowed<i64>,
+    /// Tokens checked (the step's tokens, padding included).
+    pub num_tokens: u32,
+    /// Where each sequence's tokens start, `[num_seqs + 1]`.
+    pub query_start_loc: Borrowed<i32>,
+    /// Sequences in the step: at most the readers named for this step.
+    pub num_seqs: u32,
+}
+
+/// The fence of a step's refused sequences, launched after the step's checks on the same stream
+/// ([`DeviceGuard::fence_refused`](super::DeviceGuard::fence_refused)): every sequence whose
+/// status word a check set has its row of `block_table` set to page 0 (the pool's reserved null
+/// page) and its tokens' slots in `slot_mapping` set to -1 (padding), in place, so attention
+/// neither reads nor writes anyone's KV for it; a slot of a token in no sequence's range becomes
+/// -1 too. Either buffer may be absent (one launch per KV cache group, each with its own table
+/// and slot mapping row).
+#[derive(Clone, Copy, Debug)]
+pub struct FenceStep {
+    /// Where each sequence's tokens start, `[num_seqs + 1]`.
+    pub query_start_loc: Borrowed<i32>,
+    /// Sequences in the step (those the checks' status words cover).
+    pub num_seqs: u32,
+    /// The block table attention will read, `[num_seqs][max_blocks]`, row-major.
+    pub block_table: Option<Borrowed<i32>>,
+    /// Entries per block-table row.
+    pub max_blocks: u32,
+    /// The slots the KV store will write, `[num_tokens]`.
+    pub slot_mapping: Option<Borrowed<i64>>,
+    /// Tokens in `slot_mapping`.
+    pub num_tokens: u32,
+}
+
 /// A decode step in FlashInfer's layout: `kv_indptr[num_seqs + 1]`, `kv_indices[..]` and
 /// `kv_last_page_len[num_seqs]` (int32, the engine's device memory). Canaries as for
 /// [`BlockTableStep`]: off by default ([`PagedKvStep::new`]).

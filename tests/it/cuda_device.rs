@@ -14,7 +14,8 @@ mod cuda {
     use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, sys};
     use kvguard::cuda::{
         AttentionCheck, AttentionShape, BlockTableStep, Borrowed, DecodeAttention, DeviceError, DeviceGuard,
-        DeviceKind, DeviceOptions, EngineStream, KvStore, PageRegion, PagedKvStep, TokenRowsStep,
+        DeviceKind, DeviceOptions, EngineStream, FenceStep, KvStore, PageRegion, PagedKvStep, SlotMappingStep,
+        TokenRowsStep,
     };
     use kvguard::{OwnershipTable, PageId, PoolConfig, RequestId, TenantId, ViolationKind};
     use std::sync::{Arc, OnceLock};
@@ -215,6 +216,81 @@ mod cuda {
         let status = g.read_status(rows.len() as u32, &es).unwrap();
         assert_eq!(status[0], 1 << DeviceKind::FreedPage.code());
         assert_eq!(status[4], 0);
+    }
+
+    /// vLLM's Model Runner V2 builds a step's block table and slot mapping on the device: both
+    /// are checked there and the refused sequences fenced in place, in one captured graph, with
+    /// no host synchronisation; the other sequences run untouched.
+    #[test]
+    fn gpu_a_device_built_step_is_checked_and_its_refused_sequences_fenced_in_place() {
+        let (table, pa, pb) = two_requests();
+        let Some((mut g, s, es)) = guard(table.config(), 8) else { return };
+        g.upload_all_tags(&table, &es).unwrap();
+        let (alice, bob) = (RequestId(1), RequestId(2));
+        // seq 0 alice: clean read, one token written into her own page. seq 1 bob: clean read,
+        // but his one token is written into alice's page. seq 2 bob: reads alice's page 1,
+        // writes his own page.
+        let max_blocks = 4usize;
+        let rows: Vec<Vec<PageId>> = vec![pa.clone(), pb.clone(), vec![pb[0], pa[1]]];
+        let readers = [alice, bob, bob];
+        let lens = [40i32, 40, 20];
+        let mut bt = vec![0i32; rows.len() * max_blocks];
+        for (q, row) in rows.iter().enumerate() {
+            for (j, p) in row.iter().enumerate() {
+                bt[q * max_blocks + j] = p.0 as i32;
+            }
+        }
+        let slot = |p: PageId, k: u32| i64::from(p.0 * PS + k);
+        // Two tokens for alice, one each for bob's sequences, then CUDA-graph padding.
+        let slots = vec![slot(pa[2], 6), slot(pa[2], 7), slot(pa[0], 1), slot(pb[2], 7), -1, -1];
+        let qsl = [0i32, 2, 3, 4];
+        let tenants: Vec<(RequestId, TenantId)> =
+            readers.iter().map(|&r| (r, table.request_info(r).unwrap().tenant)).collect();
+        g.set_readers(&tenants, &es).unwrap();
+        let d_bt = s.clone_htod(&bt).unwrap();
+        let d_lens = s.clone_htod(&lens).unwrap();
+        let d_slots = s.clone_htod(&slots).unwrap();
+        let d_qsl = s.clone_htod(&qsl).unwrap();
+        let n = rows.len() as u32;
+        let reads = BlockTableStep::new(lend(&s, &d_bt), lend(&s, &d_lens), n, max_blocks as u32);
+        let writes = SlotMappingStep {
+            slot_mapping: lend(&s, &d_slots),
+            num_tokens: slots.len() as u32,
+            query_start_loc: lend(&s, &d_qsl),
+            num_seqs: n,
+        };
+        let fence = FenceStep {
+            query_start_loc: lend(&s, &d_qsl),
+            num_seqs: n,
+            block_table: Some(lend(&s, &d_bt)),
+            max_blocks: max_blocks as u32,
+            slot_mapping: Some(lend(&s, &d_slots)),
+            num_tokens: slots.len() as u32,
+        };
+        s.synchronize().unwrap();
+        let stream = s.clone();
+        stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+        g.clear_status(&es).unwrap();
+        g.verify_slot_mapping(&writes, &es).unwrap();
+        g.verify_block_table(&reads, &es).unwrap();
+        g.fence_refused(&fence, &es).unwrap();
+        let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0)).unwrap().expect("a captured graph");
+        graph.launch().unwrap();
+        let status = g.read_status(n, &es).unwrap();
+        assert_eq!(status[0], 0, "alice's sequence is clean");
+        assert_eq!(status[1], 1 << DeviceKind::ForeignPage.code(), "bob's write into alice's page");
+        assert_eq!(status[2], 1 << DeviceKind::ForeignPage.code(), "bob's read of alice's page");
+        let fenced_bt = s.clone_dtoh(&d_bt).unwrap();
+        let fenced_slots = s.clone_dtoh(&d_slots).unwrap();
+        s.synchronize().unwrap();
+        assert_eq!(&fenced_bt[..max_blocks], &bt[..max_blocks], "the clean row is untouched");
+        assert!(fenced_bt[max_blocks..].iter().all(|&p| p == 0), "both refused rows read the null page");
+        assert_eq!(fenced_slots, vec![slots[0], slots[1], -1, -1, -1, -1]);
+        let report = g.drain(&table, &es).unwrap();
+        let mut who: Vec<(RequestId, ViolationKind)> =
+            report.violations.iter().map(|v| (v.request().unwrap(), v.kind())).collect();
+        who.sort_by_key(|w| w.0);
+        assert_eq!(who, vec![(bob, ViolationKind::ForeignPage), (bob, ViolationKind::ForeignPage)]);
     }
 
     #[test]

@@ -851,4 +851,172 @@ mod cuda {
         assert_eq!(run(Some(&[1])), vec![0]);
         assert_eq!(run(Some(&[16])), vec![1 << DeviceKind::BadLayout.code()]);
     }
+
+    // ------------------------------------------------------------------------------------------------
+    // A step built on the device (vLLM's Model Runner V2): its writes checked, refused rows fenced
+    // ------------------------------------------------------------------------------------------------
+
+    /// Runs `kvg_verify_slot_mapping` then `kvg_fence_refused` on one status array, as one stream
+    /// does. Returns (status after the check, fenced slots, fenced table, ring).
+    #[allow(clippy::too_many_arguments)]
+    fn slots_and_fence(
+        exe: &Path,
+        pool: &Pool,
+        writers: &[DeviceReader],
+        slots: &[i64],
+        query_start_loc: &[i32],
+        table: &[i32],
+        status_before: &[u32],
+        grid: (u32, u32),
+    ) -> (Vec<u32>, Vec<i64>, Vec<i32>, RingDrain) {
+        let mut case = Case::new("slots");
+        case.i64s("slot_mapping", slots)
+            .i32s("query_start_loc", query_start_loc)
+            .readers("writers", writers)
+            .tags("tags", &pool.device_tags())
+            .i32s("block_table", table)
+            .u32s("status", status_before)
+            .param("page_size", PS)
+            .param("max_blocks", MAX_BLOCKS)
+            .param("ring_capacity", 256)
+            .param("grid_x", grid.0)
+            .param("grid_y", grid.1);
+        case.run(exe, "slots_and_fence");
+        let i64s = |b: Vec<u8>| b.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect();
+        let i32s = |b: Vec<u8>| b.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect();
+        (case.out_u32("checked_status"), i64s(case.out("slot_mapping")), i32s(case.out("block_table")), case.ring())
+    }
+
+    #[test]
+    fn the_device_write_check_refuses_what_the_table_refuses_and_the_fence_nulls_only_the_flagged() {
+        let Some(exe) = driver() else { return };
+        let pool = pool();
+        let mut rng = Rng(41);
+        let slots_in_pool = i64::from(NUM_PAGES * PS);
+        for round in 0..24 {
+            // Each live request writes a few tokens: mostly into its own pages, sometimes into any
+            // page of the pool (foreign, shared, free, reserved), out of range, or padding.
+            let seqs: Vec<usize> = (0..pool.requests.len()).filter(|_| rng.below(4) != 0).collect();
+            let mut slots = Vec::new();
+            let mut qsl = vec![0i32];
+            for &i in &seqs {
+                let (_, _, pages, _) = &pool.requests[i];
+                for _ in 0..1 + rng.below(5) {
+                    slots.push(match rng.below(10) {
+                        0 => -1,
+                        1 => slots_in_pool + rng.below(9) as i64,
+                        2 | 3 => rng.below(slots_in_pool as u64) as i64,
+                        _ => {
+                            i64::from(pages[rng.below(pages.len() as u64) as usize].0 * PS)
+                                + rng.below(PS.into()) as i64
+                        }
+                    });
+                }
+                qsl.push(slots.len() as i32);
+            }
+            // Padding tokens after the last sequence (CUDA-graph padding): -1, or, once, a slot.
+            slots.extend([-1, -1]);
+            if round % 6 == 5 {
+                slots.push(i64::from(pool.requests[0].2[0].0 * PS));
+            }
+            let writers: Vec<DeviceReader> =
+                seqs.iter().map(|&i| DeviceReader::new(pool.requests[i].0, pool.requests[i].1)).collect();
+            // An earlier check of the same step (the reads) flagged one sequence.
+            let mut before = vec![0u32; seqs.len()];
+            let read_refused = (round % 3 == 0 && !seqs.is_empty()).then(|| rng.below(seqs.len() as u64) as usize);
+            if let Some(s) = read_refused {
+                before[s] = 1 << DeviceKind::ForeignPage.code();
+            }
+            let table: Vec<i32> =
+                (0..seqs.len() * MAX_BLOCKS).map(|_| 1 + rng.below(u64::from(NUM_PAGES) - 1) as i32).collect();
+            let grid = [(1, 1), (2, 3), (5, 1)][round % 3];
+            let (status, fenced, fenced_table, ring) =
+                slots_and_fence(exe, &pool, &writers, &slots, &qsl, &table, &before, grid);
+
+            // The reference: the host table's rule for a write (an exclusively owned page).
+            let mut want_status = before.clone();
+            let mut want_records = Vec::new();
+            for (t, &slot) in slots.iter().enumerate() {
+                if slot < 0 {
+                    continue;
+                }
+                let Some(s) = (0..seqs.len()).find(|&s| (qsl[s]..qsl[s + 1]).contains(&(t as i32))) else {
+                    want_records.push((seqs.len() as u32, t as u32, DeviceKind::BadLayout));
+                    continue;
+                };
+                let writer = pool.requests[seqs[s]].0;
+                let page = slot / i64::from(PS);
+                let info = u32::try_from(page).ok().and_then(|p| pool.table.page_info(PageId(p)));
+                let kind = match info {
+                    None => Some(DeviceKind::PageOutOfRange),
+                    Some(i) if i.state == PageState::Owned && i.owner == Some(writer) => None,
+                    Some(i) if i.state == PageState::Owned => Some(DeviceKind::ForeignPage),
+                    Some(i) if i.state == PageState::Shared => Some(DeviceKind::WriteToShared),
+                    Some(i) if i.state == PageState::Reserved => Some(DeviceKind::ReservedPage),
+                    Some(_) => Some(DeviceKind::FreedPage),
+                };
+                if let Some(k) = kind {
+                    want_status[s] |= 1 << k.code();
+                    want_records.push((s as u32, t as u32, k));
+                }
+            }
+            assert_eq!(status, want_status, "round {round}: status words after the write check");
+            let mut got: Vec<(u32, u32, DeviceKind)> =
+                ring.records.iter().map(|r| (r.seq, r.block, DeviceKind::from_code(r.kind).unwrap())).collect();
+            got.sort_by_key(|g| (g.1, g.0));
+            assert_eq!(got, want_records, "round {round}: the ring");
+            for r in &ring.records {
+                assert_eq!(r.op, kvguard::cuda::layout::OP_WRITE);
+                let writer = seqs.get(r.seq as usize).map_or(0, |&i| pool.requests[i].0.0);
+                assert_eq!(r.request, writer, "round {round}: the record names the writer (0: none)");
+            }
+
+            // The fence: a flagged sequence's row is the null page and its slots padding; every
+            // other row and slot is untouched; a slot outside every sequence is padding.
+            for s in 0..seqs.len() {
+                let row = &fenced_table[s * MAX_BLOCKS..(s + 1) * MAX_BLOCKS];
+                let was = &table[s * MAX_BLOCKS..(s + 1) * MAX_BLOCKS];
+                if want_status[s] != 0 {
+                    assert!(row.iter().all(|&p| p == 0), "round {round}: flagged row {s} fenced");
+                } else {
+                    assert_eq!(row, was, "round {round}: clean row {s} untouched");
+                }
+            }
+            for (t, (&got, &was)) in fenced.iter().zip(&slots).enumerate() {
+                let seq = (0..seqs.len()).find(|&s| (qsl[s]..qsl[s + 1]).contains(&(t as i32)));
+                let keep = seq.is_some_and(|s| want_status[s] == 0);
+                assert_eq!(got, if keep || was < 0 { was } else { -1 }, "round {round}: slot of token {t}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_malformed_query_start_loc_flags_its_sequence_and_fences_its_tokens() {
+        let Some(exe) = driver() else { return };
+        let pool = pool();
+        let (a, ta, pa, _) = pool.requests[0].clone();
+        let (c, tc, pc, _) = pool.requests[2].clone();
+        let own = |p: PageId| i64::from(p.0 * PS);
+        let writers = [DeviceReader::new(a, ta), DeviceReader::new(c, tc)];
+        let slots = [own(pa[2]), own(pa[2]) + 1, own(pc[0]), own(pc[0]) + 1];
+        let table = vec![5i32; 2 * MAX_BLOCKS];
+        // Decreasing: sequence 0 ends before it starts.
+        let (status, fenced, fenced_table, ring) =
+            slots_and_fence(exe, &pool, &writers, &slots, &[0, -1, 4], &table, &[0, 0], (1, 1));
+        assert_eq!(status[0], 1 << DeviceKind::BadLayout.code());
+        assert!(fenced_table[..MAX_BLOCKS].iter().all(|&p| p == 0));
+        assert_eq!(fenced.iter().filter(|&&s| s == -1).count(), 4, "no token lies in a well-formed range");
+        assert!(ring.records.iter().any(|r| r.seq == 0 && r.kind == DeviceKind::BadLayout.code()));
+        // Past the tokens there are: sequence 1 claims 9 of 4.
+        let (status, fenced, _, _) = slots_and_fence(exe, &pool, &writers, &slots, &[0, 2, 9], &table, &[0, 0], (2, 2));
+        assert_eq!(status, vec![0, 1 << DeviceKind::BadLayout.code()]);
+        assert_eq!(fenced, vec![slots[0], slots[1], -1, -1]);
+        // Well formed: both clean, nothing fenced.
+        let (status, fenced, fenced_table, ring) =
+            slots_and_fence(exe, &pool, &writers, &slots, &[0, 2, 4], &table, &[0, 0], (2, 2));
+        assert_eq!(status, vec![0, 0]);
+        assert_eq!(fenced, slots.to_vec());
+        assert_eq!(fenced_table, table);
+        assert!(ring.records.is_empty());
+    }
 }

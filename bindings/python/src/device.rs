@@ -12,7 +12,10 @@ use crate::errors::{DeviceError, log_violation};
 use crate::table::OwnershipTable;
 use crate::values::PoolConfig;
 use crate::violation::Violation;
-use kvguard::cuda::{self as core, BlockTableStep, Borrowed, DeviceOptions, EngineStream, PagedKvStep, TokenRowsStep};
+use kvguard::cuda::{
+    self as core, BlockTableStep, Borrowed, DeviceOptions, EngineStream, FenceStep, PagedKvStep, SlotMappingStep,
+    TokenRowsStep,
+};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 
@@ -221,6 +224,89 @@ impl DeviceGuard {
         py.detach(|| self.guard.lock().verify_token_rows(&step, &engine_stream(stream))).map_err(dev_err)
     }
 
+    /// Checks a step's KV writes on the device before the forward pass stores them (device
+    /// pointers: slot_mapping int64 [num_tokens], negative for padding; query_start_loc int32
+    /// [num_seqs + 1], sequence s writing tokens query_start_loc[s] .. [s + 1]): each written
+    /// slot must lie in a page its sequence's reader (set_readers) owns exclusively. No host sync.
+    #[pyo3(signature = (slot_mapping, num_tokens, query_start_loc, num_seqs, *, stream))]
+    fn verify_slot_mapping(
+        &self,
+        py: Python<'_>,
+        slot_mapping: u64,
+        num_tokens: u32,
+        query_start_loc: u64,
+        num_seqs: u32,
+        stream: usize,
+    ) -> PyResult<()> {
+        // SAFETY: the caller promises (documented above) live device tensors of this guard's
+        // device: slot_mapping int64 of `num_tokens`, query_start_loc int32 of `num_seqs + 1`
+        // elements, untouched until the launch completes.
+        let step = unsafe {
+            SlotMappingStep {
+                slot_mapping: Borrowed::from_raw(slot_mapping, num_tokens as usize),
+                num_tokens,
+                query_start_loc: Borrowed::from_raw(query_start_loc, num_seqs as usize + 1),
+                num_seqs,
+            }
+        };
+        py.detach(|| self.guard.lock().verify_slot_mapping(&step, &engine_stream(stream))).map_err(dev_err)
+    }
+
+    /// Fences, in place and after this step's checks on the same stream, every sequence they
+    /// flagged: its row of block_table (int32 [num_seqs, max_blocks], a device pointer, or None)
+    /// set to page 0, the reserved null page, and its tokens' slots in slot_mapping (int64
+    /// [num_tokens], or None) set to -1; a slot of a token in no sequence becomes -1 too. One call
+    /// per KV cache group. No host sync.
+    #[pyo3(signature = (query_start_loc, num_seqs, *, stream, block_table = None, max_blocks = 0, slot_mapping = None, num_tokens = 0))]
+    #[allow(clippy::too_many_arguments)] // the Python signature: keyword arguments, not a struct
+    fn fence_refused(
+        &self,
+        py: Python<'_>,
+        query_start_loc: u64,
+        num_seqs: u32,
+        stream: usize,
+        block_table: Option<u64>,
+        max_blocks: u32,
+        slot_mapping: Option<u64>,
+        num_tokens: u32,
+    ) -> PyResult<()> {
+        let cells = num_seqs as usize * max_blocks as usize;
+        // SAFETY: the caller promises (documented above) live device tensors of this guard's
+        // device of these sizes, untouched by unordered work until the launch completes.
+        let step = unsafe {
+            FenceStep {
+                query_start_loc: Borrowed::from_raw(query_start_loc, num_seqs as usize + 1),
+                num_seqs,
+                block_table: block_table.map(|p| Borrowed::from_raw(p, cells)),
+                max_blocks,
+                slot_mapping: slot_mapping.map(|p| Borrowed::from_raw(p, num_tokens as usize)),
+                num_tokens,
+            }
+        };
+        py.detach(|| self.guard.lock().fence_refused(&step, &engine_stream(stream))).map_err(dev_err)
+    }
+
+    /// Starts copying the violation ring to the host after the work queued on `stream`, without
+    /// waiting; finish with try_finish_drain.
+    #[pyo3(signature = (*, stream))]
+    fn begin_drain(&self, py: Python<'_>, stream: usize) -> PyResult<()> {
+        py.detach(|| self.guard.lock().begin_drain(&engine_stream(stream))).map_err(dev_err)
+    }
+
+    /// If the copy begin_drain started has landed, records its violations in the table (as
+    /// drain does) and returns them; None if it has not landed yet. Never waits for the GPU.
+    #[pyo3(signature = (table, *, stream))]
+    fn try_finish_drain(
+        &self,
+        py: Python<'_>,
+        table: &OwnershipTable,
+        stream: usize,
+    ) -> PyResult<Option<Vec<Py<Violation>>>> {
+        let drained =
+            py.detach(|| self.guard.lock().try_finish_drain(table.core(), &engine_stream(stream))).map_err(dev_err)?;
+        drained.map(|d| wrap_drained(py, table, d.violations)).transpose()
+    }
+
     /// The first `n` per-sequence status words (bit k set: a violation of kind k). Syncs.
     #[pyo3(signature = (n, *, stream))]
     fn read_status(&self, py: Python<'_>, n: u32, stream: usize) -> PyResult<Vec<u32>> {
@@ -232,24 +318,7 @@ impl DeviceGuard {
     #[pyo3(signature = (table, *, stream))]
     fn drain(&self, py: Python<'_>, table: &OwnershipTable, stream: usize) -> PyResult<Vec<Py<Violation>>> {
         let drained = py.detach(|| self.guard.lock().drain(table.core(), &engine_stream(stream))).map_err(dev_err)?;
-        let resolved: Vec<_> = {
-            let names = table.names().lock();
-            drained
-                .violations
-                .into_iter()
-                .map(|v| {
-                    let r = names.resolve(&v);
-                    (v, r)
-                })
-                .collect()
-        };
-        let mut out = Vec::with_capacity(resolved.len());
-        for (v, r) in resolved {
-            let v = Violation::wrap(py, v, r)?;
-            log_violation(py, &v);
-            out.push(v);
-        }
-        Ok(out)
+        wrap_drained(py, table, drained.violations)
     }
 
     /// Device address of the per-sequence status words (attention kernels may read it).
@@ -267,4 +336,29 @@ impl DeviceGuard {
     fn canaries_ptr(&self) -> u64 {
         self.guard.lock().canaries_ptr()
     }
+}
+
+/// Drained violations as Python objects, named as the table names them, each logged.
+fn wrap_drained(
+    py: Python<'_>,
+    table: &OwnershipTable,
+    violations: Vec<kvguard::Violation>,
+) -> PyResult<Vec<Py<Violation>>> {
+    let resolved: Vec<_> = {
+        let names = table.names().lock();
+        violations
+            .into_iter()
+            .map(|v| {
+                let r = names.resolve(&v);
+                (v, r)
+            })
+            .collect()
+    };
+    let mut out = Vec::with_capacity(resolved.len());
+    for (v, r) in resolved {
+        let v = Violation::wrap(py, v, r)?;
+        log_violation(py, &v);
+        out.push(v);
+    }
+    Ok(out)
 }

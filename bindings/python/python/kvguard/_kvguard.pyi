@@ -583,6 +583,15 @@ class DeviceGuard:
         seq_lens int64 [num_seqs] (device pointers); page j of sequence s is the page of
         req_to_token[rows[s], j * page_size], and every other entry read must be that page's slot at its
         offset (one that is not is checked as the page it names). No host sync."""
+    def verify_slot_mapping(self, slot_mapping: int, num_tokens: int, query_start_loc: int, num_seqs: int, *, stream: int) -> None:
+        """A step's KV writes checked on the device before they are stored: slot_mapping int64 [num_tokens]
+        (negative: padding), query_start_loc int32 [num_seqs + 1] (device pointers); each written slot must
+        lie in a page its sequence's reader owns exclusively. No host sync."""
+    def fence_refused(self, query_start_loc: int, num_seqs: int, *, stream: int, block_table: int | None = None, max_blocks: int = 0, slot_mapping: int | None = None, num_tokens: int = 0) -> None:
+        """After the step's checks, on the same stream: every flagged sequence's block-table row set to
+        page 0 (the reserved null page) and its slots to -1, in place. One call per KV cache group."""
+    def begin_drain(self, *, stream: int) -> None: ...
+    def try_finish_drain(self, table: OwnershipTable, *, stream: int) -> list[Violation] | None: ...
     def read_status(self, n: int, *, stream: int) -> list[int]: ...
     def drain(self, table: OwnershipTable, *, stream: int) -> list[Violation]: ...
     @property
