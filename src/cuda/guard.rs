@@ -365,6 +365,20 @@ impl DeviceGuard {
         }
     }
 
+    /// Finishes the drain [`begin_drain`](Self::begin_drain) started: waits for its copy (only
+    /// for the work queued on the stream before it, not for what came after), then records as
+    /// [`try_finish_drain`](Self::try_finish_drain) does; `None` if no drain was begun.
+    pub fn finish_drain(
+        &mut self,
+        table: &OwnershipTable,
+        stream: &EngineStream,
+    ) -> Result<Option<Drained>, DeviceError> {
+        match self.device.finish_ring_copy(true)? {
+            None => Ok(None),
+            Some(bytes) => self.record_drained(&bytes, table, stream).map(Some),
+        }
+    }
+
     /// Drains the violation ring now: [`begin_drain`](Self::begin_drain), wait for the copy, and
     /// record. Waits for the work queued so far on `stream`; off the step's critical path.
     pub fn drain(&mut self, table: &OwnershipTable, stream: &EngineStream) -> Result<Drained, DeviceError> {

@@ -307,6 +307,20 @@ impl DeviceGuard {
         drained.map(|d| wrap_drained(py, table, d.violations)).transpose()
     }
 
+    /// Finishes the drain begin_drain started, waiting for its copy (only for the work queued
+    /// before it), and records and returns its violations; None if no drain was begun.
+    #[pyo3(signature = (table, *, stream))]
+    fn finish_drain(
+        &self,
+        py: Python<'_>,
+        table: &OwnershipTable,
+        stream: usize,
+    ) -> PyResult<Option<Vec<Py<Violation>>>> {
+        let drained =
+            py.detach(|| self.guard.lock().finish_drain(table.core(), &engine_stream(stream))).map_err(dev_err)?;
+        drained.map(|d| wrap_drained(py, table, d.violations)).transpose()
+    }
+
     /// The first `n` per-sequence status words (bit k set: a violation of kind k). Syncs.
     #[pyo3(signature = (n, *, stream))]
     fn read_status(&self, py: Python<'_>, n: u32, stream: usize) -> PyResult<Vec<u32>> {

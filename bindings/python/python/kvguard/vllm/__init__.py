@@ -4,15 +4,15 @@ independent ownership table before it reaches the GPU.
 Turn it on with one setting in the environment vLLM starts from (it is inherited by the engine
 core and worker processes)::
 
-    KVGUARD_VLLM=enforce VLLM_USE_V2_MODEL_RUNNER=0 vllm serve ...   # refuse: abort exactly the refused requests
-    KVGUARD_VLLM=report  vllm serve ...      # shadow roll-out: log and count, change nothing
+    KVGUARD_VLLM=enforce vllm serve ...   # refuse: abort exactly the refused requests
+    KVGUARD_VLLM=report  vllm serve ...   # shadow roll-out: log and count, change nothing
 
 kvguard checks vLLM's V1 model runner, with full-attention and sliding-window KV cache groups
-(hybrid models too), and Model Runner V2 where vLLM runs it on host memory (its CPU platform;
-full-attention groups): an engine that runs V2 on a GPU (vLLM 0.33's default where Triton runs:
-its block tables are device tensors, which need the device check, not wired into V2 yet),
-speculative decoding, another kind of KV cache group or a KV connector does not start under
-``enforce`` and runs unchecked, with a warning, under ``report``.
+(hybrid models too), and Model Runner V2 with full-attention groups: on host memory (vLLM's CPU
+platform) in place, on a GPU (vLLM 0.33's default where Triton runs) through the device check
+(:mod:`kvguard.vllm.device`; not yet run on a GPU). Speculative decoding, sliding-window groups
+under V2, another kind of KV cache group or a KV connector does not start under ``enforce`` and
+runs unchecked, with a warning, under ``report``.
 
 vLLM loads this module through its ``vllm.general_plugins`` entry point (``kvguard``) in every
 process it starts; without ``KVGUARD_VLLM`` the plugin does nothing.

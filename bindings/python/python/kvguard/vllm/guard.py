@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -133,6 +133,9 @@ class StepGuard:
         self.pending_evict: set[int] = set()
         #: Requests refused so far (their later release errors are expected, not news).
         self.refused_ever: set[str] = set()
+        #: The device half of the check (``kvguard.vllm.device.V2Device``) where vLLM's V2 runner
+        #: builds the step's tables on a GPU; None elsewhere.
+        self.device: Any = None
         self.steps = 0
         self.refusals_total = 0
         self._metrics_failed = False
@@ -401,6 +404,7 @@ class StepGuard:
         num_computed_tokens: np.ndarray,
         num_scheduled_tokens: np.ndarray,
         events: StepEvents | None,
+        after_early: Callable[[], None] | None = None,
     ) -> StepReport:
         """Checks one step of vLLM's Model Runner V2 on what its ``prepare_attn`` hands attention:
         ``tables``, each KV cache group's gathered block table (``BlockTables.gather_block_tables``:
@@ -416,8 +420,13 @@ class StepGuard:
         over the window of the step's first token, as :meth:`check_groups_step`). Under enforce a
         refused request's rows are nulled in every group's gathered table and its tokens' slots set
         to ``-1`` (vLLM's padding slot: the attention backends write nothing there), so neither its
-        reads nor its writes reach anyone's KV."""
+        reads nor its writes reach anyone's KV.
+
+        ``after_early``, if given, runs once the early events are applied, before anything else
+        (the device check of V2's writes on a GPU judges them against the table as it is then)."""
         report, early, late = self._begin_groups_step(events)
+        if after_early is not None:
+            after_early()
         n = len(req_ids)
         windows = self.windows or [None]
         writes: list[Any] = []
@@ -452,6 +461,17 @@ class StepGuard:
             for row in (*report.refused_rows, *again):
                 slot_mappings[:, int(query_start_loc[row]) : int(query_start_loc[row + 1])] = PAD_SLOT
         return report
+
+    def device_refused(self, violations: list[Any]) -> StepReport:
+        """The device check's violations (drained from its ring), judged as the host's are: each
+        request refused once, at its first; the rows were fenced on the device already."""
+        report = StepReport()
+        for v in violations:
+            request = v.request
+            self._refuse(report, None if request is None else str(request), v.kind, v.op, str(v))
+        if not report.refused and not report.again:
+            return CLEAN_STEP
+        return self._refused_step(report, [], [], None, None, [], [])
 
     def _attn_row_cache(self, group: int) -> Any:
         """The row cache of a full-attention group (one per group, made on first use)."""

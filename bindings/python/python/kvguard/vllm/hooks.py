@@ -38,8 +38,11 @@ worker process, Model Runner V2 (``vllm.v1.worker.gpu.model_runner.GPUModelRunne
 platform runs it as ``vllm.v1.worker.cpu.model_runner.CPUModelRunner``)
   ``GPUModelRunner.prepare_attn``        *acts*: the check of what V2 hands attention, the gathered
                                          block tables and slot mappings its kernels just built
-                                         (host tensors on the CPU platform, read in place); under
+                                         (host tensors on the CPU platform, read in place; device
+                                         tensors on a GPU, checked and fenced by kvguard's
+                                         kernels on vLLM's stream: ``kvguard.vllm.device``); under
                                          enforce a refused request's rows and slots are nulled
+  ``BlockTables.append_block_ids``       on a GPU only: the host copy of the rows V2 stages
   ``GPUModelRunner.execute_model``       a step with no tokens (returns before ``prepare_attn``):
                                          its events applied; refusals put on the output
   ``GPUModelRunner.sample_tokens``       refusals put on the (async) output
@@ -49,9 +52,8 @@ The scheduler's truth reaches the worker on the ``SchedulerOutput`` it already s
 refusals come back on the ``ModelRunnerOutput`` the same way: no extra channel, no extra round
 trip. Supported: full-attention and sliding-window KV cache groups (hybrid models too), block
 size equal to the hash block size, no KV connector, no speculative decoding, vLLM's V1 model
-runner (``CPUModelRunner`` is a subclass), and Model Runner V2 where vLLM runs it on host memory
-(its CPU platform; full-attention groups only); V2 on a GPU (device tensors: kvguard's device
-check, not wired into V2 yet) and anything else is
+runner (``CPUModelRunner`` is a subclass), and Model Runner V2 with full-attention groups (on
+host memory, vLLM's CPU platform, and on a GPU through the device check); anything else is
 found when vLLM builds its scheduler (a wrapper on ``Scheduler.__init__``): refused there under
 enforce, so the engine never starts, and left unchecked (with a warning) under report.
 """
@@ -63,6 +65,9 @@ import functools
 import logging
 from typing import Any
 
+import numpy as np
+
+from .device import HostRows, V2Device, host_slot_mappings
 from .guard import StepGuard, StepReport
 from .recorder import SchedulerRecorder
 
@@ -180,25 +185,10 @@ def forget_refused_writes(scheduler: Any, blocks: set[int]) -> None:
         scheduler.kv_cache_manager.block_pool.evict_blocks(blocks)
 
 
-_V2_ON_DEVICE = (
-    "vLLM's V2 model runner on a GPU: it builds each step's block tables and slot mappings on the "
-    "device, which needs kvguard's device check on vLLM's stream (kvguard.DeviceGuard), not wired "
-    "into V2 yet; set VLLM_USE_V2_MODEL_RUNNER=0 for the V1 runner, which kvguard checks"
-)
-
-
 _V2_WINDOWS = (
     "sliding-window KV cache groups under vLLM's V2 model runner (checked on V1; V2's gathered "
     "tables of such groups are not tested yet); set VLLM_USE_V2_MODEL_RUNNER=0"
 )
-
-
-def _host_platform() -> bool:
-    """Whether vLLM runs its model runner on host memory here (its CPU platform), where kvguard
-    reads V2's block tables and slot mappings in place."""
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_cpu())
 
 
 def check_scheduler(scheduler: Any) -> None:
@@ -206,10 +196,6 @@ def check_scheduler(scheduler: Any) -> None:
     enforce an UnsupportedConfig stops the engine there; under report a warning, and the engine
     runs unchecked. (The recorder itself is made at the first ``schedule``.)"""
     scheduler._kvguard_checked_config = True
-    if getattr(scheduler, "use_v2_model_runner", False) and not _host_platform():
-        _unsupported(_V2_ON_DEVICE)
-        scheduler.kv_cache_manager._kvguard_recorder = None
-        return
     if getattr(scheduler.vllm_config, "speculative_config", None) is not None:
         _unsupported(
             "speculative decoding (speculative_config): the worker writes draft tokens whose "
@@ -496,26 +482,50 @@ def idle_step(owner: Any, input_batch: Any, scheduler_output: Any, *, num_blocks
 
 
 def annotate_output(owner: Any, output: Any) -> Any:
-    """Puts the refusals awaiting ``owner``'s step output on it (``kvguard_refused``)."""
+    """Puts the refusals awaiting ``owner``'s step output on it (``kvguard_refused``); on a GPU
+    (V2), with the device check's verdicts of every step up to this one, drained when the output
+    is read (the ring's copy was queued before the step's sampled tokens, so it has landed)."""
+    guard = owner.__dict__.get("_kvguard")
+    device = getattr(guard, "device", None)
     pending = owner.__dict__.get("_kvguard_refused")
-    if not pending or output is None:
+    if (not pending and device is None) or output is None:
         return output
+    step = device.steps if device is not None else 0
     if hasattr(output, "req_id_to_index"):
-        output = copy.copy(output)  # never mutate vLLM's shared EMPTY_MODEL_RUNNER_OUTPUT
-        output.kvguard_refused = dict(pending)
-        pending.clear()
+        refused = _with_device_refusals(owner, guard, device, step)
+        if refused:
+            output = copy.copy(output)  # never mutate vLLM's shared EMPTY_MODEL_RUNNER_OUTPUT
+            output.kvguard_refused = refused
     elif hasattr(output, "get_output"):
         get_output = output.get_output
-        refused = dict(pending)
-        pending.clear()
+        refused_now = dict(pending) if pending else {}
+        if pending:
+            pending.clear()
 
         def get_output_with_refusals() -> Any:
-            out = copy.copy(get_output())
+            out = get_output()
+            refused = {**refused_now, **_with_device_refusals(owner, guard, device, step)}
+            if not refused:
+                return out
+            out = copy.copy(out)
             out.kvguard_refused = refused
             return out
 
         output.get_output = get_output_with_refusals
     return output
+
+
+def _with_device_refusals(owner: Any, guard: Any, device: Any, step: int) -> dict[str, str]:
+    """The refusals awaiting ``owner``'s output, the device's of every step up to ``step``
+    among them (taken from the pending ones)."""
+    if device is not None:
+        _pend(owner, guard, guard.device_refused(device.drain_through(guard, step)))
+    pending = owner.__dict__.get("_kvguard_refused")
+    if not pending:
+        return {}
+    refused = dict(pending)
+    pending.clear()
+    return refused
 
 
 def _install_worker() -> None:
@@ -582,6 +592,9 @@ def v2_attn_step(runner: Any, input_batch: Any, block_tables: Any, slot_mappings
     guard = _v2_guard_of(runner)
     if guard is None:
         return
+    if guard.device is not None:
+        _v2_device_step(runner, guard, input_batch, block_tables, slot_mappings, scheduler_output)
+        return
     n = input_batch.num_reqs
     report = guard.check_attn_step(
         input_batch.req_ids[:n],
@@ -592,6 +605,45 @@ def v2_attn_step(runner: Any, input_batch: Any, block_tables: Any, slot_mappings
         input_batch.num_scheduled_tokens,
         getattr(scheduler_output, "kvguard_events", None),
     )
+    _pend(runner, guard, report)
+
+
+def _v2_device_step(
+    runner: Any, guard: StepGuard, input_batch: Any, block_tables: Any, slot_mappings: Any, scheduler_output: Any
+) -> None:
+    """The check of one V2 step on a GPU (``kvguard.vllm.device``): the host judges the step as
+    V2 was asked to run it (its staged rows, mirrored), the device checks what V2 built, in
+    place, on vLLM's stream, and fences what either refused."""
+    dev = guard.device
+    n = input_batch.num_reqs
+    req_ids = input_batch.req_ids[:n]
+    qsl = input_batch.query_start_loc_np
+    computed = input_batch.num_computed_tokens_np
+    tables = dev.rows.gather(np.asarray(input_batch.idx_mapping_np[:n]))
+    slots = host_slot_mappings(tables, qsl, computed, n, guard.block_size)
+    dev.stream()
+    after_early = None
+    if n:
+
+        def after_early() -> None:
+            dev.check_writes(guard, req_ids, slot_mappings, input_batch.query_start_loc, n)
+
+    report = guard.check_attn_step(
+        req_ids,
+        tables,
+        slots,
+        qsl,
+        computed,
+        input_batch.num_scheduled_tokens,
+        getattr(scheduler_output, "kvguard_events", None),
+        after_early=after_early,
+    )
+    if n:
+        refused = sorted({*report.refused_rows, *(i for i, rid in enumerate(req_ids) if rid in report.again)})
+        dev.check_reads(
+            guard, block_tables, input_batch.seq_lens, input_batch.query_start_loc, slot_mappings, n, refused
+        )
+    dev.begin_drain()
     _pend(runner, guard, report)
 
 
@@ -620,11 +672,9 @@ def _v2_guard_of(runner: Any) -> StepGuard | None:
         pass
     elif any(w is not None for w in windows):
         _unsupported(_V2_WINDOWS)
-    elif runner.device.type != "cpu":
+    elif runner.device.type not in ("cpu", "cuda"):
         _unsupported(
-            f"vLLM's V2 model runner on {runner.device.type}: its block tables and slot mappings are "
-            "device tensors, which need kvguard's device check on vLLM's stream (kvguard.DeviceGuard), "
-            "not wired into V2 yet"
+            f"vLLM's V2 model runner on {runner.device.type}: kvguard's device check runs on CUDA devices"
         )
     elif runner.speculative_config is not None:
         _unsupported("speculative decoding (speculative_config)")
@@ -642,11 +692,52 @@ def _v2_guard_of(runner: Any) -> StepGuard | None:
             _MODE or "enforce",
             windows=windows if len(windows) > 1 or windows[0] is not None else None,
         )
+        if _on_device(runner):
+            guard.device = _v2_device(runner, guard)
+            if guard.device is None:
+                guard = None
     runner._kvguard = guard
     return guard
 
 
+def _on_device(runner: Any) -> bool:
+    """Whether V2 builds this runner's step tables in device memory (a GPU)."""
+    return runner.device.type == "cuda"
+
+
+def engine_stream() -> int:
+    """vLLM's current CUDA stream, as the integer handle kvguard.DeviceGuard takes."""
+    import torch
+
+    return int(torch.cuda.current_stream().cuda_stream)
+
+
+def new_device_guard(runner: Any, guard: StepGuard) -> Any:
+    """The kvguard.DeviceGuard of a V2 runner's pool, its tags uploaded."""
+    import kvguard
+
+    dg = kvguard.DeviceGuard(guard.table.config, device=runner.device.index or 0, max_seqs=runner.max_num_reqs)
+    dg.upload_all_tags(guard.table, stream=engine_stream())
+    return dg
+
+
+def _v2_device(runner: Any, guard: StepGuard) -> V2Device | None:
+    """The device half of a V2 runner's check on a GPU, or None (after ``_unsupported``: under
+    enforce the engine stops) where kvguard cannot run it: no driver, no NVRTC, a pool wider
+    than the device check's limits."""
+    bt = runner.block_tables
+    try:
+        dg = new_device_guard(runner, guard)
+    except Exception as e:  # kvguard.DeviceError, or torch without CUDA
+        _unsupported(f"vLLM's V2 model runner on a GPU, but kvguard's device check cannot start here: {e}")
+        return None
+    rows = HostRows(bt)
+    bt._kvguard_rows = rows
+    return V2Device(dg, rows, engine_stream)
+
+
 def _install_worker_v2() -> None:
+    from vllm.v1.worker.gpu.block_table import BlockTables
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
     def prepare_attn(original: Any) -> Any:
@@ -685,7 +776,18 @@ def _install_worker_v2() -> None:
 
         return wrapper
 
+    def append_block_ids(original: Any) -> Any:
+        def wrapper(self: Any, req_index: int, new_block_ids: Any, overwrite: bool) -> Any:
+            out = original(self, req_index, new_block_ids, overwrite)
+            rows = self.__dict__.get("_kvguard_rows")
+            if rows is not None:  # V2 on a GPU: the host copy of what V2 staged
+                rows.append(req_index, new_block_ids, overwrite)
+            return out
+
+        return wrapper
+
     _default(GPUModelRunner, "_kvguard_step", None)
+    _wrap(BlockTables, "append_block_ids", append_block_ids)
     _wrap(GPUModelRunner, "prepare_attn", prepare_attn)
     _wrap(GPUModelRunner, "execute_model", execute_model)
     _wrap(GPUModelRunner, "sample_tokens", annotating)
@@ -697,15 +799,9 @@ def install(mode: str) -> None:
     if _MODE is not None:
         _MODE = mode
         return
-    import vllm.envs as envs
-
     _MODE = mode
-    # The user's runner is theirs to pick: kvguard checks the V1 runner, and V2 where vLLM runs
-    # it on host memory (its CPU platform); an engine that runs V2 on a GPU (vLLM's default
-    # where Triton runs) is refused here when asked for by name, else when its scheduler is
-    # built (enforce), or runs unchecked with a warning (report).
-    if envs.VLLM_USE_V2_MODEL_RUNNER and not _host_platform():
-        _unsupported(_V2_ON_DEVICE)
+    # The user's runner is theirs to pick: kvguard checks the V1 runner, and V2 on host memory
+    # (vLLM's CPU platform) and on a GPU (vLLM's default where Triton runs: the device check).
     _install_scheduler()
     try:
         _install_worker()

@@ -456,23 +456,6 @@ def test_speculative_decoding_is_refused_when_the_engine_starts_under_enforce():
         run_real(rc, lambda e: pytest.fail("the engine started"), guarded=True)
 
 
-def test_the_v2_model_runner_on_a_gpu_is_refused_when_the_engine_starts_under_enforce(monkeypatch):
-    """kvguard never switches the user's runner; V2 is checked where vLLM runs it on host memory
-    (its CPU platform: v2/test_v2_runner.py), and an engine that runs V2 on a GPU (vLLM's default
-    where Triton runs), whose block tables are device tensors the host check cannot read, is
-    refused as its scheduler is built. (The platform is a GPU one for kvguard here; the engine is
-    this CPU one.)"""
-    from vllm.config import VllmConfig
-
-    import kvguard.vllm.hooks as hooks
-    from kvguard.vllm.hooks import UnsupportedConfig
-
-    monkeypatch.setattr(VllmConfig, "use_v2_model_runner", property(lambda self: True))
-    monkeypatch.setattr(hooks, "_host_platform", lambda: False)
-    with pytest.raises(UnsupportedConfig, match="V2 model runner on a GPU.*DeviceGuard"):
-        run_real(RealConfig(num_blocks=64, max_model_len=512), lambda e: pytest.fail("the engine started"), guarded=True)
-
-
 @SCHEDULING
 @pytest.mark.parametrize("at", [3, 41])
 def test_a_stale_row_tail_in_a_busy_run_costs_only_its_request(async_scheduling, at, monkeypatch):

@@ -126,6 +126,11 @@ def test_injected_stale_entry_in_v2_staged_block_table(async_scheduling, monkeyp
     entries, once: the victim's row in V2's persistent table keeps what its slot's previous
     occupant left there (V2 reuses request slots), which gather_block_tables hands attention and
     compute_slot_mappings writes through. kvguard refuses the victim on that step, alone."""
+    stale_entry_case(async_scheduling, monkeypatch)
+
+
+def stale_entry_case(async_scheduling: bool, monkeypatch) -> RealEngine:
+    """The stale-entry case run to its checks; returns the guarded engine."""
     from vllm.v1.worker.gpu.block_table import BlockTables
 
     rc = RealConfig(num_blocks=48, block_size=32, max_num_seqs=2, max_num_batched_tokens=256, max_model_len=512, async_scheduling=async_scheduling)
@@ -157,6 +162,7 @@ def test_injected_stale_entry_in_v2_staged_block_table(async_scheduling, monkeyp
     guarded = run_v2(rc, fill, guarded=True, setup=setup)
     step = check_contained(guarded, clean, victim, {"freed_page", "foreign_page", "reserved_page", "write_to_shared"})
     assert step == buggy.oracle_errors[0][0]
+    return guarded
 
 
 @SCHEDULING
@@ -166,6 +172,11 @@ def test_injected_slot_mapping_into_another_requests_block(async_scheduling, mon
     that step on. kvguard refuses the writer's write (its slots go to vLLM's padding slot, so
     nothing reaches the reader's KV): the writer alone is refused, the reader is served as
     without the bug."""
+    misdirected_slot_case(async_scheduling, monkeypatch)
+
+
+def misdirected_slot_case(async_scheduling: bool, monkeypatch) -> RealEngine:
+    """The misdirected-slot case run to its checks; returns the guarded engine."""
     from vllm.v1.worker.gpu.block_table import BlockTables
 
     rc = RealConfig(num_blocks=64, block_size=32, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512, async_scheduling=async_scheduling)
@@ -202,3 +213,4 @@ def test_injected_slot_mapping_into_another_requests_block(async_scheduling, mon
     guarded = run_v2(rc, fill, guarded=True, setup=setup)
     step = check_contained(guarded, clean, writer, {"foreign_page", "write_to_shared"})
     assert step == buggy.oracle_errors[0][0]
+    return guarded

@@ -175,6 +175,9 @@ class V2Worker(StandInWorker):
             out = self.runner.sample_tokens(grammar_output)
         if isinstance(out, AsyncModelRunnerOutput):
             out = out.get_output()  # what UniProcExecutor does
+        # Refusals found when the output is read (the device check's, drained there) belong to
+        # this step too.
+        self._note_refusals()
         return out
 
     # The stand-ins.

@@ -1,0 +1,181 @@
+"""kvguard's GPU path for vLLM's Model Runner V2 (``kvguard.vllm.device``), run on vLLM's CPU
+platform by the same engine as ``test_v2_runner.py`` (vLLM's EngineCore, V2's own
+``execute_model``, ``prepare_attn`` and kernels), with the plugin told the runner is on a GPU and
+``kvguard.DeviceGuard`` stood in by ``host_device.HostDevice``: the same methods, on V2's host
+tensors through their pointers, by the rules the kernels implement.
+
+What runs as on a GPU: the host copy of what V2 stages (``BlockTables.append_block_ids``), the
+host judgement of the step as staged, the device calls in their order (tags synced after the early
+events for the write check and again after the late ones for the reads, readers named, status
+cleared, V2's own slot mapping and gathered tables checked in place, the fence), the ring drained
+when the step's output is read, and the refusals reaching vLLM's scheduler. What only a GPU shows
+(the kernels' verdicts on the device, stream order, no host synchronisation): ``scripts/gpu-check``
+and ``tests/it/cuda_host_verify.rs`` on the simulated grid.
+"""
+
+from __future__ import annotations
+
+import v2_engine  # noqa: I001  first: its settings must precede vLLM's import
+from v2_engine import RealConfig, RealEngine
+
+import pytest
+
+import test_v2_runner as base
+from host_device import HostDevice
+from kvguard.vllm import hooks
+
+SCHEDULING = base.SCHEDULING
+
+
+@pytest.fixture
+def on_device(monkeypatch):
+    """The plugin takes its GPU path for V2, with ``HostDevice`` for ``kvguard.DeviceGuard``;
+    yields the devices it made (one per guarded engine)."""
+    made: list[HostDevice] = []
+
+    def new_device_guard(runner, guard):
+        dev = HostDevice(guard.table, guard.block_size, runner.max_num_reqs)
+        dev.upload_all_tags(guard.table, stream=0)
+        made.append(dev)
+        return dev
+
+    monkeypatch.setattr(hooks, "_on_device", lambda runner: True)
+    monkeypatch.setattr(hooks, "new_device_guard", new_device_guard)
+    monkeypatch.setattr(hooks, "engine_stream", lambda: 0)
+    return made
+
+
+STEP_CALLS = [
+    "sync_tags",
+    "set_readers",
+    "clear_status",
+    "verify_slot_mapping",
+    "sync_tags",
+    "verify_block_table",
+    "fence_refused",
+]
+
+
+def assert_device_path(g: RealEngine, made: list[HostDevice]) -> HostDevice:
+    """The guarded engine ran on the device path: every checked step made the device calls in
+    order, the ring was drained at the outputs, and nothing is left in it."""
+    assert g.guard.device is not None and len(made) == 1
+    dev = made[0]
+    calls = dev.calls
+    checked = [i for i, c in enumerate(calls) if c == "verify_slot_mapping"]
+    assert len(checked) > 10
+    for i in checked:
+        assert calls[i - 3 : i + 4] == STEP_CALLS, calls[i - 3 : i + 4]
+    assert calls.count("finish_drain") >= len(checked) // 2
+    assert dev.ring == [] and dev.copy is None
+    return dev
+
+
+def test_clean_v2_on_device_async_prefix_caching_and_preemption(on_device):
+    """Several hundred requests, three tenants, a pool that preempts and evicts, async
+    scheduling: the device path refuses nothing, its host copy of V2's rows judges every step
+    clean, and every output is the unguarded run's."""
+    rc = RealConfig(num_blocks=32, block_size=32, max_num_seqs=16, max_num_batched_tokens=128, max_model_len=512)
+    fill = lambda e: base.workload(e, 5, 300)  # noqa: E731
+    g = base.run_v2(rc, fill, guarded=True)
+    p = base.run_v2(rc, fill, guarded=False)
+    assert g.events.get("preempt", 0) > 0 and g.events.get("evict", 0) > 0
+    base.assert_clean(g, p, 300)
+    assert_device_path(g, on_device)
+
+
+def test_clean_v2_on_device_sync(on_device):
+    rc = RealConfig(num_blocks=64, block_size=32, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, async_scheduling=False)
+    fill = lambda e: base.workload(e, 8, 60, salts=2, max_prompt=100)  # noqa: E731
+    g = base.run_v2(rc, fill, guarded=True)
+    p = base.run_v2(rc, fill, guarded=False)
+    base.assert_clean(g, p, 60)
+    assert_device_path(g, on_device)
+
+
+@SCHEDULING
+def test_on_device_a_stale_entry_in_v2s_staged_table_is_fenced_on_its_step(async_scheduling, monkeypatch, on_device):
+    """V2's staged block table keeps a slot's previous occupant's entries (the write skipped,
+    the count moved): the host copy holds what V2 was asked to stage, so only the device check
+    of V2's own gathered table (and slot mapping) sees it; the victim's rows and slots are fenced
+    before the forward, and it alone is refused, on the step of the bug, every other request
+    served as without the bug."""
+    guarded = base.stale_entry_case(async_scheduling, monkeypatch)
+    assert guarded.guard.device is not None and len(on_device) == 1
+    assert {r.request for r in on_device[0].drained} == {"short-b"}, on_device[0].drained
+
+
+@SCHEDULING
+def test_on_device_a_slot_mapping_into_another_requests_block_is_fenced(async_scheduling, monkeypatch, on_device):
+    """V2's compute_slot_mappings sends one of the writer's tokens into the reader's block: the
+    device check of V2's own slot mapping flags the writer and the fence turns its slots into
+    padding, so the reader is served as without the bug and the writer alone is refused."""
+    guarded = base.misdirected_slot_case(async_scheduling, monkeypatch)
+    assert guarded.guard.device is not None and len(on_device) == 1
+    drained = on_device[0].drained
+    assert {r.request for r in drained} == {"writer"} and "write" in {r.op for r in drained}
+
+
+@SCHEDULING
+def test_on_device_a_gathered_row_naming_another_requests_block_is_fenced(async_scheduling, monkeypatch, on_device):
+    """V2's gather_block_tables hands attention a row whose first entry is another request's
+    block, once, mid-decode (V2's persistent table, and so its slot mapping, stay right): only
+    the device check of the gathered table sees it. Unguarded, the reader reads the other
+    request's KV; on the device path its row is fenced before the forward and it alone is
+    refused, the owner of the block served as without the bug."""
+    from vllm.v1.worker.gpu.block_table import BlockTables
+
+    rc = RealConfig(num_blocks=64, block_size=32, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512, async_scheduling=async_scheduling)
+    reader, owner = "reader", "owner"
+
+    # Two tenants: the device lets any request of a prefix's tenant read its published blocks
+    # (it does not know the prefix's holders; the host check, exact, cannot see V2's gather).
+    def fill(e: RealEngine) -> None:
+        e.add(owner, list(range(1, 50)), 30, cache_salt="alpha")
+        e.add(reader, list(range(100, 140)), 30, cache_salt="beta")
+        e.add("bystander", list(range(300, 340)), 30, cache_salt="beta")
+
+    clean = base.run_v2(rc, fill, guarded=False)
+    original = BlockTables.gather_block_tables
+    armed: dict = {}
+
+    def misgathered(self, idx_mapping, num_reqs_padded, *args, **kw):
+        tables = original(self, idx_mapping, num_reqs_padded, *args, **kw)
+        engine = armed.get("engine")
+        if engine is None:
+            return tables
+        armed["calls"] += 1
+        rows = {base._req_ids_by_index(engine)[int(x)]: b for b, x in enumerate(idx_mapping.tolist())}
+        if armed["calls"] >= 6 and armed.get("once") and reader in rows and owner in rows:
+            armed.pop("once")
+            tables[0][rows[reader], 0] = int(tables[0][rows[owner], 0])
+        return tables
+
+    monkeypatch.setattr(BlockTables, "gather_block_tables", misgathered)
+    setup = lambda e: armed.update(engine=e, once=True, calls=0)  # noqa: E731
+    buggy = base.run_v2(rc, fill, guarded=False, setup=setup)
+    assert buggy.oracle_errors and buggy.oracle_errors[0][1] == reader, buggy.oracle_errors
+    guarded = base.run_v2(rc, fill, guarded=True, setup=setup)
+    step = base.check_contained(guarded, clean, reader, {"foreign_page"})
+    assert step == buggy.oracle_errors[0][0]
+    assert guarded.guard.device is not None and len(on_device) == 1
+    drained = on_device[0].drained
+    assert {(r.request, r.op) for r in drained} == {(reader, "read")}, drained
+
+
+@pytest.mark.parametrize("mode", ["enforce", "report"])
+def test_on_a_gpu_where_the_device_check_cannot_start(mode, monkeypatch):
+    """V2 on a GPU, but kvguard.DeviceGuard cannot start (here: the real one, on a machine with
+    no CUDA driver): under enforce the engine stops at its first step with UnsupportedConfig
+    naming why, never serving unchecked; under report it runs unchecked, with a warning."""
+    from kvguard.vllm.hooks import UnsupportedConfig
+
+    monkeypatch.setattr(hooks, "_on_device", lambda runner: True)
+    rc = RealConfig(num_blocks=64, block_size=32, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512)
+    fill = lambda e: base.workload(e, 3, 6, salts=2, max_prompt=60)  # noqa: E731
+    if mode == "enforce":
+        with pytest.raises(UnsupportedConfig, match="V2 model runner on a GPU, but kvguard's device check cannot start"):
+            base.run_v2(rc, fill, guarded=True, mode=mode)
+        return
+    g = base.run_v2(rc, fill, guarded=True, mode=mode)
+    assert g.guard is None and len(g.finished) == 6
