@@ -23,14 +23,12 @@ fenced request's tokens never leave.
 
 from __future__ import annotations
 
-import logging
+import threading
 from typing import Any, Callable
 
 import numpy as np
 
 from .guard import StepGuard
-
-logger = logging.getLogger("vllm.kvguard")
 
 
 class HostRows:
@@ -94,6 +92,9 @@ class V2Device:
         self.steps = 0
         self._copy_of: int | None = None
         self.drained_through = 0
+        # The ring's copy is begun by the thread checking a step and finished by the one reading
+        # an output (another thread, in some of vLLM's executors).
+        self._ring = threading.Lock()
 
     def stream(self) -> int:
         self.last_stream = self._stream()
@@ -152,10 +153,11 @@ class V2Device:
     def begin_drain(self) -> None:
         """Queues the ring's copy after this step's checks (a copy already in flight covers an
         earlier step: this step's records are taken by the next one)."""
-        self.steps += 1
-        if self._copy_of is None:
-            self.device_guard.begin_drain(stream=self.last_stream)
-            self._copy_of = self.steps
+        with self._ring:
+            self.steps += 1
+            if self._copy_of is None:
+                self.device_guard.begin_drain(stream=self.last_stream)
+                self._copy_of = self.steps
 
     def drain_through(self, guard: StepGuard, step: int) -> list[Any]:
         """The device's violations of every step up to ``step`` (a step's output carries them):
@@ -163,13 +165,14 @@ class V2Device:
         taken if it predates ``step``."""
         dg, s = self.device_guard, self.last_stream
         found: list[Any] = []
-        while self.drained_through < step:
-            if self._copy_of is None:
-                dg.begin_drain(stream=s)
-                self._copy_of = self.steps
-            covered = self._copy_of
-            records = dg.finish_drain(guard.table, stream=s)
-            self._copy_of = None
-            self.drained_through = max(self.drained_through, covered)
-            found.extend(records or ())
+        with self._ring:
+            while self.drained_through < step:
+                if self._copy_of is None:
+                    dg.begin_drain(stream=s)
+                    self._copy_of = self.steps
+                covered = self._copy_of
+                records = dg.finish_drain(guard.table, stream=s)
+                self._copy_of = None
+                self.drained_through = max(self.drained_through, covered)
+                found.extend(records or ())
         return found

@@ -63,6 +63,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import threading
 from typing import Any
 
 import numpy as np
@@ -395,12 +396,29 @@ def worker_step(
     return report
 
 
+#: Guards the refusals awaiting a runner's output: vLLM may read a step's output (and drain the
+#: device's verdicts into them) in another thread than the one checking the next step.
+_PENDING = threading.Lock()
+
+
 def _pend(owner: Any, guard: StepGuard, report: StepReport) -> None:
     """Keeps a step's refusals (enforce) for the step's output (``annotate_output``)."""
     if report.refused and guard.mode == "enforce":
-        pending = owner.__dict__.setdefault("_kvguard_refused", {})
-        for rid, refusal in report.refused.items():
-            pending[rid] = refusal.client_message(rid)
+        with _PENDING:
+            pending = owner.__dict__.setdefault("_kvguard_refused", {})
+            for rid, refusal in report.refused.items():
+                pending[rid] = refusal.client_message(rid)
+
+
+def _take_pending(owner: Any) -> dict[str, str]:
+    """The refusals awaiting ``owner``'s output, taken."""
+    with _PENDING:
+        pending = owner.__dict__.get("_kvguard_refused")
+        if not pending:
+            return {}
+        refused = dict(pending)
+        pending.clear()
+        return refused
 
 
 def group_windows(kv_cache_config: Any) -> list[int | None] | None:
@@ -487,8 +505,7 @@ def annotate_output(owner: Any, output: Any) -> Any:
     is read (the ring's copy was queued before the step's sampled tokens, so it has landed)."""
     guard = owner.__dict__.get("_kvguard")
     device = getattr(guard, "device", None)
-    pending = owner.__dict__.get("_kvguard_refused")
-    if (not pending and device is None) or output is None:
+    if (device is None and not owner.__dict__.get("_kvguard_refused")) or output is None:
         return output
     step = device.steps if device is not None else 0
     if hasattr(output, "req_id_to_index"):
@@ -498,9 +515,7 @@ def annotate_output(owner: Any, output: Any) -> Any:
             output.kvguard_refused = refused
     elif hasattr(output, "get_output"):
         get_output = output.get_output
-        refused_now = dict(pending) if pending else {}
-        if pending:
-            pending.clear()
+        refused_now = _take_pending(owner)
 
         def get_output_with_refusals() -> Any:
             out = get_output()
@@ -520,12 +535,7 @@ def _with_device_refusals(owner: Any, guard: Any, device: Any, step: int) -> dic
     among them (taken from the pending ones)."""
     if device is not None:
         _pend(owner, guard, guard.device_refused(device.drain_through(guard, step)))
-    pending = owner.__dict__.get("_kvguard_refused")
-    if not pending:
-        return {}
-    refused = dict(pending)
-    pending.clear()
-    return refused
+    return _take_pending(owner)
 
 
 def _install_worker() -> None:
