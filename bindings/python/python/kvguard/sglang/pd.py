@@ -374,7 +374,20 @@ class GuardedKVReceiver:
             self.channel.drop(self.room)
         # Report mode records the refusal and lets the transfer through.
         self._verdict = KVPoll.Success if accepted or self.guard.policy == "report" else KVPoll.Failed
+        if not accepted and self.guard.policy == "report":
+            self._follow_engine()
         return self._verdict
+
+    def _follow_engine(self) -> None:
+        """Report mode let a refused transfer through: SGLang decodes over what landed as the
+        prompt's KV, so the table follows it (the prompt's tokens written into the request's
+        pages). The refusal is counted once, at the transfer, not again at every read of those
+        pages."""
+        total = len(self.req.origin_input_ids)
+        try:
+            self.guard.table.record_import(self.guard.request_key(self.req.rid), self._pages, total, total)
+        except Error:
+            pass  # pages that are not the request's: its reads are judged (and counted) as they come
 
     def _accept(self) -> bool:
         guard = self.guard

@@ -271,8 +271,31 @@ def _one_rank_process_group() -> None:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
+class CpuEvent:
+    """``torch.cuda.Event``'s stand-in on CPU, where the forward is done when it returns.
+
+    Under the overlap schedule SGLang's prefill side records a CUDA event on the forward stream
+    before it sends a cached prefix early (``maybe_send_cached_prefix_chunk``, on by default:
+    ``SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX``), for the backend to wait on; torch has
+    no event on the CPU stream the rig runs on. Part of the device stand-in, like the model."""
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+
 def build_prefill(*, page_size: int, tokens: int, rows: int, context_len: int, **server_args):
     """A prefill-mode Scheduler (SGLang's ``init_disaggregation``: bootstrap and inflight queues)."""
+    if not server_args.get("disable_overlap_schedule", True) and not torch.cuda.is_available():
+        torch.cuda.Event = CpuEvent
     s = rig.build_scheduler(
         page_size=page_size, tokens=tokens, rows=rows, context_len=context_len,
         disaggregation_mode="prefill", disaggregation_transfer_backend="fake", **server_args,
@@ -316,42 +339,132 @@ def pd_req(rid: str, prompt, *, room: int, max_new: int = 8, salt: str | None = 
     return r
 
 
+class EventLoop:
+    """SGLang's own event loop of one scheduler, run one iteration at a time.
+
+    ``_dispatch_event_loop_once`` (SGLang's, as ``run_event_loop`` calls it) picks the loop as a
+    server does: ``event_loop_normal_disagg_prefill`` / ``_decode``, or with the overlap schedule
+    on (``disable_overlap_schedule=False``) ``event_loop_overlap_disagg_prefill`` / ``_decode``
+    (their result queue, each batch's ``process_batch_result`` one iteration later, their
+    loop-local state). It runs in a thread of its own; the socket read is the one stand-in:
+    ``request_receiver.recv_requests``, which SGLang's ``ingest_requests`` calls at the top of
+    every iteration, hands control back to the driver and, on the next :meth:`step`, returns the
+    requests queued with :meth:`send` (SGLang's ``process_input_requests`` dispatches them). Only
+    one thread runs at a time, so the driver may read and change the scheduler between steps."""
+
+    class _Stop(BaseException):
+        """Ends the loop's thread (raised from the socket read)."""
+
+    def __init__(self, s) -> None:
+        import threading
+
+        self.s = s
+        self.inbox: list = []
+        self._go = threading.Semaphore(0)
+        self._back = threading.Semaphore(0)
+        self._in_loop = False
+        self._stopping = False
+        self._ended = False
+        self._error: BaseException | None = None
+        # SGLang's dispatcher, for the one input type the rig sends (its full table names the
+        # weight updater's and other components' handlers, which the rig does not build).
+        from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+        from sglang.utils import TypeBasedDispatcher
+
+        s._request_dispatcher = TypeBasedDispatcher([(TokenizedGenerateReqInput, s.handle_generate_request)])
+        s.request_receiver = SimpleNamespace(recv_requests=self._recv)
+        s.external_corpus_manager = None  # as Scheduler.__init__ leaves it without one
+        self._thread = threading.Thread(target=self._run, name=f"sglang-{s.disaggregation_mode.value}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from sglang.srt.managers.scheduler import _dispatch_event_loop_once
+
+        try:
+            self._go.acquire()
+            if self._stopping:
+                return
+            self.s.published.restore()
+            _dispatch_event_loop_once(self.s)
+        except EventLoop._Stop:
+            pass
+        except BaseException as e:  # noqa: BLE001 - handed to the driver's thread
+            self._error = e
+        finally:
+            self._ended = True
+            self._back.release()
+
+    def _recv(self, local_reqs=()):
+        if self._in_loop:
+            self._back.release()  # one iteration done: the driver's turn
+            self._go.acquire()
+        self._in_loop = True
+        if self._stopping:
+            raise EventLoop._Stop()
+        self.s.published.restore()
+        reqs, self.inbox = self.inbox, []
+        return list(local_reqs) + reqs
+
+    def send(self, req) -> None:
+        """A request for the scheduler's socket, read at the top of the next iteration."""
+        self.inbox.append(req)
+
+    def step(self):
+        """One iteration of the loop (from its socket read to the next); the batch it launched."""
+        if self._ended:
+            raise AssertionError("the event loop has ended") from self._error
+        self._go.release()
+        self._back.acquire()
+        if self._error is not None:
+            raise self._error
+        if self._ended:
+            raise AssertionError("SGLang's event loop returned")
+        return self.s.last_batch
+
+    def close(self) -> None:
+        """Ends the thread (at its next socket read)."""
+        if not self._ended:
+            self._stopping = True
+            self._go.release()
+            self._back.acquire()
+        self._thread.join()
+
+
+def count_overlap(s) -> SimpleNamespace:
+    """Counts, on this scheduler, the batch results SGLang processed after it had launched a
+    later batch (``overlapped``): what the overlap loops do and the normal ones never do."""
+    seen = SimpleNamespace(launched=0, processed=0, overlapped=0)
+    run_batch, process = s.run_batch, s.process_batch_result
+
+    def launch(batch, *args, **kwargs):
+        seen.launched += 1
+        return run_batch(batch, *args, **kwargs)
+
+    def processed(batch, *args, **kwargs):
+        seen.processed += 1
+        seen.overlapped += seen.launched > seen.processed
+        return process(batch, *args, **kwargs)
+
+    s.run_batch, s.process_batch_result = launch, processed
+    return seen
+
+
+def event_loop(s) -> EventLoop:
+    """The scheduler's :class:`EventLoop` (made on first use)."""
+    loop = getattr(s, "rig_event_loop", None)
+    if loop is None:
+        loop = s.rig_event_loop = EventLoop(s)
+    return loop
+
+
 def prefill_step(s):
-    """One iteration of ``event_loop_normal_disagg_prefill`` without the socket read."""
-    s.published.restore()
-    s.waiting_queue.extend(s.disagg_prefill_bootstrap_queue.pop_bootstrapped())
-    plan = s.get_next_disagg_prefill_batch_to_run(running_batch=s.running_batch, last_batch=s.last_batch)
-    s.running_batch = plan.running_batch
-    batch = plan.batch_to_run
-    s.cur_batch_for_debug = batch
-    if batch:
-        result = s.run_batch(batch)
-        s.process_batch_result(batch, result)
-    else:
-        s._sched_idled = True
-        s.on_idle()
-    s.process_disagg_prefill_inflight_queue()
-    s.last_batch = batch
-    return batch
+    """One iteration of the prefill side's own event loop (normal or overlap, as configured)."""
+    return event_loop(s).step()
 
 
 def decode_step(s):
-    """One iteration of ``event_loop_normal_disagg_decode`` without the socket read."""
-    s.published.restore()
-    s.disagg_decode_prealloc_queue.prefetch_prefill_dp_rank_queries()
-    s.process_decode_queue()
-    plan = s.get_next_disagg_decode_batch_to_run(running_batch=s.running_batch)
-    s.running_batch = plan.running_batch
-    batch = plan.batch_to_run
-    s.cur_batch_for_debug = batch
-    if batch:
-        result = s.run_batch(batch)
-        s.process_batch_result(batch, result)
-    else:
-        s._sched_idled = True
-        s.on_idle()
-    s.last_batch = batch
-    return batch
+    """One iteration of the decode side's own event loop (normal or overlap, as configured)."""
+    return event_loop(s).step()
 
 
 def idle(s) -> bool:
@@ -362,7 +475,8 @@ def idle(s) -> bool:
     if s.disagg_decode_prealloc_queue is not None:
         queues += [s.disagg_decode_prealloc_queue.queue, s.disagg_decode_prealloc_queue.pending_reqs,
                    s.disagg_decode_transfer_queue.queue]
-    return all(len(q) == 0 for q in queues) and s.running_batch.is_empty() and s.chunked_req is None
+    return (all(len(q) == 0 for q in queues) and s.running_batch.is_empty() and s.chunked_req is None
+            and not s.result_queue)
 
 
 def run_pd(prefill, decode, pairs, *, per_step: int = 4, max_steps: int = 100_000) -> dict:
@@ -373,10 +487,8 @@ def run_pd(prefill, decode, pairs, *, per_step: int = 4, max_steps: int = 100_00
     pending = list(pairs)
     for _ in range(max_steps):
         for p_req, d_req in pending[:per_step]:
-            decode.published.restore()
-            decode.handle_generate_request(d_req)
-            prefill.published.restore()
-            prefill.handle_generate_request(p_req)
+            event_loop(decode).send(d_req)
+            event_loop(prefill).send(p_req)
         del pending[:per_step]
         decode_step(decode)
         prefill_step(prefill)

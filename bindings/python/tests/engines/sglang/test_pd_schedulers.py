@@ -41,17 +41,21 @@ def workload(seed: int, n: int, tenants=("acme", "zeta", "kilo")):
 
 def sides(
     page_size: int, *, prefill_tokens: int = 2560, prefill_context: int = CONTEXT, decode_tokens: int = 2560,
-    guard: str | None = None,
+    guard: str | None = None, overlap: bool = False,
 ):
     """A prefill and a decode scheduler (chunked prefill on, the prefill side's radix cache on),
-    kvguard attached to both as its plugin attaches it when ``guard`` is a policy."""
+    kvguard attached to both as its plugin attaches it when ``guard`` is a policy; ``overlap``:
+    SGLang's overlap schedule on both sides (``event_loop_overlap_disagg_prefill`` / ``_decode``)."""
     pd_rig.install_wire()
     prefill = pd_rig.build_prefill(
         page_size=page_size, tokens=prefill_tokens, rows=24, context_len=prefill_context, chunked_prefill_size=48,
+        disable_overlap_schedule=not overlap,
     )
     decode = pd_rig.build_decode(
         page_size=page_size, tokens=decode_tokens, rows=24, context_len=CONTEXT, num_reserved_decode_tokens=32,
+        disable_overlap_schedule=not overlap,
     )
+    assert prefill.enable_overlap == decode.enable_overlap == overlap
     if guard is not None:
         attach_kvguard(prefill, guard)
         attach_kvguard(decode, guard)
@@ -68,13 +72,16 @@ def unguarded(page_size: int, n: int):
 
 
 @pytest.mark.parametrize("page_size", [16, 1])
-def test_a_clean_pd_workload_is_served_as_without_kvguard(page_size):
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_a_clean_pd_workload_is_served_as_without_kvguard(page_size, overlap):
     """1,000 multi-tenant requests, chunked prefill (48 tokens), the prefill side's radix cache on,
-    under enforce: every transfer accepted, every request served with the unguarded run's
-    output, no violation on either side, both pools whole at the end."""
+    under enforce, through SGLang's normal or overlap PD event loops: every transfer accepted,
+    every request served with the unguarded run's output (the normal loops': the overlap
+    schedule changes no output), no violation on either side, both pools whole at the end."""
     n = 1000
     ref, ref_start, ref_end = unguarded(page_size, n)
-    prefill, decode = sides(page_size, guard="enforce")
+    prefill, decode = sides(page_size, guard="enforce", overlap=overlap)
+    loops = pd_rig.count_overlap(prefill), pd_rig.count_overlap(decode)
     start = pool_pages(prefill), pool_pages(decode)
     assert start == (2560 // page_size, 2560 // page_size)
     out = pd_rig.run_pd(prefill, decode, workload(7, n))
@@ -83,6 +90,8 @@ def test_a_clean_pd_workload_is_served_as_without_kvguard(page_size):
     assert prefill.kvguard.violations == [] and decode.kvguard.violations == []
     assert decode.kvguard.metrics["transfers_accepted"] == n and decode.kvguard.metrics["transfers_refused"] == 0
     assert start == ref_start and pool_pages(prefill) == start[0] and pool_pages(decode) == start[1], (start, ref_end)
+    # Each side's batch results were processed one iteration late (overlap) or never (normal).
+    assert all((seen.overlapped > 0) == overlap for seen in loops), [vars(seen) for seen in loops]
 
 
 # ---- the incident: the prefill side runs a one-token stub of a prompt its pool cannot hold ----------
@@ -91,7 +100,7 @@ VICTIM = "victim"
 VICTIM_ROOM = 7
 
 
-def incident(*, stub: bool, guard: str | None = None, page_size: int = 16):
+def incident(*, stub: bool, guard: str | None = None, page_size: int = 16, overlap: bool = False):
     """Bystanders of three tenants, then a long prompt (200 tokens) that the decode side accepts
     (the model's 256-token context; its pool holds 640 tokens, so its pages are used over and
     over) but the prefill side cannot: it was started with a pool of 160 tokens and a context to
@@ -102,7 +111,8 @@ def incident(*, stub: bool, guard: str | None = None, page_size: int = 16):
     prefilled and sent it, and so does any path that replaces a prompt behind the decode side's
     back, so the prefill scheduler here is handed the stub as it would run it. Without ``stub``
     the prefill side has a pool that holds the prompt (the truth). Returns the decode side's
-    outputs, both schedulers, and the rids each decode batch ran."""
+    outputs, both schedulers, and the rids each decode batch ran. ``overlap``: SGLang's overlap
+    PD event loops on both sides."""
     rng = random.Random(3)
     pairs = workload(11, 40)
     prompt = [rng.randrange(2, 30000) for _ in range(200)]
@@ -111,7 +121,7 @@ def incident(*, stub: bool, guard: str | None = None, page_size: int = 16):
     pairs.insert(24, victim)
     prefill, decode = sides(
         page_size, prefill_tokens=160 if stub else 2560, prefill_context=160 if stub else CONTEXT, decode_tokens=640,
-        guard=guard,
+        guard=guard, overlap=overlap,
     )
     start = pool_pages(prefill), pool_pages(decode)
     batches = []
@@ -131,12 +141,16 @@ def bystanders(out):
     return {rid: v for rid, v in out.items() if rid != VICTIM}
 
 
-def test_without_kvguard_decode_serves_other_users_kv_for_the_stub():
+OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+
+
+@OVERLAP
+def test_without_kvguard_decode_serves_other_users_kv_for_the_stub(overlap):
     """The incident: the wire moves the one page the prefill side sent and reports the transfer
     done; the decode side never learns the prompt was replaced and decodes over pages that held
     other requests' KV, serving an output that is not the prompt's."""
-    truth, *_ = incident(stub=False)
-    out, _, decode, batches = incident(stub=True)
+    truth, *_ = incident(stub=False, overlap=overlap)
+    out, _, decode, batches = incident(stub=True, overlap=overlap)
     pages = dict(Wire_offered())[VICTIM_ROOM]
     earlier = {p for room, ps in Wire_offered() if room != VICTIM_ROOM for p in ps}
     assert set(pages[1:]) & earlier, "the stub's unwritten pages are pages other requests' KV was written to"
@@ -149,13 +163,14 @@ def Wire_offered():
     return list(pd_rig.Wire.offered)
 
 
-def test_under_enforce_decode_refuses_the_stub_before_attention_reads_it():
+@OVERLAP
+def test_under_enforce_decode_refuses_the_stub_before_attention_reads_it(overlap):
     """Under enforce (kvguard's plugin wrapping SGLang's own senders and receivers): the
     manifest the prefill side sent names a one-token prompt, the decode side holds 200 tokens,
     so the transfer is refused (KVPoll.Failed) and SGLang aborts the request before it enters
     any batch; only it; every bystander served as without kvguard; both pools whole."""
-    ref, *_ = incident(stub=True)
-    out, prefill, decode, batches = incident(stub=True, guard="enforce")
+    ref, *_ = incident(stub=True, overlap=overlap)
+    out, prefill, decode, batches = incident(stub=True, guard="enforce", overlap=overlap)
     ids, reason = out[VICTIM]
     assert ids == [] and reason["type"] == "abort" and "kvguard" in reason["message"]
     assert not any(VICTIM in b for b in batches), "never read by attention"
@@ -167,13 +182,15 @@ def test_under_enforce_decode_refuses_the_stub_before_attention_reads_it():
     assert bystanders(out) == bystanders(ref)
 
 
-def test_under_report_the_stub_is_counted_once_and_served():
-    """Report mode refuses nothing: the refusal is counted and logged, the request runs as
+@OVERLAP
+def test_under_report_the_stub_is_counted_once_and_served(overlap):
+    """Report mode refuses nothing: the refusal is counted and logged once, the request runs as
     without kvguard."""
-    ref, *_ = incident(stub=True)
-    out, _, decode, _ = incident(stub=True, guard="report")
+    ref, *_ = incident(stub=True, overlap=overlap)
+    out, prefill, decode, _ = incident(stub=True, guard="report", overlap=overlap)
     assert out == ref
     assert decode.kvguard.metrics["transfers_refused"] == 1 and decode.kvguard.aborted == {}
+    assert [v.request for v in decode.kvguard.violations] == [VICTIM] and prefill.kvguard.violations == []
 
 
 # ---- the plugin wraps SGLang's senders and receivers on its own; fail closed --------------------------
