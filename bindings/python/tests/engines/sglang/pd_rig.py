@@ -90,16 +90,25 @@ class WireKVSender(FakeKVSender):
         super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
         self.pages_sent = 0
         self.pages_total = None
+        self.aux_index = None
 
     def init(self, num_kv_indices, aux_index=None):
-        """The number of pages this transfer will send (SGLang's ``finalize_bootstrap``)."""
+        """The number of pages this transfer will send (SGLang's ``finalize_bootstrap``) and the
+        prefill side's metadata row (``aux_index``: the first output token, the room)."""
         self.pages_total = int(num_kv_indices)
+        self.aux_index = aux_index
         super().init(num_kv_indices, aux_index)
 
     def poll(self) -> KVPoll:
         if self.conclude_state is None and not self.has_sent and not self._offered():
             return KVPoll.Bootstrapping  # the decode side has not sent its metadata yet
         return super().poll()
+
+    def pop_decode_prefix_len(self) -> int:
+        """How much of the prompt the decode side already holds (its radix cache's match), as
+        its ``send_metadata`` said; SGLang's prefill side sends from there."""
+        room = Wire.rooms.get(int(self.bootstrap_room))
+        return 0 if room is None else room["prefix"]
 
     def _offered(self) -> bool:
         if Wire.dir is None:
@@ -123,7 +132,18 @@ class WireKVSender(FakeKVSender):
         self.pages_sent += len(pages)
         super().send(kv_indices, state_indices, num_kv_tokens)
         if self.pages_total is not None and self.pages_sent >= self.pages_total:
+            self._send_aux(src, dst, room.get("aux"))
             room["sent"] = True  # the last page is on the decode side
+
+    def _send_aux(self, src, dst, dst_index) -> None:
+        """With the last chunk, the request's metadata row (SGLang's ``MetadataBuffers``: the
+        first output token, the room) into the decode side's row, as a real backend's aux
+        transfer does (a request on SGLang's fake bootstrap host has no row to fill)."""
+        if self.aux_index is None or dst_index is None:
+            return
+        for s_ptr, d_ptr, s_len, d_len in zip(src.aux_data_ptrs, dst.aux_data_ptrs, src.aux_item_lens, dst.aux_item_lens):
+            assert s_len == d_len, "both sides' metadata rows are the same size"
+            ctypes.memmove(d_ptr + int(dst_index) * d_len, s_ptr + int(self.aux_index) * s_len, s_len)
 
 
     def _send_across(self, kv_indices, state_indices, num_kv_tokens):
@@ -144,6 +164,12 @@ class WireKVSender(FakeKVSender):
         self.pages_sent += len(pages)
         super().send(kv_indices, state_indices, num_kv_tokens)
         if self.pages_total is not None and self.pages_sent >= self.pages_total:
+            if self.aux_index is not None:
+                row = b"".join(
+                    ctypes.string_at(ptr + int(self.aux_index) * size, size)
+                    for ptr, size in zip(src.aux_data_ptrs, src.aux_item_lens)
+                )
+                Wire.write(self.bootstrap_room, "aux", row)
             Wire.write(self.bootstrap_room, "sent", str(self.pages_sent).encode())
 
 
@@ -160,6 +186,10 @@ class WireKVReceiver(FakeKVReceiver):
             "args": self.kv_mgr.kv_args,
             "pages": [int(p) for p in torch.as_tensor(kv_indices).reshape(-1).tolist()],
             "sent": False,
+            # The prompt's tokens the decode side's radix cache holds: the prefill side sends
+            # from there (SGLang's PD protocol, as its real backends carry it).
+            "prefix": int(decode_prefix_len or 0),
+            "aux": aux_index,
         }
         Wire.offered.append((int(self.bootstrap_room), Wire.rooms[int(self.bootstrap_room)]["pages"]))
         if Wire.dir is not None:
@@ -200,6 +230,12 @@ class WireKVReceiver(FakeKVReceiver):
             os.remove(Wire.path(self.bootstrap_room, name))
             self.landed += len(data) // page_bytes
         sent = Wire.read(self.bootstrap_room, "sent")
+        aux = Wire.read(self.bootstrap_room, "aux")
+        if sent is not None and aux is not None and room.get("aux") is not None:
+            at = 0  # the request's metadata row, landed in this side's row
+            for ptr, size in zip(dst.aux_data_ptrs, dst.aux_item_lens):
+                ctypes.memmove(ptr + int(room["aux"]) * size, aux[at : at + size], size)
+                at += size
         room["sent"] = sent is not None and int(sent) == self.landed
 
 
@@ -306,17 +342,33 @@ def build_prefill(*, page_size: int, tokens: int, rows: int, context_len: int, *
     return s
 
 
-def build_decode(*, page_size: int, tokens: int, rows: int, context_len: int, **server_args):
+def build_decode(
+    *, page_size: int, tokens: int, rows: int, context_len: int, radix_cache: bool = False, **server_args
+):
     """A decode-mode Scheduler on SGLang's ``DecodeReqToTokenPool`` (rows for running and for
     preallocated requests), with its prealloc and transfer queues (``init_disaggregation``) and
-    its radix cache disabled, as SGLang builds a decode server's by default."""
+    its radix cache disabled, as SGLang builds a decode server's by default; ``radix_cache``:
+    enabled, as ``--disaggregation-decode-enable-radix-cache`` builds it (SGLang's argument check
+    refuses that flag with the fake backend, which moves no KV; the rig's wire moves it and
+    carries the decode side's prefix length, so the flag is set after that check)."""
     s = rig.build_scheduler(
         page_size=page_size, tokens=tokens, rows=rows, context_len=context_len,
         disaggregation_mode="decode", disaggregation_transfer_backend="fake",
-        req_to_token_pool_factory=lambda: _decode_rows(rows, context_len), radix_cache=False, **server_args,
+        req_to_token_pool_factory=lambda: _decode_rows(rows, context_len), radix_cache=radix_cache, **server_args,
     )
+    if radix_cache:
+        from sglang.srt.runtime_context import get_context
+
+        get_context().override("kvguard rig: the wire carries decode_prefix_len", disaggregation_decode_enable_radix_cache=True)
     _pd_ready(s, tokens)
     s.init_disaggregation()
+    # What a real backend learns from the prefill server's bootstrap server (one prefill rank):
+    # requests that name PREFILL_HOST resolve to it, as SGLang's fast path reads it.
+    from sglang.srt.utils.network import NetworkAddress
+
+    s.disagg_decode_prealloc_queue.kv_manager.prefill_info_table = {
+        NetworkAddress(PREFILL_HOST, 0).to_host_port_str(): SimpleNamespace(dp_size=1, follow_bootstrap_room=True),
+    }
     s.published = Published()
     return s
 
@@ -329,11 +381,17 @@ def _decode_rows(rows: int, context_len: int):
     )
 
 
-def pd_req(rid: str, prompt, *, room: int, max_new: int = 8, salt: str | None = None):
-    """A request as the router sends it to both sides: same rid, prompt and bootstrap room,
-    SGLang's fake bootstrap host (its fake transfer backend)."""
+PREFILL_HOST = "127.0.0.1"
+"""The prefill server's bootstrap host the router names (the transfer backend, SGLang's fake
+one with the wire, is the servers' ``--disaggregation-transfer-backend fake``)."""
+
+
+def pd_req(rid: str, prompt, *, room: int, max_new: int = 8, salt: str | None = None, host: str = PREFILL_HOST):
+    """A request as the router sends it to both sides: same rid, prompt, bootstrap room and
+    prefill host. ``host=FAKE_BOOTSTRAP_HOST``: SGLang's own warm-up / health probes, which SGLang
+    never inserts into a radix cache (``Req.skip_radix_cache_insert``)."""
     r = rig.generate_req(rid, prompt, max_new=max_new, salt=salt)
-    r.bootstrap_host = FAKE_BOOTSTRAP_HOST
+    r.bootstrap_host = host
     r.bootstrap_port = 0
     r.bootstrap_room = room
     return r
