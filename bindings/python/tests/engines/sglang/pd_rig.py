@@ -4,10 +4,13 @@ Two schedulers are built as :mod:`scheduler_rig` builds one, one in SGLang's ``p
 one in its ``decode`` mode, each with its PD queues set up by SGLang's own
 ``Scheduler.init_disaggregation`` (the prefill side's ``PrefillBootstrapQueue`` and inflight
 queue; the decode side's ``DecodeReqToTokenPool``, ``DecodePreallocQueue`` and
-``DecodeTransferQueue``). Every step is the body of SGLang's ``event_loop_normal_disagg_prefill``
-/ ``event_loop_normal_disagg_decode`` (without the socket read). Requests carry SGLang's fake
-bootstrap host, so both sides take SGLang's fake transfer backend (``disaggregation/fake``:
-``FakeKVSender`` / ``FakeKVReceiver``, chosen by SGLang's ``get_kv_class``).
+``DecodeTransferQueue``). Each side runs SGLang's own event loop (:class:`EventLoop`: the normal
+or, with the overlap schedule on, the overlap PD loop, as SGLang's dispatch picks it), one
+iteration per step; the socket read is the stand-in that hands control back. Both sides use
+SGLang's fake transfer backend (``--disaggregation-transfer-backend fake``: ``FakeKVSender`` /
+``FakeKVReceiver``, chosen by SGLang's ``get_kv_class``); requests name a prefill host
+(:data:`PREFILL_HOST`), not SGLang's fake bootstrap host, whose requests SGLang never caches in a
+radix cache.
 
 What is replaced: the model (as in :mod:`scheduler_rig`) and the wire. SGLang's fake backend moves
 no KV (it is there for warm-up requests: its receiver reports success as soon as the decode side
@@ -16,8 +19,11 @@ the sender copies the pages SGLang's ``send_kv_chunk`` gives it into the destina
 decode side's ``send_metadata`` named, through the two pools' buffer pointers and page item
 lengths (``KVArgs.kv_data_ptrs`` / ``kv_item_lens``, what an RDMA backend such as mooncake
 writes with), and the receiver reports ``KVPoll.Success`` once the pages the sender was told to
-send (``init(num_kv_indices)``) have all been sent, as a real backend does. Like a real wire, it moves what it was given: it does not know the
-prompt.
+send (``init(num_kv_indices)``) have all been sent, as a real backend does. With the last chunk
+it copies the request's metadata row (``MetadataBuffers``: the first output token) and it carries
+the decode side's ``decode_prefix_len`` (its radix cache's match) to the prefill side, as a real
+backend's aux transfer and bootstrap do. Like a real wire, it moves what it was given: it does
+not know the prompt.
 
 The two schedulers share the process: SGLang's published config (``runtime_context``) is
 process-wide, so each side's is saved when it is built and put back before each of its steps.

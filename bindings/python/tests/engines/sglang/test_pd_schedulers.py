@@ -1,6 +1,6 @@
 """PD disaggregation through SGLang's own prefill and decode schedulers (pd_rig.py): their
-bootstrap, prealloc, transfer and inflight queues and the step bodies of
-``event_loop_normal_disagg_prefill`` / ``_decode``, SGLang's fake transfer backend with a CPU wire
+bootstrap, prealloc, transfer and inflight queues and their own event loops (normal or overlap,
+``event_loop_*_disagg_prefill`` / ``_decode``), SGLang's fake transfer backend with a CPU wire
 that copies the pages sent (the model and the wire are the only stand-ins). kvguard is attached as
 its plugin attaches it (``_scheduler_started``), which wraps the KV senders and receivers SGLang
 creates on its own."""
