@@ -165,6 +165,35 @@ def _slot_bytes(kv_pool: Any, page_size: int) -> int:
     return len(_page_bytes(kv_pool, 0, page_size)) // page_size
 
 
+def _transfer_tokens(prompt: Any, prefix: int) -> np.ndarray:
+    """The tokens a transfer carries, as its manifest states them: the whole prompt, or, when the
+    decode side's radix cache holds the prompt's first ``prefix`` tokens
+    (``--disaggregation-decode-enable-radix-cache``: SGLang's prefill side sends from there),
+    the rest, each keyed by a digest of that prefix and its length, so the manifest's count
+    is the pages sent and its digest still binds the whole prompt (a prefill side that ran
+    another prefix, or assumed another prefix length, is refused)."""
+    tokens = np.asarray(prompt, dtype=np.int64).reshape(-1)
+    if prefix <= 0:
+        return tokens
+    import hashlib
+
+    head = tokens[:prefix].tobytes() + int(prefix).to_bytes(8, "little")
+    seed = np.uint64(int.from_bytes(hashlib.blake2b(head, digest_size=8).digest(), "little") | 1)
+    rest = tokens[prefix:]
+    # A 32-bit key per position from the 64-bit seed (token ids are 32-bit), wrapping.
+    with np.errstate(over="ignore"):
+        keys = ((np.arange(1, len(rest) + 1, dtype=np.uint64) * seed) >> np.uint64(32)).astype(np.int64)
+    return (rest & 0xFFFFFFFF) ^ keys
+
+
+def _prefix_len(value: Any) -> int:
+    """SGLang's ``decode_prefix_len`` (None or an int) as a count of tokens."""
+    try:
+        return max(0, int(value or 0))
+    except (TypeError, ValueError):
+        return 0
+
+
 class GuardedKVSender:
     """Prefill side: wraps an SGLang ``BaseKVSender`` (mooncake, nixl, fake). ``send`` builds the
     kvguard manifest of the pages it sends (request and tenant as the decode side named them,
@@ -238,7 +267,8 @@ class GuardedKVSender:
     def _record(self, kv_indices: Any, num_kv_tokens: int | None) -> None:
         ps = self.guard.page_size
         pool = self.guard.kv_pool
-        total = len(self.req.origin_input_ids)
+        # After a decode-side prefix the transfer starts there (SGLang's start_send_idx).
+        total = len(self.req.origin_input_ids) - _prefix_len(getattr(self.req, "disagg_decode_prefix_len", 0))
         pages = np.asarray(kv_indices.cpu() if hasattr(kv_indices, "cpu") else kv_indices).reshape(-1).tolist()
         tokens = int(num_kv_tokens) if num_kv_tokens is not None else min(len(pages) * ps, max(0, total - self._tokens))
         for i, p in enumerate(pages):
@@ -268,7 +298,7 @@ class GuardedKVSender:
         ps = self.guard.page_size
         manifest = Manifest.build(
             ids[0], ids[1], self.sender, ps, _slot_bytes(self.guard.kv_pool, ps),
-            np.asarray(self.req.origin_input_ids, dtype=np.int64),
+            _transfer_tokens(self.req.origin_input_ids, _prefix_len(getattr(self.req, "disagg_decode_prefix_len", 0))),
             [PageRef(p, g) for p, g in dest[: len(pages)]], pages,
         )
         return manifest.encode()
@@ -282,7 +312,7 @@ class GuardedKVReceiver:
     turns the poll into ``KVPoll.Failed``, aborts the request, and its pages stay unwritten, so
     attention can never read them."""
 
-    _OWN = frozenset(("inner", "guard", "req", "channel", "room", "_pages", "_verdict", "refusal", "_landed"))
+    _OWN = frozenset(("inner", "guard", "req", "channel", "room", "_pages", "_verdict", "refusal", "_landed", "_prefix"))
 
     def __init__(self, inner: Any, guard: Guard, req: Any, channel: Any) -> None:
         self.inner = inner
@@ -291,6 +321,8 @@ class GuardedKVReceiver:
         self.channel = channel
         self.room = int(getattr(inner, "bootstrap_room", None) or getattr(req, "bootstrap_room", 0) or 0)
         self._pages: list[int] = []
+        self._prefix = 0
+        """The prompt's tokens this side's radix cache holds (``decode_prefix_len``): not sent."""
         self._verdict: int | None = None
         self._landed: float | None = None
         """When the backend reported the transfer done (its manifest may still be on the way)."""
@@ -336,6 +368,7 @@ class GuardedKVReceiver:
             # request until its bootstrap times out), with no page to write.
             return self.inner.send_metadata(kv_indices[:0], aux_index, state_indices, **kwargs)
         table = self.guard.table
+        self._prefix = _prefix_len(kwargs.get("decode_prefix_len"))
         self._pages = [int(p) for p in np.asarray(kv_indices).reshape(-1).tolist()]
         dest = []
         for page in self._pages:
@@ -374,7 +407,20 @@ class GuardedKVReceiver:
             self.channel.drop(self.room)
         # Report mode records the refusal and lets the transfer through.
         self._verdict = KVPoll.Success if accepted or self.guard.policy == "report" else KVPoll.Failed
+        if not accepted and self.guard.policy == "report":
+            self._follow_engine()
         return self._verdict
+
+    def _follow_engine(self) -> None:
+        """Report mode let a refused transfer through: SGLang decodes over what landed as the
+        prompt's KV, so the table follows it (the prompt's tokens written into the request's
+        pages). The refusal is counted once, at the transfer, not again at every read of those
+        pages."""
+        total = max(0, len(self.req.origin_input_ids) - self._prefix)
+        try:
+            self.guard.table.record_import(self.guard.request_key(self.req.rid), self._pages, total, total)
+        except Error:
+            pass  # pages that are not the request's: its reads are judged (and counted) as they come
 
     def _accept(self) -> bool:
         guard = self.guard
@@ -382,7 +428,8 @@ class GuardedKVReceiver:
         manifest = self.channel.get(self.room, "manifest")
         dest = [PageRef(p, g) for p, g in self.channel.get(self.room, "dest") or []]
         ps = guard.page_size
-        total = len(self.req.origin_input_ids)
+        prompt = _transfer_tokens(self.req.origin_input_ids, self._prefix)
+        total = len(prompt)
         landed = [
             _page_bytes(guard.kv_pool, p, ps, max(0, min(ps, total - i * ps))) for i, p in enumerate(self._pages)
         ]
@@ -400,7 +447,7 @@ class GuardedKVReceiver:
             accepted = Receiver(guard.table).accept(
                 key,
                 guard._tenant_key(guard.tenant_of(self.req)),
-                np.asarray(self.req.origin_input_ids, dtype=np.int64),
+                prompt,
                 dest,
                 manifest,
                 landed,

@@ -4,10 +4,13 @@ Two schedulers are built as :mod:`scheduler_rig` builds one, one in SGLang's ``p
 one in its ``decode`` mode, each with its PD queues set up by SGLang's own
 ``Scheduler.init_disaggregation`` (the prefill side's ``PrefillBootstrapQueue`` and inflight
 queue; the decode side's ``DecodeReqToTokenPool``, ``DecodePreallocQueue`` and
-``DecodeTransferQueue``). Every step is the body of SGLang's ``event_loop_normal_disagg_prefill``
-/ ``event_loop_normal_disagg_decode`` (without the socket read). Requests carry SGLang's fake
-bootstrap host, so both sides take SGLang's fake transfer backend (``disaggregation/fake``:
-``FakeKVSender`` / ``FakeKVReceiver``, chosen by SGLang's ``get_kv_class``).
+``DecodeTransferQueue``). Each side runs SGLang's own event loop (:class:`EventLoop`: the normal
+or, with the overlap schedule on, the overlap PD loop, as SGLang's dispatch picks it), one
+iteration per step; the socket read is the stand-in that hands control back. Both sides use
+SGLang's fake transfer backend (``--disaggregation-transfer-backend fake``: ``FakeKVSender`` /
+``FakeKVReceiver``, chosen by SGLang's ``get_kv_class``); requests name a prefill host
+(:data:`PREFILL_HOST`), not SGLang's fake bootstrap host, whose requests SGLang never caches in a
+radix cache.
 
 What is replaced: the model (as in :mod:`scheduler_rig`) and the wire. SGLang's fake backend moves
 no KV (it is there for warm-up requests: its receiver reports success as soon as the decode side
@@ -16,8 +19,11 @@ the sender copies the pages SGLang's ``send_kv_chunk`` gives it into the destina
 decode side's ``send_metadata`` named, through the two pools' buffer pointers and page item
 lengths (``KVArgs.kv_data_ptrs`` / ``kv_item_lens``, what an RDMA backend such as mooncake
 writes with), and the receiver reports ``KVPoll.Success`` once the pages the sender was told to
-send (``init(num_kv_indices)``) have all been sent, as a real backend does. Like a real wire, it moves what it was given: it does not know the
-prompt.
+send (``init(num_kv_indices)``) have all been sent, as a real backend does. With the last chunk
+it copies the request's metadata row (``MetadataBuffers``: the first output token) and it carries
+the decode side's ``decode_prefix_len`` (its radix cache's match) to the prefill side, as a real
+backend's aux transfer and bootstrap do. Like a real wire, it moves what it was given: it does
+not know the prompt.
 
 The two schedulers share the process: SGLang's published config (``runtime_context``) is
 process-wide, so each side's is saved when it is built and put back before each of its steps.
@@ -90,16 +96,25 @@ class WireKVSender(FakeKVSender):
         super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
         self.pages_sent = 0
         self.pages_total = None
+        self.aux_index = None
 
     def init(self, num_kv_indices, aux_index=None):
-        """The number of pages this transfer will send (SGLang's ``finalize_bootstrap``)."""
+        """The number of pages this transfer will send (SGLang's ``finalize_bootstrap``) and the
+        prefill side's metadata row (``aux_index``: the first output token, the room)."""
         self.pages_total = int(num_kv_indices)
+        self.aux_index = aux_index
         super().init(num_kv_indices, aux_index)
 
     def poll(self) -> KVPoll:
         if self.conclude_state is None and not self.has_sent and not self._offered():
             return KVPoll.Bootstrapping  # the decode side has not sent its metadata yet
         return super().poll()
+
+    def pop_decode_prefix_len(self) -> int:
+        """How much of the prompt the decode side already holds (its radix cache's match), as
+        its ``send_metadata`` said; SGLang's prefill side sends from there."""
+        room = Wire.rooms.get(int(self.bootstrap_room))
+        return 0 if room is None else room["prefix"]
 
     def _offered(self) -> bool:
         if Wire.dir is None:
@@ -123,7 +138,18 @@ class WireKVSender(FakeKVSender):
         self.pages_sent += len(pages)
         super().send(kv_indices, state_indices, num_kv_tokens)
         if self.pages_total is not None and self.pages_sent >= self.pages_total:
+            self._send_aux(src, dst, room.get("aux"))
             room["sent"] = True  # the last page is on the decode side
+
+    def _send_aux(self, src, dst, dst_index) -> None:
+        """With the last chunk, the request's metadata row (SGLang's ``MetadataBuffers``: the
+        first output token, the room) into the decode side's row, as a real backend's aux
+        transfer does (a request on SGLang's fake bootstrap host has no row to fill)."""
+        if self.aux_index is None or dst_index is None:
+            return
+        for s_ptr, d_ptr, s_len, d_len in zip(src.aux_data_ptrs, dst.aux_data_ptrs, src.aux_item_lens, dst.aux_item_lens):
+            assert s_len == d_len, "both sides' metadata rows are the same size"
+            ctypes.memmove(d_ptr + int(dst_index) * d_len, s_ptr + int(self.aux_index) * s_len, s_len)
 
 
     def _send_across(self, kv_indices, state_indices, num_kv_tokens):
@@ -144,6 +170,12 @@ class WireKVSender(FakeKVSender):
         self.pages_sent += len(pages)
         super().send(kv_indices, state_indices, num_kv_tokens)
         if self.pages_total is not None and self.pages_sent >= self.pages_total:
+            if self.aux_index is not None:
+                row = b"".join(
+                    ctypes.string_at(ptr + int(self.aux_index) * size, size)
+                    for ptr, size in zip(src.aux_data_ptrs, src.aux_item_lens)
+                )
+                Wire.write(self.bootstrap_room, "aux", row)
             Wire.write(self.bootstrap_room, "sent", str(self.pages_sent).encode())
 
 
@@ -160,6 +192,10 @@ class WireKVReceiver(FakeKVReceiver):
             "args": self.kv_mgr.kv_args,
             "pages": [int(p) for p in torch.as_tensor(kv_indices).reshape(-1).tolist()],
             "sent": False,
+            # The prompt's tokens the decode side's radix cache holds: the prefill side sends
+            # from there (SGLang's PD protocol, as its real backends carry it).
+            "prefix": int(decode_prefix_len or 0),
+            "aux": aux_index,
         }
         Wire.offered.append((int(self.bootstrap_room), Wire.rooms[int(self.bootstrap_room)]["pages"]))
         if Wire.dir is not None:
@@ -200,6 +236,12 @@ class WireKVReceiver(FakeKVReceiver):
             os.remove(Wire.path(self.bootstrap_room, name))
             self.landed += len(data) // page_bytes
         sent = Wire.read(self.bootstrap_room, "sent")
+        aux = Wire.read(self.bootstrap_room, "aux")
+        if sent is not None and aux is not None and room.get("aux") is not None:
+            at = 0  # the request's metadata row, landed in this side's row
+            for ptr, size in zip(dst.aux_data_ptrs, dst.aux_item_lens):
+                ctypes.memmove(ptr + int(room["aux"]) * size, aux[at : at + size], size)
+                at += size
         room["sent"] = sent is not None and int(sent) == self.landed
 
 
@@ -271,8 +313,31 @@ def _one_rank_process_group() -> None:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
+class CpuEvent:
+    """``torch.cuda.Event``'s stand-in on CPU, where the forward is done when it returns.
+
+    Under the overlap schedule SGLang's prefill side records a CUDA event on the forward stream
+    before it sends a cached prefix early (``maybe_send_cached_prefix_chunk``, on by default:
+    ``SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX``), for the backend to wait on; torch has
+    no event on the CPU stream the rig runs on. Part of the device stand-in, like the model."""
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+
 def build_prefill(*, page_size: int, tokens: int, rows: int, context_len: int, **server_args):
     """A prefill-mode Scheduler (SGLang's ``init_disaggregation``: bootstrap and inflight queues)."""
+    if not server_args.get("disable_overlap_schedule", True) and not torch.cuda.is_available():
+        torch.cuda.Event = CpuEvent
     s = rig.build_scheduler(
         page_size=page_size, tokens=tokens, rows=rows, context_len=context_len,
         disaggregation_mode="prefill", disaggregation_transfer_backend="fake", **server_args,
@@ -283,17 +348,33 @@ def build_prefill(*, page_size: int, tokens: int, rows: int, context_len: int, *
     return s
 
 
-def build_decode(*, page_size: int, tokens: int, rows: int, context_len: int, **server_args):
+def build_decode(
+    *, page_size: int, tokens: int, rows: int, context_len: int, radix_cache: bool = False, **server_args
+):
     """A decode-mode Scheduler on SGLang's ``DecodeReqToTokenPool`` (rows for running and for
     preallocated requests), with its prealloc and transfer queues (``init_disaggregation``) and
-    its radix cache disabled, as SGLang builds a decode server's by default."""
+    its radix cache disabled, as SGLang builds a decode server's by default; ``radix_cache``:
+    enabled, as ``--disaggregation-decode-enable-radix-cache`` builds it (SGLang's argument check
+    refuses that flag with the fake backend, which moves no KV; the rig's wire moves it and
+    carries the decode side's prefix length, so the flag is set after that check)."""
     s = rig.build_scheduler(
         page_size=page_size, tokens=tokens, rows=rows, context_len=context_len,
         disaggregation_mode="decode", disaggregation_transfer_backend="fake",
-        req_to_token_pool_factory=lambda: _decode_rows(rows, context_len), radix_cache=False, **server_args,
+        req_to_token_pool_factory=lambda: _decode_rows(rows, context_len), radix_cache=radix_cache, **server_args,
     )
+    if radix_cache:
+        from sglang.srt.runtime_context import get_context
+
+        get_context().override("kvguard rig: the wire carries decode_prefix_len", disaggregation_decode_enable_radix_cache=True)
     _pd_ready(s, tokens)
     s.init_disaggregation()
+    # What a real backend learns from the prefill server's bootstrap server (one prefill rank):
+    # requests that name PREFILL_HOST resolve to it, as SGLang's fast path reads it.
+    from sglang.srt.utils.network import NetworkAddress
+
+    s.disagg_decode_prealloc_queue.kv_manager.prefill_info_table = {
+        NetworkAddress(PREFILL_HOST, 0).to_host_port_str(): SimpleNamespace(dp_size=1, follow_bootstrap_room=True),
+    }
     s.published = Published()
     return s
 
@@ -306,52 +387,148 @@ def _decode_rows(rows: int, context_len: int):
     )
 
 
-def pd_req(rid: str, prompt, *, room: int, max_new: int = 8, salt: str | None = None):
-    """A request as the router sends it to both sides: same rid, prompt and bootstrap room,
-    SGLang's fake bootstrap host (its fake transfer backend)."""
+PREFILL_HOST = "127.0.0.1"
+"""The prefill server's bootstrap host the router names (the transfer backend, SGLang's fake
+one with the wire, is the servers' ``--disaggregation-transfer-backend fake``)."""
+
+
+def pd_req(rid: str, prompt, *, room: int, max_new: int = 8, salt: str | None = None, host: str = PREFILL_HOST):
+    """A request as the router sends it to both sides: same rid, prompt, bootstrap room and
+    prefill host. ``host=FAKE_BOOTSTRAP_HOST``: SGLang's own warm-up / health probes, which SGLang
+    never inserts into a radix cache (``Req.skip_radix_cache_insert``)."""
     r = rig.generate_req(rid, prompt, max_new=max_new, salt=salt)
-    r.bootstrap_host = FAKE_BOOTSTRAP_HOST
+    r.bootstrap_host = host
     r.bootstrap_port = 0
     r.bootstrap_room = room
     return r
 
 
+class EventLoop:
+    """SGLang's own event loop of one scheduler, run one iteration at a time.
+
+    ``_dispatch_event_loop_once`` (SGLang's, as ``run_event_loop`` calls it) picks the loop as a
+    server does: ``event_loop_normal_disagg_prefill`` / ``_decode``, or with the overlap schedule
+    on (``disable_overlap_schedule=False``) ``event_loop_overlap_disagg_prefill`` / ``_decode``
+    (their result queue, each batch's ``process_batch_result`` one iteration later, their
+    loop-local state). It runs in a thread of its own; the socket read is the one stand-in:
+    ``request_receiver.recv_requests``, which SGLang's ``ingest_requests`` calls at the top of
+    every iteration, hands control back to the driver and, on the next :meth:`step`, returns the
+    requests queued with :meth:`send` (SGLang's ``process_input_requests`` dispatches them). Only
+    one thread runs at a time, so the driver may read and change the scheduler between steps."""
+
+    class _Stop(BaseException):
+        """Ends the loop's thread (raised from the socket read)."""
+
+    def __init__(self, s) -> None:
+        import threading
+
+        self.s = s
+        self.inbox: list = []
+        self._go = threading.Semaphore(0)
+        self._back = threading.Semaphore(0)
+        self._in_loop = False
+        self._stopping = False
+        self._ended = False
+        self._error: BaseException | None = None
+        # SGLang's dispatcher, for the one input type the rig sends (its full table names the
+        # weight updater's and other components' handlers, which the rig does not build).
+        from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+        from sglang.utils import TypeBasedDispatcher
+
+        s._request_dispatcher = TypeBasedDispatcher([(TokenizedGenerateReqInput, s.handle_generate_request)])
+        s.request_receiver = SimpleNamespace(recv_requests=self._recv)
+        s.external_corpus_manager = None  # as Scheduler.__init__ leaves it without one
+        self._thread = threading.Thread(target=self._run, name=f"sglang-{s.disaggregation_mode.value}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from sglang.srt.managers.scheduler import _dispatch_event_loop_once
+
+        try:
+            self._go.acquire()
+            if self._stopping:
+                return
+            self.s.published.restore()
+            _dispatch_event_loop_once(self.s)
+        except EventLoop._Stop:
+            pass
+        except BaseException as e:  # noqa: BLE001 - handed to the driver's thread
+            self._error = e
+        finally:
+            self._ended = True
+            self._back.release()
+
+    def _recv(self, local_reqs=()):
+        if self._in_loop:
+            self._back.release()  # one iteration done: the driver's turn
+            self._go.acquire()
+        self._in_loop = True
+        if self._stopping:
+            raise EventLoop._Stop()
+        self.s.published.restore()
+        reqs, self.inbox = self.inbox, []
+        return list(local_reqs) + reqs
+
+    def send(self, req) -> None:
+        """A request for the scheduler's socket, read at the top of the next iteration."""
+        self.inbox.append(req)
+
+    def step(self):
+        """One iteration of the loop (from its socket read to the next); the batch it launched."""
+        if self._ended:
+            raise AssertionError("the event loop has ended") from self._error
+        self._go.release()
+        self._back.acquire()
+        if self._error is not None:
+            raise self._error
+        if self._ended:
+            raise AssertionError("SGLang's event loop returned")
+        return self.s.last_batch
+
+    def close(self) -> None:
+        """Ends the thread (at its next socket read)."""
+        if not self._ended:
+            self._stopping = True
+            self._go.release()
+            self._back.acquire()
+        self._thread.join()
+
+
+def count_overlap(s) -> SimpleNamespace:
+    """Counts, on this scheduler, the batch results SGLang processed after it had launched a
+    later batch (``overlapped``): what the overlap loops do and the normal ones never do."""
+    seen = SimpleNamespace(launched=0, processed=0, overlapped=0)
+    run_batch, process = s.run_batch, s.process_batch_result
+
+    def launch(batch, *args, **kwargs):
+        seen.launched += 1
+        return run_batch(batch, *args, **kwargs)
+
+    def processed(batch, *args, **kwargs):
+        seen.processed += 1
+        seen.overlapped += seen.launched > seen.processed
+        return process(batch, *args, **kwargs)
+
+    s.run_batch, s.process_batch_result = launch, processed
+    return seen
+
+
+def event_loop(s) -> EventLoop:
+    """The scheduler's :class:`EventLoop` (made on first use)."""
+    loop = getattr(s, "rig_event_loop", None)
+    if loop is None:
+        loop = s.rig_event_loop = EventLoop(s)
+    return loop
+
+
 def prefill_step(s):
-    """One iteration of ``event_loop_normal_disagg_prefill`` without the socket read."""
-    s.published.restore()
-    s.waiting_queue.extend(s.disagg_prefill_bootstrap_queue.pop_bootstrapped())
-    plan = s.get_next_disagg_prefill_batch_to_run(running_batch=s.running_batch, last_batch=s.last_batch)
-    s.running_batch = plan.running_batch
-    batch = plan.batch_to_run
-    s.cur_batch_for_debug = batch
-    if batch:
-        result = s.run_batch(batch)
-        s.process_batch_result(batch, result)
-    else:
-        s._sched_idled = True
-        s.on_idle()
-    s.process_disagg_prefill_inflight_queue()
-    s.last_batch = batch
-    return batch
+    """One iteration of the prefill side's own event loop (normal or overlap, as configured)."""
+    return event_loop(s).step()
 
 
 def decode_step(s):
-    """One iteration of ``event_loop_normal_disagg_decode`` without the socket read."""
-    s.published.restore()
-    s.disagg_decode_prealloc_queue.prefetch_prefill_dp_rank_queries()
-    s.process_decode_queue()
-    plan = s.get_next_disagg_decode_batch_to_run(running_batch=s.running_batch)
-    s.running_batch = plan.running_batch
-    batch = plan.batch_to_run
-    s.cur_batch_for_debug = batch
-    if batch:
-        result = s.run_batch(batch)
-        s.process_batch_result(batch, result)
-    else:
-        s._sched_idled = True
-        s.on_idle()
-    s.last_batch = batch
-    return batch
+    """One iteration of the decode side's own event loop (normal or overlap, as configured)."""
+    return event_loop(s).step()
 
 
 def idle(s) -> bool:
@@ -362,7 +539,8 @@ def idle(s) -> bool:
     if s.disagg_decode_prealloc_queue is not None:
         queues += [s.disagg_decode_prealloc_queue.queue, s.disagg_decode_prealloc_queue.pending_reqs,
                    s.disagg_decode_transfer_queue.queue]
-    return all(len(q) == 0 for q in queues) and s.running_batch.is_empty() and s.chunked_req is None
+    return (all(len(q) == 0 for q in queues) and s.running_batch.is_empty() and s.chunked_req is None
+            and not s.result_queue)
 
 
 def run_pd(prefill, decode, pairs, *, per_step: int = 4, max_steps: int = 100_000) -> dict:
@@ -373,10 +551,8 @@ def run_pd(prefill, decode, pairs, *, per_step: int = 4, max_steps: int = 100_00
     pending = list(pairs)
     for _ in range(max_steps):
         for p_req, d_req in pending[:per_step]:
-            decode.published.restore()
-            decode.handle_generate_request(d_req)
-            prefill.published.restore()
-            prefill.handle_generate_request(p_req)
+            event_loop(decode).send(d_req)
+            event_loop(prefill).send(p_req)
         del pending[:per_step]
         decode_step(decode)
         prefill_step(prefill)

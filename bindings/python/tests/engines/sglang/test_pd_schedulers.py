@@ -1,6 +1,6 @@
 """PD disaggregation through SGLang's own prefill and decode schedulers (pd_rig.py): their
-bootstrap, prealloc, transfer and inflight queues and the step bodies of
-``event_loop_normal_disagg_prefill`` / ``_decode``, SGLang's fake transfer backend with a CPU wire
+bootstrap, prealloc, transfer and inflight queues and their own event loops (normal or overlap,
+``event_loop_*_disagg_prefill`` / ``_decode``), SGLang's fake transfer backend with a CPU wire
 that copies the pages sent (the model and the wire are the only stand-ins). kvguard is attached as
 its plugin attaches it (``_scheduler_started``), which wraps the KV senders and receivers SGLang
 creates on its own."""
@@ -14,6 +14,7 @@ import pd_rig
 import pytest
 from kvguard.sglang import GuardedKVReceiver, GuardedKVSender
 from scheduler_rig import attach_kvguard, pool_pages
+from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 
 CONTEXT = 256
 
@@ -41,17 +42,22 @@ def workload(seed: int, n: int, tenants=("acme", "zeta", "kilo")):
 
 def sides(
     page_size: int, *, prefill_tokens: int = 2560, prefill_context: int = CONTEXT, decode_tokens: int = 2560,
-    guard: str | None = None,
+    guard: str | None = None, overlap: bool = False, decode_radix: bool = False,
 ):
     """A prefill and a decode scheduler (chunked prefill on, the prefill side's radix cache on),
-    kvguard attached to both as its plugin attaches it when ``guard`` is a policy."""
+    kvguard attached to both as its plugin attaches it when ``guard`` is a policy; ``overlap``:
+    SGLang's overlap schedule on both sides (``event_loop_overlap_disagg_prefill`` / ``_decode``);
+    ``decode_radix``: the decode side's radix cache on (``--disaggregation-decode-enable-radix-cache``)."""
     pd_rig.install_wire()
     prefill = pd_rig.build_prefill(
         page_size=page_size, tokens=prefill_tokens, rows=24, context_len=prefill_context, chunked_prefill_size=48,
+        disable_overlap_schedule=not overlap,
     )
     decode = pd_rig.build_decode(
         page_size=page_size, tokens=decode_tokens, rows=24, context_len=CONTEXT, num_reserved_decode_tokens=32,
+        disable_overlap_schedule=not overlap, radix_cache=decode_radix,
     )
+    assert prefill.enable_overlap == decode.enable_overlap == overlap
     if guard is not None:
         attach_kvguard(prefill, guard)
         attach_kvguard(decode, guard)
@@ -67,14 +73,30 @@ def unguarded(page_size: int, n: int):
     return out, start, (pool_pages(prefill), pool_pages(decode))
 
 
+LOOPS = pytest.mark.parametrize(
+    "loops", [{}, {"overlap": True}, {"overlap": True, "decode_radix": True}], ids=["normal", "overlap", "overlap-decode-radix"],
+)
+"""SGLang's normal PD event loops; its overlap ones; the overlap ones with the decode side's radix
+cache on (``--disaggregation-decode-enable-radix-cache``)."""
+
+
+def decode_prefix_hits() -> int:
+    """Transfers the decode side offered after a prefix its radix cache held."""
+    return sum(1 for room in pd_rig.Wire.rooms.values() if room["prefix"] > 0)
+
+
 @pytest.mark.parametrize("page_size", [16, 1])
-def test_a_clean_pd_workload_is_served_as_without_kvguard(page_size):
+@LOOPS
+def test_a_clean_pd_workload_is_served_as_without_kvguard(page_size, loops):
     """1,000 multi-tenant requests, chunked prefill (48 tokens), the prefill side's radix cache on,
-    under enforce: every transfer accepted, every request served with the unguarded run's
-    output, no violation on either side, both pools whole at the end."""
+    under enforce, through SGLang's normal or overlap PD event loops (and with the decode side's
+    radix cache on): every transfer accepted, every request served with the unguarded run's
+    output (the normal loops' without the decode side's radix cache: neither changes an output),
+    no violation on either side, both pools whole at the end."""
     n = 1000
     ref, ref_start, ref_end = unguarded(page_size, n)
-    prefill, decode = sides(page_size, guard="enforce")
+    prefill, decode = sides(page_size, guard="enforce", **loops)
+    seen = pd_rig.count_overlap(prefill), pd_rig.count_overlap(decode)
     start = pool_pages(prefill), pool_pages(decode)
     assert start == (2560 // page_size, 2560 // page_size)
     out = pd_rig.run_pd(prefill, decode, workload(7, n))
@@ -83,6 +105,11 @@ def test_a_clean_pd_workload_is_served_as_without_kvguard(page_size):
     assert prefill.kvguard.violations == [] and decode.kvguard.violations == []
     assert decode.kvguard.metrics["transfers_accepted"] == n and decode.kvguard.metrics["transfers_refused"] == 0
     assert start == ref_start and pool_pages(prefill) == start[0] and pool_pages(decode) == start[1], (start, ref_end)
+    # Each side's batch results processed one iteration late (overlap) or never (normal).
+    assert all((s.overlapped > 0) == bool(loops.get("overlap")) for s in seen), [vars(s) for s in seen]
+    # Both radix caches were used: the prefill side's always, the decode side's when on.
+    assert prefill.tree_cache.evictable_size() > 0
+    assert (decode_prefix_hits() > n // 2) == bool(loops.get("decode_radix")), decode_prefix_hits()
 
 
 # ---- the incident: the prefill side runs a one-token stub of a prompt its pool cannot hold ----------
@@ -91,7 +118,9 @@ VICTIM = "victim"
 VICTIM_ROOM = 7
 
 
-def incident(*, stub: bool, guard: str | None = None, page_size: int = 16):
+def incident(
+    *, stub: bool, guard: str | None = None, page_size: int = 16, overlap: bool = False, decode_radix: bool = False,
+):
     """Bystanders of three tenants, then a long prompt (200 tokens) that the decode side accepts
     (the model's 256-token context; its pool holds 640 tokens, so its pages are used over and
     over) but the prefill side cannot: it was started with a pool of 160 tokens and a context to
@@ -102,7 +131,10 @@ def incident(*, stub: bool, guard: str | None = None, page_size: int = 16):
     prefilled and sent it, and so does any path that replaces a prompt behind the decode side's
     back, so the prefill scheduler here is handed the stub as it would run it. Without ``stub``
     the prefill side has a pool that holds the prompt (the truth). Returns the decode side's
-    outputs, both schedulers, and the rids each decode batch ran."""
+    outputs, both schedulers, and the rids each decode batch ran. ``overlap``: SGLang's overlap
+    PD event loops on both sides; ``decode_radix``: the decode side's radix cache on (the
+    bystanders' transfers then start after the system prompt the decode side holds; the long
+    prompt shares none)."""
     rng = random.Random(3)
     pairs = workload(11, 40)
     prompt = [rng.randrange(2, 30000) for _ in range(200)]
@@ -111,7 +143,7 @@ def incident(*, stub: bool, guard: str | None = None, page_size: int = 16):
     pairs.insert(24, victim)
     prefill, decode = sides(
         page_size, prefill_tokens=160 if stub else 2560, prefill_context=160 if stub else CONTEXT, decode_tokens=640,
-        guard=guard,
+        guard=guard, overlap=overlap, decode_radix=decode_radix,
     )
     start = pool_pages(prefill), pool_pages(decode)
     batches = []
@@ -131,12 +163,14 @@ def bystanders(out):
     return {rid: v for rid, v in out.items() if rid != VICTIM}
 
 
-def test_without_kvguard_decode_serves_other_users_kv_for_the_stub():
+@LOOPS
+def test_without_kvguard_decode_serves_other_users_kv_for_the_stub(loops):
     """The incident: the wire moves the one page the prefill side sent and reports the transfer
     done; the decode side never learns the prompt was replaced and decodes over pages that held
     other requests' KV, serving an output that is not the prompt's."""
-    truth, *_ = incident(stub=False)
-    out, _, decode, batches = incident(stub=True)
+    truth, *_ = incident(stub=False, **loops)
+    out, _, decode, batches = incident(stub=True, **loops)
+    assert (decode_prefix_hits() > 0) == bool(loops.get("decode_radix"))
     pages = dict(Wire_offered())[VICTIM_ROOM]
     earlier = {p for room, ps in Wire_offered() if room != VICTIM_ROOM for p in ps}
     assert set(pages[1:]) & earlier, "the stub's unwritten pages are pages other requests' KV was written to"
@@ -149,13 +183,14 @@ def Wire_offered():
     return list(pd_rig.Wire.offered)
 
 
-def test_under_enforce_decode_refuses_the_stub_before_attention_reads_it():
+@LOOPS
+def test_under_enforce_decode_refuses_the_stub_before_attention_reads_it(loops):
     """Under enforce (kvguard's plugin wrapping SGLang's own senders and receivers): the
     manifest the prefill side sent names a one-token prompt, the decode side holds 200 tokens,
     so the transfer is refused (KVPoll.Failed) and SGLang aborts the request before it enters
     any batch; only it; every bystander served as without kvguard; both pools whole."""
-    ref, *_ = incident(stub=True)
-    out, prefill, decode, batches = incident(stub=True, guard="enforce")
+    ref, *_ = incident(stub=True, **loops)
+    out, prefill, decode, batches = incident(stub=True, guard="enforce", **loops)
     ids, reason = out[VICTIM]
     assert ids == [] and reason["type"] == "abort" and "kvguard" in reason["message"]
     assert not any(VICTIM in b for b in batches), "never read by attention"
@@ -167,13 +202,15 @@ def test_under_enforce_decode_refuses_the_stub_before_attention_reads_it():
     assert bystanders(out) == bystanders(ref)
 
 
-def test_under_report_the_stub_is_counted_once_and_served():
-    """Report mode refuses nothing: the refusal is counted and logged, the request runs as
+@LOOPS
+def test_under_report_the_stub_is_counted_once_and_served(loops):
+    """Report mode refuses nothing: the refusal is counted and logged once, the request runs as
     without kvguard."""
-    ref, *_ = incident(stub=True)
-    out, _, decode, _ = incident(stub=True, guard="report")
+    ref, *_ = incident(stub=True, **loops)
+    out, prefill, decode, _ = incident(stub=True, guard="report", **loops)
     assert out == ref
     assert decode.kvguard.metrics["transfers_refused"] == 1 and decode.kvguard.aborted == {}
+    assert [v.request for v in decode.kvguard.violations] == [VICTIM] and prefill.kvguard.violations == []
 
 
 # ---- the plugin wraps SGLang's senders and receivers on its own; fail closed --------------------------
@@ -333,7 +370,7 @@ def test_a_decode_only_probe_reads_no_kv_unchecked(monkeypatch):
         run_batch = decode.run_batch
         decode.run_batch = lambda batch, *a, **k: (batches.append([r.rid for r in batch.reqs]), run_batch(batch, *a, **k))[1]
         decode.published.restore()
-        decode.handle_generate_request(pd_rig.pd_req("probe", [10, 11, 12, 13], room=0, max_new=8))
+        decode.handle_generate_request(pd_rig.pd_req("probe", [10, 11, 12, 13], room=0, max_new=8, host=FAKE_BOOTSTRAP_HOST))
         for _ in range(50):
             pd_rig.decode_step(decode)
         served[guard] = (pd_rig.rig.finished(decode)["probe"], batches)
@@ -369,3 +406,72 @@ def test_a_transfer_the_backend_fails_is_no_violation(monkeypatch):
     assert len(failed) == 1 and "kvguard" not in outs["enforce"][failed[0]][1]["message"]
     assert outs["enforce"] == outs[None]
     assert prefill.kvguard.violations == [] and decode.kvguard.violations == []
+
+
+# ---- the decode side's radix cache: the prefill side sends from the prefix the decode side holds ------
+
+
+def skipped_page(*, guard: str | None, inject: bool = True, overlap: bool = False):
+    """The decode side's radix cache on: it names the prefix it holds (``decode_prefix_len``) and
+    offers pages for the rest. ``inject``: for the first transfer after a prefix, the prefill
+    side is told one page more (a backend that carried the length wrong), so it sends one page
+    fewer, from a page later: the pages land one page early and the decode side's last offered
+    page is never written. Returns the decode side's outputs, the decode scheduler and the
+    request it happened to."""
+    real = pd_rig.WireKVSender.pop_decode_prefix_len
+    hit = []
+
+    def pop(self):
+        prefix = real(self)
+        if inject and prefix > 0 and not hit:
+            hit.append(int(self.bootstrap_room))
+            return prefix + self.kv_mgr.kv_args.page_size
+        return prefix
+
+    pd_rig.WireKVSender.pop_decode_prefix_len = pop
+    try:
+        prefill, decode = sides(16, guard=guard, overlap=overlap, decode_radix=True)
+        start = pool_pages(prefill), pool_pages(decode)
+        pairs = workload(5, 60)
+        out = pd_rig.run_pd(prefill, decode, pairs)
+    finally:
+        pd_rig.WireKVSender.pop_decode_prefix_len = real
+    assert (pool_pages(prefill), pool_pages(decode)) == start, "both pools whole at the end"
+    rid = next(d.rid for _, d in pairs if d.bootstrap_room == hit[0]) if hit else None
+    return out, decode, rid
+
+
+def test_without_kvguard_a_transfer_past_the_decode_prefix_serves_stale_kv():
+    truth, _, _ = skipped_page(guard=None, inject=False)
+    out, _, rid = skipped_page(guard=None)
+    assert rid is not None and out[rid][1]["type"] == "length" and out[rid] != truth[rid]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_under_enforce_a_transfer_past_the_decode_prefix_is_refused(overlap):
+    """The manifest states the tokens sent after the prefix the prefill side assumed, keyed by
+    that prefix: the decode side, which holds another prefix, refuses the transfer (only that
+    request is aborted, before any batch reads it); every other request is served as without
+    the bug."""
+    truth, _, _ = skipped_page(guard=None, inject=False, overlap=overlap)
+    out, decode, rid = skipped_page(guard="enforce", overlap=overlap)
+    assert rid is not None and list(decode.kvguard.aborted) == [rid]
+    assert out[rid][0] == [] and out[rid][1]["type"] == "abort" and "kvguard" in out[rid][1]["message"]
+    assert {v.kind for v in decode.kvguard.violations} <= {"token_count_mismatch", "prompt_digest_mismatch"}
+    assert {k: v for k, v in out.items() if k != rid} == {k: v for k, v in truth.items() if k != rid}
+
+
+def test_the_tokens_after_a_decode_prefix_are_keyed_by_that_prefix():
+    """What a transfer after a decode-side prefix states: the tokens after it, keyed by the
+    prefix's digest and length; another prefix (same length, or the same tokens cut elsewhere)
+    gives other tokens, so its manifest's digest differs; 32-bit token ids stay 32-bit."""
+    from kvguard.sglang.pd import _transfer_tokens
+
+    prompt = list(range(100, 140))
+    other = [7] + prompt[1:]
+    assert _transfer_tokens(prompt, 0).tolist() == prompt
+    assert len(_transfer_tokens(prompt, 16)) == 24
+    assert _transfer_tokens(prompt, 16).tolist() == _transfer_tokens(list(prompt), 16).tolist()
+    assert _transfer_tokens(prompt, 16).tolist() != _transfer_tokens(other, 16).tolist()
+    assert _transfer_tokens(prompt, 16).tolist()[1:] != _transfer_tokens(prompt, 17).tolist()
+    assert all(0 <= t < 2**32 for t in _transfer_tokens([2**32 - 1] * 40, 16).tolist())
