@@ -43,6 +43,8 @@ platform runs it as ``vllm.v1.worker.cpu.model_runner.CPUModelRunner``)
                                          kernels on vLLM's stream: ``kvguard.vllm.device``); under
                                          enforce a refused request's rows and slots are nulled
   ``BlockTables.append_block_ids``       on a GPU only: the host copy of the rows V2 stages
+  ``GPUModelRunner.initialize_kv_cache`` the runner's guard made with its pool (start-up: what
+                                         kvguard cannot check stops the engine there)
   ``GPUModelRunner.execute_model``       a step with no tokens (returns before ``prepare_attn``):
                                          its events applied; refusals put on the output
   ``GPUModelRunner.sample_tokens``       refusals put on the (async) output
@@ -796,7 +798,20 @@ def _install_worker_v2() -> None:
 
         return wrapper
 
+    def initialize_kv_cache(original: Any) -> Any:
+        # The runner's guard (and on a GPU its device check) made when its pool is, at start-up:
+        # what kvguard cannot check stops the engine there under enforce, not at its first step.
+        def wrapper(self: Any, kv_cache_config: Any, *args: Any, **kw: Any) -> Any:
+            out = original(self, kv_cache_config, *args, **kw)
+            if not kw.get("is_profiling", args[0] if args else False):
+                self.__dict__.pop("_kvguard", None)
+                _v2_guard_of(self)
+            return out
+
+        return wrapper
+
     _default(GPUModelRunner, "_kvguard_step", None)
+    _wrap(GPUModelRunner, "initialize_kv_cache", initialize_kv_cache)
     _wrap(BlockTables, "append_block_ids", append_block_ids)
     _wrap(GPUModelRunner, "prepare_attn", prepare_attn)
     _wrap(GPUModelRunner, "execute_model", execute_model)

@@ -166,8 +166,9 @@ def test_on_device_a_gathered_row_naming_another_requests_block_is_fenced(async_
 @pytest.mark.parametrize("mode", ["enforce", "report"])
 def test_on_a_gpu_where_the_device_check_cannot_start(mode, monkeypatch):
     """V2 on a GPU, but kvguard.DeviceGuard cannot start (here: the real one, on a machine with
-    no CUDA driver): under enforce the engine stops at its first step with UnsupportedConfig
-    naming why, never serving unchecked; under report it runs unchecked, with a warning."""
+    no CUDA driver): under enforce the engine stops at start-up, as its worker's KV cache is set
+    up, with UnsupportedConfig naming why, never serving; under report it runs unchecked, with a
+    warning."""
     from kvguard.vllm.hooks import UnsupportedConfig
 
     monkeypatch.setattr(hooks, "_on_device", lambda runner: True)
@@ -175,7 +176,7 @@ def test_on_a_gpu_where_the_device_check_cannot_start(mode, monkeypatch):
     fill = lambda e: base.workload(e, 3, 6, salts=2, max_prompt=60)  # noqa: E731
     if mode == "enforce":
         with pytest.raises(UnsupportedConfig, match="V2 model runner on a GPU, but kvguard's device check cannot start"):
-            base.run_v2(rc, fill, guarded=True, mode=mode)
+            base.run_v2(rc, lambda e: pytest.fail("the engine started"), guarded=True, mode=mode)
         return
     g = base.run_v2(rc, fill, guarded=True, mode=mode)
     assert g.guard is None and len(g.finished) == 6
