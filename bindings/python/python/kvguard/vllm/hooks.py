@@ -793,6 +793,8 @@ def _install_worker_v2() -> None:
             out = original(self, req_index, new_block_ids, overwrite)
             rows = self.__dict__.get("_kvguard_rows")
             if rows is not None:  # V2 on a GPU: the host copy of what V2 staged
+                if self.redirect_writes_to_null_block:  # as V2 stages them then (elastic EP warm-up)
+                    new_block_ids = tuple([0] * len(ids) for ids in new_block_ids)
                 rows.append(req_index, new_block_ids, overwrite)
             return out
 
