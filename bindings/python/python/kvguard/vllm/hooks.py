@@ -185,12 +185,6 @@ def forget_refused_writes(scheduler: Any, blocks: set[int]) -> None:
         scheduler.kv_cache_manager.block_pool.evict_blocks(blocks)
 
 
-_V2_WINDOWS = (
-    "sliding-window KV cache groups under vLLM's V2 model runner (checked on V1; V2's gathered "
-    "tables of such groups are not tested yet); set VLLM_USE_V2_MODEL_RUNNER=0"
-)
-
-
 def check_scheduler(scheduler: Any) -> None:
     """What kvguard cannot check in this engine, found when its scheduler is built: under
     enforce an UnsupportedConfig stops the engine there; under report a warning, and the engine
@@ -208,12 +202,6 @@ def check_scheduler(scheduler: Any) -> None:
         scheduler.kv_cache_manager._kvguard_recorder = None
         return
     if not groups_supported(scheduler.kv_cache_manager):
-        scheduler.kv_cache_manager._kvguard_recorder = None
-        return
-    if getattr(scheduler, "use_v2_model_runner", False) and any(
-        type(m).__name__ != "FullAttentionManager" for m in scheduler.kv_cache_manager.coordinator.single_type_managers
-    ):
-        _unsupported(_V2_WINDOWS)
         scheduler.kv_cache_manager._kvguard_recorder = None
 
 
@@ -670,8 +658,6 @@ def _v2_guard_of(runner: Any) -> StepGuard | None:
     sizes = set(runner.block_tables.block_sizes)
     if windows is None:
         pass
-    elif any(w is not None for w in windows):
-        _unsupported(_V2_WINDOWS)
     elif runner.device.type not in ("cpu", "cuda"):
         _unsupported(
             f"vLLM's V2 model runner on {runner.device.type}: kvguard's device check runs on CUDA devices"
