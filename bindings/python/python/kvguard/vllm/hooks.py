@@ -52,8 +52,8 @@ The scheduler's truth reaches the worker on the ``SchedulerOutput`` it already s
 refusals come back on the ``ModelRunnerOutput`` the same way: no extra channel, no extra round
 trip. Supported: full-attention and sliding-window KV cache groups (hybrid models too), block
 size equal to the hash block size, no KV connector, no speculative decoding, vLLM's V1 model
-runner (``CPUModelRunner`` is a subclass), and Model Runner V2 with full-attention groups (on
-host memory, vLLM's CPU platform, and on a GPU through the device check); anything else is
+runner (``CPUModelRunner`` is a subclass), and Model Runner V2 with the same groups (on host
+memory, vLLM's CPU platform, and on a GPU through the device check); anything else is
 found when vLLM builds its scheduler (a wrapper on ``Scheduler.__init__``): refused there under
 enforce, so the engine never starts, and left unchecked (with a warning) under report.
 """
