@@ -9,7 +9,7 @@
 # and `pip install vllm==0.33.0` once (about 3 minutes and 9 GB: torch's CUDA wheels come with
 # it even on CPU), reused afterwards. The kvguard wheel scripts/ci/python.sh built into
 # target/wheels is installed into it (--force-reinstall --no-deps); built here with maturin if
-# that part did not run first. The 70 tests take 2-3 minutes on two cores (as loaded).
+# that part did not run first. The 69 tests take 2-3 minutes on two cores (as loaded).
 
 kvguard_vllm_after() {
   local root venv wheel_dir wheel status

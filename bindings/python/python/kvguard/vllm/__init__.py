@@ -7,12 +7,12 @@ core and worker processes)::
     KVGUARD_VLLM=enforce vllm serve ...   # refuse: abort exactly the refused requests
     KVGUARD_VLLM=report  vllm serve ...   # shadow roll-out: log and count, change nothing
 
-kvguard checks vLLM's V1 model runner, with full-attention and sliding-window KV cache groups
-(hybrid models too), and Model Runner V2 with full-attention groups: on host memory (vLLM's CPU
-platform) in place, on a GPU (vLLM 0.33's default where Triton runs) through the device check
-(:mod:`kvguard.vllm.device`; not yet run on a GPU). Speculative decoding, sliding-window groups
-under V2, another kind of KV cache group or a KV connector does not start under ``enforce`` and
-runs unchecked, with a warning, under ``report``.
+kvguard checks vLLM's V1 model runner and Model Runner V2, with full-attention and
+sliding-window KV cache groups (hybrid models too); V2 on host memory (vLLM's CPU platform) in
+place, on a GPU (vLLM 0.33's default where Triton runs) through the device check
+(:mod:`kvguard.vllm.device`; not yet run on a GPU). Speculative decoding, another kind of KV
+cache group or a KV connector does not start under ``enforce`` and runs unchecked, with a
+warning, under ``report``.
 
 vLLM loads this module through its ``vllm.general_plugins`` entry point (``kvguard``) in every
 process it starts; without ``KVGUARD_VLLM`` the plugin does nothing.

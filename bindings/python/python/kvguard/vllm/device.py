@@ -78,6 +78,29 @@ def host_slot_mappings(
     return out
 
 
+def window_rows(
+    table: Any, seq_lens: Any, query_start_loc: Any, n: int, window: int, block_size: int
+) -> tuple[Any, Any]:
+    """A sliding-window group's gathered rows as attention of the step reads them, built on the
+    rows' device by tensor ops queued on the current stream (no host synchronisation): row ``i``
+    from the block holding token ``first = max(seq_lens[i] - query_len[i] - (window - 1), 0)``
+    on (the window of the request's first scheduled token; the entries before it V2's gather
+    nulled, and vLLM's sliding window may have freed), zero-padded, with ``seq_lens`` shortened
+    by as many tokens. The device's read check (which reads a row from its first entry) judges
+    them as the host's ``check_step_window`` judges the staged rows."""
+    import torch
+
+    lens = seq_lens[:n].to(torch.int64)
+    qsl = query_start_loc[: n + 1].to(torch.int64)
+    first = torch.clamp(lens - (qsl[1:] - qsl[:-1]) - (window - 1), min=0)
+    page = first // block_size
+    width = int(table.shape[1])
+    cols = torch.arange(width, device=table.device, dtype=torch.int64).unsqueeze(0) + page.unsqueeze(1)
+    inside = cols < width
+    rows = torch.where(inside, table[:n].gather(1, cols.clamp(max=width - 1)), torch.zeros_like(cols))
+    return rows.to(torch.int32).contiguous(), (lens - page * block_size).to(torch.int32).contiguous()
+
+
 class V2Device:
     """The device half of one V2 runner's check (see the module's documentation)."""
 
@@ -127,8 +150,16 @@ class V2Device:
         dg, s = self.device_guard, self.last_stream
         dg.sync_tags(guard.table, stream=s)
         tokens = int(slot_mappings.shape[1])
-        for t in block_tables:
-            dg.verify_block_table(t.data_ptr(), seq_lens.data_ptr(), n, int(t.shape[1]), stream=s)
+        windows = guard.windows or [None] * len(block_tables)
+        for t, window in zip(block_tables, windows):
+            if window is None:
+                dg.verify_block_table(t.data_ptr(), seq_lens.data_ptr(), n, int(t.shape[1]), stream=s)
+                continue
+            rows, lens = window_rows(t, seq_lens, query_start_loc, n, window, guard.block_size)
+            dg.verify_block_table(rows.data_ptr(), lens.data_ptr(), n, int(rows.shape[1]), stream=s)
+            # The caching allocator reuses their memory only for work queued on this stream after
+            # the check: no synchronisation needed to let them go.
+            del rows, lens
         if guard.mode != "enforce":
             return
         for g, t in enumerate(block_tables):

@@ -54,8 +54,8 @@ The scheduler's truth reaches the worker on the ``SchedulerOutput`` it already s
 refusals come back on the ``ModelRunnerOutput`` the same way: no extra channel, no extra round
 trip. Supported: full-attention and sliding-window KV cache groups (hybrid models too), block
 size equal to the hash block size, no KV connector, no speculative decoding, vLLM's V1 model
-runner (``CPUModelRunner`` is a subclass), and Model Runner V2 with full-attention groups (on
-host memory, vLLM's CPU platform, and on a GPU through the device check); anything else is
+runner (``CPUModelRunner`` is a subclass), and Model Runner V2 with the same groups (on host
+memory, vLLM's CPU platform, and on a GPU through the device check); anything else is
 found when vLLM builds its scheduler (a wrapper on ``Scheduler.__init__``): refused there under
 enforce, so the engine never starts, and left unchecked (with a warning) under report.
 """
@@ -188,12 +188,6 @@ def forget_refused_writes(scheduler: Any, blocks: set[int]) -> None:
         scheduler.kv_cache_manager.block_pool.evict_blocks(blocks)
 
 
-_V2_WINDOWS = (
-    "sliding-window KV cache groups under vLLM's V2 model runner (checked on V1; V2's gathered "
-    "tables of such groups are not tested yet); set VLLM_USE_V2_MODEL_RUNNER=0"
-)
-
-
 def check_scheduler(scheduler: Any) -> None:
     """What kvguard cannot check in this engine, found when its scheduler is built: under
     enforce an UnsupportedConfig stops the engine there; under report a warning, and the engine
@@ -211,12 +205,6 @@ def check_scheduler(scheduler: Any) -> None:
         scheduler.kv_cache_manager._kvguard_recorder = None
         return
     if not groups_supported(scheduler.kv_cache_manager):
-        scheduler.kv_cache_manager._kvguard_recorder = None
-        return
-    if getattr(scheduler, "use_v2_model_runner", False) and any(
-        type(m).__name__ != "FullAttentionManager" for m in scheduler.kv_cache_manager.coordinator.single_type_managers
-    ):
-        _unsupported(_V2_WINDOWS)
         scheduler.kv_cache_manager._kvguard_recorder = None
 
 
@@ -682,8 +670,6 @@ def _v2_guard_of(runner: Any) -> StepGuard | None:
     sizes = set(runner.block_tables.block_sizes)
     if windows is None:
         pass
-    elif any(w is not None for w in windows):
-        _unsupported(_V2_WINDOWS)
     elif runner.device.type not in ("cpu", "cuda"):
         _unsupported(
             f"vLLM's V2 model runner on {runner.device.type}: kvguard's device check runs on CUDA devices"

@@ -190,19 +190,3 @@ def test_injected_block_dropped_from_the_window_while_still_read(async_schedulin
     step = check_contained(guarded, clean, victim, kinds)
     assert step <= buggy.oracle_errors[0][0]
     assert len(guarded.finished) == 41
-
-
-def test_sliding_window_groups_under_the_v2_runner_are_refused_when_the_engine_starts_under_enforce(monkeypatch):
-    """V2 hands attention gathered tables whose sliding-window entries it nulled itself; kvguard's
-    window check has not run on those (V2 is checked on full-attention groups, v2/), so an engine
-    on V2 with a sliding-window group is refused as its scheduler is built (the scheduler here is
-    told it feeds V2; the platform is vLLM's CPU one, where V2's full-attention groups are
-    checked)."""
-    from vllm.config import VllmConfig
-
-    from kvguard.vllm.hooks import UnsupportedConfig
-
-    monkeypatch.setattr(VllmConfig, "use_v2_model_runner", property(lambda self: True))
-    rc = hybrid(num_blocks=128, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512)
-    with pytest.raises(UnsupportedConfig, match="sliding-window KV cache groups under vLLM's V2"):
-        run_real(rc, lambda e: pytest.fail("the engine started"), guarded=True)

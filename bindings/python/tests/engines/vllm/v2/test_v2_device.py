@@ -20,6 +20,7 @@ from v2_engine import RealConfig, RealEngine
 
 import pytest
 
+import test_v2_hybrid as hybrid
 import test_v2_runner as base
 from host_device import HostDevice
 from kvguard.vllm import hooks
@@ -56,16 +57,25 @@ STEP_CALLS = [
 ]
 
 
-def assert_device_path(g: RealEngine, made: list[HostDevice]) -> HostDevice:
+def step_calls(groups: int) -> list[str]:
+    """A checked step's device calls with ``groups`` KV cache groups (each group's slot mapping,
+    gathered table and fence)."""
+    per_group = {"verify_slot_mapping", "verify_block_table", "fence_refused"}
+    return [c for c in STEP_CALLS for _ in range(groups if c in per_group else 1)]
+
+
+def assert_device_path(g: RealEngine, made: list[HostDevice], groups: int = 1) -> HostDevice:
     """The guarded engine ran on the device path: every checked step made the device calls in
-    order, the ring was drained at the outputs, and nothing is left in it."""
+    order (those of each of its ``groups`` KV cache groups), the ring was drained at the outputs,
+    and nothing is left in it."""
     assert g.guard.device is not None and len(made) == 1
     dev = made[0]
     calls = dev.calls
-    checked = [i for i, c in enumerate(calls) if c == "verify_slot_mapping"]
+    checked = [i for i, c in enumerate(calls) if c == "verify_slot_mapping" and calls[i - 1] != c]
     assert len(checked) > 10
+    expected = step_calls(groups)
     for i in checked:
-        assert calls[i - 3 : i + 4] == STEP_CALLS, calls[i - 3 : i + 4]
+        assert calls[i - 3 : i - 3 + len(expected)] == expected, calls[i - 3 : i - 3 + len(expected)]
     assert calls.count("finish_drain") >= len(checked) // 2
     assert dev.ring == [] and dev.copy is None
     return dev
@@ -149,6 +159,78 @@ def test_on_device_a_gathered_row_naming_another_requests_block_is_fenced(async_
         if armed["calls"] >= 6 and armed.get("once") and reader in rows and owner in rows:
             armed.pop("once")
             tables[0][rows[reader], 0] = int(tables[0][rows[owner], 0])
+        return tables
+
+    monkeypatch.setattr(BlockTables, "gather_block_tables", misgathered)
+    setup = lambda e: armed.update(engine=e, once=True, calls=0)  # noqa: E731
+    buggy = base.run_v2(rc, fill, guarded=False, setup=setup)
+    assert buggy.oracle_errors and buggy.oracle_errors[0][1] == reader, buggy.oracle_errors
+    guarded = base.run_v2(rc, fill, guarded=True, setup=setup)
+    step = base.check_contained(guarded, clean, reader, {"foreign_page"})
+    assert step == buggy.oracle_errors[0][0]
+    assert guarded.guard.device is not None and len(on_device) == 1
+    drained = on_device[0].drained
+    assert {(r.request, r.op) for r in drained} == {(reader, "read")}, drained
+
+
+# -- a hybrid model (full attention beside a sliding window) on the device path ----------------
+
+
+def test_clean_v2_hybrid_on_device_async(on_device):
+    """A hybrid workload (``test_v2_hybrid.py``'s pool, 60 requests, async) on the device path: V2's gathered
+    sliding-window rows (their entries before the window nulled by V2) are checked on the device
+    over the window of the step's first token (``device.window_rows``), as the host checks the
+    staged ones; nothing refused, outputs as the unguarded run's."""
+    rc = hybrid.hybrid(**hybrid.CLEAN_ASYNC)
+    fill = lambda e: base.workload(e, 6, 60)  # noqa: E731
+    g = base.run_v2(rc, fill, guarded=True)
+    p = base.run_v2(rc, fill, guarded=False)
+    base.assert_clean(g, p, 60)
+    assert g.events.get("preempt", 0) > 0 and g.events.get("detach", 0) > 0
+    hybrid.assert_hybrid(g)
+    assert_device_path(g, on_device, groups=2)
+
+
+def test_on_device_a_stale_entry_in_v2s_sliding_window_staged_table_is_fenced(monkeypatch, on_device):
+    """The sliding-window group's staged row keeps its slot's previous occupant's entry (async):
+    the host copy holds what V2 was asked to stage, so the device check of what V2 built sees
+    it; the victim alone is refused, on the step of the bug."""
+    guarded = hybrid.stale_window_entry_case(True, monkeypatch)
+    assert guarded.guard.device is not None and len(on_device) == 1
+    assert {r.request for r in on_device[0].drained} == {"short-b"}, on_device[0].drained
+
+
+def test_on_device_a_gathered_sliding_window_row_naming_another_requests_block_is_fenced(monkeypatch, on_device):
+    """V2's gather hands attention a sliding-window row whose last entry (inside the window) is
+    another tenant's block, once, mid-decode; V2's persistent table and slot mapping stay right,
+    so only the device's check of the gathered window rows sees it. The reader's rows are fenced
+    and it alone is refused, the owner served as without the bug."""
+    from vllm.v1.worker.gpu.block_table import BlockTables
+
+    rc = hybrid.hybrid(num_blocks=64, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512)
+    reader, owner = "reader", "owner"
+
+    def fill(e: RealEngine) -> None:
+        e.add(owner, list(range(1, 90)), 30, cache_salt="alpha")
+        e.add(reader, list(range(100, 190)), 30, cache_salt="beta")
+        e.add("bystander", list(range(300, 340)), 30, cache_salt="beta")
+
+    clean = base.run_v2(rc, fill, guarded=False)
+    original = BlockTables.gather_block_tables
+    armed: dict = {}
+
+    def misgathered(self, idx_mapping, num_reqs_padded, *args, **kw):
+        tables = original(self, idx_mapping, num_reqs_padded, *args, **kw)
+        engine = armed.get("engine")
+        if engine is None:
+            return tables
+        armed["calls"] += 1
+        rows = {base._req_ids_by_index(engine)[int(x)]: b for b, x in enumerate(idx_mapping.tolist())}
+        if armed["calls"] >= 6 and armed.get("once") and reader in rows and owner in rows:
+            armed.pop("once")
+            g = hybrid.window_group(engine)
+            last = {r: int(self.num_blocks.np[g, int(idx_mapping[rows[r]])]) - 1 for r in (reader, owner)}
+            tables[g][rows[reader], last[reader]] = int(tables[g][rows[owner], last[owner]])
         return tables
 
     monkeypatch.setattr(BlockTables, "gather_block_tables", misgathered)

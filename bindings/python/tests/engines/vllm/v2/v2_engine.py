@@ -23,7 +23,8 @@ kernels), the attention metadata (``CPUAttentionMetadataBuilder.build``), the sa
 Stood in:
 
 - the **executor** (``real_engine.executor_class``: in-process, completed futures, one
-  full-attention layer reported instead of profiling a model);
+  full-attention layer reported instead of profiling a model, and a sliding-window one for a
+  hybrid model, whose tiny Llama then has that layer too: :func:`hybrid_model_dir`);
 - the attention-metadata builder's compiled op ``_C.get_scheduler_metadata``
   (``vllm._custom_ops.cpu_attn_get_scheduler_metadata``), absent from this CUDA wheel of vLLM: an
   empty tensor (it tunes vLLM's CPU attention kernel, which the stand-in model does not run);
@@ -112,6 +113,9 @@ class V2Worker(StandInWorker):
         self._next: np.ndarray | None = None
         #: Set by a test: called with (worker, input_batch) after V2's prepare_inputs.
         self.after_prepare_inputs: Any = None
+        #: Sliding-window rows V2's gather handed attention with every entry wholly before the
+        #: window of the step's first token nulled (what kvguard's window check must accept).
+        self.window_rows_nulled = 0
 
     def initialize_from_config(self, kv_cache_configs: list[Any]) -> None:
         from vllm.config import set_current_vllm_config
@@ -219,6 +223,8 @@ class V2Worker(StandInWorker):
                 row = m.block_table[i].numpy()
                 window = self.windows[g]
                 start = 0 if window is None else max(0, int(computed[i]) - window + 1)
+                if start >= bs and not row[: start // bs].any():
+                    self.window_rows_nulled += 1
                 p = np.arange(start, seq_len)
                 blocks = row[p // bs]
                 read = self.kv[g][blocks, p % bs]
@@ -247,12 +253,41 @@ class V2Worker(StandInWorker):
         return torch.from_numpy(self._next.copy()), logits
 
 
+def hybrid_model_dir(window: int) -> str:
+    """A local folder holding only a tiny hybrid Llama config.json: layer 0 full attention, layer
+    1 a ``window``-token sliding window (``layer_types``, which vLLM's Llama reads to give that
+    layer's ``Attention`` its ``per_layer_sliding_window``; so its KV cache spec is a
+    ``SlidingWindowSpec`` and V2 builds that group's attention backend from a real layer)."""
+    from transformers import LlamaConfig
+
+    d = Path(os.environ.get("KVGUARD_VLLM_MODEL_DIR", "/tmp/kvguard-vllm-tiny-llama")).with_name(
+        f"kvguard-vllm-tiny-hybrid-llama-{window}"
+    )
+    if not (d / "config.json").exists():
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            layer_types=["full_attention", "sliding_attention"],
+            sliding_window=window,
+        ).save_pretrained(d)
+    return str(d)
+
+
 def v2_engine(rc: RealConfig) -> RealEngine:
     """vLLM's EngineCore with ``real_engine``'s stand-in executor, whose worker is a
-    :class:`V2Worker`."""
-    saved = real_engine.StandInWorker
+    :class:`V2Worker`; for a hybrid ``rc`` (``sliding_window``), the model is
+    :func:`hybrid_model_dir`'s, whose second layer is that window (the executor reports the same
+    two layers' specs)."""
+    saved = real_engine.StandInWorker, real_engine.model_dir
     real_engine.StandInWorker = V2Worker
+    if rc.sliding_window is not None:
+        real_engine.model_dir = lambda: hybrid_model_dir(rc.sliding_window)
     try:
         return RealEngine(rc)
     finally:
-        real_engine.StandInWorker = saved
+        real_engine.StandInWorker, real_engine.model_dir = saved
