@@ -287,37 +287,35 @@ impl DeviceGuard {
     }
 
     /// Starts copying the violation ring to the host after the work queued on `stream`, without
-    /// waiting; finish with try_finish_drain.
+    /// waiting; finish with finish_drain.
     #[pyo3(signature = (*, stream))]
     fn begin_drain(&self, py: Python<'_>, stream: usize) -> PyResult<()> {
         py.detach(|| self.guard.lock().begin_drain(&engine_stream(stream))).map_err(dev_err)
     }
 
-    /// If the copy begin_drain started has landed, records its violations in the table (as
-    /// drain does) and returns them; None if it has not landed yet. Never waits for the GPU.
-    #[pyo3(signature = (table, *, stream))]
-    fn try_finish_drain(
-        &self,
-        py: Python<'_>,
-        table: &OwnershipTable,
-        stream: usize,
-    ) -> PyResult<Option<Vec<Py<Violation>>>> {
-        let drained =
-            py.detach(|| self.guard.lock().try_finish_drain(table.core(), &engine_stream(stream))).map_err(dev_err)?;
-        drained.map(|d| wrap_drained(py, table, d.violations)).transpose()
-    }
-
-    /// Finishes the drain begin_drain started, waiting for its copy (only for the work queued
-    /// before it), and records and returns its violations; None if no drain was begun.
-    #[pyo3(signature = (table, *, stream))]
+    /// Finishes the drain begin_drain started and returns its violations, recorded in the table
+    /// as drain records them; None if no drain was begun, or (wait=False) its copy has not
+    /// landed yet. With wait (the default) it waits for the copy, that is only for the work
+    /// queued on the stream before begin_drain; without, it never waits for the GPU.
+    #[pyo3(signature = (table, *, stream, wait = true))]
     fn finish_drain(
         &self,
         py: Python<'_>,
         table: &OwnershipTable,
         stream: usize,
+        wait: bool,
     ) -> PyResult<Option<Vec<Py<Violation>>>> {
-        let drained =
-            py.detach(|| self.guard.lock().finish_drain(table.core(), &engine_stream(stream))).map_err(dev_err)?;
+        let drained = py
+            .detach(|| {
+                let mut guard = self.guard.lock();
+                let stream = engine_stream(stream);
+                if wait {
+                    guard.finish_drain(table.core(), &stream)
+                } else {
+                    guard.try_finish_drain(table.core(), &stream)
+                }
+            })
+            .map_err(dev_err)?;
         drained.map(|d| wrap_drained(py, table, d.violations)).transpose()
     }
 

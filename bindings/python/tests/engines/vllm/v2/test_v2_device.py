@@ -133,44 +133,14 @@ def test_on_device_a_gathered_row_naming_another_requests_block_is_fenced(async_
     the device check of the gathered table sees it. Unguarded, the reader reads the other
     request's KV; on the device path its row is fenced before the forward and it alone is
     refused, the owner of the block served as without the bug."""
-    from vllm.v1.worker.gpu.block_table import BlockTables
-
     rc = RealConfig(num_blocks=64, block_size=32, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512, async_scheduling=async_scheduling)
-    reader, owner = "reader", "owner"
+
+    def corrupt(engine, block_tables, tables, rows, idx_mapping) -> None:
+        tables[0][rows["reader"], 0] = int(tables[0][rows["owner"], 0])
 
     # Two tenants: the device lets any request of a prefix's tenant read its published blocks
     # (it does not know the prefix's holders; the host check, exact, cannot see V2's gather).
-    def fill(e: RealEngine) -> None:
-        e.add(owner, list(range(1, 50)), 30, cache_salt="alpha")
-        e.add(reader, list(range(100, 140)), 30, cache_salt="beta")
-        e.add("bystander", list(range(300, 340)), 30, cache_salt="beta")
-
-    clean = base.run_v2(rc, fill, guarded=False)
-    original = BlockTables.gather_block_tables
-    armed: dict = {}
-
-    def misgathered(self, idx_mapping, num_reqs_padded, *args, **kw):
-        tables = original(self, idx_mapping, num_reqs_padded, *args, **kw)
-        engine = armed.get("engine")
-        if engine is None:
-            return tables
-        armed["calls"] += 1
-        rows = {base._req_ids_by_index(engine)[int(x)]: b for b, x in enumerate(idx_mapping.tolist())}
-        if armed["calls"] >= 6 and armed.get("once") and reader in rows and owner in rows:
-            armed.pop("once")
-            tables[0][rows[reader], 0] = int(tables[0][rows[owner], 0])
-        return tables
-
-    monkeypatch.setattr(BlockTables, "gather_block_tables", misgathered)
-    setup = lambda e: armed.update(engine=e, once=True, calls=0)  # noqa: E731
-    buggy = base.run_v2(rc, fill, guarded=False, setup=setup)
-    assert buggy.oracle_errors and buggy.oracle_errors[0][1] == reader, buggy.oracle_errors
-    guarded = base.run_v2(rc, fill, guarded=True, setup=setup)
-    step = base.check_contained(guarded, clean, reader, {"foreign_page"})
-    assert step == buggy.oracle_errors[0][0]
-    assert guarded.guard.device is not None and len(on_device) == 1
-    drained = on_device[0].drained
-    assert {(r.request, r.op) for r in drained} == {(reader, "read")}, drained
+    misgathered_case(rc, 50, corrupt, monkeypatch, on_device)
 
 
 # -- a hybrid model (full attention beside a sliding window) on the device path ----------------
@@ -205,14 +175,28 @@ def test_on_device_a_gathered_sliding_window_row_naming_another_requests_block_i
     another tenant's block, once, mid-decode; V2's persistent table and slot mapping stay right,
     so only the device's check of the gathered window rows sees it. The reader's rows are fenced
     and it alone is refused, the owner served as without the bug."""
+    rc = hybrid.hybrid(num_blocks=64, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512)
+
+    def corrupt(engine, block_tables, tables, rows, idx_mapping) -> None:
+        # The last entry of each row (inside the window).
+        g = hybrid.window_group(engine)
+        last = {r: int(block_tables.num_blocks.np[g, int(idx_mapping[rows[r]])]) - 1 for r in ("reader", "owner")}
+        tables[g][rows["reader"], last["reader"]] = int(tables[g][rows["owner"], last["owner"]])
+
+    misgathered_case(rc, 90, corrupt, monkeypatch, on_device)
+
+
+def misgathered_case(rc: RealConfig, prompt: int, corrupt, monkeypatch, on_device) -> None:
+    """V2's gather_block_tables hands attention a row of "reader" (tenant beta) corrupted by
+    ``corrupt(engine, block_tables, gathered, rows, idx_mapping)`` once, mid-decode, beside "owner" (tenant
+    alpha) and a bystander: without kvguard the reader reads the owner's KV; on the device path
+    the reader alone is refused, on that step, by the device's read check, everyone else served
+    as without the bug."""
     from vllm.v1.worker.gpu.block_table import BlockTables
 
-    rc = hybrid.hybrid(num_blocks=64, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512)
-    reader, owner = "reader", "owner"
-
     def fill(e: RealEngine) -> None:
-        e.add(owner, list(range(1, 90)), 30, cache_salt="alpha")
-        e.add(reader, list(range(100, 190)), 30, cache_salt="beta")
+        e.add("owner", list(range(1, prompt)), 30, cache_salt="alpha")
+        e.add("reader", list(range(100, 100 + prompt)), 30, cache_salt="beta")
         e.add("bystander", list(range(300, 340)), 30, cache_salt="beta")
 
     clean = base.run_v2(rc, fill, guarded=False)
@@ -226,23 +210,21 @@ def test_on_device_a_gathered_sliding_window_row_naming_another_requests_block_i
             return tables
         armed["calls"] += 1
         rows = {base._req_ids_by_index(engine)[int(x)]: b for b, x in enumerate(idx_mapping.tolist())}
-        if armed["calls"] >= 6 and armed.get("once") and reader in rows and owner in rows:
+        if armed["calls"] >= 6 and armed.get("once") and "reader" in rows and "owner" in rows:
             armed.pop("once")
-            g = hybrid.window_group(engine)
-            last = {r: int(self.num_blocks.np[g, int(idx_mapping[rows[r]])]) - 1 for r in (reader, owner)}
-            tables[g][rows[reader], last[reader]] = int(tables[g][rows[owner], last[owner]])
+            corrupt(engine, self, tables, rows, idx_mapping)
         return tables
 
     monkeypatch.setattr(BlockTables, "gather_block_tables", misgathered)
     setup = lambda e: armed.update(engine=e, once=True, calls=0)  # noqa: E731
     buggy = base.run_v2(rc, fill, guarded=False, setup=setup)
-    assert buggy.oracle_errors and buggy.oracle_errors[0][1] == reader, buggy.oracle_errors
+    assert buggy.oracle_errors and buggy.oracle_errors[0][1] == "reader", buggy.oracle_errors
     guarded = base.run_v2(rc, fill, guarded=True, setup=setup)
-    step = base.check_contained(guarded, clean, reader, {"foreign_page"})
+    step = base.check_contained(guarded, clean, "reader", {"foreign_page"})
     assert step == buggy.oracle_errors[0][0]
     assert guarded.guard.device is not None and len(on_device) == 1
     drained = on_device[0].drained
-    assert {(r.request, r.op) for r in drained} == {(reader, "read")}, drained
+    assert {(r.request, r.op) for r in drained} == {("reader", "read")}, drained
 
 
 @pytest.mark.parametrize("mode", ["enforce", "report"])
