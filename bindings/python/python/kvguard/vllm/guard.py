@@ -239,15 +239,7 @@ class StepGuard:
             refused_early = self.table.apply_events(early) if early else None
             if late:
                 refused_late = self.table.apply_events(late)
-        report = None
-        if refused_early:
-            report = StepReport()
-            self._refuse_events(report, early, refused_early)
-        if early and self.refused_ever:
-            # A released request's id may be reused by the scheduler: its old refusal is done.
-            for ev in early:
-                if ev[0] is EventKind.RELEASE:
-                    self.refused_ever.discard(ev[1])
+        report = self._judge_early(early, refused_early)
         if self._flush_every and self.steps % self._flush_every == 0:
             self._metric(self._metrics.flush, self)
         if report is None and not refused_late and (writes is None or writes.clean and reads.clean):
@@ -316,6 +308,19 @@ class StepGuard:
         [(index in early, Violation)]."""
         return self.table.apply_events(early)
 
+    def _judge_early(self, early: list[tuple] | None, refused_early: list | None) -> StepReport | None:
+        """The report of a step's refused early events (None when none was refused); a released
+        request's id may be reused by the scheduler, so its old refusal is forgotten."""
+        report = None
+        if refused_early:
+            report = StepReport()
+            self._refuse_events(report, early, refused_early)
+        if early and self.refused_ever:
+            for ev in early:
+                if ev[0] is EventKind.RELEASE:
+                    self.refused_ever.discard(ev[1])
+        return report
+
     def _begin_groups_step(
         self, events: StepEvents | None
     ) -> tuple[StepReport | None, list[tuple] | None, list[tuple] | None]:
@@ -328,15 +333,7 @@ class StepGuard:
         if early and self.pending_evict:
             early = self._evict_before_claims(early)
         refused_early = self._apply_early(early) if early else None
-        report = None
-        if refused_early:
-            report = StepReport()
-            self._refuse_events(report, early, refused_early)
-        if early and self.refused_ever:
-            # A released request's id may be reused by the scheduler: its old refusal is done.
-            for ev in early:
-                if ev[0] is EventKind.RELEASE:
-                    self.refused_ever.discard(ev[1])
+        report = self._judge_early(early, refused_early)
         return report, early, late
 
     def check_groups_step(
