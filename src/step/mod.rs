@@ -6,6 +6,9 @@
 //! `kvg_engine_step`) and what a Rust engine calls directly. The parts stand alone too:
 //! [`Events`] / [`EventBatch`] with [`OwnershipTable::apply_events`], [`StepSlots`] with
 //! [`OwnershipTable::record_step_writes`], [`BlockRows`] with [`OwnershipTable::verify_rows`].
+//! An engine whose table holds token slots rather than page ids (SGLang's `req_to_token`) reads
+//! through [`OwnershipTable::check_slot_rows`] and runs a decode forward as one
+//! [`OwnershipTable::decode_forward`] ([`DecodeForward`]).
 //!
 //! ```
 //! use kvguard::step::{EngineStep, EventBatch, Events};
@@ -44,9 +47,11 @@
 //! ```
 
 mod events;
+mod slot_rows;
 mod writes;
 
 pub use events::{AppliedEvents, Event, EventBatch, EventKind, Events, EventsError};
+pub use slot_rows::{DecodeForward, DecodeOutcome, SlotRead};
 pub use writes::StepSlots;
 
 use crate::ids::RequestId;
@@ -121,6 +126,14 @@ pub enum StepError {
         computed: u64,
         /// Its scheduled tokens.
         scheduled: u64,
+    },
+    /// A decode forward's slots are not one per read ([`DecodeForward`]).
+    #[error("a decode forward of {reads} reads has {slots} slots: one each")]
+    Slots {
+        /// Reads in the step.
+        reads: usize,
+        /// Slots given.
+        slots: usize,
     },
     /// The block table's rows could not be read.
     #[error(transparent)]

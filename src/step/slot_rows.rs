@@ -1,0 +1,269 @@
+//! Reads and decode steps through an engine's token-slot table (SGLang's `req_to_token`): entry
+//! `t` of a row is the KV slot of the row's token `t` (`page * page_size + offset`), so page `j`
+//! of the row is its entry `j * page_size` divided by the page size, and every other entry of
+//! that page must be that page's slot at its offset (a per-token reader reads each entry).
+
+use super::StepError;
+use crate::config::PageDiv;
+use crate::ids::{PageId, RequestId};
+use crate::table::{BlockRows, OwnershipTable, RowsError, SeqRead, SeqWrite, StepVerdict};
+use std::ops::Range;
+
+/// One row attention reads through a token-slot table: `request` reads its first `tokens`
+/// tokens through row `row`, checked from the page of token `from` on (0: the whole row).
+///
+/// A window (`from` > 0) clean here is clean in the full check only if the row's entries before
+/// its page are those a full check (or an earlier window) found clean, for the same request, and
+/// nothing the table did since took a right from it: the engine's side keeps that (SGLang's
+/// plugin lowers a row's checked length at every row write and checks every row in full after a
+/// release, an eviction or a refusal). A refused window says what to judge in full: its
+/// violation's page index counts from the window's first page.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlotRead {
+    /// The reading request.
+    pub request: RequestId,
+    /// Its row in the table.
+    pub row: u32,
+    /// Tokens already checked clean: the read starts at this token's page.
+    pub from: u64,
+    /// Tokens read: `0..tokens`.
+    pub tokens: u64,
+}
+
+/// A decode forward's first KV store through a token-slot table: `reads[i].request` wrote slot
+/// `slots[i]` (its one new token; SGLang's `out_cache_loc`), then reads its window as
+/// `reads[i]` says.
+///
+/// ```
+/// use kvguard::step::{DecodeForward, DecodeOutcome, SlotRead};
+/// use kvguard::{BlockRows, OwnershipTable, PageId, PoolConfig, RequestId, SeqWrite, TenantId};
+/// let table = OwnershipTable::new(PoolConfig::new(64, 4, 128))?;
+/// let (a, b) = (RequestId(1), RequestId(2));
+/// table.admit(a, TenantId(1), 6, 8)?;
+/// table.admit(b, TenantId(2), 6, 8)?;
+/// table.claim(a, &[PageId(3), PageId(4)])?;
+/// table.claim(b, &[PageId(5), PageId(6)])?;
+/// // Each prefilled 6 tokens: a's in slots 12.., b's in slots 20..
+/// let prefill: [Vec<i64>; 2] = [(12..18).collect(), (20..26).collect()];
+/// let writes = [SeqWrite { request: a, slots: &prefill[0] }, SeqWrite { request: b, slots: &prefill[1] }];
+/// assert!(table.record_step_writes(&writes).is_clean());
+/// // req_to_token, 8 token slots a row: row 0 is a's, row 1 is b's; each decodes its 7th token.
+/// let mut req_to_token = [12, 13, 14, 15, 16, 17, 18, 0, 20, 21, 22, 23, 24, 25, 26, 0];
+/// let reads = [
+///     SlotRead { request: a, row: 0, from: 6, tokens: 7 }, // rows checked clean up to token 6
+///     SlotRead { request: b, row: 1, from: 6, tokens: 7 },
+/// ];
+/// let step = DecodeForward { reads: &reads, slots: &[18, 26], rows: BlockRows::new(&req_to_token, 8)? };
+/// assert!(matches!(table.decode_forward(&step)?, DecodeOutcome::Clean));
+/// // Next step, b's row names a's page for its 8th token: its window is refused.
+/// req_to_token[15] = 19;
+/// let reads = [SlotRead { request: b, row: 1, from: 7, tokens: 8 }];
+/// let step = DecodeForward { reads: &reads, slots: &[27], rows: BlockRows::new(&req_to_token, 8)? };
+/// let DecodeOutcome::Window(verdict) = table.decode_forward(&step)? else { panic!("refused") };
+/// assert_eq!(verdict.refused[0].0, 0);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeForward<'a> {
+    /// The rows read, one per request of the batch.
+    pub reads: &'a [SlotRead],
+    /// The slot each request wrote, as many as `reads`.
+    pub slots: &'a [i64],
+    /// The token-slot table (`req_to_token`), in place.
+    pub rows: BlockRows<'a>,
+}
+
+/// What [`OwnershipTable::decode_forward`] found.
+#[derive(Debug)]
+#[must_use]
+pub enum DecodeOutcome {
+    /// Every write was recorded and every window is clean.
+    Clean,
+    /// Some writes were refused (judged: counted, logged, quarantined under enforce); the clean
+    /// ones were recorded, nothing was read.
+    Writes(StepVerdict),
+    /// The writes were recorded; these windows are refused (pure: nothing counted or
+    /// quarantined). Judge the rows in full ([`OwnershipTable::verify_slot_rows`] with `from` 0).
+    Window(StepVerdict),
+}
+
+impl OwnershipTable {
+    /// Whether each read may run, through a token-slot table (SGLang's `req_to_token`: entry `t` of
+    /// a row is the slot of its token `t`; see [`SlotRead`]).
+    /// Pure, as [`check_step`](Self::check_step). A read naming a row past the table is
+    /// [`RowsError::Row`], nothing checked.
+    pub fn check_slot_rows(&self, rows: BlockRows<'_>, reads: &[SlotRead]) -> Result<StepVerdict, RowsError> {
+        let windows = Windows::gather(rows, reads, self)?;
+        Ok(windows.fold(self.check_step(&windows.reads(reads))))
+    }
+
+    /// [`check_slot_rows`](Self::check_slot_rows), judged as [`verify_step`](Self::verify_step):
+    /// each violation counted, logged and (enforce) its request quarantined.
+    pub fn verify_slot_rows(&self, rows: BlockRows<'_>, reads: &[SlotRead]) -> Result<StepVerdict, RowsError> {
+        let windows = Windows::gather(rows, reads, self)?;
+        Ok(windows.fold(self.verify_step(&windows.reads(reads))))
+    }
+
+    /// A decode forward in one call: the writes recorded as
+    /// [`record_step_writes`](Self::record_step_writes) records them (judged), then, if all
+    /// were, the windows checked as [`check_slot_rows`](Self::check_slot_rows) checks them
+    /// (pure). `slots` not as long as `reads` is [`StepError::Slots`], a row past the table
+    /// [`StepError::Rows`]: nothing is recorded.
+    pub fn decode_forward(&self, step: &DecodeForward<'_>) -> Result<DecodeOutcome, StepError> {
+        if step.slots.len() != step.reads.len() {
+            return Err(StepError::Slots { reads: step.reads.len(), slots: step.slots.len() });
+        }
+        // The windows are gathered first: a row past the table is found before anything is
+        // recorded (the step's writes do not change the engine's table).
+        let windows = Windows::gather(step.rows, step.reads, self)?;
+        let writes: Vec<SeqWrite<'_>> = step
+            .reads
+            .iter()
+            .zip(step.slots.chunks(1))
+            .map(|(r, slots)| SeqWrite { request: r.request, slots })
+            .collect();
+        let written = self.record_step_writes(&writes);
+        if !written.is_clean() {
+            return Ok(DecodeOutcome::Writes(written));
+        }
+        let read = windows.fold(self.check_step(&windows.reads(step.reads)));
+        Ok(if read.is_clean() { DecodeOutcome::Clean } else { DecodeOutcome::Window(read) })
+    }
+}
+
+/// The pages each read's window covers, gathered from its row: `pages[spans[i]]` for read `i`,
+/// read for `tokens[i]` tokens (counted from the window's first page), and the extra reads of
+/// entries that are not their page's slot: `(read index, the page the entry names, tokens of it
+/// read: its slot's offset + 1)`.
+struct Windows {
+    pages: Vec<PageId>,
+    spans: Vec<Range<usize>>,
+    tokens: Vec<u64>,
+    extra: Vec<(usize, PageId, u64)>,
+}
+
+impl Windows {
+    /// Reads each row's window. A negative entry, or one past the pool, names a page beyond any
+    /// pool (refused as `page_out_of_range`). A row is read for at most the pool's pages plus one
+    /// from its window's start: a read that needs more is refused as `block_table_too_short`, so
+    /// a huge length allocates nothing beyond that.
+    fn gather(rows: BlockRows<'_>, reads: &[SlotRead], table: &OwnershipTable) -> Result<Windows, RowsError> {
+        if let Some((index, r)) = reads.iter().enumerate().find(|(_, r)| r.row as usize >= rows.rows()) {
+            return Err(RowsError::Row { index, row: r.row, rows: rows.rows() });
+        }
+        let config = table.config();
+        let page_size = config.page_size;
+        let ps = u64::from(page_size);
+        let stride = page_size as usize;
+        let div = PageDiv::new(page_size);
+        let entries = rows.width();
+        let width = entries.div_ceil(stride);
+        let most = config.num_pages as usize + 1;
+        let mut out = Windows {
+            pages: Vec::with_capacity(reads.len() * 2),
+            spans: Vec::with_capacity(reads.len()),
+            tokens: Vec::with_capacity(reads.len()),
+            extra: Vec::new(),
+        };
+        let page_of = |v: i32| u32::try_from(v).map_or(PageId(u32::MAX), |v| PageId(div.floor(u64::from(v)) as u32));
+        let check = PageCheck::new(page_size);
+        for (i, read) in reads.iter().enumerate() {
+            let row = rows.row(read.row as usize);
+            let seq = read.tokens;
+            // A window past the row's end starts at its end (a read that needs more is refused).
+            let first = usize::try_from(div.floor(read.from.min(seq))).unwrap_or(usize::MAX).min(width);
+            let end = usize::try_from(div.ceil(seq)).unwrap_or(usize::MAX).min(width).max(first).min(first + most);
+            let start = out.pages.len();
+            out.pages.extend((first..end).map(|j| page_of(row[j * stride])));
+            // The entries of each page read, up to the tokens read and the row's end.
+            let last = usize::try_from(seq).unwrap_or(usize::MAX).min(entries);
+            if stride > 1 && !check.in_place(row, first * stride, (end * stride).min(last)) {
+                for j in first..end {
+                    let lo = j * stride;
+                    let base = row[lo];
+                    if base < 0 {
+                        continue; // refused as page_out_of_range already
+                    }
+                    let own = base - div.offset(base as u64) as i32;
+                    let hi = (lo + stride).min(last);
+                    for (k, &slot) in row[lo..hi].iter().enumerate() {
+                        if i64::from(slot) - k as i64 != i64::from(own) {
+                            let tokens = u32::try_from(slot).map_or(1, |s| div.offset(u64::from(s)) + 1);
+                            out.extra.push((i, page_of(slot), tokens));
+                        }
+                    }
+                }
+            }
+            out.spans.push(start..out.pages.len());
+            out.tokens.push(seq - first as u64 * ps);
+        }
+        Ok(out)
+    }
+
+    /// The reads to check: read `i` through its window's pages, then the extra reads (index
+    /// `n + k` for extra `k`; see [`fold`](Self::fold)).
+    fn reads<'a>(&'a self, reads: &[SlotRead]) -> Vec<SeqRead<'a>> {
+        let rows = reads.iter().zip(&self.spans).zip(&self.tokens).map(|((r, span), &tokens)| SeqRead {
+            request: r.request,
+            block_table: &self.pages[span.clone()],
+            tokens,
+        });
+        let extra = self.extra.iter().map(|&(i, ref page, tokens)| SeqRead {
+            request: reads[i].request,
+            block_table: std::slice::from_ref(page),
+            tokens,
+        });
+        rows.chain(extra).collect()
+    }
+
+    /// A verdict over [`reads`](Self::reads) as one over the rows: an extra read's refusal is
+    /// its row's, and a row refused more than once keeps its first (its own pages' before an
+    /// extra's).
+    fn fold(&self, mut v: StepVerdict) -> StepVerdict {
+        let n = self.spans.len();
+        if self.extra.is_empty() || v.refused.iter().all(|(i, _)| *i < n) {
+            return v;
+        }
+        for (i, _) in &mut v.refused {
+            if *i >= n {
+                *i = self.extra[*i - n].0;
+            }
+        }
+        v.refused.sort_by_key(|(i, _)| *i);
+        v.refused.dedup_by_key(|(i, _)| *i);
+        v
+    }
+}
+
+/// Whether a run of a row's entries is in place: each page's first entry a page's slot 0 and
+/// every other entry the one before it plus one. For a power-of-two page size, one pass the
+/// compiler vectorizes; otherwise the caller checks page by page.
+struct PageCheck {
+    /// `page_size - 1` (a power of two) or `None`.
+    mask: Option<i32>,
+    /// Per entry of a chunk that starts at a page's first: 0 there, -1 inside a page.
+    inside: Vec<i32>,
+}
+
+impl PageCheck {
+    fn new(page_size: u32) -> PageCheck {
+        if !page_size.is_power_of_two() {
+            return PageCheck { mask: None, inside: Vec::new() };
+        }
+        let mask = (page_size - 1) as i32;
+        let chunk = (page_size as usize).max(256);
+        PageCheck { mask: Some(mask), inside: (0..chunk).map(|t| if t as i32 & mask == 0 { 0 } else { -1 }).collect() }
+    }
+
+    /// Entries `lo..hi` of `row` (`lo` a page's first) are all in place.
+    fn in_place(&self, row: &[i32], lo: usize, hi: usize) -> bool {
+        let Some(mask) = self.mask else { return false };
+        let bad = row[lo..hi.max(lo)].chunks(self.inside.len()).fold(0i32, |bad, c| {
+            let head = c[0] & mask;
+            c[1..].iter().zip(c).zip(&self.inside[1..]).fold(bad | head, |bad, ((&e, &prev), &inside)| {
+                bad | (e.wrapping_sub(prev).wrapping_sub(1) & inside) | (e & mask & !inside)
+            })
+        });
+        bad == 0
+    }
+}

@@ -1,0 +1,231 @@
+//! Reads and decode forwards through a token-slot table (SGLang's `req_to_token`:
+//! `check_slot_rows`, `verify_slot_rows`, `decode_forward`): a row is never let through where a
+//! reader of each of its entries, one token at a time, would be refused; a row whose entries are
+//! in place is judged exactly as that reader; a window judges as the full row from its page on;
+//! and a decode forward judges as its writes recorded and its windows checked by their own calls.
+
+use kvguard::step::{DecodeForward, DecodeOutcome, SlotRead, StepError};
+use kvguard::{BlockRows, OwnershipTable, PageId, Policy, PoolConfig, RequestId, RowsError, SeqWrite, TenantId};
+use proptest::prelude::*;
+
+/// Page size, pages, token entries per row.
+const PS: u32 = 4;
+const PAGES: u32 = 16;
+const WIDTH: usize = 16;
+
+fn table(policy: Policy) -> OwnershipTable {
+    OwnershipTable::new(PoolConfig::new(PAGES, PS, 32).with_reserved([PageId(0)]).with_policy(policy))
+        .expect("the test pool passes its audit")
+}
+
+/// A history drawn: three requests (two tenants), each claiming pages and writing some of their
+/// slots; then each one's row of slots, its entries changed here and there.
+#[derive(Clone, Debug)]
+struct Drawn {
+    /// Per request: pages claimed (ids may repeat or be taken: refused, as an engine's may be).
+    claims: Vec<Vec<u32>>,
+    /// Per request: tokens written through its pages, in order.
+    written: Vec<u8>,
+    /// Per request: (entry, new value) changes to its row.
+    changes: Vec<Vec<(u8, i32)>>,
+    /// Per request: tokens read, and tokens already checked (`from`).
+    reads: Vec<(u8, u8)>,
+}
+
+fn drawn() -> impl Strategy<Value = Drawn> {
+    let value = prop_oneof![
+        4 => 0i32..(PAGES * PS) as i32,
+        1 => Just(-1i32),
+        1 => Just((PAGES * PS) as i32 + 5),
+        1 => Just(i32::MAX),
+    ];
+    (
+        prop::collection::vec(prop::collection::vec(1u32..PAGES, 0..5), 3),
+        prop::collection::vec(0u8..20, 3),
+        prop::collection::vec(prop::collection::vec((0u8..WIDTH as u8, value), 0..3), 3),
+        prop::collection::vec((0u8..40, 0u8..40), 3),
+    )
+        .prop_map(|(claims, written, changes, reads)| Drawn { claims, written, changes, reads })
+}
+
+/// The table after `d`'s history, and the three rows of slots (`WIDTH` entries each).
+fn build(d: &Drawn, policy: Policy, change: bool) -> (OwnershipTable, Vec<i32>) {
+    let t = table(policy);
+    let mut rows = vec![-1i32; 3 * WIDTH];
+    for r in 0..3 {
+        let req = RequestId(r as u64 + 1);
+        t.admit(req, TenantId(r as u64 % 2), 4, 4).expect("admitted");
+        let mut pages = Vec::new();
+        for &p in &d.claims[r] {
+            if t.claim(req, &[PageId(p)]).is_ok() {
+                pages.push(p);
+            }
+        }
+        let slots: Vec<i64> = pages.iter().flat_map(|&p| (0..PS).map(move |k| i64::from(p * PS + k))).collect();
+        let n = (d.written[r] as usize).min(slots.len());
+        let _ = t.record_step_writes(&[SeqWrite { request: req, slots: &slots[..n] }]);
+        for (e, &s) in rows[r * WIDTH..(r + 1) * WIDTH].iter_mut().zip(&slots) {
+            *e = s as i32;
+        }
+        if change {
+            for &(at, v) in &d.changes[r] {
+                rows[r * WIDTH + at as usize] = v;
+            }
+        }
+    }
+    (t, rows)
+}
+
+fn reads(d: &Drawn, from: bool) -> Vec<SlotRead> {
+    (0..3)
+        .map(|r| SlotRead {
+            request: RequestId(r as u64 + 1),
+            row: r as u32,
+            from: if from { u64::from(d.reads[r].1.min(d.reads[r].0)) } else { 0 },
+            tokens: u64::from(d.reads[r].0),
+        })
+        .collect()
+}
+
+/// Whether a reader of each token, one at a time, may read row `row` for `tokens` tokens: each
+/// entry names a slot whose page the reader may read up to that slot (and the reader may read at
+/// all: live, not quarantined).
+fn per_token(t: &OwnershipTable, req: RequestId, row: &[i32], tokens: u64) -> bool {
+    t.check_read(req, &[], 0).is_ok()
+        && (0..tokens as usize).all(|k| {
+            let Some(&slot) = row.get(k) else { return false };
+            let Ok(slot) = u32::try_from(slot) else { return false };
+            t.check_read(req, &[PageId(slot / PS)], u64::from(slot % PS) + 1).is_ok()
+        })
+}
+
+fn refused_rows(v: &kvguard::StepVerdict) -> Vec<usize> {
+    v.refused.iter().map(|(i, _)| *i).collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1_000, ..ProptestConfig::default() })]
+
+    /// A row is never let through where the per-token reader is refused; rows left in place are
+    /// judged exactly as that reader.
+    #[test]
+    fn a_row_is_judged_at_least_as_strictly_as_reading_each_token(d in drawn(), change in any::<bool>()) {
+        let (t, entries) = build(&d, Policy::Enforce, change);
+        let rows = BlockRows::new(&entries, WIDTH).unwrap();
+        let reads = reads(&d, false);
+        let refused = refused_rows(&t.check_slot_rows(rows, &reads).unwrap());
+        for (i, r) in reads.iter().enumerate() {
+            let row = &entries[i * WIDTH..(i + 1) * WIDTH];
+            let reference = per_token(&t, r.request, row, r.tokens);
+            if !refused.contains(&i) {
+                prop_assert!(reference, "row {i} let through, a per-token reader is refused: {row:?}");
+            } else if !change {
+                prop_assert!(!reference, "row {i} in place refused, a per-token reader is not: {row:?}");
+            }
+        }
+    }
+
+    /// A window (`from` > 0) judges as the full row read from the window's first page on: where
+    /// the full row is clean, so is every window of it; a window refused is refused in full.
+    #[test]
+    fn a_window_is_never_looser_than_the_full_row(d in drawn(), change in any::<bool>()) {
+        let (t, entries) = build(&d, Policy::Enforce, change);
+        let rows = BlockRows::new(&entries, WIDTH).unwrap();
+        let full = refused_rows(&t.check_slot_rows(rows, &reads(&d, false)).unwrap());
+        let window = refused_rows(&t.check_slot_rows(rows, &reads(&d, true)).unwrap());
+        for i in &window {
+            prop_assert!(full.contains(i), "row {i}'s window refused, its full row clean");
+        }
+        // A window from token 0 is the full row.
+        prop_assert_eq!(refused_rows(&t.check_slot_rows(rows, &reads(&d, false)).unwrap()), full);
+    }
+
+    /// A decode forward judges as its writes recorded by `record_step_writes` and, if all were,
+    /// its windows checked by `check_slot_rows`, and leaves the table as those calls do.
+    #[test]
+    fn a_decode_forward_judges_as_its_calls_one_by_one(
+        d in drawn(),
+        slots in prop::collection::vec(-2i64..(PAGES * PS) as i64 + 2, 3),
+        enforce in any::<bool>(),
+    ) {
+        let policy = if enforce { Policy::Enforce } else { Policy::Report };
+        let (one, entries) = build(&d, policy, true);
+        let (two, _) = build(&d, policy, true);
+        let rows = BlockRows::new(&entries, WIDTH).unwrap();
+        let reads = reads(&d, true);
+        let outcome = one.decode_forward(&DecodeForward { reads: &reads, slots: &slots, rows }).unwrap();
+        let writes: Vec<SeqWrite<'_>> =
+            reads.iter().zip(slots.chunks(1)).map(|(r, s)| SeqWrite { request: r.request, slots: s }).collect();
+        let written = two.record_step_writes(&writes);
+        match outcome {
+            DecodeOutcome::Writes(v) => {
+                prop_assert!(!written.is_clean());
+                prop_assert_eq!(format!("{:?}", v.refused), format!("{:?}", written.refused));
+            }
+            other => {
+                prop_assert!(written.is_clean());
+                let read = two.check_slot_rows(rows, &reads).unwrap();
+                match other {
+                    DecodeOutcome::Clean => prop_assert!(read.is_clean()),
+                    DecodeOutcome::Window(v) => {
+                        prop_assert_eq!(format!("{:?}", v.refused), format!("{:?}", read.refused))
+                    }
+                    DecodeOutcome::Writes(_) => unreachable!(),
+                }
+            }
+        }
+        prop_assert_eq!(one.counters().total(), two.counters().total());
+        for p in 0..PAGES {
+            prop_assert_eq!(one.page_info(PageId(p)), two.page_info(PageId(p)));
+        }
+        for r in 1..=3 {
+            prop_assert_eq!(one.request_info(RequestId(r)), two.request_info(RequestId(r)));
+        }
+    }
+}
+
+/// A read past the table, or slots not one per read, is an error before anything is recorded.
+#[test]
+fn a_decode_forward_of_the_wrong_shape_records_nothing() {
+    let t = table(Policy::Enforce);
+    let a = RequestId(1);
+    t.admit(a, TenantId(1), 4, 4).unwrap();
+    t.claim(a, &[PageId(3)]).unwrap();
+    let entries = [12, 13, 14, 15];
+    let rows = BlockRows::new(&entries, 4).unwrap();
+    let read = SlotRead { request: a, row: 0, from: 0, tokens: 1 };
+    let past = SlotRead { row: 1, ..read };
+    let err = t.decode_forward(&DecodeForward { reads: &[read, past], slots: &[12, 13], rows }).unwrap_err();
+    assert_eq!(err, StepError::Rows(RowsError::Row { index: 1, row: 1, rows: 1 }));
+    let err = t.decode_forward(&DecodeForward { reads: &[read], slots: &[12, 13], rows }).unwrap_err();
+    assert_eq!(err, StepError::Slots { reads: 1, slots: 2 });
+    // Nothing was written: the page's first slot is still unwritten.
+    assert!(t.check_read(a, &[PageId(3)], 1).is_err());
+    assert!(matches!(
+        t.decode_forward(&DecodeForward { reads: &[read], slots: &[12], rows }).unwrap(),
+        DecodeOutcome::Clean
+    ));
+}
+
+/// An entry inside a page that names another request's slot is read as that slot: refused,
+/// though the page the row's first entry names is the reader's own.
+#[test]
+fn an_entry_inside_a_page_naming_another_requests_slot_is_refused() {
+    let t = table(Policy::Enforce);
+    let (a, b) = (RequestId(1), RequestId(2));
+    t.admit(a, TenantId(1), 4, 4).unwrap();
+    t.admit(b, TenantId(2), 4, 4).unwrap();
+    t.claim(a, &[PageId(3)]).unwrap();
+    t.claim(b, &[PageId(5)]).unwrap();
+    let (sa, sb): (Vec<i64>, Vec<i64>) = ((12..16).collect(), (20..24).collect());
+    let writes = [SeqWrite { request: a, slots: &sa }, SeqWrite { request: b, slots: &sb }];
+    assert!(t.record_step_writes(&writes).is_clean());
+    let entries = [12, 13, 22, 15];
+    let rows = BlockRows::new(&entries, 4).unwrap();
+    let v = t.check_slot_rows(rows, &[SlotRead { request: a, row: 0, from: 0, tokens: 4 }]).unwrap();
+    assert_eq!(v.refused.len(), 1);
+    assert_eq!(v.refused[0].1.page(), Some(PageId(5)));
+    // Read only up to the entry before it: clean.
+    let v = t.check_slot_rows(rows, &[SlotRead { request: a, row: 0, from: 0, tokens: 2 }]).unwrap();
+    assert!(v.is_clean());
+}
