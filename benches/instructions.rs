@@ -14,10 +14,12 @@
 //! int32) by `verify_rows` with the rows' cache of the step before, and by a full `verify_step`;
 //! `decode_grew/engine_step` beside `decode_grew/separate`: the same step with its 4,096th token
 //! written in it, through one `engine_step` (cache warm), and through `record_step_writes` of its
-//! slot mapping and a full `verify_step`.
+//! slot mapping and a full `verify_step`; `decode_forward/windows`: the same step through SGLang's
+//! layout, a token-slot table (256 x 4,096 int32 slots), as one `decode_forward` that writes each
+//! row's token and checks each row's window from its last checked token (4,095).
 
 use kvguard::cuda::layout::DeviceTag;
-use kvguard::step::{EngineStep, Events};
+use kvguard::step::{DecodeForward, DecodeOutcome, EngineStep, Events, SlotRead};
 use kvguard::{
     BlockRows, OwnershipTable, PageId, PoolConfig, RequestId, RowCache, RowRead, SeqRead, SeqWrite, TenantId,
 };
@@ -91,6 +93,34 @@ fn measured_decode_separate(table: &OwnershipTable, writes: &[SeqWrite<'_>], rea
     let written = table.record_step_writes(black_box(writes));
     let read = table.verify_step(black_box(reads));
     written.is_clean() && read.is_clean()
+}
+
+#[inline(never)]
+fn measured_decode_forward(table: &OwnershipTable, step: &DecodeForward<'_>) -> bool {
+    matches!(table.decode_forward(black_box(step)).expect("the step's shape"), DecodeOutcome::Clean)
+}
+
+/// `decode_grew`'s step in SGLang's layout: 256 rows of 4,096 token slots (`req_to_token`), 4,095
+/// tokens written and checked, then one `decode_forward` writing each row's 4,096th token and
+/// reading each row's window from token 4,095 (its last page).
+fn decode_forward() {
+    let table = OwnershipTable::new(PoolConfig::new(SEQS * PAGES + 1, PS, TOKENS).with_reserved([PageId(0)]))
+        .expect("pool fits");
+    let mut entries: Vec<i32> = Vec::with_capacity((SEQS as u64 * TOKENS) as usize);
+    let mut slots = Vec::new();
+    for s in 0..SEQS {
+        let req = RequestId(u64::from(s));
+        table.admit(req, TenantId(u64::from(s % 8)), TOKENS, 0).expect("admit");
+        let bt: Vec<PageId> = table.allocate(req, PAGES).expect("allocate").iter().map(|r| r.page).collect();
+        table.record_write_tokens(req, &bt, 0..TOKENS - 1).expect("write");
+        entries.extend(bt.iter().flat_map(|p| (0..PS).map(move |k| (p.0 * PS + k) as i32)));
+        slots.push(*entries.last().expect("a row") as i64);
+    }
+    let rows = BlockRows::new(&entries, TOKENS as usize).expect("whole rows");
+    let reads: Vec<SlotRead> = (0..SEQS)
+        .map(|s| SlotRead { request: RequestId(u64::from(s)), row: s, from: TOKENS - 1, tokens: TOKENS })
+        .collect();
+    assert!(measured_decode_forward(&table, &DecodeForward { reads: &reads, slots: &slots, rows }), "a clean step");
 }
 
 /// How a decode step is judged in `decode_grew`.
@@ -273,6 +303,7 @@ fn main() {
         "decode_grew/full" => decode_grew(Grew::Full),
         "decode_grew/engine_step" => decode_grew(Grew::EngineStep),
         "decode_grew/separate" => decode_grew(Grew::Separate),
+        "decode_forward/windows" => decode_forward(),
         "lifecycle/guarded" => lifecycle(true),
         "lifecycle/unguarded" => lifecycle(false),
         "lifecycle/guarded_tracked" => lifecycle_tracked(false),
@@ -280,7 +311,7 @@ fn main() {
         "replay/events" => replay(),
         _ => {
             eprintln!(
-                "usage: instructions decode_step/guarded|decode_step/unguarded|decode_grew/incremental|decode_grew/full|decode_grew/engine_step|decode_grew/separate|lifecycle/guarded|lifecycle/unguarded|lifecycle/guarded_tracked[_info]|replay/events"
+                "usage: instructions decode_step/guarded|decode_step/unguarded|decode_grew/incremental|decode_grew/full|decode_grew/engine_step|decode_grew/separate|decode_forward/windows|lifecycle/guarded|lifecycle/unguarded|lifecycle/guarded_tracked[_info]|replay/events"
             );
             std::process::exit(2);
         }

@@ -6,7 +6,7 @@
 use super::StepError;
 use crate::config::PageDiv;
 use crate::ids::{PageId, RequestId};
-use crate::table::{BlockRows, OwnershipTable, RowsError, SeqRead, SeqWrite, StepVerdict};
+use crate::table::{BlockRows, OwnershipTable, RowsError, SeqRead, StepVerdict};
 use std::ops::Range;
 
 /// One row attention reads through a token-slot table: `request` reads its first `tokens`
@@ -116,18 +116,14 @@ impl OwnershipTable {
         // The windows are gathered first: a row past the table is found before anything is
         // recorded (the step's writes do not change the engine's table).
         let windows = Windows::gather(step.rows, step.reads, self)?;
-        let writes: Vec<SeqWrite<'_>> = step
-            .reads
-            .iter()
-            .zip(step.slots.chunks(1))
-            .map(|(r, slots)| SeqWrite { request: r.request, slots })
-            .collect();
-        let written = self.record_step_writes(&writes);
-        if !written.is_clean() {
-            return Ok(DecodeOutcome::Writes(written));
+        let writers: Vec<RequestId> = step.reads.iter().map(|r| r.request).collect();
+        match self.decode_writes_then_reads(&writers, step.slots, &windows.reads(step.reads)) {
+            (written, None) => Ok(DecodeOutcome::Writes(written)),
+            (_, Some(read)) => {
+                let read = windows.fold(read);
+                Ok(if read.is_clean() { DecodeOutcome::Clean } else { DecodeOutcome::Window(read) })
+            }
         }
-        let read = windows.fold(self.check_step(&windows.reads(step.reads)));
-        Ok(if read.is_clean() { DecodeOutcome::Clean } else { DecodeOutcome::Window(read) })
     }
 }
 
@@ -166,7 +162,11 @@ impl Windows {
             extra: Vec::new(),
         };
         let page_of = |v: i32| u32::try_from(v).map_or(PageId(u32::MAX), |v| PageId(div.floor(u64::from(v)) as u32));
-        let check = PageCheck::new(page_size);
+        // Offsets 0, 1, .. of a page's entries (zipped with a page's entries, a loop the compiler
+        // vectorizes).
+        let ramp: Vec<i32> = (0..stride as i32).collect();
+        // The highest first slot of a page whose slots all fit in an int32.
+        let top = i32::MAX - (stride as i32 - 1);
         for (i, read) in reads.iter().enumerate() {
             let row = rows.row(read.row as usize);
             let seq = read.tokens;
@@ -174,19 +174,27 @@ impl Windows {
             let first = usize::try_from(div.floor(read.from.min(seq))).unwrap_or(usize::MAX).min(width);
             let end = usize::try_from(div.ceil(seq)).unwrap_or(usize::MAX).min(width).max(first).min(first + most);
             let start = out.pages.len();
-            out.pages.extend((first..end).map(|j| page_of(row[j * stride])));
             // The entries of each page read, up to the tokens read and the row's end.
             let last = usize::try_from(seq).unwrap_or(usize::MAX).min(entries);
-            if stride > 1 && !check.in_place(row, first * stride, (end * stride).min(last)) {
-                for j in first..end {
-                    let lo = j * stride;
-                    let base = row[lo];
-                    if base < 0 {
-                        continue; // refused as page_out_of_range already
-                    }
-                    let own = base - div.offset(base as u64) as i32;
-                    let hi = (lo + stride).min(last);
-                    for (k, &slot) in row[lo..hi].iter().enumerate() {
+            for j in first..end {
+                let lo = j * stride;
+                let base = row[lo];
+                out.pages.push(page_of(base));
+                if stride == 1 || base < 0 {
+                    continue; // a negative first entry is refused as page_out_of_range already
+                }
+                let own = base - div.offset(base as u64) as i32;
+                let hi = (lo + stride).min(last);
+                // Entry k of the page is its slot own + k: in int32 (one pass the compiler
+                // vectorizes) where the page's slots fit in one, in i64 where they may not.
+                let page = &row[lo..hi.max(lo)];
+                let in_place = if own <= top {
+                    page.iter().zip(&ramp).fold(0, |bad, (&e, &k)| bad | (e.wrapping_sub(k) ^ own)) == 0
+                } else {
+                    page.iter().enumerate().all(|(k, &e)| i64::from(e) - k as i64 == i64::from(own))
+                };
+                if !in_place {
+                    for (k, &slot) in page.iter().enumerate() {
                         if i64::from(slot) - k as i64 != i64::from(own) {
                             let tokens = u32::try_from(slot).map_or(1, |s| div.offset(u64::from(s)) + 1);
                             out.extra.push((i, page_of(slot), tokens));
@@ -232,38 +240,5 @@ impl Windows {
         v.refused.sort_by_key(|(i, _)| *i);
         v.refused.dedup_by_key(|(i, _)| *i);
         v
-    }
-}
-
-/// Whether a run of a row's entries is in place: each page's first entry a page's slot 0 and
-/// every other entry the one before it plus one. For a power-of-two page size, one pass the
-/// compiler vectorizes; otherwise the caller checks page by page.
-struct PageCheck {
-    /// `page_size - 1` (a power of two) or `None`.
-    mask: Option<i32>,
-    /// Per entry of a chunk that starts at a page's first: 0 there, -1 inside a page.
-    inside: Vec<i32>,
-}
-
-impl PageCheck {
-    fn new(page_size: u32) -> PageCheck {
-        if !page_size.is_power_of_two() {
-            return PageCheck { mask: None, inside: Vec::new() };
-        }
-        let mask = (page_size - 1) as i32;
-        let chunk = (page_size as usize).max(256);
-        PageCheck { mask: Some(mask), inside: (0..chunk).map(|t| if t as i32 & mask == 0 { 0 } else { -1 }).collect() }
-    }
-
-    /// Entries `lo..hi` of `row` (`lo` a page's first) are all in place.
-    fn in_place(&self, row: &[i32], lo: usize, hi: usize) -> bool {
-        let Some(mask) = self.mask else { return false };
-        let bad = row[lo..hi.max(lo)].chunks(self.inside.len()).fold(0i32, |bad, c| {
-            let head = c[0] & mask;
-            c[1..].iter().zip(c).zip(&self.inside[1..]).fold(bad | head, |bad, ((&e, &prev), &inside)| {
-                bad | (e.wrapping_sub(prev).wrapping_sub(1) & inside) | (e & mask & !inside)
-            })
-        });
-        bad == 0
     }
 }

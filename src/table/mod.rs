@@ -47,11 +47,12 @@
 //! Each admitted request adds a small record; each prefix one more.
 //!
 //! # Files
-//! Each file uses only those below it: `forced`, `import` → `ownership` → `lifecycle` → `prefix`, `verify`
+//! Each file uses only those below it: `decode`, `forced`, `import` → `ownership` → `lifecycle` → `prefix`, `verify`
 //! → `violation` → `state` → `hot`, `mirror` → `info`, `step`; `info` and `step` hold the public values
 //! re-exported here; `hot` holds the per-page words read verification compares; `mirror` the device
 //! tag and the map of pages changed since a device mirror last took them.
 
+mod decode;
 mod forced;
 mod hot;
 mod import;

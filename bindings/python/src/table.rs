@@ -10,6 +10,7 @@ use crate::mirror;
 use crate::names::{self, Names, Resolved, StepIds};
 use crate::values::{PageInfo, PageRef, PoolConfig, PoolSnapshot, Released, RequestInfo};
 use crate::violation::Violation;
+use kvguard::step::{DecodeForward, DecodeOutcome, SlotRead};
 use kvguard::{PageId, PrefixKey, RequestId, SeqClaim, SeqRead, SeqWrite};
 use parking_lot::Mutex;
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -143,108 +144,37 @@ fn step_writes<'a, T: Copy + Into<i64>>(
         .collect())
 }
 
-/// The pages each row reads, converted into one buffer: row `rows[i]` of `t` for `lens[i]`
-/// tokens, from token `from[i]` on (its page; 0 without `from`), entries of token slots when
-/// `token_slots` (every `page_size`-th entry divided by it) or page ids. `lens[i]` becomes the
+/// The pages each row reads, converted into one buffer: row `rows[i]` of `t` (page ids) for
+/// `lens[i]` tokens, from token `from[i]` on (its page; 0 without `from`). `lens[i]` becomes the
 /// tokens of the window read as its own block table (its tokens start at its first page). A
 /// negative or too-large entry becomes a page beyond any pool (refused as page_out_of_range). A
 /// row is read for at most `pool_pages + 1` pages from its window's start: a read that needs more
 /// than the pool holds is refused as block_table_too_short (so a huge length, or a stride-0
-/// view's huge width, allocates nothing beyond that).
-///
-/// Token slots with pages of more than one token: page `j` is taken from entry `j * page_size`,
-/// and every other entry the row reads must be that page's slot at its offset (a per-token
-/// reader reads each entry). One that is not is read as what it names: an extra read of its own
-/// page up to its slot ([`Windows::extra`]), refused if that page is not the reader's.
+/// view's huge width, allocates nothing beyond that). Token-slot tables are the core's
+/// (`check_slot_rows`, through [`slot_rows`]).
 fn window_pages(
     t: &IntArray<'_>,
     rows: &[u64],
     lens: &mut [u64],
     from: Option<&[u64]>,
     config: &kvguard::PoolConfig,
-    token_slots: bool,
 ) -> Windows {
-    let page_size = config.page_size;
-    let ps = u64::from(page_size);
-    let div = kvguard::config::PageDiv::new(page_size);
-    let stride = if token_slots { ps as usize } else { 1 };
-    let entries = t.width();
-    let width = entries.div_ceil(stride);
+    let ps = u64::from(config.page_size);
+    let div = kvguard::config::PageDiv::new(config.page_size);
+    let width = t.width();
     let most = config.num_pages as usize + 1;
-    let mut out = Windows { pages: Vec::new(), spans: Vec::with_capacity(rows.len()), extra: Vec::new() };
-    let page_of = |v: i64| {
-        let page = if v < 0 {
-            -1
-        } else if token_slots {
-            div.floor(v as u64) as i64
-        } else {
-            v
-        };
-        PageId(u32::try_from(page).unwrap_or(u32::MAX))
-    };
-    let whole_pages = token_slots && ps > 1;
-    let pow2 = page_size.is_power_of_two();
-    // Page-sized power of two: a row's entries `lo..hi` (`lo` a page's first) are all in place
-    // when each page's first is a page's slot 0 and every other entry is the one before it plus
-    // one: one pass over the row that the compiler vectorizes, the per-page pass only when not.
-    let mask = page_size.wrapping_sub(1) as i32;
-    // Per entry of a chunk that starts a page: -1 inside a page (the entry must be the one
-    // before it plus one), 0 at a page's first (it must be a page's slot 0).
-    let chunk = if pow2 { (page_size as usize).max(256) } else { 0 };
-    let inside: Vec<i32> = (0..chunk).map(|t| if t as i32 & mask == 0 { 0 } else { -1 }).collect();
-    let in_place = |r: &[PageId], lo: usize, hi: usize| {
-        let seg = &r[lo..hi.max(lo)];
-        let bad = seg.chunks(chunk.max(1)).fold(0i32, |bad, c| {
-            let head = c[0].0 as i32 & mask;
-            c[1..].iter().zip(c).zip(&inside[1..]).fold(bad | head, |bad, ((e, prev), &inside)| {
-                let (e, prev) = (e.0 as i32, prev.0 as i32);
-                bad | (e.wrapping_sub(prev).wrapping_sub(1) & inside) | (e & mask & !inside)
-            })
-        });
-        bad == 0
-    };
+    let mut out = Windows { pages: Vec::new(), spans: Vec::with_capacity(rows.len()) };
+    let page_of = |v: i64| PageId(u32::try_from(v).unwrap_or(u32::MAX));
     for (i, &row) in rows.iter().enumerate() {
         let seq = lens[i];
-        let first = from.map_or(0, |f| usize::try_from(div.floor(f[i].min(seq))).unwrap_or(usize::MAX));
+        let first = from.map_or(0, |f| usize::try_from(div.floor(f[i].min(seq))).unwrap_or(usize::MAX)).min(width);
         let end = usize::try_from(div.ceil(seq)).unwrap_or(usize::MAX).min(width).max(first).min(first + most);
         let start = out.pages.len();
-        // An int32 contiguous row (SGLang's req_to_token) is read as a slice; its entries are
-        // the engine's int32s (`PageId` only borrows their bits).
-        let row_slice = t.row_pages(row as usize);
-        let entry = |e: usize| match row_slice {
-            Some(r) => i64::from(r[e].0 as i32),
-            None => t.get(row as usize, e),
-        };
-        out.pages.extend((first..end).map(|j| page_of(entry(j * stride))));
-        // Entries of each page read, up to the tokens read and the row's end.
-        let last = usize::try_from(seq).unwrap_or(usize::MAX).min(entries);
-        if whole_pages && !(pow2 && row_slice.is_some_and(|r| in_place(r, first * stride, (end * stride).min(last)))) {
-            for j in first..end {
-                let lo = j * stride;
-                let base = entry(lo);
-                if base < 0 {
-                    continue; // refused as page_out_of_range already
-                }
-                let own = base - div.offset(base as u64) as i64;
-                let hi = (lo + stride).min(last);
-                let odd = |k: usize| entry(lo + k) != own + k as i64;
-                let any = match row_slice {
-                    // In int32, as the engine holds them: entry k minus k is the page's slot 0.
-                    Some(r) => {
-                        let own = own as i32;
-                        r[lo..hi].iter().zip(0i32..).fold(0, |bad, (e, k)| bad | ((e.0 as i32).wrapping_sub(k) ^ own))
-                            != 0
-                    }
-                    None => (0..hi - lo).any(odd),
-                };
-                if any {
-                    for k in (0..hi - lo).filter(|&k| odd(k)) {
-                        let slot = entry(lo + k);
-                        let tokens = if slot < 0 { 1 } else { div.offset(slot as u64) + 1 };
-                        out.extra.push((i, page_of(slot), tokens));
-                    }
-                }
-            }
+        // An int32 contiguous row is read as a slice; its entries are the engine's int32s
+        // (`PageId` only borrows their bits).
+        match t.row_pages(row as usize) {
+            Some(r) => out.pages.extend((first..end).map(|j| page_of(i64::from(r[j].0 as i32)))),
+            None => out.pages.extend((first..end).map(|j| page_of(t.get(row as usize, j)))),
         }
         out.spans.push(start..out.pages.len());
         lens[i] = seq - first as u64 * ps;
@@ -252,47 +182,62 @@ fn window_pages(
     out
 }
 
-/// What [`window_pages`] read: each row's pages (`pages[spans[i]]`), and the extra reads of
-/// entries that are not their page's slot: `(row index, the page the entry names, tokens of it
-/// read: its slot's offset + 1)`.
+/// A row of an engine's table as the core names it (a table of 2**32 rows or more is refused).
+fn row_index(row: u64) -> PyResult<u32> {
+    u32::try_from(row).map_err(|_| PyValueError::new_err(format!("row {row}: a table has at most 2**32 rows")))
+}
+
+/// A token-slot table as the core reads it ([`kvguard::BlockRows`] of int32 slots) and the
+/// reads through it: a C-contiguous int32 table (SGLang's `req_to_token`) in place; any other
+/// array converted, each read's row into a row of its own in `converted`, as far as the core
+/// reads it (a huge length, or a stride-0 view's huge width, allocates nothing beyond the
+/// pool's pages plus one from the window's start). An entry outside int32 names no slot (-1,
+/// refused as page_out_of_range). The reads' rows are within `t` (checked by the caller).
+fn slot_rows<'a>(
+    t: &'a IntArray<'_>,
+    mut reads: Vec<SlotRead>,
+    config: &kvguard::PoolConfig,
+    converted: &'a mut Vec<i32>,
+) -> PyResult<(kvguard::BlockRows<'a>, Vec<SlotRead>)> {
+    let shape = |e: kvguard::RowsError| PyValueError::new_err(e.to_string());
+    if let Some((entries, width)) = t.as_i32_rows() {
+        return Ok((kvguard::BlockRows::new(entries, width).map_err(shape)?, reads));
+    }
+    let div = kvguard::config::PageDiv::new(config.page_size);
+    let ps = config.page_size as usize;
+    let most = config.num_pages as usize + 1;
+    // What the core reads of read r's row: its pages up to the tokens read, at most `most` from
+    // the window's first (see check_slot_rows).
+    let reach = |r: &SlotRead| {
+        let first = usize::try_from(div.floor(r.from.min(r.tokens))).unwrap_or(usize::MAX);
+        let end = usize::try_from(div.ceil(r.tokens)).unwrap_or(usize::MAX).min(first.saturating_add(most));
+        end.saturating_mul(ps).min(t.width())
+    };
+    // At least one entry a row (the core's rows have some): a table of width 0 reads as one
+    // column naming no slot, so a read of it is refused as page_out_of_range.
+    let width = reads.iter().map(reach).max().unwrap_or(0).max(1);
+    converted.reserve(reads.len().saturating_mul(width));
+    for (i, r) in reads.iter_mut().enumerate() {
+        let row = r.row as usize;
+        let entry = |j: usize| if j < t.width() { i32::try_from(t.get(row, j)).unwrap_or(-1) } else { -1 };
+        converted.extend((0..width).map(entry));
+        r.row = i as u32;
+    }
+    Ok((kvguard::BlockRows::new(converted, width).map_err(shape)?, reads))
+}
+
+/// What [`window_pages`] read: each row's pages (`pages[spans[i]]`).
 struct Windows {
     pages: Vec<PageId>,
     spans: Vec<std::ops::Range<usize>>,
-    extra: Vec<(usize, PageId, u64)>,
 }
 
 impl Windows {
-    /// The step's reads: row `i` as `requests[i]` reading `lens[i]` tokens of its pages, then
-    /// the extra reads (index `n + k` for extra `k`; see [`Windows::fold`]).
+    /// The step's reads: row `i` as `requests[i]` reading `lens[i]` tokens of its pages.
     fn reads<'a>(&'a self, requests: &[RequestId], lens: &[u64]) -> Vec<SeqRead<'a>> {
-        let rows = (0..self.spans.len()).map(|i| SeqRead {
-            request: requests[i],
-            block_table: &self.pages[self.spans[i].clone()],
-            tokens: lens[i],
-        });
-        let extra = self.extra.iter().map(|(i, page, tokens)| SeqRead {
-            request: requests[*i],
-            block_table: std::slice::from_ref(page),
-            tokens: *tokens,
-        });
-        rows.chain(extra).collect()
-    }
-
-    /// A verdict over [`Windows::reads`] as one over the rows: an extra read's refusal is its
-    /// row's, and a row refused more than once keeps its first (its own pages' before an extra's).
-    fn fold(&self, mut v: kvguard::StepVerdict) -> kvguard::StepVerdict {
-        let n = self.spans.len();
-        if self.extra.is_empty() || v.refused.iter().all(|(i, _)| *i < n) {
-            return v;
-        }
-        for (i, _) in &mut v.refused {
-            if *i >= n {
-                *i = self.extra[*i - n].0;
-            }
-        }
-        v.refused.sort_by_key(|(i, _)| *i);
-        v.refused.dedup_by_key(|(i, _)| *i);
-        v
+        (0..self.spans.len())
+            .map(|i| SeqRead { request: requests[i], block_table: &self.pages[self.spans[i].clone()], tokens: lens[i] })
+            .collect()
     }
 }
 
@@ -482,14 +427,31 @@ impl OwnershipTable {
             Some(f) => Some(IntArray::open(f, "from_tokens", 1)?.counts(n, "from_tokens")?),
             None => None,
         };
-        // int32 page rows are borrowed as they are; token-slot rows (page size > 1), int64 rows
-        // and windows are converted, the entries each request reads only, into one buffer.
-        let direct = n > 0
-            && from.is_none()
-            && (!token_slots || self.table.page_size() == 1)
-            && t.row_pages(rows[0] as usize).is_some();
-        let windows =
-            (!direct).then(|| window_pages(&t, &rows, &mut lens, from.as_deref(), self.table.config(), token_slots));
+        if token_slots {
+            // The core reads token-slot rows (SGLang's req_to_token): check_slot_rows.
+            let reads: Vec<SlotRead> = (0..n)
+                .map(|i| {
+                    Ok(SlotRead {
+                        request: requests[i],
+                        row: row_index(rows[i])?,
+                        from: from.as_ref().map_or(0, |f| f[i]),
+                        tokens: lens[i],
+                    })
+                })
+                .collect::<PyResult<_>>()?;
+            let mut converted = Vec::new();
+            let (table, reads) = slot_rows(&t, reads, self.table.config(), &mut converted)?;
+            let core = &self.table;
+            let v = py.detach(|| {
+                if judged { core.verify_slot_rows(table, &reads) } else { core.check_slot_rows(table, &reads) }
+            });
+            let v = v.map_err(|e| PyValueError::new_err(e.to_string()))?;
+            return self.verdict(py, v, n, judged);
+        }
+        // int32 page rows are borrowed as they are; int64 rows and windows are converted, the
+        // entries each request reads only, into one buffer.
+        let direct = n > 0 && from.is_none() && t.row_pages(rows[0] as usize).is_some();
+        let windows = (!direct).then(|| window_pages(&t, &rows, &mut lens, from.as_deref(), self.table.config()));
         let reads: Vec<SeqRead<'_>> = match &windows {
             Some(w) => w.reads(&requests, &lens),
             None => (0..n)
@@ -503,11 +465,6 @@ impl OwnershipTable {
         };
         let core = &self.table;
         let v = py.detach(|| if judged { core.verify_step(&reads) } else { core.check_step(&reads) });
-        drop(reads);
-        let v = match &windows {
-            Some(w) => w.fold(v),
-            None => v,
-        };
         self.verdict(py, v, n, judged)
     }
 
@@ -1552,7 +1509,7 @@ impl OwnershipTable {
         let n = rows.len();
         let lens = IntArray::open(seq_lens, "seq_lens", 1)?;
         mirror::check_positions("seq_lens", lens.len(), n)?;
-        let mut lens = lens.counts(n, "seq_lens")?;
+        let lens = lens.counts(n, "seq_lens")?;
         let loc = IntArray::open(out_cache_loc, "out_cache_loc", 1)?;
         checked.apart(
             "row_checked",
@@ -1572,30 +1529,34 @@ impl OwnershipTable {
                 &copied
             }
         };
-        let requests: Vec<RequestId> = rows.iter().map(|&r| RequestId(key_of.at(r as usize) as u64)).collect();
-        let writes: Vec<SeqWrite<'_>> =
-            requests.iter().zip(slots.chunks(1)).map(|(&request, slots)| SeqWrite { request, slots }).collect();
-        // The windows' pages are read before anything is recorded (the arrays stay with the GIL).
+        // The windows start at each row's checked length (read before anything is recorded;
+        // the arrays stay with the GIL).
         let read_from: Vec<i64> = rows.iter().map(|&r| checked.get(r as usize)).collect();
-        let from: Vec<u64> = read_from.iter().map(|&c| c.max(0) as u64).collect();
-        let full_lens = lens.clone();
-        let windows = window_pages(&t, &rows, &mut lens, Some(&from), self.table.config(), true);
-        let reads = windows.reads(&requests, &lens);
+        let reads: Vec<SlotRead> = rows
+            .iter()
+            .zip(&read_from)
+            .zip(&lens)
+            .map(|((&r, &from), &tokens)| {
+                Ok(SlotRead {
+                    request: RequestId(key_of.at(r as usize) as u64),
+                    row: row_index(r)?,
+                    from: from.max(0) as u64,
+                    tokens,
+                })
+            })
+            .collect::<PyResult<_>>()?;
+        let mut converted = Vec::new();
+        let (table, reads) = slot_rows(&t, reads, self.table.config(), &mut converted)?;
         let core = &self.table;
-        // One release of the GIL for both: the reads only if every write was recorded.
-        let (written, read) = py.detach(|| {
-            let written = core.record_step_writes(&writes);
-            let read = written.is_clean().then(|| core.check_step(&reads).is_clean());
-            (written, read)
-        });
-        match read {
-            None => return Ok(Some(("writes", Some(self.verdict(py, written, n, true)?)))),
-            Some(false) => return Ok(Some(("window", None))),
-            Some(true) => {}
+        let step = DecodeForward { reads: &reads, slots, rows: table };
+        match py.detach(|| core.decode_forward(&step)).map_err(step_error)? {
+            DecodeOutcome::Writes(written) => return Ok(Some(("writes", Some(self.verdict(py, written, n, true)?)))),
+            DecodeOutcome::Window(_) => return Ok(Some(("window", None))),
+            _ => {}
         }
         // A row's checked length moves up only from the value its window was read from: one
         // lowered meanwhile (another thread's row write, while the GIL was released) stands.
-        for ((&row, &len), &was) in rows.iter().zip(&full_lens).zip(&read_from) {
+        for ((&row, &len), &was) in rows.iter().zip(&lens).zip(&read_from) {
             if checked.get(row as usize) == was {
                 checked.set(row as usize, len as i64);
             }

@@ -1,8 +1,10 @@
 //! An engine step (`OwnershipTable::engine_step`) beside the calls it stands for, one by one: what
 //! the proptest `an_engine_step_judges_as_its_calls_one_by_one` (tests/it/step_engine.rs) and
-//! the fuzz target `engine_step` check.
+//! the fuzz target `engine_step` check. After each step, the same rows as token slots (SGLang's
+//! layout) go through one `decode_forward` on the first table and through `record_step_writes`
+//! and `check_slot_rows` on the second.
 
-use kvguard::step::{EngineStep, EventBatch};
+use kvguard::step::{DecodeForward, DecodeOutcome, EngineStep, EventBatch, SlotRead};
 use kvguard::{
     BlockRows, OwnershipTable, PageId, Policy, PoolConfig, PrefixKey, RequestId, RowCache, SeqRead, SeqWrite,
     StepVerdict, TenantId,
@@ -170,5 +172,64 @@ pub fn same_as_one_by_one(steps: &[Drawn], policy: Policy) {
             assert_eq!(stepped.page_info(PageId(p)), single.page_info(PageId(p)), "step {n}: page {p}");
         }
         assert_eq!(stepped.snapshot(), single.snapshot(), "step {n}");
+        decode_forward_as_its_calls(&stepped, &single, s, &requests, n);
+    }
+}
+
+/// The step's rows as token slots (each page id `p` as slots `p * PS ..`, a negative entry as -1,
+/// a row's first request's entry 1 bent to another page's slot when its count is odd), each
+/// request writing the slot of its token `computed` and reading from that token on, through
+/// `decode_forward` on `stepped` and through its calls on `single`: the same verdicts, the
+/// same pages after.
+fn decode_forward_as_its_calls(
+    stepped: &OwnershipTable,
+    single: &OwnershipTable,
+    s: &Drawn,
+    requests: &[RequestId],
+    n: usize,
+) {
+    let ps = PS as usize;
+    let mut entries: Vec<i32> = Vec::with_capacity(s.rows.len() * WIDTH * ps);
+    for (row, c, _) in &s.rows {
+        let start = entries.len();
+        entries
+            .extend(row.iter().flat_map(|&e| (0..PS as i32).map(move |k| if e < 0 { -1 } else { e * PS as i32 + k })));
+        if c % 2 == 1 {
+            entries[start + 1] = entries[start + 1].wrapping_add(PS as i32 * 3);
+        }
+    }
+    let rows = BlockRows::new(&entries, WIDTH * ps).expect("whole rows");
+    let reads: Vec<SlotRead> = s
+        .rows
+        .iter()
+        .enumerate()
+        .map(|(i, (_, c, k))| SlotRead {
+            request: requests[i],
+            row: i as u32,
+            from: u64::from(*c),
+            tokens: u64::from(*c) + u64::from(*k).max(1),
+        })
+        .collect();
+    let slots: Vec<i64> = reads
+        .iter()
+        .map(|r| entries.get(r.row as usize * WIDTH * ps + r.from as usize).map_or(i64::MIN, |&e| i64::from(e)))
+        .collect();
+    let outcome = stepped.decode_forward(&DecodeForward { reads: &reads, slots: &slots, rows }).expect("its shape");
+    let writes: Vec<SeqWrite<'_>> =
+        reads.iter().zip(slots.chunks(1)).map(|(r, slot)| SeqWrite { request: r.request, slots: slot }).collect();
+    let written = single.record_step_writes(&writes);
+    match outcome {
+        DecodeOutcome::Writes(v) => assert_eq!(said(&v), said(&written), "step {n}: decode writes"),
+        DecodeOutcome::Clean => {
+            assert!(written.is_clean(), "step {n}: decode writes");
+            assert!(single.check_slot_rows(rows, &reads).expect("rows").is_clean(), "step {n}: decode reads");
+        }
+        DecodeOutcome::Window(v) => {
+            assert!(written.is_clean(), "step {n}: decode writes");
+            assert_eq!(said(&v), said(&single.check_slot_rows(rows, &reads).expect("rows")), "step {n}: decode reads");
+        }
+    }
+    for p in 0..PAGES {
+        assert_eq!(stepped.page_info(PageId(p)), single.page_info(PageId(p)), "step {n}: page {p} after decoding");
     }
 }
