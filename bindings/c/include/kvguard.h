@@ -125,6 +125,28 @@ typedef uint32_t kvg_status;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// Where `kvg_decode_forward` stopped.
+enum kvg_decode_stage
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // Every write recorded, every window clean (`KVG_STATUS_OK`).
+  KVG_DECODE_STAGE_CLEAN = 0,
+  // Some writes were refused (judged); the others were recorded and nothing was read.
+  KVG_DECODE_STAGE_WRITES = 1,
+  // The writes were recorded; some windows were refused (pure: nothing counted or
+  // quarantined): judge those rows in full (`kvg_verify_slot_rows` with no `from_tokens`).
+  KVG_DECODE_STAGE_WINDOW = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum kvg_decode_stage kvg_decode_stage;
+#else
+typedef uint32_t kvg_decode_stage;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
 // What a pool does with a violation.
 enum kvg_policy
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
@@ -951,6 +973,73 @@ kvg_status kvg_check_rows(const struct kvg_table *table,
                           const uint32_t *rows,
                           const int32_t *seq_lens,
                           uint8_t *refused);
+
+// Verifies reads through a token-slot table, judged: `req_to_token` is `table_rows` rows of
+// `width` int32 slots (row after row, no gap; a negative entry names no slot), and read `i` is
+// request `request_ids[i]` reading its first `seq_lens[i]` tokens through row `rows[i]`, from
+// token `from_tokens[i]`'s page on (NULL: each whole row). Page `j` of a row is its entry
+// `j * page_size` divided by the page size; every other entry read must be that page's slot at
+// its offset, or it is read as the slot it names. `KVG_STATUS_OK`, or `KVG_STATUS_VIOLATION`
+// with `refused` (NULL, or `reads` bytes) marking the refused reads and
+// `kvg_last_violation(i, ...)` giving each (a window's page index counts from its first page).
+// A row past the table or a negative count is `KVG_STATUS_INVALID_ARGUMENT`, nothing checked.
+//
+// # Safety
+// `table` is any value (never dereferenced); `req_to_token` holds `table_rows * width`
+// entries; `request_ids`, `rows`, `seq_lens` and `from_tokens` (unless NULL) hold `reads`
+// entries; `refused` is NULL or has `reads` bytes.
+KVG_MUST_USE
+kvg_status kvg_verify_slot_rows(struct kvg_table *table,
+                                const int32_t *req_to_token,
+                                size_t table_rows,
+                                size_t width,
+                                size_t reads,
+                                const uint64_t *request_ids,
+                                const uint32_t *rows,
+                                const int32_t *from_tokens,
+                                const int32_t *seq_lens,
+                                uint8_t *refused);
+
+// `kvg_verify_slot_rows`, pure: the same verdict, and nothing counted, logged or quarantined.
+//
+// # Safety
+// As for `kvg_verify_slot_rows`.
+KVG_MUST_USE
+kvg_status kvg_check_slot_rows(const struct kvg_table *table,
+                               const int32_t *req_to_token,
+                               size_t table_rows,
+                               size_t width,
+                               size_t reads,
+                               const uint64_t *request_ids,
+                               const uint32_t *rows,
+                               const int32_t *from_tokens,
+                               const int32_t *seq_lens,
+                               uint8_t *refused);
+
+// A decode forward's first KV store in one call (SGLang's decode step): request
+// `request_ids[i]` wrote slot `slots[i]` (its one new token), recorded as
+// `kvg_record_step_writes` records it (judged); then, if every write was recorded, each read's
+// window checked as `kvg_check_slot_rows` checks it (pure), reads as there (`from_tokens`:
+// tokens of each row already checked clean; NULL: whole rows). `*stage` says where it stopped:
+// `KVG_DECODE_STAGE_CLEAN` (`KVG_STATUS_OK`), `KVG_DECODE_STAGE_WRITES` or
+// `KVG_DECODE_STAGE_WINDOW` (`KVG_STATUS_VIOLATION`, `refused` and `kvg_last_violation` as for
+// `kvg_verify_slot_rows`). Malformed arguments are refused before anything is recorded.
+//
+// # Safety
+// As for `kvg_verify_slot_rows`; `slots` holds `reads` entries; `stage` is writable.
+KVG_MUST_USE
+kvg_status kvg_decode_forward(struct kvg_table *table,
+                              const int32_t *req_to_token,
+                              size_t table_rows,
+                              size_t width,
+                              size_t reads,
+                              const uint64_t *request_ids,
+                              const uint32_t *rows,
+                              const int32_t *from_tokens,
+                              const int32_t *seq_lens,
+                              const int64_t *slots,
+                              uint8_t *refused,
+                              kvg_decode_stage *stage);
 
 // The status's name without its prefix (`"ok"`, `"violation"`, ...), or `"unknown"`. Static.
 const char *kvg_status_name(uint32_t status);

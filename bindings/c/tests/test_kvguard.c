@@ -827,6 +827,74 @@ static void test_rows(void) {
     kvg_table_free(t);
 }
 
+/* kvg_decode_forward / kvg_verify_slot_rows: SGLang's req_to_token (one slot per token); a decode
+   forward's writes recorded and each row's window checked in one call; the full check after. */
+static void test_slot_rows(void) {
+    enum { READS = 2, W = 3 * PS };
+    kvg_table *t = new_table(KVG_POLICY_ENFORCE, 0);
+    uint64_t ids[READS] = {1, 2};
+    uint32_t rows[READS] = {0, 1};
+    int32_t matrix[READS * W], from[READS] = {40, 40}, lens[READS] = {41, 41};
+    int64_t slots[READS];
+    uint8_t refused[READS];
+    kvg_decode_stage stage = 99;
+    kvg_page_ref refs[3];
+    uint64_t counted = 99;
+
+    for (int r = 0; r < READS; r++) {
+        int32_t pages[3];
+        OK(kvg_admit(t, ids[r], ids[r], 48, 0));
+        OK(kvg_allocate(t, ids[r], 3, refs, 3));
+        for (int b = 0; b < 3; b++) pages[b] = refs[b].page;
+        for (int k = 0; k < W; k++) matrix[r * W + k] = pages[k / PS] * PS + k % PS;
+        OK(kvg_record_write_tokens(t, ids[r], pages, 3, 0, 40));
+        slots[r] = matrix[r * W + 40];
+    }
+    /* The whole rows, then each row's 41st token written and its window read in one call. */
+    OK(kvg_verify_slot_rows(t, matrix, READS, W, READS, ids, rows, NULL, from, NULL));
+    OK(kvg_decode_forward(t, matrix, READS, W, READS, ids, rows, from, lens, slots, refused, &stage));
+    CHECK(stage == KVG_DECODE_STAGE_CLEAN && refused[0] == 0 && refused[1] == 0);
+    /* Row 1's 42nd entry names request 1's slot: its window is refused (pure), the writes stand. */
+    for (int r = 0; r < READS; r++) {
+        from[r] = 41;
+        lens[r] = 42;
+        slots[r] = matrix[r * W + 41];
+    }
+    matrix[1 * W + 41] = matrix[0 * W + 41];
+    slots[1] = matrix[1 * W + 40] + 1; /* its own next slot, as its engine wrote it */
+    EXPECT(kvg_decode_forward(t, matrix, READS, W, READS, ids, rows, from, lens, slots, refused, &stage),
+           KVG_STATUS_VIOLATION);
+    CHECK(stage == KVG_DECODE_STAGE_WINDOW && refused[0] == 0 && refused[1] == 1);
+    CHECK(last_kind(0) == KVG_VIOLATION_KIND_FOREIGN_PAGE);
+    OK(kvg_violation_count(t, KVG_VIOLATION_KIND_FOREIGN_PAGE, &counted));
+    CHECK(counted == 0); /* pure: nothing counted */
+    /* The full check judges it: refused, counted. */
+    VIOLATES(kvg_verify_slot_rows(t, matrix, READS, W, READS, ids, rows, NULL, lens, refused),
+             KVG_VIOLATION_KIND_FOREIGN_PAGE);
+    CHECK(refused[0] == 0 && refused[1] == 1);
+    OK(kvg_violation_count(t, KVG_VIOLATION_KIND_FOREIGN_PAGE, &counted));
+    CHECK(counted == 1);
+    /* A write into another request's page is refused at the writes, judged; nothing read. */
+    slots[0] = matrix[1 * W];
+    EXPECT(kvg_decode_forward(t, matrix, READS, W, READS, ids, rows, from, lens, slots, refused, &stage),
+           KVG_STATUS_VIOLATION);
+    CHECK(stage == KVG_DECODE_STAGE_WRITES && refused[0] == 1);
+    /* Malformed: a NULL stage, a row past the table, a negative count, a NULL table array. */
+    EXPECT(kvg_decode_forward(t, matrix, READS, W, READS, ids, rows, from, lens, slots, refused, NULL),
+           KVG_STATUS_NULL_POINTER);
+    rows[1] = READS;
+    EXPECT(kvg_decode_forward(t, matrix, READS, W, READS, ids, rows, from, lens, slots, refused, &stage),
+           KVG_STATUS_INVALID_ARGUMENT);
+    rows[1] = 1;
+    lens[0] = -1;
+    EXPECT(kvg_check_slot_rows(t, matrix, READS, W, READS, ids, rows, from, lens, NULL), KVG_STATUS_INVALID_ARGUMENT);
+    lens[0] = 42;
+    EXPECT(kvg_check_slot_rows(t, NULL, READS, W, READS, ids, rows, from, lens, NULL), KVG_STATUS_NULL_POINTER);
+    OK(kvg_decode_forward(t, matrix, 0, W, 0, NULL, NULL, NULL, NULL, NULL, NULL, &stage));
+    CHECK(stage == KVG_DECODE_STAGE_CLEAN);
+    kvg_table_free(t);
+}
+
 /* kvg_engine_step: a step's early events, its writes from the rows, its late events and its
    reads in one call, as the calls it stands for judge them; kvg_apply_events alone. */
 static void test_engine_step(void) {
@@ -1578,6 +1646,7 @@ int main(void) {
     test_every_violation_kind();
     test_steps();
     test_rows();
+    test_slot_rows();
     test_engine_step();
     test_claim_step();
     test_report_policy();

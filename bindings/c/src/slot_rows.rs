@@ -1,0 +1,210 @@
+//! Reads and decode forwards through an engine's token-slot table (SGLang's `req_to_token`: entry
+//! `t` of a row is the KV slot of the row's token `t`), judged by the core
+//! (`OwnershipTable::check_slot_rows`, `verify_slot_rows`, `decode_forward`).
+
+use crate::raw;
+use crate::status::{Failure, kvg_status};
+use crate::step::{mask, verdict};
+use crate::table::{kvg_table, with_table};
+use kvguard::step::{DecodeForward, DecodeOutcome, SlotRead};
+use kvguard::{BlockRows, RequestId};
+
+/// Where `kvg_decode_forward` stopped.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[allow(non_camel_case_types)]
+pub enum kvg_decode_stage {
+    /// Every write recorded, every window clean (`KVG_STATUS_OK`).
+    Clean = 0,
+    /// Some writes were refused (judged); the others were recorded and nothing was read.
+    Writes = 1,
+    /// The writes were recorded; some windows were refused (pure: nothing counted or
+    /// quarantined): judge those rows in full (`kvg_verify_slot_rows` with no `from_tokens`).
+    Window = 2,
+}
+
+/// The table's entries as rows (`table_rows` of `width`).
+fn table_of<'a>(req_to_token: *const i32, table_rows: usize, width: usize) -> Result<BlockRows<'a>, Failure> {
+    let entries = table_rows
+        .checked_mul(width)
+        .ok_or_else(|| Failure::invalid(format!("{table_rows} rows of {width} entries overflow")))?;
+    let entries = if entries == 0 { &[][..] } else { raw::slice(req_to_token, entries, "req_to_token")? };
+    BlockRows::new(entries, width).map_err(|e| Failure::invalid(e.to_string()))
+}
+
+/// A step's reads: read `i` is `request_ids[i]` reading its first `seq_lens[i]` tokens through
+/// row `rows[i]`, from token `from_tokens[i]`'s page on (NULL `from_tokens`: whole rows).
+fn slot_reads(
+    reads: usize,
+    request_ids: *const u64,
+    rows: *const u32,
+    from_tokens: *const i32,
+    seq_lens: *const i32,
+) -> Result<Vec<SlotRead>, Failure> {
+    if reads == 0 {
+        return Ok(Vec::new());
+    }
+    let requests = raw::slice(request_ids, reads, "request_ids")?;
+    let rows = raw::slice(rows, reads, "rows")?;
+    let lens = raw::slice(seq_lens, reads, "seq_lens")?;
+    let from = if from_tokens.is_null() { None } else { Some(raw::slice(from_tokens, reads, "from_tokens")?) };
+    let count = |name: &str, i: usize, n: i32| {
+        u64::try_from(n).map_err(|_| Failure::invalid(format!("{name}[{i}] is {n}: a token count is not negative")))
+    };
+    (0..reads)
+        .map(|i| {
+            Ok(SlotRead {
+                request: RequestId(requests[i]),
+                row: rows[i],
+                from: from.map_or(Ok(0), |f| count("from_tokens", i, f[i]))?,
+                tokens: count("seq_lens", i, lens[i])?,
+            })
+        })
+        .collect()
+}
+
+#[allow(clippy::too_many_arguments)]
+fn slot_rows_step(
+    table: *const kvg_table,
+    req_to_token: *const i32,
+    table_rows: usize,
+    width: usize,
+    reads: usize,
+    request_ids: *const u64,
+    rows: *const u32,
+    from_tokens: *const i32,
+    seq_lens: *const i32,
+    refused: *mut u8,
+    judged: bool,
+) -> kvg_status {
+    with_table(table, |t| {
+        let step = slot_reads(reads, request_ids, rows, from_tokens, seq_lens)?;
+        let matrix = table_of(req_to_token, table_rows, width)?;
+        let refused = mask(refused, reads)?;
+        let v = if judged { t.table.verify_slot_rows(matrix, &step) } else { t.table.check_slot_rows(matrix, &step) };
+        verdict(v.map_err(|e| Failure::invalid(e.to_string()))?, reads, refused)
+    })
+}
+
+/// Verifies reads through a token-slot table, judged: `req_to_token` is `table_rows` rows of
+/// `width` int32 slots (row after row, no gap; a negative entry names no slot), and read `i` is
+/// request `request_ids[i]` reading its first `seq_lens[i]` tokens through row `rows[i]`, from
+/// token `from_tokens[i]`'s page on (NULL: each whole row). Page `j` of a row is its entry
+/// `j * page_size` divided by the page size; every other entry read must be that page's slot at
+/// its offset, or it is read as the slot it names. `KVG_STATUS_OK`, or `KVG_STATUS_VIOLATION`
+/// with `refused` (NULL, or `reads` bytes) marking the refused reads and
+/// `kvg_last_violation(i, ...)` giving each (a window's page index counts from its first page).
+/// A row past the table or a negative count is `KVG_STATUS_INVALID_ARGUMENT`, nothing checked.
+///
+/// # Safety
+/// `table` is any value (never dereferenced); `req_to_token` holds `table_rows * width`
+/// entries; `request_ids`, `rows`, `seq_lens` and `from_tokens` (unless NULL) hold `reads`
+/// entries; `refused` is NULL or has `reads` bytes.
+#[unsafe(no_mangle)]
+#[must_use]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn kvg_verify_slot_rows(
+    table: *mut kvg_table,
+    req_to_token: *const i32,
+    table_rows: usize,
+    width: usize,
+    reads: usize,
+    request_ids: *const u64,
+    rows: *const u32,
+    from_tokens: *const i32,
+    seq_lens: *const i32,
+    refused: *mut u8,
+) -> kvg_status {
+    slot_rows_step(
+        table,
+        req_to_token,
+        table_rows,
+        width,
+        reads,
+        request_ids,
+        rows,
+        from_tokens,
+        seq_lens,
+        refused,
+        true,
+    )
+}
+
+/// `kvg_verify_slot_rows`, pure: the same verdict, and nothing counted, logged or quarantined.
+///
+/// # Safety
+/// As for `kvg_verify_slot_rows`.
+#[unsafe(no_mangle)]
+#[must_use]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn kvg_check_slot_rows(
+    table: *const kvg_table,
+    req_to_token: *const i32,
+    table_rows: usize,
+    width: usize,
+    reads: usize,
+    request_ids: *const u64,
+    rows: *const u32,
+    from_tokens: *const i32,
+    seq_lens: *const i32,
+    refused: *mut u8,
+) -> kvg_status {
+    slot_rows_step(
+        table,
+        req_to_token,
+        table_rows,
+        width,
+        reads,
+        request_ids,
+        rows,
+        from_tokens,
+        seq_lens,
+        refused,
+        false,
+    )
+}
+
+/// A decode forward's first KV store in one call (SGLang's decode step): request
+/// `request_ids[i]` wrote slot `slots[i]` (its one new token), recorded as
+/// `kvg_record_step_writes` records it (judged); then, if every write was recorded, each read's
+/// window checked as `kvg_check_slot_rows` checks it (pure), reads as there (`from_tokens`:
+/// tokens of each row already checked clean; NULL: whole rows). `*stage` says where it stopped:
+/// `KVG_DECODE_STAGE_CLEAN` (`KVG_STATUS_OK`), `KVG_DECODE_STAGE_WRITES` or
+/// `KVG_DECODE_STAGE_WINDOW` (`KVG_STATUS_VIOLATION`, `refused` and `kvg_last_violation` as for
+/// `kvg_verify_slot_rows`). Malformed arguments are refused before anything is recorded.
+///
+/// # Safety
+/// As for `kvg_verify_slot_rows`; `slots` holds `reads` entries; `stage` is writable.
+#[unsafe(no_mangle)]
+#[must_use]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn kvg_decode_forward(
+    table: *mut kvg_table,
+    req_to_token: *const i32,
+    table_rows: usize,
+    width: usize,
+    reads: usize,
+    request_ids: *const u64,
+    rows: *const u32,
+    from_tokens: *const i32,
+    seq_lens: *const i32,
+    slots: *const i64,
+    refused: *mut u8,
+    stage: *mut kvg_decode_stage,
+) -> kvg_status {
+    with_table(table, |t| {
+        raw::put_required(stage, kvg_decode_stage::Clean, "stage")?;
+        let step = slot_reads(reads, request_ids, rows, from_tokens, seq_lens)?;
+        let slots = if reads == 0 { &[][..] } else { raw::slice(slots, reads, "slots")? };
+        let matrix = table_of(req_to_token, table_rows, width)?;
+        let refused = mask(refused, reads)?;
+        let outcome = t.table.decode_forward(&DecodeForward { reads: &step, slots, rows: matrix });
+        let (at, v) = match outcome.map_err(|e| Failure::invalid(e.to_string()))? {
+            DecodeOutcome::Clean => (kvg_decode_stage::Clean, kvguard::StepVerdict::default()),
+            DecodeOutcome::Writes(v) => (kvg_decode_stage::Writes, v),
+            DecodeOutcome::Window(v) => (kvg_decode_stage::Window, v),
+        };
+        raw::put(stage, at)?;
+        verdict(v, reads, refused)
+    })
+}
