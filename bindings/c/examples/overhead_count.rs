@@ -13,7 +13,9 @@
 //! the calls: the first checks every row in full, the rest from each row's last page, so take
 //! (refs at 21 calls - refs at 1 call) / 20 there. `step_rust` and `step_c` do the same through
 //! the one-call engine step (`engine_step` / `kvg_engine_step`: no events, no tokens written,
-//! every row read), with the same subtraction.
+//! every row read), with the same subtraction. `decode_rust` and `decode_c` run one decode
+//! forward through SGLang's layout, a token-slot table (`decode_forward` / `kvg_decode_forward`:
+//! each row's last slot written again, its window from the token before it read).
 
 #[path = "../benches/fixture/mod.rs"]
 mod fixture;
@@ -33,11 +35,14 @@ fn main() {
     let mut cache = RowCache::new();
     let computed = f.tokens();
     let scheduled = vec![0u64; computed.len()];
+    let (slot_table, last_slots) = f.token_slots();
     for _ in 0..calls {
         let clean = match via.as_str() {
             "c_abi" => f.verify_step_c(black_box(&f.matrix)),
             "rows_c" => f.verify_rows_c(black_box(&f.matrix)),
             "step_c" => f.engine_step_c(black_box(&f.matrix), &computed, &scheduled),
+            "decode_c" => f.decode_forward_c(black_box(&slot_table), &last_slots),
+            "decode_rust" => f.decode_forward_rust(black_box(&slot_table), &last_slots),
             "step_rust" => f.engine_step_rust(&mut cache, black_box(&f.matrix), &computed, &scheduled),
             "rows_rust" => {
                 let rows = BlockRows::new(black_box(&f.matrix), f.blocks()).expect("whole rows");

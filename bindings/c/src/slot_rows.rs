@@ -48,19 +48,17 @@ fn slot_reads(
     let rows = raw::slice(rows, reads, "rows")?;
     let lens = raw::slice(seq_lens, reads, "seq_lens")?;
     let from = if from_tokens.is_null() { None } else { Some(raw::slice(from_tokens, reads, "from_tokens")?) };
-    let count = |name: &str, i: usize, n: i32| {
-        u64::try_from(n).map_err(|_| Failure::invalid(format!("{name}[{i}] is {n}: a token count is not negative")))
-    };
-    (0..reads)
-        .map(|i| {
-            Ok(SlotRead {
-                request: RequestId(requests[i]),
-                row: rows[i],
-                from: from.map_or(Ok(0), |f| count("from_tokens", i, f[i]))?,
-                tokens: count("seq_lens", i, lens[i])?,
-            })
-        })
-        .collect()
+    for (name, counts) in [("seq_lens", Some(lens)), ("from_tokens", from)] {
+        // The OR of all has the sign bit of any negative one (one pass the compiler vectorizes).
+        let Some(counts) = counts.filter(|c| c.iter().fold(0, |all, &n| all | n) < 0) else { continue };
+        let i = counts.iter().position(|&n| n < 0).unwrap_or_default();
+        return Err(Failure::invalid(format!("{name}[{i}] is {}: a token count is not negative", counts[i])));
+    }
+    // Every count is non-negative (checked above): `as u64` keeps its value.
+    let from_of = |i: usize| from.map_or(0, |f| f[i] as u64);
+    Ok((0..reads)
+        .map(|i| SlotRead { request: RequestId(requests[i]), row: rows[i], from: from_of(i), tokens: lens[i] as u64 })
+        .collect())
 }
 
 #[allow(clippy::too_many_arguments)]
