@@ -8,6 +8,9 @@
 //!   step before: judged from their last page).
 //! - `engine_step/{rust,c_abi}/65536`: the same step through the one-call engine step
 //!   (`engine_step` / `kvg_engine_step`: no events, no tokens written, every row read).
+//! - `decode_forward/{rust,c_abi}/65536`: the same rows in SGLang's layout (token slots, 256 x
+//!   4,096 int32) through one decode forward (`decode_forward` / `kvg_decode_forward`: each row's
+//!   last slot written, its window from the token before read).
 //!
 //! `examples/overhead_count.rs` gives the same comparison in instructions (callgrind).
 
@@ -68,5 +71,19 @@ fn engine_step(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, verify_step, verify_rows, engine_step);
+fn decode_forward(c: &mut Criterion) {
+    let mut group = c.benchmark_group("decode_forward");
+    let f = Fixture::new(256, 256);
+    let (table, slots) = f.token_slots();
+    group.throughput(Throughput::Elements(256 * 256));
+    group.bench_function(BenchmarkId::new("rust", 256 * 256), |b| {
+        b.iter(|| assert!(f.decode_forward_rust(black_box(&table), &slots)))
+    });
+    group.bench_function(BenchmarkId::new("c_abi", 256 * 256), |b| {
+        b.iter(|| assert!(f.decode_forward_c(black_box(&table), &slots)))
+    });
+    group.finish();
+}
+
+criterion_group!(benches, verify_step, verify_rows, engine_step, decode_forward);
 criterion_main!(benches);
