@@ -93,15 +93,13 @@ impl OwnershipTable {
     /// Pure, as [`check_step`](Self::check_step). A read naming a row past the table is
     /// [`RowsError::Row`], nothing checked.
     pub fn check_slot_rows(&self, rows: BlockRows<'_>, reads: &[SlotRead]) -> Result<StepVerdict, RowsError> {
-        let windows = Windows::gather(rows, reads, self)?;
-        Ok(windows.fold(self.check_step(&windows.reads(reads))))
+        Ok(Gathered::of(rows, reads, self)?.judge(self, reads, false))
     }
 
     /// [`check_slot_rows`](Self::check_slot_rows), judged as [`verify_step`](Self::verify_step):
     /// each violation counted, logged and (enforce) its request quarantined.
     pub fn verify_slot_rows(&self, rows: BlockRows<'_>, reads: &[SlotRead]) -> Result<StepVerdict, RowsError> {
-        let windows = Windows::gather(rows, reads, self)?;
-        Ok(windows.fold(self.verify_step(&windows.reads(reads))))
+        Ok(Gathered::of(rows, reads, self)?.judge(self, reads, true))
     }
 
     /// A decode forward in one call: the writes recorded as
@@ -115,13 +113,61 @@ impl OwnershipTable {
         }
         // The windows are gathered first: a row past the table is found before anything is
         // recorded (the step's writes do not change the engine's table).
-        let windows = Windows::gather(step.rows, step.reads, self)?;
+        let gathered = Gathered::of(step.rows, step.reads, self)?;
         let writers: Vec<RequestId> = step.reads.iter().map(|r| r.request).collect();
-        match self.decode_writes_then_reads(&writers, step.slots, &windows.reads(step.reads)) {
-            (written, None) => Ok(DecodeOutcome::Writes(written)),
-            (_, Some(read)) => {
-                let read = windows.fold(read);
-                Ok(if read.is_clean() { DecodeOutcome::Clean } else { DecodeOutcome::Window(read) })
+        let (written, read) = match &gathered {
+            Gathered::InPlace(reads) => self.decode_writes_then_reads(&writers, step.slots, reads),
+            Gathered::Windows(w) => {
+                let (written, read) = self.decode_writes_then_reads(&writers, step.slots, &w.reads(step.reads));
+                (written, read.map(|v| w.fold(v)))
+            }
+        };
+        Ok(match read {
+            None => DecodeOutcome::Writes(written),
+            Some(read) if read.is_clean() => DecodeOutcome::Clean,
+            Some(read) => DecodeOutcome::Window(read),
+        })
+    }
+}
+
+/// A step's reads as the table checks them.
+enum Gathered<'a> {
+    /// Page size 1: each entry is its own page, each read's entries read in place.
+    InPlace(Vec<SeqRead<'a, i32>>),
+    /// Larger pages: each page gathered from its first entry, with the extra reads.
+    Windows(Windows),
+}
+
+impl<'a> Gathered<'a> {
+    /// The reads through `rows` (a read naming a row past the table is [`RowsError::Row`]).
+    fn of(rows: BlockRows<'a>, reads: &[SlotRead], table: &OwnershipTable) -> Result<Gathered<'a>, RowsError> {
+        if let Some((index, r)) = reads.iter().enumerate().find(|(_, r)| r.row as usize >= rows.rows()) {
+            return Err(RowsError::Row { index, row: r.row, rows: rows.rows() });
+        }
+        if table.page_size() > 1 {
+            return Ok(Gathered::Windows(Windows::gather(rows, reads, table)));
+        }
+        Ok(Gathered::InPlace(
+            reads
+                .iter()
+                .map(|r| {
+                    let row = rows.row(r.row as usize);
+                    // A window past the row's end starts at its end (a read needing more is
+                    // refused as block_table_too_short).
+                    let first = usize::try_from(r.from.min(r.tokens)).unwrap_or(usize::MAX).min(row.len());
+                    SeqRead { request: r.request, block_table: &row[first..], tokens: r.tokens - first as u64 }
+                })
+                .collect(),
+        ))
+    }
+
+    /// The verdict on the reads, row for row (`judged`: as `verify_step`, else `check_step`).
+    fn judge(&self, table: &OwnershipTable, reads: &[SlotRead], judged: bool) -> StepVerdict {
+        match self {
+            Gathered::InPlace(r) => table.step_of_entries(r, judged),
+            Gathered::Windows(w) => {
+                let r = w.reads(reads);
+                w.fold(if judged { table.verify_step(&r) } else { table.check_step(&r) })
             }
         }
     }
@@ -139,14 +185,12 @@ struct Windows {
 }
 
 impl Windows {
-    /// Reads each row's window. A negative entry, or one past the pool, names a page beyond any
+    /// Reads each row's window (each read's row is in the table; pages of more than one token).
+    /// A negative entry, or one past the pool, names a page beyond any
     /// pool (refused as `page_out_of_range`). A row is read for at most the pool's pages plus one
     /// from its window's start: a read that needs more is refused as `block_table_too_short`, so
     /// a huge length allocates nothing beyond that.
-    fn gather(rows: BlockRows<'_>, reads: &[SlotRead], table: &OwnershipTable) -> Result<Windows, RowsError> {
-        if let Some((index, r)) = reads.iter().enumerate().find(|(_, r)| r.row as usize >= rows.rows()) {
-            return Err(RowsError::Row { index, row: r.row, rows: rows.rows() });
-        }
+    fn gather(rows: BlockRows<'_>, reads: &[SlotRead], table: &OwnershipTable) -> Windows {
         let config = table.config();
         let page_size = config.page_size;
         let ps = u64::from(page_size);
@@ -180,7 +224,7 @@ impl Windows {
                 let lo = j * stride;
                 let base = row[lo];
                 out.pages.push(page_of(base));
-                if stride == 1 || base < 0 {
+                if base < 0 {
                     continue; // a negative first entry is refused as page_out_of_range already
                 }
                 let own = base - div.offset(base as u64) as i32;
@@ -205,7 +249,7 @@ impl Windows {
             out.spans.push(start..out.pages.len());
             out.tokens.push(seq - first as u64 * ps);
         }
-        Ok(out)
+        out
     }
 
     /// The reads to check: read `i` through its window's pages, then the extra reads (index

@@ -3,6 +3,7 @@
 //! [`decode_forward`](crate::OwnershipTable::decode_forward) stands on.
 
 use super::ownership::OwnershipTable;
+use super::state::BlockEntry;
 use super::step::{SeqRead, StepVerdict};
 use crate::error::Error;
 use crate::ids::{PageId, RequestId};
@@ -15,11 +16,11 @@ impl OwnershipTable {
     ///
     /// A write whose request is known and whose slot is in a page that request owns is marked
     /// at once; any other goes through the single call's path, which finds its violation.
-    pub(crate) fn decode_writes_then_reads(
+    pub(crate) fn decode_writes_then_reads<E: BlockEntry>(
         &self,
         writers: &[RequestId],
         slots: &[i64],
-        reads: &[SeqRead<'_>],
+        reads: &[SeqRead<'_, E>],
     ) -> (StepVerdict, Option<StepVerdict>) {
         let mut state = self.state.write();
         let div = state.page_div;
@@ -50,5 +51,12 @@ impl OwnershipTable {
             }
         }
         (written, Some(read))
+    }
+
+    /// Reads through int32 page ids in place (a token-slot table at page size 1, where each
+    /// entry is its own page), as [`check_step`](Self::check_step) (or, `judged`,
+    /// [`verify_step`](Self::verify_step)) reads page ids: a negative entry names no page.
+    pub(crate) fn step_of_entries(&self, reads: &[SeqRead<'_, i32>], judged: bool) -> StepVerdict {
+        self.step(reads, judged)
     }
 }

@@ -154,7 +154,7 @@ impl OwnershipTable {
 
     /// Checks every read of a decode step under one read lock; `judged`: each violation is also
     /// counted, logged and (enforce) quarantines its request.
-    fn step<E: BlockEntry>(&self, reads: &[SeqRead<'_, E>], judged: bool) -> StepVerdict {
+    pub(super) fn step<E: BlockEntry>(&self, reads: &[SeqRead<'_, E>], judged: bool) -> StepVerdict {
         let state = self.state.read();
         let mut verdict = StepVerdict::default();
         let mut records = [None; WARM_BATCH];

@@ -8,14 +8,19 @@ use kvguard::step::{DecodeForward, DecodeOutcome, SlotRead, StepError};
 use kvguard::{BlockRows, OwnershipTable, PageId, Policy, PoolConfig, RequestId, RowsError, SeqWrite, TenantId};
 use proptest::prelude::*;
 
-/// Page size, pages, token entries per row.
-const PS: u32 = 4;
+/// Pages, token entries per row; the page size is drawn (1: each entry its own page, read in
+/// place; 4: pages gathered from their first entries).
 const PAGES: u32 = 16;
 const WIDTH: usize = 16;
+const PS: u32 = 4;
 
-fn table(policy: Policy) -> OwnershipTable {
-    OwnershipTable::new(PoolConfig::new(PAGES, PS, 32).with_reserved([PageId(0)]).with_policy(policy))
+fn table(policy: Policy, ps: u32) -> OwnershipTable {
+    OwnershipTable::new(PoolConfig::new(PAGES, ps, 8).with_reserved([PageId(0)]).with_policy(policy))
         .expect("the test pool passes its audit")
+}
+
+fn page_size() -> impl Strategy<Value = u32> {
+    prop_oneof![Just(1u32), Just(PS)]
 }
 
 /// A history drawn: three requests (two tenants), each claiming pages and writing some of their
@@ -49,8 +54,8 @@ fn drawn() -> impl Strategy<Value = Drawn> {
 }
 
 /// The table after `d`'s history, and the three rows of slots (`WIDTH` entries each).
-fn build(d: &Drawn, policy: Policy, change: bool) -> (OwnershipTable, Vec<i32>) {
-    let t = table(policy);
+fn build(d: &Drawn, policy: Policy, change: bool, ps: u32) -> (OwnershipTable, Vec<i32>) {
+    let t = table(policy, ps);
     let mut rows = vec![-1i32; 3 * WIDTH];
     for r in 0..3 {
         let req = RequestId(r as u64 + 1);
@@ -61,7 +66,7 @@ fn build(d: &Drawn, policy: Policy, change: bool) -> (OwnershipTable, Vec<i32>) 
                 pages.push(p);
             }
         }
-        let slots: Vec<i64> = pages.iter().flat_map(|&p| (0..PS).map(move |k| i64::from(p * PS + k))).collect();
+        let slots: Vec<i64> = pages.iter().flat_map(|&p| (0..ps).map(move |k| i64::from(p * ps + k))).collect();
         let n = (d.written[r] as usize).min(slots.len());
         let _ = t.record_step_writes(&[SeqWrite { request: req, slots: &slots[..n] }]);
         for (e, &s) in rows[r * WIDTH..(r + 1) * WIDTH].iter_mut().zip(&slots) {
@@ -90,12 +95,12 @@ fn reads(d: &Drawn, from: bool) -> Vec<SlotRead> {
 /// Whether a reader of each token, one at a time, may read row `row` for `tokens` tokens: each
 /// entry names a slot whose page the reader may read up to that slot (and the reader may read at
 /// all: live, not quarantined).
-fn per_token(t: &OwnershipTable, req: RequestId, row: &[i32], tokens: u64) -> bool {
+fn per_token(t: &OwnershipTable, req: RequestId, row: &[i32], tokens: u64, ps: u32) -> bool {
     t.check_read(req, &[], 0).is_ok()
         && (0..tokens as usize).all(|k| {
             let Some(&slot) = row.get(k) else { return false };
             let Ok(slot) = u32::try_from(slot) else { return false };
-            t.check_read(req, &[PageId(slot / PS)], u64::from(slot % PS) + 1).is_ok()
+            t.check_read(req, &[PageId(slot / ps)], u64::from(slot % ps) + 1).is_ok()
         })
 }
 
@@ -109,14 +114,14 @@ proptest! {
     /// A row is never let through where the per-token reader is refused; rows left in place are
     /// judged exactly as that reader.
     #[test]
-    fn a_row_is_judged_at_least_as_strictly_as_reading_each_token(d in drawn(), change in any::<bool>()) {
-        let (t, entries) = build(&d, Policy::Enforce, change);
+    fn a_row_is_judged_at_least_as_strictly_as_reading_each_token(d in drawn(), change in any::<bool>(), ps in page_size()) {
+        let (t, entries) = build(&d, Policy::Enforce, change, ps);
         let rows = BlockRows::new(&entries, WIDTH).unwrap();
         let reads = reads(&d, false);
         let refused = refused_rows(&t.check_slot_rows(rows, &reads).unwrap());
         for (i, r) in reads.iter().enumerate() {
             let row = &entries[i * WIDTH..(i + 1) * WIDTH];
-            let reference = per_token(&t, r.request, row, r.tokens);
+            let reference = per_token(&t, r.request, row, r.tokens, ps);
             if !refused.contains(&i) {
                 prop_assert!(reference, "row {i} let through, a per-token reader is refused: {row:?}");
             } else if !change {
@@ -128,8 +133,8 @@ proptest! {
     /// A window (`from` > 0) judges as the full row read from the window's first page on: where
     /// the full row is clean, so is every window of it; a window refused is refused in full.
     #[test]
-    fn a_window_is_never_looser_than_the_full_row(d in drawn(), change in any::<bool>()) {
-        let (t, entries) = build(&d, Policy::Enforce, change);
+    fn a_window_is_never_looser_than_the_full_row(d in drawn(), change in any::<bool>(), ps in page_size()) {
+        let (t, entries) = build(&d, Policy::Enforce, change, ps);
         let rows = BlockRows::new(&entries, WIDTH).unwrap();
         let full = refused_rows(&t.check_slot_rows(rows, &reads(&d, false)).unwrap());
         let window = refused_rows(&t.check_slot_rows(rows, &reads(&d, true)).unwrap());
@@ -147,10 +152,11 @@ proptest! {
         d in drawn(),
         drawn_slots in prop::collection::vec(prop_oneof![3 => Just(None), 1 => (-2i64..(PAGES * PS) as i64 + 2).prop_map(Some)], 3),
         enforce in any::<bool>(),
+        ps in page_size(),
     ) {
         let policy = if enforce { Policy::Enforce } else { Policy::Report };
-        let (one, entries) = build(&d, policy, true);
-        let (two, _) = build(&d, policy, true);
+        let (one, entries) = build(&d, policy, true, ps);
+        let (two, _) = build(&d, policy, true, ps);
         let rows = BlockRows::new(&entries, WIDTH).unwrap();
         let reads = reads(&d, true);
         // Mostly the slot of the row's token `from` (what the engine writes), else any.
@@ -193,7 +199,7 @@ proptest! {
 /// A read past the table, or slots not one per read, is an error before anything is recorded.
 #[test]
 fn a_decode_forward_of_the_wrong_shape_records_nothing() {
-    let t = table(Policy::Enforce);
+    let t = table(Policy::Enforce, PS);
     let a = RequestId(1);
     t.admit(a, TenantId(1), 4, 4).unwrap();
     t.claim(a, &[PageId(3)]).unwrap();
@@ -217,7 +223,7 @@ fn a_decode_forward_of_the_wrong_shape_records_nothing() {
 /// though the page the row's first entry names is the reader's own.
 #[test]
 fn an_entry_inside_a_page_naming_another_requests_slot_is_refused() {
-    let t = table(Policy::Enforce);
+    let t = table(Policy::Enforce, PS);
     let (a, b) = (RequestId(1), RequestId(2));
     t.admit(a, TenantId(1), 4, 4).unwrap();
     t.admit(b, TenantId(2), 4, 4).unwrap();
