@@ -189,10 +189,13 @@ fn row_index(row: u64) -> PyResult<u32> {
 
 /// A token-slot table as the core reads it ([`kvguard::BlockRows`] of int32 slots) and the
 /// reads through it: a C-contiguous int32 table (SGLang's `req_to_token`) in place; any other
-/// array converted, each read's row into a row of its own in `converted`, as far as the core
-/// reads it (a huge length, or a stride-0 view's huge width, allocates nothing beyond the
-/// pool's pages plus one from the window's start). An entry outside int32 names no slot (-1,
-/// refused as page_out_of_range). The reads' rows are within `t` (checked by the caller).
+/// array converted, each read's window into a row of its own in `converted` (the entries from
+/// its first page up to what the core reads, at most the pool's pages plus one: a huge length or
+/// window start, or a stride-0 view's huge width, allocates nothing beyond that), the read
+/// shifted to start there. An entry outside int32 names no slot (-1, refused as
+/// page_out_of_range); so does the padding after a window shorter than the longest (read only by
+/// a read past its row's end, which is refused either way). The reads' rows are within `t`
+/// (checked by the caller).
 fn slot_rows<'a>(
     t: &'a IntArray<'_>,
     mut reads: Vec<SlotRead>,
@@ -206,22 +209,26 @@ fn slot_rows<'a>(
     let div = kvguard::config::PageDiv::new(config.page_size);
     let ps = config.page_size as usize;
     let most = config.num_pages as usize + 1;
-    // What the core reads of read r's row: its pages up to the tokens read, at most `most` from
-    // the window's first (see check_slot_rows).
-    let reach = |r: &SlotRead| {
-        let first = usize::try_from(div.floor(r.from.min(r.tokens))).unwrap_or(usize::MAX);
-        let end = usize::try_from(div.ceil(r.tokens)).unwrap_or(usize::MAX).min(first.saturating_add(most));
-        end.saturating_mul(ps).min(t.width())
+    let entries = t.width();
+    let pages = entries.div_ceil(ps);
+    // Read r's window in the row's entries, as the core takes it (check_slot_rows): from its
+    // first page to its last, at most `most` pages, within the row.
+    let window = |r: &SlotRead| {
+        let first = usize::try_from(div.floor(r.from.min(r.tokens))).unwrap_or(usize::MAX).min(pages);
+        let end = usize::try_from(div.ceil(r.tokens)).unwrap_or(usize::MAX).min(pages).max(first).min(first + most);
+        (first * ps, (end * ps).min(entries))
     };
-    // At least one entry a row (the core's rows have some): a table of width 0 reads as one
-    // column naming no slot, so a read of it is refused as page_out_of_range.
-    let width = reads.iter().map(reach).max().unwrap_or(0).max(1);
+    // At least one entry a row (the core's rows have some).
+    let width = reads.iter().map(|r| window(r).1 - window(r).0).max().unwrap_or(0).max(1);
     converted.reserve(reads.len().saturating_mul(width));
     for (i, r) in reads.iter_mut().enumerate() {
+        let (lo, hi) = window(r);
         let row = r.row as usize;
-        let entry = |j: usize| if j < t.width() { i32::try_from(t.get(row, j)).unwrap_or(-1) } else { -1 };
-        converted.extend((0..width).map(entry));
-        r.row = i as u32;
+        converted.extend((lo..hi).map(|j| i32::try_from(t.get(row, j)).unwrap_or(-1)));
+        converted.extend(std::iter::repeat_n(-1, width - (hi - lo)));
+        // The window starts the row now: the read moves with it (`lo` is at most its `from`).
+        let shift = lo as u64;
+        *r = SlotRead { row: i as u32, from: r.from.min(r.tokens) - shift, tokens: r.tokens - shift, ..*r };
     }
     Ok((kvguard::BlockRows::new(converted, width).map_err(shape)?, reads))
 }

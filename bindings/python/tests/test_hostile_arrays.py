@@ -157,6 +157,26 @@ def test_empty_arrays_touch_nothing_and_are_read(table):
     assert table.verify_step([], as_strided(np.zeros(1, np.int32), shape=(0, 2**40), strides=(4, 4)), []).clean
 
 
+def test_a_token_slot_window_far_along_a_huge_stride_0_row_allocates_only_the_window():
+    """A token-slot table of 2**40 int64 entries a row (a stride-0 view of one zero) read from a
+    window near its end, through the three token-slot calls: each is judged (refused: the slots
+    name a page nobody owns, the read is past what the window holds) and none allocates the row."""
+    kind, message = refusal_in_child(
+        """
+        import resource
+        big = as_strided(np.zeros(1, np.int64), shape=(4, 2**40), strides=(0, 0))
+        n = 2**40
+        w = t.check_step_window(["a"], big, [0], [n - 5], [n - 7], token_slots=True)
+        v = t.verify_step_rows(["a"], big, [0], [n - 5], token_slots=True)
+        keys, live = np.array([0, 0, 0, 0], np.int64), np.array([0, 1, 0, 0], np.int64)
+        d = t.check_decode_forward(keys, live, np.zeros(4, np.int64), big, [1], [n - 5], [48])
+        mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+        assert not w.clean and not v.clean and d is not None and mb < 500, (w, v, d, mb)
+        """
+    )
+    assert (kind, message) == ("ok", "")
+
+
 def test_a_memoryview_is_checked_against_what_it_views(table):
     a, b = two_requests(table)
     assert table.verify_step(["a", "b"], memoryview(block_table([a, b])), [40, 20]).clean
