@@ -24,7 +24,6 @@ impl OwnershipTable {
         let pages = state.spare_page_lists.pop().unwrap_or_default();
         let slot = state.take_request_slot();
         let pages_marked = state.takes;
-        let epoch = state.tick();
         state.requests.insert(
             req,
             RequestRecord {
@@ -36,7 +35,6 @@ impl OwnershipTable {
                 prefixes: Default::default(),
                 quarantined: AtomicBool::new(false),
                 pages_marked,
-                epoch,
             },
         );
         true

@@ -37,7 +37,6 @@ impl TableState {
         self.ended.forget(req);
         let pages = self.spare_page_lists.pop().unwrap_or_default();
         let slot = self.take_request_slot();
-        let epoch = self.tick();
         self.requests.insert(
             req,
             RequestRecord {
@@ -49,7 +48,6 @@ impl TableState {
                 prefixes: Default::default(),
                 quarantined: AtomicBool::new(false),
                 pages_marked: self.takes,
-                epoch,
             },
         );
         Ok(())
@@ -342,7 +340,6 @@ impl TableState {
         }
         self.ended.forget(child);
         let slot = self.take_request_slot();
-        let epoch = self.tick();
         self.requests.insert(
             child,
             RequestRecord {
@@ -354,7 +351,6 @@ impl TableState {
                 prefixes: held,
                 quarantined: AtomicBool::new(false),
                 pages_marked: self.takes,
-                epoch,
             },
         );
         Ok(())

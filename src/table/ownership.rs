@@ -118,7 +118,7 @@ impl OwnershipTable {
             && v.kind().quarantines()
             && let Some(rec) = v.request().and_then(|r| state.requests.get(&r))
         {
-            rec.quarantined.store(true, Ordering::Relaxed);
+            state.quarantine(rec);
         }
     }
 

@@ -4,24 +4,29 @@
 //! `req_to_token`): one row per request slot, `stride` int32 page ids a row. Each step, attention
 //! reads row `r` up to `tokens` tokens for the request that holds the row. A [`RowCache`] keeps,
 //! per row, the entries that were last checked clean, for which request, how many tokens, and the
-//! request's [epoch](super::state::RequestRecord::epoch) then. While the epoch holds, nothing was
-//! taken from that request (no page left it, lost coverage or became shared, no prefix was let
-//! go; a shared page of a prefix it holds changed neither: the table's `shared_epoch`), so an
-//! entry checked clean for `n` slots is still clean for them. A row whose earlier entries are
+//! request's [epoch](super::state::RequestEpochs) then (with its request slot, where the table
+//! keeps the epoch: no lookup by id). While the epoch holds, nothing was taken from that request
+//! (no page left it, lost coverage or became shared, no prefix was let go; a shared page of a
+//! prefix it holds changed neither: the table's `shared_epoch`), and it is not quarantined, so
+//! an entry checked clean for `n` slots is still clean for them. A row whose earlier entries are
 //! unchanged, byte for byte, is then judged only from the page its checked tokens ended in: a
-//! decode step costs a comparison of the row and one page's check, not a check of every page.
-//! Anything else (another request in the row, an entry changed behind the engine's calls, fewer
-//! tokens, the epoch moved on) is judged in full, as [`verify_step`](OwnershipTable::verify_step)
-//! would; so is any row whose incremental check finds something wrong, so every refusal carries
-//! the full check's violation. The verdicts are the full check's, step for step
-//! (`tests/it/table_rows.rs` holds them equal over random operation sequences).
+//! decode step costs a comparison of the row and one page's check (its hot word: the reader's
+//! own page), not a check of every page. Anything else (another request in the row, an entry
+//! changed behind the engine's calls, fewer tokens, the epoch moved on) is judged in full, as
+//! [`verify_step`](OwnershipTable::verify_step) would; so is any row whose incremental check
+//! finds something wrong, so every refusal carries the full check's violation. The verdicts are
+//! the full check's, step for step (`tests/it/table_model.rs` holds them equal over random
+//! operation sequences).
 
 use super::OwnershipTable;
-use super::state::{BlockEntry, RequestRecord, TableState};
+use super::hot::HotWord;
+use super::info::PageState;
+use super::state::{BlockEntry, TableState};
+#[cfg(doc)]
+use super::state::{RequestEpochs, RequestRecord};
 use super::step::StepVerdict;
 use crate::ids::{Generation, PageId, RequestId};
 use crate::violation::Violation;
-use std::sync::atomic::Ordering;
 
 /// An int32 block-table entry: a page id; a negative one names no page (it is read as a page
 /// past any pool, and refused as `page_out_of_range`).
@@ -101,7 +106,7 @@ impl<'a> BlockRows<'a> {
 
     /// Row `row` (in range: the caller checked).
     pub(crate) fn row(&self, row: usize) -> &'a [i32] {
-        &self.entries[row * self.stride..(row + 1) * self.stride]
+        &self.entries[row * self.stride..][..self.stride]
     }
 }
 
@@ -117,24 +122,50 @@ pub struct RowRead {
     pub tokens: u64,
 }
 
-/// What a row was last checked clean as (see the module docs).
-#[derive(Clone, Debug)]
-struct Checked {
+/// What a row was last checked clean as (see the module docs); its entries are the row's part
+/// of [`RowCache::entries`].
+#[derive(Clone, Copy, Debug)]
+struct RowHead {
+    /// The request that read it.
     request: RequestId,
-    epoch: u64,
+    /// Its word in [`RequestEpochs`] then (its epoch, not quarantined), or [`RowHead::NONE`].
+    word: u64,
+    /// The table's `shared_epoch` then.
     shared_epoch: u64,
+    /// Tokens read.
     tokens: u64,
-    /// The row's entries that were read: those covering `tokens`.
-    entries: Vec<i32>,
+    /// `whole * page_size`: the first token of the page `tokens` end in.
+    start: u64,
+    /// Entries checked whole: `tokens / page_size`. The one after them was read in part (if
+    /// `tokens` is not a page's end). At most the row's entries, which fit a `u32` in a block
+    /// table the cache keeps (see `rows_step`).
+    whole: u32,
+    /// Its request slot ([`RequestRecord::slot`]): where its word is.
+    slot: u32,
+}
+
+impl RowHead {
+    /// The word of a row nothing is known of: no slot's word is 0 (a live request's epoch is a
+    /// tick, at least 1; a vacant slot's is odd).
+    const NONE: u64 = 0;
+    const EMPTY: RowHead =
+        RowHead { request: RequestId(0), word: Self::NONE, shared_epoch: 0, tokens: 0, start: 0, whole: 0, slot: 0 };
 }
 
 /// Per row of an engine's block table, what was last checked clean: what makes
 /// [`OwnershipTable::verify_rows`] incremental. One per block table; it belongs to one table
-/// (given to another, it starts over). Memory: the read entries of each row, 4 bytes a page.
+/// (given to another, or a block table of another width, it starts over). Laid out flat: a head
+/// per row, and the entries of every row in one array, at the block table's own stride. Memory:
+/// as much as the block table's rows (allocated zeroed, so the system backs only the pages rows
+/// were read through), and 48 bytes a row.
 #[derive(Debug, Default)]
 pub struct RowCache {
     table: u64,
-    rows: Vec<Option<Checked>>,
+    /// Entries per row, in `entries` as in the block table.
+    stride: usize,
+    heads: Vec<RowHead>,
+    /// Row `r`'s entries last checked clean at `r * stride..`: those its head's tokens read.
+    entries: Vec<i32>,
     incremental: u64,
     full: u64,
 }
@@ -157,87 +188,152 @@ impl RowCache {
 
     /// Forgets every row: the next step checks each in full.
     pub fn clear(&mut self) {
-        self.rows.clear();
+        self.heads.clear();
+    }
+
+    /// Room for `rows` rows of `stride` entries, of table `table`: forgets everything if the
+    /// table or the stride changed, keeps the rows it knows if only more rows came.
+    fn fit(&mut self, table: u64, rows: usize, stride: usize) {
+        if self.table != table || self.stride != stride {
+            self.table = table;
+            self.stride = stride;
+            self.heads.clear();
+            self.entries = Vec::new();
+        }
+        if self.heads.len() < rows {
+            self.heads.resize(rows, RowHead::EMPTY);
+        }
+        let len = rows * stride; // no more than the block table's entries
+        if self.entries.len() < len {
+            // Zeroed: a large one is mapped, not written, so only the rows read take memory.
+            let mut grown = vec![0i32; len];
+            grown[..self.entries.len()].copy_from_slice(&self.entries);
+            self.entries = grown;
+        }
     }
 }
 
 impl TableState {
-    /// `read` of `row` for `rec` (its record, `None` if unknown): from its last clean page if
-    /// `cached` allows, else in full; `cached` becomes what was checked clean, or nothing.
+    /// `read` of `row` (the engine's), from its last clean page if its `head` allows, else in
+    /// full; `head` and `cached` (the row's entries in the cache) become what was checked clean,
+    /// or nothing. Whether it was judged incrementally, and the verdict.
+    #[inline(always)]
     fn check_row(
         &self,
-        cached: &mut Option<Checked>,
-        rec: Option<&RequestRecord>,
+        head: &mut RowHead,
+        cached: &mut [i32],
         read: &RowRead,
         row: &[i32],
-        counts: (&mut u64, &mut u64),
-    ) -> Result<(), Violation> {
-        let (incremental, full) = counts;
+    ) -> (bool, Result<(), Violation>) {
         let ps = u64::from(self.page_size);
         let (req, tokens) = (read.request, read.tokens);
-        if let (Some(rec), Some(c)) = (rec, cached.as_mut())
-            && c.request == req
-            && c.epoch == rec.epoch
-            && c.shared_epoch == self.shared_epoch
-            && c.tokens <= tokens
+        // The slot's word unchanged: the same record (ticks are unique), live, nothing taken
+        // from it since, not quarantined.
+        if head.request == req
+            && head.tokens <= tokens
+            && head.shared_epoch == self.shared_epoch
+            && self.epochs.word(head.slot) == head.word
         {
-            // Entries `..from` were checked whole; the one at `from` (if any) only in part. The
-            // window `from..read` is what this step reads anew: usually one page, two where a
-            // page filled.
-            let from = self.page_div.floor(c.tokens) as usize;
-            let read = self.page_div.ceil(tokens) as usize;
-            if read <= row.len()
-                && row[..from] == c.entries[..from]
-                && !rec.quarantined.load(Ordering::Relaxed)
-                && self.window_clean(rec, req, &row[from..read], tokens - from as u64 * ps)
+            // Entries `..whole` were checked whole; the one at `whole` (if any) only in part.
+            // What this step reads anew starts there: in a decode step that one page alone.
+            let whole = head.whole as usize;
+            let need = tokens.wrapping_sub(head.start);
+            if need.wrapping_sub(1) < ps
+                && let Some(&entry) = row.get(whole)
             {
-                c.entries.truncate(from);
-                c.entries.extend_from_slice(&row[from..read]);
-                c.tokens = tokens;
-                *incremental += 1;
-                return Ok(());
+                // Slots `0..need` of that page.
+                let need = need as u32; // at most a page
+                // The page first, while the table's fields are in registers; the comparison
+                // (a call) after.
+                if (self.own_page(head.slot, entry, need) || self.entry_clean(req, whole, entry, need))
+                    && row[..whole] == cached[..whole]
+                {
+                    cached[whole] = entry;
+                    head.tokens = tokens;
+                    if need == self.page_size {
+                        head.whole += 1;
+                        head.start += ps;
+                    }
+                    return (true, Ok(()));
+                }
+            } else if self.window_clean(head, cached, read, row) {
+                return (true, Ok(()));
             }
         }
-        *full += 1;
-        match self.check_read_of(rec, req, row, tokens) {
-            Ok(()) => {
-                let rec = rec.expect("a clean read has a record");
-                let read = self.page_div.ceil(tokens) as usize;
-                let c = cached.get_or_insert_with(|| Checked {
+        let rec = self.requests.get(&req);
+        let verdict = self.check_read_of(rec, req, row, tokens);
+        match (&verdict, rec) {
+            (Ok(()), Some(rec)) => {
+                let whole = self.page_div.floor(tokens);
+                let upto = self.page_div.ceil(tokens) as usize;
+                cached[..upto].copy_from_slice(&row[..upto]);
+                *head = RowHead {
                     request: req,
-                    epoch: 0,
-                    shared_epoch: 0,
-                    tokens: 0,
-                    entries: Vec::new(),
-                });
-                c.request = req;
-                c.epoch = rec.epoch;
-                c.shared_epoch = self.shared_epoch;
-                c.tokens = tokens;
-                c.entries.clear();
-                c.entries.extend_from_slice(&row[..read]);
-                Ok(())
+                    word: self.epochs.word(rec.slot),
+                    shared_epoch: self.shared_epoch,
+                    tokens,
+                    start: whole * ps,
+                    whole: whole as u32, // at most the row's entries
+                    slot: rec.slot,
+                };
             }
-            Err(v) => {
-                *cached = None;
-                Err(v)
-            }
+            _ => *head = RowHead::EMPTY,
         }
+        (false, verdict)
     }
-}
 
-impl TableState {
-    /// Whether `req` may read `tokens` tokens through `window`, the entries a row reads beyond
-    /// those checked clean before (which hold `tokens` within them): each page's own check, as
-    /// the full read's (a refusal is judged again in full, for its violation).
-    #[inline]
-    fn window_clean(&self, rec: &RequestRecord, req: RequestId, window: &[i32], tokens: u64) -> bool {
+    /// Whether the request at request slot `slot` (the record a row's head names, live: its
+    /// word matched) may read slots `0..need` of `entry`'s page as its own page: owned by it
+    /// and written as far as read, by its hot word (and tag). The full check's verdict on the
+    /// reader's own page; false for any other page (a prefix's is judged by
+    /// [`check_entry`](Self::check_entry)).
+    #[inline(always)]
+    fn own_page(&self, slot: u32, entry: i32, need: u32) -> bool {
+        let page = entry.page().0 as usize;
+        // The word past the pool, at its end, matches no page's (nor any id past it).
+        let Some(&word) = self.hot.get(page) else { return false };
+        HotWord::but_full(word.differs(HotWord::new(slot, PageState::Owned, false))) == 0
+            && (word.is_full() || self.tags.get(page).is_some_and(|tag| tag.watermark() >= need))
+    }
+
+    /// Whether `req` may read slots `0..need` of `entry`'s page (entry `index` of its row), as
+    /// the full read checks it (a page not the reader's own: a prefix's, or refused).
+    #[cold]
+    #[inline(never)]
+    fn entry_clean(&self, req: RequestId, index: usize, entry: i32, need: u32) -> bool {
+        self.requests.get(&req).is_some_and(|rec| self.check_entry(rec, req, index, entry, need).is_ok())
+    }
+
+    /// [`check_row`](Self::check_row) from a row's last clean page when it reads anew no page
+    /// or more than that page (a step of no token, or of several): the entries checked before
+    /// unchanged, each page read anew checked as the full read checks it (a refusal is judged
+    /// again in full, for its violation). The row's `head` and `cached` entries updated if
+    /// clean.
+    #[inline(never)]
+    fn window_clean(&self, head: &mut RowHead, cached: &mut [i32], read: &RowRead, row: &[i32]) -> bool {
+        let (whole, tokens) = (head.whole as usize, read.tokens);
+        let upto = self.page_div.ceil(tokens) as usize;
+        if upto > row.len() || row[..whole] != cached[..whole] {
+            return false;
+        }
+        let window = &row[whole..upto];
         let last = window.len().saturating_sub(1);
         let tail = self.page_div.offset(tokens) as u32;
-        window.iter().enumerate().all(|(k, &entry)| {
-            let need = if k == last && tail > 0 { tail } else { self.page_size };
-            self.check_entry(rec, req, k, entry, need).is_ok()
-        })
+        let need = |k: usize| if k == last && tail > 0 { tail } else { self.page_size };
+        let clean = window.iter().enumerate().all(|(k, &entry)| self.own_page(head.slot, entry, need(k)))
+            || self.requests.get(&read.request).is_some_and(|rec| {
+                window
+                    .iter()
+                    .enumerate()
+                    .all(|(k, &entry)| self.check_entry(rec, read.request, k, entry, need(k)).is_ok())
+            });
+        if clean {
+            cached[whole..upto].copy_from_slice(window);
+            let now = self.page_div.floor(tokens);
+            // At most the row's entries.
+            (head.tokens, head.start, head.whole) = (tokens, now * u64::from(self.page_size), now as u32);
+        }
+        clean
     }
 }
 
@@ -298,31 +394,57 @@ impl OwnershipTable {
         judged: bool,
     ) -> Result<StepVerdict, RowsError> {
         let n = rows.rows();
-        if let Some((index, r)) = reads.iter().enumerate().find(|(_, r)| r.row as usize >= n) {
+        if reads.iter().map(|r| r.row as usize).max().is_some_and(|last| last >= n)
+            && let Some((index, r)) = reads.iter().enumerate().find(|(_, r)| r.row as usize >= n)
+        {
             return Err(RowsError::Row { index, row: r.row, rows: n });
         }
-        if cache.table != self.id() {
-            cache.rows.clear();
-            cache.table = self.id();
+        let stride = rows.width();
+        if u32::try_from(stride).is_err() {
+            return Ok(self.rows_in_full(cache, rows, reads, judged));
         }
-        if cache.rows.len() < n {
-            cache.rows.resize(n, None);
-        }
+        cache.fit(self.id(), n, stride);
         let state = self.state.read();
         let mut verdict = StepVerdict::default();
-        let RowCache { rows: cached, incremental, full, .. } = cache;
+        let RowCache { heads, entries, incremental, full, .. } = cache;
+        let mut in_full = 0;
         for (i, read) in reads.iter().enumerate() {
-            let rec = state.requests.get(&read.request);
-            let row = rows.row(read.row as usize);
-            let slot = &mut cached[read.row as usize];
-            if let Err(v) = state.check_row(slot, rec, read, row, (&mut *incremental, &mut *full)) {
+            let r = read.row as usize; // in range: checked above
+            let row = rows.row(r);
+            let cached = &mut entries[r * stride..][..stride];
+            let (fast, checked) = state.check_row(&mut heads[r], cached, read, row);
+            in_full += u64::from(!fast);
+            if let Err(v) = checked {
                 if judged {
                     self.note(&state, &v);
                 }
                 verdict.refused.push((i, v));
             }
         }
+        *full += in_full;
+        *incremental += reads.len() as u64 - in_full;
         Ok(verdict)
+    }
+
+    /// [`rows_step`](Self::rows_step) for rows of 2^32 entries or more (16 GiB each), longer
+    /// than a row's head counts: nothing kept, each read checked in full.
+    #[cold]
+    #[inline(never)]
+    fn rows_in_full(&self, cache: &mut RowCache, rows: BlockRows<'_>, reads: &[RowRead], judged: bool) -> StepVerdict {
+        cache.clear();
+        cache.full += reads.len() as u64;
+        let state = self.state.read();
+        let mut verdict = StepVerdict::default();
+        for (i, read) in reads.iter().enumerate() {
+            let row = rows.row(read.row as usize); // in range: the caller checked
+            if let Err(v) = state.check_read_of(state.requests.get(&read.request), read.request, row, read.tokens) {
+                if judged {
+                    self.note(&state, &v);
+                }
+                verdict.refused.push((i, v));
+            }
+        }
+        verdict
     }
 }
 
@@ -458,11 +580,76 @@ mod tests {
     }
 
     #[test]
+    fn a_quarantined_request_is_refused_in_a_row_left_as_it_was() {
+        let mut s = setup().clean();
+        // B reads a free page elsewhere: refused, and (enforce) quarantined.
+        assert!(s.table.verify_read(B, &[PageId(31)], 1).is_err());
+        assert_eq!(s.read(14), Some((ViolationKind::Quarantined, None)));
+    }
+
+    /// B's own three pages in row 3, nine tokens written, its row clean at 8 tokens (from its
+    /// last page: two whole) and at 9.
+    fn own_pages_only() -> (Setup, Vec<PageId>) {
+        let table = OwnershipTable::new(PoolConfig::new(32, PS, 64)).unwrap();
+        table.admit(B, TenantId(1), 12, 0).unwrap();
+        let own: Vec<PageId> = table.allocate(B, 3).unwrap().iter().map(|r| r.page).collect();
+        table.record_write_tokens(B, &own, 0..9).unwrap();
+        let mut entries = vec![-1i32; 4 * STRIDE];
+        for (e, p) in entries[3 * STRIDE..].iter_mut().zip(&own) {
+            *e = p.0 as i32;
+        }
+        let mut s = Setup { table, shared: Vec::new(), own: own.clone(), entries, cache: RowCache::new() };
+        assert_eq!(s.read(7), None);
+        assert_eq!(s.read(8), None);
+        assert_eq!(s.read(9), None);
+        assert_eq!((s.cache.full(), s.cache.incremental()), (1, 2));
+        (s, own)
+    }
+
+    #[test]
+    fn a_released_requests_row_read_again_is_refused() {
+        let (mut s, _) = own_pages_only();
+        assert_eq!(s.read(8), None); // fewer tokens: in full, clean, at two whole pages
+        s.table.release(B).unwrap();
+        // The same tokens: nothing read anew, only the row's entries compared.
+        assert_eq!(s.read(8), Some((ViolationKind::UnknownRequest, None)));
+    }
+
+    #[test]
+    fn a_reused_request_slot_does_not_pass_on_its_old_occupants_row() {
+        let (mut s, own) = own_pages_only();
+        // B goes; C takes B's request slot, and B's pages, written whole.
+        let c = RequestId(3);
+        s.table.release(B).unwrap();
+        s.table.admit(c, TenantId(1), 12, 0).unwrap();
+        assert_eq!(s.table.state.read().requests[&c].slot, 0, "C took B's slot");
+        s.table.claim(c, &own).unwrap();
+        s.table.record_write_tokens(c, &own, 0..12).unwrap();
+        // B's row as B left it: its pages now C's, whole, held by the slot B had.
+        assert_eq!(s.read(10), Some((ViolationKind::UnknownRequest, None)));
+        // Read by C, the row is C's to read.
+        let rows = BlockRows::new(&s.entries, STRIDE).unwrap();
+        let step = [RowRead { request: c, row: 3, tokens: 10 }];
+        assert!(s.table.check_rows(&mut s.cache, rows, &step).unwrap().is_clean());
+    }
+
+    #[test]
     fn an_entry_changed_behind_the_engine_is_judged_in_full() {
         let mut s = setup().clean();
         s.entries[3 * STRIDE] = s.own[1].0 as i32; // a page of B's own, in the prefix's place
         assert_eq!(s.read(14), Some((ViolationKind::UnwrittenSlots, Some(0))));
         assert_eq!(s.cache.full(), 2);
+    }
+
+    #[test]
+    fn an_entry_changed_behind_the_engine_is_judged_in_full_whatever_is_read_anew() {
+        // Two pages read anew (from 4 tokens to 9), then none (9 again).
+        for (before, after) in [(4, 9), (9, 9)] {
+            let (mut s, _) = own_pages_only();
+            assert_eq!(s.read(before), None);
+            s.entries[3 * STRIDE] = 31; // a free page
+            assert_eq!(s.read(after), Some((ViolationKind::FreedPage, Some(0))), "{before} then {after}");
+        }
     }
 
     #[test]

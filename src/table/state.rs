@@ -11,7 +11,7 @@ use crate::ids::{Generation, PageId, PageRef, PrefixKey, RequestId, TenantId};
 use bitvec::prelude::{BitVec, Lsb0};
 use slotmap::{Key, KeyData, SlotMap};
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// One block-table entry as the table sees it: a page, and maybe the incarnation it must be in.
 pub(crate) trait BlockEntry: Copy {
@@ -270,21 +270,15 @@ pub(crate) struct RequestRecord {
     pub pages: Vec<PageId>,
     /// Prefixes this request holds.
     pub prefixes: HeldPrefixes,
-    /// Set by an enforced violation; checked by every read. Atomic so readers can set it under
-    /// the shared lock.
+    /// Set by an enforced violation ([`TableState::quarantine`]), with the quarantine bit of
+    /// its slot's word; checked by every read. Atomic so readers can set it under the shared
+    /// lock.
     pub quarantined: AtomicBool,
     /// Every page this request owns was marked changed (for a device mirror) since take number
     /// `pages_marked` ([`TableState::takes`]): while that is the last take, a batch loop over its
     /// pages (writing them whole, ending them) need not mark them again. Set at admission (no
     /// pages yet) and kept, as every page that joins a request is marked as it joins.
     pub pages_marked: u64,
-    /// When this request last lost a right to read something: a tick of
-    /// [`TableState::clock`], taken at admission and whenever one of its pages left it, lost
-    /// coverage or became shared, or it let go of a prefix (see [`TableState::taking`]). A row
-    /// checked clean at one epoch reads the same pages as clean while the epoch holds
-    /// ([`RowCache`](super::RowCache)). Ticks are unique across requests, so a request released
-    /// and admitted again under the same id never finds its old epoch.
-    pub epoch: u64,
 }
 
 impl RequestRecord {
@@ -293,6 +287,62 @@ impl RequestRecord {
     #[inline(always)]
     pub fn pages_all_marked(&self, takes: u64) -> bool {
         self.pages_marked == takes
+    }
+}
+
+/// Per request slot ([`RequestRecord::slot`]), the request's epoch and quarantine flag in one
+/// word, `epoch << 1 | quarantined`, dense so a row's incremental check reads it without looking
+/// the request up by id ([`RowCache`](super::RowCache)). The flag is a copy of the record's
+/// ([`RequestRecord::quarantined`], what every other read checks: through this array it cost
+/// the full read check 16 instructions a read); both are set together
+/// ([`TableState::quarantine`]) and both start clear with a new record.
+///
+/// The epoch is when the request last lost a right to read something: a tick of
+/// [`TableState::clock`], taken at admission and whenever one of its pages left it, lost
+/// coverage or became shared, or it let go of a prefix (see [`TableState::taking`]). A row
+/// checked clean at one word reads the same pages as clean while the slot's word is that word:
+/// ticks are unique across requests, so the word names one request's record (a request
+/// released, or admitted again, or another admitted into its slot, never finds an old word),
+/// unchanged since, not quarantined. A slot nobody holds is [`VACANT`](Self::VACANT).
+#[derive(Default)]
+pub(crate) struct RequestEpochs(Vec<AtomicU64>);
+
+impl RequestEpochs {
+    /// The word of a slot nobody holds: odd (quarantined), so no row checked clean matches it.
+    pub const VACANT: u64 = u64::MAX;
+    const QUARANTINED: u64 = 1;
+
+    /// `slot` is taken by a request admitted at tick `epoch`, not quarantined.
+    pub fn admit(&mut self, slot: u32, epoch: u64) {
+        let slot = slot as usize;
+        if slot >= self.0.len() {
+            // Slots are handed out densely: a new one is the next past the end.
+            self.0.resize_with(slot + 1, || AtomicU64::new(Self::VACANT));
+        }
+        *self.0[slot].get_mut() = epoch << 1;
+    }
+    /// `slot`'s request is released.
+    pub fn vacate(&mut self, slot: u32) {
+        if let Some(word) = self.0.get_mut(slot as usize) {
+            *word.get_mut() = Self::VACANT;
+        }
+    }
+    /// `slot`'s request lost a right to read at tick `epoch`; its quarantine stays.
+    #[inline]
+    pub fn set_epoch(&mut self, slot: u32, epoch: u64) {
+        let word = self.0[slot as usize].get_mut();
+        *word = epoch << 1 | (*word & Self::QUARANTINED);
+    }
+    /// Quarantines `slot`'s request (under the shared lock: atomic). Only through
+    /// [`TableState::quarantine`], which sets the record's flag with it.
+    pub fn quarantine(&self, slot: u32) {
+        self.0[slot as usize].fetch_or(Self::QUARANTINED, Ordering::Relaxed);
+    }
+    /// `slot`'s word: what a row checked clean keeps and compares ([`VACANT`](Self::VACANT)
+    /// past the slots handed out).
+    #[inline(always)]
+    pub fn word(&self, slot: u32) -> u64 {
+        self.0.get(slot as usize).map_or(Self::VACANT, |w| w.load(Ordering::Relaxed))
     }
 }
 
@@ -501,9 +551,11 @@ pub(crate) struct TableState {
     pub spare_request_slots: Vec<u32>,
     /// The next request slot never handed out.
     pub next_request_slot: u32,
-    /// Ticks of read rights taken ([`TableState::tick`]): the source of every
-    /// [`RequestRecord::epoch`] and of `shared_epoch`.
+    /// Ticks of read rights taken ([`TableState::tick`]): the source of every request's epoch
+    /// ([`RequestEpochs`]) and of `shared_epoch`.
     pub clock: u64,
+    /// Each request slot's epoch and quarantine flag.
+    pub epochs: RequestEpochs,
     /// When a page of a prefix that requests still held last lost a right (its coverage, its
     /// place in the prefix): every reader of shared pages is affected alike.
     pub shared_epoch: u64,
@@ -569,18 +621,29 @@ impl TableState {
             spare_request_slots: Vec::new(),
             next_request_slot: 0,
             clock: 0,
+            epochs: RequestEpochs::default(),
             shared_epoch: 0,
         })
     }
 
-    /// A request slot for a request being admitted (see [`RequestRecord::slot`]).
+    /// A request slot for a request being admitted (see [`RequestRecord::slot`]), its epoch a
+    /// new tick and its quarantine lifted ([`RequestEpochs`]).
     pub fn take_request_slot(&mut self) -> u32 {
-        self.spare_request_slots.pop().unwrap_or_else(|| {
+        let slot = self.spare_request_slots.pop().unwrap_or_else(|| {
             let slot = self.next_request_slot;
             // Live requests are far fewer than 2^32: each holds a record in memory.
             self.next_request_slot += 1;
             slot
-        })
+        });
+        let epoch = self.tick();
+        self.epochs.admit(slot, epoch);
+        slot
+    }
+
+    /// Quarantines `rec`'s request: its record's flag and its slot's word.
+    pub fn quarantine(&self, rec: &RequestRecord) {
+        rec.quarantined.store(true, Ordering::Relaxed);
+        self.epochs.quarantine(rec.slot);
     }
 
     /// The next tick of [`clock`](Self::clock): later than every epoch handed out.
@@ -595,8 +658,8 @@ impl TableState {
     #[inline]
     pub fn taking_from(&mut self, req: RequestId) {
         let now = self.tick();
-        if let Some(rec) = self.requests.get_mut(&req) {
-            rec.epoch = now;
+        if let Some(rec) = self.requests.get(&req) {
+            self.epochs.set_epoch(rec.slot, now);
         }
     }
 
@@ -623,6 +686,7 @@ impl TableState {
 
     /// Gives back the slot of a released request; none of its pages is owned any more.
     pub fn give_back_request_slot(&mut self, slot: u32) {
+        self.epochs.vacate(slot);
         self.spare_request_slots.push(slot);
     }
 
