@@ -6,16 +6,13 @@ use super::ownership::OwnershipTable;
 use super::state::BlockEntry;
 use super::step::{SeqRead, StepVerdict};
 use crate::error::Error;
-use crate::ids::{PageId, RequestId};
+use crate::ids::RequestId;
 
 impl OwnershipTable {
     /// `writers[i]` writes slot `slots[i]` (one each, as long as each other: the caller checked),
     /// recorded as [`record_step_writes`](Self::record_step_writes) records them (judged); then,
     /// if every write was recorded, `reads` checked as [`check_step`](Self::check_step) checks
     /// them (pure), under the same lock. The reads' verdict is `None` when a write was refused.
-    ///
-    /// A write whose request is known and whose slot is in a page that request owns is marked
-    /// at once; any other goes through the single call's path, which finds its violation.
     pub(crate) fn decode_writes_then_reads<E: BlockEntry>(
         &self,
         writers: &[RequestId],
@@ -23,20 +20,9 @@ impl OwnershipTable {
         reads: &[SeqRead<'_, E>],
     ) -> (StepVerdict, Option<StepVerdict>) {
         let mut state = self.state.write();
-        let div = state.page_div;
         let mut written = StepVerdict::default();
-        for (i, (&req, &slot)) in writers.iter().zip(slots).enumerate() {
-            if let Ok(s) = u64::try_from(slot) {
-                let (page, offset) = (div.floor(s), div.offset(s) as u32);
-                let owned = usize::try_from(page).ok().and_then(|p| state.tags.get(p)).is_some_and(|t| t.owned_by(req));
-                // An owned page's owner is a live request (a release frees its pages), and an
-                // offset is within the page: what record_slot_writes checks, passed.
-                if owned {
-                    state.mark_written(PageId(page as u32), offset, offset + 1);
-                    continue;
-                }
-            }
-            if let Err(Error::Violation(v)) = state.record_slot_writes(req, std::slice::from_ref(&slot)) {
+        for (i, (&req, slot)) in writers.iter().zip(slots).enumerate() {
+            if let Err(Error::Violation(v)) = state.record_slot_writes(req, std::slice::from_ref(slot)) {
                 self.note(&state, &v);
                 written.refused.push((i, v));
             }

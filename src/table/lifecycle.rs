@@ -130,8 +130,25 @@ impl TableState {
     /// `page * page_size + offset`, [`PADDING_SLOT`](crate::table::PADDING_SLOT) for padding.
     /// Every page written must be `req`'s own; all or nothing.
     pub(crate) fn record_slot_writes(&mut self, req: RequestId, slots: &[i64]) -> Result<(), Error> {
-        self.record(Op::Write, req)?;
         let div = self.page_div;
+        // The common write: every slot in a page `req` owns. That is all the checks below ask
+        // (an owned page's owner is live: a release frees its pages; an offset is within its
+        // page), so its runs are marked at once, without looking the request up. A decode
+        // step's one slot first, on its own.
+        if let [slot] = *slots
+            && let Some(page) = self.own_page_of(req, slot)
+        {
+            let offset = div.offset(slot as u64) as u32;
+            self.mark_written(page, offset, offset + 1);
+            return Ok(());
+        }
+        if self.all_in_own_pages(req, slots) {
+            return for_each_slot_run(slots, div, |page, run| {
+                self.mark_written(page, run.start, run.end);
+                Ok(())
+            });
+        }
+        self.record(Op::Write, req)?;
         for_each_slot_run(slots, div, |page, run| {
             self.check_owned_by(Op::Write, req, page)?;
             self.check_slots(Op::Write, req, page, &run)
@@ -140,6 +157,30 @@ impl TableState {
             self.mark_written(page, run.start, run.end);
             Ok(())
         })
+    }
+
+    /// The page of `slot` if `req` owns it (`None` for padding, a negative slot, one past the
+    /// pool or in a page `req` does not own).
+    #[inline(always)]
+    fn own_page_of(&self, req: RequestId, slot: i64) -> Option<PageId> {
+        let page = u32::try_from(self.page_div.floor(u64::try_from(slot).ok()?)).ok()?;
+        self.tags.get(page as usize).is_some_and(|t| t.owned_by(req)).then_some(PageId(page))
+    }
+
+    /// `slots` has a slot that is not padding, and every slot that is not is in a page `req`
+    /// owns.
+    fn all_in_own_pages(&self, req: RequestId, slots: &[i64]) -> bool {
+        let mut any = false;
+        for &slot in slots {
+            if slot == crate::table::PADDING_SLOT {
+                continue;
+            }
+            if self.own_page_of(req, slot).is_none() {
+                return false;
+            }
+            any = true;
+        }
+        any
     }
 
     /// The blocks `first..last` that tokens `range` touch, or `token_range_reversed`, or

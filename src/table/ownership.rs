@@ -755,16 +755,13 @@ fn warm_reads<'a, E: BlockEntry>(
 /// their loads keep the core's miss buffers busy, and the lines stay in L1 until they are used.
 const WARM_BATCH: usize = 32;
 
-/// Loads what recording `writes` misses on first: each writer's request record, and the tag
-/// and hot word of the page its first slot is in, in one pass of loads that depend on nothing
-/// but the slots, so the misses of many rows overlap. Decides nothing.
+/// Loads what recording `writes` misses on first: the tag and hot word of the page each first
+/// slot is in (a write into the writer's own pages reads nothing else), in one pass of loads
+/// that depend on nothing but the slots, so the misses of many rows overlap. Decides nothing.
 fn warm_writes(state: &TableState, writes: &[SeqWrite<'_>]) {
     let div = state.page_div;
     let mut sum = 0u64;
     for w in writes {
-        if let Some(rec) = state.requests.get(&w.request) {
-            sum ^= u64::from(rec.slot);
-        }
         if let Some(&slot) = w.slots.first()
             && let Ok(slot) = u64::try_from(slot)
         {

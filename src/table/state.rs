@@ -905,7 +905,7 @@ impl TableState {
     }
 
     /// Records slots `a..b` of `page` as written and advances the watermark.
-    #[inline]
+    #[inline(always)]
     pub fn mark_written(&mut self, page: PageId, a: u32, b: u32) {
         if self.hot[page.0 as usize].is_full() {
             return; // every slot is written already

@@ -100,6 +100,15 @@ fn an_unknown_request_is_refused_and_the_step_goes_on() {
     assert_eq!(v.refused.len(), 1);
     assert_eq!((v.refused[0].0, v.refused[0].1.kind()), (0, ViolationKind::UnknownRequest));
     t.verify_read(RequestId(1), &[PageId(5)], 1).unwrap();
+    // Writing nothing (no slot, or padding only) is still a write by a request the table must
+    // know.
+    let v = t.record_step_writes(&[
+        SeqWrite { request: RequestId(78), slots: &[] },
+        SeqWrite { request: RequestId(79), slots: &[PADDING_SLOT, PADDING_SLOT] },
+        SeqWrite { request: RequestId(1), slots: &[PADDING_SLOT] },
+    ]);
+    let refused: Vec<_> = v.refused.iter().map(|(i, v)| (*i, v.kind())).collect();
+    assert_eq!(refused, [(0, ViolationKind::UnknownRequest), (1, ViolationKind::UnknownRequest)]);
 }
 
 /// `claim_step` judges exactly as the same `claim` calls in a row: random steps of claims
