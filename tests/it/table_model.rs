@@ -93,3 +93,70 @@ fn a_table_that_drifts_from_the_model_is_caught() {
         &[Op::Admit { req: 1, tenant: 0, prompt: 4, max_new: 0 }, Op::Claim { req: 1, pages: vec![0] }],
     );
 }
+
+/// What one step does to a row in [`a_row_changed_behind_the_engine_at_the_same_length_is_judged_in_full`].
+#[derive(Clone, Debug)]
+enum RowStep {
+    /// The request reads one token more.
+    Grow,
+    /// Entry `at` of the row becomes page `page`, behind the engine's calls; the request reads as
+    /// many tokens as before.
+    Swap { at: usize, page: i32 },
+    /// The row is the request's own pages again; as many tokens as before.
+    Restore,
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
+
+    /// Rows whose requests wrote all their pages, read through one `RowCache` step after step:
+    /// growing a token, or with an entry changed behind the engine at the same length (another
+    /// request's page, a free page, one past the pool), or put back. Every step's incremental
+    /// verdict is a full `check_step`'s. (The model above rarely reaches a row read clean and then
+    /// changed at the same length; this does every few steps.)
+    #[test]
+    fn a_row_changed_behind_the_engine_at_the_same_length_is_judged_in_full(
+        steps in prop::collection::vec(
+            (0usize..3, prop_oneof![
+                2 => Just(RowStep::Grow),
+                2 => (0usize..4, 0i32..20).prop_map(|(at, page)| RowStep::Swap { at, page }),
+                1 => Just(RowStep::Restore),
+            ]),
+            1..60,
+        )
+    ) {
+        use kvguard::{BlockRows, OwnershipTable, PageId, PoolConfig, RequestId, RowCache, RowRead, SeqRead, TenantId};
+        const PS: u32 = 4;
+        let table = OwnershipTable::new(PoolConfig::new(18, PS, 16).with_reserved([PageId(0)])).expect("pool");
+        let own = |r: usize| -> Vec<i32> { (0..4).map(|k| (1 + r * 4 + k) as i32).collect() };
+        for r in 0..3 {
+            let req = RequestId(r as u64);
+            table.admit(req, TenantId(r as u64), 16, 0).expect("admit");
+            let pages: Vec<PageId> = own(r).iter().map(|&p| PageId(p as u32)).collect();
+            table.claim(req, &pages).expect("claim");
+            table.record_write_tokens(req, &pages, 0..16).expect("write");
+        }
+        let mut entries: Vec<i32> = (0..3).flat_map(own).collect();
+        let mut tokens = [5u64; 3];
+        let mut cache = RowCache::new();
+        for (r, step) in steps {
+            match step {
+                RowStep::Grow => tokens[r] = tokens[r] % 16 + 1,
+                RowStep::Swap { at, page } => entries[r * 4 + at] = page,
+                RowStep::Restore => entries[r * 4..r * 4 + 4].copy_from_slice(&own(r)),
+            }
+            let reads: Vec<RowRead> =
+                (0..3).map(|i| RowRead { request: RequestId(i as u64), row: i as u32, tokens: tokens[i] }).collect();
+            let rows = BlockRows::new(&entries, 4).expect("whole rows");
+            let incremental = table.check_rows(&mut cache, rows, &reads).expect("rows in range");
+            let pages: Vec<Vec<PageId>> = entries.chunks(4).map(|row| row.iter().map(|&e| PageId(e as u32)).collect()).collect();
+            let seqs: Vec<SeqRead<'_>> =
+                (0..3).map(|i| SeqRead { request: RequestId(i as u64), block_table: &pages[i], tokens: tokens[i] }).collect();
+            let full = table.check_step(&seqs);
+            let said = |v: &kvguard::StepVerdict| -> Vec<_> {
+                v.refused.iter().map(|(i, v)| (*i, v.kind(), v.block_index(), v.page())).collect()
+            };
+            prop_assert_eq!(said(&incremental), said(&full));
+        }
+    }
+}
