@@ -16,6 +16,7 @@ import pytest
 from conftest import workload
 from real_engine import RealConfig, RealEngine
 from test_real_engine import SCHEDULING, assert_clean, check_contained, outputs, run_real
+from window_bugs import early_window_drop
 
 WINDOW = 48
 
@@ -133,29 +134,6 @@ def test_injected_stale_row_tail_in_the_sliding_window_group(async_scheduling, a
     assert len(guarded.finished) == 60
 
 
-def early_window_drop(monkeypatch, victim: str) -> dict:
-    """Makes vLLM's sliding window drop one block too many of ``victim``'s, once, while the
-    block is still inside the window (an off-by-one-block in ``remove_skipped_blocks``): vLLM
-    frees it and hands it out again while the victim's row still names it and attention still
-    reads it. Returns the trigger state (``fired``: the dropped block)."""
-    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
-
-    original = SlidingWindowManager.remove_skipped_blocks
-    armed: dict = {"once": True}
-
-    def early(self, request_id, processed, num_prompt_tokens=None):
-        if request_id == victim and armed.get("once") and processed >= WINDOW + 2 * self.block_size:
-            armed.pop("once")
-            blocks = self.req_to_blocks[request_id]
-            first_read = (processed - WINDOW + 1) // self.block_size
-            armed["fired"] = blocks[first_read].block_id
-            return original(self, request_id, processed + self.block_size, num_prompt_tokens)
-        return original(self, request_id, processed, num_prompt_tokens)
-
-    monkeypatch.setattr(SlidingWindowManager, "remove_skipped_blocks", early)
-    return armed
-
-
 @SCHEDULING
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])
 def test_injected_block_dropped_from_the_window_while_still_read(async_scheduling, prefix_caching, monkeypatch):
@@ -178,7 +156,7 @@ def test_injected_block_dropped_from_the_window_while_still_read(async_schedulin
         workload(e, 5, 40, salts=2, max_prompt=90)
 
     clean = run_real(rc, fill, guarded=False)
-    armed = early_window_drop(monkeypatch, victim)
+    armed = early_window_drop(monkeypatch, victim, WINDOW)
     buggy = run_real(rc, fill, guarded=False)
     assert "fired" in armed and buggy.oracle_errors and buggy.oracle_errors[0][1] == victim
     armed.clear()

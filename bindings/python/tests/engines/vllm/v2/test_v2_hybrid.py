@@ -17,6 +17,7 @@ from v2_engine import RealConfig, RealEngine
 
 import test_v2_runner as base
 from test_v2_runner import SCHEDULING, assert_clean, check_contained, outputs, run_v2, workload
+from window_bugs import early_window_drop
 
 WINDOW = 48
 WINDOW_LAYER = "model.layers.1.self_attn.attn"
@@ -132,30 +133,6 @@ def test_injected_stale_entry_in_v2s_sliding_window_staged_table(async_schedulin
     stale_window_entry_case(async_scheduling, monkeypatch)
 
 
-def early_window_drop(monkeypatch, victim: str) -> dict:
-    """Makes vLLM's sliding window drop one block too many of ``victim``'s, once, while the
-    block is still inside the window (an off-by-one-block in ``remove_skipped_blocks``): vLLM
-    frees it and may hand it out again, while V2's gathered row still names it (V2 nulls only
-    what is before the window) and attention reads it. Returns the trigger state (``fired``: the
-    dropped block)."""
-    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
-
-    original = SlidingWindowManager.remove_skipped_blocks
-    armed: dict = {"once": True}
-
-    def early(self, request_id, processed, num_prompt_tokens=None):
-        if request_id == victim and armed.get("once") and processed >= WINDOW + 2 * self.block_size:
-            armed.pop("once")
-            blocks = self.req_to_blocks[request_id]
-            first_read = (processed - WINDOW + 1) // self.block_size
-            armed["fired"] = blocks[first_read].block_id
-            return original(self, request_id, processed + self.block_size, num_prompt_tokens)
-        return original(self, request_id, processed, num_prompt_tokens)
-
-    monkeypatch.setattr(SlidingWindowManager, "remove_skipped_blocks", early)
-    return armed
-
-
 DROP = dict(num_blocks=20, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=384)
 DROP_VICTIM = "long-decode"
 
@@ -169,7 +146,7 @@ def dropped_block_case(async_scheduling: bool, monkeypatch) -> RealEngine:
     """The early-drop case run to its checks; returns the guarded engine."""
     rc = hybrid(async_scheduling=async_scheduling, **DROP)
     clean = run_v2(rc, drop_fill, guarded=False)
-    armed = early_window_drop(monkeypatch, DROP_VICTIM)
+    armed = early_window_drop(monkeypatch, DROP_VICTIM, WINDOW)
     buggy = run_v2(rc, drop_fill, guarded=False)
     assert "fired" in armed and buggy.oracle_errors and buggy.oracle_errors[0][1] == DROP_VICTIM, buggy.oracle_errors
     armed.clear()
