@@ -8,7 +8,9 @@
 //! [`OwnershipTable::record_step_writes`], [`BlockRows`] with [`OwnershipTable::verify_rows`].
 //! An engine whose table holds token slots rather than page ids (SGLang's `req_to_token`) reads
 //! through [`OwnershipTable::check_slot_rows`] and runs a decode forward as one
-//! [`OwnershipTable::decode_forward`] ([`DecodeForward`]).
+//! [`OwnershipTable::decode_forward`] ([`DecodeForward`]); its plugin's mirror of the pool
+//! ([`PoolMirror`]) says which pages a decode step's row write claims
+//! ([`OwnershipTable::write_decode_rows`]).
 //!
 //! ```
 //! use kvguard::step::{EngineStep, EventBatch, Events};
@@ -47,10 +49,14 @@
 //! ```
 
 mod events;
+mod mirror;
 mod slot_rows;
 mod writes;
 
 pub use events::{AppliedEvents, Event, EventBatch, EventKind, Events, EventsError};
+pub use mirror::{
+    DecodeClaim, DecodeRowWrite, DecodeWrites, Ints, IntsMut, MirrorError, PoolMirror, RowWriteOutcome, decode_writes,
+};
 pub use slot_rows::{DecodeForward, DecodeOutcome, SlotRead};
 pub use writes::StepSlots;
 

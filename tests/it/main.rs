@@ -21,6 +21,7 @@ mod cuda_host_verify;
 #[cfg(feature = "cuda")]
 mod cuda_nvrtc;
 mod step_engine;
+mod step_mirror;
 mod step_slot_rows;
 mod table_concurrency;
 mod table_model;

@@ -340,24 +340,6 @@ impl OwnershipTable {
         Ok(a.counts(a.len(), "req_ids")?.into_iter().map(RequestId).collect())
     }
 
-    /// A decode step's claims in one claim_step (judged, the GIL released): the verdict, and
-    /// whether each claim was granted. No claims: a clean verdict, no call into the table.
-    fn decode_claims(&self, py: Python<'_>, claims: &[mirror::DecodeClaim]) -> (kvguard::StepVerdict, Vec<bool>) {
-        if claims.is_empty() {
-            return (kvguard::StepVerdict::default(), Vec::new());
-        }
-        let pages: Vec<PageId> = claims.iter().map(|c| c.page).collect();
-        let step: Vec<SeqClaim<'_>> =
-            claims.iter().enumerate().map(|(k, c)| SeqClaim { request: c.request, pages: &pages[k..=k] }).collect();
-        let table = &self.table;
-        let v = py.detach(|| table.claim_step(&step));
-        let mut ok = vec![true; claims.len()];
-        for (k, _) in &v.refused {
-            ok[*k] = false;
-        }
-        (v, ok)
-    }
-
     /// Converts a step verdict; `judged`: its violations are logged.
     fn verdict(&self, py: Python<'_>, v: kvguard::StepVerdict, rows: usize, judged: bool) -> PyResult<StepVerdict> {
         let resolved: Vec<(usize, kvguard::Violation, Resolved)> = {
@@ -1392,15 +1374,18 @@ impl OwnershipTable {
         slots: &Bound<'_, PyAny>,
     ) -> PyResult<(StepVerdict, Vec<usize>, Py<PyAny>)> {
         let owner = IntArray::open(page_owner, "page_owner", 1)?;
-        let pool_pages = self.table.config().num_pages;
-        let args =
-            mirror::DecodeArgs::open(row_keys, row_claimants, page_prefix, owner.len(), pool_pages, rows, slots)?;
-        let writes = args.writes(|at| owner.get(at, 0), self.table.page_size());
-        let (v, ok) = self.decode_claims(py, &writes.claims);
+        let arrays = MirrorArrays::open(row_keys, row_claimants, page_prefix, rows, slots)?;
+        let owner = mirror::Lookup::new(&owner);
+        let l = arrays.lookups();
+        let mirror = l.mirror(&owner, self.table.config().num_pages)?;
+        let writes = kvguard::step::decode_writes(mirror, &owner, &arrays.rows, &l.slots, self.table.page_size())
+            .map_err(mirror::mirror_error)?;
+        let table = &self.table;
+        let v = py.detach(|| table.claim_decode(&writes));
         // (page, key) pairs as little-endian int64 bytes, numpy's view of them below.
-        let never = owner.len() - 1;
+        let never = u64::from(self.table.config().num_pages);
         let mut granted: Vec<u8> = Vec::with_capacity(writes.claims.len() * 16);
-        for (c, _) in writes.claims.iter().zip(ok).filter(|(c, ok)| *ok && c.at < never) {
+        for c in writes.granted(&v).filter(|c| (c.at as u64) < never) {
             granted.extend_from_slice(&i64::from(c.page.0).to_le_bytes());
             granted.extend_from_slice(&(c.request.0 as i64).to_le_bytes());
         }
@@ -1438,37 +1423,32 @@ impl OwnershipTable {
         slots: &Bound<'_, PyAny>,
     ) -> PyResult<Option<(StepVerdict, Vec<usize>)>> {
         let owner = I64Mut::open(page_owner, "page_owner")?;
-        let pool_pages = self.table.config().num_pages;
-        let args =
-            mirror::DecodeArgs::open(row_keys, row_claimants, page_prefix, owner.len(), pool_pages, rows, slots)?;
+        let arrays = MirrorArrays::open(row_keys, row_claimants, page_prefix, rows, slots)?;
         let checked = I64Mut::open(row_checked, "row_checked")?;
-        mirror::check_rows("row_checked", checked.len(), args.keys.len())?;
         let cols = IntArray::open(cols, "cols", 1)?;
-        mirror::check_cols(args.rows.len(), &cols)?;
         let read = [
-            (&args.keys, "row_keys"),
-            (&args.claimants, "row_claimants"),
-            (&args.prefix, "page_prefix"),
-            (&args.slots, "slots"),
+            (&arrays.keys, "row_keys"),
+            (&arrays.claimants, "row_claimants"),
+            (&arrays.prefix, "page_prefix"),
+            (&arrays.slots, "slots"),
             (&cols, "cols"),
         ];
         owner.apart("page_owner", &read, Some((&checked, "row_checked")))?;
         checked.apart("row_checked", &read, None)?;
-        // Everything is checked: from here on the mirror changes, and nothing raises.
-        let writes = args.writes(|at| owner.get(at), self.table.page_size());
-        mirror::lower_checked(&checked, &args.rows, &cols);
-        if writes.claims.is_empty() && writes.left.is_empty() {
+        let cols = mirror::Lookup::new(&cols);
+        let l = arrays.lookups();
+        let mirror = l.mirror(&mirror::Written(&owner), self.table.config().num_pages)?;
+        let write = kvguard::step::DecodeRowWrite { rows: &arrays.rows, cols: &cols, slots: &l.slots };
+        // The core checks everything before it changes the mirror; the GIL stays held while it
+        // writes the plugin's arrays (their SAFETY: see I64Mut).
+        let out = self
+            .table
+            .write_decode_rows(mirror, &mut mirror::Written(&owner), &mut mirror::Written(&checked), write)
+            .map_err(mirror::mirror_error)?;
+        if out.is_clean() {
             return Ok(None);
         }
-        let (v, ok) = self.decode_claims(py, &writes.claims);
-        let never = owner.len() - 1;
-        for (c, _) in writes.claims.iter().zip(ok).filter(|(c, ok)| *ok && c.at < never) {
-            owner.set(c.at, c.request.0 as i64);
-        }
-        if v.is_clean() && writes.left.is_empty() {
-            return Ok(None);
-        }
-        Ok(Some((self.verdict(py, v, writes.claims.len(), true)?, writes.left)))
+        Ok(Some((self.verdict(py, out.verdict, out.claims.len(), true)?, out.left)))
     }
 
     /// A decode forward's first KV store against the mirror, in one call: request
@@ -1978,4 +1958,62 @@ fn judged_verdict(
         out.push((i, v));
     }
     Ok(StepVerdict { rows, refused: out, mask: PyOnceLock::new() })
+}
+
+/// The mirror's read-only arrays and a decode row write's positions, opened (each argument's
+/// type checked, named in its error); the core checks their lengths against each other.
+struct MirrorArrays<'py> {
+    keys: IntArray<'py>,
+    claimants: IntArray<'py>,
+    prefix: IntArray<'py>,
+    rows: Vec<u64>,
+    slots: IntArray<'py>,
+}
+
+impl<'py> MirrorArrays<'py> {
+    fn open(
+        row_keys: &Bound<'py, PyAny>,
+        row_claimants: &Bound<'py, PyAny>,
+        page_prefix: &Bound<'py, PyAny>,
+        rows: &Bound<'py, PyAny>,
+        slots: &Bound<'py, PyAny>,
+    ) -> PyResult<Self> {
+        let keys = IntArray::open(row_keys, "row_keys", 1)?;
+        let claimants = IntArray::open(row_claimants, "row_claimants", 1)?;
+        let prefix = IntArray::open(page_prefix, "page_prefix", 1)?;
+        let rows = IntArray::open(rows, "rows", 1)?;
+        let rows = rows.counts(rows.len(), "rows")?;
+        let slots = IntArray::open(slots, "slots", 1)?;
+        Ok(MirrorArrays { keys, claimants, prefix, rows, slots })
+    }
+
+    fn lookups(&self) -> MirrorLookups<'_, 'py> {
+        MirrorLookups {
+            keys: mirror::Lookup::new(&self.keys),
+            claimants: mirror::Lookup::new(&self.claimants),
+            prefix: mirror::Lookup::new(&self.prefix),
+            slots: mirror::Lookup::new(&self.slots),
+        }
+    }
+}
+
+/// [`MirrorArrays`] read by index, as the core reads them.
+struct MirrorLookups<'a, 'py> {
+    keys: mirror::Lookup<'a, 'py>,
+    claimants: mirror::Lookup<'a, 'py>,
+    prefix: mirror::Lookup<'a, 'py>,
+    slots: mirror::Lookup<'a, 'py>,
+}
+
+impl<'a, 'py> MirrorLookups<'a, 'py> {
+    /// The core's mirror, checked against `page_owner` and the pool (`ValueError` naming the
+    /// array).
+    fn mirror(
+        &self,
+        page_owner: &impl kvguard::step::Ints,
+        pool_pages: u32,
+    ) -> PyResult<kvguard::step::PoolMirror<'_, mirror::Lookup<'a, 'py>>> {
+        kvguard::step::PoolMirror::new(&self.keys, &self.claimants, &self.prefix, page_owner, pool_pages)
+            .map_err(mirror::mirror_error)
+    }
 }
