@@ -207,6 +207,8 @@ pub struct DecodeClaim {
     pub page: PageId,
     /// The page's index in the mirror's page arrays (the last entry for a page out of range).
     pub at: usize,
+    /// The first position of the write that made it.
+    pub position: usize,
 }
 
 /// What a decode step's row write needs: the claims of new pages of live rows, and the
@@ -297,7 +299,7 @@ fn sort_writes<A: Ints + ?Sized>(
         if repeats && !claimed.insert((key, page)) {
             continue;
         }
-        out.claims.push(DecodeClaim { request: RequestId(key as u64), page, at });
+        out.claims.push(DecodeClaim { request: RequestId(key as u64), page, at, position: i });
     }
     out
 }

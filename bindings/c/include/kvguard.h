@@ -125,6 +125,32 @@ typedef uint32_t kvg_status;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// What `kvg_write_decode_rows` made of one position of the write.
+enum kvg_row_write
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // Nothing new: the slot is in a page the row's request owns in the mirror (or a later
+  // position of a row in a page that row claimed at an earlier position of the same write).
+  KVG_ROW_WRITE_OWNED = 0,
+  // A new page, claimed for the row's request and granted: `page_owner` now says so.
+  KVG_ROW_WRITE_CLAIMED = 1,
+  // A new page whose claim was refused (judged: counted, logged, quarantined under enforce);
+  // `kvg_last_violation(position, ...)` gives it.
+  KVG_ROW_WRITE_REFUSED = 2,
+  // Left to the caller, who must settle it: a row of no live request (`row_claimants` 0), or
+  // a page a radix prefix holds (`page_prefix` not 0).
+  KVG_ROW_WRITE_LEFT = 3,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum kvg_row_write kvg_row_write;
+#else
+typedef uint32_t kvg_row_write;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
 // Where `kvg_decode_forward` stopped.
 enum kvg_decode_stage
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
@@ -836,6 +862,46 @@ KVG_MUST_USE kvg_status kvg_import_fail(struct kvg_import_ticket *ticket, size_t
 // # Safety
 // None beyond the type: `ticket` is never dereferenced.
 kvg_status kvg_import_abort(struct kvg_import_ticket *ticket);
+
+// A decode step's row write against the caller's mirror of its pool, the mirror updated in
+// place: position `i` wrote slot `slots[i]` into row `rows[i]` of the engine's table at column
+// `cols[i]` (`cols_len` is 1, one column for all, or `positions`).
+//
+// The mirror: `row_keys` (the request id each row holds) and `row_claimants` (0: the row's
+// request claims no pages) have `mirror_rows` entries, as `row_checked` (tokens of each row
+// last checked clean); `page_owner` (the request owning each page exclusively) and
+// `page_prefix` (0: no radix prefix holds the page) have `page_entries` entries: the pool's
+// pages and one more, which every slot out of the pool reads.
+//
+// A position whose page its row's request owns in `page_owner` is nothing new; a new page of a
+// live row that no prefix holds is claimed (once per request and page); anything else is left to
+// the caller. `outcome[i]` says which. Each row's `row_checked` drops to its column where that is
+// lower (a negative column: 0), and each claim granted sets `page_owner[page]`.
+// `KVG_STATUS_OK` when no claim was refused (check `*left` for positions left to you), else
+// `KVG_STATUS_VIOLATION` with `kvg_last_violation(position, ...)` for each refused position.
+// Arrays of the wrong length, a row past the mirror, or writable arrays sharing memory with
+// any other are `KVG_STATUS_INVALID_ARGUMENT`, and nothing is claimed or changed.
+//
+// # Safety
+// `table` is any value (never dereferenced); each array holds the entries said above, the
+// writable ones writable and touched by nobody else during the call; `outcome` holds
+// `positions` entries and `left` is writable.
+KVG_MUST_USE
+kvg_status kvg_write_decode_rows(struct kvg_table *table,
+                                 const int64_t *row_keys,
+                                 const int64_t *row_claimants,
+                                 int64_t *row_checked,
+                                 size_t mirror_rows,
+                                 int64_t *page_owner,
+                                 const int64_t *page_prefix,
+                                 size_t page_entries,
+                                 size_t positions,
+                                 const uint32_t *rows,
+                                 const int64_t *cols,
+                                 size_t cols_len,
+                                 const int64_t *slots,
+                                 kvg_row_write *outcome,
+                                 size_t *left);
 
 // Publishes `pages` of `request` (all its own) as the read-only prefix under the byte-string
 // key `key` (`key_len` bytes); `request` holds it. A key already published is

@@ -26,6 +26,7 @@ mod engine_step;
 mod guard;
 mod handle;
 mod import;
+mod mirror;
 mod prefix;
 mod prefix_keys;
 mod raw;

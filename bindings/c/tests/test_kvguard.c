@@ -829,6 +829,68 @@ static void test_rows(void) {
 
 /* kvg_decode_forward / kvg_verify_slot_rows: SGLang's req_to_token (one slot per token); a decode
    forward's writes recorded and each row's window checked in one call; the full check after. */
+static void test_write_decode_rows(void) {
+    enum { ROWS = 3, ENTRIES = PAGES + 1, N = 4 };
+    kvg_table *t = new_table(KVG_POLICY_ENFORCE, 0);
+    int64_t keys[ROWS] = {1, 2, 3}, claimants[ROWS] = {1, 1, 0}, checked[ROWS] = {40, 40, 40};
+    int64_t owner[ENTRIES] = {0}, prefix[ENTRIES] = {0};
+    uint32_t rows[N] = {0, 1, 2, 0};
+    int64_t cols[N] = {32, 20, 5, 33}, slots[N];
+    kvg_row_write outcome[N];
+    size_t left = 99;
+    kvg_page_ref ref;
+    int32_t taken = 9;
+    uint64_t counted = 99;
+
+    for (int r = 0; r < ROWS; r++) OK(kvg_admit(t, (uint64_t)keys[r], (uint64_t)keys[r], 48, 8));
+    OK(kvg_claim(t, 1, &taken, 1, &ref, 1)); /* request 1 holds page 9; the mirror does not know */
+    /* Row 0 (request 1) writes into page 5, new; row 1 (request 2) into page 9, request 1's: its
+       claim is refused; row 2 claims nothing (no live request): left; row 0 again in page 5. */
+    slots[0] = 5 * PS;
+    slots[1] = 9 * PS + 1;
+    slots[2] = 7 * PS;
+    slots[3] = 5 * PS + 1;
+    VIOLATES(kvg_write_decode_rows(t, keys, claimants, checked, ROWS, owner, prefix, ENTRIES, N, rows, cols, N, slots,
+                                   outcome, &left),
+             KVG_VIOLATION_KIND_PAGE_NOT_FREE);
+    CHECK(outcome[0] == KVG_ROW_WRITE_CLAIMED && outcome[1] == KVG_ROW_WRITE_REFUSED);
+    CHECK(outcome[2] == KVG_ROW_WRITE_LEFT && outcome[3] == KVG_ROW_WRITE_OWNED && left == 1);
+    CHECK(owner[5] == 1 && owner[9] == 0 && owner[7] == 0);           /* the grant, and only it */
+    CHECK(checked[0] == 32 && checked[1] == 20 && checked[2] == 5);   /* each row's lowest column */
+    CHECK(kvg_violation_count(t, KVG_VIOLATION_KIND_PAGE_NOT_FREE, &counted) == KVG_STATUS_OK && counted == 1);
+    /* The next step: row 0 in page 5 again (its own now), one column for all: nothing new. */
+    slots[0] = 5 * PS + 2;
+    int64_t col = 34;
+    OK(kvg_write_decode_rows(t, keys, claimants, checked, ROWS, owner, prefix, ENTRIES, 1, rows, &col, 1, slots,
+                             outcome, &left));
+    CHECK(outcome[0] == KVG_ROW_WRITE_OWNED && left == 0 && checked[0] == 32);
+    /* Malformed, nothing changed: page arrays one short, a row past the mirror, cols of two for
+       four positions, page_owner overlapping row_checked, a NULL outcome or left. */
+    EXPECT(kvg_write_decode_rows(t, keys, claimants, checked, ROWS, owner, prefix, ENTRIES - 1, 1, rows, &col, 1,
+                                 slots, outcome, &left),
+           KVG_STATUS_INVALID_ARGUMENT);
+    rows[1] = ROWS;
+    EXPECT(kvg_write_decode_rows(t, keys, claimants, checked, ROWS, owner, prefix, ENTRIES, N, rows, cols, N, slots,
+                                 outcome, &left),
+           KVG_STATUS_INVALID_ARGUMENT);
+    rows[1] = 1;
+    EXPECT(kvg_write_decode_rows(t, keys, claimants, checked, ROWS, owner, prefix, ENTRIES, N, rows, cols, 2, slots,
+                                 outcome, &left),
+           KVG_STATUS_INVALID_ARGUMENT);
+    EXPECT(kvg_write_decode_rows(t, keys, claimants, owner + 1, ROWS, owner, prefix, ENTRIES, 1, rows, &col, 1, slots,
+                                 outcome, &left),
+           KVG_STATUS_INVALID_ARGUMENT);
+    CHECK(strstr(kvg_last_error_message(), "shares memory") != NULL);
+    EXPECT(kvg_write_decode_rows(t, keys, claimants, checked, ROWS, owner, prefix, ENTRIES, 1, rows, &col, 1, slots,
+                                 NULL, &left),
+           KVG_STATUS_NULL_POINTER);
+    EXPECT(kvg_write_decode_rows(t, keys, claimants, checked, ROWS, owner, prefix, ENTRIES, 1, rows, &col, 1, slots,
+                                 outcome, NULL),
+           KVG_STATUS_NULL_POINTER);
+    CHECK(owner[5] == 1 && owner[6] == 0 && checked[0] == 32 && checked[1] == 20);
+    kvg_table_free(t);
+}
+
 static void test_slot_rows(void) {
     enum { READS = 2, W = 3 * PS };
     kvg_table *t = new_table(KVG_POLICY_ENFORCE, 0);
@@ -1647,6 +1709,7 @@ int main(void) {
     test_steps();
     test_rows();
     test_slot_rows();
+    test_write_decode_rows();
     test_engine_step();
     test_claim_step();
     test_report_policy();
