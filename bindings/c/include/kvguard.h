@@ -137,7 +137,7 @@ enum kvg_row_write
   // A new page, claimed for the row's request and granted: `page_owner` now says so.
   KVG_ROW_WRITE_CLAIMED = 1,
   // A new page whose claim was refused (judged: counted, logged, quarantined under enforce);
-  // `kvg_last_violation(position, ...)` gives it.
+  // `kvg_last_violation` gives each refused position's violation, in position order.
   KVG_ROW_WRITE_REFUSED = 2,
   // Left to the caller, who must settle it: a row of no live request (`row_claimants` 0), or
   // a page a radix prefix holds (`page_prefix` not 0).
@@ -878,7 +878,8 @@ kvg_status kvg_import_abort(struct kvg_import_ticket *ticket);
 // the caller. `outcome[i]` says which. Each row's `row_checked` drops to its column where that is
 // lower (a negative column: 0), and each claim granted sets `page_owner[page]`.
 // `KVG_STATUS_OK` when no claim was refused (check `*left` for positions left to you), else
-// `KVG_STATUS_VIOLATION` with `kvg_last_violation(position, ...)` for each refused position.
+// `KVG_STATUS_VIOLATION`: `kvg_last_violation(k, ...)` is the `k`-th refused position's
+// violation, in position order.
 // Arrays of the wrong length, a row past the mirror, or writable arrays sharing memory with
 // any other are `KVG_STATUS_INVALID_ARGUMENT`, and nothing is claimed or changed.
 //
