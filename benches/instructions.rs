@@ -16,10 +16,13 @@
 //! written in it, through one `engine_step` (cache warm), and through `record_step_writes` of its
 //! slot mapping and a full `verify_step`; `decode_forward/windows`: the same step through SGLang's
 //! layout, a token-slot table (256 x 4,096 int32 slots), as one `decode_forward` that writes each
-//! row's token and checks each row's window from its last checked token (4,095).
+//! row's token and checks each row's window from its last checked token (4,095);
+//! `decode_row_write/mirror`: SGLang's decode row write against its plugin's mirror of the pool
+//! (`write_decode_rows`), 256 rows each writing its next slot, every 16th into a new page it
+//! claims, the rest into pages they own.
 
 use kvguard::cuda::layout::DeviceTag;
-use kvguard::step::{DecodeForward, DecodeOutcome, EngineStep, Events, SlotRead};
+use kvguard::step::{DecodeForward, DecodeOutcome, DecodeRowWrite, EngineStep, Events, PoolMirror, SlotRead};
 use kvguard::{
     BlockRows, OwnershipTable, PageId, PoolConfig, RequestId, RowCache, RowRead, SeqRead, SeqWrite, TenantId,
 };
@@ -121,6 +124,48 @@ fn decode_forward() {
         .map(|s| SlotRead { request: RequestId(u64::from(s)), row: s, from: TOKENS - 1, tokens: TOKENS })
         .collect();
     assert!(measured_decode_forward(&table, &DecodeForward { reads: &reads, slots: &slots, rows }), "a clean step");
+}
+
+#[inline(never)]
+fn measured_decode_row_write(
+    table: &OwnershipTable,
+    mirror: PoolMirror<'_>,
+    owner: &mut [i64],
+    checked: &mut [i64],
+    write: DecodeRowWrite<'_>,
+) -> bool {
+    table.write_decode_rows(mirror, owner, checked, black_box(write)).expect("a well-formed write").is_clean()
+}
+
+/// SGLang's decode row write: 256 live rows, each owning two pages (the mirror says so), write
+/// their next slot: rows `16k` into a fresh page (claimed), the others into their second page.
+fn decode_row_write() {
+    let pages = SEQS * 3 + 1;
+    let table = OwnershipTable::new(PoolConfig::new(pages, PS, 3 * u64::from(PS)).with_reserved([PageId(0)]))
+        .expect("pool fits");
+    let mut owner = vec![0i64; pages as usize + 1];
+    let (mut keys, mut slots, mut cols) = (Vec::new(), Vec::new(), Vec::new());
+    for s in 0..SEQS {
+        let req = RequestId(u64::from(s) + 1);
+        table.admit(req, TenantId(u64::from(s % 8)), 2 * u64::from(PS), u64::from(PS)).expect("admit");
+        let got = table.allocate(req, 2).expect("allocate");
+        for r in &got {
+            owner[r.page.0 as usize] = req.0 as i64;
+        }
+        keys.push(req.0 as i64);
+        let fresh = s % 16 == 0;
+        let page = if fresh { SEQS * 2 + 1 + s / 16 } else { got[1].page.0 };
+        let offset = if fresh { 0 } else { 3 };
+        slots.push(i64::from(page * PS + offset));
+        cols.push(i64::from(PS) + 3);
+    }
+    let claimants = vec![1i64; keys.len()];
+    let prefix = vec![0i64; pages as usize + 1];
+    let mut checked = vec![i64::from(PS) + 3; keys.len()];
+    let rows: Vec<u64> = (0..u64::from(SEQS)).collect();
+    let mirror = PoolMirror::new(&keys[..], &claimants[..], &prefix[..], &owner[..], pages).expect("fits");
+    let write = DecodeRowWrite { rows: &rows, cols: &cols[..], slots: &slots[..] };
+    assert!(measured_decode_row_write(&table, mirror, &mut owner, &mut checked, write), "a clean write");
 }
 
 /// How a decode step is judged in `decode_grew`.
@@ -304,6 +349,7 @@ fn main() {
         "decode_grew/engine_step" => decode_grew(Grew::EngineStep),
         "decode_grew/separate" => decode_grew(Grew::Separate),
         "decode_forward/windows" => decode_forward(),
+        "decode_row_write/mirror" => decode_row_write(),
         "lifecycle/guarded" => lifecycle(true),
         "lifecycle/unguarded" => lifecycle(false),
         "lifecycle/guarded_tracked" => lifecycle_tracked(false),
@@ -311,7 +357,7 @@ fn main() {
         "replay/events" => replay(),
         _ => {
             eprintln!(
-                "usage: instructions decode_step/guarded|decode_step/unguarded|decode_grew/incremental|decode_grew/full|decode_grew/engine_step|decode_grew/separate|decode_forward/windows|lifecycle/guarded|lifecycle/unguarded|lifecycle/guarded_tracked[_info]|replay/events"
+                "usage: instructions decode_step/guarded|decode_step/unguarded|decode_grew/incremental|decode_grew/full|decode_grew/engine_step|decode_grew/separate|decode_forward/windows|decode_row_write/mirror|lifecycle/guarded|lifecycle/unguarded|lifecycle/guarded_tracked[_info]|replay/events"
             );
             std::process::exit(2);
         }
