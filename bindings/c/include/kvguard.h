@@ -886,7 +886,8 @@ kvg_status kvg_import_abort(struct kvg_import_ticket *ticket);
 // # Safety
 // `table` is any value (never dereferenced); each array holds the entries said above, the
 // writable ones writable and touched by nobody else during the call; `outcome` holds
-// `positions` entries and `left` is writable.
+// `positions` entries and `left` is writable (the written ones, `left` too, are checked apart
+// from every other array).
 KVG_MUST_USE
 kvg_status kvg_write_decode_rows(struct kvg_table *table,
                                  const int64_t *row_keys,

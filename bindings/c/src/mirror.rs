@@ -66,7 +66,8 @@ fn span<T>(s: &[T], name: &'static str) -> (usize, usize, &'static str) {
 /// # Safety
 /// `table` is any value (never dereferenced); each array holds the entries said above, the
 /// writable ones writable and touched by nobody else during the call; `outcome` holds
-/// `positions` entries and `left` is writable.
+/// `positions` entries and `left` is writable (the written ones, `left` too, are checked apart
+/// from every other array).
 #[unsafe(no_mangle)]
 #[must_use]
 #[allow(clippy::too_many_arguments)]
@@ -88,7 +89,9 @@ pub unsafe extern "C" fn kvg_write_decode_rows(
     left: *mut usize,
 ) -> kvg_status {
     with_table(table, |t| {
-        raw::put_required(left, 0, "left")?;
+        if left.is_null() {
+            return Err(Failure::status(kvg_status::NullPointer, "left is NULL".to_string()));
+        }
         let keys = raw::slice(row_keys, mirror_rows, "row_keys")?;
         let claimants = raw::slice(row_claimants, mirror_rows, "row_claimants")?;
         let prefix = raw::slice(page_prefix, page_entries, "page_prefix")?;
@@ -106,6 +109,7 @@ pub unsafe extern "C" fn kvg_write_decode_rows(
                 (owner_at.0, owner_at.1, "page_owner"),
                 (checked_at.0, checked_at.1, "row_checked"),
                 (outcome_at.0, outcome_at.1, "outcome"),
+                (left as usize, std::mem::size_of::<usize>(), "left"),
             ],
             &[
                 span(keys, "row_keys"),
@@ -119,6 +123,7 @@ pub unsafe extern "C" fn kvg_write_decode_rows(
         if positions > 0 && outcome.is_null() {
             return Err(Failure::status(kvg_status::NullPointer, "outcome is NULL".to_string()));
         }
+        raw::put_required(left, 0, "left")?;
         let owner = raw::slice_mut(page_owner, page_entries, "page_owner")?;
         let checked = raw::slice_mut(row_checked, mirror_rows, "row_checked")?;
         let outcome = raw::slice_mut(outcome, positions, "outcome")?;

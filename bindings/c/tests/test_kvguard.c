@@ -882,6 +882,9 @@ static void test_write_decode_rows(void) {
            KVG_STATUS_INVALID_ARGUMENT);
     CHECK(strstr(kvg_last_error_message(), "shares memory") != NULL);
     EXPECT(kvg_write_decode_rows(t, keys, claimants, checked, ROWS, owner, prefix, ENTRIES, 1, rows, &col, 1, slots,
+                                 outcome, (size_t *)(void *)(owner + 6)),
+           KVG_STATUS_INVALID_ARGUMENT);
+    EXPECT(kvg_write_decode_rows(t, keys, claimants, checked, ROWS, owner, prefix, ENTRIES, 1, rows, &col, 1, slots,
                                  NULL, &left),
            KVG_STATUS_NULL_POINTER);
     EXPECT(kvg_write_decode_rows(t, keys, claimants, checked, ROWS, owner, prefix, ENTRIES, 1, rows, &col, 1, slots,
