@@ -5,6 +5,7 @@
 //! the claims judge as the same claims made one by one, and the mirror then says what the table
 //! says. Bad arrays are typed errors that change nothing.
 
+use crate::model::mirror as model;
 use kvguard::step::{DecodeRowWrite, MirrorError, PoolMirror, decode_writes};
 use kvguard::{OwnershipTable, PageId, Policy, PoolConfig, RequestId, TenantId, ViolationKind};
 use proptest::prelude::*;
@@ -209,52 +210,19 @@ proptest! {
             let _ = one.claim(RequestId(key), &[PageId(page)]);
             let _ = two.claim(RequestId(key), &[PageId(page)]);
         }
-        let slots: Vec<i64> = d.positions.iter().map(|p| p.2.clamp(-1, i64::from(PAGES) * i64::from(d.ps) + 3)).collect();
-        let rows: Vec<u64> = d.positions.iter().map(|p| p.0).collect();
-        let cols: Vec<i64> = d.positions.iter().map(|p| p.1).collect();
-        let (mut owner, mut checked) = (d.owner.clone(), vec![30i64; 4]);
-        let mirror = PoolMirror::new(&d.keys[..], &d.claimants[..], &d.prefix[..], &owner[..], PAGES).expect("fits");
-        let write = DecodeRowWrite { rows: &rows, cols: &cols[..], slots: &slots[..] };
-        let out = one.write_decode_rows(mirror, &mut owner[..], &mut checked[..], write).expect("well formed");
-
-        // The rule, position by position, each claim its own call on the twin table.
-        let never = PAGES as usize;
-        let repeats = (0..rows.len()).any(|i| rows[..i].contains(&rows[i]));
-        let (mut want_owner, mut want_checked) = (d.owner.clone(), vec![30i64; 4]);
-        let (mut left, mut claims, mut refused) = (Vec::new(), Vec::new(), Vec::new());
-        for (i, (&row, &slot)) in rows.iter().zip(&slots).enumerate() {
-            let row = row as usize;
-            want_checked[row] = want_checked[row].min(cols[i].max(0));
-            let key = d.keys[row];
-            let page = slot.div_euclid(i64::from(d.ps));
-            let at = if (0..i64::from(PAGES)).contains(&page) { page as usize } else { never };
-            // The mirror as it was before the step says what a row already owns.
-            if at < never && d.owner[at] == key {
-                continue;
-            }
-            if d.claimants[row] == 0 || d.prefix[at] != 0 {
-                left.push(i);
-                continue;
-            }
-            let page = PageId(u32::try_from(page).unwrap_or(u32::MAX));
-            if repeats && claims.contains(&(RequestId(key as u64), page)) {
-                continue;
-            }
-            claims.push((RequestId(key as u64), page));
-            match two.claim(RequestId(key as u64), &[page]) {
-                Ok(_) if at < never => want_owner[at] = key,
-                Ok(_) => {}
-                Err(kvguard::Error::Violation(v)) => refused.push((claims.len() - 1, v.kind())),
-                Err(e) => panic!("a claim failed outside the rules: {e}"),
-            }
-        }
-        prop_assert_eq!(&out.left, &left);
-        prop_assert_eq!(out.claims.iter().map(|c| (c.request, c.page)).collect::<Vec<_>>(), claims);
-        prop_assert_eq!(out.verdict.refused.iter().map(|(i, v)| (*i, v.kind())).collect::<Vec<_>>(), refused);
-        prop_assert_eq!(&owner, &want_owner);
-        prop_assert_eq!(&checked, &want_checked);
-        for p in 0..PAGES {
-            prop_assert_eq!(one.page_info(PageId(p)), two.page_info(PageId(p)));
-        }
+        let positions = d
+            .positions
+            .iter()
+            .map(|&(row, col, slot)| (row, col, slot.clamp(-1, i64::from(PAGES) * i64::from(d.ps) + 3)))
+            .collect();
+        let m = model::Mirror {
+            keys: d.keys,
+            claimants: d.claimants,
+            prefix: d.prefix,
+            owner: d.owner,
+            checked: vec![30; 4],
+            positions,
+        };
+        model::row_write_as_its_claims(&one, &two, &m, "drawn");
     }
 }

@@ -8,6 +8,7 @@
 
 #![allow(dead_code)]
 
+pub mod mirror;
 pub mod step;
 
 use kvguard::cuda::layout::DeviceTag;

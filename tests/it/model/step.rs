@@ -2,7 +2,8 @@
 //! the proptest `an_engine_step_judges_as_its_calls_one_by_one` (tests/it/step_engine.rs) and
 //! the fuzz target `engine_step` check. After each step, the same rows as token slots (SGLang's
 //! layout) go through one `decode_forward` on the first table and through `record_step_writes`
-//! and `check_slot_rows` on the second.
+//! and `check_slot_rows` on the second; then each row writes its next token against a plugin's
+//! mirror of the pool (`write_decode_rows` beside its claims one by one: `model::mirror`).
 
 use kvguard::step::{DecodeForward, DecodeOutcome, EngineStep, EventBatch, SlotRead};
 use kvguard::{
@@ -173,6 +174,7 @@ pub fn same_as_one_by_one(steps: &[Drawn], policy: Policy) {
         }
         assert_eq!(stepped.snapshot(), single.snapshot(), "step {n}");
         decode_forward_as_its_calls(&stepped, &single, s, &requests, n);
+        mirror_row_write(&stepped, &single, s, &requests, n);
     }
 }
 
@@ -232,4 +234,38 @@ fn decode_forward_as_its_calls(
     for p in 0..PAGES {
         assert_eq!(stepped.page_info(PageId(p)), single.page_info(PageId(p)), "step {n}: page {p} after decoding");
     }
+}
+
+/// The step's rows written once more against a plugin's mirror of the pool: each row's request
+/// claiming unless it scheduled nothing, each page's owner and prefix as the table says, except a
+/// row's first page forgotten where its computed count is odd (a stale mirror); each row writes
+/// the slot of its token `computed + scheduled`. `write_decode_rows` on `stepped`, the rule one
+/// claim at a time on `single` (`model::mirror`).
+fn mirror_row_write(stepped: &OwnershipTable, single: &OwnershipTable, s: &Drawn, requests: &[RequestId], n: usize) {
+    let pages = PAGES as usize;
+    let (mut owner, mut prefix) = (vec![0i64; pages + 1], vec![0i64; pages + 1]);
+    for p in 0..pages {
+        let info = stepped.page_info(PageId(p as u32)).expect("a page of the pool");
+        owner[p] = info.owner.map_or(0, |r| r.0 as i64);
+        prefix[p] = i64::from(info.prefix.is_some());
+    }
+    let mut positions = Vec::new();
+    for (i, (row, c, k)) in s.rows.iter().enumerate() {
+        if c % 2 == 1 && (0..PAGES as i32).contains(&row[0]) {
+            owner[row[0] as usize] = 0;
+        }
+        let token = u64::from(*c) + u64::from(*k);
+        let entry = row[((token / u64::from(PS)) as usize).min(WIDTH - 1)];
+        let slot = if entry < 0 { -1 } else { i64::from(entry) * i64::from(PS) + (token % u64::from(PS)) as i64 };
+        positions.push((i as u64, token as i64 - i64::from(*k % 2) * 9, slot));
+    }
+    let m = super::mirror::Mirror {
+        keys: requests.iter().map(|r| r.0 as i64).collect(),
+        claimants: s.rows.iter().map(|(_, _, k)| i64::from(*k != 0)).collect(),
+        prefix,
+        owner,
+        checked: s.rows.iter().map(|(_, c, _)| i64::from(*c)).collect(),
+        positions,
+    };
+    super::mirror::row_write_as_its_claims(stepped, single, &m, &format!("step {n}: row write"));
 }
