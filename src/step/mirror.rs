@@ -324,6 +324,66 @@ impl RowWriteOutcome {
     }
 }
 
+impl<A: Ints + ?Sized> DecodeRowWrite<'_, A> {
+    /// The first part of [`OwnershipTable::write_decode_rows`]: checks the write against the
+    /// mirror and the lengths of the two arrays it will update (`page_owner`, and `row_checked`
+    /// of `row_checked_len` entries), and sorts its positions ([`decode_writes`]). Nothing
+    /// changes. A binding that must let go of a lock of its own around the table's call
+    /// (Python's GIL) runs the three parts itself: this, [`OwnershipTable::claim_decode`], then
+    /// [`update_mirror`](Self::update_mirror).
+    pub fn sort(
+        &self,
+        mirror: PoolMirror<'_, A>,
+        page_owner: &(impl Ints + ?Sized),
+        row_checked_len: usize,
+        page_size: u32,
+    ) -> Result<DecodeWrites, MirrorError> {
+        if page_owner.len() != mirror.never() + 1 {
+            return Err(MirrorError::PageArrays {
+                owner: page_owner.len(),
+                prefix: mirror.page_prefix.len(),
+                want: mirror.never() + 1,
+            });
+        }
+        if row_checked_len != mirror.rows() {
+            return Err(MirrorError::RowArray { name: "row_checked", len: row_checked_len, row_keys: mirror.rows() });
+        }
+        let n = self.rows.len();
+        if self.cols.len() != 1 && self.cols.len() != n {
+            return Err(MirrorError::Positions { name: "cols", len: self.cols.len(), rows: n });
+        }
+        check_positions(mirror, self.rows, self.slots)?;
+        Ok(sort_writes(mirror, page_owner, self.rows, self.slots, page_size))
+    }
+
+    /// The last part of [`OwnershipTable::write_decode_rows`]: each row's checked length drops
+    /// to its column where that is lower (a negative column: to 0), and each claim `verdict`
+    /// granted of a page in the pool sets `page_owner[page]` to its request's key. `writes` is
+    /// what [`sort`](Self::sort) gave for this write and these arrays, `verdict`
+    /// [`OwnershipTable::claim_decode`]'s over it.
+    pub fn update_mirror<M: IntsMut + ?Sized>(
+        &self,
+        writes: &DecodeWrites,
+        verdict: &StepVerdict,
+        page_owner: &mut M,
+        row_checked: &mut M,
+    ) {
+        let one = self.cols.len() == 1;
+        for (i, &row) in self.rows.iter().enumerate() {
+            let col = self.cols.at(if one { 0 } else { i }).max(0);
+            if col < row_checked.at(row as usize) {
+                row_checked.set(row as usize, col);
+            }
+        }
+        let never = page_owner.len() - 1;
+        for c in writes.granted(verdict) {
+            if c.at < never {
+                page_owner.set(c.at, c.request.0 as i64);
+            }
+        }
+    }
+}
+
 impl OwnershipTable {
     /// The claims of a decode step's row write ([`decode_writes`]), each its own claim of one
     /// page, in one judged [`claim_step`](Self::claim_step); the verdict is over `writes.claims`,
@@ -345,10 +405,13 @@ impl OwnershipTable {
     /// A decode step's row write against the mirror, the mirror updated in place: each row's
     /// checked length `row_checked[rows[i]]` drops to `cols[i]` where that is lower (a negative
     /// column: to 0), the new pages are claimed ([`claim_decode`](Self::claim_decode)), and each
-    /// claim granted of a page in the pool sets `page_owner[page]` to its request's key.
+    /// claim granted of a page in the pool sets `page_owner[page]` to its request's key. The
+    /// three parts, for a caller that runs them itself: [`DecodeRowWrite::sort`],
+    /// [`claim_decode`](Self::claim_decode), [`DecodeRowWrite::update_mirror`].
     ///
-    /// Everything is checked before anything changes ([`MirrorError`]: `row_checked` not one
-    /// entry per row, `cols` not one entry or one per position, and as [`decode_writes`]).
+    /// Everything is checked before anything changes ([`MirrorError`]: `page_owner` or
+    /// `row_checked` of the wrong length, `cols` not one entry or one per position, and as
+    /// [`decode_writes`]).
     pub fn write_decode_rows<A: Ints + ?Sized, M: IntsMut + ?Sized>(
         &self,
         mirror: PoolMirror<'_, A>,
@@ -356,37 +419,9 @@ impl OwnershipTable {
         row_checked: &mut M,
         write: DecodeRowWrite<'_, A>,
     ) -> Result<RowWriteOutcome, MirrorError> {
-        if page_owner.len() != mirror.never() + 1 {
-            return Err(MirrorError::PageArrays {
-                owner: page_owner.len(),
-                prefix: mirror.page_prefix.len(),
-                want: mirror.never() + 1,
-            });
-        }
-        if row_checked.len() != mirror.rows() {
-            return Err(MirrorError::RowArray { name: "row_checked", len: row_checked.len(), row_keys: mirror.rows() });
-        }
-        let n = write.rows.len();
-        if write.cols.len() != 1 && write.cols.len() != n {
-            return Err(MirrorError::Positions { name: "cols", len: write.cols.len(), rows: n });
-        }
-        check_positions(mirror, write.rows, write.slots)?;
-        // Everything is checked: from here on the mirror changes.
-        let writes = sort_writes(mirror, &*page_owner, write.rows, write.slots, self.page_size());
-        let one = write.cols.len() == 1;
-        for (i, &row) in write.rows.iter().enumerate() {
-            let col = write.cols.at(if one { 0 } else { i }).max(0);
-            if col < row_checked.at(row as usize) {
-                row_checked.set(row as usize, col);
-            }
-        }
+        let writes = write.sort(mirror, &*page_owner, row_checked.len(), self.page_size())?;
         let verdict = self.claim_decode(&writes);
-        let never = mirror.never();
-        for c in writes.granted(&verdict) {
-            if c.at < never {
-                page_owner.set(c.at, c.request.0 as i64);
-            }
-        }
+        write.update_mirror(&writes, &verdict, page_owner, row_checked);
         Ok(RowWriteOutcome { claims: writes.claims, verdict, left: writes.left })
     }
 }

@@ -1439,16 +1439,24 @@ impl OwnershipTable {
         let l = arrays.lookups();
         let mirror = l.mirror(&mirror::Written(&owner), self.table.config().num_pages)?;
         let write = kvguard::step::DecodeRowWrite { rows: &arrays.rows, cols: &cols, slots: &l.slots };
-        // The core checks everything before it changes the mirror; the GIL stays held while it
-        // writes the plugin's arrays (their SAFETY: see I64Mut).
-        let out = self
-            .table
-            .write_decode_rows(mirror, &mut mirror::Written(&owner), &mut mirror::Written(&checked), write)
-            .map_err(mirror::mirror_error)?;
-        if out.is_clean() {
+        // The core's write_decode_rows in its three parts: the plugin's arrays are read and
+        // written with the GIL held (their SAFETY: see I64Mut), the table's claims made with it
+        // released (as every call into the table is). Everything is checked before anything
+        // changes.
+        let (mut owner_w, mut checked_w) = (mirror::Written(&owner), mirror::Written(&checked));
+        let writes =
+            write.sort(mirror, &owner_w, checked.len(), self.table.page_size()).map_err(mirror::mirror_error)?;
+        let table = &self.table;
+        let v = if writes.claims.is_empty() {
+            kvguard::StepVerdict::default() // the common step: nothing to claim, no GIL round trip
+        } else {
+            py.detach(|| table.claim_decode(&writes))
+        };
+        write.update_mirror(&writes, &v, &mut owner_w, &mut checked_w);
+        if v.is_clean() && writes.left.is_empty() {
             return Ok(None);
         }
-        Ok(Some((self.verdict(py, out.verdict, out.claims.len(), true)?, out.left)))
+        Ok(Some((self.verdict(py, v, writes.claims.len(), true)?, writes.left)))
     }
 
     /// A decode forward's first KV store against the mirror, in one call: request
