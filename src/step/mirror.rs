@@ -360,7 +360,8 @@ impl<A: Ints + ?Sized> DecodeRowWrite<'_, A> {
     /// to its column where that is lower (a negative column: to 0), and each claim `verdict`
     /// granted of a page in the pool sets `page_owner[page]` to its request's key. `writes` is
     /// what [`sort`](Self::sort) gave for this write and these arrays, `verdict`
-    /// [`OwnershipTable::claim_decode`]'s over it.
+    /// [`OwnershipTable::claim_decode`]'s over it. (Arrays other than those `sort` checked are
+    /// written only where they have the entry: a misuse changes less, never panics.)
     pub fn update_mirror<M: IntsMut + ?Sized>(
         &self,
         writes: &DecodeWrites,
@@ -370,12 +371,16 @@ impl<A: Ints + ?Sized> DecodeRowWrite<'_, A> {
     ) {
         let one = self.cols.len() == 1;
         for (i, &row) in self.rows.iter().enumerate() {
-            let col = self.cols.at(if one { 0 } else { i }).max(0);
-            if col < row_checked.at(row as usize) {
-                row_checked.set(row as usize, col);
+            let (row, at) = (row as usize, if one { 0 } else { i });
+            if row >= row_checked.len() || at >= self.cols.len() {
+                continue;
+            }
+            let col = self.cols.at(at).max(0);
+            if col < row_checked.at(row) {
+                row_checked.set(row, col);
             }
         }
-        let never = page_owner.len() - 1;
+        let never = page_owner.len().saturating_sub(1);
         for c in writes.granted(verdict) {
             if c.at < never {
                 page_owner.set(c.at, c.request.0 as i64);

@@ -226,3 +226,22 @@ proptest! {
         model::row_write_as_its_claims(&one, &two, &m, "drawn");
     }
 }
+
+#[test]
+fn the_mirror_updated_with_arrays_sort_never_saw_changes_less_and_never_panics() {
+    let t = table(4);
+    let m = Mirror::new();
+    let (rows, cols, slots) = ([0u64, 2], [5i64, 6], [4 * 5, 4 * 6]);
+    let write = DecodeRowWrite { rows: &rows, cols: &cols[..], slots: &slots[..] };
+    let mirror = PoolMirror::new(&m.keys[..], &m.claimants[..], &m.prefix[..], &m.owner[..], PAGES).expect("fits");
+    let writes = write.sort(mirror, &m.owner[..], m.checked.len(), 4).expect("well formed");
+    let verdict = t.claim_decode(&writes);
+    assert!(verdict.is_clean());
+    // Arrays of one entry each, and none at all: nothing past them is written.
+    let (mut owner, mut checked) = (vec![0i64; 1], vec![40i64; 1]);
+    write.update_mirror(&writes, &verdict, &mut owner[..], &mut checked[..]);
+    assert_eq!((owner, checked), (vec![0], vec![5]));
+    let (mut owner, mut checked): (Vec<i64>, Vec<i64>) = (Vec::new(), Vec::new());
+    write.update_mirror(&writes, &verdict, &mut owner[..], &mut checked[..]);
+    assert!(owner.is_empty() && checked.is_empty());
+}
