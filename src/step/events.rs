@@ -288,6 +288,18 @@ impl EventBatch {
         EventBatch::default()
     }
 
+    /// An empty batch with room for `events` events naming `pages` pages in all, so that
+    /// filling it reallocates nothing (a step's events, counted before they are read).
+    pub fn with_capacity(events: usize, pages: usize) -> EventBatch {
+        EventBatch {
+            kinds: Vec::with_capacity(events),
+            requests: Vec::with_capacity(events),
+            keys: Vec::with_capacity(events),
+            args: Vec::with_capacity(events),
+            pages: Vec::with_capacity(pages),
+        }
+    }
+
     /// Forgets every event (keeps the memory).
     pub fn clear(&mut self) {
         self.kinds.clear();

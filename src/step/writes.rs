@@ -17,8 +17,8 @@ pub struct StepSlots {
 
 impl StepSlots {
     /// The slots row `i` of `rows` writes for `scheduled[i]` tokens from position `computed[i]`
-    /// (both as long as each other, at most the rows there are; a position past `u64` is
-    /// [`StepError::Overflow`]). A request may write at most a
+    /// (both as long as each other, at most the rows there are, else [`StepError::Shape`]; a
+    /// position past `u64` is [`StepError::Overflow`]). A request may write at most a
     /// row's width of pages (or the pool's pages, if fewer), and the step at most the pool's
     /// slots: more is [`StepError::TooManyTokens`] / [`StepError::PoolSlots`], checked before
     /// anything is allocated. A negative entry gives a slot no pool has (`i64::MIN`: refused
@@ -47,25 +47,40 @@ impl StepSlots {
         let last = width as u64 - 1;
         let div = PageDiv::new(config.page_size);
         let ps = i64::from(config.page_size);
-        for (i, (&c, &s)) in computed.iter().zip(scheduled).enumerate() {
-            let row = rows.row(i);
-            slots.extend((c..c + s).map(|p| {
-                let page = row[div.floor(p).min(last) as usize];
-                if page < 0 { i64::MIN } else { i64::from(page) * ps + div.offset(p) as i64 }
-            }));
+        let slot = |row: &[i32], p: u64| {
+            let page = row[div.floor(p).min(last) as usize];
+            if page < 0 { i64::MIN } else { i64::from(page) * ps + div.offset(p) as i64 }
+        };
+        // Row i is entries[i * width..][..width]: whole rows, at least as many as the counts
+        // (checked).
+        for ((row, &c), &s) in rows.entries().chunks_exact(width).zip(computed).zip(scheduled) {
+            if s == 1 {
+                // A decode step's one token: no range to walk.
+                slots.push(slot(row, c));
+            } else {
+                slots.extend((c..c + s).map(|p| slot(row, p)));
+            }
         }
         Ok(StepSlots { slots, bounds })
     }
 
-    /// What [`from_rows`](Self::from_rows) refuses, found without building anything: a request
-    /// writing more than a row (or the pool) addresses, a position past `u64`, a step writing
-    /// more than the pool's slots.
+    /// What [`from_rows`](Self::from_rows) refuses, found without building anything: counts
+    /// not as long as each other or more than the rows, a request writing more than a row (or
+    /// the pool) addresses, a position past `u64`, a step writing more than the pool's slots.
     pub fn check(
         rows: BlockRows<'_>,
         computed: &[u64],
         scheduled: &[u64],
         config: &PoolConfig,
     ) -> Result<(), StepError> {
+        if computed.len() != scheduled.len() || computed.len() > rows.rows() {
+            return Err(StepError::Shape {
+                requests: computed.len(),
+                computed: computed.len(),
+                scheduled: scheduled.len(),
+                rows: rows.rows(),
+            });
+        }
         let ps = u64::from(config.page_size);
         let pool = u64::from(config.num_pages) * ps;
         let most = (rows.width() as u64 * ps).min(pool);

@@ -104,6 +104,11 @@ impl<'a> BlockRows<'a> {
         self.stride
     }
 
+    /// Every entry, row after row.
+    pub(crate) fn entries(&self) -> &'a [i32] {
+        self.entries
+    }
+
     /// Row `row` (in range: the caller checked).
     pub(crate) fn row(&self, row: usize) -> &'a [i32] {
         &self.entries[row * self.stride..][..self.stride]

@@ -3,7 +3,7 @@
 //! `record_step_writes`, the reads through a full `verify_step`), for any step; and a step whose
 //! shape is wrong applies nothing.
 
-use kvguard::step::{EngineStep, Event, EventBatch, Events, EventsError, StepError};
+use kvguard::step::{EngineStep, Event, EventBatch, Events, EventsError, StepError, StepSlots};
 use kvguard::{BlockRows, PageId, Policy, PrefixKey, RequestId, RowCache, TenantId};
 use proptest::prelude::*;
 
@@ -117,6 +117,32 @@ fn a_step_whose_shape_is_wrong_applies_nothing() {
     };
     assert!(matches!(t.engine_step(&mut cache, &step), Err(StepError::PoolSlots { tokens: 160, slots: 96 })));
     assert!(t.request_info(RequestId(9)).is_none());
+}
+
+/// A step's slot mapping from its rows, as vLLM's kernel computes it: one token or several a
+/// row, a position past the row's width on its last entry, a negative entry a slot no pool has;
+/// counts not as long as each other, or more than the rows, are a shape error, never a panic.
+#[test]
+fn a_slot_mapping_is_built_from_the_rows_as_the_engines_kernel_builds_it() {
+    let t = table(Policy::Enforce);
+    let ps = i64::from(PS);
+    let entries = [[5i32, 6, -1], [7, 8, 9]].concat();
+    let rows = BlockRows::new(&entries, 3).unwrap();
+    // Row 0: one token at position PS (its second page); row 1: three from 2 * PS - 1, the
+    // last of them past the row's width (its last entry).
+    let computed = [u64::from(PS), 2 * u64::from(PS) - 1];
+    let slots = StepSlots::from_rows(rows, &computed, &[1, 3], t.config()).unwrap();
+    assert_eq!(slots.slots(), &[6 * ps, 8 * ps + ps - 1, 9 * ps, 9 * ps + 1]);
+    // Row 0's third entry is negative: no pool's slot.
+    let slots = StepSlots::from_rows(rows, &[2 * u64::from(PS)], &[1], t.config()).unwrap();
+    assert_eq!(slots.slots(), &[i64::MIN]);
+    for (computed, scheduled) in
+        [(&[0u64, 0, 0][..], &[1u64, 1, 1][..]), (&[0, 0][..], &[1][..]), (&[0][..], &[1, 1][..])]
+    {
+        let e = StepSlots::from_rows(rows, computed, scheduled, t.config()).expect_err("a wrong shape");
+        assert!(matches!(e, StepError::Shape { rows: 2, .. }), "{e}");
+        assert!(StepSlots::check(rows, computed, scheduled, t.config()).is_err());
+    }
 }
 
 /// Event columns are checked whole: a wrong length, an unknown kind or pages outside the page

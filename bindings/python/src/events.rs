@@ -24,11 +24,11 @@
 use crate::names::{self, Key, Names, Resolved};
 use crate::violation::Violation;
 use kvguard::step::EventBatch;
-use kvguard::{PageId, PrefixKey};
+use kvguard::{PageId, PrefixKey, RequestId};
 use parking_lot::Mutex;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyString, PyTuple};
+use pyo3::types::{PyInt, PyList, PyString, PyTuple};
 
 /// A request or tenant id read from an event, owned so the events outlive the GIL.
 #[derive(Clone, Debug)]
@@ -214,6 +214,175 @@ pub fn parse_optional(events: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<Event>>
     }
 }
 
+/// A step's events as a worker step takes them: read straight into the core's batch (a step
+/// that admits and releases nothing, in the plain form a recorder builds: [`StepEvents::read`]),
+/// or parsed in full.
+pub enum StepEvents {
+    /// The core's batch, its names resolved as they read when it was read.
+    Batch(EventBatch),
+    /// Parsed events (names read as the core applies them).
+    Parsed(Vec<Event>),
+}
+
+impl StepEvents {
+    /// No events.
+    pub fn none() -> StepEvents {
+        StepEvents::Batch(EventBatch::new())
+    }
+
+    /// Reads `events` (None, Python's None, or a sequence of event tuples): through
+    /// [`plain_batch`] when it can, else [`parse`] (which raises for what is malformed).
+    pub fn read(events: Option<&Bound<'_, PyAny>>, names: &Mutex<Names>) -> PyResult<StepEvents> {
+        match events {
+            Some(e) if !e.is_none() => match plain_batch(e, names) {
+                Some(batch) => Ok(StepEvents::Batch(batch)),
+                None => Ok(StepEvents::Parsed(parse(e)?)),
+            },
+            _ => Ok(StepEvents::none()),
+        }
+    }
+
+    /// Whether applying them may change which id a str request reads as (see [`renames`]).
+    pub fn renames(&self) -> bool {
+        match self {
+            StepEvents::Batch(_) => false,
+            StepEvents::Parsed(events) => renames(events),
+        }
+    }
+
+    /// The core's batch of events that do not rename, names read now (see [`batch`]).
+    pub fn batch(self, names: &Names) -> Option<EventBatch> {
+        match self {
+            StepEvents::Batch(b) => Some(b),
+            StepEvents::Parsed(events) => batch(names, &events),
+        }
+    }
+
+    /// Applies them as [`apply`] does (no Python code runs: call it with the GIL released).
+    pub fn apply(
+        &self,
+        table: &kvguard::OwnershipTable,
+        names: &Mutex<Names>,
+    ) -> Result<Vec<RefusedEvent>, Box<EventError>> {
+        match self {
+            StepEvents::Batch(b) => resolve_applied(names, table.apply_events(b.events())),
+            StepEvents::Parsed(events) => apply(table, names, events),
+        }
+    }
+}
+
+/// `events` read straight into the core's batch, each request named as it reads now: what
+/// [`batch`] makes of [`parse`]'s events, without an owned copy of every event (the common
+/// step's claims, publishes, hits and evictions). `None` when an event admits or releases a
+/// request, or is not in the plain form a recorder builds: the events an exact `list` or
+/// `tuple` of exact tuples, each headed by its name (a `str`, an enum's member too), ids exact
+/// `int`s (`0..2**63`) or `str`s, keys exact `int`s (`0..2**64`), page lists exact lists or
+/// tuples of exact `int`s (`0..2**32`). The caller then parses them in full, which reads the
+/// other forms and raises for the malformed. Only C code runs while the names are locked (no
+/// method of an object is called: every type read is exact, or a `str`'s C-level data).
+pub fn plain_batch(events: &Bound<'_, PyAny>, names: &Mutex<Names>) -> Option<EventBatch> {
+    // Room for one page an event (a decode step's claims and publishes): a batch that fills
+    // without reallocating.
+    let len = match events.cast_exact::<PyList>() {
+        Ok(list) => list.len(),
+        Err(_) => events.cast_exact::<PyTuple>().ok()?.len(),
+    };
+    let mut b = EventBatch::with_capacity(len, len);
+    let mut pages: Vec<PageId> = Vec::new();
+    let n = names.lock();
+    let mut one = |item: Bound<'_, PyAny>| -> Option<()> {
+        let tuple = item.cast_exact::<PyTuple>().ok()?;
+        let at = |j: usize| tuple.get_borrowed_item(j).ok();
+        let head = at(0)?;
+        let head = head.cast::<PyString>().ok()?;
+        let name = head.to_str().ok()?;
+        let request = |obj: &Bound<'_, PyAny>| -> Option<RequestId> {
+            if obj.is_exact_instance_of::<PyInt>() {
+                let v = obj.extract::<i64>().ok()?;
+                u64::try_from(v).ok().map(RequestId)
+            } else {
+                Some(n.request(Key::Name(obj.cast::<PyString>().ok()?.to_str().ok()?)))
+            }
+        };
+        let key = |obj: &Bound<'_, PyAny>| -> Option<PrefixKey> {
+            if !obj.is_exact_instance_of::<PyInt>() {
+                return None;
+            }
+            obj.extract::<u64>().ok().map(PrefixKey)
+        };
+        match (name, tuple.len()) {
+            ("claim" | "release_pages", 3) => {
+                let r = request(&*at(1)?)?;
+                plain_pages(&*at(2)?, &mut pages)?;
+                if name == "claim" {
+                    b.claim(r, &pages)
+                } else {
+                    b.release_pages(r, &pages)
+                };
+            }
+            ("publish", 4) => {
+                let r = request(&*at(1)?)?;
+                let k = key(&*at(2)?)?;
+                plain_pages(&*at(3)?, &mut pages)?;
+                b.publish(r, k, &pages);
+            }
+            ("attach" | "detach", 3) => {
+                let r = request(&*at(1)?)?;
+                let k = key(&*at(2)?)?;
+                if name == "attach" {
+                    b.attach(r, k)
+                } else {
+                    b.detach(r, k)
+                };
+            }
+            ("preempt", 2) => {
+                b.preempt(request(&*at(1)?)?);
+            }
+            ("evict", 3) => {
+                let charged = at(1)?;
+                if !charged.is_none() {
+                    request(&charged)?; // read as parse reads it, not used
+                }
+                b.evict(key(&*at(2)?)?);
+            }
+            _ => return None,
+        }
+        Some(())
+    };
+    if let Ok(list) = events.cast_exact::<PyList>() {
+        for item in list.iter() {
+            one(item)?;
+        }
+    } else {
+        for item in events.cast_exact::<PyTuple>().ok()?.iter() {
+            one(item)?;
+        }
+    }
+    Some(b)
+}
+
+/// A page list in the plain form (an exact list or tuple of exact ints in `0..2**32`) into
+/// `out`; `None` for anything else.
+fn plain_pages(obj: &Bound<'_, PyAny>, out: &mut Vec<PageId>) -> Option<()> {
+    out.clear();
+    let page = |item: Bound<'_, PyAny>| -> Option<PageId> {
+        if !item.is_exact_instance_of::<PyInt>() {
+            return None;
+        }
+        u32::try_from(item.extract::<i64>().ok()?).ok().map(PageId)
+    };
+    if let Ok(list) = obj.cast_exact::<PyList>() {
+        for item in list.iter() {
+            out.push(page(item)?);
+        }
+    } else {
+        for item in obj.cast_exact::<PyTuple>().ok()?.iter() {
+            out.push(page(item)?);
+        }
+    }
+    Some(())
+}
+
 /// Whether applying `events` may change which id a str request reads as (an admission interns
 /// it, a release forgets it).
 pub fn renames(events: &[Event]) -> bool {
@@ -343,7 +512,14 @@ pub fn apply(
 /// The core's batch of `events`, every request read as it reads now; `None` if an event
 /// admits or releases a request ([`renames`]: those go through [`apply`]).
 pub fn batch(names: &Names, events: &[Event]) -> Option<EventBatch> {
-    let mut b = EventBatch::new();
+    let pages = events
+        .iter()
+        .map(|e| match &e.op {
+            Op::Claim(p) | Op::Publish(_, p) | Op::ReleasePages(p) => p.len(),
+            _ => 0,
+        })
+        .sum();
+    let mut b = EventBatch::with_capacity(events.len(), pages);
     for event in events {
         let request = event.request.as_ref().map_or(names::UNKNOWN_REQUEST, |k| names.request(k.key()));
         match &event.op {

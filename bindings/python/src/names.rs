@@ -76,9 +76,12 @@ pub fn int_key(n: i128, what: &str) -> PyResult<Key<'static>> {
 /// The id objects of the last step read, by position. A scheduler passes the same `int` and
 /// `str` objects step after step (vLLM keeps `input_batch.req_ids`), so an item that is the very
 /// object seen at its position last time is not read again. A strong reference to each keeps the
-/// object (so its value) alive and its address unique; a `str`'s id also names the
-/// epoch of the names it was read at (bumped whenever a request string is interned or
-/// forgotten), and counts only while the names are unchanged since.
+/// object (so its value) alive and its address unique. A `str` read as an interned id stays
+/// that id until the id is forgotten (ids are never handed out again), so the requests that
+/// other requests' admissions and releases leave alone stay remembered: the names log the ids
+/// they forget, and each read of a step first strikes those from the cache
+/// (`Names::catch_up`). A `str` read as no interned id counts only while no string has been
+/// interned since.
 #[derive(Debug, Default)]
 pub struct StepIds {
     seen: Vec<Seen>,
@@ -88,8 +91,31 @@ pub struct StepIds {
 struct Seen {
     object: Py<PyAny>,
     request: RequestId,
-    /// `None` for an int (its id never changes), else the names' epoch the str was read at.
-    epoch: Option<u64>,
+    valid: Valid,
+}
+
+/// How long a remembered id holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Valid {
+    /// An int: its id never changes.
+    Always,
+    /// A str read as a live interned id: until the id is forgotten (struck then).
+    Live,
+    /// A str read as no interned id, while the names' count of strings interned is this.
+    Unknown(u64),
+    /// Struck: read it again.
+    Stale,
+}
+
+impl Valid {
+    /// Whether a remembered id still holds, the names having interned `interned` strings.
+    fn holds(self, interned: u64) -> bool {
+        match self {
+            Valid::Always | Valid::Live => true,
+            Valid::Unknown(at) => at == interned,
+            Valid::Stale => false,
+        }
+    }
 }
 
 /// A step's request ids from a `list` or `tuple` (vLLM's `input_batch.req_ids`), or `None` when
@@ -124,7 +150,10 @@ fn read_step_requests(
     let py = seq.py();
     let mut out = Vec::with_capacity(len);
     let mut guard = Some(names.lock());
-    let mut epoch = guard.as_ref().map_or(0, |n| n.epoch);
+    if let (Some(n), Some(c)) = (guard.as_deref_mut(), cache.as_deref_mut()) {
+        n.catch_up(c);
+    }
+    let mut interned = guard.as_ref().map_or(0, |n| n.interned);
     let get_item: unsafe extern "C" fn(*mut ffi::PyObject, ffi::Py_ssize_t) -> *mut ffi::PyObject =
         if is_list { ffi::PyList_GetItem } else { ffi::PyTuple_GetItem };
     // SAFETY: `seq` is a list or tuple (checked by the caller, `get_item` chosen to match), alive
@@ -141,7 +170,7 @@ fn read_step_requests(
         first = seen
             .iter()
             .enumerate()
-            .position(|(i, s)| get(i) != s.object.as_ptr() || s.epoch.is_some_and(|e| e != epoch))
+            .position(|(i, s)| get(i) != s.object.as_ptr() || !s.valid.holds(interned))
             .unwrap_or(seen.len());
         out.extend(seen[..first].iter().map(|s| s.request));
     }
@@ -153,7 +182,7 @@ fn read_step_requests(
         }
         if let Some(seen) = cache.as_deref().and_then(|c| c.seen.get(i))
             && seen.object.as_ptr() == item
-            && seen.epoch.is_none_or(|e| e == epoch)
+            && seen.valid.holds(interned)
         {
             out.push(seen.request);
             continue;
@@ -165,34 +194,49 @@ fn read_step_requests(
             let mut overflow = 0;
             // SAFETY: `item` is an exact int; with an overflow flag, no exception is set.
             let n = unsafe { ffi::PyLong_AsLongLongAndOverflow(item, &mut overflow) };
-            (overflow == 0 && n >= 0).then_some((RequestId(n as u64), None))
+            (overflow == 0 && n >= 0).then_some((RequestId(n as u64), Valid::Always))
         } else if ty == &raw mut ffi::PyUnicode_Type {
             // SAFETY: `item` is live for this borrow and an exact str; from_ptr ties it to
             // this iteration and no Python code runs while it is used.
             let item = unsafe { Borrowed::from_ptr(py, item) };
             let item = item.cast::<PyString>()?;
             let key = Key::Name(item.to_str()?);
-            let names = guard.get_or_insert_with(|| names.lock());
-            epoch = names.epoch;
-            Some((names.request(key), Some(epoch)))
+            let names = match guard {
+                Some(ref mut n) => n,
+                None => {
+                    // Retaken after the slow path let it go: what was forgotten meanwhile is
+                    // struck first.
+                    let n = guard.insert(names.lock());
+                    if let Some(c) = cache.as_deref_mut() {
+                        n.catch_up(c);
+                    }
+                    n
+                }
+            };
+            interned = names.interned;
+            let request = names.request(key);
+            Some((request, if request == UNKNOWN_REQUEST { Valid::Unknown(interned) } else { Valid::Live }))
         } else {
             None
         };
         // SAFETY: as above; to_owned takes a strong reference before any Python code runs.
         let owned = unsafe { Borrowed::from_ptr(py, item) }.to_owned();
-        let Some((request, read_at)) = fast else {
+        let Some((request, valid)) = fast else {
             // The slow path may run Python code (`__index__`): no lock held, the item owned.
             drop(guard.take());
             let key = key(&owned, "req_ids entry")?;
             let names = guard.insert(names.lock());
-            epoch = names.epoch;
+            if let Some(c) = cache.as_deref_mut() {
+                names.catch_up(c);
+            }
+            interned = names.interned;
             out.push(names.request(key));
             continue;
         };
         out.push(request);
         // Only exact ints and strs are kept: their value cannot change while they are held.
         // Dropping the object replaced (an exact int or str) runs no Python code.
-        let entry = Seen { object: owned.unbind(), request, epoch: read_at };
+        let entry = Seen { object: owned.unbind(), request, valid };
         if let Some(c) = cache.as_deref_mut() {
             if i < c.seen.len() {
                 c.seen[i] = entry;
@@ -265,9 +309,17 @@ pub struct Names {
     tenant_of: HashMap<u64, u64>,
     /// String tenants held by a sharing permission.
     sharing: HashSet<u64>,
-    /// Bumped whenever a request string is interned or forgotten (what [`StepIds`] checks).
-    epoch: u64,
+    /// How many request strings have been interned (what a [`StepIds`] entry read as unknown
+    /// checks).
+    interned: u64,
+    /// Request ids forgotten since the step ids last caught up; `None` once more than
+    /// [`FORGOTTEN_LOG`] were (the step ids then start over).
+    forgotten: Option<Vec<u64>>,
 }
+
+/// How many forgotten ids [`Names`] logs for the step ids before it gives up and has them start
+/// over (a table whose steps are never read through [`step_requests`] keeps no more).
+const FORGOTTEN_LOG: usize = 4096;
 
 /// What [`Names::admit`] took, to be kept or given back.
 #[derive(Clone, Copy, Debug)]
@@ -305,8 +357,8 @@ impl Names {
         let (request, new_request) = match request {
             Key::Int(n) => (RequestId(n), false),
             Key::Name(s) => {
-                self.epoch += 1;
                 let (id, new) = self.requests.hold(s);
+                self.interned += u64::from(new);
                 if !new {
                     // A duplicate: the live request keeps the only hold.
                     self.requests.release(id);
@@ -346,8 +398,7 @@ impl Names {
     /// The table refused it: a string interned for it is forgotten, the tenant hold dropped.
     pub fn refused(&mut self, a: Admission) {
         if a.new_request {
-            self.epoch += 1;
-            self.requests.release(a.request.0);
+            self.release_request(a.request.0);
         }
         if a.string_tenant {
             self.tenants.release(a.tenant.0);
@@ -357,11 +408,40 @@ impl Names {
     /// The request ended: its string and its tenant hold are dropped.
     pub fn forget(&mut self, request: RequestId) {
         if request.0 > STRING_IDS {
-            self.epoch += 1;
-            self.requests.release(request.0);
+            self.release_request(request.0);
         }
         if let Some(t) = self.tenant_of.remove(&request.0) {
             self.tenants.release(t);
+        }
+    }
+
+    /// Drops a hold of request string `id`, logging it for the step ids (see [`StepIds`]).
+    fn release_request(&mut self, id: u64) {
+        self.requests.release(id);
+        match &mut self.forgotten {
+            Some(log) if log.len() < FORGOTTEN_LOG => log.push(id),
+            _ => self.forgotten = None,
+        }
+    }
+
+    /// Strikes from `ids` the ids forgotten since it last caught up (all of them, if the log
+    /// overflowed), and empties the log.
+    fn catch_up(&mut self, ids: &mut StepIds) {
+        match self.forgotten.as_mut() {
+            Some(log) if log.is_empty() => {}
+            Some(log) => {
+                log.sort_unstable();
+                for s in &mut ids.seen {
+                    if s.valid == Valid::Live && log.binary_search(&s.request.0).is_ok() {
+                        s.valid = Valid::Stale;
+                    }
+                }
+                log.clear();
+            }
+            None => {
+                ids.seen.clear(); // drops exact ints and strs only: no Python code runs
+                self.forgotten = Some(Vec::new());
+            }
         }
     }
 

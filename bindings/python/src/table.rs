@@ -6,6 +6,7 @@
 
 use crate::arrays::{I64Mut, IntArray, Ints};
 use crate::errors::{self, log_violation};
+use crate::events::StepEvents;
 use crate::mirror;
 use crate::names::{self, Names, Resolved, StepIds};
 use crate::values::{PageInfo, PageRef, PoolConfig, PoolSnapshot, Released, RequestInfo};
@@ -1610,8 +1611,8 @@ impl OwnershipTable {
         events: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<(StepVerdict, crate::events::RefusedForPython, StepVerdict)> {
         let step = StepArrays::open(req_ids, block_table, num_computed_tokens, num_scheduled_tokens)?;
-        let late = crate::events::parse_optional(events)?;
-        let (_, written, refused, read) = self.worker_step(py, &step, Vec::new(), late)?;
+        let late = StepEvents::read(events, &self.names)?;
+        let (_, written, refused, read) = self.worker_step(py, &step, StepEvents::none(), late)?;
         Ok((written, refused, read))
     }
 
@@ -1639,9 +1640,15 @@ impl OwnershipTable {
         num_scheduled_tokens: &Bound<'_, PyAny>,
         late: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<StepOutcome> {
-        let early = crate::events::parse_optional(early)?;
+        let early = StepEvents::read(early, &self.names)?;
         let step = StepArrays::open(req_ids, block_table, num_computed_tokens, num_scheduled_tokens)?;
-        let late = crate::events::parse_optional(late)?;
+        // Late events name requests as they read after the early ones: read plain only when the
+        // early ones rename nothing.
+        let late = if early.renames() {
+            StepEvents::Parsed(crate::events::parse_optional(late)?)
+        } else {
+            StepEvents::read(late, &self.names)?
+        };
         self.worker_step(py, &step, early, late)
     }
 }
@@ -1691,40 +1698,42 @@ impl OwnershipTable {
         &self,
         py: Python<'_>,
         step: &StepArrays<'_, '_>,
-        early: Vec<crate::events::Event>,
-        late: Vec<crate::events::Event>,
+        early: StepEvents,
+        late: StepEvents,
     ) -> PyResult<StepOutcome> {
         let n = step.n;
         let (table, names) = (&self.table, &self.names);
         let mut converted = Vec::new();
         let rows = step_rows(&step.bt, n, &step.computed, &step.scheduled, table.config(), &mut converted)?;
-        // The step's shape, checked before anything is applied.
-        kvguard::step::StepSlots::from_rows(rows, &step.computed, &step.scheduled, table.config())
-            .map_err(step_error)?;
-        let renaming_early = crate::events::renames(&early);
+        // The step's shape, checked before anything is applied (nothing built: the core's step
+        // builds its slot mapping once).
+        kvguard::step::StepSlots::check(rows, &step.computed, &step.scheduled, table.config()).map_err(step_error)?;
+        let renaming_early = early.renames();
         let refused_early = if renaming_early {
-            let applied = py.detach(|| crate::events::apply(table, names, &early));
+            let applied = py.detach(|| early.apply(table, names));
             Some(self.refused_events(py, applied)?)
         } else {
             None
         };
         let requests = self.step_requests(step.req_ids)?;
         check_request_count(&requests, n)?;
-        if crate::events::renames(&late) {
+        if late.renames() {
             let refused_early = match refused_early {
                 Some(r) => r,
                 None => {
-                    let applied = py.detach(|| crate::events::apply(table, names, &early));
+                    let applied = py.detach(|| early.apply(table, names));
                     self.refused_events(py, applied)?
                 }
+            };
+            let StepEvents::Parsed(late) = late else {
+                return Err(pyo3::exceptions::PyRuntimeError::new_err("kvguard: renaming events read as a batch"));
             };
             return self.worker_step_renaming_late(py, step, rows, &requests, late, refused_early);
         }
         let (early_batch, late_batch) = {
             let n = names.lock();
-            let early =
-                if renaming_early { Some(kvguard::step::EventBatch::new()) } else { crate::events::batch(&n, &early) };
-            (early, crate::events::batch(&n, &late))
+            let early = if renaming_early { Some(kvguard::step::EventBatch::new()) } else { early.batch(&n) };
+            (early, late.batch(&n))
         };
         // Neither renames here (checked above): each is a batch.
         let (Some(early_batch), Some(late_batch)) = (early_batch, late_batch) else {

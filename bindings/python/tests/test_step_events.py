@@ -2,6 +2,7 @@
 random event streams and steps with violations, both policies, int32 and int64 block tables;
 malformed input is a TypeError / ValueError with nothing applied, never a panic."""
 
+import enum
 import random
 
 import numpy as np
@@ -268,3 +269,116 @@ def test_apply_record_and_verify_step_checks_everything_first(table):
     refused_early, w, refused_late, r = table.apply_record_and_verify_step([claim], ["a"], bt, np.array([0]), np.array([5]))
     assert refused_early == [] and w.clean and refused_late == [] and r.clean
     assert table.page_info(3).owner == "a"
+
+
+class Kind(enum.StrEnum):
+    """Event names as kvguard.vllm's recorder hands them: members of a str enum."""
+
+    CLAIM = "claim"
+    PUBLISH = "publish"
+
+
+def plain_events(rng, n):
+    """Events that admit and release nothing (a decode step's kind), in the plain form a
+    recorder builds, with now and then a field in another form."""
+    reqs = ["a", "b", "c", 9, "zz"]
+    events = []
+    for _ in range(n):
+        r = rng.choice(reqs)
+        op = rng.choice(["claim", "claim", "claim", "publish", "publish", "attach", "detach", "evict", "preempt", "release_pages"])
+        if op in ("claim", "release_pages"):
+            pages = [rng.randrange(0, PAGES + 2) for _ in range(rng.randrange(0, 3))]
+            events.append((Kind.CLAIM if op == "claim" and rng.random() < 0.5 else op, r, pages))
+        elif op == "publish":
+            p = rng.randrange(1, PAGES)
+            events.append((Kind.PUBLISH if rng.random() < 0.5 else op, r, p, (p,) if rng.random() < 0.5 else [p]))
+        elif op == "evict":
+            events.append((op, rng.choice([r, None]), rng.randrange(1, PAGES)))
+        elif op == "preempt":
+            events.append((op, r))
+        else:
+            events.append((op, r, rng.randrange(1, PAGES)))
+    return events
+
+
+def other_form(rng, events):
+    """The same events with one field in a form only the full parse reads (a numpy int, a bool
+    for page 0 or 1, a page array), or the list handed as an iterator."""
+    if not events or rng.random() < 0.3:
+        return iter(events)
+    events = list(events)
+    k = rng.randrange(len(events))
+    ev = list(events[k])
+    if ev[0] in ("claim", "release_pages") and ev[2]:
+        first = ev[2][0]
+        other = bool(first) if first in (0, 1) else np.int64(first)
+        ev[2] = np.array(ev[2], dtype=np.int64) if rng.random() < 0.5 else [other] + ev[2][1:]
+    elif ev[0] in ("publish", "attach", "detach", "evict"):
+        ev[2] = np.int64(ev[2])
+    elif isinstance(ev[1], int):
+        ev[1] = np.int64(ev[1])
+    else:
+        return iter(events)
+    events[k] = tuple(ev)
+    return events
+
+
+@pytest.mark.parametrize("policy", ["enforce", "report"])
+def test_a_decode_steps_events_judge_alike_in_every_form(policy):
+    """A step's events that admit and release nothing are read straight into the core's batch
+    when in the plain form (exact tuples, ints and strs, str-enum names); the same events in any
+    other form are parsed in full. Both judge as the single calls, with the same table after."""
+    rng = random.Random(23)
+    refusals = 0
+    for _ in range(30):
+        claims = {"a": [1, 2, 3], "b": [4, 5], "c": [6, 7], 9: [10]}
+        one, plain = admitted_tables(policy, claims)
+        _, other = admitted_tables(policy, claims)
+        for _ in range(4):
+            n = rng.randrange(0, 4)
+            ids = [rng.choice(REQS) for _ in range(n)]
+            bt = random_rows(rng, n, np.int32)
+            computed = np.array([rng.choice([0, 2]) for _ in ids] + [0, 0], np.int32)
+            scheduled = np.array([rng.randrange(0, 4) for _ in ids] + [0, 0], np.int32)
+            early = plain_events(rng, rng.randrange(0, 8))
+            late = plain_events(rng, rng.randrange(0, 4))
+            want_early = one_by_one(one, early)
+            want = reference_step(one, ids, bt, computed, scheduled, late)
+            for table, e, l in [(plain, early, late), (other, other_form(rng, early), other_form(rng, late))]:
+                got = table.apply_record_and_verify_step(e, ids, bt, computed, scheduled, l)
+                assert refusals_of(got[0]) == want_early
+                assert verdict(got[1]) == verdict(want[0])
+                assert refusals_of(got[2]) == want[1]
+                assert verdict(got[3]) == verdict(want[2])
+                assert state(table) == state(one)
+            refusals += len(want_early) + len(want[1])
+    assert refusals > 30
+
+
+@pytest.mark.parametrize(
+    "event, err",
+    [
+        (("claim", "a", [2**32]), ValueError),  # a page id past 32 bits
+        (("claim", "a", [-1]), ValueError),
+        (("claim", "a", [1.0]), TypeError),
+        (("claim", -1, [3]), ValueError),
+        (("claim", 2**63, [3]), ValueError),
+        (("claim", True, [3]), TypeError),
+        (("claim", "a", [3], "extra"), ValueError),
+        (("publish", "a", -1, [3]), ValueError),
+        (("evict", 1.5, 3), TypeError),
+        (("preempt",), ValueError),
+        ((1, "a"), TypeError),
+        (["claim", "a", [3]], TypeError),  # an event must be a tuple
+    ],
+)
+def test_a_plain_looking_malformed_event_raises_and_applies_nothing(table, event, err):
+    table.admit("a", "acme", 8, 8)
+    table.claim("a", [1, 2])
+    bt = np.array([[1, 2, 0]], dtype=np.int32)
+    before = table.snapshot().requests, table.counters()
+    for early, late in [([("claim", "a", [4]), event], None), ([("claim", "a", [4])], [event])]:
+        with pytest.raises(err):
+            table.apply_record_and_verify_step(early, ["a"], bt, np.array([0]), np.array([1]), late)
+        assert (table.snapshot().requests, table.counters()) == before
+        assert table.page_info(4).state == "free"

@@ -195,6 +195,45 @@ def test_step_ids_read_again_when_they_change(table):
     assert table.verify_step([7, Rid("b")], block_table([c, b]), [16, 20]).clean
 
 
+def test_step_ids_stay_right_while_other_requests_come_and_go():
+    """Ids remembered by object outlive other requests' admissions and releases, and are read
+    again exactly when their own name changes: a request released (and its name admitted again)
+    at one position while the others stay, a name unknown at first admitted later, and more
+    releases between two steps than the names keep a log of."""
+    table = kvguard.OwnershipTable(kvguard.PoolConfig(2048, PAGE, 2048, reserved=[0]))
+    names = [f"req-{i}" for i in range(6)]
+    pages = {n: admitted(table, n, "acme", 16) for n in names[:5]}
+    ids = list(names)  # the same str objects step after step, as vLLM's input_batch.req_ids
+    lens = [16] * 6
+
+    def step(rows):
+        return table.verify_step(ids, block_table(rows), lens).refused_rows
+
+    rows = [pages[n] for n in names[:5]] + [[0]]
+    assert step(rows) == [5]  # req-5 was never admitted: unknown
+    for k in range(3):  # others come and go between steps
+        admitted(table, f"other-{k}", "acme", 16)
+        table.release(f"other-{k}")
+        assert step(rows) == [5]
+    # req-5 admitted now: its name reads as its new id.
+    pages["req-5"] = admitted(table, "req-5", "acme", 16)
+    rows[5] = pages["req-5"]
+    assert step(rows) == []
+    # req-2 ends: its row is refused; admitted again under the same name, it reads anew.
+    table.release("req-2")
+    assert step(rows) == [2]
+    rows[2] = admitted(table, "req-2", "acme", 16)
+    assert step(rows) == []
+    # req-4 ends amid more releases than the names log: everything is read again.
+    for k in range(5000):
+        table.admit(f"brief-{k}", "acme", 16, 0)
+        table.release(f"brief-{k}")
+    table.release("req-4")
+    assert step(rows) == [4]
+    rows[4] = admitted(table, "req-4", "acme", 16)
+    assert step(rows) == []
+
+
 def test_a_reversed_token_range_says_so(table):
     assert "token_range_reversed" in kvguard.VIOLATION_KINDS
     table.admit("r", "acme", 32, 0)
