@@ -28,8 +28,9 @@ impl<'a, 'py> Lookup<'a, 'py> {
         Lookup { array, slice: array.as_i64() }
     }
 
-    /// Entry `i` (`i < len`: a bound the caller checked).
-    #[inline]
+    /// Entry `i` (`i < len`: a bound the caller checked). Always inlined: it is a per-row
+    /// loop's body, where the call cost more than the read.
+    #[inline(always)]
     pub fn at(&self, i: usize) -> i64 {
         match self.slice {
             Some(s) => s[i],

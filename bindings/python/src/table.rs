@@ -184,6 +184,7 @@ fn window_pages(
 }
 
 /// A row of an engine's table as the core names it (a table of 2**32 rows or more is refused).
+#[inline]
 fn row_index(row: u64) -> PyResult<u32> {
     u32::try_from(row).map_err(|_| PyValueError::new_err(format!("row {row}: a table has at most 2**32 rows")))
 }
@@ -1514,7 +1515,28 @@ impl OwnershipTable {
         )?;
         // The mirror's int64 arrays read as slices (the per-row loops below are the call's cost).
         let (key_of, live) = (mirror::Lookup::new(&keys), mirror::Lookup::new(&claimants));
-        if loc.len() != n || rows.iter().any(|&r| live.at(r as usize) == 0) {
+        if loc.len() != n {
+            return Ok(Some(("full", None)));
+        }
+        // The windows start at each row's checked length (read before anything is recorded;
+        // the arrays stay with the GIL). One pass over the rows, nothing changed by it: a row
+        // whose request claims nothing makes it a full check.
+        let mut read_from: Vec<i64> = Vec::with_capacity(n);
+        let mut reads: Vec<SlotRead> = Vec::with_capacity(n);
+        let mut all_live = true;
+        for (&r, &tokens) in rows.iter().zip(&lens) {
+            let r = r as usize; // within row_keys (step_rows checked)
+            all_live &= live.at(r) != 0;
+            let from = checked.get(r);
+            read_from.push(from);
+            reads.push(SlotRead {
+                request: RequestId(key_of.at(r) as u64),
+                row: row_index(r as u64)?,
+                from: from.max(0) as u64,
+                tokens,
+            });
+        }
+        if !all_live {
             return Ok(Some(("full", None)));
         }
         let copied: Vec<i64>;
@@ -1525,22 +1547,6 @@ impl OwnershipTable {
                 &copied
             }
         };
-        // The windows start at each row's checked length (read before anything is recorded;
-        // the arrays stay with the GIL).
-        let read_from: Vec<i64> = rows.iter().map(|&r| checked.get(r as usize)).collect();
-        let reads: Vec<SlotRead> = rows
-            .iter()
-            .zip(&read_from)
-            .zip(&lens)
-            .map(|((&r, &from), &tokens)| {
-                Ok(SlotRead {
-                    request: RequestId(key_of.at(r as usize) as u64),
-                    row: row_index(r)?,
-                    from: from.max(0) as u64,
-                    tokens,
-                })
-            })
-            .collect::<PyResult<_>>()?;
         let mut converted = Vec::new();
         let (table, reads) = slot_rows(&t, reads, self.table.config(), &mut converted)?;
         let core = &self.table;
