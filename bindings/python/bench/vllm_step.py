@@ -34,8 +34,13 @@ unguarded step) / unguarded step. Which engine is built first alternates by roun
 one built runs slower here). ``--same-process --control`` puts a second unguarded engine in the
 guarded one's place: what the method reads when there is nothing to find.
 
-    VLLM_TARGET_DEVICE=cpu python bindings/python/bench/vllm_step.py [--requests 256] [--steps 200] [--rounds 3] [--clock cpu|wall]
-    VLLM_TARGET_DEVICE=cpu python bindings/python/bench/vllm_step.py --same-process [--control] [--rounds 6]
+``--churn`` serves as an engine does: each request generates 16-127 tokens and each one that
+finishes is replaced by a new one (the same arrivals in both engines), so every step admits,
+prefills, publishes and releases some; every step after a warm-up of 150 is timed, not only
+full decode steps.
+
+    VLLM_TARGET_DEVICE=cpu python bindings/python/bench/vllm_step.py [--requests 256] [--steps 200] [--rounds 3] [--clock cpu|wall] [--churn]
+    VLLM_TARGET_DEVICE=cpu python bindings/python/bench/vllm_step.py --same-process [--control] [--rounds 6] [--churn]
 """
 
 from __future__ import annotations
@@ -84,9 +89,12 @@ def make_engine(guarded: bool, time_calls: bool = True):  # noqa: ANN201 (the ha
             t1 = clock()
             t1x = clock()  # an empty interval: what one reading costs here, now
             if self.guarded:
-                hooks.worker_step(
+                report = hooks.worker_step(
                     self, self.input_batch, so, sched, num_blocks=self.cfg.num_blocks, max_model_len=self.cfg.max_model_len
                 )
+                if report is not None and report.refused:
+                    # A clean run: a refusal here is kvguard's mistake, not a cost to time.
+                    raise RuntimeError(f"kvguard refused a clean step {self.steps}: {report.refused}")
             t2 = clock()
             sampled = self._forward(req_ids, sched)
             mro = ModelRunnerOutput(
@@ -100,7 +108,14 @@ def make_engine(guarded: bool, time_calls: bool = True):  # noqa: ANN201 (the ha
                     self.requests[rid].output_token_ids.extend(toks)
             t4 = clock()
             self.steps += 1
-            decode = len(req_ids) == args.requests and int(sched.max()) == 1
+            if args.churn:
+                # Requests that finished are replaced (untimed): the same arrivals in both
+                # engines, which finish alike.
+                while len(self.scheduler.requests) < args.requests:
+                    self.arrive()
+                decode = self.steps > CHURN_WARMUP
+            else:
+                decode = len(req_ids) == args.requests and int(sched.max()) == 1
             # The recorder's time without the clock's share, and vLLM's step without the timing
             # wrappers (both zero in the unguarded engine).
             ns, calls = RECORDER
@@ -111,6 +126,12 @@ def make_engine(guarded: bool, time_calls: bool = True):  # noqa: ANN201 (the ha
             CLOCK_GAPS.append(c)
             return (t1 - t0) + (t4 - t3) - 2 * c - wrappers, t2 - t1x - c, recorder, decode
 
+        def arrive(self) -> None:
+            """A new request (``--churn``): a prompt of 32-63 tokens, 16-127 to generate."""
+            rng, i = self.churn_rng, self.arrived
+            self.arrived += 1
+            self.add(f"req-{i}", [rng.randrange(500) for _ in range(rng.randrange(32, 64))], rng.randrange(16, 128))
+
     if guarded:
         import kvguard.vllm
         from kvguard.vllm import hooks
@@ -118,13 +139,22 @@ def make_engine(guarded: bool, time_calls: bool = True):  # noqa: ANN201 (the ha
         kvguard.vllm.install("enforce")
         if time_calls:
             time_recorder()
-    cfg = EngineConfig(num_blocks=256 * 8 + 64, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=2048)
+    blocks = 256 * 8 + 64 if not args.churn else args.requests * 12 + 64
+    cfg = EngineConfig(num_blocks=blocks, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=2048)
     e = TimedEngine(cfg, guarded=guarded)
     rng = random.Random(0)
-    for i in range(args.requests):
-        e.add(f"req-{i}", [rng.randrange(500) for _ in range(rng.randrange(32, 64))], 10_000)
+    e.churn_rng, e.arrived = random.Random(1), 0
+    for _ in range(args.requests):
+        if args.churn:
+            e.arrive()
+        else:
+            e.add(f"req-{e.arrived}", [rng.randrange(500) for _ in range(rng.randrange(32, 64))], 10_000)
+            e.arrived += 1
     return e
 
+
+#: ``--churn``: steps before the timed ones (the first arrivals' prefill, the first finishes).
+CHURN_WARMUP = 150
 
 #: The scheduler-side recorder's calls in the current step (guarded engine): [nanoseconds timed,
 #: calls].
@@ -240,6 +270,7 @@ def same_process() -> None:
     results = []
     for r in range(args.rounds):
         cmd = [sys.executable, __file__, "--serve", "pair", "--requests", str(args.requests), "--clock", args.clock]
+        cmd += ["--churn"] if args.churn else []
         cmd += ["--steps", str(args.steps), "--guarded-first" if r % 2 == 0 else "--plain-first"]
         cmd += ["--control"] if args.control else []
         env = {**os.environ, "PYTHONHASHSEED": "0"}
@@ -288,6 +319,7 @@ def serve(role: str) -> None:
 class Child:
     def __init__(self, role: str) -> None:
         cmd = [sys.executable, __file__, "--serve", role, "--requests", str(args.requests), "--clock", args.clock]
+        cmd += ["--churn"] if args.churn else []
         # The same string hashes in both (set and dict orders inside vLLM alike).
         env = {**os.environ, "PYTHONHASHSEED": "0"}
         self.p = subprocess.Popen(
@@ -373,6 +405,12 @@ parser.add_argument("--requests", type=int, default=256)
 parser.add_argument("--steps", type=int, default=200)
 parser.add_argument("--rounds", type=int, default=3)
 parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
+parser.add_argument(
+    "--churn",
+    action="store_true",
+    help="requests generate 16-127 tokens and each one that finishes is replaced by a new one, "
+    "so every step admits, prefills and releases some (every step timed after a warm-up)",
+)
 parser.add_argument(
     "--same-process", action="store_true", help="both engines in one process, the hooks installed for both (below)"
 )
