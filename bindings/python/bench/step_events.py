@@ -10,9 +10,11 @@ the rows, admitted, given and written before the call and released after it, unt
 Prints the median µs a call for each form, warm (call after call) and cold (a 64 MiB sweep
 between calls evicts the table, the events and the arrays from the caches, as vLLM's own step
 does), the two forms interleaved call by call, five rounds. ``--only plain|parsed --steps N``
-runs one form alone and untimed, for callgrind (``--toggle-collect='*apply_record_and_verify*'``).
+runs one form alone and untimed, for callgrind
+(``--toggle-collect='*__pymethod_apply_record_and_verify_step__'``). ``--no-events``: the same
+steps handed no events (the rows' and writes' share alone; the two forms are then the same call).
 
-    python bindings/python/bench/step_events.py [--only plain|parsed --steps N]
+    python bindings/python/bench/step_events.py [--only plain|parsed --steps N] [--no-events]
 """
 
 from __future__ import annotations
@@ -56,12 +58,24 @@ def build():  # noqa: ANN201
     return t, ids, bt, computed, scheduled, list(range(R * P + 1, pages))
 
 
-def steps(t, ids, spare):  # noqa: ANN001, ANN201
+def steps(t, ids, spare, events: bool = True):  # noqa: ANN001, ANN201
     """The events of step after step: (early, late, after). The late publishes are of pages 13
     requests outside the rows filled before the step (admitted, given and written untimed),
-    released and evicted untimed after it (``after``)."""
+    released and evicted untimed after it (``after``). ``events`` False: the same requests come
+    and go, and the call is handed no events."""
     k = 0
     claimed: list[tuple[str, int]] = []
+    while not events:
+        pids = [f"pub-{k}-{j}" for j in range(PUBLISHES)]
+        for pid in pids:
+            t.admit(pid, "t0", PS, 0)
+
+        def release(pids=pids) -> None:  # noqa: ANN001
+            for pid in pids:
+                t.release(pid)
+
+        k += 1
+        yield [], [], release
     while True:
         early = [(Kind.RELEASE_PAGES, rid, [p]) for rid, p in claimed]
         free = [p for p in spare if p not in {q for _, q in claimed}]
@@ -89,9 +103,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", choices=["plain", "parsed"])
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--no-events", dest="events", action="store_false", help="the rows alone: no events")
     args = parser.parse_args()
     t, ids, bt, computed, scheduled, spare = build()
-    stream = steps(t, ids, spare)
+    stream = steps(t, ids, spare, args.events)
 
     def call(form: str, early: list, late: list) -> None:
         if form == "parsed":
@@ -125,7 +140,8 @@ def main() -> None:
             print(
                 f"step_events/{'cold' if cold else 'warm'}/{form}: "
                 + " ".join(f"{m:.1f}" for m in meds)
-                + f" us (median a call, five rounds; {CLAIMS * 2} early + {PUBLISHES} late events)"
+                + f" us (median a call, five rounds; "
+                + (f"{CLAIMS * 2} early + {PUBLISHES} late events)" if args.events else "no events)")
             )
 
 
