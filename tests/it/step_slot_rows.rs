@@ -241,3 +241,35 @@ fn an_entry_inside_a_page_naming_another_requests_slot_is_refused() {
     let v = t.check_slot_rows(rows, &[SlotRead { request: a, row: 0, from: 0, tokens: 2 }]).unwrap();
     assert!(v.is_clean());
 }
+
+/// The same at every entry of pages of 8, 12, 16 and 20 slots (checked eight entries at a time,
+/// then the rest): whichever entry of the reader's page names another request's slot, the read
+/// through it is refused on that page, and a read stopping before it is clean.
+#[test]
+fn an_entry_naming_another_requests_slot_is_found_at_every_offset_of_a_large_page() {
+    for ps in [8u32, 12, 16, 20] {
+        for k in 0..ps as usize {
+            let t = OwnershipTable::new(PoolConfig::new(8, ps, 32).with_reserved([PageId(0)])).unwrap();
+            let (a, b) = (RequestId(1), RequestId(2));
+            t.admit(a, TenantId(1), 24, 4).unwrap();
+            t.admit(b, TenantId(2), 24, 4).unwrap();
+            t.claim(a, &[PageId(3)]).unwrap();
+            t.claim(b, &[PageId(5)]).unwrap();
+            let slots = |p: u32| (p * ps..(p + 1) * ps).map(i64::from).collect::<Vec<_>>();
+            let (sa, sb) = (slots(3), slots(5));
+            assert!(
+                t.record_step_writes(&[SeqWrite { request: a, slots: &sa }, SeqWrite { request: b, slots: &sb }])
+                    .is_clean()
+            );
+            let mut entries: Vec<i32> = sa.iter().map(|&s| s as i32).collect();
+            entries[k] = sb[k] as i32;
+            let rows = BlockRows::new(&entries, ps as usize).unwrap();
+            let all = SlotRead { request: a, row: 0, from: 0, tokens: u64::from(ps) };
+            let v = t.check_slot_rows(rows, &[all]).unwrap();
+            assert_eq!(v.refused.len(), 1, "page size {ps}, entry {k}");
+            assert_eq!(v.refused[0].1.page(), Some(PageId(5)), "page size {ps}, entry {k}");
+            let before = SlotRead { tokens: k as u64, ..all };
+            assert!(t.check_slot_rows(rows, &[before]).unwrap().is_clean(), "page size {ps}, entry {k}");
+        }
+    }
+}

@@ -17,7 +17,7 @@ mod owner;
 use std::ops::Range;
 
 use kvguard::PageId;
-use pyo3::buffer::{PyBuffer, PyUntypedBuffer};
+use pyo3::buffer::{Element, PyBuffer, PyUntypedBuffer};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -491,25 +491,46 @@ fn non_negative<T: Copy + Into<i64>>(values: &[T], name: &str) -> PyResult<Vec<u
     Ok(values.iter().map(|&v| v.into() as u64).collect())
 }
 
-/// A 1-D int64 array the binding writes in place: an engine plugin's own bookkeeping
-/// (kvguard.sglang's page owners and checked row lengths), updated in the same call that judged
-/// the step instead of by numpy afterwards. It must be writable and C-contiguous, and inside its
-/// owner's memory as [`IntArray`]'s views are (a write past it would corrupt the process).
+/// A 1-D integer array the binding writes in place: an engine plugin's own bookkeeping
+/// (kvguard.sglang's page owners and checked row lengths, [`I64Mut`]; its marks of the pages
+/// SGLang's allocator handed out, [`U8Mut`]), updated in the same call that judged the step
+/// instead of by numpy afterwards. It must be writable and C-contiguous, and inside its owner's
+/// memory as [`IntArray`]'s views are (a write past it would corrupt the process).
 #[derive(Debug)]
-pub struct I64Mut<'py> {
+pub struct ArrayMut<'py, T: Element> {
     /// Keeps the exported memory alive (released on drop, with the GIL).
-    buf: PyBuffer<i64>,
+    buf: PyBuffer<T>,
     len: usize,
     /// The owner's export, when the owner is not the exported object itself.
     _owner: Option<Extent<'py>>,
 }
 
-impl<'py> I64Mut<'py> {
+/// A writable 1-D int64 array ([`ArrayMut`]).
+pub type I64Mut<'py> = ArrayMut<'py, i64>;
+/// A writable 1-D uint8 array ([`ArrayMut`]): a numpy bool array's `view(np.uint8)`.
+pub type U8Mut<'py> = ArrayMut<'py, u8>;
+
+/// The numpy name of an element type [`ArrayMut`] writes, for its errors.
+pub trait Named: Element + Copy {
+    /// `int64`, `uint8`.
+    const NAME: &'static str;
+}
+
+impl Named for i64 {
+    const NAME: &'static str = "int64";
+}
+
+impl Named for u8 {
+    const NAME: &'static str = "uint8";
+}
+
+impl<'py, T: Named> ArrayMut<'py, T> {
     /// Views `obj` for writing; `name` names the argument in errors.
-    pub fn open(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<I64Mut<'py>> {
+    pub fn open(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<ArrayMut<'py, T>> {
         let wrong = || {
             PyTypeError::new_err(format!(
-                "{name} must be a writable, contiguous 1-D int64 array (numpy), got {}",
+                "{name} must be a writable, contiguous 1-D {} array (numpy), got {}",
+                T::NAME,
                 type_name(obj)
             ))
         };
@@ -519,13 +540,14 @@ impl<'py> I64Mut<'py> {
         if !exact && exports_buffer(obj) {
             known.vet_exporter(obj, name)?;
         }
-        let buf = PyBuffer::<i64>::get(obj).map_err(|_| wrong())?;
+        let buf = PyBuffer::<T>::get(obj).map_err(|_| wrong())?;
         if buf.readonly() || !buf.is_c_contiguous() || buf.dimensions() != 1 {
             return Err(wrong());
         }
         let len = buf.item_count();
         let base = buf.buf_ptr() as usize;
-        let bytes = span(base, [(len, 8)], 8)
+        let size = std::mem::size_of::<T>();
+        let bytes = span(base, [(len, size as isize)], size)
             .map_err(|()| PyValueError::new_err(format!("{name}: its shape reaches beyond the address space")))?;
         let owner = if exact {
             let b = obj.getattr(intern!(py, "base"))?;
@@ -536,7 +558,7 @@ impl<'py> I64Mut<'py> {
         if let Some(owner) = &owner {
             owner.contains(bytes.as_ref(), name)?;
         }
-        Ok(I64Mut { buf, len, _owner: owner })
+        Ok(ArrayMut { buf, len, _owner: owner })
     }
 
     /// Its length.
@@ -546,7 +568,7 @@ impl<'py> I64Mut<'py> {
 
     fn span(&self) -> std::ops::Range<usize> {
         let base = self.buf.buf_ptr() as usize;
-        base..base + self.len * 8
+        base..base + self.len * std::mem::size_of::<T>()
     }
 
     /// `ValueError` when it shares memory with `other` (an argument named `other_name`), or with
@@ -556,7 +578,7 @@ impl<'py> I64Mut<'py> {
         &self,
         name: &str,
         others: &[(&IntArray<'_>, &str)],
-        also: Option<(&I64Mut<'_>, &str)>,
+        also: Option<(&ArrayMut<'_, T>, &str)>,
     ) -> PyResult<()> {
         let mine = self.span();
         let overlaps = |r: std::ops::Range<usize>| {
@@ -580,15 +602,15 @@ impl<'py> I64Mut<'py> {
         self.len == 0
     }
 
-    fn at(&self, i: usize) -> *mut i64 {
+    fn at(&self, i: usize) -> *mut T {
         assert!(i < self.len, "index within the array");
-        self.buf.buf_ptr().cast::<i64>().wrapping_add(i)
+        self.buf.buf_ptr().cast::<T>().wrapping_add(i)
     }
 
     /// Entry `i` (`i < len()`, asserted: a violation is a bug of this crate, caught by PyO3).
-    pub fn get(&self, i: usize) -> i64 {
+    pub fn get(&self, i: usize) -> T {
         // SAFETY: `i < len` (asserted in `at`): an element of the exported buffer, C-contiguous
-        // int64 aligned for i64 (PyBuffer::<i64>::get checked format, size and alignment), alive
+        // `T` aligned for `T` (PyBuffer::<T>::get checked format, size and alignment), alive
         // while `buf` is. The binding reads and writes it only with the GIL held (never inside
         // `py.detach`), so no Python code runs meanwhile, and no Rust reference to it exists:
         // every access is one of these raw reads and writes, and the calls that write one check
@@ -597,7 +619,7 @@ impl<'py> I64Mut<'py> {
     }
 
     /// Sets entry `i` to `v` (`i < len()`, asserted).
-    pub fn set(&self, i: usize, v: i64) {
+    pub fn set(&self, i: usize, v: T) {
         // SAFETY: as in `get`; the buffer is not read-only (checked in `open`).
         unsafe { self.at(i).write(v) }
     }

@@ -63,6 +63,7 @@ fn _kvguard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<values::RequestInfo>()?;
     m.add_class::<values::PoolSnapshot>()?;
     m.add_class::<table::OwnershipTable>()?;
+    m.add_function(wrap_pyfunction!(mirror::mark_pages, m)?)?;
     m.add_class::<table::StepVerdict>()?;
     m.add_class::<rows::RowCache>()?;
     m.add_class::<table::ImportTicket>()?;

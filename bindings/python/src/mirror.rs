@@ -12,7 +12,8 @@
 //! This module only adapts numpy arrays to the core's [`Ints`](kvguard::step::Ints) without
 //! copying them (a hostile stride-0 view of any length costs nothing).
 
-use crate::arrays::{I64Mut, IntArray};
+use crate::arrays::{I64Mut, IntArray, U8Mut};
+use kvguard::config::PageDiv;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -100,4 +101,42 @@ impl kvguard::step::IntsMut for Written<'_, '_> {
 /// A mirror or row write the core did not take, as Python's `ValueError` (naming the argument).
 pub fn mirror_error(e: kvguard::step::MirrorError) -> PyErr {
     PyValueError::new_err(e.to_string())
+}
+
+/// Marks the page of each of `slots` in `flags`: `flags[slot // page_size] = 1` for every slot
+/// that is not negative and whose page is below `len(flags)`; any other slot is passed over
+/// (a slot outside the pool is judged where it is used, not here).
+///
+/// kvguard.sglang marks the pages SGLang's allocator hands out with it (`flags` its bool
+/// array's `view(np.uint8)`): one call a step, where numpy took a division, a gather and a
+/// scatter. `flags` must be a writable, C-contiguous 1-D uint8 array and must not share memory
+/// with `slots` (`TypeError` / `ValueError`, nothing marked); `page_size` must be at least 1.
+///
+/// ```python
+/// handed = np.zeros(pages + 1, dtype=bool)
+/// kvguard.mark_pages(handed[:pages].view(np.uint8), out_cache_loc, page_size)
+/// ```
+#[pyfunction]
+pub fn mark_pages(flags: &Bound<'_, PyAny>, slots: &Bound<'_, PyAny>, page_size: u32) -> PyResult<()> {
+    if page_size == 0 {
+        return Err(PyValueError::new_err("page_size must be at least 1"));
+    }
+    let flags = U8Mut::open(flags, "flags")?;
+    let slots = IntArray::open(slots, "slots", 1)?;
+    flags.apart("flags", &[(&slots, "slots")], None)?;
+    let div = PageDiv::new(page_size);
+    let pages = flags.len() as u64;
+    let mark = |slot: i64| {
+        if let Ok(slot) = u64::try_from(slot) {
+            let page = div.floor(slot);
+            if page < pages {
+                flags.set(page as usize, 1);
+            }
+        }
+    };
+    match slots.as_i64() {
+        Some(s) => s.iter().for_each(|&v| mark(v)),
+        None => (0..slots.len()).for_each(|i| mark(slots.get(i, 0))),
+    }
+    Ok(())
 }

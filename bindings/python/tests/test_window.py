@@ -454,3 +454,47 @@ def test_a_decode_window_with_an_entry_off_its_page_goes_to_the_full_check():
     assert t.check_decode_forward(keys, claimants, checked, rt, step, lens, loc) == ("window", None)
     v = t.verify_step_rows(keys[step], rt, step, lens, token_slots=True)
     assert [(i, x.kind, x.request) for i, x in v.refused] == [(3, "foreign_page", 4)]
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 12, 16])
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_mark_pages_marks_the_page_of_every_slot_in_the_flags_and_passes_over_the_rest(page_size, dtype):
+    rng = random.Random(page_size)
+    pages = 40
+    handed = np.zeros(pages + 1, dtype=bool)  # as kvguard.sglang keeps it: one spare entry
+    slots = np.array([rng.randrange(-3 * page_size, (pages + 5) * page_size) for _ in range(200)], dtype=dtype)
+    kvguard.mark_pages(handed[:pages].view(np.uint8), slots, page_size)
+    expected = np.zeros(pages + 1, dtype=bool)
+    for s in slots.tolist():
+        if s >= 0 and s // page_size < pages:
+            expected[s // page_size] = True
+    assert (handed == expected).all()
+    assert not handed[pages], "the spare entry is never marked"
+    # Marks are only ever set; a list and a strided view are read the same way.
+    again = handed.copy()
+    kvguard.mark_pages(again[:pages].view(np.uint8), slots[::-1].tolist(), page_size)
+    kvguard.mark_pages(again[:pages].view(np.uint8), slots[::2], page_size)
+    assert (again == expected).all()
+
+
+def test_mark_pages_bad_input_is_a_typed_exception_and_marks_nothing():
+    flags = np.zeros(8, dtype=np.uint8)
+    with pytest.raises(TypeError, match="flags must be a writable, contiguous 1-D uint8 array"):
+        kvguard.mark_pages(np.zeros(8, dtype=bool), [1], 1)  # bool itself: pass its uint8 view
+    with pytest.raises(TypeError, match="flags must be a writable, contiguous 1-D uint8 array"):
+        kvguard.mark_pages(np.zeros(8, dtype=np.int64), [1], 1)
+    frozen = np.zeros(8, dtype=np.uint8)
+    frozen.flags.writeable = False
+    with pytest.raises(TypeError, match="flags must be a writable"):
+        kvguard.mark_pages(frozen, [1], 1)
+    with pytest.raises(TypeError, match="flags must be a writable"):
+        kvguard.mark_pages(np.zeros(16, dtype=np.uint8)[::2], [1], 1)
+    with pytest.raises(ValueError, match="page_size must be at least 1"):
+        kvguard.mark_pages(flags, [1], 0)
+    with pytest.raises(OverflowError):
+        kvguard.mark_pages(flags, [1], -4)
+    with pytest.raises(TypeError, match="slots must be"):
+        kvguard.mark_pages(flags, "12", 1)
+    with pytest.raises(ValueError, match="flags shares memory with slots"):
+        kvguard.mark_pages(flags, flags.view(np.int64), 1)
+    assert not flags.any()

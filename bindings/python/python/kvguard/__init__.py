@@ -51,6 +51,7 @@ from ._kvguard import (
     ViolationError,
     __version__,
     driver_available,
+    mark_pages,
     page_checksum,
     prompt_digest,
 )
@@ -87,6 +88,7 @@ __all__ = [
     "ViolationError",
     "__version__",
     "driver_available",
+    "mark_pages",
     "page_checksum",
     "prompt_digest",
 ]

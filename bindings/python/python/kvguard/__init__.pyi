@@ -39,6 +39,7 @@ from ._kvguard import (
     ViolationError,
     __version__,
     driver_available,
+    mark_pages,
     page_checksum,
     prompt_digest,
 )
@@ -75,6 +76,7 @@ __all__ = [
     "ViolationError",
     "__version__",
     "driver_available",
+    "mark_pages",
     "page_checksum",
     "prompt_digest",
 ]

@@ -521,6 +521,9 @@ class NixlLink:
         land: Callable[[int, PageRef, bytes], object] | None = None,
     ) -> Accepted: ...
 
+def mark_pages(flags: npt.NDArray[np.uint8], slots: Sequence[int] | IntArray, page_size: int) -> None:
+    """``flags[slot // page_size] = 1`` for each slot >= 0 whose page is below ``len(flags)``."""
+
 def page_checksum(data: Any) -> int: ...
 def prompt_digest(prompt: Sequence[int] | IntArray) -> int: ...
 

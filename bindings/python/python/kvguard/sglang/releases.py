@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import ViolationError
+from .. import ViolationError, mark_pages
 from .arrays import _flat
 
 _TREE = object()
@@ -48,17 +48,15 @@ class PageReleases:
 
     def _wrap_alloc_pages(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         ps = self.page_size
+        # The pool's entries of _handed, as bytes (the same memory): every page the allocator
+        # hands out marked in one call (kvguard.mark_pages); a slot outside the pool is passed
+        # over, judged where it is used.
+        flags = self._handed[: self._page_limit].view(np.uint8)
 
         def alloc(*args: Any, **kwargs: Any) -> Any:
             out = inner(*args, **kwargs)
             if out is not None:
-                slots = _flat(out)
-                if len(slots):
-                    try:
-                        self._handed[slots // ps if ps > 1 else slots] = True
-                    except IndexError:  # a slot outside the pool: judged where it is used
-                        pages = slots // ps
-                        self._handed[pages[(pages >= 0) & (pages < self._page_limit)]] = True
+                mark_pages(flags, _flat(out), ps)
             return out
 
         return alloc
