@@ -19,7 +19,8 @@
 //! row's token and checks each row's window from its last checked token (4,095);
 //! `decode_row_write/mirror`: SGLang's decode row write against its plugin's mirror of the pool
 //! (`write_decode_rows`), 256 rows each writing its next slot, every 16th into a new page it
-//! claims, the rest into pages they own.
+//! claims, the rest into pages they own; `decode_row_write/page1`: the same at page size 1,
+//! where every row claims a new page each step.
 
 use kvguard::cuda::layout::DeviceTag;
 use kvguard::step::{DecodeForward, DecodeOutcome, DecodeRowWrite, EngineStep, Events, PoolMirror, SlotRead};
@@ -139,29 +140,29 @@ fn measured_decode_row_write(
 
 /// SGLang's decode row write: 256 live rows, each owning two pages (the mirror says so), write
 /// their next slot: rows `16k` into a fresh page (claimed), the others into their second page.
-fn decode_row_write() {
+fn decode_row_write(ps: u32, claim_every: u32) {
     let pages = SEQS * 3 + 1;
-    let table = OwnershipTable::new(PoolConfig::new(pages, PS, 3 * u64::from(PS)).with_reserved([PageId(0)]))
+    let table = OwnershipTable::new(PoolConfig::new(pages, ps, 3 * u64::from(ps)).with_reserved([PageId(0)]))
         .expect("pool fits");
     let mut owner = vec![0i64; pages as usize + 1];
     let (mut keys, mut slots, mut cols) = (Vec::new(), Vec::new(), Vec::new());
     for s in 0..SEQS {
         let req = RequestId(u64::from(s) + 1);
-        table.admit(req, TenantId(u64::from(s % 8)), 2 * u64::from(PS), u64::from(PS)).expect("admit");
+        table.admit(req, TenantId(u64::from(s % 8)), 2 * u64::from(ps), u64::from(ps)).expect("admit");
         let got = table.allocate(req, 2).expect("allocate");
         for r in &got {
             owner[r.page.0 as usize] = req.0 as i64;
         }
         keys.push(req.0 as i64);
-        let fresh = s % 16 == 0;
-        let page = if fresh { SEQS * 2 + 1 + s / 16 } else { got[1].page.0 };
+        let fresh = s % claim_every == 0;
+        let page = if fresh { SEQS * 2 + 1 + s / claim_every } else { got[1].page.0 };
         let offset = if fresh { 0 } else { 3 };
-        slots.push(i64::from(page * PS + offset));
-        cols.push(i64::from(PS) + 3);
+        slots.push(i64::from(page * ps + offset));
+        cols.push(i64::from(ps + offset));
     }
     let claimants = vec![1i64; keys.len()];
     let prefix = vec![0i64; pages as usize + 1];
-    let mut checked = vec![i64::from(PS) + 3; keys.len()];
+    let mut checked = cols.clone();
     let rows: Vec<u64> = (0..u64::from(SEQS)).collect();
     let mirror = PoolMirror::new(&keys[..], &claimants[..], &prefix[..], &owner[..], pages).expect("fits");
     let write = DecodeRowWrite { rows: &rows, cols: &cols[..], slots: &slots[..] };
@@ -349,7 +350,8 @@ fn main() {
         "decode_grew/engine_step" => decode_grew(Grew::EngineStep),
         "decode_grew/separate" => decode_grew(Grew::Separate),
         "decode_forward/windows" => decode_forward(),
-        "decode_row_write/mirror" => decode_row_write(),
+        "decode_row_write/mirror" => decode_row_write(PS, 16),
+        "decode_row_write/page1" => decode_row_write(1, 1),
         "lifecycle/guarded" => lifecycle(true),
         "lifecycle/unguarded" => lifecycle(false),
         "lifecycle/guarded_tracked" => lifecycle_tracked(false),
@@ -357,7 +359,7 @@ fn main() {
         "replay/events" => replay(),
         _ => {
             eprintln!(
-                "usage: instructions decode_step/guarded|decode_step/unguarded|decode_grew/incremental|decode_grew/full|decode_grew/engine_step|decode_grew/separate|decode_forward/windows|decode_row_write/mirror|lifecycle/guarded|lifecycle/unguarded|lifecycle/guarded_tracked[_info]|replay/events"
+                "usage: instructions decode_step/guarded|decode_step/unguarded|decode_grew/incremental|decode_grew/full|decode_grew/engine_step|decode_grew/separate|decode_forward/windows|decode_row_write/mirror|decode_row_write/page1|lifecycle/guarded|lifecycle/unguarded|lifecycle/guarded_tracked[_info]|replay/events"
             );
             std::process::exit(2);
         }

@@ -94,6 +94,16 @@ impl TableState {
 
     /// [`claim`](Self::claim) without the refs: all of `pages` free, then all taken (else none).
     pub(crate) fn claim_pages(&mut self, req: RequestId, pages: &[PageId]) -> Result<(), Error> {
+        // One page, free and not pinned, for a live request: a decode step's claim (SGLang at page
+        // size 1 makes one a row a step), taken at once. Anything else, refusals included, goes
+        // the general way below, which names the violation.
+        if let [page] = *pages
+            && self.requests.contains_key(&req)
+            && self.tags.get(page.0 as usize).is_some_and(|t| t.state() == PageState::Free && !t.pinned())
+        {
+            self.take_free_page(page, req);
+            return Ok(());
+        }
         self.record(Op::Claim, req)?;
         let repeat = first_repeat(pages);
         for &page in pages {

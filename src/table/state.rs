@@ -310,7 +310,8 @@ pub(crate) struct RequestEpochs(Vec<AtomicU64>);
 impl RequestEpochs {
     /// The word of a slot nobody holds: odd (quarantined), so no row checked clean matches it.
     pub const VACANT: u64 = u64::MAX;
-    const QUARANTINED: u64 = 1;
+    /// The bit of a slot's word that says its request is quarantined.
+    pub const QUARANTINED: u64 = 1;
 
     /// `slot` is taken by a request admitted at tick `epoch`, not quarantined.
     pub fn admit(&mut self, slot: u32, epoch: u64) {

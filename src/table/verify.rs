@@ -2,7 +2,7 @@
 
 use super::hot::HotWord;
 use super::info::PageState;
-use super::state::{BlockEntry, PageTag, PrefixSlot, RequestRecord, TableState};
+use super::state::{BlockEntry, PageTag, PrefixSlot, RequestEpochs, RequestRecord, TableState};
 use crate::ids::RequestId;
 use crate::violation::{Op, Violation, ViolationKind};
 use std::sync::atomic::Ordering;
@@ -64,6 +64,29 @@ impl TableState {
             self.check_entry(rec, req, full, block_table[full], tail)?;
         }
         Ok(())
+    }
+
+    /// Whether `req` may read the first `tokens` slots (at most a page) of `page`, answered from
+    /// the page's tag and hot word and the request's slot word alone, with no lookup of its
+    /// record: the page is `req`'s own (an owned page's owner is live), `req` is not quarantined
+    /// (the word of the slot the hot word names), and the page is written that far. `true` is
+    /// what [`check_read`](Self::check_read) of `page` alone says (a read of one page owned by
+    /// its reader passes on exactly these); `false` says nothing, and the full check decides.
+    /// A decode step's window is usually one page its reader owns and has just written.
+    /// An entry naming an incarnation (a page ref) must name the page's current one.
+    #[inline(always)]
+    pub(crate) fn reads_own_page<E: BlockEntry>(&self, req: RequestId, entry: E, tokens: u64) -> bool {
+        let page = entry.page().0 as usize;
+        let Some(tag) = self.tags.get(page) else { return false };
+        if !tag.owned_by(req)
+            || tokens > u64::from(self.page_size)
+            || entry.generation().is_some_and(|g| g.0 != tag.generation())
+        {
+            return false;
+        }
+        let word = self.hot[page];
+        self.epochs.word(word.holder()) & RequestEpochs::QUARANTINED == 0
+            && (u64::from(tag.watermark()) >= tokens || word.is_full())
     }
 
     /// What every read checks first: `req` is live and not quarantined, and a block table of
@@ -297,6 +320,51 @@ mod tests {
                 assert_eq!((v.kind(), v.block_index()), (ViolationKind::PageOutOfRange, Some(at as u32)), "{v}");
             }
         }
+    }
+
+    /// `reads_own_page` says clean only where the full check of that one page does, and says
+    /// it for the common window: a page its reader owns, written that far.
+    #[test]
+    fn a_page_read_from_its_words_alone_passes_only_what_the_full_check_passes() {
+        use crate::{PageRef, Policy};
+        let t = OwnershipTable::new(PoolConfig::new(16, 8, 64).with_reserved([PageId(0)]).with_policy(Policy::Enforce))
+            .unwrap();
+        let (a, b, q) = (RequestId(1), RequestId(2), RequestId(3));
+        for r in [a, b, q] {
+            t.admit(r, TenantId(r.0), 32, 0).unwrap();
+        }
+        let pa = t.allocate(a, 3).unwrap();
+        let (part, whole, unwritten) = (pa[0], pa[1], pa[2]);
+        t.record_write(a, part.page, 0..5).unwrap();
+        t.record_write_tokens(a, &[whole.page], 0..8).unwrap();
+        let pq = t.allocate(q, 1).unwrap()[0];
+        t.record_write(q, pq.page, 0..8).unwrap();
+        assert!(t.verify_read(q, &[part.page], 1).is_err(), "q reads a's page: refused, quarantined");
+        t.publish_prefix(b, PrefixKey(1), &[t.allocate(b, 1).unwrap()[0].page]).ok();
+        let stale = PageRef { generation: crate::Generation(part.generation.0 + 1), ..part };
+        let state = t.state.read();
+        let case = |req: RequestId, entry: PageRef, tokens: u64| {
+            let fast = state.reads_own_page(req, entry, tokens);
+            let full = state.check_read(req, &[entry], tokens).is_ok();
+            assert!(!fast || full, "{req:?} {entry:?} {tokens}: clean from the words, refused in full");
+            fast
+        };
+        for tokens in 0..=5 {
+            assert!(case(a, part, tokens), "a's own page, written that far");
+            assert!(case(a, PageRef { page: part.page, ..part }, tokens));
+        }
+        assert!(!case(a, part, 6), "past the watermark");
+        assert!(case(a, whole, 8), "a whole page");
+        assert!(!case(a, whole, 9), "more than a page");
+        assert!(case(a, unwritten, 0) && !case(a, unwritten, 1));
+        assert!(!case(b, part, 1), "another request's page");
+        assert!(!case(q, pq, 1), "a quarantined reader, on its own page");
+        assert!(!case(a, stale, 1), "an incarnation that is not the page's");
+        assert!(
+            !case(a, PageRef { page: PageId(16), ..part }, 1)
+                && !case(a, PageRef { page: PageId(u32::MAX), ..part }, 1)
+        );
+        assert!(!case(RequestId(9), part, 1), "an unknown reader");
     }
 
     /// vLLM's shape: every cached block a prefix of its own, taken in the order of the row.
