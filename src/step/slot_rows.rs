@@ -224,7 +224,6 @@ impl Windows {
             tokens: Vec::with_capacity(reads.len()),
             extra: Vec::new(),
         };
-        let page_of = |v: i32| u32::try_from(v).map_or(PageId(u32::MAX), |v| PageId(div.floor(u64::from(v)) as u32));
         // The highest first slot of a page whose slots all fit in an int32.
         let top = i32::MAX - (stride as i32 - 1);
         for (i, read) in reads.iter().enumerate() {
@@ -238,34 +237,42 @@ impl Windows {
             let last = usize::try_from(seq).unwrap_or(usize::MAX).min(entries);
             for j in first..end {
                 let lo = j * stride;
-                let base = row[lo];
-                out.pages.push(page_of(base));
-                if base < 0 {
-                    continue; // a negative first entry is refused as page_out_of_range already
-                }
-                let own = base - div.offset(base as u64) as i32;
-                let hi = (lo + stride).min(last);
-                // Entry k of the page is its slot own + k: in int32 (one pass the compiler
-                // vectorizes) where the page's slots fit in one, in i64 where they may not.
-                let page = &row[lo..hi.max(lo)];
-                let in_place = if own <= top {
-                    off_its_page(page, own) == 0
-                } else {
-                    page.iter().enumerate().all(|(k, &e)| i64::from(e) - k as i64 == i64::from(own))
-                };
-                if !in_place {
-                    for (k, &slot) in page.iter().enumerate() {
-                        if i64::from(slot) - k as i64 != i64::from(own) {
-                            let tokens = u32::try_from(slot).map_or(1, |s| div.offset(u64::from(s)) + 1);
-                            out.extra.push((i, page_of(slot), tokens));
-                        }
-                    }
-                }
+                out.page(i, &row[lo..(lo + stride).min(last).max(lo)], div, top);
             }
             out.spans.push(start..out.pages.len());
             out.tokens.push(seq - first as u64 * ps);
         }
         out
+    }
+
+    /// Page `entries` (its first entry, then the rest up to the tokens read) of read `i`'s
+    /// window: the page its first entry names, and an extra read for every entry that is not
+    /// that page's slot at its offset. Apart from the loop over the reads, so that loop's
+    /// values stay in registers.
+    #[inline(never)]
+    fn page(&mut self, i: usize, entries: &[i32], div: PageDiv, top: i32) {
+        let page_of = |v: i32| u32::try_from(v).map_or(PageId(u32::MAX), |v| PageId(div.floor(u64::from(v)) as u32));
+        let Some(&base) = entries.first() else { return };
+        self.pages.push(page_of(base));
+        if base < 0 {
+            return; // a negative first entry is refused as page_out_of_range already
+        }
+        let own = base - div.offset(base as u64) as i32;
+        // Entry k of the page is its slot own + k: in int32 (eight at a time) where the page's
+        // slots fit in one, in i64 where they may not.
+        let in_place = if own <= top {
+            off_its_page(entries, own) == 0
+        } else {
+            entries.iter().enumerate().all(|(k, &e)| i64::from(e) - k as i64 == i64::from(own))
+        };
+        if !in_place {
+            for (k, &slot) in entries.iter().enumerate() {
+                if i64::from(slot) - k as i64 != i64::from(own) {
+                    let tokens = u32::try_from(slot).map_or(1, |s| div.offset(u64::from(s)) + 1);
+                    self.extra.push((i, page_of(slot), tokens));
+                }
+            }
+        }
     }
 
     /// The reads to check: read `i` through its window's pages, then the extra reads (index
