@@ -56,7 +56,12 @@ class PageReleases:
         def alloc(*args: Any, **kwargs: Any) -> Any:
             out = inner(*args, **kwargs)
             if out is not None:
-                mark_pages(flags, _flat(out), ps)
+                if getattr(out, "is_cuda", True):
+                    # Not a plain host tensor: as a host array (a device tensor is copied).
+                    mark_pages(flags, _flat(out), ps)
+                else:
+                    # A host tensor, read in place (one DLPack export, no numpy view made first).
+                    mark_pages(flags, out, ps)
             return out
 
         return alloc

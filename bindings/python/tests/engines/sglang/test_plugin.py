@@ -147,6 +147,28 @@ def test_the_hooks_on_a_scheduler(engine_factory, monkeypatch):
     assert guard.violations[1:] == [] and "ok" not in guard.aborted
 
 
+@pytest.mark.parametrize("form", ["tensor", "int32", "strided", "numpy", "list"])
+def test_the_pages_the_allocator_hands_out_are_marked_whatever_form_it_returns(engine_factory, form):
+    """The allocator hook marks the page of each slot it returned (a host tensor read in place,
+    anything else as a host array); a slot below 0 or past the pool marks nothing."""
+    eng = engine_factory(page_size=16)
+    g = eng.guard
+    free = [p for p in range(1, g._page_limit) if not g._handed[p]][:5]
+    slots = torch.tensor([p * 16 + 3 for p in free] + [-5, g._page_limit * 16 + 1], dtype=torch.int64)
+    out = {
+        "tensor": slots,
+        "int32": slots.to(torch.int32),
+        "strided": torch.stack([slots, slots], 1)[:, 0],
+        "numpy": slots.numpy(),
+        "list": slots.tolist(),
+    }[form]
+    expected = g._handed.copy()
+    expected[free] = True
+    alloc = g._wrap_alloc_pages(lambda: out)
+    assert alloc() is out
+    assert (g._handed == expected).all()
+
+
 def test_rows_on_the_host_are_checked_on_the_host(engine_factory):
     eng = engine_factory(page_size=16)
     assert isinstance(eng.guard.row_check, fwd.HostRowCheck) and eng.guard.row_check.where == "host"
