@@ -34,3 +34,13 @@ def _pages_of(slots: np.ndarray, page_size: int) -> np.ndarray:
     _, first = np.unique(pages, return_index=True)
     return pages[np.sort(first)]
 
+
+
+def _in_place(t: Any) -> Any:
+    """What a binding call reads: a 1-D host (CPU) tensor as it is, read by the binding in place
+    through one DLPack export (cheaper than making a numpy view of it first, which the binding
+    would then follow to the tensor that owns its memory); anything else as :func:`_flat` makes
+    it (a device tensor copied to the host)."""
+    if getattr(t, "is_cpu", False) and t.ndim == 1:
+        return t
+    return _flat(t)

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .. import ConfigError, DeviceError, DeviceGuard, OwnershipTable, PoolConfig
-from .arrays import _flat, _host
+from .arrays import _flat, _host, _in_place
 
 
 class Guard(Protocol):
@@ -93,8 +93,12 @@ class HostRowCheck:
         self.pending = False
         """Between ``begin`` and ``end``: the KV stores of this forward are checked."""
         self._refused_slots: np.ndarray | None = None
-        self._rows: np.ndarray = np.zeros(0, dtype=np.int64)
-        self._lens: np.ndarray = np.zeros(0, dtype=np.int64)
+        # The forward's rows and lengths as SGLang gave them, and as numpy arrays once a path
+        # needs them (the common decode forward hands SGLang's host tensors to the binding).
+        self._rows_src: Any = np.zeros(0, dtype=np.int64)
+        self._lens_src: Any = np.zeros(0, dtype=np.int64)
+        self._rows_np: np.ndarray | None = None
+        self._lens_np: np.ndarray | None = None
         self._qsl: np.ndarray = np.zeros(1, dtype=np.int32)
         self._rows_dev: Any = None
         self._lens_dev: Any = None
@@ -107,9 +111,10 @@ class HostRowCheck:
         """A forward over ``rows`` of ``req_to_token`` is about to run."""
         g = self.guard
         self._rows_dev, self._lens_dev = rows, seq_lens
-        self._rows = _flat(rows if rows_cpu is None else rows_cpu)
-        self._lens = _flat(seq_lens if seq_lens_cpu is None else seq_lens_cpu)
-        n = len(self._rows)
+        self._rows_src = rows if rows_cpu is None else rows_cpu
+        self._lens_src = seq_lens if seq_lens_cpu is None else seq_lens_cpu
+        self._rows_np = self._lens_np = None
+        n = len(self._rows_src)
         self._decode = extend_lens is None
         if extend_lens is None:
             self._qsl = g._qsl_decode[: n + 1]
@@ -125,6 +130,20 @@ class HostRowCheck:
         self._readers = readers if readers is not None and same else None
         self.pending = True
 
+    @property
+    def _rows(self) -> np.ndarray:
+        """The forward's ``req_to_token`` rows, as a 1-D host array."""
+        if self._rows_np is None:
+            self._rows_np = _flat(self._rows_src)
+        return self._rows_np
+
+    @property
+    def _lens(self) -> np.ndarray:
+        """The forward's sequence lengths, as a 1-D host array."""
+        if self._lens_np is None:
+            self._lens_np = _flat(self._lens_src)
+        return self._lens_np
+
     def end(self) -> None:
         """The forward is over."""
         self.pending = False
@@ -137,20 +156,21 @@ class HostRowCheck:
         g = self.guard
         self._forwards += 1
         full = g._rows_stale or not self._decode or self._forwards % g.full_check_every == 0
-        rows = self._rows
-        slots = _flat(loc)
-        stale = None if self._readers is None else g._stale_rows(rows, self._readers, "read")
+        stale = None if self._readers is None else g._stale_rows(self._rows, self._readers, "read")
         if stale is not None:
             full = True
         if not full and self.windows_on_host:
             # The common decode forward: the writes recorded and each row's window checked in
-            # one call, the mirror's checked lengths updated in it (see _verify_rows).
+            # one call, the mirror's checked lengths updated in it (see _verify_rows); SGLang's
+            # host tensors read in place.
             stop = g.table.check_decode_forward(
-                g._row_key, g._row_claimant, g._row_checked, self._host_rows(), rows, self._lens, slots
+                g._row_key, g._row_claimant, g._row_checked, self._host_rows(),
+                _in_place(self._rows_src), _in_place(self._lens_src), _in_place(loc),
             )
             if stop is None:
                 return loc
             stage, verdict = stop
+            rows = self._rows
             if stage == "writes":
                 keys = g._row_key[rows]
                 return self._after_writes(loc, keys, np.zeros(len(rows), dtype=bool), verdict, None, full)
@@ -163,6 +183,7 @@ class HostRowCheck:
                     g._refused(int(keys[i]), v)
                 return self._refuse(loc, refused)
             # "full": a row of no live request, or not one slot per row: the general path.
+        rows, slots = self._rows, _flat(loc)
         qsl = self._qsl
         keys = g._row_key[rows]
         live = g._row_live[rows]

@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import ConfigError, OwnershipTable, PoolConfig, Violation, ViolationError
 from . import metrics as _metrics
-from .arrays import _flat, _host, _pages_of
+from .arrays import _flat, _host, _in_place, _pages_of
 from .process_hooks import _hook_batch_allocs, _hook_cache_index_writer, _hook_decode_prealloc, _hook_output_payload
 from .releases import _NO_OWNER, _TREE, LocalViolation, PageReleases
 
@@ -361,9 +361,9 @@ class Guard(PageReleases):
                     self._row_checked[row] = start
                 self._row_written(row, _flat(values))
             else:
-                rows_a, cols_a, slots = _flat(rows), _flat(cols), _flat(values)
                 writers, self._writers = self._writers, None
-                if writers is not None and len(writers) == len(rows_a):
+                if writers is not None and len(writers) == len(rows):
+                    rows_a, cols_a, slots = _flat(rows), _flat(cols), _flat(values)
                     stale = self._stale_rows(rows_a, writers, "write")
                     if stale is not None and self.policy == "enforce":
                         # The stale writer's entry is not written: the row is another request's;
@@ -384,7 +384,8 @@ class Guard(PageReleases):
 
                         at = torch.as_tensor(ok)
                         return inner((rows[at], cols[at]), values[at])
-                self._decode_rows_written(rows_a, cols_a, slots)
+                # SGLang's host tensors read in place by the binding.
+                self._decode_rows_written(_in_place(rows), _in_place(cols), _in_place(values))
             return inner(indices, values)
 
         return write
@@ -760,6 +761,7 @@ class Guard(PageReleases):
         if not verdict.clean:
             for _, v in verdict.refused:
                 self._refused(int(v.request), v)
+        rows, slots = _flat(rows), _flat(slots)
         for i in left:
             self._row_written(int(rows[i]), slots[i : i + 1])
 

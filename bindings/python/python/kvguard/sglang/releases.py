@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from .. import ViolationError, mark_pages
-from .arrays import _flat
+from .arrays import _flat, _in_place
 
 _TREE = object()
 """Freer marker: the radix cache itself drops pages (eviction)."""
@@ -56,12 +56,7 @@ class PageReleases:
         def alloc(*args: Any, **kwargs: Any) -> Any:
             out = inner(*args, **kwargs)
             if out is not None:
-                if getattr(out, "is_cuda", True):
-                    # Not a plain host tensor: as a host array (a device tensor is copied).
-                    mark_pages(flags, _flat(out), ps)
-                else:
-                    # A host tensor, read in place (one DLPack export, no numpy view made first).
-                    mark_pages(flags, out, ps)
+                mark_pages(flags, _in_place(out), ps)
             return out
 
         return alloc
