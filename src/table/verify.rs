@@ -84,9 +84,8 @@ impl TableState {
         {
             return false;
         }
-        let word = self.hot[page];
-        self.epochs.word(word.holder()) & RequestEpochs::QUARANTINED == 0
-            && (u64::from(tag.watermark()) >= tokens || word.is_full())
+        self.epochs.word(self.hot[page].holder()) & RequestEpochs::QUARANTINED == 0
+            && u64::from(self.written_prefix(entry.page())) >= tokens
     }
 
     /// What every read checks first: `req` is live and not quarantined, and a block table of

@@ -35,7 +35,6 @@ def _pages_of(slots: np.ndarray, page_size: int) -> np.ndarray:
     return pages[np.sort(first)]
 
 
-
 def _in_place(t: Any) -> Any:
     """What a binding call reads: a 1-D host (CPU) tensor as it is, read by the binding in place
     through one DLPack export (cheaper than making a numpy view of it first, which the binding
