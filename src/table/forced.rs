@@ -64,8 +64,7 @@ impl OwnershipTable {
                 PageState::Free | PageState::Reserved | PageState::Retired => {}
             }
             let tag = &state.tags[page.0 as usize];
-            if tag.state() == PageState::Free && !tag.pinned() {
-                state.take_free_page(page, req);
+            if tag.state() == PageState::Free && !tag.pinned() && state.take_free_page(page, req) {
                 moved += 1;
             }
         }

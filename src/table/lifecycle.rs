@@ -98,10 +98,9 @@ impl TableState {
         // size 1 makes one a row a step), taken at once. Anything else, refusals included, goes
         // the general way below, which names the violation.
         if let [page] = *pages
-            && self.requests.contains_key(&req)
             && self.tags.get(page.0 as usize).is_some_and(|t| t.state() == PageState::Free && !t.pinned())
+            && self.take_free_page(page, req)
         {
-            self.take_free_page(page, req);
             return Ok(());
         }
         self.record(Op::Claim, req)?;
@@ -114,7 +113,8 @@ impl TableState {
             }
         }
         for &page in pages {
-            self.take_free_page(page, req);
+            let taken = self.take_free_page(page, req);
+            debug_assert!(taken, "the request was recorded above");
         }
         Ok(())
     }

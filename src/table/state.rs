@@ -743,27 +743,26 @@ impl TableState {
         self.mark_changed(page);
     }
 
-    /// Takes a page off the free list (it must be free) and gives it to `req`'s page list.
-    pub fn take_free_page(&mut self, page: PageId, req: RequestId) {
+    /// Takes a page off the free list (it must be free) and gives it to `req`'s page list: false,
+    /// and nothing changed, if `req` is not admitted. One lookup of the request.
+    #[must_use]
+    pub fn take_free_page(&mut self, page: PageId, req: RequestId) -> bool {
+        let Some(rec) = self.requests.get_mut(&req) else { return false };
+        let (slot, link) = (rec.slot, rec.pages.len() as u32);
+        rec.pages.push(page);
         let idx = self.tags[page.0 as usize].link() as usize;
         debug_assert_eq!(self.free[idx], page);
         self.free.swap_remove(idx);
         if let Some(&moved) = self.free.get(idx) {
             self.tags[moved.0 as usize].set_link(idx as u32);
         }
-        self.give_page(page, req);
-    }
-
-    /// Makes `page` owned by `req`, appended to its page list.
-    fn give_page(&mut self, page: PageId, req: RequestId) {
-        let rec = self.requests.get_mut(&req).expect("callers check the request is admitted");
         let tag = &mut self.tags[page.0 as usize];
         debug_assert!(tag.watermark() == 0 && !tag.sparse(), "free pages carry no coverage");
         tag.set_owner(req);
-        tag.set_link(rec.pages.len() as u32);
-        rec.pages.push(page);
-        self.hot[page.0 as usize] = HotWord::new(rec.slot, PageState::Owned, false);
+        tag.set_link(link);
+        self.hot[page.0 as usize] = HotWord::new(slot, PageState::Owned, false);
         self.set_state(page, PageState::Owned);
+        true
     }
 
     /// Removes an owned page from its owner's page list (the caller changes its state next).
