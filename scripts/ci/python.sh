@@ -1,6 +1,6 @@
 # Sourced by scripts/test (argument: setup | after). The Python package: a project-local venv
 # (.venv/, gitignored) with pinned maturin, numpy and pytest from PyPI, the abi3 wheel built by
-# maturin (release) and installed there, then pytest against the installed wheel.
+# maturin (Cargo profile `wheel`: LTO) and installed there, then pytest against the installed wheel.
 # Needs only python3 (3.11 or later, with venv and pip) and the Rust toolchain.
 # Where scripts/ci/nixl.sh set NIXL up (its setup runs first in scripts/test and exports
 # KVGUARD_NIXL_PYTHON, LD_LIBRARY_PATH, the UCX variables and KVGUARD_REQUIRE_NIXL=1), the wheel
@@ -22,9 +22,9 @@ kvguard_python_after() {
   # pyproject's feature (pyo3/extension-module) named beside nixl, so the wheel never lacks it.
   features="pyo3/extension-module"
   [ -n "${KVGUARD_NIXL_PYTHON:-}" ] && features="$features,nixl"
-  echo "python.sh: building the wheel (maturin, release, features $features)"
+  echo "python.sh: building the wheel (maturin, profile wheel: LTO, features $features)"
   (cd "$root" && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" \
-    maturin build --release --quiet -m bindings/python/Cargo.toml --features "$features" -o "$wheel_dir") || return 1
+    maturin build --profile wheel --quiet -m bindings/python/Cargo.toml --features "$features" -o "$wheel_dir") || return 1
   wheel=$(ls "$wheel_dir"/kvguard-*.whl)
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps "$wheel" || return 1
   # The property test replays its traces through the Rust command line too.

@@ -23,9 +23,9 @@ kvguard_sglang_after() {
     "prometheus_client==0.26.0" "setproctitle==1.3.8" "uvicorn==0.55.0" "fastapi==0.165.0" || return 1
   wheel=$(ls "$root"/target/wheels/kvguard-*.whl 2>/dev/null | head -n 1)
   if [ -z "$wheel" ]; then
-    echo "sglang.sh: building the kvguard wheel (maturin, release)"
+    echo "sglang.sh: building the kvguard wheel (maturin, profile wheel: LTO)"
     (cd "$root" && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" \
-      maturin build --release --quiet -m bindings/python/Cargo.toml -o target/wheels) || return 1
+      maturin build --profile wheel --quiet -m bindings/python/Cargo.toml -o target/wheels) || return 1
     wheel=$(ls "$root"/target/wheels/kvguard-*.whl | head -n 1)
   fi
   "$venv/bin/pip" install --quiet --disable-pip-version-check --force-reinstall --no-deps "$wheel" || return 1

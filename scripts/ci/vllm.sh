@@ -26,9 +26,9 @@ kvguard_vllm_after() {
   wheel_dir="$root/target/wheels"
   wheel=$(ls "$wheel_dir"/kvguard-*.whl 2>/dev/null | head -n 1)
   if [ -z "$wheel" ]; then
-    echo "vllm.sh: building the kvguard wheel (maturin, release)"
+    echo "vllm.sh: building the kvguard wheel (maturin, profile wheel: LTO)"
     (cd "$root" && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" \
-      maturin build --release --quiet -m bindings/python/Cargo.toml -o "$wheel_dir") || return 1
+      maturin build --profile wheel --quiet -m bindings/python/Cargo.toml -o "$wheel_dir") || return 1
     wheel=$(ls "$wheel_dir"/kvguard-*.whl | head -n 1)
   fi
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps "$wheel" || return 1

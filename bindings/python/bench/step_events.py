@@ -11,7 +11,8 @@ Prints the median µs a call for each form, warm (call after call) and cold (a 6
 between calls evicts the table, the events and the arrays from the caches, as vLLM's own step
 does), the two forms interleaved call by call, five rounds. ``--only plain|parsed --steps N``
 runs one form alone and untimed, for callgrind
-(``--toggle-collect='*__pymethod_apply_record_and_verify_step__'``). ``--no-events``: the same
+(``--toggle-collect='*__pymethod_apply_record_and_verify_step__'``; ``--cold`` sweeps before
+each call, for its cache simulation: ``--cache-sim=yes``). ``--no-events``: the same
 steps handed no events (the rows' and writes' share alone; the two forms are then the same call).
 
     python bindings/python/bench/step_events.py [--only plain|parsed --steps N] [--no-events]
@@ -104,6 +105,7 @@ def main() -> None:
     parser.add_argument("--only", choices=["plain", "parsed"])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--no-events", dest="events", action="store_false", help="the rows alone: no events")
+    parser.add_argument("--cold", action="store_true", help="with --only: a 64 MiB sweep before each call")
     args = parser.parse_args()
     t, ids, bt, computed, scheduled, spare = build()
     stream = steps(t, ids, spare, args.events)
@@ -114,13 +116,15 @@ def main() -> None:
         refused_early, w, refused_late, r = t.apply_record_and_verify_step(early, ids, bt, computed, scheduled, late)
         assert not refused_early and w.clean and not refused_late and r.clean, (refused_early, refused_late)
 
+    sweep = np.zeros(64 << 20, dtype=np.uint8)
     if args.only:
         for _ in range(args.steps):
             early, late, after = next(stream)
+            if args.cold:
+                sweep += 1
             call(args.only, early, late)
             after()
         return
-    sweep = np.zeros(64 << 20, dtype=np.uint8)
     for cold in (False, True):
         rounds: dict[str, list[float]] = {"plain": [], "parsed": []}
         for _ in range(5):
