@@ -20,10 +20,14 @@
 //! `decode_row_write/mirror`: SGLang's decode row write against its plugin's mirror of the pool
 //! (`write_decode_rows`), 256 rows each writing its next slot, every 16th into a new page it
 //! claims, the rest into pages they own; `decode_row_write/page1`: the same at page size 1,
-//! where every row claims a new page each step.
+//! where every row claims a new page each step; `slot_rows/cached` beside `slot_rows/full`:
+//! SGLang's whole-row check (256 rows of 4,096 token slots, 64 tokens after the last one) through
+//! a `SlotRowCache`, and by `verify_slot_rows` from token 0.
 
 use kvguard::cuda::layout::DeviceTag;
-use kvguard::step::{DecodeForward, DecodeOutcome, DecodeRowWrite, EngineStep, Events, PoolMirror, SlotRead};
+use kvguard::step::{
+    DecodeForward, DecodeOutcome, DecodeRowWrite, EngineStep, Events, PoolMirror, SlotRead, SlotRowCache,
+};
 use kvguard::{
     BlockRows, OwnershipTable, PageId, PoolConfig, RequestId, RowCache, RowRead, SeqRead, SeqWrite, TenantId,
 };
@@ -125,6 +129,51 @@ fn decode_forward() {
         .map(|s| SlotRead { request: RequestId(u64::from(s)), row: s, from: TOKENS - 1, tokens: TOKENS })
         .collect();
     assert!(measured_decode_forward(&table, &DecodeForward { reads: &reads, slots: &slots, rows }), "a clean step");
+}
+
+#[inline(never)]
+fn measured_slot_rows(
+    table: &OwnershipTable,
+    cache: Option<&mut SlotRowCache>,
+    rows: BlockRows<'_>,
+    reads: &[RowRead],
+) -> bool {
+    let verdict = match cache {
+        Some(cache) => table.verify_slot_rows_cached(cache, rows, black_box(reads)),
+        None => {
+            let whole: Vec<SlotRead> =
+                reads.iter().map(|r| SlotRead { request: r.request, row: r.row, from: 0, tokens: r.tokens }).collect();
+            table.verify_slot_rows(rows, black_box(&whole))
+        }
+    };
+    verdict.expect("rows in range").is_clean()
+}
+
+/// SGLang's full checks of whole rows (each forced send's rows, every 64th forward) in its layout:
+/// 256 rows of 4,096 token slots, checked clean at 4,032 tokens, then read again at 4,096 (64
+/// tokens later, as the output check every 50): through a `SlotRowCache` (`cached`: each row
+/// compared with its copy, its last 64 tokens judged) or in full (`verify_slot_rows` from 0).
+fn slot_rows(cached: bool) {
+    let table = OwnershipTable::new(PoolConfig::new(SEQS * PAGES + 1, PS, TOKENS).with_reserved([PageId(0)]))
+        .expect("pool fits");
+    let mut entries: Vec<i32> = Vec::with_capacity((SEQS as u64 * TOKENS) as usize);
+    for s in 0..SEQS {
+        let req = RequestId(u64::from(s));
+        table.admit(req, TenantId(u64::from(s % 8)), TOKENS, 0).expect("admit");
+        let bt: Vec<PageId> = table.allocate(req, PAGES).expect("allocate").iter().map(|r| r.page).collect();
+        table.record_write_tokens(req, &bt, 0..TOKENS).expect("write");
+        entries.extend(bt.iter().flat_map(|p| (0..PS).map(move |k| (p.0 * PS + k) as i32)));
+    }
+    let rows = BlockRows::new(&entries, TOKENS as usize).expect("whole rows");
+    let at = |tokens| -> Vec<RowRead> {
+        (0..SEQS).map(|s| RowRead { request: RequestId(u64::from(s)), row: s, tokens }).collect()
+    };
+    let mut cache = SlotRowCache::new();
+    assert!(table.verify_slot_rows_cached(&mut cache, rows, &at(TOKENS - 64)).expect("rows").is_clean());
+    assert!(measured_slot_rows(&table, cached.then_some(&mut cache), rows, &at(TOKENS)), "a clean check");
+    if cached {
+        assert_eq!(cache.incremental(), u64::from(SEQS), "every row judged from its last clean page");
+    }
 }
 
 #[inline(never)]
@@ -351,6 +400,8 @@ fn main() {
         "decode_grew/separate" => decode_grew(Grew::Separate),
         "decode_forward/windows" => decode_forward(),
         "decode_row_write/mirror" => decode_row_write(PS, 16),
+        "slot_rows/cached" => slot_rows(true),
+        "slot_rows/full" => slot_rows(false),
         "decode_row_write/page1" => decode_row_write(1, 1),
         "lifecycle/guarded" => lifecycle(true),
         "lifecycle/unguarded" => lifecycle(false),
@@ -359,7 +410,7 @@ fn main() {
         "replay/events" => replay(),
         _ => {
             eprintln!(
-                "usage: instructions decode_step/guarded|decode_step/unguarded|decode_grew/incremental|decode_grew/full|decode_grew/engine_step|decode_grew/separate|decode_forward/windows|decode_row_write/mirror|decode_row_write/page1|lifecycle/guarded|lifecycle/unguarded|lifecycle/guarded_tracked[_info]|replay/events"
+                "usage: instructions decode_step/guarded|decode_step/unguarded|decode_grew/incremental|decode_grew/full|decode_grew/engine_step|decode_grew/separate|decode_forward/windows|decode_row_write/mirror|slot_rows/cached|slot_rows/full|decode_row_write/page1|lifecycle/guarded|lifecycle/unguarded|lifecycle/guarded_tracked[_info]|replay/events"
             );
             std::process::exit(2);
         }

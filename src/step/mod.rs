@@ -57,7 +57,7 @@ pub use events::{AppliedEvents, Event, EventBatch, EventKind, Events, EventsErro
 pub use mirror::{
     DecodeClaim, DecodeRowWrite, DecodeWrites, Ints, IntsMut, MirrorError, PoolMirror, RowWriteOutcome, decode_writes,
 };
-pub use slot_rows::{DecodeForward, DecodeOutcome, SlotRead};
+pub use slot_rows::{DecodeForward, DecodeOutcome, SlotRead, SlotRowCache};
 pub use writes::StepSlots;
 
 use crate::ids::RequestId;

@@ -6,7 +6,8 @@
 use super::StepError;
 use crate::config::PageDiv;
 use crate::ids::{PageId, RequestId};
-use crate::table::{BlockRows, OwnershipTable, RowsError, SeqRead, StepVerdict};
+use crate::table::{BlockRows, OwnershipTable, ReadStamp, RowRead, RowsError, SeqRead, StepVerdict};
+use crate::violation::Violation;
 use std::ops::Range;
 
 /// One row attention reads through a token-slot table: `request` reads its first `tokens`
@@ -127,6 +128,225 @@ impl OwnershipTable {
             Some(read) if read.is_clean() => DecodeOutcome::Clean,
             Some(read) => DecodeOutcome::Window(read),
         })
+    }
+}
+
+/// Per row of a token-slot table (SGLang's `req_to_token`), what was last checked clean: what
+/// makes [`OwnershipTable::verify_slot_rows_cached`] incremental. The token-slot twin of
+/// [`RowCache`](crate::RowCache): a row read again by the same request, whose right to read is
+/// where it stood at the row's last clean check (nothing taken from it since, not quarantined:
+/// its epoch word and the table's `shared_epoch`, as `RowCache` reads them) and whose entries
+/// of the pages checked whole then are unchanged, byte for byte, is judged only from the page
+/// that check ended in; any other row in full. So an entry changed behind the engine's calls is
+/// still found, at the cost of comparing the row with its copy rather than judging each entry.
+/// One per token-slot table; given another table, or a table of another width, it starts over.
+/// Memory: as much as the table's rows (allocated zeroed) and 32 bytes a row.
+#[derive(Debug, Default)]
+pub struct SlotRowCache {
+    table: u64,
+    stride: usize,
+    heads: Vec<SlotHead>,
+    /// Row `r`'s entries last checked clean at `r * stride..`.
+    entries: Vec<i32>,
+    incremental: u64,
+    full: u64,
+}
+
+/// What a row was last checked clean as.
+#[derive(Clone, Copy, Debug)]
+struct SlotHead {
+    request: RequestId,
+    /// The reader's stamp before that check; None: nothing is known of the row.
+    stamp: Option<ReadStamp>,
+    /// Tokens read clean.
+    tokens: u64,
+}
+
+impl SlotHead {
+    const EMPTY: SlotHead = SlotHead { request: RequestId(0), stamp: None, tokens: 0 };
+}
+
+impl SlotRowCache {
+    /// An empty cache: the first check judges every row in full.
+    pub fn new() -> SlotRowCache {
+        SlotRowCache::default()
+    }
+
+    /// Rows judged from their last clean page since the cache was made.
+    pub fn incremental(&self) -> u64 {
+        self.incremental
+    }
+
+    /// Rows judged in full since the cache was made.
+    pub fn full(&self) -> u64 {
+        self.full
+    }
+
+    /// Forgets every row: the next check judges each in full.
+    pub fn clear(&mut self) {
+        self.heads.clear();
+    }
+
+    /// Room for `rows` rows of `stride` entries of table `table` (see `RowCache`).
+    fn fit(&mut self, table: u64, rows: usize, stride: usize) {
+        if self.table != table || self.stride != stride {
+            self.table = table;
+            self.stride = stride;
+            self.heads.clear();
+            self.entries = Vec::new();
+        }
+        if self.heads.len() < rows {
+            self.heads.resize(rows, SlotHead::EMPTY);
+        }
+        let len = rows * stride; // no more than the table's entries
+        if self.entries.len() < len {
+            let mut grown = vec![0i32; len];
+            grown[..self.entries.len()].copy_from_slice(&self.entries);
+            self.entries = grown;
+        }
+    }
+}
+
+impl OwnershipTable {
+    /// [`check_slot_rows_cached`](Self::check_slot_rows_cached), judged as
+    /// [`verify_slot_rows`](Self::verify_slot_rows): each violation counted, logged and
+    /// (enforce) its request quarantined.
+    ///
+    /// ```
+    /// use kvguard::step::SlotRowCache;
+    /// use kvguard::{BlockRows, OwnershipTable, PageId, PoolConfig, RequestId, RowRead, SeqWrite, TenantId};
+    /// let table = OwnershipTable::new(PoolConfig::new(64, 4, 128))?;
+    /// let a = RequestId(1);
+    /// table.admit(a, TenantId(1), 6, 8)?;
+    /// table.claim(a, &[PageId(3), PageId(4)])?;
+    /// let slots: Vec<i64> = (12..19).collect();
+    /// assert!(table.record_step_writes(&[SeqWrite { request: a, slots: &slots }]).is_clean());
+    /// // req_to_token, 8 token slots a row: row 0 is a's.
+    /// let mut req_to_token = [12, 13, 14, 15, 16, 17, 18, 0];
+    /// let mut cache = SlotRowCache::new();
+    /// let read = [RowRead { request: a, row: 0, tokens: 7 }];
+    /// let rows = BlockRows::new(&req_to_token, 8)?;
+    /// assert!(table.verify_slot_rows_cached(&mut cache, rows, &read)?.is_clean()); // in full
+    /// assert!(table.verify_slot_rows_cached(&mut cache, rows, &read)?.is_clean()); // its last page
+    /// assert_eq!((cache.full(), cache.incremental()), (1, 1));
+    /// // An entry of a page checked whole changed behind the engine's calls: found.
+    /// req_to_token[1] = 40;
+    /// let rows = BlockRows::new(&req_to_token, 8)?;
+    /// assert!(!table.verify_slot_rows_cached(&mut cache, rows, &read)?.is_clean());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn verify_slot_rows_cached(
+        &self,
+        cache: &mut SlotRowCache,
+        rows: BlockRows<'_>,
+        reads: &[RowRead],
+    ) -> Result<StepVerdict, RowsError> {
+        self.slot_rows_cached(cache, rows, reads, true)
+    }
+
+    /// Whether each read may run through a token-slot table, as
+    /// [`check_slot_rows`](Self::check_slot_rows) checks it from token 0 (the same verdict, row
+    /// for row), incrementally across calls through `cache` (see [`SlotRowCache`]): a row whose
+    /// reader's right and whose entries are as they were at its last clean check is judged from
+    /// the page that check ended in. Pure. A read naming a row past the table is
+    /// [`RowsError::Row`]: nothing checked, `cache` unchanged.
+    pub fn check_slot_rows_cached(
+        &self,
+        cache: &mut SlotRowCache,
+        rows: BlockRows<'_>,
+        reads: &[RowRead],
+    ) -> Result<StepVerdict, RowsError> {
+        self.slot_rows_cached(cache, rows, reads, false)
+    }
+
+    fn slot_rows_cached(
+        &self,
+        cache: &mut SlotRowCache,
+        rows: BlockRows<'_>,
+        reads: &[RowRead],
+        judged: bool,
+    ) -> Result<StepVerdict, RowsError> {
+        if let Some((index, r)) = reads.iter().enumerate().find(|(_, r)| r.row as usize >= rows.rows()) {
+            return Err(RowsError::Row { index, row: r.row, rows: rows.rows() });
+        }
+        let stride = rows.width();
+        cache.fit(self.id(), rows.rows(), stride);
+        let ps = u64::from(self.page_size());
+        // Stamps before anything is judged: a right taken while this call runs makes them stale,
+        // so what is kept is judged again next time, never trusted.
+        let before = self.read_stamps(reads.iter().map(|r| r.request));
+        let as_slot = |r: &RowRead, from: u64| SlotRead { request: r.request, row: r.row, from, tokens: r.tokens };
+        // Each read from its row's last clean page where that holds (`from`: the tokens read
+        // clean then; the entries of the pages before that one compared), else in full.
+        let mut from = vec![0u64; reads.len()];
+        let (mut windows, mut full): (Vec<usize>, Vec<usize>) = (Vec::new(), Vec::new());
+        for (i, r) in reads.iter().enumerate() {
+            let row = r.row as usize;
+            let head = cache.heads[row];
+            let whole = (head.tokens / ps * ps).min(stride as u64) as usize;
+            if head.stamp.is_some()
+                && head.stamp == before[i]
+                && head.request == r.request
+                && head.tokens <= r.tokens
+                && rows.row(row)[..whole] == cache.entries[row * stride..][..whole]
+            {
+                from[i] = head.tokens;
+                windows.push(i);
+            } else {
+                full.push(i);
+            }
+        }
+        let mut clean = vec![false; reads.len()];
+        if !windows.is_empty() {
+            let step: Vec<SlotRead> = windows.iter().map(|&i| as_slot(&reads[i], from[i])).collect();
+            let verdict = Gathered::of(rows, &step, self)?.judge(self, &step, false);
+            let after = self.read_stamps(step.iter().map(|r| r.request));
+            let mut refused = vec![false; step.len()];
+            for (k, _) in &verdict.refused {
+                refused[*k] = true;
+            }
+            // A refused window is judged again in full (its violation is the full check's); so is
+            // one whose reader lost a right while it was judged.
+            for (k, &i) in windows.iter().enumerate() {
+                if refused[k] || after[k] != before[i] {
+                    from[i] = 0;
+                    full.push(i);
+                } else {
+                    clean[i] = true;
+                }
+            }
+            full.sort_unstable();
+        }
+        let mut verdict = StepVerdict::default();
+        if !full.is_empty() {
+            let step: Vec<SlotRead> = full.iter().map(|&i| as_slot(&reads[i], 0)).collect();
+            let judged = Gathered::of(rows, &step, self)?.judge(self, &step, judged);
+            let mut refused: Vec<Option<Violation>> = vec![None; step.len()];
+            for (k, v) in judged.refused {
+                refused[k] = Some(v);
+            }
+            for (k, v) in refused.into_iter().enumerate() {
+                match v {
+                    Some(v) => verdict.refused.push((full[k], v)),
+                    None => clean[full[k]] = true,
+                }
+            }
+            verdict.refused.sort_by_key(|(i, _)| *i);
+        }
+        cache.full += full.len() as u64;
+        cache.incremental += (reads.len() - full.len()) as u64;
+        for (i, r) in reads.iter().enumerate() {
+            let row = r.row as usize;
+            if !clean[i] {
+                cache.heads[row] = SlotHead::EMPTY;
+                continue;
+            }
+            let upto = r.tokens.min(stride as u64) as usize;
+            let start = ((from[i] / ps * ps) as usize).min(upto);
+            cache.entries[row * stride..][start..upto].copy_from_slice(&rows.row(row)[start..upto]);
+            cache.heads[row] = SlotHead { request: r.request, stamp: before[i], tokens: r.tokens };
+        }
+        Ok(verdict)
     }
 }
 

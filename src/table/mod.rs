@@ -71,5 +71,6 @@ pub use import::{Fence, ImportTicket};
 pub use info::{PageInfo, PageState, PoolSnapshot, Released, RequestInfo};
 pub use mirror::DeviceTag;
 pub use ownership::{OwnershipTable, VIOLATION_LOG_CAPACITY};
+pub(crate) use rows::ReadStamp;
 pub use rows::{BlockRows, RowCache, RowRead, RowsError};
 pub use step::{PADDING_SLOT, SeqClaim, SeqRead, SeqWrite, StepVerdict};

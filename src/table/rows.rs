@@ -21,9 +21,9 @@
 use super::OwnershipTable;
 use super::hot::HotWord;
 use super::info::PageState;
-use super::state::{BlockEntry, TableState};
 #[cfg(doc)]
-use super::state::{RequestEpochs, RequestRecord};
+use super::state::RequestRecord;
+use super::state::{BlockEntry, RequestEpochs, TableState};
 use super::step::StepVerdict;
 use crate::ids::{Generation, PageId, RequestId};
 use crate::violation::Violation;
@@ -665,5 +665,30 @@ mod tests {
         let e = s.table.check_rows(&mut s.cache, rows, &step).unwrap_err();
         assert_eq!(e, super::RowsError::Row { index: 1, row: 4, rows: 4 });
         assert_eq!(s.cache.full() + s.cache.incremental(), 0);
+    }
+}
+
+/// Where a request's right to read stood at one moment: its request slot's epoch word and the
+/// table's `shared_epoch`. While a request's stamp is unchanged nothing was taken from it (see
+/// the module docs), so what a check found clean at one stamp is still clean at the same stamp.
+/// Crate-internal: what [`SlotRowCache`](crate::step::SlotRowCache) keeps per row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ReadStamp {
+    word: u64,
+    shared_epoch: u64,
+}
+
+impl OwnershipTable {
+    /// Each request's [`ReadStamp`] now, in one read of the table: None for a request the table
+    /// does not hold, or one quarantined (nothing checked of it is kept).
+    pub(crate) fn read_stamps(&self, requests: impl Iterator<Item = RequestId>) -> Vec<Option<ReadStamp>> {
+        let state = self.state.read();
+        requests
+            .map(|r| {
+                let rec = state.requests.get(&r)?;
+                let word = state.epochs.word(rec.slot);
+                (word & RequestEpochs::QUARANTINED == 0).then_some(ReadStamp { word, shared_epoch: state.shared_epoch })
+            })
+            .collect()
     }
 }

@@ -273,3 +273,55 @@ fn an_entry_naming_another_requests_slot_is_found_at_every_offset_of_a_large_pag
         }
     }
 }
+
+/// A row checked clean through a `SlotRowCache`, unchanged since, whose request lost a page it
+/// names (a partial release) or was quarantined: judged in full next time, so refused as the full
+/// check refuses it, never let through from its last page. At page size 1 and 4.
+#[test]
+fn a_cached_row_whose_reader_lost_a_right_is_judged_in_full() {
+    use kvguard::RowRead;
+    use kvguard::step::SlotRowCache;
+    for ps in [1u32, PS] {
+        for lose in ["release_pages", "quarantine"] {
+            let t = table(Policy::Enforce, ps);
+            let a = RequestId(1);
+            t.admit(a, TenantId(1), 8, 0).expect("admit");
+            let per = (8 / ps) as usize;
+            let pages: Vec<PageId> = (0..per).map(|k| PageId(1 + k as u32)).collect();
+            t.claim(a, &pages).expect("claim");
+            t.record_write_tokens(a, &pages, 0..8).expect("write");
+            let mut row = vec![-1i32; WIDTH];
+            for (k, e) in row.iter_mut().take(8).enumerate() {
+                *e = (ps as usize + k) as i32; // page 1 on
+            }
+            let mut cache = SlotRowCache::new();
+            let rows = BlockRows::new(&row, WIDTH).expect("one row");
+            let read = |tokens| [RowRead { request: a, row: 0, tokens }];
+            assert!(t.check_slot_rows_cached(&mut cache, rows, &read(6)).expect("row 0").is_clean());
+            assert!(t.check_slot_rows_cached(&mut cache, rows, &read(7)).expect("row 0").is_clean());
+            assert_eq!(
+                (cache.full(), cache.incremental()),
+                (1, 1),
+                "page size {ps}: the second read from its last page"
+            );
+            match lose {
+                "release_pages" => {
+                    t.release_pages(a, &pages[..1]).expect("the first page let go");
+                }
+                _ => {
+                    let v =
+                        t.verify_step(&[kvguard::SeqRead { request: a, block_table: &[PageId(PAGES + 3)], tokens: 1 }]);
+                    assert!(!v.is_clean(), "a read past the pool quarantines under enforce");
+                }
+            }
+            let cached = t.check_slot_rows_cached(&mut cache, rows, &read(8)).expect("row 0");
+            let full = t.check_slot_rows(rows, &[SlotRead { request: a, row: 0, from: 0, tokens: 8 }]).expect("row 0");
+            assert!(!full.is_clean(), "page size {ps}, {lose}: the full check refuses the row");
+            let said = |v: &kvguard::StepVerdict| -> Vec<_> {
+                v.refused.iter().map(|(i, v)| (*i, v.kind(), v.block_index(), v.page())).collect()
+            };
+            assert_eq!(said(&cached), said(&full), "page size {ps}, {lose}");
+            assert_eq!(cache.full(), 2, "page size {ps}, {lose}: judged in full");
+        }
+    }
+}

@@ -48,6 +48,13 @@ proptest! {
         model::run_rows(&ops);
     }
 
+    /// The same through a token-slot table (SGLang's `req_to_token`) and one `SlotRowCache`,
+    /// rows also changed one slot at a time behind the engine's calls (`model::run_slot_rows`).
+    #[test]
+    fn slot_rows_checked_incrementally_get_the_full_checks_verdicts(ops in prop::collection::vec(op(), 1..200)) {
+        model::run_slot_rows(&ops);
+    }
+
     #[test]
     fn a_mirror_syncing_now_and_then_matches_the_table(ops in prop::collection::vec(op(), 1..200)) {
         model::run_syncing(&ops);
@@ -69,6 +76,7 @@ fn a_row_growing_a_token_a_step_is_judged_incrementally() {
     ];
     ops.extend(std::iter::repeat_n(Op::Sync, 12));
     assert_eq!(model::run_rows(&ops), 13, "every step after the first clean one is incremental");
+    assert_eq!(model::run_slot_rows(&ops), 13, "so through a token-slot table");
 }
 
 #[test]
@@ -157,6 +165,73 @@ proptest! {
                 v.refused.iter().map(|(i, v)| (*i, v.kind(), v.block_index(), v.page())).collect()
             };
             prop_assert_eq!(said(&incremental), said(&full));
+        }
+    }
+}
+
+/// One step of [`a_slot_changed_behind_the_engine_is_judged_in_full`] for one row.
+#[derive(Clone, Debug)]
+enum SlotStep {
+    /// One token more read.
+    Grow,
+    /// Entry `at` of the row set to `slot` behind the engine's calls (another request's slot, a
+    /// free page's, one past the pool, the row's own at another offset).
+    Swap { at: usize, slot: i32 },
+    /// The row is the request's own slots again.
+    Restore,
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
+
+    /// The token-slot twin of the test above: three requests' rows of a token-slot table
+    /// (`req_to_token`), at page size 1 (each entry its own page) and 4, read through one
+    /// `SlotRowCache` step after step, growing, changed one slot at a time at the same length, or
+    /// put back. Every step's cached verdict is a full `check_slot_rows`'s.
+    #[test]
+    fn a_slot_changed_behind_the_engine_is_judged_in_full(
+        ps in prop_oneof![Just(1u32), Just(4u32)],
+        steps in prop::collection::vec(
+            (0usize..3, prop_oneof![
+                2 => Just(SlotStep::Grow),
+                2 => (0usize..16, -1i32..80).prop_map(|(at, slot)| SlotStep::Swap { at, slot }),
+                1 => Just(SlotStep::Restore),
+            ]),
+            1..60,
+        )
+    ) {
+        use kvguard::step::{SlotRead, SlotRowCache};
+        use kvguard::{BlockRows, OwnershipTable, PageId, PoolConfig, RequestId, RowRead, TenantId};
+        let per = (16 / ps) as usize; // pages a request holds
+        let table = OwnershipTable::new(PoolConfig::new(3 * per as u32 + 4, ps, 16).with_reserved([PageId(0)])).expect("pool");
+        let own = |r: usize| -> Vec<i32> { (0..16).map(|t| ((1 + r * per) * ps as usize + t) as i32).collect() };
+        for r in 0..3 {
+            let req = RequestId(r as u64);
+            table.admit(req, TenantId(r as u64), 16, 0).expect("admit");
+            let pages: Vec<PageId> = (0..per).map(|k| PageId((1 + r * per + k) as u32)).collect();
+            table.claim(req, &pages).expect("claim");
+            table.record_write_tokens(req, &pages, 0..16).expect("write");
+        }
+        let mut entries: Vec<i32> = (0..3).flat_map(own).collect();
+        let mut tokens = [5u64; 3];
+        let mut cache = SlotRowCache::new();
+        for (r, step) in steps {
+            match step {
+                SlotStep::Grow => tokens[r] = tokens[r] % 16 + 1,
+                SlotStep::Swap { at, slot } => entries[r * 16 + at] = slot,
+                SlotStep::Restore => entries[r * 16..r * 16 + 16].copy_from_slice(&own(r)),
+            }
+            let reads: Vec<RowRead> =
+                (0..3).map(|i| RowRead { request: RequestId(i as u64), row: i as u32, tokens: tokens[i] }).collect();
+            let rows = BlockRows::new(&entries, 16).expect("whole rows");
+            let cached = table.check_slot_rows_cached(&mut cache, rows, &reads).expect("rows in range");
+            let whole: Vec<SlotRead> =
+                reads.iter().map(|r| SlotRead { request: r.request, row: r.row, from: 0, tokens: r.tokens }).collect();
+            let full = table.check_slot_rows(rows, &whole).expect("rows in range");
+            let said = |v: &kvguard::StepVerdict| -> Vec<_> {
+                v.refused.iter().map(|(i, v)| (*i, v.kind(), v.block_index(), v.page())).collect()
+            };
+            prop_assert_eq!(said(&cached), said(&full));
         }
     }
 }

@@ -53,6 +53,8 @@ pub struct OwnershipTable {
     step_ids: Mutex<StepIds>,
     /// The worker step's block-table rows as last checked clean (see [`worker_reads`]).
     worker_rows: Mutex<kvguard::RowCache>,
+    /// A token-slot table's rows as last checked clean (`cached=True` of verify_step_rows).
+    slot_rows: Mutex<kvguard::step::SlotRowCache>,
 }
 
 /// The verdict on a step: which rows may not run attention (reads), or whose writes were
@@ -403,6 +405,8 @@ impl OwnershipTable {
     /// index; `token_slots`: the table holds one KV slot per token (page j of a row is its entry
     /// j * page_size over page_size), else one page per entry. With `from_tokens`, request i
     /// reads only the pages from token from_tokens[i] on (its window; see check_step_window).
+    /// `cached` (token slots, an int32 table read in place, no window): through the table's
+    /// `SlotRowCache`, each row judged from its last clean page where it allows.
     #[allow(clippy::too_many_arguments)]
     fn step_rows(
         &self,
@@ -413,6 +417,7 @@ impl OwnershipTable {
         seq_lens: &Bound<'_, PyAny>,
         from_tokens: Option<&Bound<'_, PyAny>>,
         token_slots: bool,
+        cached: bool,
         judged: bool,
     ) -> PyResult<StepVerdict> {
         let requests = self.step_requests(req_ids)?;
@@ -427,6 +432,32 @@ impl OwnershipTable {
             Some(f) => Some(IntArray::open(f, "from_tokens", 1)?.counts(n, "from_tokens")?),
             None => None,
         };
+        if token_slots
+            && cached
+            && from.is_none()
+            && let Some((entries, width)) = t.as_i32_rows().filter(|(_, width)| *width > 0)
+        {
+            // Through the table's SlotRowCache (rows in range: checked above).
+            let rows_in = kvguard::BlockRows::new(entries, width).map_err(|e| PyValueError::new_err(e.to_string()))?;
+            let reads: Vec<kvguard::RowRead> = (0..n)
+                .map(|i| Ok(kvguard::RowRead { request: requests[i], row: row_index(rows[i])?, tokens: lens[i] }))
+                .collect::<PyResult<_>>()?;
+            let (core, cache) = (&self.table, &self.slot_rows);
+            let v = py.detach(|| {
+                // Another thread's check holds the cache: a fresh one judges every row in full,
+                // with the same verdict.
+                let mut spare = kvguard::step::SlotRowCache::new();
+                let mut held = cache.try_lock();
+                let cache = held.as_deref_mut().unwrap_or(&mut spare);
+                if judged {
+                    core.verify_slot_rows_cached(cache, rows_in, &reads)
+                } else {
+                    core.check_slot_rows_cached(cache, rows_in, &reads)
+                }
+            });
+            let v = v.map_err(|e| PyValueError::new_err(e.to_string()))?;
+            return self.verdict(py, v, n, judged);
+        }
         if token_slots {
             // The core reads token-slot rows (SGLang's req_to_token): check_slot_rows.
             let reads: Vec<SlotRead> = (0..n)
@@ -624,6 +655,7 @@ impl OwnershipTable {
             names: Mutex::new(Names::default()),
             step_ids: Mutex::default(),
             worker_rows: Mutex::default(),
+            slot_rows: Mutex::default(),
         })
     }
 
@@ -954,7 +986,8 @@ impl OwnershipTable {
     }
 
     /// Pure check of a step read from a table's rows by index (see verify_step_rows).
-    #[pyo3(signature = (req_ids, table, rows, seq_lens, *, token_slots = false))]
+    #[pyo3(signature = (req_ids, table, rows, seq_lens, *, token_slots = false, cached = false))]
+    #[allow(clippy::too_many_arguments)]
     fn check_step_rows(
         &self,
         py: Python<'_>,
@@ -963,8 +996,9 @@ impl OwnershipTable {
         rows: &Bound<'_, PyAny>,
         seq_lens: &Bound<'_, PyAny>,
         token_slots: bool,
+        cached: bool,
     ) -> PyResult<StepVerdict> {
-        self.step_rows(py, req_ids, table, rows, seq_lens, None, token_slots, false)
+        self.step_rows(py, req_ids, table, rows, seq_lens, None, token_slots, cached, false)
     }
 
     /// verify_step for engines whose block tables are rows of one big table indexed per
@@ -983,8 +1017,15 @@ impl OwnershipTable {
     ///   entry): one that is not is read as the page it names, up to its slot (refused, e.g.
     ///   foreign_page, when that page is not the reader's). A negative entry is refused as
     ///   page_out_of_range.
+    /// cached: with token_slots and a C-contiguous int32 table (SGLang's req_to_token), the
+    ///   rows go through this table's one SlotRowCache (docs/engine-step.md): a row read again
+    ///   by the same request, whose entries of the pages checked whole at its last clean check
+    ///   are unchanged byte for byte and from whom nothing was taken since, is judged from the
+    ///   page that check ended in; any other row in full. Same verdict, row for row. Ignored
+    ///   (every row in full) for any other table.
     /// The verdict is the one verify_step gives on the gathered page table.
-    #[pyo3(signature = (req_ids, table, rows, seq_lens, *, token_slots = false))]
+    #[pyo3(signature = (req_ids, table, rows, seq_lens, *, token_slots = false, cached = false))]
+    #[allow(clippy::too_many_arguments)]
     fn verify_step_rows(
         &self,
         py: Python<'_>,
@@ -993,8 +1034,9 @@ impl OwnershipTable {
         rows: &Bound<'_, PyAny>,
         seq_lens: &Bound<'_, PyAny>,
         token_slots: bool,
+        cached: bool,
     ) -> PyResult<StepVerdict> {
-        self.step_rows(py, req_ids, table, rows, seq_lens, None, token_slots, true)
+        self.step_rows(py, req_ids, table, rows, seq_lens, None, token_slots, cached, true)
     }
 
     /// Pure check of a step through PageRefs (see verify_step_refs).
@@ -1351,7 +1393,7 @@ impl OwnershipTable {
         from_tokens: &Bound<'_, PyAny>,
         token_slots: bool,
     ) -> PyResult<StepVerdict> {
-        self.step_rows(py, req_ids, table, rows, seq_lens, Some(from_tokens), token_slots, false)
+        self.step_rows(py, req_ids, table, rows, seq_lens, Some(from_tokens), token_slots, false, false)
     }
 
     /// A decode step's block-table writes, one slot per request, judged in one call against the

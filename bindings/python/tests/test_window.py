@@ -498,3 +498,40 @@ def test_mark_pages_bad_input_is_a_typed_exception_and_marks_nothing():
     with pytest.raises(ValueError, match="flags shares memory with slots"):
         kvguard.mark_pages(flags, flags.view(np.int64), 1)
     assert not flags.any()
+
+
+@pytest.mark.parametrize("policy", ["enforce", "report"])
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_cached_token_slot_rows_get_the_full_checks_verdicts_step_after_step(policy, dtype):
+    """verify_step_rows(cached=True) keeps the rows it found clean (the table's SlotRowCache):
+    across steps that grow rows, change entries behind the engine's calls and put them back,
+    its verdicts are the full check's, row for row; an int64 table is checked in full."""
+    rng = random.Random(11)
+    t, rows = filled(policy)
+    names = list(rows)
+    pages = np.zeros((len(names), 6), dtype=np.int64)
+    for i, r in enumerate(names):
+        pages[i, : len(rows[r][0])] = rows[r][0]
+    own = table_of(pages, dtype, True)
+    engine_table = own.copy()
+    lens = {r: max(1, rows[r][1] - 8) for r in names}
+    idx = np.arange(len(names), dtype=np.int64)
+    refused = 0
+    for _ in range(300):
+        r = rng.choice(names)
+        i = names.index(r)
+        what = rng.random()
+        if what < 0.5:
+            lens[r] = min(rows[r][1], lens[r] + 1)
+        elif what < 0.75:
+            other = int(own[(i + 1) % len(names), 0])
+            engine_table[i, rng.randrange(0, lens[r])] = rng.choice([500, -1, other, int(own[i, 0]) + PAGE])
+        else:
+            engine_table[i] = own[i]
+        seq = np.array([lens[r] for r in names], dtype=np.int64)
+        full = t.check_step_rows(names, engine_table, idx, seq, token_slots=True)
+        cached = t.verify_step_rows(names, engine_table, idx, seq, token_slots=True, cached=True)
+        assert cached.refused_rows == full.refused_rows
+        assert [(v.kind, v.page) for v in cached.violations] == [(v.kind, v.page) for v in full.violations]
+        refused += len(full.refused_rows)
+    assert refused > 20

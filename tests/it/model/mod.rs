@@ -614,6 +614,77 @@ pub fn run_rows(ops: &[Op]) -> u64 {
     cache.incremental()
 }
 
+/// [`run`]'s sequence with every request's row also kept as a token-slot table (SGLang's
+/// `req_to_token`: entry `t` is the slot of token `t`, `page * PAGE_SIZE + offset`), read each
+/// operation through one [`SlotRowCache`](kvguard::step::SlotRowCache): every step's cached
+/// verdict must be the full check's ([`OwnershipTable::check_slot_rows`] from token 0), row for
+/// row. Rows change behind the engine's calls as in [`run_rows`] (a page swapped), and also one
+/// slot at a time (an entry pointing into another page). Returns the rows judged incrementally.
+pub fn run_slot_rows(ops: &[Op]) -> u64 {
+    use kvguard::step::{SlotRead, SlotRowCache};
+    let mut cache = SlotRowCache::new();
+    let mut tokens = [0u64; REQUESTS as usize];
+    let ps = PAGE_SIZE as usize;
+    let stride = (PAGES as usize + 1) * ps;
+    let mut entries = vec![-1i32; REQUESTS as usize * stride];
+    run_checked(config(), ops, true, |table, model, op, step| {
+        let mut reads = Vec::new();
+        for r in 0..REQUESTS {
+            let mine = |req: u8| req % REQUESTS == r;
+            let read = match *op {
+                Op::Read { req, tokens, swap_at, swap } if mine(req) => Some((tokens, swap_at, swap)),
+                _ => None,
+            };
+            let refresh = read.is_some()
+                || match *op {
+                    Op::Admit { req, .. }
+                    | Op::Allocate { req, .. }
+                    | Op::Claim { req, .. }
+                    | Op::Attach { req, .. }
+                    | Op::Write { req, .. }
+                    | Op::WriteTokens { req, .. } => mine(req),
+                    _ => false,
+                };
+            let row = &mut entries[usize::from(r) * stride..(usize::from(r) + 1) * stride];
+            if refresh {
+                let (swap_at, swap) = read.map_or((u8::MAX, 0), |(_, at, page)| (at, page));
+                row.fill(-1);
+                for (j, p) in model.read_table(r, swap_at, swap).into_iter().enumerate() {
+                    for (k, e) in row[j * ps..(j + 1) * ps].iter_mut().enumerate() {
+                        *e = (p as usize * ps + k) as i32;
+                    }
+                }
+                // One slot into another page (or past the pool), behind the engine's calls.
+                if let Some((_, at, page)) = read
+                    && page % 3 == 0
+                {
+                    let at = (usize::from(at) * 3 + 1) % stride;
+                    row[at] = (usize::from(page / 3) * ps + 1) as i32;
+                }
+            }
+            let listed = row.iter().take_while(|&&e| e >= 0).count() as u64;
+            let cap = listed + 2;
+            let t = &mut tokens[usize::from(r)];
+            *t = match read {
+                Some((n, at, _)) if u64::from(at) * u64::from(PAGE_SIZE) < listed && n % 2 == 0 => *t % cap,
+                Some((n, _, _)) => u64::from(n) % cap,
+                None => (*t + 1) % cap,
+            };
+            reads.push(RowRead { request: req_id(r), row: u32::from(r), tokens: *t });
+        }
+        let rows = BlockRows::new(&entries, stride).expect("whole rows");
+        let cached = table.check_slot_rows_cached(&mut cache, rows, &reads).expect("rows in range");
+        let whole: Vec<SlotRead> =
+            reads.iter().map(|r| SlotRead { request: r.request, row: r.row, from: 0, tokens: r.tokens }).collect();
+        let full = table.check_slot_rows(rows, &whole).expect("rows in range");
+        let said = |v: &kvguard::StepVerdict| -> Vec<_> {
+            v.refused.iter().map(|(i, v)| (*i, v.kind(), v.block_index(), v.page(), v.request())).collect()
+        };
+        assert_eq!(said(&cached), said(&full), "step {step}: after {op:?}, the slot rows' verdicts differ");
+    });
+    cache.incremental()
+}
+
 /// [`run`] against a table built from `config` (which should be [`config()`]; anything else is a
 /// drift the model must catch).
 pub fn run_with(config: PoolConfig, ops: &[Op]) {

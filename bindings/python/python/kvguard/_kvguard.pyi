@@ -233,10 +233,13 @@ class OwnershipTable:
     def verify_rows(self, cache: RowCache, req_ids: Sequence[Id] | IntArray, table: IntArray, rows: Sequence[int] | IntArray, seq_lens: Sequence[int] | IntArray) -> StepVerdict:
         """verify_step_rows across steps, incrementally: a row unchanged since cache saw it clean, its request
         having lost nothing since, is judged from its last page; table: C-contiguous 2-D int32 page ids."""
-    def check_step_rows(self, req_ids: Sequence[Id] | IntArray, table: IntArray, rows: Sequence[int] | IntArray, seq_lens: Sequence[int] | IntArray, *, token_slots: bool = False) -> StepVerdict: ...
-    def verify_step_rows(self, req_ids: Sequence[Id] | IntArray, table: IntArray, rows: Sequence[int] | IntArray, seq_lens: Sequence[int] | IntArray, *, token_slots: bool = False) -> StepVerdict:
+    def check_step_rows(self, req_ids: Sequence[Id] | IntArray, table: IntArray, rows: Sequence[int] | IntArray, seq_lens: Sequence[int] | IntArray, *, token_slots: bool = False, cached: bool = False) -> StepVerdict: ...
+    def verify_step_rows(self, req_ids: Sequence[Id] | IntArray, table: IntArray, rows: Sequence[int] | IntArray, seq_lens: Sequence[int] | IntArray, *, token_slots: bool = False, cached: bool = False) -> StepVerdict:
         """verify_step reading request i's block table in place from row rows[i] of table;
-        token_slots=True: one KV slot per token (SGLang's req_to_token), page j = entry j*page_size // page_size."""
+        token_slots=True: one KV slot per token (SGLang's req_to_token), page j = entry j*page_size // page_size.
+        cached=True (token slots, a C-contiguous int32 table): through this table's SlotRowCache, a row whose
+        reader lost nothing and whose entries are unchanged since its last clean check is judged from the page
+        that check ended in; the same verdict as a full check, row for row."""
     def check_step_window(self, req_ids: Sequence[Id] | IntArray, table: IntArray, rows: Sequence[int] | IntArray, seq_lens: Sequence[int] | IntArray, from_tokens: Sequence[int] | IntArray, *, token_slots: bool = False) -> StepVerdict:
         """check_step_rows over each request's window: tokens from_tokens[i]..seq_lens[i] of row rows[i]
         (the pages holding them); pure. 0 checks the whole row; beyond seq_lens[i]: nothing unchecked."""

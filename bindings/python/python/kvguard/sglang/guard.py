@@ -496,33 +496,45 @@ class Guard(PageReleases):
         be found only at the next full check, after the request may have finished. Returns the
         requests refused (under enforce aborted: a finished one's finish reason becomes the
         abort, so its output never leaves; one still running gets ``to_finish``)."""
-        keys, rows, lens, held = [], [], [], []
+        rows, lens, held = [], [], []
         refused: list[Any] = []
+        # Every request sent is passed here (all 256 rows at a forced send): the loop is kept to
+        # attribute reads, its rows' keys read in one numpy gather after it.
+        row_kv, aborted, enforce = self._row_kv, self.aborted, self.policy == "enforce"
         for req in reqs:
             kv = req.kv
             row = kv.req_pool_idx
-            if row is None or self._row_kv[int(row)] is not kv:
+            if row is None:
                 continue
-            if req.rid in self.aborted and self.policy == "enforce":
+            row = int(row)
+            if row_kv[row] is not kv:
+                continue
+            if enforce and req.rid in aborted:
                 # Refused already (checked again it would only add violations): its output is
                 # kvguard's abort.
                 refused.append(req)
                 if req.finished() and not _aborted(req):
-                    req.finished_reason = _finish_abort(f"kvguard refused this request: {self.aborted[req.rid]}")
+                    req.finished_reason = _finish_abort(f"kvguard refused this request: {aborted[req.rid]}")
                 continue
             if not req.output_ids and _aborted(req):
                 # Aborted before it produced a token (a PD transfer that failed: its pages were
                 # never written, and nothing read them): only the abort leaves.
                 continue
-            key = int(self._row_key[int(row)])
-            if key not in self._admitted:
-                continue
-            keys.append(key)
-            rows.append(int(row))
-            lens.append(int(kv.kv_committed_len))
+            rows.append(row)
+            lens.append(kv.kv_committed_len)
             held.append(req)
-        if not keys:
+        if not rows:
             return refused
+        admitted = self._admitted
+        row_keys = self._row_key[rows].tolist()
+        if not all(k in admitted for k in row_keys):
+            # Rows of requests kvguard does not hold (never admitted, or released): not checked.
+            keep = [i for i, k in enumerate(row_keys) if k in admitted]
+            if not keep:
+                return refused
+            rows, lens, held = [rows[i] for i in keep], [lens[i] for i in keep], [held[i] for i in keep]
+            row_keys = [row_keys[i] for i in keep]
+        keys = row_keys
         rt = self.req_to_token_pool.req_to_token
         if getattr(rt, "is_cuda", False):
             # Rows on a GPU: these requests' rows only, copied to the host now (a request
@@ -532,10 +544,14 @@ class Guard(PageReleases):
             width = max(lens) if lens else 0
             table = rt[torch.as_tensor(rows, device=rt.device), :width].cpu().numpy()
             at = np.arange(len(rows), dtype=np.int64)
+            cached = False  # a copy of these rows only: nothing to keep across checks
         else:
-            table, at = self.row_check._host_rows(), np.asarray(rows, dtype=np.int64)
+            # SGLang's req_to_token in place, through the table's slot-row cache (the full
+            # check's verdicts, each row compared with its copy at its last clean check).
+            table, at, cached = self.row_check._host_rows(), np.asarray(rows, dtype=np.int64), True
         verdict = self.table.verify_step_rows(
             np.asarray(keys, dtype=np.int64), table, at, np.asarray(lens, dtype=np.int64), token_slots=True,
+            cached=cached,
         )
         if verdict.clean:
             return refused

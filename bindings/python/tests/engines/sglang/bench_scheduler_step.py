@@ -372,7 +372,9 @@ def main() -> None:
         med_b, med_o = statistics.median(m["base"]), statistics.median(m["other"])
         what = "second unguarded" if opts.control else "guarded"
         print(f"page_size {ps}: step unguarded {med_b * 1e3:.2f} ms, {what} {med_o * 1e3:.2f} ms (medians); "
-              f"mean {statistics.fmean(m['base']) * 1e3:.2f} / {statistics.fmean(m['other']) * 1e3:.2f} ms; "
+              f"mean {statistics.fmean(m['base']) * 1e3:.2f} / {statistics.fmean(m['other']) * 1e3:.2f} ms "
+              f"({100 * (statistics.fmean(m['other']) / statistics.fmean(m['base']) - 1):+.2f} %: every step, "
+              f"those a median leaves out too); "
               f"share median of rounds {100 * statistics.median(r):+.2f} % "
               f"(rounds min {100 * r[0]:+.2f} / max {100 * r[-1]:+.2f} %)")
         print("    rounds: " + " ".join(f"{100 * x:+.2f}" for x in m["rounds"]))
