@@ -404,6 +404,13 @@ typedef struct kvg_manifest kvg_manifest;
 // `KVG_STATUS_INVALID_ARGUMENT`, never waits). The pointer is a handle, never dereferenced.
 typedef struct kvg_row_cache kvg_row_cache;
 
+// What a token-slot table's rows were last checked clean as (`kvg_slot_row_cache_new`;
+// `kvg_slot_row_cache_free`): what makes `kvg_verify_slot_rows_cached` incremental. One per
+// token-slot table, kept across checks; one call at a time (a second thread's call meanwhile is
+// refused with `KVG_STATUS_INVALID_ARGUMENT`, never waits). The pointer is a handle, never
+// dereferenced.
+typedef struct kvg_slot_row_cache kvg_slot_row_cache;
+
 // An ownership table behind an opaque handle (`kvg_table_new`, `kvg_table_free`). Safe to share
 // between threads: every call may run on any thread, concurrently with any other, `kvg_table_free`
 // included (a call already running finishes on the table; one that starts after the free is
@@ -1108,6 +1115,72 @@ kvg_status kvg_decode_forward(struct kvg_table *table,
                               const int64_t *slots,
                               uint8_t *refused,
                               kvg_decode_stage *stage);
+
+// Makes an empty slot-row cache at `*out` (NULL on failure): the first check judges every row
+// in full.
+//
+// # Safety
+// `out` is writable.
+KVG_MUST_USE kvg_status kvg_slot_row_cache_new(struct kvg_slot_row_cache **out);
+
+// Frees a slot-row cache. NULL is a no-op (`KVG_STATUS_OK`); one freed already, or a handle
+// that is not a slot-row cache, is `KVG_STATUS_INVALID_HANDLE`. The status may be ignored.
+//
+// # Safety
+// None beyond the type: `cache` is never dereferenced.
+kvg_status kvg_slot_row_cache_free(struct kvg_slot_row_cache *cache);
+
+// How many rows the cache saw judged from their last clean page (`incremental`) and in full
+// (`full`) since it was made; either pointer may be NULL.
+//
+// # Safety
+// `incremental` and `full` are NULL or writable.
+KVG_MUST_USE
+kvg_status kvg_slot_row_cache_counts(const struct kvg_slot_row_cache *cache,
+                                     uint64_t *incremental,
+                                     uint64_t *full);
+
+// `kvg_verify_slot_rows` of whole rows (no `from_tokens`) across calls through `cache`: a row
+// read again by the same request, whose entries of the pages checked whole at its last clean
+// check are unchanged and from whom nothing was taken since, is judged from the page that check
+// ended in (docs/engine-step.md, `SlotRowCache`); any other row in full. The verdict is
+// `kvg_verify_slot_rows`'s on the same rows, row for row: `KVG_STATUS_OK`, or
+// `KVG_STATUS_VIOLATION` with `refused` (NULL, or `reads` bytes) marking the refused reads and
+// `kvg_last_violation(i, ...)` giving each. A row past the table or a negative count is
+// `KVG_STATUS_INVALID_ARGUMENT`, nothing checked.
+//
+// # Safety
+// `table` and `cache` are any values (never dereferenced); `req_to_token` holds
+// `table_rows * width` entries; `request_ids`, `rows` and `seq_lens` hold `reads` entries;
+// `refused` is NULL or has `reads` bytes.
+KVG_MUST_USE
+kvg_status kvg_verify_slot_rows_cached(struct kvg_table *table,
+                                       struct kvg_slot_row_cache *cache,
+                                       const int32_t *req_to_token,
+                                       size_t table_rows,
+                                       size_t width,
+                                       size_t reads,
+                                       const uint64_t *request_ids,
+                                       const uint32_t *rows,
+                                       const int32_t *seq_lens,
+                                       uint8_t *refused);
+
+// `kvg_verify_slot_rows_cached`, pure: the same verdict, and nothing counted, logged or
+// quarantined (the cache learns what was clean).
+//
+// # Safety
+// As for `kvg_verify_slot_rows_cached`.
+KVG_MUST_USE
+kvg_status kvg_check_slot_rows_cached(const struct kvg_table *table,
+                                      struct kvg_slot_row_cache *cache,
+                                      const int32_t *req_to_token,
+                                      size_t table_rows,
+                                      size_t width,
+                                      size_t reads,
+                                      const uint64_t *request_ids,
+                                      const uint32_t *rows,
+                                      const int32_t *seq_lens,
+                                      uint8_t *refused);
 
 // The status's name without its prefix (`"ok"`, `"violation"`, ...), or `"unknown"`. Static.
 const char *kvg_status_name(uint32_t status);

@@ -39,6 +39,7 @@ pub(crate) enum Kind {
     ImportTicket = 2,
     Manifest = 3,
     RowCache = 4,
+    SlotRowCache = 5,
 }
 
 impl Kind {
@@ -48,6 +49,7 @@ impl Kind {
             2 => Some(Kind::ImportTicket),
             3 => Some(Kind::Manifest),
             4 => Some(Kind::RowCache),
+            5 => Some(Kind::SlotRowCache),
             _ => None,
         }
     }
@@ -59,6 +61,7 @@ impl Kind {
             Kind::ImportTicket => "kvg_import_ticket",
             Kind::Manifest => "kvg_manifest",
             Kind::RowCache => "kvg_row_cache",
+            Kind::SlotRowCache => "kvg_slot_row_cache",
         }
     }
 
@@ -71,6 +74,7 @@ impl Kind {
             }
             Kind::Manifest => "freed by kvg_manifest_free",
             Kind::RowCache => "freed by kvg_row_cache_free",
+            Kind::SlotRowCache => "freed by kvg_slot_row_cache_free",
         }
     }
 }

@@ -46,7 +46,11 @@ pub use prefix::{kvg_attach_prefix, kvg_detach_prefix, kvg_evict_prefix, kvg_pub
 pub use rows::{
     kvg_check_rows, kvg_row_cache, kvg_row_cache_counts, kvg_row_cache_free, kvg_row_cache_new, kvg_verify_rows,
 };
-pub use slot_rows::{kvg_check_slot_rows, kvg_decode_forward, kvg_decode_stage, kvg_verify_slot_rows};
+pub use slot_rows::{
+    kvg_check_slot_rows, kvg_check_slot_rows_cached, kvg_decode_forward, kvg_decode_stage, kvg_slot_row_cache,
+    kvg_slot_row_cache_counts, kvg_slot_row_cache_free, kvg_slot_row_cache_new, kvg_verify_slot_rows,
+    kvg_verify_slot_rows_cached,
+};
 pub use status::{kvg_status, kvg_status_name};
 pub use step::{
     kvg_check_read, kvg_check_read_refs, kvg_check_step, kvg_record_step_writes, kvg_verify_read, kvg_verify_read_refs,

@@ -2,12 +2,15 @@
 //! `t` of a row is the KV slot of the row's token `t`), judged by the core
 //! (`OwnershipTable::check_slot_rows`, `verify_slot_rows`, `decode_forward`).
 
+use crate::guard::guard_free;
+use crate::handle::{Kind, Registry};
 use crate::raw;
 use crate::status::{Failure, kvg_status};
 use crate::step::{mask, verdict};
 use crate::table::{kvg_table, with_table};
-use kvguard::step::{DecodeForward, DecodeOutcome, SlotRead};
-use kvguard::{BlockRows, RequestId};
+use kvguard::step::{DecodeForward, DecodeOutcome, SlotRead, SlotRowCache};
+use kvguard::{BlockRows, RequestId, RowRead};
+use parking_lot::Mutex;
 
 /// Where `kvg_decode_forward` stopped.
 #[repr(u32)]
@@ -205,4 +208,170 @@ pub unsafe extern "C" fn kvg_decode_forward(
         raw::put(stage, at)?;
         verdict(v, reads, refused)
     })
+}
+
+/// What a token-slot table's rows were last checked clean as (`kvg_slot_row_cache_new`;
+/// `kvg_slot_row_cache_free`): what makes `kvg_verify_slot_rows_cached` incremental. One per
+/// token-slot table, kept across checks; one call at a time (a second thread's call meanwhile is
+/// refused with `KVG_STATUS_INVALID_ARGUMENT`, never waits). The pointer is a handle, never
+/// dereferenced.
+pub struct kvg_slot_row_cache {
+    _handle_only: [u8; 0],
+}
+
+/// The live slot-row caches, by handle.
+static SLOT_CACHES: Registry<Mutex<SlotRowCache>> = Registry::new(Kind::SlotRowCache);
+
+/// Runs `body` on the cache behind `c`, locked; a NULL, dead or foreign handle is refused, and so
+/// is a cache another thread's call holds.
+fn with_slot_cache(
+    c: *const kvg_slot_row_cache,
+    body: impl FnOnce(&mut SlotRowCache) -> Result<(), Failure>,
+) -> Result<(), Failure> {
+    let cache = SLOT_CACHES.get(c.addr(), "slot row cache")?;
+    let mut cache = cache.try_lock().ok_or_else(|| {
+        Failure::invalid(
+            "the slot row cache is in use by another thread's call: one call at a time per cache".to_owned(),
+        )
+    })?;
+    body(&mut cache)
+}
+
+/// Makes an empty slot-row cache at `*out` (NULL on failure): the first check judges every row
+/// in full.
+///
+/// # Safety
+/// `out` is writable.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvg_slot_row_cache_new(out: *mut *mut kvg_slot_row_cache) -> kvg_status {
+    guard_free(|| {
+        raw::put_required(out, std::ptr::null_mut(), "out")?;
+        let handle = SLOT_CACHES.insert(Mutex::new(SlotRowCache::new()))?;
+        raw::put(out, std::ptr::without_provenance_mut(handle))
+    })
+}
+
+/// Frees a slot-row cache. NULL is a no-op (`KVG_STATUS_OK`); one freed already, or a handle
+/// that is not a slot-row cache, is `KVG_STATUS_INVALID_HANDLE`. The status may be ignored.
+///
+/// # Safety
+/// None beyond the type: `cache` is never dereferenced.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvg_slot_row_cache_free(cache: *mut kvg_slot_row_cache) -> kvg_status {
+    if cache.is_null() {
+        return kvg_status::Ok;
+    }
+    crate::guard::guard_release(|| {}, || SLOT_CACHES.remove(cache.addr(), "slot row cache").map(drop))
+}
+
+/// How many rows the cache saw judged from their last clean page (`incremental`) and in full
+/// (`full`) since it was made; either pointer may be NULL.
+///
+/// # Safety
+/// `incremental` and `full` are NULL or writable.
+#[unsafe(no_mangle)]
+#[must_use]
+pub unsafe extern "C" fn kvg_slot_row_cache_counts(
+    cache: *const kvg_slot_row_cache,
+    incremental: *mut u64,
+    full: *mut u64,
+) -> kvg_status {
+    guard_free(|| {
+        with_slot_cache(cache, |c| {
+            if !incremental.is_null() {
+                raw::put(incremental, c.incremental())?;
+            }
+            if !full.is_null() {
+                raw::put(full, c.full())?;
+            }
+            Ok(())
+        })
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn cached_step(
+    table: *const kvg_table,
+    cache: *mut kvg_slot_row_cache,
+    req_to_token: *const i32,
+    table_rows: usize,
+    width: usize,
+    reads: usize,
+    request_ids: *const u64,
+    rows: *const u32,
+    seq_lens: *const i32,
+    refused: *mut u8,
+    judged: bool,
+) -> kvg_status {
+    with_table(table, |t| {
+        let step: Vec<RowRead> = slot_reads(reads, request_ids, rows, std::ptr::null(), seq_lens)?
+            .into_iter()
+            .map(|r| RowRead { request: r.request, row: r.row, tokens: r.tokens })
+            .collect();
+        let matrix = table_of(req_to_token, table_rows, width)?;
+        let refused = mask(refused, reads)?;
+        with_slot_cache(cache, |c| {
+            let v = if judged {
+                t.table.verify_slot_rows_cached(c, matrix, &step)
+            } else {
+                t.table.check_slot_rows_cached(c, matrix, &step)
+            };
+            verdict(v.map_err(|e| Failure::invalid(e.to_string()))?, reads, refused)
+        })
+    })
+}
+
+/// `kvg_verify_slot_rows` of whole rows (no `from_tokens`) across calls through `cache`: a row
+/// read again by the same request, whose entries of the pages checked whole at its last clean
+/// check are unchanged and from whom nothing was taken since, is judged from the page that check
+/// ended in (docs/engine-step.md, `SlotRowCache`); any other row in full. The verdict is
+/// `kvg_verify_slot_rows`'s on the same rows, row for row: `KVG_STATUS_OK`, or
+/// `KVG_STATUS_VIOLATION` with `refused` (NULL, or `reads` bytes) marking the refused reads and
+/// `kvg_last_violation(i, ...)` giving each. A row past the table or a negative count is
+/// `KVG_STATUS_INVALID_ARGUMENT`, nothing checked.
+///
+/// # Safety
+/// `table` and `cache` are any values (never dereferenced); `req_to_token` holds
+/// `table_rows * width` entries; `request_ids`, `rows` and `seq_lens` hold `reads` entries;
+/// `refused` is NULL or has `reads` bytes.
+#[unsafe(no_mangle)]
+#[must_use]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn kvg_verify_slot_rows_cached(
+    table: *mut kvg_table,
+    cache: *mut kvg_slot_row_cache,
+    req_to_token: *const i32,
+    table_rows: usize,
+    width: usize,
+    reads: usize,
+    request_ids: *const u64,
+    rows: *const u32,
+    seq_lens: *const i32,
+    refused: *mut u8,
+) -> kvg_status {
+    cached_step(table, cache, req_to_token, table_rows, width, reads, request_ids, rows, seq_lens, refused, true)
+}
+
+/// `kvg_verify_slot_rows_cached`, pure: the same verdict, and nothing counted, logged or
+/// quarantined (the cache learns what was clean).
+///
+/// # Safety
+/// As for `kvg_verify_slot_rows_cached`.
+#[unsafe(no_mangle)]
+#[must_use]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn kvg_check_slot_rows_cached(
+    table: *const kvg_table,
+    cache: *mut kvg_slot_row_cache,
+    req_to_token: *const i32,
+    table_rows: usize,
+    width: usize,
+    reads: usize,
+    request_ids: *const u64,
+    rows: *const u32,
+    seq_lens: *const i32,
+    refused: *mut u8,
+) -> kvg_status {
+    cached_step(table, cache, req_to_token, table_rows, width, reads, request_ids, rows, seq_lens, refused, false)
 }

@@ -960,6 +960,64 @@ static void test_slot_rows(void) {
     kvg_table_free(t);
 }
 
+/* kvg_verify_slot_rows_cached: whole rows of a token-slot table across checks through a slot-row
+   cache; unchanged rows judged from their last page, the verdict kvg_verify_slot_rows's. */
+static void test_slot_rows_cached(void) {
+    enum { READS = 2, W = 3 * PS };
+    kvg_table *t = new_table(KVG_POLICY_ENFORCE, 0);
+    kvg_slot_row_cache *cache = NULL;
+    uint64_t ids[READS] = {1, 2}, incremental = 99, full = 99;
+    uint32_t rows[READS] = {0, 1};
+    int32_t matrix[READS * W], lens[READS] = {40, 40};
+    uint8_t refused[READS];
+    kvg_page_ref refs[3];
+
+    for (int r = 0; r < READS; r++) {
+        int32_t pages[3];
+        OK(kvg_admit(t, ids[r], ids[r], 48, 0));
+        OK(kvg_allocate(t, ids[r], 3, refs, 3));
+        for (int b = 0; b < 3; b++) pages[b] = refs[b].page;
+        for (int k = 0; k < W; k++) matrix[r * W + k] = pages[k / PS] * PS + k % PS;
+        OK(kvg_record_write_tokens(t, ids[r], pages, 3, 0, 44));
+    }
+    EXPECT(kvg_slot_row_cache_new(NULL), KVG_STATUS_NULL_POINTER);
+    OK(kvg_slot_row_cache_new(&cache));
+    CHECK(cache != NULL);
+    OK(kvg_verify_slot_rows_cached(t, cache, matrix, READS, W, READS, ids, rows, lens, refused));
+    OK(kvg_slot_row_cache_counts(cache, &incremental, &full));
+    CHECK(incremental == 0 && full == 2);
+    /* Four tokens later: each row from its last clean page. */
+    lens[0] = lens[1] = 44;
+    OK(kvg_check_slot_rows_cached(t, cache, matrix, READS, W, READS, ids, rows, lens, NULL));
+    OK(kvg_slot_row_cache_counts(cache, &incremental, NULL));
+    CHECK(incremental == 2);
+    /* Row 1's first entry changed behind kvguard's back (request 1's slot): refused, judged, alone. */
+    matrix[1 * W] = matrix[0];
+    memset(refused, 0xff, sizeof refused);
+    VIOLATES(kvg_verify_slot_rows_cached(t, cache, matrix, READS, W, READS, ids, rows, lens, refused),
+             KVG_VIOLATION_KIND_FOREIGN_PAGE);
+    CHECK(refused[0] == 0 && refused[1] == 1);
+    /* Malformed: a row past the table, a negative count; handles NULL, foreign, freed. */
+    rows[1] = READS;
+    EXPECT(kvg_verify_slot_rows_cached(t, cache, matrix, READS, W, READS, ids, rows, lens, NULL),
+           KVG_STATUS_INVALID_ARGUMENT);
+    rows[1] = 1;
+    lens[0] = -1;
+    EXPECT(kvg_verify_slot_rows_cached(t, cache, matrix, READS, W, READS, ids, rows, lens, NULL),
+           KVG_STATUS_INVALID_ARGUMENT);
+    lens[0] = 44;
+    EXPECT(kvg_verify_slot_rows_cached(t, NULL, matrix, READS, W, READS, ids, rows, lens, NULL),
+           KVG_STATUS_NULL_POINTER);
+    EXPECT(kvg_verify_slot_rows_cached(t, (kvg_slot_row_cache *)t, matrix, READS, W, READS, ids, rows, lens, NULL),
+           KVG_STATUS_INVALID_HANDLE);
+    OK(kvg_slot_row_cache_free(cache));
+    EXPECT(kvg_slot_row_cache_free(cache), KVG_STATUS_INVALID_HANDLE);
+    EXPECT(kvg_verify_slot_rows_cached(t, cache, matrix, READS, W, READS, ids, rows, lens, NULL),
+           KVG_STATUS_INVALID_HANDLE);
+    OK(kvg_slot_row_cache_free(NULL));
+    kvg_table_free(t);
+}
+
 /* kvg_engine_step: a step's early events, its writes from the rows, its late events and its
    reads in one call, as the calls it stands for judge them; kvg_apply_events alone. */
 static void test_engine_step(void) {
@@ -1712,6 +1770,7 @@ int main(void) {
     test_steps();
     test_rows();
     test_slot_rows();
+    test_slot_rows_cached();
     test_write_decode_rows();
     test_engine_step();
     test_claim_step();
