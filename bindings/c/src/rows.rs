@@ -28,11 +28,44 @@ pub(crate) fn with_cache(
     c: *const kvg_row_cache,
     body: impl FnOnce(&mut RowCache) -> Result<(), Failure>,
 ) -> Result<(), Failure> {
-    let cache = CACHES.get(c.addr(), "row cache")?;
+    with_locked(&CACHES, c.addr(), "row cache", body)
+}
+
+/// Runs `body` on the cache `what` behind `handle` in `registry`, locked; a NULL, dead or foreign
+/// handle is refused, and so is a cache another thread's call holds (one call at a time per
+/// cache: a call never waits). Shared by the row caches and the slot-row caches.
+pub(crate) fn with_locked<T: Send>(
+    registry: &'static Registry<Mutex<T>>,
+    handle: usize,
+    what: &str,
+    body: impl FnOnce(&mut T) -> Result<(), Failure>,
+) -> Result<(), Failure> {
+    let cache = registry.get(handle, what)?;
     let mut cache = cache.try_lock().ok_or_else(|| {
-        Failure::invalid("the row cache is in use by another thread's call: one call at a time per cache".to_owned())
+        Failure::invalid(format!("the {what} is in use by another thread's call: one call at a time per cache"))
     })?;
     body(&mut cache)
+}
+
+/// A new cache `value` in `registry`, its handle written to `*out` (NULL first, and on failure).
+pub(crate) fn new_cache<T: Send, H>(registry: &'static Registry<Mutex<T>>, value: T, out: *mut *mut H) -> kvg_status {
+    guard_free(|| {
+        raw::put_required(out, std::ptr::null_mut(), "out")?;
+        let handle = registry.insert(Mutex::new(value))?;
+        raw::put(out, std::ptr::without_provenance_mut(handle))
+    })
+}
+
+/// A cache's counts of rows judged incrementally and in full, written where the caller asked
+/// (either pointer may be NULL).
+pub(crate) fn put_counts(counts: (u64, u64), incremental: *mut u64, full: *mut u64) -> Result<(), Failure> {
+    if !incremental.is_null() {
+        raw::put(incremental, counts.0)?;
+    }
+    if !full.is_null() {
+        raw::put(full, counts.1)?;
+    }
+    Ok(())
 }
 
 /// Makes an empty row cache at `*out` (NULL on failure): the first step checks every row in full.
@@ -42,11 +75,7 @@ pub(crate) fn with_cache(
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_row_cache_new(out: *mut *mut kvg_row_cache) -> kvg_status {
-    guard_free(|| {
-        raw::put_required(out, std::ptr::null_mut(), "out")?;
-        let handle = CACHES.insert(Mutex::new(RowCache::new()))?;
-        raw::put(out, std::ptr::without_provenance_mut(handle))
-    })
+    new_cache(&CACHES, RowCache::new(), out)
 }
 
 /// Frees a row cache. NULL is a no-op (`KVG_STATUS_OK`); one freed already, or a handle that is
@@ -74,17 +103,7 @@ pub unsafe extern "C" fn kvg_row_cache_counts(
     incremental: *mut u64,
     full: *mut u64,
 ) -> kvg_status {
-    guard_free(|| {
-        with_cache(cache, |c| {
-            if !incremental.is_null() {
-                raw::put(incremental, c.incremental())?;
-            }
-            if !full.is_null() {
-                raw::put(full, c.full())?;
-            }
-            Ok(())
-        })
-    })
+    guard_free(|| with_cache(cache, |c| put_counts((c.incremental(), c.full()), incremental, full)))
 }
 
 /// A step's reads: read `i` is `request_ids[i]` reading its first `seq_lens[i]` tokens through

@@ -5,6 +5,7 @@
 use crate::guard::guard_free;
 use crate::handle::{Kind, Registry};
 use crate::raw;
+use crate::rows::{new_cache, put_counts, with_locked};
 use crate::status::{Failure, kvg_status};
 use crate::step::{mask, verdict};
 use crate::table::{kvg_table, with_table};
@@ -222,19 +223,12 @@ pub struct kvg_slot_row_cache {
 /// The live slot-row caches, by handle.
 static SLOT_CACHES: Registry<Mutex<SlotRowCache>> = Registry::new(Kind::SlotRowCache);
 
-/// Runs `body` on the cache behind `c`, locked; a NULL, dead or foreign handle is refused, and so
-/// is a cache another thread's call holds.
+/// Runs `body` on the cache behind `c`, locked (see `rows::with_locked`).
 fn with_slot_cache(
     c: *const kvg_slot_row_cache,
     body: impl FnOnce(&mut SlotRowCache) -> Result<(), Failure>,
 ) -> Result<(), Failure> {
-    let cache = SLOT_CACHES.get(c.addr(), "slot row cache")?;
-    let mut cache = cache.try_lock().ok_or_else(|| {
-        Failure::invalid(
-            "the slot row cache is in use by another thread's call: one call at a time per cache".to_owned(),
-        )
-    })?;
-    body(&mut cache)
+    with_locked(&SLOT_CACHES, c.addr(), "slot row cache", body)
 }
 
 /// Makes an empty slot-row cache at `*out` (NULL on failure): the first check judges every row
@@ -245,11 +239,7 @@ fn with_slot_cache(
 #[unsafe(no_mangle)]
 #[must_use]
 pub unsafe extern "C" fn kvg_slot_row_cache_new(out: *mut *mut kvg_slot_row_cache) -> kvg_status {
-    guard_free(|| {
-        raw::put_required(out, std::ptr::null_mut(), "out")?;
-        let handle = SLOT_CACHES.insert(Mutex::new(SlotRowCache::new()))?;
-        raw::put(out, std::ptr::without_provenance_mut(handle))
-    })
+    new_cache(&SLOT_CACHES, SlotRowCache::new(), out)
 }
 
 /// Frees a slot-row cache. NULL is a no-op (`KVG_STATUS_OK`); one freed already, or a handle
@@ -277,17 +267,7 @@ pub unsafe extern "C" fn kvg_slot_row_cache_counts(
     incremental: *mut u64,
     full: *mut u64,
 ) -> kvg_status {
-    guard_free(|| {
-        with_slot_cache(cache, |c| {
-            if !incremental.is_null() {
-                raw::put(incremental, c.incremental())?;
-            }
-            if !full.is_null() {
-                raw::put(full, c.full())?;
-            }
-            Ok(())
-        })
-    })
+    guard_free(|| with_slot_cache(cache, |c| put_counts((c.incremental(), c.full()), incremental, full)))
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -542,6 +542,29 @@ pub fn run_syncing(ops: &[Op]) {
     run_checked(config(), ops, false, |_, _, _, _| {})
 }
 
+/// What `op` does to request `r`'s row in [`run_rows`] and [`run_slot_rows`]: whether the engine
+/// writes the row anew (an operation of that request that changes what it holds or wrote), and
+/// the read it makes if it is a read by that request (tokens, the entry swapped, the page put
+/// there).
+fn row_refresh(op: &Op, r: u8) -> (bool, Option<(u8, u8, u8)>) {
+    let mine = |req: u8| req % REQUESTS == r;
+    let read = match *op {
+        Op::Read { req, tokens, swap_at, swap } if mine(req) => Some((tokens, swap_at, swap)),
+        _ => None,
+    };
+    let refresh = read.is_some()
+        || match *op {
+            Op::Admit { req, .. }
+            | Op::Allocate { req, .. }
+            | Op::Claim { req, .. }
+            | Op::Attach { req, .. }
+            | Op::Write { req, .. }
+            | Op::WriteTokens { req, .. } => mine(req),
+            _ => false,
+        };
+    (refresh, read)
+}
+
 /// [`run`], and after every operation every request's row of an engine's block table is read
 /// through one [`RowCache`] kept across the whole run and through
 /// [`OwnershipTable::check_step`]: the incremental verdict must be the full check's, row for row
@@ -562,21 +585,7 @@ pub fn run_rows(ops: &[Op]) -> u64 {
     run_checked(config(), ops, true, |table, model, op, step| {
         let mut reads = Vec::new();
         for r in 0..REQUESTS {
-            let mine = |req: u8| req % REQUESTS == r;
-            let read = match *op {
-                Op::Read { req, tokens, swap_at, swap } if mine(req) => Some((tokens, swap_at, swap)),
-                _ => None,
-            };
-            let refresh = read.is_some()
-                || match *op {
-                    Op::Admit { req, .. }
-                    | Op::Allocate { req, .. }
-                    | Op::Claim { req, .. }
-                    | Op::Attach { req, .. }
-                    | Op::Write { req, .. }
-                    | Op::WriteTokens { req, .. } => mine(req),
-                    _ => false,
-                };
+            let (refresh, read) = row_refresh(op, r);
             let row = &mut entries[usize::from(r) * stride..(usize::from(r) + 1) * stride];
             if refresh {
                 let (swap_at, swap) = read.map_or((u8::MAX, 0), |(_, at, page)| (at, page));
@@ -630,21 +639,7 @@ pub fn run_slot_rows(ops: &[Op]) -> u64 {
     run_checked(config(), ops, true, |table, model, op, step| {
         let mut reads = Vec::new();
         for r in 0..REQUESTS {
-            let mine = |req: u8| req % REQUESTS == r;
-            let read = match *op {
-                Op::Read { req, tokens, swap_at, swap } if mine(req) => Some((tokens, swap_at, swap)),
-                _ => None,
-            };
-            let refresh = read.is_some()
-                || match *op {
-                    Op::Admit { req, .. }
-                    | Op::Allocate { req, .. }
-                    | Op::Claim { req, .. }
-                    | Op::Attach { req, .. }
-                    | Op::Write { req, .. }
-                    | Op::WriteTokens { req, .. } => mine(req),
-                    _ => false,
-                };
+            let (refresh, read) = row_refresh(op, r);
             let row = &mut entries[usize::from(r) * stride..(usize::from(r) + 1) * stride];
             if refresh {
                 let (swap_at, swap) = read.map_or((u8::MAX, 0), |(_, at, page)| (at, page));
