@@ -12,6 +12,8 @@
 //! `decode_grew/incremental` beside `decode_grew/full`: a decode step in which each of the 256
 //! rows gained one token (4,095 to 4,096), read through the engine's block table (256 x 256
 //! int32) by `verify_rows` with the rows' cache of the step before, and by a full `verify_step`;
+//! `decode_grew/held`: the same rows held by the guard (`HeldBlockTable`), read by
+//! `verify_held_rows` with their checks of the step before;
 //! `decode_grew/engine_step` beside `decode_grew/separate`: the same step with its 4,096th token
 //! written in it, through one `engine_step` (cache warm), and through `record_step_writes` of its
 //! slot mapping and a full `verify_step`; `decode_forward/windows`: the same step through SGLang's
@@ -29,7 +31,8 @@ use kvguard::step::{
     DecodeForward, DecodeOutcome, DecodeRowWrite, EngineStep, Events, PoolMirror, SlotRead, SlotRowCache,
 };
 use kvguard::{
-    BlockRows, OwnershipTable, PageId, PoolConfig, RequestId, RowCache, RowRead, SeqRead, SeqWrite, TenantId,
+    BlockRows, HeldBlockTable, OwnershipTable, PageId, PoolConfig, RequestId, RowCache, RowRead, SeqRead, SeqWrite,
+    TenantId,
 };
 use std::hint::black_box;
 
@@ -89,6 +92,11 @@ fn measured_decode_grew_incremental(
     reads: &[RowRead],
 ) -> bool {
     table.verify_rows(cache, black_box(rows), black_box(reads)).expect("rows in range").is_clean()
+}
+
+#[inline(never)]
+fn measured_decode_grew_held(table: &OwnershipTable, held: &mut HeldBlockTable, reads: &[RowRead]) -> bool {
+    table.verify_held_rows(held, black_box(reads)).expect("rows in range").is_clean()
 }
 
 #[inline(never)]
@@ -225,6 +233,9 @@ enum Grew {
     Incremental,
     /// The same, a full `verify_step`.
     Full,
+    /// The same rows held by the guard (`HeldBlockTable`), `verify_held_rows` with their checks
+    /// of the step before (`decode_grew/held`).
+    Held,
     /// The write and the read in one `engine_step`, the cache warm (`decode_grew/engine_step`).
     EngineStep,
     /// The write as `record_step_writes` of the step's slot mapping and a full `verify_step`
@@ -284,7 +295,16 @@ fn decode_grew(mode: Grew) {
     for (req, bt) in &tables {
         table.record_write_tokens(*req, bt, TOKENS - 1..TOKENS).expect("write");
     }
-    if mode == Grew::Incremental {
+    if mode == Grew::Held {
+        let mut held = HeldBlockTable::new(SEQS as usize, PAGES as usize).expect("fits");
+        for (s, row) in entries.chunks(PAGES as usize).enumerate() {
+            held.append(s as u32, row).expect("fits");
+        }
+        // The step before, checked in full (the 4,096th token is written above, not read).
+        assert!(table.verify_held_rows(&mut held, &at(TOKENS - 1)).expect("rows").is_clean());
+        assert!(measured_decode_grew_held(&table, &mut held, &at(TOKENS)), "a clean step");
+        assert_eq!(held.incremental(), u64::from(SEQS), "every row judged from its last page");
+    } else if mode == Grew::Incremental {
         assert!(measured_decode_grew_incremental(&table, &mut cache, rows, &at(TOKENS)), "a clean step");
         assert_eq!(cache.incremental(), u64::from(SEQS), "every row judged from its last page");
     } else {
@@ -396,6 +416,7 @@ fn main() {
         "decode_step/unguarded" => decode_step(false),
         "decode_grew/incremental" => decode_grew(Grew::Incremental),
         "decode_grew/full" => decode_grew(Grew::Full),
+        "decode_grew/held" => decode_grew(Grew::Held),
         "decode_grew/engine_step" => decode_grew(Grew::EngineStep),
         "decode_grew/separate" => decode_grew(Grew::Separate),
         "decode_forward/windows" => decode_forward(),

@@ -76,8 +76,8 @@ pub use config::{ConfigError, PoolConfig};
 pub use error::Error;
 pub use ids::{Generation, PageId, PageRef, PrefixKey, RequestId, TenantId};
 pub use table::{
-    BlockRows, Fence, ImportTicket, OwnershipTable, PADDING_SLOT, PageInfo, PageState, PoolSnapshot, Released,
-    RequestInfo, RowCache, RowRead, RowsError, SeqClaim, SeqRead, SeqWrite, StepVerdict,
+    BlockRows, Fence, HeldBlockTable, HeldRowsError, ImportTicket, OwnershipTable, PADDING_SLOT, PageInfo, PageState,
+    PoolSnapshot, Released, RequestInfo, RowCache, RowRead, RowsError, SeqClaim, SeqRead, SeqWrite, StepVerdict,
 };
 pub use violation::{Op, Policy, Violation, ViolationCounters, ViolationKind};
 

@@ -54,6 +54,7 @@
 
 mod decode;
 mod forced;
+mod held;
 mod hot;
 mod import;
 mod info;
@@ -67,6 +68,7 @@ mod step;
 mod verify;
 mod violation;
 
+pub use held::{HeldBlockTable, HeldRowsError};
 pub use import::{Fence, ImportTicket};
 pub use info::{PageInfo, PageState, PoolSnapshot, Released, RequestInfo};
 pub use mirror::DeviceTag;

@@ -130,7 +130,7 @@ pub struct RowRead {
 /// What a row was last checked clean as (see the module docs); its entries are the row's part
 /// of [`RowCache::entries`].
 #[derive(Clone, Copy, Debug)]
-struct RowHead {
+pub(super) struct RowHead {
     /// The request that read it.
     request: RequestId,
     /// Its word in [`RequestEpochs`] then (its epoch, not quarantined), or [`RowHead::NONE`].
@@ -144,7 +144,7 @@ struct RowHead {
     /// Entries checked whole: `tokens / page_size`. The one after them was read in part (if
     /// `tokens` is not a page's end). At most the row's entries, which fit a `u32` in a block
     /// table the cache keeps (see `rows_step`).
-    whole: u32,
+    pub(super) whole: u32,
     /// Its request slot ([`RequestRecord::slot`]): where its word is.
     slot: u32,
 }
@@ -153,7 +153,7 @@ impl RowHead {
     /// The word of a row nothing is known of: no slot's word is 0 (a live request's epoch is a
     /// tick, at least 1; a vacant slot's is odd).
     const NONE: u64 = 0;
-    const EMPTY: RowHead =
+    pub(super) const EMPTY: RowHead =
         RowHead { request: RequestId(0), word: Self::NONE, shared_epoch: 0, tokens: 0, start: 0, whole: 0, slot: 0 };
 }
 
@@ -221,12 +221,14 @@ impl RowCache {
 impl TableState {
     /// `read` of `row` (the engine's), from its last clean page if its `head` allows, else in
     /// full; `head` and `cached` (the row's entries in the cache) become what was checked clean,
-    /// or nothing. Whether it was judged incrementally, and the verdict.
+    /// or nothing. Whether it was judged incrementally, and the verdict. `cached` is None for a
+    /// row the guard holds ([`HeldBlockTable`](super::HeldBlockTable)): its entries change only
+    /// through calls that forget its head, so there is nothing to compare.
     #[inline(always)]
-    fn check_row(
+    pub(super) fn check_row(
         &self,
         head: &mut RowHead,
-        cached: &mut [i32],
+        mut cached: Option<&mut [i32]>,
         read: &RowRead,
         row: &[i32],
     ) -> (bool, Result<(), Violation>) {
@@ -251,9 +253,11 @@ impl TableState {
                 // The page first, while the table's fields are in registers; the comparison
                 // (a call) after.
                 if (self.own_page(head.slot, entry, need) || self.entry_clean(req, whole, entry, need))
-                    && row[..whole] == cached[..whole]
+                    && cached.as_deref().is_none_or(|cached| row[..whole] == cached[..whole])
                 {
-                    cached[whole] = entry;
+                    if let Some(cached) = cached {
+                        cached[whole] = entry;
+                    }
                     head.tokens = tokens;
                     if need == self.page_size {
                         head.whole += 1;
@@ -261,7 +265,7 @@ impl TableState {
                     }
                     return (true, Ok(()));
                 }
-            } else if self.window_clean(head, cached, read, row) {
+            } else if self.window_clean(head, cached.as_deref_mut(), read, row) {
                 return (true, Ok(()));
             }
         }
@@ -270,8 +274,10 @@ impl TableState {
         match (&verdict, rec) {
             (Ok(()), Some(rec)) => {
                 let whole = self.page_div.floor(tokens);
-                let upto = self.page_div.ceil(tokens) as usize;
-                cached[..upto].copy_from_slice(&row[..upto]);
+                if let Some(cached) = cached {
+                    let upto = self.page_div.ceil(tokens) as usize;
+                    cached[..upto].copy_from_slice(&row[..upto]);
+                }
                 *head = RowHead {
                     request: req,
                     word: self.epochs.word(rec.slot),
@@ -315,10 +321,10 @@ impl TableState {
     /// again in full, for its violation). The row's `head` and `cached` entries updated if
     /// clean.
     #[inline(never)]
-    fn window_clean(&self, head: &mut RowHead, cached: &mut [i32], read: &RowRead, row: &[i32]) -> bool {
+    fn window_clean(&self, head: &mut RowHead, cached: Option<&mut [i32]>, read: &RowRead, row: &[i32]) -> bool {
         let (whole, tokens) = (head.whole as usize, read.tokens);
         let upto = self.page_div.ceil(tokens) as usize;
-        if upto > row.len() || row[..whole] != cached[..whole] {
+        if upto > row.len() || cached.as_deref().is_some_and(|cached| row[..whole] != cached[..whole]) {
             return false;
         }
         let window = &row[whole..upto];
@@ -333,7 +339,9 @@ impl TableState {
                     .all(|(k, &entry)| self.check_entry(rec, read.request, k, entry, need(k)).is_ok())
             });
         if clean {
-            cached[whole..upto].copy_from_slice(window);
+            if let Some(cached) = cached {
+                cached[whole..upto].copy_from_slice(window);
+            }
             let now = self.page_div.floor(tokens);
             // At most the row's entries.
             (head.tokens, head.start, head.whole) = (tokens, now * u64::from(self.page_size), now as u32);
@@ -417,7 +425,7 @@ impl OwnershipTable {
             let r = read.row as usize; // in range: checked above
             let row = rows.row(r);
             let cached = &mut entries[r * stride..][..stride];
-            let (fast, checked) = state.check_row(&mut heads[r], cached, read, row);
+            let (fast, checked) = state.check_row(&mut heads[r], Some(cached), read, row);
             in_full += u64::from(!fast);
             if let Err(v) = checked {
                 if judged {

@@ -55,6 +55,13 @@ proptest! {
         model::run_slot_rows(&ops);
     }
 
+    /// The same through a block table the guard holds, its rows changed only through its calls
+    /// (appended, set, truncated, copied and swapped between steps: `model::run_held_rows`).
+    #[test]
+    fn held_rows_checked_incrementally_get_the_full_checks_verdicts(ops in prop::collection::vec(op(), 1..200)) {
+        model::run_held_rows(&ops);
+    }
+
     #[test]
     fn a_mirror_syncing_now_and_then_matches_the_table(ops in prop::collection::vec(op(), 1..200)) {
         model::run_syncing(&ops);
@@ -77,6 +84,8 @@ fn a_row_growing_a_token_a_step_is_judged_incrementally() {
     ops.extend(std::iter::repeat_n(Op::Sync, 12));
     assert_eq!(model::run_rows(&ops), 13, "every step after the first clean one is incremental");
     assert_eq!(model::run_slot_rows(&ops), 13, "so through a token-slot table");
+    // Through a held table the syncs also move and swap rows: each row's check goes with it.
+    assert_eq!(model::run_held_rows(&ops), 13, "so through a held block table");
 }
 
 #[test]
@@ -121,7 +130,10 @@ proptest! {
     /// growing a token, or with an entry changed behind the engine at the same length (another
     /// request's page, a free page, one past the pool), or put back. Every step's incremental
     /// verdict is a full `check_step`'s. (The model above rarely reaches a row read clean and then
-    /// changed at the same length; this does every few steps.)
+    /// changed at the same length; this does every few steps.) The same rows are also kept in a
+    /// block table the guard holds, each change made through its calls (`set_row`, or a truncate
+    /// at the changed entry and an append), and read through `check_held_rows`: its verdicts
+    /// must be the full check's too.
     #[test]
     fn a_row_changed_behind_the_engine_at_the_same_length_is_judged_in_full(
         steps in prop::collection::vec(
@@ -133,7 +145,9 @@ proptest! {
             1..60,
         )
     ) {
-        use kvguard::{BlockRows, OwnershipTable, PageId, PoolConfig, RequestId, RowCache, RowRead, SeqRead, TenantId};
+        use kvguard::{
+            BlockRows, HeldBlockTable, OwnershipTable, PageId, PoolConfig, RequestId, RowCache, RowRead, SeqRead, TenantId,
+        };
         const PS: u32 = 4;
         let table = OwnershipTable::new(PoolConfig::new(18, PS, 16).with_reserved([PageId(0)])).expect("pool");
         let own = |r: usize| -> Vec<i32> { (0..4).map(|k| (1 + r * 4 + k) as i32).collect() };
@@ -147,11 +161,23 @@ proptest! {
         let mut entries: Vec<i32> = (0..3).flat_map(own).collect();
         let mut tokens = [5u64; 3];
         let mut cache = RowCache::new();
+        let mut held = HeldBlockTable::new(3, 4).expect("a small table");
+        for r in 0..3 {
+            held.append(r as u32, &own(r)).expect("fits");
+        }
         for (r, step) in steps {
             match step {
                 RowStep::Grow => tokens[r] = tokens[r] % 16 + 1,
                 RowStep::Swap { at, page } => entries[r * 4 + at] = page,
                 RowStep::Restore => entries[r * 4..r * 4 + 4].copy_from_slice(&own(r)),
+            }
+            let row = &entries[r * 4..r * 4 + 4];
+            match step {
+                RowStep::Swap { at, .. } if at % 2 == 1 => {
+                    held.truncate(r as u32, at).expect("in range");
+                    held.append(r as u32, &row[at..]).expect("fits");
+                }
+                _ => held.set_row(r as u32, row).expect("fits"),
             }
             let reads: Vec<RowRead> =
                 (0..3).map(|i| RowRead { request: RequestId(i as u64), row: i as u32, tokens: tokens[i] }).collect();
@@ -165,6 +191,9 @@ proptest! {
                 v.refused.iter().map(|(i, v)| (*i, v.kind(), v.block_index(), v.page())).collect()
             };
             prop_assert_eq!(said(&incremental), said(&full));
+            prop_assert_eq!(held.entries(), &entries[..]);
+            let from_held = table.check_held_rows(&mut held, &reads).expect("rows in range");
+            prop_assert_eq!(said(&from_held), said(&full), "the held rows' verdicts");
         }
     }
 }

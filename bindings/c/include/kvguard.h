@@ -384,6 +384,13 @@ typedef uint8_t kvg_event_kind;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// A block table the guard holds (`kvg_held_rows_new`; `kvg_held_rows_free`): rows of int32 page
+// ids the engine changes only through `kvg_held_rows_append`, `_set_row`, `_truncate`,
+// `_copy_row` and `_swap_rows`, and reads through `kvg_held_rows_entries`. One call at a time
+// (a second thread's call meanwhile is refused with `KVG_STATUS_INVALID_ARGUMENT`, never
+// waits). The pointer is a handle, never dereferenced.
+typedef struct kvg_held_rows kvg_held_rows;
+
 // A KV transfer in flight behind an opaque handle: while it lives, its pages are pinned (a
 // release takes them from the request, but they stay out of the free list until the ticket
 // ends, so bytes still landing never reach a next owner). Ended, and freed, by exactly one
@@ -818,6 +825,138 @@ KVG_MUST_USE kvg_status kvg_last_violation(size_t index, struct kvg_violation_in
 // leak check that sanitizers cannot make, since a live handle stays reachable from kvguard's
 // registry.
 size_t kvg_live_handles(void);
+
+// Makes a held block table of `rows` empty rows of `width` entries (every entry -1) at `*out`
+// (NULL on failure): `KVG_STATUS_INVALID_ARGUMENT` if it cannot be indexed (2^32 rows or more,
+// rows of 2^32 entries or more), `KVG_STATUS_OUT_OF_MEMORY` if the system will not give it.
+//
+// # Safety
+// `out` is writable.
+KVG_MUST_USE kvg_status kvg_held_rows_new(size_t rows, size_t width, struct kvg_held_rows **out);
+
+// Frees a held block table (its entries' pointer dies with it). NULL is a no-op
+// (`KVG_STATUS_OK`); one freed already, or a handle that is not one, is
+// `KVG_STATUS_INVALID_HANDLE`. The status may be ignored.
+//
+// # Safety
+// None beyond the type: `held` is never dereferenced.
+kvg_status kvg_held_rows_free(struct kvg_held_rows *held);
+
+// Every row's entries, row after row, `width` a row (-1 past each row's length), at `*entries`
+// (`*rows` rows of `*width`; any of the three may be NULL). The pointer stays valid until the
+// table is freed and shows each change as it is made: read it between calls (to copy the rows
+// to the device, say), never write through it (a row changed so is not seen by the checks),
+// never during another thread's call on the table.
+//
+// # Safety
+// `entries`, `rows` and `width` are NULL or writable.
+KVG_MUST_USE
+kvg_status kvg_held_rows_entries(const struct kvg_held_rows *held,
+                                 const int32_t **entries,
+                                 size_t *rows,
+                                 size_t *width);
+
+// How many entries row `row` holds, at `*len`; a row past the table is
+// `KVG_STATUS_INVALID_ARGUMENT`.
+//
+// # Safety
+// `len` is writable.
+KVG_MUST_USE
+kvg_status kvg_held_rows_len(const struct kvg_held_rows *held,
+                             uint32_t row,
+                             size_t *len);
+
+// Appends `count` entries to row `row` (a step's new pages). A row past the table, or one that
+// would hold more than the width, is `KVG_STATUS_INVALID_ARGUMENT`, nothing changed.
+//
+// # Safety
+// `entries` holds `count` entries (NULL if 0).
+KVG_MUST_USE
+kvg_status kvg_held_rows_append(struct kvg_held_rows *held,
+                                uint32_t row,
+                                const int32_t *entries,
+                                size_t count);
+
+// Row `row` becomes the `count` entries given (a request given the row). As for
+// `kvg_held_rows_append`.
+//
+// # Safety
+// `entries` holds `count` entries (NULL if 0).
+KVG_MUST_USE
+kvg_status kvg_held_rows_set_row(struct kvg_held_rows *held,
+                                 uint32_t row,
+                                 const int32_t *entries,
+                                 size_t count);
+
+// Row `row` keeps its first `len` entries (all of them if it has no more; 0 empties it).
+//
+// # Safety
+// None beyond the type: `held` is never dereferenced.
+KVG_MUST_USE
+kvg_status kvg_held_rows_truncate(struct kvg_held_rows *held,
+                                  uint32_t row,
+                                  size_t len);
+
+// Row `to` becomes a copy of row `from` (an engine condensing its rows); what `from` was
+// checked clean as goes with it.
+//
+// # Safety
+// None beyond the type: `held` is never dereferenced.
+KVG_MUST_USE
+kvg_status kvg_held_rows_copy_row(struct kvg_held_rows *held,
+                                  uint32_t from,
+                                  uint32_t to);
+
+// Rows `a` and `b` trade places, each with what it was checked clean as.
+//
+// # Safety
+// None beyond the type: `held` is never dereferenced.
+KVG_MUST_USE kvg_status kvg_held_rows_swap_rows(struct kvg_held_rows *held, uint32_t a, uint32_t b);
+
+// How many rows were judged from their last clean page (`incremental`) and in full (`full`)
+// since the table was made; either pointer may be NULL.
+//
+// # Safety
+// `incremental` and `full` are NULL or writable.
+KVG_MUST_USE
+kvg_status kvg_held_rows_counts(const struct kvg_held_rows *held,
+                                uint64_t *incremental,
+                                uint64_t *full);
+
+// Verifies a step's reads through the held block table, incrementally and judged: read `i` is
+// request `request_ids[i]` reading its first `seq_lens[i]` tokens through row `rows[i]`. A row
+// whose entries checked whole before were not changed since, read again by the same request
+// who lost nothing since, is judged from its last page only, without reading the row again;
+// the verdict is `kvg_verify_step`'s on the same rows, row for row: `KVG_STATUS_OK`, or
+// `KVG_STATUS_VIOLATION` with `refused` (NULL, or `reads` bytes) marking the refused reads and
+// `kvg_last_violation(i, ...)` giving each. A row past the table is
+// `KVG_STATUS_INVALID_ARGUMENT`, nothing checked.
+//
+// # Safety
+// `table` and `held` are any values (never dereferenced); `request_ids`, `rows` and `seq_lens`
+// hold `reads` entries; `refused` is NULL or has `reads` bytes.
+KVG_MUST_USE
+kvg_status kvg_verify_held_rows(struct kvg_table *table,
+                                struct kvg_held_rows *held,
+                                size_t reads,
+                                const uint64_t *request_ids,
+                                const uint32_t *rows,
+                                const int32_t *seq_lens,
+                                uint8_t *refused);
+
+// `kvg_verify_held_rows`, pure: the same verdict, and nothing counted, logged or quarantined
+// (the held table learns what was clean).
+//
+// # Safety
+// As for `kvg_verify_held_rows`.
+KVG_MUST_USE
+kvg_status kvg_check_held_rows(const struct kvg_table *table,
+                               struct kvg_held_rows *held,
+                               size_t reads,
+                               const uint64_t *request_ids,
+                               const uint32_t *rows,
+                               const int32_t *seq_lens,
+                               uint8_t *refused);
 
 // Starts a KV transfer into `refs` (`num_refs` refs of `request`'s own pages, in exactly those
 // incarnations): the pages are pinned and `*out` is the ticket (NULL on failure). Call it before

@@ -40,6 +40,7 @@ pub(crate) enum Kind {
     Manifest = 3,
     RowCache = 4,
     SlotRowCache = 5,
+    HeldRows = 6,
 }
 
 impl Kind {
@@ -50,6 +51,7 @@ impl Kind {
             3 => Some(Kind::Manifest),
             4 => Some(Kind::RowCache),
             5 => Some(Kind::SlotRowCache),
+            6 => Some(Kind::HeldRows),
             _ => None,
         }
     }
@@ -62,6 +64,7 @@ impl Kind {
             Kind::Manifest => "kvg_manifest",
             Kind::RowCache => "kvg_row_cache",
             Kind::SlotRowCache => "kvg_slot_row_cache",
+            Kind::HeldRows => "kvg_held_rows",
         }
     }
 
@@ -75,6 +78,7 @@ impl Kind {
             Kind::Manifest => "freed by kvg_manifest_free",
             Kind::RowCache => "freed by kvg_row_cache_free",
             Kind::SlotRowCache => "freed by kvg_slot_row_cache_free",
+            Kind::HeldRows => "freed by kvg_held_rows_free",
         }
     }
 }

@@ -25,6 +25,7 @@
 mod engine_step;
 mod guard;
 mod handle;
+mod held_rows;
 mod import;
 mod mirror;
 mod prefix;

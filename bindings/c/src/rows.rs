@@ -108,7 +108,7 @@ pub unsafe extern "C" fn kvg_row_cache_counts(
 
 /// A step's reads: read `i` is `request_ids[i]` reading its first `seq_lens[i]` tokens through
 /// row `rows[i]` of the engine's block table.
-fn row_reads(
+pub(crate) fn row_reads(
     reads: usize,
     request_ids: *const u64,
     rows: *const u32,

@@ -1018,6 +1018,91 @@ static void test_slot_rows_cached(void) {
     kvg_table_free(t);
 }
 
+/* kvg_held_rows: a block table kvguard holds, changed through its calls and read through one
+   pointer; each step judged from what changed, a change below a row's checked pages in full. */
+static void test_held_rows(void) {
+    enum { READS = 2, W = 4 };
+    kvg_table *t = new_table(KVG_POLICY_ENFORCE, 0);
+    kvg_held_rows *held = NULL;
+    uint64_t ids[READS] = {1, 2}, incremental = 99, full = 99;
+    uint32_t rows[READS] = {0, 2};
+    int32_t pages[READS][3], lens[READS] = {10, 10};
+    const int32_t *entries = NULL;
+    size_t nrows = 0, width = 0, len = 99;
+    uint8_t refused[READS];
+    kvg_page_ref refs[3];
+
+    EXPECT(kvg_held_rows_new(3, W, NULL), KVG_STATUS_NULL_POINTER);
+    EXPECT(kvg_held_rows_new(SIZE_MAX / 2, W, &held), KVG_STATUS_INVALID_ARGUMENT);
+    CHECK(held == NULL);
+    OK(kvg_held_rows_new(3, W, &held));
+    CHECK(held != NULL);
+    for (int r = 0; r < READS; r++) {
+        OK(kvg_admit(t, ids[r], ids[r], 12, 0));
+        OK(kvg_allocate(t, ids[r], 3, refs, 3));
+        for (int b = 0; b < 3; b++) pages[r][b] = refs[b].page;
+        OK(kvg_record_write_tokens(t, ids[r], pages[r], 3, 0, 11));
+        OK(kvg_held_rows_append(held, rows[r], pages[r], 2));
+        OK(kvg_held_rows_append(held, rows[r], pages[r] + 2, 1));
+    }
+    OK(kvg_held_rows_entries(held, &entries, &nrows, &width));
+    CHECK(nrows == 3 && width == W);
+    CHECK(entries[0] == pages[0][0] && entries[2] == pages[0][2] && entries[3] == -1 && entries[W] == -1);
+    CHECK(entries[2 * W + 1] == pages[1][1]);
+    OK(kvg_held_rows_len(held, 2, &len));
+    CHECK(len == 3);
+    OK(kvg_verify_held_rows(t, held, READS, ids, rows, lens, refused));
+    lens[0] = lens[1] = 11;
+    OK(kvg_check_held_rows(t, held, READS, ids, rows, lens, NULL));
+    OK(kvg_held_rows_counts(held, &incremental, &full));
+    CHECK(incremental == 2 && full == 2);
+    /* Rows swapped and swapped back, a row copied over the spare row and read there. */
+    OK(kvg_held_rows_swap_rows(held, 0, 2));
+    CHECK(entries[0] == pages[1][0]);
+    OK(kvg_held_rows_swap_rows(held, 2, 0));
+    OK(kvg_held_rows_copy_row(held, 0, 1));
+    rows[0] = 1;
+    OK(kvg_verify_held_rows(t, held, READS, ids, rows, lens, refused));
+    OK(kvg_held_rows_counts(held, &incremental, NULL));
+    CHECK(incremental == 4);
+    /* Request 2's first entry set to request 1's page: refused, judged, alone. */
+    int32_t wrong[3] = {pages[0][0], pages[1][1], pages[1][2]};
+    OK(kvg_held_rows_set_row(held, 2, wrong, 3));
+    memset(refused, 0xff, sizeof refused);
+    VIOLATES(kvg_verify_held_rows(t, held, READS, ids, rows, lens, refused), KVG_VIOLATION_KIND_FOREIGN_PAGE);
+    CHECK(refused[0] == 0 && refused[1] == 1);
+    OK(kvg_held_rows_truncate(held, 2, 0));
+    OK(kvg_held_rows_len(held, 2, &len));
+    CHECK(len == 0 && entries[2 * W] == -1);
+    /* Malformed: too long a row, rows past the table, a negative count, NULL entries;
+       handles NULL, foreign, freed. Nothing changed by a refused change. */
+    int32_t five[5] = {1, 2, 3, 4, 5};
+    EXPECT(kvg_held_rows_append(held, 1, five, 5), KVG_STATUS_INVALID_ARGUMENT);
+    EXPECT(kvg_held_rows_set_row(held, 1, five, 5), KVG_STATUS_INVALID_ARGUMENT);
+    EXPECT(kvg_held_rows_append(held, 3, five, 1), KVG_STATUS_INVALID_ARGUMENT);
+    EXPECT(kvg_held_rows_copy_row(held, 0, 3), KVG_STATUS_INVALID_ARGUMENT);
+    EXPECT(kvg_held_rows_swap_rows(held, 3, 0), KVG_STATUS_INVALID_ARGUMENT);
+    EXPECT(kvg_held_rows_truncate(held, 3, 0), KVG_STATUS_INVALID_ARGUMENT);
+    EXPECT(kvg_held_rows_len(held, 3, &len), KVG_STATUS_INVALID_ARGUMENT);
+    EXPECT(kvg_held_rows_len(held, 0, NULL), KVG_STATUS_NULL_POINTER);
+    EXPECT(kvg_held_rows_append(held, 1, NULL, 1), KVG_STATUS_NULL_POINTER);
+    OK(kvg_held_rows_append(held, 1, NULL, 0));
+    CHECK(entries[W + 3] == -1 && entries[W] == pages[0][0]);
+    rows[1] = 3;
+    EXPECT(kvg_verify_held_rows(t, held, READS, ids, rows, lens, NULL), KVG_STATUS_INVALID_ARGUMENT);
+    rows[1] = 2;
+    lens[0] = -1;
+    EXPECT(kvg_verify_held_rows(t, held, READS, ids, rows, lens, NULL), KVG_STATUS_INVALID_ARGUMENT);
+    lens[0] = 11;
+    EXPECT(kvg_verify_held_rows(t, NULL, READS, ids, rows, lens, NULL), KVG_STATUS_NULL_POINTER);
+    EXPECT(kvg_verify_held_rows(t, (kvg_held_rows *)t, READS, ids, rows, lens, NULL), KVG_STATUS_INVALID_HANDLE);
+    OK(kvg_held_rows_free(held));
+    EXPECT(kvg_held_rows_free(held), KVG_STATUS_INVALID_HANDLE);
+    EXPECT(kvg_held_rows_append(held, 1, five, 1), KVG_STATUS_INVALID_HANDLE);
+    OK(kvg_held_rows_free(NULL));
+    kvg_table_free(t);
+}
+
 /* kvg_engine_step: a step's early events, its writes from the rows, its late events and its
    reads in one call, as the calls it stands for judge them; kvg_apply_events alone. */
 static void test_engine_step(void) {
@@ -1771,6 +1856,7 @@ int main(void) {
     test_rows();
     test_slot_rows();
     test_slot_rows_cached();
+    test_held_rows();
     test_write_decode_rows();
     test_engine_step();
     test_claim_step();

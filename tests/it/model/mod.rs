@@ -13,8 +13,8 @@ pub mod step;
 
 use kvguard::cuda::layout::DeviceTag;
 use kvguard::{
-    BlockRows, Error, OwnershipTable, PageId, PageState, PoolConfig, PrefixKey, RequestId, RowCache, RowRead, SeqRead,
-    TenantId,
+    BlockRows, Error, HeldBlockTable, OwnershipTable, PageId, PageState, PoolConfig, PrefixKey, RequestId, RowCache,
+    RowRead, SeqRead, TenantId,
 };
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -621,6 +621,77 @@ pub fn run_rows(ops: &[Op]) -> u64 {
         assert_eq!(said(&incremental), said(&full), "step {step}: after {op:?}, the rows' verdicts differ");
     });
     cache.incremental()
+}
+
+/// [`run_rows`] through a block table the guard holds ([`HeldBlockTable`]) and read by
+/// [`OwnershipTable::check_held_rows`]: every step's verdict must be the full check's, row for
+/// row. A row is refreshed through the held table's calls: what extends it appended, anything
+/// else by `set_row`, or a truncate and an append, by turns; the entry a read swaps is swapped
+/// through them too (nothing changes a held row behind its calls). At each [`Op::Sync`] one
+/// request's row moves to the spare row (`copy_row`, the old one cleared) and two requests' rows
+/// trade places (`swap_rows`), as an engine condensing its batch. Returns the rows judged
+/// incrementally.
+pub fn run_held_rows(ops: &[Op]) -> u64 {
+    let stride = PAGES as usize + 1;
+    let n = usize::from(REQUESTS);
+    let mut held = HeldBlockTable::new(n + 1, stride).expect("a small table");
+    // Request r's row in the held table; row `spare` holds none.
+    let mut place: Vec<u32> = (0..n as u32).collect();
+    let mut spare = n as u32;
+    let mut tokens = [0u64; REQUESTS as usize];
+    run_checked(config(), ops, true, |table, model, op, step| {
+        if matches!(op, Op::Sync) {
+            let r = step % n;
+            held.copy_row(place[r], spare).expect("rows in range");
+            held.clear_row(place[r]).expect("rows in range");
+            (place[r], spare) = (spare, place[r]);
+            let (a, b) = (step % n, (step + 1 + step / n) % n);
+            held.swap_rows(place[a], place[b]).expect("rows in range");
+            place.swap(a, b);
+        }
+        let mut reads = Vec::new();
+        for r in 0..REQUESTS {
+            let (refresh, read) = row_refresh(op, r);
+            let at = place[usize::from(r)];
+            if refresh {
+                let (swap_at, swap) = read.map_or((u8::MAX, 0), |(_, at, page)| (at, page));
+                let new: Vec<i32> = model.read_table(r, swap_at, swap).into_iter().map(|p| p as i32).collect();
+                let old = held.row(at).expect("in range").to_vec();
+                if new.starts_with(&old) {
+                    held.append(at, &new[old.len()..]).expect("fits");
+                } else if step % 2 == 0 {
+                    held.set_row(at, &new).expect("fits");
+                } else {
+                    let same = old.iter().zip(&new).take_while(|(a, b)| a == b).count();
+                    held.truncate(at, same).expect("in range");
+                    held.append(at, &new[same..]).expect("fits");
+                }
+                assert_eq!(held.row(at), Some(&new[..]), "step {step}: the row as set");
+            }
+            let listed = held.row(at).expect("in range").len() as u64;
+            let cap = listed * u64::from(PAGE_SIZE) + 2;
+            let t = &mut tokens[usize::from(r)];
+            *t = match read {
+                Some((n, at, _)) if u64::from(at) < listed && n % 2 == 0 => *t % cap,
+                Some((n, _, _)) => u64::from(n) % cap,
+                None => (*t + 1) % cap,
+            };
+            reads.push(RowRead { request: req_id(r), row: at, tokens: *t });
+        }
+        let incremental = table.check_held_rows(&mut held, &reads).expect("rows in range");
+        let pages: Vec<Vec<PageId>> =
+            held.entries().chunks(stride).map(|row| row.iter().map(|&e| PageId(e as u32)).collect()).collect();
+        let seqs: Vec<SeqRead<'_>> = reads
+            .iter()
+            .map(|r| SeqRead { request: r.request, block_table: &pages[r.row as usize], tokens: r.tokens })
+            .collect();
+        let full = table.check_step(&seqs);
+        let said = |v: &kvguard::StepVerdict| -> Vec<_> {
+            v.refused.iter().map(|(i, v)| (*i, v.kind(), v.block_index(), v.page(), v.request())).collect()
+        };
+        assert_eq!(said(&incremental), said(&full), "step {step}: after {op:?}, the held rows' verdicts differ");
+    });
+    held.incremental()
 }
 
 /// [`run`]'s sequence with every request's row also kept as a token-slot table (SGLang's
