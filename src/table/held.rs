@@ -269,7 +269,42 @@ impl OwnershipTable {
     /// and (enforce) quarantined, as [`verify_step`](Self::verify_step) does. See
     /// [`HeldBlockTable`] for an example.
     pub fn verify_held_rows(&self, held: &mut HeldBlockTable, reads: &[RowRead]) -> Result<StepVerdict, RowsError> {
-        self.held_step(held, reads, true)
+        self.held_step(held, reads.iter().copied(), true)
+    }
+
+    /// [`verify_held_rows`](Self::verify_held_rows) of reads an engine keeps in its own shape
+    /// (columns of request ids, rows and lengths, say), read through `reads` twice (rows in
+    /// range first, then the step), none built: what the C ABI calls with its arrays.
+    ///
+    /// ```
+    /// # use kvguard::{HeldBlockTable, OwnershipTable, PoolConfig, RequestId, RowRead};
+    /// # let table = OwnershipTable::new(PoolConfig::new(64, 16, 1024)).unwrap();
+    /// # let mut held = HeldBlockTable::new(4, 4).unwrap();
+    /// let (ids, rows, lens) = ([7u64, 9], [0u32, 1], [0u64, 0]);
+    /// let reads = ids.iter().zip(&rows).zip(&lens).map(|((&r, &row), &tokens)| RowRead {
+    ///     request: RequestId(r),
+    ///     row,
+    ///     tokens,
+    /// });
+    /// // Unknown requests, even reading nothing: both refused.
+    /// assert_eq!(table.verify_held_reads(&mut held, reads).unwrap().refused.len(), 2);
+    /// ```
+    pub fn verify_held_reads<I>(&self, held: &mut HeldBlockTable, reads: I) -> Result<StepVerdict, RowsError>
+    where
+        I: IntoIterator<Item = RowRead>,
+        I::IntoIter: Clone,
+    {
+        self.held_step(held, reads.into_iter(), true)
+    }
+
+    /// [`check_held_rows`](Self::check_held_rows) of reads in the engine's own shape (see
+    /// [`verify_held_reads`](Self::verify_held_reads)).
+    pub fn check_held_reads<I>(&self, held: &mut HeldBlockTable, reads: I) -> Result<StepVerdict, RowsError>
+    where
+        I: IntoIterator<Item = RowRead>,
+        I::IntoIter: Clone,
+    {
+        self.held_step(held, reads.into_iter(), false)
     }
 
     /// A step's reads through a block table the guard holds, checked as
@@ -280,13 +315,18 @@ impl OwnershipTable {
     /// quarantines nothing. [`RowsError::Row`] (nothing checked, nothing kept) if a read names
     /// a row past the table.
     pub fn check_held_rows(&self, held: &mut HeldBlockTable, reads: &[RowRead]) -> Result<StepVerdict, RowsError> {
-        self.held_step(held, reads, false)
+        self.held_step(held, reads.iter().copied(), false)
     }
 
-    fn held_step(&self, held: &mut HeldBlockTable, reads: &[RowRead], judged: bool) -> Result<StepVerdict, RowsError> {
+    fn held_step(
+        &self,
+        held: &mut HeldBlockTable,
+        reads: impl Iterator<Item = RowRead> + Clone,
+        judged: bool,
+    ) -> Result<StepVerdict, RowsError> {
         let n = held.rows();
-        if reads.iter().map(|r| r.row as usize).max().is_some_and(|last| last >= n)
-            && let Some((index, r)) = reads.iter().enumerate().find(|(_, r)| r.row as usize >= n)
+        if reads.clone().map(|r| r.row as usize).max().is_some_and(|last| last >= n)
+            && let Some((index, r)) = reads.clone().enumerate().find(|(_, r)| r.row as usize >= n)
         {
             return Err(RowsError::Row { index, row: r.row, rows: n });
         }
@@ -297,11 +337,12 @@ impl OwnershipTable {
         let state = self.state.read();
         let mut verdict = StepVerdict::default();
         let HeldBlockTable { width, entries, heads, incremental, full, .. } = held;
-        let mut in_full = 0;
-        for (i, read) in reads.iter().enumerate() {
+        let (mut in_full, mut count) = (0, 0);
+        for (i, read) in reads.enumerate() {
+            count += 1;
             let r = read.row as usize; // in range: checked above
             let row = &entries[r * *width..][..*width];
-            let (fast, checked) = state.check_row(&mut heads[r], None, read, row);
+            let (fast, checked) = state.check_row(&mut heads[r], None, &read, row);
             in_full += u64::from(!fast);
             if let Err(v) = checked {
                 if judged {
@@ -311,7 +352,7 @@ impl OwnershipTable {
             }
         }
         *full += in_full;
-        *incremental += reads.len() as u64 - in_full;
+        *incremental += count - in_full;
         Ok(verdict)
     }
 }

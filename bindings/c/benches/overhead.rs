@@ -6,6 +6,8 @@
 //! - `verify_rows/{rust,c_abi}/65536`: the same step read through the block table by
 //!   `verify_rows` / `kvg_verify_rows`, each with its row cache warm (rows unchanged since the
 //!   step before: judged from their last page).
+//! - `held_rows/{rust,c_abi}/65536`: the same rows held by the guard (`HeldBlockTable` /
+//!   `kvg_held_rows`) through `verify_held_rows` / `kvg_verify_held_rows`, each warm.
 //! - `engine_step/{rust,c_abi}/65536`: the same step through the one-call engine step
 //!   (`engine_step` / `kvg_engine_step`: no events, no tokens written, every row read).
 //! - `decode_forward/{rust,c_abi}/65536`: the same rows in SGLang's layout (token slots, 256 x
@@ -17,7 +19,7 @@
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 mod fixture;
 use fixture::Fixture;
-use kvguard::{BlockRows, RowCache};
+use kvguard::{BlockRows, HeldBlockTable, RowCache};
 use std::hint::black_box;
 
 fn verify_step(c: &mut Criterion) {
@@ -55,6 +57,22 @@ fn verify_rows(c: &mut Criterion) {
     group.finish();
 }
 
+fn held_rows(c: &mut Criterion) {
+    let mut group = c.benchmark_group("held_rows");
+    let f = Fixture::new(256, 256);
+    group.throughput(Throughput::Elements(256 * 256));
+    group.bench_function(BenchmarkId::new("rust", 256 * 256), |b| {
+        let reads = f.row_reads();
+        let mut held = HeldBlockTable::new(256, f.blocks()).expect("fits");
+        for (r, row) in f.matrix.chunks(f.blocks()).enumerate() {
+            held.append(r as u32, row).expect("fits");
+        }
+        b.iter(|| assert!(f.table.verify_held_rows(&mut held, black_box(&reads)).expect("rows in range").is_clean()))
+    });
+    group.bench_function(BenchmarkId::new("c_abi", 256 * 256), |b| b.iter(|| assert!(f.verify_held_rows_c())));
+    group.finish();
+}
+
 fn engine_step(c: &mut Criterion) {
     let mut group = c.benchmark_group("engine_step");
     let f = Fixture::new(256, 256);
@@ -85,5 +103,5 @@ fn decode_forward(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, verify_step, verify_rows, engine_step, decode_forward);
+criterion_group!(benches, verify_step, verify_rows, held_rows, engine_step, decode_forward);
 criterion_main!(benches);

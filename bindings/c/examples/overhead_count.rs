@@ -16,11 +16,14 @@
 //! every row read), with the same subtraction. `decode_rust` and `decode_c` run one decode
 //! forward through SGLang's layout, a token-slot table (`decode_forward` / `kvg_decode_forward`:
 //! each row's last slot written again, its window from the token before it read).
+//! `held_rust` and `held_c` run `verify_held_rows` / `kvg_verify_held_rows` through the same rows
+//! held by the guard (`HeldBlockTable` / `kvg_held_rows`), the first call in full: subtract as for
+//! `rows_*`.
 
 #[path = "../benches/fixture/mod.rs"]
 mod fixture;
 use fixture::Fixture;
-use kvguard::{BlockRows, RowCache};
+use kvguard::{BlockRows, HeldBlockTable, RowCache};
 use std::hint::black_box;
 
 fn main() {
@@ -36,10 +39,18 @@ fn main() {
     let computed = f.tokens();
     let scheduled = vec![0u64; computed.len()];
     let (slot_table, last_slots) = f.token_slots();
+    let mut held = HeldBlockTable::new(rows, blocks).expect("fits");
+    for (r, row) in f.matrix.chunks(blocks.max(1)).enumerate() {
+        held.append(r as u32, row).expect("fits");
+    }
     for _ in 0..calls {
         let clean = match via.as_str() {
             "c_abi" => f.verify_step_c(black_box(&f.matrix)),
             "rows_c" => f.verify_rows_c(black_box(&f.matrix)),
+            "held_c" => f.verify_held_rows_c(),
+            "held_rust" => {
+                f.table.verify_held_rows(&mut held, black_box(&row_reads)).expect("rows in range").is_clean()
+            }
             "step_c" => f.engine_step_c(black_box(&f.matrix), &computed, &scheduled),
             "decode_c" => f.decode_forward_c(black_box(&slot_table), &last_slots),
             "decode_rust" => f.decode_forward_rust(black_box(&slot_table), &last_slots),

@@ -5,11 +5,11 @@
 use crate::guard::guard_free;
 use crate::handle::{Kind, Registry};
 use crate::raw;
-use crate::rows::{put_counts, row_reads, with_locked};
+use crate::rows::{put_counts, read_columns, with_locked};
 use crate::status::{Failure, kvg_status};
 use crate::step::{mask, verdict};
 use crate::table::{kvg_table, with_table};
-use kvguard::{HeldBlockTable, HeldRowsError};
+use kvguard::{HeldBlockTable, HeldRowsError, RequestId, RowRead};
 use parking_lot::Mutex;
 
 /// A block table the guard holds (`kvg_held_rows_new`; `kvg_held_rows_free`): rows of int32 page
@@ -210,10 +210,16 @@ fn held_step(
     judged: bool,
 ) -> kvg_status {
     with_table(table, |t| {
-        let step = row_reads(reads, request_ids, rows, seq_lens)?;
+        let (requests, rows, lens) = read_columns(reads, request_ids, rows, seq_lens)?;
+        // The reads as the core takes them, straight from the caller's arrays (none built).
+        let step = requests.iter().zip(rows).zip(lens).map(|((&r, &row), &n)| RowRead {
+            request: RequestId(r),
+            row,
+            tokens: n as u64, // not negative: checked
+        });
         let refused = mask(refused, reads)?;
         with_held(held, |h| {
-            let v = if judged { t.table.verify_held_rows(h, &step) } else { t.table.check_held_rows(h, &step) };
+            let v = if judged { t.table.verify_held_reads(h, step) } else { t.table.check_held_reads(h, step) };
             verdict(v.map_err(|e| Failure::invalid(e.to_string()))?, reads, refused)
         })
     })

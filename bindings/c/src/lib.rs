@@ -42,6 +42,11 @@ mod types;
 pub use engine_step::{kvg_apply_events, kvg_engine_step, kvg_event_kind, kvg_events, kvg_step_input};
 pub use guard::{kvg_last_error_message, kvg_last_status, kvg_last_violation, kvg_last_violation_count};
 pub use handle::kvg_live_handles;
+pub use held_rows::{
+    kvg_check_held_rows, kvg_held_rows, kvg_held_rows_append, kvg_held_rows_copy_row, kvg_held_rows_counts,
+    kvg_held_rows_entries, kvg_held_rows_free, kvg_held_rows_len, kvg_held_rows_new, kvg_held_rows_set_row,
+    kvg_held_rows_swap_rows, kvg_held_rows_truncate, kvg_verify_held_rows,
+};
 pub use import::{kvg_begin_import, kvg_import_abort, kvg_import_fail, kvg_import_finish, kvg_import_ticket};
 pub use prefix::{kvg_attach_prefix, kvg_detach_prefix, kvg_evict_prefix, kvg_publish_prefix, kvg_publish_prefix_refs};
 pub use rows::{

@@ -106,23 +106,35 @@ pub unsafe extern "C" fn kvg_row_cache_counts(
     guard_free(|| with_cache(cache, |c| put_counts((c.incremental(), c.full()), incremental, full)))
 }
 
-/// A step's reads: read `i` is `request_ids[i]` reading its first `seq_lens[i]` tokens through
-/// row `rows[i]` of the engine's block table.
-pub(crate) fn row_reads(
+/// A step's reads as the caller's arrays: request ids, rows, token counts.
+pub(crate) type ReadColumns<'a> = (&'a [u64], &'a [u32], &'a [i32]);
+
+/// A step's reads as the caller's columns: read `i` is `request_ids[i]` reading its first
+/// `seq_lens[i]` tokens through row `rows[i]` of the engine's block table; every length checked
+/// not negative.
+pub(crate) fn read_columns<'a>(
     reads: usize,
     request_ids: *const u64,
     rows: *const u32,
     seq_lens: *const i32,
-) -> Result<Vec<RowRead>, Failure> {
-    if reads == 0 {
-        return Ok(Vec::new());
-    }
+) -> Result<ReadColumns<'a>, Failure> {
     let requests = raw::slice(request_ids, reads, "request_ids")?;
     let rows = raw::slice(rows, reads, "rows")?;
     let lens = raw::slice(seq_lens, reads, "seq_lens")?;
     if let Some(i) = lens.iter().position(|&n| n < 0) {
         return Err(Failure::invalid(format!("seq_lens[{i}] is {}: a token count is not negative", lens[i])));
     }
+    Ok((requests, rows, lens))
+}
+
+/// A step's reads (see [`read_columns`]) as the core's `RowRead`s.
+fn row_reads(
+    reads: usize,
+    request_ids: *const u64,
+    rows: *const u32,
+    seq_lens: *const i32,
+) -> Result<Vec<RowRead>, Failure> {
+    let (requests, rows, lens) = read_columns(reads, request_ids, rows, seq_lens)?;
     let step = requests.iter().zip(rows).zip(lens);
     Ok(step.map(|((&r, &row), &n)| RowRead { request: RequestId(r), row, tokens: n as u64 }).collect())
 }

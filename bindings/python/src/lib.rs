@@ -66,6 +66,7 @@ fn _kvguard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(mirror::mark_pages, m)?)?;
     m.add_class::<table::StepVerdict>()?;
     m.add_class::<rows::RowCache>()?;
+    m.add_class::<rows::HeldBlockTable>()?;
     m.add_class::<table::ImportTicket>()?;
     m.add_class::<transfer::Manifest>()?;
     m.add_class::<transfer::Receiver>()?;

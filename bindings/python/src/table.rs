@@ -948,6 +948,44 @@ impl OwnershipTable {
         (cache.incremental(), cache.full())
     }
 
+    /// Pure check of a step through a block table the guard holds (see verify_held_rows).
+    fn check_held_rows(
+        &self,
+        py: Python<'_>,
+        held: &Bound<'_, crate::rows::HeldBlockTable>,
+        req_ids: &Bound<'_, PyAny>,
+        rows: &Bound<'_, PyAny>,
+        seq_lens: &Bound<'_, PyAny>,
+    ) -> PyResult<StepVerdict> {
+        let requests = self.step_requests(req_ids)?;
+        let v = crate::rows::held_step(py, &self.table, held.get(), &requests, rows, seq_lens, false)?;
+        self.verdict(py, v, requests.len(), false)
+    }
+
+    /// A step's reads through a block table the guard holds, judged from what changed: request
+    /// i reads its first seq_lens[i] tokens through row rows[i] of `held`, and a row whose
+    /// entries checked whole before were not changed since (through held's methods, the only way
+    /// they change), read again by the same request who lost nothing since, is judged from its
+    /// last page only, without reading the row again (docs/engine-step.md). The verdict is
+    /// verify_step's on the same rows, row for row.
+    ///
+    /// held: a kvguard.HeldBlockTable.
+    /// req_ids: the step's n requests (list of int/str, or an int array).
+    /// rows: 1-D int, n entries, each a row of `held` (ValueError otherwise).
+    /// seq_lens: 1-D int, n entries: tokens each request reads.
+    fn verify_held_rows(
+        &self,
+        py: Python<'_>,
+        held: &Bound<'_, crate::rows::HeldBlockTable>,
+        req_ids: &Bound<'_, PyAny>,
+        rows: &Bound<'_, PyAny>,
+        seq_lens: &Bound<'_, PyAny>,
+    ) -> PyResult<StepVerdict> {
+        let requests = self.step_requests(req_ids)?;
+        let v = crate::rows::held_step(py, &self.table, held.get(), &requests, rows, seq_lens, true)?;
+        self.verdict(py, v, requests.len(), true)
+    }
+
     /// Pure check of a step through the engine's block table, incrementally (see verify_rows).
     fn check_rows(
         &self,
