@@ -45,9 +45,30 @@ case "${1:-}" in
   setup) kvguard_fuzz_setup ;;
   after)
     (cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz build 2>&1 | tail -n 1)
-    kvguard_fuzz_target table_ops "${KVGUARD_FUZZ_SECONDS:-60}"
-    kvguard_fuzz_target engine_step 30
-    kvguard_fuzz_target manifest_decode 30
-    kvguard_fuzz_target trace_parse 30 tests/zoo/*.jsonl
+    # Two lanes side by side (each fuzzer is one thread; CI has two cores): table_ops then
+    # trace_parse, and engine_step then manifest_decode. Each lane's output is printed when both
+    # are done; a failure in either fails the part.
+    kvguard_fuzz_lane_a=$(mktemp)
+    kvguard_fuzz_lane_b=$(mktemp)
+    (
+      s=0
+      kvguard_fuzz_target table_ops "${KVGUARD_FUZZ_SECONDS:-60}" || s=1
+      kvguard_fuzz_target trace_parse 30 tests/zoo/*.jsonl || s=1
+      exit "$s"
+    ) >"$kvguard_fuzz_lane_a" 2>&1 &
+    kvguard_fuzz_pid_a=$!
+    (
+      s=0
+      kvguard_fuzz_target engine_step 30 || s=1
+      kvguard_fuzz_target manifest_decode 30 || s=1
+      exit "$s"
+    ) >"$kvguard_fuzz_lane_b" 2>&1 &
+    kvguard_fuzz_pid_b=$!
+    kvguard_fuzz_status=0
+    wait "$kvguard_fuzz_pid_a" || kvguard_fuzz_status=1
+    wait "$kvguard_fuzz_pid_b" || kvguard_fuzz_status=1
+    cat "$kvguard_fuzz_lane_a" "$kvguard_fuzz_lane_b"
+    rm -f "$kvguard_fuzz_lane_a" "$kvguard_fuzz_lane_b"
+    [ "$kvguard_fuzz_status" -eq 0 ] || { echo "fuzz.sh: a fuzz target failed" >&2; exit 1; }
     ;;
 esac

@@ -9,10 +9,11 @@
 # and `pip install vllm==0.33.0` once (about 3 minutes and 9 GB: torch's CUDA wheels come with
 # it even on CPU), reused afterwards. The kvguard wheel scripts/ci/python.sh built into
 # target/wheels is installed into it (--force-reinstall --no-deps); built here with maturin if
-# that part did not run first. The 69 tests take 2-3 minutes on two cores (as loaded).
+# that part did not run first. The 69 V1 tests take 2-3 minutes, V2's 25 about 8 (one core each;
+# they run side by side).
 
 kvguard_vllm_after() {
-  local root venv wheel_dir wheel status
+  local root venv wheel_dir wheel status v1_log v2_log v1_pid v2_pid
   root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
   venv="${KVGUARD_VLLM_VENV:-$HOME/.cache/kvguard/vllm-venv}"
   if [ ! -x "$venv/bin/python" ] || ! VLLM_TARGET_DEVICE=cpu "$venv/bin/python" -c \
@@ -33,13 +34,26 @@ kvguard_vllm_after() {
   fi
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps "$wheel" || return 1
   status=0
+  # The V1 tests and Model Runner V2's side by side (each is one Python thread for most of its
+  # time), each into its own log, printed in order when both are done.
+  v1_log=$(mktemp)
+  v2_log=$(mktemp)
   # From the tests' directory, so `import kvguard` is the installed wheel, not the source tree.
   (cd "$root/bindings/python/tests/engines/vllm" && VLLM_TARGET_DEVICE=cpu \
-    "$venv/bin/python" -m pytest -q -p no:cacheprovider .) || status=$?
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider .) >"$v1_log" 2>&1 &
+  v1_pid=$!
   # Model Runner V2 in a process of its own: its Triton kernels run under TRITON_INTERPRET=1,
   # set (by v2/v2_engine.py) before vLLM is imported.
   (cd "$root/bindings/python/tests/engines/vllm/v2" && VLLM_TARGET_DEVICE=cpu \
-    "$venv/bin/python" -m pytest -q -p no:cacheprovider .) || status=$?
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider .) >"$v2_log" 2>&1 &
+  v2_pid=$!
+  wait "$v1_pid" || status=$?
+  wait "$v2_pid" || status=$?
+  echo "-- vLLM V1 (bindings/python/tests/engines/vllm)"
+  cat "$v1_log"
+  echo "-- vLLM Model Runner V2 (bindings/python/tests/engines/vllm/v2)"
+  cat "$v2_log"
+  rm -f "$v1_log" "$v2_log"
   return "$status"
 }
 
