@@ -571,16 +571,6 @@ impl<'py, T: Named> ArrayMut<'py, T> {
         base..base + self.len * std::mem::size_of::<T>()
     }
 
-    /// `ValueError` when it shares memory with `other`, a writable array of another element type
-    /// (an argument named `other_name`).
-    pub fn apart_from<U: Named>(&self, name: &str, other: &ArrayMut<'_, U>, other_name: &str) -> PyResult<()> {
-        let (a, b) = (self.span(), other.span());
-        if a.start < a.end && b.start < b.end && a.start < b.end && b.start < a.end {
-            return Err(PyValueError::new_err(format!("{name} shares memory with {other_name}: pass separate arrays")));
-        }
-        Ok(())
-    }
-
     /// `ValueError` when it shares memory with `other` (an argument named `other_name`), or with
     /// the other writable array `also`: the binding writes it while it reads the others, so
     /// they must not alias (the SAFETY of [`I64Mut::get`] and [`I64Mut::set`] relies on it).

@@ -124,13 +124,6 @@ pub fn mark_pages(flags: &Bound<'_, PyAny>, slots: &Bound<'_, PyAny>, page_size:
     let flags = U8Mut::open(flags, "flags")?;
     let slots = IntArray::open(slots, "slots", 1)?;
     flags.apart("flags", &[(&slots, "slots")], None)?;
-    mark(&flags, &slots, page_size);
-    Ok(())
-}
-
-/// [`mark_pages`]' marks, its arguments checked (`page_size` at least 1, `flags` apart from
-/// `slots`).
-pub fn mark(flags: &U8Mut<'_>, slots: &IntArray<'_>, page_size: u32) {
     let div = PageDiv::new(page_size);
     let pages = flags.len() as u64;
     let mark = |slot: i64| {
@@ -145,4 +138,5 @@ pub fn mark(flags: &U8Mut<'_>, slots: &IntArray<'_>, page_size: u32) {
         Some(s) => s.iter().for_each(|&v| mark(v)),
         None => (0..slots.len()).for_each(|i| mark(slots.get(i, 0))),
     }
+    Ok(())
 }

@@ -4,7 +4,7 @@
 //! names lock (request and tenant strings) is taken for the conversion only, never across the
 //! core call or while Python code may run.
 
-use crate::arrays::{I64Mut, IntArray, Ints, U8Mut};
+use crate::arrays::{I64Mut, IntArray, Ints};
 use crate::errors::{self, log_violation};
 use crate::events::StepEvents;
 use crate::mirror;
@@ -1496,14 +1496,10 @@ impl OwnershipTable {
     /// row_keys, row_claimants, page_prefix, rows, slots: as claim_decode_slots.
     /// page_owner: as claim_decode_slots, and writable int64 (numpy); row_checked: writable
     ///   int64, one entry per row of row_keys (TypeError / ValueError otherwise, nothing changed).
-    /// handed, handed_slots: optional, together: mark_pages(handed, handed_slots, page_size)
-    ///   made first, in the same call (the allocator's marks of the slots it handed out for
-    ///   this write: one crossing a step fewer); every argument is checked before anything is
-    ///   marked or written.
     /// Returns None when every row's page was its own or claimed cleanly (the common step:
     /// nothing is built); otherwise (StepVerdict over the claims made, [positions left to the
     /// engine]), as claim_decode_slots says them.
-    #[pyo3(signature = (row_keys, row_claimants, page_owner, page_prefix, row_checked, rows, cols, slots, *, handed = None, handed_slots = None))]
+    #[pyo3(signature = (row_keys, row_claimants, page_owner, page_prefix, row_checked, rows, cols, slots))]
     #[allow(clippy::too_many_arguments)]
     fn write_decode_rows(
         &self,
@@ -1516,14 +1512,7 @@ impl OwnershipTable {
         rows: &Bound<'_, PyAny>,
         cols: &Bound<'_, PyAny>,
         slots: &Bound<'_, PyAny>,
-        handed: Option<&Bound<'_, PyAny>>,
-        handed_slots: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Option<(StepVerdict, Vec<usize>)>> {
-        let marks = match (handed, handed_slots) {
-            (None, None) => None,
-            (Some(h), Some(s)) => Some((U8Mut::open(h, "handed")?, IntArray::open(s, "handed_slots", 1)?)),
-            _ => return Err(PyValueError::new_err("handed and handed_slots come together")),
-        };
         let owner = I64Mut::open(page_owner, "page_owner")?;
         let arrays = MirrorArrays::open(row_keys, row_claimants, page_prefix, rows, slots)?;
         let checked = I64Mut::open(row_checked, "row_checked")?;
@@ -1537,20 +1526,9 @@ impl OwnershipTable {
         ];
         owner.apart("page_owner", &read, Some((&checked, "row_checked")))?;
         checked.apart("row_checked", &read, None)?;
-        if let Some((flags, marked)) = &marks {
-            let mut all = read.to_vec();
-            all.push((marked, "handed_slots"));
-            flags.apart("handed", &all, None)?;
-            // Written as bytes: apart from the two int64 arrays written too.
-            flags.apart_from("handed", &owner, "page_owner")?;
-            flags.apart_from("handed", &checked, "row_checked")?;
-        }
         let cols = mirror::Lookup::new(&cols);
         let l = arrays.lookups();
         let mirror = l.mirror(&mirror::Written(&owner), self.table.config().num_pages)?;
-        if let Some((flags, marked)) = &marks {
-            mirror::mark(flags, marked, self.table.page_size());
-        }
         let write = kvguard::step::DecodeRowWrite { rows: &arrays.rows, cols: &cols, slots: &l.slots };
         // The core's write_decode_rows in its three parts: the plugin's arrays are read and
         // written with the GIL held (their SAFETY: see I64Mut), the table's claims made with it

@@ -156,38 +156,6 @@ def test_write_decode_rows_is_claim_decode_slots_with_the_mirror_updated():
     assert checked.tolist() == [20, 3, 20, 20, 20, 0, 0, 0]
 
 
-def test_write_decode_rows_makes_the_allocators_marks_in_the_same_call():
-    """handed / handed_slots: mark_pages made in the call, before the write (the same marks as
-    mark_pages); given alone, or sharing memory with an array the call reads or writes, a
-    ValueError with nothing marked or written."""
-    t, rows, keys, claimants, owner, prefix = mirror()
-    free = [p for p in range(1, 128) if t.page_info(p).state == "free"]
-    checked = np.full(8, 20, dtype=np.int64)
-    slots = np.array([rows[1][1] * PAGE + 4, rows[2][1] * PAGE + 4, free[0] * PAGE], dtype=np.int64)
-    handed = np.zeros(129, dtype=bool)
-    flags = handed[:128].view(np.uint8)
-    marked = np.array([free[0] * PAGE, -3, 999 * PAGE], dtype=np.int64)
-    before = (owner.copy(), checked.copy())
-    with pytest.raises(ValueError, match="together"):
-        t.write_decode_rows(keys, claimants, owner, prefix, checked, [0, 1, 2], [20] * 3, slots, handed=flags)
-    with pytest.raises(ValueError, match="shares memory"):
-        t.write_decode_rows(keys, claimants, owner, prefix, checked, [0, 1, 2], [20] * 3, slots,
-                            handed=owner.view(np.uint8), handed_slots=marked)
-    with pytest.raises(ValueError, match="shares memory"):
-        t.write_decode_rows(keys, claimants, owner, prefix, checked, [0, 1, 2], [20] * 3, slots,
-                            handed=marked.view(np.uint8), handed_slots=marked)
-    with pytest.raises(TypeError):
-        t.write_decode_rows(keys, claimants, owner, prefix, checked, [0, 1, 2], [20] * 3, slots,
-                            handed=handed, handed_slots=marked)  # bool itself: its uint8 view
-    assert not handed.any() and (owner == before[0]).all() and (checked == before[1]).all()
-    assert t.write_decode_rows(keys, claimants, owner, prefix, checked, [0, 1, 2], [20] * 3, slots,
-                               handed=flags, handed_slots=marked) is None
-    want = np.zeros(129, dtype=bool)
-    kvguard.mark_pages(want[:128].view(np.uint8), marked, PAGE)
-    assert (handed == want).all() and handed.sum() == 1 and handed[free[0]]
-    assert owner[free[0]] == 3
-
-
 def test_write_decode_rows_of_a_clean_step_returns_none():
     t, rows, keys, claimants, owner, prefix = mirror()
     free = [p for p in range(1, 128) if t.page_info(p).state == "free"]
@@ -435,7 +403,6 @@ def test_a_slot_outside_any_pool_on_a_row_left_to_the_plugin_is_refused_not_rais
     g.table, g.page_size, g._page_limit, g.policy = t, PAGE, 128, "enforce"
     g._row_key, g._row_claimant, g._page_key, g._page_prefix = keys, claimants, owner, prefix
     g._row_checked = np.full(8, 20, dtype=np.int64)
-    g._pending_marks = None  # no allocation waiting for its marks
     g._admitted, g._holds = set(rows), {r: set() for r in rows}
     refused = []
     g._refused = lambda key, v: refused.append((key, v.kind))

@@ -276,11 +276,10 @@ class OwnershipTable:
         """A decode step's block-table writes (one slot per row) against the engine's mirror of page owners:
         each new page of a live row, no prefix, claimed in one claim_step; returns (verdict over the claims,
         [positions left to the engine], granted (page, key) int64 array of shape (m, 2)). Writes nothing."""
-    def write_decode_rows(self, row_keys: IntArray, row_claimants: IntArray, page_owner: IntArray, page_prefix: IntArray, row_checked: IntArray, rows: Sequence[int] | IntArray, cols: Sequence[int] | IntArray, slots: Sequence[int] | IntArray, *, handed: npt.NDArray[np.uint8] | None = None, handed_slots: Sequence[int] | IntArray | None = None) -> tuple[StepVerdict, list[int]] | None:
+    def write_decode_rows(self, row_keys: IntArray, row_claimants: IntArray, page_owner: IntArray, page_prefix: IntArray, row_checked: IntArray, rows: Sequence[int] | IntArray, cols: Sequence[int] | IntArray, slots: Sequence[int] | IntArray) -> tuple[StepVerdict, list[int]] | None:
         """claim_decode_slots with the mirror updated in place (page_owner and row_checked: writable int64):
         row_checked[rows[i]] drops to cols[i] where lower, each granted page_owner[page] = key. None when every
-        row's page was its own or claimed cleanly; else (verdict over the claims, [positions left to the engine]).
-        handed, handed_slots (together): mark_pages(handed, handed_slots, page_size) made first, in the same call."""
+        row's page was its own or claimed cleanly; else (verdict over the claims, [positions left to the engine])."""
     def check_decode_forward(self, row_keys: IntArray, row_claimants: IntArray, row_checked: IntArray, req_to_token: IntArray, rows: Sequence[int] | IntArray, seq_lens: Sequence[int] | IntArray, out_cache_loc: Sequence[int] | IntArray) -> tuple[str, StepVerdict | None] | None:
         """A decode forward's first KV store in one call: the writes (one slot per row) recorded, judged, then each
         row's window (tokens row_checked[rows[i]].. of req_to_token, token slots) checked, pure; clean: row_checked

@@ -212,13 +212,8 @@ class Guard(PageReleases):
         self._next_request = 1
         self._next_prefix = 1
         self._freer: Any = None
-        # page -> SGLang's allocator handed it out and it was not released since. The marks of
-        # the allocator's last call wait in _pending_marks for the decode row write that follows
-        # it (made in that call: one crossing a step fewer); anything that reads or writes
-        # _handed first makes them (_flush_marks).
+        # page -> SGLang's allocator handed it out and it was not released since.
         self._handed = np.zeros(num_pages + 1, dtype=bool)
-        self._handed_flags = self._handed[: self._page_limit].view(np.uint8)
-        self._pending_marks: Any = None
         # Pages freed inside the current free group, judged when freed (freer known).
         self._group_judged: Counter[int] = Counter()
         self._group_ending = False
@@ -368,7 +363,6 @@ class Guard(PageReleases):
             else:
                 writers, self._writers = self._writers, None
                 if writers is not None and len(writers) == len(rows):
-                    self._flush_marks()
                     rows_a, cols_a, slots = _flat(rows), _flat(cols), _flat(values)
                     stale = self._stale_rows(rows_a, writers, "write")
                     if stale is not None and self.policy == "enforce":
@@ -774,18 +768,9 @@ class Guard(PageReleases):
         at page size > 1); every page a live row opens is claimed in one ``claim_step`` (each
         request's claim judged as its own claim call would be, in row order); a row that is not
         live or a prefix page goes through :meth:`_row_written`."""
-        marks = self._pending_marks
-        if marks is None:
-            stop = self.table.write_decode_rows(
-                self._row_key, self._row_claimant, self._page_key, self._page_prefix, self._row_checked, rows, cols, slots
-            )
-        else:
-            # The allocator's marks for these slots, made in the same call.
-            stop = self.table.write_decode_rows(
-                self._row_key, self._row_claimant, self._page_key, self._page_prefix, self._row_checked, rows, cols, slots,
-                handed=self._handed_flags, handed_slots=marks,
-            )
-            self._pending_marks = None
+        stop = self.table.write_decode_rows(
+            self._row_key, self._row_claimant, self._page_key, self._page_prefix, self._row_checked, rows, cols, slots
+        )
         if stop is None:
             return
         verdict, left = stop

@@ -47,26 +47,19 @@ class PageReleases:
     """The release side of :class:`~kvguard.sglang.Guard` (its state is the guard's)."""
 
     def _wrap_alloc_pages(self, inner: Callable[..., Any]) -> Callable[..., Any]:
-        # Every page the allocator hands out is marked in _handed (its pool's entries, as bytes:
-        # _handed_flags) in one call; a slot outside the pool is passed over, judged where it is
-        # used. The marks wait for the decode row write that follows the allocation (made in its
-        # call), or for whatever touches _handed first (_flush_marks).
+        ps = self.page_size
+        # The pool's entries of _handed, as bytes (the same memory): every page the allocator
+        # hands out marked in one call (kvguard.mark_pages); a slot outside the pool is passed
+        # over, judged where it is used.
+        flags = self._handed[: self._page_limit].view(np.uint8)
+
         def alloc(*args: Any, **kwargs: Any) -> Any:
-            self._flush_marks()
             out = inner(*args, **kwargs)
             if out is not None:
-                self._pending_marks = _in_place(out)
+                mark_pages(flags, _in_place(out), ps)
             return out
 
         return alloc
-
-    def _flush_marks(self) -> None:
-        """Makes the allocator's marks still waiting for a row write (see ``_wrap_alloc_pages``):
-        first thing wherever ``_handed`` is read or written."""
-        marks = self._pending_marks
-        if marks is not None:
-            mark_pages(self._handed_flags, marks, self.page_size)
-            self._pending_marks = None
 
     def _judged_now(self, pages: np.ndarray) -> list[int]:
         """A free inside a free group, judged now (its freer is known here, not at the group's
@@ -161,7 +154,6 @@ class PageReleases:
 
     def _released(self, pages: np.ndarray) -> list[int]:
         """Judges one release of ``pages``; returns those SGLang may put back in its free list."""
-        self._flush_marks()
         freer = self._freer
         kept: list[int] = []
         by_owner: dict[Any, list[int]] = {}
@@ -201,7 +193,6 @@ class PageReleases:
         request claimed, which go back. A page a live request still holds, or one the allocator
         never handed out (already free: a double free), is refused: under enforce it stays out of
         SGLang's free list, so it is never handed to two requests."""
-        self._flush_marks()
         inside = 0 <= page < self._page_limit
         owner = int(self._page_key[page]) if inside else _NO_OWNER
         prefix = int(self._page_prefix[page]) if inside else 0
@@ -252,7 +243,6 @@ class PageReleases:
         mine = [p for p in ok if 0 <= p < self._page_limit and self._page_key[p] == key]
         self._page_key[mine] = _NO_OWNER
         back = [p for p in ok if 0 <= p < self._page_limit]
-        self._flush_marks()
         self._handed[back] = False
         return ok
 
@@ -263,7 +253,6 @@ class PageReleases:
         if entry is None or entry[0] is not kv:
             return
         pages = entry[1]
-        self._flush_marks()
         back = pages[(self._page_key[pages] == _NO_OWNER) & (self._page_prefix[pages] == 0) & self._handed[pages]]
         self._give_back(back)
 
@@ -274,7 +263,6 @@ class PageReleases:
             return
         import torch
 
-        self._flush_marks()
         self._handed[pages] = False
         if self.page_size == 1 and self.allocator.free_group is not None and not self._group_ending:
             for p in np.asarray(pages).tolist():
