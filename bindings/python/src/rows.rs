@@ -57,6 +57,28 @@ impl RowCache {
     }
 }
 
+/// The step's reads: request `requests[i]` reading `seq_lens[i]` tokens through row `rows[i]`
+/// of a table of `table_rows` rows (`what`, in the `ValueError` a row past it raises).
+fn row_reads(
+    requests: &[RequestId],
+    rows: &Bound<'_, PyAny>,
+    seq_lens: &Bound<'_, PyAny>,
+    table_rows: usize,
+    what: &str,
+) -> PyResult<Vec<RowRead>> {
+    let n = requests.len();
+    let rows = IntArray::open(rows, "rows", 1)?.counts(n, "rows")?;
+    let lens = IntArray::open(seq_lens, "seq_lens", 1)?.counts(n, "seq_lens")?;
+    let mut reads = Vec::with_capacity(n);
+    for (i, ((&request, &row), &tokens)) in requests.iter().zip(&rows).zip(&lens).enumerate() {
+        let Some(row) = u32::try_from(row).ok().filter(|&r| (r as usize) < table_rows) else {
+            return Err(PyValueError::new_err(format!("rows[{i}] is {row}: {what} has {table_rows} rows")));
+        };
+        reads.push(RowRead { request, row, tokens });
+    }
+    Ok(reads)
+}
+
 /// Request `requests[i]` reads its first `seq_lens[i]` tokens through row `rows[i]` of `table`
 /// (a C-contiguous 2-D int32 array of page ids, read in place), judged (`verify_rows`) or pure,
 /// the GIL released. ValueError for arrays of another shape or type, or a row past the table.
@@ -71,7 +93,6 @@ pub fn step(
     seq_lens: &Bound<'_, PyAny>,
     judged: bool,
 ) -> PyResult<kvguard::StepVerdict> {
-    let n = requests.len();
     let t = IntArray::open(table, "table", 2)?;
     let (entries, width) = t.as_i32_rows().ok_or_else(|| {
         PyValueError::new_err(
@@ -80,16 +101,7 @@ pub fn step(
         )
     })?;
     let block_rows = BlockRows::new(entries, width).map_err(|e| PyValueError::new_err(format!("table: {e}")))?;
-    let rows = IntArray::open(rows, "rows", 1)?.counts(n, "rows")?;
-    let lens = IntArray::open(seq_lens, "seq_lens", 1)?.counts(n, "seq_lens")?;
-    let table_rows = t.len();
-    let mut reads = Vec::with_capacity(n);
-    for (i, ((&request, &row), &tokens)) in requests.iter().zip(&rows).zip(&lens).enumerate() {
-        let Some(row) = u32::try_from(row).ok().filter(|&r| (r as usize) < table_rows) else {
-            return Err(PyValueError::new_err(format!("rows[{i}] is {row}: table has {table_rows} rows")));
-        };
-        reads.push(RowRead { request, row, tokens });
-    }
+    let reads = row_reads(requests, rows, seq_lens, t.len(), "table")?;
     let mut cache = cache.lock()?;
     let cache = &mut *cache;
     let verdict = py.detach(|| {
@@ -312,17 +324,7 @@ pub fn held_step(
     seq_lens: &Bound<'_, PyAny>,
     judged: bool,
 ) -> PyResult<kvguard::StepVerdict> {
-    let n = requests.len();
-    let rows = IntArray::open(rows, "rows", 1)?.counts(n, "rows")?;
-    let lens = IntArray::open(seq_lens, "seq_lens", 1)?.counts(n, "seq_lens")?;
-    let table_rows = held.rows();
-    let mut reads = Vec::with_capacity(n);
-    for (i, ((&request, &row), &tokens)) in requests.iter().zip(&rows).zip(&lens).enumerate() {
-        let Some(row) = u32::try_from(row).ok().filter(|&r| (r as usize) < table_rows) else {
-            return Err(PyValueError::new_err(format!("rows[{i}] is {row}: the held table has {table_rows} rows")));
-        };
-        reads.push(RowRead { request, row, tokens });
-    }
+    let reads = row_reads(requests, rows, seq_lens, held.rows(), "the held table")?;
     let mut h = held.lock()?;
     let h = &mut *h;
     let verdict = py.detach(|| if judged { core.verify_held_rows(h, &reads) } else { core.check_held_rows(h, &reads) });

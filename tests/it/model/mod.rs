@@ -608,19 +608,35 @@ pub fn run_rows(ops: &[Op]) -> u64 {
         }
         let rows = BlockRows::new(&entries, stride).expect("whole rows");
         let incremental = table.check_rows(&mut cache, rows, &reads).expect("rows in range");
-        let pages: Vec<Vec<PageId>> =
-            entries.chunks(stride).map(|row| row.iter().map(|&e| PageId(e as u32)).collect()).collect();
-        let seqs: Vec<SeqRead<'_>> = reads
-            .iter()
-            .map(|r| SeqRead { request: r.request, block_table: &pages[r.row as usize], tokens: r.tokens })
-            .collect();
-        let full = table.check_step(&seqs);
-        let said = |v: &kvguard::StepVerdict| -> Vec<_> {
-            v.refused.iter().map(|(i, v)| (*i, v.kind(), v.block_index(), v.page(), v.request())).collect()
-        };
-        assert_eq!(said(&incremental), said(&full), "step {step}: after {op:?}, the rows' verdicts differ");
+        assert_full_check_agrees(table, &entries, stride, &reads, &incremental, || {
+            format!("step {step}: after {op:?}")
+        });
     });
     cache.incremental()
+}
+
+/// Asserts that `incremental` is `check_step`'s verdict on `reads` through `entries` (rows of
+/// `stride` int32 page ids), row for row: the same rows refused, with the same kind, block index,
+/// page and request. `at` says where, in the panic.
+fn assert_full_check_agrees(
+    table: &OwnershipTable,
+    entries: &[i32],
+    stride: usize,
+    reads: &[RowRead],
+    incremental: &kvguard::StepVerdict,
+    at: impl Fn() -> String,
+) {
+    let pages: Vec<Vec<PageId>> =
+        entries.chunks(stride).map(|row| row.iter().map(|&e| PageId(e as u32)).collect()).collect();
+    let seqs: Vec<SeqRead<'_>> = reads
+        .iter()
+        .map(|r| SeqRead { request: r.request, block_table: &pages[r.row as usize], tokens: r.tokens })
+        .collect();
+    let full = table.check_step(&seqs);
+    let said = |v: &kvguard::StepVerdict| -> Vec<_> {
+        v.refused.iter().map(|(i, v)| (*i, v.kind(), v.block_index(), v.page(), v.request())).collect()
+    };
+    assert_eq!(said(incremental), said(&full), "{}, the rows' verdicts differ", at());
 }
 
 /// [`run_rows`] through a block table the guard holds ([`HeldBlockTable`]) and read by
@@ -679,17 +695,8 @@ pub fn run_held_rows(ops: &[Op]) -> u64 {
             reads.push(RowRead { request: req_id(r), row: at, tokens: *t });
         }
         let incremental = table.check_held_rows(&mut held, &reads).expect("rows in range");
-        let pages: Vec<Vec<PageId>> =
-            held.entries().chunks(stride).map(|row| row.iter().map(|&e| PageId(e as u32)).collect()).collect();
-        let seqs: Vec<SeqRead<'_>> = reads
-            .iter()
-            .map(|r| SeqRead { request: r.request, block_table: &pages[r.row as usize], tokens: r.tokens })
-            .collect();
-        let full = table.check_step(&seqs);
-        let said = |v: &kvguard::StepVerdict| -> Vec<_> {
-            v.refused.iter().map(|(i, v)| (*i, v.kind(), v.block_index(), v.page(), v.request())).collect()
-        };
-        assert_eq!(said(&incremental), said(&full), "step {step}: after {op:?}, the held rows' verdicts differ");
+        let at = || format!("step {step}: after {op:?} (held rows)");
+        assert_full_check_agrees(table, held.entries(), stride, &reads, &incremental, at);
     });
     held.incremental()
 }
