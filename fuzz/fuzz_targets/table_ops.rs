@@ -3,7 +3,8 @@
 //! refusals, same page states, owners, generations (never decreasing) and coverage, pages
 //! conserved, and every page back in the pool once everything is released; and after every
 //! operation, every request's row of an engine's block table read through one `RowCache` gets
-//! the full check's verdict (`model::run_rows`).
+//! the full check's verdict (`model::run_rows`), and so does each row of a block table the guard
+//! holds, changed only through its calls (`model::run_held_rows`).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -13,4 +14,5 @@ mod model;
 
 fuzz_target!(|ops: Vec<model::Op>| {
     model::run_rows(&ops);
+    model::run_held_rows(&ops);
 });
