@@ -165,6 +165,16 @@ pub(crate) fn page(id: i32) -> PageId {
     PageId(id as u32)
 }
 
+/// Where the first negative entry of `counts` is (the caller's token counts, which must not
+/// be): None in one pass the compiler vectorizes (the sign bits OR-ed together) when there is
+/// none, the common case; `position` stops at every entry.
+pub(crate) fn first_negative(counts: &[i32]) -> Option<usize> {
+    if counts.iter().fold(0, |all, &n| all | n) >= 0 {
+        return None;
+    }
+    counts.iter().position(|&n| n < 0)
+}
+
 /// Writes `value` through an optional output pointer (NULL: the caller does not want it).
 pub(crate) fn put<T>(ptr: *mut T, value: T) -> Result<(), Failure> {
     if ptr.is_null() {

@@ -121,7 +121,7 @@ pub(crate) fn read_columns<'a>(
     let requests = raw::slice(request_ids, reads, "request_ids")?;
     let rows = raw::slice(rows, reads, "rows")?;
     let lens = raw::slice(seq_lens, reads, "seq_lens")?;
-    if let Some(i) = lens.iter().position(|&n| n < 0) {
+    if let Some(i) = raw::first_negative(lens) {
         return Err(Failure::invalid(format!("seq_lens[{i}] is {}: a token count is not negative", lens[i])));
     }
     Ok((requests, rows, lens))

@@ -53,10 +53,11 @@ fn slot_reads(
     let lens = raw::slice(seq_lens, reads, "seq_lens")?;
     let from = if from_tokens.is_null() { None } else { Some(raw::slice(from_tokens, reads, "from_tokens")?) };
     for (name, counts) in [("seq_lens", Some(lens)), ("from_tokens", from)] {
-        // The OR of all has the sign bit of any negative one (one pass the compiler vectorizes).
-        let Some(counts) = counts.filter(|c| c.iter().fold(0, |all, &n| all | n) < 0) else { continue };
-        let i = counts.iter().position(|&n| n < 0).unwrap_or_default();
-        return Err(Failure::invalid(format!("{name}[{i}] is {}: a token count is not negative", counts[i])));
+        if let Some(counts) = counts
+            && let Some(i) = raw::first_negative(counts)
+        {
+            return Err(Failure::invalid(format!("{name}[{i}] is {}: a token count is not negative", counts[i])));
+        }
     }
     // Every count is non-negative (checked above): `as u64` keeps its value.
     let from_of = |i: usize| from.map_or(0, |f| f[i] as u64);

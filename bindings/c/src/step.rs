@@ -33,7 +33,7 @@ fn step_reads<'a>(
     let requests = raw::slice(request_ids, rows, "request_ids")?;
     let lens = raw::slice(seq_lens, rows, "seq_lens")?;
     let matrix = raw::pages(raw::slice(block_tables, extent, "block_tables")?);
-    if let Some(row) = lens.iter().position(|&n| n < 0) {
+    if let Some(row) = raw::first_negative(lens) {
         return Err(Failure::invalid(format!("seq_lens[{row}] is {}: a token count is not negative", lens[row])));
     }
     Ok((0..rows)
@@ -166,7 +166,7 @@ fn csr_reads<'a>(
     let indptr = raw::slice(kv_indptr, bounds_len, "kv_indptr")?;
     let last = raw::slice(kv_last_page_len, num_seqs, "kv_last_page_len")?;
     let total = csr_total(indptr, "kv_indptr")?;
-    if let Some(s) = last.iter().position(|&n| n < 0) {
+    if let Some(s) = raw::first_negative(last) {
         return Err(Failure::invalid(format!("kv_last_page_len[{s}] is {}: a token count is not negative", last[s])));
     }
     let indices = raw::pages(raw::slice(kv_indices, total, "kv_indices")?);
