@@ -266,9 +266,7 @@ impl OwnershipTable {
         reads: &[RowRead],
         judged: bool,
     ) -> Result<StepVerdict, RowsError> {
-        if let Some((index, r)) = reads.iter().enumerate().find(|(_, r)| r.row as usize >= rows.rows()) {
-            return Err(RowsError::Row { index, row: r.row, rows: rows.rows() });
-        }
+        RowsError::first_past(reads.iter().map(|r| r.row), rows.rows())?;
         let stride = rows.width();
         cache.fit(self.id(), rows.rows(), stride);
         let ps = u64::from(self.page_size());
@@ -380,9 +378,7 @@ enum Gathered<'a> {
 impl<'a> Gathered<'a> {
     /// The reads through `rows` (a read naming a row past the table is [`RowsError::Row`]).
     fn of(rows: BlockRows<'a>, reads: &[SlotRead], table: &OwnershipTable) -> Result<Gathered<'a>, RowsError> {
-        if let Some((index, r)) = reads.iter().enumerate().find(|(_, r)| r.row as usize >= rows.rows()) {
-            return Err(RowsError::Row { index, row: r.row, rows: rows.rows() });
-        }
+        RowsError::first_past(reads.iter().map(|r| r.row), rows.rows())?;
         if table.page_size() > 1 {
             return Ok(Gathered::Windows(Windows::gather(rows, reads, table)));
         }

@@ -325,11 +325,7 @@ impl OwnershipTable {
         judged: bool,
     ) -> Result<StepVerdict, RowsError> {
         let n = held.rows();
-        if reads.clone().map(|r| r.row as usize).max().is_some_and(|last| last >= n)
-            && let Some((index, r)) = reads.clone().enumerate().find(|(_, r)| r.row as usize >= n)
-        {
-            return Err(RowsError::Row { index, row: r.row, rows: n });
-        }
+        RowsError::first_past(reads.clone().map(|r| r.row), n)?;
         if held.table != self.id() {
             held.forget();
             held.table = self.id();

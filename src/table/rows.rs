@@ -69,6 +69,21 @@ pub enum RowsError {
     },
 }
 
+impl RowsError {
+    /// [`RowsError::Row`] for the first of a step's reads (their rows, in order) naming a row
+    /// past a table of `n` rows; the rows' maximum first, one pass the compiler vectorizes, the
+    /// offender looked for only when there is one. Shared by every step that reads rows.
+    #[inline(always)]
+    pub(crate) fn first_past(rows: impl Iterator<Item = u32> + Clone, n: usize) -> Result<(), RowsError> {
+        if rows.clone().map(|r| r as usize).max().is_some_and(|last| last >= n)
+            && let Some((index, row)) = rows.enumerate().find(|&(_, r)| r as usize >= n)
+        {
+            return Err(RowsError::Row { index, row, rows: n });
+        }
+        Ok(())
+    }
+}
+
 /// An engine's block table as attention reads it, in place: rows of `stride` int32 page ids.
 ///
 /// ```
@@ -407,11 +422,7 @@ impl OwnershipTable {
         judged: bool,
     ) -> Result<StepVerdict, RowsError> {
         let n = rows.rows();
-        if reads.iter().map(|r| r.row as usize).max().is_some_and(|last| last >= n)
-            && let Some((index, r)) = reads.iter().enumerate().find(|(_, r)| r.row as usize >= n)
-        {
-            return Err(RowsError::Row { index, row: r.row, rows: n });
-        }
+        RowsError::first_past(reads.iter().map(|r| r.row), n)?;
         let stride = rows.width();
         if u32::try_from(stride).is_err() {
             return Ok(self.rows_in_full(cache, rows, reads, judged));
