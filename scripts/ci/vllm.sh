@@ -7,20 +7,37 @@
 #
 # The vLLM venv lives in $KVGUARD_VLLM_VENV (default $HOME/.cache/kvguard/vllm-venv): created
 # and `pip install vllm==0.33.0` once (about 3 minutes and 9 GB: torch's CUDA wheels come with
-# it even on CPU), reused afterwards. The kvguard wheel scripts/ci/python.sh built into
-# target/wheels is installed into it (--force-reinstall --no-deps); built here with maturin if
-# that part did not run first. The 69 V1 tests take 2-3 minutes, V2's 25 about 8 (one core each;
-# they run side by side).
+# it even on CPU; in the background while the Rust steps run), reused afterwards. The kvguard
+# wheel scripts/ci/python.sh built into target/wheels is installed into it (--force-reinstall
+# --no-deps); built here with maturin if that part did not run first. The 69 V1 tests take 2-3
+# minutes, V2's 25 about 5 (one core each; they run side by side).
+
+# shellcheck source=scripts/ci/venv-job.bash
+source "$(dirname "${BASH_SOURCE[0]}")/venv-job.bash"
+kvguard_vllm_venv="${KVGUARD_VLLM_VENV:-$HOME/.cache/kvguard/vllm-venv}"
+
+kvguard_vllm_venv_ready() {
+  [ -x "$kvguard_vllm_venv/bin/python" ] && VLLM_TARGET_DEVICE=cpu "$kvguard_vllm_venv/bin/python" -c \
+    'import importlib.metadata as m, sys; sys.exit(m.version("vllm") != "0.33.0")' 2>/dev/null
+}
+
+# Creates the venv. --no-compile: Python compiles only the modules the tests import, once, into
+# the cached venv, not all of torch's and vLLM's at install time.
+kvguard_vllm_venv_create() {
+  local venv=$kvguard_vllm_venv
+  echo "vllm.sh: creating $venv with vllm==0.33.0 (once; several minutes)"
+  mkdir -p "$(dirname "$venv")"
+  python3 -m venv "$venv" || return 1
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile "vllm==0.33.0" || return 1
+}
 
 kvguard_vllm_after() {
   local root venv wheel_dir wheel status v1_log v2_log v1_pid v2_pid
   root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-  venv="${KVGUARD_VLLM_VENV:-$HOME/.cache/kvguard/vllm-venv}"
-  if [ ! -x "$venv/bin/python" ] || ! VLLM_TARGET_DEVICE=cpu "$venv/bin/python" -c \
-      'import importlib.metadata as m, sys; sys.exit(m.version("vllm") != "0.33.0")' 2>/dev/null; then
-    echo "vllm.sh: creating $venv with vllm==0.33.0 (once; several minutes)"
-    python3 -m venv "$venv" || return 1
-    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "vllm==0.33.0" || return 1
+  venv=$kvguard_vllm_venv
+  kvguard_venv_wait "${KVGUARD_VLLM_VENV_JOB:-}" vllm.sh || return 1
+  if ! kvguard_vllm_venv_ready; then
+    kvguard_vllm_venv_create || return 1
   fi
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
     "maturin==1.9.6" "pytest==8.3.5" || return 1
@@ -58,8 +75,13 @@ kvguard_vllm_after() {
 }
 
 case "${1:-}" in
-  setup) : ;;
+  setup)
+    # A bare machine downloads the venv (about 9 GB) while the Rust steps build and test.
+    kvguard_vllm_venv_ready || kvguard_venv_start KVGUARD_VLLM_VENV_JOB kvguard_vllm_venv_create vllm.sh
+    ;;
   after) kvguard_vllm_after || { echo "vllm.sh: the vLLM tests failed" >&2; unset -f kvguard_vllm_after; exit 1; } ;;
   *) echo "usage: source scripts/ci/vllm.sh setup|after" >&2 ;;
 esac
-unset -f kvguard_vllm_after
+unset -f kvguard_vllm_after kvguard_vllm_venv_ready kvguard_vllm_venv_create
+unset kvguard_vllm_venv
+unset -f kvguard_venv_start kvguard_venv_wait
