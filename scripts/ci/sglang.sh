@@ -10,8 +10,15 @@
 source "$(dirname "${BASH_SOURCE[0]}")/venv-job.bash"
 kvguard_sglang_venv="$HOME/.cache/kvguard/sglang-venv"
 
+# Whether the venv's SGLang and torch import (`after`); `setup` only reads their versions
+# (importing them takes tens of seconds, on the run's critical path there).
 kvguard_sglang_venv_ready() {
   [ -x "$kvguard_sglang_venv/bin/python" ] && "$kvguard_sglang_venv/bin/python" -c "import sglang, torch" 2>/dev/null
+}
+
+kvguard_sglang_venv_installed() {
+  [ -x "$kvguard_sglang_venv/bin/python" ] && "$kvguard_sglang_venv/bin/python" -c \
+    'import importlib.metadata as m, sys; sys.exit(m.version("sglang") != "0.5.23" or m.version("torch") != "2.14.1")' 2>/dev/null
 }
 
 # Creates the venv (a download of about 6 GB). --no-compile: Python compiles only the modules the
@@ -60,11 +67,11 @@ kvguard_sglang_after() {
 case "${1:-}" in
   setup)
     # A bare machine downloads the venv while the Rust steps build and test.
-    kvguard_sglang_venv_ready || kvguard_venv_start KVGUARD_SGLANG_VENV_JOB kvguard_sglang_venv_create sglang.sh
+    kvguard_sglang_venv_installed || kvguard_venv_start KVGUARD_SGLANG_VENV_JOB kvguard_sglang_venv_create sglang.sh
     ;;
   after) kvguard_sglang_after || { echo "sglang.sh: the SGLang tests failed" >&2; unset -f kvguard_sglang_after; exit 1; } ;;
   *) echo "usage: source scripts/ci/sglang.sh setup|after" >&2 ;;
 esac
-unset -f kvguard_sglang_after kvguard_sglang_venv_ready kvguard_sglang_venv_create
+unset -f kvguard_sglang_after kvguard_sglang_venv_ready kvguard_sglang_venv_installed kvguard_sglang_venv_create
 unset kvguard_sglang_venv
 unset -f kvguard_venv_start kvguard_venv_wait
