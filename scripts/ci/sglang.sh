@@ -21,19 +21,20 @@ kvguard_sglang_venv_installed() {
     'import importlib.metadata as m, sys; sys.exit(m.version("sglang") != "0.5.23" or m.version("torch") != "2.14.1")' 2>/dev/null
 }
 
-# Creates the venv (a download of about 6 GB). --no-compile: Python compiles only the modules the
-# tests import, once, into the cached venv, not all of torch's at install time.
+# Creates the venv (a download of about 6 GB). pip compiles every module at install time, as it
+# should: where PYTHONDONTWRITEBYTECODE is set (as on this project's machines) Python would
+# otherwise compile torch's imports again in every process.
 kvguard_sglang_venv_create() {
   local venv=$kvguard_sglang_venv
   echo "sglang.sh: creating $venv (SGLang 0.5.23 --no-deps, torch 2.14.1, about 6 GB)"
   rm -rf "$venv"
   mkdir -p "$(dirname "$venv")"
   python3 -m venv "$venv" || return 1
-  "$venv/bin/pip" install --quiet --disable-pip-version-check --no-compile torch==2.14.1 numpy orjson psutil pillow \
+  "$venv/bin/pip" install --quiet --disable-pip-version-check torch==2.14.1 numpy orjson psutil pillow \
     pybase64 requests packaging starlette msgspec pydantic pyzmq tqdm IPython aiohttp torchvision dill \
     apache-tvm-ffi==0.1.11 transformers==5.19.0 sentencepiece==0.2.1 compressed-tensors==0.18.0 gguf \
     einops openai==2.8.0 partial_json_parser || return 1
-  "$venv/bin/pip" install --quiet --disable-pip-version-check --no-compile --no-deps sglang==0.5.23 || return 1
+  "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps sglang==0.5.23 || return 1
 }
 
 kvguard_sglang_after() {

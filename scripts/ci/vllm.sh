@@ -21,14 +21,15 @@ kvguard_vllm_venv_ready() {
     'import importlib.metadata as m, sys; sys.exit(m.version("vllm") != "0.33.0")' 2>/dev/null
 }
 
-# Creates the venv. --no-compile: Python compiles only the modules the tests import, once, into
-# the cached venv, not all of torch's and vLLM's at install time.
+# Creates the venv (about 9 GB). pip compiles every module at install time, as it should: where
+# PYTHONDONTWRITEBYTECODE is set (as on this project's machines) Python would otherwise compile
+# torch's and vLLM's imports again in every process.
 kvguard_vllm_venv_create() {
   local venv=$kvguard_vllm_venv
   echo "vllm.sh: creating $venv with vllm==0.33.0 (once; several minutes)"
   mkdir -p "$(dirname "$venv")"
   python3 -m venv "$venv" || return 1
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile "vllm==0.33.0" || return 1
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "vllm==0.33.0" || return 1
 }
 
 kvguard_vllm_after() {
