@@ -86,9 +86,8 @@ def test_clean_v2_on_device_async_prefix_caching_and_preemption(on_device):
     scheduling: the device path refuses nothing, its host copy of V2's rows judges every step
     clean, and every output is the unguarded run's."""
     rc = RealConfig(num_blocks=32, block_size=32, max_num_seqs=16, max_num_batched_tokens=128, max_model_len=512)
-    fill = lambda e: base.workload(e, 5, 300)  # noqa: E731
-    g = base.run_v2(rc, fill, guarded=True)
-    p = base.run_v2(rc, fill, guarded=False)
+    g = base.run_v2(rc, lambda e: base.workload(e, 5, 300), guarded=True)
+    p = base.reference(rc, 5, 300)
     assert g.events.get("preempt", 0) > 0 and g.events.get("evict", 0) > 0
     base.assert_clean(g, p, 300)
     assert_device_path(g, on_device)
@@ -96,9 +95,8 @@ def test_clean_v2_on_device_async_prefix_caching_and_preemption(on_device):
 
 def test_clean_v2_on_device_sync(on_device):
     rc = RealConfig(num_blocks=64, block_size=32, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, async_scheduling=False)
-    fill = lambda e: base.workload(e, 8, 60, salts=2, max_prompt=100)  # noqa: E731
-    g = base.run_v2(rc, fill, guarded=True)
-    p = base.run_v2(rc, fill, guarded=False)
+    g = base.run_v2(rc, lambda e: base.workload(e, 8, 60, salts=2, max_prompt=100), guarded=True)
+    p = base.reference(rc, 8, 60, salts=2, max_prompt=100)
     base.assert_clean(g, p, 60)
     assert_device_path(g, on_device)
 

@@ -13,6 +13,7 @@ import v2_engine  # noqa: I001  first: its settings must precede vLLM's import
 from v2_engine import RealConfig, RealEngine, v2_engine as make_engine
 
 import random
+from dataclasses import dataclass
 
 import pytest
 
@@ -52,11 +53,34 @@ def run_v2(rc: RealConfig, fill, *, guarded: bool, setup=None, mode: str = "enfo
         kvguard.vllm.uninstall()
 
 
-def outputs(e: RealEngine) -> dict[str, tuple[list[int], str]]:
+@dataclass(frozen=True)
+class Reference:
+    """What the clean tests read of an unguarded run."""
+
+    idle: bool
+    oracle_errors: list
+    finished: dict
+
+
+_references: dict[tuple, Reference] = {}
+
+
+def reference(rc: RealConfig, seed: int, n: int, **kw: object) -> Reference:
+    """The unguarded V2 run of ``workload(seed, n, **kw)`` on ``rc``, made once per process: the
+    host's and the device path's clean tests compare against the same run (kvguard takes no part
+    in it, so where the guarded run checks makes no difference to it)."""
+    key = (repr(rc), seed, n, tuple(sorted(kw.items())))
+    if key not in _references:
+        p = run_v2(rc, lambda e: workload(e, seed, n, **kw), guarded=False)
+        _references[key] = Reference(p.idle, list(p.oracle_errors), dict(p.finished))
+    return _references[key]
+
+
+def outputs(e: RealEngine | Reference) -> dict[str, tuple[list[int], str]]:
     return {k: (f.tokens, f.reason) for k, f in e.finished.items()}
 
 
-def assert_clean(g: RealEngine, p: RealEngine, n: int) -> None:
+def assert_clean(g: RealEngine, p: RealEngine | Reference, n: int) -> None:
     assert g.idle and p.idle
     assert g.refusals() == []
     assert g.guard is not None and g.guard.table.counters() == {}
@@ -74,9 +98,8 @@ def test_clean_v2_async_prefix_caching_and_preemption():
     evict (11 preemptions, about 800 evictions, 470 checked steps), async scheduling (vLLM's default), prefix caching: kvguard checks every step V2 hands
     attention, refuses nothing, and every output is the unguarded V2 run's."""
     rc = RealConfig(num_blocks=32, block_size=32, max_num_seqs=16, max_num_batched_tokens=128, max_model_len=512)
-    fill = lambda e: workload(e, 5, 300)  # noqa: E731
-    g = run_v2(rc, fill, guarded=True)
-    p = run_v2(rc, fill, guarded=False)
+    g = run_v2(rc, lambda e: workload(e, 5, 300), guarded=True)
+    p = reference(rc, 5, 300)
     assert g.events.get("preempt", 0) > 0, "the pool is meant to force preemptions"
     assert g.events.get("evict", 0) > 0 and g.events.get("attach", 0) > 0
     assert g.idle_steps > 0
@@ -88,9 +111,8 @@ def test_clean_v2_sync():
     """Synchronous scheduling (EngineCore's ``step``), two tenants: nothing refused, outputs as
     the unguarded V2 run's."""
     rc = RealConfig(num_blocks=64, block_size=32, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, async_scheduling=False)
-    fill = lambda e: workload(e, 8, 60, salts=2, max_prompt=100)  # noqa: E731
-    g = run_v2(rc, fill, guarded=True)
-    p = run_v2(rc, fill, guarded=False)
+    g = run_v2(rc, lambda e: workload(e, 8, 60, salts=2, max_prompt=100), guarded=True)
+    p = reference(rc, 8, 60, salts=2, max_prompt=100)
     assert_clean(g, p, 60)
 
 
