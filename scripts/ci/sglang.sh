@@ -27,7 +27,6 @@ kvguard_sglang_venv_installed() {
 kvguard_sglang_venv_create() {
   local venv=$kvguard_sglang_venv
   echo "sglang.sh: creating $venv (SGLang 0.5.23 --no-deps, torch 2.14.1, about 6 GB)"
-  rm -rf "$venv"
   mkdir -p "$(dirname "$venv")"
   python3 -m venv "$venv" || return 1
   "$venv/bin/pip" install --quiet --disable-pip-version-check torch==2.14.1 numpy orjson psutil pillow \

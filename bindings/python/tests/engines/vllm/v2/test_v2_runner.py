@@ -95,8 +95,9 @@ def assert_clean(g: RealEngine, p: RealEngine | Reference, n: int) -> None:
 
 def test_clean_v2_async_prefix_caching_and_preemption():
     """Three hundred requests over three tenants through a pool small enough to preempt and
-    evict (11 preemptions, about 800 evictions, 470 checked steps), async scheduling (vLLM's default), prefix caching: kvguard checks every step V2 hands
-    attention, refuses nothing, and every output is the unguarded V2 run's."""
+    evict (11 preemptions, about 800 evictions, 470 checked steps), async scheduling (vLLM's
+    default), prefix caching: kvguard checks every step V2 hands attention, refuses nothing, and
+    every output is the unguarded V2 run's."""
     rc = RealConfig(num_blocks=32, block_size=32, max_num_seqs=16, max_num_batched_tokens=128, max_model_len=512)
     g = run_v2(rc, lambda e: workload(e, 5, 300), guarded=True)
     p = reference(rc, 5, 300)
