@@ -32,7 +32,11 @@ wrapper frames' early returns), nothing inside kvguard timed; their steps interl
 flipped every step, and each round reads the median over step pairs of (guarded step + check -
 unguarded step) / unguarded step. Which engine is built first alternates by round (the first
 one built runs slower here). ``--same-process --control`` puts a second unguarded engine in the
-guarded one's place: what the method reads when there is nothing to find.
+guarded one's place: what the method reads when there is nothing to find. ``--same-process
+--part`` splits the cost by taking parts away from the guarded engine: ``scheduler`` runs no
+worker check (the recorder and the hooks alone), ``hooks`` no check and a recorder that records
+nothing (the wrappers' frames and the block lists' subclasses alone); ``all``, the default, is
+the whole cost. Without the check nothing is judged: those two read cost only.
 
 ``--churn`` serves as an engine does: each request generates 16-127 tokens and each one that
 finishes is replaced by a new one (the same arrivals in both engines), so every step admits,
@@ -40,7 +44,7 @@ prefills, publishes and releases some; every step after a warm-up of 150 is time
 full decode steps.
 
     VLLM_TARGET_DEVICE=cpu python bindings/python/bench/vllm_step.py [--requests 256] [--steps 200] [--rounds 3] [--clock cpu|wall] [--churn]
-    VLLM_TARGET_DEVICE=cpu python bindings/python/bench/vllm_step.py --same-process [--control] [--rounds 6] [--churn]
+    VLLM_TARGET_DEVICE=cpu python bindings/python/bench/vllm_step.py --same-process [--control | --part all|scheduler|hooks] [--rounds 6] [--churn]
 """
 
 from __future__ import annotations
@@ -88,7 +92,7 @@ def make_engine(guarded: bool, time_calls: bool = True):  # noqa: ANN201 (the ha
             sched = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int32)
             t1 = clock()
             t1x = clock()  # an empty interval: what one reading costs here, now
-            if self.guarded:
+            if self.guarded and args.part == "all":
                 report = hooks.worker_step(
                     self, self.input_batch, so, sched, num_blocks=self.cfg.num_blocks, max_model_len=self.cfg.max_model_len
                 )
@@ -124,7 +128,8 @@ def make_engine(guarded: bool, time_calls: bool = True):  # noqa: ANN201 (the ha
             # Each interval holds one clock reading's cost: this step's empty interval.
             c = t1x - t1
             CLOCK_GAPS.append(c)
-            return (t1 - t0) + (t4 - t3) - 2 * c - wrappers, t2 - t1x - c, recorder, decode
+            check = t2 - t1x - c if self.guarded and args.part == "all" else 0.0
+            return (t1 - t0) + (t4 - t3) - 2 * c - wrappers, check, recorder, decode
 
         def arrive(self) -> None:
             """A new request (``--churn``): a prompt of 32-63 tokens, 16-127 to generate."""
@@ -237,6 +242,13 @@ def serve_pair(guarded_first: bool) -> None:
     out = sys.__stdout__
     sys.stdout = sys.stderr
     kvguard.vllm.install("enforce")
+    if args.part == "hooks":
+        # A recorder that records nothing (this child's only recorder is the guarded engine's).
+        from kvguard.vllm.recorder import SchedulerRecorder
+
+        for name in ("added", "cached", "dropped", "evicted", "freed", "cache_reset"):
+            setattr(SchedulerRecorder, name, lambda *_: None)
+        SchedulerRecorder.take = lambda _self: None
 
     def plain_engine():  # noqa: ANN202
         e = make_engine(False)
@@ -268,11 +280,12 @@ def same_process() -> None:
     """``--same-process``: each round a fresh child holding both engines (which one is built
     first alternates by round)."""
     results = []
+    label = "control: none" if args.control else args.part
     for r in range(args.rounds):
         cmd = [sys.executable, __file__, "--serve", "pair", "--requests", str(args.requests), "--clock", args.clock]
         cmd += ["--churn"] if args.churn else []
         cmd += ["--steps", str(args.steps), "--guarded-first" if r % 2 == 0 else "--plain-first"]
-        cmd += ["--control"] if args.control else []
+        cmd += ["--control"] if args.control else ["--part", args.part]
         env = {**os.environ, "PYTHONHASHSEED": "0"}
         reply = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False).stdout.split()
         if len(reply) != 4:
@@ -281,12 +294,12 @@ def same_process() -> None:
         results.append(ratio)
         print(
             f"round {r}: vLLM step {plain * 1e6:.1f} us unguarded, {guarded * 1e6:.1f} us guarded (recorder included),"
-            f" worker check {check * 1e6:.1f} us: kvguard costs {ratio:.2f} % of the unguarded step"
+            f" worker check {check * 1e6:.1f} us: kvguard ({label}) costs {ratio:.2f} % of the unguarded step"
             f" (median of {args.steps} step pairs; {'guarded' if r % 2 == 0 else 'unguarded'} engine built first)",
             flush=True,
         )
     print(
-        f"kvguard cost / vLLM step over {args.rounds} rounds, same process: min {min(results):.2f} %, "
+        f"kvguard ({label}) cost / vLLM step over {args.rounds} rounds, same process: min {min(results):.2f} %, "
         f"median {statistics.median(results):.2f} %, max {max(results):.2f} %"
     )
 
@@ -417,6 +430,12 @@ parser.add_argument(
 parser.add_argument(
     "--control", action="store_true", help="with --same-process: two unguarded engines (the method's own reading)"
 )
+parser.add_argument(
+    "--part",
+    choices=["all", "scheduler", "hooks"],
+    default="all",
+    help="with --same-process: the part of kvguard the guarded engine runs (below)",
+)
 parser.add_argument("--serve", choices=["plain", "guarded", "pair"], help=argparse.SUPPRESS)
 parser.add_argument("--guarded-first", dest="guarded_first", action="store_true", help=argparse.SUPPRESS)
 parser.add_argument("--plain-first", dest="guarded_first", action="store_false", help=argparse.SUPPRESS)
@@ -425,6 +444,8 @@ if args.requests < 1 or args.rounds < 1 or args.steps < 1:
     parser.error("--requests, --steps and --rounds must be at least 1")
 if args.control and not args.same_process and args.serve != "pair":
     parser.error("--control goes with --same-process")
+if args.part != "all" and (args.control or not (args.same_process or args.serve == "pair")):
+    parser.error("--part goes with --same-process, not with --control")
 _clock = time.thread_time if args.clock == "cpu" else time.perf_counter
 hooks = None
 
