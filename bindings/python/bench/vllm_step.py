@@ -37,6 +37,10 @@ guarded one's place: what the method reads when there is nothing to find. ``--sa
 worker check (the recorder and the hooks alone), ``hooks`` no check and a recorder that records
 nothing (the wrappers' frames and the block lists' subclasses alone); ``all``, the default, is
 the whole cost. Without the check nothing is judged: those two read cost only.
+``--same-process --instructions`` counts instructions instead (valgrind's callgrind, needs
+valgrind): a child for each part and one for the control, only their ``--steps`` decode step
+pairs instrumented and in them only the calls the timings time; kvguard's instructions a step
+beside an unguarded engine's. They do not move with the machine or its load.
 
 ``--churn`` serves as an engine does: each request generates 16-127 tokens and each one that
 finishes is replaced by a new one (the same arrivals in both engines), so every step admits,
@@ -45,6 +49,7 @@ full decode steps.
 
     VLLM_TARGET_DEVICE=cpu python bindings/python/bench/vllm_step.py [--requests 256] [--steps 200] [--rounds 3] [--clock cpu|wall] [--churn]
     VLLM_TARGET_DEVICE=cpu python bindings/python/bench/vllm_step.py --same-process [--control | --part all|scheduler|hooks] [--rounds 6] [--churn]
+    VLLM_TARGET_DEVICE=cpu python bindings/python/bench/vllm_step.py --same-process --instructions [--steps 40]
 """
 
 from __future__ import annotations
@@ -52,9 +57,11 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -215,6 +222,7 @@ def interleaved(plain_step, guarded_step):  # noqa: ANN001, ANN201
     index 3 whether it was a full decode step."""
     while not (plain_step()[3] & guarded_step()[3]):
         pass
+    callgrind("on")
     pairs = []
     for i in range(args.steps):
         if i % 2:
@@ -224,7 +232,64 @@ def interleaved(plain_step, guarded_step):  # noqa: ANN001, ANN201
             g = guarded_step()
             p = plain_step()
         pairs.append((p, g))
+    callgrind("off")
     return pairs
+
+
+def count_phases(*engines) -> None:  # noqa: ANN002 (the harness engines)
+    """Under ``--instructions``: the calls a step's figures time (vLLM's schedule, the persistent
+    batch's update, update_from_output, kvguard's worker check) made through ``operator.call``,
+    the one C function callgrind collects in (``--toggle-collect=_operator_call``): the stand-in
+    forward and the harness are not counted. Instance attributes and kvguard's module only: no
+    method of vLLM's classes is swapped."""
+    import operator
+
+    def through_call(fn):  # noqa: ANN001, ANN202
+        return lambda *a, **kw: operator.call(fn, *a, **kw)
+
+    for e in engines:
+        e.scheduler.schedule = through_call(e.scheduler.schedule)
+        e.scheduler.update_from_output = through_call(e.scheduler.update_from_output)
+        e._update_states = through_call(e._update_states)
+    hooks.worker_step = through_call(hooks.worker_step)
+
+
+def callgrind(state: str) -> None:
+    """Under ``--instructions``' valgrind (a child given ``--callgrind``): turns callgrind's
+    instrumentation on or off for this process, so only the decode steps are counted."""
+    if args.callgrind:
+        subprocess.run(["callgrind_control", "-i", state, str(os.getpid())], check=True, capture_output=True)
+
+
+def instructions() -> None:
+    """``--same-process --instructions``: each part's child (and the control's) under valgrind's
+    callgrind, only its ``--steps`` decode step pairs instrumented and in them only what the
+    timings time (``count_phases``); kvguard's instructions per step (the part's pair minus the
+    control's) over an unguarded engine's step (half the control's pair). Instruction counts do
+    not move with the machine or its load."""
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        sys.exit("vllm_step.py --instructions: valgrind is not installed (apt-get install valgrind)")
+    counts = {}
+    with tempfile.TemporaryDirectory() as out:
+        for part in ("control", "hooks", "scheduler", "all"):
+            file = os.path.join(out, f"{part}.out")
+            cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no"]
+            cmd += ["--toggle-collect=_operator_call", f"--callgrind-out-file={file}"]
+            cmd += [sys.executable, __file__, "--serve", "pair", "--requests", str(args.requests), "--callgrind"]
+            cmd += ["--steps", str(args.steps), "--guarded-first"]
+            cmd += ["--control"] if part == "control" else ["--part", part]
+            env = {**os.environ, "PYTHONHASHSEED": "0"}
+            done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+            totals = [line.split()[1] for line in open(file) if line.startswith("totals:")] if done.returncode == 0 else []
+            if not totals:
+                raise RuntimeError(f"the bench child ({part}) under valgrind failed: {done.stderr[-2000:]}")
+            counts[part] = int(totals[0]) / args.steps
+            print(f"{part}: {counts[part]:,.0f} instructions a step pair", flush=True)
+    plain = counts["control"] / 2
+    print(f"an unguarded engine's step: {plain:,.0f} instructions ({args.steps} decode steps, {args.requests} requests)")
+    for part in ("hooks", "scheduler", "all"):
+        extra = counts[part] - counts["control"]
+        print(f"kvguard ({part}): {extra:,.0f} instructions a step = {100 * extra / plain:.2f} % of the unguarded step")
 
 
 def serve_pair(guarded_first: bool) -> None:
@@ -265,6 +330,8 @@ def serve_pair(guarded_first: bool) -> None:
     else:
         p = plain_engine()
         g = guarded_engine()
+    if args.callgrind:
+        count_phases(p, g)
     plain, guarded, check, ratio = [], [], [], []
     for a, b in interleaved(p.timed_step, g.timed_step):
         plain.append(a[0])
@@ -436,6 +503,12 @@ parser.add_argument(
     default="all",
     help="with --same-process: the part of kvguard the guarded engine runs (below)",
 )
+parser.add_argument(
+    "--instructions",
+    action="store_true",
+    help="with --same-process: instruction counts (valgrind's callgrind) of each part beside a control",
+)
+parser.add_argument("--callgrind", action="store_true", help=argparse.SUPPRESS)
 parser.add_argument("--serve", choices=["plain", "guarded", "pair"], help=argparse.SUPPRESS)
 parser.add_argument("--guarded-first", dest="guarded_first", action="store_true", help=argparse.SUPPRESS)
 parser.add_argument("--plain-first", dest="guarded_first", action="store_false", help=argparse.SUPPRESS)
@@ -444,6 +517,8 @@ if args.requests < 1 or args.rounds < 1 or args.steps < 1:
     parser.error("--requests, --steps and --rounds must be at least 1")
 if args.control and not args.same_process and args.serve != "pair":
     parser.error("--control goes with --same-process")
+if args.instructions and (args.control or args.part != "all" or not args.same_process):
+    parser.error("--instructions goes with --same-process alone (it runs every part and the control)")
 if args.part != "all" and (args.control or not (args.same_process or args.serve == "pair")):
     parser.error("--part goes with --same-process, not with --control")
 _clock = time.thread_time if args.clock == "cpu" else time.perf_counter
@@ -454,6 +529,8 @@ if __name__ == "__main__":
         serve_pair(args.guarded_first)
     elif args.serve:
         serve(args.serve)
+    elif args.same_process and args.instructions:
+        instructions()
     elif args.same_process:
         same_process()
     else:
