@@ -39,8 +39,10 @@ nothing (the wrappers' frames and the block lists' subclasses alone); ``all``, t
 the whole cost. Without the check nothing is judged: those two read cost only.
 ``--same-process --instructions`` counts instructions instead (valgrind's callgrind, needs
 valgrind): a child for each part and one for the control, only their ``--steps`` decode step
-pairs instrumented and in them only the calls the timings time; kvguard's instructions a step
-beside an unguarded engine's. They do not move with the machine or its load.
+pairs counted (after a few instrumented and zeroed) and in them only the calls the timings time; kvguard's instructions a step
+beside an unguarded engine's. They do not move with the machine or its load. ``--cache-sim``
+adds the lines each part misses in a simulated 2 MiB L2 (callgrind's cache model; this machine
+kind's L2 per core): what kvguard's work waits on, which its instructions do not show.
 
 ``--churn`` serves as an engine does: each request generates 16-127 tokens and each one that
 finishes is replaced by a new one (the same arrivals in both engines), so every step admits,
@@ -49,7 +51,7 @@ full decode steps.
 
     VLLM_TARGET_DEVICE=cpu python bindings/python/bench/vllm_step.py [--requests 256] [--steps 200] [--rounds 3] [--clock cpu|wall] [--churn]
     VLLM_TARGET_DEVICE=cpu python bindings/python/bench/vllm_step.py --same-process [--control | --part all|scheduler|hooks] [--rounds 6] [--churn]
-    VLLM_TARGET_DEVICE=cpu python bindings/python/bench/vllm_step.py --same-process --instructions [--steps 40]
+    VLLM_TARGET_DEVICE=cpu python bindings/python/bench/vllm_step.py --same-process --instructions [--cache-sim] [--steps 40]
 """
 
 from __future__ import annotations
@@ -57,7 +59,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys
@@ -67,6 +68,7 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engines" / "vllm"))
+import callgrind as callgrind_tool  # noqa: E402 (this folder's helper; the script's folder is on the path)
 
 
 def clock() -> float:
@@ -222,7 +224,13 @@ def interleaved(plain_step, guarded_step):  # noqa: ANN001, ANN201
     index 3 whether it was a full decode step."""
     while not (plain_step()[3] & guarded_step()[3]):
         pass
-    callgrind("on")
+    if args.callgrind:
+        # Counted from the caches a step leaves, not from empty ones.
+        callgrind_tool.switch("on")
+        for _ in range(callgrind_tool.WARM_STEPS):
+            plain_step()
+            guarded_step()
+        callgrind_tool.zero()
     pairs = []
     for i in range(args.steps):
         if i % 2:
@@ -232,7 +240,8 @@ def interleaved(plain_step, guarded_step):  # noqa: ANN001, ANN201
             g = guarded_step()
             p = plain_step()
         pairs.append((p, g))
-    callgrind("off")
+    if args.callgrind:
+        callgrind_tool.switch("off")
     return pairs
 
 
@@ -242,10 +251,8 @@ def count_phases(*engines) -> None:  # noqa: ANN002 (the harness engines)
     the one C function callgrind collects in (``--toggle-collect=_operator_call``): the stand-in
     forward and the harness are not counted. Instance attributes and kvguard's module only: no
     method of vLLM's classes is swapped."""
-    import operator
-
     def through_call(fn):  # noqa: ANN001, ANN202
-        return lambda *a, **kw: operator.call(fn, *a, **kw)
+        return lambda *a, **kw: callgrind_tool.counted(fn, *a, **kw)
 
     for e in engines:
         e.scheduler.schedule = through_call(e.scheduler.schedule)
@@ -254,42 +261,44 @@ def count_phases(*engines) -> None:  # noqa: ANN002 (the harness engines)
     hooks.worker_step = through_call(hooks.worker_step)
 
 
-def callgrind(state: str) -> None:
-    """Under ``--instructions``' valgrind (a child given ``--callgrind``): turns callgrind's
-    instrumentation on or off for this process, so only the decode steps are counted."""
-    if args.callgrind:
-        subprocess.run(["callgrind_control", "-i", state, str(os.getpid())], check=True, capture_output=True)
-
-
 def instructions() -> None:
     """``--same-process --instructions``: each part's child (and the control's) under valgrind's
     callgrind, only its ``--steps`` decode step pairs instrumented and in them only what the
     timings time (``count_phases``); kvguard's instructions per step (the part's pair minus the
     control's) over an unguarded engine's step (half the control's pair). Instruction counts do
     not move with the machine or its load."""
-    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
-        sys.exit("vllm_step.py --instructions: valgrind is not installed (apt-get install valgrind)")
-    counts = {}
+    callgrind_tool.require("vllm_step.py")
+    cache = callgrind_tool.L2_CACHE
+    counts, misses = {}, {}
     with tempfile.TemporaryDirectory() as out:
         for part in ("control", "hooks", "scheduler", "all"):
             file = os.path.join(out, f"{part}.out")
-            cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no"]
-            cmd += ["--toggle-collect=_operator_call", f"--callgrind-out-file={file}"]
+            cmd = callgrind_tool.command(file, args.cache_sim, toggle=callgrind_tool.COLLECTED)
             cmd += [sys.executable, __file__, "--serve", "pair", "--requests", str(args.requests), "--callgrind"]
             cmd += ["--steps", str(args.steps), "--guarded-first"]
             cmd += ["--control"] if part == "control" else ["--part", part]
             env = {**os.environ, "PYTHONHASHSEED": "0"}
             done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-            totals = [line.split()[1] for line in open(file) if line.startswith("totals:")] if done.returncode == 0 else []
-            if not totals:
+            events = callgrind_tool.totals(file) if done.returncode == 0 else {}
+            if not events:
                 raise RuntimeError(f"the bench child ({part}) under valgrind failed: {done.stderr[-2000:]}")
-            counts[part] = int(totals[0]) / args.steps
-            print(f"{part}: {counts[part]:,.0f} instructions a step pair", flush=True)
+            counts[part] = events["Ir"] / args.steps
+            line = f"{part}: {counts[part]:,.0f} instructions a step pair"
+            if args.cache_sim:
+                misses[part] = callgrind_tool.misses(events) / args.steps
+                line += f", {misses[part]:,.0f} lines missed in a {cache} cache"
+            print(line, flush=True)
     plain = counts["control"] / 2
     print(f"an unguarded engine's step: {plain:,.0f} instructions ({args.steps} decode steps, {args.requests} requests)")
+    if args.cache_sim:
+        print(f"  and {misses['control'] / 2:,.0f} lines missed a step in the simulated cache ({cache}: size, ways, line)")
     for part in ("hooks", "scheduler", "all"):
         extra = counts[part] - counts["control"]
-        print(f"kvguard ({part}): {extra:,.0f} instructions a step = {100 * extra / plain:.2f} % of the unguarded step")
+        line = f"kvguard ({part}): {extra:,.0f} instructions a step = {100 * extra / plain:.2f} % of the unguarded step"
+        if args.cache_sim:
+            more = misses[part] - misses["control"]
+            line += f"; {more:,.0f} lines missed = {100 * more / (misses['control'] / 2):.1f} % of its misses"
+        print(line)
 
 
 def serve_pair(guarded_first: bool) -> None:
@@ -508,6 +517,11 @@ parser.add_argument(
     action="store_true",
     help="with --same-process: instruction counts (valgrind's callgrind) of each part beside a control",
 )
+parser.add_argument(
+    "--cache-sim",
+    action="store_true",
+    help="with --instructions: also the lines each part misses in a simulated 2 MiB L2 (slower)",
+)
 parser.add_argument("--callgrind", action="store_true", help=argparse.SUPPRESS)
 parser.add_argument("--serve", choices=["plain", "guarded", "pair"], help=argparse.SUPPRESS)
 parser.add_argument("--guarded-first", dest="guarded_first", action="store_true", help=argparse.SUPPRESS)
@@ -517,6 +531,8 @@ if args.requests < 1 or args.rounds < 1 or args.steps < 1:
     parser.error("--requests, --steps and --rounds must be at least 1")
 if args.control and not args.same_process and args.serve != "pair":
     parser.error("--control goes with --same-process")
+if args.cache_sim and not args.instructions:
+    parser.error("--cache-sim goes with --instructions")
 if args.instructions and (args.control or args.part != "all" or not args.same_process):
     parser.error("--instructions goes with --same-process alone (it runs every part and the control)")
 if args.part != "all" and (args.control or not (args.same_process or args.serve == "pair")):

@@ -27,7 +27,15 @@ each kvguard hook's own time per step (the hook's wrapper minus the SGLang call 
 hook nested inside another SGLang call counts once), the stand-in forward's time, and the gc
 collections of each scheduler's steps.
 
+``--instructions`` counts instructions instead (valgrind's callgrind; needs valgrind): for each
+page size, a child with an unguarded scheduler and one with a guarded one, each brought to
+steady decode uninstrumented, then ``--pairs`` steps counted (the whole step, as the timings
+take it); kvguard's instructions a step beside the unguarded scheduler's. They do not move with
+the machine or its load. ``--cache-sim`` adds the lines missed in a simulated 2 MiB L2 (this
+machine kind's per-core L2): what the step waits on, which its instructions do not show.
+
 Usage: python bench_scheduler_step.py [--rounds N] [--pairs N] [--control] [--hooks] [--clock cpu|wall] [page_size ...]
+       python bench_scheduler_step.py --instructions [--cache-sim] [--pairs N] [page_size ...]
 """
 
 from __future__ import annotations
@@ -341,6 +349,73 @@ def hook_pass(page_size: int, steps: int) -> None:
         print(f"    gc collections in {name} steps: gen0 {c[0]}, gen1 {c[1]}, gen2 {c[2]} ({steps} steps)")
 
 
+# ---- --instructions: callgrind's counts ------------------------------------------------------------
+
+
+def _callgrind():
+    """The engine benches' callgrind helper (``bindings/python/bench/callgrind.py``)."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+    import callgrind
+
+    return callgrind
+
+
+def count_child(page_size: int, guarded: bool, steps: int) -> None:
+    """A child of ``--instructions`` (under valgrind, instrumentation off): one scheduler at steady
+    decode, then callgrind's instrumentation on, a few steps run and their counts zeroed, and
+    ``steps`` steps counted."""
+    callgrind = _callgrind()
+    s = scheduler(page_size, guarded)
+    for _ in range(10):
+        step(s)
+    callgrind.switch("on")
+    for _ in range(callgrind.WARM_STEPS):
+        callgrind.counted(step, s)
+    callgrind.zero()  # counted from the caches a step leaves, not from empty ones
+    for _ in range(steps):
+        callgrind.counted(step, s)
+    callgrind.switch("off")
+    if guarded:
+        assert s.kvguard.violations == [], s.kvguard.violations[:2]
+
+
+def instructions(page_sizes: list[int], steps: int, cache_sim: bool) -> None:
+    """``--instructions``: each page size's unguarded and guarded child under callgrind."""
+    import os
+    import subprocess
+    import tempfile
+
+    callgrind = _callgrind()
+    callgrind.require("bench_scheduler_step.py")
+    with tempfile.TemporaryDirectory() as out:
+        for ps in page_sizes:
+            counts, missed = {}, {}
+            for guarded in (False, True):
+                file = os.path.join(out, f"{ps}-{guarded}.out")
+                cmd = callgrind.command(file, cache_sim, toggle=callgrind.COLLECTED)
+                cmd += [sys.executable, __file__, "--count-child", "guarded" if guarded else "unguarded"]
+                cmd += ["--pairs", str(steps), str(ps)]
+                # The same string hashes in both children: dict and set orders, and what they
+                # touch, alike (the simulated misses move by a fifth between hash seeds).
+                env = {**os.environ, "PYTHONHASHSEED": "0"}
+                done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+                events = callgrind.totals(file) if done.returncode == 0 else {}
+                if not events:
+                    raise RuntimeError(f"the bench child (page {ps}, guarded={guarded}) failed: {done.stderr[-2000:]}")
+                counts[guarded] = events["Ir"] / steps
+                missed[guarded] = callgrind.misses(events) / steps if cache_sim else 0
+            extra = counts[True] - counts[False]
+            line = (f"page_size {ps}: unguarded step {counts[False]:,.0f} instructions, guarded {counts[True]:,.0f}: "
+                    f"kvguard {extra:,.0f} instructions a step = {100 * extra / counts[False]:+.2f} %")
+            if cache_sim:
+                more = missed[True] - missed[False]
+                line += (f"; lines missed in a simulated {callgrind.L2_CACHE} cache {missed[False]:,.0f} unguarded, "
+                         f"kvguard {more:,.0f} more = {100 * more / missed[False]:+.1f} %")
+            print(f"{line} ({steps} decode steps, {RUNNING} running)", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="kvguard's share of SGLang's own scheduler step (256 running, CPU)")
     parser.add_argument("page_sizes", nargs="*", type=int, default=[16, 1], help="page sizes (default: 16 1)")
@@ -353,10 +428,27 @@ def main() -> None:
                         "or the unguarded one")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                         help="cpu: this thread's CPU time (default; steady on a shared machine); wall: perf_counter")
+    parser.add_argument("--instructions", action="store_true",
+                        help="instruction counts (callgrind) of --pairs steps, guarded beside unguarded")
+    parser.add_argument("--cache-sim", action="store_true",
+                        help="with --instructions: also the lines missed in a simulated 2 MiB L2 (slower)")
+    parser.add_argument("--count-child", choices=("guarded", "unguarded"), help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.rounds < 1 or opts.pairs < 1 or any(ps < 1 for ps in opts.page_sizes):
         parser.error("--rounds, --pairs and page sizes must be at least 1")
+    if opts.instructions and (opts.control or opts.hooks):
+        parser.error("--instructions goes without --control and --hooks")
+    if opts.cache_sim and not opts.instructions:
+        parser.error("--cache-sim goes with --instructions")
     import os
+
+    if opts.count_child:
+        torch.set_num_threads(1)
+        count_child(opts.page_sizes[0], opts.count_child == "guarded", opts.pairs)
+        return
+    if opts.instructions:
+        instructions(opts.page_sizes, opts.pairs, opts.cache_sim)
+        return
 
     global CLOCK
     CLOCK = time.thread_time if opts.clock == "cpu" else time.perf_counter
