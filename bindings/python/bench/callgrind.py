@@ -1,5 +1,5 @@
-"""Counting a bench's steps under valgrind's callgrind: the command that runs a child with
-instrumentation off until it turns it on, the switch the child turns, and the totals read back.
+"""Counting a bench's steps under valgrind's callgrind: a child run with instrumentation off until
+it turns it on, the switch the child turns, and the totals read back.
 
 Instruction counts and simulated cache misses do not move with the machine drawn or its load, so
 the engine benches (``vllm_step.py --instructions``, SGLang's ``bench_scheduler_step.py
@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 #: The cache ``--cache-sim`` simulates as callgrind's last level: a 2 MiB, 16-way L2 of 64-byte
@@ -30,16 +31,24 @@ def require(bench: str) -> None:
         sys.exit(f"{bench} --instructions: valgrind is not installed (apt-get install valgrind)")
 
 
-def command(out_file: str, cache_sim: bool, toggle: str | None = None) -> list[str]:
-    """valgrind's arguments for a child that turns instrumentation on itself (:func:`switch`);
-    ``toggle``: collect only inside this C function; ``cache_sim``: simulate the caches, the
-    last level as :data:`L2_CACHE`."""
-    cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out_file}"]
-    if toggle:
-        cmd += ["--collect-atstart=no", f"--toggle-collect={toggle}"]
-    if cache_sim:
-        cmd += ["--cache-sim=yes", f"--LL={L2_CACHE}"]
-    return cmd
+def count(child: list[str], cache_sim: bool) -> dict[str, int]:
+    """Runs ``child`` (a command line) under callgrind, instrumentation off until the child turns
+    it on (:func:`switch`), collecting only inside :data:`COLLECTED`, with ``PYTHONHASHSEED=0``
+    (the same string hashes in every child: dict and set orders, and what they touch, alike; the
+    simulated misses move by a fifth between seeds); ``cache_sim``: the caches simulated, the last
+    level as :data:`L2_CACHE`. Returns the totals by event name; RuntimeError if the child failed."""
+    with tempfile.TemporaryDirectory() as out:
+        out_file = os.path.join(out, "callgrind.out")
+        cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out_file}"]
+        cmd += ["--collect-atstart=no", f"--toggle-collect={COLLECTED}"]
+        if cache_sim:
+            cmd += ["--cache-sim=yes", f"--LL={L2_CACHE}"]
+        env = {**os.environ, "PYTHONHASHSEED": "0"}
+        done = subprocess.run(cmd + child, capture_output=True, text=True, env=env, check=False)
+        events = totals(out_file) if done.returncode == 0 and os.path.exists(out_file) else {}
+    if "Ir" not in events:
+        raise RuntimeError(f"the bench child under valgrind failed ({' '.join(child[1:])}): {done.stderr[-2000:]}")
+    return events
 
 
 def _control(*args: str) -> None:

@@ -39,8 +39,8 @@ nothing (the wrappers' frames and the block lists' subclasses alone); ``all``, t
 the whole cost. Without the check nothing is judged: those two read cost only.
 ``--same-process --instructions`` counts instructions instead (valgrind's callgrind, needs
 valgrind): a child for each part and one for the control, only their ``--steps`` decode step
-pairs counted (after a few instrumented and zeroed) and in them only the calls the timings time; kvguard's instructions a step
-beside an unguarded engine's. They do not move with the machine or its load. ``--cache-sim``
+pairs counted (after a few instrumented and zeroed) and in them only the calls the timings
+time; kvguard's instructions a step beside an unguarded engine's. They do not move with the machine or its load. ``--cache-sim``
 adds the lines each part misses in a simulated 2 MiB L2 (callgrind's cache model; this machine
 kind's L2 per core): what kvguard's work waits on, which its instructions do not show.
 
@@ -62,7 +62,6 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -263,31 +262,24 @@ def count_phases(*engines) -> None:  # noqa: ANN002 (the harness engines)
 
 def instructions() -> None:
     """``--same-process --instructions``: each part's child (and the control's) under valgrind's
-    callgrind, only its ``--steps`` decode step pairs instrumented and in them only what the
-    timings time (``count_phases``); kvguard's instructions per step (the part's pair minus the
+    callgrind, only its ``--steps`` decode step pairs counted and in them only what the timings
+    time (``count_phases``); kvguard's instructions per step (the part's pair minus the
     control's) over an unguarded engine's step (half the control's pair). Instruction counts do
     not move with the machine or its load."""
     callgrind_tool.require("vllm_step.py")
     cache = callgrind_tool.L2_CACHE
     counts, misses = {}, {}
-    with tempfile.TemporaryDirectory() as out:
-        for part in ("control", "hooks", "scheduler", "all"):
-            file = os.path.join(out, f"{part}.out")
-            cmd = callgrind_tool.command(file, args.cache_sim, toggle=callgrind_tool.COLLECTED)
-            cmd += [sys.executable, __file__, "--serve", "pair", "--requests", str(args.requests), "--callgrind"]
-            cmd += ["--steps", str(args.steps), "--guarded-first"]
-            cmd += ["--control"] if part == "control" else ["--part", part]
-            env = {**os.environ, "PYTHONHASHSEED": "0"}
-            done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-            events = callgrind_tool.totals(file) if done.returncode == 0 else {}
-            if not events:
-                raise RuntimeError(f"the bench child ({part}) under valgrind failed: {done.stderr[-2000:]}")
-            counts[part] = events["Ir"] / args.steps
-            line = f"{part}: {counts[part]:,.0f} instructions a step pair"
-            if args.cache_sim:
-                misses[part] = callgrind_tool.misses(events) / args.steps
-                line += f", {misses[part]:,.0f} lines missed in a {cache} cache"
-            print(line, flush=True)
+    for part in ("control", "hooks", "scheduler", "all"):
+        child = [sys.executable, __file__, "--serve", "pair", "--requests", str(args.requests), "--callgrind"]
+        child += ["--steps", str(args.steps), "--guarded-first"]
+        child += ["--control"] if part == "control" else ["--part", part]
+        events = callgrind_tool.count(child, args.cache_sim)
+        counts[part] = events["Ir"] / args.steps
+        line = f"{part}: {counts[part]:,.0f} instructions a step pair"
+        if args.cache_sim:
+            misses[part] = callgrind_tool.misses(events) / args.steps
+            line += f", {misses[part]:,.0f} lines missed in a {cache} cache"
+        print(line, flush=True)
     plain = counts["control"] / 2
     print(f"an unguarded engine's step: {plain:,.0f} instructions ({args.steps} decode steps, {args.requests} requests)")
     if args.cache_sim:

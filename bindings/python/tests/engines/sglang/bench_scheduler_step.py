@@ -383,37 +383,23 @@ def count_child(page_size: int, guarded: bool, steps: int) -> None:
 
 def instructions(page_sizes: list[int], steps: int, cache_sim: bool) -> None:
     """``--instructions``: each page size's unguarded and guarded child under callgrind."""
-    import os
-    import subprocess
-    import tempfile
-
     callgrind = _callgrind()
     callgrind.require("bench_scheduler_step.py")
-    with tempfile.TemporaryDirectory() as out:
-        for ps in page_sizes:
-            counts, missed = {}, {}
-            for guarded in (False, True):
-                file = os.path.join(out, f"{ps}-{guarded}.out")
-                cmd = callgrind.command(file, cache_sim, toggle=callgrind.COLLECTED)
-                cmd += [sys.executable, __file__, "--count-child", "guarded" if guarded else "unguarded"]
-                cmd += ["--pairs", str(steps), str(ps)]
-                # The same string hashes in both children: dict and set orders, and what they
-                # touch, alike (the simulated misses move by a fifth between hash seeds).
-                env = {**os.environ, "PYTHONHASHSEED": "0"}
-                done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-                events = callgrind.totals(file) if done.returncode == 0 else {}
-                if not events:
-                    raise RuntimeError(f"the bench child (page {ps}, guarded={guarded}) failed: {done.stderr[-2000:]}")
-                counts[guarded] = events["Ir"] / steps
-                missed[guarded] = callgrind.misses(events) / steps if cache_sim else 0
-            extra = counts[True] - counts[False]
-            line = (f"page_size {ps}: unguarded step {counts[False]:,.0f} instructions, guarded {counts[True]:,.0f}: "
-                    f"kvguard {extra:,.0f} instructions a step = {100 * extra / counts[False]:+.2f} %")
-            if cache_sim:
-                more = missed[True] - missed[False]
-                line += (f"; lines missed in a simulated {callgrind.L2_CACHE} cache {missed[False]:,.0f} unguarded, "
-                         f"kvguard {more:,.0f} more = {100 * more / missed[False]:+.1f} %")
-            print(f"{line} ({steps} decode steps, {RUNNING} running)", flush=True)
+    for ps in page_sizes:
+        counts, missed = {}, {}
+        for guarded in (False, True):
+            child = [sys.executable, __file__, "--count-child", "guarded" if guarded else "unguarded"]
+            events = callgrind.count(child + ["--pairs", str(steps), str(ps)], cache_sim)
+            counts[guarded] = events["Ir"] / steps
+            missed[guarded] = callgrind.misses(events) / steps if cache_sim else 0
+        extra = counts[True] - counts[False]
+        line = (f"page_size {ps}: unguarded step {counts[False]:,.0f} instructions, guarded {counts[True]:,.0f}: "
+                f"kvguard {extra:,.0f} instructions a step = {100 * extra / counts[False]:+.2f} %")
+        if cache_sim:
+            more = missed[True] - missed[False]
+            line += (f"; lines missed in a simulated {callgrind.L2_CACHE} cache {missed[False]:,.0f} unguarded, "
+                     f"kvguard {more:,.0f} more = {100 * more / missed[False]:+.1f} %")
+        print(f"{line} ({steps} decode steps, {RUNNING} running)", flush=True)
 
 
 def main() -> None:
