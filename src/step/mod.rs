@@ -61,7 +61,7 @@ pub use slot_rows::{DecodeForward, DecodeOutcome, SlotRead, SlotRowCache};
 pub use writes::StepSlots;
 
 use crate::ids::RequestId;
-use crate::table::{BlockRows, OwnershipTable, RowCache, RowRead, RowsError, StepVerdict};
+use crate::table::{BlockRows, OwnershipTable, RowCache, RowRead, RowsError, SeqWrite, StepVerdict};
 
 /// One engine step: `early` events (admissions, claims, frees, preemptions, evictions the
 /// scheduler decided before the forward), then the writes of `scheduled[i]` tokens from position
@@ -174,8 +174,9 @@ impl StepOutcome {
 }
 
 impl EngineStep<'_> {
-    /// The shape checks, before anything is applied.
-    fn check(&self) -> Result<Vec<u64>, StepError> {
+    /// The shape checks, before anything is applied: `computed[i] + scheduled[i]` (request `i`'s
+    /// tokens read) overflows for no `i`.
+    fn check(&self) -> Result<(), StepError> {
         let n = self.requests.len();
         let rows_named = u32::try_from(n).is_ok();
         if self.computed.len() != n || self.scheduled.len() != n || self.rows.rows() < n || !rows_named {
@@ -186,12 +187,12 @@ impl EngineStep<'_> {
                 rows: self.rows.rows(),
             });
         }
-        self.computed
-            .iter()
-            .zip(self.scheduled)
-            .enumerate()
-            .map(|(index, (&c, &s))| c.checked_add(s).ok_or(StepError::Overflow { index, computed: c, scheduled: s }))
-            .collect()
+        match self.computed.iter().zip(self.scheduled).position(|(c, s)| c.checked_add(*s).is_none()) {
+            Some(index) => {
+                Err(StepError::Overflow { index, computed: self.computed[index], scheduled: self.scheduled[index] })
+            }
+            None => Ok(()),
+        }
     }
 }
 
@@ -201,25 +202,26 @@ impl OwnershipTable {
     /// [`record_step_writes`](Self::record_step_writes), [`verify_rows`](Self::verify_rows)
     /// with `cache`). A [`StepError`] (the step's shape) is found before anything is applied.
     pub fn engine_step(&self, cache: &mut RowCache, step: &EngineStep<'_>) -> Result<StepOutcome, StepError> {
-        let tokens = step.check()?;
+        step.check()?;
         let slots = StepSlots::from_rows(step.rows, step.computed, step.scheduled, self.config())?;
         let mut outcome = StepOutcome { early: self.apply_events(step.early), ..StepOutcome::default() };
         if !outcome.early.completed() {
             return Ok(outcome);
         }
-        outcome.writes = Some(self.record_step_writes(&slots.writes(step.requests)));
+        // Each write and each read made as it is judged, not listed first: a list of them is
+        // memory the step would write cold and read back (what a step costs an engine is the
+        // lines it touches, more than its instructions).
+        let requests = step.requests;
+        outcome.writes =
+            Some(self.record_writes_by(requests.len(), |i| SeqWrite { request: requests[i], slots: slots.of(i) }));
         outcome.late = self.apply_events(step.late);
         if !outcome.late.completed() {
             return Ok(outcome);
         }
-        let reads: Vec<RowRead> = step
-            .requests
-            .iter()
-            .zip(&tokens)
-            .enumerate()
-            .map(|(i, (&request, &tokens))| RowRead { request, row: i as u32, tokens })
-            .collect();
-        outcome.reads = Some(self.verify_rows(cache, step.rows, &reads)?);
+        // Row `i` is request `i`'s; its tokens do not overflow (checked).
+        let read =
+            |i: usize| RowRead { request: requests[i], row: i as u32, tokens: step.computed[i] + step.scheduled[i] };
+        outcome.reads = Some(self.rows_by(cache, step.rows, requests.len(), read, true)?);
         Ok(outcome)
     }
 }

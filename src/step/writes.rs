@@ -110,4 +110,9 @@ impl StepSlots {
     pub fn slots(&self) -> &[i64] {
         &self.slots
     }
+
+    /// Request `i`'s slots (`i` below the requests there are).
+    pub(crate) fn of(&self, i: usize) -> &[i64] {
+        &self.slots[self.bounds[i]..self.bounds[i + 1]]
+    }
 }

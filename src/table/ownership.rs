@@ -392,16 +392,25 @@ impl OwnershipTable {
     /// # Ok::<(), kvguard::Error>(())
     /// ```
     pub fn record_step_writes(&self, writes: &[SeqWrite<'_>]) -> StepVerdict {
+        self.record_writes_by(writes.len(), |i| writes[i])
+    }
+
+    /// [`record_step_writes`](Self::record_step_writes) of the `n` writes `write(0..n)`, made as
+    /// they are recorded: a step's writes need no list of their own (the engine step's own
+    /// call, [`engine_step`](Self::engine_step)).
+    pub(crate) fn record_writes_by<'s>(&self, n: usize, write: impl Fn(usize) -> SeqWrite<'s>) -> StepVerdict {
         let mut state = self.state.write();
         let mut verdict = StepVerdict::default();
         // In batches: a first pass loads what the batch's rows miss on, so their misses overlap
         // (a row's own check is a chain of dependent loads, and the next row's waits on it).
-        for (k, batch) in writes.chunks(WARM_BATCH).enumerate() {
-            warm_writes(&state, batch);
-            for (j, w) in batch.iter().enumerate() {
+        for start in (0..n).step_by(WARM_BATCH) {
+            let batch = start..n.min(start + WARM_BATCH);
+            warm_writes(&state, batch.clone().map(&write));
+            for i in batch {
+                let w = write(i);
                 if let Err(Error::Violation(v)) = state.record_slot_writes(w.request, w.slots) {
                     self.note(&state, &v);
-                    verdict.refused.push((k * WARM_BATCH + j, v));
+                    verdict.refused.push((i, v));
                 }
             }
         }
@@ -758,7 +767,7 @@ const WARM_BATCH: usize = 32;
 /// Loads what recording `writes` misses on first: the tag and hot word of the page each first
 /// slot is in (a write into the writer's own pages reads nothing else), in one pass of loads
 /// that depend on nothing but the slots, so the misses of many rows overlap. Decides nothing.
-fn warm_writes(state: &TableState, writes: &[SeqWrite<'_>]) {
+fn warm_writes<'s>(state: &TableState, writes: impl Iterator<Item = SeqWrite<'s>>) {
     let div = state.page_div;
     let mut sum = 0u64;
     for w in writes {

@@ -421,22 +421,37 @@ impl OwnershipTable {
         reads: &[RowRead],
         judged: bool,
     ) -> Result<StepVerdict, RowsError> {
+        self.rows_by(cache, rows, reads.len(), |i| reads[i], judged)
+    }
+
+    /// [`rows_step`](Self::rows_step) of the `count` reads `read(0..count)`, made as they are
+    /// judged (the engine step's reads need no list of their own).
+    pub(crate) fn rows_by(
+        &self,
+        cache: &mut RowCache,
+        rows: BlockRows<'_>,
+        count: usize,
+        read: impl Fn(usize) -> RowRead,
+        judged: bool,
+    ) -> Result<StepVerdict, RowsError> {
         let n = rows.rows();
-        RowsError::first_past(reads.iter().map(|r| r.row), n)?;
+        RowsError::first_past((0..count).map(|i| read(i).row), n)?;
         let stride = rows.width();
         if u32::try_from(stride).is_err() {
-            return Ok(self.rows_in_full(cache, rows, reads, judged));
+            let reads: Vec<RowRead> = (0..count).map(read).collect();
+            return Ok(self.rows_in_full(cache, rows, &reads, judged));
         }
         cache.fit(self.id(), n, stride);
         let state = self.state.read();
         let mut verdict = StepVerdict::default();
         let RowCache { heads, entries, incremental, full, .. } = cache;
         let mut in_full = 0;
-        for (i, read) in reads.iter().enumerate() {
+        for i in 0..count {
+            let read = read(i);
             let r = read.row as usize; // in range: checked above
             let row = rows.row(r);
             let cached = &mut entries[r * stride..][..stride];
-            let (fast, checked) = state.check_row(&mut heads[r], Some(cached), read, row);
+            let (fast, checked) = state.check_row(&mut heads[r], Some(cached), &read, row);
             in_full += u64::from(!fast);
             if let Err(v) = checked {
                 if judged {
@@ -446,7 +461,7 @@ impl OwnershipTable {
             }
         }
         *full += in_full;
-        *incremental += reads.len() as u64 - in_full;
+        *incremental += count as u64 - in_full;
         Ok(verdict)
     }
 
