@@ -1,0 +1,358 @@
+"""kvguard's cost per step of vLLM's own engine: vLLM 0.33's ``EngineCore`` under async scheduling
+(its default on GPUs: ``step_with_batch_queue``, a batch queue of 2), its ``AsyncScheduler``,
+``KVCacheManager`` and ``BlockPool``, and its V1 model runner (``CPUModelRunner``, a
+``GPUModelRunner``) with its own ``_update_states`` and ``_prepare_inputs`` (the persistent batch,
+``commit_block_table``, positions, the slot mapping), 256 running requests in decode, guarded
+beside unguarded in one process. Nothing of vLLM's step is re-implemented: the engines are the
+tests' real-engine harness (``tests/engines/vllm/real_engine.py``), with only the model stood in.
+
+What is not vLLM's step, and is taken off each step's time: the stand-in model (it writes
+nothing and reads nothing here; it keeps the runner's discard mask), the stand-in sampler (a
+token per row, and the host-side bookkeeping ``_bookkeeping_sync`` does), and the torch stand-in
+for vLLM's Triton slot-mapping kernel (on a GPU, a kernel launch). kvguard's own calls stay in:
+the scheduler-side recorder inside vLLM's calls, the worker check inside ``_prepare_inputs``'s
+wrapper, ``annotate_output`` on the output.
+
+Each round a fresh child builds both engines (which one first alternates by round), kvguard
+installed as its plugin installs it (``kvguard.vllm.install("enforce")``); the unguarded
+engine's scheduler has no recorder and its runner no guard, so it pays only the wrappers' early
+returns. Both admit the same 256 requests (prompts of 32-63 tokens) into a pool with room for
+all of them to the end (none is preempted: every timed step decodes all 256, each claiming a
+block every 16 tokens and publishing the one it filled), run their prefill untimed, then
+``--steps`` decode steps interleaved, the order flipped every step. A round reads the median
+over step pairs of (guarded - unguarded) / unguarded; the last line gives min / median / max
+over the rounds. ``--control`` puts a second unguarded engine in the guarded one's place: what
+the method reads when there is nothing to find. ``--part scheduler`` takes the worker check away
+from the guarded engine (its runner has no guard; the recorder and the hooks stay): the
+scheduler side's share alone, which judges nothing. The clock is the thread's CPU time
+(``--clock wall``: wall time); everything runs in the one thread.
+
+``--instructions`` counts instead of timing (valgrind's callgrind): a child holding the two
+engines and one holding two unguarded ones, each under callgrind, only their ``--steps`` decode
+step pairs counted (after a few instrumented and zeroed), the stand-ins not (each is called
+through ``operator.call`` as the step is: callgrind's ``--toggle-collect`` turns collection off
+again inside them). ``--cache-sim`` adds the lines missed in a simulated 2 MiB L2. ``--solo``
+counts one engine a child instead (a guarded one, an unguarded one), as an engine runs in
+production, one to a process: the two engines of one process share the L2, so each step there
+finds the lines of the other engine's step between it and its own last one.
+
+    VLLM_TARGET_DEVICE=cpu python bindings/python/bench/vllm_core_step.py [--rounds 6] [--steps 200] [--control | --part all|scheduler] [--clock cpu|wall]
+    VLLM_TARGET_DEVICE=cpu python bindings/python/bench/vllm_core_step.py --instructions [--cache-sim] [--solo] [--part all|scheduler] [--steps 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engines" / "vllm"))
+import callgrind as callgrind_tool  # noqa: E402 (this folder's helper; the script's folder is on the path)
+
+REQUESTS = 256
+
+#: Seconds the stand-ins (model, sampler, slot-mapping kernel) spent in the current step.
+STAND_IN = [0.0]
+
+
+def stood_in(fn):  # noqa: ANN001, ANN201
+    """``fn``, its time added to ``STAND_IN`` (not vLLM's step); under callgrind, called through
+    ``operator.call``, so inside the counted step it is not counted."""
+
+    def wrapper(*a: Any, **kw: Any) -> Any:
+        t = clock()
+        try:
+            return callgrind_tool.counted(fn, *a, **kw) if args.callgrind else fn(*a, **kw)
+        finally:
+            STAND_IN[0] += clock() - t
+
+    return wrapper
+
+
+def bench_worker() -> type:
+    """The tests' stand-in worker with a model that does no work of its own (no oracle: the
+    tests hold the verdicts; this times the step) and ``GPUModelRunner.execute_model``'s own
+    sequence of calls, nothing else."""
+    import numpy as np
+    import real_engine
+
+    class BenchWorker(real_engine.StandInWorker):
+        def execute_model(self, scheduler_output: Any) -> Any:
+            from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+            self.steps += 1
+            runner = self.runner
+            runner._update_states(scheduler_output)
+            if not scheduler_output.total_num_scheduled_tokens:
+                return EMPTY_MODEL_RUNNER_OUTPUT
+            req_ids = runner.input_batch.req_ids
+            tokens = [scheduler_output.num_scheduled_tokens[i] for i in req_ids]
+            sched = np.array(tokens, dtype=np.int32)
+            runner._prepare_inputs(scheduler_output, sched)
+            self._forward(list(req_ids), sched)
+            return None
+
+        @stood_in
+        def _forward(self, req_ids: list[str], sched: Any) -> None:
+            n = len(req_ids)
+            self._last = (req_ids, self.runner.discard_request_mask.np[:n].copy(), None)
+
+        def sample_tokens(self, grammar_output: Any) -> Any:
+            from kvguard.vllm import hooks
+
+            return hooks.annotate_output(self.runner, self._sample())
+
+        @stood_in
+        def _sample(self) -> Any:
+            from vllm.v1.outputs import ModelRunnerOutput
+
+            req_ids, discard, _ = self._last
+            self._last = None
+            runner = self.runner
+            batch = runner.input_batch
+            sampled: list[list[int]] = []
+            for i, rid in enumerate(req_ids):
+                if discard[i]:
+                    sampled.append([])
+                    continue
+                tok = 1 + (i * 7 + self.steps) % 400
+                sampled.append([tok])
+                end = int(batch.num_tokens_no_spec[i])
+                batch.token_ids_cpu[i, end] = tok
+                batch.num_tokens_no_spec[i] = end + 1
+                runner.requests[rid].output_token_ids.append(tok)
+            return ModelRunnerOutput(
+                req_ids=list(req_ids), req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled
+            )
+
+    return BenchWorker
+
+
+def make_engine(guarded: bool) -> Any:
+    """One engine, its 256 requests admitted; unguarded: no recorder, no guard."""
+    import real_engine
+
+    real_engine.StandInWorker = bench_worker()
+    rc = real_engine.RealConfig(
+        # Room for every request's whole run (prompt, warm-up and timed steps): nothing is
+        # preempted, all 256 run every step.
+        num_blocks=REQUESTS * (-(-(64 + 40 + args.steps) // 16) + 1) + 64,
+        block_size=16,
+        max_num_seqs=REQUESTS,
+        max_num_batched_tokens=8192,
+        max_model_len=2048,
+        async_scheduling=True,
+    )
+    e = real_engine.RealEngine(rc)
+    if not guarded:
+        e.core.scheduler.kv_cache_manager._kvguard_recorder = None  # the hooks pass it by
+    if not guarded or args.part == "scheduler":
+        e.worker.runner._kvguard = None  # no guard: worker_step returns at once
+    rng = random.Random(0)
+    for i in range(REQUESTS):
+        e.add(f"req-{i}", [rng.randrange(500) for _ in range(rng.randrange(32, 64))], 10_000)
+    return e
+
+
+def timed_step(e: Any) -> tuple[float, bool]:
+    """One ``EngineCore`` step: its time without the stand-ins', and whether every request
+    was running in decode."""
+    STAND_IN[0] = 0.0
+    t0 = clock()
+    if args.callgrind:
+        callgrind_tool.counted(e.core.step_fn)
+    else:
+        e.core.step_fn()
+    t1 = clock()
+    sched = e.core.scheduler
+    decode = len(sched.running) == REQUESTS and all(r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running)
+    return t1 - t0 - STAND_IN[0], decode
+
+
+def serve_pair(guarded_first: bool) -> None:
+    """A child: both engines in this process; prints the medians of the unguarded step, the
+    guarded step and the per-pair cost (per cent)."""
+    import real_engine
+
+    import kvguard.vllm
+
+    out = sys.__stdout__
+    sys.stdout = sys.stderr
+    kvguard.vllm.install("enforce")
+    kernel = real_engine._SlotMappingInTorch
+    kernel.__call__ = stood_in(kernel.__call__)
+    guarded = not args.control
+    if guarded_first:
+        g, p = make_engine(guarded), make_engine(False)
+    else:
+        p, g = make_engine(False), make_engine(guarded)
+    if guarded and g.guard is not None:
+        raise RuntimeError("the guard is made at the first step, not before")
+    while not (timed_step(p)[1] & timed_step(g)[1]):
+        pass
+    for _ in range(20):  # steady decode before the timed steps
+        timed_step(p)
+        timed_step(g)
+    if guarded and args.part == "all" and not g.guard:
+        raise RuntimeError("the guarded engine runs no guard")
+    if args.callgrind:
+        # Counted from the caches a step leaves, not from empty ones.
+        callgrind_tool.switch("on")
+        for _ in range(callgrind_tool.WARM_STEPS):
+            timed_step(p)
+            timed_step(g)
+        callgrind_tool.zero()
+    plain, guarded_t, ratio = [], [], []
+    for i in range(args.steps):
+        if i % 2:
+            (a, da), (b, db) = timed_step(p), timed_step(g)
+        else:
+            (b, db), (a, da) = timed_step(g), timed_step(p)
+        if not (da and db):
+            raise RuntimeError(f"step {i}: not every request is running in decode")
+        plain.append(a)
+        guarded_t.append(b)
+        ratio.append((b - a) / a)
+    if args.callgrind:
+        callgrind_tool.switch("off")
+    if guarded and args.part == "all" and g.guard.refusals_total:
+        raise RuntimeError("kvguard refused a clean run")
+    med = statistics.median
+    out.write(f"{med(plain)!r} {med(guarded_t)!r} {100 * med(ratio)!r}\n")
+    out.flush()
+
+
+def serve_solo(guarded: bool) -> None:
+    """A ``--solo`` child under callgrind: one engine in this process, its ``--steps`` decode
+    steps counted."""
+    import real_engine
+
+    import kvguard.vllm
+
+    sys.stdout = sys.stderr
+    kvguard.vllm.install("enforce")
+    kernel = real_engine._SlotMappingInTorch
+    kernel.__call__ = stood_in(kernel.__call__)
+    e = make_engine(guarded)
+    while not timed_step(e)[1]:
+        pass
+    for _ in range(20):
+        timed_step(e)
+    if guarded and args.part == "all" and not e.guard:
+        raise RuntimeError("the guarded engine runs no guard")
+    callgrind_tool.switch("on")
+    for _ in range(callgrind_tool.WARM_STEPS):
+        timed_step(e)
+    callgrind_tool.zero()
+    for i in range(args.steps):
+        if not timed_step(e)[1]:
+            raise RuntimeError(f"step {i}: not every request is running in decode")
+    callgrind_tool.switch("off")
+    if guarded and args.part == "all" and e.guard.refusals_total:
+        raise RuntimeError("kvguard refused a clean run")
+
+
+def instructions() -> None:
+    """``--instructions``: the guarded pair's child and the control's under callgrind (``--solo``:
+    a guarded engine's child and an unguarded one's); kvguard's instructions a step (the
+    difference) over an unguarded step's."""
+    callgrind_tool.require("vllm_core_step.py")
+    counts, misses = {}, {}
+    for part in ("control", "kvguard"):
+        child = [sys.executable, __file__, "--serve", "--callgrind", "--steps", str(args.steps), "--guarded-first"]
+        if args.solo:
+            child += ["--solo", "plain" if part == "control" else "guarded"]
+        elif part == "control":
+            child += ["--control"]
+        if part == "kvguard":
+            child += ["--part", args.part]
+        events = callgrind_tool.count(child, args.cache_sim)
+        counts[part] = events["Ir"] / args.steps
+        line = f"{part}: {counts[part]:,.0f} instructions {'a step' if args.solo else 'a step pair'}"
+        if args.cache_sim:
+            misses[part] = callgrind_tool.misses(events) / args.steps
+            line += f", {misses[part]:,.0f} lines missed in a {callgrind_tool.L2_CACHE} cache"
+        print(line, flush=True)
+    # A pair's control is two unguarded steps; a solo control, one.
+    share = 1 if args.solo else 2
+    plain = counts["control"] / share
+    extra = counts["kvguard"] - counts["control"]
+    shape = "one engine a process" if args.solo else "two engines in one process"
+    print(f"an unguarded EngineCore step: {plain:,.0f} instructions ({args.steps} decode steps, {REQUESTS} requests, {shape})")
+    line = f"kvguard ({args.part}): {extra:,.0f} instructions a step = {100 * extra / plain:.2f} % of the unguarded step"
+    if args.cache_sim:
+        more = misses["kvguard"] - misses["control"]
+        base = misses["control"] / share
+        line += f"; {more:,.0f} lines missed = {100 * more / base:.1f} % of its {base:,.0f}"
+    print(line)
+
+
+def main() -> None:
+    results = []
+    label = "control: a second unguarded engine" if args.control else f"kvguard ({args.part})"
+    for r in range(args.rounds):
+        cmd = [sys.executable, __file__, "--serve", "--clock", args.clock, "--steps", str(args.steps)]
+        cmd += ["--guarded-first" if r % 2 == 0 else "--plain-first"]
+        cmd += ["--control"] if args.control else ["--part", args.part]
+        env = {**os.environ, "PYTHONHASHSEED": "0"}
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+        reply = done.stdout.split()
+        if len(reply) != 3:
+            raise RuntimeError(f"the bench child died:\n{done.stderr[-3000:]}")
+        plain, guarded, ratio = (float(x) for x in reply)
+        results.append(ratio)
+        print(
+            f"round {r}: vLLM EngineCore step {plain * 1e6:.1f} us unguarded, {guarded * 1e6:.1f} us guarded:"
+            f" {label} costs {ratio:.2f} % of the unguarded step (median of {args.steps} step pairs;"
+            f" {'guarded' if r % 2 == 0 else 'unguarded'} engine built first)",
+            flush=True,
+        )
+    print(
+        f"{label} cost / vLLM EngineCore step over {args.rounds} rounds ({args.clock} clock): "
+        f"min {min(results):.2f} %, median {statistics.median(results):.2f} %, max {max(results):.2f} %"
+    )
+
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=200)
+parser.add_argument("--rounds", type=int, default=6)
+parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
+parser.add_argument("--control", action="store_true", help="two unguarded engines (the method's own reading)")
+parser.add_argument("--part", choices=["all", "scheduler"], default="all", help="scheduler: no worker check")
+parser.add_argument("--instructions", action="store_true", help="instruction counts (callgrind) instead of time")
+parser.add_argument("--cache-sim", action="store_true", help="with --instructions: simulated L2 misses too")
+parser.add_argument("--solo", nargs="?", const="both", choices=["both", "plain", "guarded"],
+                    help="with --instructions: one engine a child (see the module doc)")
+parser.add_argument("--callgrind", action="store_true", help=argparse.SUPPRESS)
+parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+parser.add_argument("--guarded-first", dest="guarded_first", action="store_true", help=argparse.SUPPRESS)
+parser.add_argument("--plain-first", dest="guarded_first", action="store_false", help=argparse.SUPPRESS)
+args = parser.parse_args()
+if args.rounds < 1 or args.steps < 1:
+    parser.error("--steps and --rounds must be at least 1")
+if args.cache_sim and not args.instructions:
+    parser.error("--cache-sim goes with --instructions")
+if args.solo and not (args.instructions or args.serve):
+    parser.error("--solo goes with --instructions")
+if args.control and args.part != "all":
+    parser.error("--part goes without --control")
+if args.instructions and args.control:
+    parser.error("--instructions runs the control itself")
+clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+
+if __name__ == "__main__":
+    if args.serve and args.solo:
+        serve_solo(args.solo == "guarded")
+    elif args.serve:
+        serve_pair(args.guarded_first)
+    elif args.instructions:
+        instructions()
+    else:
+        main()
