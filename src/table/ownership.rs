@@ -601,7 +601,10 @@ impl OwnershipTable {
         self.mutate(|state| state.evict(key))
     }
 
-    /// Lets other tenants attach to `tenant`'s prefixes (off by default).
+    /// Lets other tenants attach to `tenant`'s prefixes (off by default). The grant is checked
+    /// when a request attaches: withdrawing it (`allow` false) refuses later attachments, and the
+    /// holds already taken stay readable until they are let go, on the host and on the device
+    /// (as the trace format's `revoke`).
     pub fn allow_cross_tenant_sharing(&self, tenant: TenantId, allow: bool) {
         let mut state = self.state.write();
         if allow {

@@ -307,11 +307,9 @@ impl Model {
                     let Some(page) = self.pages.get(p as usize) else { return (false, Some(r)) };
                     let readable = match page.state {
                         MState::Owned(o) => o == r,
-                        MState::Shared(id) => {
-                            rec.held.contains(&id)
-                                && (self.prefixes[&id].tenant == rec.tenant
-                                    || self.sharing.contains(&self.prefixes[&id].tenant))
-                        }
+                        // A holder reads: the grant is checked when it attaches, and a grant
+                        // withdrawn later keeps the holds already taken (`allow_cross_tenant_sharing`).
+                        MState::Shared(id) => rec.held.contains(&id),
                         _ => false,
                     };
                     if !readable || !page.written[..need].iter().all(|&w| w) {
