@@ -111,26 +111,9 @@ def bench_worker() -> type:
 
         @stood_in
         def _sample(self) -> Any:
-            from vllm.v1.outputs import ModelRunnerOutput
-
             req_ids, discard, _ = self._last
             self._last = None
-            runner = self.runner
-            batch = runner.input_batch
-            sampled: list[list[int]] = []
-            for i, rid in enumerate(req_ids):
-                if discard[i]:
-                    sampled.append([])
-                    continue
-                tok = 1 + (i * 7 + self.steps) % 400
-                sampled.append([tok])
-                end = int(batch.num_tokens_no_spec[i])
-                batch.token_ids_cpu[i, end] = tok
-                batch.num_tokens_no_spec[i] = end + 1
-                runner.requests[rid].output_token_ids.append(tok)
-            return ModelRunnerOutput(
-                req_ids=list(req_ids), req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled
-            )
+            return self.sampled(req_ids, discard, lambda i: 1 + (i * 7 + self.steps) % 400)
 
     return BenchWorker
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import atexit
 import os
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import cache
@@ -340,12 +341,24 @@ class StandInWorker:
         self._last = (req_ids, discard, reads)
 
     def sample_tokens(self, grammar_output: Any) -> Any:
-        from vllm.v1.outputs import ModelRunnerOutput
-
         from kvguard.vllm import hooks
 
         req_ids, discard, reads = self._last
         self._last = None
+
+        def token_of(i: int) -> int:
+            read = reads[i]
+            p = np.arange(len(read))
+            return int(((read + 7) * (p * 2 + 1) % 1_000_003).sum()) % (VOCAB - 1)
+
+        return hooks.annotate_output(self.runner, self.sampled(req_ids, discard, token_of))
+
+    def sampled(self, req_ids: list[str], discard: np.ndarray, token_of: Callable[[int], int]) -> Any:
+        """The step's ``ModelRunnerOutput``: a token ``token_of(i)`` for each row ``i`` not
+        discarded, recorded on the host as ``_bookkeeping_sync`` records it (real ids where async
+        scheduling keeps placeholders)."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
         runner = self.runner
         batch = runner.input_batch
         sampled: list[list[int]] = []
@@ -353,19 +366,15 @@ class StandInWorker:
             if discard[i]:
                 sampled.append([])
                 continue
-            read = reads[i]
-            p = np.arange(len(read))
-            tok = int(((read + 7) * (p * 2 + 1) % 1_000_003).sum()) % (VOCAB - 1)
+            tok = token_of(i)
             sampled.append([tok])
-            # _bookkeeping_sync (real ids where async keeps placeholders on the host).
             end = int(batch.num_tokens_no_spec[i])
             batch.token_ids_cpu[i, end] = tok
             batch.num_tokens_no_spec[i] = end + 1
             runner.requests[rid].output_token_ids.append(tok)
-        out = ModelRunnerOutput(
+        return ModelRunnerOutput(
             req_ids=list(req_ids), req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled
         )
-        return hooks.annotate_output(runner, out)
 
 
 # -- the executor -----------------------------------------------------------------------------
