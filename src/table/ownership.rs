@@ -779,7 +779,6 @@ fn warm_writes<'s>(state: &TableState, writes: impl Iterator<Item = SeqWrite<'s>
         {
             let page = div.floor(slot) as usize;
             sum ^= state.tags.get(page).map_or(0, |t| u64::from(t.watermark()));
-            sum ^= state.hot.get(page).map_or(0, |h| h.differs(super::hot::HotWord::PAST_THE_POOL));
         }
     }
     std::hint::black_box(sum);

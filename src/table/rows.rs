@@ -10,7 +10,7 @@
 //! prefix it holds changed neither: the table's `shared_epoch`), and it is not quarantined, so
 //! an entry checked clean for `n` slots is still clean for them. A row whose earlier entries are
 //! unchanged, byte for byte, is then judged only from the page its checked tokens ended in: a
-//! decode step costs a comparison of the row and one page's check (its hot word: the reader's
+//! decode step costs a comparison of the row and one page's check (its tag: the reader's
 //! own page), not a check of every page. Anything else (another request in the row, an entry
 //! changed behind the engine's calls, fewer tokens, the epoch moved on) is judged in full, as
 //! [`verify_step`](OwnershipTable::verify_step) would; so is any row whose incremental check
@@ -19,8 +19,6 @@
 //! operation sequences).
 
 use super::OwnershipTable;
-use super::hot::HotWord;
-use super::info::PageState;
 #[cfg(doc)]
 use super::state::RequestRecord;
 use super::state::{BlockEntry, RequestEpochs, TableState};
@@ -267,7 +265,7 @@ impl TableState {
                 let need = need as u32; // at most a page
                 // The page first, while the table's fields are in registers; the comparison
                 // (a call) after.
-                if (self.own_page(head.slot, entry, need) || self.entry_clean(req, whole, entry, need))
+                if (self.own_page(req, entry, need) || self.entry_clean(req, whole, entry, need))
                     && cached.as_deref().is_none_or(|cached| row[..whole] == cached[..whole])
                 {
                     if let Some(cached) = cached {
@@ -308,18 +306,18 @@ impl TableState {
         (false, verdict)
     }
 
-    /// Whether the request at request slot `slot` (the record a row's head names, live: its
-    /// word matched) may read slots `0..need` of `entry`'s page as its own page: owned by it
-    /// and written as far as read, by its hot word (and tag). The full check's verdict on the
-    /// reader's own page; false for any other page (a prefix's is judged by
-    /// [`check_entry`](Self::check_entry)).
+    /// Whether `req` (the request a row's head names, live and not quarantined: its word
+    /// matched) may read slots `0..need` of `entry`'s page as its own page: owned by it and
+    /// written as far as read, by its tag (the hot word's FULL bit only where the watermark
+    /// lags, on a page written whole). The full check's verdict on the reader's own page; false
+    /// for any other page (a prefix's is judged by [`check_entry`](Self::check_entry)). A
+    /// decode step's page is the one its write just touched: one line, already in cache.
     #[inline(always)]
-    fn own_page(&self, slot: u32, entry: i32, need: u32) -> bool {
+    fn own_page(&self, req: RequestId, entry: i32, need: u32) -> bool {
         let page = entry.page().0 as usize;
-        // The word past the pool, at its end, matches no page's (nor any id past it).
-        let Some(&word) = self.hot.get(page) else { return false };
-        HotWord::but_full(word.differs(HotWord::new(slot, PageState::Owned, false))) == 0
-            && (word.is_full() || self.tags.get(page).is_some_and(|tag| tag.watermark() >= need))
+        self.tags.get(page).is_some_and(|tag| {
+            tag.owned_by(req) && (tag.watermark() >= need || self.hot.get(page).is_some_and(|w| w.is_full()))
+        })
     }
 
     /// Whether `req` may read slots `0..need` of `entry`'s page (entry `index` of its row), as
@@ -346,7 +344,7 @@ impl TableState {
         let last = window.len().saturating_sub(1);
         let tail = self.page_div.offset(tokens) as u32;
         let need = |k: usize| if k == last && tail > 0 { tail } else { self.page_size };
-        let clean = window.iter().enumerate().all(|(k, &entry)| self.own_page(head.slot, entry, need(k)))
+        let clean = window.iter().enumerate().all(|(k, &entry)| self.own_page(read.request, entry, need(k)))
             || self.requests.get(&read.request).is_some_and(|rec| {
                 window
                     .iter()

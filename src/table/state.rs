@@ -82,9 +82,11 @@ impl PrefixSlot {
 ///
 /// Coverage is the page's [`HotWord`] FULL bit, a watermark and a bitmap: slot `s` is written iff
 /// the page is whole ([`HotWord::is_full`]), or `s < watermark`, or its bit is set. Writes in order
-/// (prefill chunks, decode appends) only move the watermark; a write of whole pages only sets
-/// their FULL bits (the watermark is left behind: a whole page's is never read); the bitmap is
-/// touched only by writes that leave a gap (`sparse`), and cleared on release only if it was.
+/// (prefill chunks, decode appends) only move the watermark (and set FULL when it reaches the
+/// page's end); a write of whole pages only sets their FULL bits (the watermark is left behind,
+/// and later appends may move it: a whole page's written prefix is its size whatever the
+/// watermark says); the bitmap is touched only by writes that leave a gap (`sparse`), and
+/// cleared on release only if it was.
 /// Read the written prefix through [`TableState::written_prefix`], never the field.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct PageTag {
@@ -905,24 +907,32 @@ impl TableState {
     }
 
     /// Records slots `a..b` of `page` as written and advances the watermark.
+    ///
+    /// The common write, appending to the written prefix (a decode step's token, a prefill's
+    /// chunk), reads and writes the tag alone: the hot word's FULL bit is set when the write
+    /// reaches the page's end and otherwise left as it is (a whole page's stays whole; its
+    /// watermark, left behind by the whole-page write, moves on harmlessly). A decode step's
+    /// write then touches one line (the tag), not two; the FULL bit is read only for a write
+    /// that leaves a gap.
     #[inline(always)]
     pub fn mark_written(&mut self, page: PageId, a: u32, b: u32) {
-        if self.hot[page.0 as usize].is_full() {
-            return; // every slot is written already
-        }
-        // Not whole: the watermark is current.
         let tag = &mut self.tags[page.0 as usize];
-        if b <= tag.watermark().max(a) {
+        let watermark = tag.watermark();
+        if b <= watermark.max(a) {
             return; // empty, or already written by this incarnation
         }
-        if a <= tag.watermark() && !tag.sparse() {
+        if a <= watermark && !tag.sparse() {
             // The common case: appending to the written prefix.
             tag.set_watermark(b);
-            let full = b >= self.page_size;
-            let hot = &mut self.hot[page.0 as usize];
-            *hot = hot.with_full(full);
+            if b >= self.page_size {
+                let hot = &mut self.hot[page.0 as usize];
+                *hot = hot.with_full(true);
+            }
             self.mark_changed(page);
             return;
+        }
+        if self.hot[page.0 as usize].is_full() {
+            return; // every slot is written already
         }
         self.mark_written_sparse(page, a, b);
     }

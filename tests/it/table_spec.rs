@@ -1,8 +1,8 @@
 //! The ownership table's behaviour, one rule per test: every violation kind and every error.
 
 use kvguard::{
-    ConfigError, Error, Generation, OwnershipTable, PageId, PageRef, PageState, Policy, PoolConfig, PrefixKey,
-    RequestId, SeqRead, TenantId, ViolationKind,
+    BlockRows, ConfigError, Error, Generation, OwnershipTable, PageId, PageRef, PageState, Policy, PoolConfig,
+    PrefixKey, RequestId, RowCache, RowRead, SeqRead, TenantId, ViolationKind,
 };
 
 const PS: u32 = 16;
@@ -201,6 +201,35 @@ fn a_write_refused_midway_puts_back_every_watermark_it_moved() {
     assert_eq!(t.page_info(b[0]).unwrap().written_slots, 0);
     assert_eq!(t.page_info(b[1]).unwrap().written_slots, 5, "the old watermark is back");
     assert_eq!(t.page_info(b[2]).unwrap().written_slots, 0);
+}
+
+#[test]
+fn a_page_written_whole_stays_whole_when_written_into_again() {
+    // Tokens 0..64 over four pages: the two between the first and the last are written whole
+    // (their watermarks left behind), then written into again, from a slot at and past their
+    // watermark: neither write takes a slot back, and every read of the 64 tokens passes, in
+    // full and through a row cache (the decode path's own-page check).
+    let t = table();
+    t.admit(A, T1, 64, 16).unwrap();
+    let bt = pages(&t.allocate(A, 5).unwrap());
+    t.record_write_tokens(A, &bt, 0..64).unwrap();
+    t.record_write_tokens(A, &bt, 16..17).unwrap(); // page 1 from its first slot
+    t.record_write(A, bt[2], 5..6).unwrap(); // page 2 past its watermark
+    let entries: Vec<i32> = bt.iter().map(|p| p.0 as i32).collect();
+    let rows = BlockRows::new(&entries, entries.len()).unwrap();
+    let mut cache = RowCache::new();
+    for tokens in [64, 20, 37, 64] {
+        t.verify_read(A, &bt, tokens).unwrap();
+        let read = [RowRead { request: A, row: 0, tokens }];
+        assert!(t.verify_rows(&mut cache, rows, &read).unwrap().is_clean(), "{tokens} tokens");
+    }
+    // The decode path after it: each token appended to page 4, read through the cache.
+    for n in 64..80 {
+        t.record_write_tokens(A, &bt, n..n + 1).unwrap();
+        let read = [RowRead { request: A, row: 0, tokens: n + 1 }];
+        assert!(t.verify_rows(&mut cache, rows, &read).unwrap().is_clean(), "{} tokens", n + 1);
+    }
+    assert!(cache.incremental() > 0);
 }
 
 // ---- reads ----
