@@ -767,8 +767,8 @@ fn warm_reads<'a, E: BlockEntry>(
 /// their loads keep the core's miss buffers busy, and the lines stay in L1 until they are used.
 const WARM_BATCH: usize = 32;
 
-/// Loads what recording `writes` misses on first: the tag and hot word of the page each first
-/// slot is in (a write into the writer's own pages reads nothing else), in one pass of loads
+/// Loads what recording `writes` misses on first: the tag of the page each first slot is in (an
+/// appending write into the writer's own pages reads nothing else), in one pass of loads
 /// that depend on nothing but the slots, so the misses of many rows overlap. Decides nothing.
 fn warm_writes<'s>(state: &TableState, writes: impl Iterator<Item = SeqWrite<'s>>) {
     let div = state.page_div;
