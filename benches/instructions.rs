@@ -272,8 +272,8 @@ fn decode_grew(mode: Grew) {
             early: Events::none(),
             requests: &requests,
             rows,
-            computed: &computed,
-            scheduled: &scheduled,
+            computed: (&computed).into(),
+            scheduled: (&scheduled).into(),
             late: Events::none(),
         };
         assert!(measured_decode_engine_step(&table, &mut cache, &step), "a clean step");

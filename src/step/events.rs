@@ -237,6 +237,12 @@ impl<'a> Events<'a> {
         RequestId(self.requests[i])
     }
 
+    /// Event `i`'s request and pages, as a claim reads them (`kind(i)` is a claim).
+    fn claim_at(&self, i: usize) -> SeqClaim<'a> {
+        let [a, b] = self.args[i];
+        SeqClaim { request: RequestId(self.requests[i]), pages: &self.pages[a as usize..b as usize] }
+    }
+
     /// Event `i` (`i < len()`).
     pub fn get(&self, i: usize) -> Event<'a> {
         let request = RequestId(self.requests[i]);
@@ -298,6 +304,16 @@ impl EventBatch {
             args: Vec::with_capacity(events),
             pages: Vec::with_capacity(pages),
         }
+    }
+
+    /// Room for `events` more events naming `pages` more pages, so that filling it reallocates
+    /// nothing.
+    pub fn reserve(&mut self, events: usize, pages: usize) {
+        self.kinds.reserve(events);
+        self.requests.reserve(events);
+        self.keys.reserve(events);
+        self.args.reserve(events);
+        self.pages.reserve(pages);
     }
 
     /// Forgets every event (keeps the memory).
@@ -434,19 +450,15 @@ impl OwnershipTable {
     /// there ([`AppliedEvents::failed`]).
     pub fn apply_events(&self, events: Events<'_>) -> AppliedEvents {
         let mut out = AppliedEvents::default();
-        let mut claims: Vec<SeqClaim<'_>> = Vec::new();
         let mut i = 0;
         while i < events.len() {
             if events.kind(i) == EventKind::Claim {
                 let start = i;
-                claims.clear();
-                while i < events.len()
-                    && let Event::Claim { request, pages } = events.get(i)
-                {
-                    claims.push(SeqClaim { request, pages });
+                while i < events.len() && events.kind(i) == EventKind::Claim {
                     i += 1;
                 }
-                let verdict = self.claim_step(&claims);
+                // The run's claims as they are applied, not listed first.
+                let verdict = self.claims_by(i - start, |k| events.claim_at(start + k));
                 out.refused.extend(verdict.refused.into_iter().map(|(k, v)| (start + k, v)));
                 continue;
             }

@@ -27,8 +27,8 @@
 //!     early: early.events(),
 //!     requests: &[a, b],
 //!     rows: BlockRows::new(&block_table, 2)?,
-//!     computed: &[0, 0],
-//!     scheduled: &[20, 20],
+//!     computed: (&[0, 0]).into(),
+//!     scheduled: (&[20, 20]).into(),
 //!     late: Events::none(),
 //! };
 //! let outcome = table.engine_step(&mut cache, &step)?;
@@ -38,8 +38,8 @@
 //! let step = EngineStep {
 //!     early: Events::none(),
 //!     rows: BlockRows::new(&block_table, 2)?,
-//!     computed: &[20, 20],
-//!     scheduled: &[1, 1],
+//!     computed: (&[20, 20]).into(),
+//!     scheduled: (&[1, 1]).into(),
 //!     ..step
 //! };
 //! let outcome = table.engine_step(&mut cache, &step)?;
@@ -48,11 +48,13 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod counts;
 mod events;
 mod mirror;
 mod slot_rows;
 mod writes;
 
+pub use counts::{Counts, CountsIter, NegativeCount};
 pub use events::{AppliedEvents, Event, EventBatch, EventKind, Events, EventsError};
 pub use mirror::{
     DecodeClaim, DecodeRowWrite, DecodeWrites, Ints, IntsMut, MirrorError, PoolMirror, RowWriteOutcome, decode_writes,
@@ -62,6 +64,7 @@ pub use writes::StepSlots;
 
 use crate::ids::RequestId;
 use crate::table::{BlockRows, OwnershipTable, RowCache, RowRead, RowsError, SeqWrite, StepVerdict};
+use counts::Count;
 
 /// One engine step: `early` events (admissions, claims, frees, preemptions, evictions the
 /// scheduler decided before the forward), then the writes of `scheduled[i]` tokens from position
@@ -79,10 +82,10 @@ pub struct EngineStep<'a> {
     pub requests: &'a [RequestId],
     /// The block table attention reads (vLLM's `block_table.np`), in place.
     pub rows: BlockRows<'a>,
-    /// Tokens each request had before the step.
-    pub computed: &'a [u64],
+    /// Tokens each request had before the step (the engine's own array, read in place).
+    pub computed: Counts<'a>,
     /// Tokens each request writes this step.
-    pub scheduled: &'a [u64],
+    pub scheduled: Counts<'a>,
     /// Events after the writes, before the reads.
     pub late: Events<'a>,
 }
@@ -187,10 +190,15 @@ impl EngineStep<'_> {
                 rows: self.rows.rows(),
             });
         }
-        match self.computed.iter().zip(self.scheduled).position(|(c, s)| c.checked_add(*s).is_none()) {
-            Some(index) => {
-                Err(StepError::Overflow { index, computed: self.computed[index], scheduled: self.scheduled[index] })
-            }
+        let overflow = counts::with_count_slices!(self.computed, self.scheduled, |c, s| {
+            c.iter().zip(s).position(|(c, s)| c.count().checked_add(s.count()).is_none())
+        });
+        match overflow {
+            Some(index) => Err(StepError::Overflow {
+                index,
+                computed: self.computed.get(index),
+                scheduled: self.scheduled.get(index),
+            }),
             None => Ok(()),
         }
     }
@@ -203,7 +211,10 @@ impl OwnershipTable {
     /// with `cache`). A [`StepError`] (the step's shape) is found before anything is applied.
     pub fn engine_step(&self, cache: &mut RowCache, step: &EngineStep<'_>) -> Result<StepOutcome, StepError> {
         step.check()?;
-        let slots = StepSlots::from_rows(step.rows, step.computed, step.scheduled, self.config())?;
+        // The slot mapping in the room the cache kept from the step before (given back below;
+        // a step that stops early leaves it to be made again).
+        let mut slots = StepSlots::in_room(std::mem::take(&mut cache.step_room));
+        slots.fill_from_rows(step.rows, step.computed, step.scheduled, self.config())?;
         let mut outcome = StepOutcome { early: self.apply_events(step.early), ..StepOutcome::default() };
         if !outcome.early.completed() {
             return Ok(outcome);
@@ -219,9 +230,11 @@ impl OwnershipTable {
             return Ok(outcome);
         }
         // Row `i` is request `i`'s; its tokens do not overflow (checked).
+        let (computed, scheduled) = (step.computed, step.scheduled);
         let read =
-            |i: usize| RowRead { request: requests[i], row: i as u32, tokens: step.computed[i] + step.scheduled[i] };
+            |i: usize| RowRead { request: requests[i], row: i as u32, tokens: computed.get(i) + scheduled.get(i) };
         outcome.reads = Some(self.rows_by(cache, step.rows, requests.len(), read, true)?);
+        cache.step_room = slots.into_room();
         Ok(outcome)
     }
 }

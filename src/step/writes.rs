@@ -3,7 +3,8 @@
 //! scheduled[i]`, position `p` to slot `row[min(p / page_size, width - 1)] * page_size + p %
 //! page_size`.
 
-use super::StepError;
+use super::counts::{Count, with_count_slices};
+use super::{Counts, StepError};
 use crate::config::{PageDiv, PoolConfig};
 use crate::ids::RequestId;
 use crate::table::{BlockRows, SeqWrite};
@@ -26,23 +27,53 @@ impl StepSlots {
     /// width 0 gives slots past any pool.
     pub fn from_rows(
         rows: BlockRows<'_>,
-        computed: &[u64],
-        scheduled: &[u64],
+        computed: Counts<'_>,
+        scheduled: Counts<'_>,
         config: &PoolConfig,
     ) -> Result<StepSlots, StepError> {
+        let mut slots = StepSlots::default();
+        slots.fill_from_rows(rows, computed, scheduled, config)?;
+        Ok(slots)
+    }
+
+    /// Empty slots in the room of `slots` and `bounds` (what they held is dropped).
+    pub(crate) fn in_room((mut slots, mut bounds): (Vec<i64>, Vec<usize>)) -> StepSlots {
+        slots.clear();
+        bounds.clear();
+        StepSlots { slots, bounds }
+    }
+
+    /// Their room, for the next step's [`in_room`](Self::in_room).
+    pub(crate) fn into_room(self) -> (Vec<i64>, Vec<usize>) {
+        (self.slots, self.bounds)
+    }
+
+    /// [`from_rows`](Self::from_rows) into these slots' memory (what they held is dropped,
+    /// their room kept): an engine's step refills one `StepSlots` step after step, with no
+    /// allocation once it has room for a step. On an error they are left empty.
+    pub(crate) fn fill_from_rows(
+        &mut self,
+        rows: BlockRows<'_>,
+        computed: Counts<'_>,
+        scheduled: Counts<'_>,
+        config: &PoolConfig,
+    ) -> Result<(), StepError> {
+        self.slots.clear();
+        self.bounds.clear();
         StepSlots::check(rows, computed, scheduled, config)?;
         let width = rows.width();
-        let mut bounds = Vec::with_capacity(scheduled.len() + 1);
+        let StepSlots { slots, bounds } = self;
+        bounds.reserve(scheduled.len() + 1);
         bounds.push(0usize);
         let mut sum = 0usize;
-        for &s in scheduled {
+        for s in scheduled {
             sum += s as usize;
             bounds.push(sum);
         }
-        let mut slots = Vec::with_capacity(sum);
+        slots.reserve(sum);
         if width == 0 {
             slots.resize(sum, i64::MAX);
-            return Ok(StepSlots { slots, bounds });
+            return Ok(());
         }
         let last = width as u64 - 1;
         let div = PageDiv::new(config.page_size);
@@ -53,15 +84,9 @@ impl StepSlots {
         };
         // Row i is entries[i * width..][..width]: whole rows, at least as many as the counts
         // (checked).
-        for ((row, &c), &s) in rows.entries().chunks_exact(width).zip(computed).zip(scheduled) {
-            if s == 1 {
-                // A decode step's one token: no range to walk.
-                slots.push(slot(row, c));
-            } else {
-                slots.extend((c..c + s).map(|p| slot(row, p)));
-            }
-        }
-        Ok(StepSlots { slots, bounds })
+        let rows = rows.entries().chunks_exact(width);
+        with_count_slices!(computed, scheduled, |computed, scheduled| fill(rows, computed, scheduled, &slot, slots));
+        Ok(())
     }
 
     /// What [`from_rows`](Self::from_rows) refuses, found without building anything: counts
@@ -69,8 +94,8 @@ impl StepSlots {
     /// the pool) addresses, a position past `u64`, a step writing more than the pool's slots.
     pub fn check(
         rows: BlockRows<'_>,
-        computed: &[u64],
-        scheduled: &[u64],
+        computed: Counts<'_>,
+        scheduled: Counts<'_>,
         config: &PoolConfig,
     ) -> Result<(), StepError> {
         if computed.len() != scheduled.len() || computed.len() > rows.rows() {
@@ -84,13 +109,13 @@ impl StepSlots {
         let ps = u64::from(config.page_size);
         let pool = u64::from(config.num_pages) * ps;
         let most = (rows.width() as u64 * ps).min(pool);
-        if let Some(index) = scheduled.iter().position(|&s| s > most) {
-            return Err(StepError::TooManyTokens { index, tokens: scheduled[index], most });
+        let (too_many, overflow, total) = with_count_slices!(computed, scheduled, |c, s| scan(c, s, most));
+        if let Some(index) = too_many {
+            return Err(StepError::TooManyTokens { index, tokens: scheduled.get(index), most });
         }
-        if let Some(index) = computed.iter().zip(scheduled).position(|(c, s)| c.checked_add(*s).is_none()) {
-            return Err(StepError::Overflow { index, computed: computed[index], scheduled: scheduled[index] });
+        if let Some(index) = overflow {
+            return Err(StepError::Overflow { index, computed: computed.get(index), scheduled: scheduled.get(index) });
         }
-        let total = scheduled.iter().fold(0u64, |sum, &s| sum.saturating_add(s));
         if total > pool {
             return Err(StepError::PoolSlots { tokens: total, slots: pool });
         }
@@ -115,4 +140,41 @@ impl StepSlots {
     pub(crate) fn of(&self, i: usize) -> &[i64] {
         &self.slots[self.bounds[i]..self.bounds[i + 1]]
     }
+}
+
+/// The slots of each row's positions `computed[i]..computed[i] + scheduled[i]` (none
+/// overflows: checked), in row order.
+fn fill<C: Count, S: Count>(
+    rows: std::slice::ChunksExact<'_, i32>,
+    computed: &[C],
+    scheduled: &[S],
+    slot: &impl Fn(&[i32], u64) -> i64,
+    slots: &mut Vec<i64>,
+) {
+    for ((row, c), s) in rows.zip(computed).zip(scheduled) {
+        let (c, s) = (c.count(), s.count());
+        if s == 1 {
+            // A decode step's one token: no range to walk.
+            slots.push(slot(row, c));
+        } else {
+            slots.extend((c..c + s).map(|p| slot(row, p)));
+        }
+    }
+}
+
+/// One pass over a step's counts: the first request writing more than `most` tokens, the first
+/// whose last position overflows, and the tokens of the step (saturating).
+fn scan<C: Count, S: Count>(computed: &[C], scheduled: &[S], most: u64) -> (Option<usize>, Option<usize>, u64) {
+    let (mut too_many, mut overflow, mut total) = (None, None, 0u64);
+    for (i, (c, s)) in computed.iter().zip(scheduled).enumerate() {
+        let (c, s) = (c.count(), s.count());
+        if s > most && too_many.is_none() {
+            too_many = Some(i);
+        }
+        if c.checked_add(s).is_none() && overflow.is_none() {
+            overflow = Some(i);
+        }
+        total = total.saturating_add(s);
+    }
+    (too_many, overflow, total)
 }

@@ -337,9 +337,17 @@ impl OwnershipTable {
     /// # Ok::<(), kvguard::Error>(())
     /// ```
     pub fn claim_step(&self, claims: &[SeqClaim<'_>]) -> StepVerdict {
+        self.claims_by(claims.len(), |i| claims[i])
+    }
+
+    /// [`claim_step`](Self::claim_step) of the `n` claims `claim(0..n)`, made as they are
+    /// applied: a batch's run of claims needs no list of its own
+    /// ([`apply_events`](Self::apply_events)).
+    pub(crate) fn claims_by<'p>(&self, n: usize, claim: impl Fn(usize) -> SeqClaim<'p>) -> StepVerdict {
         let mut state = self.state.write();
         let mut verdict = StepVerdict::default();
-        for (i, c) in claims.iter().enumerate() {
+        for i in 0..n {
+            let c = claim(i);
             if let Err(Error::Violation(v)) = state.claim_pages(c.request, c.pages) {
                 self.note(&state, &v);
                 verdict.refused.push((i, v));

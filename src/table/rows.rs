@@ -175,7 +175,8 @@ impl RowHead {
 /// (given to another, or a block table of another width, it starts over). Laid out flat: a head
 /// per row, and the entries of every row in one array, at the block table's own stride. Memory:
 /// as much as the block table's rows (allocated zeroed, so the system backs only the pages rows
-/// were read through), and 48 bytes a row.
+/// were read through), and 48 bytes a row; with [`OwnershipTable::engine_step`], the room of
+/// its largest step's slot mapping (8 bytes a token written and 8 a request).
 #[derive(Debug, Default)]
 pub struct RowCache {
     table: u64,
@@ -186,6 +187,10 @@ pub struct RowCache {
     entries: Vec<i32>,
     incremental: u64,
     full: u64,
+    /// The room of the engine step's slot mapping (its slots and their bounds; see
+    /// `OwnershipTable::engine_step`), kept for the next step: a step allocates none once it
+    /// has room.
+    pub(crate) step_room: (Vec<i64>, Vec<usize>),
 }
 
 impl RowCache {

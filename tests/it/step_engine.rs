@@ -3,7 +3,7 @@
 //! `record_step_writes`, the reads through a full `verify_step`), for any step; and a step whose
 //! shape is wrong applies nothing.
 
-use kvguard::step::{EngineStep, Event, EventBatch, Events, EventsError, StepError, StepSlots};
+use kvguard::step::{Counts, EngineStep, Event, EventBatch, Events, EventsError, StepError, StepSlots};
 use kvguard::{BlockRows, PageId, Policy, PrefixKey, RequestId, RowCache, TenantId};
 use proptest::prelude::*;
 
@@ -57,12 +57,12 @@ fn a_clean_prefill_then_decode_is_clean_and_the_second_step_is_incremental() {
         early: early.events(),
         requests: &[a],
         rows: BlockRows::new(&entries, WIDTH).unwrap(),
-        computed: &[0],
-        scheduled: &[6],
+        computed: (&[0]).into(),
+        scheduled: (&[6]).into(),
         late: Events::none(),
     };
     assert!(t.engine_step(&mut cache, &step).unwrap().is_clean());
-    let step = EngineStep { early: Events::none(), computed: &[6], scheduled: &[1], ..step };
+    let step = EngineStep { early: Events::none(), computed: (&[6]).into(), scheduled: (&[1]).into(), ..step };
     assert!(t.engine_step(&mut cache, &step).unwrap().is_clean());
     assert_eq!((cache.full(), cache.incremental()), (1, 1));
 }
@@ -81,23 +81,25 @@ fn a_step_whose_shape_is_wrong_applies_nothing() {
         early: early.events(),
         requests: &[RequestId(1), RequestId(2)],
         rows,
-        computed: &[0, 0],
-        scheduled: &[1, 1],
+        computed: (&[0, 0]).into(),
+        scheduled: (&[1, 1]).into(),
         late: Events::none(),
     };
     let three = [RequestId(1), RequestId(2), RequestId(3)];
     let too_many = [1, WIDTH as u64 * u64::from(PS) + 1];
     type Expected = fn(&StepError) -> bool;
     let cases: Vec<(EngineStep<'_>, Expected)> = vec![
-        (EngineStep { computed: &[0], ..base }, |e| matches!(e, StepError::Shape { computed: 1, .. })),
-        (EngineStep { scheduled: &[0, 0, 0], ..base }, |e| matches!(e, StepError::Shape { scheduled: 3, .. })),
-        (EngineStep { requests: &three, computed: &[0; 3], scheduled: &[0; 3], ..base }, |e| {
+        (EngineStep { computed: (&[0]).into(), ..base }, |e| matches!(e, StepError::Shape { computed: 1, .. })),
+        (EngineStep { scheduled: (&[0, 0, 0]).into(), ..base }, |e| matches!(e, StepError::Shape { scheduled: 3, .. })),
+        (EngineStep { requests: &three, computed: (&[0; 3]).into(), scheduled: (&[0; 3]).into(), ..base }, |e| {
             matches!(e, StepError::Shape { rows: 2, requests: 3, .. })
         }),
-        (EngineStep { scheduled: &too_many, ..base }, |e| {
+        (EngineStep { scheduled: (&too_many).into(), ..base }, |e| {
             matches!(e, StepError::TooManyTokens { index: 1, most: 24, .. })
         }),
-        (EngineStep { computed: &[u64::MAX, 0], ..base }, |e| matches!(e, StepError::Overflow { index: 0, .. })),
+        (EngineStep { computed: (&[u64::MAX, 0]).into(), ..base }, |e| {
+            matches!(e, StepError::Overflow { index: 0, .. })
+        }),
     ];
     for (step, expected) in cases {
         let e = t.engine_step(&mut cache, &step).expect_err("a wrong shape");
@@ -111,8 +113,8 @@ fn a_step_whose_shape_is_wrong_applies_nothing() {
     let step = EngineStep {
         requests: &reqs,
         rows: BlockRows::new(&wide, 24).unwrap(),
-        computed: &[0; 8],
-        scheduled: &[20; 8],
+        computed: (&[0; 8]).into(),
+        scheduled: (&[20; 8]).into(),
         ..base
     };
     assert!(matches!(t.engine_step(&mut cache, &step), Err(StepError::PoolSlots { tokens: 160, slots: 96 })));
@@ -131,14 +133,15 @@ fn a_slot_mapping_is_built_from_the_rows_as_the_engines_kernel_builds_it() {
     // Row 0: one token at position PS (its second page); row 1: three from 2 * PS - 1, the
     // last of them past the row's width (its last entry).
     let computed = [u64::from(PS), 2 * u64::from(PS) - 1];
-    let slots = StepSlots::from_rows(rows, &computed, &[1, 3], t.config()).unwrap();
+    let slots = StepSlots::from_rows(rows, (&computed).into(), (&[1, 3]).into(), t.config()).unwrap();
     assert_eq!(slots.slots(), &[6 * ps, 8 * ps + ps - 1, 9 * ps, 9 * ps + 1]);
     // Row 0's third entry is negative: no pool's slot.
-    let slots = StepSlots::from_rows(rows, &[2 * u64::from(PS)], &[1], t.config()).unwrap();
+    let slots = StepSlots::from_rows(rows, (&[2 * u64::from(PS)]).into(), (&[1]).into(), t.config()).unwrap();
     assert_eq!(slots.slots(), &[i64::MIN]);
     for (computed, scheduled) in
         [(&[0u64, 0, 0][..], &[1u64, 1, 1][..]), (&[0, 0][..], &[1][..]), (&[0][..], &[1, 1][..])]
     {
+        let (computed, scheduled) = (computed.into(), scheduled.into());
         let e = StepSlots::from_rows(rows, computed, scheduled, t.config()).expect_err("a wrong shape");
         assert!(matches!(e, StepError::Shape { rows: 2, .. }), "{e}");
         assert!(StepSlots::check(rows, computed, scheduled, t.config()).is_err());
@@ -200,4 +203,31 @@ fn a_batch_reads_back_what_was_pushed() {
     assert_eq!(got, events);
     b.clear();
     assert!(b.is_empty() && b.events().is_empty());
+}
+
+/// An engine's int32 counts (vLLM's `num_computed_tokens_cpu`) are read where they are: the
+/// same counts judge a step as their `u64` copy does, and a negative one is refused when
+/// wrapped, naming it, before any step is made of it.
+#[test]
+fn an_engines_int32_counts_judge_as_their_u64_copy() {
+    let entries = [[3i32, 4, -1, -1, -1, -1], [5, 6, -1, -1, -1, -1]].concat();
+    let rows = BlockRows::new(&entries, WIDTH).unwrap();
+    let (a, b) = (RequestId(1), RequestId(2));
+    let outcome = |computed: Counts<'_>, scheduled: Counts<'_>| {
+        let t = table(Policy::Enforce);
+        let mut early = EventBatch::new();
+        early.admit(a, TenantId(1), 6, 4).claim(a, &[PageId(3), PageId(4)]);
+        early.admit(b, TenantId(2), 6, 4).claim(b, &[PageId(5)]); // row 1's page 6 is not b's
+        let step =
+            EngineStep { early: early.events(), requests: &[a, b], rows, computed, scheduled, late: Events::none() };
+        let o = t.engine_step(&mut RowCache::new(), &step).unwrap();
+        let refused = |v: &kvguard::StepVerdict| v.refused.iter().map(|(i, _)| *i).collect::<Vec<_>>();
+        (refused(o.writes.as_ref().unwrap()), refused(o.reads.as_ref().unwrap()))
+    };
+    let (computed, scheduled) = ([0i32, 3], [6i32, 6]);
+    let in_place = outcome(Counts::from_i32(&computed).unwrap(), Counts::from_i32(&scheduled).unwrap());
+    assert_eq!(in_place, outcome((&[0u64, 3]).into(), (&[6u64, 6]).into()));
+    assert_eq!(in_place, (vec![1], vec![1]), "b writes and reads page 6, which it does not own");
+    let e = Counts::from_i32(&[4, 0, -2, -7]).expect_err("a negative count");
+    assert_eq!((e.index, e.value), (2, -2));
 }

@@ -244,7 +244,14 @@ pub unsafe extern "C" fn kvg_engine_step(
             mask(s.refused_reads, n, "refused_reads")?,
         );
         let requests: Vec<RequestId> = requests.iter().map(|&r| RequestId(r)).collect();
-        let step = EngineStep { early, requests: &requests, rows, computed, scheduled, late };
+        let step = EngineStep {
+            early,
+            requests: &requests,
+            rows,
+            computed: computed.into(),
+            scheduled: scheduled.into(),
+            late,
+        };
         let mut outcome = None;
         with_cache(cache, |c| {
             outcome = Some(t.table.engine_step(c, &step).map_err(|e| Failure::invalid(e.to_string()))?);

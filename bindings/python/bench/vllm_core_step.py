@@ -43,6 +43,7 @@ finds the lines of the other engine's step between it and its own last one.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import statistics
@@ -186,7 +187,9 @@ def serve_pair(guarded_first: bool) -> None:
     if guarded and args.part == "all" and not g.guard:
         raise RuntimeError("the guarded engine runs no guard")
     if args.callgrind:
-        # Counted from the caches a step leaves, not from empty ones.
+        # Counted from the caches a step leaves, not from empty ones; the collector off (see
+        # quiet_collector).
+        quiet_collector()
         callgrind_tool.switch("on")
         for _ in range(callgrind_tool.WARM_STEPS):
             timed_step(p)
@@ -212,6 +215,16 @@ def serve_pair(guarded_first: bool) -> None:
     out.flush()
 
 
+def quiet_collector() -> None:
+    """Under callgrind: Python's cyclic collector run now and then kept off while steps are
+    counted. Its passes start where allocation counts happen to cross its thresholds, so a pass
+    falls inside one child's counted steps and outside another's and moved a child's count by
+    hundreds of thousands of instructions a step, more than kvguard's own; the steps themselves
+    are what is compared."""
+    gc.collect()
+    gc.disable()
+
+
 def serve_solo(guarded: bool) -> None:
     """A ``--solo`` child under callgrind: one engine in this process, its ``--steps`` decode
     steps counted."""
@@ -230,6 +243,7 @@ def serve_solo(guarded: bool) -> None:
         timed_step(e)
     if guarded and args.part == "all" and not e.guard:
         raise RuntimeError("the guarded engine runs no guard")
+    quiet_collector()
     callgrind_tool.switch("on")
     for _ in range(callgrind_tool.WARM_STEPS):
         timed_step(e)

@@ -471,6 +471,48 @@ impl<'py> IntArray<'py> {
     }
 }
 
+/// A step's per-request token counts as the engine hands them: a contiguous int32 array (vLLM's
+/// `num_computed_tokens_cpu`, its scheduled counts) read in place, anything else converted once.
+/// Reading in place spares the step a copy written cold every step.
+#[derive(Debug)]
+pub enum StepCounts<'py> {
+    /// The first `n` entries of an int32 array, each checked non-negative when opened.
+    InPlace(IntArray<'py>, usize),
+    /// The counts converted (a list, an int64 or strided array).
+    Owned(Vec<u64>),
+}
+
+impl<'py> StepCounts<'py> {
+    /// The first `n` counts of `obj` (a 1-D int array or sequence); `ValueError` naming `name`
+    /// when there are fewer or one is negative, `TypeError` for what is no int array.
+    pub fn open(obj: &Bound<'py, PyAny>, name: &str, n: usize) -> PyResult<StepCounts<'py>> {
+        let a = IntArray::open(obj, name, 1)?;
+        if a.len() >= n
+            && let Some(Ints::I32(s)) = a.as_ints()
+        {
+            let counts = &s[..n];
+            if let Err(e) = kvguard::step::Counts::from_i32(counts) {
+                return Err(PyValueError::new_err(format!("{name}[{}] is {}: must be >= 0", e.index, e.value)));
+            }
+            return Ok(StepCounts::InPlace(a, n));
+        }
+        a.counts(n, name).map(StepCounts::Owned)
+    }
+
+    /// The counts, for the core's step. `ValueError` naming `name` if an in-place count turned
+    /// negative since it was opened (the engine wrote its array during the call).
+    pub fn counts(&self, name: &str) -> PyResult<kvguard::step::Counts<'_>> {
+        match self {
+            StepCounts::Owned(v) => Ok(v.into()),
+            StepCounts::InPlace(a, n) => match a.as_ints() {
+                Some(Ints::I32(s)) => kvguard::step::Counts::from_i32(&s[..*n])
+                    .map_err(|e| PyValueError::new_err(format!("{name}[{}] is {}: must be >= 0", e.index, e.value))),
+                _ => Err(PyValueError::new_err(format!("{name} changed while it was read"))),
+            },
+        }
+    }
+}
+
 /// A contiguous 1-D array borrowed as a slice of its element type.
 #[derive(Clone, Copy, Debug)]
 pub enum Ints<'a> {

@@ -233,12 +233,24 @@ impl StepEvents {
     /// Reads `events` (None, Python's None, or a sequence of event tuples): through
     /// [`plain_batch`] when it can, else [`parse`] (which raises for what is malformed).
     pub fn read(events: Option<&Bound<'_, PyAny>>, names: &Mutex<Names>) -> PyResult<StepEvents> {
+        StepEvents::read_in(events, names, EventBatch::new())
+    }
+
+    /// [`read`](Self::read) into the memory of `room` (a batch kept from the step before).
+    pub fn read_in(
+        events: Option<&Bound<'_, PyAny>>,
+        names: &Mutex<Names>,
+        mut room: EventBatch,
+    ) -> PyResult<StepEvents> {
         match events {
-            Some(e) if !e.is_none() => match plain_batch(e, names) {
+            Some(e) if !e.is_none() => match plain_batch(e, names, room) {
                 Some(batch) => Ok(StepEvents::Batch(batch)),
                 None => Ok(StepEvents::Parsed(parse(e)?)),
             },
-            _ => Ok(StepEvents::none()),
+            _ => {
+                room.clear();
+                Ok(StepEvents::Batch(room))
+            }
         }
     }
 
@@ -280,14 +292,19 @@ impl StepEvents {
 /// tuples of exact `int`s (`0..2**32`). The caller then parses them in full, which reads the
 /// other forms and raises for the malformed. Only C code runs while the names are locked (no
 /// method of an object is called: every type read is exact, or a `str`'s C-level data).
-pub fn plain_batch(events: &Bound<'_, PyAny>, names: &Mutex<Names>) -> Option<EventBatch> {
+///
+/// The batch is made in the memory of `room` (what it held is dropped): a worker step refills
+/// the same batch step after step, allocating nothing once it has room.
+pub fn plain_batch(events: &Bound<'_, PyAny>, names: &Mutex<Names>, room: EventBatch) -> Option<EventBatch> {
     // Room for one page an event (a decode step's claims and publishes): a batch that fills
     // without reallocating.
     let len = match events.cast_exact::<PyList>() {
         Ok(list) => list.len(),
         Err(_) => events.cast_exact::<PyTuple>().ok()?.len(),
     };
-    let mut b = EventBatch::with_capacity(len, len);
+    let mut b = room;
+    b.clear();
+    b.reserve(len, len);
     let mut pages: Vec<PageId> = Vec::new();
     let n = names.lock();
     let mut one = |item: Bound<'_, PyAny>| -> Option<()> {

@@ -118,8 +118,8 @@ impl Valid {
     }
 }
 
-/// A step's request ids from a `list` or `tuple` (vLLM's `input_batch.req_ids`), or `None` when
-/// `seq` is neither. Read once per scheduler step, so exact `int`s and `str`s take a fast path:
+/// A step's request ids from a `list` or `tuple` (vLLM's `input_batch.req_ids`) into `out`
+/// (what it held is dropped, its memory kept), or `None` when `seq` is neither. Read once per scheduler step, so exact `int`s and `str`s take a fast path:
 /// items are borrowed (no reference counting), an item met at the same position last step is
 /// taken from `cache` (when no other thread is using it), and the names lock is held only while
 /// no Python code can run. Anything else (numpy ints, subclasses, wrong types) goes through
@@ -128,7 +128,8 @@ pub fn step_requests(
     seq: &Bound<'_, PyAny>,
     names: &Mutex<Names>,
     cache: &Mutex<StepIds>,
-) -> Option<PyResult<Vec<RequestId>>> {
+    out: &mut Vec<RequestId>,
+) -> Option<PyResult<()>> {
     let (is_list, len) = if let Ok(list) = seq.cast::<PyList>() {
         (true, list.len())
     } else if let Ok(tuple) = seq.cast::<PyTuple>() {
@@ -137,7 +138,7 @@ pub fn step_requests(
         return None;
     };
     let mut cache = cache.try_lock();
-    Some(read_step_requests(seq, is_list, len, names, cache.as_deref_mut()))
+    Some(read_step_requests(seq, is_list, len, names, cache.as_deref_mut(), out))
 }
 
 fn read_step_requests(
@@ -146,9 +147,11 @@ fn read_step_requests(
     len: usize,
     names: &Mutex<Names>,
     mut cache: Option<&mut StepIds>,
-) -> PyResult<Vec<RequestId>> {
+    out: &mut Vec<RequestId>,
+) -> PyResult<()> {
     let py = seq.py();
-    let mut out = Vec::with_capacity(len);
+    out.clear();
+    out.reserve(len);
     let mut guard = Some(names.lock());
     if let (Some(n), Some(c)) = (guard.as_deref_mut(), cache.as_deref_mut()) {
         n.catch_up(c);
@@ -245,7 +248,7 @@ fn read_step_requests(
             }
         }
     }
-    Ok(out)
+    Ok(())
 }
 
 /// One interned string and how many holds keep it.

@@ -51,6 +51,8 @@ pub struct OwnershipTable {
     names: Mutex<Names>,
     /// The last step's id objects (see [`names::StepIds`]).
     step_ids: Mutex<StepIds>,
+    /// The worker step's scratch, kept for the next step (see [`StepRoom`]).
+    step_room: Mutex<StepRoom>,
     /// The worker step's block-table rows as last checked clean (see [`worker_reads`]).
     worker_rows: Mutex<kvguard::RowCache>,
     /// A token-slot table's rows as last checked clean (`cached=True` of verify_step_rows).
@@ -346,11 +348,20 @@ impl OwnershipTable {
 
     /// The requests of a step: a list/tuple of ids (int or str), or a 1-D int array.
     fn step_requests(&self, req_ids: &Bound<'_, PyAny>) -> PyResult<Vec<RequestId>> {
-        if let Some(requests) = names::step_requests(req_ids, &self.names, &self.step_ids) {
-            return requests;
+        let mut out = Vec::new();
+        self.step_requests_into(req_ids, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`step_requests`](Self::step_requests) into `out` (its memory kept from the step before).
+    fn step_requests_into(&self, req_ids: &Bound<'_, PyAny>, out: &mut Vec<RequestId>) -> PyResult<()> {
+        if let Some(read) = names::step_requests(req_ids, &self.names, &self.step_ids, out) {
+            return read;
         }
         let a = IntArray::open(req_ids, "req_ids", 1)?;
-        Ok(a.counts(a.len(), "req_ids")?.into_iter().map(RequestId).collect())
+        out.clear();
+        out.extend(a.counts(a.len(), "req_ids")?.into_iter().map(RequestId));
+        Ok(())
     }
 
     /// Converts a step verdict; `judged`: its violations are logged.
@@ -654,6 +665,7 @@ impl OwnershipTable {
             table,
             names: Mutex::new(Names::default()),
             step_ids: Mutex::default(),
+            step_room: Mutex::default(),
             worker_rows: Mutex::default(),
             slot_rows: Mutex::default(),
         })
@@ -1707,7 +1719,8 @@ impl OwnershipTable {
     ) -> PyResult<(StepVerdict, crate::events::RefusedForPython, StepVerdict)> {
         let step = StepArrays::open(req_ids, block_table, num_computed_tokens, num_scheduled_tokens)?;
         let late = StepEvents::read(events, &self.names)?;
-        let (_, written, refused, read) = self.worker_step(py, &step, StepEvents::none(), late)?;
+        let (_, written, refused, read) =
+            self.worker_step(py, &step, StepEvents::none(), late, &mut StepRoom::default())?;
         Ok((written, refused, read))
     }
 
@@ -1735,17 +1748,34 @@ impl OwnershipTable {
         num_scheduled_tokens: &Bound<'_, PyAny>,
         late: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<StepOutcome> {
-        let early = StepEvents::read(early, &self.names)?;
+        let mut room = self.step_room.try_lock().map(|mut r| std::mem::take(&mut *r)).unwrap_or_default();
+        let early = StepEvents::read_in(early, &self.names, std::mem::take(&mut room.early))?;
         let step = StepArrays::open(req_ids, block_table, num_computed_tokens, num_scheduled_tokens)?;
         // Late events name requests as they read after the early ones: read plain only when the
         // early ones rename nothing.
         let late = if early.renames() {
             StepEvents::Parsed(crate::events::parse_optional(late)?)
         } else {
-            StepEvents::read(late, &self.names)?
+            StepEvents::read_in(late, &self.names, std::mem::take(&mut room.late))?
         };
-        self.worker_step(py, &step, early, late)
+        let outcome = self.worker_step(py, &step, early, late, &mut room);
+        if let Some(mut kept) = self.step_room.try_lock() {
+            *kept = room;
+        }
+        outcome
     }
+}
+
+/// The memory a worker step fills and lets go of (its events' batches, its request ids), kept
+/// for the next step: a steady step allocates none of it (a fresh allocation of a step's size
+/// is written cold, and costs the allocator's own work besides). Taken whole at a step's start
+/// and given back at its end; a step that raises, or runs while another thread's step holds
+/// it, makes its own.
+#[derive(Default)]
+struct StepRoom {
+    early: kvguard::step::EventBatch,
+    late: kvguard::step::EventBatch,
+    requests: Vec<RequestId>,
 }
 
 /// What apply_record_and_verify_step returns: (refused early events, writes, refused late
@@ -1758,8 +1788,8 @@ struct StepArrays<'a, 'py> {
     /// Requests in the step (req_ids' length).
     n: usize,
     bt: IntArray<'a>,
-    computed: Vec<u64>,
-    scheduled: Vec<u64>,
+    computed: crate::arrays::StepCounts<'a>,
+    scheduled: crate::arrays::StepCounts<'a>,
 }
 
 impl<'a, 'py> StepArrays<'a, 'py> {
@@ -1774,11 +1804,14 @@ impl<'a, 'py> StepArrays<'a, 'py> {
         if bt.len() < n {
             return Err(PyValueError::new_err(format!("block_table has {} rows, {n} requests given", bt.len())));
         }
-        let computed =
-            IntArray::open(num_computed_tokens, "num_computed_tokens", 1)?.counts(n, "num_computed_tokens")?;
-        let scheduled =
-            IntArray::open(num_scheduled_tokens, "num_scheduled_tokens", 1)?.counts(n, "num_scheduled_tokens")?;
+        let computed = crate::arrays::StepCounts::open(num_computed_tokens, "num_computed_tokens", n)?;
+        let scheduled = crate::arrays::StepCounts::open(num_scheduled_tokens, "num_scheduled_tokens", n)?;
         Ok(StepArrays { req_ids, n, bt, computed, scheduled })
+    }
+
+    /// The computed and scheduled counts, for the core's step.
+    fn counts(&self) -> PyResult<(kvguard::step::Counts<'_>, kvguard::step::Counts<'_>)> {
+        Ok((self.computed.counts("num_computed_tokens")?, self.scheduled.counts("num_scheduled_tokens")?))
     }
 }
 
@@ -1795,14 +1828,16 @@ impl OwnershipTable {
         step: &StepArrays<'_, '_>,
         early: StepEvents,
         late: StepEvents,
+        room: &mut StepRoom,
     ) -> PyResult<StepOutcome> {
         let n = step.n;
         let (table, names) = (&self.table, &self.names);
         let mut converted = Vec::new();
-        let rows = step_rows(&step.bt, n, &step.computed, &step.scheduled, table.config(), &mut converted)?;
+        let (computed, scheduled) = step.counts()?;
+        let rows = step_rows(&step.bt, n, computed, scheduled, table.config(), &mut converted)?;
         // The step's shape, checked before anything is applied (nothing built: the core's step
         // builds its slot mapping once).
-        kvguard::step::StepSlots::check(rows, &step.computed, &step.scheduled, table.config()).map_err(step_error)?;
+        kvguard::step::StepSlots::check(rows, computed, scheduled, table.config()).map_err(step_error)?;
         let renaming_early = early.renames();
         let refused_early = if renaming_early {
             let applied = py.detach(|| early.apply(table, names));
@@ -1810,7 +1845,8 @@ impl OwnershipTable {
         } else {
             None
         };
-        let requests = self.step_requests(step.req_ids)?;
+        let mut requests = std::mem::take(&mut room.requests);
+        self.step_requests_into(step.req_ids, &mut requests)?;
         check_request_count(&requests, n)?;
         if late.renames() {
             let refused_early = match refused_early {
@@ -1840,8 +1876,8 @@ impl OwnershipTable {
             early: early_batch.events(),
             requests: &requests,
             rows,
-            computed: &step.computed,
-            scheduled: &step.scheduled,
+            computed,
+            scheduled,
             late: late_batch.events(),
         };
         let worker_rows = &self.worker_rows;
@@ -1862,6 +1898,8 @@ impl OwnershipTable {
                 }
             }
         });
+        // The room back for the next step (the core step borrowed it).
+        (room.early, room.late, room.requests) = (early_batch, late_batch, requests);
         outcome.map_err(step_error)?;
         let refused_early = match refused_early {
             Some(r) => r,
@@ -1886,8 +1924,9 @@ impl OwnershipTable {
         refused_early: crate::events::RefusedForPython,
     ) -> PyResult<StepOutcome> {
         let (table, names, n) = (&self.table, &self.names, step.n);
-        let slots = kvguard::step::StepSlots::from_rows(rows, &step.computed, &step.scheduled, table.config())
-            .map_err(step_error)?;
+        let (computed, scheduled) = step.counts()?;
+        let slots =
+            kvguard::step::StepSlots::from_rows(rows, computed, scheduled, table.config()).map_err(step_error)?;
         let (written, applied_late) = py.detach(|| {
             let written = resolved(names, table.record_step_writes(&slots.writes(requests)));
             (written, crate::events::apply(table, names, &late))
@@ -1902,7 +1941,7 @@ impl OwnershipTable {
             .map(|(i, &request)| kvguard::RowRead {
                 request,
                 row: i as u32,
-                tokens: step.computed[i] + step.scheduled[i],
+                tokens: computed.get(i).saturating_add(scheduled.get(i)),
             })
             .collect();
         let worker_rows = &self.worker_rows;
@@ -1927,8 +1966,8 @@ impl OwnershipTable {
 fn step_rows<'a>(
     bt: &'a IntArray<'_>,
     n: usize,
-    computed: &[u64],
-    scheduled: &[u64],
+    computed: kvguard::step::Counts<'_>,
+    scheduled: kvguard::step::Counts<'_>,
     config: &kvguard::PoolConfig,
     converted: &'a mut Vec<i32>,
 ) -> PyResult<kvguard::BlockRows<'a>> {
@@ -1936,7 +1975,7 @@ fn step_rows<'a>(
         return kvguard::BlockRows::new(entries, width).map_err(|e| PyValueError::new_err(e.to_string()));
     }
     let div = kvguard::config::PageDiv::new(config.page_size);
-    let needs: Vec<u64> = (0..n).map(|i| div.ceil(computed[i].saturating_add(scheduled[i]))).collect();
+    let needs: Vec<u64> = (0..n).map(|i| div.ceil(computed.get(i).saturating_add(scheduled.get(i)))).collect();
     let cap = u64::from(config.num_pages) + 1;
     let most = needs.iter().copied().max().unwrap_or(0);
     // A table of width 0 names no page: one column of -1 stands for it.

@@ -266,6 +266,13 @@ def test_apply_record_and_verify_step_checks_everything_first(table):
             table.apply_record_and_verify_step(*args)
         assert (table.snapshot().requests, table.counters()) == before
         assert table.page_info(3).state == "free"
+    # vLLM's int32 counts are read in place: a negative one is named, and nothing is applied.
+    for computed, scheduled, named in [([0, -3], [1, 1], r"num_computed_tokens\[1\] is -3"), ([0], [-1], "num_scheduled_tokens")]:
+        c, s = np.array(computed, np.int32), np.array(scheduled, np.int32)
+        with pytest.raises(ValueError, match=named):
+            table.apply_record_and_verify_step([claim], ["a"] * len(computed), np.zeros((2, 3), np.int32), c, s)
+        assert (table.snapshot().requests, table.counters()) == before
+        assert table.page_info(3).state == "free"
     refused_early, w, refused_late, r = table.apply_record_and_verify_step([claim], ["a"], bt, np.array([0]), np.array([5]))
     assert refused_early == [] and w.clean and refused_late == [] and r.clean
     assert table.page_info(3).owner == "a"

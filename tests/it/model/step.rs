@@ -5,7 +5,7 @@
 //! and `check_slot_rows` on the second; then each row writes its next token against a plugin's
 //! mirror of the pool (`write_decode_rows` beside its claims one by one: `model::mirror`).
 
-use kvguard::step::{DecodeForward, DecodeOutcome, EngineStep, EventBatch, SlotRead};
+use kvguard::step::{Counts, DecodeForward, DecodeOutcome, EngineStep, EventBatch, SlotRead};
 use kvguard::{
     BlockRows, OwnershipTable, PageId, Policy, PoolConfig, PrefixKey, RequestId, RowCache, SeqRead, SeqWrite,
     StepVerdict, TenantId,
@@ -127,13 +127,24 @@ pub fn same_as_one_by_one(steps: &[Drawn], policy: Policy) {
         let entries: Vec<i32> = s.rows.iter().flat_map(|(row, _, _)| *row).collect();
         let computed: Vec<u64> = s.rows.iter().map(|r| u64::from(r.1)).collect();
         let scheduled: Vec<u64> = s.rows.iter().map(|r| u64::from(r.2)).collect();
+        // The engine's own arrays as it keeps them: int32 (vLLM's) on odd steps, read in place.
+        let (computed32, scheduled32): (Vec<i32>, Vec<i32>) =
+            s.rows.iter().map(|r| (i32::from(r.1), i32::from(r.2))).unzip();
+        let (counts, counts_scheduled) = if n % 2 == 1 {
+            (
+                Counts::from_i32(&computed32).expect("non-negative"),
+                Counts::from_i32(&scheduled32).expect("non-negative"),
+            )
+        } else {
+            ((&computed).into(), (&scheduled).into())
+        };
         let (early, late) = (batch(&s.early), batch(&s.late));
         let step = EngineStep {
             early: early.events(),
             requests: &requests,
             rows: BlockRows::new(&entries, WIDTH).expect("whole rows"),
-            computed: &computed,
-            scheduled: &scheduled,
+            computed: counts,
+            scheduled: counts_scheduled,
             late: late.events(),
         };
         let outcome = stepped.engine_step(&mut cache, &step).expect("the step's shape is right");
