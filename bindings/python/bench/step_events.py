@@ -88,7 +88,9 @@ def steps(t, ids, spare, events: bool = True):  # noqa: ANN001, ANN201
             pid, key = f"pub-{k}-{j}", 10_000 + k * PUBLISHES + j
             t.admit(pid, "t0", PS, 0)
             t.claim(pid, [p])
-            t.record_step_writes([pid], np.arange(p * PS, (p + 1) * PS), np.array([0, PS]))
+            # Its own call, not a step's: a step's call reads req_ids through the ids the
+            # worker call remembers by position, which a one-request step would displace.
+            t.record_write_tokens(pid, [p], 0, PS)
             late.append((Kind.PUBLISH, pid, key, (p,)))
 
         def after(late=late) -> None:  # noqa: ANN001

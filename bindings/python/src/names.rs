@@ -82,16 +82,50 @@ pub fn int_key(n: i128, what: &str) -> PyResult<Key<'static>> {
 /// they forget, and each read of a step first strikes those from the cache
 /// (`Names::catch_up`). A `str` read as no interned id counts only while no string has been
 /// interned since.
+///
+/// Kept as three arrays by position (each step's scan reads the objects' addresses alone while
+/// every remembered id holds, then copies the ids: 16 bytes a request, where one record of all
+/// three was 32).
 #[derive(Debug, Default)]
 pub struct StepIds {
-    seen: Vec<Seen>,
+    objects: Vec<Py<PyAny>>,
+    requests: Vec<RequestId>,
+    valid: Vec<Valid>,
+    /// Entries whose `valid` may not hold (`Unknown`, `Stale`): while there are none, the scan
+    /// need not read `valid`.
+    unsettled: usize,
 }
 
-#[derive(Debug)]
-struct Seen {
-    object: Py<PyAny>,
-    request: RequestId,
-    valid: Valid,
+impl StepIds {
+    fn len(&self) -> usize {
+        self.objects.len()
+    }
+
+    /// Remembers `object` at position `i`, read as `request` (past the end but one, nothing is
+    /// remembered). Dropping the object replaced (an exact int or str) runs no Python code.
+    fn set(&mut self, i: usize, object: Py<PyAny>, request: RequestId, valid: Valid) {
+        if i < self.objects.len() {
+            self.unsettled -= usize::from(self.valid[i].unsettled());
+            self.objects[i] = object;
+            self.requests[i] = request;
+            self.valid[i] = valid;
+        } else if i == self.objects.len() {
+            self.objects.push(object);
+            self.requests.push(request);
+            self.valid.push(valid);
+        } else {
+            return;
+        }
+        self.unsettled += usize::from(valid.unsettled());
+    }
+
+    /// Forgets every entry (drops exact ints and strs only: no Python code runs).
+    fn clear(&mut self) {
+        self.objects.clear();
+        self.requests.clear();
+        self.valid.clear();
+        self.unsettled = 0;
+    }
 }
 
 /// How long a remembered id holds.
@@ -108,6 +142,11 @@ enum Valid {
 }
 
 impl Valid {
+    /// Whether it may stop holding without a strike (it is neither an int's nor a live id's).
+    fn unsettled(self) -> bool {
+        matches!(self, Valid::Unknown(_) | Valid::Stale)
+    }
+
     /// Whether a remembered id still holds, the names having interned `interned` strings.
     fn holds(self, interned: u64) -> bool {
         match self {
@@ -169,13 +208,16 @@ fn read_step_requests(
     // last step, found in one pass and copied in another.
     let mut first = 0;
     if let Some(c) = cache.as_deref() {
-        let seen = &c.seen[..len.min(c.seen.len())];
-        first = seen
-            .iter()
-            .enumerate()
-            .position(|(i, s)| get(i) != s.object.as_ptr() || !s.valid.holds(interned))
-            .unwrap_or(seen.len());
-        out.extend(seen[..first].iter().map(|s| s.request));
+        let known = len.min(c.len());
+        let objects = &c.objects[..known];
+        first = if c.unsettled == 0 {
+            objects.iter().enumerate().position(|(i, o)| get(i) != o.as_ptr())
+        } else {
+            let valid = &c.valid[..known];
+            objects.iter().zip(valid).enumerate().position(|(i, (o, v))| get(i) != o.as_ptr() || !v.holds(interned))
+        }
+        .unwrap_or(known);
+        out.extend_from_slice(&c.requests[..first]);
     }
     for i in first..len {
         let item = get(i);
@@ -183,11 +225,12 @@ fn read_step_requests(
             drop(guard.take());
             return Err(PyErr::take(py).unwrap_or_else(|| PyValueError::new_err("req_ids changed while it was read")));
         }
-        if let Some(seen) = cache.as_deref().and_then(|c| c.seen.get(i))
-            && seen.object.as_ptr() == item
-            && seen.valid.holds(interned)
+        if let Some(c) = cache.as_deref()
+            && i < c.len()
+            && c.objects[i].as_ptr() == item
+            && c.valid[i].holds(interned)
         {
-            out.push(seen.request);
+            out.push(c.requests[i]);
             continue;
         }
         // SAFETY: `item` is a live object (non-null, borrowed from `seq`); reading its type
@@ -239,13 +282,8 @@ fn read_step_requests(
         out.push(request);
         // Only exact ints and strs are kept: their value cannot change while they are held.
         // Dropping the object replaced (an exact int or str) runs no Python code.
-        let entry = Seen { object: owned.unbind(), request, valid };
         if let Some(c) = cache.as_deref_mut() {
-            if i < c.seen.len() {
-                c.seen[i] = entry;
-            } else if i == c.seen.len() {
-                c.seen.push(entry);
-            }
+            c.set(i, owned.unbind(), request, valid);
         }
     }
     Ok(())
@@ -488,15 +526,23 @@ impl Names {
             Some(log) if log.is_empty() => {}
             Some(log) => {
                 log.sort_unstable();
-                for s in &mut ids.seen {
-                    if s.valid == Valid::Live && log.binary_search(&s.request.0).is_ok() {
-                        s.valid = Valid::Stale;
+                // The ids alone are read (the validity of a match only): a step's scan copies
+                // them next anyway. Interned ids grow with time, so a range test settles most.
+                let (lo, hi) = (log[0], log[log.len() - 1]);
+                let StepIds { requests, valid, unsettled, .. } = ids;
+                for (r, v) in requests.iter().zip(valid.iter_mut()) {
+                    if r.0 < lo || r.0 > hi || log.binary_search(&r.0).is_err() {
+                        continue;
+                    }
+                    if *v == Valid::Live {
+                        *v = Valid::Stale;
+                        *unsettled += 1;
                     }
                 }
                 log.clear();
             }
             None => {
-                ids.seen.clear(); // drops exact ints and strs only: no Python code runs
+                ids.clear();
                 self.forgotten = Some(Vec::new());
             }
         }
