@@ -152,8 +152,6 @@ pub(super) struct RowHead {
     shared_epoch: u64,
     /// Tokens read.
     tokens: u64,
-    /// `whole * page_size`: the first token of the page `tokens` end in.
-    start: u64,
     /// Entries checked whole: `tokens / page_size`. The one after them was read in part (if
     /// `tokens` is not a page's end). At most the row's entries, which fit a `u32` in a block
     /// table the cache keeps (see `rows_step`).
@@ -162,12 +160,15 @@ pub(super) struct RowHead {
     slot: u32,
 }
 
+// A head a row: kept to 40 bytes (what a step's scan reads of every row it judges).
+const _: () = assert!(std::mem::size_of::<RowHead>() == 40);
+
 impl RowHead {
     /// The word of a row nothing is known of: no slot's word is 0 (a live request's epoch is a
     /// tick, at least 1; a vacant slot's is odd).
     const NONE: u64 = 0;
     pub(super) const EMPTY: RowHead =
-        RowHead { request: RequestId(0), word: Self::NONE, shared_epoch: 0, tokens: 0, start: 0, whole: 0, slot: 0 };
+        RowHead { request: RequestId(0), word: Self::NONE, shared_epoch: 0, tokens: 0, whole: 0, slot: 0 };
 }
 
 /// Per row of an engine's block table, what was last checked clean: what makes
@@ -175,7 +176,7 @@ impl RowHead {
 /// (given to another, or a block table of another width, it starts over). Laid out flat: a head
 /// per row, and the entries of every row in one array, at the block table's own stride. Memory:
 /// as much as the block table's rows (allocated zeroed, so the system backs only the pages rows
-/// were read through), and 48 bytes a row; with [`OwnershipTable::engine_step`], the room of
+/// were read through), and 40 bytes a row; with [`OwnershipTable::engine_step`], the room of
 /// its largest step's slot mapping (8 bytes a token written and 8 a request).
 #[derive(Debug, Default)]
 pub struct RowCache {
@@ -262,7 +263,9 @@ impl TableState {
             // Entries `..whole` were checked whole; the one at `whole` (if any) only in part.
             // What this step reads anew starts there: in a decode step that one page alone.
             let whole = head.whole as usize;
-            let need = tokens.wrapping_sub(head.start);
+            // Tokens past the first of the page they end in (40 bytes a head: the page's first
+            // token is not kept, a multiply away).
+            let need = tokens.wrapping_sub(u64::from(head.whole) * ps);
             if need.wrapping_sub(1) < ps
                 && let Some(&entry) = row.get(whole)
             {
@@ -279,7 +282,6 @@ impl TableState {
                     head.tokens = tokens;
                     if need == self.page_size {
                         head.whole += 1;
-                        head.start += ps;
                     }
                     return (true, Ok(()));
                 }
@@ -301,7 +303,6 @@ impl TableState {
                     word: self.epochs.word(rec.slot),
                     shared_epoch: self.shared_epoch,
                     tokens,
-                    start: whole * ps,
                     whole: whole as u32, // at most the row's entries
                     slot: rec.slot,
                 };
@@ -362,7 +363,7 @@ impl TableState {
             }
             let now = self.page_div.floor(tokens);
             // At most the row's entries.
-            (head.tokens, head.start, head.whole) = (tokens, now * u64::from(self.page_size), now as u32);
+            (head.tokens, head.whole) = (tokens, now as u32);
         }
         clean
     }
