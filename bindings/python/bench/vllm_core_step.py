@@ -31,7 +31,9 @@ scheduler side's share alone, which judges nothing. The clock is the thread's CP
 engines and one holding two unguarded ones, each under callgrind, only their ``--steps`` decode
 step pairs counted (after a few instrumented and zeroed), the stand-ins not (each is called
 through ``operator.call`` as the step is: callgrind's ``--toggle-collect`` turns collection off
-again inside them). ``--cache-sim`` adds the lines missed in a simulated 2 MiB L2. ``--solo``
+again inside them), Python's cyclic collector off while they are counted (its passes land
+where allocation counts happen to cross its thresholds, inside one child's counted steps and
+outside another's). ``--cache-sim`` adds the lines missed in a simulated 2 MiB L2. ``--solo``
 counts one engine a child instead (a guarded one, an unguarded one), as an engine runs in
 production, one to a process: the two engines of one process share the L2, so each step there
 finds the lines of the other engine's step between it and its own last one.
