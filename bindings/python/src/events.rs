@@ -21,7 +21,7 @@
 //! ("release_pages", request, pages)    the request lets go of these pages and keeps the rest
 //! ```
 
-use crate::names::{self, Key, Names, Resolved};
+use crate::names::{self, Key, Names, Resolved, StepIds};
 use crate::violation::Violation;
 use kvguard::step::EventBatch;
 use kvguard::{PageId, PrefixKey, RequestId};
@@ -233,17 +233,18 @@ impl StepEvents {
     /// Reads `events` (None, Python's None, or a sequence of event tuples): through
     /// [`plain_batch`] when it can, else [`parse`] (which raises for what is malformed).
     pub fn read(events: Option<&Bound<'_, PyAny>>, names: &Mutex<Names>) -> PyResult<StepEvents> {
-        StepEvents::read_in(events, names, EventBatch::new())
+        StepEvents::read_in(events, names, None, EventBatch::new())
     }
 
     /// [`read`](Self::read) into the memory of `room` (a batch kept from the step before).
     pub fn read_in(
         events: Option<&Bound<'_, PyAny>>,
         names: &Mutex<Names>,
+        ids: Option<&Mutex<StepIds>>,
         mut room: EventBatch,
     ) -> PyResult<StepEvents> {
         match events {
-            Some(e) if !e.is_none() => match plain_batch(e, names, room) {
+            Some(e) if !e.is_none() => match plain_batch(e, names, ids, room) {
                 Some(batch) => Ok(StepEvents::Batch(batch)),
                 None => Ok(StepEvents::Parsed(parse(e)?)),
             },
@@ -295,7 +296,15 @@ impl StepEvents {
 ///
 /// The batch is made in the memory of `room` (what it held is dropped): a worker step refills
 /// the same batch step after step, allocating nothing once it has room.
-pub fn plain_batch(events: &Bound<'_, PyAny>, names: &Mutex<Names>, room: EventBatch) -> Option<EventBatch> {
+///
+/// A request named by the very object a step's req_ids held (`ids`, the worker step's
+/// remembered ids, when no other thread holds them) is found by its address, its string unread.
+pub fn plain_batch(
+    events: &Bound<'_, PyAny>,
+    names: &Mutex<Names>,
+    ids: Option<&Mutex<StepIds>>,
+    room: EventBatch,
+) -> Option<EventBatch> {
     // Room for one page an event (a decode step's claims and publishes): a batch that fills
     // without reallocating.
     let len = match events.cast_exact::<PyList>() {
@@ -306,7 +315,12 @@ pub fn plain_batch(events: &Bound<'_, PyAny>, names: &Mutex<Names>, room: EventB
     b.clear();
     b.reserve(len, len);
     let mut pages: Vec<PageId> = Vec::new();
-    let n = names.lock();
+    let mut n = names.lock();
+    let mut ids = ids.and_then(|m| m.try_lock());
+    if let Some(ids) = ids.as_deref_mut() {
+        n.catch_up(ids);
+    }
+    let (n, ids, interned) = (&*n, ids.as_deref(), n.interned());
     let mut one = |item: Bound<'_, PyAny>| -> Option<()> {
         let tuple = item.cast_exact::<PyTuple>().ok()?;
         let at = |j: usize| tuple.get_borrowed_item(j).ok();
@@ -314,7 +328,10 @@ pub fn plain_batch(events: &Bound<'_, PyAny>, names: &Mutex<Names>, room: EventB
         let head = head.cast::<PyString>().ok()?;
         let name = head.to_str().ok()?;
         let request = |obj: &Bound<'_, PyAny>| -> Option<RequestId> {
-            if obj.is_exact_instance_of::<PyInt>() {
+            // By address first: a remembered object (an exact int or str) is not read at all.
+            if let Some(known) = ids.and_then(|ids| ids.known(obj.as_ptr(), interned)) {
+                Some(known)
+            } else if obj.is_exact_instance_of::<PyInt>() {
                 let v = obj.extract::<i64>().ok()?;
                 u64::try_from(v).ok().map(RequestId)
             } else {

@@ -94,6 +94,10 @@ pub struct StepIds {
     /// Entries whose `valid` may not hold (`Unknown`, `Stale`): while there are none, the scan
     /// need not read `valid`.
     unsettled: usize,
+    /// Each remembered object's position, by its address: a step's event that names its request
+    /// by the very object req_ids holds (vLLM's recorder and runner share the request's id
+    /// string) finds the id without reading the string or the names' map ([`StepIds::known`]).
+    at: HashMap<usize, u32>,
 }
 
 impl StepIds {
@@ -104,8 +108,14 @@ impl StepIds {
     /// Remembers `object` at position `i`, read as `request` (past the end but one, nothing is
     /// remembered). Dropping the object replaced (an exact int or str) runs no Python code.
     fn set(&mut self, i: usize, object: Py<PyAny>, request: RequestId, valid: Valid) {
+        let Ok(pos) = u32::try_from(i) else { return };
+        let address = object.as_ptr() as usize;
         if i < self.objects.len() {
             self.unsettled -= usize::from(self.valid[i].unsettled());
+            let old = self.objects[i].as_ptr() as usize;
+            if self.at.get(&old) == Some(&pos) {
+                self.at.remove(&old);
+            }
             self.objects[i] = object;
             self.requests[i] = request;
             self.valid[i] = valid;
@@ -116,11 +126,22 @@ impl StepIds {
         } else {
             return;
         }
+        self.at.insert(address, pos);
         self.unsettled += usize::from(valid.unsettled());
+    }
+
+    /// The id remembered for the very object at `address` (an exact int or str that a step's
+    /// req_ids held, kept alive here, so the address is that object's), if it still holds with
+    /// `interned` strings interned. The caller has caught the ids up with the names
+    /// ([`Names::catch_up`]) under the lock it holds.
+    pub fn known(&self, address: *mut ffi::PyObject, interned: u64) -> Option<RequestId> {
+        let pos = *self.at.get(&(address as usize))? as usize;
+        (self.objects.get(pos)?.as_ptr() == address && self.valid[pos].holds(interned)).then(|| self.requests[pos])
     }
 
     /// Forgets every entry (drops exact ints and strs only: no Python code runs).
     fn clear(&mut self) {
+        self.at.clear();
         self.objects.clear();
         self.requests.clear();
         self.valid.clear();
@@ -428,6 +449,12 @@ pub struct Admission {
 }
 
 impl Names {
+    /// How many request strings have been interned so far (what a remembered step id read as
+    /// unknown is checked against).
+    pub fn interned(&self) -> u64 {
+        self.interned
+    }
+
     /// The id of a request for a call that does not create it (a string never admitted maps to
     /// [`UNKNOWN_REQUEST`]).
     pub fn request(&self, key: Key<'_>) -> RequestId {
@@ -521,7 +548,7 @@ impl Names {
 
     /// Strikes from `ids` the ids forgotten since it last caught up (all of them, if the log
     /// overflowed), and empties the log.
-    fn catch_up(&mut self, ids: &mut StepIds) {
+    pub fn catch_up(&mut self, ids: &mut StepIds) {
         match self.forgotten.as_mut() {
             Some(log) if log.is_empty() => {}
             Some(log) => {

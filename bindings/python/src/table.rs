@@ -1749,14 +1749,14 @@ impl OwnershipTable {
         late: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<StepOutcome> {
         let mut room = self.step_room.try_lock().map(|mut r| std::mem::take(&mut *r)).unwrap_or_default();
-        let early = StepEvents::read_in(early, &self.names, std::mem::take(&mut room.early))?;
+        let early = StepEvents::read_in(early, &self.names, Some(&self.step_ids), std::mem::take(&mut room.early))?;
         let step = StepArrays::open(req_ids, block_table, num_computed_tokens, num_scheduled_tokens)?;
         // Late events name requests as they read after the early ones: read plain only when the
         // early ones rename nothing.
         let late = if early.renames() {
             StepEvents::Parsed(crate::events::parse_optional(late)?)
         } else {
-            StepEvents::read_in(late, &self.names, std::mem::take(&mut room.late))?
+            StepEvents::read_in(late, &self.names, Some(&self.step_ids), std::mem::take(&mut room.late))?
         };
         let outcome = self.worker_step(py, &step, early, late, &mut room);
         if let Some(mut kept) = self.step_room.try_lock() {

@@ -389,3 +389,26 @@ def test_a_plain_looking_malformed_event_raises_and_applies_nothing(table, event
             table.apply_record_and_verify_step(early, ["a"], bt, np.array([0]), np.array([1]), late)
         assert (table.snapshot().requests, table.counters()) == before
         assert table.page_info(4).state == "free"
+
+
+def test_an_event_naming_a_remembered_request_reads_its_id_as_it_is_now():
+    """vLLM's recorder and runner name a request by the same str object, so the worker step
+    finds an event's request by the address of an id its req_ids held. That id is read as it is
+    now: a request that ended and was admitted again under the same object claims as the new
+    request; a name unknown at the last step and admitted since claims as the request admitted."""
+    t = kvguard.OwnershipTable(kvguard.PoolConfig(PAGES, PAGE, 128, reserved=[0]))
+    ids = ["cmpl-" + "a" * 30, "cmpl-" + "b" * 30]  # objects kept, as vLLM's input_batch.req_ids
+    t.admit(ids[0], "acme", 24, 24)
+    t.claim(ids[0], [1])
+    bt = np.array([[1, 0], [0, 0]], dtype=np.int32)
+    counts = np.zeros(2, np.int32)
+    _, _, _, r = t.apply_record_and_verify_step(None, ids, bt, counts, counts)
+    assert r.refused_rows == [1]  # both remembered: ids[0] live, ids[1] unknown (refused)
+    t.release(ids[0])
+    t.admit(ids[0], "globex", 24, 24)  # the same object, a new request
+    t.admit(ids[1], "acme", 24, 24)
+    early = [("claim", ids[0], [2]), ("claim", ids[1], [3])]
+    bt = np.array([[2, 0], [3, 0]], dtype=np.int32)
+    refused_early, w, _, r = t.apply_record_and_verify_step(early, ids, bt, counts, np.ones(2, np.int32))
+    assert refused_early == [] and w.clean and r.clean
+    assert (t.page_info(2).owner, t.page_info(3).owner) == (ids[0], ids[1])
