@@ -14,8 +14,10 @@ runs one form alone and untimed, for callgrind
 (``--toggle-collect='*__pymethod_apply_record_and_verify_step__'``; ``--cold`` sweeps before
 each call, for its cache simulation: ``--cache-sim=yes``). ``--no-events``: the same
 steps handed no events (the rows' and writes' share alone; the two forms are then the same call).
+``--torch``: the block table and the computed counts as vLLM keeps them, numpy views of torch CPU
+tensors (needs torch).
 
-    python bindings/python/bench/step_events.py [--only plain|parsed --steps N] [--no-events]
+    python bindings/python/bench/step_events.py [--only plain|parsed --steps N] [--no-events] [--torch]
 """
 
 from __future__ import annotations
@@ -41,11 +43,26 @@ class Kind(enum.StrEnum):
     RELEASE_PAGES = "release_pages"
 
 
+#: ``--torch``: the block table and the computed counts as vLLM keeps them, numpy views of torch
+#: CPU tensors (``CpuGpuBuffer.np``: each view's base is a tensor, whose memory the binding checks
+#: the view against every call).
+TORCH = False
+
+
+def host_array(shape: tuple[int, ...]):  # noqa: ANN201
+    """A zeroed int32 array: numpy's own, or (``--torch``) a view of a torch CPU tensor."""
+    if TORCH:
+        import torch
+
+        return torch.zeros(shape, dtype=torch.int32).numpy()
+    return np.zeros(shape, dtype=np.int32)
+
+
 def build():  # noqa: ANN201
     pages = R * P + 2 * CLAIMS + PUBLISHES + 1
     t = kvguard.OwnershipTable(kvguard.PoolConfig(pages, PS, WIDTH * PS, reserved=[0]))
     ids = [f"cmpl-{r:08x}-0000-4000-8000-{r:012x}" for r in range(R)]
-    bt = np.zeros((R, WIDTH), dtype=np.int32)
+    bt = host_array((R, WIDTH))
     tokens = P * PS - 4  # the last page partly written
     for r, rid in enumerate(ids):
         t.admit(rid, f"t{r % 8}", WIDTH * PS, 0)
@@ -54,7 +71,8 @@ def build():  # noqa: ANN201
         bt[r, :P] = own
         slots = np.array([own[k // PS] * PS + k % PS for k in range(tokens - 1)], dtype=np.int64)
         t.record_step_writes([rid], slots, np.array([0, len(slots)], dtype=np.int64))
-    computed = np.full(R, tokens - 1, dtype=np.int32)
+    computed = host_array((R,))
+    computed[:] = tokens - 1
     scheduled = np.ones(R, dtype=np.int32)
     return t, ids, bt, computed, scheduled, list(range(R * P + 1, pages))
 
@@ -108,7 +126,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--no-events", dest="events", action="store_false", help="the rows alone: no events")
     parser.add_argument("--cold", action="store_true", help="with --only: a 64 MiB sweep before each call")
+    parser.add_argument("--torch", action="store_true", help="the arrays as vLLM keeps them: views of torch tensors")
     args = parser.parse_args()
+    global TORCH
+    TORCH = args.torch
     t, ids, bt, computed, scheduled, spare = build()
     stream = steps(t, ids, spare, args.events)
 

@@ -136,7 +136,12 @@ impl<'py> IntArray<'py> {
             let mut a = Self::from_buffer(buf, name, ndim)?;
             let base = obj.getattr(intern!(py, "base"))?;
             if !base.is_none() {
-                a.owned_by(owner::owner_of(&base, name)?, name)?;
+                // vLLM's arrays: views of torch tensors, their storage pinned across calls.
+                let owner = match owner::pinned_torch_view(obj, &base) {
+                    Some(pinned) => pinned,
+                    None => owner::owner_of(&base, name)?,
+                };
+                a.owned_by(owner, name)?;
             }
             return Ok(a);
         }

@@ -277,3 +277,28 @@ def test_an_int_past_int64_in_a_sequence_is_a_value_error_not_a_type_error(table
         table.verify_step(["a", "b"], np.zeros((2, 8), np.int32), [1, 2**70])
     with pytest.raises(TypeError, match="seq_lens must hold ints, got a str"):
         table.verify_step(["a", "b"], np.zeros((2, 8), np.int32), [1, "2"])
+
+
+def test_torch_views_read_step_after_step_are_judged_against_the_memory_they_show(table):
+    """A numpy view of a torch CPU tensor (vLLM's CpuGpuBuffer.np, read every step) is judged
+    against its tensor's storage once, and that storage kept, so later steps read the view without
+    exporting the tensor. The view stays readable when its tensor is given other memory (the
+    storage kept still holds what the view shows); when torch moves the storage's data
+    (share_memory_), the view points at freed memory and is refused, not read."""
+    import torch
+
+    a, b = two_requests(table)
+    t = torch.zeros((2, 8), dtype=torch.int32)
+    view = t.numpy()
+    view[:] = block_table([a, b])
+    for _ in range(3):
+        assert table.verify_step(["a", "b"], view, [40, 20]).clean
+    t.data = torch.zeros((2, 8), dtype=torch.int32)  # other memory for the tensor, none for the view
+    assert table.verify_step(["a", "b"], view, [40, 20]).clean
+    u = torch.zeros((2, 8), dtype=torch.int32)
+    moved = u.numpy()
+    moved[:] = block_table([a, b])
+    assert table.verify_step(["a", "b"], moved, [40, 20]).clean
+    u.untyped_storage().share_memory_()  # torch moves the data: `moved` now shows freed memory
+    with pytest.raises(ValueError, match="block_tables"):
+        table.verify_step(["a", "b"], moved, [40, 20])

@@ -200,6 +200,8 @@ enum Hold<'py> {
     Buffer(#[allow(dead_code)] Export),
     /// The owner's DLPack capsule, unconsumed: freeing it calls the producer's deleter.
     Capsule(#[allow(dead_code)] Bound<'py, PyCapsule>),
+    /// Nothing but the owner itself (`Extent::owner`): a torch tensor read by its attributes.
+    Owner,
 }
 
 /// The memory an owner vouches for, held while a view of it is read.
@@ -435,6 +437,9 @@ pub fn owner_of<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Extent<'py
             }
             return tensor_extent(at.clone(), capsule.clone(), tensor, name);
         }
+        if let Some(extent) = torch_cpu_extent(&at) {
+            return Ok(extent);
+        }
         if let Some((capsule, tensor)) = dlpack_export(&at, name)? {
             if known.numpy_exported(&tensor) {
                 at = numpy_array(known, &capsule, &tensor, name)?;
@@ -467,6 +472,96 @@ pub fn owner_of<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Extent<'py
         )));
     }
     Err(PyValueError::new_err(format!("{name}: its base chain is longer than {MAX_CHAIN} links")))
+}
+
+/// A numpy view of a torch CPU tensor (`tensor.numpy()`, vLLM's `CpuGpuBuffer.np`) whose
+/// memory kvguard keeps alive across calls: the tensor's storage when the view was first
+/// judged, held, with its bytes. torch makes a storage a numpy view was taken of unresizable, and
+/// one held here is not freed when its tensor gets another (`set_`, `.data =`), so while its
+/// data pointer stays the same (it moves only if torch swaps the data itself, e.g.
+/// `share_memory_`), the view's memory is the storage's: a later call checks the view against
+/// these bytes with one attribute read, not an export of the tensor.
+struct Pinned {
+    /// The view, weakly (a dead one's entry is dropped, and its storage let go).
+    view: Py<pyo3::types::PyWeakrefReference>,
+    /// The storage (a `torch.UntypedStorage`), strongly.
+    storage: Py<PyAny>,
+    bytes: Range<usize>,
+}
+
+/// The pinned views (see [`Pinned`]); an engine reads a handful of arrays a step.
+static PINNED: parking_lot::Mutex<Vec<Pinned>> = parking_lot::Mutex::new(Vec::new());
+
+/// How many views are pinned at most (the oldest is let go for a new one).
+const PINNED_VIEWS: usize = 16;
+
+/// The extent of `view`'s owner when `view` is a numpy view of an exact torch CPU tensor
+/// (`base`) whose storage is pinned, or can be pinned now (see [`Pinned`]); `None` otherwise
+/// (another thread holds the pins, the storage is resizable or not on the host, torch raised):
+/// the caller then judges the view by [`owner_of`].
+pub fn pinned_torch_view<'py>(view: &Bound<'py, PyAny>, base: &Bound<'py, PyAny>) -> Option<Extent<'py>> {
+    let py = view.py();
+    let (tensor_type, _) = torch_export(py)?;
+    if !base.get_type().is(tensor_type.bind(py)) {
+        return None;
+    }
+    let mut pins = PINNED.try_lock()?;
+    let data_ptr = |storage: &Bound<'py, PyAny>| -> Option<usize> {
+        storage.call_method0(intern!(py, "data_ptr")).ok()?.extract().ok()
+    };
+    if let Some(i) = pins.iter().position(|p| p.view.bind(py).upgrade().is_some_and(|v| v.is(view))) {
+        let storage = pins[i].storage.bind(py).clone();
+        if data_ptr(&storage) == Some(pins[i].bytes.start) {
+            let bytes = pins[i].bytes.clone();
+            return Some(Extent { bytes: Some(bytes), owner: storage, _hold: Hold::Owner });
+        }
+        pins.remove(i); // torch moved the data: judge it afresh
+    }
+    pins.retain(|p| p.view.bind(py).upgrade().is_some());
+    let storage = base.call_method0(intern!(py, "untyped_storage")).ok()?;
+    let flag = |v: PyResult<Bound<'py, PyAny>>| v.ok()?.extract::<bool>().ok();
+    let host = storage.getattr(intern!(py, "device")).ok()?.getattr(intern!(py, "type")).ok()?;
+    if flag(storage.call_method0(intern!(py, "resizable")))? || host.extract::<String>().ok()? != "cpu" {
+        return None;
+    }
+    let start = data_ptr(&storage)?;
+    let len: usize = storage.call_method0(intern!(py, "nbytes")).ok()?.extract().ok()?;
+    let bytes = start..start.checked_add(len)?;
+    if len == 0 {
+        return None;
+    }
+    let weak = pyo3::types::PyWeakrefReference::new(view).ok()?;
+    if pins.len() >= PINNED_VIEWS {
+        pins.remove(0);
+    }
+    pins.push(Pinned { view: weak.unbind(), storage: storage.clone().unbind(), bytes: bytes.clone() });
+    Some(Extent { bytes: Some(bytes), owner: storage, _hold: Hold::Owner })
+}
+
+/// An exact torch tensor's extent from its own description, without exporting it: a strided,
+/// contiguous tensor on the CPU (pinned host memory too) holds its elements in
+/// `data_ptr() .. data_ptr() + nbytes`. vLLM's host arrays are numpy views of such tensors, read
+/// every step: four attribute reads where a DLPack export (torch's C++ building a managed tensor
+/// and a capsule, then freeing them) cost about 200 lines of cache a view. `None` for anything
+/// else, or when torch says otherwise or raises (a sparse tensor's `is_contiguous`): the DLPack
+/// path then judges it.
+fn torch_cpu_extent<'py>(at: &Bound<'py, PyAny>) -> Option<Extent<'py>> {
+    let py = at.py();
+    let (tensor_type, _) = torch_export(py)?;
+    if !at.get_type().is(tensor_type.bind(py)) {
+        return None;
+    }
+    let flag = |v: PyResult<Bound<'py, PyAny>>| v.ok()?.extract::<bool>().ok();
+    if !flag(at.getattr(intern!(py, "is_cpu")))? || !flag(at.call_method0(intern!(py, "is_contiguous")))? {
+        return None;
+    }
+    let ptr: usize = at.call_method0(intern!(py, "data_ptr")).ok()?.extract().ok()?;
+    let len: usize = at.getattr(intern!(py, "nbytes")).ok()?.extract().ok()?;
+    let bytes = (len > 0).then(|| ptr.checked_add(len).map(|end| ptr..end)).flatten();
+    if len > 0 && bytes.is_none() {
+        return None;
+    }
+    Some(Extent { bytes, owner: at.clone(), _hold: Hold::Owner })
 }
 
 /// A DLPack producer's tensor as an owner's extent: its span, as the producer describes it.
