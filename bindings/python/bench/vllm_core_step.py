@@ -36,10 +36,12 @@ where allocation counts happen to cross its thresholds, inside one child's count
 outside another's). ``--cache-sim`` adds the lines missed in a simulated 2 MiB L2. ``--solo``
 counts one engine a child instead (a guarded one, an unguarded one), as an engine runs in
 production, one to a process: the two engines of one process share the L2, so each step there
-finds the lines of the other engine's step between it and its own last one.
+finds the lines of the other engine's step between it and its own last one. ``--split`` runs the
+guarded pair's child twice alike, counting the guarded engine's steps in one run and the
+unguarded engine's in the other: the difference comes from one execution, not two children.
 
     VLLM_TARGET_DEVICE=cpu python bindings/python/bench/vllm_core_step.py [--rounds 6] [--steps 200] [--control | --part all|scheduler] [--clock cpu|wall]
-    VLLM_TARGET_DEVICE=cpu python bindings/python/bench/vllm_core_step.py --instructions [--cache-sim] [--solo] [--part all|scheduler] [--steps 40]
+    VLLM_TARGET_DEVICE=cpu python bindings/python/bench/vllm_core_step.py --instructions [--cache-sim] [--solo | --split] [--part all|scheduler] [--steps 40]
 """
 
 from __future__ import annotations
@@ -64,6 +66,10 @@ REQUESTS = 256
 #: Seconds the stand-ins (model, sampler, slot-mapping kernel) spent in the current step.
 STAND_IN = [0.0]
 
+#: Under callgrind: whether the step running is one the child counts (a ``--split`` child counts
+#: one engine's steps; its stand-ins turn collection off only inside those).
+COUNTING = [False]
+
 
 def stood_in(fn):  # noqa: ANN001, ANN201
     """``fn``, its time added to ``STAND_IN`` (not vLLM's step); under callgrind, called through
@@ -72,7 +78,7 @@ def stood_in(fn):  # noqa: ANN001, ANN201
     def wrapper(*a: Any, **kw: Any) -> Any:
         t = clock()
         try:
-            return callgrind_tool.counted(fn, *a, **kw) if args.callgrind else fn(*a, **kw)
+            return callgrind_tool.counted(fn, *a, **kw) if COUNTING[0] else fn(*a, **kw)
         finally:
             STAND_IN[0] += clock() - t
 
@@ -137,6 +143,7 @@ def make_engine(guarded: bool) -> Any:
         async_scheduling=True,
     )
     e = real_engine.RealEngine(rc)
+    e.kind = "guarded" if guarded else "plain"
     if not guarded:
         e.core.scheduler.kv_cache_manager._kvguard_recorder = None  # the hooks pass it by
     if not guarded or args.part == "scheduler":
@@ -152,8 +159,12 @@ def timed_step(e: Any) -> tuple[float, bool]:
     was running in decode."""
     STAND_IN[0] = 0.0
     t0 = clock()
-    if args.callgrind:
-        callgrind_tool.counted(e.core.step_fn)
+    if args.callgrind and args.count in ("both", e.kind):
+        COUNTING[0] = True
+        try:
+            callgrind_tool.counted(e.core.step_fn)
+        finally:
+            COUNTING[0] = False
     else:
         e.core.step_fn()
     t1 = clock()
@@ -263,6 +274,8 @@ def instructions() -> None:
     a guarded engine's child and an unguarded one's); kvguard's instructions a step (the
     difference) over an unguarded step's."""
     callgrind_tool.require("vllm_core_step.py")
+    if args.split:
+        return instructions_split()
     counts, misses = {}, {}
     for part in ("control", "kvguard"):
         child = [sys.executable, __file__, "--serve", "--callgrind", "--steps", str(args.steps), "--guarded-first"]
@@ -290,6 +303,36 @@ def instructions() -> None:
         more = misses["kvguard"] - misses["control"]
         base = misses["control"] / share
         line += f"; {more:,.0f} lines missed = {100 * more / base:.1f} % of its {base:,.0f}"
+    print(line)
+
+
+def instructions_split() -> None:
+    """``--instructions --split``: one child holding both engines, run twice under callgrind
+    alike, counting the guarded engine's steps in one run and the unguarded engine's in the
+    other. The two runs execute the same program (the same seed, the collector off), so their
+    difference is the guarded engine's step over its twin's, without a second child's layout
+    and allocation pattern in it (which moved a control's simulated misses by several hundred
+    lines a step)."""
+    counts, misses = {}, {}
+    for kind in ("plain", "guarded"):
+        child = [sys.executable, __file__, "--serve", "--callgrind", "--steps", str(args.steps), "--guarded-first"]
+        child += ["--part", args.part, "--count", kind]
+        events = callgrind_tool.count(child, args.cache_sim)
+        counts[kind] = events["Ir"] / args.steps
+        line = f"{kind} engine's steps: {counts[kind]:,.0f} instructions a step"
+        if args.cache_sim:
+            misses[kind] = callgrind_tool.misses(events) / args.steps
+            line += f", {misses[kind]:,.0f} lines missed in a {callgrind_tool.L2_CACHE} cache"
+        print(line, flush=True)
+    extra = counts["guarded"] - counts["plain"]
+    line = (
+        f"kvguard ({args.part}): {extra:,.0f} instructions a step = {100 * extra / counts['plain']:.2f} % of the"
+        f" unguarded step ({args.steps} decode steps, {REQUESTS} requests, both engines in one process, each run"
+        " counting one)"
+    )
+    if args.cache_sim:
+        more = misses["guarded"] - misses["plain"]
+        line += f"; {more:,.0f} lines missed = {100 * more / misses['plain']:.1f} % of its {misses['plain']:,.0f}"
     print(line)
 
 
@@ -329,7 +372,10 @@ parser.add_argument("--instructions", action="store_true", help="instruction cou
 parser.add_argument("--cache-sim", action="store_true", help="with --instructions: simulated L2 misses too")
 parser.add_argument("--solo", nargs="?", const="both", choices=["both", "plain", "guarded"],
                     help="with --instructions: one engine a child (see the module doc)")
+parser.add_argument("--split", action="store_true",
+                    help="with --instructions: one child run twice, counting each engine's steps in turn")
 parser.add_argument("--callgrind", action="store_true", help=argparse.SUPPRESS)
+parser.add_argument("--count", choices=["both", "guarded", "plain"], default="both", help=argparse.SUPPRESS)
 parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
 parser.add_argument("--guarded-first", dest="guarded_first", action="store_true", help=argparse.SUPPRESS)
 parser.add_argument("--plain-first", dest="guarded_first", action="store_false", help=argparse.SUPPRESS)
@@ -340,6 +386,8 @@ if args.cache_sim and not args.instructions:
     parser.error("--cache-sim goes with --instructions")
 if args.solo and not (args.instructions or args.serve):
     parser.error("--solo goes with --instructions")
+if args.split and (not args.instructions or args.solo or args.control):
+    parser.error("--split goes with --instructions, without --solo or --control")
 if args.control and args.part != "all":
     parser.error("--part goes without --control")
 if args.instructions and args.control:

@@ -365,11 +365,15 @@ def _callgrind():
 def count_child(page_size: int, guarded: bool, steps: int) -> None:
     """A child of ``--instructions`` (under valgrind, instrumentation off): one scheduler at steady
     decode, then callgrind's instrumentation on, a few steps run and their counts zeroed, and
-    ``steps`` steps counted."""
+    ``steps`` steps counted, Python's cyclic collector off."""
     callgrind = _callgrind()
     s = scheduler(page_size, guarded)
     for _ in range(10):
         step(s)
+    # The cyclic collector off while counted: its passes land where allocation counts happen to
+    # cross its thresholds, inside one child's counted steps and outside another's.
+    gc.collect()
+    gc.disable()
     callgrind.switch("on")
     for _ in range(callgrind.WARM_STEPS):
         callgrind.counted(step, s)
