@@ -15,9 +15,10 @@ runs one form alone and untimed, for callgrind
 each call, for its cache simulation: ``--cache-sim=yes``). ``--no-events``: the same
 steps handed no events (the rows' and writes' share alone; the two forms are then the same call).
 ``--torch``: the block table and the computed counts as vLLM keeps them, numpy views of torch CPU
-tensors (needs torch).
+tensors (needs torch). ``--pages N``: rows of N pages instead of 8 (a context of about 16 N
+tokens: what the rows' comparison with their checked copies costs as contexts grow).
 
-    python bindings/python/bench/step_events.py [--only plain|parsed --steps N] [--no-events] [--torch]
+    python bindings/python/bench/step_events.py [--only plain|parsed --steps N] [--no-events] [--torch] [--pages N]
 """
 
 from __future__ import annotations
@@ -127,9 +128,13 @@ def main() -> None:
     parser.add_argument("--no-events", dest="events", action="store_false", help="the rows alone: no events")
     parser.add_argument("--cold", action="store_true", help="with --only: a 64 MiB sweep before each call")
     parser.add_argument("--torch", action="store_true", help="the arrays as vLLM keeps them: views of torch tensors")
+    parser.add_argument("--pages", type=int, default=8, help="pages a row (a context of about 16 a page)")
     args = parser.parse_args()
-    global TORCH
+    global TORCH, P, WIDTH
     TORCH = args.torch
+    if args.pages < 2:
+        parser.error("--pages: at least 2")
+    P, WIDTH = args.pages, max(WIDTH, args.pages + 8)
     t, ids, bt, computed, scheduled, spare = build()
     stream = steps(t, ids, spare, args.events)
 

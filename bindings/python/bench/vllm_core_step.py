@@ -16,7 +16,8 @@ wrapper, ``annotate_output`` on the output.
 Each round a fresh child builds both engines (which one first alternates by round), kvguard
 installed as its plugin installs it (``kvguard.vllm.install("enforce")``); the unguarded
 engine's scheduler has no recorder and its runner no guard, so it pays only the wrappers' early
-returns. Both admit the same 256 requests (prompts of 32-63 tokens) into a pool with room for
+returns. Both admit the same 256 requests (prompts of 32-63 tokens; ``--prompt-tokens N``: N to
+2N-1, the rows attention reads growing with N) into a pool with room for
 all of them to the end (none is preempted: every timed step decodes all 256, each claiming a
 block every 16 tokens and publishing the one it filled), run their prefill untimed, then
 ``--steps`` decode steps interleaved, the order flipped every step. A round reads the median
@@ -40,8 +41,8 @@ finds the lines of the other engine's step between it and its own last one. ``--
 guarded pair's child twice alike, counting the guarded engine's steps in one run and the
 unguarded engine's in the other: the difference comes from one execution, not two children.
 
-    VLLM_TARGET_DEVICE=cpu python bindings/python/bench/vllm_core_step.py [--rounds 6] [--steps 200] [--control | --part all|scheduler] [--clock cpu|wall]
-    VLLM_TARGET_DEVICE=cpu python bindings/python/bench/vllm_core_step.py --instructions [--cache-sim] [--solo | --split] [--part all|scheduler] [--steps 40]
+    VLLM_TARGET_DEVICE=cpu python bindings/python/bench/vllm_core_step.py [--rounds 6] [--steps 200] [--control | --part all|scheduler] [--clock cpu|wall] [--prompt-tokens 32]
+    VLLM_TARGET_DEVICE=cpu python bindings/python/bench/vllm_core_step.py --instructions [--cache-sim] [--solo | --split] [--part all|scheduler] [--steps 40] [--prompt-tokens 32]
 """
 
 from __future__ import annotations
@@ -135,11 +136,11 @@ def make_engine(guarded: bool) -> Any:
     rc = real_engine.RealConfig(
         # Room for every request's whole run (prompt, warm-up and timed steps): nothing is
         # preempted, all 256 run every step.
-        num_blocks=REQUESTS * (-(-(64 + 40 + args.steps) // 16) + 1) + 64,
+        num_blocks=REQUESTS * (-(-(2 * args.prompt_tokens + 40 + args.steps) // 16) + 1) + 64,
         block_size=16,
         max_num_seqs=REQUESTS,
-        max_num_batched_tokens=8192,
-        max_model_len=2048,
+        max_num_batched_tokens=max(8192, 32 * args.prompt_tokens),
+        max_model_len=max(2048, 2 * args.prompt_tokens + 64 + args.steps),
         async_scheduling=True,
     )
     e = real_engine.RealEngine(rc)
@@ -150,7 +151,8 @@ def make_engine(guarded: bool) -> Any:
         e.worker.runner._kvguard = None  # no guard: worker_step returns at once
     rng = random.Random(0)
     for i in range(REQUESTS):
-        e.add(f"req-{i}", [rng.randrange(500) for _ in range(rng.randrange(32, 64))], 10_000)
+        n = rng.randrange(args.prompt_tokens, 2 * args.prompt_tokens)
+        e.add(f"req-{i}", [rng.randrange(500) for _ in range(n)], 10_000)
     return e
 
 
@@ -278,7 +280,8 @@ def instructions() -> None:
         return instructions_split()
     counts, misses = {}, {}
     for part in ("control", "kvguard"):
-        child = [sys.executable, __file__, "--serve", "--callgrind", "--steps", str(args.steps), "--guarded-first"]
+        child = [sys.executable, __file__, "--serve", "--callgrind", "--steps", str(args.steps), "--guarded-first",
+                 "--prompt-tokens", str(args.prompt_tokens)]
         if args.solo:
             child += ["--solo", "plain" if part == "control" else "guarded"]
         elif part == "control":
@@ -315,7 +318,8 @@ def instructions_split() -> None:
     lines a step)."""
     counts, misses = {}, {}
     for kind in ("plain", "guarded"):
-        child = [sys.executable, __file__, "--serve", "--callgrind", "--steps", str(args.steps), "--guarded-first"]
+        child = [sys.executable, __file__, "--serve", "--callgrind", "--steps", str(args.steps), "--guarded-first",
+                 "--prompt-tokens", str(args.prompt_tokens)]
         child += ["--part", args.part, "--count", kind]
         events = callgrind_tool.count(child, args.cache_sim)
         counts[kind] = events["Ir"] / args.steps
@@ -341,6 +345,7 @@ def main() -> None:
     label = "control: a second unguarded engine" if args.control else f"kvguard ({args.part})"
     for r in range(args.rounds):
         cmd = [sys.executable, __file__, "--serve", "--clock", args.clock, "--steps", str(args.steps)]
+        cmd += ["--prompt-tokens", str(args.prompt_tokens)]
         cmd += ["--guarded-first" if r % 2 == 0 else "--plain-first"]
         cmd += ["--control"] if args.control else ["--part", args.part]
         env = {**os.environ, "PYTHONHASHSEED": "0"}
@@ -374,14 +379,16 @@ parser.add_argument("--solo", nargs="?", const="both", choices=["both", "plain",
                     help="with --instructions: one engine a child (see the module doc)")
 parser.add_argument("--split", action="store_true",
                     help="with --instructions: one child run twice, counting each engine's steps in turn")
+parser.add_argument("--prompt-tokens", type=int, default=32,
+                    help="prompts of N to 2N-1 tokens (default 32): the rows attention reads grow with N")
 parser.add_argument("--callgrind", action="store_true", help=argparse.SUPPRESS)
 parser.add_argument("--count", choices=["both", "guarded", "plain"], default="both", help=argparse.SUPPRESS)
 parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
 parser.add_argument("--guarded-first", dest="guarded_first", action="store_true", help=argparse.SUPPRESS)
 parser.add_argument("--plain-first", dest="guarded_first", action="store_false", help=argparse.SUPPRESS)
 args = parser.parse_args()
-if args.rounds < 1 or args.steps < 1:
-    parser.error("--steps and --rounds must be at least 1")
+if args.rounds < 1 or args.steps < 1 or args.prompt_tokens < 1:
+    parser.error("--steps, --rounds and --prompt-tokens must be at least 1")
 if args.cache_sim and not args.instructions:
     parser.error("--cache-sim goes with --instructions")
 if args.solo and not (args.instructions or args.serve):
