@@ -3,6 +3,9 @@
 //! row stride that is not the row's width is honoured). Plain Python sequences of ints are
 //! accepted for 1-D arguments and copied.
 //!
+//! An exact numpy array is described from numpy's own struct (module `numpy`, its layout probed
+//! once against numpy's buffer export), anything else through its buffer export or DLPack.
+//!
 //! Nothing is read on an object's word alone: a view's elements must lie inside the memory of the
 //! object that owns them (module `owner`), so a lying `__array_interface__`, an `as_strided` view past
 //! its buffer or a tensor on a device is refused with a Python exception, never read. A device
@@ -12,6 +15,7 @@
 //! (the GIL is released during the check, as numpy does for its own loops).
 
 mod dlpack;
+mod numpy;
 mod owner;
 
 use std::ops::Range;
@@ -48,6 +52,8 @@ impl Elem {
 enum Keep<'py> {
     /// A buffer-protocol export (released on drop, with the GIL).
     Buffer(#[allow(dead_code)] PyUntypedBuffer),
+    /// A numpy array read through its own struct: a reference to it.
+    Array(#[allow(dead_code)] Bound<'py, PyAny>),
     /// A DLPack tensor's capsule, unconsumed: freeing it calls the producer's deleter.
     Capsule(#[allow(dead_code)] Bound<'py, PyCapsule>),
     /// A copy of a Python sequence.
@@ -130,12 +136,18 @@ impl<'py> IntArray<'py> {
             return Self::from_sequence(obj, name);
         }
         let known = Known::get(py)?;
-        // Exact numpy arrays: the engines' arrays, the hot path (one export, one attribute).
+        // Exact numpy arrays: the engines' arrays, the hot path (numpy's struct read in place;
+        // the export, for anything the struct does not settle, names what is wrong).
         if known.is_exact_ndarray(obj) {
-            let buf = Self::export(obj, name)?;
-            let mut a = Self::from_buffer(buf, name, ndim)?;
-            let base = obj.getattr(intern!(py, "base"))?;
-            if !base.is_none() {
+            let (mut a, base) = match Self::from_fields(known, obj, name, ndim)? {
+                Some(read) => read,
+                None => {
+                    let a = Self::from_buffer(Self::export(obj, name)?, name, ndim)?;
+                    let base = obj.getattr(intern!(py, "base"))?;
+                    (a, (!base.is_none()).then_some(base))
+                }
+            };
+            if let Some(base) = base {
                 // vLLM's arrays: views of torch tensors, their storage pinned across calls.
                 let owner = match owner::pinned_torch_view(obj, &base) {
                     Some(pinned) => pinned,
@@ -282,6 +294,42 @@ impl<'py> IntArray<'py> {
         strides[..ndim].copy_from_slice(&buf.strides()[..ndim]);
         let ptr = buf.buf_ptr() as *const u8;
         Ok(IntArray { ptr, elem, shape, strides, ndim, bytes, _keep: Keep::Buffer(buf), _owner: None })
+    }
+
+    /// An exact numpy array of `ndim` dimensions holding native int32 or int64, from numpy's
+    /// own struct (no export), and its `base`; `None` for anything else.
+    #[allow(clippy::type_complexity)]
+    fn from_fields(
+        known: &owner::Known,
+        obj: &Bound<'py, PyAny>,
+        name: &str,
+        ndim: usize,
+    ) -> PyResult<Option<(IntArray<'py>, Option<Bound<'py, PyAny>>)>> {
+        let Some(d) = known.described(obj) else { return Ok(None) };
+        if d.dims.len() != ndim || d.dims.iter().any(|&n| n < 0) {
+            return Ok(None);
+        }
+        let elem = if d.item == 4 { Elem::I32 } else { Elem::I64 };
+        let mut shape = [0, 1];
+        let mut strides = [d.item as isize; 2];
+        for (k, (&n, &stride)) in d.dims.iter().zip(d.strides).enumerate() {
+            (shape[k], strides[k]) = (n as usize, stride);
+        }
+        let bytes =
+            span(d.ptr, shape[..ndim].iter().copied().zip(strides[..ndim].iter().copied()), d.item).map_err(|()| {
+                PyValueError::new_err(format!("{name}: its shape and strides reach beyond the address space"))
+            })?;
+        let a = IntArray {
+            ptr: d.ptr as *const u8,
+            elem,
+            shape,
+            strides,
+            ndim,
+            bytes,
+            _keep: Keep::Array(obj.clone()),
+            _owner: None,
+        };
+        Ok(Some((a, d.base)))
     }
 
     fn from_tensor(

@@ -238,6 +238,38 @@ def test_a_dlpack_export_of_a_lying_numpy_view_is_refused():
     assert kind == "ValueError" and "outside the memory" in message
 
 
+class Sub(np.ndarray):
+    """A numpy subclass: read through its buffer export, never through numpy's struct."""
+
+
+def test_a_numpy_array_reads_the_same_through_its_struct_as_through_its_export(table):
+    """An exact numpy array is read from numpy's own struct (data, dimensions, strides, dtype,
+    base), a subclass through its buffer export: any view, either dtype, the same verdicts."""
+    a, b = two_requests(table)
+    rng = np.random.default_rng(7)
+    pages = np.array(a + b + [0, 1, 255, 256, 10_000, -1], dtype=np.int64)
+    for case in range(300):
+        dtype = (np.int32, np.int64)[case % 2]
+        grid = rng.choice(pages, size=(6, 12)).astype(dtype)
+        grid[rng.integers(0, 6), : len(a)] = a
+        rows = rng.choice(6, size=2, replace=False)
+        step = rng.integers(1, 4)
+        view = grid[rows][:, ::step] if case % 3 else grid[rows[::-1]][:, ::-1][::-1]
+        lens = np.array(rng.integers(0, 41, size=2), dtype=dtype)
+        ids = ["a", "b"] if case % 4 else ["b", "a"]
+        exact = table.check_step(ids, view, lens)
+        exported = table.check_step(ids, view.view(Sub), lens.view(Sub))
+        assert type(view) is np.ndarray and type(view.view(Sub)) is Sub
+        assert (exact.refused_rows, repr(exact.violations)) == (exported.refused_rows, repr(exported.violations))
+    # A dtype, a byte order or a dimension count the struct does not settle goes to the export,
+    # which names it as before.
+    for wrong in (grid.astype(">i4"), grid.astype(np.int16), grid.astype(np.float32)):
+        with pytest.raises(TypeError, match="block_tables must"):
+            table.check_step(["a"], wrong[:1], [40])
+    with pytest.raises(ValueError, match="block_tables must be 2-D"):
+        table.check_step(["a"], np.zeros((1, 2, 8), np.int32), [40])
+
+
 def test_wrong_dtype_and_dimensions_are_still_refused(table):
     with pytest.raises(TypeError, match="block_tables must have dtype int32 or int64"):
         table.verify_step(["a"], np.zeros((1, 8), np.float64), [40])

@@ -38,6 +38,8 @@ pub struct Known {
     /// numpy's DLPack deleters (v0, and v1 where numpy has it): a capsule with one of them
     /// describes the `ndarray` in its `manager_ctx`, as that array's view, not as an owner.
     numpy_deleters: Vec<usize>,
+    /// numpy's array struct, read in place where a probe showed it as its export does.
+    fields: Option<super::numpy::Layout>,
 }
 
 static KNOWN: PyOnceLock<Known> = PyOnceLock::new();
@@ -63,7 +65,9 @@ impl Known {
             if let Ok(v1) = probe.call_method("__dlpack__", (), Some(&kw)) {
                 numpy_deleters.push(dlpack::read(v1.cast::<PyCapsule>()?, "numpy's probe")?.deleter);
             }
+            let fields = super::numpy::Layout::probe(&numpy, &ndarray)?;
             Ok(Known {
+                fields,
                 ndarray: ndarray.unbind(),
                 base_getter: base_getter.unbind(),
                 ndarray_buffer,
@@ -77,6 +81,12 @@ impl Known {
     /// Whether `obj` is exactly a numpy array (not a subclass): numpy's own C code throughout.
     pub fn is_exact_ndarray(&self, obj: &Bound<'_, PyAny>) -> bool {
         obj.get_type().is(self.ndarray.bind(obj.py()))
+    }
+
+    /// `obj`'s description from numpy's struct, when it is exactly a numpy array of one or two
+    /// dimensions holding native int32 or int64 and the struct's layout was probed.
+    pub fn described<'a, 'py>(&self, obj: &'a Bound<'py, PyAny>) -> Option<super::numpy::Described<'a, 'py>> {
+        self.fields.as_ref()?.describe(obj)
     }
 
     /// Whether `obj` is a numpy array (or subclass).
