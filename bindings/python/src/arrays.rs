@@ -116,6 +116,13 @@ fn span(ptr: usize, dims: impl IntoIterator<Item = (usize, isize)>, item: usize)
     Ok(Some(start as usize..end as usize))
 }
 
+/// `ValueError` for a view whose shape and strides leave the address space.
+#[cold]
+#[inline(never)]
+fn beyond_address_space(name: &str) -> PyErr {
+    PyValueError::new_err(format!("{name}: its shape and strides reach beyond the address space"))
+}
+
 /// What an argument may be, for the `TypeError` that refuses anything else.
 fn accepted(ndim: usize) -> String {
     format!(
@@ -278,6 +285,8 @@ impl<'py> IntArray<'py> {
         }
     }
 
+    #[cold]
+    #[inline(never)]
     fn wrong_ndim(name: &str, ndim: usize, shape: &[usize]) -> PyErr {
         PyValueError::new_err(format!("{name} must be {ndim}-D, got {} dimensions (shape {shape:?})", shape.len()))
     }
@@ -315,10 +324,8 @@ impl<'py> IntArray<'py> {
         for (k, (&n, &stride)) in d.dims.iter().zip(d.strides).enumerate() {
             (shape[k], strides[k]) = (n as usize, stride);
         }
-        let bytes =
-            span(d.ptr, shape[..ndim].iter().copied().zip(strides[..ndim].iter().copied()), d.item).map_err(|()| {
-                PyValueError::new_err(format!("{name}: its shape and strides reach beyond the address space"))
-            })?;
+        let bytes = span(d.ptr, shape[..ndim].iter().copied().zip(strides[..ndim].iter().copied()), d.item)
+            .map_err(|()| beyond_address_space(name))?;
         let a = IntArray {
             ptr: d.ptr as *const u8,
             elem,
@@ -352,9 +359,7 @@ impl<'py> IntArray<'py> {
             let shape: Vec<usize> = t.dims.iter().map(|d| d.0).collect();
             return Err(Self::wrong_ndim(name, ndim, &shape));
         }
-        let bytes = span(t.ptr, t.dims.iter().copied(), elem.size()).map_err(|()| {
-            PyValueError::new_err(format!("{name}: its shape and strides reach beyond the address space"))
-        })?;
+        let bytes = span(t.ptr, t.dims.iter().copied(), elem.size()).map_err(|()| beyond_address_space(name))?;
         let mut shape = [0, 1];
         let mut strides = [elem.size() as isize; 2];
         for (i, &(extent, stride)) in t.dims.iter().enumerate() {

@@ -1802,7 +1802,7 @@ impl<'a, 'py> StepArrays<'a, 'py> {
         let n = req_ids.len()?;
         let bt = IntArray::open(block_table, "block_table", 2)?;
         if bt.len() < n {
-            return Err(PyValueError::new_err(format!("block_table has {} rows, {n} requests given", bt.len())));
+            return Err(too_few_rows(bt.len(), n));
         }
         let computed = crate::arrays::StepCounts::open(num_computed_tokens, "num_computed_tokens", n)?;
         let scheduled = crate::arrays::StepCounts::open(num_scheduled_tokens, "num_scheduled_tokens", n)?;
@@ -1813,6 +1813,13 @@ impl<'a, 'py> StepArrays<'a, 'py> {
     fn counts(&self) -> PyResult<(kvguard::step::Counts<'_>, kvguard::step::Counts<'_>)> {
         Ok((self.computed.counts("num_computed_tokens")?, self.scheduled.counts("num_scheduled_tokens")?))
     }
+}
+
+/// [`StepArrays::open`]'s error for a block table shorter than the step.
+#[cold]
+#[inline(never)]
+fn too_few_rows(rows: usize, n: usize) -> PyErr {
+    PyValueError::new_err(format!("block_table has {rows} rows, {n} requests given"))
 }
 
 impl OwnershipTable {
@@ -1992,6 +1999,9 @@ fn step_rows<'a>(
 }
 
 /// A step the core could not judge, as the worker step's arguments name it (nothing applied).
+/// Out of line, as every error of the step's path: the step's own code stays together.
+#[cold]
+#[inline(never)]
 fn step_error(e: kvguard::step::StepError) -> PyErr {
     use kvguard::step::StepError;
     PyValueError::new_err(match e {
@@ -2010,11 +2020,19 @@ fn step_error(e: kvguard::step::StepError) -> PyErr {
 }
 
 /// req_ids read as many requests as it had when the step's arrays were checked.
+#[inline]
 fn check_request_count(requests: &[RequestId], n: usize) -> PyResult<()> {
     if requests.len() != n {
-        return Err(PyValueError::new_err(format!("req_ids changed while it was read ({n} then {})", requests.len())));
+        return Err(request_count_changed(n, requests.len()));
     }
     Ok(())
+}
+
+/// [`check_request_count`]'s error.
+#[cold]
+#[inline(never)]
+fn request_count_changed(then: usize, now: usize) -> PyErr {
+    PyValueError::new_err(format!("req_ids changed while it was read ({then} then {now})"))
 }
 
 /// The step's reads from a 2-D block table: request `i` reads its first `tokens[i]` tokens
