@@ -598,11 +598,21 @@ fn non_negative<T: Copy + Into<i64>>(values: &[T], name: &str) -> PyResult<Vec<u
 /// memory as [`IntArray`]'s views are (a write past it would corrupt the process).
 #[derive(Debug)]
 pub struct ArrayMut<'py, T: Element> {
-    /// Keeps the exported memory alive (released on drop, with the GIL).
-    buf: PyBuffer<T>,
+    /// Its first element.
+    ptr: *mut T,
+    /// Keeps its memory alive: its buffer export (released on drop, with the GIL), or the
+    /// exact numpy array itself, read through numpy's struct.
+    _keep: KeepMut<'py, T>,
     len: usize,
     /// The owner's export, when the owner is not the exported object itself.
     _owner: Option<Extent<'py>>,
+}
+
+/// What keeps an [`ArrayMut`]'s memory alive.
+#[derive(Debug)]
+enum KeepMut<'py, T: Element> {
+    Buffer(#[allow(dead_code)] PyBuffer<T>),
+    Array(#[allow(dead_code)] Bound<'py, PyAny>),
 }
 
 /// A writable 1-D int64 array ([`ArrayMut`]).
@@ -614,14 +624,18 @@ pub type U8Mut<'py> = ArrayMut<'py, u8>;
 pub trait Named: Element + Copy {
     /// `int64`, `uint8`.
     const NAME: &'static str;
+    /// numpy's `dtype.kind` of it: `i` (signed), `u` (unsigned).
+    const KIND: u8;
 }
 
 impl Named for i64 {
     const NAME: &'static str = "int64";
+    const KIND: u8 = b'i';
 }
 
 impl Named for u8 {
     const NAME: &'static str = "uint8";
+    const KIND: u8 = b'u';
 }
 
 impl<'py, T: Named> ArrayMut<'py, T> {
@@ -637,28 +651,41 @@ impl<'py, T: Named> ArrayMut<'py, T> {
         let py = obj.py();
         let known = Known::get(py)?;
         let exact = known.is_exact_ndarray(obj);
-        if !exact && exports_buffer(obj) {
-            known.vet_exporter(obj, name)?;
-        }
-        let buf = PyBuffer::<T>::get(obj).map_err(|_| wrong())?;
-        if buf.readonly() || !buf.is_c_contiguous() || buf.dimensions() != 1 {
-            return Err(wrong());
-        }
-        let len = buf.item_count();
-        let base = buf.buf_ptr() as usize;
         let size = std::mem::size_of::<T>();
-        let bytes = span(base, [(len, size as isize)], size)
+        // An exact numpy array, writable, contiguous and aligned, from numpy's struct (the
+        // plugins' mirrors, every step); anything else through a buffer export, as before.
+        let fields = known
+            .described_1d(obj, numpy::Dtype { kind: T::KIND, item: size })
+            .filter(|d| d.writeable && d.c_contiguous && d.ptr.is_multiple_of(std::mem::align_of::<T>()));
+        let (ptr, len, keep, base) = match fields {
+            Some(d) => (d.ptr as *mut T, d.dims[0] as usize, KeepMut::Array(obj.clone()), d.base),
+            None => {
+                if !exact && exports_buffer(obj) {
+                    known.vet_exporter(obj, name)?;
+                }
+                let buf = PyBuffer::<T>::get(obj).map_err(|_| wrong())?;
+                if buf.readonly() || !buf.is_c_contiguous() || buf.dimensions() != 1 {
+                    return Err(wrong());
+                }
+                let base = if exact {
+                    let b = obj.getattr(intern!(py, "base"))?;
+                    (!b.is_none()).then_some(b)
+                } else {
+                    Some(obj.clone())
+                };
+                (buf.buf_ptr().cast::<T>(), buf.item_count(), KeepMut::Buffer(buf), base)
+            }
+        };
+        let bytes = span(ptr as usize, [(len, size as isize)], size)
             .map_err(|()| PyValueError::new_err(format!("{name}: its shape reaches beyond the address space")))?;
-        let owner = if exact {
-            let b = obj.getattr(intern!(py, "base"))?;
-            if b.is_none() { None } else { Some(owner::owner_of(&b, name)?) }
-        } else {
-            Some(owner::owner_of(obj, name)?)
+        let owner = match base {
+            Some(b) => Some(owner::owner_of(&b, name)?),
+            None => None,
         };
         if let Some(owner) = &owner {
             owner.contains(bytes.as_ref(), name)?;
         }
-        Ok(ArrayMut { buf, len, _owner: owner })
+        Ok(ArrayMut { ptr, _keep: keep, len, _owner: owner })
     }
 
     /// Its length.
@@ -667,7 +694,7 @@ impl<'py, T: Named> ArrayMut<'py, T> {
     }
 
     fn span(&self) -> std::ops::Range<usize> {
-        let base = self.buf.buf_ptr() as usize;
+        let base = self.ptr as usize;
         base..base + self.len * std::mem::size_of::<T>()
     }
 
@@ -704,14 +731,14 @@ impl<'py, T: Named> ArrayMut<'py, T> {
 
     fn at(&self, i: usize) -> *mut T {
         assert!(i < self.len, "index within the array");
-        self.buf.buf_ptr().cast::<T>().wrapping_add(i)
+        self.ptr.wrapping_add(i)
     }
 
     /// Entry `i` (`i < len()`, asserted: a violation is a bug of this crate, caught by PyO3).
     pub fn get(&self, i: usize) -> T {
-        // SAFETY: `i < len` (asserted in `at`): an element of the exported buffer, C-contiguous
-        // `T` aligned for `T` (PyBuffer::<T>::get checked format, size and alignment), alive
-        // while `buf` is. The binding reads and writes it only with the GIL held (never inside
+        // SAFETY: `i < len` (asserted in `at`): an element of the viewed array, C-contiguous
+        // `T` aligned for `T` (PyBuffer::<T>::get checked format, size and alignment; numpy's
+        // struct its dtype, flags and pointer), alive while `_keep` is. The binding reads and writes it only with the GIL held (never inside
         // `py.detach`), so no Python code runs meanwhile, and no Rust reference to it exists:
         // every access is one of these raw reads and writes, and the calls that write one check
         // it `apart` from every array they borrow as a slice.
@@ -720,7 +747,7 @@ impl<'py, T: Named> ArrayMut<'py, T> {
 
     /// Sets entry `i` to `v` (`i < len()`, asserted).
     pub fn set(&self, i: usize, v: T) {
-        // SAFETY: as in `get`; the buffer is not read-only (checked in `open`).
+        // SAFETY: as in `get`; the array is not read-only (checked in `open`).
         unsafe { self.at(i).write(v) }
     }
 }

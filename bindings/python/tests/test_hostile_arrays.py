@@ -270,6 +270,34 @@ def test_a_numpy_array_reads_the_same_through_its_struct_as_through_its_export(t
         table.check_step(["a"], np.zeros((1, 2, 8), np.int32), [40])
 
 
+def test_a_numpy_array_is_written_the_same_through_its_struct_as_through_its_export():
+    """A writable exact numpy array (kvguard.sglang's mirrors, the allocator's marks) is found from
+    numpy's struct, a subclass through its buffer export: the same marks, and what the struct
+    does not settle (read-only, strided, another dtype) refused as the export refuses it."""
+    rng = np.random.default_rng(11)
+    for case in range(200):
+        n, page_size = int(rng.integers(1, 64)), int(rng.integers(1, 5))
+        slots = rng.integers(-3, n * page_size + 3, size=int(rng.integers(0, 20)))
+        exact, sub = np.zeros(n, np.uint8), np.zeros(n, np.uint8).view(Sub)
+        kvguard.mark_pages(exact, slots, page_size)
+        kvguard.mark_pages(sub, slots, page_size)
+        assert type(exact) is np.ndarray and type(sub) is Sub
+        assert exact.tolist() == np.asarray(sub).tolist()
+        expected = np.zeros(n, np.uint8)
+        for s in slots:
+            if 0 <= s < n * page_size:
+                expected[s // page_size] = 1
+        assert exact.tolist() == expected.tolist()
+    frozen = np.zeros(8, np.uint8)
+    frozen.flags.writeable = False
+    for wrong in (frozen, np.zeros(16, np.uint8)[::2], np.zeros(8, np.int8), np.zeros(8, np.uint16)):
+        with pytest.raises(TypeError, match="flags must be a writable, contiguous 1-D uint8 array"):
+            kvguard.mark_pages(wrong, [1], 1)
+        with pytest.raises(TypeError, match="flags must be a writable, contiguous 1-D uint8 array"):
+            kvguard.mark_pages(wrong.view(Sub), [1], 1)
+    assert not frozen.any()
+
+
 def test_wrong_dtype_and_dimensions_are_still_refused(table):
     with pytest.raises(TypeError, match="block_tables must have dtype int32 or int64"):
         table.verify_step(["a"], np.zeros((1, 8), np.float64), [40])

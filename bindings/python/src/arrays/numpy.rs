@@ -25,7 +25,12 @@ struct Fields {
     strides: *const isize,
     base: *mut ffi::PyObject,
     descr: *const Descr,
+    flags: c_int,
 }
+
+/// `NPY_ARRAY_C_CONTIGUOUS` and `NPY_ARRAY_WRITEABLE`, numpy's flag bits.
+const C_CONTIGUOUS: c_int = 0x0001;
+const WRITEABLE: c_int = 0x0400;
 
 /// The leading fields of `PyArray_Descr` (the same in numpy 1 and 2; what follows them moved).
 #[repr(C)]
@@ -43,6 +48,16 @@ pub struct Layout {
     ndarray: Py<PyType>,
 }
 
+/// An element type kvguard reads or writes, as numpy's dtype names it: its kind (`'i'` signed,
+/// `'u'` unsigned) and its size in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Dtype {
+    /// numpy's `dtype.kind`.
+    pub kind: u8,
+    /// Bytes an element.
+    pub item: usize,
+}
+
 /// What an exact numpy array says of itself: an int32 or int64 array of one or two dimensions,
 /// native byte order (anything else is left to the buffer export, which names what is wrong).
 pub struct Described<'a, 'py> {
@@ -56,6 +71,10 @@ pub struct Described<'a, 'py> {
     pub item: usize,
     /// The object whose memory it views, if any (numpy's `base`).
     pub base: Option<Bound<'py, PyAny>>,
+    /// Whether numpy lets it be written, and whether its elements lie one after another.
+    pub writeable: bool,
+    /// See `writeable`.
+    pub c_contiguous: bool,
 }
 
 impl Layout {
@@ -74,6 +93,7 @@ impl Layout {
         let view = grid.get_item(PyTuple::new(py, [PySlice::full(py), PySlice::new(py, 1, 4, 1)])?)?;
         kw.set_item("dtype", "int64")?;
         let vector = numpy.call_method("arange", (4,), Some(&kw))?;
+        vector.call_method1("setflags", (false,))?; // read-only: the flag word read too
         for probe in [&view, &vector] {
             let Some(d) = layout.describe(probe) else { return Ok(None) };
             let buf = PyUntypedBuffer::get(probe)?;
@@ -83,6 +103,8 @@ impl Layout {
                 && d.dims == shape.as_slice()
                 && d.strides == buf.strides()
                 && d.item == buf.item_size()
+                && d.writeable != buf.readonly()
+                && d.c_contiguous == buf.is_c_contiguous()
                 && match &d.base {
                     Some(b) => b.is(&base),
                     None => base.is_none(),
@@ -97,6 +119,20 @@ impl Layout {
     /// `obj`'s own description, when it is exactly a numpy array of one or two dimensions holding
     /// native int32 or int64; `None` for anything else.
     pub fn describe<'a, 'py>(&self, obj: &'a Bound<'py, PyAny>) -> Option<Described<'a, 'py>> {
+        self.described(obj, |dtype| dtype.kind == b'i' && matches!(dtype.item, 4 | 8))
+    }
+
+    /// `obj`'s own description, when it is exactly a numpy array of one dimension holding native
+    /// elements of `dtype`; `None` for anything else.
+    pub fn describe_1d<'a, 'py>(&self, obj: &'a Bound<'py, PyAny>, dtype: Dtype) -> Option<Described<'a, 'py>> {
+        self.described(obj, |d| d == dtype).filter(|d| d.dims.len() == 1)
+    }
+
+    fn described<'a, 'py>(
+        &self,
+        obj: &'a Bound<'py, PyAny>,
+        wanted: impl Fn(Dtype) -> bool,
+    ) -> Option<Described<'a, 'py>> {
         let py = obj.py();
         if !obj.get_type().is(self.ndarray.bind(py)) {
             return None;
@@ -124,13 +160,16 @@ impl Layout {
             b'>' => cfg!(target_endian = "big"),
             _ => false,
         };
+        // The C type's code, as numpy's `dtype.char` names it: its size from the C type.
         let item = match d.type_ as u8 {
-            b'i' => size_of::<c_int>(),
-            b'l' => size_of::<c_long>(),
-            b'q' => 8,
+            b'i' | b'I' => size_of::<c_int>(),
+            b'l' | b'L' => size_of::<c_long>(),
+            b'q' | b'Q' => 8,
+            b'B' => 1,
             _ => 0,
         };
-        if !native || d.kind as u8 != b'i' || !(item == 4 || item == 8) {
+        let native = native || item == 1; // one byte: numpy's byte order is '|'
+        if !native || item == 0 || !wanted(Dtype { kind: d.kind as u8, item }) {
             return None;
         }
         let base = (!f.base.is_null()).then(|| {
@@ -138,6 +177,14 @@ impl Layout {
             // lives (we hold the array); borrowing it takes a reference of our own.
             unsafe { Bound::from_borrowed_ptr(py, f.base) }
         });
-        Some(Described { ptr: f.data as usize, dims, strides, item, base })
+        Some(Described {
+            ptr: f.data as usize,
+            dims,
+            strides,
+            item,
+            base,
+            writeable: f.flags & WRITEABLE != 0,
+            c_contiguous: f.flags & C_CONTIGUOUS != 0,
+        })
     }
 }

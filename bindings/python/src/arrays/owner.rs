@@ -89,6 +89,16 @@ impl Known {
         self.fields.as_ref()?.describe(obj)
     }
 
+    /// `obj`'s description from numpy's struct, when it is exactly a 1-D numpy array of native
+    /// `dtype` elements and the struct's layout was probed.
+    pub fn described_1d<'a, 'py>(
+        &self,
+        obj: &'a Bound<'py, PyAny>,
+        dtype: super::numpy::Dtype,
+    ) -> Option<super::numpy::Described<'a, 'py>> {
+        self.fields.as_ref()?.describe_1d(obj, dtype)
+    }
+
     /// Whether `obj` is a numpy array (or subclass).
     pub fn is_ndarray(&self, obj: &Bound<'_, PyAny>) -> bool {
         self.is_exact_ndarray(obj) || obj.is_instance(self.ndarray.bind(obj.py())).unwrap_or(false)
