@@ -280,21 +280,14 @@ def instructions() -> None:
         return instructions_split()
     counts, misses = {}, {}
     for part in ("control", "kvguard"):
-        child = [sys.executable, __file__, "--serve", "--callgrind", "--steps", str(args.steps), "--guarded-first",
-                 "--prompt-tokens", str(args.prompt_tokens)]
+        flags = []
         if args.solo:
-            child += ["--solo", "plain" if part == "control" else "guarded"]
+            flags += ["--solo", "plain" if part == "control" else "guarded"]
         elif part == "control":
-            child += ["--control"]
+            flags += ["--control"]
         if part == "kvguard":
-            child += ["--part", args.part]
-        events = callgrind_tool.count(child, args.cache_sim)
-        counts[part] = events["Ir"] / args.steps
-        line = f"{part}: {counts[part]:,.0f} instructions {'a step' if args.solo else 'a step pair'}"
-        if args.cache_sim:
-            misses[part] = callgrind_tool.misses(events) / args.steps
-            line += f", {misses[part]:,.0f} lines missed in a {callgrind_tool.L2_CACHE} cache"
-        print(line, flush=True)
+            flags += ["--part", args.part]
+        counts[part], misses[part] = counted_child(flags, part, "a step" if args.solo else "a step pair")
     # A pair's control is two unguarded steps; a solo control, one.
     share = 1 if args.solo else 2
     plain = counts["control"] / share
@@ -309,6 +302,21 @@ def instructions() -> None:
     print(line)
 
 
+def counted_child(flags: list[str], label: str, per: str) -> tuple[float, float]:
+    """A child (``--serve --callgrind`` and ``flags``) counted under callgrind: its instructions
+    and lines missed (0 without ``--cache-sim``) a counted step, printed under ``label``."""
+    child = [sys.executable, __file__, "--serve", "--callgrind", "--steps", str(args.steps), "--guarded-first"]
+    child += ["--prompt-tokens", str(args.prompt_tokens), *flags]
+    events = callgrind_tool.count(child, args.cache_sim)
+    count = events["Ir"] / args.steps
+    missed = callgrind_tool.misses(events) / args.steps if args.cache_sim else 0.0
+    line = f"{label}: {count:,.0f} instructions {per}"
+    if args.cache_sim:
+        line += f", {missed:,.0f} lines missed in a {callgrind_tool.L2_CACHE} cache"
+    print(line, flush=True)
+    return count, missed
+
+
 def instructions_split() -> None:
     """``--instructions --split``: one child holding both engines, run twice under callgrind
     alike, counting the guarded engine's steps in one run and the unguarded engine's in the
@@ -318,16 +326,8 @@ def instructions_split() -> None:
     lines a step)."""
     counts, misses = {}, {}
     for kind in ("plain", "guarded"):
-        child = [sys.executable, __file__, "--serve", "--callgrind", "--steps", str(args.steps), "--guarded-first",
-                 "--prompt-tokens", str(args.prompt_tokens)]
-        child += ["--part", args.part, "--count", kind]
-        events = callgrind_tool.count(child, args.cache_sim)
-        counts[kind] = events["Ir"] / args.steps
-        line = f"{kind} engine's steps: {counts[kind]:,.0f} instructions a step"
-        if args.cache_sim:
-            misses[kind] = callgrind_tool.misses(events) / args.steps
-            line += f", {misses[kind]:,.0f} lines missed in a {callgrind_tool.L2_CACHE} cache"
-        print(line, flush=True)
+        flags = ["--part", args.part, "--count", kind]
+        counts[kind], misses[kind] = counted_child(flags, f"{kind} engine's steps", "a step")
     extra = counts["guarded"] - counts["plain"]
     line = (
         f"kvguard ({args.part}): {extra:,.0f} instructions a step = {100 * extra / counts['plain']:.2f} % of the"
