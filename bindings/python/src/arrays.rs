@@ -654,9 +654,9 @@ impl<'py, T: Named> ArrayMut<'py, T> {
         let size = std::mem::size_of::<T>();
         // An exact numpy array, writable, contiguous and aligned, from numpy's struct (the
         // plugins' mirrors, every step); anything else through a buffer export, as before.
-        let fields = known
-            .described_1d(obj, numpy::Dtype { kind: T::KIND, item: size })
-            .filter(|d| d.writeable && d.c_contiguous && d.ptr.is_multiple_of(std::mem::align_of::<T>()));
+        let fields = known.described_1d(obj, numpy::Dtype { kind: T::KIND, item: size }).filter(|d| {
+            d.writeable && d.c_contiguous && d.dims[0] >= 0 && d.ptr.is_multiple_of(std::mem::align_of::<T>())
+        });
         let (ptr, len, keep, base) = match fields {
             Some(d) => (d.ptr as *mut T, d.dims[0] as usize, KeepMut::Array(obj.clone()), d.base),
             None => {
@@ -738,10 +738,11 @@ impl<'py, T: Named> ArrayMut<'py, T> {
     pub fn get(&self, i: usize) -> T {
         // SAFETY: `i < len` (asserted in `at`): an element of the viewed array, C-contiguous
         // `T` aligned for `T` (PyBuffer::<T>::get checked format, size and alignment; numpy's
-        // struct its dtype, flags and pointer), alive while `_keep` is. The binding reads and writes it only with the GIL held (never inside
-        // `py.detach`), so no Python code runs meanwhile, and no Rust reference to it exists:
-        // every access is one of these raw reads and writes, and the calls that write one check
-        // it `apart` from every array they borrow as a slice.
+        // struct its dtype, flags and pointer), alive while `_keep` is. The binding reads and
+        // writes it only with the GIL held (never inside `py.detach`), so no Python code runs
+        // meanwhile, and no Rust reference to it exists: every access is one of these raw reads
+        // and writes, and the calls that write one check it `apart` from every array they borrow
+        // as a slice.
         unsafe { self.at(i).read() }
     }
 
