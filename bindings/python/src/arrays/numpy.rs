@@ -58,8 +58,8 @@ pub struct Dtype {
     pub item: usize,
 }
 
-/// What an exact numpy array says of itself: an int32 or int64 array of one or two dimensions,
-/// native byte order (anything else is left to the buffer export, which names what is wrong).
+/// What an exact numpy array says of itself: an integer array of one or two dimensions in native
+/// byte order (anything else is left to the buffer export, which names what is wrong).
 pub struct Described<'a, 'py> {
     /// Its first element.
     pub ptr: usize,
@@ -67,13 +67,13 @@ pub struct Described<'a, 'py> {
     pub dims: &'a [isize],
     /// Their strides in bytes.
     pub strides: &'a [isize],
-    /// Its element size: 4 (int32) or 8 (int64).
+    /// Its element size in bytes.
     pub item: usize,
     /// The object whose memory it views, if any (numpy's `base`).
     pub base: Option<Bound<'py, PyAny>>,
-    /// Whether numpy lets it be written, and whether its elements lie one after another.
+    /// Whether numpy lets it be written (`NPY_ARRAY_WRITEABLE`).
     pub writeable: bool,
-    /// See `writeable`.
+    /// Whether its elements lie one after another, row after row (`NPY_ARRAY_C_CONTIGUOUS`).
     pub c_contiguous: bool,
 }
 

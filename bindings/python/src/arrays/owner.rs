@@ -15,7 +15,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyByteArray, PyBytes, PyCapsule, PyDict, PyMemoryView, PyType};
 
-use super::{dlpack, span, type_name};
+use super::{beyond_address_space, dlpack, span, type_name};
 
 /// How many links of a `base` chain are followed before it is refused (numpy collapses its own
 /// chains to one link; a longer one is a wrapper's, or a cycle).
@@ -178,13 +178,13 @@ impl Export {
     fn span(&self, name: &str) -> PyResult<Option<Range<usize>>> {
         let b = &*self.0;
         let ptr = b.buf as usize;
-        let len = usize::try_from(b.len).map_err(|_| overflow(name))?;
+        let len = usize::try_from(b.len).map_err(|_| beyond_address_space(name))?;
         if b.ndim == 0 || b.shape.is_null() || b.strides.is_null() {
             // One element (0-D) or a C-contiguous block: `len` bytes from `buf`.
-            let end = ptr.checked_add(len).ok_or_else(|| overflow(name))?;
+            let end = ptr.checked_add(len).ok_or_else(|| beyond_address_space(name))?;
             return Ok((len > 0).then_some(ptr..end));
         }
-        let ndim = usize::try_from(b.ndim).map_err(|_| overflow(name))?;
+        let ndim = usize::try_from(b.ndim).map_err(|_| beyond_address_space(name))?;
         // SAFETY: a strided export's shape and strides (non-null, checked) have `ndim` entries
         // each, alive until the export is released, which `self` delays.
         let (shape, strides) =
@@ -197,7 +197,7 @@ impl Export {
             }
         }
         let dims = shape.iter().zip(strides).map(|(&n, &s)| (n.max(0) as usize, s));
-        span(ptr, dims, usize::try_from(b.itemsize).unwrap_or(0)).map_err(|()| overflow(name))
+        span(ptr, dims, usize::try_from(b.itemsize).unwrap_or(0)).map_err(|()| beyond_address_space(name))
     }
 
     /// Whether it is one contiguous block (C or Fortran order).
@@ -267,11 +267,7 @@ pub fn export_span(buf: &PyUntypedBuffer, name: &str) -> PyResult<Option<Range<u
         return Err(PyValueError::new_err(format!("{name}: indirect (suboffset) buffers are not supported")));
     }
     let dims = buf.shape().iter().copied().zip(buf.strides().iter().copied());
-    span(buf.buf_ptr() as usize, dims, buf.item_size()).map_err(|()| overflow(name))
-}
-
-fn overflow(name: &str) -> PyErr {
-    PyValueError::new_err(format!("{name}: its shape and strides reach beyond the address space"))
+    span(buf.buf_ptr() as usize, dims, buf.item_size()).map_err(|()| beyond_address_space(name))
 }
 
 /// `TypeError` for a DLPack device the host cannot read.
@@ -593,6 +589,6 @@ fn tensor_extent<'py>(
     name: &str,
 ) -> PyResult<Extent<'py>> {
     let item = t.item_size().unwrap_or(1);
-    let bytes = span(t.ptr, t.dims.iter().copied(), item).map_err(|()| overflow(name))?;
+    let bytes = span(t.ptr, t.dims.iter().copied(), item).map_err(|()| beyond_address_space(name))?;
     Ok(Extent { bytes, owner, _hold: Hold::Capsule(capsule) })
 }
