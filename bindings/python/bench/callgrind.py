@@ -31,19 +31,20 @@ def require(bench: str) -> None:
         sys.exit(f"{bench} --instructions: valgrind is not installed (apt-get install valgrind)")
 
 
-def count(child: list[str], cache_sim: bool) -> dict[str, int]:
+def count(child: list[str], cache_sim: bool, seed: int = 0) -> dict[str, int]:
     """Runs ``child`` (a command line) under callgrind, instrumentation off until the child turns
-    it on (:func:`switch`), collecting only inside :data:`COLLECTED`, with ``PYTHONHASHSEED=0``
-    (the same string hashes in every child: dict and set orders, and what they touch, alike; the
-    simulated misses move by a fifth between seeds); ``cache_sim``: the caches simulated, the last
-    level as :data:`L2_CACHE`. Returns the totals by event name; RuntimeError if the child failed."""
+    it on (:func:`switch`), collecting only inside :data:`COLLECTED`, with ``PYTHONHASHSEED`` set
+    to ``seed`` (the same string hashes in every child of one seed: dict and set orders, and what
+    they touch, alike; the simulated misses move by a fifth between seeds, so a reading of misses
+    is taken over several); ``cache_sim``: the caches simulated, the last level as
+    :data:`L2_CACHE`. Returns the totals by event name; RuntimeError if the child failed."""
     with tempfile.TemporaryDirectory() as out:
         out_file = os.path.join(out, "callgrind.out")
         cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out_file}"]
         cmd += ["--collect-atstart=no", f"--toggle-collect={COLLECTED}"]
         if cache_sim:
             cmd += ["--cache-sim=yes", f"--LL={L2_CACHE}"]
-        env = {**os.environ, "PYTHONHASHSEED": "0"}
+        env = {**os.environ, "PYTHONHASHSEED": str(seed)}
         done = subprocess.run(cmd + child, capture_output=True, text=True, env=env, check=False)
         events = totals(out_file) if done.returncode == 0 and os.path.exists(out_file) else {}
     if "Ir" not in events:

@@ -32,16 +32,22 @@ page size, a child with an unguarded scheduler and one with a guarded one, each 
 steady decode uninstrumented, then ``--pairs`` steps counted (the whole step, as the timings
 take it); kvguard's instructions a step beside the unguarded scheduler's. They do not move with
 the machine or its load. ``--cache-sim`` adds the lines missed in a simulated 2 MiB L2 (this
-machine kind's per-core L2): what the step waits on, which its instructions do not show.
+machine kind's per-core L2): what the step waits on, which its instructions do not show. The
+misses move with the memory layout (a fifth between hash seeds for one build): ``--seeds 0,1,2``
+takes the reading over several and prints their mean. ``--skip forward,write`` (repeatable) adds a
+guarded child with those parts of kvguard's step left out (:data:`SKIPPABLE`), attributing the
+counts to them; measurement only.
 
 Usage: python bench_scheduler_step.py [--rounds N] [--pairs N] [--control] [--hooks] [--clock cpu|wall] [page_size ...]
-       python bench_scheduler_step.py --instructions [--cache-sim] [--pairs N] [page_size ...]
+       python bench_scheduler_step.py --instructions [--cache-sim] [--pairs N] [--seeds S,S,...] [--skip PARTS ...]
+              [--jobs N] [page_size ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import sys
 import time
@@ -362,12 +368,43 @@ def _callgrind():
     return callgrind
 
 
-def count_child(page_size: int, guarded: bool, steps: int) -> None:
+#: ``--skip``: each part of kvguard's decode step a guarded child can leave out, to attribute the
+#: step's instructions and missed lines (measurement only: the step is then not guarded as
+#: kvguard guards it). A name -> what it leaves out, and the function leaving it out of the
+#: guarded scheduler ``s``.
+SKIPPABLE = {
+    "forward": "the decode forward check at the first layer's KV store (check_decode_forward)",
+    "write": "the decode row write's claims (write_decode_rows; only with forward, which would refuse "
+             "the unclaimed writes)",
+    "marks": "the allocator's marks of the pages it hands out (mark_pages)",
+    "output": "the rows checked before output (check_rows_before_output)",
+}
+
+
+def _skip(s, parts: list[str]) -> None:
+    """Leaves ``parts`` (names of :data:`SKIPPABLE`) out of the guarded scheduler ``s``'s steps."""
+    import kvguard.sglang.releases as releases
+
+    g = s.kvguard
+    if "forward" in parts:
+        g.row_check.first_store = lambda loc: loc
+    if "write" in parts:
+        g._decode_rows_written = lambda rows, cols, slots: None
+    if "marks" in parts:
+        releases.mark_pages = lambda flags, slots, page_size: None
+    if "output" in parts:
+        g.check_rows_before_output = lambda reqs: []
+
+
+def count_child(page_size: int, guarded: bool, steps: int, skip: list[str]) -> None:
     """A child of ``--instructions`` (under valgrind, instrumentation off): one scheduler at steady
-    decode, then callgrind's instrumentation on, a few steps run and their counts zeroed, and
-    ``steps`` steps counted, Python's cyclic collector off."""
+    decode (``skip``: those parts of kvguard's step left out from here on), then callgrind's
+    instrumentation on, a few steps run and their counts zeroed, and ``steps`` steps counted,
+    Python's cyclic collector off."""
     callgrind = _callgrind()
     s = scheduler(page_size, guarded)
+    if skip:
+        _skip(s, skip)
     for _ in range(10):
         step(s)
     # The cyclic collector off while counted: its passes land where allocation counts happen to
@@ -385,25 +422,52 @@ def count_child(page_size: int, guarded: bool, steps: int) -> None:
         assert s.kvguard.violations == [], s.kvguard.violations[:2]
 
 
-def instructions(page_sizes: list[int], steps: int, cache_sim: bool) -> None:
-    """``--instructions``: each page size's unguarded and guarded child under callgrind."""
+def instructions(page_sizes: list[int], steps: int, cache_sim: bool, seeds: list[int], skips: list[str],
+                 jobs: int) -> None:
+    """``--instructions``: each page size's unguarded and guarded child under callgrind, once per
+    hash seed (``seeds``; the mean printed after them when there are several), and a guarded
+    child for each of ``skips`` (comma-separated names of :data:`SKIPPABLE`) with those parts
+    left out: what they cost is the guarded child's count less its own. ``jobs`` children at a
+    time (their counts do not depend on it)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     callgrind = _callgrind()
     callgrind.require("bench_scheduler_step.py")
+    kinds = [("unguarded", ""), ("guarded", "")] + [("guarded", sk) for sk in skips]
     for ps in page_sizes:
-        counts, missed = {}, {}
-        for guarded in (False, True):
-            child = [sys.executable, __file__, "--count-child", "guarded" if guarded else "unguarded"]
-            events = callgrind.count(child + ["--pairs", str(steps), str(ps)], cache_sim)
-            counts[guarded] = events["Ir"] / steps
-            missed[guarded] = callgrind.misses(events) / steps if cache_sim else 0
-        extra = counts[True] - counts[False]
-        line = (f"page_size {ps}: unguarded step {counts[False]:,.0f} instructions, guarded {counts[True]:,.0f}: "
-                f"kvguard {extra:,.0f} instructions a step = {100 * extra / counts[False]:+.2f} %")
-        if cache_sim:
-            more = missed[True] - missed[False]
-            line += (f"; lines missed in a simulated {callgrind.L2_CACHE} cache {missed[False]:,.0f} unguarded, "
-                     f"kvguard {more:,.0f} more = {100 * more / missed[False]:+.1f} %")
-        print(f"{line} ({steps} decode steps, {RUNNING} running)", flush=True)
+        runs = {}
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            for seed in seeds:
+                for kind, sk in kinds:
+                    child = [sys.executable, __file__, "--count-child", kind, "--pairs", str(steps), str(ps)]
+                    if sk:
+                        child += ["--skip", sk]
+                    runs[seed, kind, sk] = pool.submit(callgrind.count, child, cache_sim, seed)
+        per = {key: (f.result()["Ir"] / steps, callgrind.misses(f.result()) / steps if cache_sim else 0.0)
+               for key, f in runs.items()}
+        for seed in seeds + (["mean"] if len(seeds) > 1 else []):
+            def at(kind: str, sk: str = "") -> tuple[float, float]:
+                if seed != "mean":
+                    return per[seed, kind, sk]
+                return (statistics.fmean(per[s, kind, sk][0] for s in seeds),
+                        statistics.fmean(per[s, kind, sk][1] for s in seeds))
+
+            (ir_u, miss_u), (ir_g, miss_g) = at("unguarded"), at("guarded")
+            extra = ir_g - ir_u
+            where = f"seed {seed}" if seed != "mean" else f"mean of seeds {' '.join(map(str, seeds))}"
+            line = (f"page_size {ps}, {where}: unguarded step {ir_u:,.0f} instructions, guarded {ir_g:,.0f}: "
+                    f"kvguard {extra:,.0f} instructions a step = {100 * extra / ir_u:+.2f} %")
+            if cache_sim:
+                more = miss_g - miss_u
+                line += (f"; lines missed in a simulated {callgrind.L2_CACHE} cache {miss_u:,.0f} unguarded, "
+                         f"kvguard {more:,.0f} more = {100 * more / miss_u:+.1f} %")
+            print(f"{line} ({steps} decode steps, {RUNNING} running)", flush=True)
+            for sk in skips:
+                ir_s, miss_s = at("guarded", sk)
+                line = f"    without {sk}: {ir_g - ir_s:,.0f} instructions a step less"
+                if cache_sim:
+                    line += f", {miss_g - miss_s:,.0f} lines missed less"
+                print(line, flush=True)
 
 
 def main() -> None:
@@ -422,6 +486,15 @@ def main() -> None:
                         help="instruction counts (callgrind) of --pairs steps, guarded beside unguarded")
     parser.add_argument("--cache-sim", action="store_true",
                         help="with --instructions: also the lines missed in a simulated 2 MiB L2 (slower)")
+    parser.add_argument("--seeds", default="0", metavar="S,S,...",
+                        help="with --instructions: PYTHONHASHSEED of each pair of children, comma-separated "
+                        "(default 0); several: a reading over as many memory layouts, the mean printed after them")
+    parser.add_argument("--skip", action="append", default=[], metavar="PARTS",
+                        help="with --instructions: also a guarded child with these parts of kvguard's step left out "
+                        "(comma-separated: " + ", ".join(SKIPPABLE) + "; repeatable), to attribute the counts; "
+                        "measurement only")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                        help="with --instructions: children run at a time (default: 2 or the cpus, if fewer)")
     parser.add_argument("--count-child", choices=("guarded", "unguarded"), help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.rounds < 1 or opts.pairs < 1 or any(ps < 1 for ps in opts.page_sizes):
@@ -430,14 +503,32 @@ def main() -> None:
         parser.error("--instructions goes without --control and --hooks")
     if opts.cache_sim and not opts.instructions:
         parser.error("--cache-sim goes with --instructions")
-    import os
+    try:
+        seeds = [int(x) for x in opts.seeds.split(",")]
+    except ValueError:
+        parser.error(f"--seeds: comma-separated integers, not {opts.seeds!r}")
+    if len(set(seeds)) != len(seeds) or any(not 0 <= x <= 4294967295 for x in seeds):
+        parser.error("--seeds: distinct hash seeds, each 0 to 4294967295")
+    skips = [",".join(sorted(set(sk.split(",")))) for sk in opts.skip]
+    for sk in skips:
+        unknown = [p for p in sk.split(",") if p not in SKIPPABLE]
+        if unknown:
+            parser.error(f"--skip: no part named {unknown[0]!r} (the parts: {', '.join(SKIPPABLE)})")
+        if "write" in sk.split(",") and "forward" not in sk.split(","):
+            parser.error("--skip write goes with forward (the forward check refuses writes nobody claimed): "
+                         "--skip forward,write")
+    if (skips or seeds != [0]) and not (opts.instructions or opts.count_child):
+        parser.error("--seeds and --skip go with --instructions")
+    if opts.jobs < 1:
+        parser.error("--jobs must be at least 1")
 
     if opts.count_child:
         torch.set_num_threads(1)
-        count_child(opts.page_sizes[0], opts.count_child == "guarded", opts.pairs)
+        count_child(opts.page_sizes[0], opts.count_child == "guarded", opts.pairs,
+                    skips[0].split(",") if skips else [])
         return
     if opts.instructions:
-        instructions(opts.page_sizes, opts.pairs, opts.cache_sim)
+        instructions(opts.page_sizes, opts.pairs, opts.cache_sim, seeds, skips, opts.jobs)
         return
 
     global CLOCK
