@@ -112,6 +112,11 @@ impl OwnershipTable {
         if step.slots.len() != step.reads.len() {
             return Err(StepError::Slots { reads: step.reads.len(), slots: step.slots.len() });
         }
+        // The common decode step: each window one page, its entries in place. Checked without
+        // gathering the reads into lists first (the same verdicts).
+        if let Some(outcome) = self.decode_one_page_windows(step)? {
+            return Ok(outcome);
+        }
         // The windows are gathered first: a row past the table is found before anything is
         // recorded (the step's writes do not change the engine's table).
         let gathered = Gathered::of(step.rows, step.reads, self)?;
@@ -123,12 +128,71 @@ impl OwnershipTable {
                 (written, read.map(|v| w.fold(v)))
             }
         };
-        Ok(match read {
+        Ok(DecodeOutcome::of(written, read))
+    }
+
+    /// [`decode_forward`](Self::decode_forward) where every read's window is one page whose
+    /// entries are in place ([`one_page_window`]); `None`, nothing done, where one is not. The
+    /// windows are found before anything is recorded, as the general path gathers them: a row
+    /// past the table is [`StepError::Rows`], and the engine's table is read once.
+    fn decode_one_page_windows(&self, step: &DecodeForward<'_>) -> Result<Option<DecodeOutcome>, StepError> {
+        RowsError::first_past(step.reads.iter().map(|r| r.row), step.rows.rows())?;
+        let page_size = self.page_size();
+        let div = PageDiv::new(page_size);
+        let mut windows = Vec::with_capacity(step.reads.len());
+        for read in step.reads {
+            match one_page_window(step.rows, read, div, page_size) {
+                Some(w) => windows.push(w),
+                None => return Ok(None),
+            }
+        }
+        let writers = step.reads.iter().map(|r| r.request);
+        let (written, read) = self.decode_writes_then_one_page_reads(writers, step.slots, &windows);
+        Ok(Some(DecodeOutcome::of(written, read)))
+    }
+}
+
+impl DecodeOutcome {
+    /// The outcome of a decode step's writes and (if they were all recorded) reads.
+    fn of(written: StepVerdict, read: Option<StepVerdict>) -> DecodeOutcome {
+        match read {
             None => DecodeOutcome::Writes(written),
             Some(read) if read.is_clean() => DecodeOutcome::Clean,
             Some(read) => DecodeOutcome::Window(read),
-        })
+        }
     }
+}
+
+/// `read`'s window through `rows` (its row in the table) where it is one page: that page and
+/// the tokens read of it, as [`Windows::gather`] (or, at page size 1, [`Gathered::of`]) would
+/// gather it. `None` where the window covers no page or more than one, its first entry is
+/// negative, it reads more tokens than a page holds, or an entry of its page is not that page's
+/// slot at its offset: such a window has extra reads or a refusal, the general path's to find.
+#[inline(always)]
+fn one_page_window(rows: BlockRows<'_>, read: &SlotRead, div: PageDiv, page_size: u32) -> Option<(PageId, u32)> {
+    let row = rows.row(read.row as usize);
+    let stride = page_size as usize;
+    let entries = rows.width();
+    let width = entries.div_ceil(stride);
+    let seq = read.tokens;
+    let first = usize::try_from(div.floor(read.from.min(seq))).unwrap_or(usize::MAX).min(width);
+    let end = usize::try_from(div.ceil(seq)).unwrap_or(usize::MAX).min(width).max(first);
+    if end != first.checked_add(1)? {
+        return None;
+    }
+    let lo = first * stride;
+    let last = usize::try_from(seq).unwrap_or(usize::MAX).min(entries);
+    let page = &row[lo..(lo + stride).min(last).max(lo)];
+    let &base = page.first()?;
+    let slot = u64::try_from(base).ok()?;
+    let own = base - div.offset(slot) as i32;
+    // The highest first slot of a page whose slots all fit in an int32 (as the gather's `top`).
+    if stride > 1 && (own > i32::MAX - (stride as i32 - 1) || off_its_page(page, own) != 0) {
+        return None;
+    }
+    let tokens = seq - first as u64 * u64::from(page_size);
+    let tokens = u32::try_from(tokens).ok().filter(|&t| t <= page_size)?;
+    Some((PageId(div.floor(slot) as u32), tokens))
 }
 
 /// Per row of a token-slot table (SGLang's `req_to_token`), what was last checked clean: what

@@ -154,46 +154,81 @@ proptest! {
         enforce in any::<bool>(),
         ps in page_size(),
     ) {
-        let policy = if enforce { Policy::Enforce } else { Policy::Report };
-        let (one, entries) = build(&d, policy, true, ps);
-        let (two, _) = build(&d, policy, true, ps);
-        let rows = BlockRows::new(&entries, WIDTH).unwrap();
-        let reads = reads(&d, true);
-        // Mostly the slot of the row's token `from` (what the engine writes), else any.
-        let slots: Vec<i64> = reads
-            .iter()
-            .zip(&drawn_slots)
-            .map(|(r, s)| s.unwrap_or_else(|| entries.get(r.row as usize * WIDTH + r.from as usize).map_or(-1, |&e| i64::from(e))))
+        decode_forward_as_its_calls(&d, &reads(&d, true), &drawn_slots, enforce, ps)?;
+    }
+
+    /// The same for decode-shaped reads, each row read up to one token past its checked length
+    /// (mostly a window of one page, the step the forward checks without gathering its reads;
+    /// sometimes past the row's end).
+    #[test]
+    fn a_decode_forward_of_one_page_windows_judges_as_its_calls_one_by_one(
+        d in drawn(),
+        drawn_slots in prop::collection::vec(prop_oneof![3 => Just(None), 1 => (-2i64..(PAGES * PS) as i64 + 2).prop_map(Some)], 3),
+        enforce in any::<bool>(),
+        ps in page_size(),
+    ) {
+        let reads: Vec<SlotRead> = reads(&d, false)
+            .into_iter()
+            .map(|r| {
+                let tokens = r.tokens % (WIDTH as u64 + 3) + 1;
+                SlotRead { tokens, from: tokens - 1, ..r }
+            })
             .collect();
-        let outcome = one.decode_forward(&DecodeForward { reads: &reads, slots: &slots, rows }).unwrap();
-        let writes: Vec<SeqWrite<'_>> =
-            reads.iter().zip(slots.chunks(1)).map(|(r, s)| SeqWrite { request: r.request, slots: s }).collect();
-        let written = two.record_step_writes(&writes);
-        match outcome {
-            DecodeOutcome::Writes(v) => {
-                prop_assert!(!written.is_clean());
-                prop_assert_eq!(format!("{:?}", v.refused), format!("{:?}", written.refused));
-            }
-            other => {
-                prop_assert!(written.is_clean());
-                let read = two.check_slot_rows(rows, &reads).unwrap();
-                match other {
-                    DecodeOutcome::Clean => prop_assert!(read.is_clean()),
-                    DecodeOutcome::Window(v) => {
-                        prop_assert_eq!(format!("{:?}", v.refused), format!("{:?}", read.refused))
-                    }
-                    DecodeOutcome::Writes(_) => unreachable!(),
+        decode_forward_as_its_calls(&d, &reads, &drawn_slots, enforce, ps)?;
+    }
+}
+
+/// `reads` as one decode forward on a table built from `d`, and as its writes recorded by
+/// `record_step_writes` and (if all were) its windows checked by `check_slot_rows` on a twin:
+/// the same verdicts, counters, pages and requests. Each read writes `drawn_slots`' slot, or
+/// where that is None the slot of its row's token `from` (what the engine writes).
+fn decode_forward_as_its_calls(
+    d: &Drawn,
+    reads: &[SlotRead],
+    drawn_slots: &[Option<i64>],
+    enforce: bool,
+    ps: u32,
+) -> Result<(), TestCaseError> {
+    let policy = if enforce { Policy::Enforce } else { Policy::Report };
+    let (one, entries) = build(d, policy, true, ps);
+    let (two, _) = build(d, policy, true, ps);
+    let rows = BlockRows::new(&entries, WIDTH).unwrap();
+    let slots: Vec<i64> = reads
+        .iter()
+        .zip(drawn_slots)
+        .map(|(r, s)| {
+            s.unwrap_or_else(|| entries.get(r.row as usize * WIDTH + r.from as usize).map_or(-1, |&e| i64::from(e)))
+        })
+        .collect();
+    let outcome = one.decode_forward(&DecodeForward { reads, slots: &slots, rows }).unwrap();
+    let writes: Vec<SeqWrite<'_>> =
+        reads.iter().zip(slots.chunks(1)).map(|(r, s)| SeqWrite { request: r.request, slots: s }).collect();
+    let written = two.record_step_writes(&writes);
+    match outcome {
+        DecodeOutcome::Writes(v) => {
+            prop_assert!(!written.is_clean());
+            prop_assert_eq!(format!("{:?}", v.refused), format!("{:?}", written.refused));
+        }
+        other => {
+            prop_assert!(written.is_clean());
+            let read = two.check_slot_rows(rows, reads).unwrap();
+            match other {
+                DecodeOutcome::Clean => prop_assert!(read.is_clean(), "clean, its calls refuse {:?}", read.refused),
+                DecodeOutcome::Window(v) => {
+                    prop_assert_eq!(format!("{:?}", v.refused), format!("{:?}", read.refused))
                 }
+                DecodeOutcome::Writes(_) => unreachable!(),
             }
-        }
-        prop_assert_eq!(one.counters().total(), two.counters().total());
-        for p in 0..PAGES {
-            prop_assert_eq!(one.page_info(PageId(p)), two.page_info(PageId(p)));
-        }
-        for r in 1..=3 {
-            prop_assert_eq!(one.request_info(RequestId(r)), two.request_info(RequestId(r)));
         }
     }
+    prop_assert_eq!(one.counters().total(), two.counters().total());
+    for p in 0..PAGES {
+        prop_assert_eq!(one.page_info(PageId(p)), two.page_info(PageId(p)));
+    }
+    for r in 1..=3 {
+        prop_assert_eq!(one.request_info(RequestId(r)), two.request_info(RequestId(r)));
+    }
+    Ok(())
 }
 
 /// A read past the table, or slots not one per read, is an error before anything is recorded.
