@@ -22,7 +22,7 @@ impl OwnershipTable {
         }
         state.ended.forget(req);
         let pages = state.spare_page_lists.pop().unwrap_or_default();
-        let slot = state.take_request_slot();
+        let slot = state.take_request_slot(req);
         let pages_marked = state.takes;
         state.requests.insert(
             req,

@@ -36,7 +36,7 @@ impl TableState {
         }
         self.ended.forget(req);
         let pages = self.spare_page_lists.pop().unwrap_or_default();
-        let slot = self.take_request_slot();
+        let slot = self.take_request_slot(req);
         self.requests.insert(
             req,
             RequestRecord {
@@ -390,7 +390,7 @@ impl TableState {
             }
         }
         self.ended.forget(child);
-        let slot = self.take_request_slot();
+        let slot = self.take_request_slot(child);
         self.requests.insert(
             child,
             RequestRecord {
@@ -517,7 +517,7 @@ fn give_pages<const TRACK: bool, E: BlockEntry>(
     // A page list never outgrows the pool, whose size is a `u32`. A given page's place: its
     // link (counted up from the first's), owned, and no flag (a free page in the free list is
     // neither pinned nor sparse).
-    let mut place = PageTag::place_of(rec.pages.len() as u32, PageState::Owned);
+    let mut place = PageTag::place_with_slot(PageTag::place_of(rec.pages.len() as u32, PageState::Owned), rec.slot);
     // One count for both lists, each cut to it, so neither index needs a bounds check.
     let n = out.len().min(pages.len());
     let (out, pages) = (&mut out[..n], &pages[..n]);

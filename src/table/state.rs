@@ -100,9 +100,10 @@ pub(crate) struct PageTag {
     /// [`watermark`](Self::watermark)).
     incarnation: u64,
     /// Where the page is, in one word, so a page changes hands in one store: the flags `SPARSE`
-    /// and `PINNED` in the low bits, its state in bits 8 to 15, its link in the high 32 bits
-    /// ([`link`](Self::link), [`state`](Self::state), [`sparse`](Self::sparse),
-    /// [`pinned`](Self::pinned)).
+    /// and `PINNED` in the low bits, its state in bits 8 to 15, a hint of its owner's request
+    /// slot in bits 16 to 31, its link in the high 32 bits ([`link`](Self::link),
+    /// [`state`](Self::state), [`sparse`](Self::sparse), [`pinned`](Self::pinned),
+    /// [`owner_slot_hint`](Self::owner_slot_hint)).
     place: u64,
 }
 
@@ -111,6 +112,8 @@ impl PageTag {
     pub const SPARSE: u64 = 1;
     pub const PINNED: u64 = 1 << 1;
     const STATE_SHIFT: u32 = 8;
+    const SLOT_SHIFT: u32 = 16;
+    const SLOT_BITS: u64 = 0xffff << Self::SLOT_SHIFT;
     const LINK_SHIFT: u32 = 32;
     /// Added to a place, the same place at the next link.
     pub const NEXT_LINK: u64 = 1 << Self::LINK_SHIFT;
@@ -206,6 +209,23 @@ impl PageTag {
     #[inline(always)]
     pub fn set_state(&mut self, state: PageState) {
         self.place = (self.place & !(0xff << Self::STATE_SHIFT)) | (state as u64) << Self::STATE_SHIFT;
+    }
+    /// The request slot its owner had when the page was given to it, if below `0xffff`: a hint,
+    /// never an answer. A read of an owned page finds its owner's epoch word through it without
+    /// the page's [`HotWord`], after [`RequestEpochs::word_of`] says the slot is its owner's
+    /// ([`TableState::owner_word`]). Set where a page is given to a request
+    /// ([`place_with_slot`](Self::place_with_slot)); any other change leaves it as it was, or
+    /// clears it.
+    #[inline(always)]
+    pub fn owner_slot_hint(&self) -> Option<u32> {
+        let hint = ((self.place & Self::SLOT_BITS) >> Self::SLOT_SHIFT) as u32;
+        hint.checked_sub(1)
+    }
+    /// `place` with `slot` as its owner slot hint (none if `slot` does not fit in it).
+    #[inline(always)]
+    pub fn place_with_slot(place: u64, slot: u32) -> u64 {
+        let hint = if slot < 0xffff { u64::from(slot + 1) << Self::SLOT_SHIFT } else { 0 };
+        (place & !Self::SLOT_BITS) | hint
     }
     /// Some coverage bit of this incarnation may be set.
     #[inline(always)]
@@ -306,8 +326,16 @@ impl RequestRecord {
 /// ticks are unique across requests, so the word names one request's record (a request
 /// released, or admitted again, or another admitted into its slot, never finds an old word),
 /// unchanged since, not quarantined. A slot nobody holds is [`VACANT`](Self::VACANT).
+///
+/// Beside the words, the request each slot was last given to (left when the slot is vacated: a
+/// vacant slot's word says quarantined, so nothing is let through on it), so that a page's owner
+/// slot hint ([`PageTag::owner_slot_hint`]) is checked before its word is taken. Two arrays, so
+/// that the rows' checks, which read the words alone, read them eight to a line.
 #[derive(Default)]
-pub(crate) struct RequestEpochs(Vec<AtomicU64>);
+pub(crate) struct RequestEpochs {
+    words: Vec<AtomicU64>,
+    owners: Vec<RequestId>,
+}
 
 impl RequestEpochs {
     /// The word of a slot nobody holds: odd (quarantined), so no row checked clean matches it.
@@ -315,37 +343,46 @@ impl RequestEpochs {
     /// The bit of a slot's word that says its request is quarantined.
     pub const QUARANTINED: u64 = 1;
 
-    /// `slot` is taken by a request admitted at tick `epoch`, not quarantined.
-    pub fn admit(&mut self, slot: u32, epoch: u64) {
+    /// `slot` is taken by request `owner`, admitted at tick `epoch`, not quarantined.
+    pub fn admit(&mut self, slot: u32, epoch: u64, owner: RequestId) {
         let slot = slot as usize;
-        if slot >= self.0.len() {
+        if slot >= self.words.len() {
             // Slots are handed out densely: a new one is the next past the end.
-            self.0.resize_with(slot + 1, || AtomicU64::new(Self::VACANT));
+            self.words.resize_with(slot + 1, || AtomicU64::new(Self::VACANT));
+            self.owners.resize(slot + 1, RequestId(0));
         }
-        *self.0[slot].get_mut() = epoch << 1;
+        *self.words[slot].get_mut() = epoch << 1;
+        self.owners[slot] = owner;
     }
     /// `slot`'s request is released.
     pub fn vacate(&mut self, slot: u32) {
-        if let Some(word) = self.0.get_mut(slot as usize) {
+        if let Some(word) = self.words.get_mut(slot as usize) {
             *word.get_mut() = Self::VACANT;
         }
     }
     /// `slot`'s request lost a right to read at tick `epoch`; its quarantine stays.
     #[inline]
     pub fn set_epoch(&mut self, slot: u32, epoch: u64) {
-        let word = self.0[slot as usize].get_mut();
+        let word = self.words[slot as usize].get_mut();
         *word = epoch << 1 | (*word & Self::QUARANTINED);
     }
     /// Quarantines `slot`'s request (under the shared lock: atomic). Only through
     /// [`TableState::quarantine`], which sets the record's flag with it.
     pub fn quarantine(&self, slot: u32) {
-        self.0[slot as usize].fetch_or(Self::QUARANTINED, Ordering::Relaxed);
+        self.words[slot as usize].fetch_or(Self::QUARANTINED, Ordering::Relaxed);
     }
     /// `slot`'s word: what a row checked clean keeps and compares ([`VACANT`](Self::VACANT)
     /// past the slots handed out).
     #[inline(always)]
     pub fn word(&self, slot: u32) -> u64 {
-        self.0.get(slot as usize).map_or(Self::VACANT, |w| w.load(Ordering::Relaxed))
+        self.words.get(slot as usize).map_or(Self::VACANT, |w| w.load(Ordering::Relaxed))
+    }
+    /// `slot`'s word if `slot` was last given to `req` (`None` otherwise, or past the slots
+    /// handed out). A live request holds one slot, the last given to it; a slot it held before
+    /// and that nobody took since is vacant, its word [`VACANT`](Self::VACANT).
+    #[inline(always)]
+    pub fn word_of(&self, slot: u32, req: RequestId) -> Option<u64> {
+        (self.owners.get(slot as usize) == Some(&req)).then(|| self.word(slot))
     }
 }
 
@@ -631,7 +668,7 @@ impl TableState {
 
     /// A request slot for a request being admitted (see [`RequestRecord::slot`]), its epoch a
     /// new tick and its quarantine lifted ([`RequestEpochs`]).
-    pub fn take_request_slot(&mut self) -> u32 {
+    pub fn take_request_slot(&mut self, req: RequestId) -> u32 {
         let slot = self.spare_request_slots.pop().unwrap_or_else(|| {
             let slot = self.next_request_slot;
             // Live requests are far fewer than 2^32: each holds a record in memory.
@@ -639,8 +676,20 @@ impl TableState {
             slot
         });
         let epoch = self.tick();
-        self.epochs.admit(slot, epoch);
+        self.epochs.admit(slot, epoch, req);
         slot
+    }
+
+    /// The epoch word of `page`'s owner, given that `page` is owned: through the tag's owner slot
+    /// hint where the slot is its owner's ([`RequestEpochs::word_of`]), else through the page's
+    /// [`HotWord`]. Either way the word of the slot the owner holds (a slot it held before and
+    /// nobody took since is vacant: its word lets nothing through).
+    #[inline(always)]
+    pub fn owner_word(&self, page: PageId, tag: &PageTag) -> u64 {
+        match tag.owner_slot_hint().and_then(|slot| self.epochs.word_of(slot, tag.owner())) {
+            Some(word) => word,
+            None => self.epochs.word(self.hot[page.0 as usize].holder()),
+        }
     }
 
     /// Quarantines `rec`'s request: its record's flag and its slot's word.
@@ -761,6 +810,7 @@ impl TableState {
         let tag = &mut self.tags[page.0 as usize];
         debug_assert!(tag.watermark() == 0 && !tag.sparse(), "free pages carry no coverage");
         tag.set_owner(req);
+        tag.set_place(PageTag::place_with_slot(tag.place(), slot));
         tag.set_link(link);
         self.hot[page.0 as usize] = HotWord::new(slot, PageState::Owned, false);
         self.set_state(page, PageState::Owned);

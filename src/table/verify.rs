@@ -67,9 +67,11 @@ impl TableState {
     }
 
     /// Whether `req` may read the first `tokens` slots (at most a page) of `page`, answered from
-    /// the page's tag and hot word and the request's slot word alone, with no lookup of its
-    /// record: the page is `req`'s own (an owned page's owner is live), `req` is not quarantined
-    /// (the word of the slot the hot word names), and the page is written that far. `true` is
+    /// the page's tag and the request's slot word alone, with no lookup of its record: the page
+    /// is `req`'s own (an owned page's owner is live), `req` is not quarantined (the word of its
+    /// slot, found through the tag's owner slot hint, or the hot word where the hint does not
+    /// name it: [`TableState::owner_word`]), and the page is written that far (its watermark,
+    /// or its hot word's FULL bit). `true` is
     /// what [`check_read`](Self::check_read) of `page` alone says (a read of one page owned by
     /// its reader passes on exactly these); `false` says nothing, and the full check decides.
     /// A decode step's window is usually one page its reader owns and has just written.
@@ -84,8 +86,21 @@ impl TableState {
         {
             return false;
         }
-        self.epochs.word(self.hot[page].holder()) & RequestEpochs::QUARANTINED == 0
-            && u64::from(self.written_prefix(entry.page())) >= tokens
+        // Written that far: the watermark says so for an append in order (a decode step's),
+        // without the hot word; a whole page by its FULL bit (`written_prefix`).
+        self.owner_word(entry.page(), tag) & RequestEpochs::QUARANTINED == 0
+            && (u64::from(tag.watermark()) >= tokens || self.hot[page].is_full())
+    }
+
+    /// [`reads_own_page`](Self::reads_own_page) through the hot word alone, as it was before the
+    /// tag's owner slot hint: what the tests hold it to.
+    #[cfg(test)]
+    pub(crate) fn reads_own_page_by_hot(&self, req: RequestId, page: crate::ids::PageId, tokens: u64) -> bool {
+        let Some(tag) = self.tags.get(page.0 as usize) else { return false };
+        tag.owned_by(req)
+            && tokens <= u64::from(self.page_size)
+            && self.epochs.word(self.hot[page.0 as usize].holder()) & RequestEpochs::QUARANTINED == 0
+            && u64::from(self.written_prefix(page)) >= tokens
     }
 
     /// What every read checks first: `req` is live and not quarantined, and a block table of
