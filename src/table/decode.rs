@@ -3,7 +3,7 @@
 //! [`decode_forward`](crate::OwnershipTable::decode_forward) stands on.
 
 use super::ownership::OwnershipTable;
-use super::state::BlockEntry;
+use super::state::{BlockEntry, TableState};
 use super::step::{SeqRead, StepVerdict};
 use crate::error::Error;
 use crate::ids::{PageId, RequestId};
@@ -19,31 +19,22 @@ impl OwnershipTable {
         slots: &[i64],
         reads: &[SeqRead<'_, E>],
     ) -> (StepVerdict, Option<StepVerdict>) {
-        let mut state = self.state.write();
-        let mut written = StepVerdict::default();
-        for (i, (&req, slot)) in writers.iter().zip(slots).enumerate() {
-            if let Err(Error::Violation(v)) = state.record_slot_writes(req, std::slice::from_ref(slot)) {
-                self.note(&state, &v);
-                written.refused.push((i, v));
+        self.decode_writes_then(writers.iter().copied(), slots, |state| {
+            let mut read = StepVerdict::default();
+            for (i, r) in reads.iter().enumerate() {
+                // A window of one page its reader owns (the page its write just went to): judged
+                // from the page's words, the full check only where they do not say clean.
+                if let [entry] = *r.block_table
+                    && state.reads_own_page(r.request, entry, r.tokens)
+                {
+                    continue;
+                }
+                if let Err(v) = state.check_read(r.request, r.block_table, r.tokens) {
+                    read.refused.push((i, v));
+                }
             }
-        }
-        if !written.is_clean() {
-            return (written, None);
-        }
-        let mut read = StepVerdict::default();
-        for (i, r) in reads.iter().enumerate() {
-            // A window of one page its reader owns (the page its write just went to): judged
-            // from the page's words, the full check only where they do not say clean.
-            if let [entry] = *r.block_table
-                && state.reads_own_page(r.request, entry, r.tokens)
-            {
-                continue;
-            }
-            if let Err(v) = state.check_read(r.request, r.block_table, r.tokens) {
-                read.refused.push((i, v));
-            }
-        }
-        (written, Some(read))
+            read
+        })
     }
 
     /// [`decode_writes_then_reads`](Self::decode_writes_then_reads) where each read is a window of
@@ -52,13 +43,37 @@ impl OwnershipTable {
     /// gathered 17 KiB of them, which a step touched besides the engine's own memory).
     pub(crate) fn decode_writes_then_one_page_reads(
         &self,
-        writers: impl ExactSizeIterator<Item = RequestId> + Clone,
+        writers: impl Iterator<Item = RequestId> + Clone,
         slots: &[i64],
         windows: &[(PageId, u32)],
     ) -> (StepVerdict, Option<StepVerdict>) {
+        self.decode_writes_then(writers.clone(), slots, |state| {
+            let mut read = StepVerdict::default();
+            for (i, (req, &(page, tokens))) in writers.zip(windows).enumerate() {
+                let tokens = u64::from(tokens);
+                if state.reads_own_page(req, page, tokens) {
+                    continue;
+                }
+                if let Err(v) = state.check_read(req, std::slice::from_ref(&page), tokens) {
+                    read.refused.push((i, v));
+                }
+            }
+            read
+        })
+    }
+
+    /// The writes of a decode step recorded (judged), then, if all were, `reads` run on the
+    /// table under the same lock.
+    #[inline(always)]
+    fn decode_writes_then(
+        &self,
+        writers: impl Iterator<Item = RequestId>,
+        slots: &[i64],
+        reads: impl FnOnce(&TableState) -> StepVerdict,
+    ) -> (StepVerdict, Option<StepVerdict>) {
         let mut state = self.state.write();
         let mut written = StepVerdict::default();
-        for (i, (req, slot)) in writers.clone().zip(slots).enumerate() {
+        for (i, (req, slot)) in writers.zip(slots).enumerate() {
             if let Err(Error::Violation(v)) = state.record_slot_writes(req, std::slice::from_ref(slot)) {
                 self.note(&state, &v);
                 written.refused.push((i, v));
@@ -67,16 +82,7 @@ impl OwnershipTable {
         if !written.is_clean() {
             return (written, None);
         }
-        let mut read = StepVerdict::default();
-        for (i, (req, &(page, tokens))) in writers.zip(windows).enumerate() {
-            let tokens = u64::from(tokens);
-            if state.reads_own_page(req, page, tokens) {
-                continue;
-            }
-            if let Err(v) = state.check_read(req, std::slice::from_ref(&page), tokens) {
-                read.refused.push((i, v));
-            }
-        }
+        let read = reads(&state);
         (written, Some(read))
     }
 
