@@ -27,7 +27,8 @@ pub struct SlotRead {
     pub row: u32,
     /// Tokens already checked clean: the read starts at this token's page.
     pub from: u64,
-    /// Tokens read: `0..tokens`.
+    /// Tokens read: `0..tokens`. More than the row has entries is refused as
+    /// `block_table_too_short`, whether or not the row ends at a page's end.
     pub tokens: u64,
 }
 
@@ -165,9 +166,10 @@ impl DecodeOutcome {
 
 /// `read`'s window through `rows` (its row in the table) where it is one page: that page and
 /// the tokens read of it, as [`Windows::gather`] (or, at page size 1, [`Gathered::of`]) would
-/// gather it. `None` where the window covers no page or more than one, its first entry is
-/// negative, it reads more tokens than a page holds, or an entry of its page is not that page's
-/// slot at its offset: such a window has extra reads or a refusal, the general path's to find.
+/// gather it. `None` where the read goes past the row's end, the window covers no page or more
+/// than one, its first entry is negative, it reads more tokens than a page holds, or an entry of
+/// its page is not that page's slot at its offset: such a window has extra reads or a refusal,
+/// the general path's to find.
 #[inline(always)]
 fn one_page_window(rows: BlockRows<'_>, read: &SlotRead, div: PageDiv, page_size: u32) -> Option<(PageId, u32)> {
     let row = rows.row(read.row as usize);
@@ -175,6 +177,9 @@ fn one_page_window(rows: BlockRows<'_>, read: &SlotRead, div: PageDiv, page_size
     let entries = rows.width();
     let width = entries.div_ceil(stride);
     let seq = read.tokens;
+    if seq > entries as u64 {
+        return None; // a read past the row's end: refused as too short, by the general path
+    }
     let first = usize::try_from(div.floor(read.from.min(seq))).unwrap_or(usize::MAX).min(width);
     let end = usize::try_from(div.ceil(seq)).unwrap_or(usize::MAX).min(width).max(first);
     if end != first.checked_add(1)? {
@@ -511,7 +516,10 @@ impl Windows {
             let seq = read.tokens;
             // A window past the row's end starts at its end (a read that needs more is refused).
             let first = usize::try_from(div.floor(read.from.min(seq))).unwrap_or(usize::MAX).min(width);
-            let end = usize::try_from(div.ceil(seq)).unwrap_or(usize::MAX).min(width).max(first).min(first + most);
+            // A read past the row's end reads only its whole pages, so it is refused as too
+            // short: a last page the row holds in part has no entries for the tokens past it.
+            let in_row = if seq > entries as u64 { entries / stride } else { width };
+            let end = usize::try_from(div.ceil(seq)).unwrap_or(usize::MAX).min(in_row).max(first).min(first + most);
             let start = out.pages.len();
             // The entries of each page read, up to the tokens read and the row's end.
             let last = usize::try_from(seq).unwrap_or(usize::MAX).min(entries);

@@ -9,7 +9,7 @@ use kvguard::{BlockRows, OwnershipTable, PageId, Policy, PoolConfig, RequestId, 
 use proptest::prelude::*;
 
 /// Pages, token entries per row; the page size is drawn (1: each entry its own page, read in
-/// place; 4: pages gathered from their first entries).
+/// place; 3 and 4: pages gathered from their first entries, at 3 a row's last page held in part).
 const PAGES: u32 = 16;
 const WIDTH: usize = 16;
 const PS: u32 = 4;
@@ -20,7 +20,8 @@ fn table(policy: Policy, ps: u32) -> OwnershipTable {
 }
 
 fn page_size() -> impl Strategy<Value = u32> {
-    prop_oneof![Just(1u32), Just(PS)]
+    // 3: a row of `WIDTH` entries ends inside its last page.
+    prop_oneof![Just(1u32), Just(3u32), Just(PS)]
 }
 
 /// A history drawn: three requests (two tenants), each claiming pages and writing some of their
@@ -229,6 +230,32 @@ fn decode_forward_as_its_calls(
         prop_assert_eq!(one.request_info(RequestId(r)), two.request_info(RequestId(r)));
     }
     Ok(())
+}
+
+/// A row whose width is not a whole number of pages ends inside its last page: a read of more
+/// tokens than the row has entries is refused as too short, though the slots of that page past
+/// the row's end are written and the reader's own.
+#[test]
+fn a_read_past_a_rows_end_inside_its_last_page_is_refused() {
+    let t = table(Policy::Enforce, 3);
+    let a = RequestId(1);
+    t.admit(a, TenantId(1), 4, 4).unwrap();
+    let pages: Vec<PageId> = (1..=6).map(PageId).collect();
+    t.claim(a, &pages).unwrap();
+    let slots: Vec<i64> = (3..21).collect(); // pages 1 to 6, every slot written
+    assert!(t.record_step_writes(&[SeqWrite { request: a, slots: &slots }]).is_clean());
+    // A row of 16 entries: five whole pages and one entry of the sixth.
+    let entries: Vec<i32> = (3..19).collect();
+    let rows = BlockRows::new(&entries, 16).unwrap();
+    let read = |from, tokens| SlotRead { request: a, row: 0, from, tokens };
+    for from in [0, 15, 16] {
+        assert!(t.check_slot_rows(rows, &[read(from, 16)]).unwrap().is_clean(), "from {from}");
+        let refused = t.check_slot_rows(rows, &[read(from, 17)]).unwrap();
+        assert_eq!(refused.refused.len(), 1, "from {from}");
+        assert_eq!(refused.refused[0].1.kind(), kvguard::ViolationKind::BlockTableTooShort, "from {from}");
+    }
+    let step = DecodeForward { reads: &[read(16, 17)], slots: &[19], rows };
+    assert!(matches!(t.decode_forward(&step).unwrap(), DecodeOutcome::Window(_)));
 }
 
 /// A read past the table, or slots not one per read, is an error before anything is recorded.
