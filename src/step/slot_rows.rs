@@ -174,19 +174,15 @@ impl DecodeOutcome {
 fn one_page_window(rows: BlockRows<'_>, read: &SlotRead, div: PageDiv, page_size: u32) -> Option<(PageId, u32)> {
     let row = rows.row(read.row as usize);
     let stride = page_size as usize;
-    let entries = rows.width();
-    let width = entries.div_ceil(stride);
     let seq = read.tokens;
-    if seq > entries as u64 {
+    if seq > rows.width() as u64 {
         return None; // a read past the row's end: refused as too short, by the general path
     }
-    let first = usize::try_from(div.floor(read.from.min(seq))).unwrap_or(usize::MAX).min(width);
-    let end = usize::try_from(div.ceil(seq)).unwrap_or(usize::MAX).min(width).max(first);
+    let (first, end, last) = window_of(read, rows.width(), stride, div, usize::MAX);
     if end != first.checked_add(1)? {
         return None;
     }
     let lo = first * stride;
-    let last = usize::try_from(seq).unwrap_or(usize::MAX).min(entries);
     let page = &row[lo..(lo + stride).min(last).max(lo)];
     let &base = page.first()?;
     let slot = u64::try_from(base).ok()?;
@@ -198,6 +194,23 @@ fn one_page_window(rows: BlockRows<'_>, read: &SlotRead, div: PageDiv, page_size
     let tokens = seq - first as u64 * u64::from(page_size);
     let tokens = u32::try_from(tokens).ok().filter(|&t| t <= page_size)?;
     Some((PageId(div.floor(slot) as u32), tokens))
+}
+
+/// Read `read`'s window in a row of `entries` entries of pages of `stride`: pages `first..end`
+/// of the row, their entries read up to entry `last`. From the page of token `from` (the row's
+/// end, if that is past it) to the page of the read's last token, at most `most` pages; a read
+/// past the row's end reads only the row's whole pages, so it is refused as too short (a last
+/// page the row holds in part has no entries for the tokens past it). What
+/// [`Windows::gather`] gathers and [`one_page_window`] finds.
+#[inline(always)]
+fn window_of(read: &SlotRead, entries: usize, stride: usize, div: PageDiv, most: usize) -> (usize, usize, usize) {
+    let seq = read.tokens;
+    let width = entries.div_ceil(stride);
+    let first = usize::try_from(div.floor(read.from.min(seq))).unwrap_or(usize::MAX).min(width);
+    let in_row = if seq > entries as u64 { entries / stride } else { width };
+    let end =
+        usize::try_from(div.ceil(seq)).unwrap_or(usize::MAX).min(in_row).max(first).min(first.saturating_add(most));
+    (first, end, usize::try_from(seq).unwrap_or(usize::MAX).min(entries))
 }
 
 /// Per row of a token-slot table (SGLang's `req_to_token`), what was last checked clean: what
@@ -501,7 +514,6 @@ impl Windows {
         let stride = page_size as usize;
         let div = PageDiv::new(page_size);
         let entries = rows.width();
-        let width = entries.div_ceil(stride);
         let most = config.num_pages as usize + 1;
         let mut out = Windows {
             pages: Vec::with_capacity(reads.len() * 2),
@@ -514,15 +526,9 @@ impl Windows {
         for (i, read) in reads.iter().enumerate() {
             let row = rows.row(read.row as usize);
             let seq = read.tokens;
-            // A window past the row's end starts at its end (a read that needs more is refused).
-            let first = usize::try_from(div.floor(read.from.min(seq))).unwrap_or(usize::MAX).min(width);
-            // A read past the row's end reads only its whole pages, so it is refused as too
-            // short: a last page the row holds in part has no entries for the tokens past it.
-            let in_row = if seq > entries as u64 { entries / stride } else { width };
-            let end = usize::try_from(div.ceil(seq)).unwrap_or(usize::MAX).min(in_row).max(first).min(first + most);
+            let (first, end, last) = window_of(read, entries, stride, div, most);
             let start = out.pages.len();
             // The entries of each page read, up to the tokens read and the row's end.
-            let last = usize::try_from(seq).unwrap_or(usize::MAX).min(entries);
             for j in first..end {
                 let lo = j * stride;
                 out.page(i, &row[lo..(lo + stride).min(last).max(lo)], div, top);
