@@ -197,30 +197,33 @@ extern "C" __global__ void __launch_bounds__(128)
 // every other entry read must be that page's slot at its offset (one that is not is checked as
 // the page it names, up to its slot, as the host check does). A row
 // outside `num_rows` or a length below 0 is a malformed step (BAD_LAYOUT); a length beyond the
-// row's pages, BLOCK_TABLE_TOO_SHORT; a negative entry (a slot never assigned) names no page.
+// row's entries, BLOCK_TABLE_TOO_SHORT (a row need not end at a page's end: one that ends inside
+// its last page has no entry for a token past it, whatever that page's slots hold), reported as
+// the host check does, against the tokens of the row's whole pages; a negative entry (a slot
+// never assigned) names no page.
 // Launch: as `kvg_verify_block_table` (blocks (x, s) stride over sequence s's pages), 128 threads.
 extern "C" __global__ void __launch_bounds__(128)
     kvg_verify_token_rows(const kvg_tag *__restrict__ tags, uint32_t num_pages, uint32_t page_size,
                           const int32_t *__restrict__ req_to_token, uint32_t num_rows, uint32_t row_stride,
                           const int64_t *__restrict__ rows, const int64_t *__restrict__ seq_lens, uint32_t num_seqs,
                           const kvg_reader *__restrict__ readers, uint32_t *seq_status, kvg_ring *ring) {
-    // 32-bit divisions only (a 64-bit one is a subroutine that spills on sm_90); a row covers at
-    // most 2^32 - 1 tokens, so a longer read is too short for it.
+    // 32-bit divisions only (a 64-bit one is a subroutine that spills on sm_90). A read may run
+    // to the row's last entry, not to its last page's end; one past it is reported against the
+    // tokens of the row's whole pages, as the host check reports it.
     const uint32_t row_pages = row_stride / page_size + (row_stride % page_size != 0 ? 1u : 0u);
-    const uint64_t whole = static_cast<uint64_t>(row_pages) * page_size;
-    const uint32_t covered = whole > 0xffffffffull ? 0xffffffffu : static_cast<uint32_t>(whole);
+    const uint32_t whole_tokens = row_stride - row_stride % page_size;
     for (uint32_t s = blockIdx.y; s < num_seqs; s += gridDim.y) {
         const kvg_reader reader = readers[s];
         const int64_t row = rows[s], len = seq_lens[s];
         const uint32_t first = blockIdx.x * blockDim.x + threadIdx.x;
         const bool bad_row = row < 0 || row >= static_cast<int64_t>(num_rows);
-        if (bad_row || len < 0 || len > static_cast<int64_t>(covered)) {
+        if (bad_row || len < 0 || len > static_cast<int64_t>(row_stride)) {
             if (first == 0) {
                 const uint32_t kind = bad_row || len < 0 ? KVG_KIND_BAD_LAYOUT : KVG_KIND_BLOCK_TABLE_TOO_SHORT;
                 // Step-level amounts: the row and the rows there are, or the tokens asked and covered.
                 const int64_t asked = bad_row ? row : len;
                 const uint32_t shown = asked < 0 ? 0u : asked > 0xffffffffll ? 0xffffffffu : static_cast<uint32_t>(asked);
-                kvg_report_step(kind, s, row_pages, shown, bad_row ? num_rows : covered, reader, seq_status, ring);
+                kvg_report_step(kind, s, row_pages, shown, bad_row ? num_rows : whole_tokens, reader, seq_status, ring);
             }
             continue;
         }
@@ -236,11 +239,10 @@ extern "C" __global__ void __launch_bounds__(128)
             if (page < 0) continue; // refused above: it names no page to compare with
             // A per-token reader reads every entry: each must be its page's slot at its offset.
             // One that is not is checked as what it names (its page, up to its slot), as the host
-            // check does. Entries stop at the row's end (a row need not hold whole pages).
+            // check does. Every entry read is in the row: the read is at most the row's stride.
             const int32_t own = page * static_cast<int32_t>(page_size);
             const uint64_t lo = static_cast<uint64_t>(j) * page_size;
-            const uint32_t avail = lo + need <= row_stride ? need : static_cast<uint32_t>(row_stride - lo);
-            for (uint32_t k = 0; k < avail; k++) {
+            for (uint32_t k = 0; k < need; k++) {
                 const int32_t e = r[lo + k];
                 if (e == own + static_cast<int32_t>(k)) continue;
                 const int32_t other = e < 0 ? -1 : static_cast<int32_t>(static_cast<uint32_t>(e) / page_size);

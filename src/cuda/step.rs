@@ -65,7 +65,8 @@ impl BlockTableStep {
 /// must be that page's slot at its offset (one that is not is checked as the page it names, up
 /// to its slot, as the host check does): no gather of the rows into a block table first. A row outside `num_rows` or a negative length is
 /// a malformed step ([`BadLayout`](super::DeviceKind::BadLayout)); more tokens than the row has
-/// pages for, [`BlockTableTooShort`](crate::ViolationKind::BlockTableTooShort). No generations,
+/// entries (a row may end inside its last page),
+/// [`BlockTableTooShort`](crate::ViolationKind::BlockTableTooShort). No generations,
 /// no canaries: SGLang's own KV store stamps none.
 #[derive(Clone, Copy, Debug)]
 pub struct TokenRowsStep {

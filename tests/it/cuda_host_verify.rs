@@ -318,6 +318,18 @@ mod cuda {
         rows: &[i64],
         lens: &[i64],
     ) -> (Vec<u32>, RingDrain) {
+        run_token_rows_of_stride(exe, pool, seqs, (rt, MAX_BLOCKS * PS as usize), num_rows, rows, lens)
+    }
+
+    fn run_token_rows_of_stride(
+        exe: &Path,
+        pool: &Pool,
+        seqs: &[Seq],
+        (rt, stride): (&[i32], usize),
+        num_rows: usize,
+        rows: &[i64],
+        lens: &[i64],
+    ) -> (Vec<u32>, RingDrain) {
         let mut case = Case::new("verify-rows");
         case.tags("tags", &pool.device_tags())
             .readers("readers", &readers_of(pool, seqs))
@@ -325,7 +337,7 @@ mod cuda {
             .i64s("rows", rows)
             .i64s("seq_lens", lens)
             .param("page_size", PS)
-            .param("row_stride", MAX_BLOCKS * PS as usize)
+            .param("row_stride", stride)
             .param("num_rows", num_rows)
             .param("ring_capacity", 4096)
             .param("grid_x", 1)
@@ -382,7 +394,7 @@ mod cuda {
         let (_, rows, num_rows) = token_rows(&seqs);
         let max = (MAX_BLOCKS * PS as usize) as i64;
         // seq 0: clean; 1: a row past the table; 2: a negative row; 3: a negative length;
-        // 4: more tokens than the row has pages for.
+        // 4: more tokens than the row has entries.
         let rows = [rows[0], num_rows as i64, -1, rows[3], rows[4]];
         let lens = [clean[0].tokens as i64, 4, 4, -1, max + 1];
         let (status, ring) = run_token_rows(exe, &pool, &seqs, &rows, &lens);
@@ -400,6 +412,41 @@ mod cuda {
                 (4, ViolationKind::BlockTableTooShort)
             ]
         );
+    }
+
+    /// A row need not end at a page's end (SGLang's rows are the model's context length): a read
+    /// may run to the row's last entry, and one past it is refused as `block_table_too_short`,
+    /// whatever the slots of the page the row ends inside hold, as the host check says.
+    #[test]
+    fn verify_token_rows_refuses_a_read_past_a_rows_end_inside_its_last_page() {
+        let Some(exe) = driver() else { return };
+        let pool = pool();
+        let (c, pages) = (pool.requests[2].0, &pool.requests[2].2); // 4 pages, 16 tokens written
+        // Rows of two pages and one entry (9 entries): c's in place at row 1 of three. Its third
+        // page's first slots are written, but the row has an entry for one of them only.
+        let stride = 2 * PS as usize + 1;
+        let slot = |i: usize| pages[i / PS as usize].0 as i32 * PS as i32 + (i % PS as usize) as i32;
+        let mut rt = vec![-1i32; 3 * stride];
+        for i in 0..stride {
+            rt[stride + i] = slot(i);
+        }
+        let seqs = vec![Seq { reader: c, row: vec![], tokens: 0, gens: vec![] }; 4];
+        let lens = [9i64, 10, 12, 1];
+        let (status, ring) = run_token_rows_of_stride(exe, &pool, &seqs, (&rt, stride), 3, &[1, 1, 1, 1], &lens);
+        let short = 1 << DeviceKind::BlockTableTooShort.code();
+        assert_eq!(status, vec![0, short, short, 0]);
+        // The host check of the same row says the same, with the same amounts.
+        let row = kvguard::BlockRows::new(&rt[stride..2 * stride], stride).unwrap();
+        let reads: Vec<_> =
+            lens.iter().map(|&n| kvguard::step::SlotRead { request: c, row: 0, from: 0, tokens: n as u64 }).collect();
+        let host = pool.table.check_slot_rows(row, &reads).unwrap();
+        let mut device: Vec<_> = ring.records.iter().map(|r| (r.seq as usize, r.to_violation().unwrap())).collect();
+        device.sort_by_key(|d| d.0);
+        assert_eq!(device.len(), host.refused.len());
+        for ((ds, dv), (hs, hv)) in device.iter().zip(&host.refused) {
+            assert_eq!((*ds, dv.kind(), dv.amounts()), (*hs, hv.kind(), hv.amounts()));
+        }
+        assert_eq!(device.iter().map(|d| d.1.amounts()).collect::<Vec<_>>(), vec![Some((10, 8)), Some((12, 8))]);
     }
 
     #[test]
