@@ -244,7 +244,9 @@ extern "C" __global__ void __launch_bounds__(128)
             const uint64_t lo = static_cast<uint64_t>(j) * page_size;
             for (uint32_t k = 0; k < need; k++) {
                 const int32_t e = r[lo + k];
-                if (e == own + static_cast<int32_t>(k)) continue;
+                // In 64 bits: a page's slots may run past INT32_MAX (a pool of 2^31 slots or more),
+                // where `own + k` in int32 would wrap onto a negative entry and pass it.
+                if (static_cast<int64_t>(e) == static_cast<int64_t>(own) + k) continue;
                 const int32_t other = e < 0 ? -1 : static_cast<int32_t>(static_cast<uint32_t>(e) / page_size);
                 const uint32_t upto = e < 0 ? 1u : static_cast<uint32_t>(e) % page_size + 1u;
                 kvg_verify_block(tags, num_pages, page_size, other, 0, upto, 0, nullptr, reader, s, j, seq_status, ring);
@@ -268,10 +270,20 @@ KVG_FN uint32_t kvg_seq_of_token(const int32_t *__restrict__ query_start_loc, ui
     return lo;
 }
 
+// Whether token `t` lies in sequence `s`'s tokens `query_start_loc[s] .. [s + 1]` (a sequence
+// found by `kvg_seq_of_token`; false when `query_start_loc` is not ordered there).
+KVG_FN bool kvg_token_in_seq(const int32_t *__restrict__ query_start_loc, uint32_t s, uint32_t t) {
+    const int32_t lo = query_start_loc[s], hi = query_start_loc[s + 1];
+    return lo >= 0 && lo <= hi && static_cast<uint32_t>(lo) <= t && t < static_cast<uint32_t>(hi);
+}
+
 // Writes token `t`'s K and V (`kv_width` = kv_heads * head_dim elements each) into slot
 // `slot_mapping[t]` of a cache laid out `[num_pages][page_size][kv_width]`, if the writing
 // sequence owns that page; otherwise nothing is written and the store is reported. Slot -1 is
-// padding. Launch: one block of 128 threads per token (any grid works).
+// padding. A token that writes a slot but lies in no sequence's range (`query_start_loc` ending
+// before it, or not ordered there) has no writer: nothing is written, and it is reported
+// BAD_LAYOUT with no status word, as `kvg_verify_slot_mapping` reports it.
+// Launch: one block of 128 threads per token (any grid works).
 template <typename T>
 KVG_FN void kvg_store_kv(const T *__restrict__ key, const T *__restrict__ value, T *__restrict__ key_cache,
                          T *__restrict__ value_cache, const int64_t *__restrict__ slot_mapping, uint32_t num_tokens,
@@ -281,12 +293,21 @@ KVG_FN void kvg_store_kv(const T *__restrict__ key, const T *__restrict__ value,
     for (uint32_t t = blockIdx.x; t < num_tokens; t += gridDim.x) {
         const int64_t slot = slot_mapping[t];
         if (slot < 0) continue;
-        const uint32_t s = kvg_seq_of_token(query_start_loc, num_seqs, t);
-        const kvg_reader writer = writers[s];
+        const uint32_t s = num_seqs == 0 ? 0u : kvg_seq_of_token(query_start_loc, num_seqs, t);
         // 32-bit division when the slot fits (always below 2^32 slots: the fast path).
         const bool small = slot <= 0xffffffffll;
         const int64_t page = small ? static_cast<uint32_t>(slot) / page_size : slot / page_size;
         const uint32_t in_page = static_cast<uint32_t>(slot - page * page_size);
+        if (num_seqs == 0 || !kvg_token_in_seq(query_start_loc, s, t)) {
+            if (threadIdx.x == 0) {
+                const kvg_reader nobody = {0, 0};
+                const kvg_tag none = {0, 0, 0, 0, 0, 0};
+                const int32_t p = page > 0x7fffffffll ? 0x7fffffff : static_cast<int32_t>(page);
+                kvg_report(ring, KVG_KIND_BAD_LAYOUT, KVG_OP_WRITE, t, 0, p, in_page, in_page + 1, 0, nobody, none);
+            }
+            continue;
+        }
+        const kvg_reader writer = writers[s];
         kvg_tag found;
         const uint32_t kind = kvg_check_store(tags, num_pages, page, writer, &found);
         if (kind != KVG_OK) {
@@ -342,13 +363,6 @@ extern "C" __global__ void __launch_bounds__(128)
 // computes its slot mappings there): its writes checked in place, then every refused sequence
 // fenced in place, so attention neither reads nor writes for it. No host synchronisation.
 // ---------------------------------------------------------------------------------------------
-
-// Whether token `t` lies in sequence `s`'s tokens `query_start_loc[s] .. [s + 1]` (a sequence
-// found by `kvg_seq_of_token`; false when `query_start_loc` is not ordered there).
-KVG_FN bool kvg_token_in_seq(const int32_t *__restrict__ query_start_loc, uint32_t s, uint32_t t) {
-    const int32_t lo = query_start_loc[s], hi = query_start_loc[s + 1];
-    return lo >= 0 && lo <= hi && static_cast<uint32_t>(lo) <= t && t < static_cast<uint32_t>(hi);
-}
 
 // Checks the step's KV writes without storing anything: token `t` (t < num_tokens) writes slot
 // `slot_mapping[t]` (-1 or any negative slot: padding, nothing written), which must lie in a page

@@ -10,9 +10,10 @@
 mod cuda {
     use crate::common::host_sim::{Case, NUM_PAGES, PS, Pool, Rng, driver, pool};
     use kvguard::cuda::layout::{DeviceKind, DeviceReader, DeviceTag, DeviceViolation, RingDrain, canary};
+    use kvguard::step::SlotRead;
     use kvguard::{
-        Generation, OwnershipTable, PageId, PageRef, PageState, Policy, PoolConfig, PrefixKey, RequestId, TenantId,
-        ViolationKind,
+        BlockRows, Generation, OwnershipTable, PageId, PageRef, PageState, Policy, PoolConfig, PrefixKey, RequestId,
+        TenantId, ViolationKind,
     };
     use std::collections::HashMap;
     use std::path::Path;
@@ -436,9 +437,8 @@ mod cuda {
         let short = 1 << DeviceKind::BlockTableTooShort.code();
         assert_eq!(status, vec![0, short, short, 0]);
         // The host check of the same row says the same, with the same amounts.
-        let row = kvguard::BlockRows::new(&rt[stride..2 * stride], stride).unwrap();
-        let reads: Vec<_> =
-            lens.iter().map(|&n| kvguard::step::SlotRead { request: c, row: 0, from: 0, tokens: n as u64 }).collect();
+        let row = BlockRows::new(&rt[stride..2 * stride], stride).unwrap();
+        let reads: Vec<_> = lens.iter().map(|&n| SlotRead { request: c, row: 0, from: 0, tokens: n as u64 }).collect();
         let host = pool.table.check_slot_rows(row, &reads).unwrap();
         let mut device: Vec<_> = ring.records.iter().map(|r| (r.seq as usize, r.to_violation().unwrap())).collect();
         device.sort_by_key(|d| d.0);
@@ -447,6 +447,95 @@ mod cuda {
             assert_eq!((*ds, dv.kind(), dv.amounts()), (*hs, hv.kind(), hv.amounts()));
         }
         assert_eq!(device.iter().map(|d| d.1.amounts()).collect::<Vec<_>>(), vec![Some((10, 8)), Some((12, 8))]);
+    }
+
+    /// A page's slots may run past `i32::MAX` (a pool of 2^31 slots or more, at a page size that
+    /// is not a power of two): an entry is compared with its page's slot in 64 bits, as the host
+    /// check compares it, so an entry that `own + k` in int32 would wrap onto is refused.
+    #[test]
+    fn verify_token_rows_compares_entries_past_i32_max_without_wrapping() {
+        let Some(exe) = driver() else { return };
+        // Page 42,966 of 49,981 slots starts at 2^31 - 2: its third slot is 2^31, past any entry.
+        let (ps, num_pages) = (49_981u32, 42_967u32);
+        let t = OwnershipTable::new(PoolConfig::new(num_pages, ps, 1 << 20).with_policy(Policy::Report)).unwrap();
+        let a = RequestId(1);
+        t.admit(a, TenantId(1), 3, 0).unwrap();
+        let page = PageId(num_pages - 1);
+        t.claim(a, &[page]).unwrap();
+        t.record_write(a, page, 0..3).unwrap();
+        let own = (page.0 * ps) as i32;
+        assert_eq!(own, i32::MAX - 1);
+        let tags: Vec<DeviceTag> =
+            (0..num_pages).map(|p| DeviceTag::from_page_info(&t.page_info(PageId(p)).unwrap())).collect();
+        // In place, then the third entry as `own + 2` wraps in int32, then any other negative entry.
+        for (third, refused) in [(None, false), (Some(i32::MIN), true), (Some(-7), true)] {
+            let row = match third {
+                Some(e) => vec![own, own + 1, e],
+                None => vec![own, own + 1, -1], // two tokens read: the third entry is not read
+            };
+            let tokens = if third.is_some() { 3 } else { 2 };
+            let host = t
+                .check_slot_rows(BlockRows::new(&row, 3).unwrap(), &[SlotRead { request: a, row: 0, from: 0, tokens }])
+                .unwrap();
+            let mut case = Case::new("verify-rows-wide");
+            case.tags("tags", &tags)
+                .readers("readers", &[DeviceReader::new(a, TenantId(1))])
+                .i32s("req_to_token", &row)
+                .i64s("rows", &[0])
+                .i64s("seq_lens", &[tokens as i64])
+                .param("page_size", ps)
+                .param("row_stride", 3)
+                .param("num_rows", 1)
+                .param("ring_capacity", 64)
+                .param("grid_x", 1)
+                .param("grid_y", 1);
+            case.run(exe, "verify_token_rows");
+            let status = case.out_u32("status");
+            let device: Vec<_> = case.ring().records.iter().map(|r| r.to_violation().unwrap().kind()).collect();
+            let host: Vec<_> = host.refused.iter().map(|(_, v)| v.kind()).collect();
+            assert_eq!(host, device, "third entry {third:?}");
+            assert_eq!(status[0] != 0, refused, "third entry {third:?}");
+            assert_eq!(host.is_empty(), !refused);
+        }
+    }
+
+    /// A token past the last sequence's range (or in no ordered range) has no writer: the store
+    /// writes nothing for it and reports it, as the slot-mapping check does; the sequences' own
+    /// tokens are stored as before.
+    #[test]
+    fn the_store_writes_nothing_for_a_token_of_no_sequence() {
+        let Some(exe) = driver() else { return };
+        let pool = pool();
+        let (a, ta, pa, _) = pool.requests[0].clone();
+        let kv_width = 4usize;
+        let n_slots = (NUM_PAGES * PS) as usize;
+        // Token 0 is a's (query_start_loc [0, 1]); token 1 is nobody's and names a written slot of
+        // a's own page, which a writer-less store must not overwrite.
+        let mapping = [i64::from(pa[3].0 * PS) + 2, i64::from(pa[2].0 * PS) + 1];
+        let key: Vec<u32> = (0..mapping.len() * kv_width).map(|i| 1000 + i as u32).collect();
+        let cache = vec![7u32; n_slots * kv_width];
+        let mut case = Case::new("store-nobody");
+        case.u32s("key", &key)
+            .u32s("value", &key)
+            .u32s("key_cache", &cache)
+            .u32s("value_cache", &cache)
+            .i64s("slot_mapping", &mapping)
+            .i32s("query_start_loc", &[0, 1])
+            .readers("writers", &[DeviceReader::new(a, ta)])
+            .tags("tags", &pool.device_tags())
+            .u32s("canaries", &vec![0u32; n_slots])
+            .param("kv_width", kv_width)
+            .param("page_size", PS)
+            .param("ring_capacity", 64);
+        case.run(exe, "store");
+        let out = case.out_u32("key_cache");
+        let (own, nobody) = (mapping[0] as usize * kv_width, mapping[1] as usize * kv_width);
+        assert_eq!(&out[own..own + kv_width], &key[..kv_width], "a's own token is stored");
+        assert_eq!(&out[nobody..nobody + kv_width], &cache[nobody..nobody + kv_width], "nobody's token is not");
+        assert_eq!(case.out_u32("canaries")[mapping[1] as usize], 0, "nor its canary stamped");
+        assert_eq!(case.out_u32("status"), vec![0], "no sequence is flagged for it");
+        let records: Vec<_> = case.ring().records.iter().map(|r| (r.seq, r.device_kind())).collect();
+        assert_eq!(records, vec![(1, Some(DeviceKind::BadLayout))]);
     }
 
     #[test]
