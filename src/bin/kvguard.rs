@@ -102,7 +102,7 @@ struct ReplayArgs {
     #[arg(long, value_name = "BYTES", default_value_t = ReplayOptions::default().max_line_bytes as u64,
           value_parser = clap::value_parser!(u64).range(1..=MAX_LINE_BYTES as u64))]
     max_line_bytes: u64,
-    /// The memory the pool's state may take, in MiB (36 + 64 bytes per page and one bit per
+    /// The memory the pool's state may take, in MiB (45 + 64 bytes per page and one bit per
     /// slot); a trace whose pool needs more is refused (exit 2). At most 1,048,576 (1 TiB).
     #[arg(long, value_name = "MIB", default_value_t = DEFAULT_POOL_MIB,
           value_parser = clap::value_parser!(u64).range(1..=1 << 20))]

@@ -64,12 +64,12 @@ impl TableState {
         let Some(rec) = requests.get_mut(&req) else {
             return Err(Violation::new(ViolationKind::UnknownRequest, Op::Allocate).with_request(req, None).into());
         };
+        let out_of_pages = |free: usize| Error::OutOfPages { requested: u64::from(n), free: free as u64 };
         if n as usize > free.len() {
-            return Err(Error::OutOfPages { requested: u64::from(n), free: free.len() as u64 });
+            return Err(out_of_pages(free.len()));
         }
-        let start = free.len() - n as usize;
         // The top of the free stack, most recently freed last: hand it out from the top down.
-        let handed = &free[start..];
+        let Some(handed) = free.top(tags, n as usize) else { return Err(out_of_pages(free.len())) };
         // `out` grown first and filled in step with the pages: no length lives in memory
         // across pages, and no bounds check.
         let out_base = out.len();
@@ -83,7 +83,7 @@ impl TableState {
         rec.pages.extend(handed.iter().rev());
         state_counts[PageState::Free as usize] -= u64::from(n);
         state_counts[PageState::Owned as usize] += u64::from(n);
-        free.truncate(start);
+        free.pop(n as usize);
         Ok(())
     }
 
@@ -441,8 +441,8 @@ impl TableState {
             let tag = &mut self.tags[r.page.0 as usize];
             tag.set_pinned(false);
             if tag.state() == PageState::Free {
-                tag.set_link(self.free.len() as u32);
-                self.free.push(r.page);
+                self.free.make_room(1);
+                self.free.push(&mut self.tags, r.page);
             }
         }
     }

@@ -39,11 +39,12 @@
 //!
 //! # Memory
 //! Each page costs a 24-byte tag and an 8-byte hot word (what a read of a whole page checks, kept
-//! apart so a read touches one cache line per eight pages), 4 bytes of free list (sized for the
-//! whole pool up front), up to 4 bytes in its owner's or prefix's page list and one bit in the
-//! map of pages changed for the device mirror; each token slot costs one bit of coverage bitmap.
-//! That is at most 40 bytes per page plus 1 bit per page and 1 per slot: a pool of 1,048,576
-//! pages of 16 slots takes at most 40 MiB of metadata, a 128 KiB change map and a 2 MiB bitmap.
+//! apart so a read touches one cache line per eight pages), 8 bytes of free list (room for two
+//! entries a page, reserved up front: a page claimed by id leaves a stale entry behind), up to 4
+//! bytes in its owner's or prefix's page list and one bit in the map of pages changed for the
+//! device mirror; each token slot costs one bit of coverage bitmap. That is at most 44 bytes per
+//! page plus 1 bit per page and 1 per slot: a pool of 1,048,576 pages of 16 slots takes at most
+//! 44 MiB of metadata, a 128 KiB change map and a 2 MiB bitmap.
 //! Each admitted request adds a small record; each prefix one more.
 //!
 //! # Files

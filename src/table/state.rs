@@ -512,6 +512,131 @@ pub(crate) struct PrefixRecord {
 pub(crate) type IdHash = foldhash::quality::RandomState;
 
 /// A map keyed by one of the table's ids.
+/// The free pages allocator mode hands out: a stack, the most recently freed on top, each free
+/// page's tag linking to its entry. A page claimed by id (shadow mode: the engine chose it, as
+/// SGLang and vLLM do for every page) is not looked for here: its entry goes stale where it lies
+/// ([`take`](Self::take)), which saves a claim two scattered lines (this list's, and the tag of
+/// the entry a removal would move into its place). An entry at `i` is live while its page is
+/// free, not pinned and linked to `i`; [`top`](Self::top) drops the stale ones it meets on its
+/// way down. When stale entries would overflow the room (twice the pool's pages, reserved up
+/// front) the entries are dropped, all at once ([`make_room`](Self::make_room)), and the next
+/// [`top`](Self::top) lists the free pages again from the tags, in one pass in page order: an
+/// engine that only claims by id never pays for that pass, one that allocates too pays it at
+/// most once for every pool's worth of claims by id.
+#[derive(Debug)]
+pub(crate) struct FreeList {
+    entries: Vec<PageId>,
+    /// Free pages not pinned, whether listed or not.
+    live: usize,
+    /// The entries were dropped: some live pages are not listed.
+    dropped: bool,
+}
+
+impl FreeList {
+    /// An empty list with room for `2 * pages` entries; `None` if the memory is not there.
+    fn with_room(pages: usize) -> Option<FreeList> {
+        let mut entries = Vec::new();
+        entries.try_reserve_exact(pages.checked_mul(2)?).ok()?;
+        Some(FreeList { entries, live: 0, dropped: false })
+    }
+
+    /// Free pages not pinned: what allocate can hand out.
+    pub fn len(&self) -> usize {
+        self.live
+    }
+
+    fn is_live(tags: &[PageTag], at: usize, page: PageId) -> bool {
+        let tag = &tags[page.0 as usize];
+        tag.state() == PageState::Free && !tag.pinned() && tag.link() as usize == at
+    }
+
+    /// Room for `more` entries: the entries dropped if stale ones fill it.
+    pub fn make_room(&mut self, more: usize) {
+        if self.entries.len() + more > self.entries.capacity() {
+            self.entries.clear();
+            self.dropped = true;
+        }
+        debug_assert!(more <= self.entries.capacity(), "the room is twice the pool");
+    }
+
+    /// Lists every free page not pinned, the lowest ids on top (as a fresh pool hands them out).
+    #[cold]
+    #[inline(never)]
+    fn list_free(&mut self, tags: &mut [PageTag]) {
+        self.entries.clear();
+        for (p, tag) in tags.iter_mut().enumerate().rev() {
+            if tag.state() == PageState::Free && !tag.pinned() {
+                // The pool's size is a `u32`.
+                tag.set_link(self.entries.len() as u32);
+                self.entries.push(PageId(p as u32));
+            }
+        }
+        self.live = self.entries.len();
+        self.dropped = false;
+    }
+
+    /// The link the next entry gets (the first of a run that [`extend`](Self::extend) adds).
+    pub fn next_link(&self) -> u32 {
+        self.entries.len() as u32
+    }
+
+    /// Lists `page` (free, not pinned), after [`make_room`](Self::make_room).
+    pub fn push(&mut self, tags: &mut [PageTag], page: PageId) {
+        debug_assert!(self.entries.len() < self.entries.capacity(), "make_room first");
+        tags[page.0 as usize].set_link(self.next_link());
+        self.entries.push(page);
+        self.live += 1;
+    }
+
+    /// Lists `pages` (free, not pinned), their tags linked from [`next_link`](Self::next_link)
+    /// up already, after [`make_room`](Self::make_room).
+    pub fn extend(&mut self, pages: &[PageId]) {
+        debug_assert!(self.entries.len() + pages.len() <= self.entries.capacity(), "make_room first");
+        self.entries.extend_from_slice(pages);
+        self.live += pages.len();
+    }
+
+    /// A live page taken by id: its entry, if any, stays, stale.
+    pub fn take(&mut self) {
+        self.live -= 1;
+    }
+
+    /// The top `n` live entries (`n` at most [`len`](Self::len)), the stale ones above and among
+    /// them dropped, for allocate to hand out and then [`pop`](Self::pop); the free pages listed
+    /// again first if the entries were dropped. `None` only if the live count was off (a bug):
+    /// the free pages are listed again, and the caller refuses the allocation.
+    pub fn top(&mut self, tags: &mut [PageTag], n: usize) -> Option<&[PageId]> {
+        if self.dropped {
+            let live = self.live;
+            self.list_free(tags);
+            debug_assert_eq!(self.live, live, "the live count was off");
+        }
+        let len = self.entries.len();
+        // Live entries packed up from the top as they are met; `read` walks down.
+        let (mut read, mut write) = (len, len);
+        while len - write < n {
+            if read == 0 {
+                self.list_free(tags);
+                return None;
+            }
+            read -= 1;
+            let page = self.entries[read];
+            if Self::is_live(tags, read, page) {
+                write -= 1;
+                self.entries[write] = page;
+            }
+        }
+        self.entries.drain(read..write);
+        Some(&self.entries[self.entries.len() - n..])
+    }
+
+    /// Removes the top `n` entries (live, as [`top`](Self::top) left them): handed out.
+    pub fn pop(&mut self, n: usize) {
+        self.entries.truncate(self.entries.len() - n);
+        self.live -= n;
+    }
+}
+
 pub(crate) type IdMap<K, V> = HashMap<K, V, IdHash>;
 
 /// How many emptied page lists the table keeps for reuse, and the largest it keeps: a request's
@@ -567,7 +692,7 @@ pub(crate) struct TableState {
     /// pool compares).
     pub hot: Vec<HotWord>,
     pub coverage: BitVec<u64, Lsb0>,
-    pub free: Vec<PageId>,
+    pub free: FreeList,
     pub requests: IdMap<RequestId, RequestRecord>,
     pub ended: RecentlyEnded,
     pub prefixes: SlotMap<PrefixSlot, PrefixRecord>,
@@ -614,8 +739,7 @@ impl TableState {
         words.resize(slots.div_ceil(64), 0);
         let mut coverage = BitVec::from_vec(words);
         coverage.truncate(slots);
-        let mut free = Vec::new();
-        free.try_reserve_exact(n).map_err(|_| oom())?;
+        let mut free = FreeList::with_room(n).ok_or_else(oom)?;
         let changed = ChangedPages::new(n).ok_or_else(oom)?;
         let mut hot = Vec::new();
         hot.try_reserve_exact(n + 1).map_err(|_| oom())?;
@@ -630,12 +754,7 @@ impl TableState {
         }
         hot.push(HotWord::PAST_THE_POOL);
         // Lowest ids on top of the stack, so a fresh pool hands out pages in id order.
-        for p in (0..config.num_pages).rev() {
-            if tags[p as usize].state() == PageState::Free {
-                tags[p as usize].set_link(free.len() as u32);
-                free.push(PageId(p));
-            }
-        }
+        free.list_free(&mut tags);
         Ok(TableState {
             page_size: config.page_size,
             page_div: PageDiv::new(config.page_size),
@@ -794,19 +913,15 @@ impl TableState {
         self.mark_changed(page);
     }
 
-    /// Takes a page off the free list (it must be free) and gives it to `req`'s page list: false,
-    /// and nothing changed, if `req` is not admitted. One lookup of the request.
+    /// Takes a page off the free list (it must be free and not pinned: listed) and gives it to
+    /// `req`'s page list: false, and nothing changed, if `req` is not admitted. One lookup of the
+    /// request; its free-list entry goes stale ([`FreeList::take`]).
     #[must_use]
     pub fn take_free_page(&mut self, page: PageId, req: RequestId) -> bool {
         let Some(rec) = self.requests.get_mut(&req) else { return false };
         let (slot, link) = (rec.slot, rec.pages.len() as u32);
         rec.pages.push(page);
-        let idx = self.tags[page.0 as usize].link() as usize;
-        debug_assert_eq!(self.free[idx], page);
-        self.free.swap_remove(idx);
-        if let Some(&moved) = self.free.get(idx) {
-            self.tags[moved.0 as usize].set_link(idx as u32);
-        }
+        self.free.take();
         let tag = &mut self.tags[page.0 as usize];
         debug_assert!(tag.watermark() == 0 && !tag.sparse(), "free pages carry no coverage");
         tag.set_owner(req);
@@ -853,8 +968,8 @@ impl TableState {
         let next_state = if scrub { PageState::AwaitingScrub } else { PageState::Free };
         // Disjoint borrows, so the loop keeps its counts in registers.
         let TableState { tags, hot, free, changed, tracking_changes, .. } = self;
-        // The free list never outgrows the pool, whose size is a `u32`.
-        let first_link = free.len() as u32;
+        free.make_room(n);
+        let first_link = free.next_link();
         let ends = Ending { limit, next_state, next_hot: HotWord::unheld(next_state), first_link };
         debug_assert!(
             pages.iter().all(|p| tags.get(p.0 as usize).is_some_and(|t| t.state() == from)),
@@ -869,7 +984,7 @@ impl TableState {
         self.state_counts[from as usize] -= n as u64;
         released.ended += n as u64;
         if rare == 0 && !scrub {
-            self.free.extend_from_slice(pages);
+            self.free.extend(pages);
             self.state_counts[PageState::Free as usize] += n as u64;
         } else {
             self.end_incarnations_rare(pages, released);
@@ -906,10 +1021,7 @@ impl TableState {
                     released.scrub.push(PageRef { page, generation: Generation(tag.generation() - 1) });
                 }
                 // A pinned page waits outside the free list until its transfer is over.
-                PageState::Free if !tag.pinned() => {
-                    tag.set_link(self.free.len() as u32);
-                    self.free.push(page);
-                }
+                PageState::Free if !tag.pinned() => self.free.push(&mut self.tags, page),
                 _ => {}
             }
             self.state_counts[state as usize] += 1;
@@ -921,8 +1033,8 @@ impl TableState {
     pub fn push_free(&mut self, page: PageId) {
         self.taking(page);
         if !self.tags[page.0 as usize].pinned() {
-            self.tags[page.0 as usize].set_link(self.free.len() as u32);
-            self.free.push(page);
+            self.free.make_room(1);
+            self.free.push(&mut self.tags, page);
         }
         self.set_state(page, PageState::Free);
     }

@@ -7,9 +7,9 @@ use crate::config::MAX_PAGES;
 /// The longest line any replayer accepts, whatever its options: 1 GiB.
 pub const MAX_LINE_BYTES: usize = 1 << 30;
 
-/// The table's memory per page, at most (see the table's docs: 40 bytes and two bits, rounded
+/// The table's memory per page, at most (see the table's docs: 44 bytes and two bits, rounded
 /// up).
-const TABLE_BYTES_PER_PAGE: u64 = 41;
+const TABLE_BYTES_PER_PAGE: u64 = 45;
 
 /// Limits on what a replayer accepts: every one bounds memory (or time) whatever the input.
 ///
@@ -52,7 +52,7 @@ impl Default for ReplayOptions {
 
 impl ReplayOptions {
     /// The memory a replay of a pool of `pages` pages of `page_size` slots takes for its
-    /// per-page state, at most: the table's 41 bytes per page and one bit per slot, and the
+    /// per-page state, at most: the table's 45 bytes per page and one bit per slot, and the
     /// writer record's 64 bytes per page.
     pub fn pool_bytes(pages: u32, page_size: u32) -> u64 {
         let per_page = TABLE_BYTES_PER_PAGE + PageWriters::BYTES_PER_PAGE;

@@ -1077,3 +1077,117 @@ fn a_large_pools_changed_tags_match_each_pages_info() {
     }
     sync(&mut mirror, 60);
 }
+
+// ---- the free list ----
+
+/// Pages claimed by id (shadow mode) stay in the free list as stale entries: allocate hands out
+/// exactly the pages still free, most recently freed first, never one claimed since.
+#[test]
+fn allocate_hands_out_exactly_the_free_pages_whatever_was_claimed_by_id() {
+    let t = table();
+    t.admit(A, T1, 64, 0).unwrap();
+    t.admit(B, T1, 64, 0).unwrap();
+    t.claim(A, &[PageId(2), PageId(5)]).unwrap();
+    // A fresh pool hands out pages in id order: 1, 3, 4 (2 was claimed by id).
+    assert_eq!(pages(&t.allocate(B, 3).unwrap()), [PageId(1), PageId(3), PageId(4)]);
+    t.release(A).unwrap(); // 2 and 5 come back, on top
+    let again = pages(&t.allocate(B, 1).unwrap());
+    assert!(again == [PageId(5)] || again == [PageId(2)], "{again:?}");
+    t.claim(B, &[PageId(if again == [PageId(5)] { 2 } else { 5 })]).unwrap();
+    // 15 usable pages: 5 are B's; 10 are left, none of them B's.
+    let c = RequestId(9);
+    t.admit(c, T2, 128, 0).unwrap();
+    let rest = pages(&t.allocate(c, 8).unwrap());
+    assert!(rest.iter().all(|p| t.page_info(*p).unwrap().owner == Some(c)));
+    assert_eq!(t.snapshot().free, 2);
+}
+
+mod free_list {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::BTreeSet;
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        ClaimById(u8, u8),
+        Allocate(u8, u8),
+        Release(u8),
+        Pin(u8),
+        Unpin,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => (0u8..4, 1u8..16).prop_map(|(r, p)| Op::ClaimById(r, p)),
+            2 => (0u8..4, 0u8..4).prop_map(|(r, n)| Op::Allocate(r, n)),
+            3 => (0u8..4).prop_map(Op::Release),
+            1 => (0u8..4).prop_map(Op::Pin),
+            1 => Just(Op::Unpin),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
+
+        /// Any history of claims by id (each leaving a stale entry), allocations, releases and
+        /// pins, long enough to fill the free list's room several times over: every page
+        /// allocate hands out was free and not pinned, and at the end (pins let go) allocate
+        /// hands out every free page once and no more.
+        #[test]
+        fn allocate_only_ever_hands_out_free_pages_once(ops in proptest::collection::vec(op(), 1..300)) {
+            // 16 pages, page 0 reserved, a request may hold all 15 others.
+            let t = OwnershipTable::new(PoolConfig::new(16, PS, 15 * u64::from(PS)).with_reserved([PageId(0)])).unwrap();
+            let req = |r: u8| RequestId(u64::from(r) + 1);
+            let mut tickets = Vec::new();
+            for op in &ops {
+                match *op {
+                    Op::ClaimById(r, p) => {
+                        let _ = t.admit(req(r), T1, 15 * u64::from(PS), 0);
+                        let _ = t.claim(req(r), &[PageId(u32::from(p))]);
+                    }
+                    Op::Allocate(r, n) => {
+                        let _ = t.admit(req(r), T1, 15 * u64::from(PS), 0);
+                        let before: Vec<_> = (0..16).map(|p| t.page_info(PageId(p)).unwrap()).collect();
+                        if let Ok(refs) = t.allocate(req(r), u32::from(n)) {
+                            let got: BTreeSet<_> = refs.iter().map(|x| x.page).collect();
+                            prop_assert_eq!(got.len(), refs.len(), "a page handed out twice");
+                            for x in &refs {
+                                let was = &before[x.page.0 as usize];
+                                prop_assert_eq!(was.state, PageState::Free, "{:?} was not free", x.page);
+                            }
+                        }
+                    }
+                    Op::Release(r) => {
+                        let _ = t.release(req(r));
+                    }
+                    Op::Pin(r) => {
+                        let owned: Vec<PageRef> = (1..16)
+                            .map(|p| (PageId(p), t.page_info(PageId(p)).unwrap()))
+                            .filter(|(_, i)| i.owner == Some(req(r)) && i.state == PageState::Owned)
+                            .map(|(page, i)| PageRef { page, generation: i.generation })
+                            .collect();
+                        if let Ok(ticket) = t.begin_import(req(r), &owned) {
+                            tickets.push(ticket);
+                        }
+                    }
+                    Op::Unpin => {
+                        if let Some(ticket) = tickets.pop() {
+                            ticket.abort();
+                        }
+                    }
+                }
+            }
+            for ticket in tickets.drain(..) {
+                ticket.abort();
+            }
+            let free: BTreeSet<PageId> =
+                (0..16).map(PageId).filter(|p| t.page_info(*p).unwrap().state == PageState::Free).collect();
+            prop_assert_eq!(t.snapshot().free as usize, free.len());
+            let z = RequestId(99);
+            t.admit(z, T2, 15 * u64::from(PS), 0).unwrap();
+            let all: BTreeSet<PageId> = pages(&t.allocate(z, free.len() as u32).unwrap()).into_iter().collect();
+            prop_assert_eq!(all, free);
+            prop_assert!(t.allocate(z, 1).is_err());
+        }
+    }
+}

@@ -273,7 +273,7 @@ fn the_pool_memory_budget_refuses_a_huge_pool_before_allocating() {
     let err = Replayer::with_options(options).replay(&huge[..], |_| Ok(())).unwrap_err();
     assert!(matches!(err.kind(), ReplayErrorKind::PoolOverBudget { .. }), "{err}");
     assert!(start.elapsed().as_secs() < 2);
-    assert_eq!(ReplayOptions::pool_bytes(64, 16), 64 * (41 + 64) + 128);
+    assert_eq!(ReplayOptions::pool_bytes(64, 16), 64 * (45 + 64) + 128);
 }
 
 #[test]
