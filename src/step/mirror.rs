@@ -122,6 +122,12 @@ pub enum MirrorError {
         /// Entries of `rows`.
         rows: usize,
     },
+    /// A row write of more positions than a claim can name (`u32::MAX`).
+    #[error("a row write of {len} positions: at most {} are taken", u32::MAX)]
+    TooManyPositions {
+        /// Entries of `rows`.
+        len: usize,
+    },
 }
 
 /// The mirror's arrays a step reads, checked against each other and the pool
@@ -198,17 +204,26 @@ impl<A: Ints + ?Sized> Clone for DecodeRowWrite<'_, A> {
 
 impl<A: Ints + ?Sized> Copy for DecodeRowWrite<'_, A> {}
 
-/// One new page of a decode step's row write: the claim it needs.
+/// One new page of a decode step's row write: the claim it needs. Sixteen bytes: SGLang at page
+/// size 1 makes one a row every step, and a step's list of them is memory it touches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DecodeClaim {
     /// The row's request (its key in `row_keys`).
     pub request: RequestId,
     /// The page the slot is in (`u32::MAX` for a slot no page of any pool holds).
     pub page: PageId,
-    /// The page's index in the mirror's page arrays (the last entry for a page out of range).
-    pub at: usize,
-    /// The first position of the write that made it.
-    pub position: usize,
+    /// The first position of the write that made it (a write has at most `u32::MAX`
+    /// positions: [`MirrorError::TooManyPositions`] past that).
+    pub position: u32,
+}
+
+impl DecodeClaim {
+    /// The page's index in the mirror's page arrays of `never + 1` entries: the page, or
+    /// `never` (the last entry, which stands for every page out of the pool).
+    pub fn at(&self, never: usize) -> usize {
+        let page = self.page.0 as usize;
+        if page < never { page } else { never }
+    }
 }
 
 /// What a decode step's row write needs: the claims of new pages of live rows, and the
@@ -264,6 +279,10 @@ fn check_positions<A: Ints + ?Sized>(mirror: PoolMirror<'_, A>, rows: &[u64], sl
     if slots.len() != rows.len() {
         return Err(MirrorError::Positions { name: "slots", len: slots.len(), rows: rows.len() });
     }
+    if u32::try_from(rows.len()).is_err() {
+        // A claim names its position in 32 bits.
+        return Err(MirrorError::TooManyPositions { len: rows.len() });
+    }
     Ok(())
 }
 
@@ -276,7 +295,10 @@ fn sort_writes<A: Ints + ?Sized>(
 ) -> DecodeWrites {
     let div = PageDiv::new(page_size);
     let never = mirror.never();
-    let mut out = DecodeWrites::default();
+    // A claim a row is the common step at page size 1 (every row opens a page); at larger
+    // sizes a row opens one a step in `page_size`.
+    let mut out =
+        DecodeWrites { claims: Vec::with_capacity(rows.len().div_ceil(page_size.max(1) as usize)), left: Vec::new() };
     // Two positions claim one page for one request only where a row comes twice (a request
     // holds one row): then, and only then, claims are kept apart by (request, page).
     let mut seen_row = vec![false; mirror.rows()];
@@ -299,7 +321,8 @@ fn sort_writes<A: Ints + ?Sized>(
         if repeats && !claimed.insert((key, page)) {
             continue;
         }
-        out.claims.push(DecodeClaim { request: RequestId(key as u64), page, at, position: i });
+        // `i` fits: check_positions refused a write of more than u32::MAX positions.
+        out.claims.push(DecodeClaim { request: RequestId(key as u64), page, position: i as u32 });
     }
     out
 }
@@ -382,8 +405,9 @@ impl<A: Ints + ?Sized> DecodeRowWrite<'_, A> {
         }
         let never = page_owner.len().saturating_sub(1);
         for c in writes.granted(verdict) {
-            if c.at < never {
-                page_owner.set(c.at, c.request.0 as i64);
+            let at = c.at(never);
+            if at < never {
+                page_owner.set(at, c.request.0 as i64);
             }
         }
     }
@@ -397,14 +421,12 @@ impl OwnershipTable {
         if writes.claims.is_empty() {
             return StepVerdict::default();
         }
-        let pages: Vec<PageId> = writes.claims.iter().map(|c| c.page).collect();
-        let step: Vec<SeqClaim<'_>> = writes
-            .claims
-            .iter()
-            .enumerate()
-            .map(|(k, c)| SeqClaim { request: c.request, pages: &pages[k..=k] })
-            .collect();
-        self.claim_step(&step)
+        // Each claim made as it is read: no list of the step's pages or claims (SGLang at page
+        // size 1 claims a page a row every step).
+        self.claims_by(writes.claims.len(), |k| {
+            let c = &writes.claims[k];
+            SeqClaim { request: c.request, pages: std::slice::from_ref(&c.page) }
+        })
     }
 
     /// A decode step's row write against the mirror, the mirror updated in place: each row's

@@ -75,6 +75,7 @@ fn a_new_page_of_a_live_row_is_claimed_and_the_mirror_says_so() {
     assert!(out.is_clean());
     assert_eq!(out.claims.len(), 1);
     assert_eq!((out.claims[0].request, out.claims[0].page), (RequestId(2), PageId(5)));
+    assert_eq!((out.claims[0].at(PAGES as usize), out.claims[0].position), (5, 0));
     assert_eq!(m.owner[5], 2, "page_owner follows the grant");
     assert_eq!(t.page_info(PageId(5)).expect("in the pool").owner, Some(RequestId(2)));
     assert_eq!(m.checked, [40, 20, 40], "the row's checked length drops to the column written");
@@ -124,6 +125,8 @@ fn a_slot_outside_the_pool_is_claimed_so_the_table_refuses_it_and_no_page_is_mar
     m.owner[PAGES as usize] = 1;
     let out = m.write(&t, &[(0, 0, -1), (0, 1, i64::from(PAGES) * 4 + 3)]).expect("a well-formed write");
     assert_eq!(out.claims.len(), 2);
+    // Both name the mirror's last entry (slot -1 floors to no page at all).
+    assert!(out.claims.iter().all(|c| c.at(PAGES as usize) == PAGES as usize), "{:?}", out.claims);
     assert!(out.verdict.refused.iter().all(|(_, v)| v.kind() == ViolationKind::PageOutOfRange));
     assert_eq!(out.verdict.refused.len(), 2);
     assert_eq!(m.owner[PAGES as usize], 1, "nothing is written to the out-of-range entry");

@@ -135,7 +135,7 @@ pub unsafe extern "C" fn kvg_write_decode_rows(
             t.table.write_decode_rows(mirror, owner, checked, write).map_err(|e| Failure::invalid(e.to_string()))?;
         outcome.fill(kvg_row_write::Owned);
         for c in &out.claims {
-            outcome[c.position] = kvg_row_write::Claimed;
+            outcome[c.position as usize] = kvg_row_write::Claimed;
         }
         for &i in &out.left {
             outcome[i] = kvg_row_write::Left;
@@ -144,7 +144,7 @@ pub unsafe extern "C" fn kvg_write_decode_rows(
         if out.verdict.is_clean() {
             return Ok(());
         }
-        let refused: Vec<_> = out.verdict.refused.into_iter().map(|(k, v)| (out.claims[k].position, v)).collect();
+        let refused: Vec<_> = out.verdict.refused.into_iter().map(|(k, v)| (out.claims[k].position as usize, v)).collect();
         for (i, _) in &refused {
             outcome[*i] = kvg_row_write::Refused;
         }

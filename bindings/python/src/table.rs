@@ -1486,9 +1486,9 @@ impl OwnershipTable {
         let table = &self.table;
         let v = py.detach(|| table.claim_decode(&writes));
         // (page, key) pairs as little-endian int64 bytes, numpy's view of them below.
-        let never = u64::from(self.table.config().num_pages);
+        let never = self.table.config().num_pages as usize;
         let mut granted: Vec<u8> = Vec::with_capacity(writes.claims.len() * 16);
-        for c in writes.granted(&v).filter(|c| (c.at as u64) < never) {
+        for c in writes.granted(&v).filter(|c| c.at(never) < never) {
             granted.extend_from_slice(&i64::from(c.page.0).to_le_bytes());
             granted.extend_from_slice(&(c.request.0 as i64).to_le_bytes());
         }
