@@ -358,9 +358,8 @@ impl TableState {
             // A child would inherit the parent's pages without its quarantine.
             return Err(self.violation(ViolationKind::Quarantined, Op::Fork, parent).into());
         }
-        if self.requests.contains_key(&child) {
+        if let Some(live) = self.requests.get(&child) {
             // Attributed to the parent, which made the call: the live child is the victim.
-            let live = &self.requests[&child];
             let v = self.violation(ViolationKind::DuplicateRequest, Op::Fork, parent).with_owner(child, live.tenant);
             return Err(v.into());
         }

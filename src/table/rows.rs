@@ -665,7 +665,7 @@ mod tests {
         let c = RequestId(3);
         s.table.release(B).unwrap();
         s.table.admit(c, TenantId(1), 12, 0).unwrap();
-        assert_eq!(s.table.state.read().requests[&c].slot, 0, "C took B's slot");
+        assert_eq!(s.table.state.read().requests.get(&c).expect("C is admitted").slot, 0, "C took B's slot");
         s.table.claim(c, &own).unwrap();
         s.table.record_write_tokens(c, &own, 0..12).unwrap();
         // B's row as B left it: its pages now C's, whole, held by the slot B had.

@@ -281,26 +281,85 @@ impl PageTag {
     }
 }
 
+/// A live request's record, one cache line of what the step's paths read (a claim: its page
+/// list and slot; a read: its quarantine, prefixes and tenant) and the rest on a second:
+/// [`Requests`] keeps them by slot.
+#[repr(C, align(64))]
 pub(crate) struct RequestRecord {
-    /// Dense index, unique among live requests, reused after release: the holder an owned
-    /// page's [`HotWord`] names.
-    pub slot: u32,
-    pub tenant: TenantId,
-    pub prompt_tokens: u64,
-    pub max_new_tokens: u64,
     /// Pages this request owns exclusively; `tags[p].link()` is the index here.
     pub pages: Vec<PageId>,
     /// Prefixes this request holds.
     pub prefixes: HeldPrefixes,
+    /// Dense index, unique among live requests, reused after release: the holder an owned
+    /// page's [`HotWord`] names, and where [`Requests`] keeps this record.
+    pub slot: u32,
     /// Set by an enforced violation ([`TableState::quarantine`]), with the quarantine bit of
     /// its slot's word; checked by every read. Atomic so readers can set it under the shared
     /// lock.
     pub quarantined: AtomicBool,
+    pub tenant: TenantId,
+    pub prompt_tokens: u64,
+    pub max_new_tokens: u64,
     /// Every page this request owns was marked changed (for a device mirror) since take number
     /// `pages_marked` ([`TableState::takes`]): while that is the last take, a batch loop over its
     /// pages (writing them whole, ending them) need not mark them again. Set at admission (no
     /// pages yet) and kept, as every page that joins a request is marked as it joins.
     pub pages_marked: u64,
+}
+
+/// The live requests' records, kept by slot ([`RequestRecord::slot`]: dense, reused after a
+/// release) with a hash index from request id to slot beside them. A lookup reads the index's
+/// 16-byte entry and the record's first line, where a map holding the records inline read a
+/// bucket of 96 bytes (two lines) scattered at random: SGLang at page size 1 claims a page for
+/// every row each step, and each claim looks its request up.
+#[derive(Default)]
+pub(crate) struct Requests {
+    slots: IdMap<RequestId, u32>,
+    /// Slot `s`'s record, if a live request holds it.
+    records: Vec<Option<RequestRecord>>,
+}
+
+impl Requests {
+    /// Live requests.
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+    pub fn contains_key(&self, req: &RequestId) -> bool {
+        self.slots.contains_key(req)
+    }
+    #[inline]
+    pub fn get(&self, req: &RequestId) -> Option<&RequestRecord> {
+        let &slot = self.slots.get(req)?;
+        self.records.get(slot as usize)?.as_ref()
+    }
+    #[inline]
+    pub fn get_mut(&mut self, req: &RequestId) -> Option<&mut RequestRecord> {
+        let &slot = self.slots.get(req)?;
+        self.records.get_mut(slot as usize)?.as_mut()
+    }
+    /// Keeps `rec` for `req` at its slot, which no other live request holds (slots are handed
+    /// out by [`TableState::take_request_slot`]); the record `req` had, if it had one.
+    pub fn insert(&mut self, req: RequestId, rec: RequestRecord) -> Option<RequestRecord> {
+        let old = self.remove(&req);
+        let slot = rec.slot as usize;
+        if slot >= self.records.len() {
+            self.records.resize_with(slot + 1, || None);
+        }
+        debug_assert!(self.records[slot].is_none(), "slot {slot} is another live request's");
+        self.records[slot] = Some(rec);
+        self.slots.insert(req, slot as u32);
+        old
+    }
+    pub fn remove(&mut self, req: &RequestId) -> Option<RequestRecord> {
+        let slot = self.slots.remove(req)?;
+        self.records.get_mut(slot as usize)?.take()
+    }
+    pub fn values(&self) -> impl Iterator<Item = &RequestRecord> {
+        self.records.iter().flatten()
+    }
+    pub fn values_mut(&mut self) -> impl Iterator<Item = &mut RequestRecord> {
+        self.records.iter_mut().flatten()
+    }
 }
 
 impl RequestRecord {
@@ -703,7 +762,7 @@ pub(crate) struct TableState {
     pub hot: Vec<HotWord>,
     pub coverage: BitVec<u64, Lsb0>,
     pub free: FreeList,
-    pub requests: IdMap<RequestId, RequestRecord>,
+    pub requests: Requests,
     pub ended: RecentlyEnded,
     pub prefixes: SlotMap<PrefixSlot, PrefixRecord>,
     pub prefix_keys: IdMap<PrefixKey, PrefixSlot>,
@@ -775,7 +834,7 @@ impl TableState {
             hot,
             coverage,
             free,
-            requests: IdMap::default(),
+            requests: Requests::default(),
             ended: RecentlyEnded::default(),
             prefixes: SlotMap::with_key(),
             prefix_keys: IdMap::default(),
@@ -1194,7 +1253,7 @@ impl TableState {
 /// What a device tag names of a held page's holder, looked up by
 /// [`device_tags_into`] off its loop.
 struct Holders<'a> {
-    requests: &'a IdMap<RequestId, RequestRecord>,
+    requests: &'a Requests,
     prefixes: &'a SlotMap<PrefixSlot, PrefixRecord>,
     /// The last owner looked up and its tenant: changed pages come in runs of one owner.
     last_owner: Option<(u64, u64)>,
@@ -1400,6 +1459,41 @@ impl Ending {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_request_is_found_by_id_whatever_slot_it_was_given_and_a_released_slot_finds_nothing() {
+        let record = |slot: u32, tenant: u64| RequestRecord {
+            pages: vec![],
+            prefixes: HeldPrefixes::default(),
+            slot,
+            quarantined: AtomicBool::new(false),
+            tenant: TenantId(tenant),
+            prompt_tokens: 0,
+            max_new_tokens: 0,
+            pages_marked: 0,
+        };
+        let mut r = Requests::default();
+        assert!(r.insert(RequestId(10), record(0, 1)).is_none());
+        assert!(r.insert(RequestId(20), record(1, 2)).is_none());
+        assert_eq!(r.remove(&RequestId(10)).map(|x| x.tenant), Some(TenantId(1)));
+        assert!(r.get(&RequestId(10)).is_none() && r.remove(&RequestId(10)).is_none());
+        // Slot 0 reused by another request: the old id still finds nothing, the new one its own.
+        r.insert(RequestId(30), record(0, 3));
+        assert!(r.get(&RequestId(10)).is_none());
+        assert_eq!(r.get(&RequestId(30)).map(|x| (x.slot, x.tenant)), Some((0, TenantId(3))));
+        assert_eq!(r.get_mut(&RequestId(20)).map(|x| x.tenant), Some(TenantId(2)));
+        // A record given again under a live id replaces the old one and gives it back.
+        assert_eq!(r.insert(RequestId(20), record(2, 4)).map(|x| x.slot), Some(1));
+        assert_eq!(r.get(&RequestId(20)).map(|x| (x.slot, x.tenant)), Some((2, TenantId(4))));
+        assert_eq!(r.len(), 2);
+        let mut tenants: Vec<u64> = r.values().map(|x| x.tenant.0).collect();
+        tenants.sort();
+        assert_eq!(tenants, [3, 4]);
+        assert!(r.contains_key(&RequestId(30)) && !r.contains_key(&RequestId(10)));
+        // The hot fields share the record's first line.
+        assert_eq!(std::mem::align_of::<RequestRecord>(), 64);
+        assert!(std::mem::offset_of!(RequestRecord, tenant) + 8 <= 64);
+    }
 
     #[test]
     fn ids_differing_only_in_high_bits_spread_over_the_low_bits() {

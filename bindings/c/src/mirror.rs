@@ -144,7 +144,8 @@ pub unsafe extern "C" fn kvg_write_decode_rows(
         if out.verdict.is_clean() {
             return Ok(());
         }
-        let refused: Vec<_> = out.verdict.refused.into_iter().map(|(k, v)| (out.claims[k].position as usize, v)).collect();
+        let refused: Vec<_> =
+            out.verdict.refused.into_iter().map(|(k, v)| (out.claims[k].position as usize, v)).collect();
         for (i, _) in &refused {
             outcome[*i] = kvg_row_write::Refused;
         }
