@@ -296,9 +296,9 @@ fn sort_writes<A: Ints + ?Sized>(
     let div = PageDiv::new(page_size);
     let never = mirror.never();
     // A claim a row is the common step at page size 1 (every row opens a page); at larger
-    // sizes a row opens one a step in `page_size`.
-    let mut out =
-        DecodeWrites { claims: Vec::with_capacity(rows.len().div_ceil(page_size.max(1) as usize)), left: Vec::new() };
+    // sizes most steps claim nothing.
+    let claims = if page_size == 1 { Vec::with_capacity(rows.len()) } else { Vec::new() };
+    let mut out = DecodeWrites { claims, left: Vec::new() };
     // Two positions claim one page for one request only where a row comes twice (a request
     // holds one row): then, and only then, claims are kept apart by (request, page).
     let mut seen_row = vec![false; mirror.rows()];

@@ -345,7 +345,9 @@ impl Requests {
         if slot >= self.records.len() {
             self.records.resize_with(slot + 1, || None);
         }
-        debug_assert!(self.records[slot].is_none(), "slot {slot} is another live request's");
+        // Never two requests on one slot (each would find the other's record): slots come from
+        // take_request_slot, so this holds on every path; it is checked all the same.
+        assert!(self.records[slot].is_none(), "request slot {slot} is another live request's");
         self.records[slot] = Some(rec);
         self.slots.insert(req, slot as u32);
         old
@@ -1459,6 +1461,90 @@ impl Ending {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Random admit / force_admit / fork / release / preempt / allocate /
+    /// force_claim histories; after each op every live id finds its own record, the slots are
+    /// unique, the index and the records agree, and each owned page's owner lists it.
+    #[test]
+    fn every_live_request_finds_its_own_record_whatever_came_before() {
+        use crate::config::PoolConfig;
+        use crate::table::ownership::OwnershipTable;
+        use std::collections::HashMap as Model;
+        for seed in 1..=16u64 {
+            let t = OwnershipTable::new(PoolConfig::new(64, 4, 256)).unwrap();
+            let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+            let mut rnd = move |n: u64| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x % n
+            };
+            let mut model: Model<u64, u64> = Model::new(); // id -> tenant
+            for step in 0..2000 {
+                let id = rnd(24);
+                let tenant = 1 + rnd(3);
+                match rnd(7) {
+                    0 => {
+                        let ok = t.admit(RequestId(id), TenantId(tenant), 4, 4).is_ok();
+                        assert_eq!(ok, !model.contains_key(&id), "seed {seed} step {step} admit {id}");
+                        if ok {
+                            model.insert(id, tenant);
+                        }
+                    }
+                    1 => {
+                        let ok = t.force_admit(RequestId(id), TenantId(tenant), 4, 4);
+                        assert_eq!(ok, !model.contains_key(&id));
+                        if ok {
+                            model.insert(id, tenant);
+                        }
+                    }
+                    2 => {
+                        let child = rnd(24);
+                        if t.fork(RequestId(id), RequestId(child)).is_ok() {
+                            assert!(model.contains_key(&id) && !model.contains_key(&child));
+                            let pt = model[&id];
+                            model.insert(child, pt);
+                        }
+                    }
+                    3 | 4 => {
+                        let ok = t.release(RequestId(id)).is_ok();
+                        assert_eq!(ok, model.remove(&id).is_some());
+                    }
+                    5 => {
+                        let _ = t.allocate(RequestId(id), 1 + rnd(2) as u32);
+                    }
+                    _ => {
+                        if rnd(2) == 0 {
+                            let _ = t.preempt(RequestId(id));
+                        } else {
+                            let _ = t.force_claim(RequestId(id), &[PageId(rnd(64) as u32)]);
+                        }
+                    }
+                }
+                let s = t.state.read();
+                assert_eq!(s.requests.len(), model.len());
+                assert_eq!(s.requests.values().count(), model.len(), "records and index agree");
+                let mut seen = std::collections::HashSet::new();
+                for (&id, &tenant) in &model {
+                    let rec = s.requests.get(&RequestId(id)).expect("live id finds a record");
+                    assert_eq!(rec.tenant, TenantId(tenant), "seed {seed} step {step}: {id}'s own record");
+                    assert!(seen.insert(rec.slot), "slot {} twice", rec.slot);
+                    assert_eq!(s.requests.slots[&RequestId(id)], rec.slot);
+                    assert_eq!(s.epochs.owners[rec.slot as usize], RequestId(id));
+                    for (i, &p) in rec.pages.iter().enumerate() {
+                        let tag = &s.tags[p.0 as usize];
+                        assert!(tag.owned_by(RequestId(id)) && tag.link() as usize == i);
+                    }
+                }
+                for (p, tag) in s.tags.iter().enumerate() {
+                    if tag.state() == crate::table::info::PageState::Owned {
+                        let rec = s.requests.get(&tag.owner()).expect("owner live");
+                        assert_eq!(rec.pages[tag.link() as usize], PageId(p as u32));
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn a_request_is_found_by_id_whatever_slot_it_was_given_and_a_released_slot_finds_nothing() {
