@@ -340,7 +340,6 @@ impl Requests {
     /// Keeps `rec` for `req` at its slot, which no other live request holds (slots are handed
     /// out by [`TableState::take_request_slot`]); the record `req` had, if it had one.
     pub fn insert(&mut self, req: RequestId, rec: RequestRecord) -> Option<RequestRecord> {
-        let old = self.remove(&req);
         let slot = rec.slot as usize;
         if slot >= self.records.len() {
             self.records.resize_with(slot + 1, || None);
@@ -349,8 +348,9 @@ impl Requests {
         // take_request_slot, so this holds on every path; it is checked all the same.
         assert!(self.records[slot].is_none(), "request slot {slot} is another live request's");
         self.records[slot] = Some(rec);
-        self.slots.insert(req, slot as u32);
-        old
+        // One lookup of the index: an admission's.
+        let old = self.slots.insert(req, slot as u32)?;
+        self.records.get_mut(old as usize)?.take()
     }
     pub fn remove(&mut self, req: &RequestId) -> Option<RequestRecord> {
         let slot = self.slots.remove(req)?;
