@@ -157,7 +157,8 @@ mod tests {
         let state = t.state.read();
         let Some(rec) = state.requests.get(&req(r)) else { return Vec::new() };
         let held = rec.prefixes.iter().filter_map(|slot| state.prefixes.get(slot));
-        let pages = rec.pages.iter().chain(held.flat_map(|prefix| prefix.pages.iter()));
+        let own = state.requests.owned_pages(rec, &state.tags);
+        let pages = own.iter().chain(held.flat_map(|prefix| prefix.pages.iter()));
         pages.map(|&page| state.page_ref(page)).collect()
     }
 
@@ -205,7 +206,8 @@ mod tests {
             }
         };
         let own = |t: &OwnershipTable, r: u8| -> Vec<PageId> {
-            t.state.read().requests.get(&req(r)).map(|rec| rec.pages.clone()).unwrap_or_default()
+            let state = t.state.read();
+            state.requests.get(&req(r)).map(|rec| state.requests.owned_pages(rec, &state.tags)).unwrap_or_default()
         };
         let pick = |t: &OwnershipTable, r: u8, picks: &[u8]| -> Vec<PageId> {
             let mine = own(t, r);

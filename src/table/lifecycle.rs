@@ -61,7 +61,7 @@ impl TableState {
     ) -> Result<(), Error> {
         // Disjoint borrows, so the loop keeps its counts in registers.
         let TableState { tags, hot, free, changed, requests, state_counts, tracking_changes, .. } = self;
-        let Some(rec) = requests.get_mut(&req) else {
+        let Some(rec) = requests.settled(&req, tags) else {
             return Err(Violation::new(ViolationKind::UnknownRequest, Op::Allocate).with_request(req, None).into());
         };
         let out_of_pages = |free: usize| Error::OutOfPages { requested: u64::from(n), free: free as u64 };
@@ -272,7 +272,7 @@ impl TableState {
     }
 
     pub(crate) fn release(&mut self, req: RequestId) -> Result<Released, Error> {
-        let Some(rec) = self.requests.remove(&req) else {
+        let Some(rec) = self.requests.remove(&req, &mut self.tags) else {
             return Err(self.unknown_request(Op::Release, req));
         };
         let mut released = Released::default();
@@ -302,7 +302,7 @@ impl TableState {
             return Err(self.unknown_request(Op::Release, req));
         }
         self.taking_from(req);
-        let rec = self.requests.get_mut(&req).expect("checked above");
+        let rec = self.requests.settled(&req, &mut self.tags).expect("checked above");
         let pages = std::mem::take(&mut rec.pages);
         let prefixes = std::mem::take(&mut rec.prefixes);
         let marked = rec.pages_all_marked(self.takes);
@@ -363,7 +363,7 @@ impl TableState {
             let v = self.violation(ViolationKind::DuplicateRequest, Op::Fork, parent).with_owner(child, live.tenant);
             return Err(v.into());
         }
-        let rec = self.requests.get_mut(&parent).expect("checked above");
+        let rec = self.requests.settled(&parent, &mut self.tags).expect("checked above");
         let (tenant, prompt, max_new) = (rec.tenant, rec.prompt_tokens, rec.max_new_tokens);
         let pages = std::mem::take(&mut rec.pages);
         let mut held = rec.prefixes.clone();

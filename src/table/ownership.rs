@@ -676,7 +676,7 @@ impl OwnershipTable {
             tenant: rec.tenant,
             prompt_tokens: rec.prompt_tokens,
             max_new_tokens: rec.max_new_tokens,
-            owned_pages: rec.pages.iter().map(|&p| state.page_ref(p)).collect(),
+            owned_pages: state.requests.owned_pages(rec, &state.tags).into_iter().map(|p| state.page_ref(p)).collect(),
             prefixes: rec.prefixes.iter().filter_map(|s| state.prefixes.get(s)?.key).collect(),
             quarantined: rec.quarantined.load(Ordering::Relaxed),
         })

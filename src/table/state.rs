@@ -286,7 +286,8 @@ impl PageTag {
 /// [`Requests`] keeps them by slot.
 #[repr(C, align(64))]
 pub(crate) struct RequestRecord {
-    /// Pages this request owns exclusively; `tags[p].link()` is the index here.
+    /// Pages this request owns exclusively, but for those it claimed by id since the list was
+    /// last settled ([`Requests::settled`]); `tags[p].link()` is a listed page's index here.
     pub pages: Vec<PageId>,
     /// Prefixes this request holds.
     pub prefixes: HeldPrefixes,
@@ -312,11 +313,30 @@ pub(crate) struct RequestRecord {
 /// 16-byte entry and the record's first line, where a map holding the records inline read a
 /// bucket of 96 bytes (two lines) scattered at random: SGLang at page size 1 claims a page for
 /// every row each step, and each claim looks its request up.
+///
+/// A claim by id ([`TableState::take_free_page`]) touches neither the record nor its page list:
+/// the page joins its request's [`Pending`] claims, chained through the pages' tags, and the
+/// list takes them when something next reads it ([`settled`](Self::settled),
+/// [`remove`](Self::remove), [`owned_pages`](Self::owned_pages)). At page size 1 each row claims
+/// a page every step: appending to each request's list wrote one line a request a step (its
+/// tail, somewhere on the heap), and reading its record one more.
 #[derive(Default)]
 pub(crate) struct Requests {
     slots: IdMap<RequestId, u32>,
     /// Slot `s`'s record, if a live request holds it.
     records: Vec<Option<RequestRecord>>,
+    /// Slot `s`'s claims not yet on its record's page list, eight bytes a slot.
+    pending: Vec<Pending>,
+}
+
+/// The pages a request claimed by id since its page list was last settled: `count` of them, the
+/// last `last`, each pending page's tag linking to the one claimed before it (where a listed
+/// page's tag holds its index in the list). Settled in claim order, so the list is as the
+/// claims made one by one would have left it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Pending {
+    last: u32,
+    count: u32,
 }
 
 impl Requests {
@@ -332,10 +352,65 @@ impl Requests {
         let &slot = self.slots.get(req)?;
         self.records.get(slot as usize)?.as_ref()
     }
+    /// `req`'s record, its page list as last settled: for what does not read the list (its
+    /// prefixes, its quarantine); what does takes [`settled`](Self::settled).
     #[inline]
     pub fn get_mut(&mut self, req: &RequestId) -> Option<&mut RequestRecord> {
         let &slot = self.slots.get(req)?;
         self.records.get_mut(slot as usize)?.as_mut()
+    }
+    /// `req`'s record with its pending claims on its page list (and their tags' links set to
+    /// their indices there).
+    pub fn settled(&mut self, req: &RequestId, tags: &mut [PageTag]) -> Option<&mut RequestRecord> {
+        let &slot = self.slots.get(req)?;
+        self.settle(slot, tags);
+        self.records.get_mut(slot as usize)?.as_mut()
+    }
+    /// `req`'s slot, if it is live: where [`pend`](Self::pend) keeps its claims.
+    #[inline(always)]
+    pub fn slot_of(&self, req: &RequestId) -> Option<u32> {
+        self.slots.get(req).copied()
+    }
+    /// Adds `page` to slot `slot`'s pending claims (a live request's: from
+    /// [`slot_of`](Self::slot_of)); what its tag's link must hold: the claim before it.
+    #[inline(always)]
+    pub fn pend(&mut self, slot: u32, page: PageId) -> u32 {
+        let pending = &mut self.pending[slot as usize];
+        let before = pending.last;
+        *pending = Pending { last: page.0, count: pending.count + 1 };
+        before
+    }
+    /// Moves slot `slot`'s pending claims onto its record's page list, in the order they were
+    /// made, each tag's link then its index there.
+    fn settle(&mut self, slot: u32, tags: &mut [PageTag]) {
+        let Some(pending) = self.pending.get_mut(slot as usize).filter(|p| p.count > 0) else { return };
+        let Pending { last, count } = std::mem::take(pending);
+        let rec = self.records[slot as usize].as_mut().expect("a slot with pending claims holds a live request");
+        let start = rec.pages.len();
+        rec.pages.resize(start + count as usize, PageId(0));
+        let pending = &mut rec.pages[start..];
+        let mut page = last;
+        for i in (0..pending.len()).rev() {
+            pending[i] = PageId(page);
+            let tag = &mut tags[page as usize];
+            page = tag.link();
+            // A page list never outgrows the pool, whose size is a `u32`.
+            tag.set_link((start + i) as u32);
+        }
+    }
+    /// The pages `rec` (a live request's record) owns, in the order it came by them: its list,
+    /// then its pending claims.
+    pub fn owned_pages(&self, rec: &RequestRecord, tags: &[PageTag]) -> Vec<PageId> {
+        let Pending { last, count } = self.pending[rec.slot as usize];
+        let mut pages = Vec::with_capacity(rec.pages.len() + count as usize);
+        pages.extend_from_slice(&rec.pages);
+        let mut page = last;
+        for _ in 0..count {
+            pages.push(PageId(page));
+            page = tags[page as usize].link();
+        }
+        pages[rec.pages.len()..].reverse();
+        pages
     }
     /// Keeps `rec` for `req` at its slot, which no other live request holds (slots are handed
     /// out by [`TableState::take_request_slot`]); the record `req` had, if it had one.
@@ -347,13 +422,19 @@ impl Requests {
         // Never two requests on one slot (each would find the other's record): slots come from
         // take_request_slot, so this holds on every path; it is checked all the same.
         assert!(self.records[slot].is_none(), "request slot {slot} is another live request's");
+        if slot >= self.pending.len() {
+            self.pending.resize(slot + 1, Pending::default());
+        }
+        debug_assert_eq!(self.pending[slot], Pending::default(), "a vacant slot has no pending claims");
         self.records[slot] = Some(rec);
         // One lookup of the index: an admission's.
         let old = self.slots.insert(req, slot as u32)?;
         self.records.get_mut(old as usize)?.take()
     }
-    pub fn remove(&mut self, req: &RequestId) -> Option<RequestRecord> {
+    /// Takes `req`'s record out, settled (see [`settled`](Self::settled)).
+    pub fn remove(&mut self, req: &RequestId, tags: &mut [PageTag]) -> Option<RequestRecord> {
         let slot = self.slots.remove(req)?;
+        self.settle(slot, tags);
         self.records.get_mut(slot as usize)?.take()
     }
     pub fn values(&self) -> impl Iterator<Item = &RequestRecord> {
@@ -985,13 +1066,14 @@ impl TableState {
     }
 
     /// Takes a page off the free list (it must be free and not pinned: listed) and gives it to
-    /// `req`'s page list: false, and nothing changed, if `req` is not admitted. One lookup of the
-    /// request; its free-list entry goes stale ([`FreeList::take`]).
+    /// `req`, a pending claim until its page list is next read ([`Requests`]): false, and nothing
+    /// changed, if `req` is not admitted. One lookup of the request's slot; its free-list entry
+    /// goes stale ([`FreeList::take`]).
     #[must_use]
     pub fn take_free_page(&mut self, page: PageId, req: RequestId) -> bool {
-        let Some(rec) = self.requests.get_mut(&req) else { return false };
-        let (slot, link) = (rec.slot, rec.pages.len() as u32);
-        rec.pages.push(page);
+        let Some(slot) = self.requests.slot_of(&req) else { return false };
+        // A pending claim: neither the record nor its page list is touched (see `Requests`).
+        let link = self.requests.pend(slot, page);
         self.free.take();
         let tag = &mut self.tags[page.0 as usize];
         debug_assert!(tag.watermark() == 0 && !tag.sparse(), "free pages carry no coverage");
@@ -1005,9 +1087,9 @@ impl TableState {
 
     /// Removes an owned page from its owner's page list (the caller changes its state next).
     pub fn detach_from_owner(&mut self, page: PageId) {
-        let tag = self.tags[page.0 as usize];
-        let rec = self.requests.get_mut(&tag.owner()).expect("an owned page's owner is admitted");
-        let idx = tag.link() as usize;
+        let owner = self.tags[page.0 as usize].owner();
+        let rec = self.requests.settled(&owner, &mut self.tags).expect("an owned page's owner is admitted");
+        let idx = self.tags[page.0 as usize].link() as usize;
         rec.pages.swap_remove(idx);
         if let Some(&moved) = rec.pages.get(idx) {
             self.tags[moved.0 as usize].set_link(idx as u32);
@@ -1531,15 +1613,21 @@ mod tests {
                     assert!(seen.insert(rec.slot), "slot {} twice", rec.slot);
                     assert_eq!(s.requests.slots[&RequestId(id)], rec.slot);
                     assert_eq!(s.epochs.owners[rec.slot as usize], RequestId(id));
+                    // Listed pages link to their index; pending ones (claimed by id since)
+                    // follow, each owned by the request.
                     for (i, &p) in rec.pages.iter().enumerate() {
                         let tag = &s.tags[p.0 as usize];
                         assert!(tag.owned_by(RequestId(id)) && tag.link() as usize == i);
+                    }
+                    for p in s.requests.owned_pages(rec, &s.tags) {
+                        assert!(s.tags[p.0 as usize].owned_by(RequestId(id)));
                     }
                 }
                 for (p, tag) in s.tags.iter().enumerate() {
                     if tag.state() == crate::table::info::PageState::Owned {
                         let rec = s.requests.get(&tag.owner()).expect("owner live");
-                        assert_eq!(rec.pages[tag.link() as usize], PageId(p as u32));
+                        let owned = s.requests.owned_pages(rec, &s.tags);
+                        assert_eq!(owned.iter().filter(|&&q| q == PageId(p as u32)).count(), 1, "page {p} once");
                     }
                 }
             }
@@ -1561,8 +1649,8 @@ mod tests {
         let mut r = Requests::default();
         assert!(r.insert(RequestId(10), record(0, 1)).is_none());
         assert!(r.insert(RequestId(20), record(1, 2)).is_none());
-        assert_eq!(r.remove(&RequestId(10)).map(|x| x.tenant), Some(TenantId(1)));
-        assert!(r.get(&RequestId(10)).is_none() && r.remove(&RequestId(10)).is_none());
+        assert_eq!(r.remove(&RequestId(10), &mut []).map(|x| x.tenant), Some(TenantId(1)));
+        assert!(r.get(&RequestId(10)).is_none() && r.remove(&RequestId(10), &mut []).is_none());
         // Slot 0 reused by another request: the old id still finds nothing, the new one its own.
         r.insert(RequestId(30), record(0, 3));
         assert!(r.get(&RequestId(10)).is_none());

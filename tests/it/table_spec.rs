@@ -155,6 +155,53 @@ fn allocator_and_shadow_modes_share_one_set_of_tags() {
     assert!(!more.contains(&PageId(9)), "allocation skips a page claimed in shadow mode");
 }
 
+/// A request's pages, claimed one by one, are listed in the order it came by them, whatever
+/// reads its list next: an allocation (after them), a release of some (the last listed takes
+/// the released one's place), a preemption and a fork (each takes every page, the last claimed
+/// too). Claims by id are kept apart from the list until something reads it (what SGLang's
+/// decode step at page size 1 makes, a claim a row a step); none of them may be lost or
+/// misplaced.
+#[test]
+fn pages_claimed_one_by_one_are_listed_in_claim_order_whatever_reads_the_list_next() {
+    let t = table();
+    let owned = |r: RequestId| -> Vec<PageId> { pages(&t.request_info(r).unwrap().owned_pages) };
+    t.admit(A, T1, 128, 0).unwrap();
+    for p in [9, 4, 12] {
+        t.claim(A, &[PageId(p)]).unwrap();
+    }
+    assert_eq!(owned(A), [PageId(9), PageId(4), PageId(12)]);
+    let more = pages(&t.allocate(A, 2).unwrap());
+    t.claim(A, &[PageId(7)]).unwrap();
+    assert_eq!(owned(A), [PageId(9), PageId(4), PageId(12), more[0], more[1], PageId(7)]);
+    t.release_pages(A, &[PageId(4)]).unwrap();
+    assert_eq!(owned(A), [PageId(9), PageId(7), PageId(12), more[0], more[1]]);
+    // A page claimed and released at once, then one released from the list's middle.
+    t.claim(A, &[PageId(4)]).unwrap();
+    t.claim(A, &[PageId(3)]).unwrap();
+    t.release_pages(A, &[PageId(4), PageId(12)]).unwrap();
+    assert_eq!(owned(A), [PageId(9), PageId(7), PageId(3), more[0], more[1]]);
+    assert_eq!(t.page_info(PageId(4)).unwrap().state, PageState::Free);
+    // A preemption frees every page, the last claimed with the rest.
+    t.claim(A, &[PageId(4)]).unwrap();
+    t.preempt(A).unwrap();
+    assert!(owned(A).is_empty());
+    for p in [9, 7, 3, 4] {
+        assert_eq!(t.page_info(PageId(p)).unwrap().state, PageState::Free, "page {p}");
+    }
+    // A fork shares every page, the last claimed too; the parent owns none of them after.
+    t.claim(A, &[PageId(5)]).unwrap();
+    t.claim(A, &[PageId(6)]).unwrap();
+    t.fork(A, B).unwrap();
+    assert!(owned(A).is_empty() && owned(B).is_empty());
+    for p in [5, 6] {
+        assert_eq!(t.page_info(PageId(p)).unwrap().state, PageState::Shared, "page {p}");
+    }
+    // A release ends what was claimed since: nothing stays owned by a request that is gone.
+    t.claim(B, &[PageId(8)]).unwrap();
+    t.release(B).unwrap();
+    assert_eq!(t.page_info(PageId(8)).unwrap().state, PageState::Free);
+}
+
 // ---- writes ----
 
 #[test]
