@@ -115,7 +115,9 @@ impl OwnershipTable {
         }
         // The common decode step: each window one page, its entries in place. Checked without
         // gathering the reads into lists first (the same verdicts).
-        if let Some(outcome) = self.decode_one_page_windows(step)? {
+        if let Some(outcome) =
+            self.decode_one_page_windows(step.reads.len(), &|i| step.reads[i], step.slots, step.rows)?
+        {
             return Ok(outcome);
         }
         // The windows are gathered first: a row past the table is found before anything is
@@ -132,23 +134,78 @@ impl OwnershipTable {
         Ok(DecodeOutcome::of(written, read))
     }
 
+    /// [`decode_forward`](Self::decode_forward) of `n` reads made as they are judged: read `i`
+    /// is `read(i)`, called as often as the step needs it (a few times a read) and always giving
+    /// the same read. The same verdicts and errors as `decode_forward` given those reads in a
+    /// slice, and the same changes to the table; nothing is listed where every window is one page
+    /// (the common decode step), so an engine's binding can read its own arrays in place
+    /// (kvguard's Python binding reads SGLang's arrays and its plugin's mirror, with the GIL held).
+    ///
+    /// ```
+    /// use kvguard::{BlockRows, OwnershipTable, PoolConfig, RequestId, TenantId};
+    /// use kvguard::step::{DecodeOutcome, SlotRead};
+    ///
+    /// let table = OwnershipTable::new(PoolConfig::new(16, 8, 64))?;
+    /// let a = RequestId(1);
+    /// table.admit(a, TenantId(0), 2, 1)?;
+    /// table.claim(a, &[kvguard::PageId(2)])?;
+    /// // Row 0 of the token-slot table: tokens 0 and 1 in slots 16 and 17 (page 2).
+    /// let req_to_token = [16, 17, -1, -1, -1, -1, -1, -1];
+    /// let rows = BlockRows::new(&req_to_token, 8)?;
+    /// // Two steps, each writing one token and reading its row so far; the reads' fields come
+    /// // from an engine's own arrays, read by index.
+    /// let (checked, lens) = ([0u64, 1], [1u64, 2]);
+    /// for (step, slot) in [16i64, 17].into_iter().enumerate() {
+    ///     let read = |_: usize| SlotRead { request: a, row: 0, from: checked[step], tokens: lens[step] };
+    ///     assert!(matches!(table.decode_forward_by(1, read, &[slot], rows)?, DecodeOutcome::Clean));
+    /// }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn decode_forward_by(
+        &self,
+        n: usize,
+        read: impl Fn(usize) -> SlotRead,
+        slots: &[i64],
+        rows: BlockRows<'_>,
+    ) -> Result<DecodeOutcome, StepError> {
+        if slots.len() != n {
+            return Err(StepError::Slots { reads: n, slots: slots.len() });
+        }
+        if let Some(outcome) = self.decode_one_page_windows(n, &read, slots, rows)? {
+            return Ok(outcome);
+        }
+        let reads: Vec<SlotRead> = (0..n).map(read).collect();
+        self.decode_forward(&DecodeForward { reads: &reads, slots, rows })
+    }
+
     /// [`decode_forward`](Self::decode_forward) where every read's window is one page whose
     /// entries are in place ([`one_page_window`]); `None`, nothing done, where one is not. The
     /// windows are found before anything is recorded, as the general path gathers them: a row
     /// past the table is [`StepError::Rows`], and the engine's table is read once.
-    fn decode_one_page_windows(&self, step: &DecodeForward<'_>) -> Result<Option<DecodeOutcome>, StepError> {
-        RowsError::first_past(step.reads.iter().map(|r| r.row), step.rows.rows())?;
+    fn decode_one_page_windows(
+        &self,
+        n: usize,
+        read: &impl Fn(usize) -> SlotRead,
+        slots: &[i64],
+        rows: BlockRows<'_>,
+    ) -> Result<Option<DecodeOutcome>, StepError> {
         let page_size = self.page_size();
         let div = PageDiv::new(page_size);
-        let mut windows = Vec::with_capacity(step.reads.len());
-        for read in step.reads {
-            match one_page_window(step.rows, read, div, page_size) {
-                Some(w) => windows.push(w),
+        // Each read made once: its window and its writer kept (16 bytes a read).
+        let mut windows = Vec::with_capacity(n);
+        for i in 0..n {
+            let read = read(i);
+            if read.row as usize >= rows.rows() {
+                // The first row past the table, unless a window before it is not one page: then
+                // the general path finds the same row first, as it gathers.
+                return Err(RowsError::Row { index: i, row: read.row, rows: rows.rows() }.into());
+            }
+            match one_page_window(rows, &read, div, page_size) {
+                Some((page, tokens)) => windows.push((page, tokens, read.request)),
                 None => return Ok(None),
             }
         }
-        let writers = step.reads.iter().map(|r| r.request);
-        let (written, read) = self.decode_writes_then_one_page_reads(writers, step.slots, &windows);
+        let (written, read) = self.decode_writes_then_one_page_reads(&windows, slots);
         Ok(Some(DecodeOutcome::of(written, read)))
     }
 }

@@ -38,18 +38,18 @@ impl OwnershipTable {
     }
 
     /// [`decode_writes_then_reads`](Self::decode_writes_then_reads) where each read is a window of
-    /// one page: writer `i` reads `windows[i]`'s page, its first `windows[i].1` tokens. The
+    /// one page: writer `windows[i].2` wrote `slots[i]` and reads `windows[i]`'s page, its first
+    /// `windows[i].1` tokens. The
     /// same verdicts, without a read list made first (a decode step of 256 rows at page size 16
     /// gathered 17 KiB of them, which a step touched besides the engine's own memory).
     pub(crate) fn decode_writes_then_one_page_reads(
         &self,
-        writers: impl Iterator<Item = RequestId> + Clone,
+        windows: &[(PageId, u32, RequestId)],
         slots: &[i64],
-        windows: &[(PageId, u32)],
     ) -> (StepVerdict, Option<StepVerdict>) {
-        self.decode_writes_then(writers.clone(), slots, |state| {
+        self.decode_writes_then(windows.iter().map(|w| w.2), slots, |state| {
             let mut read = StepVerdict::default();
-            for (i, (req, &(page, tokens))) in writers.zip(windows).enumerate() {
+            for (i, &(page, tokens, req)) in windows.iter().enumerate() {
                 let tokens = u64::from(tokens);
                 if state.reads_own_page(req, page, tokens) {
                     continue;

@@ -182,7 +182,9 @@ proptest! {
 /// `reads` as one decode forward on a table built from `d`, and as its writes recorded by
 /// `record_step_writes` and (if all were) its windows checked by `check_slot_rows` on a twin:
 /// the same verdicts, counters, pages and requests. Each read writes `drawn_slots`' slot, or
-/// where that is None the slot of its row's token `from` (what the engine writes).
+/// where that is None the slot of its row's token `from` (what the engine writes). The same
+/// forward with its reads made by index (`decode_forward_by`, on a third twin) gives the same
+/// outcome and leaves the same table.
 fn decode_forward_as_its_calls(
     d: &Drawn,
     reads: &[SlotRead],
@@ -202,6 +204,9 @@ fn decode_forward_as_its_calls(
         })
         .collect();
     let outcome = one.decode_forward(&DecodeForward { reads, slots: &slots, rows }).unwrap();
+    let (three, _) = build(d, policy, true, ps);
+    let by_index = three.decode_forward_by(reads.len(), |i| reads[i], &slots, rows).unwrap();
+    prop_assert_eq!(format!("{by_index:?}"), format!("{outcome:?}"));
     let writes: Vec<SeqWrite<'_>> =
         reads.iter().zip(slots.chunks(1)).map(|(r, s)| SeqWrite { request: r.request, slots: s }).collect();
     let written = two.record_step_writes(&writes);
@@ -223,13 +228,43 @@ fn decode_forward_as_its_calls(
         }
     }
     prop_assert_eq!(one.counters().total(), two.counters().total());
+    prop_assert_eq!(one.counters().total(), three.counters().total());
     for p in 0..PAGES {
         prop_assert_eq!(one.page_info(PageId(p)), two.page_info(PageId(p)));
+        prop_assert_eq!(one.page_info(PageId(p)), three.page_info(PageId(p)));
     }
     for r in 1..=3 {
         prop_assert_eq!(one.request_info(RequestId(r)), two.request_info(RequestId(r)));
+        prop_assert_eq!(one.request_info(RequestId(r)), three.request_info(RequestId(r)));
     }
     Ok(())
+}
+
+/// A decode forward with its reads made by index refuses what the one given a slice refuses,
+/// with the same errors and nothing recorded: slots not one per read, a row past the table.
+#[test]
+fn a_decode_forward_by_index_refuses_as_the_one_given_a_slice() {
+    let t = table(Policy::Enforce, 4);
+    let a = RequestId(1);
+    t.admit(a, TenantId(1), 4, 4).unwrap();
+    t.claim(a, &[PageId(1), PageId(2)]).unwrap();
+    let entries: Vec<i32> = (4..12).collect();
+    let rows = BlockRows::new(&entries, 8).unwrap();
+    let one_page = SlotRead { request: a, row: 0, from: 0, tokens: 1 };
+    let two_pages = SlotRead { tokens: 5, ..one_page };
+    let past = SlotRead { row: 1, ..one_page };
+    // Slots not one per read; a row past the table after a one-page window, and after a window
+    // of two pages (which the general path gathers).
+    let cases: [(&[SlotRead], &[i64]); 3] =
+        [(&[one_page], &[4, 5]), (&[one_page, past], &[4, 5]), (&[two_pages, past], &[4, 5])];
+    for (reads, slots) in cases {
+        let sliced = t.decode_forward(&DecodeForward { reads, slots, rows }).unwrap_err();
+        let by_index = t.decode_forward_by(reads.len(), |i| reads[i], slots, rows).unwrap_err();
+        assert_eq!(by_index.to_string(), sliced.to_string());
+    }
+    for p in [1, 2] {
+        assert_eq!(t.page_info(PageId(p)).unwrap().written_slots, 0, "nothing recorded");
+    }
 }
 
 /// A row whose width is not a whole number of pages ends inside its last page: a read of more

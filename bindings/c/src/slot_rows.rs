@@ -9,7 +9,7 @@ use crate::rows::{new_cache, put_counts, with_locked};
 use crate::status::{Failure, kvg_status};
 use crate::step::{mask, verdict};
 use crate::table::{kvg_table, with_table};
-use kvguard::step::{DecodeForward, DecodeOutcome, SlotRead, SlotRowCache};
+use kvguard::step::{DecodeOutcome, SlotRead, SlotRowCache};
 use kvguard::{BlockRows, RequestId, RowRead};
 use parking_lot::Mutex;
 
@@ -36,17 +36,40 @@ fn table_of<'a>(req_to_token: *const i32, table_rows: usize, width: usize) -> Re
     BlockRows::new(entries, width).map_err(|e| Failure::invalid(e.to_string()))
 }
 
-/// A step's reads: read `i` is `request_ids[i]` reading its first `seq_lens[i]` tokens through
-/// row `rows[i]`, from token `from_tokens[i]`'s page on (NULL `from_tokens`: whole rows).
-fn slot_reads(
+/// A step's reads, checked, read in place: read `i` is `request_ids[i]` reading its first
+/// `seq_lens[i]` tokens through row `rows[i]`, from token `from_tokens[i]`'s page on (NULL
+/// `from_tokens`: whole rows).
+struct SlotReads<'a> {
+    requests: &'a [u64],
+    rows: &'a [u32],
+    lens: &'a [i32],
+    from: Option<&'a [i32]>,
+}
+
+impl SlotReads<'_> {
+    /// Read `i` (`i` below the reads' count).
+    fn read(&self, i: usize) -> SlotRead {
+        // Every count is non-negative (checked in `slot_reads`): `as u64` keeps its value.
+        let from = self.from.map_or(0, |f| f[i] as u64);
+        SlotRead { request: RequestId(self.requests[i]), row: self.rows[i], from, tokens: self.lens[i] as u64 }
+    }
+
+    /// Every read, listed.
+    fn listed(&self) -> Vec<SlotRead> {
+        (0..self.rows.len()).map(|i| self.read(i)).collect()
+    }
+}
+
+/// The reads of a step as its arrays give them, each count checked non-negative.
+fn slot_reads<'a>(
     reads: usize,
     request_ids: *const u64,
     rows: *const u32,
     from_tokens: *const i32,
     seq_lens: *const i32,
-) -> Result<Vec<SlotRead>, Failure> {
+) -> Result<SlotReads<'a>, Failure> {
     if reads == 0 {
-        return Ok(Vec::new());
+        return Ok(SlotReads { requests: &[], rows: &[], lens: &[], from: None });
     }
     let requests = raw::slice(request_ids, reads, "request_ids")?;
     let rows = raw::slice(rows, reads, "rows")?;
@@ -59,11 +82,7 @@ fn slot_reads(
             return Err(Failure::invalid(format!("{name}[{i}] is {}: a token count is not negative", counts[i])));
         }
     }
-    // Every count is non-negative (checked above): `as u64` keeps its value.
-    let from_of = |i: usize| from.map_or(0, |f| f[i] as u64);
-    Ok((0..reads)
-        .map(|i| SlotRead { request: RequestId(requests[i]), row: rows[i], from: from_of(i), tokens: lens[i] as u64 })
-        .collect())
+    Ok(SlotReads { requests, rows, lens, from })
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -81,7 +100,7 @@ fn slot_rows_step(
     judged: bool,
 ) -> kvg_status {
     with_table(table, |t| {
-        let step = slot_reads(reads, request_ids, rows, from_tokens, seq_lens)?;
+        let step = slot_reads(reads, request_ids, rows, from_tokens, seq_lens)?.listed();
         let matrix = table_of(req_to_token, table_rows, width)?;
         let refused = mask(refused, reads)?;
         let v = if judged { t.table.verify_slot_rows(matrix, &step) } else { t.table.check_slot_rows(matrix, &step) };
@@ -201,7 +220,8 @@ pub unsafe extern "C" fn kvg_decode_forward(
         let slots = if reads == 0 { &[][..] } else { raw::slice(slots, reads, "slots")? };
         let matrix = table_of(req_to_token, table_rows, width)?;
         let refused = mask(refused, reads)?;
-        let outcome = t.table.decode_forward(&DecodeForward { reads: &step, slots, rows: matrix });
+        // The caller's arrays read in place as the core judges them (no list of the reads).
+        let outcome = t.table.decode_forward_by(reads, |i| step.read(i), slots, matrix);
         let (at, v) = match outcome.map_err(|e| Failure::invalid(e.to_string()))? {
             DecodeOutcome::Clean => (kvg_decode_stage::Clean, kvguard::StepVerdict::default()),
             DecodeOutcome::Writes(v) => (kvg_decode_stage::Writes, v),
@@ -286,8 +306,9 @@ fn cached_step(
     judged: bool,
 ) -> kvg_status {
     with_table(table, |t| {
-        let step: Vec<RowRead> = slot_reads(reads, request_ids, rows, std::ptr::null(), seq_lens)?
-            .into_iter()
+        let step = slot_reads(reads, request_ids, rows, std::ptr::null(), seq_lens)?;
+        let step: Vec<RowRead> = (0..reads)
+            .map(|i| step.read(i))
             .map(|r| RowRead { request: r.request, row: r.row, tokens: r.tokens })
             .collect();
         let matrix = table_of(req_to_token, table_rows, width)?;

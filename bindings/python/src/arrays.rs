@@ -509,6 +509,24 @@ impl<'py> IntArray<'py> {
         })
     }
 
+    /// [`counts`](Self::counts) without the list: the first `n` entries checked, to be read in
+    /// place (the same `ValueError`s).
+    pub fn check_counts(&self, n: usize, name: &str) -> PyResult<()> {
+        if self.len() < n {
+            return Err(PyValueError::new_err(format!("{name} has {} entries, {n} needed", self.len())));
+        }
+        let negative = match self.as_ints() {
+            Some(Ints::I32(s)) => s[..n].iter().fold(false, |neg, &v| neg | (v < 0)),
+            Some(Ints::I64(s)) => s[..n].iter().fold(false, |neg, &v| neg | (v < 0)),
+            None => (0..n).any(|i| self.get(i, 0) < 0),
+        };
+        if !negative {
+            return Ok(());
+        }
+        let (i, v) = (0..n).map(|i| (i, self.get(i, 0))).find(|&(_, v)| v < 0).unwrap_or((0, -1));
+        Err(PyValueError::new_err(format!("{name}[{i}] is {v}: must be >= 0")))
+    }
+
     /// The first `n` entries of a 1-D array as non-negative ints; `what` names them in the
     /// `ValueError` a negative one raises.
     pub fn counts(&self, n: usize, name: &str) -> PyResult<Vec<u64>> {

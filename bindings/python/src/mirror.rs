@@ -40,15 +40,26 @@ impl<'a, 'py> Lookup<'a, 'py> {
     }
 }
 
-/// The row arguments of a decode step: `rows`, 1-D int, one entry per position, each within
-/// `row_keys` (`ValueError` otherwise).
-pub fn step_rows(rows: &IntArray<'_>, row_keys: usize) -> PyResult<Vec<u64>> {
+/// The rows of a decode forward: `rows`, 1-D int, one entry per position, each non-negative
+/// and within both `row_keys` and the token-slot table's `table_rows` (`ValueError` naming the
+/// first row past `row_keys`, else the first past the table), checked in place to be read by
+/// index. One pass in the common case.
+pub fn check_step_rows(rows: &IntArray<'_>, row_keys: usize, table_rows: usize) -> PyResult<()> {
     let n = rows.len();
-    let rows = rows.counts(n, "rows")?;
-    if let Some((i, r)) = rows.iter().enumerate().find(|(_, r)| **r >= row_keys as u64) {
-        return Err(PyValueError::new_err(format!("rows[{i}] is {r}: row_keys has {row_keys} rows")));
+    rows.check_counts(n, "rows")?;
+    let at = Lookup::new(rows);
+    let bound = row_keys.min(table_rows) as u64;
+    if (0..n).all(|i| (at.at(i) as u64) < bound) {
+        return Ok(());
     }
-    Ok(rows)
+    let first_past = |len: usize| (0..n).map(|i| (i, at.at(i))).find(|&(_, r)| r as u64 >= len as u64);
+    Err(match first_past(row_keys) {
+        Some((i, r)) => PyValueError::new_err(format!("rows[{i}] is {r}: row_keys has {row_keys} rows")),
+        None => {
+            let (i, r) = first_past(table_rows).unwrap_or((0, 0));
+            PyValueError::new_err(format!("rows[{i}] is {r}: req_to_token has {table_rows} rows"))
+        }
+    })
 }
 
 /// `len`, a per-position argument's length, is `n`, the positions' (`ValueError` otherwise:

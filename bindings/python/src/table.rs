@@ -1600,14 +1600,19 @@ impl OwnershipTable {
         let checked = I64Mut::open(row_checked, "row_checked")?;
         mirror::check_rows("row_checked", checked.len(), keys.len())?;
         let t = IntArray::open(req_to_token, "req_to_token", 2)?;
-        let rows = mirror::step_rows(&IntArray::open(rows, "rows", 1)?, keys.len())?;
-        if let Some((i, r)) = rows.iter().enumerate().find(|(_, r)| **r >= t.len() as u64) {
-            return Err(PyValueError::new_err(format!("rows[{i}] is {r}: req_to_token has {} rows", t.len())));
-        }
+        let rows = IntArray::open(rows, "rows", 1)?;
         let n = rows.len();
+        // Rows and lengths are checked, then read in place (no list of them).
+        mirror::check_step_rows(&rows, keys.len(), t.len())?;
+        let row_at = mirror::Lookup::new(&rows);
+        if u32::try_from(t.len()).is_err() {
+            // Rows past u32::MAX exist in such a table: the core names rows in 32 bits.
+            (0..n).try_for_each(|i| row_index(row_at.at(i) as u64).map(drop))?;
+        }
         let lens = IntArray::open(seq_lens, "seq_lens", 1)?;
         mirror::check_positions("seq_lens", lens.len(), n)?;
-        let lens = lens.counts(n, "seq_lens")?;
+        lens.check_counts(n, "seq_lens")?;
+        let len_at = mirror::Lookup::new(&lens);
         let loc = IntArray::open(out_cache_loc, "out_cache_loc", 1)?;
         checked.apart(
             "row_checked",
@@ -1619,25 +1624,8 @@ impl OwnershipTable {
         if loc.len() != n {
             return Ok(Some(("full", None)));
         }
-        // The windows start at each row's checked length (read before anything is recorded;
-        // the arrays stay with the GIL). One pass over the rows, nothing changed by it: a row
-        // whose request claims nothing makes it a full check.
-        let mut read_from: Vec<i64> = Vec::with_capacity(n);
-        let mut reads: Vec<SlotRead> = Vec::with_capacity(n);
-        let mut all_live = true;
-        for (&r, &tokens) in rows.iter().zip(&lens) {
-            let r = r as usize; // within row_keys (step_rows checked)
-            all_live &= live.at(r) != 0;
-            let from = checked.get(r);
-            read_from.push(from);
-            reads.push(SlotRead {
-                request: RequestId(key_of.at(r) as u64),
-                row: row_index(r as u64)?,
-                from: from.max(0) as u64,
-                tokens,
-            });
-        }
-        if !all_live {
+        // A row whose request claims nothing makes it a full check (nothing changed by it).
+        if !(0..n).all(|i| live.at(row_at.at(i) as usize) != 0) {
             return Ok(Some(("full", None)));
         }
         let copied: Vec<i64>;
@@ -1648,20 +1636,53 @@ impl OwnershipTable {
                 &copied
             }
         };
-        let mut converted = Vec::new();
-        let (table, reads) = slot_rows(&t, reads, self.table.config(), &mut converted)?;
+        // Read `i`: its window starts at its row's checked length (rows and lengths checked
+        // above: non-negative, within the arrays).
+        let read = |i: usize| {
+            let r = row_at.at(i) as usize;
+            SlotRead {
+                request: RequestId(key_of.at(r) as u64),
+                row: r as u32,
+                from: checked.get(r).max(0) as u64,
+                tokens: len_at.at(i) as u64,
+            }
+        };
         let core = &self.table;
-        let step = DecodeForward { reads: &reads, slots, rows: table };
-        match py.detach(|| core.decode_forward(&step)).map_err(step_error)? {
+        // Each row's checked length as its window was read from, where the GIL was released
+        // while the core judged (None: held throughout, so every row's is the length it has).
+        let mut read_from: Option<Vec<i64>> = None;
+        let outcome = match t.as_i32_rows() {
+            // SGLang's int32 table: the reads made from the plugin's mirror and SGLang's arrays as
+            // the core judges them, so the GIL stays held (the arrays are read only with it); the
+            // core calls no Python, so the table's lock is never held by a thread that waits for
+            // the GIL. Nothing lists the step's reads.
+            Some((entries, width)) => {
+                let table =
+                    kvguard::BlockRows::new(entries, width).map_err(|e| PyValueError::new_err(e.to_string()))?;
+                core.decode_forward_by(n, read, slots, table)
+            }
+            // Any other table: the reads listed, its windows converted to int32, the GIL released.
+            None => {
+                read_from = Some((0..n).map(|i| checked.get(row_at.at(i) as usize)).collect());
+                let reads: Vec<SlotRead> = (0..n).map(read).collect();
+                let mut converted = Vec::new();
+                let (table, reads) = slot_rows(&t, reads, core.config(), &mut converted)?;
+                let step = DecodeForward { reads: &reads, slots, rows: table };
+                py.detach(|| core.decode_forward(&step))
+            }
+        }
+        .map_err(step_error)?;
+        match outcome {
             DecodeOutcome::Writes(written) => return Ok(Some(("writes", Some(self.verdict(py, written, n, true)?)))),
             DecodeOutcome::Window(_) => return Ok(Some(("window", None))),
-            _ => {}
+            DecodeOutcome::Clean => {}
         }
         // A row's checked length moves up only from the value its window was read from: one
         // lowered meanwhile (another thread's row write, while the GIL was released) stands.
-        for ((&row, &len), &was) in rows.iter().zip(&lens).zip(&read_from) {
-            if checked.get(row as usize) == was {
-                checked.set(row as usize, len as i64);
+        for i in 0..n {
+            let r = row_at.at(i) as usize;
+            if read_from.as_ref().is_none_or(|was| checked.get(r) == was[i]) {
+                checked.set(r, len_at.at(i));
             }
         }
         Ok(None)

@@ -276,8 +276,13 @@ def test_check_decode_forward_bad_input_is_a_typed_exception():
         t.check_decode_forward(keys, claimants, checked.astype(np.int32), rt, step, lens, loc)
     with pytest.raises(ValueError, match="row_claimants"):
         t.check_decode_forward(keys, claimants[:3], checked, rt, step, lens, loc)
-    with pytest.raises(ValueError, match="rows"):
+    with pytest.raises(ValueError, match=r"rows\[2\] is 2: req_to_token has 2 rows"):
         t.check_decode_forward(keys, claimants, checked, rt[:2], step, lens, loc)
+    # A row past row_keys is named before one past the table, whichever comes first.
+    with pytest.raises(ValueError, match=r"rows\[3\] is 8: row_keys has 8 rows"):
+        t.check_decode_forward(keys, claimants, checked, rt[:2], np.array([0, 1, 5, 8, 2]), lens, loc)
+    with pytest.raises(ValueError, match=r"rows\[1\] is -1: must be >= 0"):
+        t.check_decode_forward(keys, claimants, checked, rt, np.array([0, -1, 2, 3, 4]), lens, loc)
     with pytest.raises(ValueError, match="seq_lens"):
         t.check_decode_forward(keys, claimants, checked, rt, step, lens[:2], loc)
     with pytest.raises(ValueError, match="seq_lens"):
