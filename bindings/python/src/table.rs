@@ -1614,9 +1614,17 @@ impl OwnershipTable {
         lens.check_counts(n, "seq_lens")?;
         let len_at = mirror::Lookup::new(&lens);
         let loc = IntArray::open(out_cache_loc, "out_cache_loc", 1)?;
+        // Nothing read in place may share memory with row_checked, which this call writes.
         checked.apart(
             "row_checked",
-            &[(&keys, "row_keys"), (&claimants, "row_claimants"), (&t, "req_to_token"), (&loc, "out_cache_loc")],
+            &[
+                (&keys, "row_keys"),
+                (&claimants, "row_claimants"),
+                (&t, "req_to_token"),
+                (&loc, "out_cache_loc"),
+                (&rows, "rows"),
+                (&lens, "seq_lens"),
+            ],
             None,
         )?;
         // The mirror's int64 arrays read as slices (the per-row loops below are the call's cost).
@@ -1648,9 +1656,12 @@ impl OwnershipTable {
             }
         };
         let core = &self.table;
-        // Each row's checked length as its window was read from, where the GIL was released
-        // while the core judged (None: held throughout, so every row's is the length it has).
-        let mut read_from: Option<Vec<i64>> = None;
+        // Each row's checked length as its window was read from (a row twice in the step moves
+        // once, from the first).
+        let read_from: Vec<i64> = (0..n).map(|i| checked.get(row_at.at(i) as usize)).collect();
+        // Each row and length as judged, where the GIL was released while the core judged (None:
+        // held throughout, so the arrays are as they were judged).
+        let mut judged: Option<Vec<(usize, i64)>> = None;
         let outcome = match t.as_i32_rows() {
             // SGLang's int32 table: the reads made from the plugin's mirror and SGLang's arrays as
             // the core judges them, so the GIL stays held (the arrays are read only with it); the
@@ -1663,7 +1674,7 @@ impl OwnershipTable {
             }
             // Any other table: the reads listed, its windows converted to int32, the GIL released.
             None => {
-                read_from = Some((0..n).map(|i| checked.get(row_at.at(i) as usize)).collect());
+                judged = Some((0..n).map(|i| (row_at.at(i) as usize, len_at.at(i))).collect());
                 let reads: Vec<SlotRead> = (0..n).map(read).collect();
                 let mut converted = Vec::new();
                 let (table, reads) = slot_rows(&t, reads, core.config(), &mut converted)?;
@@ -1679,11 +1690,14 @@ impl OwnershipTable {
         }
         // A row's checked length moves up only from the value its window was read from: one
         // lowered meanwhile (another thread's row write, while the GIL was released) stands.
-        for i in 0..n {
-            let r = row_at.at(i) as usize;
-            if read_from.as_ref().is_none_or(|was| checked.get(r) == was[i]) {
-                checked.set(r, len_at.at(i));
+        let update = |r: usize, len: i64, was: i64| {
+            if checked.get(r) == was {
+                checked.set(r, len);
             }
+        };
+        match judged {
+            None => read_from.iter().enumerate().for_each(|(i, &was)| update(row_at.at(i) as usize, len_at.at(i), was)),
+            Some(judged) => judged.iter().zip(&read_from).for_each(|(&(r, len), &was)| update(r, len, was)),
         }
         Ok(None)
     }

@@ -390,6 +390,14 @@ def test_the_arrays_the_binding_writes_share_memory_with_nothing_it_reads():
     loc = rt[step, 20].astype(np.int64)
     with pytest.raises(ValueError, match="row_checked shares memory with row_claimants"):
         t.check_decode_forward(keys, claimants, claimants, rt, step, np.full(5, 21, dtype=np.int64), loc)
+    # The rows and lengths are read in place while row_checked is written: a view of it as
+    # either would change what a later row reads.
+    checked[:5] = step  # rows and lengths the checks before the overlap's pass
+    with pytest.raises(ValueError, match="row_checked shares memory with rows"):
+        t.check_decode_forward(keys, claimants, checked, rt, checked[:5], np.full(5, 21, dtype=np.int64), loc)
+    with pytest.raises(ValueError, match="row_checked shares memory with seq_lens"):
+        t.check_decode_forward(keys, claimants, checked, rt, step, checked[:5], loc)
+    assert checked[:5].tolist() == list(range(5)), "nothing written"
     # Views of one buffer that do not overlap are separate arrays.
     both = np.zeros(16, dtype=np.int64)
     both[:8] = keys
