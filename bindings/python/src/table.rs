@@ -1678,7 +1678,9 @@ impl OwnershipTable {
                 let reads: Vec<SlotRead> = (0..n).map(read).collect();
                 let mut converted = Vec::new();
                 let (table, reads) = slot_rows(&t, reads, core.config(), &mut converted)?;
-                let step = DecodeForward { reads: &reads, slots, rows: table };
+                // Nothing of the caller's is read while the GIL is released: the slots copied too.
+                let slots = slots.to_vec();
+                let step = DecodeForward { reads: &reads, slots: &slots, rows: table };
                 py.detach(|| core.decode_forward(&step))
             }
         }
