@@ -18,7 +18,9 @@
 //! written in it, through one `engine_step` (cache warm), and through `record_step_writes` of its
 //! slot mapping and a full `verify_step`; `decode_forward/windows`: the same step through SGLang's
 //! layout, a token-slot table (256 x 4,096 int32 slots), as one `decode_forward` that writes each
-//! row's token and checks each row's window from its last checked token (4,095);
+//! row's token and checks each row's window from its last checked token (4,095), and
+//! `decode_forward/by_index` the same through `decode_forward_by`, its reads made from per-row
+//! arrays as the core asks for them;
 //! `decode_row_write/mirror`: SGLang's decode row write against its plugin's mirror of the pool
 //! (`write_decode_rows`), 256 rows each writing its next slot, every 16th into a new page it
 //! claims, the rest into pages they own; `decode_row_write/page1`: the same at page size 1,
@@ -116,10 +118,32 @@ fn measured_decode_forward(table: &OwnershipTable, step: &DecodeForward<'_>) -> 
     matches!(table.decode_forward(black_box(step)).expect("the step's shape"), DecodeOutcome::Clean)
 }
 
+#[inline(never)]
+fn measured_decode_forward_by(
+    table: &OwnershipTable,
+    requests: &[u64],
+    checked: &[i64],
+    lens: &[i64],
+    slots: &[i64],
+    rows: BlockRows<'_>,
+) -> bool {
+    // As a binding reads an engine's arrays: row i is request i's, its read from its checked
+    // length to its length.
+    let read = |i: usize| SlotRead {
+        request: RequestId(requests[i]),
+        row: i as u32,
+        from: checked[i] as u64,
+        tokens: lens[i] as u64,
+    };
+    let outcome = table.decode_forward_by(requests.len(), read, black_box(slots), rows);
+    matches!(outcome.expect("the step's shape"), DecodeOutcome::Clean)
+}
+
 /// `decode_grew`'s step in SGLang's layout: 256 rows of 4,096 token slots (`req_to_token`), 4,095
 /// tokens written and checked, then one `decode_forward` writing each row's 4,096th token and
-/// reading each row's window from token 4,095 (its last page).
-fn decode_forward() {
+/// reading each row's window from token 4,095 (its last page); `by_index`: the same step through
+/// `decode_forward_by`, its reads made from per-row arrays as the core asks for them.
+fn decode_forward(by_index: bool) {
     let table = OwnershipTable::new(PoolConfig::new(SEQS * PAGES + 1, PS, TOKENS).with_reserved([PageId(0)]))
         .expect("pool fits");
     let mut entries: Vec<i32> = Vec::with_capacity((SEQS as u64 * TOKENS) as usize);
@@ -133,6 +157,12 @@ fn decode_forward() {
         slots.push(*entries.last().expect("a row") as i64);
     }
     let rows = BlockRows::new(&entries, TOKENS as usize).expect("whole rows");
+    if by_index {
+        let requests: Vec<u64> = (0..u64::from(SEQS)).collect();
+        let (checked, lens) = (vec![TOKENS as i64 - 1; SEQS as usize], vec![TOKENS as i64; SEQS as usize]);
+        assert!(measured_decode_forward_by(&table, &requests, &checked, &lens, &slots, rows), "a clean step");
+        return;
+    }
     let reads: Vec<SlotRead> = (0..SEQS)
         .map(|s| SlotRead { request: RequestId(u64::from(s)), row: s, from: TOKENS - 1, tokens: TOKENS })
         .collect();
@@ -419,7 +449,8 @@ fn main() {
         "decode_grew/held" => decode_grew(Grew::Held),
         "decode_grew/engine_step" => decode_grew(Grew::EngineStep),
         "decode_grew/separate" => decode_grew(Grew::Separate),
-        "decode_forward/windows" => decode_forward(),
+        "decode_forward/windows" => decode_forward(false),
+        "decode_forward/by_index" => decode_forward(true),
         "decode_row_write/mirror" => decode_row_write(PS, 16),
         "slot_rows/cached" => slot_rows(true),
         "slot_rows/full" => slot_rows(false),
@@ -431,7 +462,7 @@ fn main() {
         "replay/events" => replay(),
         _ => {
             eprintln!(
-                "usage: instructions decode_step/guarded|decode_step/unguarded|decode_grew/incremental|decode_grew/full|decode_grew/engine_step|decode_grew/separate|decode_forward/windows|decode_row_write/mirror|slot_rows/cached|slot_rows/full|decode_row_write/page1|lifecycle/guarded|lifecycle/unguarded|lifecycle/guarded_tracked[_info]|replay/events"
+                "usage: instructions decode_step/guarded|decode_step/unguarded|decode_grew/incremental|decode_grew/full|decode_grew/engine_step|decode_grew/separate|decode_forward/windows|decode_forward/by_index|decode_row_write/mirror|slot_rows/cached|slot_rows/full|decode_row_write/page1|lifecycle/guarded|lifecycle/unguarded|lifecycle/guarded_tracked[_info]|replay/events"
             );
             std::process::exit(2);
         }
