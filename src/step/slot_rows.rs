@@ -135,8 +135,8 @@ impl OwnershipTable {
     }
 
     /// [`decode_forward`](Self::decode_forward) of `n` reads made as they are judged: read `i`
-    /// is `read(i)`, called as often as the step needs it (a few times a read) and always giving
-    /// the same read. The same verdicts and errors as `decode_forward` given those reads in a
+    /// is `read(i)`, called once a read where every window is one page (and again, to list them,
+    /// where one is not), and always giving the same read. The same verdicts and errors as `decode_forward` given those reads in a
     /// slice, and the same changes to the table; nothing is listed where every window is one page
     /// (the common decode step), so an engine's binding can read its own arrays in place
     /// (kvguard's Python binding reads SGLang's arrays and its plugin's mirror, with the GIL held).

@@ -39,9 +39,9 @@ impl OwnershipTable {
 
     /// [`decode_writes_then_reads`](Self::decode_writes_then_reads) where each read is a window of
     /// one page: writer `windows[i].2` wrote `slots[i]` and reads `windows[i]`'s page, its first
-    /// `windows[i].1` tokens. The
-    /// same verdicts, without a read list made first (a decode step of 256 rows at page size 16
-    /// gathered 17 KiB of them, which a step touched besides the engine's own memory).
+    /// `windows[i].1` tokens. The same verdicts, without a read list made first (a decode step of
+    /// 256 rows at page size 16 gathered 17 KiB of them, which a step touched besides the engine's
+    /// own memory).
     pub(crate) fn decode_writes_then_one_page_reads(
         &self,
         windows: &[(PageId, u32, RequestId)],

@@ -306,9 +306,9 @@ fn cached_step(
     judged: bool,
 ) -> kvg_status {
     with_table(table, |t| {
-        let step = slot_reads(reads, request_ids, rows, std::ptr::null(), seq_lens)?;
-        let step: Vec<RowRead> = (0..reads)
-            .map(|i| step.read(i))
+        let step: Vec<RowRead> = slot_reads(reads, request_ids, rows, std::ptr::null(), seq_lens)?
+            .listed()
+            .into_iter()
             .map(|r| RowRead { request: r.request, row: r.row, tokens: r.tokens })
             .collect();
         let matrix = table_of(req_to_token, table_rows, width)?;

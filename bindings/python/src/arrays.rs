@@ -509,8 +509,8 @@ impl<'py> IntArray<'py> {
         })
     }
 
-    /// [`counts`](Self::counts) without the list: the first `n` entries checked, to be read in
-    /// place (the same `ValueError`s).
+    /// The first `n` entries of a 1-D array checked non-negative, to be read in place:
+    /// `ValueError` naming the first negative one (or the array's length, if it is shorter).
     pub fn check_counts(&self, n: usize, name: &str) -> PyResult<()> {
         if self.len() < n {
             return Err(PyValueError::new_err(format!("{name} has {} entries, {n} needed", self.len())));
@@ -530,20 +530,13 @@ impl<'py> IntArray<'py> {
     /// The first `n` entries of a 1-D array as non-negative ints; `what` names them in the
     /// `ValueError` a negative one raises.
     pub fn counts(&self, n: usize, name: &str) -> PyResult<Vec<u64>> {
-        if self.len() < n {
-            return Err(PyValueError::new_err(format!("{name} has {} entries, {n} needed", self.len())));
-        }
-        match self.as_ints() {
-            Some(Ints::I32(s)) => return non_negative(&s[..n], name),
-            Some(Ints::I64(s)) => return non_negative(&s[..n], name),
-            None => {}
-        }
-        (0..n)
-            .map(|i| {
-                let v = self.get(i, 0);
-                u64::try_from(v).map_err(|_| PyValueError::new_err(format!("{name}[{i}] is {v}: must be >= 0")))
-            })
-            .collect()
+        self.check_counts(n, name)?;
+        // Every entry is non-negative (checked above): `as u64` keeps its value.
+        Ok(match self.as_ints() {
+            Some(Ints::I32(s)) => s[..n].iter().map(|&v| v as u64).collect(),
+            Some(Ints::I64(s)) => s[..n].iter().map(|&v| v as u64).collect(),
+            None => (0..n).map(|i| self.get(i, 0) as u64).collect(),
+        })
     }
 }
 
@@ -596,17 +589,6 @@ pub enum Ints<'a> {
     I32(&'a [i32]),
     /// int64 entries.
     I64(&'a [i64]),
-}
-
-/// `values` as `u64`s, or the `ValueError` naming the first negative one. One branch-free pass
-/// checks them all, so the common case (all fine) is a tight loop.
-fn non_negative<T: Copy + Into<i64>>(values: &[T], name: &str) -> PyResult<Vec<u64>> {
-    if values.iter().fold(false, |neg, &v| neg | (v.into() < 0)) {
-        let (i, v) =
-            values.iter().enumerate().find(|(_, v)| (**v).into() < 0).map_or((0, 0), |(i, v)| (i, (*v).into()));
-        return Err(PyValueError::new_err(format!("{name}[{i}] is {v}: must be >= 0")));
-    }
-    Ok(values.iter().map(|&v| v.into() as u64).collect())
 }
 
 /// A 1-D integer array the binding writes in place: an engine plugin's own bookkeeping

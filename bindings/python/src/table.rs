@@ -1659,29 +1659,22 @@ impl OwnershipTable {
         // Each row's checked length as its window was read from (a row twice in the step moves
         // once, from the first).
         let read_from: Vec<i64> = (0..n).map(|i| checked.get(row_at.at(i) as usize)).collect();
-        // Each row and length as judged, where the GIL was released while the core judged (None:
-        // held throughout, so the arrays are as they were judged).
-        let mut judged: Option<Vec<(usize, i64)>> = None;
+        // The GIL stays held: the reads are made from the plugin's mirror and SGLang's arrays as
+        // the core judges them (the arrays are read only with it), and the core calls no Python,
+        // so the table's lock is never held by a thread that waits for the GIL.
         let outcome = match t.as_i32_rows() {
-            // SGLang's int32 table: the reads made from the plugin's mirror and SGLang's arrays as
-            // the core judges them, so the GIL stays held (the arrays are read only with it); the
-            // core calls no Python, so the table's lock is never held by a thread that waits for
-            // the GIL. Nothing lists the step's reads.
+            // SGLang's int32 table, in place: nothing lists the step's reads.
             Some((entries, width)) => {
                 let table =
                     kvguard::BlockRows::new(entries, width).map_err(|e| PyValueError::new_err(e.to_string()))?;
                 core.decode_forward_by(n, read, slots, table)
             }
-            // Any other table: the reads listed, its windows converted to int32, the GIL released.
+            // Any other table: the reads listed, their windows converted to int32.
             None => {
-                judged = Some((0..n).map(|i| (row_at.at(i) as usize, len_at.at(i))).collect());
                 let reads: Vec<SlotRead> = (0..n).map(read).collect();
                 let mut converted = Vec::new();
                 let (table, reads) = slot_rows(&t, reads, core.config(), &mut converted)?;
-                // Nothing of the caller's is read while the GIL is released: the slots copied too.
-                let slots = slots.to_vec();
-                let step = DecodeForward { reads: &reads, slots: &slots, rows: table };
-                py.detach(|| core.decode_forward(&step))
+                core.decode_forward(&DecodeForward { reads: &reads, slots, rows: table })
             }
         }
         .map_err(step_error)?;
@@ -1690,16 +1683,13 @@ impl OwnershipTable {
             DecodeOutcome::Window(_) => return Ok(Some(("window", None))),
             DecodeOutcome::Clean => {}
         }
-        // A row's checked length moves up only from the value its window was read from: one
-        // lowered meanwhile (another thread's row write, while the GIL was released) stands.
-        let update = |r: usize, len: i64, was: i64| {
+        // Each row's checked length moves up to its length from the value its window was read
+        // from (a row named twice: once).
+        for (i, &was) in read_from.iter().enumerate() {
+            let r = row_at.at(i) as usize;
             if checked.get(r) == was {
-                checked.set(r, len);
+                checked.set(r, len_at.at(i));
             }
-        };
-        match judged {
-            None => read_from.iter().enumerate().for_each(|(i, &was)| update(row_at.at(i) as usize, len_at.at(i), was)),
-            Some(judged) => judged.iter().zip(&read_from).for_each(|(&(r, len), &was)| update(r, len, was)),
         }
         Ok(None)
     }
