@@ -107,6 +107,50 @@ def test_double_free_of_a_page_already_free(triton_rows, unguarded, page_size):
     assert finish(s) == unguarded[page_size] and guard.aborted == {}
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_page_a_decode_step_claimed_goes_back_once(triton_rows, page_size):
+    """A page a decode step's row write claimed goes back once, when its request finishes (no
+    radix cache keeps it); a second free of it is a double free, refused, and SGLang's free list
+    keeps one copy."""
+    s = build_scheduler(
+        page_size=page_size, tokens=1024 if page_size == 16 else 512, rows=8, context_len=256, radix_cache=False,
+    )
+    guard = attach_kvguard(s, "enforce")
+    live = started(s, n=10)  # 50 tokens: the last page opened by a decode step at page size 16 too
+    slots = row(s, live["r1"])
+    page = int(slots[-1]) // page_size
+    assert (len(slots) - 1) // page_size * page_size >= len(PROMPTS["r1"]), "a page opened after the prefill"
+    assert guard.table.page_info(page).owner == guard.request_key("r1")
+    out = finish(s)
+    assert page in free_pages(s) and guard.violations == [] and len(out) == len(PROMPTS)
+    s.token_to_kv_pool_allocator.free(torch.tensor([int(slots[-1])], dtype=torch.int64))
+    assert [(v.kind, v.page) for v in guard.violations] == [("double_free", page)]
+    allp = s.token_to_kv_pool_allocator.get_all_free_pages()
+    assert len(torch.unique(allp)) == len(allp) and page in allp.tolist()
+    assert guard.aborted == {}
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_pages_handed_out_and_freed_before_any_row_names_them_go_back_once(triton_rows, unguarded, page_size):
+    """SGLang's own error paths free what its allocator just handed out, before any row names
+    it: the free names no freer and goes back; a second free of the same pages is a double free,
+    refused, and SGLang's free list keeps one copy."""
+    s, guard = scheduler(page_size)
+    started(s)
+    alloc = s.token_to_kv_pool_allocator
+    out = alloc.alloc(2 * page_size)
+    pages = sorted(set((out // page_size).tolist()))
+    assert not set(pages) & free_pages(s)
+    alloc.free(out.clone())
+    assert guard.violations == [] and set(pages) <= free_pages(s)
+    alloc.free(out.clone())  # the bug
+    assert sorted(v.page for v in guard.violations) == pages
+    assert {v.kind for v in guard.violations} == {"double_free"}
+    allp = alloc.get_all_free_pages()
+    assert len(torch.unique(allp)) == len(allp)
+    assert finish(s) == unguarded[page_size] and guard.aborted == {}
+
+
 def test_double_free_inside_a_free_group(triton_rows, unguarded):
     """SGLang's result processing releases finished requests inside a free group
     (free_group_begin/end). A release path that frees r2's tail twice in the group is refused on
