@@ -412,9 +412,9 @@ impl Requests {
         pages[rec.pages.len()..].reverse();
         pages
     }
-    /// Keeps `rec` for `req` at its slot, which no other live request holds (slots are handed
-    /// out by [`TableState::take_request_slot`]); the record `req` had, if it had one.
-    pub fn insert(&mut self, req: RequestId, rec: RequestRecord) -> Option<RequestRecord> {
+    /// Keeps `rec` for `req`, a request that is not live, at its slot, which no other live
+    /// request holds (slots are handed out by [`TableState::take_request_slot`]).
+    pub fn insert(&mut self, req: RequestId, rec: RequestRecord) {
         let slot = rec.slot as usize;
         if slot >= self.records.len() {
             self.records.resize_with(slot + 1, || None);
@@ -427,9 +427,11 @@ impl Requests {
         }
         debug_assert_eq!(self.pending[slot], Pending::default(), "a vacant slot has no pending claims");
         self.records[slot] = Some(rec);
-        // One lookup of the index: an admission's.
-        let old = self.slots.insert(req, slot as u32)?;
-        self.records.get_mut(old as usize)?.take()
+        // One lookup of the index: an admission's. Every caller admits only a request that is not
+        // live (checked): a second record under one id would leave the first one's slot, pages
+        // and pending claims reachable by nothing, so it is checked here as well.
+        let old = self.slots.insert(req, slot as u32);
+        assert!(old.is_none(), "request {req:?} is live already");
     }
     /// Takes `req`'s record out, settled (see [`settled`](Self::settled)).
     pub fn remove(&mut self, req: &RequestId, tags: &mut [PageTag]) -> Option<RequestRecord> {
@@ -1647,8 +1649,8 @@ mod tests {
             pages_marked: 0,
         };
         let mut r = Requests::default();
-        assert!(r.insert(RequestId(10), record(0, 1)).is_none());
-        assert!(r.insert(RequestId(20), record(1, 2)).is_none());
+        r.insert(RequestId(10), record(0, 1));
+        r.insert(RequestId(20), record(1, 2));
         assert_eq!(r.remove(&RequestId(10), &mut []).map(|x| x.tenant), Some(TenantId(1)));
         assert!(r.get(&RequestId(10)).is_none() && r.remove(&RequestId(10), &mut []).is_none());
         // Slot 0 reused by another request: the old id still finds nothing, the new one its own.
@@ -1656,17 +1658,34 @@ mod tests {
         assert!(r.get(&RequestId(10)).is_none());
         assert_eq!(r.get(&RequestId(30)).map(|x| (x.slot, x.tenant)), Some((0, TenantId(3))));
         assert_eq!(r.get_mut(&RequestId(20)).map(|x| x.tenant), Some(TenantId(2)));
-        // A record given again under a live id replaces the old one and gives it back.
-        assert_eq!(r.insert(RequestId(20), record(2, 4)).map(|x| x.slot), Some(1));
-        assert_eq!(r.get(&RequestId(20)).map(|x| (x.slot, x.tenant)), Some((2, TenantId(4))));
         assert_eq!(r.len(), 2);
         let mut tenants: Vec<u64> = r.values().map(|x| x.tenant.0).collect();
         tenants.sort();
-        assert_eq!(tenants, [3, 4]);
+        assert_eq!(tenants, [2, 3]);
         assert!(r.contains_key(&RequestId(30)) && !r.contains_key(&RequestId(10)));
         // The hot fields share the record's first line.
         assert_eq!(std::mem::align_of::<RequestRecord>(), 64);
         assert!(std::mem::offset_of!(RequestRecord, tenant) + 8 <= 64);
+    }
+
+    #[test]
+    #[should_panic(expected = "is live already")]
+    fn a_second_record_under_a_live_id_is_a_bug_caught_where_it_is_made() {
+        // Every admission checks the id first; a record under a live id would leave the first
+        // one's slot and pending claims reachable by nothing (a slot handed on with them).
+        let record = |slot: u32| RequestRecord {
+            pages: vec![],
+            prefixes: HeldPrefixes::default(),
+            slot,
+            quarantined: AtomicBool::new(false),
+            tenant: TenantId(1),
+            prompt_tokens: 0,
+            max_new_tokens: 0,
+            pages_marked: 0,
+        };
+        let mut r = Requests::default();
+        r.insert(RequestId(20), record(0));
+        r.insert(RequestId(20), record(1));
     }
 
     #[test]
