@@ -40,9 +40,12 @@ production, one to a process: the two engines of one process share the L2, so ea
 finds the lines of the other engine's step between it and its own last one. ``--split`` runs the
 guarded pair's child twice alike, counting the guarded engine's steps in one run and the
 unguarded engine's in the other: the difference comes from one execution, not two children.
+``--layouts N`` runs each counted child at N memory layouts (``callgrind.count``'s ``layout``)
+and reads their mean, printing the range: the simulated misses move with the layout by hundreds
+of lines a step.
 
     VLLM_TARGET_DEVICE=cpu python bindings/python/bench/vllm_core_step.py [--rounds 6] [--steps 200] [--control | --part all|scheduler] [--clock cpu|wall] [--prompt-tokens 32]
-    VLLM_TARGET_DEVICE=cpu python bindings/python/bench/vllm_core_step.py --instructions [--cache-sim] [--solo | --split] [--part all|scheduler] [--steps 40] [--prompt-tokens 32]
+    VLLM_TARGET_DEVICE=cpu python bindings/python/bench/vllm_core_step.py --instructions [--cache-sim] [--solo | --split] [--part all|scheduler] [--steps 40] [--prompt-tokens 32] [--layouts N]
 """
 
 from __future__ import annotations
@@ -307,12 +310,15 @@ def counted_child(flags: list[str], label: str, per: str) -> tuple[float, float]
     and lines missed (0 without ``--cache-sim``) a counted step, printed under ``label``."""
     child = [sys.executable, __file__, "--serve", "--callgrind", "--steps", str(args.steps), "--guarded-first"]
     child += ["--prompt-tokens", str(args.prompt_tokens), *flags]
-    events = callgrind_tool.count(child, args.cache_sim)
-    count = events["Ir"] / args.steps
-    missed = callgrind_tool.misses(events) / args.steps if args.cache_sim else 0.0
+    runs = [callgrind_tool.count(child, args.cache_sim, 0, layout) for layout in range(args.layouts)]
+    count = statistics.fmean(e["Ir"] for e in runs) / args.steps
+    each = [callgrind_tool.misses(e) / args.steps for e in runs] if args.cache_sim else [0.0]
+    missed = statistics.fmean(each)
     line = f"{label}: {count:,.0f} instructions {per}"
     if args.cache_sim:
         line += f", {missed:,.0f} lines missed in a {callgrind_tool.L2_CACHE} cache"
+        if len(runs) > 1:
+            line += f" (mean of {len(runs)} layouts, {min(each):,.0f} to {max(each):,.0f})"
     print(line, flush=True)
     return count, missed
 
@@ -379,6 +385,8 @@ parser.add_argument("--solo", nargs="?", const="both", choices=["both", "plain",
                     help="with --instructions: one engine a child (see the module doc)")
 parser.add_argument("--split", action="store_true",
                     help="with --instructions: one child run twice, counting each engine's steps in turn")
+parser.add_argument("--layouts", type=int, default=1,
+                    help="with --instructions: each counted child at this many memory layouts, their mean read")
 parser.add_argument("--prompt-tokens", type=int, default=32,
                     help="prompts of N to 2N-1 tokens (default 32): the rows attention reads grow with N")
 parser.add_argument("--callgrind", action="store_true", help=argparse.SUPPRESS)
@@ -391,6 +399,8 @@ if args.rounds < 1 or args.steps < 1 or args.prompt_tokens < 1:
     parser.error("--steps, --rounds and --prompt-tokens must be at least 1")
 if args.cache_sim and not args.instructions:
     parser.error("--cache-sim goes with --instructions")
+if args.layouts < 1 or (args.layouts != 1 and not args.instructions):
+    parser.error("--layouts is at least 1 and goes with --instructions")
 if args.solo and not (args.instructions or args.serve):
     parser.error("--solo goes with --instructions")
 if args.split and (not args.instructions or args.solo or args.control):

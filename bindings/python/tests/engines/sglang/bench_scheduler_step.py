@@ -33,14 +33,15 @@ steady decode uninstrumented, then ``--pairs`` steps counted (the whole step, as
 take it); kvguard's instructions a step beside the unguarded scheduler's. They do not move with
 the machine or its load. ``--cache-sim`` adds the lines missed in a simulated 2 MiB L2 (this
 machine kind's per-core L2): what the step waits on, which its instructions do not show. The
-misses move with the memory layout (a fifth between hash seeds for one build): ``--seeds 0,1,2``
-takes the reading over several and prints their mean. ``--skip forward,write`` (repeatable) adds a
+misses move with the memory layout (a fifth between hash seeds for one build, and as much with
+the process's environment at one seed): ``--seeds 0,1,2`` and ``--layouts 4`` take the reading
+over several and print their mean, with the range of kvguard's extra over the pairs. ``--skip forward,write`` (repeatable) adds a
 guarded child with those parts of kvguard's step left out (:data:`SKIPPABLE`), attributing the
 counts to them; measurement only.
 
 Usage: python bench_scheduler_step.py [--rounds N] [--pairs N] [--control] [--hooks] [--clock cpu|wall] [page_size ...]
-       python bench_scheduler_step.py --instructions [--cache-sim] [--pairs N] [--seeds S,S,...] [--skip PARTS ...]
-              [--jobs N] [page_size ...]
+       python bench_scheduler_step.py --instructions [--cache-sim] [--pairs N] [--seeds S,S,...] [--layouts N]
+              [--skip PARTS ...] [--jobs N] [page_size ...]
 """
 
 from __future__ import annotations
@@ -423,44 +424,53 @@ def count_child(page_size: int, guarded: bool, steps: int, skip: list[str]) -> N
 
 
 def instructions(page_sizes: list[int], steps: int, cache_sim: bool, seeds: list[int], skips: list[str],
-                 jobs: int) -> None:
+                 jobs: int, layouts: int = 1) -> None:
     """``--instructions``: each page size's unguarded and guarded child under callgrind, once per
-    hash seed (``seeds``; the mean printed after them when there are several), and a guarded
-    child for each of ``skips`` (comma-separated names of :data:`SKIPPABLE`) with those parts
-    left out: what they cost is the guarded child's count less its own. ``jobs`` children at a
-    time (their counts do not depend on it)."""
+    hash seed (``seeds``) and memory layout (``layouts``: ``callgrind.count``'s ``layout`` 0 to
+    ``layouts - 1``), each seed's reading the mean over its layouts, and the mean over all of them
+    printed after the seeds when there are several, with the range of kvguard's extra over the
+    pairs (an unguarded and a guarded child of one seed and layout); and a guarded child for each
+    of ``skips`` (comma-separated names of :data:`SKIPPABLE`) with those parts left out: what
+    they cost is the guarded child's count less its own. ``jobs`` children at a time (their
+    counts do not depend on it)."""
     from concurrent.futures import ThreadPoolExecutor
 
     callgrind = _callgrind()
     callgrind.require("bench_scheduler_step.py")
     kinds = [("unguarded", ""), ("guarded", "")] + [("guarded", sk) for sk in skips]
+    samples = [(seed, lay) for seed in seeds for lay in range(layouts)]
     for ps in page_sizes:
         runs = {}
         with ThreadPoolExecutor(max_workers=jobs) as pool:
-            for seed in seeds:
+            for seed, lay in samples:
                 for kind, sk in kinds:
                     child = [sys.executable, __file__, "--count-child", kind, "--pairs", str(steps), str(ps)]
                     if sk:
                         child += ["--skip", sk]
-                    runs[seed, kind, sk] = pool.submit(callgrind.count, child, cache_sim, seed)
+                    runs[(seed, lay), kind, sk] = pool.submit(callgrind.count, child, cache_sim, seed, lay)
         per = {key: (f.result()["Ir"] / steps, callgrind.misses(f.result()) / steps if cache_sim else 0.0)
                for key, f in runs.items()}
-        for seed in seeds + (["mean"] if len(seeds) > 1 else []):
-            def at(kind: str, sk: str = "") -> tuple[float, float]:
-                if seed != "mean":
-                    return per[seed, kind, sk]
-                return (statistics.fmean(per[s, kind, sk][0] for s in seeds),
-                        statistics.fmean(per[s, kind, sk][1] for s in seeds))
+        for seed in seeds + (["mean"] if len(samples) > 1 and len(seeds) > 1 else []):
+            over = samples if seed == "mean" else [x for x in samples if x[0] == seed]
+
+            def at(kind: str, sk: str = "", over: list = over) -> tuple[float, float]:
+                return (statistics.fmean(per[x, kind, sk][0] for x in over),
+                        statistics.fmean(per[x, kind, sk][1] for x in over))
 
             (ir_u, miss_u), (ir_g, miss_g) = at("unguarded"), at("guarded")
             extra = ir_g - ir_u
             where = f"seed {seed}" if seed != "mean" else f"mean of seeds {' '.join(map(str, seeds))}"
+            if layouts > 1:
+                where += f", {layouts} layouts"
             line = (f"page_size {ps}, {where}: unguarded step {ir_u:,.0f} instructions, guarded {ir_g:,.0f}: "
                     f"kvguard {extra:,.0f} instructions a step = {100 * extra / ir_u:+.2f} %")
             if cache_sim:
                 more = miss_g - miss_u
                 line += (f"; lines missed in a simulated {callgrind.L2_CACHE} cache {miss_u:,.0f} unguarded, "
                          f"kvguard {more:,.0f} more = {100 * more / miss_u:+.1f} %")
+                if len(over) > 1:
+                    pairs = [per[x, "guarded", ""][1] - per[x, "unguarded", ""][1] for x in over]
+                    line += f" (pairs {min(pairs):,.0f} to {max(pairs):,.0f})"
             print(f"{line} ({steps} decode steps, {RUNNING} running)", flush=True)
             for sk in skips:
                 ir_s, miss_s = at("guarded", sk)
@@ -489,6 +499,9 @@ def main() -> None:
     parser.add_argument("--seeds", default="0", metavar="S,S,...",
                         help="with --instructions: PYTHONHASHSEED of each pair of children, comma-separated "
                         "(default 0); several: a reading over as many memory layouts, the mean printed after them")
+    parser.add_argument("--layouts", type=int, default=1, metavar="N",
+                        help="with --instructions: each seed's children run at N memory layouts (default 1), their "
+                        "mean read; the simulated misses move with the layout by hundreds of lines a step")
     parser.add_argument("--skip", action="append", default=[], metavar="PARTS",
                         help="with --instructions: also a guarded child with these parts of kvguard's step left out "
                         "(comma-separated: " + ", ".join(SKIPPABLE) + "; repeatable), to attribute the counts; "
@@ -517,10 +530,10 @@ def main() -> None:
         if "write" in sk.split(",") and "forward" not in sk.split(","):
             parser.error("--skip write goes with forward (the forward check refuses writes nobody claimed): "
                          "--skip forward,write")
-    if (skips or seeds != [0]) and not (opts.instructions or opts.count_child):
-        parser.error("--seeds and --skip go with --instructions")
-    if opts.jobs < 1:
-        parser.error("--jobs must be at least 1")
+    if (skips or seeds != [0] or opts.layouts != 1) and not (opts.instructions or opts.count_child):
+        parser.error("--seeds, --layouts and --skip go with --instructions")
+    if opts.jobs < 1 or opts.layouts < 1:
+        parser.error("--jobs and --layouts must be at least 1")
 
     if opts.count_child:
         torch.set_num_threads(1)
@@ -528,7 +541,7 @@ def main() -> None:
                     skips[0].split(",") if skips else [])
         return
     if opts.instructions:
-        instructions(opts.page_sizes, opts.pairs, opts.cache_sim, seeds, skips, opts.jobs)
+        instructions(opts.page_sizes, opts.pairs, opts.cache_sim, seeds, skips, opts.jobs, opts.layouts)
         return
 
     global CLOCK
