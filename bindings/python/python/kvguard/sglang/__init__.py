@@ -280,14 +280,16 @@ def _forward(original: Any, runner: Any, forward_batch: Any, *args: Any, **kwarg
     if guard is None or rows is None or forward_batch.forward_mode.is_idle():
         return original(runner, forward_batch, *args, **kwargs)
     extend = forward_batch.extend_seq_lens if forward_batch.forward_mode.is_extend() else None
-    guard.begin_forward(
+    # Guard.begin_forward / end_forward, without their frames (every step).
+    check = guard.row_check
+    check.begin(
         rows,
         forward_batch.seq_lens,
         extend,
-        req_pool_indices_cpu=getattr(forward_batch, "req_pool_indices_cpu", None),
-        seq_lens_cpu=getattr(forward_batch, "seq_lens_cpu", None),
+        getattr(forward_batch, "req_pool_indices_cpu", None),
+        getattr(forward_batch, "seq_lens_cpu", None),
     )
     try:
         return original(runner, forward_batch, *args, **kwargs)
     finally:
-        guard.end_forward()
+        check.end()

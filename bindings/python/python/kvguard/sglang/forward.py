@@ -99,7 +99,7 @@ class HostRowCheck:
         self._lens_src: Any = np.zeros(0, dtype=np.int64)
         self._rows_np: np.ndarray | None = None
         self._lens_np: np.ndarray | None = None
-        self._qsl: np.ndarray = np.zeros(1, dtype=np.int32)
+        self._qsl_np: np.ndarray | None = np.zeros(1, dtype=np.int32)
         self._rows_dev: Any = None
         self._lens_dev: Any = None
         self._req_to_token: np.ndarray | None = None
@@ -114,21 +114,32 @@ class HostRowCheck:
         self._rows_src = rows if rows_cpu is None else rows_cpu
         self._lens_src = seq_lens if seq_lens_cpu is None else seq_lens_cpu
         self._rows_np = self._lens_np = None
-        n = len(self._rows_src)
         self._decode = extend_lens is None
         if extend_lens is None:
-            self._qsl = g._qsl_decode[: n + 1]
+            # One token a row: made when a path reads it (the common decode forward does not).
+            self._qsl_np = None
         else:
-            self._qsl = np.zeros(n + 1, dtype=np.int64)
-            np.cumsum(_flat(extend_lens), out=self._qsl[1:])
+            n = len(self._rows_src)
+            self._qsl_np = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(_flat(extend_lens), out=self._qsl_np[1:])
         self._refused_slots = None
         readers, g._readers = g._readers, None
         reader_rows, g._reader_rows = g._reader_rows, None
         # The batch's requests, from its allocation, for this forward only: the same rows in the
         # same order (a forward no alloc_for_extend / alloc_for_decode prepared is not judged so).
-        same = reader_rows is not None and len(reader_rows) == n and np.array_equal(reader_rows, self._rows)
-        self._readers = readers if readers is not None and same else None
+        self._readers = None
+        if readers is not None and reader_rows is not None:
+            rows = self._rows
+            if len(reader_rows) == len(rows) and np.array_equal(reader_rows, rows):
+                self._readers = readers
         self.pending = True
+
+    @property
+    def _qsl(self) -> np.ndarray:
+        """Each row's first position in the forward's slots, and their end: one a row in decode."""
+        if self._qsl_np is None:
+            self._qsl_np = self.guard._qsl_decode[: len(self._rows_src) + 1]
+        return self._qsl_np
 
     @property
     def _rows(self) -> np.ndarray:

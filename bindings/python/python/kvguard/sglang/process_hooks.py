@@ -89,7 +89,7 @@ def _batch_alloc(inner: Callable[..., Any], *, before: bool) -> Callable[..., An
         guard = getattr(getattr(batch, "req_to_token_pool", None), "kvguard_guard", None)
         if guard is not None:
             guard._readers = guard._reader_rows = None
-            if before:
+            if before and guard._suspects:  # (_batch_reqs gathers nothing without suspects)
                 guard._batch_reqs(batch.reqs)
         try:
             out = inner(batch, *args, **kwargs)
@@ -101,7 +101,8 @@ def _batch_alloc(inner: Callable[..., Any], *, before: bool) -> Callable[..., An
             if guard is not None:
                 guard._writers = None
         if guard is not None and not before:
-            guard._batch_reqs(batch.reqs)
+            if guard._suspects:
+                guard._batch_reqs(batch.reqs)
             guard._writers = None
         if guard is not None and guard._readers is not None:
             # The rows the batch's forward will read, so the readers are used for that forward
