@@ -267,6 +267,9 @@ class Guard(PageReleases):
             self._release_inner = alloc.free
             alloc.free = self._wrap_token_free(alloc.free)
         alloc.free_group_end = self._wrap_group_end(alloc.free_group_end)
+        # SGLang empties its pools at once (flush_cache, a PD role switch): kvguard follows.
+        if hasattr(alloc, "clear"):
+            alloc.clear = self._wrap_clear(alloc.clear)
         pool.kvguard_guard = self
         _hook_cache_index_writer()
         _hook_batch_allocs()

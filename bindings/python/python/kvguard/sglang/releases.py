@@ -246,6 +246,54 @@ class PageReleases:
         self._handed[back] = False
         return ok
 
+    def _wrap_clear(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        def clear(*args: Any, **kwargs: Any) -> Any:
+            out = inner(*args, **kwargs)
+            self._pool_cleared()
+            return out
+
+        return clear
+
+    def _pool_cleared(self) -> None:
+        """SGLang emptied its pool at once (``Scheduler.flush_cache``, a PD role switch; both only
+        while no request runs or waits): its radix cache reset, every row and every page free,
+        none of it through the calls kvguard judges. kvguard's table and mirror follow: a request
+        it still counts is released, every radix prefix it holds is evicted, and no page is left
+        owned, cached, marked or withheld, so the next requests are handed pages nobody holds
+        (without this, each was refused for writing a page the flushed cache still held)."""
+        self._rows_stale = True
+        for key in sorted(self._admitted):
+            self._forget_checks(key)
+            self._admitted.discard(key)
+            self._output_checked.discard(key)
+            self._holds.pop(key, None)
+            try:
+                self.table.release(key)
+            except ViolationError as e:
+                self._violation(key, e.violation)
+            self._reqs.pop(key, None)
+            self._forget(key)
+        cached = self._page_prefix[self._page_prefix != 0].tolist()
+        for prefix in sorted(set(cached) | set(self._withheld.values())):
+            try:
+                self.table.evict_prefix(prefix)
+            except ViolationError as e:
+                # Still held in the table (by nothing kvguard knows of): its pages stay refused
+                # to the next requests, as before this hook.
+                self._violation(None, e.violation)
+        self._page_key[:] = _NO_OWNER
+        self._page_prefix[:] = 0
+        self._handed[:] = False
+        self._withheld.clear()
+        self._orphans.clear()
+        self._group_judged.clear()
+        self._suspects.clear()
+        self._row_key[:] = 0
+        self._row_claimant[:] = 0
+        self._row_live[:] = False
+        self._row_checked[:] = 0
+        self._row_kv[:] = [None] * len(self._row_kv)
+
     def _return_orphans(self, kv: Any) -> None:
         """The pages a stale request held alone go back to SGLang (no other request maps them:
         nobody claimed them since, as the allocator never handed them out again)."""

@@ -259,3 +259,37 @@ def test_clean_streamed_workload(triton_rows, page_size):
     assert got == want
     assert pool_pages(s) == start
     assert guard.table.snapshot().requests == 0
+
+
+@functools.lru_cache(maxsize=None)
+def unguarded_across_a_flush(page_size: int, n: int):
+    """The reference for a flush: ``workload(1, n)``, SGLang's ``flush_cache``, then
+    ``workload(2, n)``, without kvguard (each run's outputs, pages after the flush and at the end)."""
+    s = scheduler(page_size, triton=False)
+    first = run(s, workload(1, n))
+    assert s.flush_cache()
+    flushed = pool_pages(s)
+    return first, flushed, run(s, workload(2, n)), pool_pages(s)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_requests_after_sglangs_flush_cache_are_served_as_without_kvguard(triton_rows, page_size):
+    """SGLang's ``flush_cache`` (its ``/flush_cache`` endpoint, taken when no request runs or
+    waits; a PD role switch does the same) resets the radix cache and frees every row and page at
+    once, through none of the calls kvguard judges. kvguard follows (the allocator's ``clear``):
+    the requests after it are served with the unguarded run's outputs, nothing is refused and no
+    page is lost; before, each was refused for writing a page the flushed cache still held, and
+    SGLang then found the pages kvguard withheld missing from its pool."""
+    first, flushed, second, end = unguarded_across_a_flush(page_size, 60)
+    s = scheduler(page_size, triton=True)
+    guard = attach_kvguard(s, "enforce")
+    assert run(s, workload(1, 60)) == first
+    held = guard.table.snapshot()
+    assert held.prefixes > 0 and held.shared > 0, "the radix cache holds pages before the flush"
+    assert s.flush_cache()
+    snap = guard.table.snapshot()
+    assert snap.requests == 0 and snap.owned == 0 and snap.shared == 0 and snap.prefixes == 0
+    assert pool_pages(s) == flushed
+    assert run(s, workload(2, 60)) == second
+    assert guard.violations == [] and guard.aborted == {}
+    assert pool_pages(s) == end
