@@ -709,9 +709,6 @@ class Guard(PageReleases):
         key = self._keys.get(req.rid)
         if key is None or key not in self._admitted:
             return
-        self._forget_checks(key)
-        self._admitted.discard(key)
-        self._output_checked.discard(key)
         mine = self._page_key == key
         if mine.any():
             # Pages the request still held alone when its row went back (SGLang frees them through
@@ -719,6 +716,15 @@ class Guard(PageReleases):
             # they are returned from here, not from that row.
             self._orphans[id(req.kv)] = (req.kv, np.flatnonzero(mine))
         self._page_key[mine] = _NO_OWNER
+        self._end(key)
+        self._return_withheld()
+
+    def _end(self, key: int) -> None:
+        """Admitted request ``key`` ends: its rows are checked in full next, its holds and pages
+        end in the table, and kvguard forgets it (its pages' mirror entries are the caller's)."""
+        self._forget_checks(key)
+        self._admitted.discard(key)
+        self._output_checked.discard(key)
         self._holds.pop(key, None)
         try:
             self.table.release(key)
@@ -726,7 +732,6 @@ class Guard(PageReleases):
             self._violation(key, e.violation)
         self._reqs.pop(key, None)
         self._forget(key)
-        self._return_withheld()
 
     def drop_unscheduled(self, req: Any) -> None:
         """A request that ends without a row (aborted while queued: SGLang's

@@ -263,16 +263,7 @@ class PageReleases:
         (without this, each was refused for writing a page the flushed cache still held)."""
         self._rows_stale = True
         for key in sorted(self._admitted):
-            self._forget_checks(key)
-            self._admitted.discard(key)
-            self._output_checked.discard(key)
-            self._holds.pop(key, None)
-            try:
-                self.table.release(key)
-            except ViolationError as e:
-                self._violation(key, e.violation)
-            self._reqs.pop(key, None)
-            self._forget(key)
+            self._end(key)
         cached = self._page_prefix[self._page_prefix != 0].tolist()
         for prefix in sorted(set(cached) | set(self._withheld.values())):
             try:
