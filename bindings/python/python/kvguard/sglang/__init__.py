@@ -35,8 +35,9 @@ What the :class:`Guard` hooks on the instances:
 - ``managers.schedule_batch.alloc_for_extend`` / ``alloc_for_decode``: the batch's requests, so a
   request using a row it no longer holds (a stale ``req_pool_idx``) is refused, never the row's
   new owner.
-- allocator ``alloc`` / ``alloc_extend`` / ``alloc_decode``: the pages handed out (the allocator's
-  decision). ``free`` / ``free_page_ids`` inside a free group: judged where the free is made,
+- allocator: what it handed out (its decision, not a row) read from its own free list when a
+  free names no freer (SGLang's two pool allocators; any other allocator's ``alloc`` /
+  ``alloc_extend`` / ``alloc_decode`` marks each page it hands out instead). ``free`` / ``free_page_ids`` inside a free group: judged where the free is made,
   with its freer, not at ``free_group_end``. ``_release_page_ids`` (paged) / ``free`` (page size
   1): the release every free ends in. Who frees is known from the caller hooked above it:
   ``free_kv_row`` (a request gives back its row's pages), ``evict`` (the radix cache drops a

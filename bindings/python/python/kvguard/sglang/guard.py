@@ -47,6 +47,20 @@ def _pool_pages(allocator: Any) -> int:
     return int(num_pages) if num_pages is not None else int(allocator.size) // int(allocator.page_size)
 
 
+def _free_list_reader(allocator: Any) -> Callable[[], Any] | None:
+    """How to read the pages ``allocator`` holds free (``get_all_free_pages``: its free list and
+    the pages freed since its last sort), for SGLang's two pool allocators, whose free structures
+    kvguard knows; ``None`` for any other class (a subclass included: it may keep pages
+    elsewhere), whose handed-out pages kvguard marks instead."""
+    try:
+        from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+    except ImportError:
+        return None
+    if type(allocator) not in (TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator):
+        return None
+    return allocator.get_all_free_pages
+
+
 def audit_pool(allocator: Any, context_len: int, *, side: str = "pool", policy: str = "enforce") -> PoolConfig:
     """Start-up audit of one SGLang pool: refused (``ConfigError``) unless one request of
     ``context_len`` tokens fits in its pages. The message names both numbers."""
@@ -212,8 +226,15 @@ class Guard(PageReleases):
         self._next_request = 1
         self._next_prefix = 1
         self._freer: Any = None
-        # page -> SGLang's allocator handed it out and it was not released since.
+        # page -> SGLang's allocator handed it out and it was not released since: read from
+        # SGLang's free list when a rare path needs it (see PageReleases._handed_now), or kept by
+        # marking every page the allocator hands out, for an allocator whose free list kvguard
+        # does not read.
         self._handed = np.zeros(num_pages + 1, dtype=bool)
+        self._free_pages_of = _free_list_reader(allocator)
+        self._handed_known = False
+        self._releasing = 0
+        self._let_back: set[int] = set()
         # Pages freed inside the current free group, judged when freed (freer known).
         self._group_judged: Counter[int] = Counter()
         self._group_ending = False
@@ -249,12 +270,14 @@ class Guard(PageReleases):
         pool.free = self._wrap_free_row(pool.free)
         pool.write = self._wrap_row_write(pool.write)
         alloc = self.allocator
-        # Every page SGLang's allocator hands out (its decision, not a row) is marked until it is
-        # released; a free of a page no request holds and the allocator never handed out is a
-        # double free.
-        for name in ("alloc", "alloc_extend", "alloc_decode"):
-            if hasattr(alloc, name):
-                setattr(alloc, name, self._wrap_alloc_pages(getattr(alloc, name)))
+        # A free of a page no request holds and the allocator never handed out is a double free.
+        # What the allocator handed out is read from its free list where kvguard knows it; for
+        # any other allocator every page it hands out (its decision, not a row) is marked until
+        # it is released.
+        if self._free_pages_of is None:
+            for name in ("alloc", "alloc_extend", "alloc_decode"):
+                if hasattr(alloc, name):
+                    setattr(alloc, name, self._wrap_alloc_pages(getattr(alloc, name)))
         # Frees: judged where they are made, with their freer known, even inside a free group
         # (SGLang defers the release to free_group_end, where the freer is gone).
         if hasattr(alloc, "_release_page_ids"):
@@ -374,7 +397,7 @@ class Guard(PageReleases):
                         ps = self.page_size
                         dropped = slots[stale] // ps if ps > 1 else slots[stale]
                         fresh = dropped[(self._page_key[dropped] == _NO_OWNER) & (self._page_prefix[dropped] == 0)
-                                        & self._handed[dropped]]
+                                        & self._handed_now()[dropped]]
                         if ps > 1:
                             # Only a page that opened for the dropped slot (its first slot).
                             fresh = fresh[(slots[stale][np.isin(dropped, fresh)] % ps) == 0]

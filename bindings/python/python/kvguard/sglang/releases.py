@@ -10,13 +10,16 @@ eviction, or held alone by a request whose row no longer names them).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from .. import ViolationError, mark_pages
-from .arrays import _flat, _in_place
+from .arrays import _flat, _host, _in_place
+
+logger = logging.getLogger("sglang.srt.kvguard")
 
 _TREE = object()
 """Freer marker: the radix cache itself drops pages (eviction)."""
@@ -45,6 +48,58 @@ class LocalViolation:
 
 class PageReleases:
     """The release side of :class:`~kvguard.sglang.Guard` (its state is the guard's)."""
+
+    def _handed_now(self) -> np.ndarray:
+        """``_handed``, current: page -> SGLang's allocator handed it out and it was not released
+        since. Only a free that names no freer (SGLang's error paths), a stale writer's dropped
+        slot and a stale request's pages read it: never SGLang's common step.
+
+        For SGLang's two pool allocators it is read from the allocator's own free list when one
+        of those paths asks: every page but the padding page 0, those free in SGLang's lists and
+        those freed in the open free group (judged, not yet in a list). Within one release call
+        it is read once and each page let back is taken out of it at once, so a page named twice
+        in one free goes back once. Another allocator's pages are marked as it hands them out
+        (``_wrap_alloc_pages``) and ``_handed`` is always current. A free list kvguard cannot
+        read leaves nothing handed out: every free that names no freer is then refused (a page
+        kept out of SGLang, never one handed to two requests)."""
+        read = self._free_pages_of
+        if read is None or (self._releasing and self._handed_known):
+            return self._handed
+        handed = self._handed
+        try:
+            free = read()
+            if free is None:
+                raise TypeError("the allocator has no free list")
+            free = _flat(free)
+            inside = free[(free >= 0) & (free < len(handed))]
+        except Exception as e:  # noqa: BLE001 - fail closed: nothing counts as handed out
+            logger.error("kvguard: SGLang's free list could not be read (%s: %s); frees by no request are refused",
+                         type(e).__name__, e)
+            handed[:] = False
+        else:
+            handed[:] = True
+            handed[0] = False  # the padding page, never handed out
+            handed[inside] = False
+            for page, n in self._group_judged.items():
+                if n > 0 and 0 <= page < len(handed):
+                    handed[page] = False
+            handed[[p for p in self._let_back if 0 <= p < len(handed)]] = False
+            handed[self._page_limit :] = False
+        self._handed_known = self._releasing > 0
+        return handed
+
+    def _release_call(self, inner: Callable[..., Any], *args: Any) -> Any:
+        """``inner(*args)``, a wrapper's release call: ``_handed`` read from the free list at most
+        once inside it, and the pages it lets back (``_let_back``; not in SGLang's list until it
+        returns) counted as free in that reading."""
+        self._releasing += 1
+        try:
+            return inner(*args)
+        finally:
+            self._releasing -= 1
+            if not self._releasing:
+                self._handed_known = False
+                self._let_back.clear()
 
     def _wrap_alloc_pages(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         ps = self.page_size
@@ -77,6 +132,9 @@ class PageReleases:
         def free(ids: Any, *args: Any, **kwargs: Any) -> Any:
             if self.allocator.free_group is None or self._group_ending or ids.numel() == 0:
                 return inner(ids, *args, **kwargs)
+            return self._release_call(in_group, ids, args, kwargs)
+
+        def in_group(ids: Any, args: Any, kwargs: Any) -> Any:
             slots = _flat(ids)
             pages = np.unique(slots // ps) if tokens else slots
             kept = self._judged_now(pages)
@@ -114,12 +172,16 @@ class PageReleases:
                 kept.append(p)
             else:
                 rest.append(p)
+        self._let_back.update(kept)
         if rest:
             kept.extend(self._released(np.asarray(rest, dtype=np.int64)))
         return kept
 
     def _wrap_release_page_ids(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         def release_page_ids(*page_ids: Any) -> Any:
+            return self._release_call(release, page_ids)
+
+        def release(page_ids: Any) -> Any:
             kept = [self._at_release(_flat(ids)) for ids in page_ids]
             kept = [k for k in kept if len(k)]
             if kept:
@@ -137,6 +199,9 @@ class PageReleases:
         def free(free_index: Any) -> Any:
             if free_index.numel() == 0:
                 return inner(free_index)
+            return self._release_call(release, free_index)
+
+        def release(free_index: Any) -> Any:
             slots = _flat(free_index)
             if self.allocator.free_group is not None and not self._group_ending:
                 kept = self._judged_now(slots)
@@ -177,6 +242,7 @@ class PageReleases:
                         continue
                 self._page_prefix[page] = 0
                 self._handed[page] = False
+                self._let_back.add(page)
                 kept.append(page)
                 continue
             if freer is not None and freer is not _TREE:
@@ -196,8 +262,9 @@ class PageReleases:
         inside = 0 <= page < self._page_limit
         owner = int(self._page_key[page]) if inside else _NO_OWNER
         prefix = int(self._page_prefix[page]) if inside else 0
-        if owner == _NO_OWNER and not prefix and inside and self._handed[page]:
+        if owner == _NO_OWNER and not prefix and inside and self._handed_now()[page]:
             self._handed[page] = False
+            self._let_back.add(page)
             return True
         self._rows_stale = True
         if prefix:
@@ -244,6 +311,7 @@ class PageReleases:
         self._page_key[mine] = _NO_OWNER
         back = [p for p in ok if 0 <= p < self._page_limit]
         self._handed[back] = False
+        self._let_back.update(back)
         return ok
 
     def _wrap_clear(self, inner: Callable[..., Any]) -> Callable[..., Any]:
@@ -275,6 +343,8 @@ class PageReleases:
         self._page_key[:] = _NO_OWNER
         self._page_prefix[:] = 0
         self._handed[:] = False
+        self._handed_known = False
+        self._let_back.clear()
         self._withheld.clear()
         self._orphans.clear()
         self._group_judged.clear()
@@ -292,7 +362,7 @@ class PageReleases:
         if entry is None or entry[0] is not kv:
             return
         pages = entry[1]
-        back = pages[(self._page_key[pages] == _NO_OWNER) & (self._page_prefix[pages] == 0) & self._handed[pages]]
+        back = pages[(self._page_key[pages] == _NO_OWNER) & (self._page_prefix[pages] == 0) & self._handed_now()[pages]]
         self._give_back(back)
 
     def _give_back(self, pages: Any) -> None:

@@ -24,13 +24,26 @@ def triton_rows(monkeypatch):
     monkeypatch.setattr(allocation, "support_triton", lambda backend: True)
 
 
-def scheduler(page_size, policy="enforce", *, overlap=False):
+def scheduler(page_size, policy="enforce", *, overlap=False, handed="free_list"):
+    """SGLang's Scheduler, guarded under ``policy``. ``handed``: how kvguard knows the pages the
+    allocator handed out: ``free_list`` (read from SGLang's free list, as for SGLang's own
+    allocators) or ``marks`` (each page marked as it is handed out, as for an allocator kvguard
+    does not know: here SGLang's, as a subclass)."""
     s = build_scheduler(
         page_size=page_size, tokens=1024 if page_size == 16 else 512, rows=8, context_len=256,
         disable_overlap_schedule=not overlap,
     )
+    if handed == "marks":
+        alloc = s.token_to_kv_pool_allocator
+        alloc.__class__ = type("UnknownAllocator", (type(alloc),), {})
     guard = attach_kvguard(s, policy) if policy else None
+    if guard is not None:
+        alloc = s.token_to_kv_pool_allocator
+        assert ("alloc" in vars(alloc)) == (handed == "marks"), "the allocator's pages marked or not as asked"
     return s, guard
+
+
+HANDED = pytest.mark.parametrize("handed", ["free_list", "marks"])
 
 
 @pytest.fixture(scope="module")
@@ -93,11 +106,12 @@ def test_stray_free_of_a_live_requests_pages(triton_rows, unguarded, page_size, 
     assert out == unguarded[page_size]
 
 
+@HANDED
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_double_free_of_a_page_already_free(triton_rows, unguarded, page_size):
+def test_double_free_of_a_page_already_free(triton_rows, unguarded, page_size, handed):
     """A stray second free of a page already in SGLang's free list: refused (double_free), the
     free list keeps one copy."""
-    s, guard = scheduler(page_size)
+    s, guard = scheduler(page_size, handed=handed)
     started(s)
     page = min(free_pages(s))
     s.token_to_kv_pool_allocator.free(torch.tensor([page * page_size], dtype=torch.int64))
@@ -130,12 +144,13 @@ def test_a_page_a_decode_step_claimed_goes_back_once(triton_rows, page_size):
     assert guard.aborted == {}
 
 
+@HANDED
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_pages_handed_out_and_freed_before_any_row_names_them_go_back_once(triton_rows, unguarded, page_size):
+def test_pages_handed_out_and_freed_before_any_row_names_them_go_back_once(triton_rows, unguarded, page_size, handed):
     """SGLang's own error paths free what its allocator just handed out, before any row names
     it: the free names no freer and goes back; a second free of the same pages is a double free,
     refused, and SGLang's free list keeps one copy."""
-    s, guard = scheduler(page_size)
+    s, guard = scheduler(page_size, handed=handed)
     started(s)
     alloc = s.token_to_kv_pool_allocator
     out = alloc.alloc(2 * page_size)
@@ -149,6 +164,92 @@ def test_pages_handed_out_and_freed_before_any_row_names_them_go_back_once(trito
     allp = alloc.get_all_free_pages()
     assert len(torch.unique(allp)) == len(allp)
     assert finish(s) == unguarded[page_size] and guard.aborted == {}
+
+
+@HANDED
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_page_named_twice_in_one_free_goes_back_once(triton_rows, unguarded, page_size, handed):
+    """A free naming a page the allocator handed out twice (no freer): the first goes back, the
+    second is a double free, refused, and SGLang's free list gets the page once."""
+    s, guard = scheduler(page_size, handed=handed)
+    started(s)
+    alloc = s.token_to_kv_pool_allocator
+    page = int(alloc.alloc(page_size)[0]) // page_size
+    assert page not in free_pages(s)
+    twice = torch.tensor([page, page], dtype=torch.int64)
+    (alloc.free if page_size == 1 else alloc.free_page_ids)(twice)  # the bug
+    assert [(v.kind, v.page) for v in guard.violations] == [("double_free", page)]
+    allp = alloc.get_all_free_pages()
+    assert allp.tolist().count(page) == 1 and len(torch.unique(allp)) == len(allp)
+    assert finish(s) == unguarded[page_size] and guard.aborted == {}
+
+
+@HANDED
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_free_of_the_padding_page_is_refused(triton_rows, unguarded, page_size, handed):
+    """Page 0 takes the padded tokens' writes and is never handed out: a free of it is a double
+    free, refused, and it never enters SGLang's free list (a request would be handed the page
+    every padded write lands in)."""
+    s, guard = scheduler(page_size, handed=handed)
+    started(s)
+    alloc = s.token_to_kv_pool_allocator
+    alloc.free(torch.arange(page_size, dtype=torch.int64))  # the bug
+    assert [(v.kind, v.page) for v in guard.violations] == [("double_free", 0)]
+    assert 0 not in free_pages(s)
+    assert finish(s) == unguarded[page_size] and guard.aborted == {} and 0 not in free_pages(s)
+
+
+@HANDED
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_page_the_radix_cache_evicts_twice_in_one_free_goes_back_once(triton_rows, unguarded, page_size, handed):
+    """The radix cache's eviction freeing each page of a leaf twice in one call: the first is the
+    eviction (the prefix ends, the page goes back), the second a double free, refused; SGLang's
+    free list gets each page once and no page is lost."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    s, guard = scheduler(page_size, handed=handed)
+    start = pool_pages(s)
+    started(s)
+    assert finish(s) == unguarded[page_size]
+    cached = s.tree_cache.evictable_size() // page_size
+    assert cached > 0 and guard.violations == []
+    alloc = s.token_to_kv_pool_allocator
+    once = alloc.free_segment
+    alloc.free_segment = lambda idx, *, start_pos: once(torch.cat([idx, idx]), start_pos=start_pos)  # the bug
+    s.tree_cache.evict(EvictParams(num_tokens=10_000))
+    assert s.tree_cache.evictable_size() == 0
+    assert {v.kind for v in guard.violations} == {"double_free"} and len(guard.violations) == cached
+    allp = alloc.get_all_free_pages()
+    assert len(torch.unique(allp)) == len(allp)
+    assert pool_pages(s) == start
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_free_list_kvguard_cannot_read_refuses_frees_by_no_request(triton_rows, unguarded, page_size, caplog,
+                                                                    monkeypatch):
+    """Fail closed: SGLang's free list unreadable when a free names no freer, every page of it
+    is refused (kept out of SGLang's free list, none handed to two requests), with an error
+    logged; the requests are not touched and their outputs are the unguarded run's. The pages
+    refused are lost to the pool, which SGLang's idle check reports (here as a warning)."""
+    monkeypatch.setenv("SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE", "false")
+    s, guard = scheduler(page_size)
+    start = pool_pages(s)
+    started(s)
+    alloc = s.token_to_kv_pool_allocator
+
+    def unreadable():
+        raise RuntimeError("free list gone")
+
+    guard._free_pages_of = unreadable
+    out = alloc.alloc(2 * page_size)
+    pages = sorted(set((out // page_size).tolist()))
+    alloc.free(out.clone())
+    assert sorted(v.page for v in guard.violations) == pages
+    assert {v.kind for v in guard.violations} == {"double_free"}
+    assert not set(pages) & free_pages(s)
+    assert "free list could not be read" in caplog.text
+    assert finish(s) == unguarded[page_size] and guard.aborted == {}
+    assert pool_pages(s) == start - len(pages)
 
 
 def test_double_free_inside_a_free_group(triton_rows, unguarded):
@@ -184,12 +285,13 @@ def test_double_free_inside_a_free_group(triton_rows, unguarded):
 
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_stale_req_pool_idx_refuses_the_reader_not_the_new_owner(triton_rows, unguarded, page_size, overlap):
+@HANDED
+def test_stale_req_pool_idx_refuses_the_reader_not_the_new_owner(triton_rows, unguarded, page_size, overlap, handed):
     """r3's row is freed while r3 keeps running (a stale req_pool_idx); the row goes to a new
     request c. At the next step r3 writes and reads through c's row: r3 is refused (its write
     into c's row dropped, its read refused, its release through c's row refused), c and the
     others run on untouched, and no page is lost."""
-    s, guard = scheduler(page_size, overlap=overlap)
+    s, guard = scheduler(page_size, overlap=overlap, handed=handed)
     start = pool_pages(s)
     live = started(s)
     r3 = live["r3"]
