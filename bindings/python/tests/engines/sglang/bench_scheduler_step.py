@@ -233,12 +233,13 @@ def _cell(fn, name: str):
 
 def _instrument(obj, attr: str, label: str) -> None:
     """The guard's wrapper ``obj.attr``: its closure's ``inner`` (the SGLang call; or, for the
-    request releases, ``freer_call``'s) timed apart from it."""
+    request releases, ``freer_call``'s, and for the allocator's releases, ``release``'s) timed
+    apart from it."""
     outer = getattr(obj, attr)
     cell = _cell(outer, "inner")
-    if cell is None:
-        fc = _cell(outer, "freer_call")
-        cell = _cell(fc.cell_contents, "inner")
+    for via in ("release", "freer_call"):
+        if cell is None and (fc := _cell(outer, via)) is not None:
+            cell = _cell(fc.cell_contents, "inner")
     timed_outer, timed_inner = _timed_pair(label, outer, cell.cell_contents)
     UNDO.append((cell, cell.cell_contents))
     cell.cell_contents = timed_inner
@@ -377,22 +378,17 @@ SKIPPABLE = {
     "forward": "the decode forward check at the first layer's KV store (check_decode_forward)",
     "write": "the decode row write's claims (write_decode_rows; only with forward, which would refuse "
              "the unclaimed writes)",
-    "marks": "the allocator's marks of the pages it hands out (mark_pages)",
     "output": "the rows checked before output (check_rows_before_output)",
 }
 
 
 def _skip(s, parts: list[str]) -> None:
     """Leaves ``parts`` (names of :data:`SKIPPABLE`) out of the guarded scheduler ``s``'s steps."""
-    import kvguard.sglang.releases as releases
-
     g = s.kvguard
     if "forward" in parts:
         g.row_check.first_store = lambda loc: loc
     if "write" in parts:
         g._decode_rows_written = lambda rows, cols, slots: None
-    if "marks" in parts:
-        releases.mark_pages = lambda flags, slots, page_size: None
     if "output" in parts:
         g.check_rows_before_output = lambda reqs: []
 

@@ -186,6 +186,28 @@ def test_a_page_named_twice_in_one_free_goes_back_once(triton_rows, unguarded, p
 
 @HANDED
 @pytest.mark.parametrize("page_size", [1, 16])
+def test_a_second_free_inside_the_free_group_of_the_first_is_refused(triton_rows, unguarded, page_size, handed):
+    """Pages the allocator handed out, freed by no request inside a free group (judged then, in
+    SGLang's list only at the group's end) and freed again in the same group: the second free is
+    a double free, refused; SGLang's free list gets each page once at the group's end."""
+    s, guard = scheduler(page_size, handed=handed)
+    started(s)
+    alloc = s.token_to_kv_pool_allocator
+    out = alloc.alloc(2 * page_size)
+    pages = sorted(set((out // page_size).tolist()))
+    alloc.free_group_begin()
+    alloc.free(out.clone())
+    assert guard.violations == []
+    alloc.free(out.clone())  # the bug
+    alloc.free_group_end()
+    assert sorted(v.page for v in guard.violations) == pages and {v.kind for v in guard.violations} == {"double_free"}
+    allp = alloc.get_all_free_pages()
+    assert set(pages) <= set(allp.tolist()) and len(torch.unique(allp)) == len(allp)
+    assert finish(s) == unguarded[page_size] and guard.aborted == {}
+
+
+@HANDED
+@pytest.mark.parametrize("page_size", [1, 16])
 def test_a_free_of_the_padding_page_is_refused(triton_rows, unguarded, page_size, handed):
     """Page 0 takes the padded tokens' writes and is never handed out: a free of it is a double
     free, refused, and it never enters SGLang's free list (a request would be handed the page
