@@ -12,8 +12,8 @@ setting is unset):
   context length (a pool that cannot hold one max-context request refuses to start);
 - ``Scheduler._add_request_to_queue`` (around): the intake check; a refused request is answered
   with an abort (HTTP 400, ``KVGuardViolation``) and never queued;
-- ``ModelRunner.forward`` (around): the forward batch's rows and sequence lengths, checked at the
-  first layer's KV store;
+- ``ModelRunner.forward`` (around): the forward batch's writes, rows and sequence lengths,
+  checked before any layer runs (below);
 - ``SchedulerOutputStreamer.stream_output`` (around): the whole row of each request whose output
   is about to leave, checked first;
 - ``Scheduler._release_aborted_request`` (after): a request aborted while queued (no row) ends in
@@ -52,14 +52,16 @@ What the :class:`Guard` hooks on the instances:
   read-only prefixes (one key per page, so node splits change nothing); an evicted page whose
   prefix a running request still holds is refused (``evict_in_use``) and withheld until its last
   holder lets go.
-- ``MHATokenToKVPool.set_kv_buffer`` (first layer of a forward): the step's writes
+- the forward, at ``ModelRunner.forward``'s entry (not at a layer's KV store: SGLang replays a
+  captured CUDA graph for most decode batches, where no Python runs per layer): the step's writes
   (``out_cache_loc``) recorded in one ``record_step_writes``, then the ``req_to_token`` rows and
   sequence lengths attention will read verified in one ``verify_step_rows`` (on the host) or by
   :class:`kvguard.DeviceGuard` on SGLang's stream (rows on a GPU). On the host a decode forward
   records its writes and checks each row's window only in one ``check_decode_forward`` (the
   tokens written since the row's last clean check); a release, eviction, violation or import anywhere, a row rewritten below its
   checked length, and every ``Guard.full_check_every``-th forward make it a full check. A refused
-  row's writes go to the padding slot and the request is aborted.
+  row's writes go to the padding slot (the forward batch's ``out_cache_loc`` replaced by a copy,
+  which every layer, and a graph replay, writes through) and the request is aborted.
 
 Refusal under ``enforce``: exactly the refused request is aborted (``req.to_finish =
 FINISH_ABORT``, the error its client receives), nothing is raised into the scheduler loop, which
@@ -274,8 +276,9 @@ def _add_request_to_queue(original: Any, scheduler: Any, req: Any, *args: Any, *
 
 
 def _forward(original: Any, runner: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
-    """``ModelRunner.forward``: the batch's rows and lengths go to the guard, checked at the first
-    layer's KV store."""
+    """``ModelRunner.forward``: the batch's writes, rows and lengths checked before any layer runs
+    (a captured decode graph's replay included); a refused request's writes sent to the padding
+    slot through the batch's ``out_cache_loc``."""
     guard = getattr(runner, "kvguard", None)
     rows = getattr(forward_batch, "req_pool_indices", None)
     if guard is None or rows is None or forward_batch.forward_mode.is_idle():
@@ -291,6 +294,10 @@ def _forward(original: Any, runner: Any, forward_batch: Any, *args: Any, **kwarg
         getattr(forward_batch, "seq_lens_cpu", None),
     )
     try:
+        loc = forward_batch.out_cache_loc
+        checked = check.check(loc)
+        if checked is not loc:
+            forward_batch.out_cache_loc = checked
         return original(runner, forward_batch, *args, **kwargs)
     finally:
         check.end()

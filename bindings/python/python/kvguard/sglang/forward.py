@@ -1,5 +1,10 @@
 """The forward batch's check: the step's KV writes recorded, then the ``req_to_token`` rows and
-sequence lengths attention will read verified, once per forward, at the first layer's KV store.
+sequence lengths attention will read verified, once per forward, at the forward's entry
+(``ModelRunner.forward``), before any layer runs. Not at a layer's KV store: SGLang replays a
+captured CUDA graph for most decode batches on a GPU (``decode_cuda_graph_runner.execute``), where
+no Python runs per layer. Under enforce a refused request's KV writes go to the padding slot: the
+forward batch's ``out_cache_loc`` is replaced by a copy with its slots at 0, which every layer
+writes through (a graph replay copies it into its own buffer first).
 
 One batched call each, with arrays SGLang already has: ``record_step_writes`` takes
 ``out_cache_loc`` as it is (split per request by the extend lengths), and the request keys are
@@ -91,8 +96,7 @@ class HostRowCheck:
     def __init__(self, guard: Guard) -> None:
         self.guard = guard
         self.pending = False
-        """Between ``begin`` and ``end``: the KV stores of this forward are checked."""
-        self._refused_slots: np.ndarray | None = None
+        """Between ``begin`` and ``end``: a forward is running."""
         # The forward's rows and lengths as SGLang gave them, and as numpy arrays once a path
         # needs them (the common decode forward hands SGLang's host tensors to the binding).
         self._rows_src: Any = np.zeros(0, dtype=np.int64)
@@ -122,7 +126,6 @@ class HostRowCheck:
             n = len(self._rows_src)
             self._qsl_np = np.zeros(n + 1, dtype=np.int64)
             np.cumsum(_flat(extend_lens), out=self._qsl_np[1:])
-        self._refused_slots = None
         readers, g._readers = g._readers, None
         reader_rows, g._reader_rows = g._reader_rows, None
         # The batch's requests, from its allocation, for this forward only: the same rows in the
@@ -158,12 +161,13 @@ class HostRowCheck:
     def end(self) -> None:
         """The forward is over."""
         self.pending = False
-        self._refused_slots = None
         self._rows_dev = self._lens_dev = None
 
-    def first_store(self, loc: Any) -> Any:
-        """The first layer's KV store: the whole check; returns the slots to write (a refused
-        request's go to the padding slot under enforce)."""
+    def check(self, loc: Any) -> Any:
+        """The whole check, after :meth:`begin` and before any layer runs: the forward's writes
+        ``loc`` (its ``out_cache_loc``, one slot per new token) recorded and its rows verified.
+        Returns the slots the forward is to write: ``loc`` itself, or under enforce a copy with
+        a refused request's slots at the padding slot 0."""
         g = self.guard
         self._forwards += 1
         full = g._rows_stale or not self._decode or self._forwards % g.full_check_every == 0
@@ -246,22 +250,16 @@ class HostRowCheck:
         return self._req_to_token
 
     def _refuse(self, loc: Any, refused: np.ndarray) -> Any:
-        """Under enforce, the refused rows' writes go to the padding slot (this layer and the
-        later ones)."""
+        """Under enforce, the refused rows' writes go to the padding slot 0 (every layer's: the
+        forward writes through the copy returned)."""
         if refused.any() and self.guard.policy == "enforce":
             qsl = self._qsl
             bad = np.flatnonzero(refused).tolist()
-            self._refused_slots = np.concatenate([np.arange(qsl[i], qsl[i + 1]) for i in bad])
-            return self.later_store(loc)
+            slots = np.concatenate([np.arange(qsl[i], qsl[i + 1]) for i in bad])
+            masked = loc.clone()
+            masked[slots] = 0
+            return masked
         return loc
-
-    def later_store(self, loc: Any) -> Any:
-        """Another layer's KV store: a refused request's writes go to the padding slot 0."""
-        if self._refused_slots is None or not len(self._refused_slots):
-            return loc
-        masked = loc.clone()
-        masked[self._refused_slots] = 0
-        return masked
 
     def _verify_rows(self, pos: np.ndarray | None, keys: np.ndarray, full: bool) -> list[tuple[int, Any]]:
         """Verifies the rows at batch positions ``pos`` (None: every row); returns (index into

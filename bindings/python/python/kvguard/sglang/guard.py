@@ -308,8 +308,6 @@ class Guard(PageReleases):
                 tree.free_kv_row, lambda kv, *_a, **_k: kv, lambda kv, *_a, **_k: self._row_of(kv)
             )
             tree.evict = self._wrap_freer(tree.evict, lambda *_a, **_k: _TREE)
-        if self.kv_pool is not None:
-            self.kv_pool.set_kv_buffer = self._wrap_set_kv_buffer(self.kv_pool.set_kv_buffer)
 
     def _wrap_alloc_rows(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         def alloc(reqs: list[Any]) -> Any:
@@ -640,23 +638,6 @@ class Guard(PageReleases):
 
         return insert
 
-    def _wrap_set_kv_buffer(self, inner: Callable[..., Any]) -> Callable[..., Any]:
-        start_layer = int(getattr(self.kv_pool, "start_layer", 0) or 0)
-
-        def set_kv_buffer(layer: Any, loc: Any, cache_k: Any, cache_v: Any, *args: Any, **kwargs: Any) -> Any:
-            check = self.row_check
-            if check.pending:
-                layer_id = kwargs.get("layer_id_override")
-                if layer_id is None:
-                    layer_id = layer.layer_id
-                if int(layer_id) == start_layer:
-                    loc = check.first_store(loc)
-                else:
-                    loc = check.later_store(loc)
-            return inner(layer, loc, cache_k, cache_v, *args, **kwargs)
-
-        return set_kv_buffer
-
     # ---- requests ----------------------------------------------------------------------------
 
     def request_key(self, rid: Any) -> int:
@@ -911,14 +892,19 @@ class Guard(PageReleases):
         seq_lens: Any,
         extend_lens: Any = None,
         *,
+        out_cache_loc: Any,
         req_pool_indices_cpu: Any = None,
         seq_lens_cpu: Any = None,
-    ) -> None:
-        """A forward is about to run (``ModelRunner.forward``): the rows of ``req_to_token`` and
-        the sequence lengths attention will read, and each request's new tokens this step
-        (``extend_seq_lens``; one per request in decode). The ``_cpu`` copies SGLang's forward
-        batch already has spare a device-to-host copy. Checked at the first layer's KV store."""
+    ) -> Any:
+        """A forward is about to run (``ModelRunner.forward``), checked now, before any layer: its
+        writes ``out_cache_loc`` (one slot per new token) recorded, and the rows of
+        ``req_to_token`` and the sequence lengths attention will read verified, with each
+        request's new tokens this step (``extend_seq_lens``; one per request in decode). The
+        ``_cpu`` copies SGLang's forward batch already has spare a device-to-host copy. Returns
+        the slots the forward is to write: ``out_cache_loc``, or under enforce a copy with a
+        refused request's slots at the padding slot 0. :meth:`end_forward` after it."""
         self.row_check.begin(req_pool_indices, seq_lens, extend_lens, req_pool_indices_cpu, seq_lens_cpu)
+        return self.row_check.check(out_cache_loc)
 
     def end_forward(self) -> None:
         """The forward is over (device verdicts, if any, are taken here)."""

@@ -43,7 +43,7 @@ def _time_hooks(eng: Engine) -> None:
     g = eng.guard
     _timed(g, "_decode_rows_written", "ReqToTokenPool.write (write_decode_rows)")
     _timed(g.row_check, "begin", "begin_forward")
-    _timed(g.row_check, "first_store", "set_kv_buffer, first layer (record + row check)")
+    _timed(g.row_check, "check", "the forward's check (record + row check)")
     _timed(g.row_check, "_verify_rows", "  of which the row check (window or full)")
     _timed(g.row_check, "end", "end_forward")
 

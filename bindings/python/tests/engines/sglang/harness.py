@@ -149,12 +149,13 @@ class Engine:
         return out
 
     def forward(self, reqs, out_cache_loc, seq_lens, extend_lens) -> None:
-        """ModelRunner.forward's KV store at layer 0 (the attention read follows it)."""
+        """ModelRunner.forward: kvguard's check at its entry, then the KV store at layer 0 (the
+        attention read follows it) through the slots the check returned."""
         rows = torch.tensor([r.kv.req_pool_idx for r in reqs], dtype=torch.int64)
         lens = torch.tensor(seq_lens, dtype=torch.int64)
         new = None if extend_lens is None else torch.tensor(extend_lens, dtype=torch.int64)
         if self.guard is not None:
-            self.guard.begin_forward(rows, lens, new)
+            out_cache_loc = self.guard.begin_forward(rows, lens, new, out_cache_loc=out_cache_loc)
         # The model's stand-in: each request's K/V is a value derived from its rid (one tensor op).
         vals = torch.tensor([float(hash(r.rid) % 997) for r in reqs], dtype=torch.float32)
         if new is not None:

@@ -54,14 +54,23 @@ def token_k(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 class CpuModelRunner:
     """ModelRunner's stand-in: each layer's KV store through the real pool, then each request's
     read of its ``req_to_token`` row (what attention reads); the next token is a function of the
-    K it read."""
+    K it read.
 
-    def __init__(self, kv_pool, req_to_token_pool):
+    ``graph_decode``: a decode forward stands for SGLang's captured decode graph, which
+    ``ModelRunner._forward_raw`` replays for every decode batch it can (``decode_cuda_graph_runner
+    .execute``; the default on a GPU): the kernels SGLang's ``set_kv_buffer`` launched when the
+    graph was captured run again, and no Python runs per layer, so nothing installed on the pool's
+    instance since (kvguard's hooks included) sees the stores. Here the pool's own class method
+    stores the KV (``type(pool).set_kv_buffer``: SGLang's code, not the instance's attribute)."""
+
+    def __init__(self, kv_pool, req_to_token_pool, *, graph_decode=False):
         self.kv_pool = kv_pool
         self.req_to_token_pool = req_to_token_pool
         self.layers = [SimpleNamespace(layer_id=i) for i in range(LAYERS)]
         self.reads: list[tuple[int, int]] = []
         self.prefill_aware_swa = False
+        self.graph_decode = graph_decode
+        self.graph_forwards = 0
 
     def forward(self, fb):
         return self._model(fb)
@@ -72,8 +81,14 @@ class CpuModelRunner:
         loc = fb.out_cache_loc
         positions = fb.positions
         k = token_k(fb.input_ids.to(torch.int64), positions)[:, None, None].expand(-1, 1, HEAD_DIM).contiguous()
-        for layer in self.layers:
-            self.kv_pool.set_kv_buffer(layer, loc, k, k)
+        if self.graph_decode and fb.forward_mode.is_decode():
+            self.graph_forwards += 1
+            store = type(self.kv_pool).set_kv_buffer
+            for layer in self.layers:
+                store(self.kv_pool, layer, loc, k, k)
+        else:
+            for layer in self.layers:
+                self.kv_pool.set_kv_buffer(layer, loc, k, k)
         rt = self.req_to_token_pool.req_to_token
         kb = self.kv_pool.k_buffer[LAYERS - 1]
         out = []
@@ -131,12 +146,15 @@ def publish_server_args(**overrides) -> ServerArgs:
 
 def build_scheduler(
     *, page_size: int, tokens: int, rows: int, context_len: int, req_to_token_pool_factory=None,
-    radix_cache: bool = True, **server_args
+    radix_cache: bool = True, graph_decode: bool = True, **server_args
 ) -> Scheduler:
     """A Scheduler on SGLang's own pools (see the module doc); ``req_to_token_pool_factory``
     builds another of SGLang's row pools (the decode side's ``DecodeReqToTokenPool``);
     ``radix_cache=False`` builds the radix cache disabled (``CacheInitParams(disable=True)``, as
-    SGLang builds a PD decode server's without ``--disaggregation-decode-enable-radix-cache``)."""
+    SGLang builds a PD decode server's without ``--disaggregation-decode-enable-radix-cache``).
+    ``graph_decode`` (default, as SGLang runs on a GPU): decode forwards stand for a captured
+    CUDA graph's replay (:class:`CpuModelRunner`); ``False``: every forward eager, as SGLang runs
+    a decode batch larger than its largest captured graph, or under ``--disable-cuda-graph``."""
     sa = publish_server_args(page_size=page_size, context_length=context_len, **server_args)
     s = object.__new__(Scheduler)
     _preamble(s, sa)
@@ -155,7 +173,7 @@ def build_scheduler(
     tree = RadixCache(CacheInitParams(
         disable=not radix_cache, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=allocator, page_size=page_size,
     ))
-    runner = CpuModelRunner(kv_pool, req_to_token_pool)
+    runner = CpuModelRunner(kv_pool, req_to_token_pool, graph_decode=graph_decode)
     runner.token_to_kv_pool_allocator = allocator
     s.tp_worker = s.model_worker = CpuTpWorker(runner)
     s.req_to_token_pool, s.token_to_kv_pool_allocator, s.tree_cache = req_to_token_pool, allocator, tree

@@ -120,8 +120,8 @@ def test_the_hooks_on_a_scheduler(engine_factory, monkeypatch):
         "kvguard_violations_total", {"kind": "exceeds_max_context", "policy": "enforce"}
     ) >= 1
 
-    # ModelRunner.forward: begin_forward from the batch (the _cpu copies SGLang keeps), the
-    # check at the first layer's store, end_forward after.
+    # ModelRunner.forward: the batch (the _cpu copies SGLang keeps) checked before the model
+    # runs, the row check's end after.
     eng.prefill([ok])
     seen = []
 

@@ -30,9 +30,12 @@ def workload(seed: int, n: int, tenants=("acme", "zeta", "kilo")):
     return reqs
 
 
-def scheduler(page_size: int, *, triton: bool, overlap: bool = False):
+def scheduler(page_size: int, *, triton: bool, overlap: bool = False, graph_decode: bool = True):
+    """SGLang's Scheduler on a small pool; decode forwards as SGLang's captured CUDA graph replays
+    them (``graph_decode``, its default on a GPU: no Python per layer) or eager."""
     return build_scheduler(
-        page_size=page_size, tokens=POOL[page_size], rows=24, context_len=256, disable_overlap_schedule=not overlap
+        page_size=page_size, tokens=POOL[page_size], rows=24, context_len=256, disable_overlap_schedule=not overlap,
+        graph_decode=graph_decode,
     )
 
 
@@ -105,8 +108,26 @@ def test_clean_workload_on_a_small_pool(triton_rows, page_size, policy, n):
     snap = guard.table.snapshot()
     assert snap.requests == 0 and snap.owned == 0
     assert len(triton_rows) > 0 and spy.grouped > 0 and spy.evicted > 0
+    assert s.tp_worker.model_runner.graph_forwards > 0  # decode batches replayed as a captured graph
     print(f"page_size={page_size} {policy}: {len(got)} requests served, pages {start} -> {pool_pages(s)}, "
           f"{len(triton_rows)} Triton row writes, {spy.grouped} frees in free groups, {spy.evicted} tokens evicted")
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_clean_workload_with_eager_decode(triton_rows, page_size):
+    """Decode forwards run eager (SGLang's path for a batch larger than its largest captured
+    graph, or under --disable-cuda-graph: every layer's KV store a Python call); kvguard checks
+    the forward at its entry either way. Under enforce: every request served as without kvguard,
+    no page lost, no violation."""
+    n = 200
+    want, start, _ = unguarded(page_size, n)
+    s = scheduler(page_size, triton=True, graph_decode=False)
+    guard = attach_kvguard(s, "enforce")
+    got = run(s, workload(1, n))
+    assert s.tp_worker.model_runner.graph_forwards == 0
+    assert guard.violations == [] and guard.aborted == {}
+    assert got == want
+    assert pool_pages(s) == start
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
