@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .. import ViolationError, mark_pages
-from .arrays import _flat, _host, _in_place
+from .arrays import _flat, _in_place
 
 logger = logging.getLogger("sglang.srt.kvguard")
 
