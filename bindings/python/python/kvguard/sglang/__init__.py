@@ -283,9 +283,14 @@ def _forward(original: Any, runner: Any, forward_batch: Any, *args: Any, **kwarg
     rows = getattr(forward_batch, "req_pool_indices", None)
     if guard is None or rows is None or forward_batch.forward_mode.is_idle():
         return original(runner, forward_batch, *args, **kwargs)
+    check = guard.row_check
+    split = forward_batch.forward_mode.is_split_prefill()
+    if split and forward_batch is check.split_batch:
+        # A later slice of a split prefill's layers (--enable-pdmux): the same forward batch,
+        # checked (and its out_cache_loc masked) before its first slice ran.
+        return original(runner, forward_batch, *args, **kwargs)
     extend = forward_batch.extend_seq_lens if forward_batch.forward_mode.is_extend() else None
     # Guard.begin_forward / end_forward, without their frames (every step).
-    check = guard.row_check
     check.begin(
         rows,
         forward_batch.seq_lens,
@@ -298,6 +303,7 @@ def _forward(original: Any, runner: Any, forward_batch: Any, *args: Any, **kwarg
         checked = check.check(loc)
         if checked is not loc:
             forward_batch.out_cache_loc = checked
+        check.split_batch = forward_batch if split else None
         return original(runner, forward_batch, *args, **kwargs)
     finally:
         check.end()

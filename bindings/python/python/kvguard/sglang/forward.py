@@ -97,6 +97,9 @@ class HostRowCheck:
         self.guard = guard
         self.pending = False
         """Between ``begin`` and ``end``: a forward is running."""
+        self.split_batch: Any = None
+        """The forward batch of a split prefill (``--enable-pdmux``: ``ModelRunner.forward`` runs
+        once per slice of its layers, with the same batch) checked before its first slice."""
         # The forward's rows and lengths as SGLang gave them, and as numpy arrays once a path
         # needs them (the common decode forward hands SGLang's host tensors to the binding).
         self._rows_src: Any = np.zeros(0, dtype=np.int64)

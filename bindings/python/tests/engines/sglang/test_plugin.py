@@ -140,11 +140,57 @@ def test_the_hooks_on_a_scheduler(engine_factory, monkeypatch):
     batch = SimpleNamespace(
         req_pool_indices=rows, seq_lens=seq + 1, req_pool_indices_cpu=rows, seq_lens_cpu=seq + 1,
         extend_seq_lens=None, out_cache_loc=loc, k=torch.ones(1, 1, 8),
-        forward_mode=SimpleNamespace(is_idle=lambda: False, is_extend=lambda: False),
+        forward_mode=SimpleNamespace(is_idle=lambda: False, is_extend=lambda: False, is_split_prefill=lambda: False),
     )
     assert kvguard.sglang._forward(model_forward, sched.tp_worker.model_runner, batch) == "out"
     assert seen == [True] and not guard.row_check.pending
     assert guard.violations[1:] == [] and "ok" not in guard.aborted
+
+
+def test_a_split_prefill_is_checked_once_before_its_first_slice(engine_factory, monkeypatch):
+    """SGLang's split prefill (--enable-pdmux) calls ModelRunner.forward once per slice of the
+    model's layers with the same forward batch: kvguard checks it before the first slice only
+    (its writes recorded once, no violation), and the next batch again."""
+    monkeypatch.setattr(kvguard.sglang, "_MODE", "enforce")
+    eng = engine_factory(page_size=16, context_len=1024, policy=None)
+    sched = scheduler_of(eng)
+    kvguard.sglang._scheduler_started(None, sched)
+    guard = eng.guard = sched.kvguard
+    runner = sched.tp_worker.model_runner
+    checks = []
+    inner = guard.row_check.check
+    monkeypatch.setattr(guard.row_check, "check", lambda loc: checks.append(len(loc)) or inner(loc))
+    mode = SimpleNamespace(is_idle=lambda: False, is_extend=lambda: True, is_split_prefill=lambda: True)
+    slices = []
+
+    def model_slice(runner, batch):
+        slices.append(batch)
+        k = torch.ones(len(batch.out_cache_loc), 1, 8)
+        eng.kv_pool.set_kv_buffer(eng.layer, batch.out_cache_loc, k, k)
+        return "slice"
+
+    def split_forward(reqs, out_cache_loc, seq_lens, extend_lens):
+        """The prefill's forward as --enable-pdmux runs it: one forward batch, three slices."""
+        rows = torch.tensor([r.kv.req_pool_idx for r in reqs], dtype=torch.int64)
+        lens = torch.tensor(seq_lens, dtype=torch.int64)
+        batch = SimpleNamespace(
+            req_pool_indices=rows, seq_lens=lens, req_pool_indices_cpu=rows, seq_lens_cpu=lens,
+            extend_seq_lens=torch.tensor(extend_lens, dtype=torch.int64), out_cache_loc=out_cache_loc,
+            forward_mode=mode,
+        )
+        for _ in range(3):
+            assert kvguard.sglang._forward(model_slice, runner, batch) == "slice"
+
+    monkeypatch.setattr(eng, "forward", split_forward)
+    a, b = eng.request("a", list(range(1, 40))), eng.request("b", list(range(100, 130)))
+    for r in (a, b):
+        assert eng.submit(r)
+    eng.prefill([a])
+    assert checks == [39] and len(slices) == 3 and len({id(x) for x in slices}) == 1
+    assert guard.violations == []
+    eng.prefill([b])
+    assert checks == [39, 30] and len(slices) == 6
+    assert guard.violations == [] and guard.aborted == {}
 
 
 @pytest.mark.parametrize("form", ["tensor", "int32", "strided", "numpy", "list"])
