@@ -234,7 +234,8 @@ class Guard(PageReleases):
         self._free_pages_of = _free_list_reader(allocator)
         self._handed_known = False
         self._releasing = 0
-        self._let_back: set[int] = set()
+        # The lists of pages the current release call lets back (see PageReleases._release_call).
+        self._let_back: list[list[int]] = []
         # Pages freed inside the current free group, judged when freed (freer known).
         self._group_judged: Counter[int] = Counter()
         self._group_ending = False

@@ -83,15 +83,18 @@ class PageReleases:
             for page, n in self._group_judged.items():
                 if n > 0 and 0 <= page < len(handed):
                     handed[page] = False
-            handed[[p for p in self._let_back if 0 <= p < len(handed)]] = False
+            for pages in self._let_back:
+                back = np.asarray(pages, dtype=np.int64)
+                handed[back[(back >= 0) & (back < len(handed))]] = False
             handed[self._page_limit :] = False
         self._handed_known = self._releasing > 0
         return handed
 
     def _release_call(self, inner: Callable[..., Any], *args: Any) -> Any:
         """``inner(*args)``, a wrapper's release call: ``_handed`` read from the free list at most
-        once inside it, and the pages it lets back (``_let_back``; not in SGLang's list until it
-        returns) counted as free in that reading."""
+        once inside it, and the pages it lets back counted as free in that reading (not in
+        SGLang's list until it returns: ``_let_back`` holds each judgement's list of kept pages,
+        the list itself, so a page is counted as soon as it is kept, at no cost per page)."""
         self._releasing += 1
         try:
             return inner(*args)
@@ -172,7 +175,7 @@ class PageReleases:
                 kept.append(p)
             else:
                 rest.append(p)
-        self._let_back.update(kept)
+        self._let_back.append(kept)
         if rest:
             kept.extend(self._released(np.asarray(rest, dtype=np.int64)))
         return kept
@@ -221,6 +224,7 @@ class PageReleases:
         """Judges one release of ``pages``; returns those SGLang may put back in its free list."""
         freer = self._freer
         kept: list[int] = []
+        self._let_back.append(kept)  # filled below: every page kept counts as let back at once
         by_owner: dict[Any, list[int]] = {}
         for page in pages.tolist():
             inside = 0 <= page < self._page_limit
@@ -242,7 +246,6 @@ class PageReleases:
                         continue
                 self._page_prefix[page] = 0
                 self._handed[page] = False
-                self._let_back.add(page)
                 kept.append(page)
                 continue
             if freer is not None and freer is not _TREE:
@@ -264,7 +267,6 @@ class PageReleases:
         prefix = int(self._page_prefix[page]) if inside else 0
         if owner == _NO_OWNER and not prefix and inside and self._handed_now()[page]:
             self._handed[page] = False
-            self._let_back.add(page)
             return True
         self._rows_stale = True
         if prefix:
@@ -311,7 +313,6 @@ class PageReleases:
         self._page_key[mine] = _NO_OWNER
         back = [p for p in ok if 0 <= p < self._page_limit]
         self._handed[back] = False
-        self._let_back.update(back)
         return ok
 
     def _wrap_clear(self, inner: Callable[..., Any]) -> Callable[..., Any]:
