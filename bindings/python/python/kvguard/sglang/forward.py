@@ -16,8 +16,10 @@ one gather (``Guard._row_key[req_pool_indices]``). The rows are verified where t
   window only (``check_step_window``, see :meth:`HostRowCheck._verify_rows`).
 - :class:`DeviceRowCheck`: ``req_to_token`` on a GPU, read in place there by
   :class:`kvguard.DeviceGuard` on SGLang's current stream (``sync_tags``, ``set_readers``,
-  ``clear_status``, ``verify_token_rows``: no gather, no host sync); its verdicts are drained
-  when the forward ends. The rows never come to the host.
+  ``clear_status``, ``verify_token_rows``: no gather, no host sync). The rows never come to the
+  host, and nothing waits for the GPU in the forward: the device's verdicts are copied back
+  behind the check's kernels, before the model's (``begin_drain``), and taken when SGLang builds
+  an output (:meth:`HostRowCheck.take_verdicts`), where it has waited for the forward itself.
 """
 
 from __future__ import annotations
@@ -166,6 +168,10 @@ class HostRowCheck:
         self.pending = False
         self._rows_dev = self._lens_dev = None
 
+    def take_verdicts(self) -> None:
+        """The verdicts of every forward checked so far, taken before an output leaves the
+        scheduler. On the host they were taken in the check itself: nothing to do."""
+
     def check(self, loc: Any) -> Any:
         """The whole check, after :meth:`begin` and before any layer runs: the forward's writes
         ``loc`` (its ``out_cache_loc``, one slot per new token) recorded and its rows verified.
@@ -307,9 +313,18 @@ class HostRowCheck:
 class DeviceRowCheck(HostRowCheck):
     """The forward batch's rows checked on the GPU by :class:`kvguard.DeviceGuard`, on SGLang's
     stream. Writes are recorded on the host as before (``out_cache_loc``, one entry per new
-    token); the rows (``width`` entries per request) stay on the device. Verdicts are drained
-    when the forward ends: the refused request is aborted before its output is returned (the
-    device's fail-closed status already marked its sequence)."""
+    token); the rows (``width`` entries per request) stay on the device.
+
+    Nothing in the forward waits for the GPU. Under SGLang's overlap schedule (its default) the
+    next batch's forward is launched while the last one runs, and its result processed after:
+    a drain (a synchronisation) when the forward ends would wait for the model it just launched
+    and serialise the two. So the device's violation ring is copied to the host right behind the
+    check's kernels, before the model's (``begin_drain``; one copy in flight: a copy still in
+    flight at the next check is finished if it has landed, never waited for, else that check's
+    records ride the next copy), and its verdicts are taken (``finish_drain``) when SGLang
+    builds an output (:meth:`take_verdicts`, from ``Guard.check_rows_before_output``): SGLang has
+    waited for that forward by then, and the copy waits only for the checks queued before it.
+    A refused request is aborted before any output of the forward that read its rows leaves."""
 
     where = "device"
     windows_on_host = False
@@ -321,6 +336,11 @@ class DeviceRowCheck(HostRowCheck):
         self.device_guard = DeviceGuard(guard.config, device=int(index), max_seqs=int(rows.shape[0]))
         self._inflight: tuple[Any, ...] | None = None
         self._stream: int | None = None
+        #: The last forward whose checks were queued; the forward whose records the ring's copy
+        #: in flight covers (None: no copy in flight); the last forward whose records were taken.
+        self._launched = 0
+        self._copy_of: int | None = None
+        self._drained_through = 0
 
     def _current_stream(self) -> int:
         import torch
@@ -368,17 +388,51 @@ class DeviceRowCheck(HostRowCheck):
             dg.verify_block_table(table.data_ptr(), seq.data_ptr(), len(pos), int(table.shape[1]), stream=stream)
             self._inflight = (table, seq)
         self._stream = stream
+        self._launched = self._forwards
+        self._begin_copy()
         return []
 
+    def _begin_copy(self) -> None:
+        """The ring's copy queued behind this forward's checks (see the class doc). A copy in
+        flight is finished first if it has landed (``wait=False``: never a wait in the forward);
+        if it has not, it stays, and this forward's records ride a later copy."""
+        dg = self.device_guard
+        if self._copy_of is not None:
+            records = dg.finish_drain(self.guard.table, stream=self._stream, wait=False)
+            if records is None:
+                return
+            self._taken(records, self._copy_of)
+        dg.begin_drain(stream=self._stream)
+        self._copy_of = self._launched
+
+    def take_verdicts(self) -> None:
+        """The device's verdicts on every forward checked so far, each refused request aborted:
+        the copy in flight finished (it waits only for the checks queued before it), and another
+        taken if it does not cover the last checked forward (rare: a copy that had not landed by
+        the next check; that one waits for what SGLang queued since)."""
+        dg = self.device_guard
+        while self._drained_through < self._launched:
+            if self._copy_of is None:
+                dg.begin_drain(stream=self._stream)
+                self._copy_of = self._launched
+            covered, self._copy_of = self._copy_of, None
+            self._taken(dg.finish_drain(self.guard.table, stream=self._stream), covered)
+
+    def _taken(self, records: Any, covered: int) -> None:
+        """Verdicts of the forwards through ``covered``: each refused request aborted."""
+        g = self.guard
+        self._drained_through = max(self._drained_through, covered)
+        for v in records or ():
+            key = v.request
+            if isinstance(key, int):
+                g._refused(key, v)
+            else:
+                g._violation(None, v)
+
     def end(self) -> None:
-        """Drains the device's verdicts for this forward (a sync, after the forward)."""
-        if self._inflight is not None and self._stream is not None:
-            g = self.guard
-            for v in self.device_guard.drain(g.table, stream=self._stream):
-                key = v.request
-                if isinstance(key, int):
-                    g._refused(key, v)
-                else:
-                    g._violation(None, v)
-            self._inflight = None
+        """The forward is over: nothing waits for it (its verdicts are taken before its output
+        leaves, :meth:`take_verdicts`). The check's rows and lengths on the device are let go:
+        the caching allocator hands their memory only to work queued after the check on the
+        same stream."""
+        self._inflight = None
         super().end()

@@ -13,6 +13,7 @@ hit. The int key keeps the tenant's identity for as long as the scheduler runs.
 
 from __future__ import annotations
 
+import array
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -87,6 +88,23 @@ def audit_pd(prefill_allocator: Any, decode_allocator: Any, context_len: int) ->
     either side too small is refused, naming its capacity and the context length."""
     audit_pool(prefill_allocator, context_len, side="prefill")
     audit_pool(decode_allocator, context_len, side="decode")
+
+
+_PAYLOAD_ROUTING = frozenset({"rids", "output_reqs", "http_worker_ipcs", "finished_reasons"})
+"""Per-request lists of SGLang's output accumulator that say where an output goes and how it
+ended, never what it holds: kept for a refused request (see :func:`_withheld`)."""
+
+
+def _withheld(value: Any) -> Any:
+    """A refused request's entry of a per-request list of SGLang's output payload, its content
+    withheld: a sequence of tokens, logprobs, ids or hidden states (list, tuple, ``array``,
+    numpy array, torch tensor) emptied, of its own type; anything else (a count, a string, a
+    record of timings or of cache hits) as it was."""
+    if isinstance(value, (str, bytes)) or value is None:
+        return value
+    if isinstance(value, (list, tuple, array.array, np.ndarray)) or hasattr(value, "new_empty"):
+        return value[:0]
+    return value
 
 
 def _default_tenant(req: Any) -> str:
@@ -516,30 +534,37 @@ class Guard(PageReleases):
 
     def check_rows_before_output(self, reqs: Any) -> list[Any]:
         """Each request's whole ``req_to_token`` row, every entry up to its committed length,
-        checked before any of its output leaves the scheduler: a decode forward checks only the
+        checked before any of its output leaves the scheduler (with rows on a GPU, the device's
+        verdicts on the forwards run so far taken first): a decode forward checks only the
         window of new tokens, so an entry changed behind SGLang's calls below it would otherwise
         be found only at the next full check, after the request may have finished. Returns the
         requests refused (under enforce aborted: a finished one's finish reason becomes the
         abort, so its output never leaves; one still running gets ``to_finish``)."""
+        # The device's verdicts on the forwards run so far (rows on a GPU), before any output.
+        self.row_check.take_verdicts()
         rows, lens, held = [], [], []
         refused: list[Any] = []
         # Every request sent is passed here (all 256 rows at a forced send): the loop is kept to
         # attribute reads, its rows' keys read in one numpy gather after it.
         row_kv, aborted, enforce = self._row_kv, self.aborted, self.policy == "enforce"
         for req in reqs:
+            if enforce and req.rid in aborted:
+                reason = aborted[req.rid]
+                if not (req.finished() and not _aborted(req) and getattr(reason, "op", None) == "release"):
+                    # Refused already (checked again it would only add violations), its row
+                    # maybe given back already: its output is kvguard's abort alone.
+                    refused.append(req)
+                    if req.finished() and not _aborted(req):
+                        req.finished_reason = _finish_abort(f"kvguard refused this request: {reason}")
+                    continue
+                # Refused only for how its release went, after it finished: its output was
+                # made before, from its own KV, and leaves as SGLang made it.
             kv = req.kv
             row = kv.req_pool_idx
             if row is None:
                 continue
             row = int(row)
             if row_kv[row] is not kv:
-                continue
-            if enforce and req.rid in aborted:
-                # Refused already (checked again it would only add violations): its output is
-                # kvguard's abort.
-                refused.append(req)
-                if req.finished() and not _aborted(req):
-                    req.finished_reason = _finish_abort(f"kvguard refused this request: {aborted[req.rid]}")
                 continue
             if not req.output_ids and _aborted(req):
                 # Aborted before it produced a token (a PD transfer that failed: its pages were
@@ -595,23 +620,40 @@ class Guard(PageReleases):
         full (:meth:`check_rows_before_output`). Under enforce a refused request still running
         is taken out of the payload (every per-request list of the accumulator, index-aligned
         with ``acc.rids``): none of its output leaves, its abort follows at the next step; a
-        refused finished one leaves as kvguard's abort."""
+        refused finished one leaves as kvguard's abort and nothing else: its entries of the
+        payload's token content (ids, detokenizer ids, logprobs, hidden states, ...) emptied
+        (:func:`_withheld`). The tokens it made since its last clean send may come from KV it
+        had no right to read; SGLang streams an abort's payload to the client (its text
+        included), so they never reach the payload."""
         reqs = acc.output_reqs
         refused = self.check_rows_before_output(reqs)
         if not refused or self.policy != "enforce":
             return
         bad = {id(r) for r in refused}
-        drop = []
+        drop, ended = [], []
         for i, r in enumerate(reqs):
             if id(r) not in bad:
                 continue
             if r.finished():
                 acc.finished_reasons[i] = r.finished_reason.to_json() if r.finished_reason else None
+                ended.append(i)
             else:
                 drop.append(i)
+        n = len(acc.rids)
+        if ended:
+            for name in type(acc).__dataclass_fields__:
+                value = getattr(acc, name)
+                if isinstance(value, list) and len(value) == n and name not in _PAYLOAD_ROUTING:
+                    for i in ended:
+                        value[i] = _withheld(value[i])
+                elif isinstance(value, dict) and name == "customized_info":
+                    for v in value.values():
+                        if isinstance(v, list) and len(v) == n:
+                            for i in ended:
+                                v[i] = _withheld(v[i])
         if not drop:
             return
-        n, gone = len(acc.rids), set(drop)
+        gone = set(drop)
 
         def kept(values: list[Any]) -> list[Any]:
             return [v for i, v in enumerate(values) if i not in gone]

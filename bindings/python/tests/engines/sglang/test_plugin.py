@@ -258,8 +258,11 @@ class RecordingDeviceGuard:
     def verify_token_rows(self, req_to_token, num_rows, row_stride, rows, seq_lens, num_seqs, max_pages, *, stream):
         self.calls.append(("verify_token_rows", req_to_token, num_rows, row_stride, rows, seq_lens, num_seqs, max_pages, stream))
 
-    def drain(self, table, *, stream):
-        self.calls.append("drain")
+    def begin_drain(self, *, stream):
+        self.calls.append("begin_drain")
+
+    def finish_drain(self, table, *, stream, wait=True):
+        self.calls.append(("finish_drain", wait))
         return []
 
 
@@ -270,7 +273,8 @@ def test_device_check_reads_the_rows_on_the_device_and_verifies_on_the_stream(en
     (verify_token_rows: the whole table, the batch's rows and lengths as int64, contiguous); a
     table in any other layout (here: not contiguous) is gathered first (verify_block_table: the rows' first slot of each page over the
     page size, int32, contiguous). The readers are the batch's request keys, everything on
-    SGLang's stream, drained when the forward ends."""
+    SGLang's stream, the ring's copy begun behind the check (never a drain that waits in the
+    forward)."""
     monkeypatch.setattr(fwd, "DeviceGuard", RecordingDeviceGuard)
     monkeypatch.setattr(fwd.DeviceRowCheck, "_current_stream", lambda self: 77)
     eng = engine_factory(page_size=page_size, policy=None)
@@ -302,7 +306,10 @@ def test_device_check_reads_the_rows_on_the_device_and_verifies_on_the_stream(en
     dg = check.device_guard
     names = [c if isinstance(c, str) else c[0] for c in dg.calls]
     launch = "verify_token_rows" if layout == "int32" else "verify_block_table"
-    assert names[-5:] == ["sync_tags", "set_readers", "clear_status", launch, "drain"]
+    last = len(names) - 1 - names[::-1].index("sync_tags")
+    # The ring's copy begun behind the check; one still in flight finished first, never waited for.
+    assert [n for n in names[last:] if n != "finish_drain"] == ["sync_tags", "set_readers", "clear_status", launch, "begin_drain"]
+    assert all(c[1] is False for c in dg.calls[last:] if c[0] == "finish_drain")
     readers = next(c for c in reversed(dg.calls) if c[0] == "set_readers")[1]
     assert readers == [eng.guard.request_key(r.rid) for r in reqs]
     rt = eng.req_to_token_pool.req_to_token

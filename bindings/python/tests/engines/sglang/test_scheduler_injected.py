@@ -348,7 +348,8 @@ def test_entry_changed_below_the_window_is_never_served(triton_rows, unguarded, 
     write into req_to_token naming r0's KV); r1 finishes before the next full check
     (full_check_every=64). Its whole row is checked before any of its output leaves the
     scheduler: r1 ends with kvguard's abort instead of the output it read from r0's KV; r0 and
-    the others are untouched."""
+    the others are untouched. No token r1 made after the bug leaves, not even with its abort
+    (SGLang streams an abort's payload, text included, to a streaming client)."""
     s, guard = scheduler(page_size, overlap=overlap)
     for r in reqs(max_new=6):
         r.stream = stream
@@ -365,11 +366,14 @@ def test_entry_changed_below_the_window_is_never_served(triton_rows, unguarded, 
     v = guard.aborted["r1"]
     assert v.kind == "foreign_page" and v.request == "r1" and v.owner in ("r0", None)
     assert out["r1"][1]["type"] == "abort"
-    # Nothing of r1 left the scheduler after the bug but the abort.
+    # Nothing of r1 left the scheduler after the bug but the abort: no token id, no id for the
+    # detokenizer.
     for payload in s.outputs.sent[sent_before:]:
         for i, rid in enumerate(payload.rids):
             if rid == "r1":
                 assert payload.finished_reasons[i] is not None and payload.finished_reasons[i]["type"] == "abort"
+                assert len(payload.output_ids[i]) == 0
+                assert payload.decode_ids is None or len(payload.decode_ids[i]) == 0
     ref = {rid: o for rid, o in unguarded[page_size].items()}
     s2, _ = scheduler(page_size, policy=None)
     want = run(s2, reqs(max_new=6))

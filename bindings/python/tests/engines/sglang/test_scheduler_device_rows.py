@@ -1,0 +1,248 @@
+"""The device check of SGLang's rows (``req_to_token`` on a GPU: ``kvguard.sglang.forward.DeviceRowCheck``)
+on SGLang's own Scheduler, in its normal and its overlap loop (scheduler_rig.py, the Triton row
+write), with ``kvguard.DeviceGuard`` replaced by :class:`HostDeviceRows`, a stand-in over host
+memory that judges each forward's rows as the device's read check does (by the page's owner and
+tenant in the tags the last ``sync_tags`` left) and records when each call was made.
+
+What these tests hold is the wiring: nothing in a forward waits for the GPU (under the overlap
+schedule a wait when the forward ends would wait for the model just launched and serialise SGLang's
+two halves), and a device verdict still refuses its request before any output of the forward that
+read its rows leaves the scheduler. That the kernels give the host table's verdicts is shown on
+the simulated grid (``tests/it/cuda_host_verify.rs``) and on a GPU (``scripts/gpu-check``)."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import kvguard.sglang.forward as fwd
+from scheduler_rig import attach_kvguard, build_scheduler, finished, generate_req, overlap_step, run
+from scheduler_rig import step as normal_step
+
+PROMPTS = {f"r{i}": [1000 * (i + 1) + j for j in range(40)] for i in range(4)}
+
+
+def reqs(max_new=12):
+    return [generate_req(rid, p, max_new=max_new, salt="acme") for rid, p in PROMPTS.items()]
+
+
+@pytest.fixture
+def triton_rows(monkeypatch):
+    from scheduler_rig import allocation
+
+    monkeypatch.setattr(allocation, "support_triton", lambda backend: True)
+
+
+@dataclass
+class Record:
+    """One device violation, with the fields the plugin reads of a ``kvguard.Violation``."""
+
+    kind: str
+    op: str
+    request: int
+    page: int
+    owner: int | None = None
+    tenant: int | None = None
+    owner_tenant: int | None = None
+
+    def __str__(self) -> str:
+        return f"{self.kind} ({self.op}) of page {self.page} [device]"
+
+
+def _view(ptr: int, n: int, ctype) -> np.ndarray:
+    return np.ctypeslib.as_array((ctype * n).from_address(ptr)) if n else np.zeros(0)
+
+
+class HostDeviceRows:
+    """``kvguard.DeviceGuard``'s calls as SGLang's device row check makes them, run on host memory.
+
+    ``verify_token_rows`` reads SGLang's int32 ``req_to_token`` and the batch's rows and lengths
+    through their pointers and judges every page a row reads (page ``j`` is entry ``j *
+    page_size`` over the page size) against the tags ``sync_tags`` took: the reader's own page,
+    or a shared page of its tenant, passes; anything else is a record in the ring. ``refuse``
+    names readers whose reads the device refuses whatever the tags say (a finding only the
+    device makes, so a test can tell the device's verdicts from the host's). The ring's copy is
+    taken at ``begin_drain`` (the host runs each call at once: the copy has always landed).
+    ``calls`` keeps each call with whether it was made inside ``ModelRunner.forward``."""
+
+    def __init__(self, config, *, device=0, max_seqs=1024):
+        self.page_size = config.page_size
+        self.num_pages = config.num_pages
+        self.tags = []
+        self.readers = []
+        self.ring = []
+        self.copy = None
+        self.refuse = set()
+        self.in_forward = False
+        self.calls = []
+
+    def _call(self, name, **kw):
+        self.calls.append((name, self.in_forward, kw))
+
+    def sync_tags(self, table, *, stream):
+        self._call("sync_tags")
+        self.tags = [table.page_info(p) for p in range(self.num_pages)]
+        return self.num_pages
+
+    def set_readers(self, table, req_ids, *, stream):
+        self._call("set_readers")
+        self.readers = [(k, table.request_info(k).tenant) for k in req_ids]
+
+    def clear_status(self, *, stream):
+        self._call("clear_status")
+
+    def verify_token_rows(self, req_to_token, num_rows, row_stride, rows, seq_lens, num_seqs, max_pages, *, stream):
+        self._call("verify_token_rows", n=num_seqs)
+        rt = _view(req_to_token, num_rows * row_stride, ctypes.c_int32).reshape(num_rows, row_stride)
+        at = _view(rows, num_seqs, ctypes.c_int64)
+        lens = _view(seq_lens, num_seqs, ctypes.c_int64)
+        ps = self.page_size
+        for s in range(num_seqs):
+            key, tenant = self.readers[s]
+            if key in self.refuse:
+                self.ring.append(Record("foreign_page", "read", key, -1))
+                continue
+            for j in range(-(-int(lens[s]) // ps)):
+                page = int(rt[int(at[s]), j * ps]) // ps
+                info = self.tags[page] if 0 <= page < self.num_pages else None
+                if info is not None and (
+                    (info.state == "owned" and info.owner == key) or (info.state == "shared" and info.tenant == tenant)
+                ):
+                    continue
+                self.ring.append(Record("foreign_page", "read", key, page, owner=None if info is None else info.owner))
+                break
+
+    def begin_drain(self, *, stream):
+        self._call("begin_drain")
+        assert self.copy is None, "one copy in flight"
+        self.copy, self.ring = self.ring, []
+
+    def finish_drain(self, table, *, stream, wait=True):
+        self._call("finish_drain", wait=wait)
+        out, self.copy = self.copy, None
+        return out
+
+    def drain(self, table, *, stream):
+        self._call("drain")
+        out, self.ring = self.ring, []
+        return out
+
+
+def scheduler(monkeypatch, page_size, *, overlap):
+    """SGLang's Scheduler guarded under enforce, its rows checked by the device check on the
+    stand-in; ``ModelRunner.forward`` marks the stand-in's calls made inside it."""
+    s = build_scheduler(
+        page_size=page_size, tokens=1024 if page_size == 16 else 512, rows=8, context_len=256,
+        disable_overlap_schedule=not overlap,
+    )
+    guard = attach_kvguard(s, "enforce")
+    monkeypatch.setattr(fwd, "DeviceGuard", HostDeviceRows)
+    monkeypatch.setattr(fwd, "_on_device", lambda rows: True)
+    monkeypatch.setattr(fwd.DeviceRowCheck, "_current_stream", lambda self: 7)
+    guard.row_check = fwd.row_check_for(guard, True)
+    assert guard.row_check.where == "device"
+    dg = guard.row_check.device_guard
+    forward = s.tp_worker.model_runner.forward
+
+    def marked(*args, **kwargs):
+        dg.in_forward = True
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            dg.in_forward = False
+
+    s.tp_worker.model_runner.forward = marked
+    return s, guard, dg
+
+
+def step(s):
+    return overlap_step(s) if s.enable_overlap else normal_step(s)
+
+
+def finish(s):
+    for _ in range(200):
+        if (step(s) is None and s.running_batch.is_empty() and not s.waiting_queue
+                and not getattr(s, "result_queue", None)):
+            return finished(s)
+    raise AssertionError("the scheduler did not finish")
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_clean_workload_waits_for_nothing_in_the_forward(triton_rows, monkeypatch, page_size, overlap):
+    """Every forward's rows are checked on the device and the ring's copy begun behind the check;
+    nothing in ``ModelRunner.forward`` waits for the GPU (no drain, no ``finish_drain`` that
+    waits); every forward's verdicts are taken by the end; nobody is refused and every output
+    is the unguarded run's."""
+    s, guard, dg = scheduler(monkeypatch, page_size, overlap=overlap)
+    out = run(s, reqs())
+    plain = build_scheduler(
+        page_size=page_size, tokens=1024 if page_size == 16 else 512, rows=8, context_len=256,
+        disable_overlap_schedule=not overlap,
+    )
+    assert out == run(plain, reqs())
+    assert guard.violations == [] and guard.aborted == {}
+    if overlap:
+        assert s.overlapped > 0, "batches were launched before the last one's result was processed"
+    checks = [c for c in dg.calls if c[0] == "verify_token_rows"]
+    assert len(checks) >= 12 and all(inside for _, inside, _ in checks)
+    assert not [c for c in dg.calls if c[0] == "drain"]
+    waits_inside = [c for c in dg.calls if c[0] == "finish_drain" and c[1] and c[2]["wait"]]
+    assert waits_inside == [], "a wait for the GPU inside the forward"
+    # The ring's copy follows the check it covers, inside the same forward.
+    names = [(c[0], c[1]) for c in dg.calls]
+    for i, (name, inside) in enumerate(names):
+        if name == "verify_token_rows":
+            assert names[i + 1] in (("begin_drain", True), ("finish_drain", True)), names[i : i + 3]
+    check = guard.row_check
+    assert check._drained_through == check._launched > 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("when", ["running", "finishing"])
+def test_a_device_verdict_refuses_before_the_forwards_output_leaves(triton_rows, monkeypatch, page_size, overlap, when):
+    """The device refuses r1's reads from some step on (a finding of the device alone: the
+    host's checks pass its rows): after three decode steps (``running``), or for its last
+    token (the forward that reads for it is refused: under the overlap schedule the one after
+    the forward in flight), so that it finishes, and SGLang gives its row back, in the step
+    whose verdict refuses it (``finishing``). The forward that read them still runs (nothing waits for its
+    verdict there), but its verdict is taken before that forward's output is built: r1 is
+    aborted and no token of r1's from that forward on leaves the scheduler, not even with the
+    abort; r0, r2 and r3 are served as without kvguard."""
+    s, guard, dg = scheduler(monkeypatch, page_size, overlap=overlap)
+    for r in reqs():
+        s.handle_generate_request(r)
+    r1 = None
+    for _ in range(40):
+        step(s)
+        r1 = next((r for r in s.running_batch.reqs if r.rid == "r1"), r1)
+        if r1 is not None and len(r1.output_ids) >= (4 if when == "running" else 10 if overlap else 11):
+            break
+    assert r1 is not None and not r1.finished()
+    tokens_before = len(r1.output_ids)
+    sent_before = len(s.outputs.sent)
+    dg.refuse.add(guard.request_key("r1"))
+    out = finish(s)
+    assert set(guard.aborted) == {"r1"}
+    v = guard.aborted["r1"]
+    assert v.kind == "foreign_page" and v.op == "read" and v.request == "r1"
+    assert out["r1"][1]["type"] == "abort"
+    # Of r1, nothing left after the refusal began but the abort: no token the refused forward
+    # (or any later one) made, not even with the abort.
+    for payload in s.outputs.sent[sent_before:]:
+        for i, rid in enumerate(payload.rids):
+            if rid == "r1":
+                assert payload.finished_reasons[i] is not None and payload.finished_reasons[i]["type"] == "abort"
+                assert len(payload.output_ids[i]) == 0
+    assert len(out["r1"][0]) <= tokens_before
+    plain = build_scheduler(
+        page_size=page_size, tokens=1024 if page_size == 16 else 512, rows=8, context_len=256,
+        disable_overlap_schedule=not overlap,
+    )
+    want = run(plain, reqs())
+    for rid in ("r0", "r2", "r3"):
+        assert out[rid] == want[rid]
+    assert not [c for c in dg.calls if c[0] == "finish_drain" and c[1] and c[2]["wait"]]
