@@ -53,6 +53,7 @@ class Guard(Protocol):
     _reader_rows: Any
     _refused: Any
     _qsl_decode: Any
+    _loc_host: Any
 
     def _stale_rows(self, *args: Any) -> Any: ...
     def _violation(self, *args: Any) -> Any: ...
@@ -167,6 +168,7 @@ class HostRowCheck:
         """The forward is over."""
         self.pending = False
         self._rows_dev = self._lens_dev = None
+        self.guard._loc_host = None
 
     def take_verdicts(self) -> None:
         """The verdicts of every forward checked so far, taken before an output leaves the
@@ -189,7 +191,8 @@ class HostRowCheck:
             # host tensors read in place.
             stop = g.table.check_decode_forward(
                 g._row_key, g._row_claimant, g._row_checked, self._host_rows(),
-                _in_place(self._rows_src), _in_place(self._lens_src), _in_place(loc),
+                _in_place(self._rows_src), _in_place(self._lens_src),
+                _in_place(loc) if g._loc_host is None else self._slots(loc, _in_place),
             )
             if stop is None:
                 return loc
@@ -207,7 +210,7 @@ class HostRowCheck:
                     g._refused(int(keys[i]), v)
                 return self._refuse(loc, refused)
             # "full": a row of no live request, or not one slot per row: the general path.
-        rows, slots = self._rows, _flat(loc)
+        rows, slots = self._rows, self._slots(loc, _flat)
         qsl = self._qsl
         keys = g._row_key[rows]
         live = g._row_live[rows]
@@ -234,6 +237,16 @@ class HostRowCheck:
         take = np.concatenate([np.arange(qsl[i], qsl[i + 1]) for i in pos.tolist()]) if len(pos) else pos
         verdict = g.table.record_step_writes(keys[pos], slots[take], sub_qsl)
         return self._after_writes(loc, keys, refused, verdict, pos, full)
+
+    def _slots(self, loc: Any, read: Any) -> Any:
+        """The forward's slots ``loc`` on the host: the copy kvguard made of them at the decode
+        row write, while ``loc`` is the tensor it was made of and unchanged since (its version;
+        ``Guard._note_loc``); else ``read(loc)`` (a host tensor read in place, a device tensor
+        copied)."""
+        known = self.guard._loc_host
+        if known is not None and known[0] is loc and getattr(loc, "_version", None) == known[1]:
+            return known[2]
+        return read(loc)
 
     def _after_writes(
         self, loc: Any, keys: np.ndarray, refused: np.ndarray, verdict: Any, pos: np.ndarray | None, full: bool

@@ -263,6 +263,11 @@ class Guard(PageReleases):
         self._writers: np.ndarray | None = None
         self._readers: np.ndarray | None = None
         self._reader_rows: np.ndarray | None = None
+        # A decode row write's slots as kvguard copied them from the device, until the
+        # allocation they came from returns; then (out_cache_loc, its version, that copy), which
+        # the batch's forward reads instead of copying out_cache_loc again (see _note_loc).
+        self._written_slots: np.ndarray | None = None
+        self._loc_host: tuple[Any, Any, np.ndarray] | None = None
         # id(Req.kv) -> the record, for requests whose row went back while unfinished and that
         # have no new row yet (see _batch_reqs).
         self._suspects: dict[int, Any] = {}
@@ -428,7 +433,11 @@ class Guard(PageReleases):
                         at = torch.as_tensor(ok)
                         return inner((rows[at], cols[at]), values[at])
                 # SGLang's host tensors read in place by the binding.
-                self._decode_rows_written(_in_place(rows), _in_place(cols), _in_place(values))
+                slots = _in_place(values)
+                self._decode_rows_written(_in_place(rows), _in_place(cols), slots)
+                if slots is not values:
+                    # A copy (of a device tensor): kept for the batch's forward (_note_loc).
+                    self._written_slots = slots
             return inner(indices, values)
 
         return write
@@ -835,6 +844,18 @@ class Guard(PageReleases):
         rows, slots = _flat(rows), _flat(slots)
         for i in left:
             self._row_written(int(rows[i]), slots[i : i + 1])
+
+    def _note_loc(self, loc: Any, written: np.ndarray) -> None:
+        """``alloc_for_decode`` returned ``loc``, the ``out_cache_loc`` SGLang hands the batch's
+        forward, whose slots its row write gave as ``written`` (the row write takes them as
+        int32) and kvguard copied to the host (a device tensor's copy, made on the stream that
+        prepares the batch). The forward's check reads that copy while ``loc`` is the same tensor,
+        unchanged since (its version): it makes no second copy at the forward's entry, on the
+        forward's stream, where under SGLang's overlap schedule a copy waits for the forward
+        before it (:meth:`kvguard.sglang.forward.HostRowCheck._slots`)."""
+        self._loc_host = None
+        if written is not None and loc is not None and len(written) == len(loc):
+            self._loc_host = (loc, getattr(loc, "_version", None), written)
 
     def _cache_indices_written(
         self, out_cache_loc: Any, rows: Any, prefix_lens: Any, extend_lens: Any, prefix_tensors: Any

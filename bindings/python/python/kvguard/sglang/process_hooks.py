@@ -96,10 +96,15 @@ def _batch_alloc(inner: Callable[..., Any], *, before: bool) -> Callable[..., An
         except BaseException:
             if guard is not None:
                 guard._readers = guard._reader_rows = None
+                guard._written_slots = None
             raise
         finally:
             if guard is not None:
                 guard._writers = None
+        if guard is not None and before and guard._written_slots is not None:
+            # The row write's slots were copied from the device: the forward reads that copy.
+            written, guard._written_slots = guard._written_slots, None
+            guard._note_loc(out, written)
         if guard is not None and not before:
             if guard._suspects:
                 guard._batch_reqs(batch.reqs)

@@ -246,3 +246,51 @@ def test_a_device_verdict_refuses_before_the_forwards_output_leaves(triton_rows,
     for rid in ("r0", "r2", "r3"):
         assert out[rid] == want[rid]
     assert not [c for c in dg.calls if c[0] == "finish_drain" and c[1] and c[2]["wait"]]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("changed", [False, True])
+def test_a_decode_forward_reads_the_slots_copied_at_the_row_write(triton_rows, monkeypatch, page_size, overlap, changed):
+    """On a GPU SGLang's ``out_cache_loc`` is a device tensor: the decode row write copies its
+    slots to the host (on the stream that prepares the batch), and the decode forward's check
+    takes that copy instead of copying ``out_cache_loc`` again at its entry, on the forward's
+    stream (under the overlap schedule a wait for the forward before it). Here the tensors are
+    on the host, so the row write's arrays are taken as copies (as a device tensor's are) and
+    every read of a decode forward's ``out_cache_loc`` by the check is recorded: there is none,
+    and the workload is served as without kvguard. ``changed``: each decode ``out_cache_loc`` is
+    changed in place (by nothing: its version moves) between its allocation and its forward;
+    the check then reads it again."""
+    import kvguard.sglang.guard as guard_mod
+    from kvguard.sglang.arrays import _flat, _in_place
+
+    s = build_scheduler(
+        page_size=page_size, tokens=1024 if page_size == 16 else 512, rows=8, context_len=256,
+        disable_overlap_schedule=not overlap,
+    )
+    guard = attach_kvguard(s, "enforce")
+    assert guard.row_check.where == "host"
+    monkeypatch.setattr(guard_mod, "_in_place", lambda t: np.array(_flat(t)))
+    decode_locs, read = [], []
+    monkeypatch.setattr(fwd, "_in_place", lambda t: read.append(t) or _in_place(t))
+    monkeypatch.setattr(fwd, "_flat", lambda t: read.append(t) or _flat(t))
+    forward = s.tp_worker.model_runner.forward
+
+    def watched(fb, *args, **kwargs):
+        if fb.forward_mode.is_decode():
+            decode_locs.append(fb.out_cache_loc)
+            if changed:
+                fb.out_cache_loc.add_(0)
+        return forward(fb, *args, **kwargs)
+
+    s.tp_worker.model_runner.forward = watched
+    out = run(s, reqs())
+    plain = build_scheduler(
+        page_size=page_size, tokens=1024 if page_size == 16 else 512, rows=8, context_len=256,
+        disable_overlap_schedule=not overlap,
+    )
+    assert out == run(plain, reqs())
+    assert guard.violations == [] and guard.aborted == {}
+    assert len(decode_locs) >= 8
+    reread = [loc for loc in decode_locs if any(t is loc for t in read)]
+    assert len(reread) == (len(decode_locs) if changed else 0)
