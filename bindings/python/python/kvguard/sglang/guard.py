@@ -268,6 +268,9 @@ class Guard(PageReleases):
         # the batch's forward reads instead of copying out_cache_loc again (see _note_loc).
         self._written_slots: np.ndarray | None = None
         self._loc_host: tuple[Any, Any, np.ndarray] | None = None
+        # While alloc_for_decode runs for a batch whose rows are on a device: (its rows, the host
+        # copies SGLang keeps of them and of the columns written), for the row write.
+        self._decode_rows_host: tuple[Any, Any, Any] | None = None
         # id(Req.kv) -> the record, for requests whose row went back while unfinished and that
         # have no new row yet (see _batch_reqs).
         self._suspects: dict[int, Any] = {}
@@ -432,7 +435,13 @@ class Guard(PageReleases):
 
                         at = torch.as_tensor(ok)
                         return inner((rows[at], cols[at]), values[at])
-                # SGLang's host tensors read in place by the binding.
+                # SGLang's host tensors read in place by the binding; a device batch's rows and
+                # columns from the host copies SGLang keeps of them (no copy of its tensors).
+                known = self._decode_rows_host
+                if known is not None and known[0] is rows and len(known[1]) == len(rows):
+                    rows = known[1]
+                    if known[2] is not None and len(known[2]) == len(rows):
+                        cols = known[2]
                 slots = _in_place(values)
                 self._decode_rows_written(_in_place(rows), _in_place(cols), slots)
                 if slots is not values:

@@ -294,3 +294,60 @@ def test_a_decode_forward_reads_the_slots_copied_at_the_row_write(triton_rows, m
     assert len(decode_locs) >= 8
     reread = [loc for loc in decode_locs if any(t is loc for t in read)]
     assert len(reread) == (len(decode_locs) if changed else 0)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_decode_row_write_reads_the_host_copies_sglang_keeps(triton_rows, monkeypatch, page_size, overlap):
+    """On a GPU a decode batch's ``req_pool_indices`` and the columns its row write writes are
+    device tensors, of which SGLang keeps host copies (``req_pool_indices_cpu``, and
+    ``seq_lens_cpu`` before the step's increment): the row write reads those instead of copying
+    its own. Here the batch's ``req_pool_indices`` is taken for a device tensor and every array
+    the row write reads is recorded: neither of the row write's index tensors is read, the host
+    copies are, and the workload is served as without kvguard."""
+    import kvguard.sglang.guard as guard_mod
+    import kvguard.sglang.process_hooks as hooks
+    from kvguard.sglang.arrays import _flat
+    from sglang.srt.managers import schedule_batch
+
+    s = build_scheduler(
+        page_size=page_size, tokens=1024 if page_size == 16 else 512, rows=8, context_len=256,
+        disable_overlap_schedule=not overlap,
+    )
+    guard = attach_kvguard(s, "enforce")
+    batch = [None]
+    alloc = schedule_batch.alloc_for_decode
+
+    def seen(b, *args, **kwargs):
+        batch[0] = b
+        if b.req_pool_indices_cpu is b.req_pool_indices:
+            # On the host SGLang's copy is the tensor itself; on a GPU it is a tensor of its own.
+            b.req_pool_indices_cpu = b.req_pool_indices.clone()
+        return alloc(b, *args, **kwargs)
+
+    monkeypatch.setattr(schedule_batch, "alloc_for_decode", seen)
+    monkeypatch.setattr(hooks, "_on_device", lambda t: batch[0] is not None and t is batch[0].req_pool_indices)
+    read = []
+    monkeypatch.setattr(guard_mod, "_in_place", lambda t: read.append(t) or np.array(_flat(t)))
+    pool = s.req_to_token_pool
+    write = pool.write
+    decode_writes = []
+
+    def watched(indices, values):
+        if not isinstance(indices[1], slice):
+            decode_writes.append((indices, batch[0].req_pool_indices_cpu))
+        return write(indices, values)
+
+    pool.write = watched
+    out = run(s, reqs())
+    plain = build_scheduler(
+        page_size=page_size, tokens=1024 if page_size == 16 else 512, rows=8, context_len=256,
+        disable_overlap_schedule=not overlap,
+    )
+    assert out == run(plain, reqs())
+    assert guard.violations == [] and guard.aborted == {}
+    assert len(decode_writes) >= 8
+    for (rows, cols), rows_cpu in decode_writes:
+        assert not any(t is rows for t in read), "the device rows of the row write read"
+        assert not any(t is cols for t in read), "the device columns of the row write read"
+        assert any(t is rows_cpu for t in read), "the host copy of the rows read"
