@@ -86,14 +86,15 @@ def _on_device(t: Any) -> bool:
 
 
 def _decode_rows_on_host(batch: Any) -> tuple[Any, Any, Any] | None:
-    """For a decode batch whose ``req_pool_indices`` is on a device: that tensor, with the host
-    copies SGLang keeps of it and of the columns its row write writes (``req_pool_indices_cpu``,
+    """For a decode batch whose ``req_pool_indices`` is on a device (the caller asks
+    :func:`_on_device`): that tensor, with the host copies SGLang keeps of it and of the
+    columns its row write writes (``req_pool_indices_cpu``,
     and ``seq_lens_cpu`` before the step's increment, as ``alloc_for_decode`` writes at
     ``seq_lens``; None for an encoder-decoder model, which writes past its encoder's length).
     The row write (``Guard._wrap_row_write``) reads these instead of copying its device tensors."""
-    rows = getattr(batch, "req_pool_indices", None)
+    rows = batch.req_pool_indices
     rows_cpu = getattr(batch, "req_pool_indices_cpu", None)
-    if rows is None or rows_cpu is None or not _on_device(rows) or _on_device(rows_cpu):
+    if rows_cpu is None or _on_device(rows_cpu):
         return None
     cols = getattr(batch, "seq_lens_cpu", None)
     if getattr(getattr(batch, "model_config", None), "is_encoder_decoder", True) or _on_device(cols):
@@ -112,7 +113,7 @@ def _batch_alloc(inner: Callable[..., Any], *, before: bool) -> Callable[..., An
             guard._readers = guard._reader_rows = None
             if before and guard._suspects:  # (_batch_reqs gathers nothing without suspects)
                 guard._batch_reqs(batch.reqs)
-            if before:
+            if before and _on_device(getattr(batch, "req_pool_indices", None)):
                 guard._decode_rows_host = _decode_rows_on_host(batch)
         try:
             out = inner(batch, *args, **kwargs)
@@ -124,7 +125,8 @@ def _batch_alloc(inner: Callable[..., Any], *, before: bool) -> Callable[..., An
         finally:
             if guard is not None:
                 guard._writers = None
-                guard._decode_rows_host = None
+                if guard._decode_rows_host is not None:
+                    guard._decode_rows_host = None
         if guard is not None and before and guard._written_slots is not None:
             # The row write's slots were copied from the device: the forward reads that copy.
             written, guard._written_slots = guard._written_slots, None
