@@ -102,8 +102,11 @@ def _withheld(value: Any) -> Any:
     record of timings or of cache hits) as it was."""
     if isinstance(value, (str, bytes)) or value is None:
         return value
-    if isinstance(value, (list, tuple, array.array, np.ndarray)) or hasattr(value, "new_empty"):
+    if isinstance(value, (list, tuple, array.array)):
         return value[:0]
+    if isinstance(value, np.ndarray) or hasattr(value, "new_empty"):
+        # An array or tensor: no entries, its trailing shape kept (a scalar: one dimension).
+        return value[:0] if value.ndim else value.reshape(-1)[:0]
     return value
 
 

@@ -332,3 +332,26 @@ def test_device_check_reads_the_rows_on_the_device_and_verifies_on_the_stream(en
             want = rt[r.kv.req_pool_idx, :length:page_size] // page_size
             assert torch.equal(table[i, : len(want)], want.to(torch.int32))
     assert eng.guard.violations == []
+
+
+def test_a_refused_requests_payload_entries_keep_no_content():
+    """``_withheld``: a refused request's entry of a per-request list of SGLang's output payload.
+    Sequences of tokens, ids, logprobs or hidden states come back empty, of their own type (a
+    tensor or array keeps its trailing shape); counts, strings, None and other records as they
+    were."""
+    import array
+
+    import numpy as np
+    from kvguard.sglang.guard import _withheld
+
+    assert _withheld([1, 2, 3]) == [] and type(_withheld([1])) is list
+    assert _withheld((0.5, 0.25)) == ()
+    ids = _withheld(array.array("q", [7, 8]))
+    assert isinstance(ids, array.array) and ids.typecode == "q" and len(ids) == 0
+    hidden = _withheld(torch.ones(3, 4))
+    assert isinstance(hidden, torch.Tensor) and tuple(hidden.shape) == (0, 4)
+    assert tuple(_withheld(torch.tensor(5.0)).shape) == (0,)
+    assert _withheld(np.arange(6).reshape(2, 3)).shape == (0, 3)
+    record = object()
+    for kept in (17, 0.5, "text so far", None, record, {"k": [1]}):
+        assert _withheld(kept) is kept
