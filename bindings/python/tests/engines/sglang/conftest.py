@@ -14,4 +14,13 @@ os.environ["TRITON_INTERPRET"] = "1"
 if importlib.util.find_spec("sglang") is None or importlib.util.find_spec("torch") is None:
     collect_ignore_glob = ["test_*.py", "harness.py"]
 else:
+    import pytest
     from harness import Engine, engine_factory, sglang_context  # noqa: F401
+
+    @pytest.fixture
+    def triton_rows(monkeypatch):
+        """SGLang's GPU branch of the extend row write (write_req_to_token_pool_triton, on CPU
+        tensors under TRITON_INTERPRET=1) instead of ReqToTokenPool.write."""
+        from sglang.srt.mem_cache import allocation
+
+        monkeypatch.setattr(allocation, "support_triton", lambda backend: True)

@@ -473,6 +473,45 @@ def overlap_step(s: Scheduler):
     return batch
 
 
+def loop_step(s: Scheduler):
+    """One step of the scheduler's event loop: :func:`overlap_step` or :func:`step`, as it is
+    configured."""
+    return overlap_step(s) if s.enable_overlap else step(s)
+
+
+def finish(s: Scheduler, max_steps: int = 200) -> dict:
+    """Steps (:func:`loop_step`) until nothing is queued, running or awaiting its result; returns
+    :func:`finished`."""
+    for _ in range(max_steps):
+        if (loop_step(s) is None and s.running_batch.is_empty() and not s.waiting_queue
+                and not getattr(s, "result_queue", None)):
+            return finished(s)
+    raise AssertionError("the scheduler did not finish")
+
+
+def sent_since(s: Scheduler, since: int, rid: str) -> list[tuple]:
+    """What the scheduler sent of ``rid`` in its payloads from the ``since``-th on: (finish
+    reason, output ids, the detokenizer's ids) for each."""
+    out = []
+    for payload in s.outputs.sent[since:]:
+        for i, r in enumerate(payload.rids):
+            if r == rid:
+                ids = payload.output_ids[i] if payload.output_ids else []
+                decode_ids = payload.decode_ids[i] if payload.decode_ids else []
+                out.append((payload.finished_reasons[i], ids, decode_ids))
+    return out
+
+
+PROMPTS = {f"r{i}": [1000 * (i + 1) + j for j in range(40)] for i in range(4)}
+"""Four 40-token prompts, ``r0`` to ``r3``: the workload of the tests that inject a bug into one
+request and compare the others with an unguarded run."""
+
+
+def prompt_reqs(max_new: int) -> list:
+    """:data:`PROMPTS` as requests of one tenant, ``max_new`` tokens each."""
+    return [generate_req(rid, p, max_new=max_new, salt="acme") for rid, p in PROMPTS.items()]
+
+
 def run(s: Scheduler, reqs, *, per_step: int = 4, max_steps: int = 100_000) -> dict:
     """``reqs`` arrive ``per_step`` at a time (``handle_generate_request``), the scheduler steps
     (:func:`overlap_step` when SGLang's overlap schedule is on, else :func:`step`) until every

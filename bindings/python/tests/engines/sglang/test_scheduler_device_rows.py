@@ -18,21 +18,20 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import kvguard.sglang.forward as fwd
-from scheduler_rig import attach_kvguard, build_scheduler, finished, generate_req, overlap_step, run
-from scheduler_rig import step as normal_step
-
-PROMPTS = {f"r{i}": [1000 * (i + 1) + j for j in range(40)] for i in range(4)}
+from scheduler_rig import attach_kvguard, build_scheduler, finish, prompt_reqs, run, sent_since
+from scheduler_rig import loop_step as step
 
 
 def reqs(max_new=12):
-    return [generate_req(rid, p, max_new=max_new, salt="acme") for rid, p in PROMPTS.items()]
+    return prompt_reqs(max_new)
 
 
-@pytest.fixture
-def triton_rows(monkeypatch):
-    from scheduler_rig import allocation
-
-    monkeypatch.setattr(allocation, "support_triton", lambda backend: True)
+def build(page_size, overlap):
+    """SGLang's Scheduler for these tests' workload (no kvguard yet)."""
+    return build_scheduler(
+        page_size=page_size, tokens=1024 if page_size == 16 else 512, rows=8, context_len=256,
+        disable_overlap_schedule=not overlap,
+    )
 
 
 @dataclass
@@ -133,10 +132,7 @@ class HostDeviceRows:
 def scheduler(monkeypatch, page_size, *, overlap):
     """SGLang's Scheduler guarded under enforce, its rows checked by the device check on the
     stand-in; ``ModelRunner.forward`` marks the stand-in's calls made inside it."""
-    s = build_scheduler(
-        page_size=page_size, tokens=1024 if page_size == 16 else 512, rows=8, context_len=256,
-        disable_overlap_schedule=not overlap,
-    )
+    s = build(page_size, overlap)
     guard = attach_kvguard(s, "enforce")
     monkeypatch.setattr(fwd, "DeviceGuard", HostDeviceRows)
     monkeypatch.setattr(fwd, "_on_device", lambda rows: True)
@@ -157,18 +153,6 @@ def scheduler(monkeypatch, page_size, *, overlap):
     return s, guard, dg
 
 
-def step(s):
-    return overlap_step(s) if s.enable_overlap else normal_step(s)
-
-
-def finish(s):
-    for _ in range(200):
-        if (step(s) is None and s.running_batch.is_empty() and not s.waiting_queue
-                and not getattr(s, "result_queue", None)):
-            return finished(s)
-    raise AssertionError("the scheduler did not finish")
-
-
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_clean_workload_waits_for_nothing_in_the_forward(triton_rows, monkeypatch, page_size, overlap):
@@ -178,10 +162,7 @@ def test_clean_workload_waits_for_nothing_in_the_forward(triton_rows, monkeypatc
     is the unguarded run's."""
     s, guard, dg = scheduler(monkeypatch, page_size, overlap=overlap)
     out = run(s, reqs())
-    plain = build_scheduler(
-        page_size=page_size, tokens=1024 if page_size == 16 else 512, rows=8, context_len=256,
-        disable_overlap_schedule=not overlap,
-    )
+    plain = build(page_size, overlap)
     assert out == run(plain, reqs())
     assert guard.violations == [] and guard.aborted == {}
     if overlap:
@@ -232,16 +213,10 @@ def test_a_device_verdict_refuses_before_the_forwards_output_leaves(triton_rows,
     assert out["r1"][1]["type"] == "abort"
     # Of r1, nothing left after the refusal began but the abort: no token the refused forward
     # (or any later one) made, not even with the abort.
-    for payload in s.outputs.sent[sent_before:]:
-        for i, rid in enumerate(payload.rids):
-            if rid == "r1":
-                assert payload.finished_reasons[i] is not None and payload.finished_reasons[i]["type"] == "abort"
-                assert len(payload.output_ids[i]) == 0
+    for reason, ids, decode_ids in sent_since(s, sent_before, "r1"):
+        assert reason is not None and reason["type"] == "abort" and len(ids) == 0 and len(decode_ids) == 0
     assert len(out["r1"][0]) <= tokens_before
-    plain = build_scheduler(
-        page_size=page_size, tokens=1024 if page_size == 16 else 512, rows=8, context_len=256,
-        disable_overlap_schedule=not overlap,
-    )
+    plain = build(page_size, overlap)
     want = run(plain, reqs())
     for rid in ("r0", "r2", "r3"):
         assert out[rid] == want[rid]
@@ -264,10 +239,7 @@ def test_a_decode_forward_reads_the_slots_copied_at_the_row_write(triton_rows, m
     import kvguard.sglang.guard as guard_mod
     from kvguard.sglang.arrays import _flat, _in_place
 
-    s = build_scheduler(
-        page_size=page_size, tokens=1024 if page_size == 16 else 512, rows=8, context_len=256,
-        disable_overlap_schedule=not overlap,
-    )
+    s = build(page_size, overlap)
     guard = attach_kvguard(s, "enforce")
     assert guard.row_check.where == "host"
     monkeypatch.setattr(guard_mod, "_in_place", lambda t: np.array(_flat(t)))
@@ -285,10 +257,7 @@ def test_a_decode_forward_reads_the_slots_copied_at_the_row_write(triton_rows, m
 
     s.tp_worker.model_runner.forward = watched
     out = run(s, reqs())
-    plain = build_scheduler(
-        page_size=page_size, tokens=1024 if page_size == 16 else 512, rows=8, context_len=256,
-        disable_overlap_schedule=not overlap,
-    )
+    plain = build(page_size, overlap)
     assert out == run(plain, reqs())
     assert guard.violations == [] and guard.aborted == {}
     assert len(decode_locs) >= 8
@@ -310,10 +279,7 @@ def test_a_decode_row_write_reads_the_host_copies_sglang_keeps(triton_rows, monk
     from kvguard.sglang.arrays import _flat
     from sglang.srt.managers import schedule_batch
 
-    s = build_scheduler(
-        page_size=page_size, tokens=1024 if page_size == 16 else 512, rows=8, context_len=256,
-        disable_overlap_schedule=not overlap,
-    )
+    s = build(page_size, overlap)
     guard = attach_kvguard(s, "enforce")
     batch = [None]
     alloc = schedule_batch.alloc_for_decode
@@ -340,10 +306,7 @@ def test_a_decode_row_write_reads_the_host_copies_sglang_keeps(triton_rows, monk
 
     pool.write = watched
     out = run(s, reqs())
-    plain = build_scheduler(
-        page_size=page_size, tokens=1024 if page_size == 16 else 512, rows=8, context_len=256,
-        disable_overlap_schedule=not overlap,
-    )
+    plain = build(page_size, overlap)
     assert out == run(plain, reqs())
     assert guard.violations == [] and guard.aborted == {}
     assert len(decode_writes) >= 8

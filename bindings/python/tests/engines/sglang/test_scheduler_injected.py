@@ -7,21 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
-from scheduler_rig import attach_kvguard, build_scheduler, finished, generate_req, overlap_step, pool_pages, run
-from scheduler_rig import step as normal_step
-
-PROMPTS = {f"r{i}": [1000 * (i + 1) + j for j in range(40)] for i in range(4)}
+from scheduler_rig import (
+    PROMPTS, attach_kvguard, build_scheduler, finish, generate_req, pool_pages, prompt_reqs, run, sent_since,
+)
+from scheduler_rig import loop_step as step
 
 
 def reqs(max_new=24):
-    return [generate_req(rid, p, max_new=max_new, salt="acme") for rid, p in PROMPTS.items()]
-
-
-@pytest.fixture
-def triton_rows(monkeypatch):
-    from scheduler_rig import allocation
-
-    monkeypatch.setattr(allocation, "support_triton", lambda backend: True)
+    return prompt_reqs(max_new)
 
 
 def scheduler(page_size, policy="enforce", *, overlap=False, handed="free_list"):
@@ -62,19 +55,6 @@ def started(s, n=3):
     for _ in range(1 + n):
         step(s)
     return {r.rid: r for r in s.running_batch.reqs}
-
-
-def step(s):
-    """One step of the scheduler's event loop: overlap or normal, as it is configured."""
-    return overlap_step(s) if s.enable_overlap else normal_step(s)
-
-
-def finish(s):
-    for _ in range(200):
-        if (step(s) is None and s.running_batch.is_empty() and not s.waiting_queue
-                and not getattr(s, "result_queue", None)):
-            return finished(s)
-    raise AssertionError("the scheduler did not finish")
 
 
 def row(s, req):
@@ -368,12 +348,8 @@ def test_entry_changed_below_the_window_is_never_served(triton_rows, unguarded, 
     assert out["r1"][1]["type"] == "abort"
     # Nothing of r1 left the scheduler after the bug but the abort: no token id, no id for the
     # detokenizer.
-    for payload in s.outputs.sent[sent_before:]:
-        for i, rid in enumerate(payload.rids):
-            if rid == "r1":
-                assert payload.finished_reasons[i] is not None and payload.finished_reasons[i]["type"] == "abort"
-                assert len(payload.output_ids[i]) == 0
-                assert payload.decode_ids is None or len(payload.decode_ids[i]) == 0
+    for reason, ids, decode_ids in sent_since(s, sent_before, "r1"):
+        assert reason is not None and reason["type"] == "abort" and len(ids) == 0 and len(decode_ids) == 0
     ref = {rid: o for rid, o in unguarded[page_size].items()}
     s2, _ = scheduler(page_size, policy=None)
     want = run(s2, reqs(max_new=6))
