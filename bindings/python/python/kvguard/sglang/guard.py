@@ -41,6 +41,30 @@ _GONE_NAMES = 4096
 
 _UNNAMED = object()
 
+KEPT = 4096
+"""How many of the latest refused requests (``Guard.aborted``) and violations (``Guard.violations``,
+``Guard.refusals``) a guard keeps, at least: a server refusing for days keeps the latest, never
+all (every one is counted in ``Guard.metrics`` and the Prometheus counters, and logged). A
+refused request is aborted at its next step, so its entry is long unused when it goes."""
+
+
+class _Latest(list):
+    """A list of the latest entries: past ``2 * KEPT`` the oldest are dropped down to
+    :data:`KEPT` (amortised: one move of the kept entries every ``KEPT`` appends)."""
+
+    def append(self, item: Any) -> None:
+        list.append(self, item)
+        if len(self) > 2 * KEPT:
+            del self[: len(self) - KEPT]
+
+
+def _keep_latest(entries: dict[Any, Any]) -> None:
+    """``entries`` (oldest first, as a dict keeps them) trimmed to the latest :data:`KEPT` once
+    it holds twice as many."""
+    if len(entries) > 2 * KEPT:
+        for key in list(entries)[: len(entries) - KEPT]:
+            del entries[key]
+
 
 def _pool_pages(allocator: Any) -> int:
     """Allocatable pages of an SGLang allocator (page 0 excluded)."""
@@ -206,11 +230,13 @@ class Guard(PageReleases):
         self.metrics: Counter[str] = Counter()
         """``violations_total`` and ``violations_total:<kind>``, ``aborted_requests``, ``withheld_pages``."""
         self.aborted: dict[Any, NamedViolation | str] = {}
-        """Requests (SGLang ``rid``) aborted under enforce, with the violation that refused them."""
-        self.violations: list[NamedViolation] = []
-        """Every violation seen, in order (report and enforce)."""
-        self.refusals: list[tuple[Any, NamedViolation]] = []
-        """Every violation with the SGLang ``rid`` it was charged to (None: the radix cache's)."""
+        """Requests (SGLang ``rid``) aborted under enforce, with the violation that refused them
+        (the latest :data:`KEPT` at least)."""
+        self.violations: list[NamedViolation] = _Latest()
+        """The violations seen, in order (report and enforce; the latest :data:`KEPT` at least)."""
+        self.refusals: list[tuple[Any, NamedViolation]] = _Latest()
+        """The violations with the SGLang ``rid`` each was charged to (None: the radix cache's;
+        the latest :data:`KEPT` at least)."""
         self.prometheus = _metrics.scheduler_metrics()
         """The process's Prometheus metrics (None without ``prometheus_client``)."""
         num_pages = self.config.num_pages
@@ -498,6 +524,7 @@ class Guard(PageReleases):
             return
         named = self._name(violation)
         self.aborted[req.rid] = named
+        _keep_latest(self.aborted)
         self.metrics["aborted_requests"] += 1
         if self.prometheus is not None:
             self.prometheus.refused()
@@ -1027,6 +1054,7 @@ class Guard(PageReleases):
         if self.policy != "enforce" or rid is None or rid in self.aborted:
             return
         self.aborted[rid] = reason
+        _keep_latest(self.aborted)
         self.metrics["aborted_requests"] += 1
         if self.prometheus is not None:
             self.prometheus.refused()

@@ -355,3 +355,21 @@ def test_a_refused_requests_payload_entries_keep_no_content():
     record = object()
     for kept in (17, 0.5, "text so far", None, record, {"k": [1]}):
         assert _withheld(kept) is kept
+
+
+def test_a_guard_keeps_the_latest_refusals_not_all(engine_factory, monkeypatch):
+    """A server refusing for days keeps the latest refused requests and violations, not all of
+    them: past twice ``KEPT`` the oldest go, down to ``KEPT``. Every refusal is still counted."""
+    import kvguard.sglang.guard as guard_mod
+
+    monkeypatch.setattr(guard_mod, "KEPT", 2)
+    eng = engine_factory(page_size=16, context_len=1024)
+    for i in range(5):
+        assert not eng.submit(eng.request(f"big{i}", list(range(1, 2001))))
+    g = eng.guard
+    assert list(g.aborted) == ["big3", "big4"]
+    assert [v.request for v in g.violations] == ["big3", "big4"]
+    assert [rid for rid, _ in g.refusals] == ["big3", "big4"]
+    assert g.metrics["aborted_requests"] == 5 and g.metrics["violations_total"] == 5
+    g.violations.clear()
+    assert g.violations == []
