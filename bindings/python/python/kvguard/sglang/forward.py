@@ -192,6 +192,7 @@ class HostRowCheck:
             stop = g.table.check_decode_forward(
                 g._row_key, g._row_claimant, g._row_checked, self._host_rows(),
                 _in_place(self._rows_src), _in_place(self._lens_src),
+                # (_slots' test inline: the host path keeps no copy, and pays no call for it)
                 _in_place(loc) if g._loc_host is None else self._slots(loc, _in_place),
             )
             if stop is None:

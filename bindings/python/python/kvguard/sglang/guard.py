@@ -119,6 +119,22 @@ _PAYLOAD_ROUTING = frozenset({"rids", "output_reqs", "http_worker_ipcs", "finish
 ended, never what it holds: kept for a refused request (see :func:`_withheld`)."""
 
 
+def _request_lists(acc: Any, n: int) -> list[tuple[str, list[Any]]]:
+    """The per-request lists of SGLang's output accumulator ``acc`` (those of ``n`` entries,
+    index-aligned with ``acc.rids``; ``customized_info``'s lists named by their key), each with
+    its field's name; a list two fields share, once."""
+    lists: dict[int, tuple[str, list[Any]]] = {}
+    for name in type(acc).__dataclass_fields__:
+        value = getattr(acc, name)
+        if isinstance(value, list) and len(value) == n:
+            lists.setdefault(id(value), (name, value))
+        elif isinstance(value, dict) and name == "customized_info":
+            for k, v in value.items():
+                if isinstance(v, list) and len(v) == n:
+                    lists.setdefault(id(v), (f"{name}.{k}", v))
+    return list(lists.values())
+
+
 def _withheld(value: Any) -> Any:
     """A refused request's entry of a per-request list of SGLang's output payload, its content
     withheld: a sequence of tokens, logprobs, ids or hidden states (list, tuple, ``array``,
@@ -689,34 +705,19 @@ class Guard(PageReleases):
                 drop.append(i)
         n = len(acc.rids)
         if ended:
-            for name in type(acc).__dataclass_fields__:
-                value = getattr(acc, name)
-                if isinstance(value, list) and len(value) == n and name not in _PAYLOAD_ROUTING:
+            for name, values in _request_lists(acc, n):
+                if name not in _PAYLOAD_ROUTING:
                     for i in ended:
-                        value[i] = _withheld(value[i])
-                elif isinstance(value, dict) and name == "customized_info":
-                    for v in value.values():
-                        if isinstance(v, list) and len(v) == n:
-                            for i in ended:
-                                v[i] = _withheld(v[i])
+                        values[i] = _withheld(values[i])
         if not drop:
             return
         gone = set(drop)
-
-        def kept(values: list[Any]) -> list[Any]:
-            return [v for i, v in enumerate(values) if i not in gone]
-
-        for name in type(acc).__dataclass_fields__:
-            value = getattr(acc, name)
-            if isinstance(value, list) and len(value) == n:
-                setattr(acc, name, kept(value))
-            elif isinstance(value, dict) and name == "customized_info":
-                for k, v in value.items():
-                    if isinstance(v, list) and len(v) == n:
-                        value[k] = kept(v)
-            elif isinstance(value, dict) and name == "decode_latencies":
-                left = [i for i in range(n) if i not in gone]
-                acc.decode_latencies = {left.index(i): v for i, v in value.items() if i not in gone}
+        for _, values in _request_lists(acc, n):
+            values[:] = [v for i, v in enumerate(values) if i not in gone]
+        latencies = getattr(acc, "decode_latencies", None)
+        if isinstance(latencies, dict) and latencies:
+            left = [i for i in range(n) if i not in gone]
+            acc.decode_latencies = {left.index(i): v for i, v in latencies.items() if i not in gone}
 
     def _wrap_insert(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         def insert(params: Any) -> Any:
