@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .. import ConfigError, DeviceError, DeviceGuard, OwnershipTable, PoolConfig
+from ..device_verdicts import DeviceVerdicts
 from .arrays import _flat, _host, _in_place
 
 
@@ -333,11 +334,10 @@ class DeviceRowCheck(HostRowCheck):
     next batch's forward is launched while the last one runs, and its result processed after:
     a drain (a synchronisation) when the forward ends would wait for the model it just launched
     and serialise the two. So the device's violation ring is copied to the host right behind the
-    check's kernels, before the model's (``begin_drain``; one copy in flight: a copy still in
-    flight at the next check is finished if it has landed, never waited for, else that check's
-    records ride the next copy), and its verdicts are taken (``finish_drain``) when SGLang
-    builds an output (:meth:`take_verdicts`, from ``Guard.check_rows_before_output``): SGLang has
-    waited for that forward by then, and the copy waits only for the checks queued before it.
+    check's kernels, before the model's, and its verdicts are taken when SGLang builds an output
+    (:meth:`take_verdicts`, from ``Guard.check_rows_before_output``): SGLang has waited for that
+    forward by then, and the copy waits only for the checks queued before it
+    (:class:`kvguard.device_verdicts.DeviceVerdicts`, shared with vLLM's V2 runner).
     A refused request is aborted before any output of the forward that read its rows leaves."""
 
     where = "device"
@@ -348,13 +348,9 @@ class DeviceRowCheck(HostRowCheck):
         rows = guard.req_to_token_pool.req_to_token
         index = getattr(rows.device, "index", None) or 0
         self.device_guard = DeviceGuard(guard.config, device=int(index), max_seqs=int(rows.shape[0]))
+        self.verdicts = DeviceVerdicts(self.device_guard)
+        """The device's verdicts, copied behind each forward's checks, taken before an output."""
         self._inflight: tuple[Any, ...] | None = None
-        self._stream: int | None = None
-        #: The last forward whose checks were queued; the forward whose records the ring's copy
-        #: in flight covers (None: no copy in flight); the last forward whose records were taken.
-        self._launched = 0
-        self._copy_of: int | None = None
-        self._drained_through = 0
 
     def _current_stream(self) -> int:
         import torch
@@ -401,42 +397,15 @@ class DeviceRowCheck(HostRowCheck):
             seq = lens_dev.to(torch.int32).contiguous()
             dg.verify_block_table(table.data_ptr(), seq.data_ptr(), len(pos), int(table.shape[1]), stream=stream)
             self._inflight = (table, seq)
-        self._stream = stream
-        self._launched = self._forwards
-        self._begin_copy()
+        self.verdicts.queued(g.table, stream=stream)
         return []
 
-    def _begin_copy(self) -> None:
-        """The ring's copy queued behind this forward's checks (see the class doc). A copy in
-        flight is finished first if it has landed (``wait=False``: never a wait in the forward);
-        if it has not, it stays, and this forward's records ride a later copy."""
-        dg = self.device_guard
-        if self._copy_of is not None:
-            records = dg.finish_drain(self.guard.table, stream=self._stream, wait=False)
-            if records is None:
-                return
-            self._taken(records, self._copy_of)
-        dg.begin_drain(stream=self._stream)
-        self._copy_of = self._launched
-
     def take_verdicts(self) -> None:
-        """The device's verdicts on every forward checked so far, each refused request aborted:
-        the copy in flight finished (it waits only for the checks queued before it), and another
-        taken if it does not cover the last checked forward (rare: a copy that had not landed by
-        the next check; that one waits for what SGLang queued since)."""
-        dg = self.device_guard
-        while self._drained_through < self._launched:
-            if self._copy_of is None:
-                dg.begin_drain(stream=self._stream)
-                self._copy_of = self._launched
-            covered, self._copy_of = self._copy_of, None
-            self._taken(dg.finish_drain(self.guard.table, stream=self._stream), covered)
-
-    def _taken(self, records: Any, covered: int) -> None:
-        """Verdicts of the forwards through ``covered``: each refused request aborted."""
+        """The device's verdicts on every forward checked so far, each refused request aborted
+        (:meth:`kvguard.device_verdicts.DeviceVerdicts.through`: the copy in flight finished,
+        waiting only for the checks queued before it)."""
         g = self.guard
-        self._drained_through = max(self._drained_through, covered)
-        for v in records or ():
+        for v in self.verdicts.through(g.table):
             key = v.request
             if isinstance(key, int):
                 g._refused(key, v)

@@ -23,11 +23,11 @@ fenced request's tokens never leave.
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Callable
 
 import numpy as np
 
+from ..device_verdicts import DeviceVerdicts
 from .guard import StepGuard
 
 
@@ -108,16 +108,17 @@ class V2Device:
         self.device_guard = device_guard
         self.rows = rows
         self._stream = stream
-        #: The stream of the last checked step (drains are finished on it).
+        #: The stream of the last checked step.
         self.last_stream = 0
-        #: Steps whose checks were queued; the last step whose ring copy was started; the last
-        #: step whose records were drained.
-        self.steps = 0
-        self._copy_of: int | None = None
-        self.drained_through = 0
-        # The ring's copy is begun by the thread checking a step and finished by the one reading
-        # an output (another thread, in some of vLLM's executors).
-        self._ring = threading.Lock()
+        #: The device's verdicts, copied behind each step's checks, taken with its output (the
+        #: checking thread queues a copy, the one reading an output, in some of vLLM's
+        #: executors another, finishes it).
+        self.verdicts = DeviceVerdicts(device_guard)
+
+    @property
+    def steps(self) -> int:
+        """Steps whose device checks were queued."""
+        return self.verdicts.checked
 
     def stream(self) -> int:
         self.last_stream = self._stream()
@@ -181,29 +182,14 @@ class V2Device:
                     t[row].fill_(0)
                 slot_mappings[:, qsl[row] : qsl[row + 1]] = -1
 
-    def begin_drain(self) -> None:
-        """Queues the ring's copy after this step's checks (a copy already in flight covers an
-        earlier step: this step's records are taken by the next one)."""
-        with self._ring:
-            self.steps += 1
-            if self._copy_of is None:
-                self.device_guard.begin_drain(stream=self.last_stream)
-                self._copy_of = self.steps
+    def begin_drain(self, guard: StepGuard) -> None:
+        """Queues the ring's copy after this step's checks (:meth:`DeviceVerdicts.queued`: a
+        copy in flight finished first if it has landed; if not, this step's records ride a later
+        copy)."""
+        self.verdicts.queued(guard.table, stream=self.last_stream)
 
     def drain_through(self, guard: StepGuard, step: int) -> list[Any]:
-        """The device's violations of every step up to ``step`` (a step's output carries them):
-        the copy in flight finished (waiting only for the checks queued before it), and another
-        taken if it predates ``step``."""
-        dg, s = self.device_guard, self.last_stream
-        found: list[Any] = []
-        with self._ring:
-            while self.drained_through < step:
-                if self._copy_of is None:
-                    dg.begin_drain(stream=s)
-                    self._copy_of = self.steps
-                covered = self._copy_of
-                records = dg.finish_drain(guard.table, stream=s)
-                self._copy_of = None
-                self.drained_through = max(self.drained_through, covered)
-                found.extend(records or ())
-        return found
+        """The device's violations of every step up to ``step`` (a step's output carries them)
+        not handed out yet: the copy in flight finished (waiting only for the checks queued
+        before it), and another taken if it predates ``step``."""
+        return self.verdicts.through(guard.table, step)

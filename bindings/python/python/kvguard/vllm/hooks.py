@@ -643,7 +643,7 @@ def _v2_device_step(
         dev.check_reads(
             guard, block_tables, input_batch.seq_lens, input_batch.query_start_loc, slot_mappings, n, refused
         )
-    dev.begin_drain()
+    dev.begin_drain(guard)
     _pend(runner, guard, report)
 
 

@@ -178,7 +178,7 @@ def test_clean_workload_waits_for_nothing_in_the_forward(triton_rows, monkeypatc
         if name == "verify_token_rows":
             assert names[i + 1] in (("begin_drain", True), ("finish_drain", True)), names[i : i + 3]
     check = guard.row_check
-    assert check._drained_through == check._launched > 0
+    assert check.verdicts.taken_through == check.verdicts.checked > 0
 
 
 @pytest.mark.parametrize("overlap", [False, True])
