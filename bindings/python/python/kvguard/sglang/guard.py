@@ -58,12 +58,27 @@ class _Latest(list):
             del self[: len(self) - KEPT]
 
 
-def _keep_latest(entries: dict[Any, Any]) -> None:
-    """``entries`` (oldest first, as a dict keeps them) trimmed to the latest :data:`KEPT` once
-    it holds twice as many."""
-    if len(entries) > 2 * KEPT:
-        for key in list(entries)[: len(entries) - KEPT]:
-            del entries[key]
+class _LatestAborted(dict):
+    """The refused requests (``rid`` -> reason), oldest first, the latest :data:`KEPT` at least:
+    past twice as many the oldest go, down to ``KEPT``, except a request that still holds a row
+    (its ``rid`` in the guard's live requests): the free of its row reads its entry (the pages
+    only it held go back from there) and so does the check of its output. Those stay whatever
+    their age; the next trim waits for twice as many entries as the last one left (amortised
+    however many are live)."""
+
+    def __init__(self, live: dict[Any, Any]) -> None:
+        super().__init__()
+        self._live = live
+        self._trim_at = 2 * KEPT
+
+    def __setitem__(self, rid: Any, reason: Any) -> None:
+        super().__setitem__(rid, reason)
+        if len(self) > max(self._trim_at, 2 * KEPT):
+            live = self._live
+            for old in list(self)[: len(self) - KEPT]:
+                if old not in live:
+                    del self[old]
+            self._trim_at = 2 * len(self)
 
 
 def _pool_pages(allocator: Any) -> int:
@@ -245,9 +260,11 @@ class Guard(PageReleases):
         self.tenant_of = tenant_of
         self.metrics: Counter[str] = Counter()
         """``violations_total`` and ``violations_total:<kind>``, ``aborted_requests``, ``withheld_pages``."""
-        self.aborted: dict[Any, NamedViolation | str] = {}
+        self._keys: dict[Any, int] = {}
+        """SGLang ``rid`` -> request key, while kvguard knows the request."""
+        self.aborted: dict[Any, NamedViolation | str] = _LatestAborted(self._keys)
         """Requests (SGLang ``rid``) aborted under enforce, with the violation that refused them
-        (the latest :data:`KEPT` at least)."""
+        (the latest :data:`KEPT` at least, and every one still holding a row)."""
         self.violations: list[NamedViolation] = _Latest()
         """The violations seen, in order (report and enforce; the latest :data:`KEPT` at least)."""
         self.refusals: list[tuple[Any, NamedViolation]] = _Latest()
@@ -276,7 +293,6 @@ class Guard(PageReleases):
         # clean row reads no page another request may release.
         self._row_checked = np.zeros(rows, dtype=np.int64)
         self._rows_stale = True
-        self._keys: dict[Any, int] = {}
         self._rids: dict[int, Any] = {}
         self._gone_rids: dict[int, Any] = {}
         self._reqs: dict[int, Any] = {}
@@ -540,7 +556,6 @@ class Guard(PageReleases):
             return
         named = self._name(violation)
         self.aborted[req.rid] = named
-        _keep_latest(self.aborted)
         self.metrics["aborted_requests"] += 1
         if self.prometheus is not None:
             self.prometheus.refused()
@@ -1055,7 +1070,6 @@ class Guard(PageReleases):
         if self.policy != "enforce" or rid is None or rid in self.aborted:
             return
         self.aborted[rid] = reason
-        _keep_latest(self.aborted)
         self.metrics["aborted_requests"] += 1
         if self.prometheus is not None:
             self.prometheus.refused()

@@ -167,6 +167,46 @@ def test_stale_row_after_free_and_reuse(engine_factory, page_size):
     assert not aborted_by_kvguard(b)
 
 
+def test_a_refused_request_keeps_its_entry_while_it_holds_its_row(engine_factory, monkeypatch):
+    """The guard keeps only the latest refusals (``KEPT``), but never drops the entry of a refused
+    request that still holds its row: its row's free reads it (the pages only it held go back
+    from there) and so does the check of its output. Here ``a`` is refused on its stale row,
+    then more requests are refused at intake than the guard keeps, before ``a``'s row is freed:
+    ``a``'s entry stays until it is released, then goes with the next trim."""
+    import kvguard.sglang.guard as guard_mod
+
+    monkeypatch.setattr(guard_mod, "KEPT", 1)
+    eng = engine_factory(page_size=1, tokens=2048, context_len=512)
+    a = eng.request("a", [5] * 40)
+    b = eng.request("b", [6] * 40)
+    for r in (a, b):
+        assert eng.submit(r)
+    eng.prefill([a])
+    n = a.kv.kv_committed_len
+    eng.tree.free_kv_row(a.kv, [(0, n)])  # the bug: the pages go back, the row stays
+    eng.allocator.merge_and_sort_free()
+    eng.prefill([b])
+    eng.decode([a, b])
+    g = eng.guard
+    assert list(g.aborted) == ["a"]
+
+    def refuse_at_intake(i: int) -> None:
+        big = eng.request(f"big{i}", [7] * 600)
+        assert not eng.submit(big)
+        g.drop_unscheduled(big)
+
+    for i in range(6):
+        refuse_at_intake(i)
+    assert "a" in g.aborted and len(g.aborted) <= 1 + 2, list(g.aborted)
+    assert aborted_by_kvguard(a)
+    assert [r.rid for r in eng.sweep_aborted()] == ["a"]
+    assert aborted_by_kvguard(a) and not aborted_by_kvguard(b)
+    for i in range(6, 12):
+        refuse_at_intake(i)
+    assert "a" not in g.aborted and len(g.aborted) <= 2
+    assert g.metrics["aborted_requests"] == 13
+
+
 def test_cross_tenant_prefix_hit_when_salt_dropped(engine_factory, monkeypatch):
     """A regression builds radix keys without the cache salt: tenant zeta's prompt hits tenant
     acme's cached prefix. Refused where the hit lands in zeta's row (cross_tenant_share), on

@@ -359,14 +359,17 @@ def test_a_refused_requests_payload_entries_keep_no_content():
 
 def test_a_guard_keeps_the_latest_refusals_not_all(engine_factory, monkeypatch):
     """A server refusing for days keeps the latest refused requests and violations, not all of
-    them: past twice ``KEPT`` the oldest go, down to ``KEPT``. Every refusal is still counted."""
+    them: past twice ``KEPT`` the oldest go, down to ``KEPT``. Every refusal is still counted.
+    (Each is refused at intake and dropped, as SGLang's ``_release_aborted_request`` drops it.)"""
     import kvguard.sglang.guard as guard_mod
 
     monkeypatch.setattr(guard_mod, "KEPT", 2)
     eng = engine_factory(page_size=16, context_len=1024)
-    for i in range(5):
-        assert not eng.submit(eng.request(f"big{i}", list(range(1, 2001))))
     g = eng.guard
+    for i in range(5):
+        req = eng.request(f"big{i}", list(range(1, 2001)))
+        assert not eng.submit(req)
+        g.drop_unscheduled(req)
     assert list(g.aborted) == ["big3", "big4"]
     assert [v.request for v in g.violations] == ["big3", "big4"]
     assert [rid for rid, _ in g.refusals] == ["big3", "big4"]
