@@ -48,7 +48,8 @@ What the :class:`Guard` hooks on the instances:
 - ``output_streamer._GenerationStreamAccumulator.to_payload`` (wrapped once per process): while
   a guarded scheduler's ``stream_output`` runs, the rows of exactly the requests SGLang is about
   to send are checked in full first (a refused running request is taken out of the payload).
-- ``RadixCache.insert`` / ``checkpoint`` / ``evict``: pages entering the tree are published as
+- the radix cache's ``insert`` / ``checkpoint`` / ``evict`` (and ``UnifiedRadixCache._evict``, SGLang
+  0.5.23's default cache, which evicts there for an allocation too): pages entering the tree are published as
   read-only prefixes (one key per page, so node splits change nothing); an evicted page whose
   prefix a running request still holds is refused (``evict_in_use``) and withheld until its last
   holder lets go.
@@ -181,6 +182,16 @@ def _refuse_to_start(_result: Any, _scheduler: Any, *_args: Any, **_kwargs: Any)
 def _scheduler_started(_result: Any, scheduler: Any, *_args: Any, **_kwargs: Any) -> None:
     """After ``Scheduler.__init__``: the scheduler's guard, on its pools (audited now)."""
     if _MODE is None:
+        return
+    spec = getattr(scheduler, "spec_algorithm", None)
+    if spec is not None and not spec.is_none():
+        # Speculative decoding writes the draft tokens' rows with its own kernels
+        # (alloc_for_spec_decode: assign_req_to_token_pool), outside the calls kvguard
+        # follows: every verified request would be refused, or, under report, go unchecked.
+        what = f"kvguard cannot check speculative decoding ({spec}): its draft rows are written outside the calls it follows"
+        if _MODE == "enforce":
+            raise ConfigError(f"{what}; refusing to serve it unchecked (KVGUARD_SGLANG=enforce)")
+        logger.error("%s; this scheduler's requests are not checked (report mode)", what)
         return
     allocator = scheduler.token_to_kv_pool_allocator
     get_kvcache = getattr(allocator, "get_kvcache", None)

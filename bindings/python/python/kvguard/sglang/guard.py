@@ -165,6 +165,31 @@ def _withheld(value: Any) -> Any:
     return value
 
 
+_BEAM_REFUSED = "beam search (beam_width > 1) is not supported by kvguard: its beams' rows cannot be checked"
+_SESSION_REFUSED = "a streaming session is not supported by kvguard: the row its turns share cannot be checked"
+
+
+def _unsupported(req: Any) -> str | None:
+    """Why kvguard cannot check ``req`` (None: it can)."""
+    if _beam_width(req) > 1:
+        return _BEAM_REFUSED
+    if getattr(getattr(req, "session", None), "streaming", False) is True:
+        return _SESSION_REFUSED
+    return None
+
+
+def _beam_width(req: Any) -> int:
+    """The beam width a request asks for (1: no beam search)."""
+    group = getattr(req, "beam_group", None)
+    if group is not None:
+        return int(getattr(group, "beam_width", 2) or 2)
+    width = getattr(getattr(req, "sampling_params", None), "beam_width", None)
+    try:
+        return int(width or 1)
+    except (TypeError, ValueError):
+        return 2  # not a number: not a width kvguard can vouch for
+
+
 def _default_tenant(req: Any) -> str:
     """A request's tenant: an explicit ``kvguard_tenant``, else its cache salt (SGLang's own
     isolation key), else ``default``. Read once, at admission."""
@@ -395,7 +420,13 @@ class Guard(PageReleases):
             tree.free_kv_row = self._wrap_request_release(
                 tree.free_kv_row, lambda kv, *_a, **_k: kv, lambda kv, *_a, **_k: self._row_of(kv)
             )
-            tree.evict = self._wrap_freer(tree.evict, lambda *_a, **_k: _TREE)
+            # The cache's own evictions: RadixCache's evict; SGLang 0.5.23's default cache,
+            # UnifiedRadixCache, evicts through _evict both when asked (evict) and when an
+            # allocation runs short (evict_for_alloc, called by the allocator's
+            # evict_to_free_tokens, never through evict).
+            for name in ("evict", "_evict"):
+                if callable(getattr(tree, name, None)):
+                    setattr(tree, name, self._wrap_freer(getattr(tree, name), lambda *_a, **_k: _TREE))
 
     def _wrap_alloc_rows(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         def alloc(reqs: list[Any]) -> Any:
@@ -424,6 +455,18 @@ class Guard(PageReleases):
     def _wrap_free_row(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         def free(req: Any) -> Any:
             row = req.kv.req_pool_idx
+            if not hasattr(req, "rid"):
+                # A holder that is not a request (a streaming session's slot, its session
+                # closing: report mode only, enforce refuses those sessions at intake): the
+                # request kvguard knows on that row, if it holds the same KV record, ends.
+                holder = None if row is None else self._reqs.get(int(self._row_key[int(row)]))
+                if holder is None or getattr(holder, "kv", None) is not req.kv:
+                    return inner(req)
+                return free_as(holder, lambda: inner(req))
+            return free_as(req, lambda: inner(req))
+
+        def free_as(req: Any, inner_free: Callable[[], Any]) -> Any:
+            row = req.kv.req_pool_idx
             if row is not None and self._row_kv[int(row)] is not None and self._row_kv[int(row)] is not req.kv:
                 # The row was freed already and handed to another request: a second free of the
                 # new owner's row by a request that no longer holds it. Refused; under enforce the
@@ -441,7 +484,7 @@ class Guard(PageReleases):
                 if self.policy == "enforce":
                     self._return_orphans(req.kv)
                     return None
-                return inner(req)
+                return inner_free()
             if not req.finished():
                 # Its row goes back while it runs (retracted, or a bug): until it gets a new row,
                 # each batch is checked for a request using a row it no longer holds.
@@ -457,7 +500,7 @@ class Guard(PageReleases):
                 self._row_live[int(row)] = False
                 self._row_claimant[int(row)] = 0
                 self._row_checked[int(row)] = 0
-            return inner(req)
+            return inner_free()
 
         return free
 
@@ -772,8 +815,24 @@ class Guard(PageReleases):
         Returns whether it was admitted; a refused request is aborted under enforce (its
         ``to_finish`` names the two numbers). Under report the refusal is counted once and the
         request is followed at the length it runs, so its later events add no violation."""
+        if req.rid not in self._keys and req.rid in self.aborted:
+            # A new request under the rid of a refused one that is gone (a client's retry, which
+            # SGLang accepts once the first has ended): judged on its own, never on the old
+            # refusal (its output would be withheld, and its own violations not acted on).
+            del self.aborted[req.rid]
         key = self.request_key(req.rid)
         self._reqs[key] = req
+        unsupported = _unsupported(req) if self.policy == "enforce" else None
+        if unsupported is not None:
+            # SGLang's beam search gives each beam a req_to_token row of its own
+            # (ReqToTokenPool.alloc_rows) and writes the beams' slots into the rows directly
+            # (beam_search/fork.py); a streaming session lends one request's row and pages to
+            # the next turn (StreamingSession): calls kvguard does not follow, so their reads
+            # could not be checked. Refused before anything is touched, never run unchecked.
+            self._intake_refused.add(key)
+            self._abort(key, unsupported, HTTPStatus.BAD_REQUEST)
+            logger.warning("kvguard enforce: request %r refused at intake: %s", req.rid, unsupported)
+            return False
         run_tokens = len(req.origin_input_ids)
         if prompt_tokens is None:
             prompt_tokens = run_tokens

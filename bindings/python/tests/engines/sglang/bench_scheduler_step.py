@@ -263,8 +263,9 @@ def instrument_hooks(s) -> None:
     for name in ("alloc", "alloc_extend", "alloc_decode", "free", "free_page_ids", "_release_page_ids", "free_group_end"):
         if name in vars(alloc):
             _instrument(alloc, name, f"allocator.{name}")
-    for name in ("insert", "checkpoint", "free_kv_row", "evict"):
-        _instrument(tree, name, f"RadixCache.{name}")
+    for name in ("insert", "checkpoint", "free_kv_row", "evict", "_evict"):
+        if name in vars(tree):
+            _instrument(tree, name, f"{type(tree).__name__}.{name}")
     for mod, name in ((schedule_batch, "alloc_for_decode"), (schedule_batch, "alloc_for_extend"),
                       (allocation, "write_cache_indices")):
         # Process-wide: the unguarded scheduler's calls pass through it too, and count here.

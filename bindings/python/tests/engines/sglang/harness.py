@@ -2,7 +2,7 @@
 
 ReqToTokenPool, the token allocator (TokenToKVPoolAllocator for page size 1,
 PagedTokenToKVPoolAllocator otherwise), MHATokenToKVPool (real CPU KV buffers, one layer) and
-RadixCache run on device="cpu"; real Req objects go through prefix matching and locking
+the radix cache SGLang's ``create_tree_cache`` builds (UnifiedRadixCache) run on device="cpu"; real Req objects go through prefix matching and locking
 (Req.init_next_round_input, tree.lock), row and KV allocation and the row write (the CPU path of
 alloc_for_extend / alloc_for_decode_default), the KV store (set_kv_buffer) and release
 (common.release_kv_cache, which checkpoints into the radix cache, frees the row's pages and
@@ -28,7 +28,7 @@ from sglang.srt.mem_cache import common  # noqa: E402
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
-from sglang.srt.mem_cache.radix_cache import RadixCache  # noqa: E402
+from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 
 HEAD_DIM = 8
@@ -52,9 +52,15 @@ class Engine:
         self.req_to_token_pool = ReqToTokenPool(
             size=rows, max_context_len=context_len + 4, device="cpu", enable_memory_saver=False
         )
-        self.tree = RadixCache(CacheInitParams(
-            disable=False, req_to_token_pool=self.req_to_token_pool,
-            token_to_kv_pool_allocator=self.allocator, page_size=page_size,
+        # The radix cache SGLang's own selection chain builds (a UnifiedRadixCache in 0.5.23).
+        self.tree = create_tree_cache(TreeCacheBuildContext(
+            server_args=None,
+            params=CacheInitParams(
+                disable=False, req_to_token_pool=self.req_to_token_pool,
+                token_to_kv_pool_allocator=self.allocator, page_size=page_size,
+            ),
+            is_hybrid_swa=False, is_hybrid_ssm=False, enable_hierarchical_cache=False, disable_radix_cache=False,
+            tp_worker=None, model_config=None, tp_size=1, tp_rank=0, tp_group=None, full_tokens_per_layer=tokens,
         ))
         self.context_len = context_len
         self.layer = SimpleNamespace(layer_id=0)

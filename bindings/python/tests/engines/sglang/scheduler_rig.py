@@ -3,7 +3,8 @@
 The scheduler is built as SGLang's own unit tests build one (``object.__new__(Scheduler)``) and
 its state set up by SGLang's own ``init_*`` methods where they run without a GPU, a model or
 sockets; the pools are SGLang's (``ReqToTokenPool``, ``TokenToKVPoolAllocator`` /
-``PagedTokenToKVPoolAllocator``, ``MHATokenToKVPool``, ``RadixCache``). Requests come in through
+``PagedTokenToKVPoolAllocator``, ``MHATokenToKVPool``, and the radix cache SGLang's own
+``create_tree_cache`` builds: ``UnifiedRadixCache``). Requests come in through
 ``handle_generate_request`` (``validate_input_length`` included) and every step is SGLang's
 ``get_next_batch_to_run`` / ``run_batch`` / ``process_batch_result`` (free groups included), i.e.
 the body of ``event_loop_normal``. The one stand-in is the model: :class:`CpuModelRunner` writes
@@ -35,7 +36,7 @@ from sglang.srt.mem_cache import allocation  # noqa: E402
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
-from sglang.srt.mem_cache.radix_cache import RadixCache  # noqa: E402
+from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache  # noqa: E402
 from sglang.srt.runtime_context import SpawnRanks, publish, reset_context  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
@@ -170,10 +171,19 @@ def build_scheduler(
         req_to_token_pool = req_to_token_pool_factory()
     else:
         req_to_token_pool = ReqToTokenPool(size=rows, max_context_len=context_len + 4, device="cpu", enable_memory_saver=False)
-    tree = RadixCache(CacheInitParams(
-        disable=not radix_cache, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=allocator, page_size=page_size,
-    ))
     runner = CpuModelRunner(kv_pool, req_to_token_pool, graph_decode=graph_decode)
+    # The radix cache SGLang's own selection chain builds for these pools (create_tree_cache, as
+    # Scheduler's KV cache builder calls it): a UnifiedRadixCache with its full-attention
+    # component in SGLang 0.5.23.
+    tree = create_tree_cache(TreeCacheBuildContext(
+        server_args=sa,
+        params=CacheInitParams(
+            disable=not radix_cache, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=allocator,
+            page_size=page_size,
+        ),
+        is_hybrid_swa=False, is_hybrid_ssm=False, enable_hierarchical_cache=False, disable_radix_cache=not radix_cache,
+        tp_worker=None, model_config=None, tp_size=1, tp_rank=0, tp_group=None, full_tokens_per_layer=tokens,
+    ))
     runner.token_to_kv_pool_allocator = allocator
     s.tp_worker = s.model_worker = CpuTpWorker(runner)
     s.req_to_token_pool, s.token_to_kv_pool_allocator, s.tree_cache = req_to_token_pool, allocator, tree
@@ -396,7 +406,7 @@ def attach_kvguard(s: Scheduler, policy: str = "enforce"):
 
     s._release_aborted_request = _release_aborted_request
     _hook_output_streamer(plugin)
-    return s.kvguard
+    return getattr(s, "kvguard", None)
 
 
 def _hook_output_streamer(plugin) -> None:

@@ -68,12 +68,9 @@ def test_radix_node_evicted_while_locked(engine_factory, policy):
     eng.prefill([b])
     assert b.prefix_len >= 64
     shared = {int(s) // 16 for s in eng.req_to_token_pool.req_to_token[b.kv.req_pool_idx, :64].tolist()}
-    # The bug: b's lock is lost (lock_ref forced to 0), then the cache evicts everything.
-    node = b.last_node
-    while node is not eng.tree.root_node:
-        node.lock_ref = 0
-        eng.tree._update_leaf_status(node)
-        node = node.parent
+    # The bug: b's lock on its prefix is let go while b runs, then the cache evicts everything.
+    eng.tree.unlock(b.lock)
+    b.lock = None  # (lost: b's release unlocks nothing)
     eng.tree.evict(EvictParams(num_tokens=10_000))
     assert "evict_in_use" in kinds(eng.guard)
     v = next(v for v in eng.guard.violations if v.kind == "evict_in_use")

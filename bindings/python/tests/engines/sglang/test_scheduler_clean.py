@@ -57,14 +57,17 @@ class Spy:
         alloc, tree = s.token_to_kv_pool_allocator, s.tree_cache
         for name in ("free", "free_page_ids"):
             setattr(alloc, name, self._counting(alloc, getattr(alloc, name)))
-        evict = tree.evict
+        # SGLang's default cache (UnifiedRadixCache) evicts through _evict, whether asked
+        # (evict) or short of pages at an allocation (evict_for_alloc); RadixCache through evict.
+        name = "_evict" if hasattr(tree, "_evict") else "evict"
+        evict = getattr(tree, name)
 
-        def counting_evict(params):
-            result = evict(params)
+        def counting_evict(*args, **kwargs):
+            result = evict(*args, **kwargs)
             self.evicted += result.num_tokens_evicted
             return result
 
-        tree.evict = counting_evict
+        setattr(tree, name, counting_evict)
 
     def _counting(self, alloc, inner):
         def free(ids, *args, **kwargs):

@@ -358,6 +358,41 @@ def test_entry_changed_below_the_window_is_never_served(triton_rows, unguarded, 
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
+def test_a_retry_under_a_refused_requests_rid_is_judged_on_its_own(triton_rows, unguarded, page_size):
+    """A client retries under the rid of a request kvguard refused, once that one has ended
+    (SGLang accepts the rid again): the retry is judged on its own, served token for token as
+    without kvguard, nothing of the first refusal withheld from it. A retry that itself reads
+    what it must not is refused again, on its own violation."""
+    for bug_again in (False, True):
+        s, guard = scheduler(page_size)
+        live = started(s, 1)
+        r0, r1 = live["r0"], live["r1"]
+        rt = s.req_to_token_pool.req_to_token
+        rt[r1.kv.req_pool_idx, 2] = rt[r0.kv.req_pool_idx, 2]  # the bug
+        finish(s)
+        assert set(guard.aborted) == {"r1"}
+        first = guard.aborted["r1"]
+        before = len(s.outputs.sent)
+        s.handle_generate_request(generate_req("r1", PROMPTS["r1"], max_new=24, salt="acme"))
+        if bug_again:
+            step(s)
+            step(s)
+            again = next(r for r in s.running_batch.reqs if r.rid == "r1")
+            free = int(s.token_to_kv_pool_allocator.get_all_free_pages()[-1]) * page_size
+            rt[again.kv.req_pool_idx, 2] = free  # the retry's own bug: a free page's KV
+        finish(s)
+        sent = sent_since(s, before, "r1")
+        ids = [t for _, i, _ in sent for t in i]
+        reason = sent[-1][0]
+        if not bug_again:
+            assert (ids, reason) == unguarded[page_size]["r1"]
+            assert "r1" not in guard.aborted and guard.metrics["aborted_requests"] == 1
+        else:
+            assert reason["type"] == "abort"
+            assert guard.aborted["r1"] is not first and guard.metrics["aborted_requests"] == 2
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
 def test_a_misrouted_triton_row_write_is_refused_on_the_reader(monkeypatch, unguarded, page_size):
     """SGLang's GPU row write (write_req_to_token_pool_triton) goes wrong: r1's row gets r0's
     slots. kvguard's claims come from write_cache_indices' arguments (the allocator's
@@ -401,7 +436,7 @@ def test_a_misrouted_triton_row_write_is_refused_on_the_reader(monkeypatch, ungu
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_a_corrupted_row_never_reaches_the_radix_cache(triton_rows, page_size):
     """SGLang's radix cache takes the values it inserts from the finishing request's row
-    (``RadixCache.checkpoint`` -> ``_insert_cache`` reads ``req_to_token``): an entry of r1's row
+    (``UnifiedRadixCache.checkpoint_into_tree`` reads ``req_to_token`` and inserts it): an entry of r1's row
     past its prompt (position 43, an output token's KV) changed behind SGLang's calls to name
     r0's KV is published with r1's tokens, and a later request whose prompt is r1's prompt and
     output matches it and reads r0's KV. Without kvguard it does (its output changes); under
@@ -412,14 +447,23 @@ def test_a_corrupted_row_never_reaches_the_radix_cache(triton_rows, page_size):
     def run_with(policy, *, bug, later_prompt=None):
         s, guard = scheduler(page_size, policy)
         inserted = []
-        insert_cache = s.tree_cache._insert_cache
+        tree = s.tree_cache
+        into_tree, insert = tree.checkpoint_into_tree, tree.insert
+        caching = []  # the request whose row checkpoint_into_tree is inserting
 
-        def spy(req, token_ids, **kwargs):
-            key, values, matched = insert_cache(req, token_ids, **kwargs)
-            inserted.append((req.rid, values.clone()))
-            return key, values, matched
+        def spy_checkpoint(req, **kwargs):
+            caching.append(req.rid)
+            try:
+                return into_tree(req, **kwargs)
+            finally:
+                caching.pop()
 
-        s.tree_cache._insert_cache = spy
+        def spy_insert(params):
+            if caching and params.value is not None:
+                inserted.append((caching[-1], params.value.clone()))
+            return insert(params)
+
+        tree.checkpoint_into_tree, tree.insert = spy_checkpoint, spy_insert
         for r in reqs(max_new=12):
             s.handle_generate_request(r)
         for _ in range(6):

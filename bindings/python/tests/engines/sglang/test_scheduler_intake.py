@@ -57,3 +57,43 @@ def test_report_mode_counts_an_over_long_request_once():
     # Report changes nothing: SGLang itself aborts the stub, the others are served.
     assert out["long"][1]["type"] == "abort" and "kvguard" not in out["long"][1]["message"]
     assert all(out[f"ok{i}"][1]["type"] == "length" for i in range(2))
+
+
+def test_a_beam_search_request_is_refused_at_intake():
+    """SGLang's beam search gives each beam a row of its own and writes the beams' slots into
+    them outside the calls kvguard follows: under enforce such a request is answered at once
+    with kvguard's 400 (never queued, no row, no page); the others are served as without kvguard."""
+    def at_page_size_1(policy):  # (SGLang's beam search needs page size 1)
+        s = build_scheduler(page_size=1, tokens=2048, rows=8, context_len=CONTEXT)
+        return s, (attach_kvguard(s, policy) if policy else None)
+
+    s, guard = at_page_size_1("enforce")
+    rows_before = len(s.req_to_token_pool.free_slots)
+    beam = generate_req("beam", [7] * 30, max_new=4)
+    beam.sampling_params.beam_width = 2
+    s.handle_generate_request(beam)
+    assert not s.waiting_queue and len(s.req_to_token_pool.free_slots) == rows_before
+    out = run(s, [short(i) for i in range(3)])
+    assert out["beam"][1]["type"] == "abort" and "beam search" in out["beam"][1]["message"]
+    assert out["beam"][1]["status_code"] == 400
+    plain, _ = at_page_size_1(None)
+    assert {f"ok{i}": out[f"ok{i}"] for i in range(3)} == run(plain, [short(i) for i in range(3)])
+    assert set(guard.aborted) == {"beam"} and guard.violations == []
+
+
+@pytest.mark.parametrize("policy", ["enforce", "report"])
+def test_speculative_decoding_is_refused_at_start_up(policy):
+    """Speculative decoding writes its draft rows with its own kernels, outside the calls
+    kvguard follows: under enforce the scheduler does not start (ConfigError, naming it); under
+    report it starts unguarded, and says so."""
+    import kvguard
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    s = build_scheduler(page_size=16, tokens=2048, rows=8, context_len=CONTEXT)
+    s.spec_algorithm = SpeculativeAlgorithm.from_string("EAGLE")
+    if policy == "enforce":
+        with pytest.raises(kvguard.ConfigError, match="speculative decoding"):
+            attach_kvguard(s, policy)
+    else:
+        attach_kvguard(s, policy)
+        assert getattr(s, "kvguard", None) is None
