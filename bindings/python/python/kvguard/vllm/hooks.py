@@ -47,7 +47,8 @@ platform runs it as ``vllm.v1.worker.cpu.model_runner.CPUModelRunner``)
                                          kvguard cannot check stops the engine there)
   ``GPUModelRunner.execute_model``       a step with no tokens (returns before ``prepare_attn``):
                                          its events applied; refusals put on the output
-  ``GPUModelRunner.sample_tokens``       refusals put on the (async) output
+  ``GPUModelRunner.sample_tokens``       refusals put on the (async) output (``pool``'s too, for
+                                         a pooling model)
 
 The scheduler's truth reaches the worker on the ``SchedulerOutput`` it already sends each step
 (by reference in-process, pickled through vLLM's shared-memory broadcast otherwise), and the
@@ -175,6 +176,34 @@ def refused_cached_blocks(scheduler: Any, refused: Any) -> set[int]:
     return blocks
 
 
+def withheld_output(output: Any, refused: Any) -> Any:
+    """A copy of a step's ``ModelRunnerOutput`` carrying nothing of the ``refused`` requests:
+    no sampled token, no prompt logprobs, no pooling output (vLLM's own object is never
+    changed: it may be shared). A refused request then ends with its error, not with what it
+    computed; and vLLM never sees prompt logprobs on a request that emits nothing this step
+    (its scheduler asserts that they come only with an output)."""
+    out = copy.copy(output)
+    index = out.req_id_to_index
+    rows = [index[rid] for rid in refused if rid in index]
+    sampled = list(out.sampled_token_ids)
+    for row in rows:
+        if row < len(sampled):
+            sampled[row] = []
+    out.sampled_token_ids = sampled
+    for name in ("prompt_logprobs_dict", "prompt_token_id_logprobs_dict"):
+        per_request = getattr(out, name, None)
+        if per_request and any(rid in per_request for rid in refused):
+            setattr(out, name, {rid: v for rid, v in per_request.items() if rid not in refused})
+    pooled = getattr(out, "pooler_output", None)
+    if pooled:
+        pooled = list(pooled)
+        for row in rows:
+            if row < len(pooled):
+                pooled[row] = None
+        out.pooler_output = pooled
+    return out
+
+
 def forget_refused_writes(scheduler: Any, blocks: set[int]) -> None:
     """Takes the cached blocks refused requests hold out of vLLM's prefix cache. A refused row is
     nulled before the copy, so the blocks vLLM hashed for that step (and any later one, under
@@ -299,15 +328,10 @@ def _install_scheduler() -> None:
             if not refused:
                 return original(self, scheduler_output, model_runner_output)
             blocks = refused_cached_blocks(self, refused)
-            model_runner_output = copy.copy(model_runner_output)
-            sampled = list(model_runner_output.sampled_token_ids)
+            model_runner_output = withheld_output(model_runner_output, refused)
             for rid, message in refused.items():
-                row = model_runner_output.req_id_to_index.get(rid)
-                if row is not None and row < len(sampled):
-                    sampled[row] = []
                 if rid in self.requests:
                     self.grammar_compile_error_reqs[rid] = RequestError(code="kvguard_violation", message=message)
-            model_runner_output.sampled_token_ids = sampled
             out = original(self, scheduler_output, model_runner_output)
             forget_refused_writes(self, blocks)
             return out
@@ -489,12 +513,16 @@ def idle_step(owner: Any, input_batch: Any, scheduler_output: Any, *, num_blocks
     _pend(owner, guard, report)
 
 
-def annotate_output(owner: Any, output: Any) -> Any:
+def annotate_output(owner: Any, output: Any, *, checked: bool = True) -> Any:
     """Puts the refusals awaiting ``owner``'s step output on it (``kvguard_refused``); on a GPU
     (V2), with the device check's verdicts of every step up to this one, drained when the output
-    is read (the ring's copy was queued before the step's sampled tokens, so it has landed)."""
+    is read (the ring's copy was queued before the step's sampled tokens, so it has landed).
+    ``checked=False``: the output of a step that ran no check (no tokens scheduled), which takes
+    no device verdict: under async scheduling the last checked step's output may still be on its
+    way, and its verdicts must ride it (an idle output taking them would let that step's tokens
+    of a refused request leave)."""
     guard = owner.__dict__.get("_kvguard")
-    device = getattr(guard, "device", None)
+    device = getattr(guard, "device", None) if checked else None
     if (device is None and not owner.__dict__.get("_kvguard_refused")) or output is None:
         return output
     step = device.steps if device is not None else 0
@@ -722,7 +750,14 @@ def new_device_guard(runner: Any, guard: StepGuard) -> Any:
 def _v2_device(runner: Any, guard: StepGuard) -> V2Device | None:
     """The device half of a V2 runner's check on a GPU, or None (after ``_unsupported``: under
     enforce the engine stops) where kvguard cannot run it: no driver, no NVRTC, a pool wider
-    than the device check's limits."""
+    than the device check's limits, more than one rank."""
+    parallel = getattr(getattr(runner, "vllm_config", None), "parallel_config", None)
+    ranks = int(getattr(parallel, "world_size", 1) or 1)
+    if ranks > 1:
+        # Only the output rank's ModelRunnerOutput reaches the scheduler: a refusal another
+        # rank's device check made (its rows fenced there) would never end its request.
+        _unsupported(f"vLLM's V2 model runner on a GPU over {ranks} ranks (a rank's device verdicts would not reach the scheduler)")
+        return None
     bt = runner.block_tables
     try:
         dg = new_device_guard(runner, guard)
@@ -764,6 +799,7 @@ def _install_worker_v2() -> None:
                 self._kvguard_step = None
             if not scheduler_output.total_num_scheduled_tokens:
                 v2_idle_step(self, scheduler_output)
+                return annotate_output(self, out, checked=False)
             return annotate_output(self, out)
 
         return wrapper
@@ -804,6 +840,8 @@ def _install_worker_v2() -> None:
     _wrap(GPUModelRunner, "prepare_attn", prepare_attn)
     _wrap(GPUModelRunner, "execute_model", execute_model)
     _wrap(GPUModelRunner, "sample_tokens", annotating)
+    if "pool" in GPUModelRunner.__dict__:  # a pooling model's step output (no sample_tokens)
+        _wrap(GPUModelRunner, "pool", annotating)
 
 
 def install(mode: str) -> None:

@@ -55,10 +55,13 @@ nothing is counted per block on the step's hot paths.
 from __future__ import annotations
 
 import enum
+import logging
 import os
 from collections.abc import Callable
 from operator import attrgetter
 from typing import Any, NamedTuple
+
+logger = logging.getLogger("vllm.kvguard")
 
 __all__ = [
     "EventKind",
@@ -113,6 +116,11 @@ class StepEvents(NamedTuple):
 TENANT_ENV = "KVGUARD_VLLM_TENANT"
 
 _PUBLIC = "public"
+#: How many steps the blocks a request published are remembered after it gave its blocks back
+#: (a refusal reaches the scheduler with its step's output, a step or two after the check).
+_GONE_STEPS = 8
+#: The prefix of the tenant a request gets when the tenant mapping fails for it (then its id).
+_UNMAPPED = "kvguard-unmapped:"
 
 
 def tenant_fields() -> tuple[bool, bool]:
@@ -125,6 +133,12 @@ def tenant_fields() -> tuple[bool, bool]:
     unknown = fields - {"cache_salt", "lora", "none"}
     if unknown:
         raise ValueError(f"{TENANT_ENV}={raw!r}: unknown field(s) {sorted(unknown)}")
+    if not fields:
+        # An empty setting (a template's unset variable) would make every request one tenant:
+        # one tenant is said as ``none``, never by omission.
+        raise ValueError(f"{TENANT_ENV}={raw!r}: no field (name cache_salt and/or lora, or none for one tenant)")
+    if "none" in fields and len(fields) > 1:
+        raise ValueError(f"{TENANT_ENV}={raw!r}: none goes alone")
     return "cache_salt" in fields, "lora" in fields
 
 
@@ -164,8 +178,18 @@ def set_tenant_of(fn: Callable[[Any], str] | None) -> None:
 
 
 def tenant_of(request: Any) -> str:
-    """The tenant the current mapping gives ``request``."""
-    return _tenant_of(request)
+    """The tenant the current mapping gives ``request``. A mapping that raises, or returns
+    something other than a str, gives the request a tenant of its own (it shares nothing with
+    anyone: never a wrong share, and one request's odd fields never stop the engine); logged."""
+    try:
+        tenant = _tenant_of(request)
+    except Exception as e:
+        tenant = e
+    if isinstance(tenant, str):
+        return tenant
+    rid = getattr(request, "request_id", None)
+    logger.error("kvguard: the tenant mapping gave request %r %r; it gets a tenant of its own", rid, tenant)
+    return f"{_UNMAPPED}{rid}"
 
 
 class RequestBlocks(list):
@@ -241,6 +265,15 @@ class SchedulerRecorder:
         #: Block id -> the tenant key of its publisher, for each block published (a live prefix
         #: in the worker's table once applied).
         self.published: dict[int, int] = {}
+        #: Request id -> the blocks it published while it held blocks (some may have been
+        #: evicted since: read against ``published``); and, for requests that gave their blocks
+        #: back (preempted or finished), the step they did and that list, kept
+        #: :data:`_GONE_STEPS` steps: a refusal may reach the scheduler after its request was
+        #: preempted (async scheduling: step N's output is processed after step N + 1 was
+        #: scheduled), and the blocks it hashed for the refused step must leave the cache then.
+        self._published_by: dict[str, list[int]] = {}
+        self._gone: dict[str, tuple[int, list[int]]] = {}
+        self._steps = 0
         #: True while vLLM's ``schedule`` runs (a block hashed then is written by that step).
         self.in_schedule = False
         #: Tenant string <-> the int key the table knows it by; each key's admitted requests;
@@ -330,6 +363,11 @@ class SchedulerRecorder:
 
     def _publish_one(self, rid: str, block_id: int) -> None:
         self.published[block_id] = self._request_tenant.get(rid, 0)
+        mine = self._published_by.get(rid)
+        if mine is None:
+            self._published_by[rid] = [block_id]
+        else:
+            mine.append(block_id)
         event = (_PUBLISH, rid, block_id, (block_id,))
         # Hashed inside schedule: written by this step, published after its writes. Hashed in
         # update_from_output (async): written already, published in order (before a release).
@@ -419,6 +457,10 @@ class SchedulerRecorder:
                 self._publish = kept
         if self._attach:
             self._attach = [e for e in self._attach if e[1] != rid]
+        mine = self._published_by.pop(rid, None)
+        if mine:
+            gone = self._gone.pop(rid, None)  # (re-entered last: the dict stays oldest first)
+            self._gone[rid] = (self._steps, mine if gone is None else gone[1] + mine)
         if request.is_finished():
             self.admitted.discard(rid)
             key = self._request_tenant.pop(rid, None)
@@ -429,10 +471,16 @@ class SchedulerRecorder:
             self._events.append((_PREEMPT, rid))
 
     def published_of(self, rid: str) -> list[int]:
-        """The published blocks ``rid`` holds: those it published and the prefix-cache hits it
-        took (run after a refusal only)."""
+        """The published blocks of ``rid``: those it holds (it published them or took them as
+        prefix-cache hits) and those it published, also if it has given them back since
+        (preempted in the steps before; run after a refusal only)."""
         published = self.published
-        return [b.block_id for m in self.managers for b in m.req_to_blocks.get(rid, ()) if b.block_id in published]
+        blocks = [b.block_id for m in self.managers for b in m.req_to_blocks.get(rid, ()) if b.block_id in published]
+        gone = self._gone.get(rid)
+        for mine in (self._published_by.get(rid), gone[1] if gone is not None else None):
+            if mine:
+                blocks.extend(b for b in mine if b in published)
+        return list(dict.fromkeys(blocks))
 
     def cache_reset(self) -> None:
         """``reset_prefix_cache`` succeeded: every cached block lost its hash."""
@@ -443,6 +491,11 @@ class SchedulerRecorder:
 
     def take(self) -> StepEvents | None:
         """The step's events in the order the worker applies them (None when there are none)."""
+        self._steps += 1
+        if self._gone:
+            oldest = self._steps - _GONE_STEPS
+            if next(iter(self._gone.values()))[0] < oldest:
+                self._gone = {rid: v for rid, v in self._gone.items() if v[0] >= oldest}
         early, late, attach = self._events, self._publish, self._attach
         if not (early or late or attach):
             return None

@@ -26,7 +26,30 @@ HOOKED = [
 
 def test_entry_point_is_registered():
     names = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
-    assert names.get("kvguard") == "kvguard.sglang:register"
+    assert names.get("kvguard") == "kvguard_plugins:sglang"
+
+
+def test_a_kvguard_that_cannot_load_stops_every_scheduler_when_it_was_asked_for():
+    """SGLang's loader logs a plugin whose import or call fails and serves on: the entry point
+    (``kvguard_plugins.sglang``) imports nothing of kvguard, and when ``KVGUARD_SGLANG`` asks for a
+    kvguard that cannot be loaded (here its native library) it hooks ``Scheduler.__init__`` with
+    a refusal: every scheduler raises at start-up, naming the cause."""
+    code = (
+        "import sys; sys.modules['kvguard._kvguard'] = None;"
+        "from sglang.srt.plugins import load_plugins; load_plugins();"
+        "from sglang.srt.plugins.hook_registry import HookRegistry;"
+        "hooks = [h for t, hs in HookRegistry._hooks.items() if t.endswith('Scheduler.__init__')"
+        " for _, h, src in hs if src is not None and src.plugin_name == 'kvguard'];"
+        "assert len(hooks) == 1, hooks;"
+        "\ntry:\n    hooks[0](None, object())\nexcept RuntimeError as e:\n    print('REFUSED', e)"
+    )
+    env = dict(os.environ, KVGUARD_SGLANG="enforce")
+    env.pop("SGLANG_PLUGINS", None)
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    last = out.stdout.splitlines()[-1]
+    assert last.startswith("REFUSED kvguard: KVGUARD_SGLANG='enforce' but kvguard cannot be loaded"), last
+    assert "refusing to serve unguarded" in last
 
 
 @pytest.mark.parametrize("mode", ["enforce", "report", "off"])
@@ -376,3 +399,35 @@ def test_a_guard_keeps_the_latest_refusals_not_all(engine_factory, monkeypatch):
     assert g.metrics["aborted_requests"] == 5 and g.metrics["violations_total"] == 5
     g.violations.clear()
     assert g.violations == []
+
+
+def test_a_streaming_session_request_is_refused_at_intake_under_enforce(engine_factory):
+    """A streaming session lends one turn's row and pages to the next (SGLang's
+    ``StreamingSession``), outside the calls kvguard follows: under enforce its requests are
+    refused at intake with a reason that names it, before any row or page; a request of no
+    session is admitted as before."""
+    eng = engine_factory(page_size=16)
+    turn = eng.request("turn-1", [5] * 20)
+    turn.session = SimpleNamespace(streaming=True)
+    assert not eng.submit(turn)
+    assert "streaming session" in str(eng.guard.aborted["turn-1"])
+    assert eng.submit(eng.request("plain", [6] * 20))
+    assert set(eng.guard.aborted) == {"turn-1"}
+
+
+def test_a_session_slot_freeing_its_row_ends_the_request_on_it(engine_factory):
+    """Report mode lets a streaming session run; closing it, SGLang frees the row through the
+    session's slot, which is not a request (``StreamingSession.release_session``: the tree's
+    ``free_kv_row`` of its KV record, then ``ReqToTokenPool.free(slot)``). The request kvguard
+    knows on that row ends, as at its own free: no exception in SGLang's scheduler, nothing left
+    in the table."""
+    eng = engine_factory(page_size=16, policy="report")
+    a = eng.request("a", [5] * 40)
+    assert eng.submit(a)
+    eng.prefill([a])
+    slot = SimpleNamespace(kv=a.kv, lock=None)
+    eng.tree.free_kv_row(slot.kv, [(slot.kv.cache_protected_len, slot.kv.kv_allocated_len)])
+    eng.req_to_token_pool.free(slot)
+    snap = eng.guard.table.snapshot()
+    assert snap.requests == 0 and snap.owned == 0
+    assert eng.guard.violations == []

@@ -14,7 +14,27 @@ import kvguard.vllm
 
 def test_entry_point_is_registered():
     names = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
-    assert names.get("kvguard") == "kvguard.vllm:register"
+    assert names.get("kvguard") == "kvguard_plugins:vllm"
+
+
+@pytest.mark.parametrize("mode", ["enforce", "off"])
+def test_a_kvguard_that_cannot_load_stops_vllm_when_it_was_asked_for(mode):
+    """vLLM's loader logs and skips a plugin whose import fails, and would serve unguarded: the
+    entry point (``kvguard_plugins.vllm``) imports nothing of kvguard, and a kvguard that cannot
+    be loaded (here its native library) stops the engine when ``KVGUARD_VLLM`` asks for it.
+    Without the setting nothing of kvguard is imported."""
+    code = (
+        "import sys; sys.modules['kvguard._kvguard'] = None;"
+        "from vllm.plugins import load_general_plugins; load_general_plugins();"
+        "print('SERVING', 'kvguard' in sys.modules)"
+    )
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", KVGUARD_VLLM=mode)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    if mode == "off":
+        assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "SERVING False", out.stderr[-2000:]
+        return
+    assert out.returncode != 0 and "SERVING" not in out.stdout, out.stdout[-2000:]
+    assert "kvguard cannot be loaded" in out.stderr and "refusing to serve unguarded" in out.stderr, out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("mode", ["enforce", "report", "off"])
@@ -33,8 +53,15 @@ def test_vllm_loads_the_plugin_with_the_setting(mode):
 
 @pytest.mark.parametrize(
     "setting, named",
-    [({"KVGUARD_VLLM": "enforse"}, "KVGUARD_VLLM"), ({"KVGUARD_VLLM": "enforce", "KVGUARD_VLLM_TENANT": "salt"}, "KVGUARD_VLLM_TENANT")],
-    ids=["mode", "tenant"],
+    [
+        ({"KVGUARD_VLLM": "enforse"}, "KVGUARD_VLLM"),
+        ({"KVGUARD_VLLM": "enforce", "KVGUARD_VLLM_TENANT": "salt"}, "KVGUARD_VLLM_TENANT"),
+        # Empty (a template's unset variable): not one tenant for everyone by omission.
+        ({"KVGUARD_VLLM": "enforce", "KVGUARD_VLLM_TENANT": ""}, "KVGUARD_VLLM_TENANT"),
+        ({"KVGUARD_VLLM": "enforce", "KVGUARD_VLLM_TENANT": " , "}, "KVGUARD_VLLM_TENANT"),
+        ({"KVGUARD_VLLM": "enforce", "KVGUARD_VLLM_TENANT": "none,lora"}, "KVGUARD_VLLM_TENANT"),
+    ],
+    ids=["mode", "tenant", "tenant-empty", "tenant-blank", "tenant-none-and-more"],
 )
 def test_a_mistyped_setting_stops_vllm_at_start_up(setting, named):
     """vLLM's own loader logs and skips a plugin whose import fails (the engine would then run
@@ -148,3 +175,103 @@ def test_metrics_in_multiprocess_mode(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=here, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "ok"
+
+
+def test_an_idle_steps_output_takes_no_device_verdict():
+    """Model Runner V2 on a GPU, async scheduling: a step with no tokens (its output made at
+    ``execute_model``) while the last checked step's output is still on its way. The device's
+    verdicts on that checked step ride its own output, never the idle one's: the idle output
+    taking them would let the refused request's tokens of the checked step leave."""
+    from types import SimpleNamespace
+
+    from kvguard.vllm import hooks
+    from kvguard.vllm.device import V2Device
+
+    class Ring:  # the device's violation ring; every copy lands at once
+        def __init__(self):
+            self.records, self.copy = [], None
+
+        def begin_drain(self, *, stream):
+            self.copy, self.records = self.records, []
+
+        def finish_drain(self, table, *, stream, wait=True):
+            out, self.copy = self.copy, None
+            return out
+
+    class Refusal:
+        def client_message(self, rid):
+            return f"kvguard refused {rid}"
+
+    class Guard:
+        mode = "enforce"
+        table = None
+
+        def device_refused(self, records):
+            return SimpleNamespace(refused={rid: Refusal() for rid in records})
+
+    ring = Ring()
+    guard = Guard()
+    guard.device = V2Device(ring, None, lambda: 3)
+    owner = SimpleNamespace()
+    owner._kvguard = guard
+    # Step 1 is checked; the device flags request "a"; its output is asynchronous.
+    guard.device.stream()
+    ring.records.append("a")
+    guard.device.begin_drain(guard)
+    step1 = SimpleNamespace(get_output=lambda: SimpleNamespace(req_id_to_index={"a": 0}))
+    step1 = hooks.annotate_output(owner, step1)
+    # Step 2 schedules nothing: its output is made (and taken) first.
+    idle = hooks.annotate_output(owner, SimpleNamespace(req_id_to_index={}), checked=False)
+    assert not getattr(idle, "kvguard_refused", None)
+    assert step1.get_output().kvguard_refused == {"a": "kvguard refused a"}
+
+
+def test_a_refused_requests_step_output_carries_nothing_of_it():
+    """What the scheduler reads of a refused request's step: no sampled token, no prompt logprobs
+    (vLLM asserts that prompt logprobs come only with an output: left in, a refused request at
+    its last prompt chunk would stop the engine, every request with it), no pooling output. The
+    bystanders' entries are kept, and vLLM's own output object is left as it was."""
+    import torch
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    from kvguard.vllm.hooks import withheld_output
+
+    lp = object()
+    out = ModelRunnerOutput(
+        req_ids=["a", "b"],
+        req_id_to_index={"a": 0, "b": 1},
+        sampled_token_ids=[[5], [6]],
+        prompt_logprobs_dict={"a": lp, "b": lp},
+        prompt_token_id_logprobs_dict={"a": torch.zeros(1), "b": torch.ones(1)},
+        pooler_output=[torch.zeros(2), torch.ones(2)],
+    )
+    got = withheld_output(out, {"a": "kvguard refused a"})
+    assert got.sampled_token_ids == [[], [6]]
+    assert got.prompt_logprobs_dict == {"b": lp}
+    assert list(got.prompt_token_id_logprobs_dict) == ["b"]
+    assert got.pooler_output[0] is None and torch.equal(got.pooler_output[1], torch.ones(2))
+    assert out.sampled_token_ids == [[5], [6]] and set(out.prompt_logprobs_dict) == {"a", "b"}
+    assert out.pooler_output[0] is not None
+
+
+def test_a_tenant_mapping_that_fails_gives_the_request_a_tenant_of_its_own():
+    """A tenant mapping (``set_tenant_of``) that raises, or returns something other than a str,
+    for one request gives that request a tenant of its own: it shares nothing with anyone, and
+    the engine keeps serving (the error is logged)."""
+    from types import SimpleNamespace
+
+    from kvguard.vllm import recorder
+
+    def mapping(request):
+        if request.request_id == "odd":
+            raise KeyError("no tenant header")
+        return None if request.request_id == "none" else "acme"
+
+    recorder.set_tenant_of(mapping)
+    try:
+        assert recorder.tenant_of(SimpleNamespace(request_id="ok")) == "acme"
+        odd = recorder.tenant_of(SimpleNamespace(request_id="odd"))
+        none = recorder.tenant_of(SimpleNamespace(request_id="none"))
+        assert len({odd, none, "acme"}) == 3 and "odd" in odd and "none" in none
+    finally:
+        recorder.set_tenant_of(None)

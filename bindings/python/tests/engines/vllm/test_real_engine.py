@@ -418,6 +418,52 @@ def test_after_a_refused_write_its_cached_blocks_serve_nobody(async_scheduling, 
     assert len(guarded.finished) == 32
 
 
+def test_a_refused_request_preempted_before_its_refusal_arrives_leaves_nothing_cached(monkeypatch):
+    """Async scheduling: the worker refuses the victim at step N, and vLLM's scheduler preempts it
+    at step N + 1, before step N's output (which carries the refusal) is processed. The blocks
+    vLLM hashed for the victim's refused step were never written; the victim holds no block any
+    more when its refusal arrives, and its blocks must leave vLLM's prefix cache all the same:
+    left there, the bystanders of its tenant that hit them read what nobody wrote (and were
+    refused for it). Every bystander is served as in the run without the bug."""
+    import time
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    rc = RealConfig(num_blocks=40, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=512, async_scheduling=True)
+    victim = "long-prompt"
+    prompt = list(range(100, 190))
+    engine = {}
+
+    def fill(e: RealEngine) -> None:
+        engine["e"] = e
+        e.add("other", list(range(1, 20)), 20)
+        e.add(victim, prompt, 5)
+        e.run()
+        _more_work(e, prompt)
+
+    clean = run_real(rc, fill, guarded=False)
+    schedule = Scheduler.schedule
+    preempted = []
+
+    def preempting(self, *args, **kwargs):
+        e = engine.get("e")
+        req = self.requests.get(victim)
+        refused = e is not None and e.guard is not None and any(rid == victim for _, rid, _ in e.refusals())
+        if not preempted and refused and req is not None and req in self.running:
+            preempted.append(True)
+            self.running.remove(req)
+            self._preempt_request(req, time.monotonic())
+            self.waiting.prepend_request(req)
+        return schedule(self, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "schedule", preempting)
+    computed_token_race(monkeypatch, victim)
+    guarded = run_real(rc, fill, guarded=True)
+    assert preempted, "the victim was preempted between its refusal and the output carrying it"
+    assert guarded.events.get("evict", 0) > 0, "the refused request's blocks leave vLLM's cache"
+    check_contained(guarded, clean, victim, {"unwritten_slots"})
+
+
 # -- what kvguard cannot check fails at start-up (enforce) or runs unchecked (report) ---------
 
 

@@ -242,3 +242,22 @@ def test_on_a_gpu_where_the_device_check_cannot_start(mode, monkeypatch):
         return
     g = base.run_v2(rc, fill, guarded=True, mode=mode)
     assert g.guard is None and len(g.finished) == 6
+
+
+def test_on_a_gpu_over_several_ranks_the_device_check_does_not_start(monkeypatch, on_device):
+    """V2 on a GPU over two ranks (tensor or pipeline parallel): only the output rank's
+    ModelRunnerOutput reaches vLLM's scheduler, so a refusal another rank's device check made
+    would never end its request. Under enforce the engine stops at start-up, naming it."""
+    from kvguard.vllm.hooks import UnsupportedConfig
+
+    real = hooks._v2_device
+
+    def two_ranks(runner, guard):
+        runner.vllm_config.parallel_config.world_size = 2
+        return real(runner, guard)
+
+    monkeypatch.setattr(hooks, "_v2_device", two_ranks)
+    rc = RealConfig(num_blocks=64, block_size=32, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512)
+    with pytest.raises(UnsupportedConfig, match="over 2 ranks"):
+        base.run_v2(rc, lambda e: pytest.fail("the engine started"), guarded=True, mode="enforce")
+    assert on_device == [], "no device check was made"
