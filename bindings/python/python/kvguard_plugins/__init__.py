@@ -16,7 +16,9 @@ Without the setting (unset, empty, ``off``) neither imports kvguard.
 
 from __future__ import annotations
 
+import importlib
 import os
+from collections.abc import Callable
 
 __all__ = ["sglang", "vllm"]
 
@@ -26,44 +28,44 @@ _VLLM_OFF = ("", "0", "off", "false", "no")
 _SGLANG_OFF = ("", "off", "0", "none")
 
 
-def _asked(env: str, off: tuple[str, ...]) -> bool:
-    return os.environ.get(env, "").strip().lower() not in off
+def _register(env: str, off: tuple[str, ...], engine: str) -> Callable[[], None] | None:
+    """``kvguard.<engine>.register`` when the setting ``env`` asks for kvguard (None when it is
+    off); a RuntimeError naming the setting and the cause when kvguard cannot be loaded."""
+    setting = os.environ.get(env, "")
+    if setting.strip().lower() in off:
+        return None
+    try:
+        return importlib.import_module(f"kvguard.{engine}").register
+    except Exception as e:
+        raise RuntimeError(
+            f"kvguard: {env}={setting!r} but kvguard cannot be loaded ({e!r}); refusing to serve unguarded"
+        ) from e
 
 
 def vllm() -> None:
     """vLLM's ``vllm.general_plugins`` entry point: ``kvguard.vllm.register`` when
     ``KVGUARD_VLLM`` asks for kvguard (an error loading kvguard then stops the engine)."""
-    if not _asked("KVGUARD_VLLM", _VLLM_OFF):
-        return
-    try:
-        from kvguard.vllm import register
-    except Exception as e:
-        raise RuntimeError(
-            f"kvguard: KVGUARD_VLLM={os.environ['KVGUARD_VLLM']!r} but kvguard cannot be loaded ({e!r}); "
-            "refusing to serve unguarded"
-        ) from e
-    register()
+    register = _register("KVGUARD_VLLM", _VLLM_OFF, "vllm")
+    if register is not None:
+        register()
 
 
 def sglang() -> None:
     """SGLang's ``sglang.srt.plugins`` entry point: ``kvguard.sglang.register`` when
-    ``KVGUARD_SGLANG`` asks for kvguard (an error loading kvguard then stops the scheduler)."""
-    if not _asked("KVGUARD_SGLANG", _SGLANG_OFF):
-        return
+    ``KVGUARD_SGLANG`` asks for kvguard (an error loading kvguard then stops every scheduler)."""
     try:
-        from kvguard.sglang import register
-    except Exception as e:
-        error = RuntimeError(
-            f"kvguard: KVGUARD_SGLANG={os.environ['KVGUARD_SGLANG']!r} but kvguard cannot be loaded ({e!r}); "
-            "refusing to serve unguarded"
-        )
+        register = _register("KVGUARD_SGLANG", _SGLANG_OFF, "sglang")
+    except RuntimeError as error:
         # SGLang's loader logs a plugin's exception and serves on: every scheduler is stopped at
         # start-up instead (its __init__ raises, which ends the server).
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+        refusal = error  # (the except clause's name is gone once it ends)
+
         def refuse_to_start(*_args: object, **_kwargs: object) -> None:
-            raise error
+            raise refusal
 
         HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.__init__", refuse_to_start, HookType.AFTER)
-        raise error from e
-    register()
+        raise
+    if register is not None:
+        register()

@@ -126,22 +126,29 @@ def test_double_free(engine_factory, page_size):
     assert not aborted_by_kvguard(b) and aborted_by_kvguard(a)
 
 
+def stale_row(eng):
+    """Requests ``a`` and ``b`` of 40 tokens each: ``a`` prefilled, then the bug: its pages go
+    back (through ``free_kv_row``: the free is its own) while its row stays as it was; the
+    allocator hands them to ``b``, prefilled next. Returns (a, b)."""
+    a = eng.request("a", [5] * 40)
+    b = eng.request("b", [6] * 40)
+    for r in (a, b):
+        assert eng.submit(r)
+    eng.prefill([a])
+    eng.tree.free_kv_row(a.kv, [(0, a.kv.kv_committed_len)])
+    eng.allocator.merge_and_sort_free()
+    eng.prefill([b])
+    return a, b
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_stale_row_after_free_and_reuse(engine_factory, page_size):
     """A request's pages are freed (through free_kv_row: the free is its own) but its
     req_to_token row is left as it was; the pages go to another request. Its next forward reads the stale row: refused on the forward batch, on that
     request, and its KV write goes to the padding slot; the new owner is untouched."""
     eng = engine_factory(page_size=page_size, tokens=2048, context_len=512)
-    a = eng.request("a", [5] * 40)
-    b = eng.request("b", [6] * 40)
-    for r in (a, b):
-        assert eng.submit(r)
-    eng.prefill([a])
+    a, b = stale_row(eng)
     n = a.kv.kv_committed_len
-    row = eng.req_to_token_pool.req_to_token[a.kv.req_pool_idx, :n].to("cpu").long()
-    eng.tree.free_kv_row(a.kv, [(0, n)])  # the bug: the pages go back, the row stays
-    eng.allocator.merge_and_sort_free()
-    eng.prefill([b])
     b_row = eng.req_to_token_pool.req_to_token[b.kv.req_pool_idx, :n].clone()
     b_k = eng.kv_pool.k_buffer[0][b_row.long()].clone()
     eng.guard.violations.clear()
@@ -174,15 +181,7 @@ def test_a_refused_request_keeps_its_entry_while_it_holds_its_row(engine_factory
 
     monkeypatch.setattr(guard_mod, "KEPT", 1)
     eng = engine_factory(page_size=1, tokens=2048, context_len=512)
-    a = eng.request("a", [5] * 40)
-    b = eng.request("b", [6] * 40)
-    for r in (a, b):
-        assert eng.submit(r)
-    eng.prefill([a])
-    n = a.kv.kv_committed_len
-    eng.tree.free_kv_row(a.kv, [(0, n)])  # the bug: the pages go back, the row stays
-    eng.allocator.merge_and_sort_free()
-    eng.prefill([b])
+    a, b = stale_row(eng)
     eng.decode([a, b])
     g = eng.guard
     assert list(g.aborted) == ["a"]

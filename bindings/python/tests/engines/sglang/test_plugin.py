@@ -34,22 +34,29 @@ def test_a_kvguard_that_cannot_load_stops_every_scheduler_when_it_was_asked_for(
     (``kvguard_plugins.sglang``) imports nothing of kvguard, and when ``KVGUARD_SGLANG`` asks for a
     kvguard that cannot be loaded (here its native library) it hooks ``Scheduler.__init__`` with
     a refusal: every scheduler raises at start-up, naming the cause."""
+    out, last = scheduler_init_refusal("enforce", before="import sys; sys.modules['kvguard._kvguard'] = None;")
+    assert last.startswith("REFUSED kvguard: KVGUARD_SGLANG='enforce' but kvguard cannot be loaded"), last
+    assert "refusing to serve unguarded" in last
+
+
+def scheduler_init_refusal(setting: str, *, before: str = "", check: str = "True") -> tuple:
+    """SGLang's own ``load_plugins`` run in a fresh process with ``KVGUARD_SGLANG=setting``
+    (``before`` runs first): kvguard's one hook on ``Scheduler.__init__`` (``check`` holds too)
+    called as a scheduler's start would call it. Returns the process and its last line
+    (``REFUSED <message>`` when the hook refused the start)."""
     code = (
-        "import sys; sys.modules['kvguard._kvguard'] = None;"
-        "from sglang.srt.plugins import load_plugins; load_plugins();"
+        before + "from sglang.srt.plugins import load_plugins; load_plugins();"
         "from sglang.srt.plugins.hook_registry import HookRegistry;"
         "hooks = [h for t, hs in HookRegistry._hooks.items() if t.endswith('Scheduler.__init__')"
         " for _, h, src in hs if src is not None and src.plugin_name == 'kvguard'];"
-        "assert len(hooks) == 1, hooks;"
+        f"assert {check} and len(hooks) == 1, hooks;"
         "\ntry:\n    hooks[0](None, object())\nexcept RuntimeError as e:\n    print('REFUSED', e)"
     )
-    env = dict(os.environ, KVGUARD_SGLANG="enforce")
+    env = dict(os.environ, KVGUARD_SGLANG=setting)
     env.pop("SGLANG_PLUGINS", None)
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    last = out.stdout.splitlines()[-1]
-    assert last.startswith("REFUSED kvguard: KVGUARD_SGLANG='enforce' but kvguard cannot be loaded"), last
-    assert "refusing to serve unguarded" in last
+    return out, out.stdout.splitlines()[-1]
 
 
 @pytest.mark.parametrize("mode", ["enforce", "report", "off"])
@@ -77,20 +84,9 @@ def test_a_mistyped_setting_stops_every_scheduler_at_start_up():
     plugin"): with KVGUARD_SGLANG mistyped, kvguard must not leave the server unguarded. Loaded by
     SGLang's own load_plugins, it hooks Scheduler.__init__ with a refusal: the scheduler raises at
     start-up (which ends the server) naming the setting."""
-    code = (
-        "from sglang.srt.plugins import load_plugins; load_plugins();"
-        "from sglang.srt.plugins.hook_registry import HookRegistry;"
-        "import kvguard.sglang as k;"
-        "hooks = [h for t, hs in HookRegistry._hooks.items() if t.endswith('Scheduler.__init__')"
-        " for _, h, src in hs if src is not None and src.plugin_name == 'kvguard'];"
-        "assert k.installed_mode() is None and len(hooks) == 1, hooks;"
-        "\ntry:\n    hooks[0](None, object())\nexcept RuntimeError as e:\n    print('REFUSED', e)"
+    out, last = scheduler_init_refusal(
+        "enforse", check="__import__('kvguard.sglang').sglang.installed_mode() is None"
     )
-    env = dict(os.environ, KVGUARD_SGLANG="enforse")
-    env.pop("SGLANG_PLUGINS", None)
-    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    last = out.stdout.splitlines()[-1]
     assert last.startswith("REFUSED kvguard: KVGUARD_SGLANG must be enforce, report or off, not 'enforse'"), last
     assert "Failed to execute general plugin: kvguard" in out.stderr
 
