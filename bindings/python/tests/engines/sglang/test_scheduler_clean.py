@@ -182,6 +182,38 @@ def test_clean_workload_with_chunked_prefill(triton_rows, page_size):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
+def test_clean_workload_with_mixed_chunks(triton_rows, page_size):
+    """``--enable-mixed-chunk``: a new request's prefill (chunk) runs in one forward with the
+    running requests' decode (SGLang's ``mix_with_running``: two batches prepared, one forward
+    of both, its own forward mode). Under enforce: every request served as without kvguard, no
+    violation, no page lost."""
+    n = 200
+
+    def mixed(guarded):
+        s = build_scheduler(page_size=page_size, tokens=POOL[page_size], rows=24, context_len=256,
+                            chunked_prefill_size=48, enable_mixed_chunk=True)
+        s.mixed = 0
+        run_batch = s.run_batch
+
+        def counting(batch, *a, **k):
+            s.mixed += batch.forward_mode.is_mixed()
+            return run_batch(batch, *a, **k)
+
+        s.run_batch = counting
+        guard = attach_kvguard(s, "enforce") if guarded else None
+        start = pool_pages(s)
+        return s, guard, start, run(s, workload(3, n))
+
+    _, _, start, want = mixed(False)
+    s, guard, start2, got = mixed(True)
+    assert start2 == start and len(want) == n and s.mixed > 0, "mixed forwards ran"
+    assert guard.violations == [] and guard.aborted == {}
+    assert got == want
+    assert pool_pages(s) == start
+    assert guard.table.snapshot().requests == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
 def test_clean_workload_with_retraction(triton_rows, monkeypatch, page_size):
     """SGLang's own retraction test mode (TEST_RETRACT: every 5th forward, update_running_batch
     retracts decoding requests through retract_decode, releasing their rows and pages while
