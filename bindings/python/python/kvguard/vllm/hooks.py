@@ -276,10 +276,13 @@ def _install_scheduler() -> None:
 
     def freeing(original: Any) -> Any:
         def wrapper(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-            out = original(self, request, *args, **kwargs)
             rec = recorder_of(self)
+            # A preempted request's published blocks, read while it still holds them: a refusal
+            # of its last step may reach the scheduler after it gave them back (async scheduling).
+            held = None if rec is None or request.is_finished() else rec.published_of(request.request_id)
+            out = original(self, request, *args, **kwargs)
             if rec is not None:
-                rec.freed(request)
+                rec.freed(request, held)
             return out
 
         return wrapper

@@ -116,8 +116,9 @@ class StepEvents(NamedTuple):
 TENANT_ENV = "KVGUARD_VLLM_TENANT"
 
 _PUBLIC = "public"
-#: How many steps the blocks a request published are remembered after it gave its blocks back
-#: (a refusal reaches the scheduler with its step's output, a step or two after the check).
+#: How many steps the published blocks a preempted request held are remembered after it gave
+#: them back (a refusal reaches the scheduler with its step's output, a step or two after the
+#: check).
 _GONE_STEPS = 8
 #: The prefix of the tenant a request gets when the tenant mapping fails for it (then its id).
 _UNMAPPED = "kvguard-unmapped:"
@@ -265,13 +266,10 @@ class SchedulerRecorder:
         #: Block id -> the tenant key of its publisher, for each block published (a live prefix
         #: in the worker's table once applied).
         self.published: dict[int, int] = {}
-        #: Request id -> the blocks it published while it held blocks (some may have been
-        #: evicted since: read against ``published``); and, for requests that gave their blocks
-        #: back (preempted or finished), the step they did and that list, kept
-        #: :data:`_GONE_STEPS` steps: a refusal may reach the scheduler after its request was
-        #: preempted (async scheduling: step N's output is processed after step N + 1 was
+        #: Request id -> (the step it was preempted in, the published blocks it held then),
+        #: kept :data:`_GONE_STEPS` steps: a refusal may reach the scheduler after its request
+        #: was preempted (async scheduling: step N's output is processed after step N + 1 was
         #: scheduled), and the blocks it hashed for the refused step must leave the cache then.
-        self._published_by: dict[str, list[int]] = {}
         self._gone: dict[str, tuple[int, list[int]]] = {}
         self._steps = 0
         #: True while vLLM's ``schedule`` runs (a block hashed then is written by that step).
@@ -363,11 +361,6 @@ class SchedulerRecorder:
 
     def _publish_one(self, rid: str, block_id: int) -> None:
         self.published[block_id] = self._request_tenant.get(rid, 0)
-        mine = self._published_by.get(rid)
-        if mine is None:
-            self._published_by[rid] = [block_id]
-        else:
-            mine.append(block_id)
         event = (_PUBLISH, rid, block_id, (block_id,))
         # Hashed inside schedule: written by this step, published after its writes. Hashed in
         # update_from_output (async): written already, published in order (before a release).
@@ -443,10 +436,11 @@ class SchedulerRecorder:
                 self._unpublish((block_id,))
                 self._events.append((_EVICT, None, block_id))
 
-    def freed(self, request: Any) -> None:
+    def freed(self, request: Any, held: list[int] | None = None) -> None:
         """``free``/``pop_blocks_for_free``: a finished request releases, a live one is preempted.
         Its publishes and prefix hits still pending in this step are dropped (it never wrote the
-        blocks it was to publish)."""
+        blocks it was to publish). ``held``: the published blocks a preempted request held
+        (:meth:`published_of`, read before vLLM freed them), remembered for a refusal to come."""
         rid = request.request_id
         if rid not in self.admitted:
             return
@@ -457,10 +451,9 @@ class SchedulerRecorder:
                 self._publish = kept
         if self._attach:
             self._attach = [e for e in self._attach if e[1] != rid]
-        mine = self._published_by.pop(rid, None)
-        if mine:
-            gone = self._gone.pop(rid, None)  # (re-entered last: the dict stays oldest first)
-            self._gone[rid] = (self._steps, mine if gone is None else gone[1] + mine)
+        if held:
+            self._gone.pop(rid, None)  # (re-entered last: the dict stays oldest first)
+            self._gone[rid] = (self._steps, held)
         if request.is_finished():
             self.admitted.discard(rid)
             key = self._request_tenant.pop(rid, None)
@@ -472,15 +465,15 @@ class SchedulerRecorder:
 
     def published_of(self, rid: str) -> list[int]:
         """The published blocks of ``rid``: those it holds (it published them or took them as
-        prefix-cache hits) and those it published, also if it has given them back since
-        (preempted in the steps before; run after a refusal only)."""
+        prefix-cache hits), and those it held when it was preempted in the steps before (run
+        after a refusal, and at a preemption)."""
         published = self.published
         blocks = [b.block_id for m in self.managers for b in m.req_to_blocks.get(rid, ()) if b.block_id in published]
         gone = self._gone.get(rid)
-        for mine in (self._published_by.get(rid), gone[1] if gone is not None else None):
-            if mine:
-                blocks.extend(b for b in mine if b in published)
-        return list(dict.fromkeys(blocks))
+        if gone is not None:
+            blocks.extend(b for b in gone[1] if b in published)
+            return list(dict.fromkeys(blocks))
+        return blocks
 
     def cache_reset(self) -> None:
         """``reset_prefix_cache`` succeeded: every cached block lost its hash."""
