@@ -65,8 +65,8 @@ KVG_FN void kvg_verify_block(const kvg_tag *__restrict__ tags, uint32_t num_page
         }
     }
     if (kind != KVG_OK) {
-        kvg_flag(seq_status, s, kind);
-        kvg_report(ring, kind, KVG_OP_READ, s, j, page, a, b, expected_generation, reader, found);
+        const bool first = kvg_flag(seq_status, s, kind);
+        kvg_report_as(ring, first, kind, KVG_OP_READ, s, j, page, a, b, expected_generation, reader, found);
     }
 }
 
@@ -82,8 +82,8 @@ KVG_FN void kvg_report_step(uint32_t kind, uint32_t s, uint32_t j, uint32_t foun
                             kvg_reader reader, uint32_t *seq_status, kvg_ring *ring) {
     // Step-level faults carry the amounts in slot_start/slot_end: tokens asked vs covered.
     kvg_tag none = {0, 0, 0, 0, 0, 0};
-    kvg_flag(seq_status, s, kind);
-    kvg_report(ring, kind, KVG_OP_READ, s, j, -1, found_amount, limit, 0, reader, none);
+    const bool first = kvg_flag(seq_status, s, kind);
+    kvg_report_as(ring, first, kind, KVG_OP_READ, s, j, -1, found_amount, limit, 0, reader, none);
 }
 
 // The tokens of sequence `s` written before this step: `len` minus its query length (this
@@ -303,7 +303,8 @@ KVG_FN void kvg_store_kv(const T *__restrict__ key, const T *__restrict__ value,
                 const kvg_reader nobody = {0, 0};
                 const kvg_tag none = {0, 0, 0, 0, 0, 0};
                 const int32_t p = page > 0x7fffffffll ? 0x7fffffff : static_cast<int32_t>(page);
-                kvg_report(ring, KVG_KIND_BAD_LAYOUT, KVG_OP_WRITE, t, 0, p, in_page, in_page + 1, 0, nobody, none);
+                kvg_report_as(ring, false, KVG_KIND_BAD_LAYOUT, KVG_OP_WRITE, t, 0, p, in_page, in_page + 1, 0, nobody,
+                              none);
             }
             continue;
         }
@@ -312,9 +313,9 @@ KVG_FN void kvg_store_kv(const T *__restrict__ key, const T *__restrict__ value,
         const uint32_t kind = kvg_check_store(tags, num_pages, page, writer, &found);
         if (kind != KVG_OK) {
             if (threadIdx.x == 0) {
-                kvg_flag(seq_status, s, kind);
+                const bool first = kvg_flag(seq_status, s, kind);
                 int32_t p = page > 0x7fffffffll ? 0x7fffffff : static_cast<int32_t>(page);
-                kvg_report(ring, kind, KVG_OP_WRITE, t, 0, p, in_page, in_page + 1, 0, writer, found);
+                kvg_report_as(ring, first, kind, KVG_OP_WRITE, t, 0, p, in_page, in_page + 1, 0, writer, found);
             }
             continue;
         }
@@ -395,16 +396,16 @@ extern "C" __global__ void __launch_bounds__(128)
         if (num_seqs == 0 || !kvg_token_in_seq(query_start_loc, s, t)) {
             const kvg_reader nobody = {0, 0};
             const kvg_tag none = {0, 0, 0, 0, 0, 0};
-            kvg_report(ring, KVG_KIND_BAD_LAYOUT, KVG_OP_WRITE, num_seqs, t, shown, in_page, in_page + 1, 0, nobody,
-                       none);
+            kvg_report_as(ring, false, KVG_KIND_BAD_LAYOUT, KVG_OP_WRITE, num_seqs, t, shown, in_page, in_page + 1, 0,
+                          nobody, none);
             continue;
         }
         const kvg_reader writer = writers[s];
         kvg_tag found;
         const uint32_t kind = kvg_check_store(tags, num_pages, page, writer, &found);
         if (kind != KVG_OK) {
-            kvg_flag(seq_status, s, kind);
-            kvg_report(ring, kind, KVG_OP_WRITE, s, t, shown, in_page, in_page + 1, 0, writer, found);
+            const bool first = kvg_flag(seq_status, s, kind);
+            kvg_report_as(ring, first, kind, KVG_OP_WRITE, s, t, shown, in_page, in_page + 1, 0, writer, found);
         }
     }
 }
@@ -649,9 +650,9 @@ KVG_FN void kvg_decode_attention(const float *__restrict__ q, const T *__restric
             }
             if (CHECK && too_short && split == 0 && hb == 0 && threadIdx.x == 0) {
                 const kvg_tag none = {0, 0, 0, 0, 0, 0};
-                kvg_flag(seq_status, s, KVG_KIND_BLOCK_TABLE_TOO_SHORT);
-                kvg_report(ring, KVG_KIND_BLOCK_TABLE_TOO_SHORT, KVG_OP_READ, s, max_blocks, -1, len,
-                           max_blocks * page_size, 0, reader, none);
+                const bool first = kvg_flag(seq_status, s, KVG_KIND_BLOCK_TABLE_TOO_SHORT);
+                kvg_report_as(ring, first, KVG_KIND_BLOCK_TABLE_TOO_SHORT, KVG_OP_READ, s, max_blocks, -1, len,
+                              max_blocks * page_size, 0, reader, none);
             }
             __syncthreads();
             float m[KVG_ATTN_MAX_GROUP], l[KVG_ATTN_MAX_GROUP], acc[KVG_ATTN_MAX_GROUP][KVG_ATTN_MAX_DPL];
@@ -720,8 +721,9 @@ KVG_FN void kvg_decode_attention(const float *__restrict__ q, const T *__restric
                     if (kind != KVG_OK) {
                         if (lane == 0) {
                             block_bad = 1;
-                            kvg_flag(seq_status, s, kind);
-                            if (hb == 0) kvg_report(ring, kind, KVG_OP_READ, s, j, page, a, b, 0, reader, found);
+                            const bool first = kvg_flag(seq_status, s, kind);
+                            if (hb == 0 || first)
+                                kvg_report_as(ring, first, kind, KVG_OP_READ, s, j, page, a, b, 0, reader, found);
                         }
                         if (!in_range || fail_closed) continue;
                     }
@@ -902,10 +904,10 @@ KVG_FN void kvg_decode_attention(const float *__restrict__ q, const T *__restric
                         if (kind != KVG_OK) {
                             const bool unwritten = kind == KVG_KIND_UNWRITTEN_SLOTS;
                             block_bad = 1;
-                            kvg_flag(seq_status, s, kind);
-                            if (hb == 0)
-                                kvg_report(ring, kind, KVG_OP_READ, s, jl, p[x], unwritten ? t[x].written : 0,
-                                           unwritten ? need : 0, 0, reader, t[x]);
+                            const bool first = kvg_flag(seq_status, s, kind);
+                            if (hb == 0 || first)
+                                kvg_report_as(ring, first, kind, KVG_OP_READ, s, jl, p[x],
+                                              unwritten ? t[x].written : 0, unwritten ? need : 0, 0, reader, t[x]);
                         }
                     }
                 }

@@ -39,9 +39,12 @@ typedef unsigned long long uintptr_t;
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 #define KVG_FN __device__ __forceinline__
 #define KVG_HD __host__ __device__ __forceinline__
+// A cold path (reporting a violation), kept out of line so it costs the checks no registers.
+#define KVG_COLD static __device__ __noinline__
 #else
 #define KVG_FN inline
 #define KVG_HD inline
+#define KVG_COLD static inline
 #endif
 
 // ---------------------------------------------------------------------------------------------
@@ -128,7 +131,7 @@ struct __attribute__((aligned(16))) kvg_ring {
     uint64_t dropped;  // records lost because the ring was full (atomic)
     uint64_t consumed; // records the host has drained (written by the host)
     uint32_t capacity; // records that fit after the header
-    uint32_t reserved;
+    uint32_t lost;     // of those dropped, a sequence's first finding (atomic): see kvg_report_as
 };
 
 KVG_HD kvg_violation *kvg_ring_records(kvg_ring *ring) {
@@ -140,15 +143,41 @@ KVG_HD kvg_violation *kvg_ring_records(kvg_ring *ring) {
 // ---------------------------------------------------------------------------------------------
 
 // Appends one violation to the ring (lock-free; any thread). A null ring only drops it.
-KVG_FN void kvg_report(kvg_ring *ring, uint32_t kind, uint32_t op, uint32_t seq, uint32_t block, int32_t page,
-                       uint32_t slot_start, uint32_t slot_end, uint32_t expected_generation, kvg_reader who,
-                       const kvg_tag &found) {
+//
+// `first`: the violation is its sequence's first finding of the step (`kvg_flag` returned true),
+// the one record the host needs to refuse that request. Other records (a sequence's further
+// bad pages, a token of no sequence) only describe, and take a record only while the ring is
+// under half full, so the other half stays for first findings: a step of one request whose
+// every page is bad cannot crowd out another request's finding. A first finding dropped all the
+// same (more flagged sequences between two drains than half the ring holds) is counted in
+// `lost`: the host then cannot tell which request it was, and fails closed.
+KVG_COLD void kvg_report_as(kvg_ring *ring, bool first, uint32_t kind, uint32_t op, uint32_t seq, uint32_t block,
+                          int32_t page, uint32_t slot_start, uint32_t slot_end, uint32_t expected_generation,
+                          kvg_reader who, const kvg_tag &found) {
     if (ring == nullptr) return;
-    uint64_t pos = atomicAdd(reinterpret_cast<unsigned long long *>(&ring->head), 1ull);
-    uint64_t consumed = *reinterpret_cast<volatile uint64_t *>(&ring->consumed);
-    if (pos - consumed >= ring->capacity) {
-        atomicAdd(reinterpret_cast<unsigned long long *>(&ring->dropped), 1ull);
-        return;
+    unsigned long long *head = reinterpret_cast<unsigned long long *>(&ring->head);
+    const uint64_t consumed = *reinterpret_cast<volatile uint64_t *>(&ring->consumed);
+    uint64_t pos;
+    if (first) {
+        pos = atomicAdd(head, 1ull);
+        if (pos - consumed >= ring->capacity) {
+            atomicAdd(reinterpret_cast<unsigned long long *>(&ring->dropped), 1ull);
+            atomicAdd(&ring->lost, 1u);
+            return;
+        }
+    } else {
+        // Reserve a position only below half the ring (a compare-and-swap: no position is
+        // reserved and then left unwritten, which the host would read as a torn record).
+        pos = *reinterpret_cast<volatile uint64_t *>(&ring->head);
+        for (;;) {
+            if (pos - consumed >= ring->capacity / 2) {
+                atomicAdd(reinterpret_cast<unsigned long long *>(&ring->dropped), 1ull);
+                return;
+            }
+            const uint64_t seen = atomicCAS(head, pos, pos + 1);
+            if (seen == pos) break;
+            pos = seen;
+        }
     }
     kvg_violation *v = kvg_ring_records(ring) + (pos % ring->capacity);
     v->kind = kind;
@@ -167,9 +196,20 @@ KVG_FN void kvg_report(kvg_ring *ring, uint32_t kind, uint32_t op, uint32_t seq,
     *reinterpret_cast<volatile uint64_t *>(&v->sequence_no) = pos + 1;
 }
 
-// Marks a sequence as refused for `kind` (bit `kind` of its status word).
-KVG_FN void kvg_flag(uint32_t *seq_status, uint32_t seq, uint32_t kind) {
-    if (seq_status != nullptr) atomicOr(seq_status + seq, 1u << kind);
+// Appends a violation as a first finding (`kvg_report_as`): for an engine's own kernels, which
+// report a sequence once.
+KVG_FN void kvg_report(kvg_ring *ring, uint32_t kind, uint32_t op, uint32_t seq, uint32_t block, int32_t page,
+                       uint32_t slot_start, uint32_t slot_end, uint32_t expected_generation, kvg_reader who,
+                       const kvg_tag &found) {
+    kvg_report_as(ring, true, kind, op, seq, block, page, slot_start, slot_end, expected_generation, who, found);
+}
+
+// Marks a sequence as refused for `kind` (bit `kind` of its status word). True if this is the
+// sequence's first finding since its status word was cleared (`clear_status`, once a step), or
+// when no status words are kept: the finding to report as first (`kvg_report_as`).
+KVG_FN bool kvg_flag(uint32_t *seq_status, uint32_t seq, uint32_t kind) {
+    if (seq_status == nullptr) return true;
+    return atomicOr(seq_status + seq, 1u << kind) == 0u;
 }
 
 // ---------------------------------------------------------------------------------------------

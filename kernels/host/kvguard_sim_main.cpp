@@ -112,7 +112,7 @@ void layout() {
     FIELD(kvg_ring, dropped);
     FIELD(kvg_ring, consumed);
     FIELD(kvg_ring, capacity);
-    FIELD(kvg_ring, reserved);
+    FIELD(kvg_ring, lost);
 #undef FIELD
     std::cout << "KVG_FLAG_SHARED_ACROSS_TENANTS " << KVG_FLAG_SHARED_ACROSS_TENANTS << "\n";
 }

@@ -68,6 +68,14 @@ pub struct Drained {
     pub dropped_total: u64,
     /// Records still being written when the ring was copied (lost to this drain).
     pub incomplete: u64,
+    /// Findings that may have been a sequence's only record and never reached the host, since
+    /// the guard was created: first findings the device dropped (more flagged sequences between
+    /// two drains than half the ring holds), torn records and records of a kind this build does
+    /// not know. When this grows, a sequence the
+    /// device flagged (and fenced) may belong to a request the host does not know is refused:
+    /// fail closed for every request read since the last drain (the plugins do,
+    /// `kvguard.device_verdicts`). [`DeviceGuard::findings_lost`] reads it between drains.
+    pub findings_lost: u64,
 }
 
 /// The device side of one KV pool: its tag mirror, canaries, violation ring and the kernels.
@@ -110,6 +118,10 @@ pub struct Drained {
 /// ```
 pub struct DeviceGuard {
     device: Device,
+    /// What [`Drained::findings_lost`] counts, and the device's (wrapping) count of dropped
+    /// first findings it was last read from.
+    findings_lost: u64,
+    first_dropped_seen: u32,
     /// The changed tags of the last [`sync_tags`](Self::sync_tags), reused so a step allocates
     /// nothing.
     changed: Vec<(u32, DeviceTag)>,
@@ -159,7 +171,7 @@ impl DeviceGuard {
             staging_capacity: options.update_batch,
             cubin: options.cubin,
         })?;
-        Ok(DeviceGuard { device, changed: Vec::new() })
+        Ok(DeviceGuard { device, findings_lost: 0, first_dropped_seen: 0, changed: Vec::new() })
     }
 
     /// Copies the tags of the pages `table` changed since the last call into the device table
@@ -402,10 +414,29 @@ impl DeviceGuard {
             RingDrain::parse(ring).ok_or_else(|| DeviceError::Argument("the device ring header is corrupt".into()))?;
         self.device.set_consumed(drain.consumed, stream)?;
         let violations: Vec<Violation> = drain.records.iter().filter_map(|r| r.to_violation()).collect();
+        // A record of a kind this build does not know (kernels of another version) names no
+        // finding the host can judge: counted as lost, so the caller fails closed.
+        let unreadable = (drain.records.len() - violations.len()) as u64;
         for v in &violations {
             table.record_violation(v.clone());
         }
-        Ok(Drained { violations, dropped_total: drain.dropped_total, incomplete: drain.incomplete })
+        self.findings_lost += u64::from(drain.first_findings_dropped.wrapping_sub(self.first_dropped_seen))
+            + drain.incomplete
+            + unreadable;
+        self.first_dropped_seen = drain.first_findings_dropped;
+        Ok(Drained {
+            violations,
+            dropped_total: drain.dropped_total,
+            incomplete: drain.incomplete,
+            findings_lost: self.findings_lost,
+        })
+    }
+
+    /// Findings that never reached the host since the guard was created, as of the last drain
+    /// ([`Drained::findings_lost`]): 0 while every sequence the device flagged is named in a
+    /// drained record.
+    pub fn findings_lost(&self) -> u64 {
+        self.findings_lost
     }
 
     /// Device address of the tag table (`const kvg_tag*`), for engines fusing `kvg_check_page`.

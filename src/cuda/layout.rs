@@ -270,14 +270,16 @@ impl DeviceViolation {
 pub struct RingHeader {
     /// Records ever reserved by the device.
     pub head: u64,
-    /// Records dropped because the ring was full.
+    /// Records dropped: the ring was full, or (a sequence's further findings, which only
+    /// describe) half full.
     pub dropped: u64,
     /// Records the host has drained.
     pub consumed: u64,
     /// Records that fit.
     pub capacity: u32,
-    /// Reserved.
-    pub reserved: u32,
+    /// Of the records dropped, those that were a sequence's first finding of a step: the
+    /// request each named is unknown to the host (it wraps at `u32::MAX`).
+    pub lost: u32,
 }
 
 impl RingHeader {
@@ -292,7 +294,7 @@ impl RingHeader {
             dropped: le::u64_at(b, 8)?,
             consumed: le::u64_at(b, 16)?,
             capacity: le::u32_at(b, 24)?,
-            reserved: le::u32_at(b, 28)?,
+            lost: le::u32_at(b, 28)?,
         })
     }
 
@@ -303,7 +305,7 @@ impl RingHeader {
         b[8..16].copy_from_slice(&self.dropped.to_le_bytes());
         b[16..24].copy_from_slice(&self.consumed.to_le_bytes());
         b[24..28].copy_from_slice(&self.capacity.to_le_bytes());
-        b[28..32].copy_from_slice(&self.reserved.to_le_bytes());
+        b[28..32].copy_from_slice(&self.lost.to_le_bytes());
         b
     }
 
@@ -318,8 +320,12 @@ impl RingHeader {
 pub struct RingDrain {
     /// Complete records, oldest first.
     pub records: Vec<DeviceViolation>,
-    /// Records the device dropped (ring full) since the ring was created.
+    /// Records the device dropped (ring full, or half full for a sequence's further findings)
+    /// since the ring was created.
     pub dropped_total: u64,
+    /// Of those, a sequence's first finding of a step (the one a refusal needs), since the ring
+    /// was created (the device's count wraps at `u32::MAX`).
+    pub first_findings_dropped: u32,
     /// Records reserved but not complete when copied (a kernel still running): lost to this drain.
     pub incomplete: u64,
     /// The new `consumed` value to write back to the device.
@@ -334,7 +340,12 @@ impl RingDrain {
         if h.capacity == 0 || ring.len() < RingHeader::ring_bytes(h.capacity) {
             return None;
         }
-        let mut out = RingDrain { dropped_total: h.dropped, consumed: h.head, ..RingDrain::default() };
+        let mut out = RingDrain {
+            dropped_total: h.dropped,
+            first_findings_dropped: h.lost,
+            consumed: h.head,
+            ..RingDrain::default()
+        };
         let end = h.head.min(h.consumed.saturating_add(u64::from(h.capacity)));
         for pos in h.consumed..end {
             let at = RingHeader::SIZE + (pos % u64::from(h.capacity)) as usize * DeviceViolation::SIZE;

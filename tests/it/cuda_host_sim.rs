@@ -69,7 +69,7 @@ mod cuda {
             ("kvg_ring.dropped", offset_of!(RingHeader, dropped)),
             ("kvg_ring.consumed", offset_of!(RingHeader, consumed)),
             ("kvg_ring.capacity", offset_of!(RingHeader, capacity)),
-            ("kvg_ring.reserved", offset_of!(RingHeader, reserved)),
+            ("kvg_ring.lost", offset_of!(RingHeader, lost)),
             ("KVG_FLAG_SHARED_ACROSS_TENANTS", DeviceTag::FLAG_SHARED_ACROSS_TENANTS as usize),
         ];
         assert_eq!(cpp.len(), rust.len(), "the C++ side reports fields the Rust side does not check:\n{text}");

@@ -538,37 +538,79 @@ mod cuda {
         assert_eq!(records, vec![(1, Some(DeviceKind::BadLayout))]);
     }
 
+    /// `n` sequences of request `c`, each reading its own first page then `bad` foreign blocks.
+    fn foreign_reads(pool: &Pool, n: usize, bad: &[usize]) -> (Vec<Seq>, Vec<i32>) {
+        let c = &pool.requests[2];
+        let foreign = pool.requests[0].2[3];
+        let seqs: Vec<Seq> = (0..n)
+            .map(|i| {
+                let mut row = vec![c.2[0].0 as i32; MAX_BLOCKS];
+                for b in row.iter_mut().skip(1).take(bad[i]) {
+                    *b = foreign.0 as i32;
+                }
+                Seq { reader: c.0, row, tokens: (bad[i] as u64 + 1) * u64::from(PS), gens: vec![1; MAX_BLOCKS] }
+            })
+            .collect();
+        let lens = seqs.iter().map(|s| s.tokens as i32).collect();
+        (seqs, lens)
+    }
+
+    fn run_ring(
+        exe: &Path,
+        pool: &Pool,
+        seqs: &[Seq],
+        lens: &[i32],
+        capacity: u32,
+        name: &str,
+    ) -> (Vec<u32>, RingDrain) {
+        let mut case = Case::new(name);
+        let table: Vec<i32> = seqs.iter().flat_map(|s| s.row.clone()).collect();
+        case.tags("tags", &pool.device_tags())
+            .readers("readers", &readers_of(pool, seqs))
+            .i32s("block_table", &table)
+            .i32s("seq_lens", lens)
+            .param("page_size", PS)
+            .param("max_blocks", MAX_BLOCKS)
+            .param("ring_capacity", capacity)
+            .param("grid_x", 1)
+            .param("grid_y", seqs.len() as u32);
+        case.run(exe, "verify_block_table");
+        (case.out_u32("status"), case.ring())
+    }
+
     #[test]
     fn a_full_ring_drops_and_counts_instead_of_overwriting() {
         let Some(exe) = driver() else { return };
         let pool = pool();
-        let c = &pool.requests[2];
-        let foreign = pool.requests[0].2[3];
-        let seqs: Vec<Seq> = (0..5)
-            .map(|_| {
-                let mut row = vec![foreign.0 as i32; MAX_BLOCKS];
-                row[0] = c.2[0].0 as i32;
-                Seq { reader: c.0, row, tokens: 3 * u64::from(PS), gens: vec![1; MAX_BLOCKS] }
-            })
-            .collect();
-        let mut case = Case::new("ring-full");
-        let table: Vec<i32> = seqs.iter().flat_map(|s| s.row.clone()).collect();
-        case.tags("tags", &pool.device_tags())
-            .readers("readers", &readers_of(&pool, &seqs))
-            .i32s("block_table", &table)
-            .i32s("seq_lens", &[3 * PS as i32; 5])
-            .param("page_size", PS)
-            .param("max_blocks", MAX_BLOCKS)
-            .param("ring_capacity", 4)
-            .param("grid_x", 1)
-            .param("grid_y", 5);
-        case.run(exe, "verify_block_table");
-        let ring = case.ring();
-        // 5 sequences x 2 foreign blocks = 10 violations; 4 fit, 6 are dropped and counted.
-        assert_eq!(ring.records.len(), 4);
-        assert_eq!(ring.dropped_total, 6);
-        assert_eq!(ring.consumed, 10);
-        assert!(case.out_u32("status").iter().all(|&s| s == 1 << DeviceKind::ForeignPage.code()));
+        // 5 sequences x 2 foreign blocks = 10 findings, 5 of them first; a ring of 4.
+        let (seqs, lens) = foreign_reads(&pool, 5, &[2; 5]);
+        let (status, ring) = run_ring(exe, &pool, &seqs, &lens, 4, "ring-full");
+        assert!(status.iter().all(|&s| s == 1 << DeviceKind::ForeignPage.code()));
+        assert!(ring.records.len() <= 4 && !ring.records.is_empty());
+        assert_eq!(ring.incomplete, 0, "no position reserved and left unwritten");
+        assert_eq!(ring.dropped_total, 10 - ring.records.len() as u64, "every finding kept or counted");
+        assert_eq!(ring.consumed, ring.records.len() as u64 + u64::from(ring.first_findings_dropped));
+        // Each sequence is named in a record, or counted as a first finding lost.
+        let named: std::collections::BTreeSet<u32> = ring.records.iter().map(|r| r.seq).collect();
+        assert_eq!(named.len() as u32 + ring.first_findings_dropped, 5, "{:?}", ring.records);
+        assert!(ring.first_findings_dropped >= 1, "5 first findings cannot all fit in 4 records");
+    }
+
+    #[test]
+    fn one_request_with_every_page_bad_cannot_crowd_out_anothers_finding() {
+        let Some(exe) = driver() else { return };
+        let pool = pool();
+        // Sequence 0 reads 5 foreign blocks, sequence 1 one. A ring of 4: sequence 0's further
+        // findings take at most half of it, whichever is checked first.
+        let (seqs, lens) = foreign_reads(&pool, 2, &[5, 1]);
+        let (status, ring) = run_ring(exe, &pool, &seqs, &lens, 4, "ring-crowd");
+        assert!(status.iter().all(|&s| s == 1 << DeviceKind::ForeignPage.code()));
+        let per_seq = |s: u32| ring.records.iter().filter(|r| r.seq == s).count();
+        assert_eq!(per_seq(1), 1, "the other request's finding kept: {:?}", ring.records);
+        assert!(per_seq(0) >= 1 && per_seq(0) <= 3, "{:?}", ring.records);
+        assert_eq!(ring.first_findings_dropped, 0);
+        assert_eq!(ring.dropped_total, 6 - ring.records.len() as u64);
+        assert_eq!(ring.incomplete, 0);
     }
 
     // ------------------------------------------------------------------------------------------------

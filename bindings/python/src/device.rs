@@ -333,6 +333,16 @@ impl DeviceGuard {
         wrap_drained(py, table, drained.violations)
     }
 
+    /// Findings of the device that never reached the host since the guard was created, as of
+    /// the last drain: first findings the device dropped (more flagged sequences between two
+    /// drains than half the ring holds), torn records, records of a kind this build does not
+    /// know. 0 while every sequence the device flagged is named in a drained record; when it
+    /// grows, fail closed for every request read since the drain before.
+    #[getter]
+    fn findings_lost(&self) -> u64 {
+        self.guard.lock().findings_lost()
+    }
+
     /// Device address of the per-sequence status words (attention kernels may read it).
     #[getter]
     fn status_ptr(&self) -> u64 {

@@ -4,6 +4,8 @@ the step it belongs to. Driven against a stand-in ring whose copies land when th
 
 import threading
 
+import pytest
+
 from kvguard.device_verdicts import DeviceVerdicts
 
 
@@ -18,16 +20,23 @@ class Ring:
         self.landed = True
         self.calls: list[tuple] = []
         self.lock = threading.Lock()  # the device's order: a check before the copy behind it
+        # ``DeviceGuard.findings_lost``: read when a copy is finished; the device's count so
+        # far, and the count the copy in flight saw.
+        self.findings_lost = 0
+        self.lost_on_device = 0
+        self.copy_lost = 0
 
-    def check(self, *records: str) -> None:
+    def check(self, *records: str, lost: int = 0) -> None:
         with self.lock:
             self.records.extend(records)
+            self.lost_on_device += lost
 
     def begin_drain(self, *, stream: int) -> None:
         assert self.copy is None, "one copy in flight at a time"
         self.calls.append(("begin_drain", stream))
         with self.lock:
             self.copy, self.records = self.records, []
+            self.copy_lost = self.lost_on_device
 
     def finish_drain(self, table, *, stream: int, wait: bool = True):
         self.calls.append(("finish_drain", stream, wait))
@@ -35,12 +44,13 @@ class Ring:
         if self.copy is None or (not wait and not self.landed):
             return None
         out, self.copy = self.copy, None
+        self.findings_lost = self.copy_lost
         return out
 
 
-def step(verdicts: DeviceVerdicts, ring: Ring, *records: str, stream: int = 5) -> None:
-    ring.check(*records)
-    verdicts.queued("table", stream=stream)
+def step(verdicts: DeviceVerdicts, ring: Ring, *records: str, stream: int = 5, readers=None, lost: int = 0) -> None:
+    ring.check(*records, lost=lost)
+    verdicts.queued("table", stream=stream, readers=readers)
 
 
 def test_each_steps_copy_is_queued_behind_its_checks_and_never_waited_for_there():
@@ -118,3 +128,37 @@ def test_steps_queued_by_one_thread_and_outputs_read_by_another_lose_nothing():
     t1.join()
     t2.join(timeout=30)
     assert got == [f"r{i}" for i in range(n)]
+
+
+def test_a_lost_finding_refuses_every_reader_of_the_steps_its_copy_covers_and_no_other():
+    ring = Ring()
+    v = DeviceVerdicts(ring)
+    step(v, ring, "r1", readers=[1, 2])
+    step(v, ring, readers=[3, 4], lost=1)  # a flagged sequence whose record the ring dropped
+    assert v.through("table", 1) == ["r1"]
+    assert v.take_unresolved() == [], "step 1's copy saw no loss"
+    step(v, ring, readers=[5])
+    assert v.through("table") == []
+    assert v.take_unresolved() == [3, 4], "the step whose finding was lost: each of its readers"
+    assert v.take_unresolved() == [], "each handed out once"
+
+
+def test_a_loss_found_by_a_copy_that_covers_several_steps_refuses_the_readers_of_each():
+    ring = Ring()
+    v = DeviceVerdicts(ring)
+    step(v, ring, readers=[1])
+    ring.landed = False
+    step(v, ring, readers=[2], lost=2)  # rides a later copy: step 1's has not landed
+    step(v, ring, readers=[3])
+    ring.landed = True
+    assert v.through("table", 1) == [] and v.take_unresolved() == []
+    assert v.through("table", 3) == []
+    assert v.take_unresolved() == [2, 3], "the copy covering steps 2 and 3 cannot tell them apart"
+
+
+def test_a_lost_finding_of_a_step_whose_readers_are_unknown_stops_rather_than_refuse_nobody():
+    ring = Ring()
+    v = DeviceVerdicts(ring)
+    step(v, ring, lost=1)
+    with pytest.raises(RuntimeError, match="readers of step"):
+        v.through("table")

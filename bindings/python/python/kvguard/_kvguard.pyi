@@ -271,7 +271,8 @@ class OwnershipTable:
         that check ended in; the same verdict as a full check, row for row."""
     def check_step_window(self, req_ids: Sequence[Id] | IntArray, table: IntArray, rows: Sequence[int] | IntArray, seq_lens: Sequence[int] | IntArray, from_tokens: Sequence[int] | IntArray, *, token_slots: bool = False) -> StepVerdict:
         """check_step_rows over each request's window: tokens from_tokens[i]..seq_lens[i] of row rows[i]
-        (the pages holding them); pure. 0 checks the whole row; beyond seq_lens[i]: nothing unchecked."""
+        (the pages holding them); pure. 0 checks the whole row; beyond seq_lens[i]: nothing unchecked.
+        Any dtype or layout of table gives the verdicts of the same table as C-contiguous int32."""
     def claim_decode_slots(self, row_keys: IntArray, row_claimants: IntArray, page_owner: IntArray, page_prefix: IntArray, rows: Sequence[int] | IntArray, slots: Sequence[int] | IntArray) -> tuple[StepVerdict, list[int], Any]:
         """A decode step's block-table writes (one slot per row) against the engine's mirror of page owners:
         each new page of a live row, no prefix, claimed in one claim_step; returns (verdict over the claims,
@@ -284,7 +285,8 @@ class OwnershipTable:
         """A decode forward's first KV store in one call: the writes (one slot per row) recorded, judged, then each
         row's window (tokens row_checked[rows[i]].. of req_to_token, token slots) checked, pure; clean: row_checked
         [rows[i]] = seq_lens[i] and None. Else ("full", None): nothing done; ("writes", verdict): the writes' verdict,
-        nothing read; ("window", None): the writes recorded, judge the rows with verify_step_rows."""
+        nothing read; ("window", None): the writes recorded, judge the rows with verify_step_rows. Any dtype or
+        layout of req_to_token: what the same table as C-contiguous int32 gives."""
     def check_step_refs(self, req_ids: Sequence[Id] | IntArray, refs: Sequence[Sequence[PageRef]], seq_lens: Sequence[int] | IntArray) -> StepVerdict: ...
     def verify_step_refs(self, req_ids: Sequence[Id] | IntArray, refs: Sequence[Sequence[PageRef]], seq_lens: Sequence[int] | IntArray) -> StepVerdict: ...
     def release(self, request: Id) -> Released: ...
@@ -339,7 +341,7 @@ class OwnershipTable:
     ) -> tuple[list[tuple[int, Violation]], StepVerdict, list[tuple[int, Violation]], StepVerdict]:
         """vLLM's whole worker step in one call: the `early` events (as apply_events), then what
         record_and_verify_step does with `late`; (refused_early, writes, refused_late, reads).
-        Every event and array is checked before anything is applied."""
+        Every event, array and req_ids entry is checked before anything is applied."""
 
 @final
 class ImportTicket:
@@ -631,6 +633,12 @@ class DeviceGuard:
         its copy has not landed. wait waits only for the work queued before begin_drain."""
     def read_status(self, n: int, *, stream: int) -> list[int]: ...
     def drain(self, table: OwnershipTable, *, stream: int) -> list[Violation]: ...
+    @property
+    def findings_lost(self) -> int:
+        """Findings that never reached the host since the guard was created, as of the last drain (first
+        findings dropped on a ring whose half for them was full, torn or unknown records): 0 while every
+        flagged sequence is named in a drained record; when it grows, fail closed for every request read
+        since the drain before (kvguard.device_verdicts does)."""
     @property
     def status_ptr(self) -> int: ...
     @property

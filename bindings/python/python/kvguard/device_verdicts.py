@@ -18,6 +18,13 @@ that waits for what was queued since). Records taken early are kept until
 :meth:`~DeviceVerdicts.through` hands them out, so none is lost and none waits for an output
 later than its own.
 
+A finding the device could not hand over (``DeviceGuard.findings_lost`` grew: more flagged
+sequences between two copies than half the ring holds, a torn record, a record of a kind this
+build does not know) names no request, though the device fenced its sequence. The host then
+cannot tell which request to refuse, and fails closed: every reader of the steps that copy
+covers (``queued(readers=...)``) is handed out by :meth:`~DeviceVerdicts.take_unresolved`, to be
+refused as the finding's request would have been.
+
 Example, with a stand-in for the device (a real one needs a GPU)::
 
     from kvguard.device_verdicts import DeviceVerdicts
@@ -30,6 +37,7 @@ Example, with a stand-in for the device (a real one needs a GPU)::
             return out
 
     ring = Ring()
+    ring.findings_lost = 0                          # DeviceGuard.findings_lost
     verdicts = DeviceVerdicts(ring)
     ring.records.append("step 1 refused")
     verdicts.queued(stream=7)                       # step 1's checks queued, its copy behind them
@@ -41,6 +49,7 @@ Example, with a stand-in for the device (a real one needs a GPU)::
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -60,16 +69,24 @@ class DeviceVerdicts:
         # The step the copy in flight covers (None: no copy in flight); records taken early.
         self._copy_of: int | None = None
         self._found: list[Any] = []
+        # The readers of each step not taken yet; the device's lost findings last seen; the
+        # readers of steps whose findings were lost, not handed out yet.
+        self._readers: dict[int, Sequence[Any] | None] = {}
+        self._lost_seen = 0
+        self._unresolved: list[Any] = []
         self._lock = threading.Lock()
 
-    def queued(self, table: Any = None, *, stream: int) -> None:
+    def queued(self, table: Any = None, *, stream: int, readers: Sequence[Any] | None = None) -> None:
         """A step's checks were just queued on ``stream`` (the step is :attr:`checked` after
         it): the ring's copy is queued behind them, unless a copy in flight has not landed yet
-        (finished here if it has, with ``table``, never waited for)."""
+        (finished here if it has, with ``table``, never waited for). ``readers``: the step's
+        readers as ``set_readers`` named them (kept, not copied), the requests refused if a
+        finding of the step is lost; without them such a loss raises."""
         dg = self.device_guard
         with self._lock:
             self.checked += 1
             self.stream = stream
+            self._readers[self.checked] = readers
             if self._copy_of is not None:
                 records = dg.finish_drain(table, stream=stream, wait=False)
                 if records is None:
@@ -95,6 +112,28 @@ class DeviceVerdicts:
             found, self._found = self._found, []
         return found
 
+    def take_unresolved(self) -> list[Any]:
+        """The readers of every step taken so far whose findings the device lost (see the
+        module's documentation), each handed out once: refuse them."""
+        with self._lock:
+            out, self._unresolved = self._unresolved, []
+        return out
+
     def _took(self, records: Any, covered: int) -> None:
-        self.taken_through = max(self.taken_through, covered)
+        before = self.taken_through
+        self.taken_through = max(before, covered)
         self._found.extend(records or ())
+        lost = int(self.device_guard.findings_lost)
+        steps = range(before + 1, self.taken_through + 1)
+        if lost > self._lost_seen:
+            self._lost_seen = lost
+            unknown = [s for s in steps if self._readers.get(s) is None]
+            if unknown:
+                raise RuntimeError(
+                    f"kvguard: the device lost {lost} finding(s) and the readers of step(s) {unknown} "
+                    "are unknown: no request can be refused in their place"
+                )
+            for s in steps:
+                self._unresolved.extend(self._readers[s])  # type: ignore[arg-type]
+        for s in steps:
+            self._readers.pop(s, None)

@@ -374,7 +374,8 @@ class DeviceRowCheck(HostRowCheck):
         stream = self._current_stream()
         dg = self.device_guard
         dg.sync_tags(g.table, stream=stream)
-        dg.set_readers(g.table, keys.tolist(), stream=stream)
+        readers = keys.tolist()
+        dg.set_readers(g.table, readers, stream=stream)
         dg.clear_status(stream=stream)
         if rt.dtype == torch.int32 and rt.dim() == 2 and rt.is_contiguous():
             # SGLang's req_to_token read in place: page j of a row is its entry j * page_size.
@@ -397,13 +398,14 @@ class DeviceRowCheck(HostRowCheck):
             seq = lens_dev.to(torch.int32).contiguous()
             dg.verify_block_table(table.data_ptr(), seq.data_ptr(), len(pos), int(table.shape[1]), stream=stream)
             self._inflight = (table, seq)
-        self.verdicts.queued(g.table, stream=stream)
+        self.verdicts.queued(g.table, stream=stream, readers=readers)
         return []
 
     def take_verdicts(self) -> None:
         """The device's verdicts on every forward checked so far, each refused request aborted
         (:meth:`kvguard.device_verdicts.DeviceVerdicts.through`: the copy in flight finished,
-        waiting only for the checks queued before it)."""
+        waiting only for the checks queued before it). A request read in a forward whose
+        findings the device lost is refused too: the one flagged is among them."""
         g = self.guard
         for v in self.verdicts.through(g.table):
             key = v.request
@@ -411,6 +413,14 @@ class DeviceRowCheck(HostRowCheck):
                 g._refused(key, v)
             else:
                 g._violation(None, v)
+        for key in self.verdicts.take_unresolved():
+            g._abort_plain(
+                key,
+                "the device flagged a request of this forward and the record naming it was lost "
+                "(more flagged requests between two drains than half its ring holds): every "
+                "request the forward read is refused",
+                kind="device_findings_lost",
+            )
 
     def end(self) -> None:
         """The forward is over: nothing waits for it (its verdicts are taken before its output

@@ -1140,10 +1140,10 @@ class Guard(PageReleases):
         named = self._violation(key, violation)
         self._abort(key, named, status)
 
-    def _abort_plain(self, key: int, message: str) -> None:
-        """A refusal that carries no violation (a missing manifest)."""
+    def _abort_plain(self, key: int, message: str, kind: str = "missing_manifest") -> None:
+        """A refusal that carries no violation (a missing manifest, a device finding lost)."""
         self._rows_stale = True
-        self._count("missing_manifest", self._rids.get(key), message)
+        self._count(kind, self._rids.get(key), message)
         self._abort(key, message, HTTPStatus.INTERNAL_SERVER_ERROR)
 
     def _imported(self, key: int, tokens: int) -> None:

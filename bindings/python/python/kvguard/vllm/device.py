@@ -114,6 +114,9 @@ class V2Device:
         #: checking thread queues a copy, the one reading an output, in some of vLLM's
         #: executors another, finishes it).
         self.verdicts = DeviceVerdicts(device_guard)
+        # The requests this step's device checks read (``set_readers``), refused if a finding
+        # of theirs is lost (``DeviceVerdicts.take_unresolved``).
+        self._readers: list[str] = []
 
     @property
     def steps(self) -> int:
@@ -130,6 +133,7 @@ class V2Device:
         dg, s = self.device_guard, self.last_stream
         dg.sync_tags(guard.table, stream=s)
         dg.set_readers(guard.table, req_ids, stream=s)
+        self._readers = req_ids
         dg.clear_status(stream=s)
         tokens = int(slot_mappings.shape[1])
         for g in range(int(slot_mappings.shape[0])):
@@ -186,10 +190,13 @@ class V2Device:
         """Queues the ring's copy after this step's checks (:meth:`DeviceVerdicts.queued`: a
         copy in flight finished first if it has landed; if not, this step's records ride a later
         copy)."""
-        self.verdicts.queued(guard.table, stream=self.last_stream)
+        readers, self._readers = self._readers, []
+        self.verdicts.queued(guard.table, stream=self.last_stream, readers=readers)
 
-    def drain_through(self, guard: StepGuard, step: int) -> list[Any]:
+    def drain_through(self, guard: StepGuard, step: int) -> tuple[list[Any], list[str]]:
         """The device's violations of every step up to ``step`` (a step's output carries them)
         not handed out yet: the copy in flight finished (waiting only for the checks queued
-        before it), and another taken if it predates ``step``."""
-        return self.verdicts.through(guard.table, step)
+        before it), and another taken if it predates ``step``; and the requests read in steps
+        whose findings the device lost (each refused: the host cannot tell which one it was)."""
+        records = self.verdicts.through(guard.table, step)
+        return records, self.verdicts.take_unresolved()

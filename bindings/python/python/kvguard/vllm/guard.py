@@ -24,6 +24,7 @@ which ends exactly those with an error; under ``report`` nothing is changed.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable
@@ -459,13 +460,25 @@ class StepGuard:
                 slot_mappings[:, int(query_start_loc[row]) : int(query_start_loc[row + 1])] = PAD_SLOT
         return report
 
-    def device_refused(self, violations: list[Any]) -> StepReport:
+    def device_refused(self, violations: list[Any], lost: Sequence[str] = ()) -> StepReport:
         """The device check's violations (drained from its ring), judged as the host's are: each
-        request refused once, at its first; the rows were fenced on the device already."""
+        request refused once, at its first; the rows were fenced on the device already. ``lost``:
+        the requests read in steps whose findings the device could not hand over
+        (``DeviceGuard.findings_lost``), each refused, since the one flagged is among them."""
         report = StepReport()
         for v in violations:
             request = v.request
             self._refuse(report, None if request is None else str(request), v.kind, v.op, str(v))
+        for rid in lost:
+            self._refuse(
+                report,
+                rid,
+                "device_findings_lost",
+                "read",
+                "the device flagged a request of this step and the record naming it was lost "
+                "(more flagged requests between two drains than half its ring holds): every "
+                "request the step read is refused",
+            )
         if not report.refused and not report.again:
             return CLEAN_STEP
         return self._refused_step(report, [], [], None, None, [], [])

@@ -555,7 +555,7 @@ def _with_device_refusals(owner: Any, guard: Any, device: Any, step: int) -> dic
     """The refusals awaiting ``owner``'s output, the device's of every step up to ``step``
     among them (taken from the pending ones)."""
     if device is not None:
-        _pend(owner, guard, guard.device_refused(device.drain_through(guard, step)))
+        _pend(owner, guard, guard.device_refused(*device.drain_through(guard, step)))
     return _take_pending(owner)
 
 

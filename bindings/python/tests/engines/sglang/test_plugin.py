@@ -261,6 +261,7 @@ class RecordingDeviceGuard:
 
     def __init__(self, config, *, device=0, max_seqs=1024):
         self.calls = []
+        self.findings_lost = 0
 
     def sync_tags(self, table, *, stream):
         self.calls.append("sync_tags")

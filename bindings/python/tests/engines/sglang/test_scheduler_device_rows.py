@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import kvguard.sglang.forward as fwd
-from scheduler_rig import attach_kvguard, build_scheduler, finish, prompt_reqs, run, sent_since
+from scheduler_rig import PROMPTS, attach_kvguard, build_scheduler, finish, generate_req, prompt_reqs, run, sent_since
 from scheduler_rig import loop_step as step
 
 
@@ -74,6 +74,12 @@ class HostDeviceRows:
         self.ring = []
         self.copy = None
         self.refuse = set()
+        # Readers whose next finding the ring loses (``DeviceGuard.findings_lost`` counts it,
+        # as of the copy that covers it).
+        self.lose = set()
+        self.findings_lost = 0
+        self._lost_on_device = 0
+        self._copy_lost = 0
         self.in_forward = False
         self.calls = []
 
@@ -100,6 +106,10 @@ class HostDeviceRows:
         ps = self.page_size
         for s in range(num_seqs):
             key, tenant = self.readers[s]
+            if key in self.lose:
+                self.lose.discard(key)
+                self._lost_on_device += 1
+                continue
             if key in self.refuse:
                 self.ring.append(Record("foreign_page", "read", key, -1))
                 continue
@@ -117,15 +127,19 @@ class HostDeviceRows:
         self._call("begin_drain")
         assert self.copy is None, "one copy in flight"
         self.copy, self.ring = self.ring, []
+        self._copy_lost = self._lost_on_device
 
     def finish_drain(self, table, *, stream, wait=True):
         self._call("finish_drain", wait=wait)
         out, self.copy = self.copy, None
+        if out is not None:
+            self.findings_lost = self._copy_lost
         return out
 
     def drain(self, table, *, stream):
         self._call("drain")
         out, self.ring = self.ring, []
+        self.findings_lost = self._lost_on_device
         return out
 
 
@@ -221,6 +235,39 @@ def test_a_device_verdict_refuses_before_the_forwards_output_leaves(triton_rows,
     for rid in ("r0", "r2", "r3"):
         assert out[rid] == want[rid]
     assert not [c for c in dg.calls if c[0] == "finish_drain" and c[1] and c[2]["wait"]]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_device_finding_whose_record_is_lost_refuses_every_request_its_forward_read(triton_rows, monkeypatch, overlap):
+    """The device flags r1 in a decode forward and its ring loses the record (more flagged
+    sequences between two copies than half the ring holds): the device fenced r1's rows, and
+    the host cannot tell which of the forward's requests it was. Every request that forward
+    read is refused, none of their tokens from it on leaves the scheduler; a request that
+    arrives afterwards is served as without kvguard."""
+    s, guard, dg = scheduler(monkeypatch, 16, overlap=overlap)
+    for r in reqs():
+        s.handle_generate_request(r)
+    for _ in range(40):
+        step(s)
+        if len(s.running_batch.reqs) == 4 and all(len(r.output_ids) >= 3 for r in s.running_batch.reqs):
+            break
+    read = {r.rid for r in s.running_batch.reqs}
+    assert read == {"r0", "r1", "r2", "r3"}
+    sent_before = len(s.outputs.sent)
+    dg.lose.add(guard.request_key("r1"))
+    step(s)
+    assert not dg.lose, "r1 was read and its finding lost"
+    s.handle_generate_request(generate_req("late", PROMPTS["r0"], max_new=12, salt="acme"))
+    out = finish(s)
+    assert set(guard.aborted) == read
+    for rid in read:
+        assert "record naming it was lost" in str(guard.aborted[rid])
+        assert out[rid][1]["type"] == "abort"
+        for reason, ids, decode_ids in sent_since(s, sent_before, rid):
+            assert reason is not None and reason["type"] == "abort" and len(ids) == 0 and len(decode_ids) == 0
+    assert guard.metrics["violations_total:device_findings_lost"] == 4
+    plain = build(16, overlap)
+    assert out["late"] == run(plain, [generate_req("late", PROMPTS["r0"], max_new=12, salt="acme")])["late"]
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -190,6 +190,7 @@ def test_an_idle_steps_output_takes_no_device_verdict():
     class Ring:  # the device's violation ring; every copy lands at once
         def __init__(self):
             self.records, self.copy = [], None
+            self.findings_lost = 0
 
         def begin_drain(self, *, stream):
             self.copy, self.records = self.records, []
@@ -206,8 +207,8 @@ def test_an_idle_steps_output_takes_no_device_verdict():
         mode = "enforce"
         table = None
 
-        def device_refused(self, records):
-            return SimpleNamespace(refused={rid: Refusal() for rid in records})
+        def device_refused(self, records, lost=()):
+            return SimpleNamespace(refused={rid: Refusal() for rid in [*records, *lost]})
 
     ring = Ring()
     guard = Guard()
@@ -224,6 +225,64 @@ def test_an_idle_steps_output_takes_no_device_verdict():
     idle = hooks.annotate_output(owner, SimpleNamespace(req_id_to_index={}), checked=False)
     assert not getattr(idle, "kvguard_refused", None)
     assert step1.get_output().kvguard_refused == {"a": "kvguard refused a"}
+
+
+def test_a_device_finding_whose_record_was_lost_refuses_every_request_its_step_read():
+    """Model Runner V2 on a GPU: the device flags a sequence of a step and its ring loses the
+    record (``DeviceGuard.findings_lost`` grows): the sequence was fenced on the device, and the
+    host cannot tell which request it was. Each request the step's device checks read is
+    refused, through vLLM's own refusal path (:class:`~kvguard.vllm.guard.StepGuard`); the next
+    step's requests are not."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvguard.vllm import hooks
+    from kvguard.vllm.device import V2Device
+    from kvguard.vllm.guard import StepGuard
+
+    class Device:  # DeviceGuard's calls a V2 step makes; every copy lands at once
+        def __init__(self):
+            self.records, self.copy, self.findings_lost, self.lost, self.readers = [], None, 0, 0, []
+
+        def sync_tags(self, table, *, stream):
+            return 0
+
+        def set_readers(self, table, req_ids, *, stream):
+            self.readers = list(req_ids)
+
+        def clear_status(self, *, stream):
+            pass
+
+        def verify_slot_mapping(self, slot_mapping, num_tokens, query_start_loc, num_seqs, *, stream):
+            pass
+
+        def begin_drain(self, *, stream):
+            self.copy, self.records = (self.records, self.lost), []
+
+        def finish_drain(self, table, *, stream, wait=True):
+            (out, self.findings_lost), self.copy = self.copy, None
+            return out
+
+    guard = StepGuard(32, 4, 64, "enforce")
+    dev = Device()
+    guard.device = V2Device(dev, None, lambda: 3)
+    owner = SimpleNamespace(_kvguard=guard)
+
+    def v2_step(req_ids, *, lose):
+        n = len(req_ids)
+        guard.device.stream()
+        guard.device.check_writes(guard, req_ids, torch.zeros((1, n), dtype=torch.int64), torch.arange(n + 1, dtype=torch.int32), n)
+        dev.lost += lose
+        guard.device.begin_drain(guard)
+        out = SimpleNamespace(get_output=lambda: SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(req_ids)}))
+        return hooks.annotate_output(owner, out).get_output()
+
+    first = v2_step(["a", "b"], lose=1)
+    assert set(first.kvguard_refused) == {"a", "b"}
+    assert all("device_findings_lost" in m for m in first.kvguard_refused.values()), first.kvguard_refused
+    second = v2_step(["c"], lose=0)
+    assert not getattr(second, "kvguard_refused", None)
 
 
 def test_a_refused_requests_step_output_carries_nothing_of_it():

@@ -55,6 +55,8 @@ class HostDevice:
         self.status = np.zeros(max_seqs, dtype=np.uint32)
         self.ring: list[Record] = []
         self.copy: list[Record] | None = None
+        #: ``DeviceGuard.findings_lost``: this stand-in's ring never loses a finding.
+        self.findings_lost = 0
         #: Every record drained so far.
         self.drained: list[Record] = []
         self.calls: list[str] = []
