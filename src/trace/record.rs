@@ -1,6 +1,7 @@
 //! Recording: trace lines (v1.1) written, buffered, from an engine's run, for replay later.
 
-use super::event::Event;
+use super::error::{ReplayError, ReplayErrorKind};
+use super::event::{Event, EventKind};
 use crate::config::PoolConfig;
 use crate::error::Error;
 use crate::ids::{PageId, PageRef, PrefixKey, RequestId, TenantId};
@@ -14,6 +15,12 @@ use std::io::{self, BufWriter, Write};
 /// An engine calls it beside its own allocator, event by event; [`RecordingTable`] calls it for
 /// an engine that already drives an [`OwnershipTable`]. Lines are written in call order; call
 /// [`flush`](Self::flush) (or drop the recorder) before replaying what it wrote.
+///
+/// It keeps the order a [`Replayer`](super::Replayer) requires: an event before the `pool` event,
+/// a second `pool` event, or an event after the `end` event is refused, nothing written, with an
+/// [`io::ErrorKind::InvalidInput`] error whose inner error is the [`ReplayError`] replay would
+/// give that line ([`ReplayErrorKind::BeforePool`], [`SecondPool`](ReplayErrorKind::SecondPool),
+/// [`AfterEnd`](ReplayErrorKind::AfterEnd)).
 ///
 /// ```
 /// use kvguard::trace::Recorder;
@@ -30,28 +37,51 @@ use std::io::{self, BufWriter, Write};
 pub struct Recorder<W: Write> {
     out: BufWriter<W>,
     events: u64,
+    /// Lines written (events and comments): the next line's number is one more.
+    lines: u64,
+    pooled: bool,
     ended: bool,
 }
 
 impl<W: Write> Recorder<W> {
     /// A recorder writing to `writer`.
     pub fn new(writer: W) -> Recorder<W> {
-        Recorder { out: BufWriter::with_capacity(64 << 10, writer), events: 0, ended: false }
+        Recorder { out: BufWriter::with_capacity(64 << 10, writer), events: 0, lines: 0, pooled: false, ended: false }
     }
 
-    /// Writes one event as one line.
+    /// Writes one event as one line; an event out of the trace's order (see [`Recorder`]) is
+    /// refused, nothing written.
     pub fn event(&mut self, event: &Event<'_>) -> io::Result<()> {
+        let kind = event.kind();
+        self.check_order(kind)?;
         serde_json::to_writer(&mut self.out, event).map_err(io::Error::other)?;
         self.out.write_all(b"\n")?;
         self.events += 1;
+        self.lines += 1;
+        self.pooled |= kind == EventKind::Pool;
+        self.ended |= kind == EventKind::End;
         Ok(())
+    }
+
+    /// Whether an event of `kind` may come next: the replayer's order (one `pool` event first,
+    /// nothing after `end`), refused as the replayer would refuse that line.
+    fn check_order(&self, kind: EventKind) -> io::Result<()> {
+        let refused = match (self.ended, kind, self.pooled) {
+            (true, ..) => ReplayErrorKind::AfterEnd(kind.as_str()),
+            (false, EventKind::Pool, true) => ReplayErrorKind::SecondPool,
+            (false, EventKind::Pool, false) | (false, _, true) => return Ok(()),
+            (false, other, false) => ReplayErrorKind::BeforePool(other.as_str()),
+        };
+        Err(io::Error::new(io::ErrorKind::InvalidInput, ReplayError::new(self.lines + 1, refused)))
     }
 
     /// Writes a `#` comment line (newlines in `text` become spaces).
     pub fn comment(&mut self, text: &str) -> io::Result<()> {
         self.out.write_all(b"# ")?;
         self.out.write_all(text.replace(['\n', '\r'], " ").as_bytes())?;
-        self.out.write_all(b"\n")
+        self.out.write_all(b"\n")?;
+        self.lines += 1;
+        Ok(())
     }
 
     /// Events written so far.
@@ -149,10 +179,10 @@ impl<W: Write> Recorder<W> {
 
     /// v1.1: writes the end marker (once; [`into_inner`](Self::into_inner) writes it if this was
     /// not called). A recording the engine never finished lacks it, and replay calls it truncated.
+    /// Before the `pool` event it is refused, as any event is.
     pub fn end(&mut self) -> io::Result<()> {
         if !self.ended {
             self.event(&Event::End)?;
-            self.ended = true;
         }
         Ok(())
     }
@@ -164,9 +194,12 @@ impl<W: Write> Recorder<W> {
 
     /// Ends the recording (the end marker), flushes, and hands the writer back. A recorder
     /// dropped without this flushes what it wrote but no end marker: the trace reads as
-    /// truncated, as it should.
+    /// truncated, as it should. A recorder that wrote no `pool` event gets no end marker either
+    /// (replay calls its trace one without a pool).
     pub fn into_inner(mut self) -> io::Result<W> {
-        self.end()?;
+        if self.pooled {
+            self.end()?;
+        }
         self.out.into_inner().map_err(|e| e.into_error())
     }
 }

@@ -257,3 +257,44 @@ fn the_recorder_writes_v1_lines_the_replayer_reads() {
         .unwrap();
     assert_eq!((summary.events, found), (16, Vec::<String>::new()));
 }
+
+/// The recorder keeps the order its replayer requires: an event before the pool, a second pool,
+/// an event after the end marker is refused at record time, nothing written, with the replay
+/// error the line would get.
+#[test]
+fn the_recorder_refuses_events_out_of_the_traces_order() {
+    use kvguard::trace::{ReplayError, ReplayErrorKind};
+    let refusal = |e: std::io::Error| -> (u64, String) {
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{e}");
+        let inner = e.get_ref().and_then(|e| e.downcast_ref::<ReplayError>()).expect("a ReplayError inside");
+        let kind = match inner.kind() {
+            ReplayErrorKind::BeforePool(ev) => format!("before pool: {ev}"),
+            ReplayErrorKind::SecondPool => "second pool".to_string(),
+            ReplayErrorKind::AfterEnd(ev) => format!("after end: {ev}"),
+            other => panic!("unexpected kind {other}"),
+        };
+        (inner.line(), kind)
+    };
+    let config = PoolConfig::new(16, 4, 32).with_reserved([PageId(0)]);
+    let mut rec = Recorder::new(Vec::new());
+    rec.comment("a comment may come first").unwrap();
+    assert_eq!(refusal(rec.admit(RequestId(1), "t", 4, 4).unwrap_err()), (2, "before pool: admit".into()));
+    assert_eq!(refusal(rec.end().unwrap_err()), (2, "before pool: end".into()));
+    rec.pool(&config).unwrap();
+    assert_eq!(refusal(rec.pool(&config).unwrap_err()), (3, "second pool".into()));
+    rec.admit(RequestId(1), "t", 4, 4).unwrap();
+    rec.end().unwrap();
+    rec.end().unwrap(); // once: a second call writes nothing
+    assert_eq!(refusal(rec.admit(RequestId(5), "t", 1, 1).unwrap_err()), (5, "after end: admit".into()));
+    assert_eq!(refusal(rec.alloc(RequestId(1), &[PageId(1)]).unwrap_err()), (5, "after end: alloc".into()));
+    assert_eq!(refusal(rec.pool(&config).unwrap_err()), (5, "after end: pool".into()));
+    assert_eq!(rec.events(), 3);
+    let out = rec.into_inner().unwrap();
+    let text = String::from_utf8(out.clone()).unwrap();
+    assert_eq!(text.lines().count(), 4, "{text}");
+    let summary = Replayer::new().replay(&out[..], |_| Ok(())).expect("what was recorded replays");
+    assert_eq!(summary.events, 3);
+    // A recorder that never wrote a pool ends with no end marker (replay: no pool event).
+    let rec = Recorder::new(Vec::new());
+    assert!(rec.into_inner().unwrap().is_empty());
+}

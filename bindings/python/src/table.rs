@@ -204,13 +204,13 @@ fn too_many_rows(row: u64) -> PyErr {
 
 /// A token-slot table as the core reads it ([`kvguard::BlockRows`] of int32 slots) and the
 /// reads through it: a C-contiguous int32 table (SGLang's `req_to_token`) in place; any other
-/// array converted, each read's window into a row of its own in `converted` (the entries from
-/// its first page up to what the core reads, at most the pool's pages plus one: a huge length or
-/// window start, or a stride-0 view's huge width, allocates nothing beyond that), the read
-/// shifted to start there. An entry outside int32 names no slot (-1, refused as
-/// page_out_of_range); so does the padding after a window shorter than the longest (read only by
-/// a read past its row's end, which is refused either way). The reads' rows are within `t`
-/// (checked by the caller).
+/// array converted, each read into a row of its own in `converted`, laid out so that the core
+/// judges it exactly as it judges the same read in place (the same pages, entries and tokens,
+/// so the same verdicts and the same table changes): [`SlotWindow`]. Only each read's window is
+/// converted (at most the pool's pages plus one, as the core reads in place: a huge length or
+/// window start, or a stride-0 view's huge width, allocates nothing beyond that). An entry
+/// outside int32 names no slot (-1, refused as page_out_of_range). The reads' rows are within
+/// `t` (checked by the caller).
 fn slot_rows<'a>(
     t: &'a IntArray<'_>,
     mut reads: Vec<SlotRead>,
@@ -221,31 +221,73 @@ fn slot_rows<'a>(
     if let Some((entries, width)) = t.as_i32_rows() {
         return Ok((kvguard::BlockRows::new(entries, width).map_err(shape)?, reads));
     }
-    let div = kvguard::config::PageDiv::new(config.page_size);
-    let ps = config.page_size as usize;
-    let most = config.num_pages as usize + 1;
     let entries = t.width();
-    let pages = entries.div_ceil(ps);
-    // Read r's window in the row's entries, as the core takes it (check_slot_rows): from its
-    // first page to its last, at most `most` pages, within the row.
-    let window = |r: &SlotRead| {
-        let first = usize::try_from(div.floor(r.from.min(r.tokens))).unwrap_or(usize::MAX).min(pages);
-        let end = usize::try_from(div.ceil(r.tokens)).unwrap_or(usize::MAX).min(pages).max(first).min(first + most);
-        (first * ps, (end * ps).min(entries))
-    };
-    // At least one entry a row (the core's rows have some).
-    let width = reads.iter().map(|r| window(r).1 - window(r).0).max().unwrap_or(0).max(1);
+    if entries == 0 {
+        // No entry to convert: the core refuses these reads as it refuses them in place.
+        return Ok((kvguard::BlockRows::new(&[], 0).map_err(shape)?, reads));
+    }
+    let ps = config.page_size.max(1) as usize;
+    let div = kvguard::config::PageDiv::new(config.page_size);
+    let most = config.num_pages as usize + 1;
+    let windows: Vec<SlotWindow> = reads.iter().map(|r| SlotWindow::of(r, entries, ps, div, most)).collect();
+    // Whole pages, at least one: every window fits, and a row read past holds whole pages only.
+    let width = windows.iter().map(|w| w.pages * ps).max().unwrap_or(0).max(ps);
     converted.reserve(reads.len().saturating_mul(width));
-    for (i, r) in reads.iter_mut().enumerate() {
-        let (lo, hi) = window(r);
+    let entry = |row: usize, j: usize| if j < entries { i32::try_from(t.get(row, j)).unwrap_or(-1) } else { -1 };
+    for (i, (r, w)) in reads.iter_mut().zip(&windows).enumerate() {
         let row = r.row as usize;
-        converted.extend((lo..hi).map(|j| i32::try_from(t.get(row, j)).unwrap_or(-1)));
-        converted.extend(std::iter::repeat_n(-1, width - (hi - lo)));
-        // The window starts the row now: the read moves with it (`lo` is at most its `from`).
-        let shift = lo as u64;
-        *r = SlotRead { row: i as u32, from: r.from.min(r.tokens) - shift, tokens: r.tokens - shift, ..*r };
+        let lo = w.first * ps;
+        let start = converted.len();
+        converted.resize(start + width, -1);
+        let out = &mut converted[start..];
+        if w.short {
+            // The row's whole pages at the end of the converted row, the read starting at them
+            // and running past it: the core reads those pages, then refuses the read as
+            // block_table_too_short for the same tokens and the same pages it covers.
+            let at = width - w.pages * ps;
+            for (k, slot) in out[at..].iter_mut().enumerate() {
+                *slot = entry(row, lo + k);
+            }
+            *r = SlotRead { row: i as u32, from: at as u64, tokens: w.tokens.saturating_add(at as u64), ..*r };
+        } else {
+            // The entries the core reads (up to the read's last token), the read starting there.
+            let read = usize::try_from(w.tokens).unwrap_or(usize::MAX).min(width);
+            for (k, slot) in out[..read].iter_mut().enumerate() {
+                *slot = entry(row, lo + k);
+            }
+            *r = SlotRead { row: i as u32, from: 0, tokens: w.tokens, ..*r };
+        }
     }
     Ok((kvguard::BlockRows::new(converted, width).map_err(shape)?, reads))
+}
+
+/// A read's window in its row of `entries` entries as the core takes it in place
+/// (`check_slot_rows`): from the page of its `from` token (the row's end, if that is past it)
+/// to the page of its last token, at most `most` pages; a read past the row's end reads only
+/// the row's whole pages. The read is of `tokens` tokens from the window's first page; `short`:
+/// more than its `pages` hold (refused as block_table_too_short). At page size 1 the core reads
+/// a row in place with no page limit: converted, a read of more tokens than the pool has pages
+/// plus one is `short` (refused; in place it passes only where its row names a page twice).
+struct SlotWindow {
+    first: usize,
+    pages: usize,
+    tokens: u64,
+    short: bool,
+}
+
+impl SlotWindow {
+    fn of(r: &SlotRead, entries: usize, ps: usize, div: kvguard::config::PageDiv, most: usize) -> SlotWindow {
+        let seq = r.tokens;
+        let width = entries.div_ceil(ps);
+        let first = usize::try_from(div.floor(r.from.min(seq))).unwrap_or(usize::MAX).min(width);
+        let in_row = if seq > entries as u64 { entries / ps } else { width };
+        let end =
+            usize::try_from(div.ceil(seq)).unwrap_or(usize::MAX).min(in_row).max(first).min(first.saturating_add(most));
+        let pages = end - first;
+        // `first` pages end at or before token `from.min(seq)`: no underflow.
+        let tokens = seq - first as u64 * ps as u64;
+        SlotWindow { first, pages, tokens, short: tokens > pages as u64 * ps as u64 }
+    }
 }
 
 /// What [`window_pages`] read: each row's pages (`pages[spans[i]]`).
@@ -1757,10 +1799,11 @@ impl OwnershipTable {
     /// reads). One entry instead of apply_events + record_and_verify_step: the same judgements,
     /// in the same order.
     ///
-    /// Every event of both lists and every array is checked before anything is applied. The
-    /// requests of req_ids are read after the early events (a request they admit or release
-    /// reads as it does then). Returns (refused_early, writes, refused_late, reads): the refused
-    /// events of each list as [(index, Violation)] and the two StepVerdicts. An error that is not
+    /// Every event of both lists, every array and every req_ids entry (an int in 0..2**63 or a
+    /// str) is checked before anything is applied. The requests of req_ids are read after the
+    /// early events (a request they admit or release reads as it does then). Returns
+    /// (refused_early, writes, refused_late, reads): the refused events of each list as
+    /// [(index, Violation)] and the two StepVerdicts. An error that is not
     /// a violation (e.g. OutOfPagesError) is raised at the event that hit it, with what came
     /// before it applied.
     #[pyo3(signature = (early, req_ids, block_table, num_computed_tokens, num_scheduled_tokens, late = None))]
@@ -1873,13 +1916,19 @@ impl OwnershipTable {
         // builds its slot mapping once).
         kvguard::step::StepSlots::check(rows, computed, scheduled, table.config()).map_err(step_error)?;
         let renaming_early = early.renames();
+        let mut requests = std::mem::take(&mut room.requests);
+        if renaming_early {
+            // Every req_ids entry checked (an int in 0..2**63 or a str) before the early events
+            // change anything; read again after them, as the requests read then.
+            self.step_requests_into(step.req_ids, &mut requests)?;
+            check_request_count(&requests, n)?;
+        }
         let refused_early = if renaming_early {
             let applied = py.detach(|| early.apply(table, names));
             Some(self.refused_events(py, applied)?)
         } else {
             None
         };
-        let mut requests = std::mem::take(&mut room.requests);
         self.step_requests_into(step.req_ids, &mut requests)?;
         check_request_count(&requests, n)?;
         if late.renames() {
