@@ -83,7 +83,9 @@ class DirectoryChannel:
         os.replace(tmp, target)
 
     def get(self, room: int, field: str) -> Any:
-        """One field of a room's record, or None (missing, or not one this channel wrote)."""
+        """One field of a room's record, or None (missing, or not one this channel wrote). A file
+        that is there but cannot be read (permissions, a directory in its place, an I/O error on
+        a shared file system) raises :class:`kvguard.TransferError`: the caller refuses that room."""
         import json
 
         try:
@@ -91,6 +93,8 @@ class DirectoryChannel:
                 data = f.read()
         except FileNotFoundError:
             return None
+        except OSError as e:
+            raise TransferError(f"kvguard: PD manifest channel {self.path!r}: cannot read {field} of room {room}: {e}") from e
         if data[:1] == b"B":
             return data[1:]
         if data[:1] == b"J":
@@ -101,7 +105,8 @@ class DirectoryChannel:
         return None
 
     def drop(self, room: int) -> None:
-        """Forgets a room (its transfer was judged)."""
+        """Forgets a room (its transfer was judged). A file that cannot be removed is logged and
+        left: every manifest binds its request and page generations, so a stale one never passes."""
         import os
 
         for field in ("dest", "ids", "manifest"):
@@ -109,6 +114,23 @@ class DirectoryChannel:
                 os.remove(self._file(room, field))
             except FileNotFoundError:
                 pass
+            except OSError as e:
+                _log().warning("kvguard: PD manifest channel %r: cannot remove %s of room %s: %s", self.path, field, room, e)
+
+
+def _log() -> Any:
+    import logging
+
+    return logging.getLogger("sglang.srt.kvguard")
+
+
+def _quietly(what: str, room: int, call: Any, *args: Any) -> Any:
+    """A channel call that must not raise into SGLang's loop (a clean-up): its failure is logged."""
+    try:
+        return call(*args)
+    except Exception as e:  # noqa: BLE001 - never into SGLang's loop
+        _log().warning("kvguard: PD channel: %s for room %s failed: %r", what, room, e)
+        return None
 
 
 ENV_CHANNEL = "KVGUARD_SGLANG_PD_CHANNEL"
@@ -143,26 +165,76 @@ def channel_from_env() -> Any:
     return DirectoryChannel(value)
 
 
-def _page_bytes(kv_pool: Any, page: int, page_size: int, tokens: int | None = None) -> bytes:
-    """The K and V bytes of a page's first ``tokens`` slots over every layer, as a transfer
-    moves them (a request's last page carries only its own tokens)."""
-    lo = page * page_size
-    hi = lo + (page_size if tokens is None else tokens)
-    parts = []
-    for k, v in zip(kv_pool.k_buffer, kv_pool.v_buffer, strict=True):
-        parts.append(k[lo:hi].contiguous().view(-1).view(dtype=_u8()).numpy().tobytes())
-        parts.append(v[lo:hi].contiguous().view(-1).view(dtype=_u8()).numpy().tobytes())
-    return b"".join(parts)
+def _pool_buffers(kv_pool: Any) -> list[Any]:
+    """The per-layer tensors a PD transfer moves for ``kv_pool``, in manifest order: an MHA pool's
+    K and V of each layer (``k_buffer`` / ``v_buffer``), an MLA pool's one latent buffer per layer
+    (``kv_buffer``), as SGLang's ``get_contiguous_buf_infos`` registers them. Any other pool
+    raises :class:`kvguard.ConfigError` (checked at start: never a transfer kvguard cannot read)."""
+    k = getattr(kv_pool, "k_buffer", None)
+    v = getattr(kv_pool, "v_buffer", None)
+    if k is not None and v is not None:
+        if len(k) != len(v) or not len(k):
+            raise ConfigError(f"kvguard: {type(kv_pool).__name__} has {len(k)} K and {len(v)} V layers")
+        return [b for pair in zip(k, v) for b in pair]
+    kv = getattr(kv_pool, "kv_buffer", None)
+    if kv is not None and len(kv):
+        return list(kv)
+    raise ConfigError(
+        f"kvguard: cannot read the KV pages of a {type(kv_pool).__name__} (neither k_buffer/v_buffer nor kv_buffer)"
+    )
 
 
-def _u8() -> Any:
+def _row_bytes(buffer: Any) -> int:
+    """Bytes of one token slot of one layer's buffer."""
+    return int(buffer[0].numel()) * int(buffer.element_size())
+
+
+def _pages_bytes(kv_pool: Any, pages: Any, page_size: int, tokens: Any = None) -> list[bytes]:
+    """Each page's bytes as a transfer moves them: the first ``tokens[i]`` slots of page
+    ``pages[i]`` (a request's last page carries only its own tokens; None: whole pages) over
+    every layer (K then V per layer; an MLA pool's one buffer). The pages are gathered on the
+    pool's device and come to the host in one copy (``.cpu()``: never ``.numpy()`` on a device
+    tensor)."""
     import torch
 
-    return torch.uint8
+    buffers = _pool_buffers(kv_pool)
+    pages = [int(p) for p in pages]
+    if not pages:
+        return []
+    counts = [page_size] * len(pages) if tokens is None else [max(0, min(page_size, int(t))) for t in tokens]
+    if len(counts) != len(pages):
+        raise TransferError(f"kvguard: {len(pages)} pages but {len(counts)} token counts")
+    rows = (torch.as_tensor(pages, dtype=torch.int64)[:, None] * page_size + torch.arange(page_size)).reshape(-1)
+    device = buffers[0].device
+    gathered = []
+    widths = []
+    for b in buffers:
+        g = b.index_select(0, rows.to(b.device)).contiguous()
+        gathered.append(g.view(-1).view(torch.uint8).reshape(len(pages), -1).to(device))
+        widths.append(_row_bytes(b))
+    host = torch.cat(gathered, dim=1).cpu().numpy()
+    out = []
+    for i, n in enumerate(counts):
+        if n == page_size:
+            out.append(host[i].tobytes())
+            continue
+        parts = []
+        at = 0
+        for w in widths:
+            parts.append(host[i, at : at + n * w].tobytes())
+            at += page_size * w
+        out.append(b"".join(parts))
+    return out
+
+
+def _page_bytes(kv_pool: Any, page: int, page_size: int, tokens: int | None = None) -> bytes:
+    """One page's bytes (:func:`_pages_bytes`)."""
+    return _pages_bytes(kv_pool, [page], page_size, None if tokens is None else [tokens])[0]
 
 
 def _slot_bytes(kv_pool: Any, page_size: int) -> int:
-    return len(_page_bytes(kv_pool, 0, page_size)) // page_size
+    """Bytes of one token slot over every layer (no page is read)."""
+    return sum(_row_bytes(b) for b in _pool_buffers(kv_pool))
 
 
 def _transfer_tokens(prompt: Any, prefix: int) -> np.ndarray:
@@ -231,7 +303,7 @@ class GuardedKVSender:
         """SGLang is done with the sender: a network channel forgets the room's unused offer."""
         forget = getattr(self.channel, "forget_offer", None)
         if forget is not None:
-            forget(self.room)
+            _quietly("forget_offer", self.room, forget, self.room)
         return self.inner.clear()
 
     def init(self, num_kv_indices: int, *args: Any, **kwargs: Any) -> Any:
@@ -246,18 +318,19 @@ class GuardedKVSender:
         ``send_kv_chunk`` sends them) with the manifest of every page sent so far. Never raises
         into SGLang's loop: a manifest that cannot be built is left out, and the decode side
         refuses the transfer (a missing manifest) under enforce. Keywords SGLang adds
-        (``indices_event=``) go to the backend as given."""
+        (``indices_event=``) go to the backend as given; ``indices_event`` (SGLang's mooncake path:
+        ``kv_indices`` is a host tensor an asynchronous copy is still filling) is waited on before
+        kvguard reads the indices."""
         try:
+            event = kwargs.get("indices_event")
+            if event is not None:
+                event.synchronize()
             self._record(kv_indices, num_kv_tokens)
         except Exception as e:  # noqa: BLE001 - never into SGLang's loop; the decode side refuses
             self.failure = e
             self.guard.metrics["manifests_not_built"] += 1
-            self.channel.put(self.room, "manifest", None)
-            import logging
-
-            logging.getLogger("sglang.srt.kvguard").warning(
-                "kvguard: no manifest for room %s (%s); the decode side will refuse the transfer", self.room, e
-            )
+            _quietly("put(manifest=None)", self.room, self.channel.put, self.room, "manifest", None)
+            _log().warning("kvguard: no manifest for room %s (%s); the decode side will refuse the transfer", self.room, e)
         if num_kv_tokens is None and not kwargs:
             return self.inner.send(kv_indices, state_indices)
         if not kwargs:
@@ -271,8 +344,7 @@ class GuardedKVSender:
         total = len(self.req.origin_input_ids) - _prefix_len(getattr(self.req, "disagg_decode_prefix_len", 0))
         pages = np.asarray(kv_indices.cpu() if hasattr(kv_indices, "cpu") else kv_indices).reshape(-1).tolist()
         tokens = int(num_kv_tokens) if num_kv_tokens is not None else min(len(pages) * ps, max(0, total - self._tokens))
-        for i, p in enumerate(pages):
-            self._pages.append(_page_bytes(pool, int(p), ps, max(0, min(ps, tokens - i * ps))))
+        self._pages.extend(_pages_bytes(pool, pages, ps, [tokens - i * ps for i in range(len(pages))]))
         self._tokens += tokens
         self.failure = None
         dest = self.channel.get(self.room, "dest")
@@ -312,7 +384,9 @@ class GuardedKVReceiver:
     turns the poll into ``KVPoll.Failed``, aborts the request, and its pages stay unwritten, so
     attention can never read them."""
 
-    _OWN = frozenset(("inner", "guard", "req", "channel", "room", "_pages", "_verdict", "refusal", "_landed", "_prefix"))
+    _OWN = frozenset(
+        ("inner", "guard", "req", "channel", "room", "_pages", "_verdict", "refusal", "_landed", "_prefix", "_offer_failed")
+    )
 
     def __init__(self, inner: Any, guard: Guard, req: Any, channel: Any) -> None:
         self.inner = inner
@@ -327,6 +401,8 @@ class GuardedKVReceiver:
         self._landed: float | None = None
         """When the backend reported the transfer done (its manifest may still be on the way)."""
         self.refusal: Error | None = None
+        self._offer_failed: str | None = None
+        """Why the offer could not be put on the channel (the transfer is then refused)."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -349,7 +425,7 @@ class GuardedKVReceiver:
     def clear(self) -> Any:
         """SGLang is done with the receiver (judged, failed or aborted): the channel forgets the
         room."""
-        self.channel.drop(self.room)
+        _quietly("drop", self.room, self.channel.drop, self.room)
         return self.inner.clear()
 
     def send_metadata(self, kv_indices: Any, aux_index: Any = None, state_indices: Any = None, **kwargs: Any) -> Any:
@@ -367,17 +443,21 @@ class GuardedKVReceiver:
             # The backend still answers the prefill side (which would otherwise wait for this
             # request until its bootstrap times out), with no page to write.
             return self.inner.send_metadata(kv_indices[:0], aux_index, state_indices, **kwargs)
-        table = self.guard.table
-        self._prefix = _prefix_len(kwargs.get("decode_prefix_len"))
-        self._pages = [int(p) for p in np.asarray(kv_indices).reshape(-1).tolist()]
-        dest = []
-        for page in self._pages:
-            info = table.page_info(page)
-            dest.append((page, info.generation if info is not None else 0))
-        self.channel.put(self.room, "dest", dest)
-        self.channel.put(
-            self.room, "ids", (self.guard.request_key(self.req.rid), self.guard._tenant_key(self.guard.tenant_of(self.req)))
-        )
+        try:
+            table = self.guard.table
+            self._prefix = _prefix_len(kwargs.get("decode_prefix_len"))
+            self._pages = [int(p) for p in np.asarray(kv_indices).reshape(-1).tolist()]
+            dest = []
+            for page in self._pages:
+                info = table.page_info(page)
+                dest.append((page, info.generation if info is not None else 0))
+            self.channel.put(self.room, "dest", dest)
+            self.channel.put(
+                self.room, "ids", (self.guard.request_key(self.req.rid), self.guard._tenant_key(self.guard.tenant_of(self.req)))
+            )
+        except Exception as e:  # noqa: BLE001 - never into SGLang's loop; this room is refused at its poll
+            self._offer_failed = f"its offer could not be put on the channel: {e!r}"
+            _log().warning("kvguard: room %s: %s; the transfer will be refused", self.room, self._offer_failed)
         return self.inner.send_metadata(kv_indices, aux_index, state_indices, **kwargs)
 
     def poll(self) -> int:
@@ -393,18 +473,26 @@ class GuardedKVReceiver:
             self._landed = time.monotonic()
         # Across hosts the manifest may come a little after the backend's own completion: the
         # transfer waits for it (no longer than the channel's wait), unless it will not come.
-        wait = float(getattr(self.channel, "wait", 0.0) or 0.0)
-        if (
-            wait > 0
-            and self.channel.get(self.room, "manifest") is None
-            and self.channel.failure(self.room) is None
-            and time.monotonic() - self._landed < wait
-        ):
-            return KVPoll.Transferring
+        try:
+            wait = float(getattr(self.channel, "wait", 0.0) or 0.0)
+            if (
+                wait > 0
+                and self._offer_failed is None
+                and self.channel.get(self.room, "manifest") is None
+                and self.channel.failure(self.room) is None
+                and time.monotonic() - self._landed < wait
+            ):
+                return KVPoll.Transferring
+        except Exception:  # noqa: BLE001 - the channel failed: judged now (refused: no manifest read)
+            pass
         try:
             accepted = self._accept()
+        except Exception as e:  # noqa: BLE001 - kvguard's own failure: this room refused, never raised
+            self.refusal = TransferError(f"kvguard: the manifest check for room {self.room} failed: {e!r}")
+            _log().warning("%s", self.refusal)
+            accepted = False
         finally:
-            self.channel.drop(self.room)
+            _quietly("drop", self.room, self.channel.drop, self.room)
         # Report mode records the refusal and lets the transfer through.
         self._verdict = KVPoll.Success if accepted or self.guard.policy == "report" else KVPoll.Failed
         if not accepted and self.guard.policy == "report":
@@ -419,21 +507,23 @@ class GuardedKVReceiver:
         total = max(0, len(self.req.origin_input_ids) - self._prefix)
         try:
             self.guard.table.record_import(self.guard.request_key(self.req.rid), self._pages, total, total)
-        except Error:
+        except Exception:  # noqa: BLE001
             pass  # pages that are not the request's: its reads are judged (and counted) as they come
 
     def _accept(self) -> bool:
+        """The manifest check; any failure in it (the channel, the pool read, the check) refuses
+        this room only, and never raises into SGLang's loop."""
         guard = self.guard
         key = guard.request_key(self.req.rid)
-        manifest = self.channel.get(self.room, "manifest")
-        dest = [PageRef(p, g) for p, g in self.channel.get(self.room, "dest") or []]
-        ps = guard.page_size
-        prompt = _transfer_tokens(self.req.origin_input_ids, self._prefix)
-        total = len(prompt)
-        landed = [
-            _page_bytes(guard.kv_pool, p, ps, max(0, min(ps, total - i * ps))) for i, p in enumerate(self._pages)
-        ]
         try:
+            if self._offer_failed is not None:
+                raise TransferError(f"kvguard: transfer for room {self.room} refused: {self._offer_failed}")
+            manifest = self.channel.get(self.room, "manifest")
+            dest = [PageRef(int(p), int(g)) for p, g in self.channel.get(self.room, "dest") or []]
+            ps = guard.page_size
+            prompt = _transfer_tokens(self.req.origin_input_ids, self._prefix)
+            total = len(prompt)
+            landed = _pages_bytes(guard.kv_pool, self._pages, ps, [total - i * ps for i in range(len(self._pages))])
             if manifest is None:
                 why = getattr(self.channel, "failure", None)
                 why = why(self.room) if why is not None else None
@@ -470,7 +560,178 @@ class GuardedKVReceiver:
         return True
 
 
+# ---- a retracted decode request: its KV backed up to the host and restored -----------------------
+
+
+def _slots_crc(kv_pool: Any, slots: Any) -> int:
+    """CRC32 of the bytes of token ``slots`` over every layer (gathered on the pool's device, one
+    copy to the host)."""
+    import zlib
+
+    import torch
+
+    index = torch.as_tensor(slots, dtype=torch.int64).reshape(-1)
+    buffers = _pool_buffers(kv_pool)
+    device = buffers[0].device
+    parts = [b.index_select(0, index.to(b.device)).contiguous().view(-1).view(torch.uint8).to(device) for b in buffers]
+    return zlib.crc32(torch.cat(parts).cpu().numpy().tobytes())
+
+
+def _restored_slots(req: Any, req_to_token_pool: Any, tokens: int) -> Any:
+    """The token slots of ``req``'s first ``tokens`` tokens (its row, as SGLang's
+    ``offload_kv_cache`` / ``load_kv_cache`` read it)."""
+    return req_to_token_pool.req_to_token[req.kv.req_pool_idx, :tokens]
+
+
+_BACKUPS_ATTR = "kvguard_retraction_backups"
+"""On a decode guard: ``rid -> (tokens, crc32)`` of each retracted request's KV as SGLang backed
+it up (its new pages are checked against it when SGLang restores it)."""
+
+
+def _backed_up(guard: Any, req: Any, req_to_token_pool: Any) -> None:
+    """SGLang backed up a retracted decode request's KV (``backup_kv_cache``, before its pages
+    go back): the count and CRC32 of what it saved (``seqlen - 1`` tokens, as SGLang saves them)."""
+    backups = guard.__dict__.setdefault(_BACKUPS_ATTR, {})
+    backups.pop(req.rid, None)
+    tokens = max(0, int(req.seqlen) - 1)
+    backups[req.rid] = (tokens, _slots_crc(guard.kv_pool, _restored_slots(req, req_to_token_pool, tokens)))
+
+
+def _restored(guard: Any, req: Any, req_to_token_pool: Any) -> None:
+    """SGLang copied a resumed request's KV back into its new pages (``restore_kv_cache``): they
+    are recorded as written when the count and CRC32 match what was backed up; else the request
+    is refused (its new pages stay unwritten: attention never reads them). A request kvguard did
+    not see backed up is left as it is (its reads are judged as they come)."""
+    entry = guard.__dict__.get(_BACKUPS_ATTR, {}).pop(req.rid, None)
+    if entry is None:
+        return
+    tokens, crc = entry
+    key = guard.request_key(req.rid)
+    try:
+        if max(0, int(req.seqlen) - 1) != tokens:
+            raise TransferError(
+                f"kvguard: request {req.rid!r} was backed up with {tokens} tokens and restored with {int(req.seqlen) - 1}"
+            )
+        slots = np.asarray(_flat_host(_restored_slots(req, req_to_token_pool, tokens)), dtype=np.int64)
+        if _slots_crc(guard.kv_pool, slots) != crc:
+            raise TransferError(f"kvguard: request {req.rid!r}'s KV restored after its retraction differs from its backup")
+        ps = guard.page_size
+        guard.table.record_import(key, (slots[::ps] // ps).tolist(), tokens, tokens)
+        guard.metrics["retractions_restored"] += 1
+    except Exception as e:  # noqa: BLE001 - never into SGLang's loop; this request alone is refused
+        violation = getattr(e, "violation", None)
+        if violation is not None:
+            guard._refused(key, violation)
+        else:
+            guard._abort_plain(key, str(e), kind="restore_mismatch")
+
+
+def _flat_host(values: Any) -> Any:
+    return values.cpu() if hasattr(values, "cpu") else values
+
+
+_RETRACTION_HOOKED = False
+
+
+def _hook_retraction() -> None:
+    """SGLang's decode retraction (``disaggregation_decode_retraction_backup``): ``release_req``
+    backs a retracted request's KV up (``schedule_batch.backup_kv_cache``) and
+    ``DecodePreallocQueue.resume_retracted_reqs`` copies it back into new pages
+    (``decode.restore_kv_cache``) without any write kvguard follows. Both module names are
+    wrapped once per process; each finds the guard of the ``ReqToTokenPool`` it works on
+    (``pool.kvguard_guard``). Raises ``ConfigError`` for an SGLang without them."""
+    global _RETRACTION_HOOKED
+    if _RETRACTION_HOOKED:
+        return
+    try:
+        from sglang.srt.disaggregation import decode as decode_module
+        from sglang.srt.managers import schedule_batch
+    except ImportError as e:
+        raise ConfigError(f"kvguard: this SGLang's decode retraction cannot be followed: {e}") from e
+    backup = getattr(schedule_batch, "backup_kv_cache", None)
+    restore = getattr(decode_module, "restore_kv_cache", None)
+    if backup is None or restore is None:
+        raise ConfigError(
+            "kvguard: this SGLang has no schedule_batch.backup_kv_cache / decode.restore_kv_cache to follow retraction by"
+        )
+
+    def backup_kv_cache(req: Any, tree_cache: Any, req_to_token_pool: Any, *args: Any, **kwargs: Any) -> Any:
+        saved = backup(req, tree_cache, req_to_token_pool, *args, **kwargs)
+        guard = getattr(req_to_token_pool, "kvguard_guard", None)
+        if guard is not None and guard.kv_pool is not None:
+            try:
+                if saved:
+                    _backed_up(guard, req, req_to_token_pool)
+                else:
+                    guard.__dict__.get(_BACKUPS_ATTR, {}).pop(req.rid, None)
+            except Exception as e:  # noqa: BLE001 - never into SGLang's loop; its restore is then not recorded
+                guard.__dict__.get(_BACKUPS_ATTR, {}).pop(req.rid, None)
+                _log().warning("kvguard: request %r's retraction backup could not be read (%r): its resume is refused",
+                               req.rid, e)
+        return saved
+
+    def restore_kv_cache(req: Any, tree_cache: Any, req_to_token_pool: Any, *args: Any, **kwargs: Any) -> Any:
+        out = restore(req, tree_cache, req_to_token_pool, *args, **kwargs)
+        guard = getattr(req_to_token_pool, "kvguard_guard", None)
+        if guard is not None:
+            _restored(guard, req, req_to_token_pool)
+        return out
+
+    schedule_batch.backup_kv_cache = backup_kv_cache
+    decode_module.restore_kv_cache = restore_kv_cache
+    _RETRACTION_HOOKED = True
+
+
 # ---- the plugin: SGLang's senders and receivers wrapped where SGLang creates them ----------------
+
+
+def _parallel_sizes(scheduler: Any) -> dict[str, int]:
+    """The widths that put more than one scheduler on a side of one transfer: attention TP,
+    attention DP, attention CP and PP (SGLang's published topology, else its server args)."""
+    sizes: dict[str, int] = {}
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        parallel = get_parallel()
+        for name in ("attn_tp_size", "attn_dp_size", "attn_cp_size", "pp_size"):
+            sizes[name] = int(getattr(parallel, name))
+    except Exception:  # noqa: BLE001 - an SGLang without runtime_context: its server args say
+        sa = getattr(scheduler, "server_args", None)
+        tp = int(getattr(sa, "tp_size", 1) or 1)
+        dp = int(getattr(sa, "dp_size", 1) or 1) if getattr(sa, "enable_dp_attention", False) else 1
+        sizes = {"attn_tp_size": max(1, tp // dp), "attn_dp_size": dp, "pp_size": int(getattr(sa, "pp_size", 1) or 1)}
+    return sizes
+
+
+def _check_pd_server(scheduler: Any, guard: Guard) -> None:
+    """What kvguard's PD check cannot follow, refused at start (``ConfigError``: under enforce the
+    scheduler does not start; under report it serves its transfers unchecked, and says so):
+    more than one scheduler on a side (attention TP, DP attention, attention CP or PP above 1:
+    the manifest channel is keyed by room alone, so the ranks' offers and manifests would
+    overwrite each other and innocent transfers would be refused); a KV pool whose pages
+    kvguard cannot read (neither MHA nor MLA); ``--enable-pd-role-switch`` (it re-runs SGLang's
+    ``init_disaggregation``, which replaces the queues kvguard wrapped)."""
+    over = {name: size for name, size in _parallel_sizes(scheduler).items() if size > 1}
+    if over:
+        widths = ", ".join(f"{name}={size}" for name, size in sorted(over.items()))
+        raise ConfigError(
+            f"kvguard: a PD server with more than one rank per side ({widths}) is not supported: its manifests "
+            "are keyed by bootstrap room alone"
+        )
+    role_switch = None
+    try:
+        from sglang.srt.runtime_context import get_disagg
+
+        role_switch = bool(get_disagg().enable_pd_role_switch)
+    except Exception:  # noqa: BLE001 - an SGLang without runtime_context: its server args say
+        role_switch = bool(getattr(getattr(scheduler, "server_args", None), "enable_pd_role_switch", False))
+    if role_switch:
+        raise ConfigError(
+            "kvguard: --enable-pd-role-switch is not supported: a role switch re-creates the PD queues kvguard wraps"
+        )
+    if guard.kv_pool is None:
+        raise ConfigError("kvguard: the PD scheduler's KV pool is unknown; its transfers cannot be checked")
+    _pool_buffers(guard.kv_pool)
 
 
 def install_pd(scheduler: Any, guard: Guard, channel: Any) -> str | None:
@@ -480,8 +741,11 @@ def install_pd(scheduler: Any, guard: Guard, channel: Any) -> str | None:
     ``DecodePreallocQueue._create_receiver_and_enqueue`` are SGLang's only creation sites. Returns
     the side wrapped (``prefill``/``decode``), None for a scheduler not in PD mode. Raises
     ``kvguard.ConfigError`` when the scheduler is in PD mode and its queue cannot be hooked (an
-    SGLang whose creation sites moved): the caller fails the scheduler's start under enforce."""
+    SGLang whose creation sites moved) or it runs what kvguard cannot check
+    (:func:`_check_pd_server`): the caller fails the scheduler's start under enforce."""
     mode = str(getattr(getattr(scheduler, "disaggregation_mode", None), "value", "null"))
+    if mode in ("prefill", "decode"):
+        _check_pd_server(scheduler, guard)
     if mode in ("prefill", "decode") and hasattr(channel, "open"):
         # A network channel takes its side now: the prefill side listens (an address it cannot
         # bind, or one off loopback without the shared secret under enforce, stops the start).
@@ -510,6 +774,8 @@ def install_pd(scheduler: Any, guard: Guard, channel: Any) -> str | None:
             raise ConfigError(
                 "kvguard: this SGLang's decode scheduler has no DecodePreallocQueue._create_receiver_and_enqueue to wrap"
             )
+
+        _hook_retraction()
 
         def create_receiver(req: Any, *args: Any, **kwargs: Any) -> Any:
             decode_req = inner(req, *args, **kwargs)

@@ -179,13 +179,27 @@ def test_a_prompt_sent_in_chunks_is_accepted(pd):
     assert decode.guard.violations == []
 
 
+class IndicesEvent:
+    """``torch.cuda.Event``'s stand-in: SGLang records it after the asynchronous copy that fills
+    the host page indices it sends (prefill.py, the mooncake path)."""
+
+    def __init__(self):
+        self.waited = 0
+
+    def synchronize(self):
+        self.waited += 1
+
+
 def test_the_indices_event_keyword_reaches_the_backend(pd):
     """SGLang 0.5.23 passes ``indices_event=`` to a backend that reads host page indices: the
-    sender takes it and hands it on."""
+    sender waits on it before it reads the indices (the copy that fills them may still run),
+    and hands it on."""
     prefill, decode = pd
     sender, receiver, _ = chunked_transfer(prefill, decode, ends=[len(PROMPT)], inner=EventSender)
-    sender.send(torch.tensor([], dtype=torch.int64), None, num_kv_tokens=0, indices_event="event")
-    assert sender.inner.events[-1] == "event"
+    event = IndicesEvent()
+    sender.send(torch.tensor([], dtype=torch.int64), None, num_kv_tokens=0, indices_event=event)
+    assert sender.inner.events[-1] is event
+    assert event.waited == 1
     assert receiver.poll() == KVPoll.Success
 
 
