@@ -847,6 +847,30 @@ def _install_worker_v2() -> None:
         _wrap(GPUModelRunner, "pool", annotating)
 
 
+def _install_v2_or_refuse() -> None:
+    """Hooks Model Runner V2; where that fails though vLLM can build a V2 runner (a part kvguard
+    reads moved), that runner refuses to start under enforce (logs and runs unchecked under
+    report) instead of running unguarded."""
+    try:
+        _install_worker_v2()
+        return
+    except ImportError as e:
+        failure = str(e)  # the except name is unbound after the block
+    try:
+        from vllm.v1.worker.gpu import model_runner as v2
+    except ImportError:  # no Model Runner V2 in this vLLM: nothing to run unguarded
+        logger.debug("kvguard: no V2 model runner to hook here (%s)", failure)
+        return
+    logger.error("kvguard: cannot hook Model Runner V2 (%s)", failure)
+    original = v2.GPUModelRunner.__init__
+
+    def refused(self: Any, *args: Any, **kw: Any) -> None:
+        _unsupported(f"Model Runner V2 (its hooks failed: {failure})")
+        original(self, *args, **kw)
+
+    v2.GPUModelRunner.__init__ = refused
+
+
 def install(mode: str) -> None:
     """Wraps vLLM's methods in this process (idempotent; a second mode replaces the first)."""
     global _MODE
@@ -861,8 +885,5 @@ def install(mode: str) -> None:
         _install_worker()
     except ImportError as e:  # a platform without the GPU model runner module
         _unsupported(f"this worker ({e})")
-    try:
-        _install_worker_v2()
-    except ImportError as e:  # a vLLM without Model Runner V2's module
-        logger.debug("kvguard: no V2 model runner to hook here (%s)", e)
+    _install_v2_or_refuse()
     logger.info("kvguard: checking every step's block table (%s)", mode)

@@ -334,3 +334,28 @@ def test_a_tenant_mapping_that_fails_gives_the_request_a_tenant_of_its_own():
         assert len({odd, none, "acme"}) == 3 and "odd" in odd and "none" in none
     finally:
         recorder.set_tenant_of(None)
+
+
+@pytest.mark.parametrize("mode", ["enforce", "report"])
+def test_model_runner_v2_whose_hooks_fail_never_runs_unguarded(mode, monkeypatch, kvguard_log):
+    """A vLLM whose Model Runner V2 imports but a part kvguard hooks does not (here its block
+    tables' module): under enforce a V2 runner refuses to start; under report it starts, and the
+    log says it runs unchecked. Before, the failure was logged at debug and V2 ran unguarded."""
+    from vllm.v1.worker.gpu import model_runner as v2
+
+    from kvguard.vllm import hooks
+
+    monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu.block_table", None)  # its import fails
+    monkeypatch.setattr(hooks, "_MODE", mode)
+    started = []
+    monkeypatch.setattr(v2.GPUModelRunner, "__init__", lambda self, *a, **k: started.append(self))
+    hooks._install_v2_or_refuse()
+    runner = object.__new__(v2.GPUModelRunner)
+    if mode == "enforce":
+        with pytest.raises(hooks.UnsupportedConfig, match="Model Runner V2"):
+            v2.GPUModelRunner.__init__(runner)
+        assert started == []
+    else:
+        v2.GPUModelRunner.__init__(runner)
+        assert started == [runner]
+        assert any("runs unchecked" in m for m in kvguard_log), kvguard_log
