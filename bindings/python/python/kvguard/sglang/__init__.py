@@ -193,6 +193,13 @@ def _scheduler_started(_result: Any, scheduler: Any, *_args: Any, **_kwargs: Any
             raise ConfigError(f"{what}; refusing to serve it unchecked (KVGUARD_SGLANG=enforce)")
         logger.error("%s; this scheduler's requests are not checked (report mode)", what)
         return
+    unchecked = _unchecked_pools(scheduler)
+    if unchecked:
+        what = "kvguard cannot check " + "; ".join(unchecked)
+        if _MODE == "enforce":
+            raise ConfigError(f"{what}; refusing to serve it unchecked (KVGUARD_SGLANG=enforce)")
+        logger.error("%s; this scheduler's requests are not checked (report mode)", what)
+        return
     allocator = scheduler.token_to_kv_pool_allocator
     get_kvcache = getattr(allocator, "get_kvcache", None)
     side = str(getattr(getattr(scheduler, "disaggregation_mode", None), "value", None) or "pool")
@@ -206,11 +213,50 @@ def _scheduler_started(_result: Any, scheduler: Any, *_args: Any, **_kwargs: Any
         side=side if side != "null" else "pool",
     )
     scheduler.kvguard = guard
+    _count_kept_pages(scheduler)
     runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
     if runner is not None:
         runner.kvguard = guard
     if side in ("prefill", "decode"):
         _guard_transfers(scheduler, guard, side)
+
+
+_UNCHECKED_POOLS = (
+    ("is_hybrid_swa", "a sliding-window (hybrid SWA) KV pool: its frees go through the SWA allocator's "
+     "segments and its SWA layers read through a mapping, neither of which kvguard follows"),
+    ("is_hybrid_ssm", "a hybrid linear-attention (Mamba) model: its recurrent-state pool is not checked"),
+    ("enable_hierarchical_cache", "the hierarchical cache (HiCache): KV loaded back from host memory into "
+     "device pages is not seen"),
+    ("enable_hicache_storage", "HiCache storage: KV prefetched from storage into device pages is not seen"),
+    ("enable_lmcache", "LMCache: KV it loads into device pages is not seen"),
+    ("enable_unified_memory", "unified memory: its virtual pages move under compaction, unseen"),
+)
+
+
+def _unchecked_pools(scheduler: Any) -> list[str]:
+    """What of the scheduler's KV memory kvguard cannot follow (each a reason): set where SGLang
+    decides it, on the scheduler (a feature flag or the pool's kind)."""
+    return [why for flag, why in _UNCHECKED_POOLS if getattr(scheduler, flag, False) is True]
+
+
+def _count_kept_pages(scheduler: Any) -> None:
+    """SGLang's memory check when idle (strict by default: a mismatch raises in its event loop)
+    counts the pages kvguard keeps out of SGLang's free list (a refused eviction's, a failed
+    transfer's under late writes: :meth:`Guard.kept_tokens`) as in use, not as leaked. Hooked
+    once per process on the checker's class (its instances take no attributes), each checker
+    reading the guard on its own ``ReqToTokenPool``."""
+    checker = type(getattr(scheduler, "invariant_checker", None))
+    check = getattr(checker, "_check_full_pool", None)
+    if check is None or getattr(check, "_kvguard", False):
+        return
+
+    def _check_full_pool(self: Any, ps: Any, uncached: int = 0, *args: Any, **kwargs: Any) -> Any:
+        guard = getattr(getattr(self, "req_to_token_pool", None), "kvguard_guard", None)
+        kept = guard.kept_tokens() if guard is not None else 0
+        return check(self, ps, uncached + kept, *args, **kwargs)
+
+    _check_full_pool._kvguard = True  # type: ignore[attr-defined]
+    checker._check_full_pool = _check_full_pool
 
 
 def _guard_transfers(scheduler: Any, guard: Guard, side: str) -> None:

@@ -167,6 +167,10 @@ def _withheld(value: Any) -> Any:
 
 _BEAM_REFUSED = "beam search (beam_width > 1) is not supported by kvguard: its beams' rows cannot be checked"
 _SESSION_REFUSED = "a streaming session is not supported by kvguard: the row its turns share cannot be checked"
+_EMBEDS_REFUSED = (
+    "a request of input embeddings is not supported by kvguard: SGLang keys its KV by placeholder "
+    "tokens, so its radix cache would share it with any request of as many embeddings"
+)
 
 
 def _unsupported(req: Any) -> str | None:
@@ -175,6 +179,8 @@ def _unsupported(req: Any) -> str | None:
         return _BEAM_REFUSED
     if getattr(getattr(req, "session", None), "streaming", False) is True:
         return _SESSION_REFUSED
+    if getattr(req, "input_embeds", None) is not None:
+        return _EMBEDS_REFUSED
     return None
 
 
@@ -327,6 +333,11 @@ class Guard(PageReleases):
         self._tenant_names: dict[int, Any] = {}
         self._holds: dict[int, set[int]] = {}
         self._withheld: dict[int, int] = {}
+        # Requests whose pages a transfer backend may still write (a PD transfer that failed
+        # with no proof its writes drained), while SGLang releases them; and the pages so kept
+        # out of SGLang's free list for good (kvguard.sglang.pd, "late writes").
+        self._late_writers: set[int] = set()
+        self._fenced: list[int] = []
         self._next_request = 1
         self._next_prefix = 1
         self._freer: Any = None
@@ -789,6 +800,12 @@ class Guard(PageReleases):
         return insert
 
     # ---- requests ----------------------------------------------------------------------------
+
+    def kept_tokens(self) -> int:
+        """Tokens of the pages kvguard keeps out of SGLang's free list: withheld after a refused
+        eviction (until their last holder lets go) and fenced against a failed transfer's late
+        writes (for good)."""
+        return (len(self._withheld) + len(self._fenced)) * self.page_size
 
     def request_key(self, rid: Any) -> int:
         """The int key the table knows SGLang request ``rid`` by (given on first sight)."""

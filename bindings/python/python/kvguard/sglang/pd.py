@@ -385,7 +385,8 @@ class GuardedKVReceiver:
     attention can never read them."""
 
     _OWN = frozenset(
-        ("inner", "guard", "req", "channel", "room", "_pages", "_verdict", "refusal", "_landed", "_prefix", "_offer_failed")
+        ("inner", "guard", "req", "channel", "room", "_pages", "_verdict", "refusal", "_landed", "_prefix", "_offer_failed",
+         "drained")
     )
 
     def __init__(self, inner: Any, guard: Guard, req: Any, channel: Any) -> None:
@@ -403,6 +404,14 @@ class GuardedKVReceiver:
         self.refusal: Error | None = None
         self._offer_failed: str | None = None
         """Why the offer could not be put on the channel (the transfer is then refused)."""
+        self.drained = False
+        """SGLang's transfer backend confirmed no write of this transfer is still on its way
+        (every prefill rank acknowledged the abort: ``is_abort_release_safe``)."""
+
+    def may_write_late(self) -> bool:
+        """Whether the backend may still write the pages offered: some were offered, the backend
+        never reported the transfer done, and never confirmed its writes stopped."""
+        return bool(self._pages) and self._landed is None and not self.drained
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -558,6 +567,81 @@ class GuardedKVReceiver:
         guard.metrics["transfers_accepted"] += 1
         guard._imported(key, accepted.tokens)
         return True
+
+
+# ---- a failed transfer's late writes: its pages never handed to another request ------------------
+
+
+def _hook_late_writes(scheduler: Any, guard: Guard) -> None:
+    """A decode transfer that fails (the backend's error, a timeout, an abort) may still have
+    writes on the wire into the pages it was offered. SGLang holds such pages until every
+    prefill rank acknowledges (deferred release, mooncake/nixl/mori), but releases them anyway
+    after ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT`` (30 s), and at once where
+    the backend cannot defer: a late write would then land in another request's KV, which
+    kvguard records as that request's own (the incident's class). So a failed transfer's pages
+    released with no proof that its writes stopped (``GuardedKVReceiver.may_write_late``: not
+    reported done, not drained) are released in kvguard's table and kept out of SGLang's free
+    list for good (``late_write_fenced_pages``; a warning each time): capacity lost, never a
+    page read by the wrong request. The proof is SGLang's own (``is_abort_release_safe``), read
+    where SGLang resolves its deferred releases."""
+    queue = getattr(scheduler, "disagg_decode_transfer_queue", None)
+    release = getattr(queue, "_release_request", None)
+    do_release = getattr(queue, "_do_release", None)
+    resolve = getattr(queue, "resolve_deferred_releases", None)
+    if release is None or do_release is None or resolve is None:
+        raise ConfigError(
+            "kvguard: this SGLang's DecodeTransferQueue has no _release_request, _do_release or "
+            "resolve_deferred_releases to wrap: a failed transfer's pages could be reused under late writes"
+        )
+    acks: dict[int, int] = {}
+
+    def resolve_deferred_releases(*args: Any, **kwargs: Any) -> Any:
+        # The acknowledgements each held transfer needs, as SGLang recorded them when it held it.
+        acks.clear()
+        for entry in getattr(queue, "_deferred_releases", ()):
+            try:
+                acks[id(entry[0])] = int(entry[4])
+            except Exception:  # noqa: BLE001 - unknown: its release is not proven drained
+                pass
+        try:
+            return resolve(*args, **kwargs)
+        finally:
+            acks.clear()
+
+    def _do_release(decode_req: Any, *args: Any, **kwargs: Any) -> Any:
+        receiver = getattr(decode_req, "kv_receiver", None)
+        if isinstance(receiver, GuardedKVReceiver):
+            receiver.drained = _proven_drained(queue, decode_req, receiver, acks.get(id(decode_req)))
+        return do_release(decode_req, *args, **kwargs)
+
+    def _release_request(decode_req: Any, *args: Any, **kwargs: Any) -> Any:
+        receiver = getattr(decode_req, "kv_receiver", None)
+        late = isinstance(receiver, GuardedKVReceiver) and receiver.may_write_late()
+        if not late:
+            return release(decode_req, *args, **kwargs)
+        key = guard.request_key(decode_req.req.rid)
+        guard._late_writers.add(key)
+        try:
+            return release(decode_req, *args, **kwargs)
+        finally:
+            guard._late_writers.discard(key)
+
+    queue.resolve_deferred_releases = resolve_deferred_releases
+    queue._do_release = _do_release
+    queue._release_request = _release_request
+
+
+def _proven_drained(queue: Any, decode_req: Any, receiver: GuardedKVReceiver, required_acks: int | None) -> bool:
+    """SGLang's own proof that no write of this failed transfer is still on its way; False
+    when it cannot be read."""
+    try:
+        if queue._is_host_destination(decode_req):
+            return bool(receiver.inner.is_abort_release_safe())
+        if required_acks is None:
+            return False
+        return bool(receiver.inner.kv_mgr.is_abort_release_safe(decode_req.req.bootstrap_room, required_acks))
+    except Exception:  # noqa: BLE001 - no proof
+        return False
 
 
 # ---- a retracted decode request: its KV backed up to the host and restored -----------------------
@@ -776,6 +860,7 @@ def install_pd(scheduler: Any, guard: Guard, channel: Any) -> str | None:
             )
 
         _hook_retraction()
+        _hook_late_writes(scheduler, guard)
 
         def create_receiver(req: Any, *args: Any, **kwargs: Any) -> Any:
             decode_req = inner(req, *args, **kwargs)

@@ -313,6 +313,17 @@ class PageReleases:
         self._page_key[mine] = _NO_OWNER
         back = [p for p in ok if 0 <= p < self._page_limit]
         self._handed[back] = False
+        if key in self._late_writers and self.policy == "enforce" and ok:
+            # A transfer backend may still write these pages (its transfer failed with no proof
+            # its writes drained): released in the table, never handed to another request.
+            self._fenced.extend(ok)
+            self.metrics["late_write_fenced_pages"] += len(ok)
+            logger.warning(
+                "kvguard: %d page(s) of request %r kept out of SGLang's pool for good: its KV "
+                "transfer failed and the backend never confirmed its writes stopped",
+                len(ok), self._rids.get(key, key),
+            )
+            return []
         return ok
 
     def _wrap_clear(self, inner: Callable[..., Any]) -> Callable[..., Any]:
@@ -347,6 +358,7 @@ class PageReleases:
         self._handed_known = False
         self._let_back.clear()
         self._withheld.clear()
+        self._fenced.clear()
         self._orphans.clear()
         self._group_judged.clear()
         self._suspects.clear()

@@ -383,30 +383,71 @@ def test_a_decode_only_probe_reads_no_kv_unchecked(monkeypatch):
     assert served["report"][0] == served[None][0] and guards["report"].metrics["transfers_refused"] == 1
 
 
-def test_a_transfer_the_backend_fails_is_no_violation(monkeypatch):
-    """The backend fails one transfer (its receiver says ``KVPoll.Failed``): SGLang aborts that
-    request with its own error and releases its pages, which were never written. kvguard adds
-    nothing: no violation on either side (its unwritten row is not checked when SGLang streams
-    the abort), the others served as without kvguard, both pools whole."""
+def _failing_room(monkeypatch, room: int) -> None:
+    """The backend fails room ``room``'s transfer after the handshake (the prefill side sends as
+    usual: the wire has written the decode pages offered)."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     poll = pd_rig.WireKVReceiver.poll
 
     def failing(self):
-        # After the handshake (the prefill side sends as usual), the transfer fails.
-        return KVPoll.Failed if int(self.bootstrap_room) == 1003 and self.has_sent_metadata else poll(self)
+        return KVPoll.Failed if int(self.bootstrap_room) == room and self.has_sent_metadata else poll(self)
 
     monkeypatch.setattr(pd_rig.WireKVReceiver, "poll", failing)
+
+
+def test_a_transfer_the_backend_fails_is_no_violation_and_its_pages_are_never_reused(monkeypatch):
+    """The backend fails one transfer (its receiver says ``KVPoll.Failed``) after the prefill side
+    sent, and cannot prove its writes stopped (SGLang's fake backend cannot defer a release):
+    SGLang aborts that request with its own error and releases its pages at once, where a late
+    write could still land. kvguard adds no violation and refuses no one, but keeps exactly the
+    pages that transfer was offered out of SGLang's pool for good (a late write then lands in no
+    one's KV); the other requests are served as without kvguard, and the prefill pool is whole."""
+    _failing_room(monkeypatch, 1003)
     outs = {}
     for guard in (None, "enforce"):
         prefill, decode = sides(16, guard=guard)
         start = pool_pages(prefill), pool_pages(decode)
         outs[guard] = pd_rig.run_pd(prefill, decode, workload(7, 12))
-        assert (pool_pages(prefill), pool_pages(decode)) == start
+        fenced = decode.kvguard.metrics["late_write_fenced_pages"] if guard else 0
+        assert pool_pages(prefill) == start[0]
+        assert pool_pages(decode) == start[1] - fenced
     failed = [rid for rid, (_, reason) in outs["enforce"].items() if reason["type"] == "abort"]
     assert len(failed) == 1 and "kvguard" not in outs["enforce"][failed[0]][1]["message"]
     assert outs["enforce"] == outs[None]
     assert prefill.kvguard.violations == [] and decode.kvguard.violations == []
+    assert fenced > 0 and fenced == len(decode.kvguard._fenced)
+
+
+@pytest.mark.parametrize("drained", [True, False])
+def test_a_held_failed_transfer_is_released_to_sglang_only_when_its_backend_proves_it_drained(monkeypatch, drained):
+    """A backend that defers a failed transfer's release (mooncake, nixl, mori: SGLang holds the
+    pages until every prefill rank acknowledges, else releases them anyway at its timeout, 0 s
+    here). Acknowledged (``drained``): the pages go back to SGLang, the pool is whole. Timed out
+    with no acknowledgement: SGLang releases them anyway; kvguard keeps them out of its pool."""
+    from sglang.srt.disaggregation.fake.conn import FakeKVManager
+
+    _failing_room(monkeypatch, 1003)
+    monkeypatch.setattr(FakeKVManager, "enable_deferred_decode_kv_release", True, raising=False)
+    monkeypatch.setattr(FakeKVManager, "is_abort_release_safe", lambda self, room, acks: drained, raising=False)
+    monkeypatch.setattr(FakeKVManager, "clear_deferred_abort_state", lambda self, room: None, raising=False)
+    monkeypatch.setattr(pd_rig.WireKVReceiver, "bootstrap_infos", [object()], raising=False)
+
+    def notified(self, *, force_arm=False):
+        self.abort_notified = True
+
+    monkeypatch.setattr(pd_rig.WireKVReceiver, "ensure_abort_notified", notified)
+    prefill, decode = sides(16, guard="enforce")
+    decode.disagg_decode_transfer_queue.deferred_kv_release_timeout = 0.0
+    start = pool_pages(decode)
+    out = pd_rig.run_pd(prefill, decode, workload(7, 12))
+    failed = [rid for rid, (_, reason) in out.items() if reason["type"] == "abort"]
+    assert len(failed) == 1 and decode.kvguard.violations == []
+    fenced = decode.kvguard.metrics["late_write_fenced_pages"]
+    if drained:
+        assert fenced == 0 and pool_pages(decode) == start
+    else:
+        assert fenced > 0 and pool_pages(decode) == start - fenced
 
 
 # ---- the decode side's radix cache: the prefill side sends from the prefix the decode side holds ------

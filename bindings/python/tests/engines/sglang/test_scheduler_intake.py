@@ -97,3 +97,53 @@ def test_speculative_decoding_is_refused_at_start_up(policy):
     else:
         attach_kvguard(s, policy)
         assert getattr(s, "kvguard", None) is None
+
+
+def test_a_request_of_input_embeddings_is_refused_at_intake():
+    """SGLang keys a request of input embeddings by placeholder tokens (``[1] * n``), so its radix
+    cache hands a later request of as many embeddings, whatever they are, the earlier one's KV
+    (of the same tenant: every client without a cache salt). kvguard cannot tell them apart:
+    under enforce such a request is answered at once with its 400, never queued; the others are
+    served as without kvguard."""
+    s = build_scheduler(page_size=1, tokens=640, rows=8, context_len=CONTEXT)
+    guard = attach_kvguard(s, "enforce")
+    rows_before = len(s.req_to_token_pool.free_slots)
+    embeds = generate_req("embeds", [1] * 40, max_new=2, salt="acme")
+    embeds.input_embeds = [[0.1 * i] * 8 for i in range(40)]
+    s.handle_generate_request(embeds)
+    assert not s.waiting_queue and len(s.req_to_token_pool.free_slots) == rows_before
+    out = run(s, [short(i) for i in range(3)])
+    assert out["embeds"][1]["type"] == "abort" and "input embeddings" in out["embeds"][1]["message"]
+    assert out["embeds"][1]["status_code"] == 400
+    plain = build_scheduler(page_size=1, tokens=640, rows=8, context_len=CONTEXT)
+    assert {f"ok{i}": out[f"ok{i}"] for i in range(3)} == run(plain, [short(i) for i in range(3)])
+    assert set(guard.aborted) == {"embeds"} and guard.violations == []
+
+
+@pytest.mark.parametrize(
+    "flag, named",
+    [
+        ("is_hybrid_swa", "sliding-window"),
+        ("is_hybrid_ssm", "Mamba"),
+        ("enable_hierarchical_cache", "HiCache"),
+        ("enable_hicache_storage", "storage"),
+        ("enable_lmcache", "LMCache"),
+        ("enable_unified_memory", "unified memory"),
+    ],
+)
+@pytest.mark.parametrize("policy", ["enforce", "report"])
+def test_kv_memory_kvguard_cannot_follow_is_refused_at_start_up(policy, flag, named):
+    """A KV pool whose pages move where kvguard does not see (SGLang's SWA allocator's segment
+    frees, HiCache's load-back, LMCache's loads, unified memory's compaction) or a state pool it
+    does not check (Mamba), as the scheduler records it: under enforce the scheduler does not
+    start (ConfigError naming it); under report it starts unguarded and says so."""
+    import kvguard
+
+    s = build_scheduler(page_size=16, tokens=2048, rows=8, context_len=CONTEXT)
+    setattr(s, flag, True)
+    if policy == "enforce":
+        with pytest.raises(kvguard.ConfigError, match=named):
+            attach_kvguard(s, policy)
+    else:
+        attach_kvguard(s, policy)
+        assert getattr(s, "kvguard", None) is None
