@@ -46,7 +46,12 @@ platform runs it as ``vllm.v1.worker.cpu.model_runner.CPUModelRunner``)
   ``GPUModelRunner.initialize_kv_cache`` the runner's guard made with its pool (start-up: what
                                          kvguard cannot check stops the engine there)
   ``GPUModelRunner.execute_model``       a step with no tokens (returns before ``prepare_attn``):
-                                         its events applied; refusals put on the output
+                                         its events applied; refusals put on the output. A step
+                                         with tokens and no events that is not vLLM's warm-up
+                                         stops the engine (enforce)
+  ``WorkerWrapperBase.initialize_from_config``  marks the worker class's
+                                         ``compile_or_warm_up_model``, where vLLM's warm-ups run
+                                         made-up requests (not checked)
   ``GPUModelRunner.sample_tokens``       refusals put on the (async) output (``pool``'s too, for
                                          a pooling model)
 
@@ -54,8 +59,9 @@ The scheduler's truth reaches the worker on the ``SchedulerOutput`` it already s
 (by reference in-process, pickled through vLLM's shared-memory broadcast otherwise), and the
 refusals come back on the ``ModelRunnerOutput`` the same way: no extra channel, no extra round
 trip. Supported: full-attention and sliding-window KV cache groups (hybrid models too), block
-size equal to the hash block size, no KV connector, no speculative decoding, vLLM's V1 model
-runner (``CPUModelRunner`` is a subclass), and Model Runner V2 with the same groups (on host
+size equal to the hash block size, no KV connector, no speculative decoding (nor a diffusion
+model, which runs on its path), no context parallelism, vLLM's V1 model runner
+(``CPUModelRunner`` is a subclass), and Model Runner V2 with the same groups (on host
 memory, vLLM's CPU platform, and on a GPU through the device check); anything else is
 found when vLLM builds its scheduler (a wrapper on ``Scheduler.__init__``): refused there under
 enforce, so the engine never starts, and left unchecked (with a warning) under report.
@@ -217,16 +223,60 @@ def forget_refused_writes(scheduler: Any, blocks: set[int]) -> None:
         scheduler.kv_cache_manager.block_pool.evict_blocks(blocks)
 
 
+def speculation_of(vllm_config: Any) -> str | None:
+    """What of ``vllm_config`` schedules tokens the worker may take back (None: nothing):
+    speculative decoding, and a diffusion (dLLM) model, which runs on the same path (its canvas
+    is scheduled as draft tokens). A rejected draft rolls the computed-token count back, which
+    the table does not record."""
+    if vllm_config is None:
+        return None
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        return "speculative decoding (speculative_config)"
+    if getattr(vllm_config, "diffusion_config", None) is not None:
+        return "a diffusion model (diffusion_config: its canvas runs as speculative tokens)"
+    try:
+        tokens = int(getattr(vllm_config, "num_speculative_tokens", 0) or 0)
+    except Exception as e:  # a config kvguard cannot read is one it cannot check
+        return f"speculative tokens it cannot read ({e!r})"
+    if tokens > 0:
+        return f"{tokens} speculative tokens a step (num_speculative_tokens)"
+    return None
+
+
+def context_parallelism_of(vllm_config: Any) -> str | None:
+    """Decode or prefill context parallelism in ``vllm_config`` (None: neither): its KV cache is
+    sharded across ranks, so a scheduler block is ``block_size x ranks`` tokens while each
+    rank's block table holds per-rank blocks, which the table cannot check."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if parallel is None:
+        return None
+    dcp = int(getattr(parallel, "decode_context_parallel_size", 1) or 1)
+    pcp = int(getattr(parallel, "prefill_context_parallel_size", 1) or 1)
+    if dcp > 1 or pcp > 1:
+        return (
+            f"context parallelism (decode_context_parallel_size={dcp}, prefill_context_parallel_size={pcp}): "
+            "its KV cache is sharded across ranks"
+        )
+    return None
+
+
 def check_scheduler(scheduler: Any) -> None:
     """What kvguard cannot check in this engine, found when its scheduler is built: under
     enforce an UnsupportedConfig stops the engine there; under report a warning, and the engine
     runs unchecked. (The recorder itself is made at the first ``schedule``.)"""
     scheduler._kvguard_checked_config = True
-    if getattr(scheduler.vllm_config, "speculative_config", None) is not None:
+    config = scheduler.vllm_config
+    speculation = speculation_of(config)
+    if speculation is not None:
         _unsupported(
-            "speculative decoding (speculative_config): the worker writes draft tokens whose "
-            "rejection rolls the computed-token count back, which the table does not record"
+            f"{speculation}: the worker writes draft tokens whose rejection rolls the "
+            "computed-token count back, which the table does not record"
         )
+        scheduler.kv_cache_manager._kvguard_recorder = None
+        return
+    parallelism = context_parallelism_of(config)
+    if parallelism is not None:
+        _unsupported(parallelism)
         scheduler.kv_cache_manager._kvguard_recorder = None
         return
     if getattr(scheduler, "connector", None) is not None:
@@ -277,9 +327,10 @@ def _install_scheduler() -> None:
     def freeing(original: Any) -> Any:
         def wrapper(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
             rec = recorder_of(self)
-            # A preempted request's published blocks, read while it still holds them: a refusal
-            # of its last step may reach the scheduler after it gave them back (async scheduling).
-            held = None if rec is None or request.is_finished() else rec.published_of(request.request_id)
+            # The published blocks of a request that is preempted or finishes (a client's abort,
+            # a stop), read while it still holds them: a refusal of its last step may reach the
+            # scheduler after it gave them back (async scheduling), and they must leave the cache.
+            held = None if rec is None else rec.published_of(request.request_id)
             out = original(self, request, *args, **kwargs)
             if rec is not None:
                 rec.freed(request, held)
@@ -469,10 +520,17 @@ def _guard_of(owner: Any, input_batch: Any, num_blocks: int, max_model_len: int)
         config = getattr(owner, "kv_cache_config", None)
         windows = group_windows(config) if config is not None else [None] * len(tables)
         sizes = {t.block_size for t in tables}
+        vllm_config = getattr(owner, "vllm_config", None)
+        speculation = speculation_of(vllm_config)
+        parallelism = context_parallelism_of(vllm_config)
         if windows is None:
             pass
-        elif getattr(getattr(owner, "vllm_config", None), "speculative_config", None) is not None:
-            _unsupported("speculative decoding (speculative_config)")
+        elif speculation is not None:
+            _unsupported(speculation)
+        elif parallelism is not None:
+            # The worker's rows hold per-rank blocks while the scheduler's events name blocks of
+            # block_size x ranks tokens: checked as they are, every request would be refused.
+            _unsupported(parallelism)
         elif len(windows) != len(tables):
             _unsupported(f"{len(tables)} block tables for {len(windows)} KV cache groups")
         elif len(sizes) != 1:
@@ -705,9 +763,9 @@ def _v2_guard_of(runner: Any) -> StepGuard | None:
         _unsupported(
             f"vLLM's V2 model runner on {runner.device.type}: kvguard's device check runs on CUDA devices"
         )
-    elif runner.speculative_config is not None:
-        _unsupported("speculative decoding (speculative_config)")
-    elif runner.pcp_manager is not None or runner.dcp_size > 1:
+    elif runner.speculative_config is not None or speculation_of(runner.vllm_config) is not None:
+        _unsupported(speculation_of(runner.vllm_config) or "speculative decoding (speculative_config)")
+    elif runner.pcp_manager is not None or runner.dcp_size > 1 or context_parallelism_of(runner.vllm_config):
         _unsupported("context parallelism under V2 (its block tables are partitioned across ranks)")
     elif getattr(runner.vllm_config, "kv_transfer_config", None) is not None:
         _unsupported("a KV connector (kv_transfer_config): its imports are not recorded")
@@ -772,14 +830,78 @@ def _v2_device(runner: Any, guard: StepGuard) -> V2Device | None:
     return V2Device(dg, rows, engine_stream)
 
 
+def _v2_warming_up(runner: Any) -> bool:
+    """Whether a V2 runner runs vLLM's warm-up now: its worker's ``compile_or_warm_up_model``
+    (kvguard's wrapper marks the runner; vLLM's kernel warm-ups and graph captures run there), or
+    an elastic EP warm-up (V2 redirects every KV write to the null block then)."""
+    if runner.__dict__.get("_kvguard_warming"):
+        return True
+    tables = runner.__dict__.get("block_tables")
+    return bool(getattr(tables, "redirect_writes_to_null_block", False))
+
+
+def _v2_step_without_events(runner: Any) -> None:
+    """A V2 step that schedules tokens but whose ``SchedulerOutput`` never went through kvguard's
+    scheduler wrapper (a ``--scheduler-cls`` whose ``schedule`` does not reach vLLM's): the table
+    would judge requests it never heard of. Under enforce the engine stops (UnsupportedConfig);
+    under report the runner's check is dropped (a warning, once) and the engine runs unchecked."""
+    _unsupported(
+        "a scheduler step that did not go through kvguard's scheduler hooks (no kvguard_events on "
+        "its SchedulerOutput: a --scheduler-cls whose schedule does not call vLLM's Scheduler.schedule)"
+    )
+    runner._kvguard = None
+
+
+def mark_warm_up(worker_cls: type) -> None:
+    """Wraps ``compile_or_warm_up_model`` where ``worker_cls`` (the worker class vLLM resolved in
+    this process) defines it, once: while it runs, its runner is marked as warming up (vLLM's
+    kernel warm-ups, which run made-up requests through the runner, all run inside it)."""
+    owner = next((c for c in worker_cls.__mro__ if "compile_or_warm_up_model" in c.__dict__), None)
+    if owner is None or hasattr(owner.__dict__["compile_or_warm_up_model"], "__kvguard_original__"):
+        return
+
+    def warming(original: Any) -> Any:
+        def wrapper(self: Any, *args: Any, **kw: Any) -> Any:
+            runner = getattr(self, "model_runner", None)
+            if runner is None:
+                return original(self, *args, **kw)
+            outer = runner.__dict__.get("_kvguard_warming")  # a subclass's, calling its parent's
+            runner._kvguard_warming = True
+            try:
+                return original(self, *args, **kw)
+            finally:
+                if outer is None:
+                    runner.__dict__.pop("_kvguard_warming", None)
+
+        return wrapper
+
+    _wrap(owner, "compile_or_warm_up_model", warming)
+
+
 def _install_worker_v2() -> None:
     from vllm.v1.worker.gpu.block_table import BlockTables
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    def initialize_from_config(original: Any) -> Any:
+        # The worker class is known only once vLLM resolved it by name (a platform's), and the
+        # plugin may load inside init_worker itself: its warm-up is marked here, the call that
+        # precedes it on every executor, so V2 steps without kvguard's events are told apart
+        # (see execute_model).
+        def wrapper(self: Any, *args: Any, **kw: Any) -> Any:
+            worker = self.__dict__.get("worker")
+            if worker is not None:
+                mark_warm_up(type(worker))
+            return original(self, *args, **kw)
+
+        return wrapper
 
     def prepare_attn(original: Any) -> Any:
         def wrapper(self: Any, input_batch: Any) -> Any:
             block_tables, slot_mappings = original(self, input_batch)
-            v2_attn_step(self, input_batch, block_tables, slot_mappings, self._kvguard_step)
+            step = self._kvguard_step
+            if step is not None or not _v2_warming_up(self):  # a warm-up's requests are no one's
+                v2_attn_step(self, input_batch, block_tables, slot_mappings, step)
             return block_tables, slot_mappings
 
         return wrapper
@@ -788,12 +910,15 @@ def _install_worker_v2() -> None:
         def wrapper(self: Any, scheduler_output: Any, *args: Any, **kw: Any) -> Any:
             if kw.get("dummy_run") or args[1:2] == (True,):
                 return original(self, scheduler_output, *args, **kw)
-            if not hasattr(scheduler_output, "kvguard_events") and not self.__dict__.get("_kvguard_served"):
-                # vLLM's kernel warm-up (warmup_kernels) before the first scheduled step: made-up
-                # requests the scheduler never saw, no tenant's KV yet. Every step after the
-                # first from vLLM's scheduler is checked, carrying events or not.
-                return original(self, scheduler_output, *args, **kw)
-            self._kvguard_served = True
+            if not hasattr(scheduler_output, "kvguard_events"):
+                if _v2_warming_up(self):
+                    # vLLM's warm-up (its worker's compile_or_warm_up_model, or an elastic EP
+                    # warm-up): made-up requests the scheduler never saw, no tenant's KV.
+                    return original(self, scheduler_output, *args, **kw)
+                if scheduler_output.total_num_scheduled_tokens and self.__dict__.get("_kvguard", False) is not None:
+                    # Any other step must come from kvguard's scheduler wrapper (a step of no
+                    # tokens reads nothing: it only carries what finished).
+                    _v2_step_without_events(self)
             # prepare_attn reads the step's events from here (V2 hands it the batch only).
             self._kvguard_step = scheduler_output
             try:
@@ -838,6 +963,7 @@ def _install_worker_v2() -> None:
         return wrapper
 
     _default(GPUModelRunner, "_kvguard_step", None)
+    _wrap(WorkerWrapperBase, "initialize_from_config", initialize_from_config)
     _wrap(GPUModelRunner, "initialize_kv_cache", initialize_kv_cache)
     _wrap(BlockTables, "append_block_ids", append_block_ids)
     _wrap(GPUModelRunner, "prepare_attn", prepare_attn)

@@ -116,9 +116,9 @@ class StepEvents(NamedTuple):
 TENANT_ENV = "KVGUARD_VLLM_TENANT"
 
 _PUBLIC = "public"
-#: How many steps the published blocks a preempted request held are remembered after it gave
-#: them back (a refusal reaches the scheduler with its step's output, a step or two after the
-#: check).
+#: How many steps the published blocks a preempted or finished request held are remembered after
+#: it gave them back (a refusal reaches the scheduler with its step's output, a step or two after
+#: the check).
 _GONE_STEPS = 8
 #: The prefix of the tenant a request gets when the tenant mapping fails for it (then its id).
 _UNMAPPED = "kvguard-unmapped:"
@@ -266,10 +266,11 @@ class SchedulerRecorder:
         #: Block id -> the tenant key of its publisher, for each block published (a live prefix
         #: in the worker's table once applied).
         self.published: dict[int, int] = {}
-        #: Request id -> (the step it was preempted in, the published blocks it held then),
-        #: kept :data:`_GONE_STEPS` steps: a refusal may reach the scheduler after its request
-        #: was preempted (async scheduling: step N's output is processed after step N + 1 was
-        #: scheduled), and the blocks it hashed for the refused step must leave the cache then.
+        #: Request id -> (the step it was preempted or finished in, the published blocks it held
+        #: then), kept :data:`_GONE_STEPS` steps: a refusal may reach the scheduler after its
+        #: request was preempted, aborted or stopped (async scheduling: step N's output is
+        #: processed after step N + 1 was scheduled), and the blocks it hashed for the refused
+        #: step must leave the cache then.
         self._gone: dict[str, tuple[int, list[int]]] = {}
         self._steps = 0
         #: True while vLLM's ``schedule`` runs (a block hashed then is written by that step).
@@ -439,7 +440,7 @@ class SchedulerRecorder:
     def freed(self, request: Any, held: list[int] | None = None) -> None:
         """``free``/``pop_blocks_for_free``: a finished request releases, a live one is preempted.
         Its publishes and prefix hits still pending in this step are dropped (it never wrote the
-        blocks it was to publish). ``held``: the published blocks a preempted request held
+        blocks it was to publish). ``held``: the published blocks the request held
         (:meth:`published_of`, read before vLLM freed them), remembered for a refusal to come."""
         rid = request.request_id
         if rid not in self.admitted:
@@ -465,8 +466,8 @@ class SchedulerRecorder:
 
     def published_of(self, rid: str) -> list[int]:
         """The published blocks of ``rid``: those it holds (it published them or took them as
-        prefix-cache hits), and those it held when it was preempted in the steps before (run
-        after a refusal, and at a preemption)."""
+        prefix-cache hits), and those it held when it was preempted or finished in the steps
+        before (run after a refusal, and as vLLM frees the request)."""
         published = self.published
         blocks = [b.block_id for m in self.managers for b in m.req_to_blocks.get(rid, ()) if b.block_id in published]
         gone = self._gone.get(rid)
@@ -485,10 +486,15 @@ class SchedulerRecorder:
     def take(self) -> StepEvents | None:
         """The step's events in the order the worker applies them (None when there are none)."""
         self._steps += 1
-        if self._gone:
+        gone = self._gone
+        if gone:
+            # Oldest first (an entry is re-entered last): drop from the front, O(1) a request.
             oldest = self._steps - _GONE_STEPS
-            if next(iter(self._gone.values()))[0] < oldest:
-                self._gone = {rid: v for rid, v in self._gone.items() if v[0] >= oldest}
+            while gone:
+                rid = next(iter(gone))
+                if gone[rid][0] >= oldest:
+                    break
+                del gone[rid]
         early, late, attach = self._events, self._publish, self._attach
         if not (early or late or attach):
             return None

@@ -623,3 +623,54 @@ def test_a_saltless_hasher_in_a_busy_run_refuses_exactly_the_cross_tenant_hits(a
     others = {k: v for k, v in outputs(guarded).items() if k not in refused}
     assert others == {k: v for k, v in outputs(clean).items() if k not in refused}
     assert len(guarded.finished) == 60
+
+
+@pytest.mark.parametrize("finish", ["aborted", "stopped"])
+def test_a_refused_request_that_finishes_before_its_refusal_arrives_leaves_nothing_cached(finish, monkeypatch):
+    """Async scheduling: the worker refuses the victim at step N, and the victim finishes (a
+    client's abort, or a stop vLLM's scheduler is told of) before step N's output, which carries
+    the refusal, is processed. vLLM has popped its blocks by then; the blocks it hashed for the
+    refused step were never written and must leave vLLM's prefix cache all the same: left there,
+    the bystanders of its tenant that hit them read what nobody wrote (and were refused for it).
+    Every bystander is served as in the run without the bug."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import RequestStatus
+
+    status = RequestStatus.FINISHED_ABORTED if finish == "aborted" else RequestStatus.FINISHED_STOPPED
+    rc = RealConfig(num_blocks=40, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=512, async_scheduling=True)
+    victim = "long-prompt"
+    prompt = list(range(100, 190))
+    engine = {}
+
+    def fill(e: RealEngine) -> None:
+        engine["e"] = e
+        e.add("other", list(range(1, 20)), 20)
+        e.add(victim, prompt, 5)
+        e.run()
+        _more_work(e, prompt)
+
+    clean = run_real(rc, fill, guarded=False)
+    schedule = Scheduler.schedule
+    finished = []
+
+    def finishing(self, *args, **kwargs):
+        e = engine.get("e")
+        req = self.requests.get(victim)
+        refused = e is not None and e.guard is not None and any(rid == victim for _, rid, _ in e.refusals())
+        if not finished and refused and req is not None and not req.is_finished():
+            finished.append(True)
+            self.finish_requests(victim, status)  # what EngineCore.abort_requests calls
+        return schedule(self, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "schedule", finishing)
+    computed_token_race(monkeypatch, victim)
+    guarded = run_real(rc, fill, guarded=True)
+    assert finished, "the victim finished between its refusal and the output carrying it"
+    assert guarded.events.get("evict", 0) > 0, "the refused request's blocks leave vLLM's cache"
+    refusals = guarded.refusals()
+    assert [rid for _, rid, _ in refusals] == [victim], refusals
+    assert refusals[0][2].kind == "unwritten_slots"
+    others = {k: v for k, v in outputs(guarded).items() if k != victim}
+    assert others == {k: v for k, v in outputs(clean).items() if k != victim}
+    assert len(others) == 31 and all(v[1] == "length" for v in others.values())
+    assert all(rid == victim for _, rid in guarded.oracle_errors)
