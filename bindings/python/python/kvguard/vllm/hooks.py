@@ -420,6 +420,51 @@ def _install_scheduler() -> None:
     _wrap(Scheduler, "__init__", init)
     _wrap(Scheduler, "schedule", schedule)
     _wrap(Scheduler, "update_from_output", update_from_output)
+    _install_handshake()
+
+
+def worker_mode(_worker: Any) -> str | None:
+    """Run on every worker by the engine's start-up handshake (``collective_rpc``): the mode
+    kvguard checks that worker's steps in (None: kvguard's hooks are not installed there)."""
+    return _MODE
+
+
+def check_workers(engine_core: Any) -> None:
+    """After ``EngineCore.__init__``: every worker checks in the mode the scheduler records for.
+    The plugin loads separately in each process (a worker node started on its own, Ray's, takes
+    its own environment and packages; ``VLLM_PLUGINS`` may leave kvguard out): a worker without
+    kvguard would run its steps unchecked while the scheduler records them. Under enforce a
+    worker that runs another mode, none, or cannot be asked stops the engine at start-up."""
+    if _MODE is None:
+        return
+    executor = getattr(engine_core, "model_executor", None)
+    if executor is None:
+        _unsupported("an engine whose workers cannot be asked whether kvguard runs there (no model_executor)")
+        return
+    try:
+        modes = list(executor.collective_rpc(worker_mode))
+    except Exception as e:  # noqa: BLE001 - a worker that cannot run kvguard's function lacks kvguard
+        _unsupported(f"workers that cannot say whether kvguard runs there ({e!r}: is kvguard installed on every node?)")
+        return
+    off = {i: m for i, m in enumerate(modes) if m != _MODE}
+    if off or not modes:
+        _unsupported(
+            f"worker(s) where kvguard runs {off or 'nowhere'} while the scheduler records for {_MODE!r} "
+            "(KVGUARD_VLLM, VLLM_PLUGINS or the installed packages differ between processes)"
+        )
+
+
+def _install_handshake() -> None:
+    from vllm.v1.engine.core import EngineCore
+
+    def init(original: Any) -> Any:
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            original(self, *args, **kwargs)
+            check_workers(self)
+
+        return wrapper
+
+    _wrap(EngineCore, "__init__", init)
 
 
 # -- worker side -----------------------------------------------------------------------------
