@@ -418,15 +418,11 @@ def test_after_a_refused_write_its_cached_blocks_serve_nobody(async_scheduling, 
     assert len(guarded.finished) == 32
 
 
-def test_a_refused_request_preempted_before_its_refusal_arrives_leaves_nothing_cached(monkeypatch):
-    """Async scheduling: the worker refuses the victim at step N, and vLLM's scheduler preempts it
-    at step N + 1, before step N's output (which carries the refusal) is processed. The blocks
-    vLLM hashed for the victim's refused step were never written; the victim holds no block any
-    more when its refusal arrives, and its blocks must leave vLLM's prefix cache all the same:
-    left there, the bystanders of its tenant that hit them read what nobody wrote (and were
-    refused for it). Every bystander is served as in the run without the bug."""
-    import time
-
+def _act_between_refusal_and_output(monkeypatch, act) -> tuple[RealEngine, RealEngine, str]:
+    """Async scheduling: the worker refuses the victim (a long prompt whose computed-token count
+    races its writes, :func:`computed_token_race`) at step N, and ``act(scheduler, request)``
+    runs at vLLM's next ``schedule``, before step N's output (which carries the refusal) is
+    processed. Returns the guarded run, the run without kvguard, and the victim's id."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     rc = RealConfig(num_blocks=40, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=512, async_scheduling=True)
@@ -443,24 +439,42 @@ def test_a_refused_request_preempted_before_its_refusal_arrives_leaves_nothing_c
 
     clean = run_real(rc, fill, guarded=False)
     schedule = Scheduler.schedule
-    preempted = []
+    acted = []
 
-    def preempting(self, *args, **kwargs):
+    def acting(self, *args, **kwargs):
         e = engine.get("e")
         req = self.requests.get(victim)
         refused = e is not None and e.guard is not None and any(rid == victim for _, rid, _ in e.refusals())
-        if not preempted and refused and req is not None and req in self.running:
-            preempted.append(True)
-            self.running.remove(req)
-            self._preempt_request(req, time.monotonic())
-            self.waiting.prepend_request(req)
+        if not acted and refused and req is not None and not req.is_finished() and act(self, req):
+            acted.append(True)
         return schedule(self, *args, **kwargs)
 
-    monkeypatch.setattr(Scheduler, "schedule", preempting)
+    monkeypatch.setattr(Scheduler, "schedule", acting)
     computed_token_race(monkeypatch, victim)
     guarded = run_real(rc, fill, guarded=True)
-    assert preempted, "the victim was preempted between its refusal and the output carrying it"
+    assert acted, "the victim was acted on between its refusal and the output carrying it"
     assert guarded.events.get("evict", 0) > 0, "the refused request's blocks leave vLLM's cache"
+    return guarded, clean, victim
+
+
+def test_a_refused_request_preempted_before_its_refusal_arrives_leaves_nothing_cached(monkeypatch):
+    """vLLM's scheduler preempts the refused victim before the output carrying its refusal is
+    processed. The blocks vLLM hashed for the victim's refused step were never written; the
+    victim holds no block any more when its refusal arrives, and its blocks must leave vLLM's
+    prefix cache all the same: left there, the bystanders of its tenant that hit them read what
+    nobody wrote (and were refused for it). Every bystander is served as in the run without
+    the bug."""
+    import time
+
+    def preempt(scheduler, req) -> bool:
+        if req not in scheduler.running:
+            return False
+        scheduler.running.remove(req)
+        scheduler._preempt_request(req, time.monotonic())
+        scheduler.waiting.prepend_request(req)
+        return True
+
+    guarded, clean, victim = _act_between_refusal_and_output(monkeypatch, preempt)
     check_contained(guarded, clean, victim, {"unwritten_slots"})
 
 
@@ -627,46 +641,20 @@ def test_a_saltless_hasher_in_a_busy_run_refuses_exactly_the_cross_tenant_hits(a
 
 @pytest.mark.parametrize("finish", ["aborted", "stopped"])
 def test_a_refused_request_that_finishes_before_its_refusal_arrives_leaves_nothing_cached(finish, monkeypatch):
-    """Async scheduling: the worker refuses the victim at step N, and the victim finishes (a
-    client's abort, or a stop vLLM's scheduler is told of) before step N's output, which carries
-    the refusal, is processed. vLLM has popped its blocks by then; the blocks it hashed for the
-    refused step were never written and must leave vLLM's prefix cache all the same: left there,
-    the bystanders of its tenant that hit them read what nobody wrote (and were refused for it).
-    Every bystander is served as in the run without the bug."""
-    from vllm.v1.core.sched.scheduler import Scheduler
+    """The refused victim finishes (a client's abort, or a stop vLLM's scheduler is told of)
+    before the output carrying its refusal is processed. vLLM has popped its blocks by then;
+    the blocks it hashed for the refused step were never written and must leave vLLM's prefix
+    cache all the same: left there, the bystanders of its tenant that hit them read what nobody
+    wrote (and were refused for it). Every bystander is served as in the run without the bug."""
     from vllm.v1.request import RequestStatus
 
     status = RequestStatus.FINISHED_ABORTED if finish == "aborted" else RequestStatus.FINISHED_STOPPED
-    rc = RealConfig(num_blocks=40, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=512, async_scheduling=True)
-    victim = "long-prompt"
-    prompt = list(range(100, 190))
-    engine = {}
 
-    def fill(e: RealEngine) -> None:
-        engine["e"] = e
-        e.add("other", list(range(1, 20)), 20)
-        e.add(victim, prompt, 5)
-        e.run()
-        _more_work(e, prompt)
+    def finishing(scheduler, req) -> bool:
+        scheduler.finish_requests(req.request_id, status)  # what EngineCore.abort_requests calls
+        return True
 
-    clean = run_real(rc, fill, guarded=False)
-    schedule = Scheduler.schedule
-    finished = []
-
-    def finishing(self, *args, **kwargs):
-        e = engine.get("e")
-        req = self.requests.get(victim)
-        refused = e is not None and e.guard is not None and any(rid == victim for _, rid, _ in e.refusals())
-        if not finished and refused and req is not None and not req.is_finished():
-            finished.append(True)
-            self.finish_requests(victim, status)  # what EngineCore.abort_requests calls
-        return schedule(self, *args, **kwargs)
-
-    monkeypatch.setattr(Scheduler, "schedule", finishing)
-    computed_token_race(monkeypatch, victim)
-    guarded = run_real(rc, fill, guarded=True)
-    assert finished, "the victim finished between its refusal and the output carrying it"
-    assert guarded.events.get("evict", 0) > 0, "the refused request's blocks leave vLLM's cache"
+    guarded, clean, victim = _act_between_refusal_and_output(monkeypatch, finishing)
     refusals = guarded.refusals()
     assert [rid for _, rid, _ in refusals] == [victim], refusals
     assert refusals[0][2].kind == "unwritten_slots"
