@@ -663,6 +663,15 @@ impl<'t> PinnedImport<'t> {
         receiver.refused(expected, error)
     }
 
+    /// [`refuse`](Self::refuse), with the pages kept pinned ([`fence`](Self::fence)) instead of
+    /// unpinned: for a transport whose transfer may still write them (a push refused before it
+    /// finished). Returns the refusal and the fence to lift once the sender is done.
+    pub fn refuse_fenced(self, expected: &ExpectedTransfer<'_>, error: TransferError) -> (TransferError, crate::Fence) {
+        let PinnedImport { receiver, ticket } = self;
+        let fence = ticket.fence();
+        (receiver.refused(expected, error), fence)
+    }
+
     /// Records that the transfer's WRITEs named `pages` outside the pinned ones (a hostile or
     /// buggy push): each is treated as overwritten ([`OwnershipTable::record_overwritten`]: its
     /// holders' coverage of it revoked, a violation by the receiving request naming it). The

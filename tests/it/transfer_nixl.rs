@@ -725,5 +725,198 @@ mod transfer {
             drop(pool);
             drop(engine);
         }
+
+        // ---- what may still land after a transfer decode gave up on -----------------------------
+
+        /// A pull whose READ was posted and timed out: releasing a READ in flight may not stop
+        /// it (NIXL tries to cancel, and may not), so its pages stay fenced with the READ's
+        /// handle (no next owner can be handed them, released or not) until NIXL reports the
+        /// READ complete; then they are zeroed and handed back. Before, they were unpinned at
+        /// once, and a late READ of 32 MiB pages landed in another tenant's pages after it
+        /// wrote them, which its reads then passed.
+        #[test]
+        fn a_pull_whose_read_timed_out_keeps_its_pages_fenced_until_the_read_completes() {
+            let Some((decode, prefill)) = agents("read-fence") else { return };
+            let page_size = 4u32;
+            let slot_bytes = 8u32 << 20; // 32 MiB pages: a READ that outlives a 1 ms deadline
+            let page_bytes = page_size * slot_bytes;
+            let npages = 4u32;
+            let mut decode_region = HostRegion::new(&decode, npages, page_bytes).unwrap();
+            let mut prefill_region = HostRegion::new(&prefill, npages, page_bytes).unwrap();
+            let mut decode_link =
+                NixlLink::connect(&decode, &prefill.metadata().unwrap(), prefill_region.layout()).unwrap();
+            let (prefill_md, decode_layout) = (decode.metadata().unwrap(), decode_region.layout());
+            let table = OwnershipTable::new(PoolConfig::new(npages, page_size, 8)).unwrap();
+            let prompt: Vec<u32> = (0..2 * page_size).collect();
+            table.admit(REQ, TENANT, prompt.len() as u64, 0).unwrap();
+            let refs = table.allocate(REQ, 2).unwrap();
+            let expected = ExpectedTransfer::for_prompt(REQ, TENANT, &prompt, &refs, page_size, slot_bytes);
+            let kv: Vec<Vec<u8>> = (0..2).map(|_| vec![0xA5u8; page_bytes as usize]).collect();
+            let header = TransferHeader { request: REQ, tenant: TENANT, sender: SenderId(1), page_size, slot_bytes };
+            let manifest = Manifest::build(header, &prompt, &refs, &kv).unwrap().encode();
+            for p in 0..2 {
+                prefill_region.bytes_mut(p, page_bytes).unwrap().fill(0xA5);
+            }
+            let (done_tx, done_rx) = mpsc::channel::<()>();
+            std::thread::scope(|s| {
+                s.spawn(move || {
+                    let mut link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
+                    let src: Vec<Extent> = (0..2).map(|page| Extent { page, len: page_bytes }).collect();
+                    let _ = link.stage(&src, REQ, &manifest, Instant::now() + Duration::from_secs(20));
+                    // A live prefill keeps its agent going until decode is done.
+                    let until = Instant::now() + Duration::from_secs(30);
+                    while Instant::now() < until && done_rx.try_recv().is_err() {
+                        let _ = link.wait(
+                            RequestId(777),
+                            &[NoticeKind::Released],
+                            Instant::now() + Duration::from_millis(20),
+                        );
+                    }
+                });
+                let pinned = Receiver::new(&table).pin(&expected).unwrap();
+                let until = Instant::now() + Duration::from_secs(10);
+                while decode_link.inbox_bytes() == 0 && Instant::now() < until {
+                    decode_link.send(&Notice::bare(NoticeKind::Declined, RequestId(999))).unwrap();
+                }
+                assert!(decode_link.inbox_bytes() > 0, "prefill staged its pages");
+                let deadline = Instant::now() + Duration::from_millis(1);
+                let r =
+                    decode_link
+                        .receive(Direction::Read, pinned, &expected, &mut decode_region, deadline, |_, _, _| Ok(()));
+                assert!(matches!(r, Err(ImportError::Aborted(NixlError::Timeout { .. }))), "{r:?}");
+                assert_eq!(decode_link.fenced(), 1, "the READ still in flight fences its pages");
+                // The request ends; its pages are not handed to the next one while fenced.
+                table.release(REQ).unwrap();
+                let pages: Vec<PageId> = refs.iter().map(|r| r.page).collect();
+                table.admit(RequestId(20), TenantId(20), 8, 0).unwrap();
+                assert!(table.claim(RequestId(20), &pages).is_err(), "a fenced page handed on");
+                // Once NIXL reports the READ complete, the fence is lifted and the pages zeroed.
+                let until = Instant::now() + Duration::from_secs(20);
+                while decode_link.fenced() > 0 && Instant::now() < until {
+                    decode_link.settle_fences(&table, &mut decode_region).unwrap();
+                }
+                let _ = done_tx.send(());
+                assert_eq!(decode_link.fenced(), 0, "the READ completed and its fence was lifted");
+                for p in &pages {
+                    assert!(decode_region.bytes(p.0, page_bytes).unwrap().iter().all(|&b| b == 0), "zeroed");
+                }
+                table.claim(RequestId(20), &pages).unwrap();
+            });
+        }
+
+        /// A push whose `Part` named a page outside the offer, then timed out: refused (the
+        /// page named is treated as overwritten), and the offered pages stay fenced, since the
+        /// rest of the push may still WRITE them. Before, they were unpinned.
+        #[test]
+        fn a_push_with_a_stray_part_that_times_out_is_refused_and_fenced() {
+            let Some((decode, prefill)) = agents("stray-fence") else { return };
+            let Pair { mut decode_region, prefill_region: _pr, mut decode_link, prefill_md, decode_layout } =
+                pair(&decode, &prefill);
+            let table = OwnershipTable::new(PoolConfig::new(PAGES, PAGE_SIZE, 24)).unwrap();
+            table.admit(REQ, TENANT, PROMPT.len() as u64, 2).unwrap();
+            let refs = table.allocate(REQ, 2).unwrap();
+            let expected = ExpectedTransfer::for_prompt(REQ, TENANT, &PROMPT, &refs, PAGE_SIZE, SLOT_BYTES);
+            std::thread::scope(|s| {
+                s.spawn(move || {
+                    let mut link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
+                    // A part naming page 7 (not offered); the rest of the push never comes.
+                    let stray = Extent { page: 7, len: PAGE_BYTES };
+                    link.send(&Notice { extents: vec![stray], ..Notice::bare(NoticeKind::Part, REQ) }).unwrap();
+                    let until = Instant::now() + Duration::from_millis(600);
+                    while Instant::now() < until {
+                        let _ = link.wait(
+                            RequestId(777),
+                            &[NoticeKind::Released],
+                            Instant::now() + Duration::from_millis(20),
+                        );
+                    }
+                });
+                let pinned = Receiver::new(&table).pin(&expected).unwrap();
+                let deadline = Instant::now() + Duration::from_millis(300);
+                let r = decode_link.receive(
+                    Direction::Write,
+                    pinned,
+                    &expected,
+                    &mut decode_region,
+                    deadline,
+                    |_, _, _| Ok(()),
+                );
+                assert!(matches!(r, Err(ImportError::Refused(TransferError::Pages { .. }))), "{r:?}");
+                assert_eq!(decode_link.fenced(), 1, "a push that did not finish stays fenced");
+                table.release(REQ).unwrap();
+                assert_eq!(table.snapshot().in_flight, 2, "its pages pinned past the request's end");
+            });
+        }
+
+        /// A retry after a push in parts timed out (its pages fenced): the first attempt's late
+        /// `Part` notices name only fenced pages and are not counted as the retry's; the retry
+        /// is accepted, its request not charged. Before, they were counted: the retry was
+        /// refused (`transfer_pages_mismatch`) and its request quarantined.
+        #[test]
+        fn a_retry_after_a_fenced_push_in_parts_is_not_charged_with_its_late_parts() {
+            let Some((decode, prefill)) = agents("retry-parts") else { return };
+            let Pair { mut decode_region, mut prefill_region, mut decode_link, prefill_md, decode_layout } =
+                pair(&decode, &prefill);
+            let table = OwnershipTable::new(PoolConfig::new(PAGES, PAGE_SIZE, 24)).unwrap();
+            table.admit(REQ, TENANT, PROMPT.len() as u64, 2).unwrap();
+            let first = table.allocate(REQ, 2).unwrap();
+            let (ask, asked) = mpsc::channel::<Vec<PageRef>>();
+            let prefill_region = &mut prefill_region;
+            let verdict = std::thread::scope(|s| {
+                s.spawn(move || {
+                    let mut link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
+                    link.set_parts(Some(1)); // one page a part
+                    let d1 = asked.recv().unwrap();
+                    let d2 = asked.recv().unwrap(); // the retry's offer: attempt 1 comes late
+                    std::thread::sleep(Duration::from_millis(100));
+                    for (base, dest) in [(3u32, &d1), (5u32, &d2)] {
+                        let (src, manifest) = prefilled(prefill_region, base, dest);
+                        let dp: Vec<PageId> = dest.iter().map(|r| r.page).collect();
+                        link.push(prefill_region, &src, &dp, REQ, &manifest, Instant::now() + Duration::from_secs(20))
+                            .unwrap();
+                    }
+                });
+                decode_link.expect(REQ);
+                let expected = ExpectedTransfer::for_prompt(REQ, TENANT, &PROMPT, &first, PAGE_SIZE, SLOT_BYTES);
+                let pinned = Receiver::new(&table).pin(&expected).unwrap();
+                ask.send(first.clone()).unwrap();
+                let deadline = Instant::now() + Duration::from_millis(50);
+                let r = decode_link.receive(
+                    Direction::Write,
+                    pinned,
+                    &expected,
+                    &mut decode_region,
+                    deadline,
+                    |_, _, _| Ok(()),
+                );
+                assert!(matches!(r, Err(ImportError::Aborted(NixlError::Timeout { .. }))), "{r:?}");
+                assert_eq!(decode_link.fenced(), 1);
+                table.release(REQ).unwrap();
+                table.admit(REQ, TENANT, PROMPT.len() as u64, 2).unwrap();
+                let second = table.allocate(REQ, 2).unwrap();
+                decode_link.expect(REQ);
+                let expected = ExpectedTransfer::for_prompt(REQ, TENANT, &PROMPT, &second, PAGE_SIZE, SLOT_BYTES);
+                let pinned = Receiver::new(&table).pin(&expected).unwrap();
+                ask.send(second.clone()).unwrap();
+                let deadline = Instant::now() + Duration::from_secs(20);
+                decode_link.receive(Direction::Write, pinned, &expected, &mut decode_region, deadline, |_, _, _| Ok(()))
+            });
+            let violations: Vec<_> = table.drain_violations().iter().map(|v| v.kind()).collect();
+            assert!(verdict.is_ok(), "the retry refused: {:?}; violations {violations:?}", verdict.err());
+            assert!(violations.is_empty(), "{violations:?}");
+            assert!(!table.request_info(REQ).unwrap().quarantined);
+        }
+
+        /// A push never truncates silently: more source pages than destinations is an error.
+        #[test]
+        fn a_push_of_more_pages_than_destinations_is_an_error() {
+            let Some((decode, prefill)) = agents("push-extents") else { return };
+            let Pair { decode_region: _dr, prefill_region, decode_link: _dl, prefill_md, decode_layout } =
+                pair(&decode, &prefill);
+            let link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
+            let src: Vec<Extent> = (0..2).map(|page| Extent { page, len: PAGE_BYTES }).collect();
+            let r = link.push(&prefill_region, &src, &[PageId(0)], REQ, &[], Instant::now() + Duration::from_secs(5));
+            assert!(matches!(r, Err(NixlError::Extents { .. })), "{r:?}");
+        }
     }
 }

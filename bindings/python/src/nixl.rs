@@ -596,16 +596,17 @@ impl NixlLink {
         Ok(self.link.try_lock().ok_or_else(|| busy("link"))?.forget(RequestId(request)))
     }
 
-    /// Pushes that timed out whose pages are still fenced: pinned in their table, out of every
-    /// other request's reach even once released, until the sender is known done with them.
+    /// Transfers whose pages are still fenced (pushes that did not finish, pulls whose READ did
+    /// not complete): pinned in their table, out of every other request's reach even once
+    /// released, until the transfer is known done with them.
     #[getter]
     fn fenced(&self) -> PyResult<usize> {
         Ok(self.link.try_lock().ok_or_else(|| busy("link"))?.fenced())
     }
 
-    /// Lifts the fences of timed-out pushes of `table` whose late notice has come (nothing more
-    /// of them will land): their pages are zeroed in `region` (a HostRegion or an EnginePool)
-    /// and unpinned. receive does it at its start and end; call it when idle too. Returns how
+    /// Lifts the fences of `table` whose transfer is done (a push's late notice has come, a
+    /// pull's READ completed: nothing more of them will land): their pages are zeroed in
+    /// `region` (a HostRegion or an EnginePool) and unpinned. receive does it at its start and end; call it when idle too. Returns how
     /// many were lifted.
     fn settle_fences(
         &self,
@@ -617,8 +618,8 @@ impl NixlLink {
             .and_then(|lifted| lifted.map_err(|e| nixl_error(py, &e)))
     }
 
-    /// Lifts every fence of `table`: the engine knows the peer is done (disconnected,
-    /// restarted), so no late WRITE can come. The pages are zeroed in `region` first.
+    /// Lifts every fence of `table`: the engine knows the peer is gone (disconnected, its
+    /// process ended, restarted), so no late WRITE or READ can land. The pages are zeroed in `region` first.
     fn release_fences(
         &self,
         py: Python<'_>,

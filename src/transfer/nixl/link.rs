@@ -62,6 +62,10 @@ pub struct NixlLink<'a> {
     abandoned: std::collections::VecDeque<(RequestId, Vec<PageRef>)>,
     /// Pushes that timed out: their pages stay pinned until the sender is done with them.
     fenced: Vec<Fence>,
+    /// Pulls whose READ was posted and did not complete (it timed out or failed): their pages
+    /// stay pinned, with the READ's handle, until NIXL reports it complete. Releasing a READ
+    /// still in flight does not stop it (NIXL tries to cancel, and may not).
+    read_fences: Vec<(Fence, Posted)>,
     /// Decode, once [`expect`](NixlLink::expect) was called: the requests it asked a peer
     /// for; notices for any other (with no fence and no abandoned pull) are dropped on arrival.
     expected: Option<std::collections::HashSet<RequestId>>,
@@ -88,6 +92,7 @@ impl<'a> NixlLink<'a> {
             inbox_bytes: 0,
             abandoned: std::collections::VecDeque::new(),
             fenced: Vec::new(),
+            read_fences: Vec::new(),
             expected: None,
             malformed: 0,
             unasked: 0,
@@ -174,6 +179,7 @@ impl<'a> NixlLink<'a> {
         expected.contains(&request)
             || waiting == Some(request)
             || self.fenced.iter().any(|f| f.request() == request)
+            || self.read_fences.iter().any(|(f, _)| f.request() == request)
             || self.abandoned.iter().any(|(r, _)| *r == request)
     }
 
@@ -203,9 +209,10 @@ impl<'a> NixlLink<'a> {
         self.inbox_bytes -= freed;
     }
 
-    /// Pushes that timed out whose pages are still fenced (see [`settle_fences`](Self::settle_fences)).
+    /// Transfers whose pages are still fenced (see [`settle_fences`](Self::settle_fences)):
+    /// pushes that timed out or failed, and pulls whose READ did not complete.
     pub fn fenced(&self) -> usize {
-        self.fenced.len()
+        self.fenced.len() + self.read_fences.len()
     }
 
     /// Lifts the fences of timed-out pushes whose sender is done: a push decode gave up on may
@@ -215,16 +222,30 @@ impl<'a> NixlLink<'a> {
     /// delivers it after the data: nothing more of it will land), its pages are zeroed in
     /// `region` and the fence lifted in `table` (the table the pages were pinned in). Runs at the
     /// start of every `receive`; call it also when idle. Returns how many fences were lifted.
+    ///
+    /// A pull whose READ did not complete (it timed out or failed) is fenced with the READ's
+    /// handle, and lifted the same way once NIXL reports that READ complete; one NIXL reports
+    /// failed stays fenced until [`release_fences`](Self::release_fences) (a failure is no
+    /// proof that nothing more lands).
     pub fn settle_fences<R: PageRegion + ?Sized>(
         &mut self,
         table: &OwnershipTable,
         region: &mut R,
     ) -> Result<usize, NixlError> {
+        let mut lifted = 0;
+        for (fence, mut read) in std::mem::take(&mut self.read_fences) {
+            if fence.is_in(table) && matches!(self.agent.poll(&mut read), Ok(true)) {
+                let pages: Vec<u32> = fence.pages().iter().map(|r| r.page.0).collect();
+                self.retire_fence(fence, &pages, table, region);
+                lifted += 1;
+            } else {
+                self.read_fences.push((fence, read));
+            }
+        }
         if self.fenced.is_empty() {
-            return Ok(0);
+            return Ok(lifted);
         }
         self.collect(None)?;
-        let mut lifted = 0;
         for fence in std::mem::take(&mut self.fenced) {
             if !fence.is_in(table) {
                 // Another table's (a link shared by several decode tables): settled with it.
@@ -251,13 +272,19 @@ impl<'a> NixlLink<'a> {
         Ok(lifted)
     }
 
-    /// Lifts every fence of `table`: the engine knows the peer is done (it disconnected, it
-    /// was restarted, its descriptors were invalidated), so no late WRITE can come. Zeroes the
-    /// pages first. Returns how many were lifted.
+    /// Lifts every fence of `table`: the engine knows the peer is gone (it disconnected, its
+    /// process ended, it was restarted), so no late WRITE or READ of it can land. (Decode
+    /// invalidating the peer's metadata is no such proof: it does not stop the peer writing
+    /// decode's memory.) Zeroes the pages first. Returns how many were lifted.
     pub fn release_fences<R: PageRegion + ?Sized>(&mut self, table: &OwnershipTable, region: &mut R) -> usize {
-        let (mine, others): (Vec<Fence>, Vec<Fence>) =
+        let (reads, other_reads): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.read_fences).into_iter().partition(|(f, _)| f.is_in(table));
+        self.read_fences = other_reads;
+        let (mut mine, others): (Vec<Fence>, Vec<Fence>) =
             std::mem::take(&mut self.fenced).into_iter().partition(|f| f.is_in(table));
         self.fenced = others;
+        // The READs' handles released with their fences: the peer is gone.
+        mine.extend(reads.into_iter().map(|(f, _)| f));
         let n = mine.len();
         for fence in mine {
             let pages: Vec<u32> = fence.pages().iter().map(|r| r.page.0).collect();
@@ -476,8 +503,13 @@ impl<'a> NixlLink<'a> {
         deadline: Instant,
         mut manifest: impl FnMut(std::ops::Range<usize>, bool, &mut [Posted]) -> Result<Vec<u8>, NixlError>,
     ) -> Result<(), NixlError> {
+        if src.len() != dest.len() {
+            // Never a silent truncation: a push names each of its pages' destination.
+            return Err(NixlError::Extents {
+                reason: format!("{} source pages, {} destination pages", src.len(), dest.len()),
+            });
+        }
         let written: Vec<Extent> = src.iter().zip(dest).map(|(s, d)| Extent { page: d.0, len: s.len }).collect();
-        let src = &src[..written.len()];
         let layout = local.layout();
         let ends = part_ends(&written, self.part_bytes);
         let mut posted: Vec<Posted> = Vec::with_capacity(ends.len());
@@ -617,9 +649,13 @@ impl<'a> NixlLink<'a> {
             Ok(found) => found,
             Err(_) if !strays.is_empty() => {
                 // A part's WRITE landed outside the offer: those pages hold bytes nobody asked for.
+                // The push did not finish: the rest of it may still WRITE the offered pages, so
+                // they stay fenced (refused, never handed on) until its sender is done.
                 pinned.overwritten(&strays);
                 let e = TransferError::Pages { expected: pinned_pages.len(), found: pinned_pages.len(), index: None };
-                return Err(ImportError::Refused(pinned.refuse(expected, e)));
+                let (e, fence) = pinned.refuse_fenced(expected, e);
+                self.fenced.push(fence);
+                return Err(ImportError::Refused(e));
             }
             Err(Waited::Declined) => {
                 pinned.abort();
@@ -636,9 +672,11 @@ impl<'a> NixlLink<'a> {
                     }
                     self.abandoned.push_back((request, pinned.pages().to_vec()));
                 }
-                if direction == Direction::Write && matches!(e, NixlError::Timeout { .. }) {
-                    // Prefill may still WRITE these pages: they stay pinned (out of every other
-                    // request's reach, released or not) until its late notice says it is done.
+                if direction == Direction::Write {
+                    // Prefill may still WRITE these pages (the wait timed out, or decode could
+                    // not read its notices: no proof either way): they stay pinned (out of
+                    // every other request's reach, released or not) until its late notice
+                    // says it is done.
                     self.fenced.push(pinned.fence());
                     return Err(ImportError::Aborted(e));
                 }
@@ -687,16 +725,21 @@ impl<'a> NixlLink<'a> {
         }
         if direction == Direction::Read {
             let src = &notice.extents[..landed.len()];
-            let read = self.agent.transfer(
-                Direction::Read,
-                &layout,
-                &landed,
-                &self.peer,
-                &self.peer_region,
-                src,
-                None,
-                deadline,
-            );
+            let posted = self.agent.post(Direction::Read, &layout, &landed, &self.peer, &self.peer_region, src, None);
+            let read = match posted {
+                // Never posted: nothing of it can land.
+                Err(e) => Err(e),
+                Ok(mut read) => match self.agent.wait(&mut read, deadline) {
+                    Ok(()) => Ok(()),
+                    Err(e) => {
+                        // Posted and not complete: releasing it may not stop it, and the READ
+                        // could land in these pages after their next owner wrote them. They
+                        // stay fenced with the READ's handle until NIXL reports it complete.
+                        self.read_fences.push((pinned.fence(), read));
+                        return Err(ImportError::Aborted(e));
+                    }
+                },
+            };
             // Naming what it read: prefill's wait for this attempt ends, no other's.
             let released =
                 self.send(&Notice { extents: notice.extents.clone(), ..Notice::bare(NoticeKind::Released, request) });
@@ -763,19 +806,23 @@ impl<'a> NixlLink<'a> {
                 Some(_) => &[NoticeKind::Part],
                 None => &[carrying, NoticeKind::Part, NoticeKind::Declined],
             };
-            // A late `Written` of a push of this request that timed out (its pages fenced) is not
-            // this transfer's: it stays in the inbox for `settle_fences`.
+            // A late `Written` or `Part` of a push of this request that timed out (its pages
+            // fenced) is not this transfer's: a `Written` stays in the inbox for
+            // `settle_fences`, a `Part` naming only fenced pages is dropped with its fence.
+            // (Fenced pages stay pinned: no later attempt of the request is offered them.)
             let fenced: Vec<Vec<PageRef>> = self
                 .fenced
                 .iter()
                 .filter(|f| f.request() == request && f.is_in(table))
                 .map(|f| f.pages().to_vec())
                 .collect();
-            let not_fenced = |n: &Notice| {
-                fenced.is_empty()
-                    || n.kind != NoticeKind::Written
-                    || !Manifest::decode(&n.manifest)
-                        .is_ok_and(|m| fenced.iter().any(|f| m.pages().iter().map(|e| e.dest).eq(f.iter().copied())))
+            let in_a_fence = |page: u32| fenced.iter().any(|f| f.iter().any(|r| r.page.0 == page));
+            let not_fenced = |n: &Notice| match n.kind {
+                _ if fenced.is_empty() => true,
+                NoticeKind::Written => !Manifest::decode(&n.manifest)
+                    .is_ok_and(|m| fenced.iter().any(|f| m.pages().iter().map(|e| e.dest).eq(f.iter().copied()))),
+                NoticeKind::Part => n.extents.is_empty() || !n.extents.iter().all(|e| in_a_fence(e.page)),
+                _ => true,
             };
             let n = self.wait_where(request, kinds, not_fenced, deadline).map_err(Waited::Failed)?;
             match n.kind {
