@@ -574,6 +574,13 @@ impl NixlLink {
         Ok(self.link.try_lock().ok_or_else(|| busy("link"))?.unasked())
     }
 
+    /// Notices dropped from a full inbox (oldest first) to make room: a transfer that lost one
+    /// times out (a push's pages fenced), never accepted on a guess.
+    #[getter]
+    fn evicted(&self) -> PyResult<u64> {
+        Ok(self.link.try_lock().ok_or_else(|| busy("link"))?.evicted())
+    }
+
     /// Bytes of notices kept for requests nobody waits for yet (at most 16 MiB).
     #[getter]
     fn inbox_bytes(&self) -> PyResult<usize> {

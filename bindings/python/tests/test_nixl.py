@@ -345,6 +345,7 @@ def test_notices_for_requests_decode_never_asked_for_are_dropped_on_arrival(pref
     assert (accepted.tokens, accepted.pages) == (len(PROMPT), 2)
     assert prefill.link.unasked - before == nixl_prefill.FLOOD
     assert prefill.link.inbox_bytes == 0
+    assert prefill.link.evicted == 0, "dropped on arrival, never kept: nothing evicted to make room"
 
 
 def test_a_notification_that_never_comes_times_out_and_records_nothing(prefill):

@@ -71,6 +71,7 @@ pub struct NixlLink<'a> {
     expected: Option<std::collections::HashSet<RequestId>>,
     malformed: u64,
     unasked: u64,
+    evicted: u64,
     part_bytes: Option<u64>,
 }
 
@@ -96,6 +97,7 @@ impl<'a> NixlLink<'a> {
             expected: None,
             malformed: 0,
             unasked: 0,
+            evicted: 0,
             part_bytes: Some(PART_BYTES),
         })
     }
@@ -170,6 +172,14 @@ impl<'a> NixlLink<'a> {
     /// [expecting](Self::expect).
     pub fn unasked(&self) -> u64 {
         self.unasked
+    }
+
+    /// Notices dropped from a full inbox ([`INBOX_CAP`], [`INBOX_BYTES`]), oldest first, to
+    /// make room. A transfer that loses one this way is never accepted on a guess: its wait
+    /// times out (a push's pages fenced), and a fence whose `Written` was dropped stays until
+    /// [`release_fences`](Self::release_fences). Counted so an operator sees a link flooded.
+    pub fn evicted(&self) -> u64 {
+        self.evicted
     }
 
     /// Whether a notice about `request` is kept: the link is not selective, or it expects the
@@ -341,6 +351,7 @@ impl<'a> NixlLink<'a> {
                     {
                         let oldest = self.inbox.remove(0);
                         self.inbox_bytes -= footprint(&oldest);
+                        self.evicted += 1;
                     }
                     self.inbox_bytes += size;
                     self.inbox.push(n);

@@ -506,6 +506,10 @@ class NixlLink:
     def unasked(self) -> int:
         """Notices a selective link dropped on arrival: for requests it did not expect."""
     @property
+    def evicted(self) -> int:
+        """Notices dropped from a full inbox (oldest first) to make room: a transfer that lost one
+        times out (a push's pages fenced), never accepted on a guess."""
+    @property
     def inbox_bytes(self) -> int:
         """Bytes of notices kept for requests nobody waits for yet (at most 16 MiB)."""
     def expect(self, request: int) -> None:
