@@ -618,6 +618,11 @@ impl<'t> PinnedImport<'t> {
         self.ticket.pages()
     }
 
+    /// The request the pages are pinned for.
+    pub fn request(&self) -> crate::RequestId {
+        self.ticket.request()
+    }
+
     /// [`Receiver::accept`] under the pin: `expected` must name the pages pinned
     /// ([`TransferError::Pages`] otherwise). `pages` are the bytes that landed (for a transport
     /// that wrote them in place, the pool's own pages; `land` may then do nothing).

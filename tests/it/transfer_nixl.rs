@@ -919,5 +919,49 @@ mod transfer {
             let r = link.push(&prefill_region, &src, &[PageId(0)], REQ, &[], Instant::now() + Duration::from_secs(5));
             assert!(matches!(r, Err(NixlError::Extents { .. })), "{r:?}");
         }
+
+        /// Decode gives up on an offered push without a receive (its request ended): the push
+        /// may still WRITE the pages offered, so `abandon` fences them (never handed on while it
+        /// may land) until its late `Written` comes; then they are zeroed and handed back.
+        #[test]
+        fn an_offered_push_given_up_on_keeps_its_pages_fenced_until_it_lands() {
+            let Some((decode, prefill)) = agents("abandon-push") else { return };
+            let Pair { mut decode_region, mut prefill_region, mut decode_link, prefill_md, decode_layout } =
+                pair(&decode, &prefill);
+            let table = OwnershipTable::new(PoolConfig::new(PAGES, PAGE_SIZE, 24)).unwrap();
+            table.admit(REQ, TENANT, PROMPT.len() as u64, 2).unwrap();
+            let refs = table.allocate(REQ, 2).unwrap();
+            let (go, gone) = mpsc::channel::<()>();
+            let prefill_region = &mut prefill_region;
+            let dest = refs.clone();
+            std::thread::scope(|s| {
+                s.spawn(move || {
+                    let link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
+                    gone.recv().unwrap(); // pushes only after decode gave up
+                    let (src, manifest) = prefilled(prefill_region, 3, &dest);
+                    let dp: Vec<PageId> = dest.iter().map(|r| r.page).collect();
+                    link.push(prefill_region, &src, &dp, REQ, &manifest, Instant::now() + Duration::from_secs(20))
+                        .unwrap();
+                });
+                decode_link.expect(REQ);
+                let expected = ExpectedTransfer::for_prompt(REQ, TENANT, &PROMPT, &refs, PAGE_SIZE, SLOT_BYTES);
+                let pinned = Receiver::new(&table).pin(&expected).unwrap();
+                decode_link.abandon(Direction::Write, pinned);
+                assert_eq!(decode_link.fenced(), 1);
+                table.release(REQ).unwrap();
+                assert_eq!(table.snapshot().in_flight, 2, "its pages pinned past the request's end");
+                go.send(()).unwrap();
+                let until = Instant::now() + Duration::from_secs(20);
+                while decode_link.fenced() > 0 && Instant::now() < until {
+                    decode_link.settle_fences(&table, &mut decode_region).unwrap();
+                }
+                assert_eq!(decode_link.fenced(), 0, "the late push landed and its fence was lifted");
+                assert_eq!(table.snapshot().in_flight, 0);
+                for r in &refs {
+                    assert!(decode_region.bytes(r.page.0, PAGE_BYTES).unwrap().iter().all(|&b| b == 0), "zeroed");
+                }
+            });
+            assert!(table.drain_violations().is_empty());
+        }
     }
 }

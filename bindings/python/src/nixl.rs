@@ -597,6 +597,22 @@ impl NixlLink {
         Ok(())
     }
 
+    /// Decode: gives up on `pinned` (a PinnedImport) without a receive, the request having
+    /// ended while its transfer was offered. direction 'write' (a push, which may still WRITE
+    /// the offered pages): they stay fenced until its late notice comes (settle_fences) or
+    /// release_fences; 'read' (a pull, nothing moved): unpinned. Never abort() an offered push.
+    fn abandon(&self, pinned: &Bound<'_, PinnedImport>, direction: &str) -> PyResult<()> {
+        let direction = match direction {
+            "write" => core::Direction::Write,
+            "read" => core::Direction::Read,
+            other => return Err(PyValueError::new_err(format!("direction must be 'write' or 'read', got {other:?}"))),
+        };
+        let mut link = self.link.try_lock().ok_or_else(|| busy("link"))?;
+        let (pin, _expected, _table) = pinned.get().take()?;
+        link.abandon(direction, pin);
+        Ok(())
+    }
+
     /// Decode: no longer expects `request` (given up on without a receive); its notices kept so
     /// far are dropped. Returns whether it was expected.
     fn forget(&self, request: u64) -> PyResult<bool> {

@@ -482,7 +482,8 @@ impl PinnedImport {
     }
 
     /// Gives up with no verdict on content: nothing recorded, the pages unpinned. A no-op once
-    /// the import has ended.
+    /// the import has ended. Not for a transfer offered to a peer that may still write the pages
+    /// (a NIXL push): NixlLink.abandon fences them instead.
     fn abort(&self) {
         if let Some(pin) = self.pin.lock().take() {
             pin.abort();

@@ -367,6 +367,31 @@ def test_a_notification_that_never_comes_times_out_and_records_nothing(prefill):
     assert d.table.snapshot().in_flight == 0
 
 
+@pytest.mark.parametrize("direction", ["write", "read"])
+def test_an_offered_transfer_given_up_on_without_a_receive_is_fenced_if_it_may_still_land(prefill, direction):
+    """The request ends while its transfer is pinned and offered: ``abandon`` ends the pinned
+    import. A push may still WRITE the offered pages: they stay fenced (released, not handed
+    out) until its late notice or release_fences. A pull moved nothing: its pages go back."""
+    d = Decode(prefill)
+    refs = d.pages()
+    before = prefill.link.fenced
+    pinned = d.receiver.pin(d.request, TENANT, PROMPT, refs, slot_bytes=SLOT_BYTES)
+    prefill.link.expect(d.request)
+    with pytest.raises(ValueError, match="direction"):
+        prefill.link.abandon(pinned, "sideways")
+    assert pinned.pinned, "a mistyped direction ends nothing"
+    prefill.link.abandon(pinned, direction)
+    assert not pinned.pinned
+    d.table.release(d.request)
+    if direction == "write":
+        assert prefill.link.fenced == before + 1
+        assert d.table.snapshot().in_flight == len(refs), "released, but not handed out"
+        assert prefill.link.release_fences(d.table, prefill.region) >= 1
+    else:
+        assert prefill.link.fenced == before
+    assert d.table.snapshot().in_flight == 0
+
+
 def test_a_push_decode_gave_up_on_stays_fenced_until_its_late_write_is_done(prefill):
     """Prefill pushes only after decode's wait timed out. Until that late WRITE is over, its pages
     are not handed out (released, they stay in flight); its notice lifts the fence, the pages

@@ -148,6 +148,30 @@ impl<'a> NixlLink<'a> {
         self.expected.get_or_insert_with(Default::default).insert(request);
     }
 
+    /// Decode: gives up on `pinned` without a [`receive`](Self::receive) (the request ended
+    /// while its transfer was offered). A push (`Direction::Write`) may still WRITE the offered
+    /// pages at any time: they are fenced, as for a push that timed out (lifted by its late
+    /// `Written` in [`settle_fences`](Self::settle_fences), or by
+    /// [`release_fences`](Self::release_fences)). A pull (`Direction::Read`) has moved nothing:
+    /// the pages are unpinned, and prefill's late `Staged` for it is answered when it comes.
+    /// Never [`PinnedImport::abort`] an offered push: that hands its pages on while it may land.
+    pub fn abandon(&mut self, direction: Direction, pinned: PinnedImport<'_>) {
+        let request = pinned.request();
+        match direction {
+            Direction::Write => self.fenced.push(pinned.fence()),
+            Direction::Read => {
+                if self.abandoned.len() == ABANDONED_CAP {
+                    self.abandoned.pop_front();
+                }
+                self.abandoned.push_back((request, pinned.pages().to_vec()));
+                pinned.abort();
+            }
+        }
+        if let Some(expected) = &mut self.expected {
+            expected.remove(&request);
+        }
+    }
+
     /// Decode: no longer expects `request` (the engine gave up on it without a
     /// [`receive`](Self::receive)); its notices still in the inbox are dropped. Returns whether
     /// it was expected.

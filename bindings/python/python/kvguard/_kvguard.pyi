@@ -432,7 +432,9 @@ class PinnedImport:
         pages: Sequence[Any],
         land: Callable[[int, PageRef, bytes], object] | None = None,
     ) -> Accepted: ...
-    def abort(self) -> None: ...
+    def abort(self) -> None:
+        """Gives up with no verdict: the pages unpinned. Not for a transfer a peer may still write
+        (a NIXL push offered): NixlLink.abandon fences its pages instead."""
     def __enter__(self) -> PinnedImport: ...
     def __exit__(self, *exc: object) -> bool: ...
 
@@ -514,6 +516,10 @@ class NixlLink:
         """Bytes of notices kept for requests nobody waits for yet (at most 16 MiB)."""
     def expect(self, request: int) -> None:
         """Decode: request's transfer is coming; the first call makes the link selective."""
+    def abandon(self, pinned: PinnedImport, direction: Literal["write", "read"]) -> None:
+        """Decode: gives up on pinned without a receive (its request ended while its transfer was
+        offered): a push's pages stay fenced until its late notice (settle_fences) or
+        release_fences; a pull's are unpinned. Never abort() an offered push."""
     def forget(self, request: int) -> bool: ...
     @property
     def fenced(self) -> int:
