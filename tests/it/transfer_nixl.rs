@@ -104,6 +104,33 @@ mod transfer {
             (src, manifest)
         }
 
+        /// A decode table with [`REQ`] admitted for [`PROMPT`] and its two pages allocated.
+        fn admitted() -> (OwnershipTable, Vec<PageRef>) {
+            let table = OwnershipTable::new(PoolConfig::new(PAGES, PAGE_SIZE, 24)).unwrap();
+            table.admit(REQ, TENANT, PROMPT.len() as u64, 2).unwrap();
+            let refs = table.allocate(REQ, 2).unwrap();
+            (table, refs)
+        }
+
+        /// A live peer: `link`'s agent moved along (no progress thread) until `until`, or `done()`.
+        fn keep_serving(link: &mut NixlLink<'_>, until: Instant, done: impl Fn() -> bool) {
+            while Instant::now() < until && !done() {
+                let _ = link.wait(RequestId(777), &[NoticeKind::Released], Instant::now() + Duration::from_millis(20));
+            }
+        }
+
+        /// `link.receive` into `region` with nothing to land (the bytes are written in place).
+        fn received(
+            link: &mut NixlLink<'_>,
+            direction: Direction,
+            pinned: kvguard::transfer::PinnedImport<'_>,
+            expected: &ExpectedTransfer<'_>,
+            region: &mut HostRegion,
+            deadline: Instant,
+        ) -> Result<kvguard::transfer::Accepted, ImportError> {
+            link.receive(direction, pinned, expected, region, deadline, |_, _, _| Ok(()))
+        }
+
         struct Outcome {
             verdict: Result<kvguard::transfer::Accepted, ImportError>,
             table: OwnershipTable,
@@ -765,14 +792,7 @@ mod transfer {
                     let src: Vec<Extent> = (0..2).map(|page| Extent { page, len: page_bytes }).collect();
                     let _ = link.stage(&src, REQ, &manifest, Instant::now() + Duration::from_secs(20));
                     // A live prefill keeps its agent going until decode is done.
-                    let until = Instant::now() + Duration::from_secs(30);
-                    while Instant::now() < until && done_rx.try_recv().is_err() {
-                        let _ = link.wait(
-                            RequestId(777),
-                            &[NoticeKind::Released],
-                            Instant::now() + Duration::from_millis(20),
-                        );
-                    }
+                    keep_serving(&mut link, Instant::now() + Duration::from_secs(30), || done_rx.try_recv().is_ok());
                 });
                 let pinned = Receiver::new(&table).pin(&expected).unwrap();
                 let until = Instant::now() + Duration::from_secs(10);
@@ -813,9 +833,7 @@ mod transfer {
             let Some((decode, prefill)) = agents("stray-fence") else { return };
             let Pair { mut decode_region, prefill_region: _pr, mut decode_link, prefill_md, decode_layout } =
                 pair(&decode, &prefill);
-            let table = OwnershipTable::new(PoolConfig::new(PAGES, PAGE_SIZE, 24)).unwrap();
-            table.admit(REQ, TENANT, PROMPT.len() as u64, 2).unwrap();
-            let refs = table.allocate(REQ, 2).unwrap();
+            let (table, refs) = admitted();
             let expected = ExpectedTransfer::for_prompt(REQ, TENANT, &PROMPT, &refs, PAGE_SIZE, SLOT_BYTES);
             std::thread::scope(|s| {
                 s.spawn(move || {
@@ -823,25 +841,11 @@ mod transfer {
                     // A part naming page 7 (not offered); the rest of the push never comes.
                     let stray = Extent { page: 7, len: PAGE_BYTES };
                     link.send(&Notice { extents: vec![stray], ..Notice::bare(NoticeKind::Part, REQ) }).unwrap();
-                    let until = Instant::now() + Duration::from_millis(600);
-                    while Instant::now() < until {
-                        let _ = link.wait(
-                            RequestId(777),
-                            &[NoticeKind::Released],
-                            Instant::now() + Duration::from_millis(20),
-                        );
-                    }
+                    keep_serving(&mut link, Instant::now() + Duration::from_millis(600), || false);
                 });
                 let pinned = Receiver::new(&table).pin(&expected).unwrap();
                 let deadline = Instant::now() + Duration::from_millis(300);
-                let r = decode_link.receive(
-                    Direction::Write,
-                    pinned,
-                    &expected,
-                    &mut decode_region,
-                    deadline,
-                    |_, _, _| Ok(()),
-                );
+                let r = received(&mut decode_link, Direction::Write, pinned, &expected, &mut decode_region, deadline);
                 assert!(matches!(r, Err(ImportError::Refused(TransferError::Pages { .. }))), "{r:?}");
                 assert_eq!(decode_link.fenced(), 1, "a push that did not finish stays fenced");
                 table.release(REQ).unwrap();
@@ -858,9 +862,7 @@ mod transfer {
             let Some((decode, prefill)) = agents("retry-parts") else { return };
             let Pair { mut decode_region, mut prefill_region, mut decode_link, prefill_md, decode_layout } =
                 pair(&decode, &prefill);
-            let table = OwnershipTable::new(PoolConfig::new(PAGES, PAGE_SIZE, 24)).unwrap();
-            table.admit(REQ, TENANT, PROMPT.len() as u64, 2).unwrap();
-            let first = table.allocate(REQ, 2).unwrap();
+            let (table, first) = admitted();
             let (ask, asked) = mpsc::channel::<Vec<PageRef>>();
             let prefill_region = &mut prefill_region;
             let verdict = std::thread::scope(|s| {
@@ -882,14 +884,7 @@ mod transfer {
                 let pinned = Receiver::new(&table).pin(&expected).unwrap();
                 ask.send(first.clone()).unwrap();
                 let deadline = Instant::now() + Duration::from_millis(50);
-                let r = decode_link.receive(
-                    Direction::Write,
-                    pinned,
-                    &expected,
-                    &mut decode_region,
-                    deadline,
-                    |_, _, _| Ok(()),
-                );
+                let r = received(&mut decode_link, Direction::Write, pinned, &expected, &mut decode_region, deadline);
                 assert!(matches!(r, Err(ImportError::Aborted(NixlError::Timeout { .. }))), "{r:?}");
                 assert_eq!(decode_link.fenced(), 1);
                 table.release(REQ).unwrap();
@@ -900,7 +895,7 @@ mod transfer {
                 let pinned = Receiver::new(&table).pin(&expected).unwrap();
                 ask.send(second.clone()).unwrap();
                 let deadline = Instant::now() + Duration::from_secs(20);
-                decode_link.receive(Direction::Write, pinned, &expected, &mut decode_region, deadline, |_, _, _| Ok(()))
+                received(&mut decode_link, Direction::Write, pinned, &expected, &mut decode_region, deadline)
             });
             let violations: Vec<_> = table.drain_violations().iter().map(|v| v.kind()).collect();
             assert!(verdict.is_ok(), "the retry refused: {:?}; violations {violations:?}", verdict.err());
@@ -928,9 +923,7 @@ mod transfer {
             let Some((decode, prefill)) = agents("abandon-push") else { return };
             let Pair { mut decode_region, mut prefill_region, mut decode_link, prefill_md, decode_layout } =
                 pair(&decode, &prefill);
-            let table = OwnershipTable::new(PoolConfig::new(PAGES, PAGE_SIZE, 24)).unwrap();
-            table.admit(REQ, TENANT, PROMPT.len() as u64, 2).unwrap();
-            let refs = table.allocate(REQ, 2).unwrap();
+            let (table, refs) = admitted();
             let (go, gone) = mpsc::channel::<()>();
             let prefill_region = &mut prefill_region;
             let dest = refs.clone();
