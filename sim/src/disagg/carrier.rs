@@ -248,10 +248,13 @@ pub(super) mod nixl {
                 src.push(Extent { page: k as u32, len });
             }
             match self.direction {
-                // Into the pages decode offered, position by position.
+                // Into the pages decode offered, position by position: a frame of another length
+                // (an injected fault) writes as many as both name, as a prefill that carried the
+                // wrong KV would; decode's check refuses it.
                 Direction::Write => {
-                    let dest: Vec<PageId> = dest.iter().map(|r| r.page).collect();
-                    self.link.push(self.region, &src, &dest, request, manifest, deadline)?
+                    let n = src.len().min(dest.len());
+                    let dest: Vec<PageId> = dest[..n].iter().map(|r| r.page).collect();
+                    self.link.push(self.region, &src[..n], &dest, request, manifest, deadline)?
                 }
                 Direction::Read => self.link.stage(&src, request, manifest, deadline)?,
             }
