@@ -379,6 +379,11 @@ class Guard(PageReleases):
         self._output_checked: set[int] = set()
         # id(Req.kv) -> (the record, the pages its request held alone when its row was freed).
         self._orphans: dict[int, tuple[Any, np.ndarray]] = {}
+        # request key -> pages a free by no request named while that request held them alone,
+        # kept from SGLang's free list (enforce) until it lets go: those it frees itself later
+        # are struck off; those it still holds when its row goes back are released then, SGLang's
+        # free carried out (see PageReleases._stray_free_ok).
+        self._stray_held: dict[int, set[int]] = {}
         # req_to_token row -> the KV record (Req.kv) of the request holding it.
         self._row_kv: list[Any] = [None] * rows
         self._qsl_decode = np.arange(rows + 1, dtype=np.int32)
@@ -892,18 +897,29 @@ class Guard(PageReleases):
         return key
 
     def release(self, req: Any) -> None:
-        """The request gives its row back: every hold and page it still has ends in kvguard."""
+        """The request gives its row back: every hold and page it still has ends in kvguard. The
+        pages a free by no request named while it held them alone, and that it still holds, go
+        back to SGLang now (that free carried out; see ``PageReleases._stray_owed``)."""
         key = self._keys.get(req.rid)
         if key is None or key not in self._admitted:
             return
         mine = self._page_key == key
+        owed = self._stray_owed(key, mine)
         if mine.any():
             # Pages the request still held alone when its row went back (SGLang frees them through
             # the row first): if it later releases through a row that is not its own any more,
             # they are returned from here, not from that row.
             self._orphans[id(req.kv)] = (req.kv, np.flatnonzero(mine))
         self._page_key[mine] = _NO_OWNER
+        self._page_key[owed] = _NO_OWNER
+        late = key in self._late_writers and self.policy == "enforce"
         self._end(key)
+        if late and len(owed):
+            # A failed transfer may still write them: released, never handed out again.
+            self._fenced.extend(owed.tolist())
+            self.metrics["late_write_fenced_pages"] += len(owed)
+        else:
+            self._give_back(owed)
         self._return_withheld()
 
     def _end(self, key: int) -> None:
@@ -912,6 +928,7 @@ class Guard(PageReleases):
         self._forget_checks(key)
         self._admitted.discard(key)
         self._output_checked.discard(key)
+        self._stray_held.pop(key, None)
         self._holds.pop(key, None)
         try:
             self.table.release(key)

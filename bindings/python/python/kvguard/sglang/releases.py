@@ -261,7 +261,12 @@ class PageReleases:
         ``checkpoint``, ``evict``): SGLang's own error paths free pages it handed out and no
         request claimed, which go back. A page a live request still holds, or one the allocator
         never handed out (already free: a double free), is refused: under enforce it stays out of
-        SGLang's free list, so it is never handed to two requests."""
+        SGLang's free list, so it is never handed to two requests. A live request's page goes
+        back when that request lets go: through its own free, or, if it never frees it (SGLang
+        stopped counting it at this free), when its row goes back (``_stray_owed``). The radix
+        cache's page goes back at its eviction; a double free's page is in the free list once
+        already. So SGLang's idle check, which counts a live request's and the cache's pages,
+        balances after each refusal with nothing counted twice."""
         inside = 0 <= page < self._page_limit
         owner = int(self._page_key[page]) if inside else _NO_OWNER
         prefix = int(self._page_prefix[page]) if inside else 0
@@ -285,8 +290,26 @@ class PageReleases:
         self._violation(None, v)
         if self.policy == "enforce":
             self.metrics["withheld_pages"] += 1
+            if owner != _NO_OWNER and not prefix:
+                # SGLang may count the page free from now on (its own error path freed a step's
+                # slots its lengths never counted): it goes back when its holder lets go.
+                self._stray_held.setdefault(owner, set()).add(page)
             return False
         return True
+
+    def _stray_owed(self, key: int, mine: np.ndarray) -> np.ndarray:
+        """Request ``key``'s row goes back: the pages a free by no request named while ``key``
+        held them alone (refused then) that it still holds alone now, i.e. that it never freed
+        itself. SGLang's free of them is carried out by the caller once ``key`` has ended, each
+        page once; they are taken out of ``mine`` (they are no orphans). SGLang's idle check
+        counts them free (``_check_full_pool``), so kept they would read as a leak."""
+        held = self._stray_held.pop(key, None)
+        if not held:
+            return np.zeros(0, dtype=np.int64)
+        pages = np.fromiter(held, dtype=np.int64, count=len(held))
+        owed = pages[mine[pages]]
+        mine[owed] = False
+        return owed
 
     def _release_owned(self, key: Any, pages: list[int]) -> list[int]:
         if key not in self._admitted:
@@ -294,6 +317,9 @@ class PageReleases:
             # free by no request.
             return [p for p in pages if self._stray_free_ok(p, None)]
         self._forget_checks(key)
+        held = self._stray_held.get(key)
+        if held:
+            held.difference_update(pages)  # freed by their holder: no longer owed
         try:
             self.table.release_pages(key, pages)
             ok = pages
@@ -360,6 +386,7 @@ class PageReleases:
         self._withheld.clear()
         self._fenced.clear()
         self._orphans.clear()
+        self._stray_held.clear()
         self._group_judged.clear()
         self._suspects.clear()
         self._row_key[:] = 0
