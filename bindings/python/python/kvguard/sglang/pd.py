@@ -723,7 +723,9 @@ def _hook_retraction() -> None:
     ``DecodePreallocQueue.resume_retracted_reqs`` copies it back into new pages
     (``decode.restore_kv_cache``) without any write kvguard follows. Both module names are
     wrapped once per process; each finds the guard of the ``ReqToTokenPool`` it works on
-    (``pool.kvguard_guard``). Raises ``ConfigError`` for an SGLang without them."""
+    (``pool.kvguard_guard``). Raises ``ConfigError`` for an SGLang without them. A backup SGLang
+    discards (``discard_kv_cache_backup``: a retracted request aborted, a host-staged receive
+    released) drops kvguard's record of it, where SGLang's modules name that function."""
     global _RETRACTION_HOOKED
     if _RETRACTION_HOOKED:
         return
@@ -763,7 +765,38 @@ def _hook_retraction() -> None:
 
     schedule_batch.backup_kv_cache = backup_kv_cache
     decode_module.restore_kv_cache = restore_kv_cache
+    _hook_backup_discard(decode_module)
     _RETRACTION_HOOKED = True
+
+
+def _hook_backup_discard(decode_module: Any) -> None:
+    """``discard_kv_cache_backup(req, tree_cache, backend)`` as the decode queues and the
+    scheduler's ``abort_request`` call it: the request's backup record goes with SGLang's backup
+    (no restore can follow: SGLang's restore needs the backup it dropped). Without this, each
+    request aborted while retracted left its record for the life of the server."""
+    modules = [decode_module]
+    try:
+        from sglang.srt.managers import scheduler as scheduler_module
+
+        modules.append(scheduler_module)
+    except ImportError:  # an SGLang whose scheduler does not import here: the decode queues' calls only
+        pass
+    for module in modules:
+        discard = getattr(module, "discard_kv_cache_backup", None)
+        if discard is None or getattr(discard, "_kvguard", False):
+            continue
+
+        def discard_kv_cache_backup(req: Any, tree_cache: Any, *args: Any, _inner: Any = discard, **kwargs: Any) -> Any:
+            try:
+                return _inner(req, tree_cache, *args, **kwargs)
+            finally:
+                pool = getattr(tree_cache, "req_to_token_pool", None)
+                guard = getattr(pool, "kvguard_guard", None)
+                if guard is not None:
+                    guard.__dict__.get(_BACKUPS_ATTR, {}).pop(getattr(req, "rid", None), None)
+
+        discard_kv_cache_backup._kvguard = True  # type: ignore[attr-defined]
+        module.discard_kv_cache_backup = discard_kv_cache_backup
 
 
 # ---- the plugin: SGLang's senders and receivers wrapped where SGLang creates them ----------------

@@ -543,11 +543,12 @@ def idle(s) -> bool:
             and not s.result_queue)
 
 
-def run_pd(prefill, decode, pairs, *, per_step: int = 4, max_steps: int = 100_000) -> dict:
+def run_pd(prefill, decode, pairs, *, per_step: int = 4, max_steps: int = 100_000, between=None) -> dict:
     """``pairs`` (prefill request, decode request) arrive ``per_step`` at a time, the decode side
     first (the router's order does not matter to SGLang; here the decode side's metadata is on the
     wire before prefill sends); both sides step until both are idle; returns what the decode side
-    finished (:func:`scheduler_rig.finished`)."""
+    finished (:func:`scheduler_rig.finished`). ``between``: called after each round of steps,
+    while neither loop runs (a client's abort, say)."""
     pending = list(pairs)
     for _ in range(max_steps):
         for p_req, d_req in pending[:per_step]:
@@ -557,6 +558,8 @@ def run_pd(prefill, decode, pairs, *, per_step: int = 4, max_steps: int = 100_00
         decode_step(decode)
         prefill_step(prefill)
         decode_step(decode)
+        if between is not None:
+            between()
         if not pending and idle(prefill) and idle(decode):
             return rig.finished(decode)
     raise AssertionError("the PD schedulers did not finish the workload")
