@@ -57,7 +57,10 @@ class TransferError(Error):
 class NixlError(Error):
     """The NIXL transport failed (wheel built with the `nixl` feature): no verdict on content."""
 
-    kind: str  # 'library' | 'call' | 'timeout' | 'declined' | 'extents' | 'notice'
+    kind: str  # 'library' | 'call' | 'timeout' | 'declined' | 'extents' | 'notice' | 'segment'
+    in_flight: list[int]
+    """A push that failed with WRITEs NIXL has not reported complete: the source pages they may
+    still read (reuse them once NixlLink.settle_pushes hands them back). Empty otherwise."""
 
 class TraceError(Error):
     line: int
@@ -190,6 +193,17 @@ class StepVerdict:
     @property
     def refused_mask(self) -> npt.NDArray[np.bool_]: ...
     def __len__(self) -> int: ...
+
+@final
+class PendingStep:
+    """A worker step begun by OwnershipTable.begin_record_and_verify_step."""
+
+    def result(self) -> tuple[list[tuple[int, Violation]], StepVerdict, list[tuple[int, Violation]], StepVerdict]:
+        """Waits for the step; (refused_early, writes, refused_late, reads), or raises what
+        apply_record_and_verify_step would have raised (again on a later call)."""
+    @property
+    def done(self) -> bool:
+        """Whether the step has run."""
 
 @final
 class RowCache:
@@ -342,6 +356,20 @@ class OwnershipTable:
         """vLLM's whole worker step in one call: the `early` events (as apply_events), then what
         record_and_verify_step does with `late`; (refused_early, writes, refused_late, reads).
         Every event, array and req_ids entry is checked before anything is applied."""
+    def begin_record_and_verify_step(
+        self,
+        early: Sequence[StepEvent] | None,
+        req_ids: Sequence[Id] | IntArray,
+        block_table: IntArray,
+        num_computed_tokens: Sequence[int] | IntArray,
+        num_scheduled_tokens: Sequence[int] | IntArray,
+        late: Sequence[StepEvent] | None = None,
+    ) -> PendingStep:
+        """apply_record_and_verify_step with its core step on kvguard's own thread: the arguments are
+        read and checked now (a malformed one raises here, nothing applied), the step runs beside the
+        caller, and PendingStep.result() returns what apply_record_and_verify_step returns. The block
+        table is read in place until result() returns (do not write it meanwhile); every other call on
+        the table waits for the step first."""
 
 @final
 class ImportTicket:
@@ -526,6 +554,16 @@ class NixlLink:
         """Timed-out pushes whose pages stay pinned until the sender is known done."""
     def settle_fences(self, table: OwnershipTable, region: HostRegion | EnginePool) -> int: ...
     def release_fences(self, table: OwnershipTable, region: HostRegion | EnginePool) -> int: ...
+    @property
+    def in_flight(self) -> list[tuple[int, list[int]]]:
+        """Prefill: (request, source pages) that WRITEs of failed pushes may still read: not to be
+        reused until settle_pushes hands them back."""
+    def settle_pushes(self) -> list[tuple[int, list[int]]]:
+        """Prefill: (request, source pages) of failed pushes whose WRITEs NIXL now reports
+        complete: free to reuse. A WRITE NIXL reports failed stays held until release_pushes."""
+    def release_pushes(self) -> list[tuple[int, list[int]]]:
+        """Prefill: every held push's (request, source pages), whatever NIXL says: the engine knows
+        none of their WRITEs can still run (the peer is gone and its transfers failed)."""
     def push(
         self,
         region: HostRegion | EnginePool,

@@ -98,6 +98,10 @@ class RealConfig:
     attention_chunk: int | None = None
     #: vLLM's ``speculative_config`` (e.g. ngram), or None.
     speculative: Any = None
+    #: The block tables' device copies apart from the host rows, as on a GPU (CPUModelRunner
+    #: makes them one tensor): attention and the slot mapping read what vLLM committed
+    #: (``commit_block_table``), not the host rows.
+    device_rows: bool = False
 
 
 # -- the slot-mapping kernel, in torch --------------------------------------------------------
@@ -241,6 +245,10 @@ class StandInWorker:
         # A new InputBatch (several groups): its device buffers are the host ones on CPU, as
         # CPUModelRunner makes them at construction.
         self.runner._postprocess_tensors()
+        if self.rc.device_rows:
+            for table in self.runner.input_batch.block_table.block_tables:
+                table.block_table.gpu = table.block_table.cpu.clone()
+                table.slot_mapping.gpu = table.slot_mapping.cpu.clone()
         self.kv = [np.full((config.num_blocks, self.rc.block_size), -1, dtype=np.int64) for _ in config.kv_cache_groups]
         self.windows = [
             g.kv_cache_spec.sliding_window if isinstance(g.kv_cache_spec, SlidingWindowSpec) else None
@@ -305,10 +313,10 @@ class StandInWorker:
         tables = batch.block_table.block_tables
         # Writes: through each group's slot mapping, as the attention backend's KV write does.
         for g, table in enumerate(tables):
-            slots = table.slot_mapping.cpu[:total].numpy()
+            slots = table.slot_mapping.gpu[:total].numpy()
             ok = slots >= 0
             self.kv[g].reshape(-1)[slots[ok]] = token[ok]
-        # Reads: every position attention reads, through the committed rows.
+        # Reads: every position attention reads, through the committed rows (the device copy).
         owned_by = self.scheduler.kv_cache_manager.get_block_ids if self.scheduler is not None else None
         reads = []
         for i, rid in enumerate(req_ids):
@@ -317,7 +325,7 @@ class StandInWorker:
             wrong = False
             full_read = None
             for g, table in enumerate(tables):
-                row = table.block_table.cpu[i].numpy()
+                row = table.block_table.gpu[i].numpy()
                 window = self.windows[g]
                 # A sliding window: what attention of the step's first token reads on (the
                 # later tokens read less).
