@@ -236,7 +236,13 @@ _UNCHECKED_POOLS = (
 def _unchecked_pools(scheduler: Any) -> list[str]:
     """What of the scheduler's KV memory kvguard cannot follow (each a reason): set where SGLang
     decides it, on the scheduler (a feature flag or the pool's kind)."""
-    return [why for flag, why in _UNCHECKED_POOLS if getattr(scheduler, flag, False) is True]
+    unchecked = [why for flag, why in _UNCHECKED_POOLS if getattr(scheduler, flag, False) is True]
+    if getattr(scheduler, "dllm_config", None) is not None:
+        unchecked.append(
+            "a diffusion LLM (dllm_config): its scheduler trims a running request's row "
+            "(_stash_dllm_context's free_segment) outside the calls kvguard follows"
+        )
+    return unchecked
 
 
 def _count_kept_pages(scheduler: Any) -> None:

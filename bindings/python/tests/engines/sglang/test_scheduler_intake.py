@@ -129,18 +129,20 @@ def test_a_request_of_input_embeddings_is_refused_at_intake():
         ("enable_hicache_storage", "storage"),
         ("enable_lmcache", "LMCache"),
         ("enable_unified_memory", "unified memory"),
+        ("dllm_config", "diffusion LLM"),
     ],
 )
 @pytest.mark.parametrize("policy", ["enforce", "report"])
 def test_kv_memory_kvguard_cannot_follow_is_refused_at_start_up(policy, flag, named):
     """A KV pool whose pages move where kvguard does not see (SGLang's SWA allocator's segment
     frees, HiCache's load-back, LMCache's loads, unified memory's compaction) or a state pool it
-    does not check (Mamba), as the scheduler records it: under enforce the scheduler does not
-    start (ConfigError naming it); under report it starts unguarded and says so."""
+    does not check (Mamba), or a scheduler that rewrites rows outside the calls kvguard follows
+    (a diffusion LLM's), as the scheduler records it: under enforce the scheduler does not start
+    (ConfigError naming it); under report it starts unguarded and says so."""
     import kvguard
 
     s = build_scheduler(page_size=16, tokens=2048, rows=8, context_len=CONTEXT)
-    setattr(s, flag, True)
+    setattr(s, flag, True if flag != "dllm_config" else object())
     if policy == "enforce":
         with pytest.raises(kvguard.ConfigError, match=named):
             attach_kvguard(s, policy)
