@@ -391,7 +391,7 @@ mod transfer {
             std::thread::scope(|s| {
                 let dest = refs.clone();
                 s.spawn(move || {
-                    let link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
+                    let mut link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
                     let (src, manifest) = prefilled(prefill_region, 3, &dest);
                     late.recv().unwrap();
                     let dest_pages: Vec<PageId> = dest.iter().map(|r| r.page).collect();
@@ -690,7 +690,7 @@ mod transfer {
             let Some((decode, prefill)) = agents("prompt-bad") else { return };
             let region = HostRegion::new(&decode, 2, PAGE_BYTES).unwrap();
             let prefill_region = HostRegion::new(&prefill, 2, PAGE_BYTES).unwrap();
-            let link = NixlLink::connect(&prefill, &decode.metadata().unwrap(), region.layout()).unwrap();
+            let mut link = NixlLink::connect(&prefill, &decode.metadata().unwrap(), region.layout()).unwrap();
             let header = TransferHeader {
                 request: REQ,
                 tenant: TENANT,
@@ -909,7 +909,7 @@ mod transfer {
             let Some((decode, prefill)) = agents("push-extents") else { return };
             let Pair { decode_region: _dr, prefill_region, decode_link: _dl, prefill_md, decode_layout } =
                 pair(&decode, &prefill);
-            let link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
+            let mut link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
             let src: Vec<Extent> = (0..2).map(|page| Extent { page, len: PAGE_BYTES }).collect();
             let r = link.push(&prefill_region, &src, &[PageId(0)], REQ, &[], Instant::now() + Duration::from_secs(5));
             assert!(matches!(r, Err(NixlError::Extents { .. })), "{r:?}");
@@ -929,7 +929,7 @@ mod transfer {
             let dest = refs.clone();
             std::thread::scope(|s| {
                 s.spawn(move || {
-                    let link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
+                    let mut link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
                     gone.recv().unwrap(); // pushes only after decode gave up
                     let (src, manifest) = prefilled(prefill_region, 3, &dest);
                     let dp: Vec<PageId> = dest.iter().map(|r| r.page).collect();
@@ -955,6 +955,122 @@ mod transfer {
                 }
             });
             assert!(table.drain_violations().is_empty());
+        }
+
+        // ---- what a push that failed may still read: prefill's source pages --------------------
+
+        /// A push whose deadline passes with its WRITEs in flight. Releasing a WRITE does not
+        /// stop it (on loopback TCP it goes on, and reads the source pages as they are *then*),
+        /// so the push reports the source pages its unfinished WRITEs may still read
+        /// (`NixlError::InFlight`) and the link keeps those WRITEs until NIXL reports them
+        /// complete (`settle_pushes`). An engine that writes the next tenant's KV into each
+        /// source page as soon as the library lets it go never sends that KV to decode. Before,
+        /// the WRITEs were released at the error and every page looked free: the late WRITEs
+        /// carried the next tenant's KV into decode's pages.
+        #[test]
+        fn a_push_that_fails_with_writes_in_flight_holds_its_source_pages_until_they_complete() {
+            const OURS: u8 = 0xA5;
+            const NEXT_TENANTS: u8 = 0xBB;
+            let Some((decode, prefill)) = agents("push-in-flight") else { return };
+            let page_bytes = 8u32 << 20; // 8 MiB pages, a part each: WRITEs outlive a passed deadline
+            let npages = 4u32;
+            let decode_region = HostRegion::new(&decode, npages, page_bytes).unwrap();
+            let mut prefill_region = HostRegion::new(&prefill, npages, page_bytes).unwrap();
+            let mut decode_link =
+                NixlLink::connect(&decode, &prefill.metadata().unwrap(), prefill_region.layout()).unwrap();
+            let mut link = NixlLink::connect(&prefill, &decode.metadata().unwrap(), decode_region.layout()).unwrap();
+            for p in 0..npages {
+                prefill_region.bytes_mut(p, page_bytes).unwrap().fill(OURS);
+            }
+            let src: Vec<Extent> = (0..npages).map(|page| Extent { page, len: page_bytes }).collect();
+            let dest: Vec<PageId> = (0..npages).map(PageId).collect();
+            let (done_tx, done_rx) = mpsc::channel::<()>();
+            let (err, handed) = std::thread::scope(|s| {
+                // A live decode: its agent moves along, so the WRITEs can complete.
+                s.spawn(move || {
+                    let until = Instant::now() + Duration::from_secs(60);
+                    keep_serving(&mut decode_link, until, || done_rx.try_recv().is_ok());
+                });
+                let err = link.push(&prefill_region, &src, &dest, REQ, &[], Instant::now()).unwrap_err();
+                // The engine reuses each source page as soon as the library lets it go.
+                let mut reuse = |pages: &[u32]| {
+                    for &p in pages {
+                        prefill_region.bytes_mut(p, page_bytes).unwrap().fill(NEXT_TENANTS);
+                    }
+                };
+                let free: Vec<u32> = (0..npages).filter(|p| !err.in_flight().contains(p)).collect();
+                reuse(&free);
+                let mut handed = Vec::new();
+                let until = Instant::now() + Duration::from_secs(30);
+                while !link.in_flight().is_empty() && Instant::now() < until {
+                    for (request, pages) in link.settle_pushes() {
+                        assert_eq!(request, REQ);
+                        reuse(&pages);
+                        handed.extend(pages);
+                    }
+                    std::thread::yield_now();
+                }
+                // Whatever of the push might still come lands meanwhile.
+                keep_serving(&mut link, Instant::now() + Duration::from_millis(500), || false);
+                let _ = done_tx.send(());
+                (err, handed)
+            });
+            for p in 0..npages {
+                assert!(
+                    !decode_region.bytes(p, page_bytes).unwrap().contains(&NEXT_TENANTS),
+                    "decode's page {p} holds the next tenant's KV: a source page was let go while a WRITE read it"
+                );
+            }
+            assert!(matches!(err.cause(), NixlError::Timeout { .. }), "{err}");
+            let mut held = err.in_flight().to_vec();
+            assert!(!held.is_empty(), "the push was posted and timed out with WRITEs in flight: {err}");
+            assert_eq!(link.in_flight(), vec![], "every WRITE completed");
+            held.sort_unstable();
+            let mut handed = handed;
+            handed.sort_unstable();
+            assert_eq!(handed, held, "the pages held are handed back, each once, when their WRITE completed");
+            // The WRITEs completed whole, with the KV the pages held when pushed.
+            for p in 0..npages {
+                assert!(decode_region.bytes(p, page_bytes).unwrap().iter().all(|&b| b == OURS), "page {p}");
+            }
+        }
+
+        /// A push with an extent outside its region (a source page past prefill's, or a
+        /// destination past decode's) in its last part posts nothing: every extent is checked
+        /// before the first part is posted, and nothing is held. Before, the first parts were
+        /// posted, released when the last one failed, and landed in decode's pages anyway.
+        #[test]
+        fn a_push_with_an_extent_outside_its_region_posts_nothing() {
+            let Some((decode, prefill)) = agents("push-outside") else { return };
+            let page_bytes = 8u32 << 20; // 8 MiB pages, a part each: the first parts still moving
+            let npages = 4u32;
+            let decode_region = HostRegion::new(&decode, npages, page_bytes).unwrap();
+            let mut prefill_region = HostRegion::new(&prefill, npages, page_bytes).unwrap();
+            let mut decode_link =
+                NixlLink::connect(&decode, &prefill.metadata().unwrap(), prefill_region.layout()).unwrap();
+            let mut link = NixlLink::connect(&prefill, &decode.metadata().unwrap(), decode_region.layout()).unwrap();
+            for p in 0..npages {
+                prefill_region.bytes_mut(p, page_bytes).unwrap().fill(0xA5);
+            }
+            let src: Vec<Extent> = (0..npages).map(|page| Extent { page, len: page_bytes }).collect();
+            let dest: Vec<PageId> = (0..npages).map(PageId).collect();
+            let mut outside_src = src.clone();
+            outside_src[3].page = npages;
+            let mut outside_dest = dest.clone();
+            outside_dest[3] = PageId(npages);
+            for (src, dest) in [(&outside_src, &dest), (&src, &outside_dest)] {
+                let r = link.push(&prefill_region, src, dest, REQ, &[], Instant::now() + Duration::from_secs(5));
+                assert!(matches!(r, Err(NixlError::Extents { .. })), "{r:?}");
+                assert_eq!(link.in_flight(), vec![]);
+            }
+            let until = Instant::now() + Duration::from_secs(2);
+            std::thread::scope(|s| {
+                s.spawn(|| keep_serving(&mut link, until, || false));
+                keep_serving(&mut decode_link, until, || false);
+            });
+            for p in 0..npages {
+                assert!(decode_region.bytes(p, page_bytes).unwrap().iter().all(|&b| b == 0), "page {p} was written");
+            }
         }
     }
 }

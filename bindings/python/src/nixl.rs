@@ -44,12 +44,16 @@ pyo3::create_exception!(
      'timeout' (the transfer or the notification did not come by the deadline), 'declined' (the\n\
      sender declined; ask again later), 'extents' (pages outside a region, a pool description\n\
      that does not fit), 'notice' (a malformed notice or region layout), 'segment' (memory\n\
-     kvguard cannot read from the host: a GPU pool without read/scrub callbacks)."
+     kvguard cannot read from the host: a GPU pool without read/scrub callbacks).\n\n\
+     Attribute in_flight: a push that failed after posting WRITEs NIXL has not reported\n\
+     complete lists the source pages (of the region pushed from) those WRITEs may still read:\n\
+     reuse them only once NixlLink.settle_pushes() hands them back. Empty otherwise."
 );
 
-/// A core transport error as a `NixlError` with its `.kind`.
+/// A core transport error as a `NixlError` with its `.kind` (of its cause, for a push that
+/// failed with WRITEs in flight) and `.in_flight` (the source pages those WRITEs may still read).
 fn nixl_error(py: Python<'_>, e: &core::NixlError) -> PyErr {
-    let kind = match e {
+    let kind = match e.cause() {
         core::NixlError::Library { .. } => "library",
         core::NixlError::Call { .. } => "call",
         core::NixlError::Timeout { .. } => "timeout",
@@ -58,12 +62,17 @@ fn nixl_error(py: Python<'_>, e: &core::NixlError) -> PyErr {
         core::NixlError::Segment { .. } => "segment",
         _ => "transport",
     };
-    with_kind(py, e.to_string(), kind)
+    with_pages(py, e.to_string(), kind, e.in_flight())
 }
 
 fn with_kind(py: Python<'_>, message: String, kind: &str) -> PyErr {
+    with_pages(py, message, kind, &[])
+}
+
+fn with_pages(py: Python<'_>, message: String, kind: &str, in_flight: &[u32]) -> PyErr {
     let err = NixlError::new_err(message);
-    if let Err(e) = err.value(py).setattr("kind", kind) {
+    let value = err.value(py);
+    if let Err(e) = value.setattr("kind", kind).and_then(|()| value.setattr("in_flight", in_flight.to_vec())) {
         return e;
     }
     err
@@ -652,11 +661,39 @@ impl NixlLink {
         self.with_fences(py, table, region, |link, table, region| link.release_fences(table, region))
     }
 
+    /// Prefill: [(request, [page])] the source pages that WRITEs of failed pushes may still
+    /// read (a push's NixlError.in_flight): not to be reused until settle_pushes hands them back.
+    #[getter]
+    fn in_flight(&self) -> PyResult<Vec<(u64, Vec<u32>)>> {
+        let link = self.link.try_lock().ok_or_else(|| busy("link"))?;
+        Ok(link.in_flight().into_iter().map(|(r, pages)| (r.0, pages)).collect())
+    }
+
+    /// Prefill: [(request, [page])] the source pages of failed pushes whose WRITEs NIXL now
+    /// reports complete: free to reuse. Moves UCX along; call it when idle too. A WRITE NIXL
+    /// reports failed stays held until release_pushes.
+    fn settle_pushes(&self, py: Python<'_>) -> PyResult<Vec<(u64, Vec<u32>)>> {
+        let mut link = self.link.try_lock().ok_or_else(|| busy("link"))?;
+        let link = &mut *link;
+        let done = py.detach(|| link.settle_pushes());
+        Ok(done.into_iter().map(|(r, pages)| (r.0, pages)).collect())
+    }
+
+    /// Prefill: [(request, [page])] every held push's source pages, whatever NIXL says: the
+    /// engine knows none of their WRITEs can still run (the peer is gone and its transfers
+    /// failed).
+    fn release_pushes(&self) -> PyResult<Vec<(u64, Vec<u32>)>> {
+        let mut link = self.link.try_lock().ok_or_else(|| busy("link"))?;
+        Ok(link.release_pushes().into_iter().map(|(r, pages)| (r.0, pages)).collect())
+    }
+
     /// Prefill, push: WRITEs `region`'s (a HostRegion or an EnginePool) extents `src`
     /// ([(page, length)]) into the peer's pages `dest` (ints or PageRefs, position by position)
     /// with the manifest (bytes) as the transfer's notification, delivered after the data;
     /// `request` is decode's int id.
-    /// Returns when the transfer completed; NixlError otherwise.
+    /// Returns when the transfer completed; NixlError otherwise: its in_flight lists the source
+    /// pages WRITEs NIXL has not reported complete may still read (reuse them once settle_pushes
+    /// hands them back); every other source page is free.
     #[pyo3(signature = (region, src, dest, request, manifest, *, timeout = 20.0))]
     #[allow(clippy::too_many_arguments)]
     fn push(
@@ -675,10 +712,10 @@ impl NixlLink {
         }
         let manifest = bytes_arg(manifest, "manifest")?;
         let deadline = deadline(timeout)?;
-        let link = self.link.try_lock().ok_or_else(|| busy("link"))?;
+        let mut link = self.link.try_lock().ok_or_else(|| busy("link"))?;
         let mut region = RegionArg::lock(region)?;
         // `&mut`: a HostRegion may be sent to another thread, not shared with one.
-        let (link, region) = (&*link, region.region());
+        let (link, region) = (&mut *link, region.region());
         py.detach(move || link.push(region, &src, &dest, RequestId(request), &manifest, deadline))
             .map_err(|e| nixl_error(py, &e))
     }
@@ -692,7 +729,8 @@ impl NixlLink {
     /// first pages of `src`, taken while waiting for decode's offer (`HostRegion.checksum`,
     /// `kvguard.page_checksum`); those pages are not checksummed again, and one changed since
     /// is refused by decode. NixlError (kind 'extents') when the extents do not fit the prompt
-    /// or `ahead` does not fit `src`, before anything is sent.
+    /// or `ahead` does not fit `src`, before anything is sent; a failure after posting is as
+    /// for push (NixlError.in_flight, settle_pushes).
     #[pyo3(signature = (region, src, dest, request, tenant, sender, page_size, slot_bytes, prompt, *, ahead = None, timeout = 20.0))]
     #[allow(clippy::too_many_arguments)]
     fn push_prompt(
@@ -732,9 +770,9 @@ impl NixlLink {
             slot_bytes,
         };
         let deadline = deadline(timeout)?;
-        let link = self.link.try_lock().ok_or_else(|| busy("link"))?;
+        let mut link = self.link.try_lock().ok_or_else(|| busy("link"))?;
         let mut region = RegionArg::lock(region)?;
-        let (link, region) = (&*link, region.region());
+        let (link, region) = (&mut *link, region.region());
         py.detach(move || link.push_prompt_ahead(region, &src, header, &prompt, &dest, &ahead, deadline))
             .map_err(|e| nixl_error(py, &e))
     }

@@ -421,6 +421,80 @@ def test_a_push_decode_gave_up_on_stays_fenced_until_its_late_write_is_done(pref
     assert d.table.check_read("next", [r.page for r in refs], 1).kind == "unwritten_slots"
 
 
+def test_a_push_that_fails_with_writes_in_flight_holds_its_source_pages_until_they_complete():
+    """Prefill (a second agent in this process) pushes 4 pages of 8 MiB with its deadline already
+    passed: push_prompt raises NixlError (kind timeout) whose in_flight names the source pages its
+    unfinished WRITEs may still read, and the link holds them (NixlLink.in_flight) until NIXL
+    reports those WRITEs complete (settle_pushes). Prefill writes the next tenant's KV into each
+    page as soon as the library lets it go; decode, still receiving, accepts the push: every page
+    landed with the KV pushed, none of the next tenant's. Before, the WRITEs were released at the
+    error and every page looked free (released WRITEs go on: the Rust twin of this test sees them
+    carry the next tenant's KV into decode's pages); here the released last part's notification
+    never came, and decode timed out."""
+    _nixl_or_skip()
+    import threading
+
+    page_size, slot_bytes, npages, request = 4, 2 << 20, 4, 1
+    page_bytes = page_size * slot_bytes
+    tag = f"{os.getpid()}-in-flight"
+    decode, prefill = kvguard.NixlAgent(f"decode-{tag}"), kvguard.NixlAgent(f"prefill-{tag}")
+    decode_region = kvguard.HostRegion(decode, npages, page_bytes)
+    prefill_region = kvguard.HostRegion(prefill, npages, page_bytes)
+    decode_link = kvguard.NixlLink(decode, prefill.metadata(), prefill_region.layout())
+    link = kvguard.NixlLink(prefill, decode.metadata(), decode_region.layout())
+    table = kvguard.OwnershipTable(kvguard.PoolConfig(npages, page_size, npages * page_size))
+    prompt = list(range(npages * page_size))
+    table.admit(request, TENANT, len(prompt), 0)
+    refs = table.allocate(request, npages)
+    ours, next_tenants = bytes([0xA5]) * page_bytes, bytes([0xBB]) * page_bytes
+    for page in range(npages):
+        prefill_region.write(page, ours)
+    pinned = kvguard.Receiver(table).pin(request, TENANT, prompt, refs, slot_bytes=slot_bytes)
+    decode_link.expect(request)
+    verdict, landed = [], []
+
+    def land(index, ref, data):
+        landed.append(bytes(data) == ours)
+
+    def receive():
+        try:
+            verdict.append(decode_link.receive(pinned, decode_region, direction="write", timeout=20.0, land=land))
+        except kvguard.Error as e:
+            verdict.append(e)
+
+    receiving = threading.Thread(target=receive)
+    receiving.start()
+    src = [(page, page_bytes) for page in range(npages)]
+    with pytest.raises(kvguard.NixlError) as failed:
+        link.push_prompt(prefill_region, src, refs, request, TENANT, 1, page_size, slot_bytes, prompt, timeout=0.0)
+    held = list(getattr(failed.value, "in_flight", []))
+    # The engine reuses each source page as soon as the library lets it go.
+    for page in range(npages):
+        if page not in held:
+            prefill_region.write(page, next_tenants)
+    handed, deadline = [], time.monotonic() + 30
+    while (receiving.is_alive() or link.in_flight) and time.monotonic() < deadline:
+        for r, pages in link.settle_pushes():
+            assert r == request
+            for page in pages:
+                prefill_region.write(page, next_tenants)
+            handed += pages
+        # A live prefill keeps calling NIXL (UCX moves only inside its calls): here it declines a
+        # request decode never asked for, which decode drops on arrival.
+        with pytest.raises(kvguard.NixlError):
+            link.decline(10_000, timeout=0.001)
+    receiving.join(timeout=30)
+    assert not receiving.is_alive()
+    assert isinstance(verdict[0], kvguard.Accepted), f"decode did not accept the push: {verdict[0]!r}"
+    assert verdict[0].tokens == len(prompt)
+    assert landed == [True] * npages, "every page landed with the KV pushed, none with the next tenant's"
+    assert failed.value.kind == "timeout", str(failed.value)
+    assert held, f"the push timed out with WRITEs in flight: {failed.value}"
+    assert link.in_flight == []
+    assert sorted(handed) == sorted(held), "the pages held are handed back, each once, when their WRITE completed"
+    assert link.release_pushes() == []
+
+
 def test_a_pinned_import_ends_once(prefill):
     d = Decode(prefill)
     refs = d.pages()

@@ -41,6 +41,11 @@ fn mem_type(segment: Segment) -> MemType {
     }
 }
 
+/// The NIXL call whose failure may leave part of a transfer running: the UCX back end releases
+/// the operations it had started, and a released UCX operation goes on (`ucp_request_free`).
+/// Every failure before it ([`NixlAgent::post`]'s checks, building the request) started nothing.
+pub(crate) const POST_CALL: &str = "postXferReq";
+
 fn call(call: &'static str) -> impl FnOnce(nixl_sys::NixlError) -> NixlError {
     move |e| NixlError::Call { call, reason: e.to_string() }
 }
@@ -122,8 +127,10 @@ impl NixlAgent {
     /// Moves bytes between `local` and the peer's `remote` pages: `op` Write copies each local
     /// extent into the remote extent at the same position, Read the reverse. `notification`
     /// (Write only) is delivered to the peer after the data. Waits until the transfer completes,
-    /// fails, or `deadline` passes; a transfer still in flight then is released (NIXL aborts it)
-    /// and the result is [`NixlError::Timeout`].
+    /// fails, or `deadline` passes; a transfer still in flight then is released and the result
+    /// is [`NixlError::Timeout`]. Releasing does not stop it (see [`Posted`]): after an error,
+    /// both sides' pages may still be read and written. [`NixlLink`](super::NixlLink)'s pushes
+    /// and pulls keep such a transfer's handle and its pages held instead.
     #[allow(clippy::too_many_arguments)]
     pub fn transfer(
         &self,
@@ -142,7 +149,7 @@ impl NixlAgent {
 
     /// Posts the transfer [`transfer`](Self::transfer) makes, without waiting: several may be in
     /// flight at once. [`poll`](Self::poll) or [`wait`](Self::wait) it; dropping it while in
-    /// flight releases it (NIXL aborts it).
+    /// flight releases it, which does not stop it (see [`Posted`]).
     #[allow(clippy::too_many_arguments)]
     pub fn post(
         &self,
@@ -185,7 +192,7 @@ impl NixlAgent {
             .agent
             .create_xfer_req(xfer_op, &local_list, &remote_list, peer, Some(&args))
             .map_err(call("createXferReq"))?;
-        let in_progress = self.agent.post_xfer_req(&request, Some(&args)).map_err(call("postXferReq"))?;
+        let in_progress = self.agent.post_xfer_req(&request, Some(&args)).map_err(call(POST_CALL))?;
         Ok(Posted { request, done: !in_progress })
     }
 
@@ -227,8 +234,16 @@ impl NixlAgent {
     }
 }
 
-/// A transfer [posted](NixlAgent::post) by an agent; released on drop (NIXL aborts it if it is
-/// still in flight).
+/// A transfer [posted](NixlAgent::post) by an agent; released on drop.
+///
+/// Releasing a transfer still in flight does not stop it. NIXL's `releaseXferReq` asks the back
+/// end to cancel it; the UCX back end cancels and frees each UCX operation still running
+/// (`ucp_request_cancel`, `ucp_request_free`) and reports success, but a UCX RMA operation goes
+/// on after it is freed (NIXL's own source: "it may not be enough to cancel UCX request"), and
+/// nixl-sys drops the status anyway. On loopback TCP a push of 4 WRITEs of 8 MiB released at
+/// their first poll still landed whole, carrying the bytes the source pages held *after* the
+/// release. Only [`NixlAgent::poll`] reporting it complete proves a transfer reads and writes
+/// nothing more.
 pub struct Posted {
     request: XferRequest,
     done: bool,

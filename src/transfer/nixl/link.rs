@@ -1,6 +1,7 @@
 //! The checked protocol between one prefill and one decode agent: pushes and pulls of a
 //! request's pages with the manifest riding along, and decode's receive, which fails closed.
 
+use super::agent::POST_CALL;
 use super::{Direction, Extent, NixlAgent, NixlError, Notice, NoticeKind, PageRegion, Posted, RegionLayout};
 use crate::ids::{PageId, PageRef, RequestId};
 use crate::transfer::{Accepted, ExpectedTransfer, Manifest, PinnedImport, TransferError, TransferHeader};
@@ -66,6 +67,9 @@ pub struct NixlLink<'a> {
     /// stay pinned, with the READ's handle, until NIXL reports it complete. Releasing a READ
     /// still in flight does not stop it (NIXL tries to cancel, and may not).
     read_fences: Vec<(Fence, Posted)>,
+    /// Prefill: WRITEs of pushes that failed, not reported complete by NIXL: their source pages
+    /// may still be read, until [`settle_pushes`](NixlLink::settle_pushes) hands them back.
+    pushes: Vec<PushWrite>,
     /// Decode, once [`expect`](NixlLink::expect) was called: the requests it asked a peer
     /// for; notices for any other (with no fence and no abandoned pull) are dropped on arrival.
     expected: Option<std::collections::HashSet<RequestId>>,
@@ -94,6 +98,7 @@ impl<'a> NixlLink<'a> {
             abandoned: std::collections::VecDeque::new(),
             fenced: Vec::new(),
             read_fences: Vec::new(),
+            pushes: Vec::new(),
             expected: None,
             malformed: 0,
             unasked: 0,
@@ -426,8 +431,17 @@ impl<'a> NixlLink<'a> {
     /// ([`set_parts`](Self::set_parts)), a larger transfer goes as several WRITEs posted at once,
     /// each but the last notified by a `Part` notice naming its extents, the last by `Written`
     /// (every extent, the manifest, the number of parts). Waits for completion.
+    ///
+    /// # Errors
+    /// [`NixlError::Extents`], before anything is sent, when `src` and `dest` differ in length
+    /// or an extent lies outside its region. A push that fails after posting a WRITE NIXL has
+    /// not reported complete (the deadline passed, a NIXL call failed, a later part could not
+    /// be posted) returns [`NixlError::InFlight`]: that WRITE may still read its source pages,
+    /// which the link keeps until NIXL reports it complete
+    /// ([`settle_pushes`](Self::settle_pushes) hands them back). Any other error leaves no WRITE
+    /// of the push reading: all its source pages are free.
     pub fn push<R: PageRegion + ?Sized>(
-        &self,
+        &mut self,
         local: &R,
         src: &[Extent],
         dest: &[PageId],
@@ -448,7 +462,7 @@ impl<'a> NixlLink<'a> {
     /// critical path. [`push_prompt_ahead`](Self::push_prompt_ahead) also takes the CRCs of
     /// pages checksummed before the offer came.
     pub fn push_prompt<R: PageRegion + ?Sized>(
-        &self,
+        &mut self,
         local: &R,
         src: &[Extent],
         header: TransferHeader,
@@ -473,7 +487,7 @@ impl<'a> NixlLink<'a> {
     /// otherwise as [`push`](Self::push).
     #[allow(clippy::too_many_arguments)]
     pub fn push_prompt_ahead<R: PageRegion + ?Sized>(
-        &self,
+        &mut self,
         local: &R,
         src: &[Extent],
         header: TransferHeader,
@@ -512,6 +526,7 @@ impl<'a> NixlLink<'a> {
         let bytes = src.iter().map(|e| local.page(e.page, e.len)).collect::<Result<Vec<_>, _>>()?;
         let mut sums: Vec<(usize, u32)> = Vec::with_capacity(src.len());
         sums.extend_from_slice(ahead);
+        let agent = self.agent;
         self.push_parts(local, src, &pages, header.request, deadline, |part, last, in_flight| {
             // Before part k is posted: the parts posted so far, and the last part itself (less
             // what was checksummed ahead).
@@ -519,7 +534,7 @@ impl<'a> NixlLink<'a> {
             for page in bytes.get(sums.len()..upto).unwrap_or_default() {
                 sums.push((page.len(), crc32fast::hash(page)));
                 for p in in_flight.iter_mut() {
-                    self.agent.poll(p)?;
+                    agent.poll(p)?;
                 }
             }
             if last { Ok(build(&sums)?.encode()) } else { Ok(Vec::new()) }
@@ -528,9 +543,11 @@ impl<'a> NixlLink<'a> {
 
     /// Posts `src` → `dest` in parts (see [`push`](Self::push)); before each part is posted,
     /// `manifest(the part's extents, is it the last part, parts in flight)` runs, and what it
-    /// returns for the last part is the manifest. Waits for every part.
+    /// returns for the last part is the manifest. Waits for every part. On an error once a
+    /// part was posted, the parts NIXL has not reported complete are kept with their source
+    /// pages ([`hold`](Self::hold)), never released.
     fn push_parts<R: PageRegion + ?Sized>(
-        &self,
+        &mut self,
         local: &R,
         src: &[Extent],
         dest: &[PageId],
@@ -546,11 +563,21 @@ impl<'a> NixlLink<'a> {
         }
         let written: Vec<Extent> = src.iter().zip(dest).map(|(s, d)| Extent { page: d.0, len: s.len }).collect();
         let layout = local.layout();
+        // Every extent checked before the first part is posted: a push that cannot be posted
+        // whole posts nothing (a later part refused would leave the earlier ones landing).
+        for (s, w) in src.iter().zip(&written) {
+            layout.extent_addr(s)?;
+            self.peer_region.extent_addr(w)?;
+        }
         let ends = part_ends(&written, self.part_bytes);
+        let agent = self.agent;
         let mut posted: Vec<Posted> = Vec::with_capacity(ends.len());
         let mut start = 0;
         for (k, &end) in ends.iter().enumerate() {
-            let made = manifest(start..end, k + 1 == ends.len(), &mut posted)?;
+            let made = match manifest(start..end, k + 1 == ends.len(), &mut posted) {
+                Ok(made) => made,
+                Err(e) => return Err(self.hold(request, src, &ends, posted, None, e)),
+            };
             let notice = if k + 1 == ends.len() {
                 Notice {
                     kind: NoticeKind::Written,
@@ -570,7 +597,7 @@ impl<'a> NixlLink<'a> {
                 }
             };
             let message = notice.encode();
-            posted.push(self.agent.post(
+            let part = agent.post(
                 Direction::Write,
                 &layout,
                 &src[start..end],
@@ -578,13 +605,108 @@ impl<'a> NixlLink<'a> {
                 &self.peer_region,
                 &written[start..end],
                 Some(&message),
-            )?);
+            );
+            match part {
+                Ok(part) => posted.push(part),
+                Err(e) => {
+                    // Posting itself failed: NIXL may have started part of this WRITE and let it
+                    // go on (no handle to wait for). Any earlier failure started nothing.
+                    let started = matches!(&e, NixlError::Call { call, .. } if *call == POST_CALL);
+                    return Err(self.hold(request, src, &ends, posted, started.then_some(start..end), e));
+                }
+            }
             start = end;
         }
-        for p in &mut posted {
-            self.agent.wait(p, deadline)?;
+        match posted.iter_mut().try_for_each(|part| agent.wait(part, deadline)) {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.hold(request, src, &ends, posted, None, e)),
         }
-        Ok(())
+    }
+
+    /// A push of `request` failed with `cause` after posting `posted` (the first parts of
+    /// `src`, split at `ends`), and perhaps part of the part at `started`: keeps every WRITE NIXL
+    /// has not reported complete (one more poll each), with its source pages. Those pages may
+    /// still be read: they are reported in [`NixlError::InFlight`], and handed back by
+    /// [`settle_pushes`](Self::settle_pushes) once NIXL reports the WRITE complete (a WRITE
+    /// it reports failed, or one posted part-way, only by
+    /// [`release_pushes`](Self::release_pushes)). `cause` itself when nothing is kept.
+    fn hold(
+        &mut self,
+        request: RequestId,
+        src: &[Extent],
+        ends: &[usize],
+        posted: Vec<Posted>,
+        started: Option<std::ops::Range<usize>>,
+        cause: NixlError,
+    ) -> NixlError {
+        let pages_of = |range: std::ops::Range<usize>| src[range].iter().map(|e| e.page).collect::<Vec<u32>>();
+        let mut held = Vec::new();
+        let mut start = 0;
+        for (mut part, &end) in posted.into_iter().zip(ends) {
+            let pages = pages_of(start..end);
+            start = end;
+            let failed = match self.agent.poll(&mut part) {
+                // Complete: nothing of it reads its pages any more.
+                Ok(true) => continue,
+                Ok(false) => false,
+                Err(_) => true,
+            };
+            held.extend_from_slice(&pages);
+            self.pushes.push(PushWrite { request, pages, posted: Some(part), failed });
+        }
+        if let Some(range) = started {
+            let pages = pages_of(range);
+            held.extend_from_slice(&pages);
+            self.pushes.push(PushWrite { request, pages, posted: None, failed: true });
+        }
+        if held.is_empty() {
+            return cause;
+        }
+        NixlError::InFlight { request, pages: held, cause: Box::new(cause) }
+    }
+
+    /// Prefill: the source pages that WRITEs of failed pushes may still read, by request (page
+    /// ids of the region each was pushed from, as in [`NixlError::InFlight`]): not to be
+    /// reused (written by another request's KV) until [`settle_pushes`](Self::settle_pushes)
+    /// hands them back. The prefill side's counterpart of decode's [`fenced`](Self::fenced).
+    pub fn in_flight(&self) -> Vec<(RequestId, Vec<u32>)> {
+        by_request(self.pushes.iter().map(|w| (w.request, w.pages.as_slice())))
+    }
+
+    /// Prefill: hands back the source pages of failed pushes whose WRITEs NIXL now reports
+    /// complete (nothing more of them is read), by request; polling moves UCX along, so an idle
+    /// prefill calls it too. A WRITE NIXL reports failed stays held until
+    /// [`release_pushes`](Self::release_pushes): a failure is no proof that nothing more is
+    /// read (NIXL's UCX back end reports one operation's failure while others of the transfer
+    /// may still run), and neither is releasing it (see [`Posted`]).
+    pub fn settle_pushes(&mut self) -> Vec<(RequestId, Vec<u32>)> {
+        let mut done = Vec::new();
+        for mut write in std::mem::take(&mut self.pushes) {
+            if !write.failed
+                && let Some(posted) = &mut write.posted
+            {
+                match self.agent.poll(posted) {
+                    Ok(true) => {
+                        done.push(write);
+                        continue;
+                    }
+                    Ok(false) => {}
+                    Err(_) => write.failed = true,
+                }
+            }
+            self.pushes.push(write);
+        }
+        by_request(done.iter().map(|w| (w.request, w.pages.as_slice())))
+    }
+
+    /// Prefill: hands back the source pages of every failed push still held, whatever NIXL
+    /// says, and releases their WRITEs: the engine knows none of them can still run (the peer
+    /// is gone: its process ended or it was restarted, and this agent's transfers to it
+    /// failed). Dropping the link releases them too, handing nothing back: keep the pages of
+    /// [`in_flight`](Self::in_flight) out of circulation until the agent itself is dropped.
+    pub fn release_pushes(&mut self) -> Vec<(RequestId, Vec<u32>)> {
+        let all = std::mem::take(&mut self.pushes);
+        by_request(all.iter().map(|w| (w.request, w.pages.as_slice())))
     }
 
     /// Prefill, pull: tells decode that `request`'s KV is staged in `local`'s extents `src`,
@@ -912,6 +1034,33 @@ impl NixlLink<'_> {
         self.send(&released)?;
         Ok(true)
     }
+}
+
+/// A WRITE of a push that failed, not reported complete by NIXL: the source pages it may still
+/// read.
+#[derive(Debug)]
+struct PushWrite {
+    request: RequestId,
+    /// Source pages of the region pushed from, in the order pushed.
+    pages: Vec<u32>,
+    /// Its handle, kept (never released) while it may run; `None` when posting it failed
+    /// part-way (NIXL gave no handle to wait for).
+    posted: Option<Posted>,
+    /// NIXL reported it failed, or posting it failed part-way: no completion will prove it
+    /// done; only [`NixlLink::release_pushes`] hands its pages back.
+    failed: bool,
+}
+
+/// Pages grouped by request, in the order each request first appears.
+fn by_request<'p>(writes: impl Iterator<Item = (RequestId, &'p [u32])>) -> Vec<(RequestId, Vec<u32>)> {
+    let mut out: Vec<(RequestId, Vec<u32>)> = Vec::new();
+    for (request, pages) in writes {
+        match out.iter_mut().find(|(r, _)| *r == request) {
+            Some((_, all)) => all.extend_from_slice(pages),
+            None => out.push((request, pages.to_vec())),
+        }
+    }
+    out
 }
 
 /// A pinned page's (length, CRC32) taken as its part landed, if it was.

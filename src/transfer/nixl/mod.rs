@@ -17,7 +17,10 @@
 //!   decode READs them and answers `Released` ([`NixlLink::stage`]);
 //! - decode checks the manifest against its own copy of the request and the landed bytes, and
 //!   records coverage only on success; on a refusal, an error, a timeout or a notification that
-//!   never comes, the import is aborted, nothing is readable, and the pages are scrubbed.
+//!   never comes, the import is aborted, nothing is readable, and the pages are scrubbed;
+//! - a push that fails with WRITEs still in flight (releasing them does not stop them) returns
+//!   [`NixlError::InFlight`], naming the source pages they may still read, and the link holds
+//!   those WRITEs until NIXL reports them complete ([`NixlLink::settle_pushes`]).
 //!
 //! The files: `agent.rs` is the FFI edge (`unsafe` allowed there only: loading the library,
 //! registering memory, the region's bytes); `notice.rs` the notification and layout wire
@@ -81,4 +84,39 @@ pub enum NixlError {
         /// What is wrong.
         reason: String,
     },
+    /// A push failed (`cause`) after posting WRITEs that NIXL has not reported complete: they
+    /// may still read `pages` (of the region pushed from) after the call returned, since
+    /// releasing a WRITE in flight does not stop it over UCX. Reuse those pages only once
+    /// [`NixlLink::settle_pushes`] hands them back; the push's other pages are free.
+    #[error(
+        "{cause}; {request}'s WRITEs may still read source pages {pages:?}: reuse them once settle_pushes hands them back"
+    )]
+    InFlight {
+        /// The request pushed.
+        request: crate::RequestId,
+        /// The source pages its unfinished WRITEs read, in the order pushed.
+        pages: Vec<u32>,
+        /// What made the push fail.
+        cause: Box<NixlError>,
+    },
+}
+
+impl NixlError {
+    /// The source pages a failed push's WRITEs may still read ([`NixlError::InFlight`]);
+    /// empty for any other error (nothing of it reads any page after it returned).
+    pub fn in_flight(&self) -> &[u32] {
+        match self {
+            NixlError::InFlight { pages, .. } => pages,
+            _ => &[],
+        }
+    }
+
+    /// What went wrong: under [`NixlError::InFlight`] its cause (a timeout, a NIXL call that
+    /// failed), otherwise the error itself.
+    pub fn cause(&self) -> &NixlError {
+        match self {
+            NixlError::InFlight { cause, .. } => cause.cause(),
+            other => other,
+        }
+    }
 }
