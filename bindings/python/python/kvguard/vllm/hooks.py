@@ -703,7 +703,19 @@ def annotate_output(owner: Any, output: Any, *, checked: bool = True) -> Any:
             return out
 
         output.get_output = get_output_with_refusals
+    elif _is_intermediate(output):
+        # A pipeline stage before the last: its output goes to the next stage, never to the
+        # scheduler, and the last stage checks the same rows and refuses the same requests.
+        # What awaits this stage's output is let go (it would pile up, step after step).
+        _with_device_refusals(owner, guard, device, step)
     return output
+
+
+def _is_intermediate(output: Any) -> bool:
+    """Whether ``output`` is a pipeline stage's hidden states for the next stage."""
+    from vllm.sequence import IntermediateTensors
+
+    return isinstance(output, IntermediateTensors)
 
 
 def _with_device_refusals(owner: Any, guard: Any, device: Any, step: int) -> dict[str, str]:

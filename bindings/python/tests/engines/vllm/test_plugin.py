@@ -227,6 +227,35 @@ def test_an_idle_steps_output_takes_no_device_verdict():
     assert step1.get_output().kvguard_refused == {"a": "kvguard refused a"}
 
 
+def test_a_pipeline_stage_before_the_last_lets_its_refusals_go():
+    """With pipeline parallelism a stage before the last returns vLLM's ``IntermediateTensors``
+    (its output goes to the next stage, not the scheduler; the last stage refuses the same
+    requests): the refusals its check kept for an output are let go there, not kept step after
+    step. A last stage's output still carries them."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.sequence import IntermediateTensors
+
+    from kvguard.vllm import hooks
+
+    class Refusal:
+        def client_message(self, rid):
+            return f"kvguard refused {rid}"
+
+    guard = SimpleNamespace(mode="enforce", device=None)
+    stage, last = SimpleNamespace(_kvguard=guard), SimpleNamespace(_kvguard=guard)
+    for step in range(3):
+        report = SimpleNamespace(refused={f"r{step}": Refusal()})
+        for owner in (stage, last):
+            hooks._pend(owner, guard, report)
+        hidden = IntermediateTensors({"hidden_states": torch.zeros(1)})
+        assert hooks.annotate_output(stage, hidden) is hidden
+        assert not stage._kvguard_refused, "a stage before the last keeps nothing"
+        out = hooks.annotate_output(last, SimpleNamespace(req_id_to_index={f"r{step}": 0}))
+        assert out.kvguard_refused == {f"r{step}": f"kvguard refused r{step}"}
+
+
 def test_a_device_finding_whose_record_was_lost_refuses_every_request_its_step_read():
     """Model Runner V2 on a GPU: the device flags a sequence of a step and its ring loses the
     record (``DeviceGuard.findings_lost`` grows): the sequence was fenced on the device, and the
