@@ -984,14 +984,19 @@ mod transfer {
             }
             let src: Vec<Extent> = (0..npages).map(|page| Extent { page, len: page_bytes }).collect();
             let dest: Vec<PageId> = (0..npages).map(PageId).collect();
+            // Decode's agent is not called yet, so it reads nothing from the socket: 32 MiB
+            // cannot all leave by the push's first poll.
+            let err = link.push(&prefill_region, &src, &dest, REQ, &[], Instant::now()).unwrap_err();
             let (done_tx, done_rx) = mpsc::channel::<()>();
-            let (err, handed) = std::thread::scope(|s| {
-                // A live decode: its agent moves along, so the WRITEs can complete.
+            let handed = std::thread::scope(|s| {
+                // A live decode from now on: its agent moves along, so the WRITEs can complete
+                // (until told, or until this side panicked).
                 s.spawn(move || {
                     let until = Instant::now() + Duration::from_secs(60);
-                    keep_serving(&mut decode_link, until, || done_rx.try_recv().is_ok());
+                    keep_serving(&mut decode_link, until, || {
+                        !matches!(done_rx.try_recv(), Err(mpsc::TryRecvError::Empty))
+                    });
                 });
-                let err = link.push(&prefill_region, &src, &dest, REQ, &[], Instant::now()).unwrap_err();
                 // The engine reuses each source page as soon as the library lets it go.
                 let mut reuse = |pages: &[u32]| {
                     for &p in pages {
@@ -1013,7 +1018,7 @@ mod transfer {
                 // Whatever of the push might still come lands meanwhile.
                 keep_serving(&mut link, Instant::now() + Duration::from_millis(500), || false);
                 let _ = done_tx.send(());
-                (err, handed)
+                handed
             });
             for p in 0..npages {
                 assert!(

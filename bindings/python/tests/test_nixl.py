@@ -426,11 +426,11 @@ def test_a_push_that_fails_with_writes_in_flight_holds_its_source_pages_until_th
     passed: push_prompt raises NixlError (kind timeout) whose in_flight names the source pages its
     unfinished WRITEs may still read, and the link holds them (NixlLink.in_flight) until NIXL
     reports those WRITEs complete (settle_pushes). Prefill writes the next tenant's KV into each
-    page as soon as the library lets it go; decode, still receiving, accepts the push: every page
-    landed with the KV pushed, none of the next tenant's. Before, the WRITEs were released at the
-    error and every page looked free (released WRITEs go on: the Rust twin of this test sees them
-    carry the next tenant's KV into decode's pages); here the released last part's notification
-    never came, and decode timed out."""
+    page as soon as the library lets it go; decode, receiving from then on, accepts the push:
+    every page landed with the KV pushed, none of the next tenant's. Before, the WRITEs were
+    released at the error and every page looked free (released WRITEs go on: the Rust twin of
+    this test sees them carry the next tenant's KV into decode's pages); here the released last
+    part's notification never came, and decode timed out."""
     _nixl_or_skip()
     import threading
 
@@ -462,11 +462,13 @@ def test_a_push_that_fails_with_writes_in_flight_holds_its_source_pages_until_th
         except kvguard.Error as e:
             verdict.append(e)
 
-    receiving = threading.Thread(target=receive)
-    receiving.start()
     src = [(page, page_bytes) for page in range(npages)]
+    # Decode's agent is not called yet, so it reads nothing from the socket: 32 MiB cannot all
+    # leave by the push's first poll.
     with pytest.raises(kvguard.NixlError) as failed:
         link.push_prompt(prefill_region, src, refs, request, TENANT, 1, page_size, slot_bytes, prompt, timeout=0.0)
+    receiving = threading.Thread(target=receive)
+    receiving.start()
     held = list(getattr(failed.value, "in_flight", []))
     # The engine reuses each source page as soon as the library lets it go.
     for page in range(npages):
