@@ -25,11 +25,8 @@ over step pairs of (guarded - unguarded) / unguarded; the last line gives min / 
 over the rounds. ``--control`` puts a second unguarded engine in the guarded one's place: what
 the method reads when there is nothing to find. ``--part scheduler`` takes the worker check away
 from the guarded engine (its runner has no guard; the recorder and the hooks stay): the
-scheduler side's share alone, which judges nothing. The clock is wall time: the worker check's
-core step runs on kvguard's own thread beside vLLM's input preparation (``docs/vllm.md``), so
-the step's time is what vLLM waits for. ``--clock process``: the process's CPU time, both
-threads (what kvguard costs in CPU, wherever it runs); ``--clock cpu``: the engine thread's CPU
-time alone (before kvguard's thread, the method's clock).
+scheduler side's share alone, which judges nothing. The clock is the thread's CPU time
+(``--clock wall``: wall time); everything runs in the one thread.
 
 ``--instructions`` counts instead of timing (valgrind's callgrind): a child holding the two
 engines and one holding two unguarded ones, each under callgrind, only their ``--steps`` decode
@@ -47,7 +44,7 @@ unguarded engine's in the other: the difference comes from one execution, not tw
 and reads their mean, printing the range: the simulated misses move with the layout by hundreds
 of lines a step.
 
-    VLLM_TARGET_DEVICE=cpu python bindings/python/bench/vllm_core_step.py [--rounds 6] [--steps 200] [--control | --part all|scheduler] [--clock wall|process|cpu] [--prompt-tokens 32]
+    VLLM_TARGET_DEVICE=cpu python bindings/python/bench/vllm_core_step.py [--rounds 6] [--steps 200] [--control | --part all|scheduler] [--clock cpu|wall] [--prompt-tokens 32]
     VLLM_TARGET_DEVICE=cpu python bindings/python/bench/vllm_core_step.py --instructions [--cache-sim] [--solo | --split] [--part all|scheduler] [--steps 40] [--prompt-tokens 32] [--layouts N]
 """
 
@@ -379,7 +376,7 @@ def main() -> None:
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=200)
 parser.add_argument("--rounds", type=int, default=6)
-parser.add_argument("--clock", choices=["wall", "process", "cpu"], default="wall")
+parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
 parser.add_argument("--control", action="store_true", help="two unguarded engines (the method's own reading)")
 parser.add_argument("--part", choices=["all", "scheduler"], default="all", help="scheduler: no worker check")
 parser.add_argument("--instructions", action="store_true", help="instruction counts (callgrind) instead of time")
@@ -412,7 +409,7 @@ if args.control and args.part != "all":
     parser.error("--part goes without --control")
 if args.instructions and args.control:
     parser.error("--instructions runs the control itself")
-clock = {"cpu": time.thread_time, "process": time.process_time, "wall": time.perf_counter}[args.clock]
+clock = time.thread_time if args.clock == "cpu" else time.perf_counter
 
 if __name__ == "__main__":
     if args.serve and args.solo:

@@ -12,7 +12,6 @@
 //! | [`values`] | the plain values: pool config, page refs, infos, snapshot |
 //! | [`violation`] | `Violation`: a core violation, its ids named as the caller names them |
 //! | [`table`] | `OwnershipTable`, the one-call-per-step entry points and their verdict |
-//! | [`table::pending`] | `PendingStep`: a worker step whose core part runs on kvguard's own thread |
 //! | [`mirror`] | an engine plugin's mirror of its pool (kvguard.sglang's arrays) and a decode step judged against it |
 //! | [`table::import`] | `ImportTicket`: a KV transfer in flight, its pages pinned until it ends (the table's, as in the core: only `OwnershipTable.begin_import` makes one) |
 //! | [`transfer`] | manifests and the receiver |
@@ -22,9 +21,8 @@
 //!
 //! All `unsafe` of the Python binding lives in [`arrays`], [`names`] (a step's id list read with
 //! borrowed items), [`table::import`] and [`transfer`] (a ticket's or pin's borrow of its table, kept
-//! alive by the Python object), [`table::pending`] (a step on kvguard's thread reading its table and
-//! block table by address, both kept alive by the `PendingStep`), [`device`] and `nixl` (buffers
-//! borrowed from Python; a link's borrow of its agent), each block with its `// SAFETY:` argument.
+//! alive by the Python object), [`device`] and `nixl` (buffers borrowed from Python; a link's
+//! borrow of its agent), each block with its `// SAFETY:` argument.
 
 use pyo3::prelude::*;
 
@@ -67,7 +65,6 @@ fn _kvguard(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<table::OwnershipTable>()?;
     m.add_function(wrap_pyfunction!(mirror::mark_pages, m)?)?;
     m.add_class::<table::StepVerdict>()?;
-    m.add_class::<table::PendingStep>()?;
     m.add_class::<rows::RowCache>()?;
     m.add_class::<rows::HeldBlockTable>()?;
     m.add_class::<table::ImportTicket>()?;

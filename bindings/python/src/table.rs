@@ -20,9 +20,7 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList};
 
 pub mod import;
-pub mod pending;
 pub use import::ImportTicket;
-pub use pending::PendingStep;
 
 /// The ownership table of one KV pool: every page's owner request, tenant, generation and
 /// written slots; every attention read checked against it.
@@ -49,11 +47,8 @@ pub use pending::PendingStep;
 /// duration; the GIL is released while the table works.
 #[pyclass(frozen, module = "kvguard")]
 pub struct OwnershipTable {
-    /// The core table: read through [`table`](Self::table), which first waits for a step
-    /// running on kvguard's thread ([`pending`]); only that step reads it directly.
-    core_table: kvguard::OwnershipTable,
-    /// The names lock: through [`names`](Self::names), as the core table.
-    name_lock: Mutex<Names>,
+    table: kvguard::OwnershipTable,
+    names: Mutex<Names>,
     /// The last step's id objects (see [`names::StepIds`]).
     step_ids: Mutex<StepIds>,
     /// The worker step's scratch, kept for the next step (see [`StepRoom`]).
@@ -62,8 +57,6 @@ pub struct OwnershipTable {
     worker_rows: Mutex<kvguard::RowCache>,
     /// A token-slot table's rows as last checked clean (`cached=True` of verify_step_rows).
     slot_rows: Mutex<kvguard::step::SlotRowCache>,
-    /// A worker step running on kvguard's thread, if any (see [`pending`]).
-    pending: pending::Pending,
 }
 
 /// The verdict on a step: which rows may not run attention (reads), or whose writes were
@@ -381,7 +374,7 @@ fn refs_out(refs: Vec<kvguard::PageRef>) -> Vec<PageRef> {
 
 impl OwnershipTable {
     fn resolve(&self) -> impl FnOnce(&kvguard::Violation) -> Resolved + '_ {
-        move |v| self.names().lock().resolve(v)
+        move |v| self.names.lock().resolve(v)
     }
 
     /// A core error as a Python exception (a violation logged on the way).
@@ -392,7 +385,7 @@ impl OwnershipTable {
     /// The request a call names (not creating it).
     fn request(&self, obj: &Bound<'_, PyAny>) -> PyResult<RequestId> {
         let key = names::key(obj, "request")?;
-        Ok(self.names().lock().request(key))
+        Ok(self.names.lock().request(key))
     }
 
     /// The requests of a step: a list/tuple of ids (int or str), or a 1-D int array.
@@ -404,7 +397,7 @@ impl OwnershipTable {
 
     /// [`step_requests`](Self::step_requests) into `out` (its memory kept from the step before).
     fn step_requests_into(&self, req_ids: &Bound<'_, PyAny>, out: &mut Vec<RequestId>) -> PyResult<()> {
-        if let Some(read) = names::step_requests(req_ids, self.names(), &self.step_ids, out) {
+        if let Some(read) = names::step_requests(req_ids, &self.names, &self.step_ids, out) {
             return read;
         }
         let a = IntArray::open(req_ids, "req_ids", 1)?;
@@ -416,7 +409,7 @@ impl OwnershipTable {
     /// Converts a step verdict; `judged`: its violations are logged.
     fn verdict(&self, py: Python<'_>, v: kvguard::StepVerdict, rows: usize, judged: bool) -> PyResult<StepVerdict> {
         let resolved: Vec<(usize, kvguard::Violation, Resolved)> = {
-            let names = self.names().lock();
+            let names = self.names.lock();
             v.refused
                 .into_iter()
                 .map(|(i, v)| {
@@ -452,10 +445,10 @@ impl OwnershipTable {
             return Err(PyValueError::new_err(format!("block_tables has {} rows, {n} requests given", bt.len())));
         }
         let lens = IntArray::open(seq_lens, "seq_lens", 1)?.counts(n, "seq_lens")?;
-        let ps = u64::from(self.table().page_size());
+        let ps = u64::from(self.table.page_size());
         let mut converted = Vec::new();
         let reads = rows_as_reads(&bt, &requests, &lens, ps, &mut converted);
-        let table = self.table();
+        let table = &self.table;
         let v = py.detach(|| if judged { table.verify_step(&reads) } else { table.check_step(&reads) });
         drop(reads);
         self.verdict(py, v, n, judged)
@@ -502,7 +495,7 @@ impl OwnershipTable {
             let reads: Vec<kvguard::RowRead> = (0..n)
                 .map(|i| Ok(kvguard::RowRead { request: requests[i], row: row_index(rows[i])?, tokens: lens[i] }))
                 .collect::<PyResult<_>>()?;
-            let (core, cache) = (self.table(), &self.slot_rows);
+            let (core, cache) = (&self.table, &self.slot_rows);
             let v = py.detach(|| {
                 // Another thread's check holds the cache: a fresh one judges every row in full,
                 // with the same verdict.
@@ -531,8 +524,8 @@ impl OwnershipTable {
                 })
                 .collect::<PyResult<_>>()?;
             let mut converted = Vec::new();
-            let (table, reads) = slot_rows(&t, reads, self.table().config(), &mut converted)?;
-            let core = self.table();
+            let (table, reads) = slot_rows(&t, reads, self.table.config(), &mut converted)?;
+            let core = &self.table;
             let v = py.detach(|| {
                 if judged { core.verify_slot_rows(table, &reads) } else { core.check_slot_rows(table, &reads) }
             });
@@ -542,7 +535,7 @@ impl OwnershipTable {
         // int32 page rows are borrowed as they are; int64 rows and windows are converted, the
         // entries each request reads only, into one buffer.
         let direct = n > 0 && from.is_none() && t.row_pages(rows[0] as usize).is_some();
-        let windows = (!direct).then(|| window_pages(&t, &rows, &mut lens, from.as_deref(), self.table().config()));
+        let windows = (!direct).then(|| window_pages(&t, &rows, &mut lens, from.as_deref(), self.table.config()));
         let reads: Vec<SeqRead<'_>> = match &windows {
             Some(w) => w.reads(&requests, &lens),
             None => (0..n)
@@ -554,7 +547,7 @@ impl OwnershipTable {
                 })
                 .collect(),
         };
-        let core = self.table();
+        let core = &self.table;
         let v = py.detach(|| if judged { core.verify_step(&reads) } else { core.check_step(&reads) });
         self.verdict(py, v, n, judged)
     }
@@ -572,7 +565,7 @@ impl OwnershipTable {
         judged: bool,
     ) -> PyResult<StepVerdict> {
         let requests = self.step_requests(req_ids)?;
-        let v = crate::rows::step(py, self.table(), cache.get(), &requests, table, rows, seq_lens, judged)?;
+        let v = crate::rows::step(py, &self.table, cache.get(), &requests, table, rows, seq_lens, judged)?;
         self.verdict(py, v, requests.len(), judged)
     }
 
@@ -591,7 +584,7 @@ impl OwnershipTable {
         let indptr = IntArray::open(kv_indptr, "kv_indptr", 1)?.counts(n + 1, "kv_indptr")?;
         let indices = IntArray::open(kv_indices, "kv_indices", 1)?;
         let last = IntArray::open(kv_last_page_len, "kv_last_page_len", 1)?.counts(n, "kv_last_page_len")?;
-        let ps = u64::from(self.table().page_size());
+        let ps = u64::from(self.table.page_size());
         let mut spans = Vec::with_capacity(n);
         for i in 0..n {
             let (a, b) = (indptr[i], indptr[i + 1]);
@@ -619,7 +612,7 @@ impl OwnershipTable {
                 SeqRead { request: requests[i], block_table: &all[spans[i].clone()], tokens }
             })
             .collect();
-        let table = self.table();
+        let table = &self.table;
         let v = py.detach(|| if judged { table.verify_step(&reads) } else { table.check_step(&reads) });
         drop(reads);
         self.verdict(py, v, n, judged)
@@ -648,7 +641,7 @@ impl OwnershipTable {
         }
         let reads: Vec<SeqRead<'_, kvguard::PageRef>> =
             (0..n).map(|i| SeqRead { request: requests[i], block_table: &rows[i][..], tokens: lens[i] }).collect();
-        let table = self.table();
+        let table = &self.table;
         let v = py.detach(|| if judged { table.verify_step_refs(&reads) } else { table.check_step_refs(&reads) });
         drop(reads);
         self.verdict(py, v, n, judged)
@@ -691,7 +684,7 @@ impl OwnershipTable {
         py: Python<'_>,
         f: impl FnOnce(&kvguard::OwnershipTable) -> Result<T, kvguard::Error> + Send,
     ) -> PyResult<T> {
-        let table = self.table();
+        let table = &self.table;
         py.detach(|| f(table)).map_err(|e| self.err(py, e))
     }
 }
@@ -711,9 +704,8 @@ impl OwnershipTable {
             other => errors::Error::new_err(other.to_string()),
         })?;
         Ok(OwnershipTable {
-            core_table: table,
-            name_lock: Mutex::new(Names::default()),
-            pending: pending::Pending::default(),
+            table,
+            names: Mutex::new(Names::default()),
             step_ids: Mutex::default(),
             step_room: Mutex::default(),
             worker_rows: Mutex::default(),
@@ -724,13 +716,13 @@ impl OwnershipTable {
     /// The pool configuration.
     #[getter]
     fn config(&self) -> PoolConfig {
-        PoolConfig { inner: self.table().config().clone() }
+        PoolConfig { inner: self.table.config().clone() }
     }
 
     /// Token slots per page.
     #[getter]
     fn page_size(&self) -> u32 {
-        self.table().page_size()
+        self.table.page_size()
     }
 
     /// Admits `request` of `tenant` with `prompt_tokens` that may generate `max_new_tokens`.
@@ -745,16 +737,16 @@ impl OwnershipTable {
         max_new_tokens: u64,
     ) -> PyResult<()> {
         let (rk, tk) = (names::key(request, "request")?, names::key(tenant, "tenant")?);
-        let a = self.names().lock().admit(rk, tk);
-        let outcome = py.detach(|| self.table().admit(a.request, a.tenant, prompt_tokens, max_new_tokens));
+        let a = self.names.lock().admit(rk, tk);
+        let outcome = py.detach(|| self.table.admit(a.request, a.tenant, prompt_tokens, max_new_tokens));
         match outcome {
             Ok(()) => {
-                self.names().lock().admitted(a);
+                self.names.lock().admitted(a);
                 Ok(())
             }
             Err(e) => {
                 let err = self.err(py, e);
-                self.names().lock().refused(a);
+                self.names.lock().refused(a);
                 Err(err)
             }
         }
@@ -803,7 +795,7 @@ impl OwnershipTable {
         let all = pages_view(&pages, &mut buf);
         let claims: Vec<SeqClaim<'_>> =
             requests.iter().zip(spans).map(|(&request, span)| SeqClaim { request, pages: &all[span] }).collect();
-        let table = self.table();
+        let table = &self.table;
         let v = py.detach(|| table.claim_step(&claims));
         drop(claims);
         self.verdict(py, v, n, true)
@@ -883,7 +875,7 @@ impl OwnershipTable {
             Some(Ints::I64(q)) => step_writes(&requests, &q[..=n], all)?,
             None => step_writes(&requests, &(0..=n).map(|i| qsl.get(i, 0)).collect::<Vec<_>>(), all)?,
         };
-        let table = self.table();
+        let table = &self.table;
         let v = py.detach(|| table.record_step_writes(&writes));
         drop(writes);
         self.verdict(py, v, n, true)
@@ -919,7 +911,7 @@ impl OwnershipTable {
         let lens = PyList::new(py, [tokens])?;
         let v = self.step(py, list.as_any(), &bt, lens.as_any(), true)?;
         match v.refused.into_iter().next() {
-            Some((_, v)) if self.table().config().policy == kvguard::Policy::Enforce => {
+            Some((_, v)) if self.table.config().policy == kvguard::Policy::Enforce => {
                 Err(errors::violation_error(py, v))
             }
             _ => Ok(()),
@@ -936,11 +928,11 @@ impl OwnershipTable {
     ) -> PyResult<Option<Py<Violation>>> {
         let req = self.request(request)?;
         let refs = ref_list(refs, "refs")?;
-        let outcome = py.detach(|| self.table().check_read_refs(req, &refs, tokens));
+        let outcome = py.detach(|| self.table.check_read_refs(req, &refs, tokens));
         match outcome {
             Ok(()) => Ok(None),
             Err(v) => {
-                let r = self.names().lock().resolve(&v);
+                let r = self.names.lock().resolve(&v);
                 Violation::wrap(py, v, r).map(Some)
             }
         }
@@ -957,10 +949,10 @@ impl OwnershipTable {
         let req = self.request(request)?;
         let refs = ref_list(refs, "refs")?;
         let reads = [SeqRead { request: req, block_table: &refs[..], tokens }];
-        let v = py.detach(|| self.table().verify_step_refs(&reads));
+        let v = py.detach(|| self.table.verify_step_refs(&reads));
         let v = self.verdict(py, v, 1, true)?;
         match v.refused.into_iter().next() {
-            Some((_, v)) if self.table().config().policy == kvguard::Policy::Enforce => {
+            Some((_, v)) if self.table.config().policy == kvguard::Policy::Enforce => {
                 Err(errors::violation_error(py, v))
             }
             _ => Ok(()),
@@ -1006,7 +998,6 @@ impl OwnershipTable {
     /// apply_record_and_verify_step read a C-contiguous int32 block table (vLLM's) through the
     /// core's incremental rows; other arrays are checked in full and counted in neither.
     fn worker_row_counts(&self) -> (u64, u64) {
-        self.pending.settle();
         let cache = self.worker_rows.lock();
         (cache.incremental(), cache.full())
     }
@@ -1021,7 +1012,7 @@ impl OwnershipTable {
         seq_lens: &Bound<'_, PyAny>,
     ) -> PyResult<StepVerdict> {
         let requests = self.step_requests(req_ids)?;
-        let v = crate::rows::held_step(py, self.table(), held.get(), &requests, rows, seq_lens, false)?;
+        let v = crate::rows::held_step(py, &self.table, held.get(), &requests, rows, seq_lens, false)?;
         self.verdict(py, v, requests.len(), false)
     }
 
@@ -1045,7 +1036,7 @@ impl OwnershipTable {
         seq_lens: &Bound<'_, PyAny>,
     ) -> PyResult<StepVerdict> {
         let requests = self.step_requests(req_ids)?;
-        let v = crate::rows::held_step(py, self.table(), held.get(), &requests, rows, seq_lens, true)?;
+        let v = crate::rows::held_step(py, &self.table, held.get(), &requests, rows, seq_lens, true)?;
         self.verdict(py, v, requests.len(), true)
     }
 
@@ -1195,9 +1186,9 @@ impl OwnershipTable {
     /// quarantine lifted; a str id is forgotten. Releasing it again is double_free.
     fn release(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<Released> {
         let req = self.request(request)?;
-        let outcome = py.detach(|| self.table().release(req));
+        let outcome = py.detach(|| self.table.release(req));
         let out = outcome.map(Released::from).map_err(|e| self.err(py, e));
-        self.names().lock().forget(req);
+        self.names.lock().forget(req);
         out
     }
 
@@ -1286,8 +1277,8 @@ impl OwnershipTable {
     /// Lets other tenants attach to `tenant`'s prefixes (off by default).
     fn allow_cross_tenant_sharing(&self, tenant: &Bound<'_, PyAny>, allow: bool) -> PyResult<()> {
         let key = names::key(tenant, "tenant")?;
-        let id = self.names().lock().share(key, allow);
-        self.table().allow_cross_tenant_sharing(id, allow);
+        let id = self.names.lock().share(key, allow);
+        self.table.allow_cross_tenant_sharing(id, allow);
         Ok(())
     }
 
@@ -1296,15 +1287,15 @@ impl OwnershipTable {
     fn fork(&self, py: Python<'_>, parent: &Bound<'_, PyAny>, child: &Bound<'_, PyAny>) -> PyResult<()> {
         let parent = self.request(parent)?;
         let ck = names::key(child, "child")?;
-        let a = self.names().lock().fork(parent, ck);
-        match py.detach(|| self.table().fork(parent, a.request)) {
+        let a = self.names.lock().fork(parent, ck);
+        match py.detach(|| self.table.fork(parent, a.request)) {
             Ok(()) => {
-                self.names().lock().admitted(a);
+                self.names.lock().admitted(a);
                 Ok(())
             }
             Err(e) => {
                 let err = self.err(py, e);
-                self.names().lock().refused(a);
+                self.names.lock().refused(a);
                 Err(err)
             }
         }
@@ -1349,9 +1340,9 @@ impl OwnershipTable {
     /// (a device copy, an engine's own view) must refresh. Tracking starts with the first call,
     /// which lists every page of the pool.
     fn take_changed_pages(&self, py: Python<'_>) -> PyResult<Vec<(u32, PageInfo)>> {
-        let changed = py.detach(|| self.table().take_changed_pages());
+        let changed = py.detach(|| self.table.take_changed_pages());
         let resolved: Vec<_> = {
-            let names = self.names().lock();
+            let names = self.names.lock();
             changed
                 .into_iter()
                 .map(|(page, info)| {
@@ -1371,13 +1362,13 @@ impl OwnershipTable {
     /// on), and under enforce quarantines its request.
     fn record_violation(&self, py: Python<'_>, violation: &Bound<'_, Violation>) {
         let v = violation.get().inner.clone();
-        py.detach(|| self.table().record_violation(v));
+        py.detach(|| self.table.record_violation(v));
         log_violation(py, &violation.clone().unbind());
     }
 
     /// Page counts by state and other totals.
     fn snapshot(&self, py: Python<'_>) -> PoolSnapshot {
-        py.detach(|| self.table().snapshot()).into()
+        py.detach(|| self.table.snapshot()).into()
     }
 
     /// What the table knows about `page`, or None for an int that names no page of the pool
@@ -1393,9 +1384,9 @@ impl OwnershipTable {
                 return Err(pyo3::exceptions::PyTypeError::new_err(format!("page must be an int, got {ty}")));
             }
         };
-        let Some(info) = self.table().page_info(PageId(page)) else { return Ok(None) };
+        let Some(info) = self.table.page_info(PageId(page)) else { return Ok(None) };
         let (owner, tenant) = {
-            let names = self.names().lock();
+            let names = self.names.lock();
             (info.owner.map(|r| names.request_id(r)), info.tenant.map(|t| names.tenant_id(t)))
         };
         PageInfo::new(py, info, owner, tenant).map(Some)
@@ -1404,15 +1395,15 @@ impl OwnershipTable {
     /// What the table knows about an admitted request, or None.
     fn request_info(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<Option<RequestInfo>> {
         let req = self.request(request)?;
-        let Some(info) = self.table().request_info(req) else { return Ok(None) };
-        let tenant = self.names().lock().tenant_id(info.tenant);
+        let Some(info) = self.table.request_info(req) else { return Ok(None) };
+        let tenant = self.names.lock().tenant_id(info.tenant);
         RequestInfo::new(py, info, tenant).map(Some)
     }
 
     /// Violations seen per kind: {kind: count}, non-zero kinds only.
     fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
-        for (kind, n) in self.table().counters().nonzero() {
+        for (kind, n) in self.table.counters().nonzero() {
             d.set_item(kind.as_str(), n)?;
         }
         Ok(d)
@@ -1421,9 +1412,9 @@ impl OwnershipTable {
     /// Takes the logged violations (the last 1,024), oldest first. str ids of requests already
     /// released read as their interned ints.
     fn drain_violations(&self, py: Python<'_>) -> PyResult<Vec<Py<Violation>>> {
-        let drained = self.table().drain_violations();
+        let drained = self.table.drain_violations();
         let resolved: Vec<(kvguard::Violation, Resolved)> = {
-            let names = self.names().lock();
+            let names = self.names.lock();
             drained
                 .into_iter()
                 .map(|v| {
@@ -1444,21 +1435,21 @@ impl OwnershipTable {
     /// The int id the table uses for `tenant`: the int itself, or a held str's interned id.
     fn tenant_key(&self, tenant: &Bound<'_, PyAny>) -> PyResult<u64> {
         let key = names::key(tenant, "tenant")?;
-        Ok(self.names().lock().tenant(key).0)
+        Ok(self.names.lock().tenant(key).0)
     }
 
     /// (requests, tenants): str ids interned now. Flat over any number of released requests.
     fn interned(&self) -> (usize, usize) {
-        self.names().lock().len()
+        self.names.lock().len()
     }
 
     fn __repr__(&self) -> String {
-        let s = self.table().snapshot();
+        let s = self.table.snapshot();
         format!(
             "<kvguard.OwnershipTable {} pages x {} slots, policy {:?}: {} free, {} owned, {} shared, {} requests>",
             s.total_pages,
-            self.table().page_size(),
-            self.table().config().policy,
+            self.table.page_size(),
+            self.table.config().policy,
             s.free,
             s.owned,
             s.shared,
@@ -1531,13 +1522,13 @@ impl OwnershipTable {
         let arrays = MirrorArrays::open(row_keys, row_claimants, page_prefix, rows, slots)?;
         let owner = mirror::Lookup::new(&owner);
         let l = arrays.lookups();
-        let mirror = l.mirror(&owner, self.table().config().num_pages)?;
-        let writes = kvguard::step::decode_writes(mirror, &owner, &arrays.rows, &l.slots, self.table().page_size())
+        let mirror = l.mirror(&owner, self.table.config().num_pages)?;
+        let writes = kvguard::step::decode_writes(mirror, &owner, &arrays.rows, &l.slots, self.table.page_size())
             .map_err(mirror::mirror_error)?;
-        let table = self.table();
+        let table = &self.table;
         let v = py.detach(|| table.claim_decode(&writes));
         // (page, key) pairs as little-endian int64 bytes, numpy's view of them below.
-        let never = self.table().config().num_pages as usize;
+        let never = self.table.config().num_pages as usize;
         let mut granted: Vec<u8> = Vec::with_capacity(writes.claims.len() * 16);
         for c in writes.granted(&v).filter(|c| c.at(never) < never) {
             granted.extend_from_slice(&i64::from(c.page.0).to_le_bytes());
@@ -1591,7 +1582,7 @@ impl OwnershipTable {
         checked.apart("row_checked", &read, None)?;
         let cols = mirror::Lookup::new(&cols);
         let l = arrays.lookups();
-        let mirror = l.mirror(&mirror::Written(&owner), self.table().config().num_pages)?;
+        let mirror = l.mirror(&mirror::Written(&owner), self.table.config().num_pages)?;
         let write = kvguard::step::DecodeRowWrite { rows: &arrays.rows, cols: &cols, slots: &l.slots };
         // The core's write_decode_rows in its three parts: the plugin's arrays are read and
         // written with the GIL held (their SAFETY: see I64Mut), the table's claims made with it
@@ -1599,8 +1590,8 @@ impl OwnershipTable {
         // changes.
         let (mut owner_w, mut checked_w) = (mirror::Written(&owner), mirror::Written(&checked));
         let writes =
-            write.sort(mirror, &owner_w, checked.len(), self.table().page_size()).map_err(mirror::mirror_error)?;
-        let table = self.table();
+            write.sort(mirror, &owner_w, checked.len(), self.table.page_size()).map_err(mirror::mirror_error)?;
+        let table = &self.table;
         let v = if writes.claims.is_empty() {
             kvguard::StepVerdict::default() // the common step: nothing to claim, no GIL round trip
         } else {
@@ -1706,7 +1697,7 @@ impl OwnershipTable {
                 tokens: len_at.at(i) as u64,
             }
         };
-        let core = self.table();
+        let core = &self.table;
         // Each row's checked length as its window was read from (a row twice in the step moves
         // once, from the first).
         let read_from: Vec<i64> = (0..n).map(|i| checked.get(row_at.at(i) as usize)).collect();
@@ -1764,7 +1755,7 @@ impl OwnershipTable {
     /// it stay applied.
     fn apply_events(&self, py: Python<'_>, events: &Bound<'_, PyAny>) -> PyResult<Vec<(usize, Py<Violation>)>> {
         let events = crate::events::parse(events)?;
-        let outcome = py.detach(|| crate::events::apply(self.table(), self.names(), &events));
+        let outcome = py.detach(|| crate::events::apply(&self.table, &self.names, &events));
         self.refused_events(py, outcome)
     }
 
@@ -1796,13 +1787,10 @@ impl OwnershipTable {
         events: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<(StepVerdict, crate::events::RefusedForPython, StepVerdict)> {
         let step = StepArrays::open(req_ids, block_table, num_computed_tokens, num_scheduled_tokens)?;
-        let late = StepEvents::read(events, self.names())?;
-        match self.worker_step(py, &step, StepEvents::none(), late, &mut StepRoom::default(), None)? {
-            Stepped::Done((_, written, refused, read)) => Ok((written, refused, read)),
-            Stepped::Pending(_) => {
-                Err(pyo3::exceptions::PyRuntimeError::new_err("kvguard: a step ran in the background"))
-            }
-        }
+        let late = StepEvents::read(events, &self.names)?;
+        let (_, written, refused, read) =
+            self.worker_step(py, &step, StepEvents::none(), late, &mut StepRoom::default())?;
+        Ok((written, refused, read))
     }
 
     /// vLLM's whole worker step in one call, the GIL released once: applies the step's `early`
@@ -1830,109 +1818,22 @@ impl OwnershipTable {
         num_scheduled_tokens: &Bound<'_, PyAny>,
         late: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<StepOutcome> {
-        match self.worker_step_from(
-            py,
-            early,
-            req_ids,
-            block_table,
-            num_computed_tokens,
-            num_scheduled_tokens,
-            late,
-            None,
-        )? {
-            Stepped::Done(outcome) => Ok(outcome),
-            Stepped::Pending(_) => {
-                Err(pyo3::exceptions::PyRuntimeError::new_err("kvguard: a step ran in the background"))
-            }
-        }
-    }
-
-    /// apply_record_and_verify_step begun on kvguard's own thread, beside the engine's work:
-    /// returns a PendingStep whose result() is what apply_record_and_verify_step returns.
-    ///
-    /// What reads Python objects runs now, on the calling thread (every event, array and
-    /// req_ids entry read and checked, as apply_record_and_verify_step checks them: a malformed
-    /// argument raises here, with nothing applied); the core's step (the events applied, the
-    /// writes recorded, the rows judged) runs on kvguard's thread. vLLM's worker begins it
-    /// before its input preparation and takes the verdict before the step's slot mapping is
-    /// built from the rows, so the core's step runs while vLLM's own input preparation does.
-    ///
-    /// Until result() returns, the block table is read in place: the caller may not write it
-    /// (the counts are copied now). Every other call on this table first waits for the step to
-    /// finish, so calls read in the order they were made. A step whose early events admit or
-    /// release a request applies those first, here; one whose late events do runs whole here
-    /// (its PendingStep is already done).
-    #[pyo3(signature = (early, req_ids, block_table, num_computed_tokens, num_scheduled_tokens, late = None))]
-    #[allow(clippy::too_many_arguments)]
-    fn begin_record_and_verify_step(
-        slf: &Bound<'_, Self>,
-        early: Option<&Bound<'_, PyAny>>,
-        req_ids: &Bound<'_, PyAny>,
-        block_table: &Bound<'_, PyAny>,
-        num_computed_tokens: &Bound<'_, PyAny>,
-        num_scheduled_tokens: &Bound<'_, PyAny>,
-        late: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<PendingStep> {
-        let this = slf.get();
-        match this.worker_step_from(
-            slf.py(),
-            early,
-            req_ids,
-            block_table,
-            num_computed_tokens,
-            num_scheduled_tokens,
-            late,
-            Some(slf),
-        )? {
-            Stepped::Done(outcome) => PendingStep::ready(slf.py(), slf, outcome),
-            Stepped::Pending(pending) => Ok(pending),
-        }
-    }
-}
-
-impl OwnershipTable {
-    /// The worker step of apply_record_and_verify_step (`background: None`) or of
-    /// begin_record_and_verify_step (the table's own object: the core's step may run on
-    /// kvguard's thread).
-    #[allow(clippy::too_many_arguments)]
-    fn worker_step_from(
-        &self,
-        py: Python<'_>,
-        early: Option<&Bound<'_, PyAny>>,
-        req_ids: &Bound<'_, PyAny>,
-        block_table: &Bound<'_, PyAny>,
-        num_computed_tokens: &Bound<'_, PyAny>,
-        num_scheduled_tokens: &Bound<'_, PyAny>,
-        late: Option<&Bound<'_, PyAny>>,
-        background: Option<&Bound<'_, OwnershipTable>>,
-    ) -> PyResult<Stepped> {
-        // A step still running on kvguard's thread first (its room comes back with its result).
-        self.pending.settle();
         let mut room = self.step_room.try_lock().map(|mut r| std::mem::take(&mut *r)).unwrap_or_default();
-        let early = StepEvents::read_in(early, self.names(), Some(&self.step_ids), std::mem::take(&mut room.early))?;
+        let early = StepEvents::read_in(early, &self.names, Some(&self.step_ids), std::mem::take(&mut room.early))?;
         let step = StepArrays::open(req_ids, block_table, num_computed_tokens, num_scheduled_tokens)?;
         // Late events name requests as they read after the early ones: read plain only when the
         // early ones rename nothing.
         let late = if early.renames() {
             StepEvents::Parsed(crate::events::parse_optional(late)?)
         } else {
-            StepEvents::read_in(late, self.names(), Some(&self.step_ids), std::mem::take(&mut room.late))?
+            StepEvents::read_in(late, &self.names, Some(&self.step_ids), std::mem::take(&mut room.late))?
         };
-        let background = background.map(|table| (table, block_table));
-        let outcome = self.worker_step(py, &step, early, late, &mut room, background);
-        if !matches!(outcome, Ok(Stepped::Pending(_)))
-            && let Some(mut kept) = self.step_room.try_lock()
-        {
+        let outcome = self.worker_step(py, &step, early, late, &mut room);
+        if let Some(mut kept) = self.step_room.try_lock() {
             *kept = room;
         }
         outcome
     }
-}
-
-/// A worker step run (its outcome) or begun on kvguard's thread.
-enum Stepped {
-    Done(StepOutcome),
-    Pending(PendingStep),
 }
 
 /// The memory a worker step fills and lets go of (its events' batches, its request ids), kept
@@ -1945,62 +1846,6 @@ struct StepRoom {
     early: kvguard::step::EventBatch,
     late: kvguard::step::EventBatch,
     requests: Vec<RequestId>,
-}
-
-/// A worker step's events and requests, as the core's step takes them (the step's room: given
-/// back for the next step when the step has run).
-struct CoreStep {
-    early: kvguard::step::EventBatch,
-    late: kvguard::step::EventBatch,
-    requests: Vec<RequestId>,
-}
-
-impl CoreStep {
-    /// The core's step over `rows`, judged with `worker_rows` (no Python object is read: run
-    /// with the GIL released, on any thread), its violations named.
-    fn run(
-        &self,
-        table: &kvguard::OwnershipTable,
-        names: &Mutex<Names>,
-        worker_rows: &Mutex<kvguard::RowCache>,
-        rows: kvguard::BlockRows<'_>,
-        computed: kvguard::step::Counts<'_>,
-        scheduled: kvguard::step::Counts<'_>,
-    ) -> CoreOut {
-        let step = kvguard::step::EngineStep {
-            early: self.early.events(),
-            requests: &self.requests,
-            rows,
-            computed,
-            scheduled,
-            late: self.late.events(),
-        };
-        // Another thread's step holds the cache: a fresh one checks every row in full, with the
-        // same verdict.
-        let mut spare = kvguard::RowCache::new();
-        let mut held = worker_rows.try_lock();
-        let cache = held.as_deref_mut().unwrap_or(&mut spare);
-        match table.engine_step(cache, &step) {
-            Err(e) => CoreOut::stopped(e),
-            Ok(o) => CoreOut {
-                outcome: Ok(()),
-                early: crate::events::resolve_applied(names, o.early),
-                written: resolved(names, o.writes.unwrap_or_default()),
-                late: crate::events::resolve_applied(names, o.late),
-                read: resolved(names, o.reads.unwrap_or_default()),
-            },
-        }
-    }
-}
-
-/// What a worker step's core step found, its violations named (no Python object: it may be
-/// made on kvguard's thread).
-struct CoreOut {
-    outcome: Result<(), kvguard::step::StepError>,
-    early: Result<Vec<crate::events::RefusedEvent>, Box<crate::events::EventError>>,
-    written: Vec<(usize, kvguard::Violation, Resolved)>,
-    late: Result<Vec<crate::events::RefusedEvent>, Box<crate::events::EventError>>,
-    read: Vec<(usize, kvguard::Violation, Resolved)>,
 }
 
 /// What apply_record_and_verify_step returns: (refused early events, writes, refused late
@@ -2061,10 +1906,9 @@ impl OwnershipTable {
         early: StepEvents,
         late: StepEvents,
         room: &mut StepRoom,
-        background: Option<(&Bound<'_, OwnershipTable>, &Bound<'_, PyAny>)>,
-    ) -> PyResult<Stepped> {
+    ) -> PyResult<StepOutcome> {
         let n = step.n;
-        let (table, names) = (self.table(), self.names());
+        let (table, names) = (&self.table, &self.names);
         let mut converted = Vec::new();
         let (computed, scheduled) = step.counts()?;
         let rows = step_rows(&step.bt, n, computed, scheduled, table.config(), &mut converted)?;
@@ -2098,7 +1942,7 @@ impl OwnershipTable {
             let StepEvents::Parsed(late) = late else {
                 return Err(pyo3::exceptions::PyRuntimeError::new_err("kvguard: renaming events read as a batch"));
             };
-            return self.worker_step_renaming_late(py, step, rows, &requests, late, refused_early).map(Stepped::Done);
+            return self.worker_step_renaming_late(py, step, rows, &requests, late, refused_early);
         }
         let (early_batch, late_batch) = {
             let n = names.lock();
@@ -2111,33 +1955,34 @@ impl OwnershipTable {
                 "kvguard: a renaming event reached the one-call step",
             ));
         };
-        let core = CoreStep { early: early_batch, late: late_batch, requests };
-        if let Some((this, block_table)) = background {
-            let width = rows.width();
-            let rows = match step.bt.as_i32_rows().filter(|(_, width)| *width > 0) {
-                Some((entries, width)) => pending::StepRows::in_place(entries, width),
-                None => pending::StepRows::Converted { entries: converted, width },
-            };
-            let counts = pending::StepCounts::copied(computed, scheduled, n);
-            return Ok(Stepped::Pending(PendingStep::begin(this, block_table, core, rows, counts, refused_early, n)));
-        }
-        let out =
-            py.detach(|| core.run(&self.core_table, &self.name_lock, &self.worker_rows, rows, computed, scheduled));
+        let core_step = kvguard::step::EngineStep {
+            early: early_batch.events(),
+            requests: &requests,
+            rows,
+            computed,
+            scheduled,
+            late: late_batch.events(),
+        };
+        let worker_rows = &self.worker_rows;
+        let (outcome, early, written, late, read) = py.detach(|| {
+            // Another thread's step holds the cache: a fresh one checks every row in full, with
+            // the same verdict.
+            let mut spare = kvguard::RowCache::new();
+            let mut held = worker_rows.try_lock();
+            let cache = held.as_deref_mut().unwrap_or(&mut spare);
+            match table.engine_step(cache, &core_step) {
+                Err(e) => (Err(e), Ok(Vec::new()), Vec::new(), Ok(Vec::new()), Vec::new()),
+                Ok(o) => {
+                    let early = crate::events::resolve_applied(names, o.early);
+                    let written = resolved(names, o.writes.unwrap_or_default());
+                    let late = crate::events::resolve_applied(names, o.late);
+                    let read = resolved(names, o.reads.unwrap_or_default());
+                    (Ok(()), early, written, late, read)
+                }
+            }
+        });
         // The room back for the next step (the core step borrowed it).
-        (room.early, room.late, room.requests) = (core.early, core.late, core.requests);
-        self.finish_worker_step(py, out, refused_early, n).map(Stepped::Done)
-    }
-
-    /// A worker step's outcome for Python, from its core step's (`refused_early`: the early
-    /// events' refusals when they were applied before it).
-    fn finish_worker_step(
-        &self,
-        py: Python<'_>,
-        out: CoreOut,
-        refused_early: Option<crate::events::RefusedForPython>,
-        n: usize,
-    ) -> PyResult<StepOutcome> {
-        let CoreOut { outcome, early, written, late, read } = out;
+        (room.early, room.late, room.requests) = (early_batch, late_batch, requests);
         outcome.map_err(step_error)?;
         let refused_early = match refused_early {
             Some(r) => r,
@@ -2161,7 +2006,7 @@ impl OwnershipTable {
         late: Vec<crate::events::Event>,
         refused_early: crate::events::RefusedForPython,
     ) -> PyResult<StepOutcome> {
-        let (table, names, n) = (self.table(), self.names(), step.n);
+        let (table, names, n) = (&self.table, &self.names, step.n);
         let (computed, scheduled) = step.counts()?;
         let slots =
             kvguard::step::StepSlots::from_rows(rows, computed, scheduled, table.config()).map_err(step_error)?;
@@ -2303,27 +2148,14 @@ fn rows_as_reads<'a>(
 }
 
 impl OwnershipTable {
-    /// The core table (for the transfer receiver and the device guard), once a worker step
-    /// running on kvguard's thread has finished: a call made after
-    /// `begin_record_and_verify_step` sees that step applied, as it would have had the step run
-    /// on the calling thread.
+    /// The core table (for the transfer receiver and the device guard).
     pub fn core(&self) -> &kvguard::OwnershipTable {
-        self.table()
+        &self.table
     }
 
-    /// The core table, as [`core`](Self::core).
-    #[inline]
-    fn table(&self) -> &kvguard::OwnershipTable {
-        self.pending.settle();
-        &self.core_table
-    }
-
-    /// The names lock (for the transfer receiver), once a pending worker step has finished (as
-    /// [`core`](Self::core)).
-    #[inline]
+    /// The names lock (for the transfer receiver).
     pub fn names(&self) -> &Mutex<Names> {
-        self.pending.settle();
-        &self.name_lock
+        &self.names
     }
 }
 

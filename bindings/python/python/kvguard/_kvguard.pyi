@@ -195,17 +195,6 @@ class StepVerdict:
     def __len__(self) -> int: ...
 
 @final
-class PendingStep:
-    """A worker step begun by OwnershipTable.begin_record_and_verify_step."""
-
-    def result(self) -> tuple[list[tuple[int, Violation]], StepVerdict, list[tuple[int, Violation]], StepVerdict]:
-        """Waits for the step; (refused_early, writes, refused_late, reads), or raises what
-        apply_record_and_verify_step would have raised (again on a later call)."""
-    @property
-    def done(self) -> bool:
-        """Whether the step has run."""
-
-@final
 class RowCache:
     """What an engine's block-table rows were last checked clean as, kept across steps (verify_rows)."""
 
@@ -356,20 +345,6 @@ class OwnershipTable:
         """vLLM's whole worker step in one call: the `early` events (as apply_events), then what
         record_and_verify_step does with `late`; (refused_early, writes, refused_late, reads).
         Every event, array and req_ids entry is checked before anything is applied."""
-    def begin_record_and_verify_step(
-        self,
-        early: Sequence[StepEvent] | None,
-        req_ids: Sequence[Id] | IntArray,
-        block_table: IntArray,
-        num_computed_tokens: Sequence[int] | IntArray,
-        num_scheduled_tokens: Sequence[int] | IntArray,
-        late: Sequence[StepEvent] | None = None,
-    ) -> PendingStep:
-        """apply_record_and_verify_step with its core step on kvguard's own thread: the arguments are
-        read and checked now (a malformed one raises here, nothing applied), the step runs beside the
-        caller, and PendingStep.result() returns what apply_record_and_verify_step returns. The block
-        table is read in place until result() returns (do not write it meanwhile); every other call on
-        the table waits for the step first."""
 
 @final
 class ImportTicket:

@@ -36,7 +36,7 @@ import kvguard
 from . import metrics
 from .recorder import EventKind, StepEvents
 
-__all__ = ["CLEAN_STEP", "BegunStep", "Refusal", "StepGuard", "StepReport"]
+__all__ = ["CLEAN_STEP", "Refusal", "StepGuard", "StepReport"]
 
 #: vLLM's null block: page 0 is never allocated and pads every row.
 NULL_BLOCK = 0
@@ -98,26 +98,6 @@ class StepReport:
 #: The report of every clean step, shared: a clean step builds nothing (a fresh report is 3 µs
 #: of cold code inside vLLM's step). Its containers are read-only, so it cannot be added to.
 CLEAN_STEP = StepReport(refused=MappingProxyType({}), refused_rows=())  # type: ignore[arg-type]
-
-
-class BegunStep:
-    """A step :meth:`StepGuard.begin_step` began: its core step pending on kvguard's thread
-    (``pending``) or its outcome already made (``done``)."""
-
-    __slots__ = ("pending", "done", "args", "num_blocks_per_row")
-
-    def __init__(self, pending: Any, done: tuple | None, args: tuple, num_blocks_per_row: np.ndarray) -> None:
-        self.pending = pending
-        self.done = done
-        self.args = args
-        self.num_blocks_per_row = num_blocks_per_row
-
-    def outcome(self) -> tuple:
-        """(refused_early, writes, refused_late, reads), waiting for the step if it is pending."""
-        if self.done is None:
-            self.done = self.pending.result()
-            self.pending = None
-        return self.done
 
 
 class StepGuard:
@@ -243,56 +223,30 @@ class StepGuard:
         (rows ``0..n``, n = ``len(req_ids)``); ``num_computed_tokens``: per row, before this step;
         ``num_scheduled_tokens``: int array of n. Under enforce, refused rows are nulled in
         ``block_table`` in place. A clean step returns :data:`CLEAN_STEP` (shared, read-only)."""
-        return self.finish_step(
-            self.begin_step(
-                req_ids, block_table, num_blocks_per_row, num_computed_tokens, num_scheduled_tokens, events, background=False
-            )
-        )
-
-    def begin_step(
-        self,
-        req_ids: list[str],
-        block_table: np.ndarray,
-        num_blocks_per_row: np.ndarray,
-        num_computed_tokens: np.ndarray,
-        num_scheduled_tokens: np.ndarray,
-        events: StepEvents | None,
-        *,
-        background: bool = True,
-    ) -> BegunStep:
-        """:meth:`check_step` begun: the step's arguments are read and checked now (a malformed
-        one raises here), its core step runs on kvguard's own thread (``background``), and
-        :meth:`finish_step` takes its report. Until then ``block_table`` is read in place: the
-        caller does not write it, and every other call on the table waits for the step."""
         # The clean step is the hot path: one binding call, a few attribute reads, no per-row
         # Python work; everything else happens only when something was refused.
         self.steps += 1
         early, late = events if events else (None, None)
         if early and self.pending_evict:
             early = self._evict_before_claims(early)
+        writes = reads = refused_late = None
         if req_ids:
             # Early events, writes, late events (publishes, prefix hits), reads: one call, one
-            # entry into Rust.
-            args = (early, req_ids, block_table, num_computed_tokens, num_scheduled_tokens, late)
-            if background:
-                return BegunStep(self.table.begin_record_and_verify_step(*args), None, args, num_blocks_per_row)
-            return BegunStep(None, self.table.apply_record_and_verify_step(*args), args, num_blocks_per_row)
-        refused_early = self.table.apply_events(early) if early else None
-        refused_late = self.table.apply_events(late) if late else None
-        return BegunStep(None, (refused_early, None, refused_late, None), (early, req_ids, block_table, None, None, late), num_blocks_per_row)
-
-    def finish_step(self, begun: BegunStep) -> StepReport:
-        """The report of a step :meth:`begin_step` began (waits for it); under enforce, refused
-        rows are nulled in its block table in place."""
-        refused_early, writes, refused_late, reads = begun.outcome()
-        early, req_ids, block_table, _, _, late = begun.args
+            # entry into Rust, the GIL released once.
+            refused_early, writes, refused_late, reads = self.table.apply_record_and_verify_step(
+                early, req_ids, block_table, num_computed_tokens, num_scheduled_tokens, late
+            )
+        else:
+            refused_early = self.table.apply_events(early) if early else None
+            if late:
+                refused_late = self.table.apply_events(late)
         report = self._judge_early(early, refused_early)
         if self._flush_every and self.steps % self._flush_every == 0:
             self._metric(self._metrics.flush, self)
         if report is None and not refused_late and (writes is None or writes.clean and reads.clean):
             return CLEAN_STEP
         return self._refused_step(
-            report or StepReport(), req_ids, [(block_table, begun.num_blocks_per_row)], late, refused_late, [writes], [reads]
+            report or StepReport(), req_ids, [(block_table, num_blocks_per_row)], late, refused_late, [writes], [reads]
         )
 
     def _refused_step(

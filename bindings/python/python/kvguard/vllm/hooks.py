@@ -29,12 +29,9 @@ scheduler process (engine core)
 worker process
   ``GPUModelRunner._update_states``      a step that schedules no tokens (the runner returns
                                          before ``_prepare_inputs``): its events applied
-  ``GPUModelRunner._prepare_inputs``     the check begun, after ``_update_states`` built the
-                                         persistent batch: its core step runs on kvguard's thread
-                                         while vLLM prepares the step's inputs
-  ``MultiGroupBlockTable.compute_slot_mapping``  *acts*: the check's verdict taken before the
-                                         slot mapping is built from the committed rows; under
-                                         enforce refused rows are nulled and committed again
+  ``GPUModelRunner._prepare_inputs``     *acts*: the check, after ``_update_states`` built the
+                                         persistent batch and before ``commit_block_table`` copies
+                                         it; under enforce refused rows are nulled
   ``GPUModelRunner.execute_model`` / ``sample_tokens``  refusals put on the ModelRunnerOutput
                                          (``kvguard_refused``) that goes back to the scheduler
 worker process, Model Runner V2 (``vllm.v1.worker.gpu.model_runner.GPUModelRunner``; vLLM's CPU
@@ -81,7 +78,7 @@ from typing import Any
 import numpy as np
 
 from .device import HostRows, V2Device, host_slot_mappings
-from .guard import CLEAN_STEP, BegunStep, StepGuard, StepReport
+from .guard import StepGuard, StepReport
 from .recorder import SchedulerRecorder
 
 __all__ = ["annotate_output", "install", "installed_mode", "uninstall", "worker_step"]
@@ -512,55 +509,6 @@ def worker_step(
     return report
 
 
-def begin_worker_step(
-    owner: Any,
-    input_batch: Any,
-    scheduler_output: Any,
-    num_scheduled_tokens: Any,
-    *,
-    num_blocks: int,
-    max_model_len: int,
-) -> tuple[Any, StepGuard, BegunStep] | None:
-    """:func:`worker_step` begun (what the ``_prepare_inputs`` wrapper runs): the step's
-    arguments read and checked now, its core step on kvguard's own thread while vLLM prepares
-    the step's other inputs; :func:`finish_worker_step` takes its report before the slot
-    mapping is built from the rows. A hybrid model's step (several KV cache groups) runs whole
-    now (None)."""
-    guard = _guard_of(owner, input_batch, num_blocks, max_model_len)
-    if guard is None:
-        return None
-    if guard.windows is not None:
-        worker_step(
-            owner, input_batch, scheduler_output, num_scheduled_tokens, num_blocks=num_blocks, max_model_len=max_model_len
-        )
-        return None
-    table = input_batch.block_table.block_tables[0]
-    begun = guard.begin_step(
-        input_batch.req_ids,
-        table.block_table.np,
-        table.num_blocks_per_row,
-        input_batch.num_computed_tokens_cpu,
-        num_scheduled_tokens,
-        getattr(scheduler_output, "kvguard_events", None),
-    )
-    return owner, guard, begun
-
-
-def finish_worker_step(begun: tuple[Any, StepGuard, BegunStep]) -> StepReport:
-    """The report of a step :func:`begin_worker_step` began (waits for it; under enforce its
-    refused rows nulled in vLLM's block table), its refusals kept for the step's output."""
-    owner, guard, step = begun
-    report = guard.finish_step(step)
-    _pend(owner, guard, report)
-    return report
-
-
-def _nulled_rows(report: StepReport, guard: StepGuard) -> bool:
-    """Whether the step's check nulled rows of vLLM's block table (enforce: a refused request's,
-    or one refused before and scheduled again)."""
-    return report is not CLEAN_STEP and guard.mode == "enforce" and bool(report.refused_rows or report.again)
-
-
 #: Guards the refusals awaiting a runner's output: vLLM may read a step's output (and drain the
 #: device's verdicts into them) in another thread than the one checking the next step.
 _PENDING = threading.Lock()
@@ -727,7 +675,6 @@ def _with_device_refusals(owner: Any, guard: Any, device: Any, step: int) -> dic
 
 
 def _install_worker() -> None:
-    from vllm.v1.worker.block_table import MultiGroupBlockTable
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     def check_config(runner: Any) -> None:
@@ -756,7 +703,7 @@ def _install_worker() -> None:
     def prepare_inputs(original: Any) -> Any:
         def wrapper(self: Any, scheduler_output: Any, num_scheduled_tokens: Any, *args: Any, **kw: Any) -> Any:
             check_config(self)
-            begun = begin_worker_step(
+            worker_step(
                 self,
                 self.input_batch,
                 scheduler_output,
@@ -764,40 +711,7 @@ def _install_worker() -> None:
                 num_blocks=self.kv_cache_config.num_blocks,
                 max_model_len=self.max_model_len,
             )
-            if begun is None:
-                return original(self, scheduler_output, num_scheduled_tokens, *args, **kw)
-            # The check runs on kvguard's thread while vLLM prepares the step's inputs; its
-            # verdict is taken where vLLM builds the slot mapping from the rows
-            # (``compute_slot_mapping`` below), before any KV is written or read.
-            block_table = self.input_batch.block_table
-            block_table._kvguard_begun = begun
-            try:
-                out = original(self, scheduler_output, num_scheduled_tokens, *args, **kw)
-            except BaseException:
-                left = block_table.__dict__.pop("_kvguard_begun", None)
-                if left is not None:
-                    finish_worker_step(left)  # the table settled, in order; vLLM's error goes on
-                raise
-            left = block_table.__dict__.pop("_kvguard_begun", None)
-            if left is not None and _nulled_rows(finish_worker_step(left), left[1]):
-                # vLLM prepared the step without building its slot mapping from these rows: a
-                # refused row's writes and reads can no longer be turned away. Stop the step.
-                raise RuntimeError(
-                    "kvguard: vLLM prepared a step without compute_slot_mapping, after which kvguard "
-                    "could not withhold the refused requests' rows; this vLLM is not supported"
-                )
-            return out
-
-        return wrapper
-
-    def compute_slot_mapping(original: Any) -> Any:
-        def wrapper(self: Any, num_reqs: int, *args: Any, **kw: Any) -> Any:
-            begun = self.__dict__.pop("_kvguard_begun", None)
-            if begun is not None and _nulled_rows(finish_worker_step(begun), begun[1]):
-                # Refused rows were nulled in the host rows after vLLM committed them: commit
-                # them again (the same stream, so the slot mapping and attention see them).
-                self.commit_block_table(num_reqs)
-            return original(self, num_reqs, *args, **kw)
+            return original(self, scheduler_output, num_scheduled_tokens, *args, **kw)
 
         return wrapper
 
@@ -809,7 +723,6 @@ def _install_worker() -> None:
 
     _wrap(GPUModelRunner, "_update_states", update_states)
     _wrap(GPUModelRunner, "_prepare_inputs", prepare_inputs)
-    _wrap(MultiGroupBlockTable, "compute_slot_mapping", compute_slot_mapping)
     _wrap(GPUModelRunner, "execute_model", annotating)
     _wrap(GPUModelRunner, "sample_tokens", annotating)
 

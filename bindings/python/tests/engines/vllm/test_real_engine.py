@@ -9,8 +9,6 @@ scheduling too.
 from __future__ import annotations
 
 import re
-import sys
-import types
 
 import pytest
 from conftest import workload
@@ -346,50 +344,6 @@ def test_injected_computed_tokens_past_what_was_written(async_scheduling, monkey
     guarded = run_real(rc, fill, guarded=True)
     step = check_contained(guarded, clean, victim, {"unwritten_slots"})
     assert step == buggy.oracle_errors[0][0]
-
-
-def test_the_check_runs_beside_vllms_input_preparation(monkeypatch):
-    """The worker check is begun at ``_prepare_inputs``' entry and its verdict taken in
-    ``compute_slot_mapping``: after vLLM committed the rows and prepared the step's other
-    inputs, before it builds the slot mapping attention writes through."""
-    from kvguard.vllm import hooks
-
-    where = []
-    original = hooks.finish_worker_step
-
-    def spy(begun):
-        where.append(sys._getframe(1).f_code.co_qualname)
-        return original(begun)
-
-    monkeypatch.setattr(hooks, "finish_worker_step", spy)
-    rc = RealConfig(num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512)
-    g = run_real(rc, lambda e: workload(e, 3, 8), guarded=True)
-    assert g.refusals() == [] and len(g.finished) == 8
-    assert len(where) >= g.worker.steps - g.idle_steps > 0
-    assert all(w.endswith("compute_slot_mapping.<locals>.wrapper") for w in where), set(where)
-
-
-def test_a_step_prepared_without_its_slot_mapping_never_runs_a_refused_row(monkeypatch):
-    """Were vLLM to prepare a step without ``compute_slot_mapping`` (not vLLM 0.33's code), the
-    verdict is taken as ``_prepare_inputs`` returns; a row refused there could no longer be
-    withheld from the forward, so the step raises instead of running it."""
-    from vllm.v1.worker.block_table import MultiGroupBlockTable
-
-    rc = RealConfig(num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=512)
-    victim = "long-prompt"
-
-    def fill(e: RealEngine) -> None:
-        e.add("other", list(range(1, 20)), 20)
-        e.add(victim, list(range(100, 190)), 5)
-
-    def bypass(worker, so):
-        # vLLM's own compute_slot_mapping, not kvguard's wrapper, for this batch's table.
-        table = worker.runner.input_batch.block_table
-        table.compute_slot_mapping = types.MethodType(MultiGroupBlockTable.compute_slot_mapping.__kvguard_original__, table)
-
-    computed_token_race(monkeypatch, victim)
-    with pytest.raises(RuntimeError, match="without compute_slot_mapping"):
-        run_real(rc, fill, guarded=True, before_prepare=bypass)
 
 
 @SCHEDULING
