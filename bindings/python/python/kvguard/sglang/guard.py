@@ -942,6 +942,9 @@ class Guard(PageReleases):
         ``_release_aborted_request``): kvguard forgets it, so the table does not keep it."""
         if getattr(req.kv, "holds_kv", False):
             return  # its row's release ends it in kvguard
+        # A request retracted (its row given back unfinished) and aborted before it got another:
+        # no batch will use a row of it again.
+        self._suspects.pop(id(req.kv), None)
         key = self._keys.get(req.rid)
         if key is None:
             return

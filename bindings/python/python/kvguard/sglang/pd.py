@@ -794,6 +794,8 @@ def _hook_backup_discard(decode_module: Any) -> None:
                 guard = getattr(pool, "kvguard_guard", None)
                 if guard is not None:
                     guard.__dict__.get(_BACKUPS_ATTR, {}).pop(getattr(req, "rid", None), None)
+                    # Nor will it use a row again: it is no longer a suspect (see Guard._suspects).
+                    guard._suspects.pop(id(getattr(req, "kv", None)), None)
 
         discard_kv_cache_backup._kvguard = True  # type: ignore[attr-defined]
         module.discard_kv_cache_backup = discard_kv_cache_backup

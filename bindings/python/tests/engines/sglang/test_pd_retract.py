@@ -165,6 +165,7 @@ def test_a_request_aborted_while_retracted_leaves_no_backup_record(retracting, h
     assert aborted[0] not in seen["left"], "the aborted request's backup record is dropped with it"
     assert backups(d) == {}
     g = d.kvguard
+    assert g._suspects == {}, "nor is it a suspect for the life of the server (every batch checked for it)"
     assert g.violations == [] and g.aborted == {}
     assert {k: v for k, v in out.items() if k != aborted[0]} == {k: v for k, v in ref.items() if k != aborted[0]}
 

@@ -250,6 +250,53 @@ def test_clean_workload_with_retraction(triton_rows, monkeypatch, page_size):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
+def test_a_retracted_request_aborted_while_waiting_is_no_suspect_after(triton_rows, monkeypatch, page_size):
+    """A request SGLang retracted (its row given back unfinished: a suspect until it gets a new
+    one, each batch checked for it) and a client aborts while it waits to be resumed (SGLang's
+    abort_request pops it from the waiting queue): kvguard forgets it as a suspect too (before,
+    it stayed one for the life of the server and every batch after paid the suspects' check)."""
+    import sglang.srt.managers.scheduler as scheduler_module
+    from sglang.srt.managers.io_struct import AbortReq
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    monkeypatch.setattr(scheduler_module, "TEST_RETRACT", True)
+    monkeypatch.setattr(scheduler_module, "TEST_RETRACT_INTERVAL", 5)
+    retracted = []
+    real = ScheduleBatch.retract_decode
+
+    def counting(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        retracted.extend(r.rid for r in out[0])
+        return out
+
+    monkeypatch.setattr(ScheduleBatch, "retract_decode", counting)
+    s = scheduler(page_size, triton=True)
+    guard = attach_kvguard(s, "enforce")
+    start = pool_pages(s)
+    pending = workload(3, 40)
+    rids = [r.rid for r in pending]
+    aborted = []
+    for _ in range(5_000):
+        for r in pending[:4]:
+            s.handle_generate_request(r)
+        del pending[:4]
+        batch = step(s)
+        if not aborted:
+            for r in s.waiting_queue:
+                if r.rid in retracted and not any(o != r.rid and o.startswith(r.rid) for o in rids):
+                    aborted.append(r.rid)
+                    s.abort_request(AbortReq(rid=r.rid))
+                    break
+        if not pending and batch is None and not s.waiting_queue and s.running_batch.is_empty():
+            break
+    assert aborted, "no retracted request was aborted while waiting: the test checks nothing"
+    assert guard.violations == [] and guard.aborted == {}
+    assert guard._suspects == {}
+    assert pool_pages(s) == start
+    assert guard.table.snapshot().requests == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
 def test_clean_workload_with_client_aborts(triton_rows, page_size):
     """Clients abort requests mid-flight (SGLang's own abort_request: waiting ones popped,
     running ones finished with an abort and released by process_batch_result). Under enforce:
