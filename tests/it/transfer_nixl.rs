@@ -1040,6 +1040,232 @@ mod transfer {
             }
         }
 
+        // ---- what a staging that failed may still have read: prefill's staged pages -------------
+
+        /// Prefill's progress loop until `done()` (or 30 s): its agent moves along, serving
+        /// decode's READs, and the notices that come are kept in its inbox.
+        fn serve_until(link: &mut NixlLink<'_>, done: impl Fn(&NixlLink<'_>) -> bool) {
+            let until = Instant::now() + Duration::from_secs(30);
+            while Instant::now() < until && !done(link) {
+                let _ = link.wait(RequestId(777), &[NoticeKind::Released], Instant::now() + Duration::from_millis(5));
+            }
+        }
+
+        /// A staging whose deadline passes before decode released it: decode may still READ the
+        /// pages, so the stage reports them (`NixlError::InFlight`, direction Read) and the link
+        /// holds them until decode's `Released` naming them comes (`settle_stages`); a decline
+        /// of the request does not take that `Released` for its own answer. An engine that
+        /// writes the next tenant's KV into each staged page as soon as the library lets it go
+        /// never has decode READ that KV. Before, the stage returned a bare timeout and every
+        /// page looked free: decode READ the next tenant's KV (refused by its CRC check).
+        #[test]
+        fn a_stage_that_times_out_holds_its_pages_until_decode_releases_them() {
+            const NEXT_TENANTS: u8 = 0xBB;
+            let Some((decode, prefill)) = agents("stage-held") else { return };
+            let Pair { mut decode_region, mut prefill_region, mut decode_link, prefill_md, decode_layout } =
+                pair(&decode, &prefill);
+            let mut link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
+            let (table, refs) = admitted();
+            let expected = ExpectedTransfer::for_prompt(REQ, TENANT, &PROMPT, &refs, PAGE_SIZE, SLOT_BYTES);
+            let (src, manifest) = prefilled(&mut prefill_region, 3, &refs);
+            let staged: Vec<u32> = src.iter().map(|e| e.page).collect();
+            // Decode's agent is not called yet: its `Released` cannot come by a passed deadline.
+            let err = link.stage(&src, REQ, &manifest, Instant::now()).unwrap_err();
+            let (held_at_once, settled_at_once) = (link.in_flight(), link.settle_stages());
+            // The engine reuses each staged page the library does not hold, at once.
+            for &p in staged.iter().filter(|p| !err.in_flight().contains(p)) {
+                prefill_region.bytes_mut(p, PAGE_BYTES).unwrap().fill(NEXT_TENANTS);
+            }
+            let (done_tx, done_rx) = mpsc::channel::<()>();
+            let verdict = std::thread::scope(|s| {
+                let decoding = s.spawn(|| {
+                    let pinned = Receiver::new(&table).pin(&expected).unwrap();
+                    let deadline = Instant::now() + Duration::from_secs(20);
+                    let v =
+                        received(&mut decode_link, Direction::Read, pinned, &expected, &mut decode_region, deadline);
+                    drop(done_tx);
+                    v
+                });
+                // A live prefill (its agent serves decode's READ), not settling yet.
+                serve_until(&mut link, |_| !matches!(done_rx.try_recv(), Err(mpsc::TryRecvError::Empty)));
+                decoding.join().unwrap()
+            });
+            let accepted = verdict.expect("decode READ the KV staged, not the next tenant's");
+            assert_eq!((accepted.tokens(), accepted.pages()), (6, 2));
+            assert!(matches!(err.cause(), NixlError::Timeout { .. }), "{err}");
+            assert!(matches!(err, NixlError::InFlight { direction: Direction::Read, request: REQ, .. }), "{err}");
+            assert_eq!(err.in_flight(), staged.as_slice(), "{err}");
+            assert_eq!(held_at_once, vec![(REQ, staged.clone())]);
+            assert_eq!(settled_at_once.unwrap(), vec![], "nothing handed back before decode released it");
+            // Decode's `Released` (naming the staged extents) is in: a decline does not take it.
+            serve_until(&mut link, |l| l.inbox_bytes() > 0);
+            let declined = link.decline(REQ, Instant::now() + Duration::from_millis(100));
+            assert!(matches!(declined, Err(NixlError::Timeout { .. })), "{declined:?}");
+            let mut handed = Vec::new();
+            let until = Instant::now() + Duration::from_secs(10);
+            while !link.in_flight().is_empty() && Instant::now() < until {
+                for (request, pages) in link.settle_stages().unwrap() {
+                    assert_eq!(request, REQ);
+                    handed.extend(pages);
+                }
+            }
+            assert_eq!(handed, staged, "handed back, once, when decode's Released came");
+            assert_eq!(link.in_flight(), vec![]);
+            assert_eq!(link.release_stages(), vec![]);
+        }
+
+        /// A staging decode READs too slowly: decode's READ times out (its pages fenced) while
+        /// it is still in flight, and prefill's stage timed out before. Prefill holds the staged
+        /// pages until decode's READ completed: decode tells it (`Released` naming the staged
+        /// extents) when NIXL reports the READ complete and its fence is lifted. Before, prefill
+        /// held nothing, and decode sent no `Released` for a READ that outlived its wait.
+        #[test]
+        fn a_stage_whose_read_outlives_decodes_wait_is_held_until_that_read_completes() {
+            let Some((decode, prefill)) = agents("stage-read-fence") else { return };
+            let page_size = 4u32;
+            let slot_bytes = 8u32 << 20; // 32 MiB pages: a READ that outlives a 1 ms deadline
+            let page_bytes = page_size * slot_bytes;
+            let npages = 4u32;
+            let mut decode_region = HostRegion::new(&decode, npages, page_bytes).unwrap();
+            let mut prefill_region = HostRegion::new(&prefill, npages, page_bytes).unwrap();
+            let mut decode_link =
+                NixlLink::connect(&decode, &prefill.metadata().unwrap(), prefill_region.layout()).unwrap();
+            let mut link = NixlLink::connect(&prefill, &decode.metadata().unwrap(), decode_region.layout()).unwrap();
+            let table = OwnershipTable::new(PoolConfig::new(npages, page_size, 8)).unwrap();
+            let prompt: Vec<u32> = (0..2 * page_size).collect();
+            table.admit(REQ, TENANT, prompt.len() as u64, 0).unwrap();
+            let refs = table.allocate(REQ, 2).unwrap();
+            let expected = ExpectedTransfer::for_prompt(REQ, TENANT, &prompt, &refs, page_size, slot_bytes);
+            let kv: Vec<Vec<u8>> = (0..2).map(|_| vec![0xA5u8; page_bytes as usize]).collect();
+            let header = TransferHeader { request: REQ, tenant: TENANT, sender: SenderId(1), page_size, slot_bytes };
+            let manifest = Manifest::build(header, &prompt, &refs, &kv).unwrap().encode();
+            for p in 0..2 {
+                prefill_region.bytes_mut(p, page_bytes).unwrap().fill(0xA5);
+            }
+            let src: Vec<Extent> = (0..2).map(|page| Extent { page, len: page_bytes }).collect();
+            let err = link.stage(&src, REQ, &manifest, Instant::now()).unwrap_err();
+            let (done_tx, done_rx) = mpsc::channel::<()>();
+            let handed = std::thread::scope(|s| {
+                let (table, expected) = (&table, &expected);
+                s.spawn(move || {
+                    let pinned = Receiver::new(table).pin(expected).unwrap();
+                    let until = Instant::now() + Duration::from_secs(10);
+                    while decode_link.inbox_bytes() == 0 && Instant::now() < until {
+                        let _ = decode_link.wait(RequestId(777), &[], Instant::now() + Duration::from_millis(5));
+                    }
+                    assert!(decode_link.inbox_bytes() > 0, "prefill staged its pages");
+                    let deadline = Instant::now() + Duration::from_millis(1);
+                    let r = received(&mut decode_link, Direction::Read, pinned, expected, &mut decode_region, deadline);
+                    assert!(matches!(r, Err(ImportError::Aborted(NixlError::Timeout { .. }))), "{r:?}");
+                    assert_eq!(decode_link.fenced(), 1, "the READ still in flight fences decode's pages");
+                    let until = Instant::now() + Duration::from_secs(20);
+                    while decode_link.fenced() > 0 && Instant::now() < until {
+                        decode_link.settle_fences(table, &mut decode_region).unwrap();
+                    }
+                    assert_eq!(decode_link.fenced(), 0, "the READ completed");
+                    // A live decode until prefill is done (or this side panicked).
+                    keep_serving(&mut decode_link, Instant::now() + Duration::from_secs(30), || {
+                        !matches!(done_rx.try_recv(), Err(mpsc::TryRecvError::Empty))
+                    });
+                });
+                let mut handed = Vec::new();
+                let until = Instant::now() + Duration::from_secs(30);
+                while handed.is_empty() && Instant::now() < until {
+                    // A live prefill: its agent serves decode's READ.
+                    let _ = link.wait(RequestId(777), &[], Instant::now() + Duration::from_millis(1));
+                    for (request, pages) in link.settle_stages().unwrap() {
+                        // Decode lifts its fence (unpins its pages) once NIXL reports the READ
+                        // complete, and only then releases prefill's.
+                        assert_eq!(
+                            table.snapshot().in_flight,
+                            0,
+                            "staged pages handed back while decode's READ of them was in flight"
+                        );
+                        assert_eq!(request, REQ);
+                        handed.extend(pages);
+                    }
+                }
+                drop(done_tx);
+                handed
+            });
+            assert_eq!(err.in_flight(), [0, 1].as_slice(), "{err}");
+            assert_eq!(handed, vec![0, 1], "handed back once decode's late READ completed");
+            assert_eq!(link.in_flight(), vec![]);
+        }
+
+        /// A decline's answer (a bare `Released`) that comes late does not end a later staging
+        /// of the request: only decode's `Released` naming the staged extents does. Before, it
+        /// did: the stage returned at once, its pages looked free while decode had yet to READ
+        /// them. A page an earlier staging still holds is not staged again (nothing is sent),
+        /// and `release_stages` hands every held staging back when the engine knows decode gone.
+        #[test]
+        fn a_declines_late_answer_does_not_end_a_staging() {
+            let Some((decode, prefill)) = agents("stage-decline") else { return };
+            let Pair { mut decode_region, mut prefill_region, mut decode_link, prefill_md, decode_layout } =
+                pair(&decode, &prefill);
+            let mut link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
+            let (table, refs) = admitted();
+            let expected = ExpectedTransfer::for_prompt(REQ, TENANT, &PROMPT, &refs, PAGE_SIZE, SLOT_BYTES);
+            // Prefill declines; decode takes the decline only after prefill stopped waiting.
+            let declined = link.decline(REQ, Instant::now());
+            assert!(matches!(declined, Err(NixlError::Timeout { .. })), "{declined:?}");
+            let r = std::thread::scope(|s| {
+                let decoding = s.spawn(|| {
+                    let pinned = Receiver::new(&table).pin(&expected).unwrap();
+                    let deadline = Instant::now() + Duration::from_secs(20);
+                    received(&mut decode_link, Direction::Read, pinned, &expected, &mut decode_region, deadline)
+                });
+                serve_until(&mut link, |l| l.inbox_bytes() > 0); // the decline's late answer
+                decoding.join().unwrap()
+            });
+            assert!(matches!(r, Err(ImportError::Declined)), "{r:?}");
+            // Decode is not called now: it cannot READ, nor release, this staging.
+            let (src, manifest) = prefilled(&mut prefill_region, 3, &refs);
+            let staged: Vec<u32> = src.iter().map(|e| e.page).collect();
+            let r = link.stage(&src, REQ, &manifest, Instant::now() + Duration::from_millis(200));
+            let err = r.expect_err("a staging ended by a decline's answer: decode has not READ it");
+            assert!(matches!(err.cause(), NixlError::Timeout { .. }), "{err}");
+            assert_eq!(err.in_flight(), staged.as_slice());
+            let again = link.stage(&src[1..], REQ, &manifest, Instant::now() + Duration::from_secs(5));
+            assert!(matches!(again, Err(NixlError::Extents { .. })), "{again:?}");
+            assert_eq!(link.in_flight(), vec![(REQ, staged.clone())]);
+            assert_eq!(link.release_stages(), vec![(REQ, staged)]);
+            assert_eq!(link.in_flight(), vec![]);
+        }
+
+        /// A pull decode gave up on before prefill staged it (`abandon`): prefill's late staging
+        /// is answered by decode's `settle_fences` (`Released` naming its extents; decode never
+        /// READs it), so prefill's `settle_stages` hands the pages back without waiting for a
+        /// retry of the request. Before, only a later receive of the same request answered it.
+        #[test]
+        fn a_late_staging_of_a_pull_decode_gave_up_on_is_released_by_its_settle() {
+            let Some((decode, prefill)) = agents("stage-abandoned") else { return };
+            let Pair { mut decode_region, mut prefill_region, mut decode_link, prefill_md, decode_layout } =
+                pair(&decode, &prefill);
+            let mut link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
+            let (table, refs) = admitted();
+            let expected = ExpectedTransfer::for_prompt(REQ, TENANT, &PROMPT, &refs, PAGE_SIZE, SLOT_BYTES);
+            decode_link.expect(REQ);
+            let pinned = Receiver::new(&table).pin(&expected).unwrap();
+            decode_link.abandon(Direction::Read, pinned);
+            let (src, manifest) = prefilled(&mut prefill_region, 3, &refs);
+            let err = link.stage(&src, REQ, &manifest, Instant::now()).unwrap_err();
+            let staged: Vec<u32> = src.iter().map(|e| e.page).collect();
+            assert_eq!(err.in_flight(), staged.as_slice(), "{err}");
+            let mut handed = Vec::new();
+            let until = Instant::now() + Duration::from_secs(10);
+            while handed.is_empty() && Instant::now() < until {
+                assert_eq!(decode_link.settle_fences(&table, &mut decode_region).unwrap(), 0);
+                for (request, pages) in link.settle_stages().unwrap() {
+                    assert_eq!(request, REQ);
+                    handed.extend(pages);
+                }
+            }
+            assert_eq!(handed, staged, "decode answered the late staging it will never READ");
+            assert_eq!(link.in_flight(), vec![]);
+            assert!(table.drain_violations().is_empty());
+        }
+
         /// A push with an extent outside its region (a source page past prefill's, or a
         /// destination past decode's) in its last part posts nothing: every extent is checked
         /// before the first part is posted, and nothing is held. Before, the first parts were

@@ -47,11 +47,14 @@ pyo3::create_exception!(
      kvguard cannot read from the host: a GPU pool without read/scrub callbacks).\n\n\
      Attribute in_flight: a push that failed after posting WRITEs NIXL has not reported\n\
      complete lists the source pages (of the region pushed from) those WRITEs may still read:\n\
-     reuse them only once NixlLink.settle_pushes() hands them back. Empty otherwise."
+     reuse them only once NixlLink.settle_pushes() hands them back; a stage that failed before\n\
+     decode released it lists the staged pages decode may still READ: reuse them only once\n\
+     NixlLink.settle_stages() hands them back. Empty otherwise."
 );
 
-/// A core transport error as a `NixlError` with its `.kind` (of its cause, for a push that
-/// failed with WRITEs in flight) and `.in_flight` (the source pages those WRITEs may still read).
+/// A core transport error as a `NixlError` with its `.kind` (of its cause, for a push or a stage
+/// that failed with its pages still read) and `.in_flight` (the source pages that may still be
+/// read).
 fn nixl_error(py: Python<'_>, e: &core::NixlError) -> PyErr {
     let kind = match e.cause() {
         core::NixlError::Library { .. } => "library",
@@ -661,8 +664,9 @@ impl NixlLink {
         self.with_fences(py, table, region, |link, table, region| link.release_fences(table, region))
     }
 
-    /// Prefill: [(request, [page])] the source pages that WRITEs of failed pushes may still
-    /// read (a push's NixlError.in_flight): not to be reused until settle_pushes hands them back.
+    /// Prefill: [(request, [page])] the source pages that WRITEs of failed pushes, or decode's
+    /// READs of failed stagings, may still read (their NixlError.in_flight): not to be reused
+    /// until settle_pushes or settle_stages hands them back.
     #[getter]
     fn in_flight(&self) -> PyResult<Vec<(u64, Vec<u32>)>> {
         let link = self.link.try_lock().ok_or_else(|| busy("link"))?;
@@ -685,6 +689,24 @@ impl NixlLink {
     fn release_pushes(&self) -> PyResult<Vec<(u64, Vec<u32>)>> {
         let mut link = self.link.try_lock().ok_or_else(|| busy("link"))?;
         Ok(link.release_pushes().into_iter().map(|(r, pages)| (r.0, pages)).collect())
+    }
+
+    /// Prefill: [(request, [page])] the pages of failed stagings decode has now released (its
+    /// Released naming a staging's extents came: it READ them, or never will): free to reuse.
+    /// Takes the notices that came, which moves UCX along (decode's READ needs this side's agent
+    /// called): call it when idle too. NixlError when the notices cannot be taken.
+    fn settle_stages(&self, py: Python<'_>) -> PyResult<Vec<(u64, Vec<u32>)>> {
+        let mut link = self.link.try_lock().ok_or_else(|| busy("link"))?;
+        let link = &mut *link;
+        let done = py.detach(|| link.settle_stages()).map_err(|e| nixl_error(py, &e))?;
+        Ok(done.into_iter().map(|(r, pages)| (r.0, pages)).collect())
+    }
+
+    /// Prefill: [(request, [page])] every held staging's pages, whatever came: the engine knows
+    /// decode will READ none of them (the peer is gone).
+    fn release_stages(&self) -> PyResult<Vec<(u64, Vec<u32>)>> {
+        let mut link = self.link.try_lock().ok_or_else(|| busy("link"))?;
+        Ok(link.release_stages().into_iter().map(|(r, pages)| (r.0, pages)).collect())
     }
 
     /// Prefill, push: WRITEs `region`'s (a HostRegion or an EnginePool) extents `src`
@@ -778,8 +800,12 @@ impl NixlLink {
     }
 
     /// Prefill, pull: tells decode that `request`'s KV is staged in this side's extents `src`
-    /// ([(page, length)]) with its manifest, then waits until decode released them (it READ
-    /// them, whatever its verdict): only then may prefill reuse those pages.
+    /// ([(page, length)]) with its manifest, then waits until decode released them (a Released
+    /// naming exactly these extents: it READ them, whatever its verdict): only then may prefill
+    /// reuse those pages. NixlError otherwise: kind 'extents', before anything is sent, when a
+    /// page is still held by an earlier staging; any other failure comes after the staged notice
+    /// left, so decode may READ the pages later: its in_flight lists them, held until
+    /// settle_stages hands them back (or release_stages, the peer gone).
     #[pyo3(signature = (src, request, manifest, *, timeout = 20.0))]
     fn stage(
         &self,
@@ -797,7 +823,8 @@ impl NixlLink {
         py.detach(|| link.stage(&src, RequestId(request), &manifest, deadline)).map_err(|e| nixl_error(py, &e))
     }
 
-    /// Prefill: declines `request` for now and waits until decode took the decline.
+    /// Prefill: declines `request` for now and waits until decode took the decline (its bare
+    /// Released; one naming extents answers a staging and is left for settle_stages).
     #[pyo3(signature = (request, *, timeout = 20.0))]
     fn decline(&self, py: Python<'_>, request: u64, timeout: f64) -> PyResult<()> {
         let deadline = deadline(timeout)?;

@@ -497,6 +497,78 @@ def test_a_push_that_fails_with_writes_in_flight_holds_its_source_pages_until_th
     assert link.release_pushes() == []
 
 
+def test_a_stage_that_times_out_holds_its_pages_until_decode_releases_them():
+    """Prefill (a second agent in this process) stages a request's KV with its deadline already
+    passed: stage raises NixlError (kind timeout) whose in_flight names the staged pages decode
+    may still READ, and the link holds them (NixlLink.in_flight) until decode's Released naming
+    them comes (settle_stages). Prefill writes the next tenant's KV into each page as soon as the
+    library lets it go; decode, receiving from then on, READs the pages and accepts the KV staged.
+    Before, the stage raised a bare timeout and every page looked free: decode READ the next
+    tenant's KV and refused it (page_checksum_mismatch)."""
+    _nixl_or_skip()
+    import threading
+
+    npages, request = 8, 1
+    tag = f"{os.getpid()}-stage-held"
+    decode, prefill = kvguard.NixlAgent(f"decode-{tag}"), kvguard.NixlAgent(f"prefill-{tag}")
+    decode_region = kvguard.HostRegion(decode, npages, PAGE_BYTES)
+    prefill_region = kvguard.HostRegion(prefill, npages, PAGE_BYTES)
+    decode_link = kvguard.NixlLink(decode, prefill.metadata(), prefill_region.layout())
+    link = kvguard.NixlLink(prefill, decode.metadata(), decode_region.layout())
+    table = kvguard.OwnershipTable(kvguard.PoolConfig(npages, PAGE_SIZE, npages * PAGE_SIZE))
+    table.admit(request, TENANT, len(PROMPT), 0)
+    refs = table.allocate(request, 2)
+    pages = kv_pages(PROMPT)
+    manifest = nixl_prefill.manifest_for(request, TENANT, PROMPT, refs, pages)
+    src = []
+    for i, data in enumerate(pages):
+        prefill_region.write(nixl_prefill.FIRST_SRC_PAGE + i, data)
+        src.append((nixl_prefill.FIRST_SRC_PAGE + i, len(data)))
+    staged = [page for page, _ in src]
+    next_tenants = bytes([0xBB]) * PAGE_BYTES
+    # Decode's agent is not called yet: its Released cannot come by a deadline already passed.
+    with pytest.raises(kvguard.NixlError) as failed:
+        link.stage(src, request, manifest, timeout=0.0)
+    held = list(getattr(failed.value, "in_flight", []))
+    # The engine reuses each staged page the library does not hold, at once.
+    for page in staged:
+        if page not in held:
+            prefill_region.write(page, next_tenants)
+    decode_link.expect(request)
+    pinned = kvguard.Receiver(table).pin(request, TENANT, PROMPT, refs, slot_bytes=SLOT_BYTES)
+    verdict = []
+
+    def receive():
+        try:
+            verdict.append(decode_link.receive(pinned, decode_region, direction="read", timeout=20.0))
+        except kvguard.Error as e:
+            verdict.append(e)
+
+    receiving = threading.Thread(target=receive)
+    receiving.start()
+    handed, deadline = [], time.monotonic() + 30
+    while (receiving.is_alive() or link.in_flight) and time.monotonic() < deadline:
+        for r, pages in link.settle_stages():
+            assert r == request
+            for page in pages:
+                prefill_region.write(page, next_tenants)
+            handed += pages
+        # A live prefill keeps calling NIXL (decode's READ moves only inside its calls): here it
+        # declines a request decode never asked for, which decode drops on arrival.
+        with pytest.raises(kvguard.NixlError):
+            link.decline(10_000, timeout=0.001)
+    receiving.join(timeout=30)
+    assert not receiving.is_alive()
+    assert isinstance(verdict[0], kvguard.Accepted), f"decode did not accept the KV staged: {verdict[0]!r}"
+    assert verdict[0].tokens == len(PROMPT)
+    table.verify_read(request, [r.page for r in refs], len(PROMPT))
+    assert failed.value.kind == "timeout", str(failed.value)
+    assert held == staged, f"the staged pages decode may still READ: {failed.value}"
+    assert handed == staged, "the pages held are handed back, once, when decode released them"
+    assert link.in_flight == []
+    assert link.release_stages() == []
+
+
 def test_a_pinned_import_ends_once(prefill):
     d = Decode(prefill)
     refs = d.pages()

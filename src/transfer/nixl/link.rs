@@ -66,10 +66,13 @@ pub struct NixlLink<'a> {
     /// Pulls whose READ was posted and did not complete (it timed out or failed): their pages
     /// stay pinned, with the READ's handle, until NIXL reports it complete. Releasing a READ
     /// still in flight does not stop it (NIXL tries to cancel, and may not).
-    read_fences: Vec<(Fence, Posted)>,
+    read_fences: Vec<ReadFence>,
     /// Prefill: WRITEs of pushes that failed, not reported complete by NIXL: their source pages
     /// may still be read, until [`settle_pushes`](NixlLink::settle_pushes) hands them back.
     pushes: Vec<PushWrite>,
+    /// Prefill: stagings that failed before decode released them: decode may still READ their
+    /// pages, until [`settle_stages`](NixlLink::settle_stages) finds its `Released` for them.
+    stages: Vec<Staging>,
     /// Decode, once [`expect`](NixlLink::expect) was called: the requests it asked a peer
     /// for; notices for any other (with no fence and no abandoned pull) are dropped on arrival.
     expected: Option<std::collections::HashSet<RequestId>>,
@@ -99,6 +102,7 @@ impl<'a> NixlLink<'a> {
             fenced: Vec::new(),
             read_fences: Vec::new(),
             pushes: Vec::new(),
+            stages: Vec::new(),
             expected: None,
             malformed: 0,
             unasked: 0,
@@ -212,14 +216,15 @@ impl<'a> NixlLink<'a> {
     }
 
     /// Whether a notice about `request` is kept: the link is not selective, or it expects the
-    /// request, waits for it, or has a fenced push or an abandoned pull of it.
+    /// request, waits for it, or has a fenced push, an abandoned pull or a held staging of it.
     fn keeps(&self, request: RequestId, waiting: Option<RequestId>) -> bool {
         let Some(expected) = &self.expected else { return true };
         expected.contains(&request)
             || waiting == Some(request)
             || self.fenced.iter().any(|f| f.request() == request)
-            || self.read_fences.iter().any(|(f, _)| f.request() == request)
+            || self.read_fences.iter().any(|r| r.fence.request() == request)
             || self.abandoned.iter().any(|(r, _)| *r == request)
+            || self.stages.iter().any(|s| s.request == request)
     }
 
     /// Sends `notice` to the peer, then moves UCX along for a moment ([`FLUSH`]): with no
@@ -263,28 +268,39 @@ impl<'a> NixlLink<'a> {
     /// start of every `receive`; call it also when idle. Returns how many fences were lifted.
     ///
     /// A pull whose READ did not complete (it timed out or failed) is fenced with the READ's
-    /// handle, and lifted the same way once NIXL reports that READ complete; one NIXL reports
-    /// failed stays fenced until [`release_fences`](Self::release_fences) (a failure is no
-    /// proof that nothing more lands).
+    /// handle, and lifted the same way once NIXL reports that READ complete, then prefill is
+    /// told (`Released` naming the extents it staged: its [`settle_stages`](Self::settle_stages)
+    /// hands them back); one NIXL reports failed stays fenced until
+    /// [`release_fences`](Self::release_fences) (a failure is no proof that nothing more lands).
+    /// A late `Staged` for a pull that timed out before it came (or was
+    /// [abandoned](Self::abandon)) is answered here too, `Released` naming its extents: decode
+    /// never READs it.
     pub fn settle_fences<R: PageRegion + ?Sized>(
         &mut self,
         table: &OwnershipTable,
         region: &mut R,
     ) -> Result<usize, NixlError> {
         let mut lifted = 0;
-        for (fence, mut read) in std::mem::take(&mut self.read_fences) {
-            if fence.is_in(table) && matches!(self.agent.poll(&mut read), Ok(true)) {
-                let pages: Vec<u32> = fence.pages().iter().map(|r| r.page.0).collect();
-                self.retire_fence(fence, &pages, table, region);
+        let mut read_done = Vec::new();
+        for mut fenced in std::mem::take(&mut self.read_fences) {
+            if fenced.fence.is_in(table) && matches!(self.agent.poll(&mut fenced.read), Ok(true)) {
+                let pages: Vec<u32> = fenced.fence.pages().iter().map(|r| r.page.0).collect();
+                self.retire_fence(fenced.fence, &pages, table, region);
+                read_done.push((fenced.request, fenced.staged));
                 lifted += 1;
             } else {
-                self.read_fences.push((fence, read));
+                self.read_fences.push(fenced);
             }
         }
-        if self.fenced.is_empty() {
+        for (request, staged) in read_done {
+            // Best effort: unsent, prefill keeps the staged pages until it knows this side gone.
+            let _ = self.send(&Notice { extents: staged, ..Notice::bare(NoticeKind::Released, request) });
+        }
+        if self.fenced.is_empty() && self.abandoned.is_empty() {
             return Ok(lifted);
         }
         self.collect(None)?;
+        self.answer_late_stagings()?;
         for fence in std::mem::take(&mut self.fenced) {
             if !fence.is_in(table) {
                 // Another table's (a link shared by several decode tables): settled with it.
@@ -317,13 +333,13 @@ impl<'a> NixlLink<'a> {
     /// decode's memory.) Zeroes the pages first. Returns how many were lifted.
     pub fn release_fences<R: PageRegion + ?Sized>(&mut self, table: &OwnershipTable, region: &mut R) -> usize {
         let (reads, other_reads): (Vec<_>, Vec<_>) =
-            std::mem::take(&mut self.read_fences).into_iter().partition(|(f, _)| f.is_in(table));
+            std::mem::take(&mut self.read_fences).into_iter().partition(|r| r.fence.is_in(table));
         self.read_fences = other_reads;
         let (mut mine, others): (Vec<Fence>, Vec<Fence>) =
             std::mem::take(&mut self.fenced).into_iter().partition(|f| f.is_in(table));
         self.fenced = others;
         // The READs' handles released with their fences: the peer is gone.
-        mine.extend(reads.into_iter().map(|(f, _)| f));
+        mine.extend(reads.into_iter().map(|r| r.fence));
         let n = mine.len();
         for fence in mine {
             let pages: Vec<u32> = fence.pages().iter().map(|r| r.page.0).collect();
@@ -662,15 +678,17 @@ impl<'a> NixlLink<'a> {
         if held.is_empty() {
             return cause;
         }
-        NixlError::InFlight { request, pages: held, cause: Box::new(cause) }
+        NixlError::InFlight { direction: Direction::Write, request, pages: held, cause: Box::new(cause) }
     }
 
-    /// Prefill: the source pages that WRITEs of failed pushes may still read, by request (page
-    /// ids of the region each was pushed from, as in [`NixlError::InFlight`]): not to be
-    /// reused (written by another request's KV) until [`settle_pushes`](Self::settle_pushes)
+    /// Prefill: the source pages that WRITEs of failed pushes, or decode's READs of failed
+    /// stagings, may still read, by request (page ids of the region each was pushed or staged
+    /// from, as in [`NixlError::InFlight`]): not to be reused (written by another request's KV)
+    /// until [`settle_pushes`](Self::settle_pushes) or [`settle_stages`](Self::settle_stages)
     /// hands them back. The prefill side's counterpart of decode's [`fenced`](Self::fenced).
     pub fn in_flight(&self) -> Vec<(RequestId, Vec<u32>)> {
-        by_request(self.pushes.iter().map(|w| (w.request, w.pages.as_slice())))
+        let pushed = self.pushes.iter().map(|w| (w.request, w.pages.as_slice()));
+        by_request(pushed.chain(self.stages.iter().map(|s| (s.request, s.pages.as_slice()))))
     }
 
     /// Prefill: hands back the source pages of failed pushes whose WRITEs NIXL now reports
@@ -710,9 +728,22 @@ impl<'a> NixlLink<'a> {
     }
 
     /// Prefill, pull: tells decode that `request`'s KV is staged in `local`'s extents `src`,
-    /// with its manifest; then waits until decode has [released](NoticeKind::Released) them
-    /// (a `Released` naming these extents, or none: decode's answer to another attempt of the
-    /// same request names that attempt's, and does not end this one).
+    /// with its manifest; then waits until decode has [released](NoticeKind::Released) them:
+    /// a `Released` naming exactly these extents (decode sends it once it READ them, whatever
+    /// its verdict). Decode's answer to another attempt of the same request names that
+    /// attempt's extents, and a bare `Released` answers a [`decline`](Self::decline): neither
+    /// ends this one.
+    ///
+    /// # Errors
+    /// [`NixlError::Extents`], before anything is sent, when a page of `src` is still held by
+    /// an earlier staging (see [`in_flight`](Self::in_flight)): decode's late `Released` for
+    /// that one could not be told from this one's. Any other error comes once the `Staged`
+    /// notice was handed to NIXL, so decode may READ the pages at any time after the call
+    /// returned: [`NixlError::InFlight`] (direction [`Read`](Direction::Read), its cause the
+    /// timeout or failure) names them, and the link holds them until decode's `Released` for
+    /// this staging comes ([`settle_stages`](Self::settle_stages) hands them back) or the engine
+    /// knows the peer gone ([`release_stages`](Self::release_stages)). Staging no extents holds
+    /// nothing: such an error is its cause alone.
     pub fn stage(
         &mut self,
         src: &[Extent],
@@ -720,22 +751,80 @@ impl<'a> NixlLink<'a> {
         manifest: &[u8],
         deadline: Instant,
     ) -> Result<(), NixlError> {
-        self.send(&Notice {
-            kind: NoticeKind::Staged,
-            request,
-            extents: src.to_vec(),
-            manifest: manifest.to_vec(),
-            parts: 0,
-        })?;
-        let ours = |n: &Notice| n.extents.is_empty() || n.extents == src;
-        self.wait_where(request, &[NoticeKind::Released], ours, deadline).map(|_| ())
+        let held: Vec<u32> =
+            src.iter().map(|e| e.page).filter(|p| self.stages.iter().any(|s| s.pages.contains(p))).collect();
+        if !held.is_empty() {
+            return Err(NixlError::Extents {
+                reason: format!(
+                    "pages {held:?} are still staged by an earlier attempt decode may still READ: stage them once settle_stages hands them back"
+                ),
+            });
+        }
+        let staged =
+            Notice { kind: NoticeKind::Staged, request, extents: src.to_vec(), manifest: manifest.to_vec(), parts: 0 };
+        let ours = |n: &Notice| n.extents == src;
+        let outcome = self
+            .send(&staged)
+            .and_then(|()| self.wait_where(request, &[NoticeKind::Released], ours, deadline).map(|_| ()));
+        match outcome {
+            Ok(()) => Ok(()),
+            Err(cause) if src.is_empty() => Err(cause),
+            Err(cause) => {
+                let pages: Vec<u32> = src.iter().map(|e| e.page).collect();
+                self.stages.push(Staging { request, extents: src.to_vec(), pages: pages.clone() });
+                Err(NixlError::InFlight { direction: Direction::Read, request, pages, cause: Box::new(cause) })
+            }
+        }
+    }
+
+    /// Prefill: hands back the pages of failed stagings that decode has now released (its
+    /// `Released` naming exactly a staging's extents came: it READ them, or never will), by
+    /// request. Takes the notices that arrived (those for other requests stay for their own
+    /// waits), which also moves UCX along: an idle prefill calls it too, and a decode READing
+    /// the pages needs this side's agent called. A staging whose `Released` never comes (decode
+    /// was restarted, a full inbox dropped it: [`evicted`](Self::evicted)) stays held until
+    /// [`release_stages`](Self::release_stages).
+    ///
+    /// # Errors
+    /// [`NixlError::Call`] when the notifications cannot be taken: nothing handed back.
+    pub fn settle_stages(&mut self) -> Result<Vec<(RequestId, Vec<u32>)>, NixlError> {
+        if self.stages.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.collect(None)?;
+        let mut done = Vec::new();
+        for staging in std::mem::take(&mut self.stages) {
+            let released = |n: &Notice| {
+                n.kind == NoticeKind::Released && n.request == staging.request && n.extents == staging.extents
+            };
+            match self.inbox.iter().position(released) {
+                Some(at) => {
+                    let n = self.inbox.remove(at);
+                    self.inbox_bytes -= footprint(&n);
+                    done.push(staging);
+                }
+                None => self.stages.push(staging),
+            }
+        }
+        Ok(by_request(done.iter().map(|s| (s.request, s.pages.as_slice()))))
+    }
+
+    /// Prefill: hands back the pages of every failed staging still held, whatever came: the
+    /// engine knows decode will READ none of them (the peer is gone: its process ended or it
+    /// was restarted). Dropping the link hands nothing back: keep the pages of
+    /// [`in_flight`](Self::in_flight) out of circulation while the peer may still READ them.
+    pub fn release_stages(&mut self) -> Vec<(RequestId, Vec<u32>)> {
+        let all = std::mem::take(&mut self.stages);
+        by_request(all.iter().map(|s| (s.request, s.pages.as_slice())))
     }
 
     /// Prefill: declines `request` for now, and waits until decode has taken the decline (its
-    /// `Released`): with no progress thread a notification leaves only while the agent is called.
+    /// bare `Released`; one naming extents is decode's answer to a staging, kept for
+    /// [`settle_stages`](Self::settle_stages)): with no progress thread a notification leaves
+    /// only while the agent is called.
     pub fn decline(&mut self, request: RequestId, deadline: Instant) -> Result<(), NixlError> {
         self.send(&Notice::bare(NoticeKind::Declined, request))?;
-        self.wait(request, &[NoticeKind::Released], deadline).map(|_| ())
+        self.wait_where(request, &[NoticeKind::Released], |n| n.extents.is_empty(), deadline).map(|_| ())
     }
 
     /// Decode: receives the transfer `pinned` was pinned for (pin it with
@@ -876,6 +965,12 @@ impl<'a> NixlLink<'a> {
                     expected: u64::from(layout.page_bytes),
                     found: extent.len as usize,
                 };
+                if direction == Direction::Read {
+                    // Refused before any READ: prefill may reuse what it staged. Best effort:
+                    // unsent, prefill keeps its staged pages held.
+                    let staged = notice.extents.clone();
+                    let _ = self.send(&Notice { extents: staged, ..Notice::bare(NoticeKind::Released, request) });
+                }
                 return Err(ImportError::Refused(pinned.refuse(expected, e)));
             }
             landed.push(Extent { page, len: extent.len });
@@ -891,8 +986,10 @@ impl<'a> NixlLink<'a> {
                     Err(e) => {
                         // Posted and not complete: releasing it may not stop it, and the READ
                         // could land in these pages after their next owner wrote them. They
-                        // stay fenced with the READ's handle until NIXL reports it complete.
-                        self.read_fences.push((pinned.fence(), read));
+                        // stay fenced with the READ's handle until NIXL reports it complete,
+                        // when prefill is told it may reuse what it staged.
+                        let staged = notice.extents.clone();
+                        self.read_fences.push(ReadFence { request, fence: pinned.fence(), read, staged });
                         return Err(ImportError::Aborted(e));
                     }
                 },
@@ -1024,16 +1121,55 @@ impl NixlLink<'_> {
     /// retry's own `Staged` names the retry's incarnations, and a stale one for any other
     /// attempt is still refused by the checks.
     fn answer_abandoned(&mut self, staged: &Notice) -> Result<bool, NixlError> {
-        let Ok(manifest) = Manifest::decode(&staged.manifest) else { return Ok(false) };
-        let named: Vec<PageRef> = manifest.pages().iter().map(|e| e.dest).collect();
-        let Some(at) = self.abandoned.iter().position(|(r, refs)| *r == staged.request && *refs == named) else {
-            return Ok(false);
-        };
+        let Some(at) = self.abandoned_attempt(staged) else { return Ok(false) };
         self.abandoned.remove(at);
         let released = Notice { extents: staged.extents.clone(), ..Notice::bare(NoticeKind::Released, staged.request) };
         self.send(&released)?;
         Ok(true)
     }
+
+    /// Where in `abandoned` the pull is whose late answer `staged` is, if it is one.
+    fn abandoned_attempt(&self, staged: &Notice) -> Option<usize> {
+        let Ok(manifest) = Manifest::decode(&staged.manifest) else { return None };
+        let named: Vec<PageRef> = manifest.pages().iter().map(|e| e.dest).collect();
+        self.abandoned.iter().position(|(r, refs)| *r == staged.request && *refs == named)
+    }
+
+    /// Answers the late `Staged` notices in the inbox of pulls that timed out before they came
+    /// ([`answer_abandoned`](Self::answer_abandoned)), so that prefill reuses those pages
+    /// without waiting for a retry of the request to come across them.
+    fn answer_late_stagings(&mut self) -> Result<(), NixlError> {
+        while let Some(at) = self.inbox.iter().position(|n| {
+            n.kind == NoticeKind::Staged
+                && self.abandoned.iter().any(|(r, _)| *r == n.request)
+                && self.abandoned_attempt(n).is_some()
+        }) {
+            let late = self.inbox.remove(at);
+            self.inbox_bytes -= footprint(&late);
+            self.answer_abandoned(&late)?;
+        }
+        Ok(())
+    }
+}
+
+/// A pull whose READ was posted and did not complete: its pages fenced with the READ's handle,
+/// and the extents prefill staged, to release when the READ is over.
+#[derive(Debug)]
+struct ReadFence {
+    request: RequestId,
+    fence: Fence,
+    read: Posted,
+    staged: Vec<Extent>,
+}
+
+/// A staging that failed before decode released it: decode may still READ its pages.
+#[derive(Debug)]
+struct Staging {
+    request: RequestId,
+    /// What was staged: decode's `Released` for it names exactly these.
+    extents: Vec<Extent>,
+    /// Their pages, in the order staged.
+    pages: Vec<u32>,
 }
 
 /// A WRITE of a push that failed, not reported complete by NIXL: the source pages it may still

@@ -20,7 +20,9 @@
 //!   never comes, the import is aborted, nothing is readable, and the pages are scrubbed;
 //! - a push that fails with WRITEs still in flight (releasing them does not stop them) returns
 //!   [`NixlError::InFlight`], naming the source pages they may still read, and the link holds
-//!   those WRITEs until NIXL reports them complete ([`NixlLink::settle_pushes`]).
+//!   those WRITEs until NIXL reports them complete ([`NixlLink::settle_pushes`]); a staging
+//!   that fails before decode released it (decode may still READ it) likewise, the link holding
+//!   its pages until decode's late `Released` for it ([`NixlLink::settle_stages`]).
 //!
 //! The files: `agent.rs` is the FFI edge (`unsafe` allowed there only: loading the library,
 //! registering memory, the region's bytes); `notice.rs` the notification and layout wire
@@ -84,26 +86,42 @@ pub enum NixlError {
         /// What is wrong.
         reason: String,
     },
-    /// A push failed (`cause`) after posting WRITEs that NIXL has not reported complete: they
-    /// may still read `pages` (of the region pushed from) after the call returned, since
-    /// releasing a WRITE in flight does not stop it over UCX. Reuse those pages only once
-    /// [`NixlLink::settle_pushes`] hands them back; the push's other pages are free.
-    #[error(
-        "{cause}; {request}'s WRITEs may still read source pages {pages:?}: reuse them once settle_pushes hands them back"
-    )]
+    /// A transfer failed (`cause`) while its source `pages` may still be read after the call
+    /// returned: `direction` [`Write`](Direction::Write), a push's WRITEs NIXL has not reported
+    /// complete (releasing a WRITE in flight does not stop it over UCX), handed back by
+    /// [`NixlLink::settle_pushes`]; [`Read`](Direction::Read), pages [`NixlLink::stage`] staged
+    /// and decode has not released (its READ may be in flight or still to come), handed back by
+    /// [`NixlLink::settle_stages`]. Reuse those pages only then; the transfer's other pages are
+    /// free.
+    #[error("{cause}; {}", held(*direction, *request, pages))]
     InFlight {
-        /// The request pushed.
+        /// Whose read holds the pages: this side's WRITEs (a push) or the peer's READ (a pull).
+        direction: Direction,
+        /// The request pushed or staged.
         request: crate::RequestId,
-        /// The source pages its unfinished WRITEs read, in the order pushed.
+        /// The source pages that may still be read, in the order pushed or staged.
         pages: Vec<u32>,
-        /// What made the push fail.
+        /// What made the transfer fail.
         cause: Box<NixlError>,
     },
 }
 
+/// [`NixlError::InFlight`]'s account of the pages held.
+fn held(direction: Direction, request: crate::RequestId, pages: &[u32]) -> String {
+    match direction {
+        Direction::Write => format!(
+            "{request}'s WRITEs may still read source pages {pages:?}: reuse them once settle_pushes hands them back"
+        ),
+        Direction::Read => format!(
+            "the peer may still READ {request}'s staged pages {pages:?}: reuse them once settle_stages hands them back"
+        ),
+    }
+}
+
 impl NixlError {
-    /// The source pages a failed push's WRITEs may still read ([`NixlError::InFlight`]);
-    /// empty for any other error (nothing of it reads any page after it returned).
+    /// The source pages a failed push's WRITEs, or the peer's READ of a failed staging, may
+    /// still read ([`NixlError::InFlight`]); empty for any other error (nothing of it reads any
+    /// page after it returned).
     pub fn in_flight(&self) -> &[u32] {
         match self {
             NixlError::InFlight { pages, .. } => pages,

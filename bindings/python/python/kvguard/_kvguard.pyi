@@ -60,7 +60,9 @@ class NixlError(Error):
     kind: str  # 'library' | 'call' | 'timeout' | 'declined' | 'extents' | 'notice' | 'segment'
     in_flight: list[int]
     """A push that failed with WRITEs NIXL has not reported complete: the source pages they may
-    still read (reuse them once NixlLink.settle_pushes hands them back). Empty otherwise."""
+    still read (reuse them once NixlLink.settle_pushes hands them back); a stage that failed
+    before decode released it: the staged pages decode may still READ (reuse them once
+    NixlLink.settle_stages hands them back). Empty otherwise."""
 
 class TraceError(Error):
     line: int
@@ -531,14 +533,21 @@ class NixlLink:
     def release_fences(self, table: OwnershipTable, region: HostRegion | EnginePool) -> int: ...
     @property
     def in_flight(self) -> list[tuple[int, list[int]]]:
-        """Prefill: (request, source pages) that WRITEs of failed pushes may still read: not to be
-        reused until settle_pushes hands them back."""
+        """Prefill: (request, source pages) that WRITEs of failed pushes, or decode's READs of
+        failed stagings, may still read: not to be reused until settle_pushes or settle_stages
+        hands them back."""
     def settle_pushes(self) -> list[tuple[int, list[int]]]:
         """Prefill: (request, source pages) of failed pushes whose WRITEs NIXL now reports
         complete: free to reuse. A WRITE NIXL reports failed stays held until release_pushes."""
     def release_pushes(self) -> list[tuple[int, list[int]]]:
         """Prefill: every held push's (request, source pages), whatever NIXL says: the engine knows
         none of their WRITEs can still run (the peer is gone and its transfers failed)."""
+    def settle_stages(self) -> list[tuple[int, list[int]]]:
+        """Prefill: (request, staged pages) of failed stagings decode has now released (its
+        Released naming their extents came): free to reuse. Moves UCX along: call it when idle."""
+    def release_stages(self) -> list[tuple[int, list[int]]]:
+        """Prefill: every held staging's (request, staged pages), whatever came: the engine knows
+        decode will READ none of them (the peer is gone)."""
     def push(
         self,
         region: HostRegion | EnginePool,
@@ -566,7 +575,9 @@ class NixlLink:
     ) -> None: ...
     def stage(
         self, src: Sequence[tuple[int, int]], request: int, manifest: Any, *, timeout: float = 20.0
-    ) -> None: ...
+    ) -> None:
+        """Prefill, pull: returns once decode released the staged extents; NixlError otherwise,
+        its in_flight the pages decode may still READ (held until settle_stages hands them back)."""
     def decline(self, request: int, *, timeout: float = 20.0) -> None: ...
     def receive(
         self,
