@@ -213,18 +213,15 @@ def test_clean_workload_with_mixed_chunks(triton_rows, page_size):
     assert guard.table.snapshot().requests == 0
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_clean_workload_with_retraction(triton_rows, monkeypatch, page_size):
-    """SGLang's own retraction test mode (TEST_RETRACT: every 5th forward, update_running_batch
-    retracts decoding requests through retract_decode, releasing their rows and pages while
-    they are unfinished, and requeues them). Under enforce: no request refused, outputs as
-    without kvguard, no page lost; the retracted requests get new rows, so none stays suspect."""
+def retracting(monkeypatch) -> list[str]:
+    """SGLang's own retraction test mode (TEST_RETRACT: every 5th forward retracts decoding
+    requests through retract_decode); returns the list the retracted requests' rids go to."""
     import sglang.srt.managers.scheduler as scheduler_module
     from sglang.srt.managers.schedule_batch import ScheduleBatch
 
     monkeypatch.setattr(scheduler_module, "TEST_RETRACT", True)
     monkeypatch.setattr(scheduler_module, "TEST_RETRACT_INTERVAL", 5)
-    retracted = []
+    retracted: list[str] = []
     real = ScheduleBatch.retract_decode
 
     def counting(self, *args, **kwargs):
@@ -233,6 +230,16 @@ def test_clean_workload_with_retraction(triton_rows, monkeypatch, page_size):
         return out
 
     monkeypatch.setattr(ScheduleBatch, "retract_decode", counting)
+    return retracted
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_clean_workload_with_retraction(triton_rows, monkeypatch, page_size):
+    """SGLang's own retraction test mode (TEST_RETRACT: every 5th forward, update_running_batch
+    retracts decoding requests through retract_decode, releasing their rows and pages while
+    they are unfinished, and requeues them). Under enforce: no request refused, outputs as
+    without kvguard, no page lost; the retracted requests get new rows, so none stays suspect."""
+    retracted = retracting(monkeypatch)
     n = 200
     plain = scheduler(page_size, triton=True)
     start = pool_pages(plain)
@@ -255,21 +262,9 @@ def test_a_retracted_request_aborted_while_waiting_is_no_suspect_after(triton_ro
     one, each batch checked for it) and a client aborts while it waits to be resumed (SGLang's
     abort_request pops it from the waiting queue): kvguard forgets it as a suspect too (before,
     it stayed one for the life of the server and every batch after paid the suspects' check)."""
-    import sglang.srt.managers.scheduler as scheduler_module
     from sglang.srt.managers.io_struct import AbortReq
-    from sglang.srt.managers.schedule_batch import ScheduleBatch
 
-    monkeypatch.setattr(scheduler_module, "TEST_RETRACT", True)
-    monkeypatch.setattr(scheduler_module, "TEST_RETRACT_INTERVAL", 5)
-    retracted = []
-    real = ScheduleBatch.retract_decode
-
-    def counting(self, *args, **kwargs):
-        out = real(self, *args, **kwargs)
-        retracted.extend(r.rid for r in out[0])
-        return out
-
-    monkeypatch.setattr(ScheduleBatch, "retract_decode", counting)
+    retracted = retracting(monkeypatch)
     s = scheduler(page_size, triton=True)
     guard = attach_kvguard(s, "enforce")
     start = pool_pages(s)
