@@ -1040,6 +1040,197 @@ mod transfer {
             }
         }
 
+        /// Two large pages of 8 MiB each side, the pages of `src` filled with `OURS`, and a push of
+        /// `src` into decode's `dest` that fails at once with every part (a page each) in flight:
+        /// decode's agent is not called yet, so 32 MiB cannot all leave by the push's first poll.
+        struct HeldPush<'a> {
+            decode_region: HostRegion,
+            prefill_region: HostRegion,
+            decode_link: NixlLink<'a>,
+            link: NixlLink<'a>,
+            err: NixlError,
+        }
+
+        const BIG_PAGE: u32 = 8 << 20;
+        const OURS: u8 = 0xA5;
+        const NEXT_TENANTS: u8 = 0xBB;
+
+        fn held_push<'a>(decode: &'a NixlAgent, prefill: &'a NixlAgent, src: &[u32], dest: &[u32]) -> HeldPush<'a> {
+            let npages = 8;
+            let decode_region = HostRegion::new(decode, npages, BIG_PAGE).unwrap();
+            let mut prefill_region = HostRegion::new(prefill, npages, BIG_PAGE).unwrap();
+            let decode_link = NixlLink::connect(decode, &prefill.metadata().unwrap(), prefill_region.layout()).unwrap();
+            let mut link = NixlLink::connect(prefill, &decode.metadata().unwrap(), decode_region.layout()).unwrap();
+            for p in 0..npages {
+                prefill_region.bytes_mut(p, BIG_PAGE).unwrap().fill(OURS);
+            }
+            let src: Vec<Extent> = src.iter().map(|&page| Extent { page, len: BIG_PAGE }).collect();
+            let dest: Vec<PageId> = dest.iter().copied().map(PageId).collect();
+            let err = link.push(&prefill_region, &src, &dest, REQ, &[], Instant::now()).unwrap_err();
+            assert!(matches!(err.cause(), NixlError::Timeout { .. }), "{err}");
+            HeldPush { decode_region, prefill_region, decode_link, link, err }
+        }
+
+        /// Settles `link`'s pushes until nothing is held (or 30 s), the engine reusing each page
+        /// handed back at once (`NEXT_TENANTS`); asserts that a page handed back is named by no
+        /// held transfer any more and comes back once. Returns the pages handed back.
+        fn settle_reusing(link: &mut NixlLink<'_>, region: &mut HostRegion) -> Vec<u32> {
+            let mut handed: Vec<u32> = Vec::new();
+            let until = Instant::now() + Duration::from_secs(30);
+            while !link.in_flight().is_empty() && Instant::now() < until {
+                for (request, pages) in link.settle_pushes() {
+                    assert_eq!(request, REQ);
+                    let still = link.in_flight();
+                    for &p in &pages {
+                        assert!(
+                            !still.iter().any(|(_, held)| held.contains(&p)),
+                            "page {p} handed back while a held WRITE still reads it: {still:?}"
+                        );
+                        assert!(!handed.contains(&p), "page {p} handed back twice");
+                        region.bytes_mut(p, BIG_PAGE).unwrap().fill(NEXT_TENANTS);
+                        handed.push(p);
+                    }
+                }
+                std::thread::yield_now();
+            }
+            handed
+        }
+
+        fn sorted(mut pages: Vec<u32>) -> Vec<u32> {
+            pages.sort_unstable();
+            pages
+        }
+
+        /// The engine retries a push that failed with its WRITEs in flight from the same source
+        /// pages: the retry is refused before anything is sent (`Extents`), and so is staging
+        /// those pages, so a page has one holder, comes back once, and only when the WRITE that
+        /// reads it is done; a retry from other pages lands while the first push is held, and its
+        /// `Ok` frees nothing of it; once settled, a retry from the pages lands. Before, the
+        /// retry was posted too and failed: `in_flight` listed each page twice, `settle_pushes`
+        /// handed the pages back when the first push's WRITEs completed (the retry's still
+        /// reading them: the next tenant's KV to decode) and again when the retry's did.
+        #[test]
+        fn a_retried_push_of_pages_still_held_is_refused_and_each_page_comes_back_once() {
+            let Some((decode, prefill)) = agents("push-retry-held") else { return };
+            let HeldPush { decode_region, mut prefill_region, mut decode_link, mut link, err } =
+                held_push(&decode, &prefill, &[0, 1, 2, 3], &[0, 1, 2, 3]);
+            let held = err.in_flight().to_vec();
+            assert!(!held.is_empty(), "{err}");
+            let src: Vec<Extent> = (0..4).map(|page| Extent { page, len: BIG_PAGE }).collect();
+            let dest: Vec<PageId> = (4..8).map(PageId).collect();
+            let retry = link.push(&prefill_region, &src, &dest, REQ, &[], Instant::now()).unwrap_err();
+            assert!(matches!(retry, NixlError::Extents { .. }), "{retry}");
+            assert_eq!(retry.in_flight(), &[] as &[u32]);
+            let staged = link.stage(&src[..1], RequestId(9), &[], Instant::now()).unwrap_err();
+            assert!(matches!(staged, NixlError::Extents { .. }), "{staged}");
+            assert_eq!(link.in_flight(), vec![(REQ, held.clone())], "each held page listed once");
+            assert_eq!(link.held_pages(), held.len());
+            let (done_tx, done_rx) = mpsc::channel::<()>();
+            let handed = std::thread::scope(|s| {
+                s.spawn(move || {
+                    let until = Instant::now() + Duration::from_secs(60);
+                    keep_serving(&mut decode_link, until, || {
+                        !matches!(done_rx.try_recv(), Err(mpsc::TryRecvError::Empty))
+                    });
+                });
+                // A retry from copies of the KV (pages 4-7) lands while the first push is held.
+                let copies: Vec<Extent> = (4..8).map(|page| Extent { page, len: BIG_PAGE }).collect();
+                let deadline = Instant::now() + Duration::from_secs(20);
+                link.push(&prefill_region, &copies, &dest, REQ, &[], deadline).unwrap();
+                assert_eq!(link.in_flight(), vec![(REQ, held.clone())], "the retry's Ok frees nothing held");
+                let handed = settle_reusing(&mut link, &mut prefill_region);
+                // Settled: the pages may be pushed again.
+                for p in 0..4 {
+                    prefill_region.bytes_mut(p, BIG_PAGE).unwrap().fill(OURS);
+                }
+                let deadline = Instant::now() + Duration::from_secs(20);
+                link.push(&prefill_region, &src, &dest, REQ, &[], deadline).unwrap();
+                let _ = done_tx.send(());
+                handed
+            });
+            assert_eq!(sorted(handed), sorted(held), "every held page handed back once");
+            assert_eq!((link.in_flight(), link.held_pages()), (vec![], 0));
+            for p in 0..8 {
+                assert!(decode_region.bytes(p, BIG_PAGE).unwrap().iter().all(|&b| b == OURS), "decode's page {p}");
+            }
+        }
+
+        /// A push naming one source page twice (into two of decode's pages): two held WRITEs read
+        /// it, so it comes back once, when both completed, and the error and `in_flight` name it
+        /// once. Before, `NixlError::in_flight` and `in_flight` named it twice and `settle_pushes`
+        /// handed it back twice, the first time while the other WRITE still read it.
+        #[test]
+        fn a_source_page_two_held_writes_read_comes_back_once_when_both_completed() {
+            let Some((decode, prefill)) = agents("push-page-twice") else { return };
+            let HeldPush { decode_region, mut prefill_region, mut decode_link, mut link, err } =
+                held_push(&decode, &prefill, &[0, 1, 0, 1], &[0, 1, 2, 3]);
+            let held = err.in_flight().to_vec();
+            assert_eq!(sorted(held.clone()), vec![0, 1], "each page named once: {err}");
+            assert_eq!(link.in_flight(), vec![(REQ, held.clone())]);
+            assert_eq!(link.held_pages(), 2);
+            let (done_tx, done_rx) = mpsc::channel::<()>();
+            let handed = std::thread::scope(|s| {
+                s.spawn(move || {
+                    let until = Instant::now() + Duration::from_secs(60);
+                    keep_serving(&mut decode_link, until, || {
+                        !matches!(done_rx.try_recv(), Err(mpsc::TryRecvError::Empty))
+                    });
+                });
+                let handed = settle_reusing(&mut link, &mut prefill_region);
+                keep_serving(&mut link, Instant::now() + Duration::from_millis(500), || false);
+                let _ = done_tx.send(());
+                handed
+            });
+            assert_eq!(sorted(handed), vec![0, 1]);
+            assert_eq!(link.settle_pushes(), vec![]);
+            assert_eq!(link.release_pushes(), vec![], "nothing left to hand back");
+            for p in 0..4 {
+                assert!(decode_region.bytes(p, BIG_PAGE).unwrap().iter().all(|&b| b == OURS), "decode's page {p}");
+            }
+        }
+
+        /// `release_pushes` (the engine knows the peer gone) hands each held page back once,
+        /// however many held WRITEs read it. Before, it handed the page twice back: an allocator
+        /// freeing it twice gives it to two requests.
+        #[test]
+        fn release_pushes_hands_each_held_page_back_once() {
+            let Some((decode, prefill)) = agents("push-release-once") else { return };
+            let HeldPush { decode_region, prefill_region, mut decode_link, mut link, err } =
+                held_push(&decode, &prefill, &[0, 1, 0, 1], &[0, 1, 2, 3]);
+            let held = err.in_flight().to_vec();
+            assert_eq!(sorted(held.clone()), vec![0, 1], "{err}");
+            assert_eq!(link.in_flight(), vec![(REQ, held.clone())]);
+            let released: Vec<u32> = link
+                .release_pushes()
+                .into_iter()
+                .flat_map(|(r, pages)| {
+                    assert_eq!(r, REQ);
+                    pages
+                })
+                .collect();
+            assert_eq!(sorted(released), vec![0, 1], "each page once");
+            assert_eq!((link.in_flight(), link.held_pages(), link.release_pushes()), (vec![], 0, vec![]));
+            assert_eq!(link.settle_pushes(), vec![]);
+            // The released WRITEs may go on (releasing does not stop them): a later push over the
+            // same connection, which polls this agent along, lets them drain before the regions go.
+            let (done_tx, done_rx) = mpsc::channel::<()>();
+            std::thread::scope(|s| {
+                s.spawn(move || {
+                    let until = Instant::now() + Duration::from_secs(60);
+                    keep_serving(&mut decode_link, until, || {
+                        !matches!(done_rx.try_recv(), Err(mpsc::TryRecvError::Empty))
+                    });
+                });
+                let src = [Extent { page: 5, len: BIG_PAGE }];
+                let deadline = Instant::now() + Duration::from_secs(20);
+                let pushed = link.push(&prefill_region, &src, &[PageId(5)], RequestId(3), &[], deadline);
+                keep_serving(&mut link, Instant::now() + Duration::from_millis(500), || false);
+                let _ = done_tx.send(());
+                pushed.unwrap();
+            });
+            assert!(decode_region.bytes(5, BIG_PAGE).unwrap().iter().all(|&b| b == OURS));
+        }
+
         // ---- what a staging that failed may still have read: prefill's staged pages -------------
 
         /// Prefill's progress loop until `done()` (or 30 s): its agent moves along, serving

@@ -2,6 +2,7 @@
 //! request's pages with the manifest riding along, and decode's receive, which fails closed.
 
 use super::agent::POST_CALL;
+use super::held::{Held, PushWrite, Staging, distinct};
 use super::{Direction, Extent, NixlAgent, NixlError, Notice, NoticeKind, PageRegion, Posted, RegionLayout};
 use crate::ids::{PageId, PageRef, RequestId};
 use crate::transfer::{Accepted, ExpectedTransfer, Manifest, PinnedImport, TransferError, TransferHeader};
@@ -67,12 +68,11 @@ pub struct NixlLink<'a> {
     /// stay pinned, with the READ's handle, until NIXL reports it complete. Releasing a READ
     /// still in flight does not stop it (NIXL tries to cancel, and may not).
     read_fences: Vec<ReadFence>,
-    /// Prefill: WRITEs of pushes that failed, not reported complete by NIXL: their source pages
-    /// may still be read, until [`settle_pushes`](NixlLink::settle_pushes) hands them back.
-    pushes: Vec<PushWrite>,
-    /// Prefill: stagings that failed before decode released them: decode may still READ their
-    /// pages, until [`settle_stages`](NixlLink::settle_stages) finds its `Released` for them.
-    stages: Vec<Staging>,
+    /// Prefill: WRITEs of pushes that failed, not reported complete by NIXL, and stagings that
+    /// failed before decode released them: their pages may still be read, until
+    /// [`settle_pushes`](NixlLink::settle_pushes) or [`settle_stages`](NixlLink::settle_stages)
+    /// hands each back, once its last holder lets go.
+    held: Held,
     /// Decode, once [`expect`](NixlLink::expect) was called: the requests it asked a peer
     /// for; notices for any other (with no fence and no abandoned pull) are dropped on arrival.
     expected: Option<std::collections::HashSet<RequestId>>,
@@ -101,8 +101,7 @@ impl<'a> NixlLink<'a> {
             abandoned: std::collections::VecDeque::new(),
             fenced: Vec::new(),
             read_fences: Vec::new(),
-            pushes: Vec::new(),
-            stages: Vec::new(),
+            held: Held::default(),
             expected: None,
             malformed: 0,
             unasked: 0,
@@ -224,7 +223,7 @@ impl<'a> NixlLink<'a> {
             || self.fenced.iter().any(|f| f.request() == request)
             || self.read_fences.iter().any(|r| r.fence.request() == request)
             || self.abandoned.iter().any(|(r, _)| *r == request)
-            || self.stages.iter().any(|s| s.request == request)
+            || self.held.stages(request)
     }
 
     /// Sends `notice` to the peer, then moves UCX along for a moment ([`FLUSH`]): with no
@@ -449,11 +448,15 @@ impl<'a> NixlLink<'a> {
     /// (every extent, the manifest, the number of parts). Waits for completion.
     ///
     /// # Errors
-    /// [`NixlError::Extents`], before anything is sent, when `src` and `dest` differ in length
-    /// or an extent lies outside its region. A push that fails after posting a WRITE NIXL has
-    /// not reported complete (the deadline passed, a NIXL call failed, a later part could not
-    /// be posted) returns [`NixlError::InFlight`]: that WRITE may still read its source pages,
-    /// which the link keeps until NIXL reports it complete
+    /// [`NixlError::Extents`], before anything is sent, when `src` and `dest` differ in length,
+    /// an extent lies outside its region, or a source page is still held by an earlier failed
+    /// push or staging ([`in_flight`](Self::in_flight)): a retry from those pages waits until
+    /// [`settle_pushes`](Self::settle_pushes) (or [`settle_stages`](Self::settle_stages)) hands
+    /// them back, so a page has one holder and comes back once, and a push's `Ok` never stands
+    /// for a page an earlier WRITE still reads. A push that fails after posting a WRITE NIXL
+    /// has not reported complete (the deadline passed, a NIXL call failed, a later part could
+    /// not be posted) returns [`NixlError::InFlight`]: that WRITE may still read its source
+    /// pages, which the link keeps until NIXL reports it complete
     /// ([`settle_pushes`](Self::settle_pushes) hands them back). Any other error leaves no WRITE
     /// of the push reading: all its source pages are free.
     pub fn push<R: PageRegion + ?Sized>(
@@ -577,6 +580,7 @@ impl<'a> NixlLink<'a> {
                 reason: format!("{} source pages, {} destination pages", src.len(), dest.len()),
             });
         }
+        self.refuse_held(src, "push")?;
         let written: Vec<Extent> = src.iter().zip(dest).map(|(s, d)| Extent { page: d.0, len: s.len }).collect();
         let layout = local.layout();
         // Every extent checked before the first part is posted: a push that cannot be posted
@@ -668,63 +672,88 @@ impl<'a> NixlLink<'a> {
                 Err(_) => true,
             };
             held.extend_from_slice(&pages);
-            self.pushes.push(PushWrite { request, pages, posted: Some(part), failed });
+            self.held.hold_push(PushWrite { request, pages, posted: Some(part), failed });
         }
         if let Some(range) = started {
             let pages = pages_of(range);
             held.extend_from_slice(&pages);
-            self.pushes.push(PushWrite { request, pages, posted: None, failed: true });
+            self.held.hold_push(PushWrite { request, pages, posted: None, failed: true });
         }
         if held.is_empty() {
             return cause;
         }
-        NixlError::InFlight { direction: Direction::Write, request, pages: held, cause: Box::new(cause) }
+        NixlError::InFlight { direction: Direction::Write, request, pages: distinct(held), cause: Box::new(cause) }
+    }
+
+    /// Refuses (`Extents`, before anything is sent) a `what` of `src` that names a page the
+    /// link still holds: one page, one holder at a time, so a page comes back once, when the
+    /// transfer that may read it is done, and no later transfer's success makes it look free.
+    fn refuse_held(&self, src: &[Extent], what: &str) -> Result<(), NixlError> {
+        let held = self.held.among(src.iter().map(|e| e.page));
+        if held.is_empty() {
+            return Ok(());
+        }
+        Err(NixlError::Extents {
+            reason: format!(
+                "pages {held:?} are still held (in_flight): an earlier push's WRITE or staging's READ may still read them; {what} them once settle_pushes or settle_stages hands them back"
+            ),
+        })
     }
 
     /// Prefill: the source pages that WRITEs of failed pushes, or decode's READs of failed
-    /// stagings, may still read, by request (page ids of the region each was pushed or staged
-    /// from, as in [`NixlError::InFlight`]): not to be reused (written by another request's KV)
-    /// until [`settle_pushes`](Self::settle_pushes) or [`settle_stages`](Self::settle_stages)
-    /// hands them back. The prefill side's counterpart of decode's [`fenced`](Self::fenced).
+    /// stagings, may still read, by request, each page once (page ids of the region each was
+    /// pushed or staged from, as in [`NixlError::InFlight`]): not to be reused (written by
+    /// another request's KV), pushed or staged again until [`settle_pushes`](Self::settle_pushes)
+    /// or [`settle_stages`](Self::settle_stages) hands them back. The prefill side's counterpart
+    /// of decode's [`fenced`](Self::fenced).
+    ///
+    /// The region a held page belongs to must stay registered and allocated meanwhile: a held
+    /// WRITE or READ reads it with no call on this side, and the link does not keep the region
+    /// alive (dropping a [`HostRegion`](super::HostRegion) or an
+    /// [`EnginePool`](super::EnginePool) deregisters its memory, and the first frees it).
     pub fn in_flight(&self) -> Vec<(RequestId, Vec<u32>)> {
-        let pushed = self.pushes.iter().map(|w| (w.request, w.pages.as_slice()));
-        by_request(pushed.chain(self.stages.iter().map(|s| (s.request, s.pages.as_slice()))))
+        self.held.in_flight()
+    }
+
+    /// Prefill: how many distinct pages [`in_flight`](Self::in_flight) lists.
+    pub fn held_pages(&self) -> usize {
+        self.held.pages()
+    }
+
+    /// Prefill: how many distinct pages WRITEs NIXL reported failed (or whose posting failed
+    /// part-way) hold: [`settle_pushes`](Self::settle_pushes) never hands them back (NIXL reports
+    /// no completion after a failure), only [`release_pushes`](Self::release_pushes), once the
+    /// engine knows the peer gone. Watch it: with a live peer they stay held for the link's life.
+    pub fn held_by_failed_writes(&self) -> usize {
+        self.held.failed_pages()
     }
 
     /// Prefill: hands back the source pages of failed pushes whose WRITEs NIXL now reports
     /// complete (nothing more of them is read), by request; polling moves UCX along, so an idle
-    /// prefill calls it too. A WRITE NIXL reports failed stays held until
+    /// prefill calls it too. A page comes back once, when the last held WRITE or staging that
+    /// names it is done (a page a staging also holds comes back from
+    /// [`settle_stages`](Self::settle_stages) then). A WRITE NIXL reports failed stays held until
     /// [`release_pushes`](Self::release_pushes): a failure is no proof that nothing more is
     /// read (NIXL's UCX back end reports one operation's failure while others of the transfer
     /// may still run), and neither is releasing it (see [`Posted`]).
     pub fn settle_pushes(&mut self) -> Vec<(RequestId, Vec<u32>)> {
-        let mut done = Vec::new();
-        for mut write in std::mem::take(&mut self.pushes) {
-            if !write.failed
-                && let Some(posted) = &mut write.posted
-            {
-                match self.agent.poll(posted) {
-                    Ok(true) => {
-                        done.push(write);
-                        continue;
-                    }
-                    Ok(false) => {}
-                    Err(_) => write.failed = true,
-                }
-            }
-            self.pushes.push(write);
-        }
-        by_request(done.iter().map(|w| (w.request, w.pages.as_slice())))
+        let agent = self.agent;
+        self.held.settle_pushes(|write| match &mut write.posted {
+            Some(posted) => agent.poll(posted).map_err(|_| ()),
+            // Posted part-way: marked failed when held, never polled.
+            None => Err(()),
+        })
     }
 
     /// Prefill: hands back the source pages of every failed push still held, whatever NIXL
     /// says, and releases their WRITEs: the engine knows none of them can still run (the peer
     /// is gone: its process ended or it was restarted, and this agent's transfers to it
-    /// failed). Dropping the link releases them too, handing nothing back: keep the pages of
-    /// [`in_flight`](Self::in_flight) out of circulation until the agent itself is dropped.
+    /// failed). Each page once; a page a held staging also names stays held until that
+    /// staging is settled or released. Dropping the link releases them too, handing nothing
+    /// back: keep the pages of [`in_flight`](Self::in_flight) out of circulation (and their
+    /// region alive) until the agent itself is dropped.
     pub fn release_pushes(&mut self) -> Vec<(RequestId, Vec<u32>)> {
-        let all = std::mem::take(&mut self.pushes);
-        by_request(all.iter().map(|w| (w.request, w.pages.as_slice())))
+        self.held.release_pushes()
     }
 
     /// Prefill, pull: tells decode that `request`'s KV is staged in `local`'s extents `src`,
@@ -736,8 +765,9 @@ impl<'a> NixlLink<'a> {
     ///
     /// # Errors
     /// [`NixlError::Extents`], before anything is sent, when a page of `src` is still held by
-    /// an earlier staging (see [`in_flight`](Self::in_flight)): decode's late `Released` for
-    /// that one could not be told from this one's. Any other error comes once the `Staged`
+    /// an earlier staging or failed push (see [`in_flight`](Self::in_flight)): decode's late
+    /// `Released` for an earlier staging could not be told from this one's, and a page has one
+    /// holder at a time (as for [`push`](Self::push)). Any other error comes once the `Staged`
     /// notice was handed to NIXL, so decode may READ the pages at any time after the call
     /// returned: [`NixlError::InFlight`] (direction [`Read`](Direction::Read), its cause the
     /// timeout or failure) names them, and the link holds them until decode's `Released` for
@@ -751,15 +781,7 @@ impl<'a> NixlLink<'a> {
         manifest: &[u8],
         deadline: Instant,
     ) -> Result<(), NixlError> {
-        let held: Vec<u32> =
-            src.iter().map(|e| e.page).filter(|p| self.stages.iter().any(|s| s.pages.contains(p))).collect();
-        if !held.is_empty() {
-            return Err(NixlError::Extents {
-                reason: format!(
-                    "pages {held:?} are still staged by an earlier attempt decode may still READ: stage them once settle_stages hands them back"
-                ),
-            });
-        }
+        self.refuse_held(src, "stage")?;
         let staged =
             Notice { kind: NoticeKind::Staged, request, extents: src.to_vec(), manifest: manifest.to_vec(), parts: 0 };
         let ours = |n: &Notice| n.extents == src;
@@ -771,16 +793,22 @@ impl<'a> NixlLink<'a> {
             Err(cause) if src.is_empty() => Err(cause),
             Err(cause) => {
                 let pages: Vec<u32> = src.iter().map(|e| e.page).collect();
-                self.stages.push(Staging { request, extents: src.to_vec(), pages: pages.clone() });
-                Err(NixlError::InFlight { direction: Direction::Read, request, pages, cause: Box::new(cause) })
+                self.held.hold_stage(Staging { request, extents: src.to_vec(), pages: pages.clone() });
+                Err(NixlError::InFlight {
+                    direction: Direction::Read,
+                    request,
+                    pages: distinct(pages),
+                    cause: Box::new(cause),
+                })
             }
         }
     }
 
     /// Prefill: hands back the pages of failed stagings that decode has now released (its
     /// `Released` naming exactly a staging's extents came: it READ them, or never will), by
-    /// request. Takes the notices that arrived (those for other requests stay for their own
-    /// waits), which also moves UCX along: an idle prefill calls it too, and a decode READing
+    /// request, each page once, when no held WRITE or staging names it any more. Takes the
+    /// notices that arrived (those for other requests stay for their own waits), which also
+    /// moves UCX along: an idle prefill calls it too, and a decode READing
     /// the pages needs this side's agent called. A staging whose `Released` never comes (decode
     /// was restarted, a full inbox dropped it: [`evicted`](Self::evicted)) stays held until
     /// [`release_stages`](Self::release_stages).
@@ -788,34 +816,30 @@ impl<'a> NixlLink<'a> {
     /// # Errors
     /// [`NixlError::Call`] when the notifications cannot be taken: nothing handed back.
     pub fn settle_stages(&mut self) -> Result<Vec<(RequestId, Vec<u32>)>, NixlError> {
-        if self.stages.is_empty() {
+        if !self.held.any_stage() {
             return Ok(Vec::new());
         }
         self.collect(None)?;
-        let mut done = Vec::new();
-        for staging in std::mem::take(&mut self.stages) {
+        let (inbox, inbox_bytes) = (&mut self.inbox, &mut self.inbox_bytes);
+        Ok(self.held.settle_stages(|staging| {
             let released = |n: &Notice| {
                 n.kind == NoticeKind::Released && n.request == staging.request && n.extents == staging.extents
             };
-            match self.inbox.iter().position(released) {
-                Some(at) => {
-                    let n = self.inbox.remove(at);
-                    self.inbox_bytes -= footprint(&n);
-                    done.push(staging);
-                }
-                None => self.stages.push(staging),
-            }
-        }
-        Ok(by_request(done.iter().map(|s| (s.request, s.pages.as_slice()))))
+            let Some(at) = inbox.iter().position(released) else { return false };
+            let n = inbox.remove(at);
+            *inbox_bytes -= footprint(&n);
+            true
+        }))
     }
 
     /// Prefill: hands back the pages of every failed staging still held, whatever came: the
     /// engine knows decode will READ none of them (the peer is gone: its process ended or it
-    /// was restarted). Dropping the link hands nothing back: keep the pages of
-    /// [`in_flight`](Self::in_flight) out of circulation while the peer may still READ them.
+    /// was restarted). Each page once; a page a held WRITE also names stays held until that
+    /// WRITE is settled or released. Dropping the link hands nothing back: keep the pages of
+    /// [`in_flight`](Self::in_flight) out of circulation (and their region alive) while the
+    /// peer may still READ them.
     pub fn release_stages(&mut self) -> Vec<(RequestId, Vec<u32>)> {
-        let all = std::mem::take(&mut self.stages);
-        by_request(all.iter().map(|s| (s.request, s.pages.as_slice())))
+        self.held.release_stages()
     }
 
     /// Prefill: declines `request` for now, and waits until decode has taken the decline (its
@@ -1160,43 +1184,6 @@ struct ReadFence {
     fence: Fence,
     read: Posted,
     staged: Vec<Extent>,
-}
-
-/// A staging that failed before decode released it: decode may still READ its pages.
-#[derive(Debug)]
-struct Staging {
-    request: RequestId,
-    /// What was staged: decode's `Released` for it names exactly these.
-    extents: Vec<Extent>,
-    /// Their pages, in the order staged.
-    pages: Vec<u32>,
-}
-
-/// A WRITE of a push that failed, not reported complete by NIXL: the source pages it may still
-/// read.
-#[derive(Debug)]
-struct PushWrite {
-    request: RequestId,
-    /// Source pages of the region pushed from, in the order pushed.
-    pages: Vec<u32>,
-    /// Its handle, kept (never released) while it may run; `None` when posting it failed
-    /// part-way (NIXL gave no handle to wait for).
-    posted: Option<Posted>,
-    /// NIXL reported it failed, or posting it failed part-way: no completion will prove it
-    /// done; only [`NixlLink::release_pushes`] hands its pages back.
-    failed: bool,
-}
-
-/// Pages grouped by request, in the order each request first appears.
-fn by_request<'p>(writes: impl Iterator<Item = (RequestId, &'p [u32])>) -> Vec<(RequestId, Vec<u32>)> {
-    let mut out: Vec<(RequestId, Vec<u32>)> = Vec::new();
-    for (request, pages) in writes {
-        match out.iter_mut().find(|(r, _)| *r == request) {
-            Some((_, all)) => all.extend_from_slice(pages),
-            None => out.push((request, pages.to_vec())),
-        }
-    }
-    out
 }
 
 /// A pinned page's (length, CRC32) taken as its part landed, if it was.

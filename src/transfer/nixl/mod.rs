@@ -32,6 +32,7 @@
 
 #[allow(unsafe_code)]
 mod agent;
+mod held;
 mod link;
 mod notice;
 

@@ -534,11 +534,12 @@ class NixlLink:
     @property
     def in_flight(self) -> list[tuple[int, list[int]]]:
         """Prefill: (request, source pages) that WRITEs of failed pushes, or decode's READs of
-        failed stagings, may still read: not to be reused until settle_pushes or settle_stages
-        hands them back."""
+        failed stagings, may still read, each page once: not to be reused, pushed or staged
+        until settle_pushes or settle_stages hands them back."""
     def settle_pushes(self) -> list[tuple[int, list[int]]]:
         """Prefill: (request, source pages) of failed pushes whose WRITEs NIXL now reports
-        complete: free to reuse. A WRITE NIXL reports failed stays held until release_pushes."""
+        complete: free to reuse, each page once, when no held WRITE or staging reads it any more.
+        A WRITE NIXL reports failed stays held until release_pushes."""
     def release_pushes(self) -> list[tuple[int, list[int]]]:
         """Prefill: every held push's (request, source pages), whatever NIXL says: the engine knows
         none of their WRITEs can still run (the peer is gone and its transfers failed)."""

@@ -1,0 +1,258 @@
+//! Prefill's held pages: the source pages that WRITEs of failed pushes may still read (NIXL has
+//! not reported them complete) and that decode may still READ for failed stagings (its
+//! `Released` has not come), counted per page, so that each page comes back once, when the last
+//! transfer that may read it lets go of it.
+
+use super::Posted;
+use crate::ids::RequestId;
+use std::collections::BTreeMap;
+
+/// The link's held transfers and how many of them name each page.
+#[derive(Debug, Default)]
+pub(super) struct Held {
+    pushes: Vec<PushWrite>,
+    stages: Vec<Staging>,
+    /// Each held page and how many times held entries (WRITEs and stagings) name it; a page
+    /// leaves the map, and is handed back, when the last of them lets go.
+    holders: BTreeMap<u32, u32>,
+}
+
+/// A WRITE of a push that failed, not reported complete by NIXL: the source pages it may still
+/// read.
+#[derive(Debug)]
+pub(super) struct PushWrite {
+    pub(super) request: RequestId,
+    /// Source pages of the region pushed from, in the order pushed.
+    pub(super) pages: Vec<u32>,
+    /// Its handle, kept (never released) while it may run; `None` when posting it failed
+    /// part-way (NIXL gave no handle to wait for).
+    pub(super) posted: Option<Posted>,
+    /// NIXL reported it failed, or posting it failed part-way: no completion will prove it
+    /// done; only [`Held::release_pushes`] hands its pages back.
+    pub(super) failed: bool,
+}
+
+/// A staging that failed before decode released it: decode may still READ its pages.
+#[derive(Debug)]
+pub(super) struct Staging {
+    pub(super) request: RequestId,
+    /// What was staged: decode's `Released` for it names exactly these.
+    pub(super) extents: Vec<super::Extent>,
+    /// Their pages, in the order staged.
+    pub(super) pages: Vec<u32>,
+}
+
+/// Pages by request, the requests in the order they first appear, each page once (under the
+/// first request that names it).
+pub(super) type ByRequest = Vec<(RequestId, Vec<u32>)>;
+
+fn by_request<'p>(entries: impl Iterator<Item = (RequestId, &'p [u32])>) -> ByRequest {
+    let mut out: ByRequest = Vec::new();
+    let mut seen = std::collections::BTreeSet::new();
+    for (request, pages) in entries {
+        let fresh: Vec<u32> = pages.iter().copied().filter(|&p| seen.insert(p)).collect();
+        match out.iter_mut().find(|(r, _)| *r == request) {
+            Some((_, all)) => all.extend(fresh),
+            None if fresh.is_empty() => {}
+            None => out.push((request, fresh)),
+        }
+    }
+    out
+}
+
+/// `pages` without repeats, in their first order.
+pub(super) fn distinct(pages: impl IntoIterator<Item = u32>) -> Vec<u32> {
+    let mut seen = std::collections::BTreeSet::new();
+    pages.into_iter().filter(|&p| seen.insert(p)).collect()
+}
+
+impl Held {
+    fn count(&mut self, pages: &[u32]) {
+        for &p in pages {
+            *self.holders.entry(p).or_insert(0) += 1;
+        }
+    }
+
+    /// Lets go of `entries`' holds; returns the pages no other held entry names any more, by
+    /// the request of the entry that let go last, each once.
+    fn let_go<'p>(&mut self, entries: impl Iterator<Item = (RequestId, &'p [u32])>) -> ByRequest {
+        let mut out: ByRequest = Vec::new();
+        for (request, pages) in entries {
+            let mut freed = Vec::new();
+            for &p in pages {
+                let Some(n) = self.holders.get_mut(&p) else { continue };
+                *n -= 1;
+                if *n == 0 {
+                    self.holders.remove(&p);
+                    freed.push(p);
+                }
+            }
+            match out.iter_mut().find(|(r, _)| *r == request) {
+                Some((_, all)) => all.extend(freed),
+                None if freed.is_empty() => {}
+                None => out.push((request, freed)),
+            }
+        }
+        out
+    }
+
+    /// Holds a push's WRITE.
+    pub(super) fn hold_push(&mut self, write: PushWrite) {
+        self.count(&write.pages);
+        self.pushes.push(write);
+    }
+
+    /// Holds a staging.
+    pub(super) fn hold_stage(&mut self, staging: Staging) {
+        self.count(&staging.pages);
+        self.stages.push(staging);
+    }
+
+    /// Which of `pages` are held (by a WRITE or a staging), each once, in their order.
+    pub(super) fn among(&self, pages: impl IntoIterator<Item = u32>) -> Vec<u32> {
+        distinct(pages.into_iter().filter(|p| self.holders.contains_key(p)))
+    }
+
+    /// Every held page, by request (pushes' first, then stagings'), each once.
+    pub(super) fn in_flight(&self) -> ByRequest {
+        let pushed = self.pushes.iter().map(|w| (w.request, w.pages.as_slice()));
+        by_request(pushed.chain(self.stages.iter().map(|s| (s.request, s.pages.as_slice()))))
+    }
+
+    /// How many distinct pages are held.
+    pub(super) fn pages(&self) -> usize {
+        self.holders.len()
+    }
+
+    /// How many distinct pages WRITEs NIXL reported failed (or posted part-way) name: held
+    /// until [`release_pushes`](Self::release_pushes).
+    pub(super) fn failed_pages(&self) -> usize {
+        distinct(self.pushes.iter().filter(|w| w.failed).flat_map(|w| w.pages.iter().copied())).len()
+    }
+
+    /// Whether a held staging is `request`'s.
+    pub(super) fn stages(&self, request: RequestId) -> bool {
+        self.stages.iter().any(|s| s.request == request)
+    }
+
+    /// Whether any staging is held.
+    pub(super) fn any_stage(&self) -> bool {
+        !self.stages.is_empty()
+    }
+
+    /// Lets go of the WRITEs `poll` reports complete (`Ok(true)`; an `Err` marks one failed:
+    /// held until [`release_pushes`](Self::release_pushes)); failed ones are not polled.
+    /// Returns the pages no held entry names any more.
+    pub(super) fn settle_pushes(&mut self, mut poll: impl FnMut(&mut PushWrite) -> Result<bool, ()>) -> ByRequest {
+        let mut done = Vec::new();
+        for mut write in std::mem::take(&mut self.pushes) {
+            if !write.failed {
+                match poll(&mut write) {
+                    Ok(true) => {
+                        done.push(write);
+                        continue;
+                    }
+                    Ok(false) => {}
+                    Err(()) => write.failed = true,
+                }
+            }
+            self.pushes.push(write);
+        }
+        self.let_go(done.iter().map(|w| (w.request, w.pages.as_slice())))
+    }
+
+    /// Lets go of every WRITE (their handles released); returns the pages no held staging
+    /// names.
+    pub(super) fn release_pushes(&mut self) -> ByRequest {
+        let all = std::mem::take(&mut self.pushes);
+        self.let_go(all.iter().map(|w| (w.request, w.pages.as_slice())))
+    }
+
+    /// Lets go of the stagings `released` says decode released; returns the pages no held
+    /// entry names any more.
+    pub(super) fn settle_stages(&mut self, mut released: impl FnMut(&Staging) -> bool) -> ByRequest {
+        let (done, kept): (Vec<Staging>, Vec<Staging>) =
+            std::mem::take(&mut self.stages).into_iter().partition(|s| released(s));
+        self.stages = kept;
+        self.let_go(done.iter().map(|s| (s.request, s.pages.as_slice())))
+    }
+
+    /// Lets go of every staging; returns the pages no held WRITE names.
+    pub(super) fn release_stages(&mut self) -> ByRequest {
+        let all = std::mem::take(&mut self.stages);
+        self.let_go(all.iter().map(|s| (s.request, s.pages.as_slice())))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const A: RequestId = RequestId(1);
+    const B: RequestId = RequestId(2);
+
+    fn write(request: RequestId, pages: &[u32], failed: bool) -> PushWrite {
+        PushWrite { request, pages: pages.to_vec(), posted: None, failed }
+    }
+
+    fn staging(request: RequestId, pages: &[u32]) -> Staging {
+        let extents = pages.iter().map(|&page| super::super::Extent { page, len: 8 }).collect();
+        Staging { request, extents, pages: pages.to_vec() }
+    }
+
+    #[test]
+    fn a_page_two_writes_read_comes_back_once_when_the_second_completes() {
+        let mut held = Held::default();
+        held.hold_push(write(A, &[0, 1, 2, 3], false));
+        held.hold_push(write(A, &[0, 1, 2, 3], false));
+        assert_eq!(held.in_flight(), vec![(A, vec![0, 1, 2, 3])]);
+        assert_eq!(held.pages(), 4);
+        // The first WRITE completes: the second still reads every page.
+        let mut first = true;
+        let handed = held.settle_pushes(|_| Ok(std::mem::replace(&mut first, false)));
+        assert_eq!(handed, vec![]);
+        assert_eq!(held.in_flight(), vec![(A, vec![0, 1, 2, 3])]);
+        assert_eq!(held.settle_pushes(|_| Ok(true)), vec![(A, vec![0, 1, 2, 3])]);
+        assert_eq!(held.settle_pushes(|_| Ok(true)), vec![]);
+        assert_eq!(held.pages(), 0);
+    }
+
+    #[test]
+    fn a_failed_write_is_not_settled_and_comes_back_once_by_release() {
+        let mut held = Held::default();
+        held.hold_push(write(A, &[0, 1], false));
+        // Posted part-way: no handle, failed from the start.
+        held.hold_push(write(B, &[1, 2], true));
+        assert_eq!(held.failed_pages(), 2);
+        assert_eq!(held.settle_pushes(|_| Err(())), vec![], "a failure is no proof it is done");
+        assert_eq!(held.failed_pages(), 3);
+        assert_eq!(held.settle_pushes(|_| Ok(true)), vec![], "failed WRITEs are never polled again");
+        assert_eq!(held.in_flight(), vec![(A, vec![0, 1]), (B, vec![2])]);
+        assert_eq!(held.release_pushes(), vec![(A, vec![0]), (B, vec![1, 2])]);
+        assert_eq!(held.release_pushes(), vec![]);
+        assert_eq!((held.pages(), held.failed_pages()), (0, 0));
+    }
+
+    #[test]
+    fn a_page_a_write_and_a_staging_hold_comes_back_with_the_last_of_them() {
+        let mut held = Held::default();
+        held.hold_push(write(A, &[0, 1], false));
+        held.hold_stage(staging(B, &[1, 2]));
+        assert_eq!(held.among([2, 3, 1, 1]), vec![2, 1]);
+        assert_eq!(held.settle_pushes(|_| Ok(true)), vec![(A, vec![0])]);
+        assert_eq!(held.release_stages(), vec![(B, vec![1, 2])]);
+        held.hold_push(write(A, &[5], false));
+        held.hold_stage(staging(B, &[5]));
+        assert_eq!(held.settle_stages(|_| true), vec![]);
+        assert_eq!(held.release_pushes(), vec![(A, vec![5])]);
+        assert_eq!(held.pages(), 0);
+    }
+
+    #[test]
+    fn a_page_named_twice_by_one_write_counts_twice() {
+        let mut held = Held::default();
+        held.hold_push(write(A, &[3, 3], false));
+        assert_eq!(held.in_flight(), vec![(A, vec![3])]);
+        assert_eq!(held.release_pushes(), vec![(A, vec![3])]);
+    }
+}
