@@ -172,6 +172,8 @@ impl NixlAgent {
 ///
 /// HostRegion(agent, pages, page_bytes). layout() is what the peer needs (bytes, out of band).
 /// read/write/scrub raise RuntimeError while a transfer on this region runs in another thread.
+/// A NixlLink whose failed push's WRITEs are held keeps the region it pushed from alive until it
+/// holds no page; a staged page's region is not kept: keep it while in_flight names its pages.
 #[pyclass(frozen, module = "kvguard")]
 pub struct HostRegion {
     region: Mutex<core::HostRegion>,
@@ -523,7 +525,40 @@ impl<'a> RegionArg<'a> {
 pub struct NixlLink {
     // Dropped first: the link borrows the agent kept alive by `agent`.
     link: Mutex<core::NixlLink<'static>>,
+    /// The regions (HostRegion, EnginePool) that held WRITEs of failed pushes may still read:
+    /// kept alive (registered, allocated) until the link holds no page (see `Drop`).
+    held_regions: Mutex<Vec<Py<PyAny>>>,
     agent: Py<NixlAgent>,
+}
+
+impl Drop for NixlLink {
+    fn drop(&mut self) {
+        // Dropping the core link released its held WRITEs, which does not stop them: the regions
+        // they read are never freed (leaked) rather than freed while UCX may still read them.
+        if self.link.get_mut().held_pages() > 0 {
+            std::mem::forget(std::mem::take(self.held_regions.get_mut()));
+        }
+    }
+}
+
+impl NixlLink {
+    /// After a push from `region`: keeps it alive while the link holds pages (a failed push's
+    /// WRITEs may still read it), lets the kept regions go once it holds none.
+    fn keep_region(&self, link: &core::NixlLink<'static>, region: &Bound<'_, PyAny>, failed: bool) {
+        let mut kept = self.held_regions.lock();
+        if link.held_pages() == 0 {
+            kept.clear();
+        } else if failed && !kept.iter().any(|r| r.bind(region.py()).is(region)) {
+            kept.push(region.clone().unbind());
+        }
+    }
+
+    /// After a settle or release: lets the kept regions go once the link holds no page.
+    fn let_regions_go(&self, link: &core::NixlLink<'static>) {
+        if link.held_pages() == 0 {
+            self.held_regions.lock().clear();
+        }
+    }
 }
 
 impl NixlLink {
@@ -565,7 +600,7 @@ impl NixlLink {
         let mut link =
             py.detach(|| core::NixlLink::connect(core_agent, &metadata, layout)).map_err(|e| nixl_error(py, &e))?;
         link.set_parts(part_bytes);
-        Ok(NixlLink { link: Mutex::new(link), agent })
+        Ok(NixlLink { link: Mutex::new(link), held_regions: Mutex::new(Vec::new()), agent })
     }
 
     /// The peer's agent name.
@@ -665,21 +700,37 @@ impl NixlLink {
     }
 
     /// Prefill: [(request, [page])] the source pages that WRITEs of failed pushes, or decode's
-    /// READs of failed stagings, may still read (their NixlError.in_flight): not to be reused
-    /// until settle_pushes or settle_stages hands them back.
+    /// READs of failed stagings, may still read (their NixlError.in_flight), each page once: not
+    /// to be reused, pushed or staged until settle_pushes or settle_stages hands them back.
     #[getter]
     fn in_flight(&self) -> PyResult<Vec<(u64, Vec<u32>)>> {
         let link = self.link.try_lock().ok_or_else(|| busy("link"))?;
         Ok(link.in_flight().into_iter().map(|(r, pages)| (r.0, pages)).collect())
     }
 
+    /// Prefill: how many distinct pages in_flight lists.
+    #[getter]
+    fn held_pages(&self) -> PyResult<usize> {
+        Ok(self.link.try_lock().ok_or_else(|| busy("link"))?.held_pages())
+    }
+
+    /// Prefill: how many distinct pages WRITEs NIXL reported failed (or posted part-way) hold:
+    /// settle_pushes never hands them back (NIXL reports no completion after a failure), only
+    /// release_pushes once the peer is known gone; with a live peer, held for the link's life.
+    #[getter]
+    fn held_by_failed_writes(&self) -> PyResult<usize> {
+        Ok(self.link.try_lock().ok_or_else(|| busy("link"))?.held_by_failed_writes())
+    }
+
     /// Prefill: [(request, [page])] the source pages of failed pushes whose WRITEs NIXL now
-    /// reports complete: free to reuse. Moves UCX along; call it when idle too. A WRITE NIXL
-    /// reports failed stays held until release_pushes.
+    /// reports complete: free to reuse; a page comes back once, when no held WRITE or staging
+    /// reads it any more. Moves UCX along; call it when idle too. A WRITE NIXL reports failed
+    /// stays held until release_pushes.
     fn settle_pushes(&self, py: Python<'_>) -> PyResult<Vec<(u64, Vec<u32>)>> {
         let mut link = self.link.try_lock().ok_or_else(|| busy("link"))?;
         let link = &mut *link;
         let done = py.detach(|| link.settle_pushes());
+        self.let_regions_go(link);
         Ok(done.into_iter().map(|(r, pages)| (r.0, pages)).collect())
     }
 
@@ -688,7 +739,9 @@ impl NixlLink {
     /// failed).
     fn release_pushes(&self) -> PyResult<Vec<(u64, Vec<u32>)>> {
         let mut link = self.link.try_lock().ok_or_else(|| busy("link"))?;
-        Ok(link.release_pushes().into_iter().map(|(r, pages)| (r.0, pages)).collect())
+        let released = link.release_pushes();
+        self.let_regions_go(&link);
+        Ok(released.into_iter().map(|(r, pages)| (r.0, pages)).collect())
     }
 
     /// Prefill: [(request, [page])] the pages of failed stagings decode has now released (its
@@ -699,6 +752,7 @@ impl NixlLink {
         let mut link = self.link.try_lock().ok_or_else(|| busy("link"))?;
         let link = &mut *link;
         let done = py.detach(|| link.settle_stages()).map_err(|e| nixl_error(py, &e))?;
+        self.let_regions_go(link);
         Ok(done.into_iter().map(|(r, pages)| (r.0, pages)).collect())
     }
 
@@ -706,16 +760,23 @@ impl NixlLink {
     /// decode will READ none of them (the peer is gone).
     fn release_stages(&self) -> PyResult<Vec<(u64, Vec<u32>)>> {
         let mut link = self.link.try_lock().ok_or_else(|| busy("link"))?;
-        Ok(link.release_stages().into_iter().map(|(r, pages)| (r.0, pages)).collect())
+        let released = link.release_stages();
+        self.let_regions_go(&link);
+        Ok(released.into_iter().map(|(r, pages)| (r.0, pages)).collect())
     }
 
     /// Prefill, push: WRITEs `region`'s (a HostRegion or an EnginePool) extents `src`
     /// ([(page, length)]) into the peer's pages `dest` (ints or PageRefs, position by position)
     /// with the manifest (bytes) as the transfer's notification, delivered after the data;
     /// `request` is decode's int id.
-    /// Returns when the transfer completed; NixlError otherwise: its in_flight lists the source
-    /// pages WRITEs NIXL has not reported complete may still read (reuse them once settle_pushes
-    /// hands them back); every other source page is free.
+    /// Returns when the transfer completed; NixlError otherwise: kind 'extents', before anything
+    /// is sent, when a source page is still held (in_flight) by an earlier failed push or
+    /// staging (retry from it once settle_pushes or settle_stages hands it back); after posting,
+    /// its in_flight lists the source pages WRITEs NIXL has not reported complete may still
+    /// read (reuse them once settle_pushes hands them back); every other source page is free.
+    /// While the link holds pages, it keeps `region` alive (registered, its memory allocated:
+    /// a held WRITE reads it); a link dropped with pages held never frees the regions it kept.
+    /// An EnginePool's memory is the engine's: keep it allocated while in_flight names its pages.
     #[pyo3(signature = (region, src, dest, request, manifest, *, timeout = 20.0))]
     #[allow(clippy::too_many_arguments)]
     fn push(
@@ -735,11 +796,13 @@ impl NixlLink {
         let manifest = bytes_arg(manifest, "manifest")?;
         let deadline = deadline(timeout)?;
         let mut link = self.link.try_lock().ok_or_else(|| busy("link"))?;
-        let mut region = RegionArg::lock(region)?;
+        let mut locked = RegionArg::lock(region)?;
         // `&mut`: a HostRegion may be sent to another thread, not shared with one.
-        let (link, region) = (&mut *link, region.region());
-        py.detach(move || link.push(region, &src, &dest, RequestId(request), &manifest, deadline))
-            .map_err(|e| nixl_error(py, &e))
+        let (core_link, core_region) = (&mut *link, locked.region());
+        let pushed =
+            py.detach(move || core_link.push(core_region, &src, &dest, RequestId(request), &manifest, deadline));
+        self.keep_region(&link, region, pushed.as_ref().is_err_and(|e| !e.in_flight().is_empty()));
+        pushed.map_err(|e| nixl_error(py, &e))
     }
 
     /// Prefill, push, building the manifest on the way: WRITEs `region`'s extents `src`
@@ -793,17 +856,19 @@ impl NixlLink {
         };
         let deadline = deadline(timeout)?;
         let mut link = self.link.try_lock().ok_or_else(|| busy("link"))?;
-        let mut region = RegionArg::lock(region)?;
-        let (link, region) = (&mut *link, region.region());
-        py.detach(move || link.push_prompt_ahead(region, &src, header, &prompt, &dest, &ahead, deadline))
-            .map_err(|e| nixl_error(py, &e))
+        let mut locked = RegionArg::lock(region)?;
+        let (core_link, core_region) = (&mut *link, locked.region());
+        let pushed =
+            py.detach(move || core_link.push_prompt_ahead(core_region, &src, header, &prompt, &dest, &ahead, deadline));
+        self.keep_region(&link, region, pushed.as_ref().is_err_and(|e| !e.in_flight().is_empty()));
+        pushed.map_err(|e| nixl_error(py, &e))
     }
 
     /// Prefill, pull: tells decode that `request`'s KV is staged in this side's extents `src`
     /// ([(page, length)]) with its manifest, then waits until decode released them (a Released
     /// naming exactly these extents: it READ them, whatever its verdict): only then may prefill
     /// reuse those pages. NixlError otherwise: kind 'extents', before anything is sent, when a
-    /// page is still held by an earlier staging; any other failure comes after the staged notice
+    /// page is still held (in_flight) by an earlier staging or failed push; any other failure comes after the staged notice
     /// left, so decode may READ the pages later: its in_flight lists them, held until
     /// settle_stages hands them back (or release_stages, the peer gone).
     #[pyo3(signature = (src, request, manifest, *, timeout = 20.0))]

@@ -497,6 +497,65 @@ def test_a_push_that_fails_with_writes_in_flight_holds_its_source_pages_until_th
     assert link.release_pushes() == []
 
 
+def test_a_push_with_writes_held_keeps_its_region_alive_and_refuses_a_retry_of_its_pages():
+    """A push of 4 x 8 MiB fails with its WRITEs in flight: the link keeps the region it pushed
+    from alive (a reference of its own) until it holds no page, so collecting the engine's last
+    reference cannot free memory UCX still reads; a retry from the held pages is refused before
+    anything is sent (kind 'extents'); held_pages counts each page once, held_by_failed_writes
+    none (no WRITE failed); settle_pushes hands each page back once, and the reference goes.
+    Before, the link kept no reference (getrefcount unchanged), and the retry was posted."""
+    _nixl_or_skip()
+    import threading
+
+    npages, page_bytes, request = 4, 8 << 20, 1
+    tag = f"{os.getpid()}-held-region"
+    decode, prefill = kvguard.NixlAgent(f"decode-{tag}"), kvguard.NixlAgent(f"prefill-{tag}")
+    decode_region = kvguard.HostRegion(decode, npages, page_bytes)
+    prefill_region = kvguard.HostRegion(prefill, npages, page_bytes)
+    decode_link = kvguard.NixlLink(decode, prefill.metadata(), prefill_region.layout())
+    link = kvguard.NixlLink(prefill, decode.metadata(), decode_region.layout())
+    for page in range(npages):
+        prefill_region.write(page, bytes([0xA5]) * page_bytes)
+    src, dest = [(page, page_bytes) for page in range(npages)], list(range(npages))
+    refs = sys.getrefcount(prefill_region)
+    # Decode's agent is not called yet: 32 MiB cannot all leave by the push's first poll.
+    with pytest.raises(kvguard.NixlError) as failed:
+        link.push(prefill_region, src, dest, request, b"", timeout=0.0)
+    held = list(failed.value.in_flight)
+    assert held and len(set(held)) == len(held), str(failed.value)
+    assert link.held_pages == len(held)
+    assert link.held_by_failed_writes == 0
+    assert sys.getrefcount(prefill_region) == refs + 1, "the link keeps the region its WRITEs read"
+    with pytest.raises(kvguard.NixlError) as retry:
+        link.push(prefill_region, src, dest, request, b"", timeout=0.0)
+    assert retry.value.kind == "extents" and list(retry.value.in_flight) == [], str(retry.value)
+    assert sys.getrefcount(prefill_region) == refs + 1, "kept once"
+    serving = threading.Event()
+
+    def serve():
+        # A live decode: its agent moves along (here: declines nobody waits for).
+        while not serving.is_set():
+            try:
+                decode_link.decline(10_000, timeout=0.001)
+            except kvguard.NixlError:
+                pass
+
+    server = threading.Thread(target=serve)
+    server.start()
+    try:
+        handed, deadline = [], time.monotonic() + 30
+        while link.in_flight and time.monotonic() < deadline:
+            for r, pages in link.settle_pushes():
+                assert r == request
+                handed += pages
+    finally:
+        serving.set()
+        server.join(timeout=30)
+    assert sorted(handed) == sorted(held), "each held page handed back once"
+    assert link.held_pages == 0 and link.in_flight == []
+    assert sys.getrefcount(prefill_region) == refs, "let go once nothing is held"
+
+
 def test_a_stage_that_times_out_holds_its_pages_until_decode_releases_them():
     """Prefill (a second agent in this process) stages a request's KV with its deadline already
     passed: stage raises NixlError (kind timeout) whose in_flight names the staged pages decode

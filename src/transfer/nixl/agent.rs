@@ -345,6 +345,11 @@ pub trait PageRegion {
 /// Peers write these bytes with no call on this side but the agent's own (UCX lands them while
 /// the agent polls): read a page only when no transfer into it is in flight, as the checked
 /// protocol does (its pages are read after the transfer completed or its notification came).
+///
+/// Dropping it deregisters and frees its memory at once. Keep it alive while a
+/// [`NixlLink`](super::NixlLink)'s [`in_flight`](super::NixlLink::in_flight) names pages of it,
+/// and while a link dropped with pages held may still have transfers running (until its agent
+/// is dropped): a held WRITE or READ still reads it, and the link does not keep it alive.
 pub struct HostRegion {
     // Dropped first: deregistered before the memory is freed.
     registration: Registration,
@@ -440,6 +445,10 @@ impl PageRegion for HostRegion {
 /// [`page`](PageRegion::page) and [`scrub`](PageRegion::scrub) fail with
 /// [`NixlError::Segment`], so a receive into it is aborted (fail closed) unless the engine
 /// wraps it in a [`PageRegion`] that copies the pages to the host and fills them on the device.
+///
+/// As for a [`HostRegion`], keep the pool registered (do not drop it) and its memory allocated
+/// while a [`NixlLink`](super::NixlLink)'s [`in_flight`](super::NixlLink::in_flight) names pages
+/// of it: a held WRITE or READ still reads them, and the link does not keep the pool alive.
 #[derive(Debug)]
 pub struct EnginePool {
     // Dropped first: deregistered while the caller's memory is still allocated.

@@ -457,7 +457,9 @@ class NixlAgent:
 
 @final
 class HostRegion:
-    """Host pages registered with an agent; page i at page_bytes * i."""
+    """Host pages registered with an agent; page i at page_bytes * i. A NixlLink holding a
+    failed push's WRITEs keeps the region pushed from alive until it holds no page; keep a staged
+    region alive yourself while NixlLink.in_flight names its pages."""
 
     def __init__(self, agent: NixlAgent, pages: int, page_bytes: int) -> None: ...
     @property
@@ -473,7 +475,9 @@ class HostRegion:
 @final
 class EnginePool:
     """An engine's own KV pool, page i at base + page_bytes * i, registered through kvguard
-    (register=True) or by the engine beforehand; transfers are received into it in place."""
+    (register=True) or by the engine beforehand; transfers are received into it in place. Its
+    memory is the engine's: keep it allocated while NixlLink.in_flight names its pages (a held
+    WRITE or READ still reads them; the link keeps only this object alive, for a failed push)."""
 
     def __init__(self, agent: NixlAgent, buffer: Any, page_bytes: int, *, register: bool = True) -> None: ...
     @staticmethod
@@ -536,6 +540,13 @@ class NixlLink:
         """Prefill: (request, source pages) that WRITEs of failed pushes, or decode's READs of
         failed stagings, may still read, each page once: not to be reused, pushed or staged
         until settle_pushes or settle_stages hands them back."""
+    @property
+    def held_pages(self) -> int:
+        """Prefill: how many distinct pages in_flight lists."""
+    @property
+    def held_by_failed_writes(self) -> int:
+        """Prefill: distinct pages held by WRITEs NIXL reported failed (or posted part-way):
+        only release_pushes hands them back; with a live peer, held for the link's life."""
     def settle_pushes(self) -> list[tuple[int, list[int]]]:
         """Prefill: (request, source pages) of failed pushes whose WRITEs NIXL now reports
         complete: free to reuse, each page once, when no held WRITE or staging reads it any more.
