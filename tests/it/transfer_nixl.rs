@@ -786,11 +786,23 @@ mod transfer {
                 prefill_region.bytes_mut(p, page_bytes).unwrap().fill(0xA5);
             }
             let (done_tx, done_rx) = mpsc::channel::<()>();
+            let (seen_tx, seen_rx) = mpsc::channel::<()>();
+            let (still_tx, still_rx) = mpsc::channel::<()>();
+            let (go_tx, go_rx) = mpsc::channel::<()>();
             std::thread::scope(|s| {
                 s.spawn(move || {
                     let mut link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
-                    let src: Vec<Extent> = (0..2).map(|page| Extent { page, len: page_bytes }).collect();
-                    let _ = link.stage(&src, REQ, &manifest, Instant::now() + Duration::from_secs(20));
+                    let extents: Vec<Extent> = (0..2).map(|page| Extent { page, len: page_bytes }).collect();
+                    let staged = Notice { kind: NoticeKind::Staged, request: REQ, extents, manifest, parts: 0 };
+                    link.send(&staged).unwrap();
+                    // Prefill's agent moves until decode has the notice, then stands still until
+                    // decode's 1 ms wait for its READ has ended: over TCP a READ is served by the
+                    // agent it reads from, so it cannot complete in that wait, however the threads
+                    // are scheduled (with prefill's agent moving all along, a loaded machine let
+                    // the whole READ land first now and then).
+                    keep_serving(&mut link, Instant::now() + Duration::from_secs(10), || seen_rx.try_recv().is_ok());
+                    let _ = still_tx.send(());
+                    let _ = go_rx.recv_timeout(Duration::from_secs(30));
                     // A live prefill keeps its agent going until decode is done.
                     keep_serving(&mut link, Instant::now() + Duration::from_secs(30), || done_rx.try_recv().is_ok());
                 });
@@ -800,10 +812,13 @@ mod transfer {
                     decode_link.send(&Notice::bare(NoticeKind::Declined, RequestId(999))).unwrap();
                 }
                 assert!(decode_link.inbox_bytes() > 0, "prefill staged its pages");
+                seen_tx.send(()).unwrap();
+                still_rx.recv_timeout(Duration::from_secs(10)).unwrap();
                 let deadline = Instant::now() + Duration::from_millis(1);
                 let r =
                     decode_link
                         .receive(Direction::Read, pinned, &expected, &mut decode_region, deadline, |_, _, _| Ok(()));
+                let _ = go_tx.send(());
                 assert!(matches!(r, Err(ImportError::Aborted(NixlError::Timeout { .. }))), "{r:?}");
                 assert_eq!(decode_link.fenced(), 1, "the READ still in flight fences its pages");
                 // The request ends; its pages are not handed to the next one while fenced.
@@ -1336,6 +1351,9 @@ mod transfer {
             let src: Vec<Extent> = (0..2).map(|page| Extent { page, len: page_bytes }).collect();
             let err = link.stage(&src, REQ, &manifest, Instant::now()).unwrap_err();
             let (done_tx, done_rx) = mpsc::channel::<()>();
+            let (seen_tx, seen_rx) = mpsc::channel::<()>();
+            let (still_tx, still_rx) = mpsc::channel::<()>();
+            let (go_tx, go_rx) = mpsc::channel::<()>();
             let handed = std::thread::scope(|s| {
                 let (table, expected) = (&table, &expected);
                 s.spawn(move || {
@@ -1345,8 +1363,14 @@ mod transfer {
                         let _ = decode_link.wait(RequestId(777), &[], Instant::now() + Duration::from_millis(5));
                     }
                     assert!(decode_link.inbox_bytes() > 0, "prefill staged its pages");
+                    // Prefill's agent stands still through decode's 1 ms wait for its READ (over
+                    // TCP a READ is served by the agent it reads from): it cannot complete there,
+                    // however the threads are scheduled.
+                    seen_tx.send(()).unwrap();
+                    still_rx.recv_timeout(Duration::from_secs(10)).unwrap();
                     let deadline = Instant::now() + Duration::from_millis(1);
                     let r = received(&mut decode_link, Direction::Read, pinned, expected, &mut decode_region, deadline);
+                    let _ = go_tx.send(());
                     assert!(matches!(r, Err(ImportError::Aborted(NixlError::Timeout { .. }))), "{r:?}");
                     assert_eq!(decode_link.fenced(), 1, "the READ still in flight fences decode's pages");
                     let until = Instant::now() + Duration::from_secs(20);
@@ -1359,6 +1383,14 @@ mod transfer {
                         !matches!(done_rx.try_recv(), Err(mpsc::TryRecvError::Empty))
                     });
                 });
+                // Prefill's agent moves until decode has the staging, then stands still until
+                // decode's wait for its READ has ended.
+                let until = Instant::now() + Duration::from_secs(10);
+                while matches!(seen_rx.try_recv(), Err(mpsc::TryRecvError::Empty)) && Instant::now() < until {
+                    let _ = link.wait(RequestId(777), &[], Instant::now() + Duration::from_millis(1));
+                }
+                let _ = still_tx.send(());
+                let _ = go_rx.recv_timeout(Duration::from_secs(30));
                 let mut handed = Vec::new();
                 let until = Instant::now() + Duration::from_secs(30);
                 while handed.is_empty() && Instant::now() < until {
