@@ -93,7 +93,7 @@ from typing import Any
 from .guard import Guard, NamedViolation, audit_pd, audit_pool
 from .. import ConfigError
 from .process_hooks import STREAMING
-from .pd import ENV_CHANNEL, DirectoryChannel, GuardedKVReceiver, GuardedKVSender, ManifestChannel, channel_from_env, install_pd
+from .pd import _BACKUPS_ATTR, ENV_CHANNEL, DirectoryChannel, GuardedKVReceiver, GuardedKVSender, ManifestChannel, channel_from_env, install_pd
 from .pd_net import TcpChannel
 
 __all__ = [
@@ -298,6 +298,8 @@ def _stream_output(original: Any, streamer: Any, reqs: Any, *args: Any, **kwargs
     is about to send. Without that hook, every request given that still holds a row is checked."""
     pool = getattr(getattr(streamer, "tree_cache", None), "req_to_token_pool", None)
     guard = getattr(pool, "kvguard_guard", None)
+    if guard is not None and reqs and (guard._suspects or guard.__dict__.get(_BACKUPS_ATTR)):
+        _forget_ended(guard, reqs)
     if guard is not None and reqs and guard._payload_hooked and getattr(streamer, "is_generation", False):
         # The requests SGLang sends are judged when its accumulator builds the payload: only
         # those rows, not every request of the batch (see process_hooks._hook_output_payload).
@@ -312,6 +314,20 @@ def _stream_output(original: Any, streamer: Any, reqs: Any, *args: Any, **kwargs
             gone = {id(r) for r in refused if not r.finished()}
             reqs = [r for r in reqs if id(r) not in gone]
     return original(streamer, reqs, *args, **kwargs)
+
+
+def _forget_ended(guard: Guard, reqs: Any) -> None:
+    """Requests SGLang sends as finished: no restore follows, so a retraction backup record of
+    theirs goes (SGLang's capacity check refusing a retracted request's return, a DSV4
+    rebootstrap's backup never restored); one that holds no row (ended while retracted) is no
+    suspect any more either. Before, each stayed for the life of the server."""
+    backups = guard.__dict__.get(_BACKUPS_ATTR)
+    for req in reqs:
+        if req.finished():
+            if backups:
+                backups.pop(req.rid, None)
+            if not getattr(req.kv, "holds_kv", False):
+                guard._suspects.pop(id(req.kv), None)
 
 
 def _release_aborted_request(_result: Any, scheduler: Any, req: Any, *_args: Any, **_kwargs: Any) -> None:

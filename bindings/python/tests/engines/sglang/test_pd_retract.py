@@ -171,6 +171,38 @@ def test_a_request_aborted_while_retracted_leaves_no_backup_record(retracting, h
 
 
 @BACKUPS
+def test_a_retracted_request_refused_its_return_leaves_no_record(retracting, host_pool, monkeypatch, backup):
+    """SGLang's own capacity check (``DecodePreallocQueue._check_if_req_exceed_kv_capacity``, here
+    with the queue's token capacity read as 1 for the first retracted request's return) aborts a
+    retracted request as it is queued again: its output goes out finished, no restore follows
+    and SGLang discards nothing. kvguard drops its backup record and its suspect entry there
+    (before, both stayed for the life of the server); nothing is refused."""
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue
+
+    real_add = DecodePreallocQueue.add
+    refused: list[str] = []
+
+    def add(self, req, is_retracted=False, *args, **kwargs):
+        if not (is_retracted and not refused):
+            return real_add(self, req, is_retracted, *args, **kwargs)
+        refused.append(req.rid)
+        capacity = self.max_total_num_tokens
+        self.max_total_num_tokens = 1
+        try:
+            return real_add(self, req, is_retracted, *args, **kwargs)
+        finally:
+            self.max_total_num_tokens = capacity
+
+    monkeypatch.setattr(DecodePreallocQueue, "add", add)
+    out, d, _ = run("enforce", retracting, backup=backup)
+    assert refused, "no retracted request came back: the test checks nothing"
+    g = d.kvguard
+    assert backups(d) == {}
+    assert g._suspects == {}
+    assert g.violations == [] and g.aborted == {}
+
+
+@BACKUPS
 def test_a_restore_that_differs_from_its_backup_refuses_that_request_alone(retracting, host_pool, monkeypatch, backup):
     """SGLang's restore of one resumed request lands other bytes than it backed up (here: one
     value of its first restored token changed after ``Req.load_kv_cache``, or after
