@@ -112,6 +112,11 @@ mod transfer {
             (table, refs)
         }
 
+        /// What decode expects of [`admitted`]'s request landing in `refs`.
+        fn expected_for(refs: &[PageRef]) -> ExpectedTransfer<'_> {
+            ExpectedTransfer::for_prompt(REQ, TENANT, &PROMPT, refs, PAGE_SIZE, SLOT_BYTES)
+        }
+
         /// A live peer: `link`'s agent moved along (no progress thread) until `until`, or `done()`.
         fn keep_serving(link: &mut NixlLink<'_>, until: Instant, done: impl Fn() -> bool) {
             while Instant::now() < until && !done() {
@@ -165,7 +170,7 @@ mod transfer {
             table.admit(VICTIM, TenantId(6), 4, 0).unwrap();
             let victim = table.allocate(VICTIM, 1).unwrap()[0];
             table.record_write_tokens(VICTIM, &[victim.page], 0..4).unwrap();
-            let expected = ExpectedTransfer::for_prompt(REQ, TENANT, &PROMPT, &refs, PAGE_SIZE, SLOT_BYTES);
+            let expected = expected_for(&refs);
             let (ask, asked) = mpsc::channel::<Vec<PageRef>>();
             let mut landed = Vec::new();
             let prefill_region = &mut prefill_region;
@@ -385,7 +390,7 @@ mod transfer {
             table.admit(REQ, TENANT, PROMPT.len() as u64, 2).unwrap();
             let refs = table.allocate(REQ, 2).unwrap();
             let fenced: Vec<PageId> = pages_of(&refs);
-            let expected = ExpectedTransfer::for_prompt(REQ, TENANT, &PROMPT, &refs, PAGE_SIZE, SLOT_BYTES);
+            let expected = expected_for(&refs);
             let (go, late) = mpsc::channel::<()>();
             let prefill_region = &mut prefill_region;
             std::thread::scope(|s| {
@@ -849,7 +854,7 @@ mod transfer {
             let Pair { mut decode_region, prefill_region: _pr, mut decode_link, prefill_md, decode_layout } =
                 pair(&decode, &prefill);
             let (table, refs) = admitted();
-            let expected = ExpectedTransfer::for_prompt(REQ, TENANT, &PROMPT, &refs, PAGE_SIZE, SLOT_BYTES);
+            let expected = expected_for(&refs);
             std::thread::scope(|s| {
                 s.spawn(move || {
                     let mut link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
@@ -952,7 +957,7 @@ mod transfer {
                         .unwrap();
                 });
                 decode_link.expect(REQ);
-                let expected = ExpectedTransfer::for_prompt(REQ, TENANT, &PROMPT, &refs, PAGE_SIZE, SLOT_BYTES);
+                let expected = expected_for(&refs);
                 let pinned = Receiver::new(&table).pin(&expected).unwrap();
                 decode_link.abandon(Direction::Write, pinned);
                 assert_eq!(decode_link.fenced(), 1);
@@ -1272,7 +1277,7 @@ mod transfer {
                 pair(&decode, &prefill);
             let mut link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
             let (table, refs) = admitted();
-            let expected = ExpectedTransfer::for_prompt(REQ, TENANT, &PROMPT, &refs, PAGE_SIZE, SLOT_BYTES);
+            let expected = expected_for(&refs);
             let (src, manifest) = prefilled(&mut prefill_region, 3, &refs);
             let staged: Vec<u32> = src.iter().map(|e| e.page).collect();
             // Decode's agent is not called yet: its `Released` cannot come by a passed deadline.
@@ -1428,7 +1433,7 @@ mod transfer {
                 pair(&decode, &prefill);
             let mut link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
             let (table, refs) = admitted();
-            let expected = ExpectedTransfer::for_prompt(REQ, TENANT, &PROMPT, &refs, PAGE_SIZE, SLOT_BYTES);
+            let expected = expected_for(&refs);
             // Prefill declines; decode takes the decline only after prefill stopped waiting.
             let declined = link.decline(REQ, Instant::now());
             assert!(matches!(declined, Err(NixlError::Timeout { .. })), "{declined:?}");
@@ -1467,7 +1472,7 @@ mod transfer {
                 pair(&decode, &prefill);
             let mut link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
             let (table, refs) = admitted();
-            let expected = ExpectedTransfer::for_prompt(REQ, TENANT, &PROMPT, &refs, PAGE_SIZE, SLOT_BYTES);
+            let expected = expected_for(&refs);
             decode_link.expect(REQ);
             let pinned = Receiver::new(&table).pin(&expected).unwrap();
             decode_link.abandon(Direction::Read, pinned);
