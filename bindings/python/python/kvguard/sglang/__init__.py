@@ -323,11 +323,13 @@ def _forget_ended(guard: Guard, reqs: Any) -> None:
     suspect any more either. Before, each stayed for the life of the server."""
     backups = guard.__dict__.get(_BACKUPS_ATTR)
     for req in reqs:
-        if req.finished():
+        finished = getattr(req, "finished", None)
+        if finished is not None and finished():
             if backups:
-                backups.pop(req.rid, None)
-            if not getattr(req.kv, "holds_kv", False):
-                guard._suspects.pop(id(req.kv), None)
+                backups.pop(getattr(req, "rid", None), None)
+            kv = getattr(req, "kv", None)
+            if not getattr(kv, "holds_kv", False):
+                guard._suspects.pop(id(kv), None)
 
 
 def _release_aborted_request(_result: Any, scheduler: Any, req: Any, *_args: Any, **_kwargs: Any) -> None:
