@@ -296,7 +296,7 @@ class SchedulerRecorder:
                 list.extend(mine, old)
             m.req_to_blocks = blocks
 
-    # -- hooks, called by the wrappers in kvguard.vllm.hooks and by RequestBlocks --------------
+    # -- hooks, called by the wrappers in kvguard.vllm.scheduler_side and by RequestBlocks -----
 
     def tenant_key(self, tenant: str) -> int:
         """The int the table knows ``tenant`` by (made on first use; see the module doc)."""

@@ -237,7 +237,7 @@ def test_a_pipeline_stage_before_the_last_lets_its_refusals_go():
     import torch
     from vllm.sequence import IntermediateTensors
 
-    from kvguard.vllm import hooks
+    from kvguard.vllm import hooks, runner_v1
 
     class Refusal:
         def client_message(self, rid):
@@ -248,7 +248,7 @@ def test_a_pipeline_stage_before_the_last_lets_its_refusals_go():
     for step in range(3):
         report = SimpleNamespace(refused={f"r{step}": Refusal()})
         for owner in (stage, last):
-            hooks._pend(owner, guard, report)
+            runner_v1.pend(owner, guard, report)
         hidden = IntermediateTensors({"hidden_states": torch.zeros(1)})
         assert hooks.annotate_output(stage, hidden) is hidden
         assert not stage._kvguard_refused, "a stage before the last keeps nothing"
@@ -372,13 +372,13 @@ def test_model_runner_v2_whose_hooks_fail_never_runs_unguarded(mode, monkeypatch
     log says it runs unchecked. Before, the failure was logged at debug and V2 ran unguarded."""
     from vllm.v1.worker.gpu import model_runner as v2
 
-    from kvguard.vllm import hooks
+    from kvguard.vllm import attach, hooks, runner_v2
 
     monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu.block_table", None)  # its import fails
-    monkeypatch.setattr(hooks, "_MODE", mode)
+    monkeypatch.setattr(attach, "_MODE", mode)
     started = []
     monkeypatch.setattr(v2.GPUModelRunner, "__init__", lambda self, *a, **k: started.append(self))
-    hooks._install_v2_or_refuse()
+    runner_v2.install()
     runner = object.__new__(v2.GPUModelRunner)
     if mode == "enforce":
         with pytest.raises(hooks.UnsupportedConfig, match="Model Runner V2"):

@@ -101,25 +101,25 @@ def test_a_worker_that_does_not_check_in_the_schedulers_mode_stops_the_engine(wo
     cannot run kvguard's function (``unreachable``: kvguard not installed there) would run its
     steps unchecked while the scheduler records them. EngineCore's start-up asks every worker
     (``collective_rpc``); under enforce such a worker stops the engine before any request."""
-    from kvguard.vllm import hooks
+    from kvguard.vllm import scheduler_side
 
     def answer(_worker):
         if worker == "unreachable":
             raise ModuleNotFoundError("No module named 'kvguard'")
         return None if worker == "unguarded" else "report"
 
-    monkeypatch.setattr(hooks, "worker_mode", answer)
+    monkeypatch.setattr(scheduler_side, "worker_mode", answer)
     with pytest.raises(UnsupportedConfig, match="worker"):
         run_real(RC, lambda e: pytest.fail("the engine started"), guarded=True)
 
 
 def test_workers_in_the_schedulers_mode_start_and_are_asked_once(monkeypatch):
     """The handshake's other side: every worker answers the scheduler's mode, the engine serves."""
-    from kvguard.vllm import hooks
+    from kvguard.vllm import scheduler_side
 
     asked = []
-    real = hooks.worker_mode
-    monkeypatch.setattr(hooks, "worker_mode", lambda w: asked.append(w) or real(w))
+    real = scheduler_side.worker_mode
+    monkeypatch.setattr(scheduler_side, "worker_mode", lambda w: asked.append(w) or real(w))
     g = run_real(RC, lambda e: workload(e, 5, 8, salts=2), guarded=True)
     assert len(g.finished) == 8 and g.refusals() == []
     assert len(asked) == 1

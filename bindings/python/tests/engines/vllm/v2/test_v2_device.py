@@ -23,7 +23,7 @@ import pytest
 import test_v2_hybrid as hybrid
 import test_v2_runner as base
 from host_device import HostDevice
-from kvguard.vllm import hooks
+from kvguard.vllm import runner_v2
 
 SCHEDULING = base.SCHEDULING
 
@@ -40,9 +40,9 @@ def on_device(monkeypatch):
         made.append(dev)
         return dev
 
-    monkeypatch.setattr(hooks, "_on_device", lambda runner: True)
-    monkeypatch.setattr(hooks, "new_device_guard", new_device_guard)
-    monkeypatch.setattr(hooks, "engine_stream", lambda: 0)
+    monkeypatch.setattr(runner_v2, "_on_device", lambda runner: True)
+    monkeypatch.setattr(runner_v2, "new_device_guard", new_device_guard)
+    monkeypatch.setattr(runner_v2, "engine_stream", lambda: 0)
     return made
 
 
@@ -233,7 +233,7 @@ def test_on_a_gpu_where_the_device_check_cannot_start(mode, monkeypatch):
     warning."""
     from kvguard.vllm.hooks import UnsupportedConfig
 
-    monkeypatch.setattr(hooks, "_on_device", lambda runner: True)
+    monkeypatch.setattr(runner_v2, "_on_device", lambda runner: True)
     rc = RealConfig(num_blocks=64, block_size=32, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512)
     fill = lambda e: base.workload(e, 3, 6, salts=2, max_prompt=60)  # noqa: E731
     if mode == "enforce":
@@ -250,13 +250,13 @@ def test_on_a_gpu_over_several_ranks_the_device_check_does_not_start(monkeypatch
     would never end its request. Under enforce the engine stops at start-up, naming it."""
     from kvguard.vllm.hooks import UnsupportedConfig
 
-    real = hooks._v2_device
+    real = runner_v2._v2_device
 
     def two_ranks(runner, guard):
         runner.vllm_config.parallel_config.world_size = 2
         return real(runner, guard)
 
-    monkeypatch.setattr(hooks, "_v2_device", two_ranks)
+    monkeypatch.setattr(runner_v2, "_v2_device", two_ranks)
     rc = RealConfig(num_blocks=64, block_size=32, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512)
     with pytest.raises(UnsupportedConfig, match="over 2 ranks"):
         base.run_v2(rc, lambda e: pytest.fail("the engine started"), guarded=True, mode="enforce")
