@@ -9,11 +9,16 @@ Tenants get stable int keys too (``_tenant_key``): the binding interns a str ten
 of its requests lives, but a radix-cache prefix outlives its publisher; with str tenants the next
 request of the same tenant would get a fresh id and be refused as another tenant on its prefix
 hit. The int key keeps the tenant's identity for as long as the scheduler runs.
+
+``Guard`` is made of parts by idea, each a module: :mod:`~kvguard.sglang.releases` (where pages go
+back), :mod:`~kvguard.sglang.row_writes` (SGLang's writes of its rows and cache),
+:mod:`~kvguard.sglang.outputs` (a request's row checked before its output leaves) and
+:mod:`~kvguard.sglang.refusals` (a violation named, counted and acted on); this module holds the
+guard's state, its hooks on SGLang's pools, and each request's admission and end.
 """
 
 from __future__ import annotations
 
-import array
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -22,63 +27,21 @@ from typing import Any
 
 import numpy as np
 
-from .. import ConfigError, OwnershipTable, PoolConfig, Violation, ViolationError
+from .. import ConfigError, OwnershipTable, PoolConfig, ViolationError
 from . import metrics as _metrics
-from .arrays import _flat, _host, _in_place, _pages_of
+from .outputs import Outputs
 from .process_hooks import _hook_batch_allocs, _hook_cache_index_writer, _hook_decode_prealloc, _hook_output_payload
+from .refusals import KEPT, NamedViolation, Refusals, _Latest, _LatestAborted
 from .releases import _NO_OWNER, _TREE, LocalViolation, PageReleases
+from .row_writes import RowWrites
+
+__all__ = ["KEPT", "Guard", "NamedViolation", "audit_pd", "audit_pool"]
 
 logger = logging.getLogger("sglang.srt.kvguard")
 
 
-_BEYOND_ANY_POOL = 2**32 - 1
-"""The page a slot outside any pool (negative, or past 32-bit page ids) is judged as: the table
-refuses it as page_out_of_range, as the binding's own row checks do, instead of raising."""
-
-
 _GONE_NAMES = 4096
 """Released requests whose ``rid`` is kept to name them in a violation found after they ended."""
-
-_UNNAMED = object()
-
-KEPT = 4096
-"""How many of the latest refused requests (``Guard.aborted``) and violations (``Guard.violations``,
-``Guard.refusals``) a guard keeps, at least: a server refusing for days keeps the latest, never
-all (every one is counted in ``Guard.metrics`` and the Prometheus counters, and logged). A
-refused request is aborted at its next step, so its entry is long unused when it goes."""
-
-
-class _Latest(list):
-    """A list of the latest entries: past ``2 * KEPT`` the oldest are dropped down to
-    :data:`KEPT` (amortised: one move of the kept entries every ``KEPT`` appends)."""
-
-    def append(self, item: Any) -> None:
-        list.append(self, item)
-        if len(self) > 2 * KEPT:
-            del self[: len(self) - KEPT]
-
-
-class _LatestAborted(dict):
-    """The refused requests (``rid`` -> reason), oldest first, the latest :data:`KEPT` at least:
-    past twice as many the oldest go, down to ``KEPT``, except a request that still holds a row
-    (its ``rid`` in the guard's live requests): the free of its row reads its entry (the pages
-    only it held go back from there) and so does the check of its output. Those stay whatever
-    their age; the next trim waits for twice as many entries as the last one left (amortised
-    however many are live)."""
-
-    def __init__(self, live: dict[Any, Any]) -> None:
-        super().__init__()
-        self._live = live
-        self._trim_at = 2 * KEPT
-
-    def __setitem__(self, rid: Any, reason: Any) -> None:
-        super().__setitem__(rid, reason)
-        if len(self) > max(self._trim_at, 2 * KEPT):
-            live = self._live
-            for old in list(self)[: len(self) - KEPT]:
-                if old not in live:
-                    del self[old]
-            self._trim_at = 2 * len(self)
 
 
 def _pool_pages(allocator: Any) -> int:
@@ -129,44 +92,12 @@ def audit_pd(prefill_allocator: Any, decode_allocator: Any, context_len: int) ->
     audit_pool(decode_allocator, context_len, side="decode")
 
 
-_PAYLOAD_ROUTING = frozenset({"rids", "output_reqs", "http_worker_ipcs", "finished_reasons"})
-"""Per-request lists of SGLang's output accumulator that say where an output goes and how it
-ended, never what it holds: kept for a refused request (see :func:`_withheld`)."""
-
-
-def _request_lists(acc: Any, n: int) -> list[tuple[str, list[Any]]]:
-    """The per-request lists of SGLang's output accumulator ``acc`` (those of ``n`` entries,
-    index-aligned with ``acc.rids``; ``customized_info``'s lists named by their key), each with
-    its field's name; a list two fields share, once."""
-    lists: dict[int, tuple[str, list[Any]]] = {}
-    for name in type(acc).__dataclass_fields__:
-        value = getattr(acc, name)
-        if isinstance(value, list) and len(value) == n:
-            lists.setdefault(id(value), (name, value))
-        elif isinstance(value, dict) and name == "customized_info":
-            for k, v in value.items():
-                if isinstance(v, list) and len(v) == n:
-                    lists.setdefault(id(v), (f"{name}.{k}", v))
-    return list(lists.values())
-
-
-def _withheld(value: Any) -> Any:
-    """A refused request's entry of a per-request list of SGLang's output payload, its content
-    withheld: a sequence of tokens, logprobs, ids or hidden states (list, tuple, ``array``,
-    numpy array, torch tensor) emptied, of its own type; anything else (a count, a string, a
-    record of timings or of cache hits) as it was."""
-    if isinstance(value, (str, bytes)) or value is None:
-        return value
-    if isinstance(value, (list, tuple, array.array)):
-        return value[:0]
-    if isinstance(value, np.ndarray) or hasattr(value, "new_empty"):
-        # An array or tensor: no entries, its trailing shape kept (a scalar: one dimension).
-        return value[:0] if value.ndim else value.reshape(-1)[:0]
-    return value
-
-
 _BEAM_REFUSED = "beam search (beam_width > 1) is not supported by kvguard: its beams' rows cannot be checked"
+
+
 _SESSION_REFUSED = "a streaming session is not supported by kvguard: the row its turns share cannot be checked"
+
+
 _EMBEDS_REFUSED = (
     "a request of input embeddings is not supported by kvguard: SGLang keys its KV by placeholder "
     "tokens, so its radix cache would share it with any request of as many embeddings"
@@ -202,47 +133,7 @@ def _default_tenant(req: Any) -> str:
     return getattr(req, "kvguard_tenant", None) or getattr(req, "cache_salt", None) or "default"
 
 
-def _aborted(req: Any) -> bool:
-    """SGLang aborts ``req`` (``FINISH_ABORT`` as its finish reason or its pending one)."""
-    from sglang.srt.managers.schedule_batch import FINISH_ABORT
-
-    return isinstance(req.finished_reason, FINISH_ABORT) or isinstance(getattr(req, "to_finish", None), FINISH_ABORT)
-
-
-def _finish_abort(message: str, status: HTTPStatus = HTTPStatus.INTERNAL_SERVER_ERROR) -> Any:
-    from sglang.srt.managers.schedule_batch import FINISH_ABORT
-
-    return FINISH_ABORT(message, status, "KVGuardViolation")
-
-
-class NamedViolation:
-    """A kvguard :class:`~kvguard.Violation` with its request, owner and tenants named as SGLang
-    names them (``rid``, the tenant's name) instead of the table's int keys. Every other field
-    (``kind``, ``op``, ``page``, ``generation``, ``slots``, ``prefix``, ...) is the violation's."""
-
-    __slots__ = ("violation", "request", "owner", "tenant", "owner_tenant")
-
-    def __init__(self, violation: Violation, request: Any, owner: Any, tenant: Any, owner_tenant: Any) -> None:
-        self.violation = violation
-        self.request = request
-        self.owner = owner
-        self.tenant = tenant
-        self.owner_tenant = owner_tenant
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.violation, name)
-
-    def __str__(self) -> str:
-        named = f"request {self.request!r} (tenant {self.tenant!r})"
-        if self.owner is not None or self.owner_tenant is not None:
-            named += f", page owner {self.owner!r} (tenant {self.owner_tenant!r})"
-        return f"{self.violation}; {named}"
-
-    def __repr__(self) -> str:
-        return f"<kvguard.sglang.NamedViolation {self}>"
-
-
-class Guard(PageReleases):
+class Guard(Refusals, RowWrites, Outputs, PageReleases):
     """kvguard for one SGLang scheduler: its ``ReqToTokenPool``, token allocator, radix cache and
     KV pool, hooked on the instances (see the package doc).
 
@@ -257,7 +148,6 @@ class Guard(PageReleases):
     forward is a full check all the same, for a row changed behind SGLang's own calls (``1``:
     every forward is a full check).
     """
-
     def __init__(
         self,
         req_to_token_pool: Any,
@@ -520,107 +410,6 @@ class Guard(PageReleases):
 
         return free
 
-    def _wrap_row_write(self, inner: Callable[..., Any]) -> Callable[..., Any]:
-        def write(indices: Any, values: Any) -> Any:
-            if self._writing_cache_indices:
-                return inner(indices, values)  # judged from write_cache_indices' arguments
-            rows, cols = indices
-            if isinstance(cols, slice):
-                row = int(rows)
-                start = cols.start or 0
-                if start < self._row_checked[row]:
-                    self._row_checked[row] = start
-                self._row_written(row, _flat(values))
-            else:
-                writers, self._writers = self._writers, None
-                if writers is not None and len(writers) == len(rows):
-                    rows_a, cols_a, slots = _flat(rows), _flat(cols), _flat(values)
-                    stale = self._stale_rows(rows_a, writers, "write")
-                    if stale is not None and self.policy == "enforce":
-                        # The stale writer's entry is not written: the row is another request's;
-                        # the slot the allocator gave it goes back (no row names it).
-                        ps = self.page_size
-                        dropped = slots[stale] // ps if ps > 1 else slots[stale]
-                        fresh = dropped[(self._page_key[dropped] == _NO_OWNER) & (self._page_prefix[dropped] == 0)
-                                        & self._handed_now()[dropped]]
-                        if ps > 1:
-                            # Only a page that opened for the dropped slot (its first slot).
-                            fresh = fresh[(slots[stale][np.isin(dropped, fresh)] % ps) == 0]
-                        self._give_back(np.unique(fresh))
-                        ok = np.flatnonzero(~stale)
-                        self._decode_rows_written(rows_a[ok], cols_a[ok], slots[ok])
-                        if not len(ok):
-                            return None
-                        import torch
-
-                        at = torch.as_tensor(ok)
-                        return inner((rows[at], cols[at]), values[at])
-                # SGLang's host tensors read in place by the binding; a device batch's rows and
-                # columns from the host copies SGLang keeps of them (no copy of its tensors).
-                known = self._decode_rows_host
-                if known is not None and known[0] is rows and len(known[1]) == len(rows):
-                    rows = known[1]
-                    if known[2] is not None and len(known[2]) == len(rows):
-                        cols = known[2]
-                slots = _in_place(values)
-                self._decode_rows_written(_in_place(rows), _in_place(cols), slots)
-                if slots is not values:
-                    # A copy (of a device tensor): kept for the batch's forward (_note_loc).
-                    self._written_slots = slots
-            return inner(indices, values)
-
-        return write
-
-    def _batch_reqs(self, reqs: Any) -> None:
-        """The requests of the batch SGLang is preparing (``alloc_for_extend`` /
-        ``alloc_for_decode``), in batch order: the writers of its row write and the readers of its
-        forward, each judged against the row it uses (a request whose row was freed and handed to
-        another is the one refused, never the row's new owner). Gathered only while a request
-        whose row went back unfinished has not been given a new one (``_suspects``): only such a
-        request can use a row it no longer holds, and the gather is one lookup per request."""
-        if not self._suspects:
-            # No request lost its row while unfinished: every batch request uses its own row.
-            return
-        get = self._keys.get
-        keys = np.fromiter((get(r.rid, 0) for r in reqs), dtype=np.int64, count=len(reqs))
-        self._writers = self._readers = keys
-        self._batch = reqs
-
-    def _stale_rows(self, rows: np.ndarray, users: np.ndarray, op: str) -> np.ndarray | None:
-        """Batch positions whose request uses a ``req_to_token`` row it does not hold (its row
-        freed, maybe handed to another request): each refused on that request; None when none."""
-        holders = self._row_key[rows]
-        stale = holders != users
-        if not stale.any():
-            return None
-        for i in np.flatnonzero(stale).tolist():
-            user, holder, row = int(users[i]), int(holders[i]), int(rows[i])
-            reqs = self._batch
-            name = reqs[i].rid if reqs is not None and i < len(reqs) else self._rids.get(user, user)
-            whose = f"request {self._rids.get(holder, holder)!r}'s" if holder else "no request's"
-            v = LocalViolation(
-                "foreign_page", op, request=user or None, owner=holder or None,
-                tenant=self._tenants.get(user), owner_tenant=self._tenants.get(holder),
-                text=f"request {name!r} {'reads' if op == 'read' else 'writes'} through "
-                f"req_to_token row {row}, which is {whose} (its own row was freed)",
-            )
-            self._refused_req(reqs[i] if reqs is not None and i < len(reqs) else None, user, v)
-        return stale
-
-    def _refused_req(self, req: Any, key: int, violation: Any) -> None:
-        """:meth:`_refused` for a request kvguard may have released already (a stale row's user):
-        its ``Req`` is aborted directly when its key no longer names it."""
-        self._refused(key, violation)
-        if req is None or self._rids.get(key) is not None or self.policy != "enforce" or req.rid in self.aborted:
-            return
-        named = self._name(violation)
-        self.aborted[req.rid] = named
-        self.metrics["aborted_requests"] += 1
-        if self.prometheus is not None:
-            self.prometheus.refused()
-        if not req.finished():
-            req.to_finish = _finish_abort(f"kvguard refused this request: {named}", HTTPStatus.INTERNAL_SERVER_ERROR)
-
     def _wrap_freer(self, inner: Callable[..., Any], who: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             outer = self._freer
@@ -669,140 +458,6 @@ class Guard(PageReleases):
             return freer_call(*args, **kwargs)
 
         return call
-
-    def check_rows_before_output(self, reqs: Any) -> list[Any]:
-        """Each request's whole ``req_to_token`` row, every entry up to its committed length,
-        checked before any of its output leaves the scheduler (with rows on a GPU, the device's
-        verdicts on the forwards run so far taken first): a decode forward checks only the
-        window of new tokens, so an entry changed behind SGLang's calls below it would otherwise
-        be found only at the next full check, after the request may have finished. Returns the
-        requests refused (under enforce aborted: a finished one's finish reason becomes the
-        abort, so its output never leaves; one still running gets ``to_finish``)."""
-        # The device's verdicts on the forwards run so far (rows on a GPU), before any output.
-        self.row_check.take_verdicts()
-        rows, lens, held = [], [], []
-        refused: list[Any] = []
-        # Every request sent is passed here (all 256 rows at a forced send): the loop is kept to
-        # attribute reads, its rows' keys read in one numpy gather after it.
-        row_kv, aborted, enforce = self._row_kv, self.aborted, self.policy == "enforce"
-        for req in reqs:
-            if enforce and req.rid in aborted:
-                reason = aborted[req.rid]
-                if not (req.finished() and not _aborted(req) and getattr(reason, "op", None) == "release"):
-                    # Refused already (checked again it would only add violations), its row
-                    # maybe given back already: its output is kvguard's abort alone.
-                    refused.append(req)
-                    if req.finished() and not _aborted(req):
-                        req.finished_reason = _finish_abort(f"kvguard refused this request: {reason}")
-                    continue
-                # Refused only for how its release went, after it finished: its output was
-                # made before, from its own KV, and leaves as SGLang made it.
-            kv = req.kv
-            row = kv.req_pool_idx
-            if row is None:
-                continue
-            row = int(row)
-            if row_kv[row] is not kv:
-                continue
-            if not req.output_ids and _aborted(req):
-                # Aborted before it produced a token (a PD transfer that failed: its pages were
-                # never written, and nothing read them): only the abort leaves.
-                continue
-            rows.append(row)
-            lens.append(kv.kv_committed_len)
-            held.append(req)
-        if not rows:
-            return refused
-        admitted = self._admitted
-        row_keys = self._row_key[rows].tolist()
-        if not all(k in admitted for k in row_keys):
-            # Rows of requests kvguard does not hold (never admitted, or released): not checked.
-            keep = [i for i, k in enumerate(row_keys) if k in admitted]
-            if not keep:
-                return refused
-            rows, lens, held = [rows[i] for i in keep], [lens[i] for i in keep], [held[i] for i in keep]
-            row_keys = [row_keys[i] for i in keep]
-        keys = row_keys
-        rt = self.req_to_token_pool.req_to_token
-        if getattr(rt, "is_cuda", False):
-            # Rows on a GPU: these requests' rows only, copied to the host now (a request
-            # finishing or streaming; one small copy), never a cached snapshot of the table.
-            import torch
-
-            width = max(lens) if lens else 0
-            table = rt[torch.as_tensor(rows, device=rt.device), :width].cpu().numpy()
-            at = np.arange(len(rows), dtype=np.int64)
-            cached = False  # a copy of these rows only: nothing to keep across checks
-        else:
-            # SGLang's req_to_token in place, through the table's slot-row cache (the full
-            # check's verdicts, each row compared with its copy at its last clean check).
-            table, at, cached = self.row_check._host_rows(), np.asarray(rows, dtype=np.int64), True
-        verdict = self.table.verify_step_rows(
-            np.asarray(keys, dtype=np.int64), table, at, np.asarray(lens, dtype=np.int64), token_slots=True,
-            cached=cached,
-        )
-        if verdict.clean:
-            return refused
-        for i, v in verdict.refused:
-            req = held[i]
-            self._row_checked[rows[i]] = 0
-            self._refused(keys[i], v)
-            refused.append(req)
-            if self.policy == "enforce" and req.finished() and req.rid in self.aborted:
-                req.finished_reason = _finish_abort(f"kvguard refused this request: {self.aborted[req.rid]}")
-        return refused
-
-    def _before_payload(self, acc: Any) -> None:
-        """SGLang's output accumulator is about to build the payload of this step's outputs
-        (``acc.output_reqs``, the requests SGLang decided to send): their rows are checked in
-        full (:meth:`check_rows_before_output`). Under enforce a refused request still running
-        is taken out of the payload (every per-request list of the accumulator, index-aligned
-        with ``acc.rids``): none of its output leaves, its abort follows at the next step; a
-        refused finished one leaves as kvguard's abort and nothing else: its entries of the
-        payload's token content (ids, detokenizer ids, logprobs, hidden states, ...) emptied
-        (:func:`_withheld`). The tokens it made since its last clean send may come from KV it
-        had no right to read; SGLang streams an abort's payload to the client (its text
-        included), so they never reach the payload."""
-        reqs = acc.output_reqs
-        refused = self.check_rows_before_output(reqs)
-        if not refused or self.policy != "enforce":
-            return
-        bad = {id(r) for r in refused}
-        drop, ended = [], []
-        for i, r in enumerate(reqs):
-            if id(r) not in bad:
-                continue
-            if r.finished():
-                acc.finished_reasons[i] = r.finished_reason.to_json() if r.finished_reason else None
-                ended.append(i)
-            else:
-                drop.append(i)
-        n = len(acc.rids)
-        if ended:
-            for name, values in _request_lists(acc, n):
-                if name not in _PAYLOAD_ROUTING:
-                    for i in ended:
-                        values[i] = _withheld(values[i])
-        if not drop:
-            return
-        gone = set(drop)
-        for _, values in _request_lists(acc, n):
-            values[:] = [v for i, v in enumerate(values) if i not in gone]
-        latencies = getattr(acc, "decode_latencies", None)
-        if isinstance(latencies, dict) and latencies:
-            left = [i for i in range(n) if i not in gone]
-            acc.decode_latencies = {left.index(i): v for i, v in latencies.items() if i not in gone}
-
-    def _wrap_insert(self, inner: Callable[..., Any]) -> Callable[..., Any]:
-        def insert(params: Any) -> Any:
-            result = inner(params)
-            if params.value is not None:
-                key_len = len(params.key.page_aligned(self.page_size))
-                new = _flat(params.value[result.prefix_len : key_len])
-                self._published(_pages_of(new, self.page_size))
-            return result
-
-        return insert
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -972,133 +627,6 @@ class Guard(PageReleases):
                 del self._gone_rids[next(iter(self._gone_rids))]
         self._tenants.pop(key, None)
 
-    # ---- events ------------------------------------------------------------------------------
-
-    def _decode_rows_written(self, rows: np.ndarray, cols: np.ndarray, slots: np.ndarray) -> None:
-        """A decode step's ``req_to_token`` write, entries ``(rows[i], cols[i])`` set to
-        ``slots[i]``, in one call (``write_decode_rows``), which also updates the mirror: a row's
-        checked length drops to a column written below it (a decode step writes at the checked
-        length: nothing to do), and each page claimed becomes its request's in ``_page_key``.
-        A page its row's request already owns is nothing new (every step but one in page_size
-        at page size > 1); every page a live row opens is claimed in one ``claim_step`` (each
-        request's claim judged as its own claim call would be, in row order); a row that is not
-        live or a prefix page goes through :meth:`_row_written`."""
-        stop = self.table.write_decode_rows(
-            self._row_key, self._row_claimant, self._page_key, self._page_prefix, self._row_checked, rows, cols, slots
-        )
-        if stop is None:
-            return
-        verdict, left = stop
-        if not verdict.clean:
-            for _, v in verdict.refused:
-                self._refused(int(v.request), v)
-        rows, slots = _flat(rows), _flat(slots)
-        for i in left:
-            self._row_written(int(rows[i]), slots[i : i + 1])
-
-    def _note_loc(self, loc: Any, written: np.ndarray) -> None:
-        """``alloc_for_decode`` returned ``loc``, the ``out_cache_loc`` SGLang hands the batch's
-        forward, whose slots its row write gave as ``written`` (the row write takes them as
-        int32) and kvguard copied to the host (a device tensor's copy, made on the stream that
-        prepares the batch). The forward's check reads that copy while ``loc`` is the same tensor,
-        unchanged since (its version): it makes no second copy at the forward's entry, on the
-        forward's stream, where under SGLang's overlap schedule a copy waits for the forward
-        before it (:meth:`kvguard.sglang.forward.HostRowCheck._slots`)."""
-        self._loc_host = None
-        if written is not None and loc is not None and len(written) == len(loc):
-            self._loc_host = (loc, getattr(loc, "_version", None), written)
-
-    def _cache_indices_written(
-        self, out_cache_loc: Any, rows: Any, prefix_lens: Any, extend_lens: Any, prefix_tensors: Any
-    ) -> None:
-        """``write_cache_indices``: each request's row gets its prefix (the radix cache's match, or
-        its own row for a later chunk) at ``[0, prefix_len)`` and its slice of the allocator's
-        ``out_cache_loc`` after it. The prefix pages must already be the request's or a cached
-        prefix of its tenant (attached here); only the allocator's new slots are claimed."""
-        rows = _flat(rows).tolist()
-        extend = _flat(extend_lens).tolist()
-        out = _flat(out_cache_loc)
-        pt = 0
-        for i, row in enumerate(rows):
-            self._row_checked[row] = 0
-            prefix = prefix_tensors[i]
-            if prefix is not None and prefix.numel():
-                self._row_written(row, _flat(prefix), claim=False)
-            n = int(extend[i])
-            if n:
-                self._row_written(row, out[pt : pt + n])
-            pt += n
-
-    def _preallocated(self, req: Any, kv_loc: Any) -> None:
-        """A PD decode scheduler allocated ``kv_loc`` for ``req`` before its transfer
-        (``alloc_for_decode_prealloc``): claimed for it now, from the allocator's decision; the
-        row write that follows is judged against them."""
-        row = req.kv.req_pool_idx
-        if row is None or self._row_kv[int(row)] is not req.kv:
-            return
-        self._row_checked[int(row)] = 0
-        self._row_written(int(row), _flat(kv_loc))
-
-    def _row_written(self, row: int, slots: np.ndarray, *, claim: bool = True) -> None:
-        key = int(self._row_key[row])
-        if key == 0:
-            return
-        pages = [p if 0 <= p < _BEYOND_ANY_POOL else _BEYOND_ANY_POOL for p in _pages_of(slots, self.page_size).tolist()]
-        if key not in self._admitted:
-            # A request the intake refused (or never saw) must not get pages: the table answers
-            # unknown_request, on this request.
-            try:
-                self.table.claim(key, pages)
-            except ViolationError as e:
-                self._refused(key, e.violation)
-            return
-        fresh: list[int] = []
-        holds = self._holds[key]
-        for page in pages:
-            if 0 <= page < self._page_limit and self._page_key[page] == key:
-                continue
-            prefix = int(self._page_prefix[page]) if 0 <= page < self._page_limit else 0
-            if prefix:
-                if prefix not in holds:
-                    try:
-                        self.table.attach_prefix(key, prefix)
-                        holds.add(prefix)
-                    except ViolationError as e:
-                        self._refused(key, e.violation)
-                        return
-                continue
-            if page not in fresh:
-                fresh.append(page)
-        if fresh and claim:
-            try:
-                self.table.claim(key, fresh)
-            except ViolationError as e:
-                self._refused(key, e.violation)
-                return
-            self._page_key[fresh] = key
-
-    def _published(self, pages: np.ndarray) -> None:
-        for page in pages.tolist():
-            if page in self._withheld:
-                # The cache takes back a page whose eviction was refused: it is the tree's again.
-                del self._withheld[page]
-                continue
-            if page <= 0 or page >= self._page_limit or self._page_prefix[page]:
-                continue
-            owner = int(self._page_key[page])
-            if owner == _NO_OWNER:
-                continue
-            prefix = self._next_prefix
-            self._next_prefix += 1
-            try:
-                self.table.publish_prefix(owner, prefix, [page])
-            except ViolationError as e:
-                self._refused(owner, e.violation)
-                continue
-            self._page_prefix[page] = prefix
-            self._holds[owner].add(prefix)
-            self._page_key[page] = _NO_OWNER
-
     # ---- the forward batch ---------------------------------------------------------------------
 
     def begin_forward(
@@ -1124,64 +652,6 @@ class Guard(PageReleases):
     def end_forward(self) -> None:
         """The forward is over (device verdicts, if any, are taken here)."""
         self.row_check.end()
-
-    # ---- verdicts ------------------------------------------------------------------------------
-
-    def _name(self, violation: Violation) -> NamedViolation:
-        def rid(k: Any) -> Any:
-            if not isinstance(k, int):
-                return k
-            name = self._rids.get(k, _UNNAMED)
-            return self._gone_rids.get(k, k) if name is _UNNAMED else name
-
-        def tenant(k: Any) -> Any:
-            return self._tenant_names.get(k, k) if isinstance(k, int) else k
-
-        return NamedViolation(
-            violation,
-            rid(violation.request),
-            rid(violation.owner),
-            tenant(violation.tenant),
-            tenant(violation.owner_tenant),
-        )
-
-    def _count(self, kind: str, rid: Any, text: str) -> None:
-        self.metrics["violations_total"] += 1
-        self.metrics[f"violations_total:{kind}"] += 1
-        if self.prometheus is not None:
-            self.prometheus.violation(kind, self.policy)
-        logger.warning("kvguard %s: %s (request %r)", self.policy, text, rid)
-
-    def _violation(self, key: int | None, violation: Violation) -> NamedViolation:
-        self._rows_stale = True
-        named = self._name(violation)
-        rid = None if key is None else self._rids.get(key)
-        self.violations.append(named)
-        self.refusals.append((rid, named))
-        self._count(violation.kind, rid, str(named))
-        return named
-
-    def _abort(self, key: int, reason: NamedViolation | str, status: HTTPStatus) -> None:
-        rid = self._rids.get(key)
-        if self.policy != "enforce" or rid is None or rid in self.aborted:
-            return
-        self.aborted[rid] = reason
-        self.metrics["aborted_requests"] += 1
-        if self.prometheus is not None:
-            self.prometheus.refused()
-        req = self._reqs.get(key)
-        if req is not None and not req.finished():
-            req.to_finish = _finish_abort(f"kvguard refused this request: {reason}", status)
-
-    def _refused(self, key: int, violation: Violation, status: HTTPStatus = HTTPStatus.INTERNAL_SERVER_ERROR) -> None:
-        named = self._violation(key, violation)
-        self._abort(key, named, status)
-
-    def _abort_plain(self, key: int, message: str, kind: str = "missing_manifest") -> None:
-        """A refusal that carries no violation (a missing manifest, a device finding lost)."""
-        self._rows_stale = True
-        self._count(kind, self._rids.get(key), message)
-        self._abort(key, message, HTTPStatus.INTERNAL_SERVER_ERROR)
 
     def _imported(self, key: int, tokens: int) -> None:
         """A PD transfer of ``tokens`` landed and was accepted for ``key``."""

@@ -177,9 +177,9 @@ def test_a_refused_request_keeps_its_entry_while_it_holds_its_row(engine_factory
     from there) and so does the check of its output. Here ``a`` is refused on its stale row,
     then more requests are refused at intake than the guard keeps, before ``a``'s row is freed:
     ``a``'s entry stays until it is released, then goes with the next trim."""
-    import kvguard.sglang.guard as guard_mod
+    import kvguard.sglang.refusals as refusals
 
-    monkeypatch.setattr(guard_mod, "KEPT", 1)
+    monkeypatch.setattr(refusals, "KEPT", 1)
     eng = engine_factory(page_size=1, tokens=2048, context_len=512)
     a, b = stale_row(eng)
     eng.decode([a, b])

@@ -362,7 +362,7 @@ def test_a_refused_requests_payload_entries_keep_no_content():
     import array
 
     import numpy as np
-    from kvguard.sglang.guard import _withheld
+    from kvguard.sglang.outputs import _withheld
 
     assert _withheld([1, 2, 3]) == [] and type(_withheld([1])) is list
     assert _withheld((0.5, 0.25)) == ()
@@ -381,9 +381,9 @@ def test_a_guard_keeps_the_latest_refusals_not_all(engine_factory, monkeypatch):
     """A server refusing for days keeps the latest refused requests and violations, not all of
     them: past twice ``KEPT`` the oldest go, down to ``KEPT``. Every refusal is still counted.
     (Each is refused at intake and dropped, as SGLang's ``_release_aborted_request`` drops it.)"""
-    import kvguard.sglang.guard as guard_mod
+    import kvguard.sglang.refusals as refusals
 
-    monkeypatch.setattr(guard_mod, "KEPT", 2)
+    monkeypatch.setattr(refusals, "KEPT", 2)
     eng = engine_factory(page_size=16, context_len=1024)
     g = eng.guard
     for i in range(5):

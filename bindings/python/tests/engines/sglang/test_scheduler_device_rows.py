@@ -283,13 +283,13 @@ def test_a_decode_forward_reads_the_slots_copied_at_the_row_write(triton_rows, m
     and the workload is served as without kvguard. ``changed``: each decode ``out_cache_loc`` is
     changed in place (by nothing: its version moves) between its allocation and its forward;
     the check then reads it again."""
-    import kvguard.sglang.guard as guard_mod
+    import kvguard.sglang.row_writes as row_writes
     from kvguard.sglang.arrays import _flat, _in_place
 
     s = build(page_size, overlap)
     guard = attach_kvguard(s, "enforce")
     assert guard.row_check.where == "host"
-    monkeypatch.setattr(guard_mod, "_in_place", lambda t: np.array(_flat(t)))
+    monkeypatch.setattr(row_writes, "_in_place", lambda t: np.array(_flat(t)))
     decode_locs, read = [], []
     monkeypatch.setattr(fwd, "_in_place", lambda t: read.append(t) or _in_place(t))
     monkeypatch.setattr(fwd, "_flat", lambda t: read.append(t) or _flat(t))
@@ -321,7 +321,7 @@ def test_a_decode_row_write_reads_the_host_copies_sglang_keeps(triton_rows, monk
     its own. Here the batch's ``req_pool_indices`` is taken for a device tensor and every array
     the row write reads is recorded: neither of the row write's index tensors is read, the host
     copies are, and the workload is served as without kvguard."""
-    import kvguard.sglang.guard as guard_mod
+    import kvguard.sglang.row_writes as row_writes
     import kvguard.sglang.process_hooks as hooks
     from kvguard.sglang.arrays import _flat
     from sglang.srt.managers import schedule_batch
@@ -341,7 +341,7 @@ def test_a_decode_row_write_reads_the_host_copies_sglang_keeps(triton_rows, monk
     monkeypatch.setattr(schedule_batch, "alloc_for_decode", seen)
     monkeypatch.setattr(hooks, "_on_device", lambda t: batch[0] is not None and t is batch[0].req_pool_indices)
     read = []
-    monkeypatch.setattr(guard_mod, "_in_place", lambda t: read.append(t) or np.array(_flat(t)))
+    monkeypatch.setattr(row_writes, "_in_place", lambda t: read.append(t) or np.array(_flat(t)))
     pool = s.req_to_token_pool
     write = pool.write
     decode_writes = []
