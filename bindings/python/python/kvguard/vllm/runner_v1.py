@@ -13,7 +13,7 @@ from typing import Any
 
 from .attach import installed_mode, unsupported, wrap
 from .guard import StepGuard, StepReport
-from .support import context_parallelism_of, group_windows, speculation_of
+from .support import context_parallelism_of, fault_tolerance_of, group_windows, speculation_of
 
 
 def worker_step(
@@ -92,6 +92,7 @@ def _guard_of(owner: Any, input_batch: Any, num_blocks: int, max_model_len: int)
         vllm_config = getattr(owner, "vllm_config", None)
         speculation = speculation_of(vllm_config)
         parallelism = context_parallelism_of(vllm_config)
+        tolerance = fault_tolerance_of(vllm_config)
         if windows is None:
             pass
         elif speculation is not None:
@@ -100,6 +101,8 @@ def _guard_of(owner: Any, input_batch: Any, num_blocks: int, max_model_len: int)
             # The worker's rows hold per-rank blocks while the scheduler's events name blocks of
             # block_size x ranks tokens: checked as they are, every request would be refused.
             unsupported(parallelism)
+        elif tolerance is not None:
+            unsupported(tolerance)
         elif len(windows) != len(tables):
             unsupported(f"{len(tables)} block tables for {len(windows)} KV cache groups")
         elif len(sizes) != 1:

@@ -15,7 +15,7 @@ from .attach import default, installed_mode, unsupported, wrap
 from .device import HostRows, V2Device, host_slot_mappings
 from .guard import StepGuard
 from .runner_v1 import annotate_output, pend
-from .support import context_parallelism_of, group_windows, speculation_of
+from .support import context_parallelism_of, fault_tolerance_of, group_windows, speculation_of
 
 logger = logging.getLogger("vllm.kvguard")
 
@@ -116,6 +116,8 @@ def _v2_guard_of(runner: Any) -> StepGuard | None:
         unsupported("context parallelism under V2 (its block tables are partitioned across ranks)")
     elif getattr(runner.vllm_config, "kv_transfer_config", None) is not None:
         unsupported("a KV connector (kv_transfer_config): its imports are not recorded")
+    elif fault_tolerance_of(runner.vllm_config) is not None:
+        unsupported(fault_tolerance_of(runner.vllm_config))
     elif len(sizes) != 1:
         unsupported(f"KV cache groups of different block sizes {sorted(sizes)}")
     else:

@@ -12,7 +12,7 @@ from typing import Any
 
 from .attach import default, installed_mode, unsupported, wrap
 from .recorder import SchedulerRecorder
-from .support import context_parallelism_of, groups_supported, speculation_of
+from .support import context_parallelism_of, fault_tolerance_of, groups_supported, speculation_of
 
 
 def recorder_of(kv_cache_manager: Any, requests: dict[str, Any] | None = None) -> SchedulerRecorder | None:
@@ -99,11 +99,11 @@ def check_scheduler(scheduler: Any) -> None:
         )
         scheduler.kv_cache_manager._kvguard_recorder = None
         return
-    parallelism = context_parallelism_of(config)
-    if parallelism is not None:
-        unsupported(parallelism)
-        scheduler.kv_cache_manager._kvguard_recorder = None
-        return
+    for why in (context_parallelism_of(config), fault_tolerance_of(config)):
+        if why is not None:
+            unsupported(why)
+            scheduler.kv_cache_manager._kvguard_recorder = None
+            return
     if getattr(scheduler, "connector", None) is not None:
         unsupported("a KV connector (kv_transfer_config): its imports are not recorded")
         scheduler.kv_cache_manager._kvguard_recorder = None

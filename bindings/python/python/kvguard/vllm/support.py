@@ -1,6 +1,7 @@
 """What kvguard can check in a vLLM engine, read from its configuration: KV cache groups of full
 attention and sliding windows (one block size, the hash block size), no speculative decoding
-(nor a diffusion model, which runs on its path), no context parallelism. The scheduler side
+(nor a diffusion model, which runs on its path), no context parallelism, no engine fault
+tolerance. The scheduler side
 asks when vLLM builds its scheduler, the worker side when a runner makes its guard; anything
 else goes to :func:`kvguard.vllm.attach.unsupported`."""
 
@@ -90,3 +91,18 @@ def group_windows(kv_cache_config: Any) -> list[int | None] | None:
             return None
     return out
 
+
+def fault_tolerance_of(vllm_config: Any) -> str | None:
+    """vLLM's engine fault tolerance in ``vllm_config`` (None: off). On a fault its recovery
+    (``EngineCoreSentinel``) aborts every request and drops the batches queued for the workers:
+    a step whose worker failed before kvguard's check never applies its ownership events (the
+    releases of requests that finished, the claims of new blocks), so the table would go on
+    holding pages vLLM handed to others, and a later request given one would be refused for
+    nothing it did."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if parallel is not None and getattr(parallel, "enable_fault_tolerance", False):
+        return (
+            "vLLM's fault tolerance (enable_fault_tolerance): its recovery drops steps whose "
+            "ownership events the workers may never apply"
+        )
+    return None

@@ -53,21 +53,20 @@ def workload(engine: RealEngine, seed: int, n: int, *, shared: int = 3, salts: i
         engine.add(f"req-{i}", prompt, rng.randrange(1, 40), cache_salt=salt)
 
 
-class _Seen(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 @pytest.fixture
-def kvguard_log():
-    """The messages of the ``vllm.kvguard`` logger during one test (vLLM's logging setup stops
-    its loggers from propagating, so pytest's caplog does not see them once an engine is built)."""
-    seen = _Seen()
+def kvguard_log(monkeypatch):
+    """The messages of the ``vllm.kvguard`` logger during one test. Read where the logger hands
+    each record on (``Logger.handle``), not through a handler of the test's: vLLM's logging
+    setup stops its loggers from propagating, so pytest's caplog does not see them, and each
+    time vLLM applies its logging config (the first engine a process builds) ``dictConfig``
+    clears the handlers of every logger under ``vllm``, a test's own among them."""
+    messages: list[str] = []
     logger = logging.getLogger("vllm.kvguard")
-    logger.addHandler(seen)
-    yield seen.messages
-    logger.removeHandler(seen)
+    handle = logger.handle
+
+    def seen(record: logging.LogRecord) -> None:
+        messages.append(record.getMessage())
+        handle(record)
+
+    monkeypatch.setattr(logger, "handle", seen)
+    return messages

@@ -7,7 +7,10 @@ and V1 model runner (real_engine.py), with the setting vLLM's own config path bu
   as they are, every request was refused (``reserved_page``); prefill context parallelism
   shards the KV cache across ranks too;
 - a diffusion (dLLM) model: its canvas runs on the speculative-decoding path (draft tokens whose
-  rejection rolls the computed-token count back), with no ``speculative_config``.
+  rejection rolls the computed-token count back), with no ``speculative_config``;
+- vLLM's engine fault tolerance: its recovery aborts every request and drops the queued steps,
+  whose ownership events a failed worker may never have applied (the table would then hold
+  pages vLLM handed to others, and refuse the requests given them).
 """
 
 from __future__ import annotations
@@ -61,10 +64,18 @@ def diffusion(monkeypatch) -> None:
     with_config(monkeypatch, before=canvas)
 
 
+def fault_tolerance(monkeypatch) -> None:
+    def tolerant(config) -> None:
+        config.parallel_config.enable_fault_tolerance = True
+
+    with_config(monkeypatch, after=tolerant)
+
+
 SETTINGS = {
     "decode-context-parallel": (decode_context_parallel, "context parallelism"),
     "prefill-context-parallel": (prefill_context_parallel, "context parallelism"),
     "diffusion": (diffusion, "a diffusion model"),
+    "fault-tolerance": (fault_tolerance, "vLLM's fault tolerance"),
 }
 
 

@@ -7,6 +7,10 @@
   for vLLM's warm-up and went unchecked, under enforce too.)
 - vLLM's own warm-up (``warmup_kernels``, run by its worker's ``compile_or_warm_up_model``):
   made-up requests no scheduler saw, recognised as such; the engine then serves, checked.
+- vLLM's engine fault tolerance (``enable_fault_tolerance``), whose recovery drops steps a
+  failed worker may never have applied: refused at start-up under enforce; under report the
+  engine serves unchecked, V2's own check included (it would judge every step against a table
+  the scheduler no longer feeds, and refuse every request).
 
 Its own pytest process, as the other V2 tests (TRITON_INTERPRET=1 before vLLM's import).
 """
@@ -64,6 +68,37 @@ def test_a_scheduler_that_bypasses_kvguard_runs_unchecked_under_report(monkeypat
     assert g.guard is None and outputs(g) == outputs(p)
     said = [m for m in kvguard_log if "did not go through kvguard's scheduler hooks" in m]
     assert len(said) == 1 and "runs unchecked" in said[0], kvguard_log
+    assert not any("refused" in m for m in kvguard_log), kvguard_log
+
+
+def fault_tolerant(monkeypatch) -> None:
+    """Engines built with vLLM's ``enable_fault_tolerance`` on."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_engine_config
+
+    def create_engine_config(self, *args, **kwargs):
+        config = original(self, *args, **kwargs)
+        config.parallel_config.enable_fault_tolerance = True
+        return config
+
+    monkeypatch.setattr(EngineArgs, "create_engine_config", create_engine_config)
+
+
+def test_fault_tolerance_stops_the_engine_at_start_under_enforce(monkeypatch):
+    fault_tolerant(monkeypatch)
+    with pytest.raises(UnsupportedConfig, match="fault tolerance"):
+        run_v2(RC, lambda e: pytest.fail("the engine started"), guarded=True)
+
+
+def test_fault_tolerance_runs_unchecked_under_report(monkeypatch, kvguard_log):
+    fault_tolerant(monkeypatch)
+    fill = lambda e: workload(e, 1, 6, salts=2)  # noqa: E731
+    g = run_v2(RC, fill, guarded=True, mode="report")
+    p = run_v2(RC, fill, guarded=False)
+    assert len(p.finished) == 6
+    assert g.guard is None and outputs(g) == outputs(p)
+    assert any("cannot check vLLM's fault tolerance" in m and "runs unchecked" in m for m in kvguard_log), kvguard_log
     assert not any("refused" in m for m in kvguard_log), kvguard_log
 
 
