@@ -1,26 +1,49 @@
-//! `OwnershipTable` for Python, and the one-call-per-step entry points.
+//! `OwnershipTable` for Python: the class, its whole Python surface, its lifecycle (admit,
+//! claims, writes, releases, prefixes, forks, imports) and what the table tells; the logic of the
+//! larger one-call-per-step entry points lives in the submodules.
 //!
 //! Every method converts, calls the core table with the GIL released, and converts back; the
 //! names lock (request and tenant strings) is taken for the conversion only, never across the
 //! core call or while Python code may run.
+//!
+//! PyO3 takes one `#[pymethods]` block per class (more need its `multiple-pymethods` feature
+//! and the `inventory` registry): that block, here, holds each method's signature and docstring,
+//! and its body where that is a few lines; a larger call forwards to the submodule of its idea:
+//!
+//! | module | what it holds |
+//! |---|---|
+//! | `verdict` | `StepVerdict`, and the core's verdicts and refused events converted into it |
+//! | `reads` | a step's reads in the engine's layout: 2-D block tables, FlashInfer's paged KV, PageRefs |
+//! | `row_reads` | a step read through rows of one engine table by index: windows, token slots, row caches |
+//! | `writes` | a step's shadow claims and KV writes, one call each |
+//! | `worker` | vLLM's worker step in one call |
+//! | `decode` | SGLang's decode calls, judged against the plugin's mirror |
+//! | [`import`] | `ImportTicket`: a KV transfer in flight |
 
-use crate::arrays::{I64Mut, IntArray, Ints};
+use crate::arrays::IntArray;
 use crate::errors::{self, log_violation};
-use crate::events::StepEvents;
-use crate::mirror;
 use crate::names::{self, Names, Resolved, StepIds};
 use crate::values::{PageInfo, PageRef, PoolConfig, PoolSnapshot, Released, RequestInfo};
 use crate::violation::Violation;
-use kvguard::step::{DecodeForward, DecodeOutcome, SlotRead};
-use kvguard::{PageId, PrefixKey, RequestId, SeqClaim, SeqRead, SeqWrite};
+use kvguard::{PageId, PrefixKey, RequestId, SeqRead};
 use parking_lot::Mutex;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList};
+use reads::block_table_row;
+use worker::{StepOutcome, StepRoom};
 
+mod decode;
 pub mod import;
+mod reads;
+mod row_reads;
+mod verdict;
+mod worker;
+mod writes;
+
 pub use import::ImportTicket;
+pub use verdict::StepVerdict;
 
 /// The ownership table of one KV pool: every page's owner request, tenant, generation and
 /// written slots; every attention read checked against it.
@@ -51,7 +74,7 @@ pub struct OwnershipTable {
     names: Mutex<Names>,
     /// The last step's id objects (see [`names::StepIds`]).
     step_ids: Mutex<StepIds>,
-    /// The worker step's scratch, kept for the next step (see [`StepRoom`]).
+    /// The worker step's scratch, kept for the next step (see [`worker::StepRoom`]).
     step_room: Mutex<StepRoom>,
     /// The worker step's block-table rows as last checked clean (see [`worker_reads`]).
     worker_rows: Mutex<kvguard::RowCache>,
@@ -59,251 +82,7 @@ pub struct OwnershipTable {
     slot_rows: Mutex<kvguard::step::SlotRowCache>,
 }
 
-/// The verdict on a step: which rows may not run attention (reads), or whose writes were
-/// refused and not recorded (writes).
-///
-/// clean: no row refused. refused: `[(row, Violation)]` in row order. refused_rows: `[row]`.
-/// refused_mask: numpy bool array, one entry per row of the step, True where refused.
-#[pyclass(frozen, module = "kvguard")]
-pub struct StepVerdict {
-    rows: usize,
-    refused: Vec<(usize, Py<Violation>)>,
-    mask: PyOnceLock<Py<PyAny>>,
-}
-
 static NUMPY: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
-
-#[pymethods]
-impl StepVerdict {
-    /// No row was refused.
-    #[getter]
-    fn clean(&self) -> bool {
-        self.refused.is_empty()
-    }
-    /// Rows in the step.
-    #[getter]
-    fn rows(&self) -> usize {
-        self.rows
-    }
-    /// [(row, Violation)] for every refused row, in row order.
-    #[getter]
-    fn refused(&self, py: Python<'_>) -> Vec<(usize, Py<Violation>)> {
-        self.refused.iter().map(|(i, v)| (*i, v.clone_ref(py))).collect()
-    }
-    /// The refused rows, in order.
-    #[getter]
-    fn refused_rows(&self) -> Vec<usize> {
-        self.refused.iter().map(|(i, _)| *i).collect()
-    }
-    /// The violations, in row order.
-    #[getter]
-    fn violations(&self, py: Python<'_>) -> Vec<Py<Violation>> {
-        self.refused.iter().map(|(_, v)| v.clone_ref(py)).collect()
-    }
-    /// numpy bool array of `rows` entries, True for each refused row (built on first access).
-    #[getter]
-    fn refused_mask(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        let mask = self.mask.get_or_try_init(py, || -> PyResult<Py<PyAny>> {
-            let np = NUMPY.get_or_try_init(py, || -> PyResult<Py<PyModule>> { Ok(py.import("numpy")?.unbind()) })?;
-            let np = np.bind(py);
-            let mask = np.call_method1("zeros", (self.rows, np.getattr("bool_")?))?;
-            for (i, _) in &self.refused {
-                mask.set_item(*i, true)?;
-            }
-            Ok(mask.unbind())
-        })?;
-        Ok(mask.clone_ref(py))
-    }
-    /// Number of refused rows.
-    fn __len__(&self) -> usize {
-        self.refused.len()
-    }
-    fn __repr__(&self) -> String {
-        format!("StepVerdict(rows={}, refused={:?})", self.rows, self.refused_rows())
-    }
-}
-
-/// A step's writes: request `i` wrote `slots[qsl[i]..qsl[i + 1]]`. `qsl` has one entry more than
-/// `requests`; every range must be within `slots` (one branch-free pass checks them all, then an
-/// exact-size collect builds the writes: the common case is two tight loops).
-fn step_writes<'a, T: Copy + Into<i64>>(
-    requests: &[RequestId],
-    qsl: &[T],
-    slots: &'a [i64],
-) -> PyResult<Vec<SeqWrite<'a>>> {
-    let len = slots.len() as i64;
-    let bad = |w: &[T]| (w[0].into() < 0) | (w[0].into() > w[1].into()) | (w[1].into() > len);
-    if qsl.windows(2).fold(false, |any, w| any | bad(w)) {
-        let i = qsl.windows(2).position(bad).unwrap_or(0);
-        let (start, end) = (qsl[i].into(), qsl[i + 1].into());
-        let what = if start < 0 { "must be >= 0" } else { "is not a range within slot_mapping" };
-        return Err(PyValueError::new_err(format!(
-            "query_start_loc[{i}..{}] = {start}..{end} {what} (slot_mapping has {len} entries)",
-            i + 1
-        )));
-    }
-    Ok(requests
-        .iter()
-        .zip(qsl.windows(2))
-        .map(|(&request, w)| SeqWrite { request, slots: &slots[w[0].into() as usize..w[1].into() as usize] })
-        .collect())
-}
-
-/// The pages each row reads, converted into one buffer: row `rows[i]` of `t` (page ids) for
-/// `lens[i]` tokens, from token `from[i]` on (its page; 0 without `from`). `lens[i]` becomes the
-/// tokens of the window read as its own block table (its tokens start at its first page). A
-/// negative or too-large entry becomes a page beyond any pool (refused as page_out_of_range). A
-/// row is read for at most `pool_pages + 1` pages from its window's start: a read that needs more
-/// than the pool holds is refused as block_table_too_short (so a huge length, or a stride-0
-/// view's huge width, allocates nothing beyond that). Token-slot tables are the core's
-/// (`check_slot_rows`, through [`slot_rows`]).
-fn window_pages(
-    t: &IntArray<'_>,
-    rows: &[u64],
-    lens: &mut [u64],
-    from: Option<&[u64]>,
-    config: &kvguard::PoolConfig,
-) -> Windows {
-    let ps = u64::from(config.page_size);
-    let div = kvguard::config::PageDiv::new(config.page_size);
-    let width = t.width();
-    let most = config.num_pages as usize + 1;
-    let mut out = Windows { pages: Vec::new(), spans: Vec::with_capacity(rows.len()) };
-    let page_of = |v: i64| PageId(u32::try_from(v).unwrap_or(u32::MAX));
-    for (i, &row) in rows.iter().enumerate() {
-        let seq = lens[i];
-        let first = from.map_or(0, |f| usize::try_from(div.floor(f[i].min(seq))).unwrap_or(usize::MAX)).min(width);
-        let end = usize::try_from(div.ceil(seq)).unwrap_or(usize::MAX).min(width).max(first).min(first + most);
-        let start = out.pages.len();
-        // An int32 contiguous row is read as a slice; its entries are the engine's int32s
-        // (`PageId` only borrows their bits).
-        match t.row_pages(row as usize) {
-            Some(r) => out.pages.extend((first..end).map(|j| page_of(i64::from(r[j].0 as i32)))),
-            None => out.pages.extend((first..end).map(|j| page_of(t.get(row as usize, j)))),
-        }
-        out.spans.push(start..out.pages.len());
-        lens[i] = seq - first as u64 * ps;
-    }
-    out
-}
-
-/// A row of an engine's table as the core names it (a table of 2**32 rows or more is refused).
-/// Inlined into the per-row loops that call it, the error built out of line: with the error
-/// inline it stayed a call, 19 instructions a row.
-#[inline]
-fn row_index(row: u64) -> PyResult<u32> {
-    u32::try_from(row).map_err(|_| too_many_rows(row))
-}
-
-/// [`row_index`]'s error.
-#[cold]
-#[inline(never)]
-fn too_many_rows(row: u64) -> PyErr {
-    PyValueError::new_err(format!("row {row}: a table has at most 2**32 rows"))
-}
-
-/// A token-slot table as the core reads it ([`kvguard::BlockRows`] of int32 slots) and the
-/// reads through it: a C-contiguous int32 table (SGLang's `req_to_token`) in place; any other
-/// array converted, each read into a row of its own in `converted`, laid out so that the core
-/// judges it exactly as it judges the same read in place (the same pages, entries and tokens,
-/// so the same verdicts and the same table changes): [`SlotWindow`]. Only each read's window is
-/// converted (at most the pool's pages plus one, as the core reads in place: a huge length or
-/// window start, or a stride-0 view's huge width, allocates nothing beyond that). An entry
-/// outside int32 names no slot (-1, refused as page_out_of_range). The reads' rows are within
-/// `t` (checked by the caller).
-fn slot_rows<'a>(
-    t: &'a IntArray<'_>,
-    mut reads: Vec<SlotRead>,
-    config: &kvguard::PoolConfig,
-    converted: &'a mut Vec<i32>,
-) -> PyResult<(kvguard::BlockRows<'a>, Vec<SlotRead>)> {
-    let shape = |e: kvguard::RowsError| PyValueError::new_err(e.to_string());
-    if let Some((entries, width)) = t.as_i32_rows() {
-        return Ok((kvguard::BlockRows::new(entries, width).map_err(shape)?, reads));
-    }
-    let entries = t.width();
-    if entries == 0 {
-        // No entry to convert: the core refuses these reads as it refuses them in place.
-        return Ok((kvguard::BlockRows::new(&[], 0).map_err(shape)?, reads));
-    }
-    let ps = config.page_size.max(1) as usize;
-    let div = kvguard::config::PageDiv::new(config.page_size);
-    let most = config.num_pages as usize + 1;
-    let windows: Vec<SlotWindow> = reads.iter().map(|r| SlotWindow::of(r, entries, ps, div, most)).collect();
-    // Whole pages, at least one: every window fits, and a row read past holds whole pages only.
-    let width = windows.iter().map(|w| w.pages * ps).max().unwrap_or(0).max(ps);
-    converted.reserve(reads.len().saturating_mul(width));
-    let entry = |row: usize, j: usize| if j < entries { i32::try_from(t.get(row, j)).unwrap_or(-1) } else { -1 };
-    for (i, (r, w)) in reads.iter_mut().zip(&windows).enumerate() {
-        let row = r.row as usize;
-        let lo = w.first * ps;
-        let start = converted.len();
-        converted.resize(start + width, -1);
-        let out = &mut converted[start..];
-        if w.short {
-            // The row's whole pages at the end of the converted row, the read starting at them
-            // and running past it: the core reads those pages, then refuses the read as
-            // block_table_too_short for the same tokens and the same pages it covers.
-            let at = width - w.pages * ps;
-            for (k, slot) in out[at..].iter_mut().enumerate() {
-                *slot = entry(row, lo + k);
-            }
-            *r = SlotRead { row: i as u32, from: at as u64, tokens: w.tokens.saturating_add(at as u64), ..*r };
-        } else {
-            // The entries the core reads (up to the read's last token), the read starting there.
-            let read = usize::try_from(w.tokens).unwrap_or(usize::MAX).min(width);
-            for (k, slot) in out[..read].iter_mut().enumerate() {
-                *slot = entry(row, lo + k);
-            }
-            *r = SlotRead { row: i as u32, from: 0, tokens: w.tokens, ..*r };
-        }
-    }
-    Ok((kvguard::BlockRows::new(converted, width).map_err(shape)?, reads))
-}
-
-/// A read's window in its row of `entries` entries as the core takes it in place
-/// (`check_slot_rows`): from the page of its `from` token (the row's end, if that is past it)
-/// to the page of its last token, at most `most` pages; a read past the row's end reads only
-/// the row's whole pages. The read is of `tokens` tokens from the window's first page; `short`:
-/// more than its `pages` hold (refused as block_table_too_short). At page size 1 the core reads
-/// a row in place with no page limit: converted, a read of more tokens than the pool has pages
-/// plus one is `short` (refused; in place it passes only where its row names a page twice).
-struct SlotWindow {
-    first: usize,
-    pages: usize,
-    tokens: u64,
-    short: bool,
-}
-
-impl SlotWindow {
-    fn of(r: &SlotRead, entries: usize, ps: usize, div: kvguard::config::PageDiv, most: usize) -> SlotWindow {
-        let seq = r.tokens;
-        let width = entries.div_ceil(ps);
-        let first = usize::try_from(div.floor(r.from.min(seq))).unwrap_or(usize::MAX).min(width);
-        let in_row = if seq > entries as u64 { entries / ps } else { width };
-        let end =
-            usize::try_from(div.ceil(seq)).unwrap_or(usize::MAX).min(in_row).max(first).min(first.saturating_add(most));
-        let pages = end - first;
-        // `first` pages end at or before token `from.min(seq)`: no underflow.
-        let tokens = seq - first as u64 * ps as u64;
-        SlotWindow { first, pages, tokens, short: tokens > pages as u64 * ps as u64 }
-    }
-}
-
-/// What [`window_pages`] read: each row's pages (`pages[spans[i]]`).
-struct Windows {
-    pages: Vec<PageId>,
-    spans: Vec<std::ops::Range<usize>>,
-}
-
-impl Windows {
-    /// The step's reads: row `i` as `requests[i]` reading `lens[i]` tokens of its pages.
-    fn reads<'a>(&'a self, requests: &[RequestId], lens: &[u64]) -> Vec<SeqRead<'a>> {
-        (0..self.spans.len())
-            .map(|i| SeqRead { request: requests[i], block_table: &self.pages[self.spans[i].clone()], tokens: lens[i] })
-            .collect()
-    }
-}
 
 /// A prefix key: an int in `0..2**64` (the engine's block hash, radix node id, ...).
 fn prefix_key(key: u64) -> PrefixKey {
@@ -321,38 +100,6 @@ fn page_list(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<PageId>> {
                 .map_err(|_| PyValueError::new_err(format!("{name}[{i}] is {v}: page ids are ints in 0..2**32")))
         })
         .collect()
-}
-
-/// A step's CSR spans: entry `i` is `indptr[i]..indptr[i + 1]`, each a range within `len` items
-/// (`what` names them in the `ValueError`).
-fn csr_spans(indptr: &[u64], len: usize, name: &str, what: &str) -> PyResult<Vec<std::ops::Range<usize>>> {
-    indptr
-        .windows(2)
-        .enumerate()
-        .map(|(i, w)| {
-            if w[0] > w[1] || w[1] > len as u64 {
-                return Err(PyValueError::new_err(format!(
-                    "{name}[{i}..{}] = {}..{} is not a range within {what} (length {len})",
-                    i + 1,
-                    w[0],
-                    w[1]
-                )));
-            }
-            Ok(w[0] as usize..w[1] as usize)
-        })
-        .collect()
-}
-
-/// A 1-D page array as page ids: int32 borrowed as it is, anything else converted into `buf`
-/// (a value outside `0..2**32` becomes a page beyond any pool: refused as page_out_of_range).
-fn pages_view<'a>(a: &'a IntArray<'_>, buf: &'a mut Vec<PageId>) -> &'a [PageId] {
-    match a.row_pages(0) {
-        Some(pages) => pages,
-        None => {
-            a.row_pages_into(0, a.len(), buf);
-            buf
-        }
-    }
 }
 
 /// A list of PageRefs.
@@ -404,278 +151,6 @@ impl OwnershipTable {
         out.clear();
         out.extend(a.counts(a.len(), "req_ids")?.into_iter().map(RequestId));
         Ok(())
-    }
-
-    /// Converts a step verdict; `judged`: its violations are logged.
-    fn verdict(&self, py: Python<'_>, v: kvguard::StepVerdict, rows: usize, judged: bool) -> PyResult<StepVerdict> {
-        let resolved: Vec<(usize, kvguard::Violation, Resolved)> = {
-            let names = self.names.lock();
-            v.refused
-                .into_iter()
-                .map(|(i, v)| {
-                    let r = names.resolve(&v);
-                    (i, v, r)
-                })
-                .collect()
-        };
-        let mut refused = Vec::with_capacity(resolved.len());
-        for (i, v, r) in resolved {
-            let v = Violation::wrap(py, v, r)?;
-            if judged {
-                log_violation(py, &v);
-            }
-            refused.push((i, v));
-        }
-        Ok(StepVerdict { rows, refused, mask: PyOnceLock::new() })
-    }
-
-    /// Checks a step in vLLM's layout; `judged` picks verify over check.
-    fn step(
-        &self,
-        py: Python<'_>,
-        req_ids: &Bound<'_, PyAny>,
-        block_tables: &Bound<'_, PyAny>,
-        seq_lens: &Bound<'_, PyAny>,
-        judged: bool,
-    ) -> PyResult<StepVerdict> {
-        let requests = self.step_requests(req_ids)?;
-        let n = requests.len();
-        let bt = IntArray::open(block_tables, "block_tables", 2)?;
-        if bt.len() < n {
-            return Err(PyValueError::new_err(format!("block_tables has {} rows, {n} requests given", bt.len())));
-        }
-        let lens = IntArray::open(seq_lens, "seq_lens", 1)?.counts(n, "seq_lens")?;
-        let ps = u64::from(self.table.page_size());
-        let mut converted = Vec::new();
-        let reads = rows_as_reads(&bt, &requests, &lens, ps, &mut converted);
-        let table = &self.table;
-        let v = py.detach(|| if judged { table.verify_step(&reads) } else { table.check_step(&reads) });
-        drop(reads);
-        self.verdict(py, v, n, judged)
-    }
-
-    /// Checks a step whose block tables are rows of one engine table, read in place by row
-    /// index; `token_slots`: the table holds one KV slot per token (page j of a row is its entry
-    /// j * page_size over page_size), else one page per entry. With `from_tokens`, request i
-    /// reads only the pages from token from_tokens[i] on (its window; see check_step_window).
-    /// `cached` (token slots, an int32 table read in place, no window): through the table's
-    /// `SlotRowCache`, each row judged from its last clean page where it allows.
-    #[allow(clippy::too_many_arguments)]
-    fn step_rows(
-        &self,
-        py: Python<'_>,
-        req_ids: &Bound<'_, PyAny>,
-        table: &Bound<'_, PyAny>,
-        rows: &Bound<'_, PyAny>,
-        seq_lens: &Bound<'_, PyAny>,
-        from_tokens: Option<&Bound<'_, PyAny>>,
-        token_slots: bool,
-        cached: bool,
-        judged: bool,
-    ) -> PyResult<StepVerdict> {
-        let requests = self.step_requests(req_ids)?;
-        let n = requests.len();
-        let t = IntArray::open(table, "table", 2)?;
-        let rows = IntArray::open(rows, "rows", 1)?.counts(n, "rows")?;
-        if let Some((i, r)) = rows.iter().enumerate().find(|(_, r)| **r >= t.len() as u64) {
-            return Err(PyValueError::new_err(format!("rows[{i}] is {r}: table has {} rows", t.len())));
-        }
-        let mut lens = IntArray::open(seq_lens, "seq_lens", 1)?.counts(n, "seq_lens")?;
-        let from = match from_tokens {
-            Some(f) => Some(IntArray::open(f, "from_tokens", 1)?.counts(n, "from_tokens")?),
-            None => None,
-        };
-        if token_slots
-            && cached
-            && from.is_none()
-            && let Some((entries, width)) = t.as_i32_rows().filter(|(_, width)| *width > 0)
-        {
-            // Through the table's SlotRowCache (rows in range: checked above).
-            let rows_in = kvguard::BlockRows::new(entries, width).map_err(|e| PyValueError::new_err(e.to_string()))?;
-            let reads: Vec<kvguard::RowRead> = (0..n)
-                .map(|i| Ok(kvguard::RowRead { request: requests[i], row: row_index(rows[i])?, tokens: lens[i] }))
-                .collect::<PyResult<_>>()?;
-            let (core, cache) = (&self.table, &self.slot_rows);
-            let v = py.detach(|| {
-                // Another thread's check holds the cache: a fresh one judges every row in full,
-                // with the same verdict.
-                let mut spare = kvguard::step::SlotRowCache::new();
-                let mut held = cache.try_lock();
-                let cache = held.as_deref_mut().unwrap_or(&mut spare);
-                if judged {
-                    core.verify_slot_rows_cached(cache, rows_in, &reads)
-                } else {
-                    core.check_slot_rows_cached(cache, rows_in, &reads)
-                }
-            });
-            let v = v.map_err(|e| PyValueError::new_err(e.to_string()))?;
-            return self.verdict(py, v, n, judged);
-        }
-        if token_slots {
-            // The core reads token-slot rows (SGLang's req_to_token): check_slot_rows.
-            let reads: Vec<SlotRead> = (0..n)
-                .map(|i| {
-                    Ok(SlotRead {
-                        request: requests[i],
-                        row: row_index(rows[i])?,
-                        from: from.as_ref().map_or(0, |f| f[i]),
-                        tokens: lens[i],
-                    })
-                })
-                .collect::<PyResult<_>>()?;
-            let mut converted = Vec::new();
-            let (table, reads) = slot_rows(&t, reads, self.table.config(), &mut converted)?;
-            let core = &self.table;
-            let v = py.detach(|| {
-                if judged { core.verify_slot_rows(table, &reads) } else { core.check_slot_rows(table, &reads) }
-            });
-            let v = v.map_err(|e| PyValueError::new_err(e.to_string()))?;
-            return self.verdict(py, v, n, judged);
-        }
-        // int32 page rows are borrowed as they are; int64 rows and windows are converted, the
-        // entries each request reads only, into one buffer.
-        let direct = n > 0 && from.is_none() && t.row_pages(rows[0] as usize).is_some();
-        let windows = (!direct).then(|| window_pages(&t, &rows, &mut lens, from.as_deref(), self.table.config()));
-        let reads: Vec<SeqRead<'_>> = match &windows {
-            Some(w) => w.reads(&requests, &lens),
-            None => (0..n)
-                .map(|i| SeqRead {
-                    request: requests[i],
-                    // direct: every row is a contiguous int32 row (row_pages of one is of all).
-                    block_table: t.row_pages(rows[i] as usize).unwrap_or(&[]),
-                    tokens: lens[i],
-                })
-                .collect(),
-        };
-        let core = &self.table;
-        let v = py.detach(|| if judged { core.verify_step(&reads) } else { core.check_step(&reads) });
-        self.verdict(py, v, n, judged)
-    }
-
-    /// verify_rows / check_rows: the requests resolved here, the rows read by the core.
-    #[allow(clippy::too_many_arguments)]
-    fn rows_step(
-        &self,
-        py: Python<'_>,
-        cache: &Bound<'_, crate::rows::RowCache>,
-        req_ids: &Bound<'_, PyAny>,
-        table: &Bound<'_, PyAny>,
-        rows: &Bound<'_, PyAny>,
-        seq_lens: &Bound<'_, PyAny>,
-        judged: bool,
-    ) -> PyResult<StepVerdict> {
-        let requests = self.step_requests(req_ids)?;
-        let v = crate::rows::step(py, &self.table, cache.get(), &requests, table, rows, seq_lens, judged)?;
-        self.verdict(py, v, requests.len(), judged)
-    }
-
-    /// Checks a step in FlashInfer's layout.
-    fn step_csr(
-        &self,
-        py: Python<'_>,
-        req_ids: &Bound<'_, PyAny>,
-        kv_indptr: &Bound<'_, PyAny>,
-        kv_indices: &Bound<'_, PyAny>,
-        kv_last_page_len: &Bound<'_, PyAny>,
-        judged: bool,
-    ) -> PyResult<StepVerdict> {
-        let requests = self.step_requests(req_ids)?;
-        let n = requests.len();
-        let indptr = IntArray::open(kv_indptr, "kv_indptr", 1)?.counts(n + 1, "kv_indptr")?;
-        let indices = IntArray::open(kv_indices, "kv_indices", 1)?;
-        let last = IntArray::open(kv_last_page_len, "kv_last_page_len", 1)?.counts(n, "kv_last_page_len")?;
-        let ps = u64::from(self.table.page_size());
-        let mut spans = Vec::with_capacity(n);
-        for i in 0..n {
-            let (a, b) = (indptr[i], indptr[i + 1]);
-            if a > b || b > indices.len() as u64 {
-                return Err(PyValueError::new_err(format!(
-                    "kv_indptr[{i}..{}] = {a}..{b} is not a range within kv_indices (length {})",
-                    i + 1,
-                    indices.len()
-                )));
-            }
-            spans.push(a as usize..b as usize);
-        }
-        let converted = if indices.row_pages(0).is_none() {
-            let mut c = Vec::with_capacity(indices.len());
-            indices.row_pages_into(0, indices.len(), &mut c);
-            c
-        } else {
-            Vec::new()
-        };
-        let all: &[PageId] = indices.row_pages(0).unwrap_or(&converted);
-        let reads: Vec<SeqRead<'_>> = (0..n)
-            .map(|i| {
-                let pages = spans[i].len() as u64;
-                let tokens = if pages == 0 { 0 } else { (pages - 1) * ps + last[i] };
-                SeqRead { request: requests[i], block_table: &all[spans[i].clone()], tokens }
-            })
-            .collect();
-        let table = &self.table;
-        let v = py.detach(|| if judged { table.verify_step(&reads) } else { table.check_step(&reads) });
-        drop(reads);
-        self.verdict(py, v, n, judged)
-    }
-
-    /// Checks a step through PageRefs; `judged` picks verify over check.
-    fn step_refs(
-        &self,
-        py: Python<'_>,
-        req_ids: &Bound<'_, PyAny>,
-        refs: &Bound<'_, PyAny>,
-        seq_lens: &Bound<'_, PyAny>,
-        judged: bool,
-    ) -> PyResult<StepVerdict> {
-        let requests = self.step_requests(req_ids)?;
-        let n = requests.len();
-        let lens = IntArray::open(seq_lens, "seq_lens", 1)?.counts(n, "seq_lens")?;
-        let rows = refs
-            .try_iter()
-            .map_err(|_| PyTypeError::new_err("refs must be a sequence of sequences of kvguard.PageRef"))?
-            .take(n)
-            .map(|row| ref_list(&row?, "refs[i]"))
-            .collect::<PyResult<Vec<_>>>()?;
-        if rows.len() < n {
-            return Err(PyValueError::new_err(format!("refs has {} rows, {n} requests given", rows.len())));
-        }
-        let reads: Vec<SeqRead<'_, kvguard::PageRef>> =
-            (0..n).map(|i| SeqRead { request: requests[i], block_table: &rows[i][..], tokens: lens[i] }).collect();
-        let table = &self.table;
-        let v = py.detach(|| if judged { table.verify_step_refs(&reads) } else { table.check_step_refs(&reads) });
-        drop(reads);
-        self.verdict(py, v, n, judged)
-    }
-
-    /// Converts apply_events' outcome: each refusal logged and wrapped; a non-violation error
-    /// raised after the refusals before it are logged.
-    fn refused_events(
-        &self,
-        py: Python<'_>,
-        outcome: Result<Vec<crate::events::RefusedEvent>, Box<crate::events::EventError>>,
-    ) -> PyResult<Vec<(usize, Py<Violation>)>> {
-        let (refused, error) = match outcome {
-            Ok(refused) => (refused, None),
-            Err(e) => {
-                let e = *e;
-                (e.refused, Some((e.index, e.error)))
-            }
-        };
-        let mut out = Vec::with_capacity(refused.len());
-        for (i, v, r) in refused {
-            let v = Violation::wrap(py, v, r)?;
-            log_violation(py, &v);
-            out.push((i, v));
-        }
-        match error {
-            None => Ok(out),
-            Some((i, e)) => {
-                let err = self.err(py, e);
-                let note = PyValueError::new_err(format!("events[{i}] failed; the events before it were applied"));
-                err.set_cause(py, Some(note));
-                Err(err)
-            }
-        }
     }
 
     /// Runs a mutation with the GIL released and converts its error.
@@ -786,19 +261,7 @@ impl OwnershipTable {
         pages: &Bound<'_, PyAny>,
         indptr: &Bound<'_, PyAny>,
     ) -> PyResult<StepVerdict> {
-        let requests = self.step_requests(req_ids)?;
-        let n = requests.len();
-        let pages = IntArray::open(pages, "pages", 1)?;
-        let indptr = IntArray::open(indptr, "indptr", 1)?.counts(n + 1, "indptr")?;
-        let spans = csr_spans(&indptr, pages.len(), "indptr", "pages")?;
-        let mut buf = Vec::new();
-        let all = pages_view(&pages, &mut buf);
-        let claims: Vec<SeqClaim<'_>> =
-            requests.iter().zip(spans).map(|(&request, span)| SeqClaim { request, pages: &all[span] }).collect();
-        let table = &self.table;
-        let v = py.detach(|| table.claim_step(&claims));
-        drop(claims);
-        self.verdict(py, v, n, true)
+        self.step_claims(py, req_ids, pages, indptr)
     }
 
     /// Records that `request` wrote slots start..end of `page`, which it must own exclusively.
@@ -859,26 +322,7 @@ impl OwnershipTable {
         slot_mapping: &Bound<'_, PyAny>,
         query_start_loc: &Bound<'_, PyAny>,
     ) -> PyResult<StepVerdict> {
-        let requests = self.step_requests(req_ids)?;
-        let n = requests.len();
-        let slots = IntArray::open(slot_mapping, "slot_mapping", 1)?;
-        let qsl = IntArray::open(query_start_loc, "query_start_loc", 1)?;
-        if qsl.len() < n + 1 {
-            return Err(PyValueError::new_err(format!("query_start_loc has {} entries, {} needed", qsl.len(), n + 1)));
-        }
-        // int64 slots are borrowed as they are; others are converted.
-        let copied: Vec<i64> =
-            if slots.as_i64().is_none() { (0..slots.len()).map(|j| slots.get(j, 0)).collect() } else { Vec::new() };
-        let all: &[i64] = slots.as_i64().unwrap_or(&copied);
-        let writes = match qsl.as_ints() {
-            Some(Ints::I32(q)) => step_writes(&requests, &q[..=n], all)?,
-            Some(Ints::I64(q)) => step_writes(&requests, &q[..=n], all)?,
-            None => step_writes(&requests, &(0..=n).map(|i| qsl.get(i, 0)).collect::<Vec<_>>(), all)?,
-        };
-        let table = &self.table;
-        let v = py.detach(|| table.record_step_writes(&writes));
-        drop(writes);
-        self.verdict(py, v, n, true)
+        self.step_slot_writes(py, req_ids, slot_mapping, query_start_loc)
     }
 
     /// Whether `request` may read its first `tokens` tokens through `block_table`: the
@@ -1518,28 +962,7 @@ impl OwnershipTable {
         rows: &Bound<'_, PyAny>,
         slots: &Bound<'_, PyAny>,
     ) -> PyResult<(StepVerdict, Vec<usize>, Py<PyAny>)> {
-        let owner = IntArray::open(page_owner, "page_owner", 1)?;
-        let arrays = MirrorArrays::open(row_keys, row_claimants, page_prefix, rows, slots)?;
-        let owner = mirror::Lookup::new(&owner);
-        let l = arrays.lookups();
-        let mirror = l.mirror(&owner, self.table.config().num_pages)?;
-        let writes = kvguard::step::decode_writes(mirror, &owner, &arrays.rows, &l.slots, self.table.page_size())
-            .map_err(mirror::mirror_error)?;
-        let table = &self.table;
-        let v = py.detach(|| table.claim_decode(&writes));
-        // (page, key) pairs as little-endian int64 bytes, numpy's view of them below.
-        let never = self.table.config().num_pages as usize;
-        let mut granted: Vec<u8> = Vec::with_capacity(writes.claims.len() * 16);
-        for c in writes.granted(&v).filter(|c| c.at(never) < never) {
-            granted.extend_from_slice(&i64::from(c.page.0).to_le_bytes());
-            granted.extend_from_slice(&(c.request.0 as i64).to_le_bytes());
-        }
-        let np = NUMPY.get_or_try_init(py, || -> PyResult<Py<PyModule>> { Ok(py.import("numpy")?.unbind()) })?;
-        let granted = np
-            .bind(py)
-            .call_method1("frombuffer", (pyo3::types::PyBytes::new(py, &granted), "<i8"))?
-            .call_method1("reshape", (-1, 2))?;
-        Ok((self.verdict(py, v, writes.claims.len(), true)?, writes.left, granted.unbind()))
+        self.decode_slot_claims(py, row_keys, row_claimants, page_owner, page_prefix, rows, slots)
     }
 
     /// claim_decode_slots with the mirror updated in place, for a decode step's req_to_token
@@ -1567,41 +990,7 @@ impl OwnershipTable {
         cols: &Bound<'_, PyAny>,
         slots: &Bound<'_, PyAny>,
     ) -> PyResult<Option<(StepVerdict, Vec<usize>)>> {
-        let owner = I64Mut::open(page_owner, "page_owner")?;
-        let arrays = MirrorArrays::open(row_keys, row_claimants, page_prefix, rows, slots)?;
-        let checked = I64Mut::open(row_checked, "row_checked")?;
-        let cols = IntArray::open(cols, "cols", 1)?;
-        let read = [
-            (&arrays.keys, "row_keys"),
-            (&arrays.claimants, "row_claimants"),
-            (&arrays.prefix, "page_prefix"),
-            (&arrays.slots, "slots"),
-            (&cols, "cols"),
-        ];
-        owner.apart("page_owner", &read, Some((&checked, "row_checked")))?;
-        checked.apart("row_checked", &read, None)?;
-        let cols = mirror::Lookup::new(&cols);
-        let l = arrays.lookups();
-        let mirror = l.mirror(&mirror::Written(&owner), self.table.config().num_pages)?;
-        let write = kvguard::step::DecodeRowWrite { rows: &arrays.rows, cols: &cols, slots: &l.slots };
-        // The core's write_decode_rows in its three parts: the plugin's arrays are read and
-        // written with the GIL held (their SAFETY: see I64Mut), the table's claims made with it
-        // released (as every call into the table is). Everything is checked before anything
-        // changes.
-        let (mut owner_w, mut checked_w) = (mirror::Written(&owner), mirror::Written(&checked));
-        let writes =
-            write.sort(mirror, &owner_w, checked.len(), self.table.page_size()).map_err(mirror::mirror_error)?;
-        let table = &self.table;
-        let v = if writes.claims.is_empty() {
-            kvguard::StepVerdict::default() // the common step: nothing to claim, no GIL round trip
-        } else {
-            py.detach(|| table.claim_decode(&writes))
-        };
-        write.update_mirror(&writes, &v, &mut owner_w, &mut checked_w);
-        if v.is_clean() && writes.left.is_empty() {
-            return Ok(None);
-        }
-        Ok(Some((self.verdict(py, v, writes.claims.len(), true)?, writes.left)))
+        self.decode_row_writes(py, row_keys, row_claimants, page_owner, page_prefix, row_checked, rows, cols, slots)
     }
 
     /// A decode forward's first KV store against the mirror, in one call: request
@@ -1636,104 +1025,7 @@ impl OwnershipTable {
         seq_lens: &Bound<'_, PyAny>,
         out_cache_loc: &Bound<'_, PyAny>,
     ) -> PyResult<Option<(&'static str, Option<StepVerdict>)>> {
-        let keys = IntArray::open(row_keys, "row_keys", 1)?;
-        let claimants = IntArray::open(row_claimants, "row_claimants", 1)?;
-        mirror::check_rows("row_claimants", claimants.len(), keys.len())?;
-        let checked = I64Mut::open(row_checked, "row_checked")?;
-        mirror::check_rows("row_checked", checked.len(), keys.len())?;
-        let t = IntArray::open(req_to_token, "req_to_token", 2)?;
-        let rows = IntArray::open(rows, "rows", 1)?;
-        let n = rows.len();
-        // Rows and lengths are checked, then read in place (no list of them).
-        mirror::check_step_rows(&rows, keys.len(), t.len())?;
-        let row_at = mirror::Lookup::new(&rows);
-        if u32::try_from(t.len()).is_err() {
-            // Rows past u32::MAX exist in such a table: the core names rows in 32 bits.
-            (0..n).try_for_each(|i| row_index(row_at.at(i) as u64).map(drop))?;
-        }
-        let lens = IntArray::open(seq_lens, "seq_lens", 1)?;
-        mirror::check_positions("seq_lens", lens.len(), n)?;
-        lens.check_counts(n, "seq_lens")?;
-        let len_at = mirror::Lookup::new(&lens);
-        let loc = IntArray::open(out_cache_loc, "out_cache_loc", 1)?;
-        // Nothing read in place may share memory with row_checked, which this call writes.
-        checked.apart(
-            "row_checked",
-            &[
-                (&keys, "row_keys"),
-                (&claimants, "row_claimants"),
-                (&t, "req_to_token"),
-                (&loc, "out_cache_loc"),
-                (&rows, "rows"),
-                (&lens, "seq_lens"),
-            ],
-            None,
-        )?;
-        // The mirror's int64 arrays read as slices (the per-row loops below are the call's cost).
-        let (key_of, live) = (mirror::Lookup::new(&keys), mirror::Lookup::new(&claimants));
-        if loc.len() != n {
-            return Ok(Some(("full", None)));
-        }
-        // A row whose request claims nothing makes it a full check (nothing changed by it).
-        if !(0..n).all(|i| live.at(row_at.at(i) as usize) != 0) {
-            return Ok(Some(("full", None)));
-        }
-        let copied: Vec<i64>;
-        let slots: &[i64] = match loc.as_i64() {
-            Some(s) => s,
-            None => {
-                copied = (0..n).map(|i| loc.get(i, 0)).collect();
-                &copied
-            }
-        };
-        // Read `i`: its window starts at its row's checked length (rows and lengths checked
-        // above: non-negative, within the arrays).
-        let read = |i: usize| {
-            let r = row_at.at(i) as usize;
-            SlotRead {
-                request: RequestId(key_of.at(r) as u64),
-                row: r as u32,
-                from: checked.get(r).max(0) as u64,
-                tokens: len_at.at(i) as u64,
-            }
-        };
-        let core = &self.table;
-        // Each row's checked length as its window was read from (a row twice in the step moves
-        // once, from the first).
-        let read_from: Vec<i64> = (0..n).map(|i| checked.get(row_at.at(i) as usize)).collect();
-        // The GIL stays held: the reads are made from the plugin's mirror and SGLang's arrays as
-        // the core judges them (the arrays are read only with it), and the core calls no Python,
-        // so the table's lock is never held by a thread that waits for the GIL.
-        let outcome = match t.as_i32_rows() {
-            // SGLang's int32 table, in place: nothing lists the step's reads.
-            Some((entries, width)) => {
-                let table =
-                    kvguard::BlockRows::new(entries, width).map_err(|e| PyValueError::new_err(e.to_string()))?;
-                core.decode_forward_by(n, read, slots, table)
-            }
-            // Any other table: the reads listed, their windows converted to int32.
-            None => {
-                let reads: Vec<SlotRead> = (0..n).map(read).collect();
-                let mut converted = Vec::new();
-                let (table, reads) = slot_rows(&t, reads, core.config(), &mut converted)?;
-                core.decode_forward(&DecodeForward { reads: &reads, slots, rows: table })
-            }
-        }
-        .map_err(step_error)?;
-        match outcome {
-            DecodeOutcome::Writes(written) => return Ok(Some(("writes", Some(self.verdict(py, written, n, true)?)))),
-            DecodeOutcome::Window(_) => return Ok(Some(("window", None))),
-            DecodeOutcome::Clean => {}
-        }
-        // Each row's checked length moves up to its length from the value its window was read
-        // from (a row named twice: once).
-        for (i, &was) in read_from.iter().enumerate() {
-            let r = row_at.at(i) as usize;
-            if checked.get(r) == was {
-                checked.set(r, len_at.at(i));
-            }
-        }
-        Ok(None)
+        self.decode_forward_check(py, row_keys, row_claimants, row_checked, req_to_token, rows, seq_lens, out_cache_loc)
     }
 
     // -- one call per step for an engine plugin (kvguard.vllm) ---------------------------------
@@ -1786,11 +1078,7 @@ impl OwnershipTable {
         num_scheduled_tokens: &Bound<'_, PyAny>,
         events: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<(StepVerdict, crate::events::RefusedForPython, StepVerdict)> {
-        let step = StepArrays::open(req_ids, block_table, num_computed_tokens, num_scheduled_tokens)?;
-        let late = StepEvents::read(events, &self.names)?;
-        let (_, written, refused, read) =
-            self.worker_step(py, &step, StepEvents::none(), late, &mut StepRoom::default())?;
-        Ok((written, refused, read))
+        self.record_and_verify(py, req_ids, block_table, num_computed_tokens, num_scheduled_tokens, events)
     }
 
     /// vLLM's whole worker step in one call, the GIL released once: applies the step's `early`
@@ -1818,333 +1106,8 @@ impl OwnershipTable {
         num_scheduled_tokens: &Bound<'_, PyAny>,
         late: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<StepOutcome> {
-        let mut room = self.step_room.try_lock().map(|mut r| std::mem::take(&mut *r)).unwrap_or_default();
-        let early = StepEvents::read_in(early, &self.names, Some(&self.step_ids), std::mem::take(&mut room.early))?;
-        let step = StepArrays::open(req_ids, block_table, num_computed_tokens, num_scheduled_tokens)?;
-        // Late events name requests as they read after the early ones: read plain only when the
-        // early ones rename nothing.
-        let late = if early.renames() {
-            StepEvents::Parsed(crate::events::parse_optional(late)?)
-        } else {
-            StepEvents::read_in(late, &self.names, Some(&self.step_ids), std::mem::take(&mut room.late))?
-        };
-        let outcome = self.worker_step(py, &step, early, late, &mut room);
-        if let Some(mut kept) = self.step_room.try_lock() {
-            *kept = room;
-        }
-        outcome
+        self.apply_record_and_verify(py, early, req_ids, block_table, num_computed_tokens, num_scheduled_tokens, late)
     }
-}
-
-/// The memory a worker step fills and lets go of (its events' batches, its request ids), kept
-/// for the next step: a steady step allocates none of it (a fresh allocation of a step's size
-/// is written cold, and costs the allocator's own work besides). Taken whole at a step's start
-/// and given back at its end; a step that raises, or runs while another thread's step holds
-/// it, makes its own.
-#[derive(Default)]
-struct StepRoom {
-    early: kvguard::step::EventBatch,
-    late: kvguard::step::EventBatch,
-    requests: Vec<RequestId>,
-}
-
-/// What apply_record_and_verify_step returns: (refused early events, writes, refused late
-/// events, reads).
-type StepOutcome = (crate::events::RefusedForPython, StepVerdict, crate::events::RefusedForPython, StepVerdict);
-
-/// A worker step's arrays, opened and checked (before any event is applied).
-struct StepArrays<'a, 'py> {
-    req_ids: &'a Bound<'py, PyAny>,
-    /// Requests in the step (req_ids' length).
-    n: usize,
-    bt: IntArray<'a>,
-    computed: crate::arrays::StepCounts<'a>,
-    scheduled: crate::arrays::StepCounts<'a>,
-}
-
-impl<'a, 'py> StepArrays<'a, 'py> {
-    fn open(
-        req_ids: &'a Bound<'py, PyAny>,
-        block_table: &'a Bound<'py, PyAny>,
-        num_computed_tokens: &'a Bound<'py, PyAny>,
-        num_scheduled_tokens: &'a Bound<'py, PyAny>,
-    ) -> PyResult<Self> {
-        let n = req_ids.len()?;
-        let bt = IntArray::open(block_table, "block_table", 2)?;
-        if bt.len() < n {
-            return Err(too_few_rows(bt.len(), n));
-        }
-        let computed = crate::arrays::StepCounts::open(num_computed_tokens, "num_computed_tokens", n)?;
-        let scheduled = crate::arrays::StepCounts::open(num_scheduled_tokens, "num_scheduled_tokens", n)?;
-        Ok(StepArrays { req_ids, n, bt, computed, scheduled })
-    }
-
-    /// The computed and scheduled counts, for the core's step.
-    fn counts(&self) -> PyResult<(kvguard::step::Counts<'_>, kvguard::step::Counts<'_>)> {
-        Ok((self.computed.counts("num_computed_tokens")?, self.scheduled.counts("num_scheduled_tokens")?))
-    }
-}
-
-/// [`StepArrays::open`]'s error for a block table shorter than the step.
-#[cold]
-#[inline(never)]
-fn too_few_rows(rows: usize, n: usize) -> PyErr {
-    PyValueError::new_err(format!("block_table has {rows} rows, {n} requests given"))
-}
-
-impl OwnershipTable {
-    /// The early events, the writes, the late events and the reads of a worker step, in that
-    /// order, through the core's `OwnershipTable::engine_step` (the rows judged incrementally,
-    /// with this table's row cache). A decode step (no event admits or releases a request) is
-    /// one core call with the GIL released once; otherwise the early events are applied first
-    /// and the requests read after them (as they read then), and late events that rename go
-    /// through the core's parts one by one. Every array is checked before any event is applied.
-    fn worker_step(
-        &self,
-        py: Python<'_>,
-        step: &StepArrays<'_, '_>,
-        early: StepEvents,
-        late: StepEvents,
-        room: &mut StepRoom,
-    ) -> PyResult<StepOutcome> {
-        let n = step.n;
-        let (table, names) = (&self.table, &self.names);
-        let mut converted = Vec::new();
-        let (computed, scheduled) = step.counts()?;
-        let rows = step_rows(&step.bt, n, computed, scheduled, table.config(), &mut converted)?;
-        // The step's shape, checked before anything is applied (nothing built: the core's step
-        // builds its slot mapping once).
-        kvguard::step::StepSlots::check(rows, computed, scheduled, table.config()).map_err(step_error)?;
-        let renaming_early = early.renames();
-        let mut requests = std::mem::take(&mut room.requests);
-        if renaming_early {
-            // Every req_ids entry checked (an int in 0..2**63 or a str) before the early events
-            // change anything; read again after them, as the requests read then.
-            self.step_requests_into(step.req_ids, &mut requests)?;
-            check_request_count(&requests, n)?;
-        }
-        let refused_early = if renaming_early {
-            let applied = py.detach(|| early.apply(table, names));
-            Some(self.refused_events(py, applied)?)
-        } else {
-            None
-        };
-        self.step_requests_into(step.req_ids, &mut requests)?;
-        check_request_count(&requests, n)?;
-        if late.renames() {
-            let refused_early = match refused_early {
-                Some(r) => r,
-                None => {
-                    let applied = py.detach(|| early.apply(table, names));
-                    self.refused_events(py, applied)?
-                }
-            };
-            let StepEvents::Parsed(late) = late else {
-                return Err(pyo3::exceptions::PyRuntimeError::new_err("kvguard: renaming events read as a batch"));
-            };
-            return self.worker_step_renaming_late(py, step, rows, &requests, late, refused_early);
-        }
-        let (early_batch, late_batch) = {
-            let n = names.lock();
-            let early = if renaming_early { Some(kvguard::step::EventBatch::new()) } else { early.batch(&n) };
-            (early, late.batch(&n))
-        };
-        // Neither renames here (checked above): each is a batch.
-        let (Some(early_batch), Some(late_batch)) = (early_batch, late_batch) else {
-            return Err(pyo3::exceptions::PyRuntimeError::new_err(
-                "kvguard: a renaming event reached the one-call step",
-            ));
-        };
-        let core_step = kvguard::step::EngineStep {
-            early: early_batch.events(),
-            requests: &requests,
-            rows,
-            computed,
-            scheduled,
-            late: late_batch.events(),
-        };
-        let worker_rows = &self.worker_rows;
-        let (outcome, early, written, late, read) = py.detach(|| {
-            // Another thread's step holds the cache: a fresh one checks every row in full, with
-            // the same verdict.
-            let mut spare = kvguard::RowCache::new();
-            let mut held = worker_rows.try_lock();
-            let cache = held.as_deref_mut().unwrap_or(&mut spare);
-            match table.engine_step(cache, &core_step) {
-                Err(e) => (Err(e), Ok(Vec::new()), Vec::new(), Ok(Vec::new()), Vec::new()),
-                Ok(o) => {
-                    let early = crate::events::resolve_applied(names, o.early);
-                    let written = resolved(names, o.writes.unwrap_or_default());
-                    let late = crate::events::resolve_applied(names, o.late);
-                    let read = resolved(names, o.reads.unwrap_or_default());
-                    (Ok(()), early, written, late, read)
-                }
-            }
-        });
-        // The room back for the next step (the core step borrowed it).
-        (room.early, room.late, room.requests) = (early_batch, late_batch, requests);
-        outcome.map_err(step_error)?;
-        let refused_early = match refused_early {
-            Some(r) => r,
-            None => self.refused_events(py, early)?,
-        };
-        let written = judged_verdict(py, written, n)?;
-        let refused_late = self.refused_events(py, late)?;
-        let read = judged_verdict(py, read, n)?;
-        Ok((refused_early, written, refused_late, read))
-    }
-
-    /// The rest of a worker step whose late events admit or release requests: the writes, the
-    /// late events, then the reads by the requests as they read after them, each through its
-    /// core call.
-    fn worker_step_renaming_late(
-        &self,
-        py: Python<'_>,
-        step: &StepArrays<'_, '_>,
-        rows: kvguard::BlockRows<'_>,
-        requests: &[RequestId],
-        late: Vec<crate::events::Event>,
-        refused_early: crate::events::RefusedForPython,
-    ) -> PyResult<StepOutcome> {
-        let (table, names, n) = (&self.table, &self.names, step.n);
-        let (computed, scheduled) = step.counts()?;
-        let slots =
-            kvguard::step::StepSlots::from_rows(rows, computed, scheduled, table.config()).map_err(step_error)?;
-        let (written, applied_late) = py.detach(|| {
-            let written = resolved(names, table.record_step_writes(&slots.writes(requests)));
-            (written, crate::events::apply(table, names, &late))
-        });
-        let written = judged_verdict(py, written, n)?;
-        let refused_late = self.refused_events(py, applied_late)?;
-        let requests = self.step_requests(step.req_ids)?;
-        check_request_count(&requests, n)?;
-        let reads: Vec<kvguard::RowRead> = requests
-            .iter()
-            .enumerate()
-            .map(|(i, &request)| kvguard::RowRead {
-                request,
-                row: i as u32,
-                tokens: computed.get(i).saturating_add(scheduled.get(i)),
-            })
-            .collect();
-        let worker_rows = &self.worker_rows;
-        let read = py.detach(|| {
-            let mut spare = kvguard::RowCache::new();
-            let mut held = worker_rows.try_lock();
-            let cache = held.as_deref_mut().unwrap_or(&mut spare);
-            table.verify_rows(cache, rows, &reads).map(|v| resolved(names, v))
-        });
-        let read = judged_verdict(py, read.map_err(|e| PyValueError::new_err(e.to_string()))?, n)?;
-        Ok((refused_early, written, refused_late, read))
-    }
-}
-
-/// A worker step's block table as the core reads it: a C-contiguous int32 table in place
-/// (vLLM's `block_table.np`); any other, its first `n` rows converted into `converted`, only the
-/// columns the step writes or reads (an entry outside `0..2**31` becomes -1, a page past any
-/// pool; a table of width 0, one column of -1). At most the pool's pages and one more are
-/// converted a row: a row whose step reaches
-/// past them (its tokens could never be the pool's) is converted as -1 throughout, so each of
-/// its writes and its read is refused as out of range, never recorded on a page it did not name.
-fn step_rows<'a>(
-    bt: &'a IntArray<'_>,
-    n: usize,
-    computed: kvguard::step::Counts<'_>,
-    scheduled: kvguard::step::Counts<'_>,
-    config: &kvguard::PoolConfig,
-    converted: &'a mut Vec<i32>,
-) -> PyResult<kvguard::BlockRows<'a>> {
-    if let Some((entries, width)) = bt.as_i32_rows().filter(|(_, width)| *width > 0) {
-        return kvguard::BlockRows::new(entries, width).map_err(|e| PyValueError::new_err(e.to_string()));
-    }
-    let div = kvguard::config::PageDiv::new(config.page_size);
-    let needs: Vec<u64> = (0..n).map(|i| div.ceil(computed.get(i).saturating_add(scheduled.get(i)))).collect();
-    let cap = u64::from(config.num_pages) + 1;
-    let most = needs.iter().copied().max().unwrap_or(0);
-    // A table of width 0 names no page: one column of -1 stands for it.
-    let width = ((bt.width() as u64).min(cap).min(most) as usize).max(1);
-    converted.reserve(n.saturating_mul(width));
-    for (i, &need) in needs.iter().enumerate() {
-        if bt.width() == 0 || (need > width as u64 && width < bt.width()) {
-            converted.extend(std::iter::repeat_n(-1, width));
-        } else {
-            converted.extend((0..width).map(|j| i32::try_from(bt.get(i, j)).unwrap_or(-1)));
-        }
-    }
-    kvguard::BlockRows::new(converted, width).map_err(|e| PyValueError::new_err(e.to_string()))
-}
-
-/// A step the core could not judge, as the worker step's arguments name it (nothing applied).
-/// Out of line, as every error of the step's path: the step's own code stays together.
-#[cold]
-#[inline(never)]
-fn step_error(e: kvguard::step::StepError) -> PyErr {
-    use kvguard::step::StepError;
-    PyValueError::new_err(match e {
-        StepError::TooManyTokens { index, tokens, most } => format!(
-            "num_scheduled_tokens[{index}] is {tokens}: a block table row addresses at most {most} tokens \
-             (its width, or the pool's pages, times the page size)"
-        ),
-        StepError::PoolSlots { tokens, slots } => {
-            format!("the step schedules {tokens} tokens: more than the pool's {slots} slots")
-        }
-        StepError::Overflow { index, computed, scheduled } => {
-            format!("num_computed_tokens[{index}] + num_scheduled_tokens[{index}] = {computed} + {scheduled} overflows")
-        }
-        other => other.to_string(),
-    })
-}
-
-/// req_ids read as many requests as it had when the step's arrays were checked.
-#[inline]
-fn check_request_count(requests: &[RequestId], n: usize) -> PyResult<()> {
-    if requests.len() != n {
-        return Err(request_count_changed(n, requests.len()));
-    }
-    Ok(())
-}
-
-/// [`check_request_count`]'s error.
-#[cold]
-#[inline(never)]
-fn request_count_changed(then: usize, now: usize) -> PyErr {
-    PyValueError::new_err(format!("req_ids changed while it was read ({then} then {now})"))
-}
-
-/// The step's reads from a 2-D block table: request `i` reads its first `tokens[i]` tokens
-/// through row `i` (`tokens` and `requests` as long as each other, at most the table's rows).
-/// int32 rows are borrowed as they are; other rows are converted into `converted`, one buffer
-/// for all, only the pages each read covers.
-fn rows_as_reads<'a>(
-    bt: &'a IntArray<'_>,
-    requests: &[RequestId],
-    tokens: &[u64],
-    page_size: u64,
-    converted: &'a mut Vec<PageId>,
-) -> Vec<SeqRead<'a>> {
-    let mut spans = Vec::new();
-    if !tokens.is_empty() && bt.row_pages(0).is_none() {
-        for (i, &t) in tokens.iter().enumerate() {
-            let need = usize::try_from(t.div_ceil(page_size)).unwrap_or(usize::MAX).min(bt.width());
-            let start = converted.len();
-            bt.row_pages_into(i, need, converted);
-            spans.push(start..converted.len());
-        }
-    }
-    let converted: &'a Vec<PageId> = converted;
-    requests
-        .iter()
-        .zip(tokens)
-        .enumerate()
-        .map(|(i, (&request, &tokens))| SeqRead {
-            request,
-            block_table: match bt.row_pages(i) {
-                Some(row) => row,
-                None => &converted[spans[i].clone()],
-            },
-            tokens,
-        })
-        .collect()
 }
 
 impl OwnershipTable {
@@ -2156,109 +1119,5 @@ impl OwnershipTable {
     /// The names lock (for the transfer receiver).
     pub fn names(&self) -> &Mutex<Names> {
         &self.names
-    }
-}
-
-/// One block table as a 1-row 2-D array for the step path: a 1-D array gets a new axis (no
-/// copy), a sequence becomes an int64 numpy row.
-fn block_table_row<'py>(py: Python<'py>, block_table: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-    let np = NUMPY.get_or_try_init(py, || -> PyResult<Py<PyModule>> { Ok(py.import("numpy")?.unbind()) })?;
-    let np = np.bind(py);
-    let arr = np.call_method1("asarray", (block_table,))?;
-    let ndim: usize = arr.getattr("ndim")?.extract()?;
-    if ndim != 1 {
-        return Err(PyValueError::new_err(format!("block_table must be 1-D, got {ndim} dimensions")));
-    }
-    if arr.getattr("size")?.extract::<usize>()? == 0 {
-        return np.call_method1("zeros", ((1, 0), np.getattr("int32")?));
-    }
-    arr.call_method1("reshape", ((1, -1),))
-}
-
-/// A step verdict's violations with their ids resolved now (the names lock only; no Python).
-fn resolved(names: &Mutex<Names>, v: kvguard::StepVerdict) -> Vec<(usize, kvguard::Violation, Resolved)> {
-    if v.refused.is_empty() {
-        return Vec::new();
-    }
-    let names = names.lock();
-    v.refused
-        .into_iter()
-        .map(|(i, v)| {
-            let r = names.resolve(&v);
-            (i, v, r)
-        })
-        .collect()
-}
-
-/// A judged step verdict for Python from resolved violations, each logged.
-fn judged_verdict(
-    py: Python<'_>,
-    refused: Vec<(usize, kvguard::Violation, Resolved)>,
-    rows: usize,
-) -> PyResult<StepVerdict> {
-    let mut out = Vec::with_capacity(refused.len());
-    for (i, v, r) in refused {
-        let v = Violation::wrap(py, v, r)?;
-        log_violation(py, &v);
-        out.push((i, v));
-    }
-    Ok(StepVerdict { rows, refused: out, mask: PyOnceLock::new() })
-}
-
-/// The mirror's read-only arrays and a decode row write's positions, opened (each argument's
-/// type checked, named in its error); the core checks their lengths against each other.
-struct MirrorArrays<'py> {
-    keys: IntArray<'py>,
-    claimants: IntArray<'py>,
-    prefix: IntArray<'py>,
-    rows: Vec<u64>,
-    slots: IntArray<'py>,
-}
-
-impl<'py> MirrorArrays<'py> {
-    fn open(
-        row_keys: &Bound<'py, PyAny>,
-        row_claimants: &Bound<'py, PyAny>,
-        page_prefix: &Bound<'py, PyAny>,
-        rows: &Bound<'py, PyAny>,
-        slots: &Bound<'py, PyAny>,
-    ) -> PyResult<Self> {
-        let keys = IntArray::open(row_keys, "row_keys", 1)?;
-        let claimants = IntArray::open(row_claimants, "row_claimants", 1)?;
-        let prefix = IntArray::open(page_prefix, "page_prefix", 1)?;
-        let rows = IntArray::open(rows, "rows", 1)?;
-        let rows = rows.counts(rows.len(), "rows")?;
-        let slots = IntArray::open(slots, "slots", 1)?;
-        Ok(MirrorArrays { keys, claimants, prefix, rows, slots })
-    }
-
-    fn lookups(&self) -> MirrorLookups<'_, 'py> {
-        MirrorLookups {
-            keys: mirror::Lookup::new(&self.keys),
-            claimants: mirror::Lookup::new(&self.claimants),
-            prefix: mirror::Lookup::new(&self.prefix),
-            slots: mirror::Lookup::new(&self.slots),
-        }
-    }
-}
-
-/// [`MirrorArrays`] read by index, as the core reads them.
-struct MirrorLookups<'a, 'py> {
-    keys: mirror::Lookup<'a, 'py>,
-    claimants: mirror::Lookup<'a, 'py>,
-    prefix: mirror::Lookup<'a, 'py>,
-    slots: mirror::Lookup<'a, 'py>,
-}
-
-impl<'a, 'py> MirrorLookups<'a, 'py> {
-    /// The core's mirror, checked against `page_owner` and the pool (`ValueError` naming the
-    /// array).
-    fn mirror(
-        &self,
-        page_owner: &impl kvguard::step::Ints,
-        pool_pages: u32,
-    ) -> PyResult<kvguard::step::PoolMirror<'_, mirror::Lookup<'a, 'py>>> {
-        kvguard::step::PoolMirror::new(&self.keys, &self.claimants, &self.prefix, page_owner, pool_pages)
-            .map_err(mirror::mirror_error)
     }
 }
