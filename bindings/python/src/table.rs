@@ -76,7 +76,7 @@ pub struct OwnershipTable {
     step_ids: Mutex<StepIds>,
     /// The worker step's scratch, kept for the next step (see [`worker::StepRoom`]).
     step_room: Mutex<StepRoom>,
-    /// The worker step's block-table rows as last checked clean (see [`worker_reads`]).
+    /// The worker step's block-table rows as last checked clean (see [`OwnershipTable::worker_step`]).
     worker_rows: Mutex<kvguard::RowCache>,
     /// A token-slot table's rows as last checked clean (`cached=True` of verify_step_rows).
     slot_rows: Mutex<kvguard::step::SlotRowCache>,

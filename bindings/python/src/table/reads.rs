@@ -13,6 +13,7 @@ use pyo3::prelude::*;
 
 impl OwnershipTable {
     /// Checks a step in vLLM's layout; `judged` picks verify over check.
+    #[inline]
     pub(super) fn step(
         &self,
         py: Python<'_>,
@@ -38,6 +39,7 @@ impl OwnershipTable {
     }
 
     /// Checks a step in FlashInfer's layout.
+    #[inline]
     pub(super) fn step_csr(
         &self,
         py: Python<'_>,
@@ -87,6 +89,7 @@ impl OwnershipTable {
     }
 
     /// Checks a step through PageRefs; `judged` picks verify over check.
+    #[inline]
     pub(super) fn step_refs(
         &self,
         py: Python<'_>,

@@ -19,6 +19,7 @@ impl OwnershipTable {
     /// reads only the pages from token from_tokens[i] on (its window; see check_step_window).
     /// `cached` (token slots, an int32 table read in place, no window): through the table's
     /// `SlotRowCache`, each row judged from its last clean page where it allows.
+    #[inline]
     #[allow(clippy::too_many_arguments)]
     pub(super) fn step_rows(
         &self,
@@ -112,6 +113,7 @@ impl OwnershipTable {
     }
 
     /// verify_rows / check_rows: the requests resolved here, the rows read by the core.
+    #[inline]
     #[allow(clippy::too_many_arguments)]
     pub(super) fn rows_step(
         &self,
