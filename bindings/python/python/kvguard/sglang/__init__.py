@@ -93,7 +93,8 @@ from typing import Any
 from .guard import Guard, NamedViolation, audit_pd, audit_pool
 from .. import ConfigError
 from .process_hooks import STREAMING
-from .pd import _BACKUPS_ATTR, ENV_CHANNEL, DirectoryChannel, GuardedKVReceiver, GuardedKVSender, ManifestChannel, channel_from_env, install_pd
+from .pd import ENV_CHANNEL, DirectoryChannel, GuardedKVReceiver, GuardedKVSender, ManifestChannel, channel_from_env, install_pd
+from .retraction import _BACKUPS_ATTR
 from .pd_net import TcpChannel
 
 __all__ = [

@@ -3,7 +3,9 @@
 :class:`GuardedKVSender` / :class:`GuardedKVReceiver` wrap SGLang's ``BaseKVSender`` /
 ``BaseKVReceiver`` (mooncake, nixl, fake) so that every transfer carries a kvguard manifest and the
 decode side refuses one that is missing or does not match. The start-up audit of both pools is
-:func:`kvguard.sglang.audit_pd`.
+:func:`kvguard.sglang.audit_pd`. The pool's bytes a manifest covers are read by
+:mod:`kvguard.sglang.kv_bytes`; a retracted decode request's backup and restore are followed by
+:mod:`kvguard.sglang.retraction`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import ConfigError, Error, Manifest, PageRef, Receiver, TransferError, ViolationError
+from .kv_bytes import _pages_bytes, _pool_buffers, _slot_bytes
+from .retraction import _hook_retraction
 
 if TYPE_CHECKING:
     from .guard import Guard
@@ -163,78 +167,6 @@ def channel_from_env() -> Any:
             f"kvguard: {ENV_CHANNEL}={value!r} is not process, tcp://HOST:PORT or an absolute directory"
         )
     return DirectoryChannel(value)
-
-
-def _pool_buffers(kv_pool: Any) -> list[Any]:
-    """The per-layer tensors a PD transfer moves for ``kv_pool``, in manifest order: an MHA pool's
-    K and V of each layer (``k_buffer`` / ``v_buffer``), an MLA pool's one latent buffer per layer
-    (``kv_buffer``), as SGLang's ``get_contiguous_buf_infos`` registers them. Any other pool
-    raises :class:`kvguard.ConfigError` (checked at start: never a transfer kvguard cannot read)."""
-    k = getattr(kv_pool, "k_buffer", None)
-    v = getattr(kv_pool, "v_buffer", None)
-    if k is not None and v is not None:
-        if len(k) != len(v) or not len(k):
-            raise ConfigError(f"kvguard: {type(kv_pool).__name__} has {len(k)} K and {len(v)} V layers")
-        return [b for pair in zip(k, v) for b in pair]
-    kv = getattr(kv_pool, "kv_buffer", None)
-    if kv is not None and len(kv):
-        return list(kv)
-    raise ConfigError(
-        f"kvguard: cannot read the KV pages of a {type(kv_pool).__name__} (neither k_buffer/v_buffer nor kv_buffer)"
-    )
-
-
-def _row_bytes(buffer: Any) -> int:
-    """Bytes of one token slot of one layer's buffer."""
-    return int(buffer[0].numel()) * int(buffer.element_size())
-
-
-def _pages_bytes(kv_pool: Any, pages: Any, page_size: int, tokens: Any = None) -> list[bytes]:
-    """Each page's bytes as a transfer moves them: the first ``tokens[i]`` slots of page
-    ``pages[i]`` (a request's last page carries only its own tokens; None: whole pages) over
-    every layer (K then V per layer; an MLA pool's one buffer). The pages are gathered on the
-    pool's device and come to the host in one copy (``.cpu()``: never ``.numpy()`` on a device
-    tensor)."""
-    import torch
-
-    buffers = _pool_buffers(kv_pool)
-    pages = [int(p) for p in pages]
-    if not pages:
-        return []
-    counts = [page_size] * len(pages) if tokens is None else [max(0, min(page_size, int(t))) for t in tokens]
-    if len(counts) != len(pages):
-        raise TransferError(f"kvguard: {len(pages)} pages but {len(counts)} token counts")
-    rows = (torch.as_tensor(pages, dtype=torch.int64)[:, None] * page_size + torch.arange(page_size)).reshape(-1)
-    device = buffers[0].device
-    gathered = []
-    widths = []
-    for b in buffers:
-        g = b.index_select(0, rows.to(b.device)).contiguous()
-        gathered.append(g.view(-1).view(torch.uint8).reshape(len(pages), -1).to(device))
-        widths.append(_row_bytes(b))
-    host = torch.cat(gathered, dim=1).cpu().numpy()
-    out = []
-    for i, n in enumerate(counts):
-        if n == page_size:
-            out.append(host[i].tobytes())
-            continue
-        parts = []
-        at = 0
-        for w in widths:
-            parts.append(host[i, at : at + n * w].tobytes())
-            at += page_size * w
-        out.append(b"".join(parts))
-    return out
-
-
-def _page_bytes(kv_pool: Any, page: int, page_size: int, tokens: int | None = None) -> bytes:
-    """One page's bytes (:func:`_pages_bytes`)."""
-    return _pages_bytes(kv_pool, [page], page_size, None if tokens is None else [tokens])[0]
-
-
-def _slot_bytes(kv_pool: Any, page_size: int) -> int:
-    """Bytes of one token slot over every layer (no page is read)."""
-    return sum(_row_bytes(b) for b in _pool_buffers(kv_pool))
 
 
 def _transfer_tokens(prompt: Any, prefix: int) -> np.ndarray:
@@ -642,163 +574,6 @@ def _proven_drained(queue: Any, decode_req: Any, receiver: GuardedKVReceiver, re
         return bool(receiver.inner.kv_mgr.is_abort_release_safe(decode_req.req.bootstrap_room, required_acks))
     except Exception:  # noqa: BLE001 - no proof
         return False
-
-
-# ---- a retracted decode request: its KV backed up to the host and restored -----------------------
-
-
-def _slots_crc(kv_pool: Any, slots: Any) -> int:
-    """CRC32 of the bytes of token ``slots`` over every layer (gathered on the pool's device, one
-    copy to the host)."""
-    import zlib
-
-    import torch
-
-    index = torch.as_tensor(slots, dtype=torch.int64).reshape(-1)
-    buffers = _pool_buffers(kv_pool)
-    device = buffers[0].device
-    parts = [b.index_select(0, index.to(b.device)).contiguous().view(-1).view(torch.uint8).to(device) for b in buffers]
-    return zlib.crc32(torch.cat(parts).cpu().numpy().tobytes())
-
-
-def _restored_slots(req: Any, req_to_token_pool: Any, tokens: int) -> Any:
-    """The token slots of ``req``'s first ``tokens`` tokens (its row, as SGLang's
-    ``offload_kv_cache`` / ``load_kv_cache`` read it)."""
-    return req_to_token_pool.req_to_token[req.kv.req_pool_idx, :tokens]
-
-
-_BACKUPS_ATTR = "kvguard_retraction_backups"
-"""On a decode guard: ``rid -> (tokens, crc32)`` of each retracted request's KV as SGLang backed
-it up (its new pages are checked against it when SGLang restores it)."""
-
-
-def _backed_up(guard: Any, req: Any, req_to_token_pool: Any) -> None:
-    """SGLang backed up a retracted decode request's KV (``backup_kv_cache``, before its pages
-    go back): the count and CRC32 of what it saved (``seqlen - 1`` tokens, as SGLang saves them)."""
-    backups = guard.__dict__.setdefault(_BACKUPS_ATTR, {})
-    backups.pop(req.rid, None)
-    tokens = max(0, int(req.seqlen) - 1)
-    backups[req.rid] = (tokens, _slots_crc(guard.kv_pool, _restored_slots(req, req_to_token_pool, tokens)))
-
-
-def _restored(guard: Any, req: Any, req_to_token_pool: Any) -> None:
-    """SGLang copied a resumed request's KV back into its new pages (``restore_kv_cache``): they
-    are recorded as written when the count and CRC32 match what was backed up; else the request
-    is refused (its new pages stay unwritten: attention never reads them). A request kvguard did
-    not see backed up is left as it is (its reads are judged as they come)."""
-    entry = guard.__dict__.get(_BACKUPS_ATTR, {}).pop(req.rid, None)
-    if entry is None:
-        return
-    tokens, crc = entry
-    key = guard.request_key(req.rid)
-    try:
-        if max(0, int(req.seqlen) - 1) != tokens:
-            raise TransferError(
-                f"kvguard: request {req.rid!r} was backed up with {tokens} tokens and restored with {int(req.seqlen) - 1}"
-            )
-        slots = np.asarray(_flat_host(_restored_slots(req, req_to_token_pool, tokens)), dtype=np.int64)
-        if _slots_crc(guard.kv_pool, slots) != crc:
-            raise TransferError(f"kvguard: request {req.rid!r}'s KV restored after its retraction differs from its backup")
-        ps = guard.page_size
-        guard.table.record_import(key, (slots[::ps] // ps).tolist(), tokens, tokens)
-        guard.metrics["retractions_restored"] += 1
-    except Exception as e:  # noqa: BLE001 - never into SGLang's loop; this request alone is refused
-        violation = getattr(e, "violation", None)
-        if violation is not None:
-            guard._refused(key, violation)
-        else:
-            guard._abort_plain(key, str(e), kind="restore_mismatch")
-
-
-def _flat_host(values: Any) -> Any:
-    return values.cpu() if hasattr(values, "cpu") else values
-
-
-_RETRACTION_HOOKED = False
-
-
-def _hook_retraction() -> None:
-    """SGLang's decode retraction (``disaggregation_decode_retraction_backup``): ``release_req``
-    backs a retracted request's KV up (``schedule_batch.backup_kv_cache``) and
-    ``DecodePreallocQueue.resume_retracted_reqs`` copies it back into new pages
-    (``decode.restore_kv_cache``) without any write kvguard follows. Both module names are
-    wrapped once per process; each finds the guard of the ``ReqToTokenPool`` it works on
-    (``pool.kvguard_guard``). Raises ``ConfigError`` for an SGLang without them. A backup SGLang
-    discards (``discard_kv_cache_backup``: a retracted request aborted, a host-staged receive
-    released) drops kvguard's record of it, where SGLang's modules name that function."""
-    global _RETRACTION_HOOKED
-    if _RETRACTION_HOOKED:
-        return
-    try:
-        from sglang.srt.disaggregation import decode as decode_module
-        from sglang.srt.managers import schedule_batch
-    except ImportError as e:
-        raise ConfigError(f"kvguard: this SGLang's decode retraction cannot be followed: {e}") from e
-    backup = getattr(schedule_batch, "backup_kv_cache", None)
-    restore = getattr(decode_module, "restore_kv_cache", None)
-    if backup is None or restore is None:
-        raise ConfigError(
-            "kvguard: this SGLang has no schedule_batch.backup_kv_cache / decode.restore_kv_cache to follow retraction by"
-        )
-
-    def backup_kv_cache(req: Any, tree_cache: Any, req_to_token_pool: Any, *args: Any, **kwargs: Any) -> Any:
-        saved = backup(req, tree_cache, req_to_token_pool, *args, **kwargs)
-        guard = getattr(req_to_token_pool, "kvguard_guard", None)
-        if guard is not None and guard.kv_pool is not None:
-            try:
-                if saved:
-                    _backed_up(guard, req, req_to_token_pool)
-                else:
-                    guard.__dict__.get(_BACKUPS_ATTR, {}).pop(req.rid, None)
-            except Exception as e:  # noqa: BLE001 - never into SGLang's loop; its restore is then not recorded
-                guard.__dict__.get(_BACKUPS_ATTR, {}).pop(req.rid, None)
-                _log().warning("kvguard: request %r's retraction backup could not be read (%r): its resume is refused",
-                               req.rid, e)
-        return saved
-
-    def restore_kv_cache(req: Any, tree_cache: Any, req_to_token_pool: Any, *args: Any, **kwargs: Any) -> Any:
-        out = restore(req, tree_cache, req_to_token_pool, *args, **kwargs)
-        guard = getattr(req_to_token_pool, "kvguard_guard", None)
-        if guard is not None:
-            _restored(guard, req, req_to_token_pool)
-        return out
-
-    schedule_batch.backup_kv_cache = backup_kv_cache
-    decode_module.restore_kv_cache = restore_kv_cache
-    _hook_backup_discard(decode_module)
-    _RETRACTION_HOOKED = True
-
-
-def _hook_backup_discard(decode_module: Any) -> None:
-    """``discard_kv_cache_backup(req, tree_cache, backend)`` as the decode queues and the
-    scheduler's ``abort_request`` call it: the request's backup record goes with SGLang's backup
-    (no restore can follow: SGLang's restore needs the backup it dropped). Without this, each
-    request aborted while retracted left its record for the life of the server."""
-    modules = [decode_module]
-    try:
-        from sglang.srt.managers import scheduler as scheduler_module
-
-        modules.append(scheduler_module)
-    except ImportError:  # an SGLang whose scheduler does not import here: the decode queues' calls only
-        pass
-    for module in modules:
-        discard = getattr(module, "discard_kv_cache_backup", None)
-        if discard is None or getattr(discard, "_kvguard", False):
-            continue
-
-        def discard_kv_cache_backup(req: Any, tree_cache: Any, *args: Any, _inner: Any = discard, **kwargs: Any) -> Any:
-            try:
-                return _inner(req, tree_cache, *args, **kwargs)
-            finally:
-                pool = getattr(tree_cache, "req_to_token_pool", None)
-                guard = getattr(pool, "kvguard_guard", None)
-                if guard is not None:
-                    guard.__dict__.get(_BACKUPS_ATTR, {}).pop(getattr(req, "rid", None), None)
-                    # Nor will it use a row again: it is no longer a suspect (see Guard._suspects).
-                    guard._suspects.pop(id(getattr(req, "kv", None)), None)
-
-        discard_kv_cache_backup._kvguard = True  # type: ignore[attr-defined]
-        module.discard_kv_cache_backup = discard_kv_cache_backup
 
 
 # ---- the plugin: SGLang's senders and receivers wrapped where SGLang creates them ----------------

@@ -12,6 +12,7 @@ import pd_rig
 import pytest
 import scheduler_rig as rig
 import torch
+from kvguard.sglang import kv_bytes
 from kvguard.sglang import pd as kvguard_pd
 from scheduler_rig import attach_kvguard
 from test_pd_schedulers import CONTEXT, sides, unguarded, workload
@@ -113,12 +114,12 @@ def test_page_bytes_are_what_the_backend_moves(layout):
         ptrs, item_lens = [ptrs[i] for i in order], [item_lens[i] for i in order]
     pages = [3, 1, 7]
     moved = [b"".join(ctypes.string_at(ptr + page * item, item) for ptr, item in zip(ptrs, item_lens)) for page in pages]
-    assert kvguard_pd._pages_bytes(pool, pages, ps) == moved
-    assert kvguard_pd._slot_bytes(pool, ps) * ps == len(moved[0])
+    assert kv_bytes._pages_bytes(pool, pages, ps) == moved
+    assert kv_bytes._slot_bytes(pool, ps) * ps == len(moved[0])
     row = [item // ps for item in item_lens]
     last = b"".join(ctypes.string_at(ptr + 7 * item, 5 * r) for ptr, item, r in zip(ptrs, item_lens, row))
-    assert kvguard_pd._pages_bytes(pool, [3, 7], ps, [ps, 5])[1] == last
-    assert kvguard_pd._page_bytes(pool, 7, ps, 5) == last
+    assert kv_bytes._pages_bytes(pool, [3, 7], ps, [ps, 5])[1] == last
+    assert kv_bytes._page_bytes(pool, 7, ps, 5) == last
 
 
 # ---- a channel call that fails refuses that room only ----------------------------------------------

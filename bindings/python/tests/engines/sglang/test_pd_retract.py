@@ -113,7 +113,7 @@ def run(guard, retracted, overlap=False, backup="cpu_tensor", between=None):
 
 def backups(d) -> dict:
     """The decode guard's retraction backup records (rid -> (tokens, crc32))."""
-    from kvguard.sglang.pd import _BACKUPS_ATTR
+    from kvguard.sglang.retraction import _BACKUPS_ATTR
 
     return d.kvguard.__dict__.get(_BACKUPS_ATTR, {})
 
