@@ -116,8 +116,8 @@ def _v2_guard_of(runner: Any) -> StepGuard | None:
         unsupported("context parallelism under V2 (its block tables are partitioned across ranks)")
     elif getattr(runner.vllm_config, "kv_transfer_config", None) is not None:
         unsupported("a KV connector (kv_transfer_config): its imports are not recorded")
-    elif fault_tolerance_of(runner.vllm_config) is not None:
-        unsupported(fault_tolerance_of(runner.vllm_config))
+    elif (tolerance := fault_tolerance_of(runner.vllm_config)) is not None:
+        unsupported(tolerance)
     elif len(sizes) != 1:
         unsupported(f"KV cache groups of different block sizes {sorted(sizes)}")
     else:

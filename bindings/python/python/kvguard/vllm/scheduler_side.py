@@ -32,7 +32,6 @@ def recorder_of(kv_cache_manager: Any, requests: dict[str, Any] | None = None) -
     return rec
 
 
-
 def refused_cached_blocks(scheduler: Any, refused: Any) -> set[int]:
     """The cached blocks the refused requests hold (read before vLLM frees them)."""
     rec = scheduler.kv_cache_manager.__dict__.get("_kvguard_recorder")
@@ -82,7 +81,6 @@ def forget_refused_writes(scheduler: Any, blocks: set[int]) -> None:
     request held them, evicts them then, before anything claims them again)."""
     if blocks:
         scheduler.kv_cache_manager.block_pool.evict_blocks(blocks)
-
 
 
 def check_scheduler(scheduler: Any) -> None:

@@ -1,9 +1,8 @@
 """What kvguard can check in a vLLM engine, read from its configuration: KV cache groups of full
 attention and sliding windows (one block size, the hash block size), no speculative decoding
 (nor a diffusion model, which runs on its path), no context parallelism, no engine fault
-tolerance. The scheduler side
-asks when vLLM builds its scheduler, the worker side when a runner makes its guard; anything
-else goes to :func:`kvguard.vllm.attach.unsupported`."""
+tolerance. The scheduler side asks when vLLM builds its scheduler, the worker side when a runner
+makes its guard; anything else goes to :func:`kvguard.vllm.attach.unsupported`."""
 
 from __future__ import annotations
 
@@ -29,7 +28,6 @@ def groups_supported(kv_cache_manager: Any) -> bool:
         unsupported("a block size different from the hash block size (partial-block prefix caching)")
         return False
     return True
-
 
 
 def speculation_of(vllm_config: Any) -> str | None:
@@ -69,7 +67,6 @@ def context_parallelism_of(vllm_config: Any) -> str | None:
     return None
 
 
-
 def group_windows(kv_cache_config: Any) -> list[int | None] | None:
     """Per KV cache group of ``kv_cache_config``: its sliding window (tokens), None for full
     attention; None (after ``unsupported``) when a group is neither: the worker runs the same
@@ -94,11 +91,12 @@ def group_windows(kv_cache_config: Any) -> list[int | None] | None:
 
 def fault_tolerance_of(vllm_config: Any) -> str | None:
     """vLLM's engine fault tolerance in ``vllm_config`` (None: off). On a fault its recovery
-    (``EngineCoreSentinel``) aborts every request and drops the batches queued for the workers:
-    a step whose worker failed before kvguard's check never applies its ownership events (the
-    releases of requests that finished, the claims of new blocks), so the table would go on
-    holding pages vLLM handed to others, and a later request given one would be refused for
-    nothing it did."""
+    (``EngineCoreSentinel``) aborts every request and discards the outputs of the steps already
+    sent to the workers: a step whose worker failed before kvguard's check never applies its
+    ownership events (the releases of requests that finished, the claims of new blocks), so the
+    table would go on holding pages vLLM handed to others and refuse a later request given one;
+    a discarded output's refusals never reach the scheduler, so the blocks a refused row never
+    wrote stay cached; and the recovery would catch kvguard's own ``UnsupportedConfig``."""
     parallel = getattr(vllm_config, "parallel_config", None)
     if parallel is not None and getattr(parallel, "enable_fault_tolerance", False):
         return (
