@@ -8,14 +8,15 @@
 mod transfer {
     mod nixl {
         use kvguard::transfer::nixl::{
-            Direction, EnginePool, Extent, HostRegion, INBOX_BYTES, ImportError, NixlAgent, NixlError, NixlLink,
-            Notice, NoticeKind, PART_BYTES, PageRegion, RegionLayout, Segment, library_available,
+            Direction, EnginePool, Extent, HostRegion, INBOX_BYTES, ImportError, KeepAlive, NixlAgent, NixlError,
+            NixlLink, Notice, NoticeKind, PART_BYTES, PageRegion, RegionLayout, Segment, library_available,
         };
         use kvguard::transfer::{
             ExpectedTransfer, Manifest, Receiver, SenderId, TransferError, TransferHeader, page_checksum,
         };
         use kvguard::{OwnershipTable, PageId, PageRef, PoolConfig, RequestId, TenantId, ViolationKind};
-        use std::sync::mpsc;
+        use std::borrow::Cow;
+        use std::sync::{Arc, mpsc};
         use std::time::{Duration, Instant};
 
         const PAGES: u32 = 8;
@@ -1251,6 +1252,72 @@ mod transfer {
             assert!(decode_region.bytes(5, BIG_PAGE).unwrap().iter().all(|&b| b == OURS));
         }
 
+        /// An engine's prefill pages behind an `Arc` it shares with the link as their keep-alive,
+        /// so that a test sees when the last share goes (`Weak::strong_count`).
+        struct SharedPages(Arc<HostRegion>);
+
+        impl PageRegion for SharedPages {
+            fn layout(&self) -> RegionLayout {
+                self.0.layout()
+            }
+            fn page(&self, page: u32, len: u32) -> Result<Cow<'_, [u8]>, NixlError> {
+                self.0.bytes(page, len).map(Cow::Borrowed)
+            }
+            fn scrub(&mut self, _: &[u32]) -> Result<(), NixlError> {
+                Err(NixlError::Segment { reason: "prefill's source pages are shared, not scrubbed".to_owned() })
+            }
+            fn keep_alive(&self) -> Option<KeepAlive> {
+                Some(KeepAlive::new(self.0.clone()))
+            }
+        }
+
+        /// The engine drops the region a failed push's WRITEs still read (its last handle): the
+        /// link keeps it registered and allocated, the WRITEs complete from it whole, and it is
+        /// freed once `settle_pushes` has handed back its last page. Before, the link kept
+        /// nothing: the region was deregistered and freed at the drop while UCX still read it.
+        #[test]
+        fn a_region_a_held_push_reads_outlives_its_owners_drop_until_its_writes_complete() {
+            let Some((decode, prefill)) = agents("push-keep-alive") else { return };
+            let npages = 4;
+            let decode_region = HostRegion::new(&decode, npages, BIG_PAGE).unwrap();
+            let mut prefill_region = HostRegion::new(&prefill, npages, BIG_PAGE).unwrap();
+            let mut decode_link =
+                NixlLink::connect(&decode, &prefill.metadata().unwrap(), prefill_region.layout()).unwrap();
+            let mut link = NixlLink::connect(&prefill, &decode.metadata().unwrap(), decode_region.layout()).unwrap();
+            for p in 0..npages {
+                prefill_region.bytes_mut(p, BIG_PAGE).unwrap().fill(OURS);
+            }
+            let pages = Arc::new(prefill_region);
+            let alive = Arc::downgrade(&pages);
+            let src: Vec<Extent> = (0..npages).map(|page| Extent { page, len: BIG_PAGE }).collect();
+            let dest: Vec<PageId> = (0..npages).map(PageId).collect();
+            // Decode's agent is not called yet: 32 MiB cannot all leave by the push's first poll.
+            let err = link.push(&SharedPages(pages.clone()), &src, &dest, REQ, &[], Instant::now()).unwrap_err();
+            assert!(!err.in_flight().is_empty(), "{err}");
+            drop(pages);
+            assert!(alive.strong_count() > 0, "the link keeps the region its held WRITEs read (a share each)");
+            let (done_tx, done_rx) = mpsc::channel::<()>();
+            std::thread::scope(|s| {
+                s.spawn(move || {
+                    let until = Instant::now() + Duration::from_secs(60);
+                    keep_serving(&mut decode_link, until, || {
+                        !matches!(done_rx.try_recv(), Err(mpsc::TryRecvError::Empty))
+                    });
+                });
+                let until = Instant::now() + Duration::from_secs(30);
+                while !link.in_flight().is_empty() && Instant::now() < until {
+                    link.settle_pushes();
+                    std::thread::yield_now();
+                }
+                let _ = done_tx.send(());
+            });
+            assert_eq!(link.in_flight(), vec![], "every WRITE completed");
+            assert_eq!(alive.strong_count(), 0, "freed once the last held WRITE completed");
+            for p in 0..npages {
+                assert!(decode_region.bytes(p, BIG_PAGE).unwrap().iter().all(|&b| b == OURS), "decode's page {p}");
+            }
+        }
+
         // ---- what a staging that failed may still have read: prefill's staged pages -------------
 
         /// Prefill's progress loop until `done()` (or 30 s): its agent moves along, serving
@@ -1323,6 +1390,54 @@ mod transfer {
             assert_eq!(handed, staged, "handed back, once, when decode's Released came");
             assert_eq!(link.in_flight(), vec![]);
             assert_eq!(link.release_stages(), vec![]);
+        }
+
+        /// `stage_from`: a staging prefill gave up on keeps the region it staged from while decode
+        /// may still READ it. The engine drops its last handle; decode READs the KV from the
+        /// kept memory and accepts it; the region is freed once `settle_stages` has handed the
+        /// staging back. A staging naming a page outside the region is refused before anything
+        /// is sent. (`stage` takes no region: it keeps none.)
+        #[test]
+        fn a_region_a_held_staging_reads_outlives_its_owners_drop_until_decode_released_it() {
+            let Some((decode, prefill)) = agents("stage-keep-alive") else { return };
+            let Pair { mut decode_region, mut prefill_region, mut decode_link, prefill_md, decode_layout } =
+                pair(&decode, &prefill);
+            let mut link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
+            let (table, refs) = admitted();
+            let expected = expected_for(&refs);
+            let (src, manifest) = prefilled(&mut prefill_region, 3, &refs);
+            let pages = Arc::new(prefill_region);
+            let alive = Arc::downgrade(&pages);
+            let outside = [Extent { page: PAGES, len: PAGE_BYTES }];
+            let refused = link.stage_from(&SharedPages(pages.clone()), &outside, REQ, &manifest, Instant::now());
+            assert!(matches!(refused, Err(NixlError::Extents { .. })), "{refused:?}");
+            assert_eq!((link.in_flight(), alive.strong_count()), (vec![], 1), "nothing held, nothing kept");
+            // Decode's agent is not called yet: its `Released` cannot come by a passed deadline.
+            let err = link.stage_from(&SharedPages(pages.clone()), &src, REQ, &manifest, Instant::now()).unwrap_err();
+            assert!(matches!(err, NixlError::InFlight { direction: Direction::Read, request: REQ, .. }), "{err}");
+            drop(pages);
+            assert_eq!(alive.strong_count(), 1, "the link keeps the region decode may still READ");
+            let (done_tx, done_rx) = mpsc::channel::<()>();
+            let verdict = std::thread::scope(|s| {
+                let decoding = s.spawn(|| {
+                    let pinned = Receiver::new(&table).pin(&expected).unwrap();
+                    let deadline = Instant::now() + Duration::from_secs(20);
+                    let v =
+                        received(&mut decode_link, Direction::Read, pinned, &expected, &mut decode_region, deadline);
+                    drop(done_tx);
+                    v
+                });
+                serve_until(&mut link, |_| !matches!(done_rx.try_recv(), Err(mpsc::TryRecvError::Empty)));
+                decoding.join().unwrap()
+            });
+            let accepted = verdict.expect("decode READ the KV staged, from the kept region");
+            assert_eq!((accepted.tokens(), accepted.pages()), (6, 2));
+            let until = Instant::now() + Duration::from_secs(10);
+            while !link.in_flight().is_empty() && Instant::now() < until {
+                link.settle_stages().unwrap();
+            }
+            assert_eq!(link.in_flight(), vec![], "decode released the staging");
+            assert_eq!(alive.strong_count(), 0, "freed once the staging was handed back");
         }
 
         /// A staging decode READs too slowly: decode's READ times out (its pages fenced) while

@@ -287,6 +287,10 @@ impl PageRegion for DevicePool {
                 .map_err(|e| core::NixlError::Segment { reason: format!("scrub: {e}") })
         })
     }
+    /// The registration kvguard made for the pool, as the core pool keeps it.
+    fn keep_alive(&self) -> Option<core::KeepAlive> {
+        self.pool.keep_alive()
+    }
 }
 
 /// What an [`EnginePool`] describes: host memory kvguard reads in place (a buffer it holds, or

@@ -1,9 +1,10 @@
 //! Prefill's held pages: the source pages that WRITEs of failed pushes may still read (NIXL has
 //! not reported them complete) and that decode may still READ for failed stagings (its
 //! `Released` has not come), counted per page, so that each page comes back once, when the last
-//! transfer that may read it lets go of it.
+//! transfer that may read it lets go of it. Each held transfer keeps the region it reads alive
+//! ([`KeepAlive`]) until it lets go; a link dropped while holding transfers leaks those.
 
-use super::Posted;
+use super::{KeepAlive, Posted};
 use crate::ids::RequestId;
 use std::collections::BTreeMap;
 
@@ -30,6 +31,9 @@ pub(super) struct PushWrite {
     /// NIXL reported it failed, or posting it failed part-way: no completion will prove it
     /// done; only [`Held::release_pushes`] hands its pages back.
     pub(super) failed: bool,
+    /// What keeps the region pushed from registered and allocated while the WRITE may read it
+    /// (`None`: the engine's region keeps itself). Declared after `posted`: dropped after it.
+    pub(super) keep: Option<KeepAlive>,
 }
 
 /// A staging that failed before decode released it: decode may still READ its pages.
@@ -40,6 +44,9 @@ pub(super) struct Staging {
     pub(super) extents: Vec<super::Extent>,
     /// Their pages, in the order staged.
     pub(super) pages: Vec<u32>,
+    /// What keeps the region staged from registered and allocated while decode may READ it
+    /// (`None`: staged without a region, or the engine's region keeps itself).
+    pub(super) keep: Option<KeepAlive>,
 }
 
 /// Pages by request, the requests in the order they first appear, each page once (under the
@@ -184,6 +191,18 @@ impl Held {
     }
 }
 
+impl Drop for Held {
+    /// The link is dropped while holding transfers: its WRITEs are released, which does not stop
+    /// them (see [`Posted`]), and decode may still READ its stagings. The regions they read are
+    /// never freed: their keep-alives are leaked, not dropped.
+    fn drop(&mut self) {
+        let pushed = self.pushes.iter_mut().map(|w| w.keep.take());
+        for keep in pushed.chain(self.stages.iter_mut().map(|s| s.keep.take())).flatten() {
+            std::mem::forget(keep);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -192,12 +211,12 @@ mod tests {
     const B: RequestId = RequestId(2);
 
     fn write(request: RequestId, pages: &[u32], failed: bool) -> PushWrite {
-        PushWrite { request, pages: pages.to_vec(), posted: None, failed }
+        PushWrite { request, pages: pages.to_vec(), posted: None, failed, keep: None }
     }
 
     fn staging(request: RequestId, pages: &[u32]) -> Staging {
         let extents = pages.iter().map(|&page| super::super::Extent { page, len: 8 }).collect();
-        Staging { request, extents, pages: pages.to_vec() }
+        Staging { request, extents, pages: pages.to_vec(), keep: None }
     }
 
     #[test]
@@ -246,6 +265,73 @@ mod tests {
         assert_eq!(held.settle_stages(|_| true), vec![]);
         assert_eq!(held.release_pushes(), vec![(A, vec![5])]);
         assert_eq!(held.pages(), 0);
+    }
+
+    /// A region's memory as the link's keep-alives see it: `Weak::strong_count` says whether it
+    /// is still alive (0: freed).
+    fn region() -> (std::sync::Arc<Vec<u8>>, std::sync::Weak<Vec<u8>>) {
+        let memory = std::sync::Arc::new(vec![0u8; 64]);
+        let alive = std::sync::Arc::downgrade(&memory);
+        (memory, alive)
+    }
+
+    fn kept(memory: &std::sync::Arc<Vec<u8>>) -> Option<KeepAlive> {
+        Some(KeepAlive::new(memory.clone()))
+    }
+
+    #[test]
+    fn a_region_held_writes_read_outlives_its_owners_drop_until_the_last_is_settled() {
+        let mut held = Held::default();
+        let (memory, alive) = region();
+        held.hold_push(PushWrite { keep: kept(&memory), ..write(A, &[0, 1], false) });
+        held.hold_push(PushWrite { keep: kept(&memory), ..write(A, &[2], false) });
+        // The engine drops its region while the WRITEs may still read it.
+        drop(memory);
+        assert_eq!(alive.strong_count(), 2, "each held WRITE keeps the region it reads");
+        let mut first = true;
+        assert_eq!(held.settle_pushes(|_| Ok(std::mem::replace(&mut first, false))), vec![(A, vec![0, 1])]);
+        assert_eq!(alive.strong_count(), 1, "the second WRITE still reads it");
+        assert_eq!(held.settle_pushes(|_| Ok(true)), vec![(A, vec![2])]);
+        assert_eq!(alive.strong_count(), 0, "freed once no held WRITE reads it");
+    }
+
+    #[test]
+    fn a_failed_writes_and_a_stagings_regions_are_let_go_when_they_are_released() {
+        let mut held = Held::default();
+        let (pushed_from, pushed_alive) = region();
+        let (staged_from, staged_alive) = region();
+        held.hold_push(PushWrite { keep: kept(&pushed_from), ..write(A, &[0], true) });
+        held.hold_stage(Staging { keep: kept(&staged_from), ..staging(B, &[1]) });
+        drop((pushed_from, staged_from));
+        assert_eq!(held.settle_pushes(|_| Ok(true)), vec![], "a failed WRITE is never settled");
+        assert_eq!(held.settle_stages(|_| false), vec![], "decode has not released the staging");
+        assert_eq!((pushed_alive.strong_count(), staged_alive.strong_count()), (1, 1));
+        assert_eq!(held.release_pushes(), vec![(A, vec![0])]);
+        assert_eq!((pushed_alive.strong_count(), staged_alive.strong_count()), (0, 1));
+        assert_eq!(held.settle_stages(|_| true), vec![(B, vec![1])]);
+        assert_eq!(staged_alive.strong_count(), 0, "freed once decode released the staging");
+        let (staged_again, alive_again) = region();
+        held.hold_stage(Staging { keep: kept(&staged_again), ..staging(B, &[1]) });
+        drop(staged_again);
+        assert_eq!(held.release_stages(), vec![(B, vec![1])]);
+        assert_eq!(alive_again.strong_count(), 0);
+    }
+
+    #[test]
+    fn a_link_dropped_while_holding_transfers_never_frees_their_regions() {
+        let mut held = Held::default();
+        let (pushed_from, pushed_alive) = region();
+        let (staged_from, staged_alive) = region();
+        held.hold_push(PushWrite { keep: kept(&pushed_from), ..write(A, &[0], false) });
+        held.hold_stage(Staging { keep: kept(&staged_from), ..staging(B, &[1]) });
+        drop((pushed_from, staged_from));
+        // Its WRITEs released (which does not stop them), decode free to READ the staging.
+        drop(held);
+        assert_eq!(
+            (pushed_alive.strong_count(), staged_alive.strong_count()),
+            (1, 1),
+            "leaked, not freed under a running WRITE or READ"
+        );
     }
 
     #[test]

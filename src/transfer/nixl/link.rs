@@ -3,7 +3,7 @@
 
 use super::agent::POST_CALL;
 use super::held::{Held, PushWrite, Staging, distinct};
-use super::{Direction, Extent, NixlAgent, NixlError, Notice, NoticeKind, PageRegion, Posted, RegionLayout};
+use super::{Direction, Extent, KeepAlive, NixlAgent, NixlError, Notice, NoticeKind, PageRegion, Posted, RegionLayout};
 use crate::ids::{PageId, PageRef, RequestId};
 use crate::transfer::{Accepted, ExpectedTransfer, Manifest, PinnedImport, TransferError, TransferHeader};
 use crate::{Fence, OwnershipTable};
@@ -52,6 +52,14 @@ pub enum ImportError {
 
 /// One side's connection to its peer: its agent, the peer's name and region, and the notices
 /// that arrived for requests nobody waits for yet.
+///
+/// Prefill's side holds the transfers that failed while they may still read its pages (a push's
+/// WRITEs NIXL has not reported complete, a staging decode has not released: see
+/// [`in_flight`](Self::in_flight)), and with each the region's [`KeepAlive`]
+/// ([`PageRegion::keep_alive`]): dropping a [`HostRegion`](super::HostRegion) meanwhile frees
+/// nothing, and the link lets the region go when it hands those pages back. A link dropped while
+/// it holds transfers releases their WRITEs (which does not stop them) and leaks their regions'
+/// keep-alives: never freed under a running WRITE or READ.
 #[derive(Debug)]
 pub struct NixlLink<'a> {
     agent: &'a NixlAgent,
@@ -596,7 +604,7 @@ impl<'a> NixlLink<'a> {
         for (k, &end) in ends.iter().enumerate() {
             let made = match manifest(start..end, k + 1 == ends.len(), &mut posted) {
                 Ok(made) => made,
-                Err(e) => return Err(self.hold(request, src, &ends, posted, None, e)),
+                Err(e) => return Err(self.hold(request, src, &ends, posted, None, e, local.keep_alive())),
             };
             let notice = if k + 1 == ends.len() {
                 Notice {
@@ -632,14 +640,15 @@ impl<'a> NixlLink<'a> {
                     // Posting itself failed: NIXL may have started part of this WRITE and let it
                     // go on (no handle to wait for). Any earlier failure started nothing.
                     let started = matches!(&e, NixlError::Call { call, .. } if *call == POST_CALL);
-                    return Err(self.hold(request, src, &ends, posted, started.then_some(start..end), e));
+                    let started = started.then_some(start..end);
+                    return Err(self.hold(request, src, &ends, posted, started, e, local.keep_alive()));
                 }
             }
             start = end;
         }
         match posted.iter_mut().try_for_each(|part| agent.wait(part, deadline)) {
             Ok(()) => Ok(()),
-            Err(e) => Err(self.hold(request, src, &ends, posted, None, e)),
+            Err(e) => Err(self.hold(request, src, &ends, posted, None, e, local.keep_alive())),
         }
     }
 
@@ -649,7 +658,9 @@ impl<'a> NixlLink<'a> {
     /// still be read: they are reported in [`NixlError::InFlight`], and handed back by
     /// [`settle_pushes`](Self::settle_pushes) once NIXL reports the WRITE complete (a WRITE
     /// it reports failed, or one posted part-way, only by
-    /// [`release_pushes`](Self::release_pushes)). `cause` itself when nothing is kept.
+    /// [`release_pushes`](Self::release_pushes)). Each WRITE kept keeps `keep` (the region pushed
+    /// from) too. `cause` itself when nothing is kept.
+    #[allow(clippy::too_many_arguments)]
     fn hold(
         &mut self,
         request: RequestId,
@@ -658,6 +669,7 @@ impl<'a> NixlLink<'a> {
         posted: Vec<Posted>,
         started: Option<std::ops::Range<usize>>,
         cause: NixlError,
+        keep: Option<KeepAlive>,
     ) -> NixlError {
         let pages_of = |range: std::ops::Range<usize>| src[range].iter().map(|e| e.page).collect::<Vec<u32>>();
         let mut held = Vec::new();
@@ -672,12 +684,12 @@ impl<'a> NixlLink<'a> {
                 Err(_) => true,
             };
             held.extend_from_slice(&pages);
-            self.held.hold_push(PushWrite { request, pages, posted: Some(part), failed });
+            self.held.hold_push(PushWrite { request, pages, posted: Some(part), failed, keep: keep.clone() });
         }
         if let Some(range) = started {
             let pages = pages_of(range);
             held.extend_from_slice(&pages);
-            self.held.hold_push(PushWrite { request, pages, posted: None, failed: true });
+            self.held.hold_push(PushWrite { request, pages, posted: None, failed: true, keep });
         }
         if held.is_empty() {
             return cause;
@@ -707,10 +719,13 @@ impl<'a> NixlLink<'a> {
     /// or [`settle_stages`](Self::settle_stages) hands them back. The prefill side's counterpart
     /// of decode's [`fenced`](Self::fenced).
     ///
-    /// The region a held page belongs to must stay registered and allocated meanwhile: a held
-    /// WRITE or READ reads it with no call on this side, and the link does not keep the region
-    /// alive (dropping a [`HostRegion`](super::HostRegion) or an
-    /// [`EnginePool`](super::EnginePool) deregisters its memory, and the first frees it).
+    /// A held WRITE or READ reads its region with no call on this side, so the link keeps the
+    /// region registered and allocated until it hands the pages back: it keeps the region's
+    /// [`keep_alive`](PageRegion::keep_alive) with each held transfer (a
+    /// [`HostRegion`](super::HostRegion)'s memory and registration, an
+    /// [`EnginePool`](super::EnginePool)'s registration when kvguard made it). What no
+    /// keep-alive covers stays the engine's to keep: an engine pool's memory, a region whose
+    /// [`PageRegion`] hands none, and one staged with [`stage`](Self::stage) (no region given).
     pub fn in_flight(&self) -> Vec<(RequestId, Vec<u32>)> {
         self.held.in_flight()
     }
@@ -750,8 +765,9 @@ impl<'a> NixlLink<'a> {
     /// is gone: its process ended or it was restarted, and this agent's transfers to it
     /// failed). Each page once; a page a held staging also names stays held until that
     /// staging is settled or released. Dropping the link releases them too, handing nothing
-    /// back: keep the pages of [`in_flight`](Self::in_flight) out of circulation (and their
-    /// region alive) until the agent itself is dropped.
+    /// back: keep the pages of [`in_flight`](Self::in_flight) out of circulation until the agent
+    /// itself is dropped (the link leaks what keeps their regions alive rather than free memory
+    /// a released WRITE may still read).
     pub fn release_pushes(&mut self) -> Vec<(RequestId, Vec<u32>)> {
         self.held.release_pushes()
     }
@@ -774,12 +790,51 @@ impl<'a> NixlLink<'a> {
     /// this staging comes ([`settle_stages`](Self::settle_stages) hands them back) or the engine
     /// knows the peer gone ([`release_stages`](Self::release_stages)). Staging no extents holds
     /// nothing: such an error is its cause alone.
+    ///
+    /// It takes no region, so a held staging keeps none alive: keep the region staged from
+    /// registered and allocated while [`in_flight`](Self::in_flight) names its pages, or stage
+    /// with [`stage_from`](Self::stage_from), which keeps it.
     pub fn stage(
         &mut self,
         src: &[Extent],
         request: RequestId,
         manifest: &[u8],
         deadline: Instant,
+    ) -> Result<(), NixlError> {
+        self.stage_keeping(src, request, manifest, deadline, || None)
+    }
+
+    /// Prefill, pull: [`stage`](Self::stage) of `local`'s extents `src` (`local` being the
+    /// region decode's link READs from), the link keeping `local` alive
+    /// ([`keep_alive`](PageRegion::keep_alive)) while it holds the staging after a failure, as
+    /// for a failed push's WRITEs.
+    ///
+    /// # Errors
+    /// [`NixlError::Extents`], before anything is sent, when an extent lies outside `local`;
+    /// otherwise as [`stage`](Self::stage).
+    pub fn stage_from<R: PageRegion + ?Sized>(
+        &mut self,
+        local: &R,
+        src: &[Extent],
+        request: RequestId,
+        manifest: &[u8],
+        deadline: Instant,
+    ) -> Result<(), NixlError> {
+        let layout = local.layout();
+        for e in src {
+            layout.extent_addr(e)?;
+        }
+        self.stage_keeping(src, request, manifest, deadline, || local.keep_alive())
+    }
+
+    /// [`stage`](Self::stage), a staging held after a failure keeping what `keep` returns.
+    fn stage_keeping(
+        &mut self,
+        src: &[Extent],
+        request: RequestId,
+        manifest: &[u8],
+        deadline: Instant,
+        keep: impl FnOnce() -> Option<KeepAlive>,
     ) -> Result<(), NixlError> {
         self.refuse_held(src, "stage")?;
         let staged =
@@ -793,7 +848,7 @@ impl<'a> NixlLink<'a> {
             Err(cause) if src.is_empty() => Err(cause),
             Err(cause) => {
                 let pages: Vec<u32> = src.iter().map(|e| e.page).collect();
-                self.held.hold_stage(Staging { request, extents: src.to_vec(), pages: pages.clone() });
+                self.held.hold_stage(Staging { request, extents: src.to_vec(), pages: pages.clone(), keep: keep() });
                 Err(NixlError::InFlight {
                     direction: Direction::Read,
                     request,
@@ -836,8 +891,9 @@ impl<'a> NixlLink<'a> {
     /// engine knows decode will READ none of them (the peer is gone: its process ended or it
     /// was restarted). Each page once; a page a held WRITE also names stays held until that
     /// WRITE is settled or released. Dropping the link hands nothing back: keep the pages of
-    /// [`in_flight`](Self::in_flight) out of circulation (and their region alive) while the
-    /// peer may still READ them.
+    /// [`in_flight`](Self::in_flight) out of circulation while the peer may still READ them (the
+    /// link leaks the keep-alives of the regions [`stage_from`](Self::stage_from) staged from;
+    /// one staged with [`stage`](Self::stage) is yours to keep alive).
     pub fn release_stages(&mut self) -> Vec<(RequestId, Vec<u32>)> {
         self.held.release_stages()
     }

@@ -22,7 +22,9 @@
 //!   [`NixlError::InFlight`], naming the source pages they may still read, and the link holds
 //!   those WRITEs until NIXL reports them complete ([`NixlLink::settle_pushes`]); a staging
 //!   that fails before decode released it (decode may still READ it) likewise, the link holding
-//!   its pages until decode's late `Released` for it ([`NixlLink::settle_stages`]).
+//!   its pages until decode's late `Released` for it ([`NixlLink::settle_stages`]); each held
+//!   transfer keeps its region registered and allocated ([`PageRegion::keep_alive`]: a
+//!   [`HostRegion`] dropped meanwhile frees nothing) until its pages are handed back.
 //!
 //! The files: `agent.rs` is the FFI edge (`unsafe` allowed there only: loading the library,
 //! registering memory, the region's bytes); `notice.rs` the notification and layout wire
@@ -37,7 +39,8 @@ mod link;
 mod notice;
 
 pub use agent::{
-    Direction, EnginePool, HostRegion, NIXL_LIBRARY, NixlAgent, PageRegion, Posted, Registration, library_available,
+    Direction, EnginePool, HostRegion, KeepAlive, NIXL_LIBRARY, NixlAgent, PageRegion, Posted, Registration,
+    library_available,
 };
 pub use link::{FLUSH, INBOX_BYTES, INBOX_CAP, ImportError, NixlLink, PART_BYTES};
 pub use notice::{Extent, LAYOUT_LEN, Notice, NoticeKind, RegionLayout, Segment};
