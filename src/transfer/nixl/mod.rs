@@ -26,24 +26,32 @@
 //!   transfer keeps its region registered and allocated ([`PageRegion::keep_alive`]: a
 //!   [`HostRegion`] dropped meanwhile frees nothing) until its pages are handed back.
 //!
-//! The files: `agent.rs` is the FFI edge (`unsafe` allowed there only: loading the library,
-//! registering memory, the region's bytes); `notice.rs` the notification and layout wire
-//! formats; `link.rs` the protocol. The library `libnixl_capi.so` comes from the `nixl-cu12`
-//! wheel and is loaded at run time (see docs/transfer.md for the setup); without it
-//! [`NixlAgent::new`] returns [`NixlError::Library`], never aborts.
+//! The files: `agent.rs` and `region.rs` are the FFI edge (`unsafe` allowed there only: loading
+//! the library, registering memory; the regions' bytes); `notice.rs` the notification and layout
+//! wire formats; `link.rs` the link and its inbox, and beside it the protocol's steps: `push.rs`
+//! (prefill WRITEs), `stage.rs` (prefill stages for decode's READ), `receive.rs` (decode's
+//! receive), `fence.rs` (decode's fences), with `held.rs` counting prefill's held pages. The
+//! library `libnixl_capi.so` comes from the `nixl-cu12` wheel and is loaded at run time (see
+//! docs/transfer.md for the setup); without it [`NixlAgent::new`] returns
+//! [`NixlError::Library`], never aborts.
 
 #[allow(unsafe_code)]
 mod agent;
+mod fence;
 mod held;
 mod link;
 mod notice;
+mod push;
+mod receive;
+#[allow(unsafe_code)]
+mod region;
+mod stage;
 
-pub use agent::{
-    Direction, EnginePool, HostRegion, KeepAlive, NIXL_LIBRARY, NixlAgent, PageRegion, Posted, Registration,
-    library_available,
-};
-pub use link::{FLUSH, INBOX_BYTES, INBOX_CAP, ImportError, NixlLink, PART_BYTES};
+pub use agent::{Direction, NIXL_LIBRARY, NixlAgent, Posted, Registration, library_available};
+pub use link::{FLUSH, INBOX_BYTES, INBOX_CAP, NixlLink, PART_BYTES};
 pub use notice::{Extent, LAYOUT_LEN, Notice, NoticeKind, RegionLayout, Segment};
+pub use receive::ImportError;
+pub use region::{EnginePool, HostRegion, KeepAlive, PageRegion};
 
 /// What went wrong in the transport (not a verdict on a transfer's content: that is a
 /// [`TransferError`](crate::transfer::TransferError)).
