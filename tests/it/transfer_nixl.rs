@@ -76,26 +76,41 @@ mod transfer {
             decode_layout: RegionLayout,
         }
 
+        /// [`pair_of`] [`PAGES`] pages of [`PAGE_BYTES`].
         fn pair<'a>(decode: &'a NixlAgent, prefill: &NixlAgent) -> Pair<'a> {
-            let decode_region = HostRegion::new(decode, PAGES, PAGE_BYTES).unwrap();
-            let prefill_region = HostRegion::new(prefill, PAGES, PAGE_BYTES).unwrap();
+            pair_of(decode, prefill, PAGES, PAGE_BYTES)
+        }
+
+        /// A [`Pair`] with `pages` pages of `page_bytes` each side.
+        fn pair_of<'a>(decode: &'a NixlAgent, prefill: &NixlAgent, pages: u32, page_bytes: u32) -> Pair<'a> {
+            let decode_region = HostRegion::new(decode, pages, page_bytes).unwrap();
+            let prefill_region = HostRegion::new(prefill, pages, page_bytes).unwrap();
             let decode_link = NixlLink::connect(decode, &prefill.metadata().unwrap(), prefill_region.layout()).unwrap();
             let (prefill_md, decode_layout) = (decode.metadata().unwrap(), decode_region.layout());
             Pair { decode_region, prefill_region, decode_link, prefill_md, decode_layout }
+        }
+
+        /// Both sides' host pages and links, prefill's (`link`) connected on this thread.
+        struct Linked<'a> {
+            decode_region: HostRegion,
+            prefill_region: HostRegion,
+            decode_link: NixlLink<'a>,
+            link: NixlLink<'a>,
+        }
+
+        /// [`Linked`] with `pages` pages of `page_bytes` each side.
+        fn linked<'a>(decode: &'a NixlAgent, prefill: &'a NixlAgent, pages: u32, page_bytes: u32) -> Linked<'a> {
+            let Pair { decode_region, prefill_region, decode_link, prefill_md, decode_layout } =
+                pair_of(decode, prefill, pages, page_bytes);
+            let link = NixlLink::connect(prefill, &prefill_md, decode_layout).unwrap();
+            Linked { decode_region, prefill_region, decode_link, link }
         }
 
         /// Prefill's side of one attempt: the prompt's KV written into its pages `base..`, and the
         /// extents and manifest of a transfer of it into decode's `dest`.
         fn prefilled(region: &mut HostRegion, base: u32, dest: &[PageRef]) -> (Vec<Extent>, Vec<u8>) {
             let pages = kv_pages();
-            let header = TransferHeader {
-                request: REQ,
-                tenant: TENANT,
-                sender: SenderId(1),
-                page_size: PAGE_SIZE,
-                slot_bytes: SLOT_BYTES,
-            };
-            let manifest = Manifest::build(header, &PROMPT, dest, &pages).unwrap().encode();
+            let manifest = Manifest::build(header(SLOT_BYTES), &PROMPT, dest, &pages).unwrap().encode();
             let mut src = Vec::new();
             for (i, bytes) in pages.iter().enumerate() {
                 let page = base + i as u32;
@@ -105,12 +120,33 @@ mod transfer {
             (src, manifest)
         }
 
+        /// Prefill's header of a transfer of [`REQ`]'s KV, slots of `slot_bytes`.
+        fn header(slot_bytes: u32) -> TransferHeader {
+            TransferHeader { request: REQ, tenant: TENANT, sender: SenderId(1), page_size: PAGE_SIZE, slot_bytes }
+        }
+
         /// A decode table with [`REQ`] admitted for [`PROMPT`] and its two pages allocated.
         fn admitted() -> (OwnershipTable, Vec<PageRef>) {
             let table = OwnershipTable::new(PoolConfig::new(PAGES, PAGE_SIZE, 24)).unwrap();
             table.admit(REQ, TENANT, PROMPT.len() as u64, 2).unwrap();
             let refs = table.allocate(REQ, 2).unwrap();
             (table, refs)
+        }
+
+        /// The engine retries [`REQ`] in `table`: released, admitted again, two new pages (new
+        /// incarnations).
+        fn readmitted(table: &OwnershipTable) -> Vec<PageRef> {
+            table.release(REQ).unwrap();
+            table.admit(REQ, TENANT, PROMPT.len() as u64, 2).unwrap();
+            table.allocate(REQ, 2).unwrap()
+        }
+
+        /// Prefill pushes [`prefilled`]'s KV from its pages `base..` into decode's `dest`,
+        /// and waits up to 20 s for it to land.
+        fn push_prefilled(link: &mut NixlLink<'_>, region: &mut HostRegion, base: u32, dest: &[PageRef]) {
+            let (src, manifest) = prefilled(region, base, dest);
+            let deadline = Instant::now() + Duration::from_secs(20);
+            link.push(region, &src, &pages_of(dest), REQ, &manifest, deadline).unwrap();
         }
 
         /// What decode expects of [`admitted`]'s request landing in `refs`.
@@ -123,6 +159,21 @@ mod transfer {
             while Instant::now() < until && !done() {
                 let _ = link.wait(RequestId(777), &[NoticeKind::Released], Instant::now() + Duration::from_millis(20));
             }
+        }
+
+        /// Runs `body` with `peer` live meanwhile: its agent moved along on a thread of its own
+        /// until `body` returns or panics (60 s at most).
+        fn with_live_peer<T>(peer: &mut NixlLink<'_>, body: impl FnOnce() -> T) -> T {
+            let (done_tx, done_rx) = mpsc::channel::<()>();
+            std::thread::scope(|s| {
+                s.spawn(move || {
+                    let until = Instant::now() + Duration::from_secs(60);
+                    keep_serving(peer, until, || !matches!(done_rx.try_recv(), Err(mpsc::TryRecvError::Empty)));
+                });
+                let out = body();
+                drop(done_tx);
+                out
+            })
         }
 
         /// `link.receive` into `region` with nothing to land (the bytes are written in place).
@@ -165,9 +216,7 @@ mod transfer {
                 decode_region.bytes_mut(p, PAGE_BYTES).unwrap().fill(0xEE);
             }
 
-            let table = OwnershipTable::new(PoolConfig::new(PAGES, PAGE_SIZE, 24)).unwrap();
-            table.admit(REQ, TENANT, PROMPT.len() as u64, 2).unwrap();
-            let refs = table.allocate(REQ, 2).unwrap();
+            let (table, refs) = admitted();
             table.admit(VICTIM, TenantId(6), 4, 0).unwrap();
             let victim = table.allocate(VICTIM, 1).unwrap()[0];
             table.record_write_tokens(VICTIM, &[victim.page], 0..4).unwrap();
@@ -332,9 +381,7 @@ mod transfer {
             let Some((decode, prefill)) = agents("retry") else { return };
             let Pair { mut decode_region, mut prefill_region, mut decode_link, prefill_md, decode_layout } =
                 pair(&decode, &prefill);
-            let table = OwnershipTable::new(PoolConfig::new(PAGES, PAGE_SIZE, 24)).unwrap();
-            table.admit(REQ, TENANT, PROMPT.len() as u64, 2).unwrap();
-            let first = table.allocate(REQ, 2).unwrap();
+            let (table, first) = admitted();
             let (ask, asked) = mpsc::channel::<Vec<PageRef>>();
             let (go, late) = mpsc::channel::<()>();
             let prefill_region = &mut prefill_region;
@@ -351,26 +398,22 @@ mod transfer {
                         link.stage(&src, REQ, &manifest, Instant::now() + Duration::from_secs(20)).unwrap();
                     }
                 });
-                let expected = ExpectedTransfer::for_prompt(REQ, TENANT, &PROMPT, &first, PAGE_SIZE, SLOT_BYTES);
+                let expected = expected_for(&first);
                 let pinned = Receiver::new(&table).pin(&expected).unwrap();
                 ask.send(first.clone()).unwrap();
                 let deadline = Instant::now() + Duration::from_millis(200);
                 let timed_out =
-                    decode_link
-                        .receive(Direction::Read, pinned, &expected, &mut decode_region, deadline, |_, _, _| Ok(()));
+                    received(&mut decode_link, Direction::Read, pinned, &expected, &mut decode_region, deadline);
                 assert!(matches!(timed_out, Err(ImportError::Aborted(NixlError::Timeout { .. }))));
                 // The engine retries with new pages (new incarnations), and prefill answers late.
-                table.release(REQ).unwrap();
-                table.admit(REQ, TENANT, PROMPT.len() as u64, 2).unwrap();
-                let second = table.allocate(REQ, 2).unwrap();
+                let second = readmitted(&table);
                 go.send(()).unwrap();
-                let expected = ExpectedTransfer::for_prompt(REQ, TENANT, &PROMPT, &second, PAGE_SIZE, SLOT_BYTES);
+                let expected = expected_for(&second);
                 let pinned = Receiver::new(&table).pin(&expected).unwrap();
                 ask.send(second.clone()).unwrap();
                 let deadline = Instant::now() + Duration::from_secs(20);
                 let verdict =
-                    decode_link
-                        .receive(Direction::Read, pinned, &expected, &mut decode_region, deadline, |_, _, _| Ok(()));
+                    received(&mut decode_link, Direction::Read, pinned, &expected, &mut decode_region, deadline);
                 (second, verdict)
             });
             let accepted = verdict.expect("the retry is accepted");
@@ -387,9 +430,7 @@ mod transfer {
             let Some((decode, prefill)) = agents("fence") else { return };
             let Pair { mut decode_region, mut prefill_region, mut decode_link, prefill_md, decode_layout } =
                 pair(&decode, &prefill);
-            let table = OwnershipTable::new(PoolConfig::new(PAGES, PAGE_SIZE, 24)).unwrap();
-            table.admit(REQ, TENANT, PROMPT.len() as u64, 2).unwrap();
-            let refs = table.allocate(REQ, 2).unwrap();
+            let (table, refs) = admitted();
             let fenced: Vec<PageId> = pages_of(&refs);
             let expected = expected_for(&refs);
             let (go, late) = mpsc::channel::<()>();
@@ -398,29 +439,13 @@ mod transfer {
                 let dest = refs.clone();
                 s.spawn(move || {
                     let mut link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
-                    let (src, manifest) = prefilled(prefill_region, 3, &dest);
                     late.recv().unwrap();
-                    let dest_pages: Vec<PageId> = dest.iter().map(|r| r.page).collect();
-                    link.push(
-                        prefill_region,
-                        &src,
-                        &dest_pages,
-                        REQ,
-                        &manifest,
-                        Instant::now() + Duration::from_secs(20),
-                    )
-                    .unwrap();
+                    push_prefilled(&mut link, prefill_region, 3, &dest);
                 });
                 let pinned = Receiver::new(&table).pin(&expected).unwrap();
                 let deadline = Instant::now() + Duration::from_millis(200);
-                let timed_out = decode_link.receive(
-                    Direction::Write,
-                    pinned,
-                    &expected,
-                    &mut decode_region,
-                    deadline,
-                    |_, _, _| Ok(()),
-                );
+                let timed_out =
+                    received(&mut decode_link, Direction::Write, pinned, &expected, &mut decode_region, deadline);
                 assert!(matches!(timed_out, Err(ImportError::Aborted(NixlError::Timeout { .. }))));
                 assert_eq!(decode_link.fenced(), 1);
                 // The engine aborts the request: its pages leave it but are not handed out.
@@ -453,8 +478,7 @@ mod transfer {
         #[test]
         fn notices_for_requests_nobody_asked_for_hold_at_most_inbox_bytes() {
             let Some((decode, prefill)) = agents("flood") else { return };
-            let Pair { mut decode_link, prefill_md, decode_layout, .. } = pair(&decode, &prefill);
-            let mut prefill_link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
+            let Linked { mut decode_link, link: mut prefill_link, .. } = linked(&decode, &prefill, PAGES, PAGE_BYTES);
             // 24 notices of 1 MiB each for requests decode never asked for: 24 MiB sent.
             for i in 0..24u64 {
                 let notice = Notice {
@@ -488,8 +512,7 @@ mod transfer {
         #[test]
         fn a_selective_link_drops_notices_for_requests_it_does_not_expect_on_arrival() {
             let Some((decode, prefill)) = agents("selective") else { return };
-            let Pair { mut decode_link, prefill_md, decode_layout, .. } = pair(&decode, &prefill);
-            let mut prefill_link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
+            let Linked { mut decode_link, link: mut prefill_link, .. } = linked(&decode, &prefill, PAGES, PAGE_BYTES);
             let (asked, later) = (RequestId(7), RequestId(8));
             decode_link.expect(asked);
             decode_link.expect(later);
@@ -606,8 +629,7 @@ mod transfer {
             table.admit(REQ, TENANT, prompt.len() as u64, 0).unwrap();
             let refs = table.allocate(REQ, pages).unwrap();
             let expected = ExpectedTransfer::for_prompt(REQ, TENANT, &prompt, &refs, PAGE_SIZE, slot_bytes);
-            let header =
-                TransferHeader { request: REQ, tenant: TENANT, sender: SenderId(1), page_size: PAGE_SIZE, slot_bytes };
+            let header = header(slot_bytes);
             let manifest = Manifest::build(header, &prompt, &refs, &kv).unwrap().encode();
             let verdict = std::thread::scope(|s| {
                 let pinned = Receiver::new(&table).pin(&expected).unwrap();
@@ -697,13 +719,7 @@ mod transfer {
             let region = HostRegion::new(&decode, 2, PAGE_BYTES).unwrap();
             let prefill_region = HostRegion::new(&prefill, 2, PAGE_BYTES).unwrap();
             let mut link = NixlLink::connect(&prefill, &decode.metadata().unwrap(), region.layout()).unwrap();
-            let header = TransferHeader {
-                request: REQ,
-                tenant: TENANT,
-                sender: SenderId(1),
-                page_size: PAGE_SIZE,
-                slot_bytes: SLOT_BYTES,
-            };
+            let header = header(SLOT_BYTES);
             let dest = [PageRef { page: PageId(0), generation: kvguard::Generation(1) }];
             let src = [Extent { page: 0, len: PAGE_BYTES }];
             let deadline = Instant::now() + Duration::from_secs(5);
@@ -762,6 +778,43 @@ mod transfer {
 
         // ---- what may still land after a transfer decode gave up on -----------------------------
 
+        /// Pages of 4 slots of 8 MiB (32 MiB): a READ of two outlives a 1 ms deadline.
+        const SLOW_SLOT: u32 = 8 << 20;
+        const SLOW_PAGE: u32 = PAGE_SIZE * SLOW_SLOT;
+
+        /// A pull too large to READ in a 1 ms wait, with both sides' 4 pages of [`SLOW_PAGE`]
+        /// ([`slow_pull`]): a decode table with [`REQ`] admitted for `prompt` (two pages) and its
+        /// pages `refs` allocated, and the `manifest` of prefill's KV for them, in prefill's pages 0
+        /// and 1 (all `OURS`).
+        struct SlowPull {
+            table: OwnershipTable,
+            prompt: Vec<u32>,
+            refs: Vec<PageRef>,
+            manifest: Vec<u8>,
+        }
+
+        impl SlowPull {
+            /// What decode expects of the pull.
+            fn expected(&self) -> ExpectedTransfer<'_> {
+                ExpectedTransfer::for_prompt(REQ, TENANT, &self.prompt, &self.refs, PAGE_SIZE, SLOW_SLOT)
+            }
+        }
+
+        fn slow_pull<'a>(decode: &'a NixlAgent, prefill: &NixlAgent) -> (Pair<'a>, SlowPull) {
+            let npages = 4u32;
+            let mut pair = pair_of(decode, prefill, npages, SLOW_PAGE);
+            let table = OwnershipTable::new(PoolConfig::new(npages, PAGE_SIZE, 8)).unwrap();
+            let prompt: Vec<u32> = (0..2 * PAGE_SIZE).collect();
+            table.admit(REQ, TENANT, prompt.len() as u64, 0).unwrap();
+            let refs = table.allocate(REQ, 2).unwrap();
+            let kv: Vec<Vec<u8>> = (0..2).map(|_| vec![OURS; SLOW_PAGE as usize]).collect();
+            let manifest = Manifest::build(header(SLOW_SLOT), &prompt, &refs, &kv).unwrap().encode();
+            for p in 0..2 {
+                pair.prefill_region.bytes_mut(p, SLOW_PAGE).unwrap().fill(OURS);
+            }
+            (pair, SlowPull { table, prompt, refs, manifest })
+        }
+
         /// A pull whose READ was posted and timed out: releasing a READ in flight may not stop
         /// it (NIXL tries to cancel, and may not), so its pages stay fenced with the READ's
         /// handle (no next owner can be handed them, released or not) until NIXL reports the
@@ -771,26 +824,9 @@ mod transfer {
         #[test]
         fn a_pull_whose_read_timed_out_keeps_its_pages_fenced_until_the_read_completes() {
             let Some((decode, prefill)) = agents("read-fence") else { return };
-            let page_size = 4u32;
-            let slot_bytes = 8u32 << 20; // 32 MiB pages: a READ that outlives a 1 ms deadline
-            let page_bytes = page_size * slot_bytes;
-            let npages = 4u32;
-            let mut decode_region = HostRegion::new(&decode, npages, page_bytes).unwrap();
-            let mut prefill_region = HostRegion::new(&prefill, npages, page_bytes).unwrap();
-            let mut decode_link =
-                NixlLink::connect(&decode, &prefill.metadata().unwrap(), prefill_region.layout()).unwrap();
-            let (prefill_md, decode_layout) = (decode.metadata().unwrap(), decode_region.layout());
-            let table = OwnershipTable::new(PoolConfig::new(npages, page_size, 8)).unwrap();
-            let prompt: Vec<u32> = (0..2 * page_size).collect();
-            table.admit(REQ, TENANT, prompt.len() as u64, 0).unwrap();
-            let refs = table.allocate(REQ, 2).unwrap();
-            let expected = ExpectedTransfer::for_prompt(REQ, TENANT, &prompt, &refs, page_size, slot_bytes);
-            let kv: Vec<Vec<u8>> = (0..2).map(|_| vec![0xA5u8; page_bytes as usize]).collect();
-            let header = TransferHeader { request: REQ, tenant: TENANT, sender: SenderId(1), page_size, slot_bytes };
-            let manifest = Manifest::build(header, &prompt, &refs, &kv).unwrap().encode();
-            for p in 0..2 {
-                prefill_region.bytes_mut(p, page_bytes).unwrap().fill(0xA5);
-            }
+            let (Pair { mut decode_region, prefill_region: _pr, mut decode_link, prefill_md, decode_layout }, slow) =
+                slow_pull(&decode, &prefill);
+            let (table, refs, manifest, expected) = (&slow.table, &slow.refs, &slow.manifest, slow.expected());
             let (done_tx, done_rx) = mpsc::channel::<()>();
             let (seen_tx, seen_rx) = mpsc::channel::<()>();
             let (still_tx, still_rx) = mpsc::channel::<()>();
@@ -798,8 +834,14 @@ mod transfer {
             std::thread::scope(|s| {
                 s.spawn(move || {
                     let mut link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
-                    let extents: Vec<Extent> = (0..2).map(|page| Extent { page, len: page_bytes }).collect();
-                    let staged = Notice { kind: NoticeKind::Staged, request: REQ, extents, manifest, parts: 0 };
+                    let extents: Vec<Extent> = (0..2).map(|page| Extent { page, len: SLOW_PAGE }).collect();
+                    let staged = Notice {
+                        kind: NoticeKind::Staged,
+                        request: REQ,
+                        extents,
+                        manifest: manifest.clone(),
+                        parts: 0,
+                    };
                     link.send(&staged).unwrap();
                     // Prefill's agent moves until decode has the notice, then stands still until
                     // decode's 1 ms wait for its READ has ended: over TCP a READ is served by the
@@ -812,7 +854,7 @@ mod transfer {
                     // A live prefill keeps its agent going until decode is done.
                     keep_serving(&mut link, Instant::now() + Duration::from_secs(30), || done_rx.try_recv().is_ok());
                 });
-                let pinned = Receiver::new(&table).pin(&expected).unwrap();
+                let pinned = Receiver::new(table).pin(&expected).unwrap();
                 let until = Instant::now() + Duration::from_secs(10);
                 while decode_link.inbox_bytes() == 0 && Instant::now() < until {
                     decode_link.send(&Notice::bare(NoticeKind::Declined, RequestId(999))).unwrap();
@@ -835,12 +877,12 @@ mod transfer {
                 // Once NIXL reports the READ complete, the fence is lifted and the pages zeroed.
                 let until = Instant::now() + Duration::from_secs(20);
                 while decode_link.fenced() > 0 && Instant::now() < until {
-                    decode_link.settle_fences(&table, &mut decode_region).unwrap();
+                    decode_link.settle_fences(table, &mut decode_region).unwrap();
                 }
                 let _ = done_tx.send(());
                 assert_eq!(decode_link.fenced(), 0, "the READ completed and its fence was lifted");
                 for p in &pages {
-                    assert!(decode_region.bytes(p.0, page_bytes).unwrap().iter().all(|&b| b == 0), "zeroed");
+                    assert!(decode_region.bytes(p.0, SLOW_PAGE).unwrap().iter().all(|&b| b == 0), "zeroed");
                 }
                 table.claim(RequestId(20), &pages).unwrap();
             });
@@ -894,25 +936,20 @@ mod transfer {
                     let d2 = asked.recv().unwrap(); // the retry's offer: attempt 1 comes late
                     std::thread::sleep(Duration::from_millis(100));
                     for (base, dest) in [(3u32, &d1), (5u32, &d2)] {
-                        let (src, manifest) = prefilled(prefill_region, base, dest);
-                        let dp: Vec<PageId> = dest.iter().map(|r| r.page).collect();
-                        link.push(prefill_region, &src, &dp, REQ, &manifest, Instant::now() + Duration::from_secs(20))
-                            .unwrap();
+                        push_prefilled(&mut link, prefill_region, base, dest);
                     }
                 });
                 decode_link.expect(REQ);
-                let expected = ExpectedTransfer::for_prompt(REQ, TENANT, &PROMPT, &first, PAGE_SIZE, SLOT_BYTES);
+                let expected = expected_for(&first);
                 let pinned = Receiver::new(&table).pin(&expected).unwrap();
                 ask.send(first.clone()).unwrap();
                 let deadline = Instant::now() + Duration::from_millis(50);
                 let r = received(&mut decode_link, Direction::Write, pinned, &expected, &mut decode_region, deadline);
                 assert!(matches!(r, Err(ImportError::Aborted(NixlError::Timeout { .. }))), "{r:?}");
                 assert_eq!(decode_link.fenced(), 1);
-                table.release(REQ).unwrap();
-                table.admit(REQ, TENANT, PROMPT.len() as u64, 2).unwrap();
-                let second = table.allocate(REQ, 2).unwrap();
+                let second = readmitted(&table);
                 decode_link.expect(REQ);
-                let expected = ExpectedTransfer::for_prompt(REQ, TENANT, &PROMPT, &second, PAGE_SIZE, SLOT_BYTES);
+                let expected = expected_for(&second);
                 let pinned = Receiver::new(&table).pin(&expected).unwrap();
                 ask.send(second.clone()).unwrap();
                 let deadline = Instant::now() + Duration::from_secs(20);
@@ -928,9 +965,8 @@ mod transfer {
         #[test]
         fn a_push_of_more_pages_than_destinations_is_an_error() {
             let Some((decode, prefill)) = agents("push-extents") else { return };
-            let Pair { decode_region: _dr, prefill_region, decode_link: _dl, prefill_md, decode_layout } =
-                pair(&decode, &prefill);
-            let mut link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
+            let Linked { decode_region: _dr, prefill_region, decode_link: _dl, mut link } =
+                linked(&decode, &prefill, PAGES, PAGE_BYTES);
             let src: Vec<Extent> = (0..2).map(|page| Extent { page, len: PAGE_BYTES }).collect();
             let r = link.push(&prefill_region, &src, &[PageId(0)], REQ, &[], Instant::now() + Duration::from_secs(5));
             assert!(matches!(r, Err(NixlError::Extents { .. })), "{r:?}");
@@ -952,10 +988,7 @@ mod transfer {
                 s.spawn(move || {
                     let mut link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
                     gone.recv().unwrap(); // pushes only after decode gave up
-                    let (src, manifest) = prefilled(prefill_region, 3, &dest);
-                    let dp: Vec<PageId> = dest.iter().map(|r| r.page).collect();
-                    link.push(prefill_region, &src, &dp, REQ, &manifest, Instant::now() + Duration::from_secs(20))
-                        .unwrap();
+                    push_prefilled(&mut link, prefill_region, 3, &dest);
                 });
                 decode_link.expect(REQ);
                 let expected = expected_for(&refs);
@@ -980,6 +1013,43 @@ mod transfer {
 
         // ---- what a push that failed may still read: prefill's source pages --------------------
 
+        /// Pages of 8 MiB: a push of a few, a part each, outlives a deadline already passed.
+        const BIG_PAGE: u32 = 8 << 20;
+        const OURS: u8 = 0xA5;
+        const NEXT_TENANTS: u8 = 0xBB;
+
+        /// [`linked`] with `pages` pages of [`BIG_PAGE`] each side, prefill's filled with `OURS`.
+        fn big_linked<'a>(decode: &'a NixlAgent, prefill: &'a NixlAgent, pages: u32) -> Linked<'a> {
+            let mut linked = linked(decode, prefill, pages, BIG_PAGE);
+            for p in 0..pages {
+                linked.prefill_region.bytes_mut(p, BIG_PAGE).unwrap().fill(OURS);
+            }
+            linked
+        }
+
+        /// A push of [`REQ`] from `region`'s pages `src` into decode's `dest` whose deadline has
+        /// already passed: it fails at once, with every part (a page each) in flight, since
+        /// decode's agent is not called yet and 32 MiB cannot all leave by the push's first poll.
+        fn push_at_once<R: PageRegion + ?Sized>(
+            link: &mut NixlLink<'_>,
+            region: &R,
+            src: &[u32],
+            dest: &[u32],
+        ) -> NixlError {
+            let src: Vec<Extent> = src.iter().map(|&page| Extent { page, len: BIG_PAGE }).collect();
+            let dest: Vec<PageId> = dest.iter().copied().map(PageId).collect();
+            let err = link.push(region, &src, &dest, REQ, &[], Instant::now()).unwrap_err();
+            assert!(matches!(err.cause(), NixlError::Timeout { .. }), "{err}");
+            err
+        }
+
+        /// Asserts that each of decode's pages `pages` holds what prefill pushed (`OURS`) whole.
+        fn landed_whole(decode_region: &HostRegion, pages: std::ops::Range<u32>) {
+            for p in pages {
+                assert!(decode_region.bytes(p, BIG_PAGE).unwrap().iter().all(|&b| b == OURS), "decode's page {p}");
+            }
+        }
+
         /// A push whose deadline passes with its WRITEs in flight. Releasing a WRITE does not
         /// stop it (on loopback TCP it goes on, and reads the source pages as they are *then*),
         /// so the push reports the source pages its unfinished WRITEs may still read
@@ -990,106 +1060,39 @@ mod transfer {
         /// carried the next tenant's KV into decode's pages.
         #[test]
         fn a_push_that_fails_with_writes_in_flight_holds_its_source_pages_until_they_complete() {
-            const OURS: u8 = 0xA5;
-            const NEXT_TENANTS: u8 = 0xBB;
             let Some((decode, prefill)) = agents("push-in-flight") else { return };
-            let page_bytes = 8u32 << 20; // 8 MiB pages, a part each: WRITEs outlive a passed deadline
             let npages = 4u32;
-            let decode_region = HostRegion::new(&decode, npages, page_bytes).unwrap();
-            let mut prefill_region = HostRegion::new(&prefill, npages, page_bytes).unwrap();
-            let mut decode_link =
-                NixlLink::connect(&decode, &prefill.metadata().unwrap(), prefill_region.layout()).unwrap();
-            let mut link = NixlLink::connect(&prefill, &decode.metadata().unwrap(), decode_region.layout()).unwrap();
-            for p in 0..npages {
-                prefill_region.bytes_mut(p, page_bytes).unwrap().fill(OURS);
-            }
-            let src: Vec<Extent> = (0..npages).map(|page| Extent { page, len: page_bytes }).collect();
-            let dest: Vec<PageId> = (0..npages).map(PageId).collect();
-            // Decode's agent is not called yet, so it reads nothing from the socket: 32 MiB
-            // cannot all leave by the push's first poll.
-            let err = link.push(&prefill_region, &src, &dest, REQ, &[], Instant::now()).unwrap_err();
-            let (done_tx, done_rx) = mpsc::channel::<()>();
-            let handed = std::thread::scope(|s| {
-                // A live decode from now on: its agent moves along, so the WRITEs can complete
-                // (until told, or until this side panicked).
-                s.spawn(move || {
-                    let until = Instant::now() + Duration::from_secs(60);
-                    keep_serving(&mut decode_link, until, || {
-                        !matches!(done_rx.try_recv(), Err(mpsc::TryRecvError::Empty))
-                    });
-                });
+            let Linked { decode_region, mut prefill_region, mut decode_link, mut link } =
+                big_linked(&decode, &prefill, npages);
+            let err = push_at_once(&mut link, &prefill_region, &[0, 1, 2, 3], &[0, 1, 2, 3]);
+            // A live decode from now on: its agent moves along, so the WRITEs can complete.
+            let handed = with_live_peer(&mut decode_link, || {
                 // The engine reuses each source page as soon as the library lets it go.
-                let mut reuse = |pages: &[u32]| {
-                    for &p in pages {
-                        prefill_region.bytes_mut(p, page_bytes).unwrap().fill(NEXT_TENANTS);
-                    }
-                };
                 let free: Vec<u32> = (0..npages).filter(|p| !err.in_flight().contains(p)).collect();
-                reuse(&free);
-                let mut handed = Vec::new();
-                let until = Instant::now() + Duration::from_secs(30);
-                while !link.in_flight().is_empty() && Instant::now() < until {
-                    for (request, pages) in link.settle_pushes() {
-                        assert_eq!(request, REQ);
-                        reuse(&pages);
-                        handed.extend(pages);
-                    }
-                    std::thread::yield_now();
+                for &p in &free {
+                    prefill_region.bytes_mut(p, BIG_PAGE).unwrap().fill(NEXT_TENANTS);
                 }
+                let handed = settle_reusing(&mut link, &mut prefill_region);
                 // Whatever of the push might still come lands meanwhile.
                 keep_serving(&mut link, Instant::now() + Duration::from_millis(500), || false);
-                let _ = done_tx.send(());
                 handed
             });
             for p in 0..npages {
                 assert!(
-                    !decode_region.bytes(p, page_bytes).unwrap().contains(&NEXT_TENANTS),
+                    !decode_region.bytes(p, BIG_PAGE).unwrap().contains(&NEXT_TENANTS),
                     "decode's page {p} holds the next tenant's KV: a source page was let go while a WRITE read it"
                 );
             }
-            assert!(matches!(err.cause(), NixlError::Timeout { .. }), "{err}");
-            let mut held = err.in_flight().to_vec();
+            let held = err.in_flight().to_vec();
             assert!(!held.is_empty(), "the push was posted and timed out with WRITEs in flight: {err}");
             assert_eq!(link.in_flight(), vec![], "every WRITE completed");
-            held.sort_unstable();
-            let mut handed = handed;
-            handed.sort_unstable();
-            assert_eq!(handed, held, "the pages held are handed back, each once, when their WRITE completed");
+            assert_eq!(
+                sorted(handed),
+                sorted(held),
+                "the pages held are handed back, each once, when their WRITE completed"
+            );
             // The WRITEs completed whole, with the KV the pages held when pushed.
-            for p in 0..npages {
-                assert!(decode_region.bytes(p, page_bytes).unwrap().iter().all(|&b| b == OURS), "page {p}");
-            }
-        }
-
-        /// Two large pages of 8 MiB each side, the pages of `src` filled with `OURS`, and a push of
-        /// `src` into decode's `dest` that fails at once with every part (a page each) in flight:
-        /// decode's agent is not called yet, so 32 MiB cannot all leave by the push's first poll.
-        struct HeldPush<'a> {
-            decode_region: HostRegion,
-            prefill_region: HostRegion,
-            decode_link: NixlLink<'a>,
-            link: NixlLink<'a>,
-            err: NixlError,
-        }
-
-        const BIG_PAGE: u32 = 8 << 20;
-        const OURS: u8 = 0xA5;
-        const NEXT_TENANTS: u8 = 0xBB;
-
-        fn held_push<'a>(decode: &'a NixlAgent, prefill: &'a NixlAgent, src: &[u32], dest: &[u32]) -> HeldPush<'a> {
-            let npages = 8;
-            let decode_region = HostRegion::new(decode, npages, BIG_PAGE).unwrap();
-            let mut prefill_region = HostRegion::new(prefill, npages, BIG_PAGE).unwrap();
-            let decode_link = NixlLink::connect(decode, &prefill.metadata().unwrap(), prefill_region.layout()).unwrap();
-            let mut link = NixlLink::connect(prefill, &decode.metadata().unwrap(), decode_region.layout()).unwrap();
-            for p in 0..npages {
-                prefill_region.bytes_mut(p, BIG_PAGE).unwrap().fill(OURS);
-            }
-            let src: Vec<Extent> = src.iter().map(|&page| Extent { page, len: BIG_PAGE }).collect();
-            let dest: Vec<PageId> = dest.iter().copied().map(PageId).collect();
-            let err = link.push(&prefill_region, &src, &dest, REQ, &[], Instant::now()).unwrap_err();
-            assert!(matches!(err.cause(), NixlError::Timeout { .. }), "{err}");
-            HeldPush { decode_region, prefill_region, decode_link, link, err }
+            landed_whole(&decode_region, 0..npages);
         }
 
         /// Settles `link`'s pushes until nothing is held (or 30 s), the engine reusing each page
@@ -1133,8 +1136,9 @@ mod transfer {
         #[test]
         fn a_retried_push_of_pages_still_held_is_refused_and_each_page_comes_back_once() {
             let Some((decode, prefill)) = agents("push-retry-held") else { return };
-            let HeldPush { decode_region, mut prefill_region, mut decode_link, mut link, err } =
-                held_push(&decode, &prefill, &[0, 1, 2, 3], &[0, 1, 2, 3]);
+            let Linked { decode_region, mut prefill_region, mut decode_link, mut link } =
+                big_linked(&decode, &prefill, 8);
+            let err = push_at_once(&mut link, &prefill_region, &[0, 1, 2, 3], &[0, 1, 2, 3]);
             let held = err.in_flight().to_vec();
             assert!(!held.is_empty(), "{err}");
             let src: Vec<Extent> = (0..4).map(|page| Extent { page, len: BIG_PAGE }).collect();
@@ -1146,14 +1150,7 @@ mod transfer {
             assert!(matches!(staged, NixlError::Extents { .. }), "{staged}");
             assert_eq!(link.in_flight(), vec![(REQ, held.clone())], "each held page listed once");
             assert_eq!(link.held_pages(), held.len());
-            let (done_tx, done_rx) = mpsc::channel::<()>();
-            let handed = std::thread::scope(|s| {
-                s.spawn(move || {
-                    let until = Instant::now() + Duration::from_secs(60);
-                    keep_serving(&mut decode_link, until, || {
-                        !matches!(done_rx.try_recv(), Err(mpsc::TryRecvError::Empty))
-                    });
-                });
+            let handed = with_live_peer(&mut decode_link, || {
                 // A retry from copies of the KV (pages 4-7) lands while the first push is held.
                 let copies: Vec<Extent> = (4..8).map(|page| Extent { page, len: BIG_PAGE }).collect();
                 let deadline = Instant::now() + Duration::from_secs(20);
@@ -1166,14 +1163,11 @@ mod transfer {
                 }
                 let deadline = Instant::now() + Duration::from_secs(20);
                 link.push(&prefill_region, &src, &dest, REQ, &[], deadline).unwrap();
-                let _ = done_tx.send(());
                 handed
             });
             assert_eq!(sorted(handed), sorted(held), "every held page handed back once");
             assert_eq!((link.in_flight(), link.held_pages()), (vec![], 0));
-            for p in 0..8 {
-                assert!(decode_region.bytes(p, BIG_PAGE).unwrap().iter().all(|&b| b == OURS), "decode's page {p}");
-            }
+            landed_whole(&decode_region, 0..8);
         }
 
         /// A push naming one source page twice (into two of decode's pages): two held WRITEs read
@@ -1183,31 +1177,22 @@ mod transfer {
         #[test]
         fn a_source_page_two_held_writes_read_comes_back_once_when_both_completed() {
             let Some((decode, prefill)) = agents("push-page-twice") else { return };
-            let HeldPush { decode_region, mut prefill_region, mut decode_link, mut link, err } =
-                held_push(&decode, &prefill, &[0, 1, 0, 1], &[0, 1, 2, 3]);
+            let Linked { decode_region, mut prefill_region, mut decode_link, mut link } =
+                big_linked(&decode, &prefill, 8);
+            let err = push_at_once(&mut link, &prefill_region, &[0, 1, 0, 1], &[0, 1, 2, 3]);
             let held = err.in_flight().to_vec();
             assert_eq!(sorted(held.clone()), vec![0, 1], "each page named once: {err}");
             assert_eq!(link.in_flight(), vec![(REQ, held.clone())]);
             assert_eq!(link.held_pages(), 2);
-            let (done_tx, done_rx) = mpsc::channel::<()>();
-            let handed = std::thread::scope(|s| {
-                s.spawn(move || {
-                    let until = Instant::now() + Duration::from_secs(60);
-                    keep_serving(&mut decode_link, until, || {
-                        !matches!(done_rx.try_recv(), Err(mpsc::TryRecvError::Empty))
-                    });
-                });
+            let handed = with_live_peer(&mut decode_link, || {
                 let handed = settle_reusing(&mut link, &mut prefill_region);
                 keep_serving(&mut link, Instant::now() + Duration::from_millis(500), || false);
-                let _ = done_tx.send(());
                 handed
             });
             assert_eq!(sorted(handed), vec![0, 1]);
             assert_eq!(link.settle_pushes(), vec![]);
             assert_eq!(link.release_pushes(), vec![], "nothing left to hand back");
-            for p in 0..4 {
-                assert!(decode_region.bytes(p, BIG_PAGE).unwrap().iter().all(|&b| b == OURS), "decode's page {p}");
-            }
+            landed_whole(&decode_region, 0..4);
         }
 
         /// `release_pushes` (the engine knows the peer gone) hands each held page back once,
@@ -1216,8 +1201,8 @@ mod transfer {
         #[test]
         fn release_pushes_hands_each_held_page_back_once() {
             let Some((decode, prefill)) = agents("push-release-once") else { return };
-            let HeldPush { decode_region, prefill_region, mut decode_link, mut link, err } =
-                held_push(&decode, &prefill, &[0, 1, 0, 1], &[0, 1, 2, 3]);
+            let Linked { decode_region, prefill_region, mut decode_link, mut link } = big_linked(&decode, &prefill, 8);
+            let err = push_at_once(&mut link, &prefill_region, &[0, 1, 0, 1], &[0, 1, 2, 3]);
             let held = err.in_flight().to_vec();
             assert_eq!(sorted(held.clone()), vec![0, 1], "{err}");
             assert_eq!(link.in_flight(), vec![(REQ, held.clone())]);
@@ -1234,22 +1219,15 @@ mod transfer {
             assert_eq!(link.settle_pushes(), vec![]);
             // The released WRITEs may go on (releasing does not stop them): a later push over the
             // same connection, which polls this agent along, lets them drain before the regions go.
-            let (done_tx, done_rx) = mpsc::channel::<()>();
-            std::thread::scope(|s| {
-                s.spawn(move || {
-                    let until = Instant::now() + Duration::from_secs(60);
-                    keep_serving(&mut decode_link, until, || {
-                        !matches!(done_rx.try_recv(), Err(mpsc::TryRecvError::Empty))
-                    });
-                });
+            let pushed = with_live_peer(&mut decode_link, || {
                 let src = [Extent { page: 5, len: BIG_PAGE }];
                 let deadline = Instant::now() + Duration::from_secs(20);
                 let pushed = link.push(&prefill_region, &src, &[PageId(5)], RequestId(3), &[], deadline);
                 keep_serving(&mut link, Instant::now() + Duration::from_millis(500), || false);
-                let _ = done_tx.send(());
-                pushed.unwrap();
+                pushed
             });
-            assert!(decode_region.bytes(5, BIG_PAGE).unwrap().iter().all(|&b| b == OURS));
+            pushed.unwrap();
+            landed_whole(&decode_region, 5..6);
         }
 
         /// An engine's prefill pages behind an `Arc` it shares with the link as their keep-alive,
@@ -1278,44 +1256,23 @@ mod transfer {
         #[test]
         fn a_region_a_held_push_reads_outlives_its_owners_drop_until_its_writes_complete() {
             let Some((decode, prefill)) = agents("push-keep-alive") else { return };
-            let npages = 4;
-            let decode_region = HostRegion::new(&decode, npages, BIG_PAGE).unwrap();
-            let mut prefill_region = HostRegion::new(&prefill, npages, BIG_PAGE).unwrap();
-            let mut decode_link =
-                NixlLink::connect(&decode, &prefill.metadata().unwrap(), prefill_region.layout()).unwrap();
-            let mut link = NixlLink::connect(&prefill, &decode.metadata().unwrap(), decode_region.layout()).unwrap();
-            for p in 0..npages {
-                prefill_region.bytes_mut(p, BIG_PAGE).unwrap().fill(OURS);
-            }
+            let Linked { decode_region, prefill_region, mut decode_link, mut link } = big_linked(&decode, &prefill, 4);
             let pages = Arc::new(prefill_region);
             let alive = Arc::downgrade(&pages);
-            let src: Vec<Extent> = (0..npages).map(|page| Extent { page, len: BIG_PAGE }).collect();
-            let dest: Vec<PageId> = (0..npages).map(PageId).collect();
-            // Decode's agent is not called yet: 32 MiB cannot all leave by the push's first poll.
-            let err = link.push(&SharedPages(pages.clone()), &src, &dest, REQ, &[], Instant::now()).unwrap_err();
+            let err = push_at_once(&mut link, &SharedPages(pages.clone()), &[0, 1, 2, 3], &[0, 1, 2, 3]);
             assert!(!err.in_flight().is_empty(), "{err}");
             drop(pages);
             assert!(alive.strong_count() > 0, "the link keeps the region its held WRITEs read (a share each)");
-            let (done_tx, done_rx) = mpsc::channel::<()>();
-            std::thread::scope(|s| {
-                s.spawn(move || {
-                    let until = Instant::now() + Duration::from_secs(60);
-                    keep_serving(&mut decode_link, until, || {
-                        !matches!(done_rx.try_recv(), Err(mpsc::TryRecvError::Empty))
-                    });
-                });
+            with_live_peer(&mut decode_link, || {
                 let until = Instant::now() + Duration::from_secs(30);
                 while !link.in_flight().is_empty() && Instant::now() < until {
                     link.settle_pushes();
                     std::thread::yield_now();
                 }
-                let _ = done_tx.send(());
             });
             assert_eq!(link.in_flight(), vec![], "every WRITE completed");
             assert_eq!(alive.strong_count(), 0, "freed once the last held WRITE completed");
-            for p in 0..npages {
-                assert!(decode_region.bytes(p, BIG_PAGE).unwrap().iter().all(|&b| b == OURS), "decode's page {p}");
-            }
+            landed_whole(&decode_region, 0..4);
         }
 
         // ---- what a staging that failed may still have read: prefill's staged pages -------------
@@ -1329,6 +1286,31 @@ mod transfer {
             }
         }
 
+        /// Decode pins `expected`'s pages in `table` and pulls them into `decode_region` on a
+        /// thread of its own (20 s at most), while prefill's `link` serves until decode is done
+        /// and `until(link)`; decode's verdict.
+        fn pulled_while_serving(
+            decode_link: &mut NixlLink<'_>,
+            decode_region: &mut HostRegion,
+            table: &OwnershipTable,
+            expected: &ExpectedTransfer<'_>,
+            link: &mut NixlLink<'_>,
+            until: impl Fn(&NixlLink<'_>) -> bool,
+        ) -> Result<kvguard::transfer::Accepted, ImportError> {
+            let (done_tx, done_rx) = mpsc::channel::<()>();
+            std::thread::scope(|s| {
+                let decoding = s.spawn(move || {
+                    let pinned = Receiver::new(table).pin(expected).unwrap();
+                    let deadline = Instant::now() + Duration::from_secs(20);
+                    let v = received(decode_link, Direction::Read, pinned, expected, decode_region, deadline);
+                    drop(done_tx);
+                    v
+                });
+                serve_until(link, |l| !matches!(done_rx.try_recv(), Err(mpsc::TryRecvError::Empty)) && until(l));
+                decoding.join().unwrap()
+            })
+        }
+
         /// A staging whose deadline passes before decode released it: decode may still READ the
         /// pages, so the stage reports them (`NixlError::InFlight`, direction Read) and the link
         /// holds them until decode's `Released` naming them comes (`settle_stages`); a decline
@@ -1340,9 +1322,8 @@ mod transfer {
         fn a_stage_that_times_out_holds_its_pages_until_decode_releases_them() {
             const NEXT_TENANTS: u8 = 0xBB;
             let Some((decode, prefill)) = agents("stage-held") else { return };
-            let Pair { mut decode_region, mut prefill_region, mut decode_link, prefill_md, decode_layout } =
-                pair(&decode, &prefill);
-            let mut link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
+            let Linked { mut decode_region, mut prefill_region, mut decode_link, mut link } =
+                linked(&decode, &prefill, PAGES, PAGE_BYTES);
             let (table, refs) = admitted();
             let expected = expected_for(&refs);
             let (src, manifest) = prefilled(&mut prefill_region, 3, &refs);
@@ -1354,20 +1335,9 @@ mod transfer {
             for &p in staged.iter().filter(|p| !err.in_flight().contains(p)) {
                 prefill_region.bytes_mut(p, PAGE_BYTES).unwrap().fill(NEXT_TENANTS);
             }
-            let (done_tx, done_rx) = mpsc::channel::<()>();
-            let verdict = std::thread::scope(|s| {
-                let decoding = s.spawn(|| {
-                    let pinned = Receiver::new(&table).pin(&expected).unwrap();
-                    let deadline = Instant::now() + Duration::from_secs(20);
-                    let v =
-                        received(&mut decode_link, Direction::Read, pinned, &expected, &mut decode_region, deadline);
-                    drop(done_tx);
-                    v
-                });
-                // A live prefill (its agent serves decode's READ), not settling yet.
-                serve_until(&mut link, |_| !matches!(done_rx.try_recv(), Err(mpsc::TryRecvError::Empty)));
-                decoding.join().unwrap()
-            });
+            // A live prefill (its agent serves decode's READ), not settling yet.
+            let verdict =
+                pulled_while_serving(&mut decode_link, &mut decode_region, &table, &expected, &mut link, |_| true);
             let accepted = verdict.expect("decode READ the KV staged, not the next tenant's");
             assert_eq!((accepted.tokens(), accepted.pages()), (6, 2));
             assert!(matches!(err.cause(), NixlError::Timeout { .. }), "{err}");
@@ -1400,9 +1370,8 @@ mod transfer {
         #[test]
         fn a_region_a_held_staging_reads_outlives_its_owners_drop_until_decode_released_it() {
             let Some((decode, prefill)) = agents("stage-keep-alive") else { return };
-            let Pair { mut decode_region, mut prefill_region, mut decode_link, prefill_md, decode_layout } =
-                pair(&decode, &prefill);
-            let mut link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
+            let Linked { mut decode_region, mut prefill_region, mut decode_link, mut link } =
+                linked(&decode, &prefill, PAGES, PAGE_BYTES);
             let (table, refs) = admitted();
             let expected = expected_for(&refs);
             let (src, manifest) = prefilled(&mut prefill_region, 3, &refs);
@@ -1417,19 +1386,8 @@ mod transfer {
             assert!(matches!(err, NixlError::InFlight { direction: Direction::Read, request: REQ, .. }), "{err}");
             drop(pages);
             assert_eq!(alive.strong_count(), 1, "the link keeps the region decode may still READ");
-            let (done_tx, done_rx) = mpsc::channel::<()>();
-            let verdict = std::thread::scope(|s| {
-                let decoding = s.spawn(|| {
-                    let pinned = Receiver::new(&table).pin(&expected).unwrap();
-                    let deadline = Instant::now() + Duration::from_secs(20);
-                    let v =
-                        received(&mut decode_link, Direction::Read, pinned, &expected, &mut decode_region, deadline);
-                    drop(done_tx);
-                    v
-                });
-                serve_until(&mut link, |_| !matches!(done_rx.try_recv(), Err(mpsc::TryRecvError::Empty)));
-                decoding.join().unwrap()
-            });
+            let verdict =
+                pulled_while_serving(&mut decode_link, &mut decode_region, &table, &expected, &mut link, |_| true);
             let accepted = verdict.expect("decode READ the KV staged, from the kept region");
             assert_eq!((accepted.tokens(), accepted.pages()), (6, 2));
             let until = Instant::now() + Duration::from_secs(10);
@@ -1448,28 +1406,12 @@ mod transfer {
         #[test]
         fn a_stage_whose_read_outlives_decodes_wait_is_held_until_that_read_completes() {
             let Some((decode, prefill)) = agents("stage-read-fence") else { return };
-            let page_size = 4u32;
-            let slot_bytes = 8u32 << 20; // 32 MiB pages: a READ that outlives a 1 ms deadline
-            let page_bytes = page_size * slot_bytes;
-            let npages = 4u32;
-            let mut decode_region = HostRegion::new(&decode, npages, page_bytes).unwrap();
-            let mut prefill_region = HostRegion::new(&prefill, npages, page_bytes).unwrap();
-            let mut decode_link =
-                NixlLink::connect(&decode, &prefill.metadata().unwrap(), prefill_region.layout()).unwrap();
-            let mut link = NixlLink::connect(&prefill, &decode.metadata().unwrap(), decode_region.layout()).unwrap();
-            let table = OwnershipTable::new(PoolConfig::new(npages, page_size, 8)).unwrap();
-            let prompt: Vec<u32> = (0..2 * page_size).collect();
-            table.admit(REQ, TENANT, prompt.len() as u64, 0).unwrap();
-            let refs = table.allocate(REQ, 2).unwrap();
-            let expected = ExpectedTransfer::for_prompt(REQ, TENANT, &prompt, &refs, page_size, slot_bytes);
-            let kv: Vec<Vec<u8>> = (0..2).map(|_| vec![0xA5u8; page_bytes as usize]).collect();
-            let header = TransferHeader { request: REQ, tenant: TENANT, sender: SenderId(1), page_size, slot_bytes };
-            let manifest = Manifest::build(header, &prompt, &refs, &kv).unwrap().encode();
-            for p in 0..2 {
-                prefill_region.bytes_mut(p, page_bytes).unwrap().fill(0xA5);
-            }
-            let src: Vec<Extent> = (0..2).map(|page| Extent { page, len: page_bytes }).collect();
-            let err = link.stage(&src, REQ, &manifest, Instant::now()).unwrap_err();
+            let (Pair { mut decode_region, prefill_region: _pr, mut decode_link, prefill_md, decode_layout }, slow) =
+                slow_pull(&decode, &prefill);
+            let (table, manifest, expected) = (&slow.table, &slow.manifest, slow.expected());
+            let mut link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
+            let src: Vec<Extent> = (0..2).map(|page| Extent { page, len: SLOW_PAGE }).collect();
+            let err = link.stage(&src, REQ, manifest, Instant::now()).unwrap_err();
             let (done_tx, done_rx) = mpsc::channel::<()>();
             let (seen_tx, seen_rx) = mpsc::channel::<()>();
             let (still_tx, still_rx) = mpsc::channel::<()>();
@@ -1544,22 +1486,16 @@ mod transfer {
         #[test]
         fn a_declines_late_answer_does_not_end_a_staging() {
             let Some((decode, prefill)) = agents("stage-decline") else { return };
-            let Pair { mut decode_region, mut prefill_region, mut decode_link, prefill_md, decode_layout } =
-                pair(&decode, &prefill);
-            let mut link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
+            let Linked { mut decode_region, mut prefill_region, mut decode_link, mut link } =
+                linked(&decode, &prefill, PAGES, PAGE_BYTES);
             let (table, refs) = admitted();
             let expected = expected_for(&refs);
             // Prefill declines; decode takes the decline only after prefill stopped waiting.
             let declined = link.decline(REQ, Instant::now());
             assert!(matches!(declined, Err(NixlError::Timeout { .. })), "{declined:?}");
-            let r = std::thread::scope(|s| {
-                let decoding = s.spawn(|| {
-                    let pinned = Receiver::new(&table).pin(&expected).unwrap();
-                    let deadline = Instant::now() + Duration::from_secs(20);
-                    received(&mut decode_link, Direction::Read, pinned, &expected, &mut decode_region, deadline)
-                });
-                serve_until(&mut link, |l| l.inbox_bytes() > 0); // the decline's late answer
-                decoding.join().unwrap()
+            // Prefill serves until the decline's late answer came.
+            let r = pulled_while_serving(&mut decode_link, &mut decode_region, &table, &expected, &mut link, |l| {
+                l.inbox_bytes() > 0
             });
             assert!(matches!(r, Err(ImportError::Declined)), "{r:?}");
             // Decode is not called now: it cannot READ, nor release, this staging.
@@ -1583,9 +1519,8 @@ mod transfer {
         #[test]
         fn a_late_staging_of_a_pull_decode_gave_up_on_is_released_by_its_settle() {
             let Some((decode, prefill)) = agents("stage-abandoned") else { return };
-            let Pair { mut decode_region, mut prefill_region, mut decode_link, prefill_md, decode_layout } =
-                pair(&decode, &prefill);
-            let mut link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
+            let Linked { mut decode_region, mut prefill_region, mut decode_link, mut link } =
+                linked(&decode, &prefill, PAGES, PAGE_BYTES);
             let (table, refs) = admitted();
             let expected = expected_for(&refs);
             decode_link.expect(REQ);
@@ -1616,17 +1551,10 @@ mod transfer {
         #[test]
         fn a_push_with_an_extent_outside_its_region_posts_nothing() {
             let Some((decode, prefill)) = agents("push-outside") else { return };
-            let page_bytes = 8u32 << 20; // 8 MiB pages, a part each: the first parts still moving
-            let npages = 4u32;
-            let decode_region = HostRegion::new(&decode, npages, page_bytes).unwrap();
-            let mut prefill_region = HostRegion::new(&prefill, npages, page_bytes).unwrap();
-            let mut decode_link =
-                NixlLink::connect(&decode, &prefill.metadata().unwrap(), prefill_region.layout()).unwrap();
-            let mut link = NixlLink::connect(&prefill, &decode.metadata().unwrap(), decode_region.layout()).unwrap();
-            for p in 0..npages {
-                prefill_region.bytes_mut(p, page_bytes).unwrap().fill(0xA5);
-            }
-            let src: Vec<Extent> = (0..npages).map(|page| Extent { page, len: page_bytes }).collect();
+            let npages = 4u32; // a part each: the first parts would still be moving
+            let Linked { decode_region, prefill_region, mut decode_link, mut link } =
+                big_linked(&decode, &prefill, npages);
+            let src: Vec<Extent> = (0..npages).map(|page| Extent { page, len: BIG_PAGE }).collect();
             let dest: Vec<PageId> = (0..npages).map(PageId).collect();
             let mut outside_src = src.clone();
             outside_src[3].page = npages;
@@ -1643,7 +1571,7 @@ mod transfer {
                 keep_serving(&mut decode_link, until, || false);
             });
             for p in 0..npages {
-                assert!(decode_region.bytes(p, page_bytes).unwrap().iter().all(|&b| b == 0), "page {p} was written");
+                assert!(decode_region.bytes(p, BIG_PAGE).unwrap().iter().all(|&b| b == 0), "page {p} was written");
             }
         }
     }

@@ -421,6 +421,56 @@ def test_a_push_decode_gave_up_on_stays_fenced_until_its_late_write_is_done(pref
     assert d.table.check_read("next", [r.page for r in refs], 1).kind == "unwritten_slots"
 
 
+class InProcess:
+    """Prefill and decode as two agents in this process (prefill's calls made by the test, decode's
+    on a thread where it must be live): each side's HostRegion of `npages` pages of `page_bytes`,
+    decode's link to prefill (`decode_link`) and prefill's to decode (`link`)."""
+
+    def __init__(self, tag, npages, page_bytes):
+        tag = f"{os.getpid()}-{tag}"
+        self.decode, self.prefill = kvguard.NixlAgent(f"decode-{tag}"), kvguard.NixlAgent(f"prefill-{tag}")
+        self.decode_region = kvguard.HostRegion(self.decode, npages, page_bytes)
+        self.prefill_region = kvguard.HostRegion(self.prefill, npages, page_bytes)
+        self.decode_link = kvguard.NixlLink(self.decode, self.prefill.metadata(), self.prefill_region.layout())
+        self.link = kvguard.NixlLink(self.prefill, self.decode.metadata(), self.decode_region.layout())
+
+    def receive_while_settling(self, pinned, direction, request, settle, reuse, land=None):
+        """Decode receives `pinned` into its region on a thread of its own (20 s at most) while
+        prefill settles what it holds (`settle`: its link's settle_pushes or settle_stages), the
+        engine reusing each page handed back at once (`reuse(page)`), until decode is done and
+        nothing is held (30 s at most). Returns decode's verdict (the Accepted, or the error) and
+        the pages handed back."""
+        import threading
+
+        verdict = []
+
+        def receive():
+            try:
+                verdict.append(
+                    self.decode_link.receive(pinned, self.decode_region, direction=direction, timeout=20.0, land=land)
+                )
+            except kvguard.Error as e:
+                verdict.append(e)
+
+        receiving = threading.Thread(target=receive)
+        receiving.start()
+        handed, deadline = [], time.monotonic() + 30
+        while (receiving.is_alive() or self.link.in_flight) and time.monotonic() < deadline:
+            for r, pages in settle():
+                assert r == request
+                for page in pages:
+                    reuse(page)
+                handed += pages
+            # A live prefill keeps calling NIXL (UCX moves, and decode's READ is served, only
+            # inside its calls): here it declines a request decode never asked for, which decode
+            # drops on arrival.
+            with pytest.raises(kvguard.NixlError):
+                self.link.decline(10_000, timeout=0.001)
+        receiving.join(timeout=30)
+        assert not receiving.is_alive()
+        return verdict[0], handed
+
+
 def test_a_push_that_fails_with_writes_in_flight_holds_its_source_pages_until_they_complete():
     """Prefill (a second agent in this process) pushes 4 pages of 8 MiB with its deadline already
     passed: push_prompt raises NixlError (kind timeout) whose in_flight names the source pages its
@@ -432,16 +482,10 @@ def test_a_push_that_fails_with_writes_in_flight_holds_its_source_pages_until_th
     this test sees them carry the next tenant's KV into decode's pages); here the released last
     part's notification never came, and decode timed out."""
     _nixl_or_skip()
-    import threading
-
     page_size, slot_bytes, npages, request = 4, 2 << 20, 4, 1
     page_bytes = page_size * slot_bytes
-    tag = f"{os.getpid()}-in-flight"
-    decode, prefill = kvguard.NixlAgent(f"decode-{tag}"), kvguard.NixlAgent(f"prefill-{tag}")
-    decode_region = kvguard.HostRegion(decode, npages, page_bytes)
-    prefill_region = kvguard.HostRegion(prefill, npages, page_bytes)
-    decode_link = kvguard.NixlLink(decode, prefill.metadata(), prefill_region.layout())
-    link = kvguard.NixlLink(prefill, decode.metadata(), decode_region.layout())
+    pair = InProcess("in-flight", npages, page_bytes)
+    prefill_region, link = pair.prefill_region, pair.link
     table = kvguard.OwnershipTable(kvguard.PoolConfig(npages, page_size, npages * page_size))
     prompt = list(range(npages * page_size))
     table.admit(request, TENANT, len(prompt), 0)
@@ -450,45 +494,28 @@ def test_a_push_that_fails_with_writes_in_flight_holds_its_source_pages_until_th
     for page in range(npages):
         prefill_region.write(page, ours)
     pinned = kvguard.Receiver(table).pin(request, TENANT, prompt, refs, slot_bytes=slot_bytes)
-    decode_link.expect(request)
-    verdict, landed = [], []
+    pair.decode_link.expect(request)
+    landed = []
 
     def land(index, ref, data):
         landed.append(bytes(data) == ours)
 
-    def receive():
-        try:
-            verdict.append(decode_link.receive(pinned, decode_region, direction="write", timeout=20.0, land=land))
-        except kvguard.Error as e:
-            verdict.append(e)
+    def reuse(page):
+        prefill_region.write(page, next_tenants)
 
     src = [(page, page_bytes) for page in range(npages)]
     # Decode's agent is not called yet, so it reads nothing from the socket: 32 MiB cannot all
     # leave by the push's first poll.
     with pytest.raises(kvguard.NixlError) as failed:
         link.push_prompt(prefill_region, src, refs, request, TENANT, 1, page_size, slot_bytes, prompt, timeout=0.0)
-    receiving = threading.Thread(target=receive)
-    receiving.start()
     held = list(getattr(failed.value, "in_flight", []))
     # The engine reuses each source page as soon as the library lets it go.
     for page in range(npages):
         if page not in held:
-            prefill_region.write(page, next_tenants)
-    handed, deadline = [], time.monotonic() + 30
-    while (receiving.is_alive() or link.in_flight) and time.monotonic() < deadline:
-        for r, pages in link.settle_pushes():
-            assert r == request
-            for page in pages:
-                prefill_region.write(page, next_tenants)
-            handed += pages
-        # A live prefill keeps calling NIXL (UCX moves only inside its calls): here it declines a
-        # request decode never asked for, which decode drops on arrival.
-        with pytest.raises(kvguard.NixlError):
-            link.decline(10_000, timeout=0.001)
-    receiving.join(timeout=30)
-    assert not receiving.is_alive()
-    assert isinstance(verdict[0], kvguard.Accepted), f"decode did not accept the push: {verdict[0]!r}"
-    assert verdict[0].tokens == len(prompt)
+            reuse(page)
+    verdict, handed = pair.receive_while_settling(pinned, "write", request, link.settle_pushes, reuse, land=land)
+    assert isinstance(verdict, kvguard.Accepted), f"decode did not accept the push: {verdict!r}"
+    assert verdict.tokens == len(prompt)
     assert landed == [True] * npages, "every page landed with the KV pushed, none with the next tenant's"
     assert failed.value.kind == "timeout", str(failed.value)
     assert held, f"the push timed out with WRITEs in flight: {failed.value}"
@@ -508,12 +535,8 @@ def test_a_push_with_writes_held_keeps_its_region_alive_and_refuses_a_retry_of_i
     import threading
 
     npages, page_bytes, request = 4, 8 << 20, 1
-    tag = f"{os.getpid()}-held-region"
-    decode, prefill = kvguard.NixlAgent(f"decode-{tag}"), kvguard.NixlAgent(f"prefill-{tag}")
-    decode_region = kvguard.HostRegion(decode, npages, page_bytes)
-    prefill_region = kvguard.HostRegion(prefill, npages, page_bytes)
-    decode_link = kvguard.NixlLink(decode, prefill.metadata(), prefill_region.layout())
-    link = kvguard.NixlLink(prefill, decode.metadata(), decode_region.layout())
+    pair = InProcess("held-region", npages, page_bytes)
+    prefill_region, decode_link, link = pair.prefill_region, pair.decode_link, pair.link
     for page in range(npages):
         prefill_region.write(page, bytes([0xA5]) * page_bytes)
     src, dest = [(page, page_bytes) for page in range(npages)], list(range(npages))
@@ -565,15 +588,9 @@ def test_a_stage_that_times_out_holds_its_pages_until_decode_releases_them():
     Before, the stage raised a bare timeout and every page looked free: decode READ the next
     tenant's KV and refused it (page_checksum_mismatch)."""
     _nixl_or_skip()
-    import threading
-
     npages, request = 8, 1
-    tag = f"{os.getpid()}-stage-held"
-    decode, prefill = kvguard.NixlAgent(f"decode-{tag}"), kvguard.NixlAgent(f"prefill-{tag}")
-    decode_region = kvguard.HostRegion(decode, npages, PAGE_BYTES)
-    prefill_region = kvguard.HostRegion(prefill, npages, PAGE_BYTES)
-    decode_link = kvguard.NixlLink(decode, prefill.metadata(), prefill_region.layout())
-    link = kvguard.NixlLink(prefill, decode.metadata(), decode_region.layout())
+    pair = InProcess("stage-held", npages, PAGE_BYTES)
+    prefill_region, link = pair.prefill_region, pair.link
     table = kvguard.OwnershipTable(kvguard.PoolConfig(npages, PAGE_SIZE, npages * PAGE_SIZE))
     table.admit(request, TENANT, len(PROMPT), 0)
     refs = table.allocate(request, 2)
@@ -585,6 +602,10 @@ def test_a_stage_that_times_out_holds_its_pages_until_decode_releases_them():
         src.append((nixl_prefill.FIRST_SRC_PAGE + i, len(data)))
     staged = [page for page, _ in src]
     next_tenants = bytes([0xBB]) * PAGE_BYTES
+
+    def reuse(page):
+        prefill_region.write(page, next_tenants)
+
     # Decode's agent is not called yet: its Released cannot come by a deadline already passed.
     with pytest.raises(kvguard.NixlError) as failed:
         link.stage(src, request, manifest, timeout=0.0)
@@ -592,34 +613,12 @@ def test_a_stage_that_times_out_holds_its_pages_until_decode_releases_them():
     # The engine reuses each staged page the library does not hold, at once.
     for page in staged:
         if page not in held:
-            prefill_region.write(page, next_tenants)
-    decode_link.expect(request)
+            reuse(page)
+    pair.decode_link.expect(request)
     pinned = kvguard.Receiver(table).pin(request, TENANT, PROMPT, refs, slot_bytes=SLOT_BYTES)
-    verdict = []
-
-    def receive():
-        try:
-            verdict.append(decode_link.receive(pinned, decode_region, direction="read", timeout=20.0))
-        except kvguard.Error as e:
-            verdict.append(e)
-
-    receiving = threading.Thread(target=receive)
-    receiving.start()
-    handed, deadline = [], time.monotonic() + 30
-    while (receiving.is_alive() or link.in_flight) and time.monotonic() < deadline:
-        for r, pages in link.settle_stages():
-            assert r == request
-            for page in pages:
-                prefill_region.write(page, next_tenants)
-            handed += pages
-        # A live prefill keeps calling NIXL (decode's READ moves only inside its calls): here it
-        # declines a request decode never asked for, which decode drops on arrival.
-        with pytest.raises(kvguard.NixlError):
-            link.decline(10_000, timeout=0.001)
-    receiving.join(timeout=30)
-    assert not receiving.is_alive()
-    assert isinstance(verdict[0], kvguard.Accepted), f"decode did not accept the KV staged: {verdict[0]!r}"
-    assert verdict[0].tokens == len(PROMPT)
+    verdict, handed = pair.receive_while_settling(pinned, "read", request, link.settle_stages, reuse)
+    assert isinstance(verdict, kvguard.Accepted), f"decode did not accept the KV staged: {verdict!r}"
+    assert verdict.tokens == len(PROMPT)
     table.verify_read(request, [r.page for r in refs], len(PROMPT))
     assert failed.value.kind == "timeout", str(failed.value)
     assert held == staged, f"the staged pages decode may still READ: {failed.value}"
