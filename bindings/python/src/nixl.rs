@@ -173,7 +173,8 @@ impl NixlAgent {
 /// HostRegion(agent, pages, page_bytes). layout() is what the peer needs (bytes, out of band).
 /// read/write/scrub raise RuntimeError while a transfer on this region runs in another thread.
 /// A NixlLink whose failed push's WRITEs are held keeps the region it pushed from alive until it
-/// holds no page; a staged page's region is not kept: keep it while in_flight names its pages.
+/// holds no page; a failed stage's region too when the stage named it (`region=`): otherwise
+/// keep it while in_flight names its pages.
 #[pyclass(frozen, module = "kvguard")]
 pub struct HostRegion {
     region: Mutex<core::HostRegion>,
@@ -872,10 +873,17 @@ impl NixlLink {
     /// ([(page, length)]) with its manifest, then waits until decode released them (a Released
     /// naming exactly these extents: it READ them, whatever its verdict): only then may prefill
     /// reuse those pages. NixlError otherwise: kind 'extents', before anything is sent, when a
-    /// page is still held (in_flight) by an earlier staging or failed push; any other failure comes after the staged notice
-    /// left, so decode may READ the pages later: its in_flight lists them, held until
-    /// settle_stages hands them back (or release_stages, the peer gone).
-    #[pyo3(signature = (src, request, manifest, *, timeout = 20.0))]
+    /// page is still held (in_flight) by an earlier staging or failed push, or (with `region`)
+    /// an extent lies outside `region`; any other failure comes after the staged notice left,
+    /// so decode may READ the pages later: its in_flight lists them, held until settle_stages
+    /// hands them back (or release_stages, the peer gone).
+    ///
+    /// `region`: the HostRegion or EnginePool the extents are in (decode READs it). Given, the
+    /// extents are checked against it first, and after a failure that leaves pages held the
+    /// link keeps it alive (registered, allocated) until it holds no page, as for a push; it is
+    /// not locked while the stage waits. Without it, keep the region alive yourself while
+    /// in_flight names its pages.
+    #[pyo3(signature = (src, request, manifest, *, timeout = 20.0, region = None))]
     fn stage(
         &self,
         py: Python<'_>,
@@ -883,13 +891,24 @@ impl NixlLink {
         request: u64,
         manifest: &Bound<'_, PyAny>,
         timeout: f64,
+        region: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let src = extents(src, "src")?;
         let manifest = bytes_arg(manifest, "manifest")?;
         let deadline = deadline(timeout)?;
+        if let Some(region) = region {
+            let layout = RegionArg::lock(region)?.region().layout();
+            for e in &src {
+                layout.extent_addr(e).map_err(|e| nixl_error(py, &e))?;
+            }
+        }
         let mut link = self.link.try_lock().ok_or_else(|| busy("link"))?;
         let link = &mut *link;
-        py.detach(|| link.stage(&src, RequestId(request), &manifest, deadline)).map_err(|e| nixl_error(py, &e))
+        let staged = py.detach(|| link.stage(&src, RequestId(request), &manifest, deadline));
+        if let Some(region) = region {
+            self.keep_region(link, region, staged.as_ref().is_err_and(|e| !e.in_flight().is_empty()));
+        }
+        staged.map_err(|e| nixl_error(py, &e))
     }
 
     /// Prefill: declines `request` for now and waits until decode took the decline (its bare

@@ -627,6 +627,43 @@ def test_a_stage_that_times_out_holds_its_pages_until_decode_releases_them():
     assert link.release_stages() == []
 
 
+def test_a_stage_told_its_region_checks_its_extents_and_keeps_it_alive_while_held():
+    """stage(..., region=): an extent outside the region is refused before anything is sent
+    (kind 'extents', nothing held); a stage that times out with its pages held keeps the region
+    alive (a reference of the link's) until settle_stages hands the pages back, then lets it go.
+    Without region= the link keeps no reference: the caller keeps a staged region alive."""
+    _nixl_or_skip()
+    npages, request = 8, 1
+    pair = InProcess("stage-region", npages, PAGE_BYTES)
+    prefill_region, link = pair.prefill_region, pair.link
+    table = kvguard.OwnershipTable(kvguard.PoolConfig(npages, PAGE_SIZE, npages * PAGE_SIZE))
+    table.admit(request, TENANT, len(PROMPT), 0)
+    refs = table.allocate(request, 2)
+    pages = kv_pages(PROMPT)
+    manifest = nixl_prefill.manifest_for(request, TENANT, PROMPT, refs, pages)
+    src = []
+    for i, data in enumerate(pages):
+        prefill_region.write(nixl_prefill.FIRST_SRC_PAGE + i, data)
+        src.append((nixl_prefill.FIRST_SRC_PAGE + i, len(data)))
+    refs_before = sys.getrefcount(prefill_region)
+    with pytest.raises(kvguard.NixlError) as outside:
+        link.stage([(npages, PAGE_BYTES)], request, manifest, timeout=5.0, region=prefill_region)
+    assert outside.value.kind == "extents" and list(outside.value.in_flight) == [], str(outside.value)
+    assert link.in_flight == [] and sys.getrefcount(prefill_region) == refs_before
+    # Decode's agent is not called yet: its Released cannot come by a deadline already passed.
+    with pytest.raises(kvguard.NixlError) as failed:
+        link.stage(src, request, manifest, timeout=0.0, region=prefill_region)
+    held = list(failed.value.in_flight)
+    assert held == [page for page, _ in src], str(failed.value)
+    assert sys.getrefcount(prefill_region) == refs_before + 1, "the link keeps the region decode may READ"
+    pair.decode_link.expect(request)
+    pinned = kvguard.Receiver(table).pin(request, TENANT, PROMPT, refs, slot_bytes=SLOT_BYTES)
+    verdict, handed = pair.receive_while_settling(pinned, "read", request, link.settle_stages, lambda page: None)
+    assert isinstance(verdict, kvguard.Accepted), f"decode did not accept the KV staged: {verdict!r}"
+    assert handed == held and link.in_flight == []
+    assert sys.getrefcount(prefill_region) == refs_before, "let go once the link holds no page"
+
+
 def test_a_pinned_import_ends_once(prefill):
     d = Decode(prefill)
     refs = d.pages()

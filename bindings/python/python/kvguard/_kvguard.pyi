@@ -586,10 +586,18 @@ class NixlLink:
         timeout: float = 20.0,
     ) -> None: ...
     def stage(
-        self, src: Sequence[tuple[int, int]], request: int, manifest: Any, *, timeout: float = 20.0
+        self,
+        src: Sequence[tuple[int, int]],
+        request: int,
+        manifest: Any,
+        *,
+        timeout: float = 20.0,
+        region: HostRegion | EnginePool | None = None,
     ) -> None:
         """Prefill, pull: returns once decode released the staged extents; NixlError otherwise,
-        its in_flight the pages decode may still READ (held until settle_stages hands them back)."""
+        its in_flight the pages decode may still READ (held until settle_stages hands them back).
+        With `region` (where the extents are), they are checked against it first, and the link
+        keeps it alive while it holds pages of a failed stage."""
     def decline(self, request: int, *, timeout: float = 20.0) -> None: ...
     def receive(
         self,
