@@ -17,7 +17,7 @@
 //! | [`transfer`] | manifests and the receiver |
 //! | [`trace`] | the trace recorder and replayer |
 //! | [`device`] | the CUDA device guard (a typed error without a GPU) |
-//! | `nixl` | checked transfers over NIXL (feature `nixl`): agent, host region, link |
+//! | `nixl` | checked transfers over NIXL (feature `nixl`): agent, regions (kvguard's host pages, an engine's pool), link |
 //!
 //! All `unsafe` of the Python binding lives in [`arrays`], [`names`] (a step's id list read with
 //! borrowed items), [`table::import`] and [`transfer`] (a ticket's or pin's borrow of its table, kept
