@@ -51,8 +51,9 @@ impl NixlLink<'_> {
     /// A pull whose READ did not complete (it timed out or failed) is fenced with the READ's
     /// handle, and lifted the same way once NIXL reports that READ complete, then prefill is
     /// told (`Released` naming the extents it staged: its [`settle_stages`](Self::settle_stages)
-    /// hands them back); one NIXL reports failed stays fenced until
-    /// [`release_fences`](Self::release_fences) (a failure is no proof that nothing more lands).
+    /// hands them back); one NIXL reports failed, or whose posting failed (NIXL may have started
+    /// it and gave no handle), stays fenced until [`release_fences`](Self::release_fences) (a
+    /// failure is no proof that nothing more lands), prefill not told.
     /// A late `Staged` for a pull that timed out before it came (or was
     /// [abandoned](Self::abandon)) is answered here too, `Released` naming its extents: decode
     /// never READs it.

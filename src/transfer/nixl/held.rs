@@ -2,7 +2,8 @@
 //! not reported them complete) and that decode may still READ for failed stagings (its
 //! `Released` has not come), counted per page, so that each page comes back once, when the last
 //! transfer that may read it lets go of it. Each held transfer keeps the region it reads alive
-//! ([`KeepAlive`]) until it lets go; a link dropped while holding transfers leaks those.
+//! ([`KeepAlive`]) until NIXL proves it done (a WRITE complete, decode's `Released`); one let
+//! go without that proof (released, or the link dropped while holding it) leaks its share.
 
 use super::{KeepAlive, Posted};
 use crate::ids::RequestId;
@@ -168,10 +169,12 @@ impl Held {
         self.let_go(done.iter().map(|w| (w.request, w.pages.as_slice())))
     }
 
-    /// Lets go of every WRITE (their handles released); returns the pages no held staging
-    /// names.
+    /// Lets go of every WRITE (their handles released, which does not stop them: see
+    /// [`Posted`]); their regions' shares are leaked, never dropped. Returns the pages no held
+    /// staging names.
     pub(super) fn release_pushes(&mut self) -> ByRequest {
-        let all = std::mem::take(&mut self.pushes);
+        let mut all = std::mem::take(&mut self.pushes);
+        leak(all.iter_mut().map(|w| w.keep.take()));
         self.let_go(all.iter().map(|w| (w.request, w.pages.as_slice())))
     }
 
@@ -184,10 +187,20 @@ impl Held {
         self.let_go(done.iter().map(|s| (s.request, s.pages.as_slice())))
     }
 
-    /// Lets go of every staging; returns the pages no held WRITE names.
+    /// Lets go of every staging (decode may still READ it: their regions' shares are leaked,
+    /// never dropped); returns the pages no held WRITE names.
     pub(super) fn release_stages(&mut self) -> ByRequest {
-        let all = std::mem::take(&mut self.stages);
+        let mut all = std::mem::take(&mut self.stages);
+        leak(all.iter_mut().map(|s| s.keep.take()));
         self.let_go(all.iter().map(|s| (s.request, s.pages.as_slice())))
+    }
+}
+
+/// Shares of regions a transfer may still read with nothing left to prove it done: never
+/// dropped, so the memory they keep is never deregistered or freed.
+fn leak(keeps: impl Iterator<Item = Option<KeepAlive>>) {
+    for keep in keeps.flatten() {
+        std::mem::forget(keep);
     }
 }
 
@@ -197,9 +210,7 @@ impl Drop for Held {
     /// never freed: their keep-alives are leaked, not dropped.
     fn drop(&mut self) {
         let pushed = self.pushes.iter_mut().map(|w| w.keep.take());
-        for keep in pushed.chain(self.stages.iter_mut().map(|s| s.keep.take())).flatten() {
-            std::mem::forget(keep);
-        }
+        leak(pushed.chain(self.stages.iter_mut().map(|s| s.keep.take())));
     }
 }
 
@@ -296,7 +307,7 @@ mod tests {
     }
 
     #[test]
-    fn a_failed_writes_and_a_stagings_regions_are_let_go_when_they_are_released() {
+    fn a_region_is_freed_once_its_transfer_is_proven_done_and_never_when_released() {
         let mut held = Held::default();
         let (pushed_from, pushed_alive) = region();
         let (staged_from, staged_alive) = region();
@@ -306,15 +317,21 @@ mod tests {
         assert_eq!(held.settle_pushes(|_| Ok(true)), vec![], "a failed WRITE is never settled");
         assert_eq!(held.settle_stages(|_| false), vec![], "decode has not released the staging");
         assert_eq!((pushed_alive.strong_count(), staged_alive.strong_count()), (1, 1));
+        // Released: its pages come back, but the WRITE may still read: its region is leaked.
         assert_eq!(held.release_pushes(), vec![(A, vec![0])]);
-        assert_eq!((pushed_alive.strong_count(), staged_alive.strong_count()), (0, 1));
+        assert_eq!((pushed_alive.strong_count(), staged_alive.strong_count()), (1, 1));
         assert_eq!(held.settle_stages(|_| true), vec![(B, vec![1])]);
         assert_eq!(staged_alive.strong_count(), 0, "freed once decode released the staging");
         let (staged_again, alive_again) = region();
         held.hold_stage(Staging { keep: kept(&staged_again), ..staging(B, &[1]) });
         drop(staged_again);
         assert_eq!(held.release_stages(), vec![(B, vec![1])]);
-        assert_eq!(alive_again.strong_count(), 0);
+        assert_eq!(alive_again.strong_count(), 1, "released, not proven read: leaked");
+        let (settled_from, settled_alive) = region();
+        held.hold_push(PushWrite { keep: kept(&settled_from), ..write(A, &[2], false) });
+        drop(settled_from);
+        assert_eq!(held.settle_pushes(|_| Ok(true)), vec![(A, vec![2])]);
+        assert_eq!(settled_alive.strong_count(), 0, "freed once NIXL reported the WRITE complete");
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! checksummed as they land), READing a pull's staged pages, and checking what landed; on a
 //! refusal, an error, a timeout or a decline nothing is recorded and the pages are scrubbed.
 
+use super::agent::POST_CALL;
 use super::link::ReadFence;
 use super::{Direction, Extent, NixlError, NixlLink, Notice, NoticeKind, PageRegion, RegionLayout};
 use crate::OwnershipTable;
@@ -175,7 +176,15 @@ impl NixlLink<'_> {
             let src = &notice.extents[..landed.len()];
             let posted = self.agent.post(Direction::Read, &layout, &landed, &self.peer, &self.peer_region, src, None);
             let read = match posted {
-                // Never posted: nothing of it can land.
+                Err(e) if matches!(&e, NixlError::Call { call, .. } if *call == POST_CALL) => {
+                    // Posting itself failed: NIXL may have started part of this READ and let it
+                    // go on, with no handle to wait for (as for a push's WRITE). Its pages stay
+                    // fenced until release_fences (the peer known gone), and prefill is not told
+                    // to reuse what it staged: its settle_stages keeps holding it.
+                    self.fenced.push(pinned.fence());
+                    return Err(ImportError::Aborted(e));
+                }
+                // Never posted (an earlier call failed): nothing of it can land.
                 Err(e) => Err(e),
                 Ok(mut read) => match self.agent.wait(&mut read, deadline) {
                     Ok(()) => Ok(()),

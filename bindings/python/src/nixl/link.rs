@@ -58,10 +58,21 @@ impl NixlLink {
         }
     }
 
-    /// After a settle or release: lets the kept regions go once the link holds no page.
+    /// After a settle: lets the kept regions go once the link holds no page.
     fn let_regions_go(&self, link: &core::NixlLink<'static>) {
         if link.held_pages() == 0 {
             self.held_regions.lock().clear();
+        }
+    }
+
+    /// After a release (transfers let go with nothing to prove them done: a released WRITE
+    /// still runs, decode may still READ a staging): the regions kept are never freed (leaked,
+    /// as when the link is dropped holding pages); any later hold keeps its region anew.
+    fn leak_regions(&self, held_before: usize) {
+        if held_before > 0 {
+            for region in std::mem::take(&mut *self.held_regions.lock()) {
+                std::mem::forget(region);
+            }
         }
     }
 }
@@ -244,8 +255,9 @@ impl NixlLink {
     /// failed).
     fn release_pushes(&self) -> PyResult<Vec<(u64, Vec<u32>)>> {
         let mut link = self.link.try_lock().ok_or_else(|| busy("link"))?;
+        let held_before = link.held_pages();
         let released = link.release_pushes();
-        self.let_regions_go(&link);
+        self.leak_regions(held_before);
         Ok(released.into_iter().map(|(r, pages)| (r.0, pages)).collect())
     }
 
@@ -265,8 +277,9 @@ impl NixlLink {
     /// decode will READ none of them (the peer is gone).
     fn release_stages(&self) -> PyResult<Vec<(u64, Vec<u32>)>> {
         let mut link = self.link.try_lock().ok_or_else(|| busy("link"))?;
+        let held_before = link.held_pages();
         let released = link.release_stages();
-        self.let_regions_go(&link);
+        self.leak_regions(held_before);
         Ok(released.into_iter().map(|(r, pages)| (r.0, pages)).collect())
     }
 
@@ -381,8 +394,7 @@ impl NixlLink {
     /// `region`: the HostRegion or EnginePool the extents are in (decode READs it). Given, the
     /// extents are checked against it first, and after a failure that leaves pages held the
     /// link keeps it alive (registered, allocated) until it holds no page, as for a push; it is
-    /// not locked while the stage waits. Without it, keep the region alive yourself while
-    /// in_flight names its pages.
+    /// never locked. Without it, keep the region alive yourself while in_flight names its pages.
     #[pyo3(signature = (src, request, manifest, *, timeout = 20.0, region = None))]
     fn stage(
         &self,
@@ -397,7 +409,7 @@ impl NixlLink {
         let manifest = bytes_arg(manifest, "manifest")?;
         let deadline = deadline(timeout)?;
         if let Some(region) = region {
-            let layout = RegionArg::lock(region)?.region().layout();
+            let layout = RegionArg::layout_of(region)?;
             for e in &src {
                 layout.extent_addr(e).map_err(|e| nixl_error(py, &e))?;
             }

@@ -253,9 +253,11 @@ impl EnginePool {
             device: 0,
         };
         // SAFETY: `buf` is a writable, C-contiguous export of `pages * page_bytes` host bytes at
-        // `base`, held by the pool (dropped after the registration) so the exporter keeps the
-        // memory allocated; peers writing it and kvguard zeroing refused pages is what the
-        // caller asked for by handing it over.
+        // `base`, held by this pool object so the exporter keeps the memory allocated while the
+        // object lives; the registration may outlive the object inside a core link's share (a
+        // held transfer), and the NixlLink holding it keeps this object alive until the share
+        // goes (or leaks both: released or dropped while holding). Peers writing it and kvguard
+        // zeroing refused pages is what the caller asked for by handing it over.
         let pool = unsafe { engine_pool(py, &agent.get().agent, layout, register)? };
         Ok(EnginePool { memory: Mutex::new(PoolMemory::Host { pool, _buffer: Some(buf), _owner: None }), layout })
     }
@@ -286,8 +288,10 @@ impl EnginePool {
         let layout = core::RegionLayout { base: address, page_bytes, pages, segment, device };
         let memory = match (segment, read, scrub) {
             (core::Segment::Dram, None, None) => {
-                // SAFETY: the caller vouches for the memory (the class doc); `owner`, kept by the
-                // pool until after the registration is dropped, is what keeps it allocated.
+                // SAFETY: the caller vouches for the memory (the class doc); `owner`, kept by this
+                // pool object, keeps it allocated while the object lives, and a NixlLink holding
+                // a transfer from the pool keeps the object alive (or leaks it) for as long as the
+                // core link's share of the registration may live.
                 let pool = unsafe { engine_pool(py, &agent.get().agent, layout, register)? };
                 PoolMemory::Host { pool, _buffer: None, _owner: owner }
             }
@@ -348,6 +352,18 @@ pub(super) enum RegionArg<'a> {
 }
 
 impl<'a> RegionArg<'a> {
+    /// The layout of `region` (a HostRegion or an EnginePool) as the object keeps it, without
+    /// locking it (a transfer on it in another thread is no reason to refuse).
+    pub(super) fn layout_of(region: &Bound<'_, PyAny>) -> PyResult<core::RegionLayout> {
+        if let Ok(r) = region.cast::<HostRegion>() {
+            return Ok(r.get().layout);
+        }
+        if let Ok(p) = region.cast::<EnginePool>() {
+            return Ok(p.get().layout);
+        }
+        Err(PyTypeError::new_err("region must be a kvguard.HostRegion or a kvguard.EnginePool"))
+    }
+
     pub(super) fn lock(region: &'a Bound<'_, PyAny>) -> PyResult<RegionArg<'a>> {
         if let Ok(r) = region.cast::<HostRegion>() {
             let r: &'a HostRegion = r.get();
