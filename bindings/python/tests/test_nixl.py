@@ -579,6 +579,27 @@ def test_a_push_with_writes_held_keeps_its_region_alive_and_refuses_a_retry_of_i
     assert sys.getrefcount(prefill_region) == refs, "let go once nothing is held"
 
 
+def test_a_released_push_never_frees_the_region_its_writes_may_still_read():
+    """release_pushes hands a failed push's held pages back (the engine knows the peer gone), but
+    a released WRITE is not stopped: the region the link kept for it is never let go (leaked,
+    as when a link is dropped holding pages). Before, release let it go: collected by its owner,
+    it was deregistered and freed under the WRITE."""
+    _nixl_or_skip()
+    npages, page_bytes, request = 4, 8 << 20, 1
+    pair = InProcess("released-region", npages, page_bytes)
+    prefill_region, link = pair.prefill_region, pair.link
+    src, dest = [(page, page_bytes) for page in range(npages)], list(range(npages))
+    refs = sys.getrefcount(prefill_region)
+    # Decode's agent is not called yet: 32 MiB cannot all leave by the push's first poll.
+    with pytest.raises(kvguard.NixlError) as failed:
+        link.push(prefill_region, src, dest, request, b"", timeout=0.0)
+    held = list(failed.value.in_flight)
+    assert held and sys.getrefcount(prefill_region) == refs + 1, str(failed.value)
+    handed = [page for _, pages in link.release_pushes() for page in pages]
+    assert sorted(handed) == sorted(held) and link.held_pages == 0
+    assert sys.getrefcount(prefill_region) == refs + 1, "a released WRITE may still read it: kept for good"
+
+
 def test_a_stage_that_times_out_holds_its_pages_until_decode_releases_them():
     """Prefill (a second agent in this process) stages a request's KV with its deadline already
     passed: stage raises NixlError (kind timeout) whose in_flight names the staged pages decode
