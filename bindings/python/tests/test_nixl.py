@@ -600,6 +600,22 @@ def test_a_released_push_never_frees_the_region_its_writes_may_still_read():
     assert sys.getrefcount(prefill_region) == refs + 1, "a released WRITE may still read it: kept for good"
 
 
+def staged_prompt(prefill_region, npages, request):
+    """Decode's table with ``request`` admitted and two pages allocated for PROMPT, and prefill's
+    side of a pull of it: PROMPT's KV written into ``prefill_region`` from FIRST_SRC_PAGE on.
+    Returns (table, refs, manifest, src extents)."""
+    table = kvguard.OwnershipTable(kvguard.PoolConfig(npages, PAGE_SIZE, npages * PAGE_SIZE))
+    table.admit(request, TENANT, len(PROMPT), 0)
+    refs = table.allocate(request, 2)
+    pages = kv_pages(PROMPT)
+    manifest = nixl_prefill.manifest_for(request, TENANT, PROMPT, refs, pages)
+    src = []
+    for i, data in enumerate(pages):
+        prefill_region.write(nixl_prefill.FIRST_SRC_PAGE + i, data)
+        src.append((nixl_prefill.FIRST_SRC_PAGE + i, len(data)))
+    return table, refs, manifest, src
+
+
 def test_a_stage_that_times_out_holds_its_pages_until_decode_releases_them():
     """Prefill (a second agent in this process) stages a request's KV with its deadline already
     passed: stage raises NixlError (kind timeout) whose in_flight names the staged pages decode
@@ -612,15 +628,7 @@ def test_a_stage_that_times_out_holds_its_pages_until_decode_releases_them():
     npages, request = 8, 1
     pair = InProcess("stage-held", npages, PAGE_BYTES)
     prefill_region, link = pair.prefill_region, pair.link
-    table = kvguard.OwnershipTable(kvguard.PoolConfig(npages, PAGE_SIZE, npages * PAGE_SIZE))
-    table.admit(request, TENANT, len(PROMPT), 0)
-    refs = table.allocate(request, 2)
-    pages = kv_pages(PROMPT)
-    manifest = nixl_prefill.manifest_for(request, TENANT, PROMPT, refs, pages)
-    src = []
-    for i, data in enumerate(pages):
-        prefill_region.write(nixl_prefill.FIRST_SRC_PAGE + i, data)
-        src.append((nixl_prefill.FIRST_SRC_PAGE + i, len(data)))
+    table, refs, manifest, src = staged_prompt(prefill_region, npages, request)
     staged = [page for page, _ in src]
     next_tenants = bytes([0xBB]) * PAGE_BYTES
 
@@ -657,15 +665,7 @@ def test_a_stage_told_its_region_checks_its_extents_and_keeps_it_alive_while_hel
     npages, request = 8, 1
     pair = InProcess("stage-region", npages, PAGE_BYTES)
     prefill_region, link = pair.prefill_region, pair.link
-    table = kvguard.OwnershipTable(kvguard.PoolConfig(npages, PAGE_SIZE, npages * PAGE_SIZE))
-    table.admit(request, TENANT, len(PROMPT), 0)
-    refs = table.allocate(request, 2)
-    pages = kv_pages(PROMPT)
-    manifest = nixl_prefill.manifest_for(request, TENANT, PROMPT, refs, pages)
-    src = []
-    for i, data in enumerate(pages):
-        prefill_region.write(nixl_prefill.FIRST_SRC_PAGE + i, data)
-        src.append((nixl_prefill.FIRST_SRC_PAGE + i, len(data)))
+    table, refs, manifest, src = staged_prompt(prefill_region, npages, request)
     refs_before = sys.getrefcount(prefill_region)
     with pytest.raises(kvguard.NixlError) as outside:
         link.stage([(npages, PAGE_BYTES)], request, manifest, timeout=5.0, region=prefill_region)
