@@ -16,7 +16,7 @@ mod transfer {
         };
         use kvguard::{OwnershipTable, PageId, PageRef, PoolConfig, RequestId, TenantId, ViolationKind};
         use std::borrow::Cow;
-        use std::sync::{Arc, mpsc};
+        use std::sync::{Arc, Mutex, mpsc};
         use std::time::{Duration, Instant};
 
         const PAGES: u32 = 8;
@@ -1009,6 +1009,195 @@ mod transfer {
                 }
             });
             assert!(table.drain_violations().is_empty());
+        }
+
+        // ---- what a transfer decode gave up on may still land in: decode's region ------------
+
+        /// Decode's pages behind an `Arc` it shares with the link as their keep-alive, so that a
+        /// test sees when the last share goes (`Weak::strong_count`); locked, so that a fence's
+        /// scrub reaches them through any handle.
+        struct SharedLanding(Arc<Mutex<HostRegion>>);
+
+        impl PageRegion for SharedLanding {
+            fn layout(&self) -> RegionLayout {
+                self.0.lock().unwrap().layout()
+            }
+            fn page(&self, page: u32, len: u32) -> Result<Cow<'_, [u8]>, NixlError> {
+                self.0.lock().unwrap().bytes(page, len).map(|b| Cow::Owned(b.to_vec()))
+            }
+            fn scrub(&mut self, pages: &[u32]) -> Result<(), NixlError> {
+                self.0.lock().unwrap().scrub(pages.iter().copied())
+            }
+            fn keep_alive(&self) -> Option<KeepAlive> {
+                Some(KeepAlive::new(self.0.clone()))
+            }
+        }
+
+        /// `link.receive` into a [`SharedLanding`] of `landing`, nothing to land.
+        fn received_in(
+            link: &mut NixlLink<'_>,
+            direction: Direction,
+            pinned: kvguard::transfer::PinnedImport<'_>,
+            expected: &ExpectedTransfer<'_>,
+            landing: &Arc<Mutex<HostRegion>>,
+            deadline: Instant,
+        ) -> Result<kvguard::transfer::Accepted, ImportError> {
+            link.receive(direction, pinned, expected, &mut SharedLanding(landing.clone()), deadline, |_, _, _| Ok(()))
+        }
+
+        /// Settles `link`'s fences through the region it keeps alive (the engine dropped its
+        /// own handles: the test reaches the region through `alive`) until none is left (20 s at
+        /// most); every region handle it took is dropped on return.
+        fn settle_kept(link: &mut NixlLink<'_>, table: &OwnershipTable, alive: &std::sync::Weak<Mutex<HostRegion>>) {
+            let until = Instant::now() + Duration::from_secs(20);
+            while link.fenced() > 0 && Instant::now() < until {
+                let kept = alive.upgrade().expect("the region of a standing fence was freed");
+                link.settle_fences(table, &mut SharedLanding(kept)).unwrap();
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+
+        /// Decode gives up on a push (its wait timed out) and the engine drops its region (its
+        /// last handle) while the push may still WRITE the offered pages: the fence keeps the
+        /// region registered and allocated, the late WRITE lands in it, and it is freed once
+        /// `settle_fences` lifted the fence (its `Written` came: nothing more lands). Before, the
+        /// fence kept the pages pinned but not the region: freed at the drop, the late WRITE
+        /// landed in memory that was gone.
+        #[test]
+        fn a_region_a_fenced_push_may_land_in_outlives_its_owners_drop_until_its_late_write_is_done() {
+            let Some((decode, prefill)) = agents("fence-keep-alive") else { return };
+            let Pair { decode_region, mut prefill_region, mut decode_link, prefill_md, decode_layout } =
+                pair(&decode, &prefill);
+            let (table, refs) = admitted();
+            let expected = expected_for(&refs);
+            let landing = Arc::new(Mutex::new(decode_region));
+            let alive = Arc::downgrade(&landing);
+            let prefill_region = &mut prefill_region;
+            std::thread::scope(|s| {
+                // Dropped if the test fails: prefill's thread ends rather than wait.
+                let (go, late) = mpsc::channel::<()>();
+                let dest = refs.clone();
+                s.spawn(move || {
+                    let mut link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
+                    late.recv().unwrap();
+                    push_prefilled(&mut link, prefill_region, 3, &dest);
+                });
+                let pinned = Receiver::new(&table).pin(&expected).unwrap();
+                let deadline = Instant::now() + Duration::from_millis(200);
+                let timed_out = received_in(&mut decode_link, Direction::Write, pinned, &expected, &landing, deadline);
+                assert!(matches!(timed_out, Err(ImportError::Aborted(NixlError::Timeout { .. }))), "{timed_out:?}");
+                assert_eq!(decode_link.fenced(), 1);
+                table.release(REQ).unwrap();
+                drop(landing);
+                assert_eq!(alive.strong_count(), 1, "the fence keeps the region its late WRITE lands in");
+                // Prefill's late WRITE lands in the kept region; its notice lifts the fence.
+                go.send(()).unwrap();
+                settle_kept(&mut decode_link, &table, &alive);
+            });
+            assert_eq!(decode_link.fenced(), 0, "the late push landed and its fence was lifted");
+            assert_eq!(table.snapshot().in_flight, 0);
+            assert_eq!(alive.strong_count(), 0, "freed once the fence was lifted");
+        }
+
+        /// A READ that outlived decode's wait lands in the region `receive` was given: its fence
+        /// keeps that region alive after the engine dropped it, until NIXL reports the READ
+        /// complete and `settle_fences` lifts the fence; then it is freed.
+        #[test]
+        fn a_region_a_fenced_read_lands_in_outlives_its_owners_drop_until_the_read_completes() {
+            let Some((decode, prefill)) = agents("read-fence-keep-alive") else { return };
+            let (Pair { decode_region, prefill_region: _pr, mut decode_link, prefill_md, decode_layout }, slow) =
+                slow_pull(&decode, &prefill);
+            let (table, manifest, expected) = (&slow.table, &slow.manifest, slow.expected());
+            let landing = Arc::new(Mutex::new(decode_region));
+            let alive = Arc::downgrade(&landing);
+            std::thread::scope(|s| {
+                // Dropped if the test fails: prefill's thread ends rather than wait.
+                let (done_tx, done_rx) = mpsc::channel::<()>();
+                let (seen_tx, seen_rx) = mpsc::channel::<()>();
+                let (still_tx, still_rx) = mpsc::channel::<()>();
+                let (go_tx, go_rx) = mpsc::channel::<()>();
+                s.spawn(move || {
+                    let mut link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
+                    let extents: Vec<Extent> = (0..2).map(|page| Extent { page, len: SLOW_PAGE }).collect();
+                    let staged = Notice {
+                        kind: NoticeKind::Staged,
+                        request: REQ,
+                        extents,
+                        manifest: manifest.clone(),
+                        parts: 0,
+                    };
+                    link.send(&staged).unwrap();
+                    // As in the test above: prefill's agent stands still while decode's 1 ms
+                    // wait for its READ runs (over TCP the agent read from serves the READ).
+                    keep_serving(&mut link, Instant::now() + Duration::from_secs(10), || seen_rx.try_recv().is_ok());
+                    let _ = still_tx.send(());
+                    let _ = go_rx.recv_timeout(Duration::from_secs(30));
+                    let done = || !matches!(done_rx.try_recv(), Err(mpsc::TryRecvError::Empty));
+                    keep_serving(&mut link, Instant::now() + Duration::from_secs(30), done);
+                });
+                let pinned = Receiver::new(table).pin(&expected).unwrap();
+                let until = Instant::now() + Duration::from_secs(10);
+                while decode_link.inbox_bytes() == 0 && Instant::now() < until {
+                    decode_link.send(&Notice::bare(NoticeKind::Declined, RequestId(999))).unwrap();
+                }
+                assert!(decode_link.inbox_bytes() > 0, "prefill staged its pages");
+                seen_tx.send(()).unwrap();
+                still_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+                let deadline = Instant::now() + Duration::from_millis(1);
+                let r = received_in(&mut decode_link, Direction::Read, pinned, &expected, &landing, deadline);
+                assert!(matches!(r, Err(ImportError::Aborted(NixlError::Timeout { .. }))), "{r:?}");
+                assert_eq!(decode_link.fenced(), 1, "the READ still in flight fences its pages");
+                drop(landing);
+                assert_eq!(alive.strong_count(), 1, "the fence keeps the region its READ lands in");
+                go_tx.send(()).unwrap();
+                settle_kept(&mut decode_link, table, &alive);
+                let _ = done_tx.send(());
+            });
+            assert_eq!(decode_link.fenced(), 0, "the READ completed and its fence was lifted");
+            assert_eq!(alive.strong_count(), 0, "freed once the fence was lifted");
+        }
+
+        /// Fences lifted with no proof that nothing more lands (`release_fences`: the engine says
+        /// the peer is gone, but a READ queued in this agent may still run), and the fences of a
+        /// link dropped while they stand, never free the regions they kept: leaked. `abandon`
+        /// takes no region: its fence keeps none.
+        #[test]
+        fn a_region_a_released_or_dropped_fence_kept_is_never_freed() {
+            let Some((decode, prefill)) = agents("fence-leak") else { return };
+            let Pair { decode_region, prefill_region: _pr, mut decode_link, .. } = pair(&decode, &prefill);
+            let (table, refs) = admitted();
+            let expected = expected_for(&refs);
+            let landing = Arc::new(Mutex::new(decode_region));
+            let alive = Arc::downgrade(&landing);
+            // Prefill never pushes: decode's wait times out and the offered pages are fenced.
+            let pinned = Receiver::new(&table).pin(&expected).unwrap();
+            let deadline = Instant::now() + Duration::from_millis(20);
+            let timed_out = received_in(&mut decode_link, Direction::Write, pinned, &expected, &landing, deadline);
+            assert!(matches!(timed_out, Err(ImportError::Aborted(NixlError::Timeout { .. }))), "{timed_out:?}");
+            drop(landing);
+            assert_eq!((decode_link.fenced(), alive.strong_count()), (1, 1));
+            let kept = alive.upgrade().unwrap();
+            assert_eq!(decode_link.release_fences(&table, &mut SharedLanding(kept)), 1);
+            assert_eq!(decode_link.fenced(), 0);
+            assert_eq!(alive.strong_count(), 1, "released, not proven over: leaked, never freed");
+            // A retry times out too (its pages fenced), and one more is abandoned (fenced, no
+            // region kept); then the link is dropped with both fences standing.
+            let again = readmitted(&table);
+            let expected = expected_for(&again);
+            let landing = Arc::new(Mutex::new(HostRegion::new(&decode, PAGES, PAGE_BYTES).unwrap()));
+            let alive = Arc::downgrade(&landing);
+            let pinned = Receiver::new(&table).pin(&expected).unwrap();
+            let deadline = Instant::now() + Duration::from_millis(20);
+            let timed_out = received_in(&mut decode_link, Direction::Write, pinned, &expected, &landing, deadline);
+            assert!(matches!(timed_out, Err(ImportError::Aborted(NixlError::Timeout { .. }))), "{timed_out:?}");
+            let third = readmitted(&table);
+            let pinned = Receiver::new(&table).pin(&expected_for(&third)).unwrap();
+            decode_link.abandon(Direction::Write, pinned);
+            assert_eq!(decode_link.fenced(), 2);
+            assert_eq!(alive.strong_count(), 2, "the abandoned push's fence keeps no region");
+            drop(landing);
+            drop(decode_link);
+            assert_eq!(alive.strong_count(), 1, "a link dropped while fencing leaks the region, never frees it");
         }
 
         // ---- what a push that failed may still read: prefill's source pages --------------------

@@ -1,9 +1,11 @@
 //! Decode's fences: the pages of a transfer decode gave up on that may still land (a push's late
-//! WRITEs, a READ that outlived its wait) stay pinned until the transfer is proven over; and the
-//! pulls it gave up on, whose late `Staged` is answered without a READ.
+//! WRITEs, a READ that outlived its wait) stay pinned until the transfer is proven over, the
+//! region it lands in kept alive meanwhile; and the pulls it gave up on, whose late `Staged` is
+//! answered without a READ.
 
-use super::link::footprint;
-use super::{Direction, NixlError, NixlLink, Notice, NoticeKind, PageRegion};
+use super::held::leak;
+use super::link::{Fenced, ReadFence, footprint};
+use super::{Direction, KeepAlive, NixlError, NixlLink, Notice, NoticeKind, PageRegion};
 use crate::ids::{PageRef, RequestId};
 use crate::transfer::{Manifest, PinnedImport};
 use crate::{Fence, OwnershipTable};
@@ -20,10 +22,15 @@ impl NixlLink<'_> {
     /// [`release_fences`](Self::release_fences)). A pull (`Direction::Read`) has moved nothing:
     /// the pages are unpinned, and prefill's late `Staged` for it is answered when it comes.
     /// Never [`PinnedImport::abort`] an offered push: that hands its pages on while it may land.
+    ///
+    /// It takes no region, so the push's fence keeps none alive (unlike
+    /// [`receive`](Self::receive)'s, which keeps its region's
+    /// [`keep_alive`](PageRegion::keep_alive)): keep the region the pages are in allocated and
+    /// registered yourself while [`fenced`](Self::fenced) counts the fence.
     pub fn abandon(&mut self, direction: Direction, pinned: PinnedImport<'_>) {
         let request = pinned.request();
         match direction {
-            Direction::Write => self.fenced.push(pinned.fence()),
+            Direction::Write => self.fenced.push(Fenced { fence: pinned.fence(), keep: None }),
             Direction::Read => {
                 self.remember_abandoned(request, pinned.pages().to_vec());
                 pinned.abort();
@@ -47,6 +54,8 @@ impl NixlLink<'_> {
     /// delivers it after the data: nothing more of it will land), its pages are zeroed in
     /// `region` and the fence lifted in `table` (the table the pages were pinned in). Runs at the
     /// start of every `receive`; call it also when idle. Returns how many fences were lifted.
+    /// A fence lifted here lets go of the region its [`receive`](Self::receive) kept alive
+    /// ([`keep_alive`](PageRegion::keep_alive)): nothing more of its transfer lands.
     ///
     /// A pull whose READ did not complete (it timed out or failed) is fenced with the READ's
     /// handle, and lifted the same way once NIXL reports that READ complete, then prefill is
@@ -66,9 +75,11 @@ impl NixlLink<'_> {
         let mut read_done = Vec::new();
         for mut fenced in std::mem::take(&mut self.read_fences) {
             if fenced.fence.is_in(table) && matches!(self.agent.poll(&mut fenced.read), Ok(true)) {
-                let pages: Vec<u32> = fenced.fence.pages().iter().map(|r| r.page.0).collect();
-                self.retire_fence(fenced.fence, &pages, table, region);
-                read_done.push((fenced.request, fenced.staged));
+                let ReadFence { request, fence, read, staged, keep } = fenced;
+                // Complete: its handle goes first, then the region it landed in.
+                drop(read);
+                self.retire_fence(fence, keep, table, region);
+                read_done.push((request, staged));
                 lifted += 1;
             } else {
                 self.read_fences.push(fenced);
@@ -83,10 +94,11 @@ impl NixlLink<'_> {
         }
         self.collect(None)?;
         self.answer_late_stagings()?;
-        for fence in std::mem::take(&mut self.fenced) {
+        for fenced in std::mem::take(&mut self.fenced) {
+            let fence = &fenced.fence;
             if !fence.is_in(table) {
                 // Another table's (a link shared by several decode tables): settled with it.
-                self.fenced.push(fence);
+                self.fenced.push(fenced);
                 continue;
             }
             let pages: Vec<u32> = fence.pages().iter().map(|r| r.page.0).collect();
@@ -98,12 +110,12 @@ impl NixlLink<'_> {
                     }
             };
             let Some(at) = self.inbox.iter().position(|n| n.kind == NoticeKind::Written && theirs(n)) else {
-                self.fenced.push(fence);
+                self.fenced.push(fenced);
                 continue;
             };
             let done = self.inbox.remove(at);
             self.inbox_bytes -= footprint(&done);
-            self.retire_fence(fence, &pages, table, region);
+            self.retire_fence(fenced.fence, fenced.keep, table, region);
             lifted += 1;
         }
         Ok(lifted)
@@ -113,31 +125,39 @@ impl NixlLink<'_> {
     /// process ended, it was restarted), so no late WRITE or READ of it can land. (Decode
     /// invalidating the peer's metadata is no such proof: it does not stop the peer writing
     /// decode's memory.) Zeroes the pages first. Returns how many were lifted.
+    ///
+    /// The regions their [`receive`](Self::receive)s kept alive are never freed (their
+    /// keep-alives leaked): a READ queued in this agent may still run after its handle is
+    /// released, and the engine's word is no proof that nothing more lands.
     pub fn release_fences<R: PageRegion + ?Sized>(&mut self, table: &OwnershipTable, region: &mut R) -> usize {
         let (reads, other_reads): (Vec<_>, Vec<_>) =
             std::mem::take(&mut self.read_fences).into_iter().partition(|r| r.fence.is_in(table));
         self.read_fences = other_reads;
-        let (mut mine, others): (Vec<Fence>, Vec<Fence>) =
-            std::mem::take(&mut self.fenced).into_iter().partition(|f| f.is_in(table));
+        let (mut mine, others): (Vec<Fenced>, Vec<Fenced>) =
+            std::mem::take(&mut self.fenced).into_iter().partition(|f| f.fence.is_in(table));
         self.fenced = others;
-        // The READs' handles released with their fences: the peer is gone.
-        mine.extend(reads.into_iter().map(|r| r.fence));
+        // The READs' handles released with their fences (the peer is gone), their regions kept.
+        mine.extend(reads.into_iter().map(|r| Fenced { fence: r.fence, keep: r.keep }));
         let n = mine.len();
-        for fence in mine {
-            let pages: Vec<u32> = fence.pages().iter().map(|r| r.page.0).collect();
-            self.retire_fence(fence, &pages, table, region);
+        for Fenced { fence, keep } in mine {
+            leak(std::iter::once(keep));
+            self.retire_fence(fence, None, table, region);
         }
         n
     }
 
-    /// Zeroes a fence's pages, drops the `Part` notices that named them, and lifts it.
+    /// Zeroes a fence's pages, drops the `Part` notices that named them, and lifts it; then
+    /// drops `keep` (the share in the region the fenced transfer could land in: passed only once
+    /// nothing more of it lands).
     pub(super) fn retire_fence<R: PageRegion + ?Sized>(
         &mut self,
         fence: Fence,
-        pages: &[u32],
+        keep: Option<KeepAlive>,
         table: &OwnershipTable,
         region: &mut R,
     ) {
+        let pages: Vec<u32> = fence.pages().iter().map(|r| r.page.0).collect();
+        let pages = pages.as_slice();
         let request = fence.request();
         let mut freed = 0;
         self.inbox.retain(|n| {
@@ -155,6 +175,7 @@ impl NixlLink<'_> {
         let _ = region.scrub(&in_region);
         // Callers pass only this table's fences.
         let _ = table.lift_fence(fence);
+        drop(keep);
     }
 
     /// Remembers a pull decode gave up on: `request` and the page incarnations it had `pinned`,

@@ -197,8 +197,9 @@ impl Held {
 }
 
 /// Shares of regions a transfer may still read with nothing left to prove it done: never
-/// dropped, so the memory they keep is never deregistered or freed.
-fn leak(keeps: impl Iterator<Item = Option<KeepAlive>>) {
+/// dropped, so the memory they keep is never deregistered or freed (decode's fences lifted or
+/// dropped without proof leak theirs the same way).
+pub(super) fn leak(keeps: impl Iterator<Item = Option<KeepAlive>>) {
     for keep in keeps.flatten() {
         std::mem::forget(keep);
     }

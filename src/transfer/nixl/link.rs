@@ -5,8 +5,8 @@
 //! decode's READ), `receive.rs` (decode receives either, failing closed) and `fence.rs` (decode's
 //! pages of transfers it gave up on, held until those are over).
 
-use super::held::Held;
-use super::{Extent, NixlAgent, NixlError, Notice, NoticeKind, Posted, RegionLayout};
+use super::held::{Held, leak};
+use super::{Extent, KeepAlive, NixlAgent, NixlError, Notice, NoticeKind, Posted, RegionLayout};
 use crate::Fence;
 use crate::ids::{PageRef, RequestId};
 use std::time::Instant;
@@ -43,6 +43,12 @@ pub const FLUSH: std::time::Duration = std::time::Duration::from_millis(2);
 /// when it hands those pages back. A link dropped while it holds transfers releases their WRITEs
 /// (which does not stop them) and leaks their regions' keep-alives: never freed under a running
 /// WRITE or READ.
+///
+/// Decode's side likewise keeps the region a transfer it gave up on may still land in (a push
+/// that timed out or failed, a READ that outlived its wait) with that transfer's fence (see
+/// [`fenced`](Self::fenced)): dropped when the fence is lifted on proof that nothing more lands
+/// ([`settle_fences`](Self::settle_fences)), leaked when it is lifted without that proof
+/// ([`release_fences`](Self::release_fences)) or when the link is dropped while fencing.
 #[derive(Debug)]
 pub struct NixlLink<'a> {
     pub(super) agent: &'a NixlAgent,
@@ -53,8 +59,9 @@ pub struct NixlLink<'a> {
     pub(super) inbox_bytes: usize,
     /// Pulls whose wait timed out: the request and the page incarnations it had pinned.
     pub(super) abandoned: std::collections::VecDeque<(RequestId, Vec<PageRef>)>,
-    /// Pushes that timed out: their pages stay pinned until the sender is done with them.
-    pub(super) fenced: Vec<Fence>,
+    /// Pushes that timed out or failed (and pulls whose READ's posting failed): their pages
+    /// stay pinned until the sender is done with them, their region kept alive meanwhile.
+    pub(super) fenced: Vec<Fenced>,
     /// Pulls whose READ was posted and did not complete (it timed out or failed): their pages
     /// stay pinned, with the READ's handle, until NIXL reports it complete. Releasing a READ
     /// still in flight does not stop it (NIXL tries to cancel, and may not).
@@ -78,14 +85,40 @@ pub(super) fn footprint(n: &Notice) -> usize {
     std::mem::size_of::<Notice>() + n.manifest.len() + n.extents.len() * std::mem::size_of::<Extent>()
 }
 
+/// A transfer decode gave up on that may still land in its pages (a push's late WRITEs, a READ
+/// whose posting failed): the pages fenced, and what keeps the region they land in alive.
+#[derive(Debug)]
+pub(super) struct Fenced {
+    pub(super) fence: Fence,
+    /// What keeps the region the transfer may still land in registered and allocated
+    /// ([`PageRegion::keep_alive`](super::PageRegion::keep_alive)): dropped when the fence is
+    /// lifted on proof that nothing more lands, leaked otherwise. `None`: the region keeps
+    /// itself, or none was given ([`abandon`](NixlLink::abandon)).
+    pub(super) keep: Option<KeepAlive>,
+}
+
 /// A pull whose READ was posted and did not complete: its pages fenced with the READ's handle,
-/// and the extents prefill staged, to release when the READ is over.
+/// the extents prefill staged, to release when the READ is over, and what keeps the region the
+/// READ lands in alive until then.
 #[derive(Debug)]
 pub(super) struct ReadFence {
     pub(super) request: RequestId,
     pub(super) fence: Fence,
     pub(super) read: Posted,
     pub(super) staged: Vec<Extent>,
+    /// As [`Fenced::keep`]. Declared after `read`: dropped after it.
+    pub(super) keep: Option<KeepAlive>,
+}
+
+impl Drop for NixlLink<'_> {
+    /// Dropped while decode fences transfers it gave up on: a late WRITE, or a READ whose handle
+    /// is released now (which may not stop it), may still land in their regions, so those are
+    /// never freed: their keep-alives are leaked, not dropped, as prefill's held transfers'
+    /// are.
+    fn drop(&mut self) {
+        let pushed = self.fenced.iter_mut().map(|f| f.keep.take());
+        leak(pushed.chain(self.read_fences.iter_mut().map(|r| r.keep.take())));
+    }
 }
 
 impl<'a> NixlLink<'a> {
@@ -197,7 +230,7 @@ impl<'a> NixlLink<'a> {
         let Some(expected) = &self.expected else { return true };
         expected.contains(&request)
             || waiting == Some(request)
-            || self.fenced.iter().any(|f| f.request() == request)
+            || self.fenced.iter().any(|f| f.fence.request() == request)
             || self.read_fences.iter().any(|r| r.fence.request() == request)
             || self.abandoned.iter().any(|(r, _)| *r == request)
             || self.held.stages(request)

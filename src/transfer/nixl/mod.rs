@@ -24,7 +24,10 @@
 //!   that fails before decode released it (decode may still READ it) likewise, the link holding
 //!   its pages until decode's late `Released` for it ([`NixlLink::settle_stages`]); each held
 //!   transfer keeps its region registered and allocated ([`PageRegion::keep_alive`]: a
-//!   [`HostRegion`] dropped meanwhile frees nothing) until its pages are handed back.
+//!   [`HostRegion`] dropped meanwhile frees nothing) until its pages are handed back;
+//! - on decode's side, a transfer given up on while it may still land (a push that timed out, a
+//!   READ that outlived its wait) keeps its pages fenced ([`NixlLink::fenced`]) and the region
+//!   it lands in alive the same way, until [`NixlLink::settle_fences`] proves it over.
 //!
 //! The files: `agent.rs` and `region.rs` are the FFI edge (`unsafe` allowed there only: loading
 //! the library, registering memory; the regions' bytes); `notice.rs` the notification and layout

@@ -3,7 +3,7 @@
 //! refusal, an error, a timeout or a decline nothing is recorded and the pages are scrubbed.
 
 use super::agent::POST_CALL;
-use super::link::ReadFence;
+use super::link::{Fenced, ReadFence};
 use super::{Direction, Extent, NixlError, NixlLink, Notice, NoticeKind, PageRegion, RegionLayout};
 use crate::OwnershipTable;
 use crate::ids::{PageId, PageRef, RequestId};
@@ -41,6 +41,18 @@ impl NixlLink<'_> {
     /// records coverage only if all hold; `land` sees each accepted page. On a refusal, a
     /// timeout, a transport error or a decline nothing is recorded as written and the pinned
     /// pages are scrubbed.
+    ///
+    /// A transfer given up on while it may still land (a push that timed out or failed, a READ
+    /// that outlived its wait or whose posting failed) leaves its pages fenced
+    /// ([`fenced`](Self::fenced)), and the link keeps `region`'s
+    /// [`keep_alive`](PageRegion::keep_alive) with the fence: dropping a
+    /// [`HostRegion`](super::HostRegion) meanwhile frees nothing, and the late WRITE or READ lands
+    /// in memory still allocated and registered. The share goes when
+    /// [`settle_fences`](Self::settle_fences) lifts the fence (nothing more lands), and is leaked
+    /// when [`release_fences`](Self::release_fences) lifts it or the link is dropped while it
+    /// stands. What no keep-alive covers (an engine pool's own memory, a region whose
+    /// [`PageRegion`] hands none) stays the engine's to keep while [`fenced`](Self::fenced) counts
+    /// a transfer into it.
     #[allow(clippy::too_many_arguments)]
     pub fn receive<R: PageRegion + ?Sized>(
         &mut self,
@@ -100,7 +112,7 @@ impl NixlLink<'_> {
                 pinned.overwritten(&strays);
                 let e = TransferError::Pages { expected: pinned_pages.len(), found: pinned_pages.len(), index: None };
                 let (e, fence) = pinned.refuse_fenced(expected, e);
-                self.fenced.push(fence);
+                self.fenced.push(Fenced { fence, keep: region.keep_alive() });
                 return Err(ImportError::Refused(e));
             }
             Err(Waited::Declined) => {
@@ -119,8 +131,8 @@ impl NixlLink<'_> {
                     // Prefill may still WRITE these pages (the wait timed out, or decode could
                     // not read its notices: no proof either way): they stay pinned (out of
                     // every other request's reach, released or not) until its late notice
-                    // says it is done.
-                    self.fenced.push(pinned.fence());
+                    // says it is done, and `region` kept alive for it to land in.
+                    self.fenced.push(Fenced { fence: pinned.fence(), keep: region.keep_alive() });
                     return Err(ImportError::Aborted(e));
                 }
                 pinned.abort();
@@ -181,7 +193,7 @@ impl NixlLink<'_> {
                     // go on, with no handle to wait for (as for a push's WRITE). Its pages stay
                     // fenced until release_fences (the peer known gone), and prefill is not told
                     // to reuse what it staged: its settle_stages keeps holding it.
-                    self.fenced.push(pinned.fence());
+                    self.fenced.push(Fenced { fence: pinned.fence(), keep: region.keep_alive() });
                     return Err(ImportError::Aborted(e));
                 }
                 // Never posted (an earlier call failed): nothing of it can land.
@@ -192,9 +204,10 @@ impl NixlLink<'_> {
                         // Posted and not complete: releasing it may not stop it, and the READ
                         // could land in these pages after their next owner wrote them. They
                         // stay fenced with the READ's handle until NIXL reports it complete,
-                        // when prefill is told it may reuse what it staged.
-                        let staged = notice.extents.clone();
-                        self.read_fences.push(ReadFence { request, fence: pinned.fence(), read, staged });
+                        // when prefill is told it may reuse what it staged; `region` is kept
+                        // alive for it to land in meanwhile.
+                        let (staged, keep) = (notice.extents.clone(), region.keep_alive());
+                        self.read_fences.push(ReadFence { request, fence: pinned.fence(), read, staged, keep });
                         return Err(ImportError::Aborted(e));
                     }
                 },
@@ -272,8 +285,8 @@ impl NixlLink<'_> {
             let fenced: Vec<Vec<PageRef>> = self
                 .fenced
                 .iter()
-                .filter(|f| f.request() == request && f.is_in(table))
-                .map(|f| f.pages().to_vec())
+                .filter(|f| f.fence.request() == request && f.fence.is_in(table))
+                .map(|f| f.fence.pages().to_vec())
                 .collect();
             let in_a_fence = |page: u32| fenced.iter().any(|f| f.iter().any(|r| r.page.0 == page));
             let not_fenced = |n: &Notice| match n.kind {

@@ -1,7 +1,8 @@
 //! Registered page regions (`unsafe` allowed here, as in `agent.rs`: the region's bytes): what
 //! a transfer lands in or leaves from ([`PageRegion`]), kvguard's own host pages
 //! ([`HostRegion`]), an engine's own pool ([`EnginePool`]), and what keeps a region registered
-//! and allocated while a held transfer may still read it ([`KeepAlive`]).
+//! and allocated while a held transfer may still read it, or a fenced one land in it
+//! ([`KeepAlive`]).
 
 use super::{Extent, NixlAgent, NixlError, RegionLayout, Registration, Segment};
 
@@ -26,11 +27,16 @@ pub trait PageRegion {
     /// What keeps this region's memory registered and allocated after the caller dropped the
     /// region: a [`NixlLink`](super::NixlLink) keeps it with each transfer it holds from the
     /// region (a failed push's WRITEs, a failed [`stage_from`](super::NixlLink::stage_from)),
-    /// lets it go when it hands their pages back, and leaks it if dropped while holding them.
+    /// lets it go when it hands their pages back, and leaks it if dropped while holding them;
+    /// decode's side keeps it likewise with each fence a [`receive`](super::NixlLink::receive)
+    /// into the region leaves (a transfer given up on that may still land), let go when
+    /// [`settle_fences`](super::NixlLink::settle_fences) lifts the fence, leaked when
+    /// [`release_fences`](super::NixlLink::release_fences) lifts it or the link is dropped.
     /// [`HostRegion`] hands its memory and registration, [`EnginePool`] its registration when
     /// kvguard registered it. `None` (the default: an engine's own wrapper that does not
     /// override it): nothing is kept, and the engine keeps the memory allocated and registered
-    /// while [`in_flight`](super::NixlLink::in_flight) names pages of it.
+    /// while [`in_flight`](super::NixlLink::in_flight) names pages of it, or
+    /// [`fenced`](super::NixlLink::fenced) counts a transfer into it.
     fn keep_alive(&self) -> Option<KeepAlive> {
         None
     }
@@ -72,7 +78,11 @@ impl std::fmt::Debug for KeepAlive {
 /// memory and its registration ([`keep_alive`](PageRegion::keep_alive)) until it hands those
 /// pages back, and a link dropped while holding them never frees it (leaked: a released WRITE
 /// may still read it). A staging made with [`stage`](super::NixlLink::stage), which takes no
-/// region, keeps nothing: keep the region alive while its pages are held.
+/// region, keeps nothing: keep the region alive while its pages are held. Likewise on decode's
+/// side, while a link fences a transfer [received](super::NixlLink::receive) into it that may
+/// still land ([`fenced`](super::NixlLink::fenced)), until the fence is lifted on proof that
+/// nothing more lands; a push given up on with [`abandon`](super::NixlLink::abandon), which
+/// takes no region, keeps nothing.
 pub struct HostRegion {
     memory: std::sync::Arc<HostMemory>,
 }
@@ -192,7 +202,9 @@ impl PageRegion for HostRegion {
 /// While a [`NixlLink`](super::NixlLink)'s [`in_flight`](super::NixlLink::in_flight) names pages
 /// of the pool (a held WRITE or READ still reads them), the link keeps the registration kvguard
 /// made ([`keep_alive`](PageRegion::keep_alive)): dropping the pool then deregisters nothing
-/// until the link hands those pages back (never, if the link is dropped first). The memory is
+/// until the link hands those pages back (never, if the link is dropped first); so does decode's
+/// fence of a transfer [received](super::NixlLink::receive) into the pool that may still land,
+/// until [`settle_fences`](super::NixlLink::settle_fences) lifts it. The memory is
 /// the engine's: it stays allocated meanwhile (the constructors' contract), and a pool the
 /// caller [registered](Self::registered) stays registered by the caller.
 #[derive(Debug)]
@@ -230,7 +242,11 @@ impl EnginePool {
     /// `layout.device` that stays allocated while this pool lives, and while a link holds a
     /// transfer from it (until the link's [`in_flight`](super::NixlLink::in_flight) no longer
     /// names pages of it, or, the link dropped meanwhile, until its agent is dropped: a held
-    /// WRITE or READ still reads it); peers may write it at any time while it is registered,
+    /// WRITE or READ still reads it), and while a link fences a transfer received into it (until
+    /// [`settle_fences`](super::NixlLink::settle_fences) lifts the fence; one lifted by
+    /// [`release_fences`](super::NixlLink::release_fences), or left standing by a link dropped,
+    /// until the agent is dropped: a late WRITE or READ may still land in it); peers may write
+    /// it at any time while it is registered,
     /// and kvguard reads (host memory) and zeroes (on a refusal) the pages of the transfers it
     /// receives into it.
     pub unsafe fn registered(layout: RegionLayout) -> Result<EnginePool, NixlError> {
