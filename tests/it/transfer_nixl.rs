@@ -161,6 +161,43 @@ mod transfer {
             }
         }
 
+        /// What decode tells prefill's thread during [`stage_slow_pull`], and prefill tells it.
+        struct SlowPullCues {
+            /// Decode has the staged notice.
+            seen: mpsc::Receiver<()>,
+            /// Prefill's agent stands still from now on.
+            still: mpsc::Sender<()>,
+            /// Decode's short wait for the READ is over.
+            go: mpsc::Receiver<()>,
+            /// Decode is done (or gone: the sender dropped).
+            done: mpsc::Receiver<()>,
+        }
+
+        /// Prefill's side of [`slow_pull`]'s READ, on a thread of the test's: stages its two pages
+        /// with `manifest`, moves its agent until decode has the notice, then stands still until
+        /// decode's 1 ms wait for the READ has ended: over TCP a READ is served by the agent it
+        /// reads from, so it cannot complete in that wait, however the threads are scheduled (with
+        /// prefill's agent moving all along, a loaded machine let the whole READ land first now
+        /// and then). A live prefill then keeps its agent going until decode is done.
+        fn stage_slow_pull(
+            prefill: &NixlAgent,
+            prefill_md: &[u8],
+            decode_layout: RegionLayout,
+            manifest: &[u8],
+            cues: SlowPullCues,
+        ) {
+            let mut link = NixlLink::connect(prefill, prefill_md, decode_layout).unwrap();
+            let extents: Vec<Extent> = (0..2).map(|page| Extent { page, len: SLOW_PAGE }).collect();
+            let staged =
+                Notice { kind: NoticeKind::Staged, request: REQ, extents, manifest: manifest.to_vec(), parts: 0 };
+            link.send(&staged).unwrap();
+            keep_serving(&mut link, Instant::now() + Duration::from_secs(10), || cues.seen.try_recv().is_ok());
+            let _ = cues.still.send(());
+            let _ = cues.go.recv_timeout(Duration::from_secs(30));
+            let done = || !matches!(cues.done.try_recv(), Err(mpsc::TryRecvError::Empty));
+            keep_serving(&mut link, Instant::now() + Duration::from_secs(30), done);
+        }
+
         /// Runs `body` with `peer` live meanwhile: its agent moved along on a thread of its own
         /// until `body` returns or panics (60 s at most).
         fn with_live_peer<T>(peer: &mut NixlLink<'_>, body: impl FnOnce() -> T) -> T {
@@ -833,26 +870,8 @@ mod transfer {
             let (go_tx, go_rx) = mpsc::channel::<()>();
             std::thread::scope(|s| {
                 s.spawn(move || {
-                    let mut link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
-                    let extents: Vec<Extent> = (0..2).map(|page| Extent { page, len: SLOW_PAGE }).collect();
-                    let staged = Notice {
-                        kind: NoticeKind::Staged,
-                        request: REQ,
-                        extents,
-                        manifest: manifest.clone(),
-                        parts: 0,
-                    };
-                    link.send(&staged).unwrap();
-                    // Prefill's agent moves until decode has the notice, then stands still until
-                    // decode's 1 ms wait for its READ has ended: over TCP a READ is served by the
-                    // agent it reads from, so it cannot complete in that wait, however the threads
-                    // are scheduled (with prefill's agent moving all along, a loaded machine let
-                    // the whole READ land first now and then).
-                    keep_serving(&mut link, Instant::now() + Duration::from_secs(10), || seen_rx.try_recv().is_ok());
-                    let _ = still_tx.send(());
-                    let _ = go_rx.recv_timeout(Duration::from_secs(30));
-                    // A live prefill keeps its agent going until decode is done.
-                    keep_serving(&mut link, Instant::now() + Duration::from_secs(30), || done_rx.try_recv().is_ok());
+                    let cues = SlowPullCues { seen: seen_rx, still: still_tx, go: go_rx, done: done_rx };
+                    stage_slow_pull(&prefill, &prefill_md, decode_layout, manifest, cues);
                 });
                 let pinned = Receiver::new(table).pin(&expected).unwrap();
                 let until = Instant::now() + Duration::from_secs(10);
@@ -1117,23 +1136,8 @@ mod transfer {
                 let (still_tx, still_rx) = mpsc::channel::<()>();
                 let (go_tx, go_rx) = mpsc::channel::<()>();
                 s.spawn(move || {
-                    let mut link = NixlLink::connect(&prefill, &prefill_md, decode_layout).unwrap();
-                    let extents: Vec<Extent> = (0..2).map(|page| Extent { page, len: SLOW_PAGE }).collect();
-                    let staged = Notice {
-                        kind: NoticeKind::Staged,
-                        request: REQ,
-                        extents,
-                        manifest: manifest.clone(),
-                        parts: 0,
-                    };
-                    link.send(&staged).unwrap();
-                    // As in the test above: prefill's agent stands still while decode's 1 ms
-                    // wait for its READ runs (over TCP the agent read from serves the READ).
-                    keep_serving(&mut link, Instant::now() + Duration::from_secs(10), || seen_rx.try_recv().is_ok());
-                    let _ = still_tx.send(());
-                    let _ = go_rx.recv_timeout(Duration::from_secs(30));
-                    let done = || !matches!(done_rx.try_recv(), Err(mpsc::TryRecvError::Empty));
-                    keep_serving(&mut link, Instant::now() + Duration::from_secs(30), done);
+                    let cues = SlowPullCues { seen: seen_rx, still: still_tx, go: go_rx, done: done_rx };
+                    stage_slow_pull(&prefill, &prefill_md, decode_layout, manifest, cues);
                 });
                 let pinned = Receiver::new(table).pin(&expected).unwrap();
                 let until = Instant::now() + Duration::from_secs(10);
